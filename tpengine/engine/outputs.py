@@ -1,0 +1,27 @@
+"""What the engine hands back for one request (rank 0 only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """One finished request.
+
+    ``token_ids``: generated ids (an EOS or stop-token id that ended generation included);
+    ``text``: detokenized generated text, cut before a matched stop string, special tokens
+    skipped; ``finish_reason``: "stop" | "length" | "abort"; ``error``: a message when the
+    request could not run (then ``token_ids`` is empty and ``finish_reason`` is None).
+    Times in seconds: ``ttft_s`` arrival -> first token, ``latency_s`` arrival -> finish.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    error: str | None = None
+    error_field: str | None = None
