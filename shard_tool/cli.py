@@ -1,0 +1,26 @@
+"""``tpengine-shard``: convert (GGUF -> HF folder), split (HF folder -> per-rank safetensors +
+manifest), verify (hashes, names, shapes), info (the ShardPlan of a config)."""
+
+from __future__ import annotations
+
+import typer
+
+from shard_tool import convert
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Make and check per-rank tensor-parallel checkpoints for tpengine.",
+)
+
+
+@app.callback()
+def main() -> None:
+    """Make and check per-rank tensor-parallel checkpoints for tpengine."""
+
+
+app.command("convert")(convert.convert)
+
+if __name__ == "__main__":
+    app()

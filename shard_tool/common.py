@@ -1,0 +1,107 @@
+"""Helpers shared by the ``tpengine-shard`` commands: user errors, atomic output folders,
+hashing, and which checkpoint files are weights."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+
+# Files that hold weights (never copied as "side files" by split).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+SKIP_FILES = {"model.safetensors.index.json", "pytorch_model.bin.index.json", "manifest.json"}
+
+
+class UserError(Exception):
+    """A mistake in the user's input (bad path, bad value); reported as one line, no traceback."""
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print ``message`` as one line on stderr and exit with ``code`` (no traceback)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn :class:`UserError`, ``ValueError`` and ``FileNotFoundError`` raised inside the block
+    into :func:`fail` (one line on stderr, exit code 1)."""
+    try:
+        yield
+    except (UserError, ValueError, FileNotFoundError) as e:
+        fail(str(e))
+
+
+@contextlib.contextmanager
+def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
+    """Yield a fresh ``<out>.tmp`` folder to write into; on success rename it to ``out``.
+
+    A run killed or failing half way leaves ``out`` untouched (the ``.tmp`` folder is removed on
+    error and replaced by the next run).
+
+    Raises:
+        UserError: ``out`` already exists and ``force`` is false.
+    """
+    out = Path(out)
+    if out.exists() and not force:
+        raise UserError(f"output folder {str(out)!r} already exists; remove it or pass --force")
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        old = out.with_name(out.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    """Hex SHA-256 of the file at ``path`` (read in 4 MiB chunks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def side_files(model_dir: Path) -> list[Path]:
+    """Top-level non-weight files of a HF model folder (config, generation config, tokenizer
+    files, chat template, ...), sorted by name."""
+    return sorted(
+        p
+        for p in Path(model_dir).iterdir()
+        if p.is_file()
+        and not p.name.startswith(".")
+        and not p.name.endswith(WEIGHT_SUFFIXES)
+        and p.name not in SKIP_FILES
+    )
+
+
+def read_json(path: Path, what: str) -> dict:
+    """Parse the JSON file ``path``.
+
+    Raises:
+        UserError: the file is missing or not valid JSON (naming ``what`` and the path).
+    """
+    if not Path(path).is_file():
+        raise UserError(f"{what} {str(path)!r} does not exist")
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{what} {str(path)!r} is not valid JSON: {e}") from None
