@@ -1,0 +1,141 @@
+"""Token sampling on rank 0: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+Sampled rows are processed one at a time with the row's own ``torch.Generator``, so a seeded
+request draws the same tokens whatever else is in the batch (case C17) and at any tp size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpengine.engine.sequence import Sequence
+
+
+def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the ``k`` largest entries of a 1-D ``logits`` row, set the rest to -inf.
+    ``k <= 0`` or ``k >= len(logits)`` returns ``logits`` unchanged."""
+    if k <= 0 or k >= logits.numel():
+        return logits
+    idx = torch.topk(logits, k).indices
+    out = torch.full_like(logits, float("-inf"))
+    out[idx] = logits[idx]
+    return out
+
+
+def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filtering of a 1-D row: keep the smallest set of most likely tokens whose
+    cumulative probability is >= ``top_p``; the most likely token is always kept.
+
+    Source: Holtzman et al. 2019, "The Curious Case of Neural Text Degeneration"
+    (arXiv:1904.09751).
+    """
+    if top_p >= 1.0:
+        return logits
+    probs, idx = torch.sort(torch.softmax(logits, dim=-1), descending=True)
+    # probability mass strictly before each token; token i is kept while that mass < top_p
+    before = torch.cumsum(probs, dim=-1) - probs
+    drop = before >= top_p
+    drop[0] = False
+    out = logits.clone()
+    out[idx[drop]] = float("-inf")
+    return out
+
+
+def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Min-p filtering of a 1-D row: drop tokens whose probability is < ``min_p`` times the
+    largest probability (the most likely token always survives).
+
+    Source: Nguyen et al. 2024, "Turning Up the Heat: Min-p Sampling for Creative and Coherent
+    LLM Outputs" (arXiv:2407.01082).
+    """
+    if min_p <= 0.0:
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    drop = probs < min_p * probs.max()
+    drop[probs.argmax()] = False
+    return logits.masked_fill(drop, float("-inf"))
+
+
+class Sampler:
+    """Picks one next token per sequence from its logits.
+
+    Args:
+        seed: seed of the default generator used by requests without ``params.seed``.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._default: dict[torch.device, torch.Generator] = {}
+
+    def _default_generator(self, device: torch.device) -> torch.Generator:
+        g = self._default.get(device)
+        if g is None:
+            g = torch.Generator(device=device)
+            g.manual_seed(self.seed)
+            self._default[device] = g
+        return g
+
+    @staticmethod
+    def _seq_generator(seq: Sequence, device: torch.device) -> torch.Generator:
+        if seq.generator is None:
+            seq.generator = torch.Generator(device=device)
+            seq.generator.manual_seed(seq.params.seed)
+        return seq.generator
+
+    @torch.no_grad()
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], vocab_size: int | None = None
+    ) -> list[int]:
+        """Sample one token id per row.
+
+        Args:
+            logits: float ``[len(seqs), V]`` next-token logits, row i for ``seqs[i]``.
+            seqs: the sequences (their ``params`` and generators are used).
+            vocab_size: if given, columns ``>= vocab_size`` (vocab padding) are never chosen.
+
+        Greedy rows (temperature 0) take the argmax, all in one op. Other rows: logits /
+        temperature, then top-k, top-p, min-p, then ``torch.multinomial`` with the sequence's
+        own generator (seeded from ``params.seed`` once per sequence, advanced only by its own
+        draws) or this sampler's default generator for unseeded requests.
+
+        Returns:
+            ``len(seqs)`` token ids.
+
+        Raises:
+            ValueError: ``logits`` is not 2-D with one row per sequence, or ``vocab_size``
+                is < 1.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(seqs):
+            raise ValueError(
+                f"logits shape {tuple(logits.shape)} does not match {len(seqs)} sequences"
+            )
+        logits = logits.float()
+        if vocab_size is not None:
+            if vocab_size < 1:
+                raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+            if vocab_size < logits.shape[1]:
+                logits = logits.clone()
+                logits[:, vocab_size:] = float("-inf")
+        out: list[int] = [0] * len(seqs)
+        greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0.0]
+        if greedy:
+            rows = torch.tensor(greedy, device=logits.device)
+            for i, tok in zip(greedy, logits.index_select(0, rows).argmax(dim=-1).tolist()):
+                out[i] = tok
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.temperature == 0.0:
+                continue
+            row = logits[i] / p.temperature
+            row = apply_top_k(row, p.top_k)
+            row = apply_top_p(row, p.top_p)
+            row = apply_min_p(row, p.min_p)
+            probs = torch.softmax(row, dim=-1)
+            if p.seed is None:
+                gen = self._default_generator(probs.device)
+            else:
+                gen = self._seq_generator(seq, probs.device)
+                if gen.device != probs.device:
+                    probs = probs.to(gen.device)
+            out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
+        return out

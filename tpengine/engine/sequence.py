@@ -1,0 +1,118 @@
+"""One request's token state as the scheduler, block manager and sampler see it (rank 0 only)."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from tpengine.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is: in the waiting queue, in the running queue, or done."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Sequence:
+    """Token ids (prompt + generated), KV-block table and lifecycle of one request.
+
+    Args:
+        seq_id: engine-unique integer id.
+        request_id: the user's request id (e.g. the JSONL ``id``).
+        prompt_token_ids: prompt ids (copied). May be empty here; ``Scheduler.add`` rejects
+            empty prompts.
+        params: how to sample and when to stop.
+        arrival_time: ``time.monotonic()`` seconds when the request arrived (default: now).
+            ``first_token_time`` and ``finish_time`` use the same clock.
+
+    Attributes:
+        token_ids: prompt ids followed by generated ids.
+        num_prompt_tokens: length of the prompt.
+        status: a ``SequenceStatus``.
+        block_table: physical KV block ids, one per ``block_size`` tokens, in order.
+        num_cached_tokens: tokens whose K/V is already written in the cache; 0 before the first
+            prefill and after a preemption, ``num_tokens - 1`` after every step (the newest
+            token's K/V is written by the next decode step).
+        finish_reason: None while unfinished, else "stop", "length" or "abort".
+        generator: per-request ``torch.Generator`` seeded from ``params.seed``; created lazily
+            by the ``Sampler`` on the logits' device (None for unseeded requests).
+    """
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.token_ids: list[int] = [int(t) for t in prompt_token_ids]
+        self.num_prompt_tokens = len(self.token_ids)
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.generator: torch.Generator | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(seq_id={self.seq_id}, request_id={self.request_id!r}, "
+            f"status={self.status.name}, tokens={self.num_prompt_tokens}+"
+            f"{self.num_completion_tokens}, cached={self.num_cached_tokens}, "
+            f"blocks={self.block_table}, finish_reason={self.finish_reason!r})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        """Generated tokens so far."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt ids (a copy)."""
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        """The generated ids (a copy)."""
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token_id(self) -> int:
+        """The newest token (the input of the next decode step).
+
+        Raises:
+            IndexError: the sequence has no tokens.
+        """
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def num_blocks(self, block_size: int) -> int:
+        """KV blocks needed to hold all ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
+        return (self.num_tokens + block_size - 1) // block_size
+
+    def append_token(self, token_id: int) -> None:
+        """Append one generated token (its K/V is not in the cache yet)."""
+        self.token_ids.append(int(token_id))
