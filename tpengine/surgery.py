@@ -7,7 +7,16 @@ sliced the same way offline and online.
 
 from __future__ import annotations
 
+import copy
+
+import torch
+from accelerate import init_empty_weights
+from torch import nn
+from transformers import AutoModelForCausalLM
+
 from tpengine import plan as P
+from tpengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tpengine.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 # leaf module name -> partition kind
 LAYER_KINDS: dict[str, str] = {
@@ -43,3 +52,57 @@ def kind_of(param_name: str, ndim: int) -> str:
         f"tensor {param_name!r} ({ndim}-D) belongs to module {leaf!r}, which tpengine's layer table "
         f"does not cover (known: {', '.join(sorted(LAYER_KINDS))}); refusing to replicate it silently"
     )
+
+
+def build_meta_model(hf_config, dtype: torch.dtype):
+    """The HF causal-LM for ``hf_config`` with every parameter and buffer on the meta device
+    (accelerate's ``init_empty_weights``), attention set to tpengine's."""
+    from tpengine.layers import attention
+
+    config = copy.deepcopy(hf_config)
+    config._attn_implementation = attention.register()
+    with init_empty_weights(include_buffers=True):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.set_attn_implementation(attention.NAME)
+    return model.eval()
+
+
+def apply_tensor_parallel(model: nn.Module, plan: P.ShardPlan, rank: int, dtype: torch.dtype) -> nn.Module:
+    """Swap every ``nn.Linear``/``nn.Embedding`` of ``model`` for its parallel layer, by name, from
+    :data:`LAYER_KINDS`, sized from ``plan.ranks[rank]`` (new parameters on meta). Attention
+    modules get ``tp_q_to_kv`` (a [Hq_local] int64 buffer) and their local head counts.
+
+    Raises:
+        ValueError: an ``nn.Linear`` or ``nn.Embedding`` whose name is not in the table (never
+            silently replicated).
+    """
+    rp = plan.ranks[rank]
+    hd, hidden = plan.head_dim, plan.hidden_size
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        kind = LAYER_KINDS.get(leaf)
+        if kind is None:
+            raise ValueError(
+                f"module {name!r} ({type(module).__name__}) is not in tpengine's layer table "
+                f"(known: {', '.join(sorted(LAYER_KINDS))}); refusing to replicate it silently"
+            )
+        bias = getattr(module, "bias", None) is not None
+        if kind == P.VOCAB:
+            cls = VocabParallelEmbedding if isinstance(module, nn.Embedding) else ParallelLMHead
+            new = cls(*rp.vocab, plan.vocab_size, hidden, dtype=dtype)
+        elif kind in (P.Q, P.K, P.V, P.COLUMN):
+            _, start, end = plan.slice_spec(kind, False, rank)
+            new = ColumnParallelLinear(module.in_features, end - start, bias, dtype=dtype)
+        else:
+            _, start, end = plan.slice_spec(kind, False, rank)
+            new = RowParallelLinear(end - start, module.out_features, bias, dtype=dtype)
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        setattr(parent, leaf, new)
+    for module in model.modules():
+        if hasattr(module, "q_proj") and hasattr(module, "o_proj"):
+            module.num_heads, module.num_key_value_heads = rp.num_q_heads, rp.num_kv_heads
+            module.tp_q_to_kv = torch.tensor(rp.q_to_kv, dtype=torch.int64)
+            assert module.head_dim == hd, (module.head_dim, hd)
+    return model

@@ -33,9 +33,8 @@ def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
         return logits
     probs, idx = torch.sort(torch.softmax(logits, dim=-1), descending=True)
     # probability mass strictly before each token; token i is kept while that mass < top_p
-    before = torch.cumsum(probs, dim=-1) - probs
-    drop = before >= top_p
-    drop[0] = False
+    # (the top token has 0 before it and top_p > 0, so it is always kept)
+    drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
     out = logits.clone()
     out[idx[drop]] = float("-inf")
     return out

@@ -1,0 +1,123 @@
+"""Process groups and the few collectives tpengine uses.
+
+``init_distributed`` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT). Activations travel on the default group (NCCL on CUDA, gloo on CPU); the control
+plane (StepPlan broadcasts, block-count agreement) always travels on a separate gloo group.
+Every group has the configured timeout, so no rank waits forever in a collective. With world
+size 1 and no torchrun environment, no process group is created and every collective is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    """This process's place in the tensor-parallel group: ``rank`` in ``0..size-1``."""
+
+    rank: int
+    size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+
+_TP: TPInfo | None = None
+_CONTROL_GROUP = None
+
+
+def _pick_device(local_rank: int, device: str) -> torch.device:
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device={device!r} requested but CUDA is not available; use device='cpu'")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(timeout_s: float = 60.0, device: str = "auto") -> TPInfo:
+    """Initialise (once) from torchrun's environment and return this rank's :class:`TPInfo`.
+
+    ``timeout_s`` bounds every collective on every group. ``device``: "auto" (CUDA if
+    available), "cpu" or "cuda".
+
+    Raises:
+        RuntimeError: inconsistent environment (e.g. WORLD_SIZE > 1 without MASTER_ADDR).
+    """
+    global _TP, _CONTROL_GROUP
+    if _TP is not None:
+        return _TP
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    dev = _pick_device(local_rank, device)
+    if size > 1:
+        if "MASTER_ADDR" not in os.environ:
+            raise RuntimeError(f"WORLD_SIZE={size} but MASTER_ADDR is unset; launch with torchrun")
+        timeout = timedelta(seconds=timeout_s)
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, rank=rank, world_size=size, timeout=timeout)
+        _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    _TP = TPInfo(rank=rank, size=size, local_rank=local_rank, device=dev)
+    return _TP
+
+
+def get_tp() -> TPInfo:
+    """The :class:`TPInfo` set by :func:`init_distributed` (a size-1 CPU info if never called)."""
+    return _TP if _TP is not None else TPInfo(0, 1, 0, torch.device("cpu"))
+
+
+def shutdown() -> None:
+    """Wait for every rank (bounded by the group timeout), then destroy the process groups, so
+    no rank tears down a connection a peer still uses. Safe to call twice or at size 1."""
+    global _TP, _CONTROL_GROUP
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=_CONTROL_GROUP)
+        dist.destroy_process_group()
+    _TP, _CONTROL_GROUP = None, None
+
+
+def all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` in place over all ranks (activation group); no-op at size 1. Returns ``t``."""
+    if get_tp().size > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def gather_to_driver(t: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+    """Concatenate every rank's ``t`` (same shape on all ranks) along ``dim`` on rank 0.
+
+    Returns the concatenation on rank 0 and None elsewhere; ``t`` itself at size 1.
+    """
+    tp = get_tp()
+    if tp.size == 1:
+        return t
+    t = t.contiguous()
+    parts = [torch.empty_like(t) for _ in range(tp.size)] if tp.is_driver else None
+    dist.gather(t, parts, dst=0)
+    return torch.cat(parts, dim=dim) if tp.is_driver else None
+
+
+def broadcast_control(t: torch.Tensor) -> torch.Tensor:
+    """Broadcast CPU tensor ``t`` from rank 0 in place over the gloo control group."""
+    if get_tp().size > 1:
+        dist.broadcast(t, src=0, group=_CONTROL_GROUP)
+    return t
+
+
+def all_reduce_min(value: int) -> int:
+    """The minimum of ``value`` over all ranks (control group); ``value`` at size 1."""
+    if get_tp().size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_CONTROL_GROUP)
+    return int(t.item())

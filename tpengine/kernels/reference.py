@@ -1,0 +1,190 @@
+"""Torch reference for paged attention: the CPU production path and the Triton kernels' oracle.
+
+Layout (shared with :mod:`tpengine.kernels.paged_attention`): each layer's ``k_cache`` and
+``v_cache`` are ``[num_blocks, block_size, Hkv, D]``; token slot ``s`` lives at block
+``s // block_size``, offset ``s % block_size`` (the vLLM PagedAttention layout, Kwon et al. 2023,
+"Efficient Memory Management for Large Language Model Serving with PagedAttention"). GQA goes
+only through ``q_to_kv`` (local query head ``h`` reads local KV head ``q_to_kv[h]``), so uneven
+and replicated tensor-parallel KV shards work; no ``Hq % Hkv == 0`` grouping is assumed.
+
+Every function accepts tensors of any strides. Outputs have the dtype of ``q``; softmax runs in
+float32 (torch SDPA accumulates in float32 for half types on CPU; the decode path upcasts).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["store_kvcache", "prefill_attention", "decode_attention"]
+
+
+# ---------------------------------------------------------------------------------------------
+# shared argument checks (also used by the Triton wrappers)
+# ---------------------------------------------------------------------------------------------
+
+
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """Validate a layer's cache pair; returns ``(num_blocks, block_size, Hkv, D)``.
+
+    Raises ValueError if either is not 4-D or their shapes differ.
+    """
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache/v_cache must both be [num_blocks, block_size, Hkv, D]; got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    return tuple(k_cache.shape)  # type: ignore[return-value]
+
+
+def check_heads(q: torch.Tensor, q_to_kv: torch.Tensor, hkv: int, d: int) -> None:
+    """Validate ``q [*, Hq, D]`` against ``q_to_kv [Hq]`` and the cache's ``Hkv``/``D``.
+
+    Raises ValueError naming the mismatch. Does not read ``q_to_kv``'s values (no device sync).
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, Hq, D]; got shape {tuple(q.shape)}")
+    if q.shape[2] != d:
+        raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {d}")
+    if q_to_kv.dim() != 1 or q_to_kv.shape[0] != q.shape[1]:
+        raise ValueError(f"q_to_kv must be [Hq={q.shape[1]}]; got shape {tuple(q_to_kv.shape)}")
+    if hkv < 1:
+        raise ValueError("the cache holds no KV heads")
+
+
+def prefill_lengths(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, n_tokens: int):
+    """Host copies of the per-sequence lengths: ``(cu_q list, cu_k list, lq list, lk list)``.
+
+    One device->host transfer. Raises ValueError if the offsets are malformed, if
+    ``cu_seqlens_q[-1] != n_tokens`` or if some sequence has ``Lk < Lq``.
+    """
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() < 1:
+        raise ValueError(
+            f"cu_seqlens_q/k must both be [B+1]; got {tuple(cu_seqlens_q.shape)} and "
+            f"{tuple(cu_seqlens_k.shape)}"
+        )
+    cu_q, cu_k = torch.stack([cu_seqlens_q, cu_seqlens_k.to(cu_seqlens_q.dtype)]).tolist()
+    lq = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
+    lk = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
+    if cu_q[0] != 0 or cu_k[0] != 0 or cu_q[-1] != n_tokens:
+        raise ValueError(f"cu_seqlens_q must run 0..{n_tokens} and cu_seqlens_k start at 0; got {cu_q}, {cu_k}")
+    bad = [b for b in range(len(lq)) if lq[b] < 0 or lk[b] < lq[b]]
+    if bad:
+        b = bad[0]
+        raise ValueError(f"sequence {b}: need 0 <= Lq <= Lk, got Lq={lq[b]}, Lk={lk[b]}")
+    return cu_q, cu_k, lq, lk
+
+
+def _gather_cache(cache: torch.Tensor, block_row: torch.Tensor, n: int) -> torch.Tensor:
+    """Tokens ``0..n-1`` of one sequence from ``cache`` through its block-table row -> [n, Hkv, D]."""
+    bs = cache.shape[1]
+    pos = torch.arange(n, device=cache.device)
+    return cache[block_row[pos // bs], pos % bs]
+
+
+# ---------------------------------------------------------------------------------------------
+# the three kernels
+# ---------------------------------------------------------------------------------------------
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Write token ``i``'s key/value into cache slot ``slot_mapping[i]`` (in place).
+
+    Shapes: ``key``/``value [N, Hkv, D]``, caches ``[num_blocks, block_size, Hkv, D]``,
+    ``slot_mapping [N]`` int64; slot -1 means "skip this token" (padding). Values are cast to
+    the cache dtype. Raises ValueError on shape mismatch; an out-of-range slot raises torch's
+    IndexError. Distinct tokens must map to distinct slots.
+    """
+    _, bs, hkv, d = check_cache(k_cache, v_cache)
+    if key.shape != value.shape or key.dim() != 3 or tuple(key.shape[1:]) != (hkv, d):
+        raise ValueError(f"key/value must be [N, {hkv}, {d}]; got {tuple(key.shape)} and {tuple(value.shape)}")
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping must be [{key.shape[0]}]; got {tuple(slot_mapping.shape)}")
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blk, off = slots // bs, slots % bs
+    k_cache[blk, off] = key[keep].to(k_cache.dtype)
+    v_cache[blk, off] = value[keep].to(v_cache.dtype)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                      block_tables: torch.Tensor | None, q_to_kv: torch.Tensor, scale: float) -> torch.Tensor:
+    """Varlen causal attention for B sequences packed along N, over a paged cached prefix.
+
+    Shapes: ``q [N, Hq, D]``, ``k``/``v [N, Hkv, D]`` (this step's new tokens), caches
+    ``[num_blocks, block_size, Hkv, D]``, ``cu_seqlens_q``/``cu_seqlens_k [B+1]`` int64
+    (cumulative new / total tokens), ``block_tables [B, max_blocks]`` int64 (-1 padded; may be
+    None when no sequence has a prefix), ``q_to_kv [Hq]`` int64, ``scale`` = softmax scale
+    (usually ``D ** -0.5``). Returns ``[N, Hq, D]`` in ``q.dtype``.
+
+    Sequence b's keys are positions ``0..Lk-1``: the first ``P = Lk - Lq`` are read from the
+    cache via ``block_tables[b]``, the last ``Lq`` are taken from ``k``/``v`` directly. Query
+    ``i`` sits at position ``P + i`` and sees keys ``0..P+i``. Raises ValueError on malformed
+    lengths/shapes or a prefix without ``block_tables``. One host sync (the lengths).
+    """
+    _, _, hkv, d = check_cache(k_cache, v_cache)
+    check_heads(q, q_to_kv, hkv, d)
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or tuple(k.shape[1:]) != (hkv, d):
+        raise ValueError(f"k/v must be [{q.shape[0]}, {hkv}, {d}]; got {tuple(k.shape)}, {tuple(v.shape)}")
+    cu_q, _, lqs, lks = prefill_lengths(cu_seqlens_q, cu_seqlens_k, q.shape[0])
+    out = torch.empty_like(q)
+    for b, (lq, lk) in enumerate(zip(lqs, lks)):
+        if lq == 0:
+            continue
+        s, e, p = cu_q[b], cu_q[b + 1], lk - lq
+        kb, vb = k[s:e], v[s:e]
+        mask = None
+        if p > 0:
+            if block_tables is None:
+                raise ValueError(f"sequence {b} has a cached prefix ({p} tokens) but block_tables is None")
+            kb = torch.cat([_gather_cache(k_cache, block_tables[b], p).to(k.dtype), kb])
+            vb = torch.cat([_gather_cache(v_cache, block_tables[b], p).to(v.dtype), vb])
+            # key j visible to query i  <=>  j <= p + i  (bottom-right aligned causal mask)
+            mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=p)
+        qh = q[s:e].transpose(0, 1)  # [Hq, Lq, D]
+        kh = kb.index_select(1, q_to_kv).transpose(0, 1)  # [Hq, Lk, D]
+        vh = vb.index_select(1, q_to_kv).transpose(0, 1)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=scale)
+        out[s:e] = o.transpose(0, 1)
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, q_to_kv: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence attending to its cached keys.
+
+    Shapes: ``q [B, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]``, ``block_tables
+    [B, max_blocks]`` int64 (-1 padded), ``context_lens [B]`` int64 (tokens in the cache,
+    including this step's token, already stored), ``q_to_kv [Hq]``, ``scale`` = softmax scale.
+    Returns ``[B, Hq, D]`` in ``q.dtype``; a sequence with ``context_lens == 0`` (batch padding)
+    gets zeros. Vectorised: gathers a ``[B, max_ctx]`` slot index from the block tables, masks
+    positions ``>= context_lens[b]``, computes in float32. One host sync (``max_ctx``).
+    Raises ValueError on shape mismatch or when ``max_ctx`` exceeds the block table's capacity.
+    """
+    _, bs, hkv, d = check_cache(k_cache, v_cache)
+    check_heads(q, q_to_kv, hkv, d)
+    nb = q.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != nb or context_lens.shape != (nb,):
+        raise ValueError(
+            f"block_tables must be [{nb}, max_blocks] and context_lens [{nb}]; got "
+            f"{tuple(block_tables.shape)}, {tuple(context_lens.shape)}"
+        )
+    if nb == 0:
+        return torch.empty_like(q)
+    max_ctx = int(context_lens.max())
+    if max_ctx > block_tables.shape[1] * bs:
+        raise ValueError(f"context length {max_ctx} exceeds block table capacity {block_tables.shape[1]}x{bs}")
+    if max_ctx == 0:
+        return torch.zeros_like(q)
+    pos = torch.arange(max_ctx, device=q.device)
+    valid = pos[None, :] < context_lens[:, None]  # [B, L]
+    blocks = block_tables[:, pos // bs].clamp_min(0)  # -1 padding -> block 0 (masked anyway)
+    offs = (pos % bs).expand(nb, -1)
+    kg = k_cache[blocks, offs].index_select(2, q_to_kv).float()  # [B, L, Hq, D]
+    vg = v_cache[blocks, offs].index_select(2, q_to_kv).float()
+    scores = torch.einsum("bhd,blhd->bhl", q.float(), kg) * scale
+    scores.masked_fill_(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # empty contexts -> zeros
+    return torch.einsum("bhl,blhd->bhd", probs, vg).to(q.dtype)

@@ -1,0 +1,56 @@
+"""Vocabulary-parallel embedding and LM head (Megatron-LM, Shoeybi et al. 2019).
+
+The vocabulary is padded to a multiple of tp (:class:`tpengine.plan.ShardPlan`); rank r holds
+rows ``[vocab_start, vocab_end)`` of the padded table, padding rows are zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpengine.distributed import all_reduce, gather_to_driver, get_tp
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Masked lookup in this rank's vocabulary rows, summed over ranks.
+
+    ``weight [vocab_end - vocab_start, hidden]``; ids ``[...]`` int64 -> ``[..., hidden]``.
+    Ids outside this rank's range contribute zero; padded ids embed to zero everywhere.
+    """
+
+    def __init__(self, vocab_start: int, vocab_end: int, vocab_size: int, hidden: int,
+                 dtype=None, device="meta"):
+        super().__init__()
+        self.vocab_start, self.vocab_end, self.vocab_size = vocab_start, vocab_end, vocab_size
+        self.weight = nn.Parameter(torch.empty(vocab_end - vocab_start, hidden, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if get_tp().size == 1:
+            return F.embedding(ids, self.weight)
+        mask = (ids >= self.vocab_start) & (ids < self.vocab_end)
+        out = F.embedding((ids - self.vocab_start) * mask, self.weight)
+        out = out * mask.unsqueeze(-1).to(out.dtype)
+        return all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """This rank's vocabulary logits, gathered to rank 0 and cut to the real vocabulary.
+
+    ``weight [vocab_local, hidden]`` (the embedding shard's own Parameter when embeddings are
+    tied). Input ``[..., hidden]`` -> on rank 0 ``[..., vocab_size]`` (padding columns dropped,
+    so padded ids can never be sampled); None on other ranks.
+    """
+
+    def __init__(self, vocab_start: int, vocab_end: int, vocab_size: int, hidden: int,
+                 dtype=None, device="meta"):
+        super().__init__()
+        self.vocab_start, self.vocab_end, self.vocab_size = vocab_start, vocab_end, vocab_size
+        self.weight = nn.Parameter(torch.empty(vocab_end - vocab_start, hidden, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = gather_to_driver(F.linear(hidden, self.weight), dim=-1)
+        return None if logits is None else logits[..., : self.vocab_size]
