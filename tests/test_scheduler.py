@@ -112,6 +112,19 @@ def test_preemption_recompute_keeps_every_token_c13():
     assert sched.stats().num_free_blocks == 8 and sched.stats().num_preemptions > 0
 
 
+def test_preempts_most_recent_to_front_of_waiting():
+    sched = Scheduler(cfg(max_num_seqs=4), num_kv_blocks=5, eos_token_ids=EOS)
+    a, b, c, e, d = seq(0, 4), seq(1, 4), seq(2, 4), seq(3, 4), seq(4, 8)
+    [sched.add(s) for s in (a, b, c, e, d)]
+    assert step(sched)[:2] == ([a, b, c, e], True)
+    # a takes the last free block; b needs one: e (newest) goes, then c preempts itself
+    assert step(sched)[:2] == ([a, b], False)
+    assert list(sched.waiting) == [c, e, d] and list(sched.running) == [a, b]
+    assert sched.num_preemptions == 2 and c.num_cached_tokens == 0 and c.block_table == []
+    assert c.completion_token_ids == [2 * 100 + 4]  # its generated token is kept
+    assert sched.stats().num_waiting == 3 and sched.stats().num_free_blocks == 1
+
+
 @pytest.mark.parametrize("num_blocks", [64, 12])
 def test_200_mixed_requests_no_block_leak_c14(num_blocks):
     rng = random.Random(num_blocks)
@@ -184,8 +197,7 @@ def test_several_eos_ids_and_ignore_eos_c12():
     b = seq(1, 3, max_tokens=10)
     c = seq(2, 3, max_tokens=5, ignore_eos=True)
     d = seq(3, 3, max_tokens=10, ignore_eos=True, stop_token_ids=(42,))
-    for s in (a, b, c, d):
-        sched.add(s)
+    [sched.add(s) for s in (a, b, c, d)]
     script = {0: [5, 9, 1], 1: [11], 2: [7, 9, 11, 7, 9], 3: [7, 42]}
     drain(sched, token_fn=lambda s: script[s.seq_id][s.num_completion_tokens])
     assert (a.finish_reason, a.completion_token_ids) == ("stop", [5, 9])
@@ -209,8 +221,7 @@ def test_max_model_len_and_cache_caps_give_length():
     with pytest.raises(ValueError, match="9 tokens and needs 3 KV blocks.*only 2 blocks"):
         small.add(seq(3, 9))
     t, u = seq(4, 8, max_tokens=50), seq(5, 5, max_tokens=50)
-    small.add(t)
-    small.add(u)
+    [small.add(s) for s in (t, u)]
     drain(small)  # a lone sequence stops when it no longer fits the whole cache
     assert (t.finish_reason, t.num_completion_tokens) == ("length", 1)
     assert (u.finish_reason, u.num_tokens) == ("length", 9)
@@ -220,9 +231,8 @@ def test_max_model_len_and_cache_caps_give_length():
 def test_finish_from_outside_and_postprocess_validation():
     sched = Scheduler(cfg(), 16, EOS)
     a, b = seq(0, 5, max_tokens=4), seq(1, 5, max_tokens=4)
-    sched.add(a)
-    sched.add(b)
-    batch, _, _ = step(sched)
+    [sched.add(s) for s in (a, b)]
+    step(sched)
     sched.finish(a, "abort")
     assert a.is_finished and a.block_table == [] and a not in sched.running
     assert sched.block_manager.num_free_blocks == 16 - 2
