@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from shard_tool import convert
+from shard_tool import convert, info, split, verify
 
 app = typer.Typer(
     add_completion=False,
@@ -21,6 +21,9 @@ def main() -> None:
 
 
 app.command("convert")(convert.convert)
+app.command("split")(split.split)
+app.command("verify")(verify.verify)
+app.command("info")(info.info)
 
 if __name__ == "__main__":
     app()

@@ -1,0 +1,127 @@
+"""``tpengine-shard info MODEL_DIR [--tp N]``: print the ShardPlan of a config (no weights)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from shard_tool.common import UserError, user_errors
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def load_config(model_dir: Path):
+    """The transformers config of ``model_dir`` (reads config.json only).
+
+    Raises:
+        UserError: no config.json in ``model_dir``.
+    """
+    from transformers import AutoConfig
+
+    if not (Path(model_dir) / "config.json").is_file():
+        raise UserError(f"{str(model_dir)!r} is not a model folder: it has no config.json")
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def config_dtype(config: Any) -> str:
+    """Checkpoint dtype name from the config (``dtype`` / ``torch_dtype``), default float32."""
+    d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    d = str(d).removeprefix("torch.")
+    return d if d in DTYPE_BYTES else "float32"
+
+
+def weight_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Full shape of every checkpoint tensor, from a meta-device model built from ``config``
+    (no weights read or allocated). A tied lm_head.weight is left out, as split does."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    return {
+        n: tuple(t.shape)
+        for n, t in model.state_dict().items()
+        if not (tied and n.split(".")[-2:] == ["lm_head", "weight"])
+    }
+
+
+def rank_bytes(plan: Any, shapes: dict[str, tuple[int, ...]], dtype: str) -> list[int]:
+    """Weight bytes each rank holds (shard shapes from ``plan.slice_spec``, vocab padding
+    included), for tensors of ``shapes`` stored as ``dtype``."""
+    from tpengine.surgery import kind_of
+
+    out = []
+    for r in range(plan.tp_size):
+        total = 0
+        for name, shape in shapes.items():
+            spec = plan.slice_spec(kind_of(name, len(shape)), name.endswith(".bias"), r)
+            local = list(shape)
+            if spec is not None:
+                local[spec[0]] = spec[2] - spec[1]
+            numel = 1
+            for s in local:
+                numel *= s
+            total += numel * DTYPE_BYTES[dtype]
+        out.append(total)
+    return out
+
+
+def _rng(a: tuple[int, int]) -> str:
+    return f"{a[0]}:{a[1]}"
+
+
+def info(
+    model_dir: Path = typer.Argument(..., help="model folder (only config.json is read)"),
+    tp: int = typer.Option(None, "--tp", help="show the plan for this TP size (default: list valid sizes)"),
+    dtype: str = typer.Option(None, "--dtype", help="dtype for the byte counts (default: config's)"),
+) -> None:
+    """Print the ShardPlan as a table (ranges are half-open start:end), or the valid TP sizes."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from tpengine.plan import ShardPlan
+
+    console = Console(width=200) if not Console().is_terminal else Console()
+    with user_errors():
+        if dtype is not None and dtype not in DTYPE_BYTES:
+            raise UserError(f"invalid dtype {dtype!r}: must be one of {', '.join(DTYPE_BYTES)}")
+        config = load_config(model_dir)
+        d = ShardPlan.dims(config)
+        if tp is not None:
+            plan = ShardPlan.build(config, tp)  # ValueError names the head count and tp
+        dtype = dtype or config_dtype(config)
+        shapes = weight_shapes(config)
+    console.print(
+        f"{getattr(config, 'model_type', '?')}: {d['num_heads']} query heads, {d['num_kv_heads']} KV heads, "
+        f"head_dim {d['head_dim']}, hidden {d['hidden_size']}, intermediate {d['intermediate_size']}, "
+        f"vocab {d['vocab_size']}, {getattr(config, 'num_hidden_layers', '?')} layers, dtype {dtype}"
+    )
+    if tp is None:
+        table = Table("tp", "q heads/rank", "kv heads/rank", "padded vocab", "max MiB/rank", box=None)
+        for size in ShardPlan.valid_tp_sizes(config):
+            p = ShardPlan.build(config, size)
+            nbytes = rank_bytes(p, shapes, dtype)
+            table.add_row(
+                str(size),
+                ",".join(str(rp.num_q_heads) for rp in p.ranks),
+                ",".join(str(rp.num_kv_heads) for rp in p.ranks),
+                str(p.padded_vocab_size),
+                f"{max(nbytes) / 2**20:.2f}",
+            )
+        console.print(f"valid TP sizes: 1..{d['num_heads']}")
+        console.print(table)
+        return
+    nbytes = rank_bytes(plan, shapes, dtype)
+    table = Table(
+        "rank", "q heads", "#q", "kv heads", "#kv", "q->kv (local)", "intermediate", "vocab",
+        "weight bytes", "MiB", box=None, title=f"tp={tp}, padded vocab {plan.padded_vocab_size}",
+    )
+    for rp, b in zip(plan.ranks, nbytes):
+        table.add_row(
+            str(rp.rank), _rng(rp.q_heads), str(rp.num_q_heads), _rng(rp.kv_heads), str(rp.num_kv_heads),
+            ",".join(map(str, rp.q_to_kv)), _rng(rp.intermediate), _rng(rp.vocab), str(b), f"{b / 2**20:.2f}",
+        )
+    console.print(table)

@@ -1,0 +1,113 @@
+"""``tpengine-shard verify DIR``: check a split checkpoint against its manifest and plan."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from shard_tool.common import UserError, read_json, sha256_file, user_errors
+from shard_tool.split import FORMAT_VERSION, rank_file_name
+
+DTYPE_CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def verify_dir(shard_dir: Path) -> list[str]:
+    """Check every rank file of the split checkpoint in ``shard_dir``: its sha256 against the
+    manifest, its tensor names and shapes against the manifest, and each shape along the split
+    dimension against the ShardPlan (the stored plan must also equal the one rebuilt from
+    config.json). Returns one message per problem (empty list: all good); each message starts
+    with the file (and tensor) it concerns.
+
+    Raises:
+        UserError: no readable manifest.json in ``shard_dir``.
+    """
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from tpengine.plan import ShardPlan
+    from tpengine.surgery import kind_of
+
+    shard_dir = Path(shard_dir)
+    m = read_json(shard_dir / "manifest.json", "manifest")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise UserError(
+            f"manifest.json format_version={m.get('format_version')!r} is not supported "
+            f"(expected {FORMAT_VERSION}); re-run tpengine-shard split"
+        )
+    tp = m["tp_size"]
+    plan = ShardPlan.from_dict(m["plan"])
+    errors: list[str] = []
+    if plan.tp_size != tp:
+        errors.append(f"manifest.json: plan.tp_size={plan.tp_size} but tp_size={tp}")
+    if (shard_dir / "config.json").is_file():
+        rebuilt = ShardPlan.build(AutoConfig.from_pretrained(shard_dir), tp)
+        if rebuilt != plan:
+            errors.append("manifest.json: stored plan differs from the plan built from config.json")
+    want = {rank_file_name(r, tp): r for r in range(tp)}
+    listed = {e["name"]: e for e in m["shard_files"]}
+    if set(listed) != set(want):
+        errors.append(f"manifest.json: shard_files {sorted(listed)} != expected {sorted(want)}")
+    for extra in sorted(p.name for p in shard_dir.glob("rank-*.safetensors") if p.name not in want):
+        errors.append(f"{extra}: not part of this tp_size={tp} checkpoint")
+    code = DTYPE_CODES.get(m.get("dtype"))
+    for fname, r in want.items():
+        path = shard_dir / fname
+        if not path.is_file():
+            errors.append(f"{fname}: missing")
+            continue
+        digest = sha256_file(path)
+        if fname in listed and digest != listed[fname]["sha256"]:
+            errors.append(f"{fname}: sha256 {digest[:16]}... does not match manifest {listed[fname]['sha256'][:16]}...")
+            continue
+        expected: dict[str, Any] = m["tensors"].get(str(r), {})
+        try:
+            with safe_open(path, framework="pt") as f:
+                got = {n: (f.get_slice(n).get_shape(), f.get_slice(n).get_dtype()) for n in f.keys()}
+        except Exception as e:  # a damaged file
+            errors.append(f"{fname}: unreadable safetensors file ({e})")
+            continue
+        for n in sorted(set(expected) - set(got)):
+            errors.append(f"{fname}: tensor {n} listed in manifest is missing")
+        for n in sorted(set(got) - set(expected)):
+            errors.append(f"{fname}: tensor {n} is not in the manifest")
+        for n in sorted(set(got) & set(expected)):
+            shape, dt = list(got[n][0]), got[n][1]
+            if shape != list(expected[n]):
+                errors.append(f"{fname}: tensor {n} has shape {shape}, manifest says {expected[n]}")
+                continue
+            if code and dt in DTYPE_CODES.values() and dt != code:
+                errors.append(f"{fname}: tensor {n} has dtype {dt}, manifest says {m['dtype']}")
+            try:
+                spec = plan.slice_spec(kind_of(n, len(shape)), n.endswith(".bias"), r)
+            except ValueError as e:
+                errors.append(f"{fname}: tensor {n}: {e}")
+                continue
+            if spec is not None:
+                dim, start, end = spec
+                if len(shape) <= dim or shape[dim] != end - start:
+                    errors.append(
+                        f"{fname}: tensor {n} has shape {shape}; the plan gives rank {r} "
+                        f"size {end - start} along dim {dim}"
+                    )
+    return errors
+
+
+def verify(shard_dir: Path = typer.Argument(..., help="folder written by tpengine-shard split")) -> None:
+    """Re-hash every rank file and check names and shapes against the manifest and the plan."""
+    with user_errors():
+        errors = verify_dir(shard_dir)
+        m = read_json(Path(shard_dir) / "manifest.json", "manifest")
+    if errors:
+        for e in errors[:20]:
+            print(f"error: {e}", file=sys.stderr)
+        if len(errors) > 20:
+            print(f"error: ... and {len(errors) - 20} more", file=sys.stderr)
+        raise typer.Exit(1)
+    n = sum(len(t) for t in m["tensors"].values())
+    print(
+        f"OK: {shard_dir}: {m['tp_size']} rank files, {n} tensors, dtype {m['dtype']}, "
+        "sha256, names and shapes match manifest and plan"
+    )

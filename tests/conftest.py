@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny random-weight Hugging Face models written to disk (no network)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SMOLLM2_DIR = REPO / "models" / "smollm2-135m-instruct"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+# Small enough to build, save and split in well under a second; intermediate 100 and vocab 1001
+# split unevenly at tp 3 and tp 2/4.
+TINY_DEFAULTS = dict(
+    hidden_size=64,
+    intermediate_size=100,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1001,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+
+
+def tiny_config(arch: str = "llama", **overrides):
+    """A transformers config for a tiny ``arch`` model (llama, mistral, qwen2, qwen3) with
+    :data:`TINY_DEFAULTS` updated by ``overrides``.
+
+    Raises:
+        ValueError: unknown ``arch``.
+    """
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    if arch not in classes:
+        raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(classes)}")
+    return classes[arch](**{**TINY_DEFAULTS, **overrides})
+
+
+def make_tiny_model(
+    tmp_path: Path,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    random_biases: bool = False,
+    max_shard_size: str | int | None = None,
+    name: str | None = None,
+    **overrides,
+) -> Path:
+    """Write a random-weight float32 HF model folder under ``tmp_path`` and return its path.
+
+    Weights are seeded (``torch.manual_seed(seed)``) so two calls give identical tensors.
+    ``random_biases`` sets every bias and every norm weight (incl. Qwen3 q_norm/k_norm) to
+    random non-zero values in [0.5, 1.5). ``max_shard_size`` makes a multi-file checkpoint
+    with ``model.safetensors.index.json``. The SmolLM2 tokenizer files are copied in when
+    ``models/smollm2-135m-instruct`` exists (its ids may exceed the tiny vocab). Config fields
+    come from :data:`TINY_DEFAULTS` and ``overrides``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if random_biases:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 1:  # biases and norm weights
+                    p.copy_(torch.rand_like(p) + 0.5)
+    out = Path(tmp_path) / (name or f"tiny-{arch}")
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
+    model.save_pretrained(out, **kwargs)
+    model.generation_config.save_pretrained(out)
+    if SMOLLM2_DIR.is_dir():
+        for f in TOKENIZER_FILES:
+            if (SMOLLM2_DIR / f).is_file():
+                shutil.copy2(SMOLLM2_DIR / f, out / f)
+    return out
+
+
+@pytest.fixture
+def smollm2_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct folder (made by ``make model``)."""
+    if not (SMOLLM2_DIR / "config.json").is_file():
+        pytest.fail(f"{SMOLLM2_DIR} is missing: run `make model` first")
+    return SMOLLM2_DIR
