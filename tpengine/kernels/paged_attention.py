@@ -146,6 +146,7 @@ def _decode_reduce_kernel(ctx_lens, out, part_acc, part_ml, s_ob, s_oh, s_od,
     m = tl.load(part_ml + row * 2, mask=sm, other=float("-inf"))
     l = tl.load(part_ml + row * 2 + 1, mask=sm, other=0.0)
     m_all = tl.max(m, axis=0)
+    m_all = tl.where(m_all > float("-inf"), m_all, 0.0)  # empty context: avoid -inf - -inf
     w = tl.where(sm, tl.exp(m - m_all), 0.0)
     d = tl.arange(0, D_P2)
     dm = d < HEAD_DIM
@@ -154,6 +155,19 @@ def _decode_reduce_kernel(ctx_lens, out, part_acc, part_ml, s_ob, s_oh, s_od,
     den = tl.sum(w * l, axis=0)
     res = num / tl.where(den > 0, den, 1.0)
     tl.store(out + b * s_ob + h * s_oh + d * s_od, res.to(out.dtype.element_ty), mask=dm)
+
+
+def decode_splits(capacity: int, head_dim: int, partition_size: int | None = None) -> tuple[int, int, int]:
+    """Decode launch geometry: ``(key tile, tokens per split, number of splits)``.
+
+    ``capacity`` = block-table width x block size (tokens). The split length is
+    ``partition_size`` (default :data:`DECODE_PARTITION`), raised so that there are at most
+    :data:`MAX_SPLITS` splits, and rounded up to a multiple of the key tile.
+    """
+    block_n = min(64, max(16, 4096 // triton.next_power_of_2(head_dim)))
+    part = max(partition_size or DECODE_PARTITION, triton.cdiv(capacity, MAX_SPLITS))
+    part = triton.cdiv(part, block_n) * block_n
+    return block_n, part, max(1, triton.cdiv(capacity, part))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -182,11 +196,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if nb == 0:
         return out
     d_p2 = triton.next_power_of_2(d)
-    block_n = min(64, max(16, 4096 // d_p2))
-    capacity = block_tables.shape[1] * bs
-    part = max(partition_size or DECODE_PARTITION, triton.cdiv(capacity, MAX_SPLITS))
-    part = triton.cdiv(part, block_n) * block_n
-    splits = max(1, triton.cdiv(capacity, part))
+    block_n, part, splits = decode_splits(block_tables.shape[1] * bs, d, partition_size)
     if splits > 1:
         part_acc = torch.empty(nb, hq, splits, d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(nb, hq, splits, 2, dtype=torch.float32, device=q.device)
