@@ -1,0 +1,167 @@
+"""Output records (one JSON line per request), the append-and-flush writer, and ``--resume``.
+
+Record shapes:
+
+* simple: ``{"id", "text", "token_ids", "finish_reason", "usage": {"prompt_tokens",
+  "completion_tokens"}, "metrics": {"ttft_s", "latency_s"}}``; error: ``{"id", "error":
+  {"message", "field"?, "line"?}}``.
+* OpenAI Batch API (lines that came as batch requests): ``{"id": "batch_req_<line>",
+  "custom_id", "response": {"status_code": 200, "request_id", "body": <chat.completion or
+  text_completion>}, "error": null}``; error: ``{"id", "custom_id", "response": null, "error":
+  {"code", "message", "param"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, BinaryIO
+
+from tpengine.engine.outputs import RequestOutput
+from tpengine.frontend.requests import ParsedRequest
+
+
+def _usage(out: RequestOutput) -> dict[str, int]:
+    return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids)}
+
+
+def _secs(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)
+
+
+def simple_record(out: RequestOutput) -> dict[str, Any]:
+    """The simple-format record of a finished request (or its error record if ``out.error``)."""
+    if out.error is not None:
+        return error_record(out.request_id, out.error, out.error_field)
+    return {
+        "id": out.request_id,
+        "text": out.text,
+        "token_ids": list(out.token_ids),
+        "finish_reason": out.finish_reason,
+        "usage": _usage(out),
+        "metrics": {"ttft_s": _secs(out.ttft_s), "latency_s": _secs(out.latency_s)},
+    }
+
+
+def error_record(request_id: str, message: str, field: str | None = None, line: int | None = None) -> dict:
+    """A simple-format error record; ``field``/``line`` are included when known."""
+    err: dict[str, Any] = {"message": message}
+    if field is not None:
+        err["field"] = field
+    if line is not None:
+        err["line"] = line
+    return {"id": request_id, "error": err}
+
+
+def openai_record(
+    req: ParsedRequest, out: RequestOutput, model: str, created: int | None = None
+) -> dict[str, Any]:
+    """The OpenAI Batch output line for ``req`` (format openai_chat / openai_completion).
+
+    ``model``: echoed when the request body named none; ``created``: unix seconds (default now).
+    """
+    if out.error is not None:
+        return openai_error_record(req.id, req.line, out.error, out.error_field, code="request_failed")
+    n, chat = req.line, req.format == "openai_chat"
+    usage = _usage(out)
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    choice: dict[str, Any] = {"index": 0}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": out.text}
+    else:
+        choice["text"] = out.text
+    choice.update(logprobs=None, finish_reason=out.finish_reason)
+    body = {
+        "id": f"chatcmpl-{n}" if chat else f"cmpl-{n}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()) if created is None else created,
+        "model": req.model or model,
+        "choices": [choice],
+        "usage": usage,
+    }
+    response = {"status_code": 200, "request_id": f"req_{n}", "body": body}
+    return {"id": f"batch_req_{n}", "custom_id": req.id, "response": response, "error": None}
+
+
+def openai_error_record(
+    custom_id: str, line: int, message: str, field: str | None = None, code: str = "invalid_request"
+) -> dict[str, Any]:
+    """An OpenAI Batch output line for a request that did not run."""
+    err = {"code": code, "message": message, "param": field}
+    return {"id": f"batch_req_{line}", "custom_id": custom_id, "response": None, "error": err}
+
+
+def make_record(req: ParsedRequest | None, out: RequestOutput, model: str) -> dict[str, Any]:
+    """The record for ``out`` in the shape its request came in (simple when ``req`` is None)."""
+    if req is None or req.format == "simple":
+        return simple_record(out)
+    return openai_record(req, out, model)
+
+
+def record_id(record: dict[str, Any]) -> str | None:
+    """The request id a record belongs to (``custom_id`` for OpenAI Batch lines)."""
+    rid = record.get("custom_id", record.get("id"))
+    return rid if isinstance(rid, str) else None
+
+
+class OutputWriter:
+    """Writes one JSON line per finished request and flushes it at once, so a crash loses no
+    finished work. ``path`` None writes to this process's stdout (rank 0's).
+
+    ``append``: keep existing lines (``--resume``); otherwise the file is truncated.
+
+    Raises:
+        OSError: the file cannot be opened.
+    """
+
+    def __init__(self, path: str | os.PathLike | None, append: bool = False) -> None:
+        self.path = path
+        self.count = 0
+        self._fh: BinaryIO = sys.stdout.buffer if path is None else open(path, "ab" if append else "wb")
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` as one line (UTF-8 JSON) and flush."""
+        self._fh.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+        self._fh.flush()
+        self.count += 1
+
+    def close(self) -> None:
+        """Flush; close the file (stdout stays open)."""
+        self._fh.flush()
+        if self.path is not None:
+            self._fh.close()
+
+    def __enter__(self) -> OutputWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_done_ids(path: str | os.PathLike, repair: bool = True) -> set[str]:
+    """Ids that already have a record in ``path`` (ok or error), for ``--resume``.
+
+    A missing file gives an empty set. A truncated last line (no trailing newline: a write cut
+    by a crash) is ignored and, with ``repair``, cut off the file so new lines append cleanly.
+    Complete lines that are not JSON objects are skipped.
+    """
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        return set()
+    end = data.rfind(b"\n") + 1
+    if repair and end < len(data):
+        with open(path, "r+b") as fh:
+            fh.truncate(end)
+    done = set()
+    for line in data[:end].split(b"\n"):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and (rid := record_id(rec)) is not None:
+            done.add(rid)
+    return done
