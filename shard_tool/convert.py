@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -46,9 +47,9 @@ def convert_gguf(gguf_file: Path, out_dir: Path, force: bool = False) -> Path:
 
 
 def convert(
-    gguf_file: Path = typer.Argument(..., help="input .gguf file"),
-    out_dir: Path = typer.Argument(..., help="output Hugging Face model folder (must not exist)"),
-    force: bool = typer.Option(False, "--force", help="replace OUT_DIR if it exists"),
+    gguf_file: Annotated[Path, typer.Argument(help="input .gguf file")],
+    out_dir: Annotated[Path, typer.Argument(help="output Hugging Face model folder (must not exist)")],
+    force: Annotated[bool, typer.Option("--force", help="replace OUT_DIR if it exists")] = False,
 ) -> None:
     """Convert a GGUF file into a plain float32 Hugging Face model folder."""
     with user_errors():

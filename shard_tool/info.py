@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
@@ -74,9 +74,11 @@ def _rng(a: tuple[int, int]) -> str:
 
 
 def info(
-    model_dir: Path = typer.Argument(..., help="model folder (only config.json is read)"),
-    tp: int = typer.Option(None, "--tp", help="show the plan for this TP size (default: list valid sizes)"),
-    dtype: str = typer.Option(None, "--dtype", help="dtype for the byte counts (default: config's)"),
+    model_dir: Annotated[Path, typer.Argument(help="model folder (only config.json is read)")],
+    tp: Annotated[
+        int | None, typer.Option("--tp", help="show the plan for this TP size (default: list valid sizes)")
+    ] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="dtype for byte counts (default: config's)")] = None,
 ) -> None:
     """Print the ShardPlan as a table (ranges are half-open start:end), or the valid TP sizes."""
     from rich.console import Console

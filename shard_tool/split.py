@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
@@ -185,11 +185,13 @@ def _first_float_dtype(model_dir: Path, files: dict[str, list[str]]) -> str | No
 
 
 def split(
-    model_dir: Path = typer.Argument(..., help="Hugging Face model folder (config.json + safetensors)"),
-    tp: int = typer.Option(..., "--tp", help="tensor-parallel size (1..num_attention_heads)"),
-    out: Path = typer.Option(..., "--out", help="output folder for the rank files and manifest"),
-    dtype: str = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: checkpoint's)"),
-    force: bool = typer.Option(False, "--force", help="replace --out if it exists"),
+    model_dir: Annotated[Path, typer.Argument(help="Hugging Face model folder (config.json + safetensors)")],
+    tp: Annotated[int, typer.Option("--tp", help="tensor-parallel size (1..num_attention_heads)")],
+    out: Annotated[Path, typer.Option("--out", help="output folder for the rank files and manifest")],
+    dtype: Annotated[
+        str | None, typer.Option("--dtype", help="float32, bfloat16 or float16 (default: checkpoint's)")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="replace --out if it exists")] = False,
 ) -> None:
     """Write one safetensors file per rank plus manifest.json (exactly what each rank loads)."""
     from rich.console import Console

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
@@ -24,7 +24,7 @@ def verify_dir(shard_dir: Path) -> list[str]:
     Raises:
         UserError: no readable manifest.json in ``shard_dir``.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from transformers import AutoConfig
 
     from tpengine.plan import ShardPlan
@@ -65,8 +65,9 @@ def verify_dir(shard_dir: Path) -> list[str]:
         expected: dict[str, Any] = m["tensors"].get(str(r), {})
         try:
             with safe_open(path, framework="pt") as f:
-                got = {n: (f.get_slice(n).get_shape(), f.get_slice(n).get_dtype()) for n in f.keys()}
-        except Exception as e:  # a damaged file
+                names = f.keys()
+                got = {n: (f.get_slice(n).get_shape(), f.get_slice(n).get_dtype()) for n in names}
+        except (SafetensorError, OSError, ValueError) as e:  # a damaged file
             errors.append(f"{fname}: unreadable safetensors file ({e})")
             continue
         for n in sorted(set(expected) - set(got)):
@@ -95,7 +96,7 @@ def verify_dir(shard_dir: Path) -> list[str]:
     return errors
 
 
-def verify(shard_dir: Path = typer.Argument(..., help="folder written by tpengine-shard split")) -> None:
+def verify(shard_dir: Annotated[Path, typer.Argument(help="folder written by tpengine-shard split")]) -> None:
     """Re-hash every rank file and check names and shapes against the manifest and the plan."""
     with user_errors():
         errors = verify_dir(shard_dir)

@@ -13,16 +13,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 # Small enough to build, save and split in well under a second; intermediate 100 and vocab 1001
 # split unevenly at tp 3 and tp 2/4.
-TINY_DEFAULTS = dict(
-    hidden_size=64,
-    intermediate_size=100,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=1001,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-)
+TINY_DEFAULTS = {
+    "hidden_size": 64,
+    "intermediate_size": 100,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1001,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
 
 
 def tiny_config(arch: str = "llama", **overrides):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from types import SimpleNamespace
 
@@ -27,7 +28,7 @@ def cfg(nh: int, nkv: int | None, hidden: int | None = None, inter: int = 100, v
 
 def assert_contiguous_even(ranges: list[tuple[int, int]], total: int) -> None:
     assert ranges[0][0] == 0 and ranges[-1][1] == total
-    for (a0, a1), (b0, _) in zip(ranges, ranges[1:]):
+    for (a0, a1), (b0, _) in itertools.pairwise(ranges):
         assert a1 == b0
     sizes = [e - s for s, e in ranges]
     assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 0
