@@ -13,6 +13,7 @@ from tpengine.frontend.output import (
     error_record,
     make_record,
     openai_error_record,
+    read_done,
     read_done_ids,
     simple_record,
 )
@@ -43,7 +44,7 @@ def test_error_records():
         "id": "d", "error": {"message": "bad", "field": "max_tokens", "line": 5}}
     assert openai_error_record("cid", 4, "bad", "body.max_tokens") == {
         "id": "batch_req_4", "custom_id": "cid", "response": None,
-        "error": {"code": "invalid_request", "message": "bad", "param": "body.max_tokens"}}
+        "error": {"code": "invalid_request", "message": "bad", "param": "body.max_tokens", "line": 4}}
 
 
 def test_openai_batch_records():
@@ -99,7 +100,7 @@ def test_writer_stdout(capsys):
 def test_read_done_ids_truncated_last_line(tmp_path):
     p = tmp_path / "out.jsonl"
     good = [simple_record(ok_out("a")), error_record("b", "bad"),
-            openai_error_record("cid", 3, "bad")]
+            openai_error_record("cid", 3, "bad", code="request_failed")]
     text = "".join(json.dumps(r) + "\n" for r in good)
     p.write_text(text + '{"id": "d", "text": "cut by a cra')
     assert read_done_ids(p) == {"a", "b", "cid"}
@@ -148,3 +149,14 @@ def test_progress_rich_bar_runs():
     pr.close()
     pr.close()
     assert "1/1" in buf.getvalue()
+
+
+def test_invalid_line_records_are_not_done_ids(tmp_path):
+    """A rejected duplicate line must not make --resume skip the valid request with that id."""
+    p = tmp_path / "out.jsonl"
+    with OutputWriter(p) as w:
+        w.write(error_record("a", "duplicate id 'a' (first on line 1)", "id", line=3))
+        w.write(openai_error_record("c", 4, "bad", "body.n"))
+        w.write(error_record("t", "prompt too long"))  # failed at run time: done
+        w.write(make_record(None, ok_out("z"), "m"))
+    assert read_done(p) == ({"t", "z"}, {3, 4})

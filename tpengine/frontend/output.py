@@ -88,8 +88,8 @@ def openai_record(
 def openai_error_record(
     custom_id: str, line: int, message: str, field: str | None = None, code: str = "invalid_request"
 ) -> dict[str, Any]:
-    """An OpenAI Batch output line for a request that did not run."""
-    err = {"code": code, "message": message, "param": field}
+    """An OpenAI Batch output line for a request that did not run (``line`` 1-based)."""
+    err = {"code": code, "message": message, "param": field, "line": line}
     return {"id": f"batch_req_{line}", "custom_id": custom_id, "response": None, "error": err}
 
 
@@ -140,28 +140,50 @@ class OutputWriter:
         self.close()
 
 
-def read_done_ids(path: str | os.PathLike, repair: bool = True) -> set[str]:
-    """Ids that already have a record in ``path`` (ok or error), for ``--resume``.
+def is_validation_error(record: dict[str, Any]) -> int | None:
+    """The line number if ``record`` reports an invalid request line (written before the run:
+    a simple error with "line", or an OpenAI error with code "invalid_request"), else None."""
+    err = record.get("error")
+    if not isinstance(err, dict) or not isinstance(err.get("line"), int):
+        return None
+    if "custom_id" in record and err.get("code") != "invalid_request":
+        return None
+    return err["line"]
 
-    A missing file gives an empty set. A truncated last line (no trailing newline: a write cut
-    by a crash) is ignored and, with ``repair``, cut off the file so new lines append cleanly.
-    Complete lines that are not JSON objects are skipped.
+
+def read_done(path: str | os.PathLike, repair: bool = True) -> tuple[set[str], set[int]]:
+    """What an output file already holds, for ``--resume``: (ids of requests that ran or failed
+    at run time, line numbers of invalid-line error records).
+
+    Invalid-line records do not count as done ids, so a valid request that shares an id with a
+    rejected duplicate line still runs. A missing file gives empty sets. A truncated last line
+    (no trailing newline: a write cut by a crash) is ignored and, with ``repair``, cut off the
+    file so new lines append cleanly. Complete lines that are not JSON objects are skipped.
     """
     try:
         with open(path, "rb") as fh:
             data = fh.read()
     except FileNotFoundError:
-        return set()
+        return set(), set()
     end = data.rfind(b"\n") + 1
     if repair and end < len(data):
         with open(path, "r+b") as fh:
             fh.truncate(end)
-    done = set()
+    done, bad_lines = set(), set()
     for line in data[:end].split(b"\n"):
         try:
             rec = json.loads(line)
         except ValueError:
             continue
-        if isinstance(rec, dict) and (rid := record_id(rec)) is not None:
+        if not isinstance(rec, dict):
+            continue
+        if (n := is_validation_error(rec)) is not None:
+            bad_lines.add(n)
+        elif (rid := record_id(rec)) is not None:
             done.add(rid)
-    return done
+    return done, bad_lines
+
+
+def read_done_ids(path: str | os.PathLike, repair: bool = True) -> set[str]:
+    """Ids already in ``path`` (ok or failed at run time): ``read_done(path, repair)[0]``."""
+    return read_done(path, repair)[0]

@@ -1,0 +1,204 @@
+"""The main job: run every request of a JSONL file through the engine, one output line each.
+
+    python -m tpengine.run --prompts examples/prompts.jsonl --config configs/smollm2-135m.toml
+    torchrun --nproc_per_node=2 -m tpengine.run --prompts file.jsonl --out out.jsonl
+
+Every rank parses the arguments and validates the whole request file before the model loads,
+so on bad input all ranks exit with code 2 before any collective. Rank 0 tokenizes, writes one
+flushed record per finished request (``--out``, default rank 0's stdout), shows progress and a
+summary on stderr. Exit codes: 0 done (per-request errors are records, not failures), 2 bad
+input or settings, 1 a failure while running.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tomllib
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from tpengine.config import EngineConfig, load_config
+from tpengine.engine.outputs import RequestOutput
+from tpengine.engine.sampling_params import SamplingParams
+from tpengine.frontend.output import (
+    OutputWriter,
+    error_record,
+    make_record,
+    openai_error_record,
+    read_done,
+)
+from tpengine.frontend.progress import ProgressReporter
+from tpengine.frontend.requests import (
+    ParsedRequest,
+    RequestError,
+    RequestValidationError,
+    parse_requests,
+    to_token_ids,
+)
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "ignore_eos")
+
+
+class UsageError(Exception):
+    """Bad arguments, settings or request lines: exit code 2 on every rank."""
+
+
+def resolve_model_dir(model: str, world_size: int) -> str:
+    """``{model}-tp{world_size}`` when it holds pre-split shards (``manifest.json``), else ``model``."""
+    shards = Path(f"{str(model).rstrip('/')}-tp{world_size}")
+    return str(shards) if (shards / "manifest.json").is_file() else str(model)
+
+
+def sampling_defaults(config_path: str | os.PathLike | None, **cli: Any) -> dict[str, Any]:
+    """SamplingParams defaults: the config file's ``[sampling]`` table, then non-None ``cli``.
+
+    Raises:
+        UsageError: an unknown ``[sampling]`` key or an invalid value (names both).
+    """
+    values: dict[str, Any] = {}
+    if config_path is not None and Path(config_path).is_file():
+        table = tomllib.loads(Path(config_path).read_text()).get("sampling", {})
+        unknown = sorted(set(table) - set(SAMPLING_KEYS))
+        if unknown:
+            raise UsageError(f"{config_path}: unknown [sampling] key(s) {unknown}; valid: {', '.join(SAMPLING_KEYS)}")
+        values.update(table)
+    values.update({k: v for k, v in cli.items() if v is not None})
+    try:
+        SamplingParams(**values)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"invalid sampling default: {e}") from e
+    return values
+
+
+def _error_records(errors: list[RequestError]) -> list[tuple[int, dict]]:
+    """One (line, record) per invalid line; several problems on a line are joined."""
+    by_line: dict[int, list[RequestError]] = defaultdict(list)
+    for e in errors:
+        by_line[e.line].append(e)
+    out = []
+    for line, errs in sorted(by_line.items()):
+        first = errs[0]
+        rid = first.id if first.id is not None else str(line - 1)
+        msg = "; ".join((f"{e.field}: " if e.field else "") + e.message for e in errs)
+        rec = (error_record(rid, msg, first.field, line) if first.format == "simple"
+               else openai_error_record(rid, line, msg, first.field))
+        out.append((line, rec))
+    return out
+
+
+def prepare(prompts: Path, out: Path | None, config: Path | None, resume: bool, skip_invalid: bool,
+            sampling_cli: dict[str, Any], engine_cli: dict[str, Any], world_size: int):
+    """Everything before the model loads, identical on every rank: (EngineConfig, requests,
+    errors, model name). Raises UsageError for bad arguments, settings or (without --skip-invalid) lines."""
+    if resume and out is None:
+        raise UsageError("--resume needs --out (the file whose finished ids are skipped)")
+    defaults = sampling_defaults(config, **sampling_cli)
+    try:
+        requests, errors = parse_requests(prompts, defaults)
+    except OSError as e:
+        raise UsageError(f"cannot read --prompts {str(prompts)!r}: {e}") from e
+    if errors and not skip_invalid:
+        lines = "\n".join(str(e) for e in errors)
+        raise UsageError(f"{lines}\n{len({e.line for e in errors})} invalid line(s) in {prompts}; "
+                         "fix them, or pass --skip-invalid to run the rest")
+    try:
+        cfg = load_config(config, **engine_cli)
+    except (OSError, ValueError) as e:
+        raise UsageError(str(e)) from e
+    model_name = Path(cfg.model).name
+    cfg = cfg.replace(model=resolve_model_dir(cfg.model, world_size))
+    if not Path(cfg.model).is_dir():
+        raise UsageError(f"model folder {cfg.model!r} does not exist (run `make model`, or pass --model)")
+    return cfg, requests, errors, model_name
+
+
+def drive(engine, cfg: EngineConfig, requests: list[ParsedRequest], errors: list[RequestError],
+          out: Path | None, resume: bool, model_name: str) -> dict[str, Any]:
+    """Rank 0: skip done ids, tokenize, run, write each record as it finishes; return the summary."""
+    done, done_lines = read_done(out) if resume else (set(), set())
+    todo = [r for r in requests if r.id not in done]
+    bad = [(n, rec) for n, rec in _error_records(errors) if n not in done_lines]
+    progress = ProgressReporter(total=len(todo) + len(bad))
+    by_id = {r.id: r for r in todo}
+    written: set[str] = set()
+    with OutputWriter(out, append=resume) as writer:
+        for _, rec in bad:
+            writer.write(rec)
+            progress.add_errors()
+
+        def on_output(o: RequestOutput) -> None:
+            if o.request_id in written:
+                return
+            written.add(o.request_id)
+            writer.write(make_record(by_id.get(o.request_id), o, model_name))
+            progress.on_output(o)
+
+        tok = engine.tokenizer
+        vocab = getattr(engine, "vocab_size", None)
+        batch = []
+        for r in todo:
+            try:
+                batch.append((r.id, to_token_ids(r, tok, vocab), r.params))
+            except RequestValidationError as e:
+                on_output(RequestOutput(r.id, [], error=str(e), error_field=e.field))
+        try:
+            results = engine.generate(batch, on_output=on_output, on_step=progress.on_step)
+            for o in results or []:  # in case an output was not reported through on_output
+                on_output(o)
+        finally:
+            progress.close()
+    return progress.print_summary()
+
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+
+@app.command()
+def main(
+    prompts: Path = typer.Option(..., "--prompts", help="JSONL request file"),
+    out: Optional[Path] = typer.Option(None, "--out", help="output JSONL (default: stdout of rank 0)"),
+    model: Optional[str] = typer.Option(None, "--model", help="HF model folder (DIR-tpN shards used if present)"),
+    config: Optional[Path] = typer.Option(None, "--config", help="configs/NAME.toml"),
+    resume: bool = typer.Option(False, "--resume", help="skip ids already in --out, append the rest"),
+    skip_invalid: bool = typer.Option(False, "--skip-invalid", help="invalid lines become error records"),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="default max_tokens per request"),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="default temperature"),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
+    block_size: Optional[int] = typer.Option(None, "--block-size"),
+    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs"),
+    kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb", help="KV cache GiB per rank (CPU)"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16"),
+) -> None:
+    """Run every request in --prompts; one JSON line per request on --out."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    engine_cli = dict(model=model, max_model_len=max_model_len, block_size=block_size,
+                      max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb, dtype=dtype)
+    try:
+        cfg, requests, errors, model_name = prepare(prompts, out, config, resume, skip_invalid,
+                                        dict(max_tokens=max_tokens, temperature=temperature),
+                                        engine_cli, world)
+    except UsageError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    try:
+        from tpengine.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(cfg)
+        if engine.is_driver:
+            drive(engine, cfg, requests, errors, out, resume, model_name)
+        else:
+            engine.generate([])
+        engine.shutdown()
+    except Exception as e:
+        print(f"[tpengine rank {rank}/{world}] failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        raise
+    raise typer.Exit(0)
+
+
+if __name__ == "__main__":
+    app()
