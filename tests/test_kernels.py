@@ -152,9 +152,11 @@ def test_reference_store_and_dtypes():
         assert torch.equal(kc[s // 16, s % 16], k[i].bfloat16()) and torch.equal(vc[s // 16, s % 16], v[i].bfloat16())
     assert kc.flatten(0, 1).abs().sum(dim=(1, 2)).count_nonzero() == 3  # the -1 token wrote nothing
     q = torch.randn(2, 3, 64, generator=g).bfloat16()
-    out = ref.decode_attention(q, kc, vc, torch.tensor([[0, 1], [3, 2]]), torch.tensor([7, 20]),
-                               torch.tensor([0, 1, 1]), 0.125)
-    assert out.dtype == torch.bfloat16 and out.isfinite().all()
+    args = (torch.tensor([[0, 1], [3, 2]]), torch.tensor([7, 20]), torch.tensor([0, 1, 1]), 0.125)
+    out = ref.decode_attention(q, kc, vc, *args)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.decode_attention(q.float(), kc.float(), vc.float(), *args),
+                               atol=2e-2, rtol=2e-2)
 
 
 def test_reference_errors():
@@ -196,7 +198,7 @@ def test_triton_decode(d, bs, q_to_kv, partition):
     want = ref.decode_attention(q, kc, vc, bt, ctx, qkv, d**-0.5)
     args = _to(DEVICE, q, kc, vc, bt, ctx, qkv)
     got = tri.decode_attention(*args, d**-0.5, partition_size=partition)
-    assert got.shape == q.shape and got.dtype == q.dtype
+    assert got.shape == q.shape and got.dtype == q.dtype and got.is_contiguous()
     torch.testing.assert_close(got.cpu(), want, **TOL)
     assert got[DECODE_LENS.index(0)].abs().max() == 0  # padding row -> zeros
 
@@ -218,3 +220,28 @@ def test_triton_prefill_no_prefix(d, bs, q_to_kv):
     q, k, v, kc, vc, cu_q, cu_k, qkv = _to(DEVICE, q, k, v, kc, vc, cu_q, cu_k, qkv)
     got = tri.prefill_attention(q, k, v, kc, vc, cu_q, cu_k, None, qkv, d**-0.5)  # no table needed
     torch.testing.assert_close(got.cpu(), want, **TOL)
+
+
+def test_triton_strided_cache():
+    """Caches that are not contiguous (head-major blocks) work in every kernel of both backends."""
+    d, bs, q_to_kv = 64, 16, [0, 0, 1]
+    case = list(_prefill_case(d, bs, q_to_kv, [(3, 20), (9, 9)], seed=6))
+    for i in (3, 4):  # k_cache, v_cache -> same values, [nb, H, bs, D] memory order
+        case[i] = case[i].transpose(1, 2).contiguous().transpose(1, 2)
+    q, k, v, kc, vc, cu_q, cu_k, bt, qkv = case
+    kc2, vc2 = kc.contiguous(), vc.contiguous()  # copies for the reference
+    kc, vc = kc.to(DEVICE), vc.to(DEVICE)  # .to keeps the strides
+    assert not kc.is_contiguous()
+    slots = torch.tensor([_slot(bt, 1, p, bs) for p in range(9)])
+    tri.store_kvcache(*_to(DEVICE, k[3:], v[3:]), kc, vc, slots.to(DEVICE))
+    ref.store_kvcache(k[3:], v[3:], kc2, vc2, slots)
+    assert torch.equal(kc.cpu(), kc2) and torch.equal(vc.cpu(), vc2)
+    want = ref.prefill_attention(q, k, v, kc2, vc2, cu_q, cu_k, bt, qkv, d**-0.5)
+    got = tri.prefill_attention(*_to(DEVICE, q, k, v, kc, vc, cu_q, cu_k, bt, qkv), d**-0.5)
+    torch.testing.assert_close(got.cpu(), want, **TOL)
+    ctx = torch.tensor([20, 9])
+    want = ref.decode_attention(q[:2], kc2, vc2, bt, ctx, qkv, d**-0.5)
+    got = tri.decode_attention(*_to(DEVICE, q[:2], kc, vc, bt, ctx, qkv), d**-0.5, partition_size=16)
+    torch.testing.assert_close(got.cpu(), want, **TOL)
+    got = ref.decode_attention(*_to("cpu", q[:2], kc, vc), bt, ctx, qkv, d**-0.5)  # strided reference too
+    torch.testing.assert_close(got, want, **TOL)

@@ -1,8 +1,10 @@
 """Triton paged-attention kernels: KV store, split-K decode ("flash decoding"), varlen prefill.
 
 Same interface, layout and semantics as :mod:`tpengine.kernels.reference` (its docstrings are
-the contract); this module is the CUDA path. All three kernels take explicit strides, so any
-tensor layout works (only the innermost ``head_dim`` stride need not be 1, but 1 is fastest).
+the contract); this module is the CUDA path. q/k/v/out and the caches are addressed through
+explicit strides, so any layout works (a unit ``head_dim`` stride is fastest); the small int64
+index tensors (slot_mapping, cu_seqlens, block_tables rows, context_lens, q_to_kv) are made
+contiguous by the wrappers. Every tensor must be on the same device.
 Block ids are looked up per key row (``pos // block_size``), so ``block_size`` need not be a
 power of two nor match the key tile.
 
@@ -29,9 +31,13 @@ DECODE_PARTITION = 512
 MAX_SPLITS = 64
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    """``tl.dot`` input precision: exact fp32 for float32 inputs (no TF32), default otherwise."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """``a @ b`` accumulated in float32; ``IEEE``: exact fp32 products (no TF32) for fp32 inputs."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,6 +78,7 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     n = key.shape[0]
     if n == 0:
         return
+    slot_mapping = slot_mapping.contiguous()
     _store_kernel[(n,)](
         key, value, k_cache, v_cache, slot_mapping, bs, hkv, *key.stride(), *value.stride(),
         *k_cache.stride(), *v_cache.stride(),
@@ -180,9 +187,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     than one split, float32 partials go to a ``[B, Hq, splits, D]`` workspace and a reduce
     kernel merges them. ``splits`` comes from the block table's capacity
     (``max_blocks * block_size``; at most :data:`MAX_SPLITS`, longer tables get longer splits),
-    so there is no host sync and the launch is CUDA-graph
-    friendly; empty splits exit at once. Zero-length contexts give zeros. Raises ValueError on
-    shape mismatch; ``context_lens`` beyond the block table's capacity is NOT checked.
+    so there is no host sync and the launch is CUDA-graph friendly; splits past a sequence's
+    end run no iterations and the reduce ignores them. Zero-length contexts give zeros. Raises
+    ValueError on shape mismatch; ``context_lens`` beyond the table's capacity is NOT checked.
     """
     _, bs, hkv, d = check_cache(k_cache, v_cache)
     check_heads(q, q_to_kv, hkv, d)
@@ -192,9 +199,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             f"block_tables must be [{nb}, max_blocks] and context_lens [{nb}]; got "
             f"{tuple(block_tables.shape)}, {tuple(context_lens.shape)}"
         )
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)  # contiguous, whatever q's strides
     if nb == 0:
         return out
+    block_tables, context_lens, q_to_kv = block_tables.contiguous(), context_lens.contiguous(), q_to_kv.contiguous()
     d_p2 = triton.next_power_of_2(d)
     block_n, part, splits = decode_splits(block_tables.shape[1] * bs, d, partition_size)
     if splits > 1:
@@ -225,7 +233,7 @@ def _prefill_kernel(q, k, v, kc, vc, out, cu_q, cu_k, bt, q_to_kv, scale, block_
                     s_qn, s_qh, s_qd, s_kn, s_kh, s_kd, s_vn, s_vh, s_vd,
                     s_cb, s_cs, s_ch, s_cd, s_vcb, s_vcs, s_vch, s_vcd, s_bt, s_on, s_oh, s_od,
                     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+                    BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     mb = tl.program_id(2)
@@ -256,13 +264,13 @@ def _prefill_kernel(q, k, v, kc, vc, out, cu_q, cu_k, bt, q_to_kv, scale, block_
                      mask=km, other=0.0).to(qt.dtype)
         vt = tl.load(vc + blk[:, None] * s_vcb + off[:, None] * s_vcs + kvh * s_vch + d[None, :] * s_vcd,
                      mask=km, other=0.0).to(qt.dtype)
-        s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PREC) * scale
+        s = _dot(qt, tl.trans(kt), IEEE) * scale
         s = tl.where(pm[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
+        acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
         m_i = m_new
     # phase 2: the new tokens (dense k/v), causal: new key j visible to query i iff j <= i
     hi = tl.minimum(lq, (mb + 1) * BLOCK_M)
@@ -272,13 +280,13 @@ def _prefill_kernel(q, k, v, kc, vc, out, cu_q, cu_k, bt, q_to_kv, scale, block_
         km = pm[:, None] & dm[None, :]
         kt = tl.load(k + (q0 + pos)[:, None] * s_kn + kvh * s_kh + d[None, :] * s_kd, mask=km, other=0.0)
         vt = tl.load(v + (q0 + pos)[:, None] * s_vn + kvh * s_vh + d[None, :] * s_vd, mask=km, other=0.0)
-        s = tl.dot(qt, tl.trans(kt.to(qt.dtype)), input_precision=DOT_PREC) * scale
+        s = _dot(qt, tl.trans(kt.to(qt.dtype)), IEEE) * scale
         s = tl.where(pm[None, :] & (pos[None, :] <= offs_m[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
+        acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
         m_i = m_new
     res = acc / l_i[:, None]
     tl.store(out + (q0 + offs_m)[:, None] * s_on + h * s_oh + d[None, :] * s_od, res.to(out.dtype.element_ty),
@@ -305,10 +313,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         if any(a != b for a, b in zip(lqs, lks)):
             raise ValueError("a sequence has a cached prefix (Lk > Lq) but block_tables is None")
         block_tables = q_to_kv.new_zeros(len(lqs), 1)  # never read
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)  # contiguous, whatever q's strides
     max_lq = max(lqs, default=0)
     if max_lq == 0:
         return out
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    block_tables, q_to_kv = block_tables.contiguous(), q_to_kv.contiguous()
     d_p2 = max(16, triton.next_power_of_2(d))  # tl.dot needs K >= 16
     block = 64 if d_p2 <= 64 else 32
     if q.device.type == "cuda" and q.dtype != torch.float32 and d_p2 <= 128:
@@ -317,6 +327,6 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         q, k, v, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, block_tables, q_to_kv, float(scale), bs,
         *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
         *out.stride(),
-        HEAD_DIM=d, D_P2=d_p2, BLOCK_M=block, BLOCK_N=block, DOT_PREC=_dot_precision(q.dtype),
+        HEAD_DIM=d, D_P2=d_p2, BLOCK_M=block, BLOCK_N=block, IEEE=q.dtype == torch.float32,
     )
     return out

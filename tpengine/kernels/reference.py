@@ -7,8 +7,9 @@ Layout (shared with :mod:`tpengine.kernels.paged_attention`): each layer's ``k_c
 only through ``q_to_kv`` (local query head ``h`` reads local KV head ``q_to_kv[h]``), so uneven
 and replicated tensor-parallel KV shards work; no ``Hq % Hkv == 0`` grouping is assumed.
 
-Every function accepts tensors of any strides. Outputs have the dtype of ``q``; softmax runs in
-float32 (torch SDPA accumulates in float32 for half types on CPU; the decode path upcasts).
+Every function accepts tensors of any strides (a cache that is not viewable as ``[slots, ...]``
+is copied on read, so keep caches contiguous). Outputs have the dtype of ``q``; attention runs
+through torch SDPA, which accumulates softmax in float32 for half types on CPU.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def _gather_cache(cache: torch.Tensor, block_row: torch.Tensor, n: int) -> torch
     """Tokens ``0..n-1`` of one sequence from ``cache`` through its block-table row -> [n, Hkv, D]."""
     bs = cache.shape[1]
     pos = torch.arange(n, device=cache.device)
-    return cache[block_row[pos // bs], pos % bs]
+    return cache.reshape(-1, *cache.shape[2:]).index_select(0, block_row[pos // bs] * bs + pos % bs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +130,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     if k.shape != v.shape or k.shape[0] != q.shape[0] or tuple(k.shape[1:]) != (hkv, d):
         raise ValueError(f"k/v must be [{q.shape[0]}, {hkv}, {d}]; got {tuple(k.shape)}, {tuple(v.shape)}")
     cu_q, _, lqs, lks = prefill_lengths(cu_seqlens_q, cu_seqlens_k, q.shape[0])
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)  # contiguous, whatever q's strides
     for b, (lq, lk) in enumerate(zip(lqs, lks)):
         if lq == 0:
             continue
@@ -159,8 +160,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     [B, max_blocks]`` int64 (-1 padded), ``context_lens [B]`` int64 (tokens in the cache,
     including this step's token, already stored), ``q_to_kv [Hq]``, ``scale`` = softmax scale.
     Returns ``[B, Hq, D]`` in ``q.dtype``; a sequence with ``context_lens == 0`` (batch padding)
-    gets zeros. Vectorised: gathers a ``[B, max_ctx]`` slot index from the block tables, masks
-    positions ``>= context_lens[b]``, computes in float32. One host sync (``max_ctx``).
+    gets zeros. Vectorised: builds a ``[B, max_ctx]`` slot index from the block tables, gathers
+    K/V once per query head straight into ``[B, Hq, max_ctx, D]`` (so any ``q_to_kv`` works),
+    and runs SDPA with positions ``>= context_lens[b]`` masked. One host sync (``max_ctx``).
     Raises ValueError on shape mismatch or when ``max_ctx`` exceeds the block table's capacity.
     """
     _, bs, hkv, d = check_cache(k_cache, v_cache)
@@ -172,19 +174,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             f"{tuple(block_tables.shape)}, {tuple(context_lens.shape)}"
         )
     if nb == 0:
-        return torch.empty_like(q)
+        return q.new_empty(q.shape)
     max_ctx = int(context_lens.max())
     if max_ctx > block_tables.shape[1] * bs:
         raise ValueError(f"context length {max_ctx} exceeds block table capacity {block_tables.shape[1]}x{bs}")
     if max_ctx == 0:
-        return torch.zeros_like(q)
+        return q.new_zeros(q.shape)
     pos = torch.arange(max_ctx, device=q.device)
     valid = pos[None, :] < context_lens[:, None]  # [B, L]
-    blocks = block_tables[:, pos // bs].clamp_min(0)  # -1 padding -> block 0 (masked anyway)
-    offs = (pos % bs).expand(nb, -1)
-    kg = k_cache[blocks, offs].index_select(2, q_to_kv).float()  # [B, L, Hq, D]
-    vg = v_cache[blocks, offs].index_select(2, q_to_kv).float()
-    scores = torch.einsum("bhd,blhd->bhl", q.float(), kg) * scale
-    scores.masked_fill_(~valid[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # empty contexts -> zeros
-    return torch.einsum("bhl,blhd->bhd", probs, vg).to(q.dtype)
+    empty = context_lens == 0
+    valid[:, 0] |= empty  # batch padding: attend to one dummy key, zeroed below (avoids NaN)
+    slots = block_tables[:, pos // bs].clamp_min(0) * bs + pos % bs  # [B, L]; -1 padding masked anyway
+    # one gather straight into [B, Hq, L, D]: row (slot, q_to_kv[h]) of the [slots*Hkv, D] view
+    rows = (slots[:, None, :] * hkv + q_to_kv[None, :, None]).flatten()
+    kg = k_cache.reshape(-1, d).index_select(0, rows).view(nb, -1, max_ctx, d)
+    vg = v_cache.reshape(-1, d).index_select(0, rows).view(nb, -1, max_ctx, d)
+    out = F.scaled_dot_product_attention(q[:, :, None, :], kg.to(q.dtype), vg.to(q.dtype),
+                                         attn_mask=valid[:, None, None, :], scale=scale)[:, :, 0]
+    return out.masked_fill_(empty[:, None, None], 0.0)
