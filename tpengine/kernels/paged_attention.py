@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpengine.kernels.reference import check_cache, check_heads, prefill_lengths
+from tpengine.kernels.reference import check_cache, check_heads, check_store, prefill_lengths
 
 __all__ = ["store_kvcache", "prefill_attention", "decode_attention"]
 
@@ -70,11 +70,7 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     One program per token; slot -1 is skipped; values are cast to the cache dtype. Raises
     ValueError on shape mismatch. Out-of-range slots are NOT checked (memory corruption on GPU).
     """
-    _, bs, hkv, d = check_cache(k_cache, v_cache)
-    if key.shape != value.shape or key.dim() != 3 or tuple(key.shape[1:]) != (hkv, d):
-        raise ValueError(f"key/value must be [N, {hkv}, {d}]; got {tuple(key.shape)} and {tuple(value.shape)}")
-    if slot_mapping.shape != (key.shape[0],):
-        raise ValueError(f"slot_mapping must be [{key.shape[0]}]; got {tuple(slot_mapping.shape)}")
+    _, bs, hkv, d = check_store(key, value, k_cache, v_cache, slot_mapping)
     n = key.shape[0]
     if n == 0:
         return
@@ -177,8 +173,9 @@ def decode_splits(capacity: int, head_dim: int, partition_size: int | None = Non
     return block_n, part, max(1, triton.cdiv(capacity, part))
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, q_to_kv: torch.Tensor, scale: float,
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, q_to_kv: torch.Tensor,
+                     scale: float,
                      partition_size: int | None = None) -> torch.Tensor:
     """Triton version of :func:`tpengine.kernels.reference.decode_attention` (same contract).
 
@@ -202,7 +199,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = q.new_empty(q.shape)  # contiguous, whatever q's strides
     if nb == 0:
         return out
-    block_tables, context_lens, q_to_kv = block_tables.contiguous(), context_lens.contiguous(), q_to_kv.contiguous()
+    block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
+    q_to_kv = q_to_kv.contiguous()
     d_p2 = triton.next_power_of_2(d)
     block_n, part, splits = decode_splits(block_tables.shape[1] * bs, d, partition_size)
     if splits > 1:

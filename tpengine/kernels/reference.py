@@ -38,6 +38,16 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int,
     return tuple(k_cache.shape)  # type: ignore[return-value]
 
 
+def check_store(key, value, k_cache, v_cache, slot_mapping) -> tuple[int, int, int, int]:
+    """Validate ``store_kvcache`` arguments; returns the cache shape. Raises ValueError."""
+    _, _, hkv, d = shape = check_cache(k_cache, v_cache)
+    if key.shape != value.shape or key.dim() != 3 or tuple(key.shape[1:]) != (hkv, d):
+        raise ValueError(f"key/value must be [N, {hkv}, {d}]; got {tuple(key.shape)}, {tuple(value.shape)}")
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping must be [{key.shape[0]}]; got {tuple(slot_mapping.shape)}")
+    return shape
+
+
 def check_heads(q: torch.Tensor, q_to_kv: torch.Tensor, hkv: int, d: int) -> None:
     """Validate ``q [*, Hq, D]`` against ``q_to_kv [Hq]`` and the cache's ``Hkv``/``D``.
 
@@ -68,7 +78,9 @@ def prefill_lengths(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, n_to
     lq = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
     lk = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
     if cu_q[0] != 0 or cu_k[0] != 0 or cu_q[-1] != n_tokens:
-        raise ValueError(f"cu_seqlens_q must run 0..{n_tokens} and cu_seqlens_k start at 0; got {cu_q}, {cu_k}")
+        raise ValueError(
+            f"cu_seqlens_q must run 0..{n_tokens} and cu_seqlens_k start at 0; got {cu_q}, {cu_k}"
+        )
     bad = [b for b in range(len(lq)) if lq[b] < 0 or lk[b] < lq[b]]
     if bad:
         b = bad[0]
@@ -97,11 +109,7 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     the cache dtype. Raises ValueError on shape mismatch; an out-of-range slot raises torch's
     IndexError. Distinct tokens must map to distinct slots.
     """
-    _, bs, hkv, d = check_cache(k_cache, v_cache)
-    if key.shape != value.shape or key.dim() != 3 or tuple(key.shape[1:]) != (hkv, d):
-        raise ValueError(f"key/value must be [N, {hkv}, {d}]; got {tuple(key.shape)} and {tuple(value.shape)}")
-    if slot_mapping.shape != (key.shape[0],):
-        raise ValueError(f"slot_mapping must be [{key.shape[0]}]; got {tuple(slot_mapping.shape)}")
+    _, bs, hkv, d = check_store(key, value, k_cache, v_cache, slot_mapping)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blk, off = slots // bs, slots % bs
@@ -152,8 +160,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     return out
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, q_to_kv: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, q_to_kv: torch.Tensor,
+                     scale: float) -> torch.Tensor:
     """One query token per sequence attending to its cached keys.
 
     Shapes: ``q [B, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]``, ``block_tables
@@ -177,7 +186,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return q.new_empty(q.shape)
     max_ctx = int(context_lens.max())
     if max_ctx > block_tables.shape[1] * bs:
-        raise ValueError(f"context length {max_ctx} exceeds block table capacity {block_tables.shape[1]}x{bs}")
+        raise ValueError(
+            f"context length {max_ctx} exceeds block table capacity {block_tables.shape[1]}x{bs}"
+        )
     if max_ctx == 0:
         return q.new_zeros(q.shape)
     pos = torch.arange(max_ctx, device=q.device)

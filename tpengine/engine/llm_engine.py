@@ -1,0 +1,212 @@
+"""LLMEngine: SPMD inference over tensor-parallel ranks (design after nano-vllm / vLLM).
+
+Every rank constructs the engine and calls :meth:`LLMEngine.generate`. Rank 0 (the driver)
+owns requests, tokenizer, scheduler, sampler and detokenizer; each step it broadcasts a
+StepPlan, every rank executes it, and rank 0 samples from the gathered logits. Other ranks
+follow the broadcasts until STOP.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpengine.config import EngineConfig
+from tpengine.distributed import TPInfo, init_distributed
+from tpengine.engine.model_runner import ModelRunner
+from tpengine.engine.outputs import RequestOutput
+from tpengine.engine.sampler import Sampler
+from tpengine.engine.sampling_params import SamplingParams
+from tpengine.engine.scheduler import Scheduler
+from tpengine.engine.sequence import Sequence
+from tpengine.engine.step import StepKind, StepPlan, broadcast_plan, build_plan
+from tpengine.frontend.detokenizer import IncrementalDetokenizer
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters on rank 0: steps run, tokens (prompt tokens prefilled, output tokens sampled),
+    preemptions, and the KV-block and queue state now."""
+
+    steps: int
+    prefill_steps: int
+    decode_steps: int
+    prompt_tokens: int
+    output_tokens: int
+    num_preemptions: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+
+
+def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
+    """Union of the tokenizer's EOS, ``generation_config.json``'s ``eos_token_id`` (int or list)
+    and ``config.json``'s (case C12: Llama-3-style instruct models end turns with a second id)."""
+    ids: set[int] = set()
+
+    def add(v):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+
+    add(getattr(tokenizer, "eos_token_id", None))
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            add(json.loads(path.read_text()).get("eos_token_id"))
+    return ids
+
+
+class LLMEngine:
+    """The engine on one rank.
+
+    Args:
+        config: engine settings; ``config.model`` is a full HF folder or a shard folder.
+        tokenizer: optional tokenizer for rank 0 (default: loaded from ``config.model``).
+
+    Raises:
+        tpengine.loader.CheckpointMismatchError, FileNotFoundError: bad model folder.
+    """
+
+    def __init__(self, config: EngineConfig, tokenizer=None):
+        self.config = config
+        self.tp: TPInfo = init_distributed(config.dist_timeout_s)
+        self.runner = ModelRunner(config, self.tp)
+        self._fault = self._parse_fault(config.fault_inject)
+        self._decode_steps = 0
+        if not self.is_driver:
+            return
+        from transformers import AutoTokenizer
+
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model)
+        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
+        self.scheduler = Scheduler(config, self.runner.num_blocks, self.eos_token_ids)
+        self.sampler = Sampler(config.seed)
+        self._next_id = 0
+        self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._pending: list[RequestOutput] = []
+        self._steps = self._prefill_steps = self._prompt_tokens = self._output_tokens = 0
+
+    @property
+    def is_driver(self) -> bool:
+        return self.tp.is_driver
+
+    @staticmethod
+    def _parse_fault(spec: str | None) -> tuple[int, int] | None:
+        if not spec:
+            return None
+        rank, step = spec.split(":")
+        return int(rank), int(step)
+
+    def _maybe_fault(self, plan: StepPlan) -> None:
+        if plan.kind == StepKind.DECODE:
+            self._decode_steps += 1
+            if self._fault and self._fault == (self.tp.rank, self._decode_steps):
+                raise RuntimeError(f"injected fault on rank {self.tp.rank} at decode step {self._decode_steps}")
+
+    # ------------------------------------------------------------------ driver API
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request (rank 0). One that cannot run (too long for max_model_len or the
+        KV cache, empty, ids outside the vocabulary) becomes an error output of the next step."""
+        vocab = self.runner.plan.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        seq = Sequence(self._next_id, request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
+        self._next_id += 1
+        try:
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            self.scheduler.add(seq)
+        except ValueError as e:
+            self._pending.append(RequestOutput(request_id, list(prompt_token_ids), error=str(e), error_field="prompt"))
+            return
+        self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
+                                                         params.skip_special_tokens)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_unfinished
+
+    def step(self) -> list[RequestOutput]:
+        """Rank 0: schedule, broadcast, execute, sample, postprocess one step. Returns the
+        requests finished in it (error outputs of rejected requests included)."""
+        done, self._pending = self._pending, []
+        if not self.scheduler.has_unfinished:
+            return done
+        seqs, is_prefill = self.scheduler.schedule()
+        plan = broadcast_plan(build_plan(seqs, is_prefill, self.config.block_size, self._steps))
+        self._maybe_fault(plan)
+        logits = self.runner.execute(plan)
+        tokens = self.sampler.sample(logits, seqs)
+        self._steps += 1
+        self._prefill_steps += is_prefill
+        self._prompt_tokens += int(plan.input_ids.numel()) if is_prefill else 0
+        self._output_tokens += len(tokens)
+        finished = self.scheduler.postprocess(seqs, tokens)
+        for seq, tok in zip(seqs, tokens):
+            detok = self._detok[seq.seq_id]
+            detok.append(tok)
+            if detok.stopped:
+                if seq not in finished:
+                    finished.append(seq)
+                self.scheduler.finish(seq, "stop")
+        return done + [self._output(s) for s in finished]
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        detok = self._detok.pop(seq.seq_id)
+        if not detok.stopped:
+            detok.finish()
+        t0 = seq.arrival_time
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=list(seq.completion_token_ids), text=detok.text, finish_reason=seq.finish_reason,
+            ttft_s=None if seq.first_token_time is None else seq.first_token_time - t0,
+            latency_s=(seq.finish_time or time.monotonic()) - t0,
+        )
+
+    def stats(self) -> EngineStats:
+        """Counters and queue state (rank 0)."""
+        s = self.scheduler.stats()
+        return EngineStats(self._steps, self._prefill_steps, self._steps - self._prefill_steps,
+                           self._prompt_tokens, self._output_tokens, s.num_preemptions, s.num_free_blocks,
+                           s.num_total_blocks, s.num_running, s.num_waiting)
+
+    # ------------------------------------------------------------------ SPMD API
+    def generate(self, requests: Iterable[tuple[str, list[int], SamplingParams]],
+                 on_output: Callable[[RequestOutput], None] | None = None,
+                 on_step: Callable[[EngineStats], None] | None = None) -> list[RequestOutput]:
+        """Run ``requests`` to completion; every rank calls this. Rank 0 returns the outputs in
+        finishing order (``on_output`` called as each finishes, ``on_step`` after each step) and
+        then broadcasts STOP; other ranks ignore ``requests``, follow the broadcasts and return []."""
+        if not self.is_driver:
+            self._follow()
+            return []
+        for rid, ids, params in requests:
+            self.add_request(rid, ids, params)
+        outputs: list[RequestOutput] = []
+        while self.has_unfinished():
+            for out in self.step():
+                outputs.append(out)
+                if on_output:
+                    on_output(out)
+            if on_step:
+                on_step(self.stats())
+        broadcast_plan(StepPlan(kind=StepKind.STOP, step=self._steps))
+        return outputs
+
+    def _follow(self) -> None:
+        while True:
+            plan = broadcast_plan(None)
+            if plan.kind == StepKind.STOP:
+                return
+            self._maybe_fault(plan)
+            self.runner.execute(plan)
+
+    def shutdown(self) -> None:
+        """Tear down the process groups (after :meth:`generate` returned on every rank)."""
+        from tpengine.distributed import shutdown
+
+        shutdown()

@@ -1,0 +1,130 @@
+"""The control plane: a StepPlan, packed into int64 tensors and broadcast from rank 0.
+
+Rank 0 turns a scheduled batch into a :class:`StepPlan`; :func:`broadcast_plan` sends a fixed
+header tensor, then one payload tensor, over the gloo control group. Every rank runs the same
+step from it, so the prefill/decode decision and every token id come from rank 0 only (case
+C13). Workers never see the tokenizer or the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from tpengine.distributed import broadcast_control
+
+MAGIC = 0x7E57E9
+HEADER_LEN = 6  # magic, kind, num_tokens N, num_seqs B, max_blocks M, step index
+
+
+class StepKind(enum.IntEnum):
+    PREFILL = 1
+    DECODE = 2
+    STOP = 3
+
+
+@dataclass
+class StepPlan:
+    """One engine step; every tensor is int64 on CPU.
+
+    * ``input_ids``, ``positions``, ``slot_mapping``: ``[N]`` tokens run this step.
+    * ``block_tables``: ``[B, M]`` physical block ids, -1 padded.
+    * ``cu_seqlens_q`` / ``cu_seqlens_k``: ``[B+1]`` new / total tokens per sequence (prefill).
+    * ``context_lens``: ``[B]`` tokens in the cache per sequence after this step.
+    * ``sample_idx``: ``[B]`` index into the N tokens whose logits are sampled.
+    """
+
+    kind: StepKind
+    step: int = 0
+    input_ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    slot_mapping: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    sample_idx: torch.Tensor | None = None
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.kind == StepKind.PREFILL
+
+    @property
+    def num_seqs(self) -> int:
+        return 0 if self.sample_idx is None else int(self.sample_idx.numel())
+
+
+def build_plan(seqs, is_prefill: bool, block_size: int, step: int) -> StepPlan:
+    """Rank 0: the StepPlan for ``seqs`` (tpengine.engine.sequence.Sequence, blocks already
+    allocated by the scheduler). Prefill runs each sequence's uncached tokens
+    ``[num_cached_tokens, num_tokens)``; decode runs each sequence's last token."""
+    ids, pos, slots, cu_q, cu_k, ctx = [], [], [], [0], [0], []
+    for s in seqs:
+        start = s.num_cached_tokens if is_prefill else s.num_tokens - 1
+        end = s.num_tokens
+        ids.extend(s.token_ids[start:end])
+        pos.extend(range(start, end))
+        bt = s.block_table
+        slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(start, end))
+        cu_q.append(cu_q[-1] + end - start)
+        cu_k.append(cu_k[-1] + end)
+        ctx.append(end)
+    width = max(len(s.block_table) for s in seqs)
+    tables = torch.full((len(seqs), width), -1, dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    cu_q_t = t(cu_q)
+    return StepPlan(
+        kind=StepKind.PREFILL if is_prefill else StepKind.DECODE, step=step,
+        input_ids=t(ids), positions=t(pos), slot_mapping=t(slots), block_tables=tables,
+        cu_seqlens_q=cu_q_t, cu_seqlens_k=t(cu_k), context_lens=t(ctx), sample_idx=cu_q_t[1:] - 1,
+    )
+
+
+def pack(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(header [HEADER_LEN], payload [3N + B*M + 2(B+1) + 2B])`` int64 tensors."""
+    if plan.kind == StepKind.STOP:
+        return torch.tensor([MAGIC, plan.kind, 0, 0, 0, plan.step]), torch.empty(0, dtype=torch.int64)
+    n, (b, m) = plan.input_ids.numel(), plan.block_tables.shape
+    header = torch.tensor([MAGIC, int(plan.kind), n, b, m, plan.step], dtype=torch.int64)
+    payload = torch.cat([plan.input_ids, plan.positions, plan.slot_mapping, plan.block_tables.flatten(),
+                         plan.cu_seqlens_q, plan.cu_seqlens_k, plan.context_lens, plan.sample_idx])
+    return header, payload
+
+
+def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
+    """Inverse of :func:`pack`.
+
+    Raises:
+        RuntimeError: a header without the magic number or with an unknown kind (ranks out of
+            step with each other).
+    """
+    magic, kind, n, b, m, step = (int(x) for x in header.tolist())
+    if magic != MAGIC or kind not in {k.value for k in StepKind}:
+        raise RuntimeError(f"corrupt StepPlan header {header.tolist()}: ranks are out of lockstep")
+    if kind == StepKind.STOP:
+        return StepPlan(kind=StepKind.STOP, step=step)
+    sizes = [n, n, n, b * m, b + 1, b + 1, b, b]
+    ids, pos, slots, tables, cu_q, cu_k, ctx, sample = torch.split(payload, sizes)
+    return StepPlan(kind=StepKind(kind), step=step, input_ids=ids, positions=pos, slot_mapping=slots,
+                    block_tables=tables.view(b, m), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                    context_lens=ctx, sample_idx=sample)
+
+
+def broadcast_plan(plan: StepPlan | None) -> StepPlan:
+    """Rank 0 passes its plan; other ranks pass None and receive it. Two broadcasts on the gloo
+    control group (header, then payload), each bounded by the process-group timeout."""
+    if plan is not None:
+        header, payload = pack(plan)
+        broadcast_control(header)
+        if payload.numel():
+            broadcast_control(payload)
+        return plan
+    header = broadcast_control(torch.empty(HEADER_LEN, dtype=torch.int64))
+    _, kind, n, b, m, _ = header.tolist()
+    size = 0 if kind == StepKind.STOP else 3 * n + b * m + 2 * (b + 1) + 2 * b
+    payload = broadcast_control(torch.empty(size, dtype=torch.int64)) if size else torch.empty(0, dtype=torch.int64)
+    return unpack(header, payload)
