@@ -87,7 +87,8 @@ def test_get_backend():
     assert get_backend("torch", "cuda") is ref
     assert get_backend("triton", "cpu") is tri
     for mod in (ref, tri):
-        assert all(callable(getattr(mod, f)) for f in ("store_kvcache", "prefill_attention", "decode_attention"))
+        for f in ("store_kvcache", "prefill_attention", "decode_attention"):
+            assert callable(getattr(mod, f))
     with pytest.raises(ValueError, match="flash"):
         get_backend("flash", "cpu")
 
@@ -149,7 +150,8 @@ def test_reference_store_and_dtypes():
     k, v = torch.randn(4, 2, 64, generator=g), torch.randn(4, 2, 64, generator=g)
     ref.store_kvcache(k, v, kc, vc, torch.tensor([5, -1, 63, 16]))
     for i, s in [(0, 5), (2, 63), (3, 16)]:
-        assert torch.equal(kc[s // 16, s % 16], k[i].bfloat16()) and torch.equal(vc[s // 16, s % 16], v[i].bfloat16())
+        assert torch.equal(kc[s // 16, s % 16], k[i].bfloat16())
+        assert torch.equal(vc[s // 16, s % 16], v[i].bfloat16())
     assert kc.flatten(0, 1).abs().sum(dim=(1, 2)).count_nonzero() == 3  # the -1 token wrote nothing
     q = torch.randn(2, 3, 64, generator=g).bfloat16()
     args = (torch.tensor([[0, 1], [3, 2]]), torch.tensor([7, 20]), torch.tensor([0, 1, 1]), 0.125)
