@@ -1,0 +1,185 @@
+"""The main job end to end through the CLI (``python -m tpengine.run`` / ``torchrun``):
+cases C09, C10, C12, C18, pre-load validation at tp=2, and ``--resume`` after a kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SMOLLM2_DIR, make_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+TORCHRUN = str(Path(PY).parent / "torchrun")
+ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def cli(args, tp=1, timeout=180, check=True):
+    cmd = [PY, "-m", "tpengine.run"] if tp == 1 else [TORCHRUN, "--standalone", f"--nproc_per_node={tp}",
+                                                      "-m", "tpengine.run"]
+    p = subprocess.run(cmd + [str(a) for a in args], cwd=REPO, env=ENV, capture_output=True, text=True,
+                       timeout=timeout)
+    if check:
+        assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def write_jsonl(path, objs):
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs))
+    return path
+
+
+def records(path):
+    recs = [json.loads(x) for x in Path(path).read_text().splitlines()]
+    by_id = {r["id"]: r for r in recs}
+    assert len(by_id) == len(recs), "an id was written twice"
+    return by_id
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """tiny-llama with the SmolLM2 tokenizer (vocab sized to it) and max_position 512."""
+    if not (SMOLLM2_DIR / "tokenizer.json").is_file():
+        pytest.skip("needs the SmolLM2 tokenizer (make model)")
+    return make_tiny_model(tmp_path_factory.mktemp("cli"), vocab_size=49152, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(SMOLLM2_DIR))
+
+
+def text_of_tokens(tok, n):
+    """A text that tokenizes to exactly ``n`` tokens."""
+    text = "apple" + " apple" * (n - 1)
+    assert len(tok(text).input_ids) == n
+    return text
+
+
+def test_c09_invalid_and_overlong_requests_at_tp2(tiny, tok, tmp_path):
+    a = {"id": "a", "prompt": "short one", "max_tokens": 8, "temperature": 0}
+    lines = [a,
+             {"id": "b", "prompt": text_of_tokens(tok, 200), "max_tokens": 8},
+             {"id": "c", "prompt": text_of_tokens(tok, 120), "max_tokens": 50, "temperature": 0},
+             {"id": "d", "prompt": "", "max_tokens": 8},
+             {"id": "e", "prompt": "x", "max_tokens": 0},
+             {"id": "f", "prompt": "x", "max_tokens": 1, "temperature": 0},
+             {**a, "id": "a2"}]
+    out = tmp_path / "out.jsonl"
+    common = ["--model", tiny, "--max-model-len", 128, "--kv-cache-gb", 0.01]
+    cli(["--prompts", write_jsonl(tmp_path / "in.jsonl", lines), "--out", out, "--skip-invalid", *common], tp=2)
+    r = records(out)
+    assert set(r) == {"a", "b", "c", "d", "e", "f", "a2"}
+    assert "200" in r["b"]["error"]["message"] and "128" in r["b"]["error"]["message"]
+    assert r["c"]["finish_reason"] == "length"
+    assert 1 <= r["c"]["usage"]["completion_tokens"] and sum(r["c"]["usage"].values()) <= 128
+    assert r["d"]["error"] == {"message": "prompt: must be non-empty", "field": "prompt", "line": 4}
+    assert r["e"]["error"]["field"] == "max_tokens" and ">= 1" in r["e"]["error"]["message"]
+    assert r["f"]["usage"]["completion_tokens"] == 1 and r["f"]["finish_reason"] in ("length", "stop")
+    assert r["a"]["token_ids"] == r["a2"]["token_ids"] and len(r["a"]["token_ids"]) == 8
+    # "a" alone at tp=1 (exact mode) gives the same tokens
+    solo = cli(["--prompts", write_jsonl(tmp_path / "a.jsonl", [a]), *common])
+    assert json.loads(solo.stdout)["token_ids"] == r["a"]["token_ids"]
+
+
+def test_invalid_file_exits_every_rank_before_loading(tiny, tmp_path):
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"prompt": "x", "max_tokens": 0}])
+    out = tmp_path / "out.jsonl"
+    t0 = time.monotonic()
+    p = cli(["--prompts", bad, "--out", out, "--model", tiny], tp=2, timeout=60, check=False)
+    assert p.returncode != 0 and time.monotonic() - t0 < 60
+    assert p.stderr.count("line 2 (id '1'): field 'max_tokens': must be an integer >= 1, got 0") == 1
+    assert not out.exists()
+
+
+@pytest.mark.xfail(strict=True, reason="llm_engine.step() feeds the EOS id that ends generation to the "
+                   "detokenizer, so B's text shows; C12 wants B in token_ids only. Drop this marker once fixed.")
+def test_c12b_generation_config_eos_list(tiny, tok, tmp_path):
+    req = {"id": "n", "prompt": "hello world", "max_tokens": 8, "temperature": 0}
+    first = json.loads(cli(["--prompts", write_jsonl(tmp_path / "1.jsonl", [req]), "--model", tiny]).stdout)
+    g = first["token_ids"]
+    assert len(g) == 8
+    k = next(i for i in range(2, 8) if g[i] not in g[:i] and g[i] != tok.eos_token_id)
+    model = tmp_path / "tiny-eos"
+    shutil.copytree(tiny, model)
+    gen = json.loads((model / "generation_config.json").read_text())
+    gen["eos_token_id"] = [tok.eos_token_id, g[k]]
+    (model / "generation_config.json").write_text(json.dumps(gen))
+    lines = [req, {**req, "id": "i", "ignore_eos": True}]
+    out = tmp_path / "out.jsonl"
+    cli(["--prompts", write_jsonl(tmp_path / "2.jsonl", lines), "--model", model, "--out", out])
+    r = records(out)
+    assert r["n"]["finish_reason"] == "stop" and r["n"]["token_ids"] == g[: k + 1]
+    assert r["n"]["text"] == tok.decode(g[:k], skip_special_tokens=True)  # B itself not shown
+    assert r["i"]["finish_reason"] == "length" and r["i"]["token_ids"] == g
+
+
+@pytest.mark.slow
+def test_c10_c12a_c18_smollm2(tok, tmp_path):
+    if not (SMOLLM2_DIR / "config.json").is_file():
+        pytest.skip("needs models/smollm2-135m-instruct (make model)")
+    cfg = ["--config", "configs/smollm2-135m.toml", "--kv-cache-gb", 0.1, "--max-model-len", 512]
+    alpha = {"id": "alpha", "prompt": "Here is the English alphabet: ABC", "max_tokens": 40, "temperature": 0}
+    ok_msgs = [{"role": "user", "content": "Are you ok?"}]
+    lines = [alpha, {"id": "hi", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 64,
+                     "temperature": 0}, {"id": "ok", "messages": ok_msgs, "max_tokens": 16, "temperature": 0}]
+    out = tmp_path / "out.jsonl"
+    cli(["--prompts", write_jsonl(tmp_path / "1.jsonl", lines), "--out", out, *cfg])
+    r = records(out)
+    # C12 (a): the chat answer ends on <|im_end|> before max_tokens, which is not shown
+    assert r["hi"]["finish_reason"] == "stop" and r["hi"]["usage"]["completion_tokens"] < 64
+    assert "<|im_end|>" not in r["hi"]["text"] and r["hi"]["text"]
+    # C18: the engine's prompt is exactly apply_chat_template's ids
+    ids = tok.apply_chat_template(ok_msgs, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    assert r["ok"]["usage"]["prompt_tokens"] == len(ids)
+    # C10: a stop string starting mid-token, first occurring at its offset -> cut exactly there
+    T, g = r["alpha"]["text"], r["alpha"]["token_ids"]
+    assert len(T) >= 20
+    starts = {len(tok.decode(g[:i], skip_special_tokens=True)) for i in range(len(g) + 1)}
+    off = next(o for o in range(5, len(T) - 4) if o not in starts and T.find(T[o:o + 4]) == o)
+    S = T[off:off + 4]
+    lines = [{**alpha, "id": "s1", "stop": [S]}, {**alpha, "id": "s2", "stop": [S], "stream": True}]
+    out2 = tmp_path / "out2.jsonl"
+    cli(["--prompts", write_jsonl(tmp_path / "2.jsonl", lines), "--out", out2, *cfg])
+    for rec in records(out2).values():
+        assert rec["text"] == T[:off] and rec["finish_reason"] == "stop", (S, rec)
+
+
+@pytest.mark.slow
+def test_resume_after_kill(tiny, tmp_path):
+    lines = [{"id": f"r{i}", "prompt": f"story number {i}", "max_tokens": 60, "temperature": 0} for i in range(8)]
+    prompts = write_jsonl(tmp_path / "in.jsonl", lines)
+    common = ["--prompts", prompts, "--model", tiny, "--max-num-seqs", 1, "--kv-cache-gb", 0.01]
+    ref_out = tmp_path / "ref.jsonl"
+    cli([*common, "--out", ref_out])
+    ref = records(ref_out)
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen([PY, "-m", "tpengine.run", *map(str, common), "--out", str(out)], cwd=REPO,
+                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out.exists() and out.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+            assert proc.poll() is None, "the run ended before it could be killed"
+            time.sleep(0.02)
+    finally:
+        proc.kill()
+        proc.wait()
+    n_before = out.read_text().count("\n")
+    assert 2 <= n_before < len(lines)
+    with open(out, "a") as fh:
+        fh.write('{"id": "r7", "text": "torn wri')  # a write cut by the crash
+    cli([*common, "--out", out, "--resume"])
+    r = records(out)
+    assert set(r) == set(ref)
+    for rid, rec in r.items():
+        assert rec["token_ids"] == ref[rid]["token_ids"] and rec["text"] == ref[rid]["text"]
