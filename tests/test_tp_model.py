@@ -8,20 +8,16 @@ Cases C01 (vocab 1001), C03 (tied), C04 (biases), C05 (Qwen3 head_dim != hidden/
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import SMOLLM2_DIR, make_tiny_model
+from launch import torchrun
 
 from shard_tool.split import split_model
 from tpengine.plan import ShardPlan
 
-REPO = Path(__file__).resolve().parent.parent
-WORKER = REPO / "tests" / "workers" / "tp_logits.py"
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 # name -> (arch, overrides); together they cover even and uneven head splits, KV heads fewer
 # than ranks, vocabulary 1001, non-zero biases on q/k/v and row-parallel layers, tied and untied.
@@ -64,10 +60,28 @@ def prompt_ids(vocab: int) -> torch.Tensor:
 def run_tp(tmp_path: Path, tp: int, jobs: list[dict]) -> dict:
     jobs_file, out = tmp_path / f"jobs-{tp}.json", tmp_path / f"out-{tp}.pt"
     jobs_file.write_text(json.dumps(jobs))
-    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={tp}", str(WORKER), str(out), str(jobs_file)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert r.returncode == 0, r.stderr[-4000:]
+    torchrun("tp_logits.py", tp, [str(out), str(jobs_file)])
     return torch.load(out)
+
+
+def smollm2_chat_ids() -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    return [list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"])]
+
+
+@pytest.mark.parametrize("tp", (2, 3))
+def test_smollm2_logits_match_hf(tp_results, tp):
+    """The real SmolLM2-135M-Instruct (9 heads / 3 KV heads: uneven, straddling KV heads) at tp 2
+    and 3: chat-prompt logits within 1e-3 of HF, argmax identical at every position."""
+    ids = torch.tensor(smollm2_chat_ids())
+    ref = hf_logits(SMOLLM2_DIR, ids)
+    got = tp_results[tp]["smollm2/full"]["logits"]
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max().item() < 1e-3
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +97,8 @@ def tp_results(tiny_models, tmp_path_factory):
             split_model(d, tp, shard_dir)
             jobs += [{"key": f"{name}/full", "model_dir": str(d), "input_ids": ids},
                      {"key": f"{name}/shards", "model_dir": str(shard_dir), "input_ids": ids}]
+        if tp in (2, 3):
+            jobs.append({"key": "smollm2/full", "model_dir": str(SMOLLM2_DIR), "input_ids": smollm2_chat_ids()})
         results[tp] = run_tp(tmp, tp, jobs)
     return results
 

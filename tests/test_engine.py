@@ -1,0 +1,209 @@
+"""LLMEngine end to end on real ranks: greedy output equals Hugging Face token for token at
+tp 1, 2 and 3, and cases C12, C13, C14, C17 (see ../shared/cases/README.md)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import SMOLLM2_DIR, make_tiny_model
+from launch import run_engine_jobs
+
+GREEDY = {"temperature": 0.0}
+CHAT = [
+    "What is the capital of France?", "Write a haiku about autumn.", "Explain TCP in one sentence.",
+    "List three fruits.", "What is 12 times 7?", "Translate 'good morning' to Spanish.",
+    "Who wrote Hamlet?", "Give me a tip for learning Python.", "What is photosynthesis?",
+    "Name a planet with rings.", "Write a limerick about a cat.", "What does CPU stand for?",
+    "How many days are in a leap year?", "Describe the color blue to someone.",
+    "What is the boiling point of water?", "Suggest a name for a goldfish.",
+]
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """Hugging Face's own greedy continuation (full forward each token, HF attention, float32),
+    never stopping on EOS: the oracle for ``ignore_eos`` runs."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            past, cur, gen = None, ids, []
+            for _ in range(max_new):
+                r = m(cur, past_key_values=past, use_cache=True)
+                past, tok = r.past_key_values, int(r.logits[0, -1].argmax())
+                gen.append(tok)
+                cur = torch.tensor([[tok]])
+            outs.append(gen)
+    return outs
+
+
+def hf_generate(model_dir, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """``transformers`` ``generate(do_sample=False)``: stops at the model's EOS ids."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [m.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+
+
+def by_id(result: dict) -> dict[str, dict]:
+    return {o["request_id"]: o for o in result["outputs"]}
+
+
+def tiny_prompts(vocab: int, lengths) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine-models")
+    return {"llama": make_tiny_model(root, "llama", seed=2, name="llama"),
+            "qwen3": make_tiny_model(root, "qwen3", seed=2, name="qwen3", head_dim=32, random_biases=True)}
+
+
+@pytest.fixture(scope="module")
+def smollm2_prompts():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
+    return [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          tokenize=True)["input_ids"]) for q in CHAT]
+
+
+def cfg(model_dir, **kw) -> dict:
+    return {"model": str(model_dir), "max_model_len": 256, "max_num_batched_tokens": 2048, "kv_cache_gb": 0.05, **kw}
+
+
+TINY_LENGTHS = (5, 37, 1, 12, 20)
+P1, P2, P3 = 0, 1, 2  # case C17: 5, 37 and 1 tokens
+
+
+def jobs_for(models, smollm2_prompts, tp: int) -> list[dict]:
+    jobs = []
+    for name, d in models.items():
+        prompts = tiny_prompts(1001, TINY_LENGTHS)
+        reqs = [[f"p{i}", p, {**GREEDY, "max_tokens": 24, "ignore_eos": True}] for i, p in enumerate(prompts)]
+        jobs.append({"key": f"{name}/together", "config": cfg(d), "requests": reqs})
+        if name == "llama":  # C17: alone, and P3 joining while P1/P2 decode (max_num_seqs 2)
+            jobs += [{"key": f"llama/alone{i}", "config": cfg(d), "requests": [reqs[i]]} for i in (P1, P2, P3)]
+            jobs.append({"key": "llama/join", "config": cfg(d, max_num_seqs=2), "requests": reqs[:3]})
+    reqs = [[f"s{i}", p, {**GREEDY, "max_tokens": 64}] for i, p in enumerate(smollm2_prompts)]
+    jobs.append({"key": "smollm2", "config": cfg(SMOLLM2_DIR, max_model_len=512, kv_cache_gb=0.2), "requests": reqs})
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def engine_results(models, smollm2_prompts, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engine-runs")
+    return {tp: run_engine_jobs(tmp, tp, jobs_for(models, smollm2_prompts, tp)) for tp in (1, 2, 3)}
+
+
+@pytest.mark.parametrize("tp", (1, 2, 3))
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_tiny_greedy_equals_hf(models, engine_results, name, tp):
+    prompts = tiny_prompts(1001, TINY_LENGTHS)
+    ref = hf_greedy(models[name], prompts, 24)
+    got = by_id(engine_results[tp][f"{name}/together"])
+    for i, want in enumerate(ref):
+        assert got[f"p{i}"]["token_ids"] == want, f"prompt {i}"
+        assert got[f"p{i}"]["finish_reason"] == "length"
+
+
+@pytest.fixture(scope="module")
+def smollm2_hf(smollm2_prompts):
+    return hf_generate(SMOLLM2_DIR, smollm2_prompts, 64)
+
+
+@pytest.mark.parametrize("tp", (1, 2, 3))
+def test_smollm2_greedy_equals_hf(smollm2_hf, engine_results, tp):
+    """16 chat prompts, 64 new tokens, float32: token for token equal to HF greedy."""
+    ref = smollm2_hf
+    got = by_id(engine_results[tp]["smollm2"])
+    mismatched = [i for i, want in enumerate(ref) if got[f"s{i}"]["token_ids"] != want]
+    assert mismatched == []
+    assert "Paris" in got["s0"]["text"]
+
+
+@pytest.mark.parametrize("tp", (1, 2))
+def test_c17_batch_composition_does_not_change_tokens(engine_results, tp):
+    r = engine_results[tp]
+    together, join = by_id(r["llama/together"]), by_id(r["llama/join"])
+    for i in (P1, P2, P3):
+        alone = by_id(r[f"llama/alone{i}"])[f"p{i}"]["token_ids"]
+        assert len(alone) == 24
+        assert together[f"p{i}"]["token_ids"] == alone
+        assert join[f"p{i}"]["token_ids"] == alone
+    assert r["llama/join"]["stats"]["prefill_steps"] >= 2  # P3 was prefilled while others decoded
+
+
+def test_c13_c14_c12_on_two_ranks(models, tmp_path):
+    """One tp=2 launch: C13 preemption under TP, C14 no block leak after 200 mixed requests,
+    C12 several EOS ids from generation_config.json."""
+    d = models["llama"]
+    six = tiny_prompts(1001, (6, 6, 6, 6))
+    c13 = [[f"q{i}", p, {**GREEDY, "max_tokens": 12, "ignore_eos": True}] for i, p in enumerate(six)]
+    small = cfg(d, block_size=4, num_kv_blocks=8, max_num_seqs=4)
+
+    g = torch.Generator().manual_seed(11)
+    waves = []
+    for w in range(25):  # 200 requests in waves of 8
+        wave = []
+        for j in range(8):
+            n = 1 + (w * 8 + j) % 13
+            prompt = torch.randint(3, 1001, (n,), generator=g).tolist()
+            params = {"max_tokens": 1 + (w + j) % 9, "temperature": 0.0 if j % 2 else 1.0, "seed": w * 8 + j}
+            if j == 3:
+                params["stop_token_ids"] = prompt[:1]  # some end on a stop id ("EOS")
+            if j == 5:
+                params["stop"] = ["e"]  # some end on a stop string
+            if j == 7 and w % 3 == 0:
+                prompt = prompt * 30  # some rejected as too long (> max_model_len 24)
+            wave.append([f"w{w}-{j}", prompt, params])
+        waves.append(wave)
+    c14 = cfg(d, block_size=4, num_kv_blocks=64, max_num_seqs=8, max_model_len=24)
+
+    # C12 (b): B = an id generated at step 3 made an EOS id through generation_config.json
+    probe = tiny_prompts(1001, (9,))[0]
+    jobs = [{"key": "c13-small", "config": small, "requests": c13},
+            {"key": "c13-alone", "config": cfg(d), "waves": [[r] for r in c13]},
+            {"key": "c14", "config": c14, "waves": waves},
+            {"key": "c12-probe", "config": cfg(d), "requests": [["x", probe, {**GREEDY, "max_tokens": 8}]]}]
+    r = run_engine_jobs(tmp_path, 2, jobs, tag="a")
+
+    small_out, alone_out = by_id(r["c13-small"]), by_id(r["c13-alone"])
+    assert r["c13-small"]["stats"]["num_preemptions"] > 0
+    for i in range(4):
+        assert len(small_out[f"q{i}"]["token_ids"]) == 12
+        assert small_out[f"q{i}"]["token_ids"] == alone_out[f"q{i}"]["token_ids"]
+
+    out14 = r["c14"]["outputs"]
+    assert len(out14) == 200
+    errors = [o for o in out14 if o["error"]]
+    assert len(errors) == 9 and all("24" in o["error"] for o in errors)
+    assert {o["finish_reason"] for o in out14 if not o["error"]} == {"stop", "length"}
+    assert r["c14"]["stats"]["num_free_blocks"] == r["c14"]["start_free_blocks"] == 64
+
+    gen = by_id(r["c12-probe"])["x"]["token_ids"]
+    b = gen[2]
+    assert b not in gen[:2]
+    d2 = tmp_path / "llama-eos"
+    shutil.copytree(d, d2)
+    gc = json.loads((d2 / "generation_config.json").read_text())
+    gc["eos_token_id"] = [gc.get("eos_token_id", 2), b]
+    (d2 / "generation_config.json").write_text(json.dumps(gc))
+    req = ["x", probe, {**GREEDY, "max_tokens": 8}]
+    r2 = run_engine_jobs(tmp_path, 2, [
+        {"key": "eos", "config": cfg(d2), "requests": [req]},
+        {"key": "ignore", "config": cfg(d2), "requests": [[*req[:2], {**req[2], "ignore_eos": True}]]},
+    ], tag="b")
+    eos = by_id(r2["eos"])["x"]
+    assert eos["token_ids"] == gen[:3] and eos["finish_reason"] == "stop"
+    ignore = by_id(r2["ignore"])["x"]
+    assert ignore["token_ids"] == gen and ignore["finish_reason"] == "length"

@@ -1,0 +1,41 @@
+"""torchrun worker: run LLMEngine jobs at this world size; rank 0 writes the outputs as JSON.
+
+usage: torchrun --nproc_per_node N tests/workers/engine_generate.py OUT.json JOBS.json
+JOBS.json: [{"key": str, "config": {EngineConfig fields}, "requests": [[id, prompt_ids, params]]}]
+params are SamplingParams keyword arguments. Output: {key: {"outputs": [...], "stats": {...}}}.
+A job may instead carry "waves": a list of request lists, each generate()d in turn.
+"""
+
+import dataclasses
+import json
+import sys
+
+from tpengine.config import EngineConfig
+from tpengine.distributed import get_tp, shutdown
+from tpengine.engine.llm_engine import LLMEngine
+from tpengine.engine.sampling_params import SamplingParams
+
+
+def main():
+    out_path, jobs_path = sys.argv[1], sys.argv[2]
+    results = {}
+    for job in json.load(open(jobs_path)):
+        engine = LLMEngine(EngineConfig(**job["config"]))
+        start_free = engine.stats().num_free_blocks if engine.is_driver else None
+        outs = []
+        for wave in job.get("waves", [job.get("requests", [])]):
+            reqs = [(rid, ids, SamplingParams(**p)) for rid, ids, p in wave]
+            outs += engine.generate(reqs if engine.is_driver else [])
+        if engine.is_driver:
+            results[job["key"]] = {
+                "outputs": [dataclasses.asdict(o) for o in outs],
+                "stats": dataclasses.asdict(engine.stats()),
+                "start_free_blocks": start_free,
+            }
+    if get_tp().is_driver:
+        json.dump(results, open(out_path, "w"))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
