@@ -130,7 +130,7 @@ def test_stop_inside_one_token(tok):
     ids = tok("the English alphabet is long").input_ids
     alpha = tok(" alphabet").input_ids
     assert len(alpha) == 1 and alpha[0] in ids
-    deltas, d = run(tok, ids, stop=["pha"])
+    _deltas, d = run(tok, ids, stop=["pha"])
     assert d.stopped and d.text == "the English al"
     assert len(d.token_ids) == ids.index(alpha[0]) + 1  # stopped on that very token
 

@@ -25,7 +25,7 @@ def parse(*objs, defaults=DEFAULTS):
 
 
 def one_error(*objs):
-    reqs, errs = parse(*objs)
+    _reqs, errs = parse(*objs)
     assert len(errs) == 1, [str(e) for e in errs]
     return errs[0]
 
@@ -127,7 +127,8 @@ def batch(custom_id, url, body, method="POST"):
 def test_openai_batch_lines():
     reqs, errs = parse(
         batch("c1", "/v1/chat/completions", {"model": "gpt-x", "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}],
+            {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                         {"type": "text", "text": "there"}]}],
             "max_completion_tokens": 9, "temperature": 0.5, "top_p": 0.9, "seed": 1, "stop": ["\n"], "n": 1}),
         batch("c2", "/v1/completions", {"model": "m", "prompt": "Once", "max_tokens": 5, "stream": False}),
         batch("c3", "/v1/completions", {"prompt": [5, 6]}),
@@ -213,7 +214,8 @@ def test_prompt_and_token_ids_with_smollm2(smol):
     assert to_token_ids(p, smol) == smol("The capital of France is").input_ids
     assert to_token_ids(t, smol) == [1, 49151]
     (bad,), _ = parse({"prompt_token_ids": [5, 49152]})
-    with pytest.raises(RequestValidationError, match="token id 49152 is out of range: vocab size is 49152") as e:
+    msg = "token id 49152 is out of range: vocab size is 49152"
+    with pytest.raises(RequestValidationError, match=msg) as e:
         to_token_ids(bad, smol)
     assert e.value.field == "prompt_token_ids"
     with pytest.raises(RequestValidationError, match="vocab size is 10"):
@@ -226,7 +228,8 @@ def bos_tok():
     tokenizers = pytest.importorskip("tokenizers")
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate("<s> </s> <unk> hello world user assistant : are you ok ?".split())}
+    words = ["<s>", "</s>", "<unk>", "hello", "world", "user", "assistant", ":", "are", "you", "ok", "?"]
+    vocab = {w: i for i, w in enumerate(words)}
     tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     tk.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import os
 import sys
-import tomllib
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Annotated, Any
 
+import tomllib
 import typer
 
 from tpengine.config import EngineConfig, load_config
@@ -64,7 +64,8 @@ def sampling_defaults(config_path: str | os.PathLike | None, **cli: Any) -> dict
         table = tomllib.loads(Path(config_path).read_text()).get("sampling", {})
         unknown = sorted(set(table) - set(SAMPLING_KEYS))
         if unknown:
-            raise UsageError(f"{config_path}: unknown [sampling] key(s) {unknown}; valid: {', '.join(SAMPLING_KEYS)}")
+            raise UsageError(f"{config_path}: unknown [sampling] key(s) {unknown}; "
+                             f"valid: {', '.join(SAMPLING_KEYS)}")
         values.update(table)
     values.update({k: v for k, v in cli.items() if v is not None})
     try:
@@ -157,29 +158,33 @@ def drive(engine, cfg: EngineConfig, requests: list[ParsedRequest], errors: list
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 
+def _opt(name: str, help: str = "") -> Any:
+    return typer.Option(name, help=help)
+
+
 @app.command()
 def main(
-    prompts: Path = typer.Option(..., "--prompts", help="JSONL request file"),
-    out: Optional[Path] = typer.Option(None, "--out", help="output JSONL (default: stdout of rank 0)"),
-    model: Optional[str] = typer.Option(None, "--model", help="HF model folder (DIR-tpN shards used if present)"),
-    config: Optional[Path] = typer.Option(None, "--config", help="configs/NAME.toml"),
-    resume: bool = typer.Option(False, "--resume", help="skip ids already in --out, append the rest"),
-    skip_invalid: bool = typer.Option(False, "--skip-invalid", help="invalid lines become error records"),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="default max_tokens per request"),
-    temperature: Optional[float] = typer.Option(None, "--temperature", help="default temperature"),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
-    block_size: Optional[int] = typer.Option(None, "--block-size"),
-    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs"),
-    kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb", help="KV cache GiB per rank (CPU)"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16"),
+    prompts: Annotated[Path, _opt("--prompts", "JSONL request file")],
+    out: Annotated[Path | None, _opt("--out", "output JSONL (default: stdout of rank 0)")] = None,
+    model: Annotated[str | None, _opt("--model", "HF model folder (DIR-tpN shards used if present)")] = None,
+    config: Annotated[Path | None, _opt("--config", "configs/NAME.toml")] = None,
+    resume: Annotated[bool, _opt("--resume", "skip ids already in --out, append the rest")] = False,
+    skip_invalid: Annotated[bool, _opt("--skip-invalid", "invalid lines become error records")] = False,
+    max_tokens: Annotated[int | None, _opt("--max-tokens", "default max_tokens per request")] = None,
+    temperature: Annotated[float | None, _opt("--temperature", "default temperature")] = None,
+    max_model_len: Annotated[int | None, _opt("--max-model-len")] = None,
+    block_size: Annotated[int | None, _opt("--block-size")] = None,
+    max_num_seqs: Annotated[int | None, _opt("--max-num-seqs")] = None,
+    kv_cache_gb: Annotated[float | None, _opt("--kv-cache-gb", "KV cache GiB per rank (CPU)")] = None,
+    dtype: Annotated[str | None, _opt("--dtype", "float32 | bfloat16 | float16")] = None,
 ) -> None:
     """Run every request in --prompts; one JSON line per request on --out."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    engine_cli = dict(model=model, max_model_len=max_model_len, block_size=block_size,
-                      max_num_seqs=max_num_seqs, kv_cache_gb=kv_cache_gb, dtype=dtype)
+    engine_cli = {"model": model, "max_model_len": max_model_len, "block_size": block_size,
+                  "max_num_seqs": max_num_seqs, "kv_cache_gb": kv_cache_gb, "dtype": dtype}
     try:
         cfg, requests, errors, model_name = prepare(prompts, out, config, resume, skip_invalid,
-                                        dict(max_tokens=max_tokens, temperature=temperature),
+                                        {"max_tokens": max_tokens, "temperature": temperature},
                                         engine_cli, world)
     except UsageError as e:
         if rank == 0:

@@ -32,7 +32,8 @@ class Checker:
     def unknown(self, obj: Mapping, valid: Iterable[str], prefix: str = "") -> None:
         for k in obj:
             if k not in valid:
-                self.errors.append((self.prefix + prefix + str(k), f"unknown field; valid: {', '.join(valid)}"))
+                msg = f"unknown field; valid: {', '.join(valid)}"
+                self.errors.append((self.prefix + prefix + str(k), msg))
 
 
 def is_int(v: Any) -> bool:
@@ -101,7 +102,8 @@ def parse_messages(v: Any, c: Checker) -> list[dict] | None:
         if not isinstance(role, str) or not role:
             c.bad(name + ".role", "must be a non-empty string")
         if isinstance(content, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content
         ):
             content = "".join(p["text"] for p in content)  # OpenAI text parts
         if not isinstance(content, str):

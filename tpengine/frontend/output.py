@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Any, BinaryIO
 
+from typing_extensions import Self
+
 from tpengine.engine.outputs import RequestOutput
 from tpengine.frontend.requests import ParsedRequest
 
@@ -119,7 +121,8 @@ class OutputWriter:
     def __init__(self, path: str | os.PathLike | None, append: bool = False) -> None:
         self.path = path
         self.count = 0
-        self._fh: BinaryIO = sys.stdout.buffer if path is None else open(path, "ab" if append else "wb")
+        mode = "ab" if append else "wb"
+        self._fh: BinaryIO = sys.stdout.buffer if path is None else open(path, mode)  # noqa: SIM115
 
     def write(self, record: dict[str, Any]) -> None:
         """Append ``record`` as one line (UTF-8 JSON) and flush."""
@@ -133,7 +136,7 @@ class OutputWriter:
         if self.path is not None:
             self._fh.close()
 
-    def __enter__(self) -> OutputWriter:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

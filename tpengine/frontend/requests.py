@@ -123,7 +123,8 @@ def parse_lines(
         c.prefix = ""
         if rid is not None:
             if rid in seen:
-                c.bad("custom_id" if fmt != "simple" else "id", f"duplicate id {rid!r} (first on line {seen[rid]})")
+                name = "custom_id" if fmt != "simple" else "id"
+                c.bad(name, f"duplicate id {rid!r} (first on line {seen[rid]})")
             else:
                 seen[rid] = lineno
         if not c.errors:
@@ -166,7 +167,8 @@ def to_token_ids(req: ParsedRequest, tokenizer, vocab_size: int | None = None) -
             raise RequestValidationError(f"cannot apply the chat template: {e}", field) from e
         ids = list(out["input_ids"] if isinstance(out, Mapping) else out)
     else:
-        ids, field = list(req.payload), _field(req, "prompt" if req.format != "simple" else "prompt_token_ids")
+        ids = list(req.payload)
+        field = _field(req, "prompt" if req.format != "simple" else "prompt_token_ids")
         size = len(tokenizer) if vocab_size is None else vocab_size
         for t in ids:
             if t >= size:
