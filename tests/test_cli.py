@@ -185,3 +185,29 @@ def test_resume_after_kill(tiny, tmp_path):
     assert set(r) == set(ref)
     for rid, rec in r.items():
         assert rec["token_ids"] == ref[rid]["token_ids"] and rec["text"] == ref[rid]["text"]
+
+
+def test_resolve_model_dir(tmp_path):
+    from tpengine.run import resolve_model_dir
+
+    base = tmp_path / "m"
+    (tmp_path / "m-tp2").mkdir()
+    (tmp_path / "m-tp2" / "manifest.json").write_text("{}")
+    assert resolve_model_dir(str(base), 2) == str(tmp_path / "m-tp2")
+    assert resolve_model_dir(str(base) + "/", 2) == str(tmp_path / "m-tp2")
+    assert resolve_model_dir(str(base), 3) == str(base)
+
+
+def test_sampling_defaults_precedence(tmp_path):
+    from tpengine.run import UsageError, sampling_defaults
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[engine]\ndtype = "float32"\n[sampling]\ntemperature = 0.0\nmax_tokens = 256\n')
+    assert sampling_defaults(cfg) == {"temperature": 0.0, "max_tokens": 256}
+    assert sampling_defaults(cfg, max_tokens=5, temperature=None) == {"temperature": 0.0, "max_tokens": 5}
+    assert sampling_defaults(None, temperature=0.5) == {"temperature": 0.5}
+    with pytest.raises(UsageError, match="max_tokens must be >= 1"):
+        sampling_defaults(cfg, max_tokens=0)
+    cfg.write_text("[sampling]\ntemprature = 0.0\n")
+    with pytest.raises(UsageError, match=r"unknown \[sampling\] key\(s\) \['temprature'\]"):
+        sampling_defaults(cfg)

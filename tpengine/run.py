@@ -139,7 +139,9 @@ def drive(engine, cfg: EngineConfig, requests: list[ParsedRequest], errors: list
             progress.on_output(o)
 
         tok = engine.tokenizer
-        vocab = getattr(engine, "vocab_size", None)
+        vocab = getattr(engine, "vocab_size", None)  # the model's (maybe > len(tokenizer))
+        if vocab is None:
+            vocab = getattr(getattr(getattr(engine, "runner", None), "plan", None), "vocab_size", None)
         batch = []
         for r in todo:
             try:
