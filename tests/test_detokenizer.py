@@ -192,3 +192,25 @@ def test_decodes_only_a_window(tok):
     deltas, _ = run(Spy(), ids)
     assert "".join(deltas) == decode(tok, ids)
     assert max(calls) <= 8
+
+
+def test_sentencepiece_style_decoder_strip_and_byte_fallback():
+    """A Llama-style decoder (▁ -> space, byte fallback, strip one leading space): the window
+    technique still gives exactly decode(ids) (the strip only ever hits the window's prefix)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁": 3, "!": 4}
+    vocab.update({f"<0x{b:02X}>": 5 + b for b in range(256)})
+    tk = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    ids = tok("hello world! 世界 🙂 end", add_special_tokens=False).input_ids
+    deltas, d = run(tok, ids)
+    assert "".join(deltas) == d.text == tok.decode(ids) == "hello world! 世界 🙂 end"
+    assert not any("\ufffd" in x for x in deltas)
+    _, d = run(tok, ids, stop=["界 🙂"])
+    assert d.stopped and d.text == "hello world! 世"
