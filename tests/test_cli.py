@@ -101,9 +101,6 @@ def test_invalid_file_exits_every_rank_before_loading(tiny, tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.xfail(strict=True, reason="llm_engine.step() feeds the EOS id that ends generation to the "
-                   "detokenizer, so B's text shows; C12 wants B in token_ids only. "
-                   "Drop this marker once fixed.")
 def test_c12b_generation_config_eos_list(tiny, tok, tmp_path):
     req = {"id": "n", "prompt": "hello world", "max_tokens": 8, "temperature": 0}
     first = json.loads(cli(["--prompts", write_jsonl(tmp_path / "1.jsonl", [req]), "--model", tiny]).stdout)

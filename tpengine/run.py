@@ -20,6 +20,7 @@ from typing import Annotated, Any
 
 import tomllib
 import typer
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from tpengine.config import EngineConfig, load_config
 from tpengine.engine.outputs import RequestOutput
@@ -139,9 +140,7 @@ def drive(engine, cfg: EngineConfig, requests: list[ParsedRequest], errors: list
             progress.on_output(o)
 
         tok = engine.tokenizer
-        vocab = getattr(engine, "vocab_size", None)  # the model's (maybe > len(tokenizer))
-        if vocab is None:
-            vocab = getattr(getattr(getattr(engine, "runner", None), "plan", None), "vocab_size", None)
+        vocab = engine.vocab_size  # the model's (maybe > len(tokenizer))
         batch = []
         for r in todo:
             try:
@@ -165,6 +164,7 @@ def _opt(name: str, help: str = "") -> Any:
 
 
 @app.command()
+@record
 def main(
     prompts: Annotated[Path, _opt("--prompts", "JSONL request file")],
     out: Annotated[Path | None, _opt("--out", "output JSONL (default: stdout of rank 0)")] = None,

@@ -93,6 +93,11 @@ class LLMEngine:
         self._steps = self._prefill_steps = self._prompt_tokens = self._output_tokens = 0
 
     @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (ids ``>= vocab_size`` are invalid)."""
+        return self.runner.plan.vocab_size
+
+    @property
     def is_driver(self) -> bool:
         return self.tp.is_driver
 
@@ -113,7 +118,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request (rank 0). One that cannot run (too long for max_model_len or the
         KV cache, empty, ids outside the vocabulary) becomes an error output of the next step."""
-        vocab = self.runner.plan.vocab_size
+        vocab = self.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         seq = Sequence(self._next_id, request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
         self._next_id += 1
@@ -147,6 +152,8 @@ class LLMEngine:
         self._output_tokens += len(tokens)
         finished = self.scheduler.postprocess(seqs, tokens)
         for seq, tok in zip(seqs, tokens):
+            if seq in finished and seq.finish_reason == "stop":
+                continue  # ended on an EOS / stop-token id: it stays in token_ids, not in text
             detok = self._detok[seq.seq_id]
             detok.append(tok)
             if detok.stopped:

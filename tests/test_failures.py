@@ -1,0 +1,108 @@
+"""Failure rules through the real main job under torchrun: C07 (one rank fails -> every rank
+exits non-zero quickly, naming the rank and the exception), C19 (shards for another tp or
+config -> clean failure before any collective), clean exit and an immediate second run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import make_tiny_model
+
+from shard_tool.split import split_model
+
+REPO = Path(__file__).resolve().parent.parent
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+
+def run_job(nproc: int, model: Path, prompts: Path, out: Path, config: Path | None = None, timeout=120):
+    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "tpengine.run",
+           "--prompts", str(prompts), "--out", str(out), "--model", str(model)]
+    if config:
+        cmd += ["--config", str(config)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    return r, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("failures")
+    model = make_tiny_model(root, "llama", name="tiny")
+    prompts = root / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"r{i}", "prompt_token_ids": [5, 6, 7, 10 + i],
+                                           "max_tokens": 8, "temperature": 0}) + "\n" for i in range(4)))
+    cfg = root / "engine.toml"
+    cfg.write_text("[engine]\nkv_cache_gb = 0.05\nmax_model_len = 128\n")
+    shards = root / "tiny-tp2"
+    split_model(model, 2, shards)
+    return root, model, prompts, cfg, shards
+
+
+def test_clean_exit_and_immediate_second_run(setup):
+    root, model, prompts, cfg, _ = setup
+    for attempt in range(2):  # no leftover port, process or lock
+        out = root / f"ok-{attempt}.jsonl"
+        r, _ = run_job(2, model, prompts, out, cfg)
+        exited = time.time()
+        assert r.returncode == 0, r.stderr[-3000:]
+        lines = [json.loads(x) for x in out.read_text().splitlines()]
+        assert sorted(x["id"] for x in lines) == ["r0", "r1", "r2", "r3"]
+        assert all(len(x["token_ids"]) == 8 for x in lines)
+        assert exited - out.stat().st_mtime < 10  # every rank gone within 10 s of the last output
+
+
+def test_c07_rank1_raises_at_decode_step_3(setup):
+    root, model, prompts, _, _ = setup
+    cfg = root / "fault.toml"
+    cfg.write_text('[engine]\nkv_cache_gb = 0.05\nmax_model_len = 128\nfault_inject = "1:3"\n')
+    out = root / "fault.jsonl"
+    r, elapsed = run_job(2, model, prompts, out, cfg)
+    assert r.returncode != 0
+    assert elapsed < 30
+    assert "[tpengine rank 1/2] failed: RuntimeError: injected fault on rank 1 at decode step 3" in r.stderr
+    assert not out.exists() or out.read_text() == ""  # nothing claims success
+
+
+def test_c07_truncated_shard_on_rank1(setup, tmp_path):
+    root, _, prompts, cfg, shards = setup
+    broken = tmp_path / "tiny-tp2"
+    shutil.copytree(shards, broken)
+    f = broken / "rank-01-of-02.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    out = tmp_path / "out.jsonl"
+    r, elapsed = run_job(2, broken, prompts, out, cfg)
+    assert r.returncode != 0
+    assert elapsed < 30
+    assert "[tpengine rank 1/2] failed: CheckpointMismatchError: rank 1:" in r.stderr
+    assert "rank-01-of-02.safetensors" in r.stderr and "corrupt or truncated" in r.stderr
+    assert not out.exists() or out.read_text() == ""
+
+
+@pytest.mark.parametrize("nproc", [1, 4])
+def test_c19_shards_for_tp2_launched_at_other_tp(setup, tmp_path, nproc):
+    root, _, prompts, cfg, shards = setup
+    r, elapsed = run_job(nproc, shards, prompts, tmp_path / "out.jsonl", cfg)
+    assert r.returncode != 0
+    assert elapsed < 30  # torchrun + imports; the check itself runs before any collective
+    assert f"was made for tp=2 but this launch has tp={nproc}" in r.stderr
+    assert "tpengine-shard split" in r.stderr
+
+
+def test_c19_config_layer_mismatch(setup, tmp_path):
+    root, _, prompts, cfg, shards = setup
+    bad = tmp_path / "tiny-tp2"
+    shutil.copytree(shards, bad)
+    conf = json.loads((bad / "config.json").read_text())
+    conf["num_hidden_layers"] = 3
+    (bad / "config.json").write_text(json.dumps(conf))
+    r, _ = run_job(2, bad, prompts, tmp_path / "out.jsonl", cfg)
+    assert r.returncode != 0
+    assert "was made for num_hidden_layers=2 but the model config has num_hidden_layers=3" in r.stderr
