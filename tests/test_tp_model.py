@@ -72,13 +72,13 @@ def smollm2_chat_ids() -> list[list[int]]:
     return [list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"])]
 
 
-@pytest.mark.parametrize("tp", (2, 3))
-def test_smollm2_logits_match_hf(tp_results, tp):
+@pytest.mark.parametrize("tp,source", [(2, "full"), (3, "full"), (2, "shards")])
+def test_smollm2_logits_match_hf(tp_results, tp, source):
     """The real SmolLM2-135M-Instruct (9 heads / 3 KV heads: uneven, straddling KV heads) at tp 2
     and 3: chat-prompt logits within 1e-3 of HF, argmax identical at every position."""
     ids = torch.tensor(smollm2_chat_ids())
     ref = hf_logits(SMOLLM2_DIR, ids)
-    got = tp_results[tp]["smollm2/full"]["logits"]
+    got = tp_results[tp][f"smollm2/{source}"]["logits"]
     assert got.shape == ref.shape
     assert (got - ref).abs().max().item() < 1e-3
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
@@ -99,6 +99,10 @@ def tp_results(tiny_models, tmp_path_factory):
                      {"key": f"{name}/shards", "model_dir": str(shard_dir), "input_ids": ids}]
         if tp in (2, 3):
             jobs.append({"key": "smollm2/full", "model_dir": str(SMOLLM2_DIR), "input_ids": smollm2_chat_ids()})
+        if tp == 2:  # C03: reload the tied SmolLM2 from its per-rank shards
+            split_model(SMOLLM2_DIR, 2, tmp / "smollm2-tp2")
+            jobs.append({"key": "smollm2/shards", "model_dir": str(tmp / "smollm2-tp2"),
+                         "input_ids": smollm2_chat_ids()})
         results[tp] = run_tp(tmp, tp, jobs)
     return results
 
@@ -140,6 +144,7 @@ def test_structure_matches_plan(tiny_models, tp_results, name, tp):
         assert len(leaves) == 7 * 2  # 2 layers
         for leaf, out_dim, in_dim in leaves:
             assert (out_dim, in_dim) == want[leaf], (rank, leaf)
+        assert a["tied_storage"] == name.endswith("tied")  # C03: LM head shares the embedding shard
         for n, w in a["norms"].items():
             assert torch.equal(w, audits[0]["norms"][n])
     if name.startswith("qwen3"):

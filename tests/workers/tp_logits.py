@@ -25,7 +25,8 @@ def audit(model, plan, rank):
         elif isinstance(m, torch.nn.Linear) and ".layers." in name:
             plain += 1
     norms = {n: p.detach().clone() for n, p in model.named_parameters() if "q_norm" in n or "k_norm" in n}
-    return {"linears": rows, "plain_linear": plain, "norms": norms}
+    tied = model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    return {"linears": rows, "plain_linear": plain, "norms": norms, "tied_storage": tied}
 
 
 def main():
