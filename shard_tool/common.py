@@ -4,7 +4,6 @@ hashing, and which checkpoint files are weights."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import shutil
 import sys
@@ -69,15 +68,6 @@ def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(out)
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    """Hex SHA-256 of the file at ``path`` (read in 4 MiB chunks)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def side_files(model_dir: Path) -> list[Path]:

@@ -14,48 +14,10 @@ from typing import Annotated, Any
 
 import typer
 
-from shard_tool.common import UserError, atomic_dir, read_json, sha256_file, side_files, user_errors
+from shard_tool.common import UserError, atomic_dir, side_files, user_errors
+from tpengine.checkpoint import FORMAT_VERSION, INDEX_NAME, checkpoint_files, rank_file_name, sha256_file
 
-FORMAT_VERSION = 1
 DTYPES = ("float32", "bfloat16", "float16")
-INDEX_NAME = "model.safetensors.index.json"
-
-
-def rank_file_name(rank: int, tp_size: int) -> str:
-    """``rank-RR-of-NN.safetensors``, e.g. ``rank-00-of-02.safetensors``."""
-    return f"rank-{rank:02d}-of-{tp_size:02d}.safetensors"
-
-
-def checkpoint_files(model_dir: Path) -> dict[str, list[str]]:
-    """Map each safetensors file of a HF checkpoint (single ``model.safetensors`` or several
-    named by ``model.safetensors.index.json``) to the tensor names it holds, in file order.
-
-    Raises:
-        UserError: no safetensors checkpoint in ``model_dir``, or a file the index names is
-            missing (naming the file and the index).
-    """
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    index = model_dir / INDEX_NAME
-    if index.is_file():
-        weight_map = read_json(index, "checkpoint index").get("weight_map", {})
-        files: dict[str, list[str]] = {}
-        for name, fname in weight_map.items():
-            files.setdefault(fname, []).append(name)
-        for fname in files:
-            if not (model_dir / fname).is_file():
-                raise UserError(
-                    f"checkpoint file {fname!r} named in {str(index)!r} is missing from {str(model_dir)!r}"
-                )
-        return {f: sorted(names) for f, names in sorted(files.items())}
-    single = model_dir / "model.safetensors"
-    if not single.is_file():
-        raise UserError(
-            f"no safetensors checkpoint in {str(model_dir)!r}: expected model.safetensors or {INDEX_NAME}"
-        )
-    with safe_open(single, framework="pt") as f:
-        return {single.name: sorted(f.keys())}
 
 
 def _find(files: dict[str, list[str]], suffix: str) -> tuple[str, str] | None:

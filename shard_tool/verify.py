@@ -8,8 +8,8 @@ from typing import Annotated, Any
 
 import typer
 
-from shard_tool.common import UserError, read_json, sha256_file, user_errors
-from shard_tool.split import FORMAT_VERSION, rank_file_name
+from shard_tool.common import UserError, read_json, user_errors
+from tpengine.checkpoint import FORMAT_VERSION, rank_file_name, sha256_file
 
 DTYPE_CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 

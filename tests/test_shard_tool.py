@@ -13,10 +13,10 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from shard_tool.cli import app
-from shard_tool.common import sha256_file
 from shard_tool.info import rank_bytes, weight_shapes
 from shard_tool.split import split_model
 from tpengine import plan as P
+from tpengine.checkpoint import sha256_file
 from tpengine.plan import ShardPlan
 from tpengine.surgery import kind_of
 

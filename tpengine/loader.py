@@ -9,7 +9,6 @@ config on the real device, and tied embeddings share storage.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,11 +18,11 @@ from accelerate.utils import set_module_tensor_to_device
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from tpengine.checkpoint import MANIFEST, checkpoint_files, is_shard_folder, rank_file_name, sha256_file
 from tpengine.distributed import TPInfo
 from tpengine.plan import ShardPlan
 from tpengine.surgery import apply_tensor_parallel, build_meta_model, kind_of
 
-MANIFEST = "manifest.json"
 # config fields a shard folder must agree on with the config it is launched with
 CHECKED_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                   "num_key_value_heads", "vocab_size", "head_dim", "tie_word_embeddings")
@@ -31,24 +30,6 @@ CHECKED_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_
 
 class CheckpointMismatchError(ValueError):
     """Shards made for another TP size or config, or files that do not match the manifest."""
-
-
-def shard_file_name(rank: int, size: int) -> str:
-    """``rank-RR-of-NN.safetensors``."""
-    return f"rank-{rank:02d}-of-{size:02d}.safetensors"
-
-
-def is_shard_folder(model_dir: str | Path) -> bool:
-    """True if ``model_dir`` holds a ``tpengine-shard split`` manifest."""
-    return (Path(model_dir) / MANIFEST).is_file()
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def check_manifest(model_dir: Path, hf_config, tp: TPInfo) -> ShardPlan:
@@ -76,29 +57,16 @@ def check_manifest(model_dir: Path, hf_config, tp: TPInfo) -> ShardPlan:
     plan = ShardPlan.from_dict(manifest["plan"])
     if plan != ShardPlan.build(hf_config, tp.size):
         raise CheckpointMismatchError(f"the plan in {MANIFEST} differs from this config's plan; {fix}")
-    name = shard_file_name(tp.rank, tp.size)
+    name = rank_file_name(tp.rank, tp.size)
     entry = next((f for f in manifest["shard_files"] if f["name"] == name), None)
     path = model_dir / name
     if entry is None or not path.is_file():
         raise CheckpointMismatchError(f"rank {tp.rank}: shard file {str(path)!r} is missing; {fix}")
-    if _sha256(path) != entry["sha256"]:
+    if sha256_file(path) != entry["sha256"]:
         raise CheckpointMismatchError(
             f"rank {tp.rank}: {str(path)!r} does not match the sha256 in {MANIFEST} (corrupt or "
             f"truncated); {fix}")
     return plan
-
-
-def _full_checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [model_dir / n for n in names]
-    else:
-        files = [model_dir / "model.safetensors"]
-    for f in files:
-        if not f.is_file():
-            raise FileNotFoundError(f"checkpoint file {str(f)!r} is missing from {str(model_dir)!r}")
-    return files
 
 
 def iter_rank_tensors(model_dir: Path, plan: ShardPlan | None, rank: int, size: int,
@@ -107,14 +75,14 @@ def iter_rank_tensors(model_dir: Path, plan: ShardPlan | None, rank: int, size: 
     its shard file when ``plan`` is None, else sliced from the full checkpoint through ``plan``.
     A tied ``lm_head.weight`` is skipped (the LM head shares the embedding)."""
     if plan is None:
-        with safe_open(str(model_dir / shard_file_name(rank, size)), framework="pt") as f:
-            for name in f.keys():
+        with safe_open(str(model_dir / rank_file_name(rank, size)), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 if not (tie and name == "lm_head.weight"):
                     yield name, f.get_tensor(name)
         return
-    for path in _full_checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+    for fname, names in checkpoint_files(model_dir).items():
+        with safe_open(str(model_dir / fname), framework="pt") as f:
+            for name in names:
                 if tie and name == "lm_head.weight":
                     continue
                 t = f.get_tensor(name)
