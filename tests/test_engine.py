@@ -94,6 +94,8 @@ def jobs_for(models, smollm2_prompts, tp: int) -> list[dict]:
         if name == "llama":  # C17: alone, and P3 joining while P1/P2 decode (max_num_seqs 2)
             jobs += [{"key": f"llama/alone{i}", "config": cfg(d), "requests": [reqs[i]]} for i in (P1, P2, P3)]
             jobs.append({"key": "llama/join", "config": cfg(d, max_num_seqs=2), "requests": reqs[:3]})
+            sampled = ["seeded", prompts[0], {"temperature": 1.0, "seed": 7, "max_tokens": 200, "ignore_eos": True}]
+            jobs.append({"key": "llama/seeded", "config": cfg(d), "requests": [sampled, *reqs[1:]]})
     reqs = [[f"s{i}", p, {**GREEDY, "max_tokens": 64}] for i, p in enumerate(smollm2_prompts)]
     jobs.append({"key": "smollm2", "config": cfg(SMOLLM2_DIR, max_model_len=512, kv_cache_gb=0.2), "requests": reqs})
     return jobs
@@ -207,3 +209,12 @@ def test_c13_c14_c12_on_two_ranks(models, tmp_path):
     assert eos["token_ids"] == gen[:3] and eos["finish_reason"] == "stop"
     ignore = by_id(r2["ignore"])["x"]
     assert ignore["token_ids"] == gen and ignore["finish_reason"] == "length"
+
+
+def test_c01_seeded_sampling_same_at_every_tp_and_never_padding(engine_results):
+    """Vocabulary 1001 (padded to 1002 at tp 2): 200 draws at temperature 1.0 never give an id
+    >= 1001, and a seeded request samples the same tokens at tp 1, 2 and 3 while batched."""
+    runs = [by_id(engine_results[tp]["llama/seeded"])["seeded"]["token_ids"] for tp in (1, 2, 3)]
+    assert len(runs[0]) == 200 and max(runs[0]) < 1001
+    assert runs[1] == runs[0] and runs[2] == runs[0]
+    assert len(set(runs[0])) > 50  # really sampled, not greedy

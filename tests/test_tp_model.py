@@ -28,7 +28,7 @@ MODELS = {
     "qwen2-bias": ("qwen2", dict(random_biases=True)),
     "qwen3-hd32": ("qwen3", dict(head_dim=32, random_biases=True)),
 }
-TP_SIZES = (2, 3, 4)
+TP_SIZES = (1, 2, 3, 4)
 
 
 @pytest.fixture(scope="module")
