@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+
+# Without a GPU, Triton kernels run only under the interpreter, which must be switched on before
+# anything imports triton (transformers may); set it once for the whole session.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 SMOLLM2_DIR = REPO / "models" / "smollm2-135m-instruct"
