@@ -106,3 +106,31 @@ def apply_tensor_parallel(model: nn.Module, plan: P.ShardPlan, rank: int, dtype:
             module.tp_q_to_kv = torch.tensor(rp.q_to_kv, dtype=torch.int64)
             assert module.head_dim == hd, (module.head_dim, hd)
     return model
+
+
+# HF modules whose forward the fused modules reproduce exactly (tpengine.layers.fused)
+FUSABLE_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
+FUSABLE_MLP = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """After loading: swap every known HF attention module for a
+    :class:`~tpengine.layers.fused.FusedAttention` (one q/k/v GEMM) and every known gated MLP for
+    a :class:`~tpengine.layers.fused.FusedMLP` (one gate/up GEMM). The fused weights are the
+    concatenation of the loaded per-name ShardPlan slices; the separate ones are dropped. Other
+    modules keep their HF forward. Returns the number of modules swapped."""
+    from tpengine.layers.fused import FusedAttention, FusedMLP
+
+    swapped = 0
+    for name, module in list(model.named_modules()):
+        kind = type(module).__name__
+        if kind in FUSABLE_ATTENTION and isinstance(getattr(module, "q_proj", None), ColumnParallelLinear):
+            new = FusedAttention(module)
+        elif kind in FUSABLE_MLP and isinstance(getattr(module, "gate_proj", None), ColumnParallelLinear):
+            new = FusedMLP(module)
+        else:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, new)
+        swapped += 1
+    return swapped

@@ -16,6 +16,7 @@ from tpengine.engine.context import Context, set_context
 from tpengine.engine.step import StepKind, StepPlan
 from tpengine.kernels import get_backend
 from tpengine.loader import load_model
+from tpengine.surgery import fuse_projections
 
 GIB = 1 << 30
 
@@ -40,6 +41,7 @@ class ModelRunner:
             torch.set_num_threads(config.threads or max(1, (cores or 1) // tp.size))
         self.dtype = getattr(torch, config.dtype)
         self.model, self.plan, self.hf_config = load_model(config.model, tp, self.dtype)
+        fuse_projections(self.model)  # one q/k/v and one gate/up GEMM per layer
         self.backend = get_backend(config.attention_backend, tp.device)
         self.attn_modules = [m for m in self.model.modules() if hasattr(m, "tp_q_to_kv")]
         self.num_blocks = all_reduce_min(self._blocks_from_budget())

@@ -14,6 +14,8 @@ through torch SDPA, which accumulates softmax in float32 for half types on CPU.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -95,6 +97,32 @@ def _gather_cache(cache: torch.Tensor, block_row: torch.Tensor, n: int) -> torch
     return cache.reshape(-1, *cache.shape[2:]).index_select(0, block_row[pos // bs] * bs + pos % bs)
 
 
+@functools.lru_cache(maxsize=256)
+def _groups(q_to_kv: tuple[int, ...], hkv: int, device: torch.device):
+    """Query heads grouped by the KV head they read, for attention that reads each KV head once.
+
+    Returns ``(G, gather, scatter)``: every KV head gets ``G`` query slots (the largest group;
+    smaller groups are padded with a repeat of one of their heads). ``gather [Hkv*G]`` is the query
+    head in each slot and ``scatter [Hq]`` the slot of each query head; both are None when
+    ``q_to_kv`` is already ``h // G`` (standard GQA), where ``[Hq, D]`` views as ``[Hkv, G, D]``.
+    """
+    groups = [[h for h, j in enumerate(q_to_kv) if j == kv] for kv in range(hkv)]
+    g = max(len(x) for x in groups)
+    if list(q_to_kv) == [h // g for h in range(len(q_to_kv))] and g * hkv == len(q_to_kv):
+        return g, None, None
+    gather, scatter = [], [0] * len(q_to_kv)
+    for kv, heads in enumerate(groups):
+        for i, h in enumerate(heads):
+            scatter[h] = kv * g + i
+        gather += heads + [heads[-1] if heads else 0] * (g - len(heads))
+    return g, torch.tensor(gather, device=device), torch.tensor(scatter, device=device)
+
+
+def _is_gqa(q_to_kv: torch.Tensor, hkv: int) -> bool:
+    """True if local query head ``h`` reads KV head ``h // (Hq // Hkv)`` (SDPA's ``enable_gqa``)."""
+    return _groups(tuple(q_to_kv.tolist()), hkv, q_to_kv.device)[1] is None
+
+
 # ---------------------------------------------------------------------------------------------
 # the three kernels
 # ---------------------------------------------------------------------------------------------
@@ -107,9 +135,16 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     Shapes: ``key``/``value [N, Hkv, D]``, caches ``[num_blocks, block_size, Hkv, D]``,
     ``slot_mapping [N]`` int64; slot -1 means "skip this token" (padding). Values are cast to
     the cache dtype. Raises ValueError on shape mismatch; an out-of-range slot raises torch's
-    IndexError. Distinct tokens must map to distinct slots.
+    IndexError. Distinct tokens must map to distinct slots. Contiguous caches without -1 slots
+    (every engine step on CPU) take one ``index_copy_`` per cache.
     """
     _, bs, hkv, d = check_store(key, value, k_cache, v_cache, slot_mapping)
+    if key.shape[0] == 0:
+        return
+    if k_cache.is_contiguous() and v_cache.is_contiguous() and int(slot_mapping.min()) >= 0:
+        k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+        v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+        return
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blk, off = slots // bs, slots % bs
@@ -138,6 +173,17 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     if k.shape != v.shape or k.shape[0] != q.shape[0] or tuple(k.shape[1:]) != (hkv, d):
         raise ValueError(f"k/v must be [{q.shape[0]}, {hkv}, {d}]; got {tuple(k.shape)}, {tuple(v.shape)}")
     cu_q, _, lqs, lks = prefill_lengths(cu_seqlens_q, cu_seqlens_k, q.shape[0])
+    gqa = _is_gqa(q_to_kv, hkv)
+
+    def heads(x):  # [..., Hkv, D] -> the KV head of every query head (unless SDPA's GQA does it)
+        return x if gqa else x.index_select(-2, q_to_kv)
+
+    if lqs and lqs == lks and min(lqs) == max(lqs) > 0:
+        # no cached prefix and equal lengths (a batch of same-length prompts): one batched call
+        b, n = len(lqs), lqs[0]
+        qh, kh, vh = (x.unflatten(0, (b, n)).transpose(1, 2) for x in (q, heads(k), heads(v)))
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+        return o.transpose(1, 2).reshape(q.shape).contiguous()
     out = q.new_empty(q.shape)  # contiguous, whatever q's strides
     for b, (lq, lk) in enumerate(zip(lqs, lks)):
         if lq == 0:
@@ -153,9 +199,10 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
             # key j visible to query i  <=>  j <= p + i  (bottom-right aligned causal mask)
             mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=p)
         qh = q[s:e].transpose(0, 1)  # [Hq, Lq, D]
-        kh = kb.index_select(1, q_to_kv).transpose(0, 1)  # [Hq, Lk, D]
-        vh = vb.index_select(1, q_to_kv).transpose(0, 1)
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=scale)
+        kh = heads(kb).transpose(0, 1)  # [Hq or Hkv, Lk, D]
+        vh = heads(vb).transpose(0, 1)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                           enable_gqa=gqa)
         out[s:e] = o.transpose(0, 1)
     return out
 
@@ -169,9 +216,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     [B, max_blocks]`` int64 (-1 padded), ``context_lens [B]`` int64 (tokens in the cache,
     including this step's token, already stored), ``q_to_kv [Hq]``, ``scale`` = softmax scale.
     Returns ``[B, Hq, D]`` in ``q.dtype``; a sequence with ``context_lens == 0`` (batch padding)
-    gets zeros. Vectorised: builds a ``[B, max_ctx]`` slot index from the block tables, gathers
-    K/V once per query head straight into ``[B, Hq, max_ctx, D]`` (so any ``q_to_kv`` works),
-    and runs SDPA with positions ``>= context_lens[b]`` masked. One host sync (``max_ctx``).
+    gets zeros. Vectorised: copies the first ``ceil(max_ctx / block_size)`` blocks of every
+    block-table row out of the cache (whole blocks, each KV head once) into ``[B, Hkv, max_ctx,
+    D]``, groups the query heads by their KV head (``[B, Hkv, G, D]``, so each KV head is read
+    once whatever ``q_to_kv`` is) and runs one SDPA, masking positions ``>= context_lens[b]``
+    only when the lengths differ. One host sync (the min and max context length).
     Raises ValueError on shape mismatch or when ``max_ctx`` exceeds the block table's capacity.
     """
     _, bs, hkv, d = check_cache(k_cache, v_cache)
@@ -184,22 +233,31 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         )
     if nb == 0:
         return q.new_empty(q.shape)
-    max_ctx = int(context_lens.max())
+    min_ctx, max_ctx = (int(x) for x in torch.aminmax(context_lens))
     if max_ctx > block_tables.shape[1] * bs:
         raise ValueError(
             f"context length {max_ctx} exceeds block table capacity {block_tables.shape[1]}x{bs}"
         )
     if max_ctx == 0:
         return q.new_zeros(q.shape)
-    pos = torch.arange(max_ctx, device=q.device)
-    valid = pos[None, :] < context_lens[:, None]  # [B, L]
-    empty = context_lens == 0
-    valid[:, 0] |= empty  # batch padding: attend to one dummy key, zeroed below (avoids NaN)
-    slots = block_tables[:, pos // bs].clamp_min(0) * bs + pos % bs  # [B, L]; -1 padding masked anyway
-    # one gather straight into [B, Hq, L, D]: row (slot, q_to_kv[h]) of the [slots*Hkv, D] view
-    rows = (slots[:, None, :] * hkv + q_to_kv[None, :, None]).flatten()
-    kg = k_cache.reshape(-1, d).index_select(0, rows).view(nb, -1, max_ctx, d)
-    vg = v_cache.reshape(-1, d).index_select(0, rows).view(nb, -1, max_ctx, d)
-    out = F.scaled_dot_product_attention(q[:, :, None, :], kg.to(q.dtype), vg.to(q.dtype),
-                                         attn_mask=valid[:, None, None, :], scale=scale)[:, :, 0]
-    return out.masked_fill_(empty[:, None, None], 0.0)
+    n_blk = -(-max_ctx // bs)
+    blocks = block_tables[:, :n_blk].clamp_min(0).flatten()  # -1 padding reads block 0, masked
+
+    def gather(cache):  # [B, Hkv, max_ctx, D], a strided view of one copy of whole blocks
+        kv = cache.index_select(0, blocks).view(nb, n_blk * bs, hkv, d)[:, :max_ctx]
+        return kv.transpose(1, 2).to(q.dtype)
+
+    g, q_slots, out_slots = _groups(tuple(q_to_kv.tolist()), hkv, q.device)
+    qg = (q if q_slots is None else q.index_select(1, q_slots)).reshape(nb, hkv, g, d)
+    mask = None
+    if min_ctx != max_ctx:
+        valid = torch.arange(max_ctx, device=q.device)[None, :] < context_lens[:, None]  # [B, L]
+        valid[:, 0] |= context_lens == 0  # batch padding: attend to one dummy key, zeroed below
+        mask = valid[:, None, None, :]
+    out = F.scaled_dot_product_attention(qg, gather(k_cache), gather(v_cache), attn_mask=mask, scale=scale)
+    out = out.reshape(nb, hkv * g, d)
+    if out_slots is not None:
+        out = out.index_select(1, out_slots)
+    if min_ctx == 0:
+        out = out.masked_fill_((context_lens == 0)[:, None, None], 0.0)
+    return out.contiguous()

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from tpengine.engine.context import get_context
+from tpengine.engine.context import Context, get_context
 
 NAME = "tpengine"
 
@@ -33,17 +33,25 @@ def tpengine_attention(module, query, key, value, attention_mask, scaling=None, 
         v = value.index_select(1, q_to_kv)
         out = F.scaled_dot_product_attention(query, k, v, is_causal=query.shape[2] > 1, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
-    q = query[0].transpose(0, 1)  # [T, Hq, D]
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
+    out = paged_attention(module, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                          scaling, ctx)
+    return out.unsqueeze(0), None
+
+
+def paged_attention(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                    ctx: Context) -> torch.Tensor:
+    """One layer's attention inside an engine step, on the step's packed tokens: store ``k``/``v``
+    in the module's paged KV cache, then prefill or decode attention over it.
+
+    Shapes: ``q [T, Hq_local, D]``, ``k``/``v [T, Hkv_local, D]`` (any strides) -> ``[T, Hq_local, D]``.
+    """
     be, k_cache, v_cache = ctx.backend, module.k_cache, module.v_cache
     be.store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
     if ctx.is_prefill:
-        out = be.prefill_attention(q, k, v, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
-                                   ctx.block_tables, q_to_kv, scaling)
-    else:
-        out = be.decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, q_to_kv, scaling)
-    return out.unsqueeze(0), None
+        return be.prefill_attention(q, k, v, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+                                    ctx.block_tables, module.tp_q_to_kv, scaling)
+    return be.decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, module.tp_q_to_kv,
+                               scaling)
 
 
 def _no_mask(*args, **kwargs):

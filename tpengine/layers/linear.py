@@ -50,3 +50,27 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Column-parallel layers that read the same input, run as one GEMM (q/k/v, gate/up).
+
+    ``weight [sum(sizes), in_features]`` is the concatenation of the parts' local weights (each
+    already this rank's ShardPlan slice), ``bias`` likewise (all parts or none have one).
+    Input ``[..., in_features]`` -> ``[..., sum(sizes)]``; the caller slices the parts.
+    """
+
+    def __init__(self, parts: list[ColumnParallelLinear]):
+        super().__init__()
+        if len({p.in_features for p in parts}) != 1 or len({p.bias is None for p in parts}) != 1:
+            raise ValueError("merged column layers need one input size and all or no biases")
+        self.in_features = parts[0].in_features
+        self.sizes = [p.out_features for p in parts]
+        self.out_features = sum(self.sizes)
+        self.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+        self.bias = (None if parts[0].bias is None else
+                     nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., in_features]`` -> ``[..., sum(sizes)]``, the parts side by side in ``sizes`` order."""
+        return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,80 @@
+"""Fused attention and MLP modules for the Llama-style decoder families (Llama, Mistral, Qwen2,
+Qwen3), swapped in by :func:`tpengine.surgery.fuse_projections` after the weights are loaded.
+
+* q/k/v run as one column-parallel GEMM and gate/up as another
+  (:class:`tpengine.layers.linear.MergedColumnParallelLinear`: the concatenation of the
+  ShardPlan slices the loader assigned, so the partition math stays in the plan);
+* RoPE runs once over the query and key heads together (they are adjacent in the fused output),
+  with HF's formula ``x * cos + rotate_half(x) * sin``;
+* inside an engine step, attention takes the step's packed ``[T, H, D]`` tokens straight from the
+  GEMM output, with no transposes.
+
+The HF decoder layer around them still runs the norms and residuals. The forwards mirror the HF
+ones they replace (same operations in the same order on each element), so float32 results match.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpengine.engine.context import get_context
+from tpengine.layers.attention import paged_attention, tpengine_attention
+from tpengine.layers.linear import MergedColumnParallelLinear
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` on the last dimension (HF's RoPE convention)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class FusedAttention(nn.Module):
+    """Replaces an HF attention module (``q_proj``/``k_proj``/``v_proj``/``o_proj`` already
+    tensor-parallel, optional per-head ``q_norm``/``k_norm`` as in Qwen3).
+
+    ``forward(hidden_states [B, T, hidden], position_embeddings=(cos, sin) [B, T, D])`` ->
+    ``(out [B, T, hidden], None)`` like the HF module; in an engine step B == 1.
+    """
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        self.qkv_proj = MergedColumnParallelLinear([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o_proj = attn.o_proj
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.layer_idx, self.head_dim, self.scaling = attn.layer_idx, attn.head_dim, attn.scaling
+        self.num_heads, self.num_key_value_heads = attn.num_heads, attn.num_key_value_heads
+        self.tp_q_to_kv = attn.tp_q_to_kv
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask=None, **kwargs) -> tuple[torch.Tensor, None]:
+        hq, hkv = self.num_heads, self.num_key_value_heads
+        qkv = self.qkv_proj(hidden_states).unflatten(-1, (hq + 2 * hkv, self.head_dim))  # [B, T, H, D]
+        qk, v = qkv[..., : hq + hkv, :], qkv[..., hq + hkv :, :]
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[..., :hq, :]), self.k_norm(qk[..., hq:, :])), dim=-2)
+        cos, sin = (t.unsqueeze(-2) for t in position_embeddings)  # [B, T, 1, D]: every head
+        qk = qk * cos + rotate_half(qk) * sin
+        q, k = qk[..., :hq, :], qk[..., hq:, :]
+        ctx = get_context()
+        if ctx is not None:
+            out = paged_attention(self, q[0], k[0], v[0], self.scaling, ctx).unsqueeze(0)
+        else:  # plain causal attention over the batch (outside the engine)
+            out, _ = tpengine_attention(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+                                        scaling=self.scaling)
+        return self.o_proj(out.flatten(-2)), None
+
+
+class FusedMLP(nn.Module):
+    """Replaces an HF gated MLP ``down(act(gate(x)) * up(x))`` (parallel layers, HF ``act_fn``)."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear([mlp.gate_proj, mlp.up_proj])
+        self.down_proj, self.act_fn = mlp.down_proj, mlp.act_fn
+        self.intermediate = mlp.gate_proj.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        h = self.act_fn(gate_up[..., : self.intermediate])
+        return self.down_proj(h.mul_(gate_up[..., self.intermediate :]))
