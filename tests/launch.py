@@ -23,9 +23,10 @@ def torchrun(script: str, nproc: int, args: list[str], timeout: float = 600, env
     return r
 
 
-def run_engine_jobs(tmp_path: Path, nproc: int, jobs: list[dict], tag: str = "") -> dict:
-    """Run LLMEngine jobs (see tests/workers/engine_generate.py) at ``nproc`` ranks; rank 0's results."""
+def run_engine_jobs(tmp_path: Path, nproc: int, jobs: list[dict], tag: str = "", env: dict | None = None) -> dict:
+    """Run LLMEngine jobs (see tests/workers/engine_generate.py) at ``nproc`` ranks; rank 0's results.
+    ``env`` is added to the workers' environment (e.g. ``TRITON_INTERPRET``)."""
     jobs_file, out = tmp_path / f"engine-jobs{tag}-{nproc}.json", tmp_path / f"engine-out{tag}-{nproc}.json"
     jobs_file.write_text(json.dumps(jobs))
-    torchrun("engine_generate.py", nproc, [str(out), str(jobs_file)])
+    torchrun("engine_generate.py", nproc, [str(out), str(jobs_file)], env=env)
     return json.loads(out.read_text())

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "triton")
 
 
@@ -32,7 +32,7 @@ class EngineConfig:
     """
 
     model: str = DEFAULT_MODEL_DIR
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (see torch_dtype)
     max_model_len: int = 2048
     block_size: int = 16
     max_num_seqs: int = 64
@@ -71,6 +71,15 @@ class EngineConfig:
             raise bad("dist_timeout_s", "> 0 seconds")
         if self.threads is not None and self.threads < 1:
             raise bad("threads", "an integer >= 1 or unset")
+
+    def torch_dtype(self, device: Any) -> Any:
+        """The model/KV-cache ``torch.dtype`` on ``device`` (the one place "auto" is resolved):
+        "auto" is bfloat16 on CUDA and float32 elsewhere; other names map to themselves."""
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with ``changes`` applied (validated again)."""

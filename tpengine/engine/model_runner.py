@@ -13,6 +13,7 @@ import torch
 from tpengine.config import EngineConfig
 from tpengine.distributed import TPInfo, all_reduce_min
 from tpengine.engine.context import Context, set_context
+from tpengine.engine.cuda_graphs import CUDAGraphRunner
 from tpengine.engine.step import StepKind, StepPlan
 from tpengine.kernels import get_backend
 from tpengine.loader import load_model
@@ -27,8 +28,10 @@ class ModelRunner:
     KV cache: one ``[2, num_layers, num_blocks, block_size, kv_heads_local, head_dim]`` tensor;
     layer ``i``'s attention module gets views ``k_cache``/``v_cache`` of
     ``[num_blocks, block_size, kv_heads_local, head_dim]``. ``num_blocks`` comes from
-    ``config.num_kv_blocks`` or ``config.kv_cache_gb`` (GiB per rank) and is agreed by all ranks
-    with all_reduce(MIN).
+    ``config.num_kv_blocks`` or ``config.kv_cache_gb`` (GiB per rank; on CUDA
+    ``gpu_memory_utilization`` x free memory after a warm-up prefill, less its activation peak)
+    and is agreed by all ranks with all_reduce(MIN). On CUDA with the Triton backend and not
+    ``enforce_eager``, decode steps replay CUDA graphs (:mod:`tpengine.engine.cuda_graphs`).
 
     Raises:
         ValueError: the KV budget holds less than one block per sequence of max_model_len.
@@ -39,17 +42,47 @@ class ModelRunner:
         if tp.device.type == "cpu":
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
             torch.set_num_threads(config.threads or max(1, (cores or 1) // tp.size))
-        self.dtype = getattr(torch, config.dtype)
+        self.dtype = config.torch_dtype(tp.device)
         self.model, self.plan, self.hf_config = load_model(config.model, tp, self.dtype)
         fuse_projections(self.model)  # one q/k/v and one gate/up GEMM per layer
         self.backend = get_backend(config.attention_backend, tp.device)
         self.attn_modules = [m for m in self.model.modules() if hasattr(m, "tp_q_to_kv")]
+        self.graphs: CUDAGraphRunner | None = None
+        if tp.device.type == "cuda" and config.num_kv_blocks is None:
+            self._warmup()
         self.num_blocks = all_reduce_min(self._blocks_from_budget())
         rp = self.plan.ranks[tp.rank]
         self.kv_cache = torch.zeros(2, len(self.attn_modules), self.num_blocks, config.block_size,
                                     rp.num_kv_heads, self.plan.head_dim, dtype=self.dtype, device=tp.device)
         for i, m in enumerate(self.attn_modules):
             m.k_cache, m.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        graph_safe = self.backend.__name__.endswith("paged_attention")  # the torch reference syncs
+        if tp.device.type == "cuda" and not config.enforce_eager and graph_safe:
+            max_blocks = -(-config.max_model_len // config.block_size)
+            self.graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs, max_blocks,
+                                          self.plan.hidden_size, self.dtype, tp.device)
+            self.graphs.capture()
+
+    def _warmup(self) -> None:
+        """CUDA: one eager prefill as large as the scheduler may build (max_num_batched_tokens tokens
+        in sequences of max_model_len, at most max_num_seqs), storing nothing (slot -1) into a
+        one-block stand-in cache, so the KV budget can leave room for its activation peak."""
+        c, rp, dev = self.config, self.plan.ranks[self.tp.rank], self.tp.device
+        stand_in = torch.zeros(1, c.block_size, rp.num_kv_heads, self.plan.head_dim, dtype=self.dtype,
+                               device=dev)
+        for m in self.attn_modules:
+            m.k_cache = m.v_cache = stand_in
+        total = min(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
+        lens = [min(c.max_model_len, total - s) for s in range(0, total, c.max_model_len)]
+        cu = torch.tensor([0, *lens]).cumsum(0)
+        n = int(cu[-1])
+        torch.cuda.reset_peak_memory_stats(dev)
+        self.execute(StepPlan(StepKind.PREFILL, input_ids=torch.zeros(n, dtype=torch.int64),
+                              positions=torch.cat([torch.arange(x) for x in lens]),
+                              slot_mapping=torch.full((n,), -1), block_tables=torch.full((len(lens), 1), -1),
+                              cu_seqlens_q=cu, cu_seqlens_k=cu, context_lens=torch.tensor(lens),
+                              sample_idx=cu[1:] - 1))
+        torch.cuda.synchronize(dev)
 
     def _blocks_from_budget(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -58,8 +91,11 @@ class ModelRunner:
         per_block = (2 * len(self.attn_modules) * c.block_size * rp.num_kv_heads * self.plan.head_dim
                      * torch.empty(0, dtype=self.dtype).element_size())
         if self.tp.device.type == "cuda":
+            stats = torch.cuda.memory_stats(self.tp.device)  # warm-up peak above what stays allocated
+            peak, now = stats.get("allocated_bytes.all.peak", 0), stats.get("allocated_bytes.all.current", 0)
+            torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(self.tp.device)
-            budget = free * c.gpu_memory_utilization
+            budget = free * c.gpu_memory_utilization - (peak - now)
         else:
             budget = c.kv_cache_gb * GIB
         blocks = int(budget // per_block)
@@ -74,6 +110,9 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """Run one PREFILL or DECODE step. Returns float32 logits ``[B, vocab_size]`` on rank 0
         (one row per sequence, at ``plan.sample_idx``), None on other ranks."""
+        if self.graphs is not None and self.graphs.can_run(plan):  # CUDA decode: replay a graph
+            logits = self.model.lm_head(self.graphs.run(plan))
+            return None if logits is None else logits.float()
         dev = self.tp.device
         to = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
         prefill = plan.kind == StepKind.PREFILL
