@@ -18,7 +18,6 @@ from launch import torchrun
 from shard_tool.split import split_model
 from tpengine.plan import ShardPlan
 
-
 # name -> (arch, overrides); together they cover even and uneven head splits, KV heads fewer
 # than ranks, vocabulary 1001, non-zero biases on q/k/v and row-parallel layers, tied and untied.
 MODELS = {

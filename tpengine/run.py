@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import os
 import sys
+import tomllib
 from collections import defaultdict
 from pathlib import Path
 from typing import Annotated, Any
 
-import tomllib
 import typer
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -178,7 +178,7 @@ def main(
     block_size: Annotated[int | None, _opt("--block-size")] = None,
     max_num_seqs: Annotated[int | None, _opt("--max-num-seqs")] = None,
     kv_cache_gb: Annotated[float | None, _opt("--kv-cache-gb", "KV cache GiB per rank (CPU)")] = None,
-    dtype: Annotated[str | None, _opt("--dtype", "auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16")] = None,
+    dtype: Annotated[str | None, _opt("--dtype", "auto (bf16 on CUDA), float32, bfloat16, float16")] = None,
 ) -> None:
     """Run every request in --prompts; one JSON line per request on --out."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))

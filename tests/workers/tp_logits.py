@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from tpengine.distributed import gather_to_driver, get_tp, init_distributed, shutdown
+from tpengine.distributed import get_tp, init_distributed, shutdown
 from tpengine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpengine.loader import load_model
 
