@@ -8,6 +8,7 @@ memory, world size) are not stored here.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from dataclasses import dataclass, fields
@@ -33,10 +34,10 @@ class EngineConfig:
 
     model: str = DEFAULT_MODEL_DIR
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (see torch_dtype)
-    max_model_len: int = 2048
+    max_model_len: int | None = None  # prompt + output tokens; default: the model's max_position_embeddings
     block_size: int = 16
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int | None = None  # prefill tokens per step; default max(8192, max_model_len)
     kv_cache_gb: float = 1.0
     num_kv_blocks: int | None = None  # force the block count (tests); else from memory
     gpu_memory_utilization: float = 0.85
@@ -52,14 +53,26 @@ class EngineConfig:
         def bad(name: str, valid: str) -> ValueError:
             return ValueError(f"invalid {name}={getattr(self, name)!r}: must be {valid}")
 
+        for f in fields(self):  # types first, so the range checks below compare numbers
+            value, kinds = getattr(self, f.name), _FIELD_TYPES[f.name]
+            if value is None and None in kinds:
+                continue
+            if isinstance(value, bool) and bool not in kinds or not isinstance(value, tuple(k for k in kinds if k)):
+                names = " or ".join("unset" if k is None else k.__name__ for k in kinds)
+                raise ValueError(f"invalid {f.name}={value!r}: must be {names}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise bad(f.name, "a finite number")
+        if self.max_num_batched_tokens is None and self.max_model_len is not None:
+            object.__setattr__(self, "max_num_batched_tokens", max(8192, self.max_model_len))
         if self.dtype not in DTYPES:
             raise bad("dtype", f"one of {', '.join(DTYPES)}")
         if self.attention_backend not in BACKENDS:
             raise bad("attention_backend", f"one of {', '.join(BACKENDS)}")
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise bad(name, "an integer >= 1")
-        if self.max_num_batched_tokens < self.max_model_len:
+        if None not in (self.max_model_len, self.max_num_batched_tokens) and \
+                self.max_num_batched_tokens < self.max_model_len:
             raise bad("max_num_batched_tokens", f">= max_model_len ({self.max_model_len})")
         if self.kv_cache_gb <= 0:
             raise bad("kv_cache_gb", "> 0")
@@ -86,6 +99,16 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
+# accepted Python types per field (None: may be unset); ints are accepted where floats are
+_FIELD_TYPES: dict[str, tuple] = {
+    "model": (str,), "dtype": (str,), "attention_backend": (str,), "fault_inject": (str, None),
+    "max_model_len": (int, None), "block_size": (int,), "max_num_seqs": (int,), "max_num_batched_tokens": (int, None),
+    "num_kv_blocks": (int, None), "threads": (int, None), "seed": (int,),
+    "kv_cache_gb": (float, int), "gpu_memory_utilization": (float, int), "dist_timeout_s": (float, int),
+    "enforce_eager": (bool,),
+}
+
+
 def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> EngineConfig:
     """Read ``path`` (TOML; keys of an ``[engine]`` table or top level), then apply the
     ``overrides`` whose value is not None (CLI flags).
@@ -99,7 +122,10 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Engi
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"config file {str(p)!r} does not exist")
-        data = tomllib.loads(p.read_text())
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {str(p)!r} is not valid TOML: {e}") from None
         values.update(data.get("engine", {k: v for k, v in data.items() if not isinstance(v, dict)}))
     values.update({k: v for k, v in overrides.items() if v is not None})
     known = {f.name for f in fields(EngineConfig)}

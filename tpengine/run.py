@@ -40,6 +40,7 @@ from tpengine.frontend.requests import (
     parse_requests,
     to_token_ids,
 )
+from tpengine.loader import CheckpointMismatchError
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "ignore_eos")
 
@@ -62,7 +63,10 @@ def sampling_defaults(config_path: str | os.PathLike | None, **cli: Any) -> dict
     """
     values: dict[str, Any] = {}
     if config_path is not None and Path(config_path).is_file():
-        table = tomllib.loads(Path(config_path).read_text()).get("sampling", {})
+        try:
+            table = tomllib.loads(Path(config_path).read_text()).get("sampling", {})
+        except tomllib.TOMLDecodeError as e:
+            raise UsageError(f"config file {str(config_path)!r} is not valid TOML: {e}") from None
         unknown = sorted(set(table) - set(SAMPLING_KEYS))
         if unknown:
             raise UsageError(f"{config_path}: unknown [sampling] key(s) {unknown}; "
@@ -98,6 +102,13 @@ def prepare(prompts: Path, out: Path | None, config: Path | None, resume: bool, 
     errors, model name). Raises UsageError for bad arguments, settings or (without --skip-invalid) lines."""
     if resume and out is None:
         raise UsageError("--resume needs --out (the file whose finished ids are skipped)")
+    if out is not None:
+        if out.is_dir():
+            raise UsageError(f"--out {str(out)!r} is a folder; give a file path")
+        if not out.parent.is_dir():
+            raise UsageError(f"--out {str(out)!r}: folder {str(out.parent)!r} does not exist")
+        if out.exists() and prompts.exists() and out.resolve() == prompts.resolve():
+            raise UsageError(f"--out {str(out)!r} is the --prompts file; it would be overwritten")
     defaults = sampling_defaults(config, **sampling_cli)
     try:
         requests, errors = parse_requests(prompts, defaults)
@@ -163,8 +174,26 @@ def _opt(name: str, help: str = "") -> Any:
     return typer.Option(name, help=help)
 
 
-@app.command()
+# Errors that are the user's to fix (a folder, a setting, shards for another tp): one line on
+# stderr, exit code 2, no traceback — on every rank that sees them.
+USER_ERRORS = (UsageError, CheckpointMismatchError, FileNotFoundError, ValueError)
+
+
 @record
+def run_engine(cfg: EngineConfig, requests, errors, out: Path | None, resume: bool, model_name: str) -> None:
+    """Every rank: build the engine and run; rank 0 drives and writes. A failure propagates (exit
+    1; torchrun's summary names the rank and, through ``@record``, the exception)."""
+    from tpengine.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(cfg)
+    if engine.is_driver:
+        drive(engine, cfg, requests, errors, out, resume, model_name)
+    else:
+        engine.generate([])
+    engine.shutdown()
+
+
+@app.command()
 def main(
     prompts: Annotated[Path, _opt("--prompts", "JSONL request file")],
     out: Annotated[Path | None, _opt("--out", "output JSONL (default: stdout of rank 0)")] = None,
@@ -172,35 +201,32 @@ def main(
     config: Annotated[Path | None, _opt("--config", "configs/NAME.toml")] = None,
     resume: Annotated[bool, _opt("--resume", "skip ids already in --out, append the rest")] = False,
     skip_invalid: Annotated[bool, _opt("--skip-invalid", "invalid lines become error records")] = False,
-    max_tokens: Annotated[int | None, _opt("--max-tokens", "default max_tokens per request")] = None,
-    temperature: Annotated[float | None, _opt("--temperature", "default temperature")] = None,
+    max_tokens: Annotated[int | None, _opt("--max-tokens", "default max_tokens per request (16)")] = None,
+    temperature: Annotated[float | None, _opt("--temperature", "default temperature (1.0; 0 = greedy)")] = None,
     max_model_len: Annotated[int | None, _opt("--max-model-len")] = None,
     block_size: Annotated[int | None, _opt("--block-size")] = None,
     max_num_seqs: Annotated[int | None, _opt("--max-num-seqs")] = None,
     kv_cache_gb: Annotated[float | None, _opt("--kv-cache-gb", "KV cache GiB per rank (CPU)")] = None,
     dtype: Annotated[str | None, _opt("--dtype", "auto (bf16 on CUDA), float32, bfloat16, float16")] = None,
+    threads: Annotated[int | None, _opt("--threads", "intra-op threads per rank (default cores / tp)")] = None,
 ) -> None:
     """Run every request in --prompts; one JSON line per request on --out."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     engine_cli = {"model": model, "max_model_len": max_model_len, "block_size": block_size,
-                  "max_num_seqs": max_num_seqs, "kv_cache_gb": kv_cache_gb, "dtype": dtype}
+                  "max_num_seqs": max_num_seqs, "kv_cache_gb": kv_cache_gb, "dtype": dtype, "threads": threads}
     try:
         cfg, requests, errors, model_name = prepare(prompts, out, config, resume, skip_invalid,
-                                        {"max_tokens": max_tokens, "temperature": temperature},
-                                        engine_cli, world)
+                                                    {"max_tokens": max_tokens, "temperature": temperature},
+                                                    engine_cli, world)
     except UsageError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
     try:
-        from tpengine.engine.llm_engine import LLMEngine
-
-        engine = LLMEngine(cfg)
-        if engine.is_driver:
-            drive(engine, cfg, requests, errors, out, resume, model_name)
-        else:
-            engine.generate([])
-        engine.shutdown()
+        run_engine(cfg, requests, errors, out, resume, model_name)
+    except USER_ERRORS as e:
+        print(f"[tpengine rank {rank}/{world}] failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        raise typer.Exit(2) from None
     except Exception as e:
         print(f"[tpengine rank {rank}/{world}] failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         raise

@@ -134,3 +134,23 @@ def fuse_projections(model: nn.Module) -> int:
         setattr(model.get_submodule(parent), leaf, new)
         swapped += 1
     return swapped
+
+
+def check_model_limits(hf_config, max_model_len: int) -> None:
+    """Refuse settings the model cannot honour, before any weight is read.
+
+    Raises:
+        ValueError: ``max_model_len`` above the model's ``max_position_embeddings``, or a model
+            whose sliding-window attention would start to matter below ``max_model_len``
+            (tpengine's attention is full causal attention), naming both values.
+    """
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if limit is not None and max_model_len > limit:
+        raise ValueError(f"max_model_len={max_model_len} is larger than the model's "
+                         f"max_position_embeddings={limit}; use --max-model-len {limit} or less")
+    window = getattr(hf_config, "sliding_window", None)
+    uses_window = getattr(hf_config, "use_sliding_window", True)  # Qwen2/3 carry a switch
+    if window and uses_window and max_model_len > window:
+        raise ValueError(f"this model uses sliding-window attention (sliding_window={window}), which "
+                         f"tpengine does not implement; use --max-model-len {window} or less "
+                         f"(now {max_model_len})")

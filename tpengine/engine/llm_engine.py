@@ -24,6 +24,7 @@ from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.step import StepKind, StepPlan, broadcast_plan, build_plan
 from tpengine.frontend.detokenizer import IncrementalDetokenizer
+from tpengine.surgery import check_model_limits
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,12 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, tokenizer=None):
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(config.model)
+        if config.max_model_len is None:  # as vLLM: the model's own context length
+            config = config.replace(max_model_len=int(getattr(hf_config, "max_position_embeddings", 2048)))
+        check_model_limits(hf_config, config.max_model_len)
         self.config = config
         self.tp: TPInfo = init_distributed(config.dist_timeout_s)
         self.runner = ModelRunner(config, self.tp)

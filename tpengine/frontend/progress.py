@@ -54,7 +54,7 @@ class ProgressReporter:
         self.stream = stream if stream is not None else sys.stderr
         self.interval_s = interval_s
         self.enabled = enabled
-        self.ok = self.errors = self.prompt_tokens = self.output_tokens = 0
+        self.ok = self.errors = self.prompt_tokens = self.output_tokens = self.sampled_tokens = 0
         self.ttfts: list[float] = []
         self.tpots: list[float] = []
         self.running = self.waiting = 0
@@ -90,8 +90,9 @@ class ProgressReporter:
         return time.monotonic() - self.start
 
     def tokens_per_s(self) -> float:
-        """Output tokens per second of wall time so far."""
-        return self.output_tokens / max(self.elapsed(), 1e-9)
+        """Output tokens per second of wall time so far (tokens sampled by the engine, finished
+        requests or not, when the engine reports them)."""
+        return max(self.output_tokens, self.sampled_tokens) / max(self.elapsed(), 1e-9)
 
     def add_errors(self, n: int = 1) -> None:
         """Count ``n`` requests rejected before they reached the engine."""
@@ -100,6 +101,7 @@ class ProgressReporter:
 
     def on_output(self, out: RequestOutput) -> None:
         """Count one finished request (ok, or an error record from the engine)."""
+        self.running = max(0, self.running - 1)  # until the next step's stats arrive
         if out.error is not None:
             self.errors += 1
         else:
@@ -117,6 +119,7 @@ class ProgressReporter:
         """Per engine step: ``stats`` (dict or object) with ``num_running``/``num_waiting``."""
         self.running = _stat(stats, "num_running") or 0
         self.waiting = _stat(stats, "num_waiting") or 0
+        self.sampled_tokens = _stat(stats, "output_tokens") or self.sampled_tokens
         self._refresh()
 
     def _line(self) -> str:

@@ -1,0 +1,45 @@
+"""EngineConfig validation and load_config: every bad value is a ValueError naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpengine.config import EngineConfig, load_config
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"kv_cache_gb": "1"}, "invalid kv_cache_gb='1': must be float or int"),
+    ({"threads": "two"}, "invalid threads='two': must be int or unset"),
+    ({"kv_cache_gb": float("nan")}, "invalid kv_cache_gb=nan: must be a finite number"),
+    ({"enforce_eager": 1}, "invalid enforce_eager=1: must be bool"),
+    ({"dtype": "fp8"}, "invalid dtype='fp8': must be one of auto, float32, bfloat16, float16"),
+    ({"block_size": 0}, "invalid block_size=0: must be an integer >= 1"),
+    ({"max_model_len": 100, "max_num_batched_tokens": 50},
+     "invalid max_num_batched_tokens=50: must be >= max_model_len (100)"),
+])
+def test_bad_values_name_field_and_valid_range(kw, message):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(**kw)
+    assert str(e.value) == message
+
+
+def test_defaults_follow_max_model_len():
+    assert EngineConfig().max_model_len is None  # resolved from the model by LLMEngine
+    assert EngineConfig(max_model_len=100).max_num_batched_tokens == 8192
+    assert EngineConfig(max_model_len=32768).max_num_batched_tokens == 32768
+    assert EngineConfig().replace(max_model_len=20000).max_num_batched_tokens == 20000
+
+
+def test_load_config_file_and_overrides(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('[engine]\nblock_size = 8\nkv_cache_gb = 0.5\n[sampling]\ntemperature = 0.0\n')
+    c = load_config(p, block_size=32, max_num_seqs=None)
+    assert (c.block_size, c.kv_cache_gb, c.max_num_seqs) == (32, 0.5, 64)
+    p.write_text("[engine]\nblok_size = 8\n")
+    with pytest.raises(ValueError, match=r"unknown engine setting\(s\) \['blok_size'\]"):
+        load_config(p)
+    p.write_text("[engine\n")
+    with pytest.raises(ValueError, match="is not valid TOML"):
+        load_config(p)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
