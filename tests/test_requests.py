@@ -258,3 +258,14 @@ def test_no_chat_template_is_a_request_error(bos_tok):
         assert e.value.field == "messages"
     finally:
         bos_tok.chat_template = saved
+
+
+def test_openai_unimplemented_fields_accepted_only_at_neutral_values():
+    msgs = [{"role": "user", "content": "hi"}]
+    neutral = {"messages": msgs, "frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False,
+               "response_format": {"type": "text"}, "logit_bias": {}}
+    reqs, errs = parse(batch("ok", "/v1/chat/completions", neutral))
+    assert errs == [] and reqs[0].id == "ok"
+    err = one_error(batch("pen", "/v1/chat/completions", {"messages": msgs, "frequency_penalty": 0.5}))
+    assert err.field == "body.frequency_penalty"
+    assert err.message == "not supported by tpengine; only 0, got 0.5"

@@ -15,7 +15,11 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
 SIMPLE_FIELDS = ("id", "prompt", "messages", "prompt_token_ids", *SAMPLING_FIELDS, "stream")
 BATCH_FIELDS = ("custom_id", "method", "url", "body")
 BODY_IGNORED = ("model", "user", "stream", "stream_options", "metadata", "store")
-BODY_FIELDS = ("messages", "prompt", "max_completion_tokens", "n", *SAMPLING_FIELDS, *BODY_IGNORED)
+# OpenAI fields tpengine does not implement, accepted only at their neutral values
+BODY_NEUTRAL = {"frequency_penalty": (0,), "presence_penalty": (0,), "logprobs": (False, None),
+                "top_logprobs": (None, 0), "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
+                "echo": (False,), "best_of": (None, 1), "suffix": (None,)}
+BODY_FIELDS = ("messages", "prompt", "max_completion_tokens", "n", *SAMPLING_FIELDS, *BODY_IGNORED, *BODY_NEUTRAL)
 URLS = {"/v1/chat/completions": "openai_chat", "/v1/completions": "openai_completion"}
 
 
@@ -162,6 +166,10 @@ def parse_batch(obj: dict, c: Checker) -> tuple[str | None, str | None, tuple | 
     prompt = parse_prompt(body, c, ("messages",) if chat else ("prompt",)) if fmt else None
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     kw = parse_sampling(body, c, max_tokens_key=key)
+    for k, neutral in BODY_NEUTRAL.items():
+        if k in body and body[k] not in neutral:
+            c.bad(k, f"not supported by tpengine; only {' or '.join(json.dumps(v) for v in neutral)}, "
+                     f"got {json.dumps(body[k])}")
     if body.get("n") not in (None, 1):
         c.bad("n", f"only n=1 is supported, got {json.dumps(body.get('n'))}")
     model = body.get("model") if isinstance(body.get("model"), str) else None
