@@ -111,15 +111,17 @@ def apply_tensor_parallel(model: nn.Module, plan: P.ShardPlan, rank: int, dtype:
 # HF modules whose forward the fused modules reproduce exactly (tpengine.layers.fused)
 FUSABLE_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
 FUSABLE_MLP = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
+FUSABLE_NORM = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 
 
-def fuse_projections(model: nn.Module) -> int:
+def fuse_layers(model: nn.Module) -> int:
     """After loading: swap every known HF attention module for a
-    :class:`~tpengine.layers.fused.FusedAttention` (one q/k/v GEMM) and every known gated MLP for
-    a :class:`~tpengine.layers.fused.FusedMLP` (one gate/up GEMM). The fused weights are the
+    :class:`~tpengine.layers.fused.FusedAttention` (one q/k/v GEMM), every known gated MLP for a
+    :class:`~tpengine.layers.fused.FusedMLP` (one gate/up GEMM) and every known RMSNorm for
+    :class:`~tpengine.layers.fused.RMSNorm` (``F.rms_norm``). The fused weights are the
     concatenation of the loaded per-name ShardPlan slices; the separate ones are dropped. Other
     modules keep their HF forward. Returns the number of modules swapped."""
-    from tpengine.layers.fused import FusedAttention, FusedMLP
+    from tpengine.layers.fused import FusedAttention, FusedMLP, RMSNorm
 
     swapped = 0
     for name, module in list(model.named_modules()):
@@ -128,6 +130,8 @@ def fuse_projections(model: nn.Module) -> int:
             new = FusedAttention(module)
         elif kind in FUSABLE_MLP and isinstance(getattr(module, "gate_proj", None), ColumnParallelLinear):
             new = FusedMLP(module)
+        elif kind in FUSABLE_NORM:
+            new = RMSNorm(module)
         else:
             continue
         parent, _, leaf = name.rpartition(".")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpengine.distributed import broadcast_control
+from tpengine.distributed import broadcast_control, get_tp
 
 MAGIC = 0x7E57E9
 HEADER_LEN = 6  # magic, kind, num_tokens N, num_seqs B, max_blocks M, step index
@@ -72,10 +72,8 @@ def build_plan(seqs, is_prefill: bool, block_size: int, step: int) -> StepPlan:
         cu_k.append(cu_k[-1] + end)
         ctx.append(end)
     width = max(len(s.block_table) for s in seqs)
-    tables = torch.full((len(seqs), width), -1, dtype=torch.int64)
-    for i, s in enumerate(seqs):
-        tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
     t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    tables = t([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs])
     cu_q_t = t(cu_q)
     return StepPlan(
         kind=StepKind.PREFILL if is_prefill else StepKind.DECODE, step=step,
@@ -118,6 +116,8 @@ def broadcast_plan(plan: StepPlan | None) -> StepPlan:
     """Rank 0 passes its plan; other ranks pass None and receive it. Two broadcasts on the gloo
     control group (header, then payload), each bounded by the process-group timeout."""
     if plan is not None:
+        if get_tp().size == 1:
+            return plan
         header, payload = pack(plan)
         broadcast_control(header)
         if payload.numel():

@@ -15,11 +15,31 @@ through torch SDPA, which accumulates softmax in float32 for half types on CPU.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 __all__ = ["store_kvcache", "prefill_attention", "decode_attention"]
+
+# Per-step values derived from a step's index tensors (lengths, gather indices, masks), computed
+# by the first layer and reused by the others: name -> (((tensor, version), ...), extra, value).
+_MEMO: dict[str, tuple] = {}
+
+
+def _per_step(name: str, tensors: tuple[torch.Tensor, ...], extra: tuple, compute):
+    """``compute()``, or its value from the previous call with the same tensor objects (by
+    identity), unchanged since (same version counters: an in-place update recomputes) and the
+    same ``extra``. Every layer of a step passes the same index tensors, so only the first layer
+    computes (and syncs with the host); holding the tensors keeps their ids from being reused."""
+    hit = _MEMO.get(name)
+    if (hit is not None and hit[1] == extra and len(hit[0]) == len(tensors)
+            and all(t is u and v == u._version for (t, v), u in zip(hit[0], tensors))):
+        return hit[2]
+    value = compute()
+    _MEMO[name] = (tuple((t, t._version) for t in tensors), extra, value)
+    return value
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,7 +161,8 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     _, bs, hkv, d = check_store(key, value, k_cache, v_cache, slot_mapping)
     if key.shape[0] == 0:
         return
-    if k_cache.is_contiguous() and v_cache.is_contiguous() and int(slot_mapping.min()) >= 0:
+    no_padding = _per_step("store", (slot_mapping,), (), lambda: int(slot_mapping.min()) >= 0)
+    if no_padding and k_cache.is_contiguous() and v_cache.is_contiguous():
         k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
         v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
         return
@@ -172,7 +193,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     check_heads(q, q_to_kv, hkv, d)
     if k.shape != v.shape or k.shape[0] != q.shape[0] or tuple(k.shape[1:]) != (hkv, d):
         raise ValueError(f"k/v must be [{q.shape[0]}, {hkv}, {d}]; got {tuple(k.shape)}, {tuple(v.shape)}")
-    cu_q, _, lqs, lks = prefill_lengths(cu_seqlens_q, cu_seqlens_k, q.shape[0])
+    cu_q, _, lqs, lks = _per_step("prefill", (cu_seqlens_q, cu_seqlens_k), (q.shape[0],),
+                                  lambda: prefill_lengths(cu_seqlens_q, cu_seqlens_k, q.shape[0]))
     gqa = _is_gqa(q_to_kv, hkv)
 
     def heads(x):  # [..., Hkv, D] -> the KV head of every query head (unless SDPA's GQA does it)
@@ -216,11 +238,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     [B, max_blocks]`` int64 (-1 padded), ``context_lens [B]`` int64 (tokens in the cache,
     including this step's token, already stored), ``q_to_kv [Hq]``, ``scale`` = softmax scale.
     Returns ``[B, Hq, D]`` in ``q.dtype``; a sequence with ``context_lens == 0`` (batch padding)
-    gets zeros. Vectorised: copies the first ``ceil(max_ctx / block_size)`` blocks of every
-    block-table row out of the cache (whole blocks, each KV head once) into ``[B, Hkv, max_ctx,
-    D]``, groups the query heads by their KV head (``[B, Hkv, G, D]``, so each KV head is read
-    once whatever ``q_to_kv`` is) and runs one SDPA, masking positions ``>= context_lens[b]``
-    only when the lengths differ. One host sync (the min and max context length).
+    gets zeros. Vectorised: groups the query heads by their KV head (``[B, Hkv, G, D]``, so each
+    KV head is gathered and read once whatever ``q_to_kv`` is), gathers every sequence's first
+    ``max_ctx`` cached tokens into ``[B, Hkv, max_ctx, D]`` and attends in one batched call
+    (float32: SDPA; bfloat16/float16: matmuls with a float32 softmax), masking positions
+    ``>= context_lens[b]`` only when the lengths differ. One host sync (min and max length).
     Raises ValueError on shape mismatch or when ``max_ctx`` exceeds the block table's capacity.
     """
     _, bs, hkv, d = check_cache(k_cache, v_cache)
@@ -233,31 +255,72 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         )
     if nb == 0:
         return q.new_empty(q.shape)
+    half = q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype
+    m = _per_step("decode", (block_tables, context_lens), (bs, hkv, half),
+                  lambda: _decode_indices(block_tables, context_lens, bs, hkv, half))
+    if m.max_ctx == 0:
+        return q.new_zeros(q.shape)
+    g, q_slots, out_slots = _groups(tuple(q_to_kv.tolist()), hkv, q.device)
+    qg = (q if q_slots is None else q.index_select(1, q_slots)).reshape(nb, hkv, g, d)
+    if half:  # as HF's eager attention computes it: half-precision matmuls, float32 softmax
+        kg = k_cache.reshape(-1, d).index_select(0, m.index).view(nb, hkv, m.max_ctx, d)
+        vg = v_cache.reshape(-1, d).index_select(0, m.index).view(nb, hkv, m.max_ctx, d)
+        s = torch.matmul(qg, kg.transpose(-1, -2)).float().mul_(scale)  # [B, Hkv, G, L]
+        if m.valid is not None:
+            s.masked_fill_(m.invalid, float("-inf"))
+        out = torch.matmul(torch.softmax(s, dim=-1).to(q.dtype), vg)
+    else:  # whole blocks, read as a strided [B, Hkv, L, D]
+        n_blk = m.index.numel() // nb
+
+        def gather(cache):
+            kv = cache.index_select(0, m.index).view(nb, n_blk * bs, hkv, d)[:, : m.max_ctx]
+            return kv.transpose(1, 2).to(q.dtype)
+
+        out = F.scaled_dot_product_attention(qg, gather(k_cache), gather(v_cache), attn_mask=m.valid, scale=scale)
+    out = out.reshape(nb, hkv * g, d)
+    if out_slots is not None:
+        out = out.index_select(1, out_slots)
+    if m.min_ctx == 0:
+        out = out.masked_fill_((context_lens == 0)[:, None, None], 0.0)
+    return out.contiguous()
+
+
+@dataclass(frozen=True)
+class _DecodeIndices:
+    """What every layer of one decode step shares: the min/max context length, the gather index
+    (float32: the first ``ceil(max_ctx / bs)`` block ids of each row, for whole-block copies;
+    half types: the ``[B, Hkv, max_ctx]`` rows of the ``[slots * Hkv, D]`` cache view, for a
+    contiguous copy) and the key mask ``valid`` and its negation (None when every sequence has
+    ``max_ctx`` tokens)."""
+
+    min_ctx: int
+    max_ctx: int
+    index: torch.Tensor | None
+    valid: torch.Tensor | None
+    invalid: torch.Tensor | None
+
+
+def _decode_indices(block_tables: torch.Tensor, context_lens: torch.Tensor, bs: int, hkv: int,
+                    half: bool) -> _DecodeIndices:
+    """One host sync (min and max length). Raises ValueError when ``max_ctx`` exceeds the block
+    table's capacity."""
     min_ctx, max_ctx = (int(x) for x in torch.aminmax(context_lens))
     if max_ctx > block_tables.shape[1] * bs:
         raise ValueError(
             f"context length {max_ctx} exceeds block table capacity {block_tables.shape[1]}x{bs}"
         )
     if max_ctx == 0:
-        return q.new_zeros(q.shape)
-    n_blk = -(-max_ctx // bs)
-    blocks = block_tables[:, :n_blk].clamp_min(0).flatten()  # -1 padding reads block 0, masked
-
-    def gather(cache):  # [B, Hkv, max_ctx, D], a strided view of one copy of whole blocks
-        kv = cache.index_select(0, blocks).view(nb, n_blk * bs, hkv, d)[:, :max_ctx]
-        return kv.transpose(1, 2).to(q.dtype)
-
-    g, q_slots, out_slots = _groups(tuple(q_to_kv.tolist()), hkv, q.device)
-    qg = (q if q_slots is None else q.index_select(1, q_slots)).reshape(nb, hkv, g, d)
-    mask = None
+        return _DecodeIndices(0, 0, None, None, None)
+    dev = block_tables.device
+    valid = None
     if min_ctx != max_ctx:
-        valid = torch.arange(max_ctx, device=q.device)[None, :] < context_lens[:, None]  # [B, L]
-        valid[:, 0] |= context_lens == 0  # batch padding: attend to one dummy key, zeroed below
-        mask = valid[:, None, None, :]
-    out = F.scaled_dot_product_attention(qg, gather(k_cache), gather(v_cache), attn_mask=mask, scale=scale)
-    out = out.reshape(nb, hkv * g, d)
-    if out_slots is not None:
-        out = out.index_select(1, out_slots)
-    if min_ctx == 0:
-        out = out.masked_fill_((context_lens == 0)[:, None, None], 0.0)
-    return out.contiguous()
+        valid = torch.arange(max_ctx, device=dev)[None, :] < context_lens[:, None]  # [B, L]
+        valid[:, 0] |= context_lens == 0  # batch padding: attend to one dummy key, zeroed after
+        valid = valid[:, None, None, :]
+    if half:
+        pos = torch.arange(max_ctx, device=dev)
+        slots = block_tables[:, pos // bs].clamp_min(0) * bs + pos % bs  # [B, L]; -1 padding masked
+        index = (slots[:, None, :] * hkv + torch.arange(hkv, device=dev)[None, :, None]).flatten()
+    else:
+        index = block_tables[:, : -(-max_ctx // bs)].clamp_min(0).flatten()  # -1 padding: block 0, masked
+    return _DecodeIndices(min_ctx, max_ctx, index, valid, None if valid is None else ~valid)

@@ -9,13 +9,16 @@ Qwen3), swapped in by :func:`tpengine.surgery.fuse_projections` after the weight
 * inside an engine step, attention takes the step's packed ``[T, H, D]`` tokens straight from the
   GEMM output, with no transposes.
 
-The HF decoder layer around them still runs the norms and residuals. The forwards mirror the HF
-ones they replace (same operations in the same order on each element), so float32 results match.
+HF's RMSNorm (eight tensor ops) becomes :class:`RMSNorm` (``F.rms_norm``: one op in float32, four
+in half precision). The HF decoder layer around them still runs the residuals. The forwards
+mirror the HF ones they replace (same operations in the same order on each element), so results
+match HF's bit for bit in float32.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tpengine.engine.context import get_context
@@ -78,3 +81,18 @@ class FusedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         h = self.act_fn(gate_up[..., : self.intermediate])
         return self.down_proj(h.mul_(gate_up[..., self.intermediate :]))
+
+
+class RMSNorm(nn.Module):
+    """Replaces an HF Llama-style RMSNorm (``weight * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(dtype)``)
+    with the same arithmetic through ``F.rms_norm`` (bit-identical in float32 and bfloat16)."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.variance_epsilon
+        self.shape = tuple(norm.weight.shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
