@@ -1,0 +1,209 @@
+"""Benchmark: tpengine at tp=1 and tp=2 against Hugging Face ``generate``, same model, same prompts.
+
+    python -m tpengine.bench --out bench-results.json            (make bench)
+    python -m tpengine.bench --dtype bfloat16 --num-prompts 16 --rounds 2
+
+For every dtype, each system loads once in its own process(es) (:mod:`tpengine.bench_worker`;
+tp=2 under torchrun, each rank with cores / tp intra-op threads, HF with all cores) and the
+driver alternates them, so machine noise hits all of them:
+
+* offline throughput (the shape of vLLM's throughput benchmark): ``--num-prompts`` requests of
+  random prompt token ids (fixed seed), ``--input-len`` in, exactly ``--output-len`` out
+  (``ignore_eos`` / ``min_new_tokens``), greedy; output tokens/s = all output tokens / wall time;
+* latency: one request, ``--latency-input-len`` in, ``--latency-output-len`` out: TTFT (arrival
+  to first token) and TPOT = (latency - TTFT) / (output tokens - 1), vLLM's definitions.
+
+With ``--rounds`` > 1 each round runs the systems in the opposite order of the previous one and
+the table shows the best round (highest throughput, lowest latency); the JSON keeps every run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+
+from tpengine.bench_report import render_table, summarize
+from tpengine.bench_worker import MARK
+from tpengine.config import DEFAULT_MODEL_DIR
+
+app = typer.Typer(add_completion=False)
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (the affinity mask), else ``os.cpu_count()``."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def machine_info() -> dict:
+    """CPU model, cores, memory and library versions, for the record."""
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = None
+    try:
+        mem = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        pass
+    return {"cpu": cpu, "cores": cpu_cores(), "memory_gib": mem,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` token ids drawn uniformly from ``[0, vocab)`` (fixed seed)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, length), generator=g).tolist()
+
+
+class Worker:
+    """A running :mod:`tpengine.bench_worker` (one process, or a torchrun group at tp > 1)."""
+
+    def __init__(self, name: str, args: list[str], tp: int, log: Path):
+        self.name, self.log_path = name, log
+        base = [sys.executable, "-m", "tpengine.bench_worker"]
+        if tp > 1:
+            base = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={tp}",
+                    "-m", "tpengine.bench_worker"]
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(base + args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, env=env, bufsize=1)
+        self.ready: dict | None = None
+
+    def read(self) -> dict:
+        """The next ``@@bench`` line. Raises RuntimeError (with the log's tail) if the worker died."""
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+        self.proc.wait()
+        self.log.flush()
+        tail = self.log_path.read_text()[-4000:]
+        raise RuntimeError(f"bench worker {self.name} exited with code {self.proc.returncode}:\n{tail}")
+
+    def ask(self, cmd: dict) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+        self.log.close()
+
+
+def run_dtype(dtype: str, systems: list[str], model: str, cores: int, prompts, lat_prompt, output_len: int,
+              lat_output_len: int, rounds: int, hf_batch_size: int, logdir: Path, echo) -> dict:
+    """Start every system for ``dtype`` (loading in parallel), alternate the measurements,
+    return ``{system: {"threads", "load_s", "throughput": [runs], "latency": [runs]}}``."""
+    max_len = max(max(map(len, prompts)) + output_len, len(lat_prompt) + lat_output_len)
+    common = ["--model", model, "--dtype", dtype]
+    workers: dict[str, Worker] = {}
+    try:
+        for s in systems:
+            if s == "hf":
+                args = common + ["--system", "hf", "--threads", str(cores), "--hf-batch-size", str(hf_batch_size)]
+                tp = 1
+            else:
+                tp = int(s.removeprefix("tp"))
+                blocks = len(prompts) * -(-max_len // 16) + 4
+                args = common + ["--system", "engine", "--max-num-seqs", str(len(prompts)), "--max-model-len",
+                                 str(max_len), "--num-kv-blocks", str(blocks), "--threads", str(max(1, cores // tp))]
+            workers[s] = Worker(f"{s}/{dtype}", args, tp, logdir / f"{s}-{dtype}.log")
+        results = {}
+        for s, w in workers.items():
+            w.ready = w.read()
+            results[s] = {"threads": w.ready["threads"], "load_s": w.ready["load_s"], "throughput": [], "latency": []}
+        for r in range(rounds):
+            order = systems if r % 2 == 0 else systems[::-1]
+            for s in order:
+                res = workers[s].ask({"cmd": "throughput", "prompts": prompts, "output_len": output_len})
+                results[s]["throughput"].append(res)
+                echo(f"  {dtype} round {r + 1} {s:>4}: {res['output_tokens'] / res['elapsed_s']:8.1f} output tok/s "
+                     f"({res['elapsed_s']:.1f} s)")
+            for s in order:
+                res = workers[s].ask({"cmd": "latency", "prompt": lat_prompt, "output_len": lat_output_len})
+                results[s]["latency"].append(res)
+                tpot = (res["latency_s"] - res["ttft_s"]) / max(1, lat_output_len - 1)
+                echo(f"  {dtype} round {r + 1} {s:>4}: TTFT {res['ttft_s'] * 1e3:7.1f} ms, TPOT {tpot * 1e3:6.2f} ms")
+        return results
+    finally:
+        for w in workers.values():
+            w.close()
+
+
+@app.command()
+def main(
+    model: Annotated[str, typer.Option(help="HF model folder")] = DEFAULT_MODEL_DIR,
+    num_prompts: Annotated[int, typer.Option(help="throughput: number of requests")] = 64,
+    input_len: Annotated[int, typer.Option(help="throughput: prompt tokens per request")] = 128,
+    output_len: Annotated[int, typer.Option(help="throughput: output tokens per request")] = 128,
+    latency_input_len: Annotated[int, typer.Option(help="latency: prompt tokens")] = 128,
+    latency_output_len: Annotated[int, typer.Option(help="latency: output tokens (>= 2)")] = 128,
+    dtype: Annotated[list[str], typer.Option(help="repeat for several; each against HF in the same dtype")] = None,
+    tp: Annotated[list[int], typer.Option(help="tpengine tensor-parallel sizes; repeat for several")] = None,
+    hf: Annotated[bool, typer.Option(help="include the HF generate baseline")] = True,
+    hf_batch_size: Annotated[int, typer.Option(help="HF static batch size (0 = all prompts)")] = 0,
+    rounds: Annotated[int, typer.Option(help="alternating rounds; the best one is reported")] = 1,
+    threads: Annotated[int, typer.Option(help="total cores to use (0 = the affinity mask)")] = 0,
+    seed: Annotated[int, typer.Option(help="seed of the random prompts")] = 0,
+    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
+) -> None:
+    """Throughput and latency of tpengine (tp=1, tp=2) and HF generate; prints a table."""
+    from rich.console import Console
+
+    console = Console(width=max(Console().width, 120))
+    dtypes, tps = dtype or ["float32", "bfloat16"], tp or [1, 2]
+    if latency_output_len < 2 or output_len < 1 or min(num_prompts, input_len, latency_input_len, rounds) < 1:
+        raise typer.BadParameter("lengths, --num-prompts and --rounds must be >= 1 (--latency-output-len >= 2)")
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model).vocab_size
+    cores = threads or cpu_cores()
+    prompts = random_prompts(num_prompts, input_len, vocab, seed)
+    lat_prompt = random_prompts(1, latency_input_len, vocab, seed + 1)[0]
+    systems = (["hf"] if hf else []) + [f"tp{t}" for t in tps]
+    t0 = time.perf_counter()
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="tpengine-bench-") as logdir:
+        for dt in dtypes:
+            console.print(f"[bold]{dt}[/]: starting {', '.join(systems)}")
+            runs[dt] = run_dtype(dt, systems, model, cores, prompts, lat_prompt, output_len, latency_output_len,
+                                 rounds, hf_batch_size or num_prompts, Path(logdir), console.print)
+    result = {
+        "config": {"model": model, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
+                   "latency_input_len": latency_input_len, "latency_output_len": latency_output_len,
+                   "dtypes": dtypes, "tp": tps, "rounds": rounds, "seed": seed, "cores": cores,
+                   "hf_batch_size": hf_batch_size or num_prompts},
+        "machine": machine_info(),
+        "results": summarize(runs, latency_output_len),
+        "runs": runs,
+        "total_s": round(time.perf_counter() - t0, 1),
+    }
+    console.print(render_table(result))
+    if out is not None:
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        console.print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    app()

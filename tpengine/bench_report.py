@@ -1,0 +1,62 @@
+"""Summaries and the rich table of :mod:`tpengine.bench` (pure functions of the raw runs)."""
+
+from __future__ import annotations
+
+SYSTEM_NAMES = {"hf": "HF generate"}
+
+
+def _name(system: str) -> str:
+    return SYSTEM_NAMES.get(system, f"tpengine tp={system.removeprefix('tp')}")
+
+
+def summarize(runs: dict, latency_output_len: int) -> dict:
+    """Per dtype and system, the best round: ``output_tok_s`` and ``total_tok_s`` (highest),
+    ``ttft_ms`` and ``tpot_ms`` (lowest), ``threads`` (per rank); plus, where HF ran,
+    ``vs_hf`` (throughput ratio) and ``tpot_vs_hf`` (TPOT ratio, < 1 is faster), and for tp > 1,
+    ``tp_efficiency`` = its throughput / tp=1 throughput (the same cores split over the ranks)."""
+    out: dict = {}
+    for dtype, systems in runs.items():
+        rows = {}
+        for s, r in systems.items():
+            best = max(r["throughput"], key=lambda x: x["output_tokens"] / x["elapsed_s"])
+            tpots = [(x["latency_s"] - x["ttft_s"]) / max(1, latency_output_len - 1) for x in r["latency"]]
+            rows[s] = {
+                "threads": r["threads"],
+                "output_tok_s": round(best["output_tokens"] / best["elapsed_s"], 1),
+                "total_tok_s": round((best["output_tokens"] + best["prompt_tokens"]) / best["elapsed_s"], 1),
+                "elapsed_s": round(best["elapsed_s"], 2),
+                "ttft_ms": round(min(x["ttft_s"] for x in r["latency"]) * 1e3, 1),
+                "tpot_ms": round(min(tpots) * 1e3, 2),
+            }
+        hf, tp1 = rows.get("hf"), rows.get("tp1")
+        for s, row in rows.items():
+            if hf and s != "hf":
+                row["vs_hf"] = round(row["output_tok_s"] / hf["output_tok_s"], 2)
+                row["tpot_vs_hf"] = round(row["tpot_ms"] / hf["tpot_ms"], 2)
+            if tp1 and s.startswith("tp") and s != "tp1":
+                row["tp_efficiency"] = round(row["output_tok_s"] / tp1["output_tok_s"], 2)
+        out[dtype] = rows
+    return out
+
+
+def render_table(result: dict):
+    """A ``rich.table.Table`` of ``result`` (the JSON :mod:`tpengine.bench` writes)."""
+    from rich.table import Table
+
+    c, m = result["config"], result["machine"]
+    table = Table(title=f"{c['model']}: {c['num_prompts']} x ({c['input_len']} in -> {c['output_len']} out) "
+                        f"throughput; 1 x ({c['latency_input_len']} in -> {c['latency_output_len']} out) latency",
+                  caption=f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}; "
+                          f"best of {c['rounds']} round(s), {result['total_s']} s in all")
+    for col in ("dtype", "system", "threads/rank", "output tok/s", "vs HF", "TP eff.", "TTFT ms", "TPOT ms",
+                "TPOT vs HF"):
+        table.add_column(col, justify="left" if col in ("dtype", "system") else "right")
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for dtype, rows in result["results"].items():
+        for s, r in rows.items():
+            table.add_row(dtype, _name(s), "/".join(map(str, r["threads"])), fmt(r["output_tok_s"], ".1f"),
+                          fmt(r.get("vs_hf"), ".2f") + ("x" if "vs_hf" in r else ""),
+                          fmt(r.get("tp_efficiency"), ".2f"), fmt(r["ttft_ms"], ".1f"), fmt(r["tpot_ms"], ".2f"),
+                          fmt(r.get("tpot_vs_hf"), ".2f") + ("x" if "tpot_vs_hf" in r else ""))
+        table.add_section()
+    return table
