@@ -140,6 +140,14 @@ def fuse_layers(model: nn.Module) -> int:
     return swapped
 
 
+
+def pack_cpu_weights(model: nn.Module) -> int:
+    """CPU, after loading and :func:`fuse_layers`: give every parallel linear layer and the LM head
+    a oneDNN-packed copy of its weight (:func:`tpengine.layers.linear.prepack`; the weight itself
+    stays, so this costs the memory of the linear weights once more). Returns the layers packed."""
+    return sum(m.pack() for m in model.modules() if hasattr(m, "pack"))
+
+
 def check_model_limits(hf_config, max_model_len: int) -> None:
     """Refuse settings the model cannot honour, before any weight is read.
 

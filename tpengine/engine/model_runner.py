@@ -16,8 +16,9 @@ from tpengine.engine.context import Context, set_context
 from tpengine.engine.cuda_graphs import CUDAGraphRunner
 from tpengine.engine.step import StepKind, StepPlan
 from tpengine.kernels import get_backend
+from tpengine.layers.comm import init_shm
 from tpengine.loader import load_model
-from tpengine.surgery import fuse_layers
+from tpengine.surgery import fuse_layers, pack_cpu_weights
 
 GIB = 1 << 30
 
@@ -64,12 +65,18 @@ class ModelRunner:
         self.dtype = config.torch_dtype(tp.device)
         self.model, self.plan, self.hf_config = load_model(config.model, tp, self.dtype)
         fuse_layers(self.model)  # one q/k/v and one gate/up GEMM per layer, lean RMSNorm
+        if tp.device.type == "cpu":
+            pack_cpu_weights(self.model)  # oneDNN matmuls (2x MKL's float32 sgemm on AMD)
         self.backend = get_backend(config.attention_backend, tp.device)
         self.attn_modules = [m for m in self.model.modules() if hasattr(m, "tp_q_to_kv")]
         self.graphs: CUDAGraphRunner | None = None
         if tp.device.type == "cuda" and config.num_kv_blocks is None:
             self._warmup()
         self.num_blocks = all_reduce_min(self._blocks_from_budget())
+        if tp.device.type == "cpu":  # all-reduce/gather through shared memory when all ranks are local
+            rp, elem = self.plan.ranks[tp.rank], torch.empty(0, dtype=self.dtype).element_size()
+            largest = max(config.max_num_batched_tokens * self.plan.hidden_size, config.max_num_seqs * rp.vocab_size)
+            init_shm(tp, min(largest * elem, 64 << 20), config.dist_timeout_s)
         rp = self.plan.ranks[tp.rank]
         self.kv_cache = torch.zeros(2, len(self.attn_modules), self.num_blocks, config.block_size,
                                     rp.num_kv_heads, self.plan.head_dim, dtype=self.dtype, device=tp.device)

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpengine.distributed import all_reduce, gather_to_driver, get_tp
+from tpengine.distributed import get_tp
+from tpengine.layers.comm import all_reduce, gather_to_driver
+from tpengine.layers.linear import _Packable, linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -36,7 +38,7 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(_Packable):
     """This rank's vocabulary logits, gathered to rank 0 and cut to the real vocabulary.
 
     ``weight [vocab_local, hidden]`` (the embedding shard's own Parameter when embeddings are
@@ -52,5 +54,5 @@ class ParallelLMHead(nn.Module):
                                    requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = gather_to_driver(F.linear(hidden, self.weight), dim=-1)
+        logits = gather_to_driver(linear(hidden, self.weight, None, self.packed), dim=-1)
         return None if logits is None else logits[..., : self.vocab_size]

@@ -2,6 +2,11 @@
 
 Weights are created empty (on ``device``, default meta) in their local shapes; the loader fills
 them from this rank's slice, cut by :class:`tpengine.plan.ShardPlan`.
+
+On CPU the engine may :meth:`pack` a layer after loading: a copy of the weight in oneDNN's
+blocked layout, multiplied through oneDNN's matmul. PyTorch's float32 ``F.linear`` goes through
+MKL's sgemm, which on non-Intel CPUs takes a narrower code path; oneDNN's float32 matmul ran
+~2x faster here (AMD EPYC, AVX-512), and prepacked bfloat16 weights ~10-15% (2x for one row).
 """
 
 from __future__ import annotations
@@ -10,10 +15,42 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpengine.distributed import all_reduce
+from tpengine.layers.comm import all_reduce
 
 
-class ColumnParallelLinear(nn.Module):
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight [out, in]`` reordered for oneDNN's CPU matmul, or None where that is not available
+    (not a CPU float32/bfloat16 tensor, no oneDNN, no bfloat16 support in this CPU)."""
+    mkldnn = torch.ops.mkldnn
+    if (weight.device.type != "cpu" or not torch.backends.mkldnn.is_available()
+            or not hasattr(mkldnn, "_reorder_linear_weight") or not hasattr(mkldnn, "_linear_pointwise")):
+        return None
+    if weight.dtype == torch.bfloat16 and not mkldnn._is_mkldnn_bf16_supported():
+        return None
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return mkldnn._reorder_linear_weight(weight.detach())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None = None):
+    """``x @ weight.T + bias``, through oneDNN with the ``packed`` copy of ``weight`` when there is one."""
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class _Packable(nn.Module):
+    """A layer whose ``weight`` can be prepacked for CPU matmuls (see the module docstring)."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> bool:
+        """Make a oneDNN-layout copy of ``weight`` (kept alongside it) for every later forward."""
+        self.packed = prepack(self.weight)
+        return self.packed is not None
+
+
+class ColumnParallelLinear(_Packable):
     """``y_local = x @ W_local.T + b_local``: this rank's output rows; no communication.
 
     Shapes: ``weight [out_local, in_features]``, ``bias [out_local]``; input ``[..., in_features]``
@@ -29,10 +66,10 @@ class ColumnParallelLinear(nn.Module):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Packable):
     """``y = all_reduce(x_local @ W_local.T) + b``: this rank's input columns, summed over ranks.
 
     Shapes: ``weight [out_features, in_local]``, ``bias [out_features]`` (whole, added exactly
@@ -48,11 +85,11 @@ class RowParallelLinear(nn.Module):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(linear(x, self.weight, None, self.packed))
         return y + self.bias if self.bias is not None else y
 
 
-class MergedColumnParallelLinear(nn.Module):
+class MergedColumnParallelLinear(_Packable):
     """Column-parallel layers that read the same input, run as one GEMM (q/k/v, gate/up).
 
     ``weight [sum(sizes), in_features]`` is the concatenation of the parts' local weights (each
@@ -73,4 +110,4 @@ class MergedColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` -> ``[..., sum(sizes)]``, the parts side by side in ``sizes`` order."""
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
