@@ -163,7 +163,7 @@ def main(
     tp: Annotated[list[int], typer.Option(help="tpengine tensor-parallel sizes; repeat for several")] = None,
     hf: Annotated[bool, typer.Option(help="include the HF generate baseline")] = True,
     hf_batch_size: Annotated[int, typer.Option(help="HF static batch size (0 = all prompts)")] = 0,
-    rounds: Annotated[int, typer.Option(help="alternating rounds; the best one is reported")] = 1,
+    rounds: Annotated[int, typer.Option(help="alternating rounds; the best one is reported")] = 2,
     threads: Annotated[int, typer.Option(help="total cores to use (0 = the affinity mask)")] = 0,
     seed: Annotated[int, typer.Option(help="seed of the random prompts")] = 0,
     out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,

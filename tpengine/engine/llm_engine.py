@@ -149,10 +149,11 @@ class LLMEngine:
         if not self.scheduler.has_unfinished:
             return done
         seqs, is_prefill = self.scheduler.schedule()
-        plan = broadcast_plan(build_plan(seqs, is_prefill, self.config.block_size, self._steps))
+        greedy = all(s.params.temperature == 0.0 for s in seqs)  # then the ranks return the argmax
+        plan = broadcast_plan(build_plan(seqs, is_prefill, self.config.block_size, self._steps, greedy))
         self._maybe_fault(plan)
-        logits = self.runner.execute(plan)
-        tokens = self.sampler.sample(logits, seqs)
+        out = self.runner.execute(plan)
+        tokens = out.tolist() if plan.greedy else self.sampler.sample(out, seqs)
         self._steps += 1
         self._prefill_steps += is_prefill
         self._prompt_tokens += int(plan.input_ids.numel()) if is_prefill else 0

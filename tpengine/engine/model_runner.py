@@ -135,10 +135,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """Run one PREFILL or DECODE step. Returns float32 logits ``[B, vocab_size]`` on rank 0
-        (one row per sequence, at ``plan.sample_idx``), None on other ranks."""
+        (one row per sequence, at ``plan.sample_idx``) or, for a ``plan.greedy`` step, their argmax
+        token ids ``[B]`` (int64, without gathering the logits); None on other ranks."""
         if self.graphs is not None and self.graphs.can_run(plan):  # CUDA decode: replay a graph
-            logits = self.model.lm_head(self.graphs.run(plan))
-            return None if logits is None else logits.float()
+            return self._head(self.graphs.run(plan), plan)
         dev = self.tp.device
         to = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
         prefill = plan.kind == StepKind.PREFILL
@@ -151,5 +151,11 @@ class ModelRunner:
                                       use_cache=False).last_hidden_state[0]
         finally:
             set_context(None)
-        logits = self.model.lm_head(hidden.index_select(0, to(plan.sample_idx)))
+        return self._head(hidden.index_select(0, to(plan.sample_idx)), plan)
+
+    def _head(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:
+        """The LM head on ``[B, hidden]``: rank 0 gets float32 logits, or the argmax ids for a greedy plan."""
+        if plan.greedy:
+            return self.model.lm_head.greedy(hidden)
+        logits = self.model.lm_head(hidden)
         return None if logits is None else logits.float()

@@ -16,7 +16,7 @@ import torch
 from tpengine.distributed import broadcast_control, get_tp
 
 MAGIC = 0x7E57E9
-HEADER_LEN = 6  # magic, kind, num_tokens N, num_seqs B, max_blocks M, step index
+HEADER_LEN = 7  # magic, kind, num_tokens N, num_seqs B, max_blocks M, step index, greedy
 
 
 class StepKind(enum.IntEnum):
@@ -34,6 +34,8 @@ class StepPlan:
     * ``cu_seqlens_q`` / ``cu_seqlens_k``: ``[B+1]`` new / total tokens per sequence (prefill).
     * ``context_lens``: ``[B]`` tokens in the cache per sequence after this step.
     * ``sample_idx``: ``[B]`` index into the N tokens whose logits are sampled.
+    * ``greedy``: every sequence samples greedily, so the ranks return the argmax token ids
+      instead of gathering the logits.
     """
 
     kind: StepKind
@@ -46,6 +48,7 @@ class StepPlan:
     cu_seqlens_k: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     sample_idx: torch.Tensor | None = None
+    greedy: bool = False
 
     @property
     def is_prefill(self) -> bool:
@@ -56,7 +59,7 @@ class StepPlan:
         return 0 if self.sample_idx is None else int(self.sample_idx.numel())
 
 
-def build_plan(seqs, is_prefill: bool, block_size: int, step: int) -> StepPlan:
+def build_plan(seqs, is_prefill: bool, block_size: int, step: int, greedy: bool = False) -> StepPlan:
     """Rank 0: the StepPlan for ``seqs`` (tpengine.engine.sequence.Sequence, blocks already
     allocated by the scheduler). Prefill runs each sequence's uncached tokens
     ``[num_cached_tokens, num_tokens)``; decode runs each sequence's last token."""
@@ -79,15 +82,16 @@ def build_plan(seqs, is_prefill: bool, block_size: int, step: int) -> StepPlan:
         kind=StepKind.PREFILL if is_prefill else StepKind.DECODE, step=step,
         input_ids=t(ids), positions=t(pos), slot_mapping=t(slots), block_tables=tables,
         cu_seqlens_q=cu_q_t, cu_seqlens_k=t(cu_k), context_lens=t(ctx), sample_idx=cu_q_t[1:] - 1,
+        greedy=greedy,
     )
 
 
 def pack(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """``(header [HEADER_LEN], payload [3N + B*M + 2(B+1) + 2B])`` int64 tensors."""
     if plan.kind == StepKind.STOP:
-        return torch.tensor([MAGIC, plan.kind, 0, 0, 0, plan.step]), torch.empty(0, dtype=torch.int64)
+        return torch.tensor([MAGIC, plan.kind, 0, 0, 0, plan.step, 0]), torch.empty(0, dtype=torch.int64)
     n, (b, m) = plan.input_ids.numel(), plan.block_tables.shape
-    header = torch.tensor([MAGIC, int(plan.kind), n, b, m, plan.step], dtype=torch.int64)
+    header = torch.tensor([MAGIC, int(plan.kind), n, b, m, plan.step, int(plan.greedy)], dtype=torch.int64)
     payload = torch.cat([plan.input_ids, plan.positions, plan.slot_mapping, plan.block_tables.flatten(),
                          plan.cu_seqlens_q, plan.cu_seqlens_k, plan.context_lens, plan.sample_idx])
     return header, payload
@@ -100,7 +104,7 @@ def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
         RuntimeError: a header without the magic number or with an unknown kind (ranks out of
             step with each other).
     """
-    magic, kind, n, b, m, step = (int(x) for x in header.tolist())
+    magic, kind, n, b, m, step, greedy = (int(x) for x in header.tolist())
     if magic != MAGIC or kind not in {k.value for k in StepKind}:
         raise RuntimeError(f"corrupt StepPlan header {header.tolist()}: ranks are out of lockstep")
     if kind == StepKind.STOP:
@@ -109,7 +113,7 @@ def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
     ids, pos, slots, tables, cu_q, cu_k, ctx, sample = torch.split(payload, sizes)
     return StepPlan(kind=StepKind(kind), step=step, input_ids=ids, positions=pos, slot_mapping=slots,
                     block_tables=tables.view(b, m), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                    context_lens=ctx, sample_idx=sample)
+                    context_lens=ctx, sample_idx=sample, greedy=bool(greedy))
 
 
 def broadcast_plan(plan: StepPlan | None) -> StepPlan:
@@ -124,7 +128,7 @@ def broadcast_plan(plan: StepPlan | None) -> StepPlan:
             broadcast_control(payload)
         return plan
     header = broadcast_control(torch.empty(HEADER_LEN, dtype=torch.int64))
-    _, kind, n, b, m, _ = header.tolist()
+    _, kind, n, b, m, _, _ = header.tolist()
     size = 0 if kind == StepKind.STOP else 3 * n + b * m + 2 * (b + 1) + 2 * b
     payload = broadcast_control(torch.empty(size, dtype=torch.int64)) if size else torch.empty(0, dtype=torch.int64)
     return unpack(header, payload)

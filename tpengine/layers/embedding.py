@@ -56,3 +56,19 @@ class ParallelLMHead(_Packable):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = gather_to_driver(linear(hidden, self.weight, None, self.packed), dim=-1)
         return None if logits is None else logits[..., : self.vocab_size]
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Greedy sampling without gathering the logits: every rank takes the maximum of its
+        vocabulary shard (padding excluded), rank 0 keeps the best shard's. ``hidden [B, hidden]``
+        -> on rank 0 int64 token ids ``[B]``, the first index among equal maxima exactly like
+        ``torch.argmax`` over the whole vocabulary; None on other ranks."""
+        logits = linear(hidden, self.weight, None, self.packed)
+        value, index = logits[..., : self.vocab_size - self.vocab_start].max(dim=-1)
+        if get_tp().size == 1:
+            return index
+        mine = torch.stack([value.double(), (index + self.vocab_start).double()], dim=-1)  # exact
+        every = gather_to_driver(mine, dim=-1)  # [B, 2 * tp]: (value, id) per rank in rank order
+        if every is None:
+            return None
+        best = every[:, 0::2].argmax(dim=-1, keepdim=True)  # first maximum: the lowest rank on ties
+        return every[:, 1::2].gather(1, best).squeeze(1).long()
