@@ -112,6 +112,7 @@ def apply_tensor_parallel(model: nn.Module, plan: P.ShardPlan, rank: int, dtype:
 FUSABLE_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
 FUSABLE_MLP = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
 FUSABLE_NORM = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+FUSABLE_MODEL = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
 
 
 def fuse_layers(model: nn.Module) -> int:
@@ -119,9 +120,12 @@ def fuse_layers(model: nn.Module) -> int:
     :class:`~tpengine.layers.fused.FusedAttention` (one q/k/v GEMM), every known gated MLP for a
     :class:`~tpengine.layers.fused.FusedMLP` (one gate/up GEMM) and every known RMSNorm for
     :class:`~tpengine.layers.fused.RMSNorm` (``F.rms_norm``). The fused weights are the
-    concatenation of the loaded per-name ShardPlan slices; the separate ones are dropped. Other
-    modules keep their HF forward. Returns the number of modules swapped."""
-    from tpengine.layers.fused import FusedAttention, FusedMLP, RMSNorm
+    concatenation of the loaded per-name ShardPlan slices; the separate ones are dropped. A known
+    decoder stack whose layers are all fused runs :func:`~tpengine.layers.fused.lean_decoder_forward`.
+    Other modules keep their HF forward. Returns the number of modules swapped."""
+    import types
+
+    from tpengine.layers.fused import FusedAttention, FusedMLP, RMSNorm, lean_decoder_forward
 
     swapped = 0
     for name, module in list(model.named_modules()):
@@ -137,6 +141,12 @@ def fuse_layers(model: nn.Module) -> int:
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, new)
         swapped += 1
+    for module in model.modules():
+        if type(module).__name__ in FUSABLE_MODEL and all(
+                isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FusedMLP)
+                for layer in module.layers):
+            module.forward = types.MethodType(lean_decoder_forward, module)
+            swapped += 1
     return swapped
 
 

@@ -241,7 +241,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     gets zeros. Vectorised: groups the query heads by their KV head (``[B, Hkv, G, D]``, so each
     KV head is gathered and read once whatever ``q_to_kv`` is), gathers every sequence's first
     ``max_ctx`` cached tokens into ``[B, Hkv, max_ctx, D]`` and attends in one batched call
-    (float32: SDPA; bfloat16/float16: matmuls with a float32 softmax), masking positions
+    (SDPA; for bfloat16/float16 with more than a few sequences, matmuls with a float32 softmax,
+    which CPU SDPA is several times slower than for one query token per sequence), masking positions
     ``>= context_lens[b]`` only when the lengths differ. One host sync (min and max length).
     Raises ValueError on shape mismatch or when ``max_ctx`` exceeds the block table's capacity.
     """
@@ -262,13 +263,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return q.new_zeros(q.shape)
     g, q_slots, out_slots = _groups(tuple(q_to_kv.tolist()), hkv, q.device)
     qg = (q if q_slots is None else q.index_select(1, q_slots)).reshape(nb, hkv, g, d)
-    if half:  # as HF's eager attention computes it: half-precision matmuls, float32 softmax
+    if half:
         kg = k_cache.reshape(-1, d).index_select(0, m.index).view(nb, hkv, m.max_ctx, d)
         vg = v_cache.reshape(-1, d).index_select(0, m.index).view(nb, hkv, m.max_ctx, d)
-        s = torch.matmul(qg, kg.transpose(-1, -2)).float().mul_(scale)  # [B, Hkv, G, L]
-        if m.valid is not None:
-            s.masked_fill_(m.invalid, float("-inf"))
-        out = torch.matmul(torch.softmax(s, dim=-1).to(q.dtype), vg)
+        if nb * hkv <= 8:  # a few sequences: SDPA's fixed cost is below the half-precision bmm's
+            out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=m.valid, scale=scale)
+        else:  # as HF's eager attention computes it: half-precision matmuls, float32 softmax
+            s = torch.matmul(qg, kg.transpose(-1, -2)).float().mul_(scale)  # [B, Hkv, G, L]
+            if m.valid is not None:
+                s.masked_fill_(m.invalid, float("-inf"))
+            out = torch.matmul(torch.softmax(s, dim=-1).to(q.dtype), vg)
     else:  # whole blocks, read as a strided [B, Hkv, L, D]
         n_blk = m.index.numel() // nb
 

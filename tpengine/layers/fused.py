@@ -10,9 +10,9 @@ Qwen3), swapped in by :func:`tpengine.surgery.fuse_projections` after the weight
   GEMM output, with no transposes.
 
 HF's RMSNorm (eight tensor ops) becomes :class:`RMSNorm` (``F.rms_norm``: one op in float32, four
-in half precision). The HF decoder layer around them still runs the residuals. The forwards
-mirror the HF ones they replace (same operations in the same order on each element), so results
-match HF's bit for bit in float32.
+in half precision), and the decoder stack's forward becomes :func:`lean_decoder_forward`. The
+forwards mirror the HF ones they replace (same operations in the same order on each element), so
+results match HF's bit for bit in float32.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from tpengine.engine.context import get_context
 from tpengine.layers.attention import paged_attention, tpengine_attention
@@ -96,3 +97,19 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
+
+
+def lean_decoder_forward(self, input_ids=None, position_ids=None, inputs_embeds=None, **kwargs):
+    """Replaces the forward of an HF decoder stack (``LlamaModel`` and its Mistral/Qwen2/Qwen3
+    twins) whose layers are all fused: HF's computation (embedding, RoPE tables, then per layer
+    ``h = h + attn(norm1(h))`` and ``h = h + mlp(norm2(h))``, final norm) without HF's causal-mask
+    building, cache and kwargs plumbing and per-layer wrappers, which tpengine's attention does
+    not use. Returns ``BaseModelOutputWithPast(last_hidden_state=...)``."""
+    h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+    if position_ids is None:
+        position_ids = torch.arange(h.shape[1], device=h.device)[None]
+    position_embeddings = self.rotary_emb(h, position_ids)
+    for layer in self.layers[: self.config.num_hidden_layers]:
+        h = h + layer.self_attn(layer.input_layernorm(h), position_embeddings)[0]
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return BaseModelOutputWithPast(last_hidden_state=self.norm(h))
