@@ -264,8 +264,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     g, q_slots, out_slots = _groups(tuple(q_to_kv.tolist()), hkv, q.device)
     qg = (q if q_slots is None else q.index_select(1, q_slots)).reshape(nb, hkv, g, d)
     if half:
-        kg = k_cache.reshape(-1, d).index_select(0, m.index).view(nb, hkv, m.max_ctx, d)
-        vg = v_cache.reshape(-1, d).index_select(0, m.index).view(nb, hkv, m.max_ctx, d)
+        # F.embedding: the same row gather as index_select, ~1.5x faster on CPU here
+        kg = F.embedding(m.index, k_cache.reshape(-1, d)).view(nb, hkv, m.max_ctx, d)
+        vg = F.embedding(m.index, v_cache.reshape(-1, d)).view(nb, hkv, m.max_ctx, d)
         if nb * hkv <= 8:  # a few sequences: SDPA's fixed cost is below the half-precision bmm's
             out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=m.valid, scale=scale)
         else:  # as HF's eager attention computes it: half-precision matmuls, float32 softmax
@@ -277,7 +278,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         n_blk = m.index.numel() // nb
 
         def gather(cache):
-            kv = cache.index_select(0, m.index).view(nb, n_blk * bs, hkv, d)[:, : m.max_ctx]
+            kv = F.embedding(m.index, cache.reshape(cache.shape[0], -1)).view(nb, n_blk * bs, hkv, d)
+            kv = kv[:, : m.max_ctx]
             return kv.transpose(1, 2).to(q.dtype)
 
         out = F.scaled_dot_product_attention(qg, gather(k_cache), gather(v_cache), attn_mask=m.valid, scale=scale)
