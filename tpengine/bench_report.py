@@ -24,9 +24,9 @@ def summarize(runs: dict, latency_output_len: int) -> dict:
                 "threads": r["threads"],
                 "output_tok_s": round(best["output_tokens"] / best["elapsed_s"], 1),
                 "total_tok_s": round((best["output_tokens"] + best["prompt_tokens"]) / best["elapsed_s"], 1),
-                "elapsed_s": round(best["elapsed_s"], 2),
-                "ttft_ms": round(min(x["ttft_s"] for x in r["latency"]) * 1e3, 1),
-                "tpot_ms": round(min(tpots) * 1e3, 2),
+                "elapsed_s": round(best["elapsed_s"], 4),
+                "ttft_ms": round(min(x["ttft_s"] for x in r["latency"]) * 1e3, 3),
+                "tpot_ms": round(min(tpots) * 1e3, 3),
             }
         hf, tp1 = rows.get("hf"), rows.get("tp1")
         for s, row in rows.items():
