@@ -74,6 +74,11 @@ class LLMEngine:
         tpengine.loader.CheckpointMismatchError, FileNotFoundError: bad model folder.
     """
 
+    #: Steps whose sequences are all greedy take the argmax on each rank's vocabulary shard
+    #: (no logits gathered, no Sampler call). Set False on rank 0 to route every step's logits
+    #: through ``Sampler.sample`` (e.g. a test that records them); the tokens are the same.
+    argmax_on_ranks: bool = True
+
     def __init__(self, config: EngineConfig, tokenizer=None):
         from transformers import AutoConfig
 
@@ -149,7 +154,7 @@ class LLMEngine:
         if not self.scheduler.has_unfinished:
             return done
         seqs, is_prefill = self.scheduler.schedule()
-        greedy = all(s.params.temperature == 0.0 for s in seqs)  # then the ranks return the argmax
+        greedy = self.argmax_on_ranks and all(s.params.temperature == 0.0 for s in seqs)
         plan = broadcast_plan(build_plan(seqs, is_prefill, self.config.block_size, self._steps, greedy))
         self._maybe_fault(plan)
         out = self.runner.execute(plan)
