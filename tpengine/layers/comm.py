@@ -137,10 +137,13 @@ def init_shm(tp: dist.TPInfo, slot_bytes: int, timeout_s: float) -> bool:
     token = torch.tensor([random.getrandbits(62) if tp.is_driver else 0], dtype=torch.int64)
     path = f"/dev/shm/tpengine-{int(dist.broadcast_control(token)):x}"
     if tp.is_driver:
-        comm = ShmComm(tp.rank, tp.size, path, slot_bytes, timeout_s)
-        dist.all_reduce_min(0)  # created ...
-        dist.all_reduce_min(0)  # ... and mapped by everyone
-        os.unlink(path)
+        try:
+            comm = ShmComm(tp.rank, tp.size, path, slot_bytes, timeout_s)
+            dist.all_reduce_min(0)  # created ...
+            dist.all_reduce_min(0)  # ... and mapped by everyone
+        finally:  # the mappings outlive the name; never leave the file behind, even on failure
+            if os.path.exists(path):
+                os.unlink(path)
     else:
         dist.all_reduce_min(0)
         comm = ShmComm(tp.rank, tp.size, path, slot_bytes, timeout_s)
