@@ -30,6 +30,15 @@ def test_bench_smoke(tmp_path):
         assert all(t >= 1 for t in row["threads"])
         if s != "hf":
             assert row["vs_hf"] > 0 and row["tpot_vs_hf"] > 0
+    assert set(rows["hf"]["attn"].values()) <= {"sdpa", "eager"}  # --hf-attn auto timed both
+    probe = res["runs"]["bfloat16"]["hf"]["throughput"][0]["attn_probe_s"]
+    assert set(probe) == {"sdpa", "eager"} and min(probe, key=probe.get) == rows["hf"]["attn"]["throughput"]
     assert len(rows["tp2"]["threads"]) == 2 and rows["tp2"]["tp_efficiency"] > 0
     runs = res["runs"]["bfloat16"]["tp1"]["throughput"]
     assert runs[0]["output_tokens"] == 3 * 4 and runs[0]["prompt_tokens"] == 3 * 5
+
+
+def test_bench_rejects_unknown_hf_attn(tmp_path):
+    r = CliRunner().invoke(app, ["--model", str(tmp_path), "--hf-attn", "flash"])
+    assert r.exit_code == 2
+    assert "--hf-attn 'flash' is not one of auto, sdpa, eager" in r.output

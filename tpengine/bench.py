@@ -112,7 +112,7 @@ class Worker:
 
 
 def run_dtype(dtype: str, systems: list[str], model: str, cores: int, prompts, lat_prompt, output_len: int,
-              lat_output_len: int, rounds: int, hf_batch_size: int, logdir: Path, echo) -> dict:
+              lat_output_len: int, rounds: int, hf_batch_size: int, hf_attn: str, logdir: Path, echo) -> dict:
     """Start every system for ``dtype`` (loading in parallel), alternate the measurements,
     return ``{system: {"threads", "load_s", "throughput": [runs], "latency": [runs]}}``."""
     max_len = max(max(map(len, prompts)) + output_len, len(lat_prompt) + lat_output_len)
@@ -121,7 +121,8 @@ def run_dtype(dtype: str, systems: list[str], model: str, cores: int, prompts, l
     try:
         for s in systems:
             if s == "hf":
-                args = common + ["--system", "hf", "--threads", str(cores), "--hf-batch-size", str(hf_batch_size)]
+                args = common + ["--system", "hf", "--threads", str(cores), "--hf-batch-size", str(hf_batch_size),
+                                 "--hf-attn", hf_attn]
                 tp = 1
             else:
                 tp = int(s.removeprefix("tp"))
@@ -163,6 +164,8 @@ def main(
     tp: Annotated[list[int], typer.Option(help="tpengine tensor-parallel sizes; repeat for several")] = None,
     hf: Annotated[bool, typer.Option(help="include the HF generate baseline")] = True,
     hf_batch_size: Annotated[int, typer.Option(help="HF static batch size (0 = all prompts)")] = 0,
+    hf_attn: Annotated[str, typer.Option(help="HF attn_implementation: auto (time sdpa and eager, keep the "
+                                               "faster per dtype and workload), sdpa, eager")] = "auto",
     rounds: Annotated[int, typer.Option(help="alternating rounds; the best one is reported")] = 2,
     threads: Annotated[int, typer.Option(help="total cores to use (0 = the affinity mask)")] = 0,
     seed: Annotated[int, typer.Option(help="seed of the random prompts")] = 0,
@@ -175,6 +178,8 @@ def main(
     dtypes, tps = dtype or ["float32", "bfloat16"], tp or [1, 2]
     if latency_output_len < 2 or output_len < 1 or min(num_prompts, input_len, latency_input_len, rounds) < 1:
         raise typer.BadParameter("lengths, --num-prompts and --rounds must be >= 1 (--latency-output-len >= 2)")
+    if hf_attn not in ("auto", "sdpa", "eager"):
+        raise typer.BadParameter(f"--hf-attn {hf_attn!r} is not one of auto, sdpa, eager")
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model).vocab_size
@@ -188,12 +193,12 @@ def main(
         for dt in dtypes:
             console.print(f"[bold]{dt}[/]: starting {', '.join(systems)}")
             runs[dt] = run_dtype(dt, systems, model, cores, prompts, lat_prompt, output_len, latency_output_len,
-                                 rounds, hf_batch_size or num_prompts, Path(logdir), console.print)
+                                 rounds, hf_batch_size or num_prompts, hf_attn, Path(logdir), console.print)
     result = {
         "config": {"model": model, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
                    "latency_input_len": latency_input_len, "latency_output_len": latency_output_len,
                    "dtypes": dtypes, "tp": tps, "rounds": rounds, "seed": seed, "cores": cores,
-                   "hf_batch_size": hf_batch_size or num_prompts},
+                   "hf_batch_size": hf_batch_size or num_prompts, "hf_attn": hf_attn},
         "machine": machine_info(),
         "results": summarize(runs, latency_output_len),
         "runs": runs,
