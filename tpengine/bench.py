@@ -164,8 +164,8 @@ def main(
     tp: Annotated[list[int], typer.Option(help="tpengine tensor-parallel sizes; repeat for several")] = None,
     hf: Annotated[bool, typer.Option(help="include the HF generate baseline")] = True,
     hf_batch_size: Annotated[int, typer.Option(help="HF static batch size (0 = all prompts)")] = 0,
-    hf_attn: Annotated[str, typer.Option(help="HF attn_implementation: auto (time sdpa and eager, keep the "
-                                               "faster per dtype and workload), sdpa, eager")] = "auto",
+    hf_attn: Annotated[str, typer.Option(help="HF attn_implementation: auto (the faster here: sdpa in "
+                                               "float32, eager in bfloat16), sdpa, eager")] = "auto",
     rounds: Annotated[int, typer.Option(help="alternating rounds; the best one is reported")] = 2,
     threads: Annotated[int, typer.Option(help="total cores to use (0 = the affinity mask)")] = 0,
     seed: Annotated[int, typer.Option(help="seed of the random prompts")] = 0,

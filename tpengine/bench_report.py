@@ -14,7 +14,7 @@ def summarize(runs: dict, latency_output_len: int) -> dict:
     ``ttft_ms`` and ``tpot_ms`` (lowest), ``threads`` (per rank); plus, where HF ran,
     ``vs_hf`` (throughput ratio) and ``tpot_vs_hf`` (TPOT ratio, < 1 is faster), and for tp > 1,
     ``tp_efficiency`` = its throughput / tp=1 throughput (the same cores split over the ranks);
-    for HF, ``attn`` = the attention implementation of its throughput and latency runs."""
+    for HF, ``attn`` = the attention implementation it ran with."""
     out: dict = {}
     for dtype, systems in runs.items():
         rows = {}
@@ -30,8 +30,7 @@ def summarize(runs: dict, latency_output_len: int) -> dict:
                 "tpot_ms": round(min(tpots) * 1e3, 3),
             }
             if "attn_implementation" in best:  # HF: the attention implementation it ran with
-                rows[s]["attn"] = {"throughput": best["attn_implementation"],
-                                   "latency": r["latency"][0].get("attn_implementation")}
+                rows[s]["attn"] = best["attn_implementation"]
         hf, tp1 = rows.get("hf"), rows.get("tp1")
         for s, row in rows.items():
             if hf and s != "hf":
@@ -52,14 +51,14 @@ def render_table(result: dict):
                         f"throughput; 1 x ({c['latency_input_len']} in -> {c['latency_output_len']} out) latency",
                   caption=f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}; "
                           f"best of {c['rounds']} round(s), {result['total_s']} s in all; "
-                          f"HF attn_implementation (throughput/latency) in brackets")
+                          f"HF attn_implementation in brackets")
     for col in ("dtype", "system", "threads/rank", "output tok/s", "vs HF", "TP eff.", "TTFT ms", "TPOT ms",
                 "TPOT vs HF"):
         table.add_column(col, justify="left" if col in ("dtype", "system") else "right")
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for dtype, rows in result["results"].items():
         for s, r in rows.items():
-            name = _name(s) + (f" ({r['attn']['throughput']}/{r['attn']['latency']})" if "attn" in r else "")
+            name = _name(s) + (f" ({r['attn']})" if "attn" in r else "")
             table.add_row(dtype, name, "/".join(map(str, r["threads"])), fmt(r["output_tok_s"], ".1f"),
                           fmt(r.get("vs_hf"), ".2f") + ("x" if "vs_hf" in r else ""),
                           fmt(r.get("tp_efficiency"), ".2f"), fmt(r["ttft_ms"], ".1f"), fmt(r["tpot_ms"], ".2f"),
