@@ -247,3 +247,20 @@ def test_triton_strided_cache():
     torch.testing.assert_close(got.cpu(), want, **TOL)
     got = ref.decode_attention(*_to("cpu", q[:2], kc, vc), bt, ctx, qkv, d**-0.5)  # strided reference too
     torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("q_to_kv", [[0, 0, 0, 1, 1, 1], [0, 1, 1, 0]], ids=["gqa3", "uneven"])
+def test_reference_prefill_half_batched(q_to_kv):
+    """Same-length prompts in bfloat16 take the matmul path (HF eager's arithmetic): equal to the
+    float32 result within bfloat16 rounding, and causal (a changed last key leaves earlier rows)."""
+    d, bs, lens = 64, 16, [(20, 20)] * 3
+    case = list(_prefill_case(d, bs, q_to_kv, lens, seed=7))
+    half = [t.bfloat16() if t.is_floating_point() else t for t in case]
+    out = ref.prefill_attention(*half, d**-0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == case[0].shape
+    want = ref.prefill_attention(*[t.float() if t.is_floating_point() else t for t in half], d**-0.5)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    half[1] = half[1].clone()
+    half[1][19] += 1.0  # sequence 0's last key: only its last query sees it
+    changed = (ref.prefill_attention(*half, d**-0.5) != out).any(dim=(1, 2)).nonzero().flatten().tolist()
+    assert changed == [19]

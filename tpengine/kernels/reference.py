@@ -204,7 +204,10 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         # no cached prefix and equal lengths (a batch of same-length prompts): one batched call
         b, n = len(lqs), lqs[0]
         qh, kh, vh = (x.unflatten(0, (b, n)).transpose(1, 2) for x in (q, heads(k), heads(v)))
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+        if q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and q.device.type == "cpu":
+            o = _causal_matmul_attention(qh, kh, vh, scale)
+        else:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
         return o.transpose(1, 2).reshape(q.shape).contiguous()
     out = q.new_empty(q.shape)  # contiguous, whatever q's strides
     for b, (lq, lk) in enumerate(zip(lqs, lks)):
@@ -227,6 +230,21 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                                            enable_gqa=gqa)
         out[s:e] = o.transpose(0, 1)
     return out
+
+
+def _causal_matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of ``q [B, Hq, L, D]`` over ``k``/``v [B, Hkv, L, D]`` (``Hq = G * Hkv``,
+    query head ``h`` reads KV head ``h // G``) -> ``[B, Hq, L, D]``, computed as HF's eager
+    attention does for half types: matmuls in the input dtype, scores scaled and masked, softmax
+    accumulated in float32 (CPU softmax upcasts half inputs internally). On CPU in bfloat16 this is
+    ~3x faster than SDPA's flash kernel for short prompts (measured: 64 x 128 tokens, 9 heads of 64)."""
+    b, hkv, n, d = k.shape
+    g = q.shape[1] // hkv
+    s = torch.matmul(q.reshape(b, hkv, g * n, d), k.transpose(-1, -2)).mul_(scale)  # [B, Hkv, G*L, L]
+    future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)
+    s = s.view(b, hkv, g, n, n).masked_fill_(future, float("-inf"))
+    p = torch.softmax(s, dim=-1).view(b, hkv, g * n, n)
+    return torch.matmul(p, v).view(b, hkv * g, n, d)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
