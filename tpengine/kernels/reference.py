@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tpengine.kernels import kv_mirror
+
 __all__ = ["store_kvcache", "prefill_attention", "decode_attention"]
 
 # Per-step values derived from a step's index tensors (lengths, gather indices, masks), computed
@@ -193,6 +195,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     check_heads(q, q_to_kv, hkv, d)
     if k.shape != v.shape or k.shape[0] != q.shape[0] or tuple(k.shape[1:]) != (hkv, d):
         raise ValueError(f"k/v must be [{q.shape[0]}, {hkv}, {d}]; got {tuple(k.shape)}, {tuple(v.shape)}")
+    kv_mirror.note_prefill()
     cu_q, _, lqs, lks = _per_step("prefill", (cu_seqlens_q, cu_seqlens_k), (q.shape[0],),
                                   lambda: prefill_lengths(cu_seqlens_q, cu_seqlens_k, q.shape[0]))
     gqa = _is_gqa(q_to_kv, hkv)
@@ -274,7 +277,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         )
     if nb == 0:
         return q.new_empty(q.shape)
-    half = q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype
+    half = (q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype and k_cache.is_contiguous()
+            and v_cache.is_contiguous())
     m = _per_step("decode", (block_tables, context_lens), (bs, hkv, half),
                   lambda: _decode_indices(block_tables, context_lens, bs, hkv, half))
     if m.max_ctx == 0:
@@ -282,16 +286,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     g, q_slots, out_slots = _groups(tuple(q_to_kv.tolist()), hkv, q.device)
     qg = (q if q_slots is None else q.index_select(1, q_slots)).reshape(nb, hkv, g, d)
     if half:
-        # F.embedding: the same row gather as index_select, ~1.5x faster on CPU here
-        kg = F.embedding(m.index, k_cache.reshape(-1, d)).view(nb, hkv, m.max_ctx, d)
-        vg = F.embedding(m.index, v_cache.reshape(-1, d)).view(nb, hkv, m.max_ctx, d)
+        # the keys/values as [B, Hkv, capacity >= max_ctx, D]: kept across decode steps of the same
+        # batch (tpengine.kernels.kv_mirror appends one token per step instead of gathering them all)
+        _per_step("mirror-step", (block_tables, context_lens), (), lambda: kv_mirror.begin_decode_step(
+            block_tables, context_lens))
+        kg, vg = kv_mirror.decode_kv(k_cache, v_cache, m.index, block_tables, context_lens, m.max_ctx)
+        valid, invalid = _per_step("mirror-mask", (context_lens,), (kg.shape[2],),
+                                   lambda: _key_mask(context_lens, kg.shape[2]))
         if nb * hkv <= 8:  # a few sequences: SDPA's fixed cost is below the half-precision bmm's
-            out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=m.valid, scale=scale)
+            out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=valid, scale=scale)
         else:  # as HF's eager attention computes it: half-precision matmuls, float32 softmax
-            s = torch.matmul(qg, kg.transpose(-1, -2)).float().mul_(scale)  # [B, Hkv, G, L]
-            if m.valid is not None:
-                s.masked_fill_(m.invalid, float("-inf"))
-            out = torch.matmul(torch.softmax(s, dim=-1).to(q.dtype), vg)
+            s = torch.bmm(qg.reshape(nb * hkv, g, d), kg.view(nb * hkv, -1, d).transpose(1, 2))
+            s = s.float().mul_(scale).view(nb, hkv, g, -1).masked_fill_(invalid, float("-inf"))
+            p = torch.softmax(s, dim=-1).to(q.dtype).view(nb * hkv, g, -1)
+            out = torch.bmm(p, vg.view(nb * hkv, -1, d))
     else:  # whole blocks, read as a strided [B, Hkv, L, D]
         n_blk = m.index.numel() // nb
 
@@ -307,6 +315,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if m.min_ctx == 0:
         out = out.masked_fill_((context_lens == 0)[:, None, None], 0.0)
     return out.contiguous()
+
+
+def _key_mask(context_lens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(valid, ~valid)``, ``[B, 1, 1, n]`` bool: key position ``j`` is visible to sequence ``b``
+    iff ``j < context_lens[b]`` (a batch-padding row, length 0, sees position 0 so its softmax
+    stays finite; its output is zeroed after)."""
+    valid = torch.arange(n, device=context_lens.device)[None, :] < context_lens[:, None]
+    valid[:, 0] |= context_lens == 0
+    valid = valid[:, None, None, :]
+    return valid, ~valid
 
 
 @dataclass(frozen=True)

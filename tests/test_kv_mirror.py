@@ -1,0 +1,74 @@
+"""The decode KV mirror (tpengine/kernels/kv_mirror.py): across decode steps of one batch the
+bfloat16 decode attention appends one token per sequence instead of gathering the context, and
+its outputs are bit-identical to a fresh gather's, through capacity growth, a batch change and a
+prefill that rewrote cached tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpengine.kernels import kv_mirror
+from tpengine.kernels import reference as ref
+
+BS, D = 16, 64
+
+
+def _setup(lens, extra, hkv, seed):
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-(n + extra) // BS) for n in lens]
+    perm = torch.randperm(sum(need), generator=g)
+    bt = torch.full((len(lens), max(need)), -1, dtype=torch.int64)
+    used = 0
+    for b, n in enumerate(need):
+        bt[b, :n] = perm[used:used + n]
+        used += n
+    kc = torch.randn(sum(need), BS, hkv, D, generator=g).bfloat16()
+    vc = torch.randn(sum(need), BS, hkv, D, generator=g).bfloat16()
+    return kc, vc, bt, g
+
+
+def _store(kc, vc, bt, lens, g):
+    """Write one new token per sequence at position ``lens[b]`` (as the engine's decode step does)."""
+    hkv = kc.shape[2]
+    slots = torch.tensor([int(bt[b, n // BS]) * BS + n % BS for b, n in enumerate(lens)])
+    k, v = (torch.randn(len(lens), hkv, D, generator=g).bfloat16() for _ in range(2))
+    ref.store_kvcache(k, v, kc, vc, slots)
+
+
+@pytest.mark.parametrize("lens,q_to_kv", [([20, 31, 33, 1, 47], [0, 0, 1, 1]), ([5, 40], [0, 1, 1])],
+                         ids=["bmm-path", "sdpa-path"])
+def test_mirror_matches_fresh_gather(lens, q_to_kv):
+    hkv, steps = max(q_to_kv) + 1, 40
+    kc, vc, bt, g = _setup(lens, steps, hkv, seed=3)
+    lens, rows = list(lens), list(range(len(lens)))
+    qkv = torch.tensor(q_to_kv)
+    kv_mirror.note_prefill()
+    before = dict(kv_mirror.STATS)
+    cap, expect_rebuilds = 0, 0  # the mirror's capacity as the module should grow it
+    for step in range(steps):
+        rebuild = step == 0
+        if step == 20 and len(rows) > 2:  # a sequence finished: the batch shrinks, rows shift
+            rows.pop(1)
+            rebuild = True
+        if step == 30:  # a prefill ran and rewrote a cached token of the first sequence
+            kc[int(bt[rows[0], 0]), 3] += 1.0
+            kv_mirror.note_prefill()
+            rebuild = True
+        _store(kc, vc, bt[rows], [lens[r] for r in rows], g)
+        for r in rows:
+            lens[r] += 1
+        if rebuild or max(lens[r] for r in rows) > cap:
+            cap = -(-max(lens[r] for r in rows) // kv_mirror.CHUNK) * kv_mirror.CHUNK
+            expect_rebuilds += 1
+        tables, ctx = bt[rows].clone(), torch.tensor([lens[r] for r in rows])  # fresh tensors per step
+        q = torch.randn(len(rows), len(q_to_kv), D, generator=g).bfloat16()
+        got = ref.decode_attention(q, kc, vc, tables, ctx, qkv, D**-0.5)
+        fresh = ref.decode_attention(q, kc.clone(), vc.clone(), tables, ctx, qkv, D**-0.5)  # new cache: a gather
+        assert torch.equal(got, fresh), f"step {step}"
+        if step in (0, 39):
+            want = ref.decode_attention(q.float(), kc.float(), vc.float(), tables, ctx, qkv, D**-0.5)
+            torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    made = {k: kv_mirror.STATS[k] - before[k] for k in before}
+    assert 3 <= expect_rebuilds <= 6  # the schedule above: start, growths, shrink, prefill
+    assert made == {"rebuilds": steps + expect_rebuilds, "appends": steps - expect_rebuilds}  # + 1 gather per fresh
