@@ -14,17 +14,18 @@ from tpengine.kernels import reference as ref
 BS, D = 16, 64
 
 
-def _setup(lens, extra, hkv, seed):
+def _setup(lens, extra, hkv, seed, spare=0):
+    """bf16 caches with room for ``extra`` more tokens per sequence (+ ``spare`` unused blocks)."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-(n + extra) // BS) for n in lens]
-    perm = torch.randperm(sum(need), generator=g)
+    perm = torch.randperm(sum(need) + spare, generator=g)
     bt = torch.full((len(lens), max(need)), -1, dtype=torch.int64)
     used = 0
     for b, n in enumerate(need):
         bt[b, :n] = perm[used:used + n]
         used += n
-    kc = torch.randn(sum(need), BS, hkv, D, generator=g).bfloat16()
-    vc = torch.randn(sum(need), BS, hkv, D, generator=g).bfloat16()
+    kc = torch.randn(sum(need) + spare, BS, hkv, D, generator=g).bfloat16()
+    vc = torch.randn(sum(need) + spare, BS, hkv, D, generator=g).bfloat16()
     return kc, vc, bt, g
 
 
@@ -40,7 +41,7 @@ def _store(kc, vc, bt, lens, g):
                          ids=["bmm-path", "sdpa-path"])
 def test_mirror_matches_fresh_gather(lens, q_to_kv):
     hkv, steps = max(q_to_kv) + 1, 40
-    kc, vc, bt, g = _setup(lens, steps, hkv, seed=3)
+    kc, vc, bt, g = _setup(lens, steps, hkv, seed=3, spare=16)  # mirrors fit: 5 x 96 <= 39 x 16 slots
     lens, rows = list(lens), list(range(len(lens)))
     qkv = torch.tensor(q_to_kv)
     kv_mirror.note_prefill()
@@ -72,3 +73,26 @@ def test_mirror_matches_fresh_gather(lens, q_to_kv):
     made = {k: kv_mirror.STATS[k] - before[k] for k in before}
     assert 3 <= expect_rebuilds <= 6  # the schedule above: start, growths, shrink, prefill
     assert made == {"rebuilds": steps + expect_rebuilds, "appends": steps - expect_rebuilds}  # + 1 gather per fresh
+
+
+@pytest.mark.parametrize("why", ["disabled", "too-big"])
+def test_mirror_not_used(why, monkeypatch):
+    """``EngineConfig(kv_mirror=False)`` (kv_mirror.ENABLED) or a batch whose mirrors would not fit
+    in the size of the KV cache: every step gathers, no mirror is built, results are unchanged."""
+    lens, q_to_kv = [20, 31, 33, 1, 47], [0, 0, 1, 1]
+    kc, vc, bt, g = _setup(lens, 8, 2, seed=5)
+    if why == "disabled":
+        monkeypatch.setattr(kv_mirror, "ENABLED", False)
+    else:  # 5 x capacity(56) = 5 x 64 tokens > the cache's 14 blocks x 16 slots
+        assert len(lens) * kv_mirror.capacity(max(lens) + 8) > kc.shape[0] * BS
+    kv_mirror.note_prefill()
+    before = dict(kv_mirror.STATS)
+    for _ in range(8):
+        _store(kc, vc, bt, lens, g)
+        lens = [n + 1 for n in lens]
+        q = torch.randn(len(lens), len(q_to_kv), D, generator=g).bfloat16()
+        args = (bt.clone(), torch.tensor(lens), torch.tensor(q_to_kv), D**-0.5)
+        got = ref.decode_attention(q, kc, vc, *args)
+        want = ref.decode_attention(q.float(), kc.float(), vc.float(), *args)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    assert kv_mirror.STATS == before

@@ -43,6 +43,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     attention_backend: str = "auto"  # auto: triton on CUDA, torch reference on CPU
     enforce_eager: bool = False  # GPU: disable CUDA graphs
+    # CPU, half precision: keep the running batch's KV contiguous across decode steps (faster decode;
+    # costs up to one more copy of the KV cache, never more: see tpengine/kernels/kv_mirror.py)
+    kv_mirror: bool = True
     dist_timeout_s: float = 60.0
     threads: int | None = None  # intra-op threads per rank; default cores // tp
     seed: int = 0
@@ -105,7 +108,7 @@ _FIELD_TYPES: dict[str, tuple] = {
     "max_model_len": (int, None), "block_size": (int,), "max_num_seqs": (int,), "max_num_batched_tokens": (int, None),
     "num_kv_blocks": (int, None), "threads": (int, None), "seed": (int,),
     "kv_cache_gb": (float, int), "gpu_memory_utilization": (float, int), "dist_timeout_s": (float, int),
-    "enforce_eager": (bool,),
+    "enforce_eager": (bool,), "kv_mirror": (bool,),
 }
 
 

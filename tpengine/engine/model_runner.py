@@ -15,7 +15,7 @@ from tpengine.distributed import TPInfo, all_reduce_min
 from tpengine.engine.context import Context, set_context
 from tpengine.engine.cuda_graphs import CUDAGraphRunner
 from tpengine.engine.step import StepKind, StepPlan
-from tpengine.kernels import get_backend
+from tpengine.kernels import get_backend, kv_mirror
 from tpengine.layers.comm import init_shm
 from tpengine.loader import load_model
 from tpengine.surgery import fuse_layers, pack_cpu_weights
@@ -68,6 +68,7 @@ class ModelRunner:
         if tp.device.type == "cpu":
             pack_cpu_weights(self.model)  # oneDNN matmuls (2x MKL's float32 sgemm on AMD)
         self.backend = get_backend(config.attention_backend, tp.device)
+        kv_mirror.ENABLED = config.kv_mirror
         self.attn_modules = [m for m in self.model.modules() if hasattr(m, "tp_q_to_kv")]
         self.graphs: CUDAGraphRunner | None = None
         if tp.device.type == "cuda" and config.num_kv_blocks is None:

@@ -12,8 +12,9 @@ previous per-step cost) whenever continuity is not proven: a prefill ran since t
 step, the batch differs (size, block-table rows, or a context length that did not grow by
 exactly one), or the mirror's capacity is exceeded. Capacity is the longest context rounded up
 to :data:`CHUNK` tokens, so the extra memory is at most the running sequences' KV plus ``CHUNK``
-tokens each; attention runs over the whole capacity with the tail masked. Entries are keyed
-weakly by the layer's cache tensor and vanish with it.
+tokens each, and a step uses mirrors only while all of them together fit in the size of the KV
+cache (:func:`usable`; else it gathers as before); attention runs over the whole capacity with
+the tail masked. Entries are keyed weakly by the layer's cache tensor and vanish with it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 CHUNK = 32  # mirror capacity granularity (tokens)
+ENABLED = True  # set from EngineConfig.kv_mirror by the model runner
 
 
 @dataclass
@@ -86,6 +88,19 @@ def _append_index(block_tables, context_lens, bs: int, hkv: int, cap: int) -> tu
     return _STEP.append_index[key]
 
 
+def capacity(max_ctx: int) -> int:
+    """Mirror capacity (tokens per sequence) for a step whose longest context is ``max_ctx``."""
+    return -(-max_ctx // CHUNK) * CHUNK
+
+
+def usable(num_seqs: int, max_ctx: int, k_cache: torch.Tensor) -> bool:
+    """Whether this step may use mirrors: :data:`ENABLED` and ``num_seqs * capacity(max_ctx)``
+    tokens fit in the layer's paged cache (``[num_blocks, block_size, ...]``), so all mirrors
+    together never take more memory than the KV cache itself (a batch of very uneven lengths
+    falls back to a per-step gather)."""
+    return ENABLED and num_seqs * capacity(max_ctx) <= k_cache.shape[0] * k_cache.shape[1]
+
+
 def decode_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, block_tables: torch.Tensor,
               context_lens: torch.Tensor, max_ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This layer's keys and values for the current decode step: the mirror's contiguous
@@ -105,7 +120,7 @@ def decode_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor,
     fresh = (m is None or not _STEP.continues or m.serial != _STEP.serial - 1 or m.k.shape[0] != nb
              or m.k.shape[2] < max_ctx)
     if fresh:
-        cap = -(-max_ctx // CHUNK) * CHUNK
+        cap = capacity(max_ctx)
         if m is None or m.k.shape[0] != nb or m.k.shape[2] != cap or m.k.dtype != k_cache.dtype:
             z = lambda: torch.zeros(nb, hkv, cap, d, dtype=k_cache.dtype, device=k_cache.device)  # noqa: E731
             m = _Mirror(z(), z(), 0)

@@ -292,12 +292,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     g, q_slots, out_slots = _groups(tuple(q_to_kv.tolist()), hkv, q.device)
     qg = (q if q_slots is None else q.index_select(1, q_slots)).reshape(nb, hkv, g, d)
     if half:
-        # the keys/values as [B, Hkv, capacity >= max_ctx, D]: kept across decode steps of the same
-        # batch (tpengine.kernels.kv_mirror appends one token per step instead of gathering them all)
         _per_step("mirror-step", (block_tables, context_lens), (), lambda: kv_mirror.begin_decode_step(
             block_tables, context_lens))
-        kg, vg = kv_mirror.decode_kv(k_cache, v_cache, m.index, block_tables, context_lens, m.max_ctx)
-        valid, bias = _per_step("mirror-mask", (context_lens,), (kg.shape[2],),
+        if kv_mirror.usable(nb, m.max_ctx, k_cache):
+            # [B, Hkv, capacity >= max_ctx, D], kept across the decode steps of one batch
+            # (tpengine.kernels.kv_mirror appends one token per step instead of gathering them all)
+            kg, vg = kv_mirror.decode_kv(k_cache, v_cache, m.index, block_tables, context_lens, m.max_ctx)
+        else:  # F.embedding: the same row gather as index_select, ~1.5x faster on CPU here
+            kg = F.embedding(m.index, k_cache.view(-1, d)).view(nb, hkv, m.max_ctx, d)
+            vg = F.embedding(m.index, v_cache.view(-1, d)).view(nb, hkv, m.max_ctx, d)
+        valid, bias = _per_step("key-mask", (context_lens,), (kg.shape[2],),
                                 lambda: _key_mask(context_lens, kg.shape[2]))
         if nb * hkv <= 8:  # a few sequences: SDPA's fixed cost is below the half-precision bmm's
             out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=valid, scale=scale)
@@ -362,7 +366,7 @@ def _decode_indices(block_tables: torch.Tensor, context_lens: torch.Tensor, bs: 
         return _DecodeIndices(0, 0, None, None, None)
     dev = block_tables.device
     valid = None
-    if min_ctx != max_ctx:
+    if min_ctx != max_ctx and not half:  # (the half path masks its own key length, see _key_mask)
         valid = torch.arange(max_ctx, device=dev)[None, :] < context_lens[:, None]  # [B, L]
         valid[:, 0] |= context_lens == 0  # batch padding: attend to one dummy key, zeroed after
         valid = valid[:, None, None, :]
