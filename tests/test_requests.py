@@ -184,6 +184,19 @@ def test_parse_requests_file(tmp_path):
         parse_requests(tmp_path / "missing.jsonl")
 
 
+def test_utf8_bom_at_start_of_file_accepted(tmp_path):
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt": "caf\xc3\xa9"}\n{"prompt": "y"}\n')
+    reqs, errs = parse_requests(p, DEFAULTS)
+    assert errs == [] and [(r.id, r.line, r.payload) for r in reqs] == [("a", 1, "café"), ("1", 2, "y")]
+    # the same lines as text (decoded as plain "utf-8", so the BOM is still there)
+    reqs, errs = parse_lines(p.read_text(encoding="utf-8").split("\n"), DEFAULTS)
+    assert errs == [] and [(r.id, r.line, r.payload) for r in reqs] == [("a", 1, "café"), ("1", 2, "y")]
+    # a BOM only starts a file; on a later line it is still not JSON
+    err = one_error({"prompt": "x"}, '\ufeff{"prompt": "y"}')
+    assert str(err) == "line 2: invalid JSON: Unexpected UTF-8 BOM (decode using utf-8-sig) at column 1"
+
+
 @pytest.fixture(scope="module")
 def smol():
     """The SmolLM2 tokenizer: the converted model folder if present, else from the GGUF."""

@@ -1,6 +1,7 @@
 """Parse and validate a JSONL request file before the model loads; tokenize requests.
 
-One JSON object per line (blank lines are skipped, line numbers stay physical, 1-based):
+One JSON object per line, UTF-8 with or without a leading BOM (blank lines are skipped, line
+numbers stay physical, 1-based):
 
 * simple: ``{"id"?, "prompt": str}`` | ``{"id"?, "messages": [{"role", "content"}, ...]}`` |
   ``{"id"?, "prompt_token_ids": [int, ...]}``, plus optional ``max_tokens``, ``temperature``,
@@ -96,6 +97,8 @@ def parse_lines(
         fmt, rid, obj = "simple", None, None
         try:
             text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+            if idx == 0:
+                text = text.removeprefix("\ufeff")  # a UTF-8 BOM ("utf-8-sig" files)
             if not text.strip():
                 continue
             obj = json.loads(text)
