@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import sys
 from collections.abc import Iterator
@@ -43,7 +44,10 @@ def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
     """Yield a fresh ``<out>.tmp`` folder to write into; on success rename it to ``out``.
 
     A run killed or failing half way leaves ``out`` untouched (the ``.tmp`` folder is removed on
-    error and replaced by the next run).
+    error and replaced by the next run). Before the rename, every file and folder inside gets the
+    usual mode for a new one (``0o666`` / ``0o777`` less the umask, as ``open()`` and ``mkdir``
+    give it): writers that go through a private temporary file (safetensors' ``save_file``)
+    leave 0600 behind.
 
     Raises:
         UserError: ``out`` already exists and ``force`` is false.
@@ -60,6 +64,7 @@ def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    set_default_modes(tmp)
     if out.exists():
         old = out.with_name(out.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -68,6 +73,27 @@ def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(out)
+
+
+def current_umask() -> int:
+    """This process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def set_default_modes(folder: Path) -> None:
+    """Give ``folder`` and everything below it the modes new files and folders get by default:
+    ``0o777 & ~umask`` for folders, ``0o666 & ~umask`` for files (symlinks are left alone)."""
+    mask = current_umask()
+    file_mode, dir_mode = 0o666 & ~mask, 0o777 & ~mask
+    os.chmod(folder, dir_mode)
+    for root, dirs, files in os.walk(folder):
+        for names, mode in ((dirs, dir_mode), (files, file_mode)):
+            for name in names:
+                p = os.path.join(root, name)
+                if not os.path.islink(p):
+                    os.chmod(p, mode)
 
 
 def side_files(model_dir: Path) -> list[Path]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from shard_tool.cli import app
+from shard_tool.common import atomic_dir
 from shard_tool.info import rank_bytes, weight_shapes
 from shard_tool.split import split_model
 from tpengine import plan as P
@@ -242,6 +245,30 @@ def test_info_valid_and_invalid_tp(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     assert [row[0] for row in table_rows(r.output)] == [str(i) for i in range(1, 10)]
     assert "valid TP sizes: 1..9" in r.output
+
+
+def modes(folder: Path) -> dict[str, int]:
+    return {p.name: stat.S_IMODE(p.stat().st_mode) for p in [folder, *folder.iterdir()]}
+
+
+def test_split_and_convert_output_get_default_modes(tmp_path: Path) -> None:
+    model_dir = make_tiny_model(tmp_path, "llama")
+    (model_dir / "config.json").chmod(0o600)  # a private source file is not copied as private
+    old = os.umask(0o022)
+    try:
+        r = cli("split", model_dir, "--tp", "2", "--out", tmp_path / "tp2")
+        assert r.exit_code == 0, r.output
+        got = modes(tmp_path / "tp2")
+        assert got == {"tp2": 0o755, **{name: 0o644 for name in got if name != "tp2"}}
+        assert {"rank-00-of-02.safetensors", "rank-01-of-02.safetensors", "manifest.json", "config.json"} <= set(got)
+        # convert writes through the same atomic_dir (save_pretrained -> safetensors' save_file: 0600)
+        os.umask(0o002)
+        with atomic_dir(tmp_path / "converted") as tmp:
+            save_file({"w": torch.zeros(2)}, tmp / "model.safetensors")
+            (tmp / "config.json").write_text("{}")
+        assert modes(tmp_path / "converted") == {"converted": 0o775, "model.safetensors": 0o664, "config.json": 0o664}
+    finally:
+        os.umask(old)
 
 
 def test_convert_errors(tmp_path: Path) -> None:
