@@ -1,5 +1,6 @@
 """The main job end to end through the CLI (``python -m tpengine.run`` / ``torchrun``):
-cases C09, C10, C12, C18, pre-load validation at tp=2, and ``--resume`` after a kill."""
+cases C09, C10, C12, C18, pre-load validation at tp=2, an empty request file, ``--resume``
+after a kill, and the ids of ``--skip-invalid`` error records (with ``--resume``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 from conftest import SMOLLM2_DIR, make_tiny_model
+
+from tpengine.engine.outputs import RequestOutput
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -99,6 +102,25 @@ def test_invalid_file_exits_every_rank_before_loading(tiny, tmp_path):
     assert p.returncode != 0 and time.monotonic() - t0 < 60
     assert p.stderr.count("line 2 (id '1'): field 'max_tokens': must be an integer >= 1, got 0") == 1
     assert not out.exists()
+
+
+def test_empty_prompts_file_exits_0_without_loading_at_tp2(tmp_path):
+    prompts = tmp_path / "empty.jsonl"
+    prompts.write_bytes(b"\xef\xbb\xbf\n\n   \n")  # a BOM and blank lines: no requests
+    no_weights = tmp_path / "no-weights"  # loading this model would fail
+    no_weights.mkdir()
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "old"}\n')
+    p = cli(["--prompts", prompts, "--out", out, "--model", no_weights], tp=2, timeout=60, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stderr.count(f"no requests in {prompts}: nothing to do") == 1  # rank 0 only
+    assert out.read_bytes() == b"" and p.stdout == ""
+    # --resume keeps what --out holds; without --out nothing is written to stdout
+    out.write_text('{"id": "old"}\n')
+    p = cli(["--prompts", prompts, "--out", out, "--model", no_weights, "--resume"], timeout=60)
+    assert out.read_text() == '{"id": "old"}\n'
+    p = cli(["--prompts", prompts, "--model", no_weights], timeout=60)
+    assert p.stdout == "" and p.stderr.strip().splitlines()[-1] == f"no requests in {prompts}: nothing to do"
 
 
 def test_c12b_generation_config_eos_list(tiny, tok, tmp_path):
@@ -208,3 +230,74 @@ def test_sampling_defaults_precedence(tmp_path):
     cfg.write_text("[sampling]\ntemprature = 0.0\n")
     with pytest.raises(UsageError, match=r"unknown \[sampling\] key\(s\) \['temprature'\]"):
         sampling_defaults(cfg)
+
+
+class FakeEngine:
+    """What ``drive`` uses of LLMEngine: a tokenizer (one id per character) and ``generate``
+    (answers each request with its first prompt id); ``crash_after``: raise after that many
+    outputs, as a killed run would stop."""
+
+    vocab_size = 1000
+
+    def __init__(self, crash_after=None):
+        self.crash_after = crash_after
+
+    def tokenizer(self, text):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def generate(self, batch, on_output, on_step):
+        for n, (rid, ids, _params) in enumerate(batch):
+            if n == self.crash_after:
+                raise RuntimeError("killed")
+            on_output(RequestOutput(rid, ids, token_ids=ids[:1], text=chr(ids[0]), finish_reason="length",
+                                    ttft_s=0.25, latency_s=0.5))
+
+
+def test_skip_invalid_error_records_never_share_an_id_and_resume(tmp_path):
+    from tpengine.frontend.requests import parse_requests
+    from tpengine.run import drive
+
+    prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}])
+    with open(prompts, "a") as fh:
+        fh.write('{"id": "a", "prompt": "z"}\n{not json\n{"id": "3", "prompt": "w"}\n')
+    requests, errors = parse_requests(prompts, {"temperature": 0.0})
+    assert [r.id for r in requests] == ["a", "b", "3"]
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(RuntimeError, match="killed"):  # killed before any request finished
+        drive(FakeEngine(crash_after=0), None, requests, errors, out, False, "m")
+    invalid = [
+        {"id": "a#line3", "error": {"message": "id: duplicate id 'a' (first on line 1)", "field": "id", "line": 3}},
+        {"id": "3#line4", "error": {"message": "invalid JSON: Expecting property name enclosed in double quotes "
+                                               "at column 2", "line": 4}},  # its default id "3" is line 5's
+    ]
+    assert [json.loads(x) for x in out.read_text().splitlines()] == invalid
+
+    def ok(rid, ch):
+        return {"id": rid, "text": ch, "token_ids": [ord(ch)], "finish_reason": "length",
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1}, "metrics": {"ttft_s": 0.25, "latency_s": 0.5}}
+
+    # --resume: the error record for line 3 does not count as request "a" done
+    drive(FakeEngine(), None, requests, errors, out, True, "m")
+    final = [*invalid, ok("a", "x"), ok("b", "y"), ok("3", "w")]
+    assert [json.loads(x) for x in out.read_text().splitlines()] == final
+    assert records(out).keys() == {"a#line3", "3#line4", "a", "b", "3"}
+    drive(FakeEngine(), None, requests, errors, out, True, "m")  # all done: nothing added
+    assert [json.loads(x) for x in out.read_text().splitlines()] == final
+
+
+def test_duplicate_custom_id_error_record():
+    from tpengine.frontend.requests import parse_lines
+    from tpengine.run import _error_records
+
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}
+    requests, errors = parse_lines([json.dumps(line), json.dumps(line), json.dumps({**line, "body": {}})])
+    assert [r.id for r in requests] == ["c"]
+    assert _error_records(errors, {"c"}) == [
+        (2, {"id": "batch_req_2", "custom_id": "c#line2", "response": None,
+             "error": {"code": "invalid_request", "message": "custom_id: duplicate id 'c' (first on line 1)",
+                       "param": "custom_id", "line": 2}}),
+        (3, {"id": "batch_req_3", "custom_id": "c#line3", "response": None,
+             "error": {"code": "invalid_request", "message": "body.prompt: is required; custom_id: duplicate id "
+                                                            "'c' (first on line 1)",
+                       "param": "body.prompt", "line": 3}}),
+    ]

@@ -6,8 +6,9 @@
 Every rank parses the arguments and validates the whole request file before the model loads,
 so on bad input all ranks exit with code 2 before any collective. Rank 0 tokenizes, writes one
 flushed record per finished request (``--out``, default rank 0's stdout), shows progress and a
-summary on stderr. Exit codes: 0 done (per-request errors are records, not failures), 2 bad
-input or settings, 1 a failure while running.
+summary on stderr. A file with no request lines (only blank ones) loads no model: rank 0 prints
+``no requests in PATH: nothing to do`` and leaves ``--out`` empty. Exit codes: 0 done
+(per-request errors are records, not failures), 2 bad input or settings, 1 a failure while running.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import sys
 import tomllib
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -80,15 +82,25 @@ def sampling_defaults(config_path: str | os.PathLike | None, **cli: Any) -> dict
     return values
 
 
-def _error_records(errors: list[RequestError]) -> list[tuple[int, dict]]:
-    """One (line, record) per invalid line; several problems on a line are joined."""
+def _error_records(errors: list[RequestError], taken: Iterable[str] = ()) -> list[tuple[int, dict]]:
+    """One (line, record) per invalid line; several problems on a line are joined.
+
+    ``taken``: the ids of the valid requests. An error record never shares its id with another
+    record: when the line's id is taken (a duplicate id, or the default line-number id of an
+    unparseable line that a valid request uses explicitly) or already used by an earlier error
+    record, the record's id (``custom_id`` for OpenAI Batch lines) is ``"<id>#line<N>"``.
+    """
     by_line: dict[int, list[RequestError]] = defaultdict(list)
     for e in errors:
         by_line[e.line].append(e)
     out = []
+    used = set(taken)
     for line, errs in sorted(by_line.items()):
         first = errs[0]
         rid = first.id if first.id is not None else str(line - 1)
+        if rid in used:
+            rid = f"{rid}#line{line}"
+        used.add(rid)
         msg = "; ".join((f"{e.field}: " if e.field else "") + e.message for e in errs)
         rec = (error_record(rid, msg, first.field, line) if first.format == "simple"
                else openai_error_record(rid, line, msg, first.field))
@@ -134,7 +146,7 @@ def drive(engine, cfg: EngineConfig, requests: list[ParsedRequest], errors: list
     """Rank 0: skip done ids, tokenize, run, write each record as it finishes; return the summary."""
     done, done_lines = read_done(out) if resume else (set(), set())
     todo = [r for r in requests if r.id not in done]
-    bad = [(n, rec) for n, rec in _error_records(errors) if n not in done_lines]
+    bad = [(n, rec) for n, rec in _error_records(errors, {r.id for r in requests}) if n not in done_lines]
     progress = ProgressReporter(total=len(todo) + len(bad))
     by_id = {r.id: r for r in todo}
     written: set[str] = set()
@@ -200,7 +212,9 @@ def main(
     model: Annotated[str | None, _opt("--model", "HF model folder (DIR-tpN shards used if present)")] = None,
     config: Annotated[Path | None, _opt("--config", "configs/NAME.toml")] = None,
     resume: Annotated[bool, _opt("--resume", "skip ids already in --out, append the rest")] = False,
-    skip_invalid: Annotated[bool, _opt("--skip-invalid", "invalid lines become error records")] = False,
+    skip_invalid: Annotated[bool, _opt(
+        "--skip-invalid", "invalid lines become error records (with id '<id>#line<N>' when the id is "
+        "already taken, e.g. a duplicate; --resume never counts them as done)")] = False,
     max_tokens: Annotated[int | None, _opt("--max-tokens", "default max_tokens per request (16)")] = None,
     temperature: Annotated[float | None, _opt("--temperature", "default temperature (1.0; 0 = greedy)")] = None,
     max_model_len: Annotated[int | None, _opt("--max-model-len")] = None,
@@ -222,6 +236,15 @@ def main(
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
+    if not requests and not errors:  # every rank decides this alike, before any collective
+        if rank == 0:
+            try:
+                OutputWriter(out, append=resume).close()  # an empty --out (kept as is with --resume)
+            except OSError as e:
+                print(f"error: cannot write --out {str(out)!r}: {e}", file=sys.stderr)
+                raise typer.Exit(2) from None
+            print(f"no requests in {prompts}: nothing to do", file=sys.stderr)
+        raise typer.Exit(0)
     try:
         run_engine(cfg, requests, errors, out, resume, model_name)
     except USER_ERRORS as e:

@@ -4,7 +4,9 @@ Record shapes:
 
 * simple: ``{"id", "text", "token_ids", "finish_reason", "usage": {"prompt_tokens",
   "completion_tokens"}, "metrics": {"ttft_s", "latency_s"}}``; error: ``{"id", "error":
-  {"message", "field"?, "line"?}}``.
+  {"message", "field"?, "line"?}}``. No two records share an id: the record of an invalid line
+  whose id is already taken (a duplicate id) has id ``"<id>#line<N>"`` (``custom_id`` in the
+  OpenAI shape), and ``--resume`` never counts an invalid-line record as a finished request.
 * OpenAI Batch API (lines that came as batch requests): ``{"id": "batch_req_<line>",
   "custom_id", "response": {"status_code": 200, "request_id", "body": <chat.completion or
   text_completion>}, "error": null}``; error: ``{"id", "custom_id", "response": null, "error":
