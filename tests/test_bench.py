@@ -36,7 +36,15 @@ def test_bench_smoke(tmp_path):
     assert runs[0]["output_tokens"] == 3 * 4 and runs[0]["prompt_tokens"] == 3 * 5
 
 
-def test_bench_rejects_unknown_hf_attn(tmp_path):
-    r = CliRunner().invoke(app, ["--model", str(tmp_path), "--hf-attn", "flash"])
-    assert r.exit_code == 2
-    assert "--hf-attn 'flash' is not one of auto, sdpa, eager" in r.output
+def test_bench_rejects_bad_options_before_starting_workers(tmp_path):
+    model = make_tiny_model(tmp_path, "llama", seed=0)  # 4 attention heads
+    cases = [(["--hf-attn", "flash"], "--hf-attn 'flash' is not one of auto, sdpa, eager"),
+             (["--dtype", "fp8"], "--dtype 'fp8' is not one of auto, float32, bfloat16, float16"),
+             (["--tp", "5"], "--tp 5: tp_size=5 is invalid for this model: it has num_attention_heads=4, "
+                             "so tp_size must be between 1 and 4"),
+             (["--tp", "0"], "--tp 0: tp_size=0 is invalid for this model"),
+             (["--model", str(tmp_path / "nothing")], "cannot read its config.json")]
+    for args, message in cases:
+        r = CliRunner().invoke(app, ["--model", str(model), *args], terminal_width=400)
+        assert r.exit_code == 2, (args, r.output)
+        assert message in " ".join(r.output.replace("│", " ").split()), (args, r.output)  # unwrap rich's box

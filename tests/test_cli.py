@@ -292,6 +292,8 @@ def test_duplicate_custom_id_error_record():
     line = {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}
     requests, errors = parse_lines([json.dumps(line), json.dumps(line), json.dumps({**line, "body": {}})])
     assert [r.id for r in requests] == ["c"]
+    rec = _error_records(errors, {"c", "c#line2", "c#line2#2"})[0][1]  # a request may carry "c#line2" itself
+    assert rec["custom_id"] == "c#line2#3"
     assert _error_records(errors, {"c"}) == [
         (2, {"id": "batch_req_2", "custom_id": "c#line2", "response": None,
              "error": {"code": "invalid_request", "message": "custom_id: duplicate id 'c' (first on line 1)",

@@ -98,6 +98,12 @@ def jobs_for(models, smollm2_prompts, tp: int) -> list[dict]:
             jobs.append({"key": "llama/seeded", "config": cfg(d), "requests": [sampled, *reqs[1:]]})
     reqs = [[f"s{i}", p, {**GREEDY, "max_tokens": 64}] for i, p in enumerate(smollm2_prompts)]
     jobs.append({"key": "smollm2", "config": cfg(SMOLLM2_DIR, max_model_len=512, kv_cache_gb=0.2), "requests": reqs})
+    if tp == 1:  # bfloat16: the decode KV mirror on and off, a batch shrinking 5 -> 1 (both attention branches)
+        prompts = tiny_prompts(1001, TINY_LENGTHS)
+        reqs = [[f"p{i}", p, {**GREEDY, "max_tokens": 20 + 6 * i, "ignore_eos": True}] for i, p in enumerate(prompts)]
+        for mirror in (True, False):
+            jobs.append({"key": f"llama/bf16-mirror-{mirror}", "requests": reqs,
+                         "config": cfg(models["llama"], dtype="bfloat16", kv_mirror=mirror)})
     if tp <= 2:  # the bfloat16 CPU path (matmul prefill attention, decode KV mirror)
         bf16 = [[f"s{i}", p, {**GREEDY, "max_tokens": 32}] for i, p in enumerate(smollm2_prompts)]
         jobs.append({"key": "smollm2/bf16", "requests": bf16,
@@ -135,6 +141,12 @@ def test_smollm2_greedy_equals_hf(smollm2_hf, engine_results, tp):
     mismatched = [i for i, want in enumerate(ref) if got[f"s{i}"]["token_ids"] != want]
     assert mismatched == []
     assert "Paris" in got["s0"]["text"]
+
+
+def test_kv_mirror_does_not_change_tokens(engine_results):
+    on, off = (by_id(engine_results[1][f"llama/bf16-mirror-{m}"]) for m in (True, False))
+    assert {k: v["token_ids"] for k, v in on.items()} == {k: v["token_ids"] for k, v in off.items()}
+    assert [len(on[f"p{i}"]["token_ids"]) for i in range(5)] == [20, 26, 32, 38, 44]
 
 
 @pytest.mark.parametrize("tp", (1, 2))

@@ -1,7 +1,7 @@
 """The decode KV mirror (tpengine/kernels/kv_mirror.py): across decode steps of one batch the
 bfloat16 decode attention appends one token per sequence instead of gathering the context, and
-its outputs are bit-identical to a fresh gather's, through capacity growth, a batch change and a
-prefill that rewrote cached tokens."""
+its outputs are bit-identical to a fresh gather's and to the mirror-off path's, through capacity
+growth, a batch change and a prefill that rewrote cached tokens, on both attention branches."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _store(kc, vc, bt, lens, g):
 
 @pytest.mark.parametrize("lens,q_to_kv", [([20, 31, 33, 1, 47], [0, 0, 1, 1]), ([5, 40], [0, 1, 1])],
                          ids=["bmm-path", "sdpa-path"])
-def test_mirror_matches_fresh_gather(lens, q_to_kv):
+def test_mirror_matches_fresh_gather(lens, q_to_kv, monkeypatch):
     hkv, steps = max(q_to_kv) + 1, 40
     kc, vc, bt, g = _setup(lens, steps, hkv, seed=3, spare=16)  # mirrors fit: 5 x 96 <= 39 x 16 slots
     lens, rows = list(lens), list(range(len(lens)))
@@ -67,6 +67,9 @@ def test_mirror_matches_fresh_gather(lens, q_to_kv):
         got = ref.decode_attention(q, kc, vc, tables, ctx, qkv, D**-0.5)
         fresh = ref.decode_attention(q, kc.clone(), vc.clone(), tables, ctx, qkv, D**-0.5)  # new cache: a gather
         assert torch.equal(got, fresh), f"step {step}"
+        monkeypatch.setattr(kv_mirror, "ENABLED", False)  # EngineConfig(kv_mirror=False): a gather per step
+        assert torch.equal(ref.decode_attention(q, kc, vc, tables, ctx, qkv, D**-0.5), got), f"step {step}"
+        monkeypatch.setattr(kv_mirror, "ENABLED", True)
         if step in (0, 39):
             want = ref.decode_attention(q.float(), kc.float(), vc.float(), tables, ctx, qkv, D**-0.5)
             torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)

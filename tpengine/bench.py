@@ -182,8 +182,27 @@ def main(
         raise typer.BadParameter(f"--hf-attn {hf_attn!r} is not one of auto, sdpa, eager")
     from transformers import AutoConfig
 
-    vocab = AutoConfig.from_pretrained(model).vocab_size
+    from tpengine.config import DTYPES
+    from tpengine.plan import ShardPlan
+
+    bad_dtypes = [d for d in dtypes if d not in DTYPES]
+    if bad_dtypes:
+        raise typer.BadParameter(f"--dtype {bad_dtypes[0]!r} is not one of {', '.join(DTYPES)}")
+    try:
+        hf_config = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise typer.BadParameter(f"--model {model!r}: cannot read its config.json ({e})") from None
+    for t in tps:  # the same check the engine and tpengine-shard make, before any worker starts
+        try:
+            ShardPlan.build(hf_config, t)
+        except ValueError as e:
+            raise typer.BadParameter(f"--tp {t}: {e}") from None
+    vocab = hf_config.vocab_size
     cores = threads or cpu_cores()
+    for t in tps:
+        if t > cores:
+            console.print(f"[yellow]warning:[/] --tp {t} runs {t} ranks on {cores} core(s): oversubscribed, "
+                          f"1 thread per rank; its figures are not representative")
     prompts = random_prompts(num_prompts, input_len, vocab, seed)
     lat_prompt = random_prompts(1, latency_input_len, vocab, seed + 1)[0]
     systems = (["hf"] if hf else []) + [f"tp{t}" for t in tps]

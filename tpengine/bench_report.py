@@ -47,11 +47,12 @@ def render_table(result: dict):
     from rich.table import Table
 
     c, m = result["config"], result["machine"]
+    has_hf = any("hf" in rows for rows in result["results"].values())
     table = Table(title=f"{c['model']}: {c['num_prompts']} x ({c['input_len']} in -> {c['output_len']} out) "
                         f"throughput; 1 x ({c['latency_input_len']} in -> {c['latency_output_len']} out) latency",
                   caption=f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}; "
-                          f"best of {c['rounds']} round(s), {result['total_s']} s in all; "
-                          f"HF attn_implementation in brackets")
+                          f"best of {c['rounds']} round(s), {result['total_s']} s in all"
+                          + ("; HF attn_implementation in brackets" if has_hf else ""))
     for col in ("dtype", "system", "threads/rank", "output tok/s", "vs HF", "TP eff.", "TTFT ms", "TPOT ms",
                 "TPOT vs HF"):
         table.add_column(col, justify="left" if col in ("dtype", "system") else "right")

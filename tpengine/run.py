@@ -88,7 +88,8 @@ def _error_records(errors: list[RequestError], taken: Iterable[str] = ()) -> lis
     ``taken``: the ids of the valid requests. An error record never shares its id with another
     record: when the line's id is taken (a duplicate id, or the default line-number id of an
     unparseable line that a valid request uses explicitly) or already used by an earlier error
-    record, the record's id (``custom_id`` for OpenAI Batch lines) is ``"<id>#line<N>"``.
+    record, the record's id (``custom_id`` for OpenAI Batch lines) is ``"<id>#line<N>"`` (or
+    ``"<id>#line<N>#2"``, ``#3``, ... if a request uses that id too).
     """
     by_line: dict[int, list[RequestError]] = defaultdict(list)
     for e in errors:
@@ -99,7 +100,11 @@ def _error_records(errors: list[RequestError], taken: Iterable[str] = ()) -> lis
         first = errs[0]
         rid = first.id if first.id is not None else str(line - 1)
         if rid in used:
-            rid = f"{rid}#line{line}"
+            base = rid = f"{rid}#line{line}"
+            k = 1
+            while rid in used:  # a request may carry that very id: "<id>#line<N>#2", ...
+                k += 1
+                rid = f"{base}#{k}"
         used.add(rid)
         msg = "; ".join((f"{e.field}: " if e.field else "") + e.message for e in errs)
         rec = (error_record(rid, msg, first.field, line) if first.format == "simple"

@@ -101,12 +101,27 @@ def usable(num_seqs: int, max_ctx: int, k_cache: torch.Tensor) -> bool:
     return ENABLED and num_seqs * capacity(max_ctx) <= k_cache.shape[0] * k_cache.shape[1]
 
 
+def gather(k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, num_seqs: int, max_ctx: int,
+           out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence's first ``max_ctx`` cached keys/values into ``[B, Hkv, capacity(max_ctx), D]``
+    tensors (``out`` if given, else new zero-filled ones; positions past ``max_ctx`` keep their
+    finite contents). The mirror and the per-step path both attend over these shapes, so turning
+    mirrors on or off never changes a result. ``index``: see :func:`decode_kv`."""
+    _, _, hkv, d = k_cache.shape
+    if out is None:
+        cap = capacity(max_ctx)
+        out = tuple(torch.zeros(num_seqs, hkv, cap, d, dtype=k_cache.dtype, device=k_cache.device) for _ in "kv")
+    for buf, cache in zip(out, (k_cache, v_cache)):  # F.embedding: index_select's row gather, faster on CPU
+        buf[:, :, :max_ctx] = F.embedding(index, cache.view(-1, d)).view(num_seqs, hkv, max_ctx, d)
+    return out
+
+
 def decode_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, block_tables: torch.Tensor,
               context_lens: torch.Tensor, max_ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This layer's keys and values for the current decode step: the mirror's contiguous
-    ``[B, Hkv, capacity, D]`` tensors, ``capacity >= max_ctx`` a multiple of :data:`CHUNK`, the
-    same for every layer of a step (positions at or past ``context_lens[b]`` hold stale finite
-    values: mask them; a contiguous tensor keeps the matmuls copy-free, a sliced view did not).
+    ``[B, Hkv, capacity(max_ctx), D]`` tensors, the same shapes :func:`gather` makes (positions at
+    or past ``context_lens[b]`` hold stale finite values: mask them; a contiguous tensor keeps the
+    matmuls copy-free, a sliced view did not).
 
     ``index`` is the ``[B * Hkv * max_ctx]`` row index into the ``[slots * Hkv, D]`` cache view
     (see :func:`tpengine.kernels.reference._decode_indices`), used when the mirror is rebuilt.
@@ -121,15 +136,14 @@ def decode_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor,
              or m.k.shape[2] < max_ctx)
     if fresh:
         cap = capacity(max_ctx)
-        if m is None or m.k.shape[0] != nb or m.k.shape[2] != cap or m.k.dtype != k_cache.dtype:
-            z = lambda: torch.zeros(nb, hkv, cap, d, dtype=k_cache.dtype, device=k_cache.device)  # noqa: E731
-            m = _Mirror(z(), z(), 0)
+        reuse = m is not None and m.k.shape[0] == nb and m.k.shape[2] == cap and m.k.dtype == k_cache.dtype
+        k, v = gather(k_cache, v_cache, index, nb, max_ctx, (m.k, m.v) if reuse else None)
+        if not reuse:
+            m = _Mirror(k, v, 0)
             if ref is None or ref() is not k_cache:
                 weakref.finalize(k_cache, _MIRRORS.pop, id(k_cache), None)
             _MIRRORS[id(k_cache)] = (weakref.ref(k_cache), m)
         STATS["rebuilds"] += 1
-        m.k[:, :, :max_ctx] = F.embedding(index, k_cache.view(-1, d)).view(nb, hkv, max_ctx, d)
-        m.v[:, :, :max_ctx] = F.embedding(index, v_cache.view(-1, d)).view(nb, hkv, max_ctx, d)
     else:  # append each sequence's newest token (already stored in the paged cache)
         STATS["appends"] += 1
         slots, rows = _append_index(block_tables, context_lens, bs, hkv, m.k.shape[2])
