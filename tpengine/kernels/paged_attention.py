@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpengine.kernels.reference import check_cache, check_heads, check_store, prefill_lengths
+from tpengine.kernels.checks import check_cache, check_heads, check_store, prefill_lengths
 
 __all__ = ["store_kvcache", "prefill_attention", "decode_attention"]
 

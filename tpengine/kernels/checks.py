@@ -1,0 +1,73 @@
+"""Argument checks shared by the paged-attention backends (:mod:`tpengine.kernels.reference`,
+:mod:`tpengine.kernels.paged_attention`): cache layout ``[num_blocks, block_size, Hkv, D]``,
+token-major ``[N, H, D]`` activations, cumulative sequence offsets. Each raises ValueError naming
+the mismatch."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_cache", "check_store", "check_heads", "prefill_lengths"]
+
+
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """Validate a layer's cache pair; returns ``(num_blocks, block_size, Hkv, D)``.
+
+    Raises ValueError if either is not 4-D or their shapes differ.
+    """
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache/v_cache must both be [num_blocks, block_size, Hkv, D]; got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    return tuple(k_cache.shape)  # type: ignore[return-value]
+
+
+def check_store(key, value, k_cache, v_cache, slot_mapping) -> tuple[int, int, int, int]:
+    """Validate ``store_kvcache`` arguments; returns the cache shape. Raises ValueError."""
+    _, _, hkv, d = shape = check_cache(k_cache, v_cache)
+    if key.shape != value.shape or key.dim() != 3 or tuple(key.shape[1:]) != (hkv, d):
+        raise ValueError(f"key/value must be [N, {hkv}, {d}]; got {tuple(key.shape)}, {tuple(value.shape)}")
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping must be [{key.shape[0]}]; got {tuple(slot_mapping.shape)}")
+    return shape
+
+
+def check_heads(q: torch.Tensor, q_to_kv: torch.Tensor, hkv: int, d: int) -> None:
+    """Validate ``q [*, Hq, D]`` against ``q_to_kv [Hq]`` and the cache's ``Hkv``/``D``.
+
+    Raises ValueError naming the mismatch. Does not read ``q_to_kv``'s values (no device sync).
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, Hq, D]; got shape {tuple(q.shape)}")
+    if q.shape[2] != d:
+        raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {d}")
+    if q_to_kv.dim() != 1 or q_to_kv.shape[0] != q.shape[1]:
+        raise ValueError(f"q_to_kv must be [Hq={q.shape[1]}]; got shape {tuple(q_to_kv.shape)}")
+    if hkv < 1:
+        raise ValueError("the cache holds no KV heads")
+
+
+def prefill_lengths(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, n_tokens: int):
+    """Host copies of the per-sequence lengths: ``(cu_q list, cu_k list, lq list, lk list)``.
+
+    One device->host transfer. Raises ValueError if the offsets are malformed, if
+    ``cu_seqlens_q[-1] != n_tokens`` or if some sequence has ``Lk < Lq``.
+    """
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() < 1:
+        raise ValueError(
+            f"cu_seqlens_q/k must both be [B+1]; got {tuple(cu_seqlens_q.shape)} and "
+            f"{tuple(cu_seqlens_k.shape)}"
+        )
+    cu_q, cu_k = torch.stack([cu_seqlens_q, cu_seqlens_k.to(cu_seqlens_q.dtype)]).tolist()
+    lq = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
+    lk = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
+    if cu_q[0] != 0 or cu_k[0] != 0 or cu_q[-1] != n_tokens:
+        raise ValueError(
+            f"cu_seqlens_q must run 0..{n_tokens} and cu_seqlens_k start at 0; got {cu_q}, {cu_k}"
+        )
+    bad = [b for b in range(len(lq)) if lq[b] < 0 or lk[b] < lq[b]]
+    if bad:
+        b = bad[0]
+        raise ValueError(f"sequence {b}: need 0 <= Lq <= Lk, got Lq={lq[b]}, Lk={lk[b]}")
+    return cu_q, cu_k, lq, lk
