@@ -275,14 +275,13 @@ class _DecodeIndices:
     """What every layer of one decode step shares: the min/max context length, the gather index
     (float32: the first ``ceil(max_ctx / bs)`` block ids of each row, for whole-block copies;
     half types: the ``[B, Hkv, max_ctx]`` rows of the ``[slots * Hkv, D]`` cache view, for a
-    contiguous copy) and the key mask ``valid`` and its negation (None when every sequence has
-    ``max_ctx`` tokens)."""
+    contiguous copy) and, for float32, the key mask ``valid`` (None when every sequence has
+    ``max_ctx`` tokens; the half path masks its own padded key length, see :func:`_key_mask`)."""
 
     min_ctx: int
     max_ctx: int
     index: torch.Tensor | None
     valid: torch.Tensor | None
-    invalid: torch.Tensor | None
 
 
 def _decode_indices(block_tables: torch.Tensor, context_lens: torch.Tensor, bs: int, hkv: int,
@@ -295,17 +294,13 @@ def _decode_indices(block_tables: torch.Tensor, context_lens: torch.Tensor, bs: 
             f"context length {max_ctx} exceeds block table capacity {block_tables.shape[1]}x{bs}"
         )
     if max_ctx == 0:
-        return _DecodeIndices(0, 0, None, None, None)
+        return _DecodeIndices(0, 0, None, None)
     dev = block_tables.device
-    valid = None
-    if min_ctx != max_ctx and not half:  # (the half path masks its own key length, see _key_mask)
-        valid = torch.arange(max_ctx, device=dev)[None, :] < context_lens[:, None]  # [B, L]
-        valid[:, 0] |= context_lens == 0  # batch padding: attend to one dummy key, zeroed after
-        valid = valid[:, None, None, :]
+    valid = _key_mask(context_lens, max_ctx)[0] if min_ctx != max_ctx and not half else None
     if half:
         pos = torch.arange(max_ctx, device=dev)
         slots = block_tables[:, pos // bs].clamp_min(0) * bs + pos % bs  # [B, L]; -1 padding masked
         index = (slots[:, None, :] * hkv + torch.arange(hkv, device=dev)[None, :, None]).flatten()
     else:
         index = block_tables[:, : -(-max_ctx // bs)].clamp_min(0).flatten()  # -1 padding: block 0, masked
-    return _DecodeIndices(min_ctx, max_ctx, index, valid, None if valid is None else ~valid)
+    return _DecodeIndices(min_ctx, max_ctx, index, valid)
