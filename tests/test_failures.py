@@ -106,3 +106,19 @@ def test_c19_config_layer_mismatch(setup, tmp_path):
     r, _ = run_job(2, bad, prompts, tmp_path / "out.jsonl", cfg)
     assert r.returncode != 0
     assert "was made for num_hidden_layers=2 but the model config has num_hidden_layers=3" in r.stderr
+
+
+def test_shutdown_releases_the_process_group(setup, tmp_path):
+    """After shutdown no rank keeps the default group (and gloo's worker threads) alive, even
+    though loading the model imported torch.distributed.nn, whose functions bind the default
+    group as an argument default. A live group reached interpreter finalization and aborted a
+    rank about once in ten runs ("terminate called without an active exception")."""
+    from launch import torchrun
+
+    _, model, _, _, _ = setup
+    torchrun("shutdown_check.py", 2, [str(model), str(tmp_path / "r")])
+    for rank in range(2):
+        got = json.loads((tmp_path / f"r-{rank}.json").read_text())
+        assert got["gathered"] == [0, 1]
+        assert got["group_alive"] is False
+        assert got["threads_after"] == got["threads_before"]

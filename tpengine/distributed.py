@@ -63,6 +63,13 @@ def init_distributed(timeout_s: float = 60.0, device: str = "auto") -> TPInfo:
     if size > 1:
         if "MASTER_ADDR" not in os.environ:
             raise RuntimeError(f"WORLD_SIZE={size} but MASTER_ADDR is unset; launch with torchrun")
+        # torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when it
+        # is first imported (transformers imports it while loading a model). Imported after
+        # init_process_group, it would keep the default group alive past destroy_process_group;
+        # gloo's worker threads would then outlive it and abort the process ("terminate called
+        # without an active exception") when the interpreter finalizes. Import it first.
+        import torch.distributed.nn.functional  # noqa: F401
+
         timeout = timedelta(seconds=timeout_s)
         backend = "nccl" if dev.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, rank=rank, world_size=size, timeout=timeout)
