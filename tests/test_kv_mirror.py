@@ -46,7 +46,7 @@ def test_mirror_matches_fresh_gather(lens, q_to_kv, monkeypatch):
     qkv = torch.tensor(q_to_kv)
     kv_mirror.note_prefill()
     before = dict(kv_mirror.STATS)
-    cap, expect_rebuilds = 0, 0  # the mirror's capacity as the module should grow it
+    cap, expect_rebuilds, expect_growths = 0, 0, 0  # the mirror's capacity as the module should grow it
     for step in range(steps):
         rebuild = step == 0
         if step == 20 and len(rows) > 2:  # a sequence finished: the batch shrinks, rows shift
@@ -61,7 +61,8 @@ def test_mirror_matches_fresh_gather(lens, q_to_kv, monkeypatch):
             lens[r] += 1
         if rebuild or max(lens[r] for r in rows) > cap:
             cap = -(-max(lens[r] for r in rows) // kv_mirror.CHUNK) * kv_mirror.CHUNK
-            expect_rebuilds += 1
+            expect_rebuilds += rebuild  # a gather from the paged cache
+            expect_growths += not rebuild  # a copy of the old mirror into a larger one
         tables, ctx = bt[rows].clone(), torch.tensor([lens[r] for r in rows])  # fresh tensors per step
         q = torch.randn(len(rows), len(q_to_kv), D, generator=g).bfloat16()
         got = ref.decode_attention(q, kc, vc, tables, ctx, qkv, D**-0.5)
@@ -74,8 +75,9 @@ def test_mirror_matches_fresh_gather(lens, q_to_kv, monkeypatch):
             want = ref.decode_attention(q.float(), kc.float(), vc.float(), tables, ctx, qkv, D**-0.5)
             torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
     made = {k: kv_mirror.STATS[k] - before[k] for k in before}
-    assert 3 <= expect_rebuilds <= 6  # the schedule above: start, growths, shrink, prefill
-    assert made == {"rebuilds": steps + expect_rebuilds, "appends": steps - expect_rebuilds}  # + 1 gather per fresh
+    assert expect_rebuilds >= 2 and expect_growths >= 1  # the schedule: start, (shrink,) prefill; a growth
+    # + 1 rebuild per `fresh` call (a new cache); a growth then appends
+    assert made == {"rebuilds": steps + expect_rebuilds, "growths": expect_growths, "appends": steps - expect_rebuilds}
 
 
 @pytest.mark.parametrize("why", ["disabled", "too-big"])

@@ -92,3 +92,31 @@ def test_padded_vocab_columns_never_sampled_c01():
     assert max(draws) < real
     assert max(s.sample(x, [mk(2, temperature=0)] * 2, vocab_size=real)) < real
     assert x[0, real] == 50.0  # caller's logits untouched
+
+
+def test_row_max_equals_torch_max_with_ties_infinities_and_nan():
+    """The LM head's greedy pick (tpengine.layers.embedding.row_max) is ``max(dim=-1)`` exactly:
+    same values, and the first index among equal maxima, also across blocks."""
+    from tpengine.layers.embedding import ROW_MAX_BLOCK, row_max
+
+    g = torch.Generator().manual_seed(5)
+    v = 96 * ROW_MAX_BLOCK  # SmolLM2's 49152 columns: the blocked path
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(9, v, generator=g).to(dtype)
+        x[1, [7, 4000, 40000]] = 50.0  # ties in different blocks: the first one wins
+        x[2, [ROW_MAX_BLOCK + 3, ROW_MAX_BLOCK + 9]] = 50.0  # ties in one block
+        x[3] = 0.0  # all equal: index 0
+        x[4, :] = float("-inf")
+        x[4, v - 1] = -1.0  # the maximum in the last column
+        x[5, 300] = float("inf")
+        x[6, [100, 20000]] = float("nan")  # NaN counts as the maximum, as in torch.max
+        x[7] = torch.randn(v, generator=g).to(dtype).round()  # many ties at small integers
+        want_v, want_i = x.max(dim=-1)
+        got_v, got_i = row_max(x)
+        assert torch.equal(got_i, want_i), (dtype, got_i, want_i)
+        assert torch.equal(got_v.isnan(), want_v.isnan())
+        assert torch.equal(got_v.nan_to_num(), want_v.nan_to_num())
+        assert got_i[1] == 7 and got_i[2] == ROW_MAX_BLOCK + 3 and got_i[3] == 0 and got_i[4] == v - 1
+        assert got_i[6] == 100
+        assert torch.equal(row_max(x[:, : v - 1])[1], x[:, : v - 1].max(dim=-1).indices)  # fallback paths
+        assert torch.equal(row_max(x[:, :1000])[1], x[:, :1000].max(dim=-1).indices)
