@@ -303,3 +303,21 @@ def test_duplicate_custom_id_error_record():
                                                             "'c' (first on line 1)",
                        "param": "body.prompt", "line": 3}}),
     ]
+
+
+def test_skip_invalid_with_every_line_invalid_writes_errors_without_loading_at_tp2(tmp_path):
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text('{"id": "a", "prompt": ""}\n{not json\n{"id": "a", "prompt": "x", "max_tokens": 0}\n')
+    no_weights = tmp_path / "no-weights"  # loading this model would fail
+    no_weights.mkdir()
+    out = tmp_path / "out.jsonl"
+    p = cli(["--prompts", prompts, "--out", out, "--model", no_weights, "--skip-invalid"], tp=2, timeout=60,
+            check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stderr.count(f"no valid requests in {prompts}: writing 3 error record(s), no model loaded") == 1
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in got] == ["a", "1", "a#line3"]  # a bad JSON line: its default id
+    assert [r["error"]["line"] for r in got] == [1, 2, 3] and all("text" not in r for r in got)
+    # --resume appends nothing new: those lines are still invalid and their records are there
+    p = cli(["--prompts", prompts, "--out", out, "--model", no_weights, "--skip-invalid", "--resume"], timeout=60)
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["a", "1", "a#line3"]

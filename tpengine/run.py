@@ -7,7 +7,8 @@ Every rank parses the arguments and validates the whole request file before the 
 so on bad input all ranks exit with code 2 before any collective. Rank 0 tokenizes, writes one
 flushed record per finished request (``--out``, default rank 0's stdout), shows progress and a
 summary on stderr. A file with no request lines (only blank ones) loads no model: rank 0 prints
-``no requests in PATH: nothing to do`` and leaves ``--out`` empty. Exit codes: 0 done
+``no requests in PATH: nothing to do`` and leaves ``--out`` empty; with ``--skip-invalid`` and
+every line invalid, rank 0 writes only the error records, also without a model. Exit codes: 0 done
 (per-request errors are records, not failures), 2 bad input or settings, 1 a failure while running.
 """
 
@@ -148,7 +149,8 @@ def prepare(prompts: Path, out: Path | None, config: Path | None, resume: bool, 
 
 def drive(engine, cfg: EngineConfig, requests: list[ParsedRequest], errors: list[RequestError],
           out: Path | None, resume: bool, model_name: str) -> dict[str, Any]:
-    """Rank 0: skip done ids, tokenize, run, write each record as it finishes; return the summary."""
+    """Rank 0: skip done ids, tokenize, run, write each record as it finishes; return the summary.
+    ``engine`` is None when there is no valid request: only the error records are written."""
     done, done_lines = read_done(out) if resume else (set(), set())
     todo = [r for r in requests if r.id not in done]
     bad = [(n, rec) for n, rec in _error_records(errors, {r.id for r in requests}) if n not in done_lines]
@@ -167,18 +169,19 @@ def drive(engine, cfg: EngineConfig, requests: list[ParsedRequest], errors: list
             writer.write(make_record(by_id.get(o.request_id), o, model_name))
             progress.on_output(o)
 
-        tok = engine.tokenizer
-        vocab = engine.vocab_size  # the model's (maybe > len(tokenizer))
-        batch = []
-        for r in todo:
-            try:
-                batch.append((r.id, to_token_ids(r, tok, vocab), r.params))
-            except RequestValidationError as e:
-                on_output(RequestOutput(r.id, [], error=str(e), error_field=e.field))
         try:
-            results = engine.generate(batch, on_output=on_output, on_step=progress.on_step)
-            for o in results or []:  # in case an output was not reported through on_output
-                on_output(o)
+            if engine is not None:
+                tok = engine.tokenizer
+                vocab = engine.vocab_size  # the model's (maybe > len(tokenizer))
+                batch = []
+                for r in todo:
+                    try:
+                        batch.append((r.id, to_token_ids(r, tok, vocab), r.params))
+                    except RequestValidationError as e:
+                        on_output(RequestOutput(r.id, [], error=str(e), error_field=e.field))
+                results = engine.generate(batch, on_output=on_output, on_step=progress.on_step)
+                for o in results or []:  # in case an output was not reported through on_output
+                    on_output(o)
         finally:
             progress.close()
     return progress.print_summary()
@@ -241,14 +244,20 @@ def main(
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
-    if not requests and not errors:  # every rank decides this alike, before any collective
+    if not requests:  # nothing for the model: every rank decides this alike, before any collective
         if rank == 0:
             try:
-                OutputWriter(out, append=resume).close()  # an empty --out (kept as is with --resume)
+                if errors:  # --skip-invalid and every line invalid: just the error records
+                    lines = len({e.line for e in errors})
+                    print(f"no valid requests in {prompts}: writing {lines} error record(s), no model loaded",
+                          file=sys.stderr)
+                    drive(None, cfg, requests, errors, out, resume, model_name)
+                else:
+                    OutputWriter(out, append=resume).close()  # an empty --out (kept as is with --resume)
+                    print(f"no requests in {prompts}: nothing to do", file=sys.stderr)
             except OSError as e:
                 print(f"error: cannot write --out {str(out)!r}: {e}", file=sys.stderr)
                 raise typer.Exit(2) from None
-            print(f"no requests in {prompts}: nothing to do", file=sys.stderr)
         raise typer.Exit(0)
     try:
         run_engine(cfg, requests, errors, out, resume, model_name)
