@@ -104,6 +104,8 @@ def jobs_for(models, smollm2_prompts, tp: int) -> list[dict]:
         for mirror in (True, False):
             jobs.append({"key": f"llama/bf16-mirror-{mirror}", "requests": reqs,
                          "config": cfg(models["llama"], dtype="bfloat16", kv_mirror=mirror)})
+        jobs.append({"key": "llama/bf16-bmm", "requests": reqs,  # decode attention by torch.bmm, not the C kernel
+                     "config": cfg(models["llama"], dtype="bfloat16", cpu_decode_kernel=False)})
     if tp <= 2:  # the bfloat16 CPU path (matmul prefill attention, decode KV mirror)
         bf16 = [[f"s{i}", p, {**GREEDY, "max_tokens": 32}] for i, p in enumerate(smollm2_prompts)]
         jobs.append({"key": "smollm2/bf16", "requests": bf16,
@@ -147,6 +149,18 @@ def test_kv_mirror_does_not_change_tokens(engine_results):
     on, off = (by_id(engine_results[1][f"llama/bf16-mirror-{m}"]) for m in (True, False))
     assert {k: v["token_ids"] for k, v in on.items()} == {k: v["token_ids"] for k, v in off.items()}
     assert [len(on[f"p{i}"]["token_ids"]) for i in range(5)] == [20, 26, 32, 38, 44]
+
+
+def test_cpu_decode_kernel_does_not_change_tokens(engine_results):
+    """bfloat16 decode attention through the C kernel (tpengine/kernels/cpu_decode.py) and through
+    torch.bmm: the same greedy tokens for 5 sequences of a tiny Llama, a batch shrinking 5 -> 1."""
+    from tpengine.kernels import cpu_decode
+
+    if cpu_decode.load() is None:
+        pytest.skip(f"C kernel unavailable here: {cpu_decode.unavailable_reason()}")
+    kernel, bmm = (by_id(engine_results[1][k]) for k in ("llama/bf16-mirror-True", "llama/bf16-bmm"))
+    assert {k: v["token_ids"] for k, v in kernel.items()} == {k: v["token_ids"] for k, v in bmm.items()}
+    assert [len(kernel[f"p{i}"]["token_ids"]) for i in range(5)] == [20, 26, 32, 38, 44]
 
 
 @pytest.mark.parametrize("tp", (1, 2))

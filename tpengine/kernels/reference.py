@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tpengine.kernels import kv_mirror
+from tpengine.kernels import cpu_decode, kv_mirror
 from tpengine.kernels.checks import check_cache, check_heads, check_store, prefill_lengths
 
 __all__ = ["store_kvcache", "prefill_attention", "decode_attention"]
@@ -233,9 +233,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             kg, vg = kv_mirror.decode_kv(k_cache, v_cache, m.index, block_tables, context_lens, m.max_ctx)
         else:  # the same shapes, gathered for this step only
             kg, vg = kv_mirror.gather(k_cache, v_cache, m.index, nb, m.max_ctx)
-        valid, bias = _per_step("key-mask", (context_lens,), (kg.shape[2],),
-                                lambda: _key_mask(context_lens, kg.shape[2]))
-        if nb * hkv <= 8:  # a few sequences: SDPA's fixed cost is below the half-precision bmm's
+        valid, bias = (None, None) if cpu_decode.available(q, g, d) else _per_step(
+            "key-mask", (context_lens,), (kg.shape[2],), lambda: _key_mask(context_lens, kg.shape[2]))
+        if valid is None:  # the bmm branch's arithmetic in a C kernel (tpengine.kernels.cpu_decode)
+            out = cpu_decode.decode_attention(qg, kg, vg, context_lens, scale)
+        elif nb * hkv <= 8:  # a few sequences: SDPA's fixed cost is below the half-precision bmm's
             out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=valid, scale=scale)
         else:  # as HF's eager attention computes it: half-precision matmuls, float32 softmax
             s = torch.bmm(qg.reshape(nb * hkv, g, d), kg.view(nb * hkv, -1, d).transpose(1, 2))

@@ -1,0 +1,211 @@
+/* Decode attention over contiguous bfloat16 K/V on CPU: the two matmuls of one query token per
+ * sequence, as tpengine.kernels.reference computes them with torch.bmm (scores rounded to
+ * bfloat16, then scaled in float32; p @ V accumulated in float32, rounded to bfloat16), but
+ * without oneDNN's per-matrix overhead: torch.bmm on [B*Hkv] matrices of 3 x 64 @ 64 x ~200
+ * reads K at ~20 GB/s where a plain read streams at ~45 GB/s. Built and loaded at run time by
+ * tpengine/kernels/cpu_decode.py (cc -O3 -march=native -fopenmp); OpenMP threads come from the
+ * libgomp torch has already loaded.
+ *
+ * Layout: q [N, G, D], k and v [N, cap, D] (N = B * Hkv rows; row n belongs to sequence n / hkv),
+ * scores and p [N, G, cap], out [N, G, D]; lens [B] int64 (keys visible to each sequence; a
+ * length-0 padding row sees key 0, as the torch path does). bfloat16 is passed as uint16.
+ * The AVX512-BF16 path (dpbf16 dot products, 16 keys summed at a time) needs D % 32 == 0 for the
+ * scores and D % 16 == 0 for p @ V; G <= 8, D <= 256 always (checked by the caller). */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf2f(uint16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
+
+static inline uint16_t f2bf(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline int visible(int64_t len) { return len > 0 ? (int)len : 1; }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define TPE_FAST 1
+
+/* r[i] = sum of the 16 lanes of a[i], i = 0..15: a transpose-and-add tree (45 instructions). */
+static inline __m512 hsum16(const __m512 *a) {
+    __m512 s[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)
+        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d x = _mm512_castps_pd(s[2 * i]), y = _mm512_castps_pd(s[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+/* bfloat16(x) back as float32, 16 lanes, round to nearest even (NaN stays NaN). */
+static inline __m512 round_bf16(__m512 x) {
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), hi);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_and_si512(u, hi), _mm512_set1_epi32(0x00400000)));
+    return _mm512_castsi512_ps(r);
+}
+
+static inline __attribute__((always_inline)) void scores_impl(const uint16_t *qn, const uint16_t *kn, float *sn,
+                                                              int L, const int g, int64_t cap, const int d,
+                                                              float scale) {
+    const int nc = d / 32;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    __m512bh qv[8][8];
+    for (int j = 0; j < g; j++)
+        for (int c = 0; c < nc; c++) qv[j][c] = (__m512bh)_mm512_loadu_si512(qn + j * d + 32 * c);
+    int t0 = 0;
+    for (; t0 + 16 <= cap && t0 < L; t0 += 16) { /* 16 keys; the ones past L are overwritten by -inf */
+        __m512 acc[8][16];
+        for (int t = 0; t < 16; t++) {
+            const uint16_t *kt = kn + (t0 + t) * d;
+            __m512bh kv[8];
+            for (int c = 0; c < nc; c++) kv[c] = (__m512bh)_mm512_loadu_si512(kt + 32 * c);
+            for (int j = 0; j < g; j++) {
+                __m512 a = _mm512_setzero_ps();
+                for (int c = 0; c < nc; c++) a = _mm512_dpbf16_ps(a, qv[j][c], kv[c]);
+                acc[j][t] = a;
+            }
+        }
+        for (int j = 0; j < g; j++)
+            _mm512_storeu_ps(sn + j * cap + t0, _mm512_mul_ps(round_bf16(hsum16(acc[j])), vscale));
+    }
+    for (int t = t0; t < L; t++) { /* a capacity that is not a multiple of 16 */
+        const uint16_t *kt = kn + t * d;
+        for (int j = 0; j < g; j++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int c = 0; c < nc; c++)
+                a = _mm512_dpbf16_ps(a, qv[j][c], (__m512bh)_mm512_loadu_si512(kt + 32 * c));
+            sn[j * cap + t] = bf2f(f2bf(_mm512_reduce_add_ps(a))) * scale;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void pv_impl(const uint16_t *pn, const uint16_t *vn, uint16_t *on,
+                                                          int L, const int g, int64_t cap, const int d) {
+    const int nc = d / 16;
+    __m512 acc[8][16];
+    for (int j = 0; j < g; j++)
+        for (int c = 0; c < nc; c++) acc[j][c] = _mm512_setzero_ps();
+    for (int t = 0; t < L; t++) {
+        const uint16_t *vt = vn + t * d;
+        __m512 vf[16];
+        for (int c = 0; c < nc; c++)
+            vf[c] = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vt + 16 * c))), 16));
+        for (int j = 0; j < g; j++) {
+            const __m512 pj = _mm512_set1_ps(bf2f(pn[j * cap + t]));
+            for (int c = 0; c < nc; c++) acc[j][c] = _mm512_fmadd_ps(pj, vf[c], acc[j][c]);
+        }
+    }
+    float tmp[16];
+    for (int j = 0; j < g; j++)
+        for (int c = 0; c < nc; c++) {
+            _mm512_storeu_ps(tmp, acc[j][c]);
+            for (int i = 0; i < 16; i++) on[j * d + 16 * c + i] = f2bf(tmp[i]);
+        }
+}
+
+/* Specialised copies for the common (G, D), so the accumulators stay in registers. */
+#define TPE_CASES(X) X(1, 64) X(2, 64) X(3, 64) X(4, 64) X(5, 64) X(6, 64) X(7, 64) X(8, 64) \
+    X(1, 128) X(2, 128) X(3, 128) X(4, 128) X(5, 128) X(6, 128) X(7, 128) X(8, 128)
+#define TPE_S(G, D)                                                                                     \
+    static void scores_##G##_##D(const uint16_t *qn, const uint16_t *kn, float *sn, int L, int64_t cap, \
+                                 float scale) { scores_impl(qn, kn, sn, L, G, cap, D, scale); }
+#define TPE_P(G, D)                                                                                     \
+    static void pv_##G##_##D(const uint16_t *pn, const uint16_t *vn, uint16_t *on, int L, int64_t cap) { \
+        pv_impl(pn, vn, on, L, G, cap, D);                                                              \
+    }
+TPE_CASES(TPE_S)
+TPE_CASES(TPE_P)
+
+static void scores_row_fast(const uint16_t *qn, const uint16_t *kn, float *sn, int L, int g, int64_t cap, int d,
+                            float scale) {
+#define TPE_SC(G, D) \
+    if (g == G && d == D) return scores_##G##_##D(qn, kn, sn, L, cap, scale);
+    TPE_CASES(TPE_SC)
+    scores_impl(qn, kn, sn, L, g, cap, d, scale);
+}
+
+static void pv_row_fast(const uint16_t *pn, const uint16_t *vn, uint16_t *on, int L, int g, int64_t cap, int d) {
+#define TPE_PC(G, D) \
+    if (g == G && d == D) return pv_##G##_##D(pn, vn, on, L, cap);
+    TPE_CASES(TPE_PC)
+    pv_impl(pn, vn, on, L, g, cap, d);
+}
+#endif
+
+/* 1 when the AVX512-BF16 path was compiled in (the only one faster than torch.bmm). */
+int tpe_fast(void) {
+#ifdef TPE_FAST
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* scores[n, j, t] = float(bf16(q[n, j] . k[n, t])) * scale for t < visible(lens[n / hkv]), -inf after. */
+void tpe_decode_scores(const uint16_t *q, const uint16_t *k, const int64_t *lens, float *scores, int64_t n_rows,
+                       int64_t hkv, int g, int64_t cap, int d, float scale, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t n = 0; n < n_rows; n++) {
+        const int L = visible(lens[n / hkv]);
+        const uint16_t *qn = q + n * g * d, *kn = k + n * cap * d;
+        float *sn = scores + n * g * cap;
+#ifdef TPE_FAST
+        if (d % 32 == 0) {
+            scores_row_fast(qn, kn, sn, L, g, cap, d, scale);
+        } else
+#endif
+        {
+            float qf[8 * 256], kf[256];
+            for (int i = 0; i < g * d; i++) qf[i] = bf2f(qn[i]);
+            for (int t = 0; t < L; t++) {
+                for (int i = 0; i < d; i++) kf[i] = bf2f(kn[t * d + i]);
+                for (int j = 0; j < g; j++) {
+                    float acc = 0.f;
+                    for (int i = 0; i < d; i++) acc += qf[j * d + i] * kf[i];
+                    sn[j * cap + t] = bf2f(f2bf(acc)) * scale;
+                }
+            }
+        }
+        for (int j = 0; j < g; j++)
+            for (int64_t t = L; t < cap; t++) sn[j * cap + t] = -INFINITY;
+    }
+}
+
+/* out[n, j] = bf16(sum over t < visible(lens[n / hkv]) of p[n, j, t] * v[n, t]), float32 accumulation. */
+void tpe_decode_pv(const uint16_t *p, const uint16_t *v, const int64_t *lens, uint16_t *out, int64_t n_rows,
+                   int64_t hkv, int g, int64_t cap, int d, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t n = 0; n < n_rows; n++) {
+        const int L = visible(lens[n / hkv]);
+        const uint16_t *pn = p + n * g * cap, *vn = v + n * cap * d;
+        uint16_t *on = out + n * g * d;
+#ifdef TPE_FAST
+        if (d % 16 == 0) {
+            pv_row_fast(pn, vn, on, L, g, cap, d);
+            continue;
+        }
+#endif
+        float acc[8 * 256];
+        for (int i = 0; i < g * d; i++) acc[i] = 0.f;
+        for (int t = 0; t < L; t++)
+            for (int j = 0; j < g; j++) {
+                const float pj = bf2f(pn[j * cap + t]);
+                for (int i = 0; i < d; i++) acc[j * d + i] += pj * bf2f(vn[t * d + i]);
+            }
+        for (int i = 0; i < g * d; i++) on[i] = f2bf(acc[i]);
+    }
+}
