@@ -5,7 +5,7 @@ rows, masked tails holding NaN/inf, and its errors."""
 import pytest
 import torch
 
-from tpengine.kernels import cpu_decode
+from tpengine.kernels import cpu_decode, cpu_native
 from tpengine.kernels import reference as ref
 
 BF16 = torch.bfloat16
@@ -13,8 +13,8 @@ BF16 = torch.bfloat16
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
-    if cpu_decode.load() is None:
-        pytest.skip(f"C kernel unavailable here: {cpu_decode.unavailable_reason()}")
+    if cpu_native.load() is None:
+        pytest.skip(f"C kernels unavailable here: {cpu_native.unavailable_reason()}")
 
 
 def bmm_path(q, k, v, lens, scale):
@@ -99,7 +99,7 @@ def test_reference_decode_uses_the_kernel_and_matches_bmm(monkeypatch):
                         lambda *a, f=cpu_decode.decode_attention: calls.append(1) or f(*a))
     on = ref.decode_attention(q, kc, vc, tables, ctx, q_to_kv, d**-0.5)
     assert len(calls) == 1
-    monkeypatch.setattr(cpu_decode, "ENABLED", False)
+    monkeypatch.setattr(cpu_native, "ENABLED", False)
     off = ref.decode_attention(q, kc, vc, tables, ctx, q_to_kv, d**-0.5)
     assert len(calls) == 1
     torch.testing.assert_close(on.float(), off.float(), rtol=2**-7, atol=2**-9)

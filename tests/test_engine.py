@@ -104,8 +104,8 @@ def jobs_for(models, smollm2_prompts, tp: int) -> list[dict]:
         for mirror in (True, False):
             jobs.append({"key": f"llama/bf16-mirror-{mirror}", "requests": reqs,
                          "config": cfg(models["llama"], dtype="bfloat16", kv_mirror=mirror)})
-        jobs.append({"key": "llama/bf16-bmm", "requests": reqs,  # decode attention by torch.bmm, not the C kernel
-                     "config": cfg(models["llama"], dtype="bfloat16", cpu_decode_kernel=False)})
+        jobs.append({"key": "llama/bf16-torch", "requests": reqs,  # torch ops only, none of the C kernels
+                     "config": cfg(models["llama"], dtype="bfloat16", cpu_kernels=False)})
     if tp <= 2:  # the bfloat16 CPU path (matmul prefill attention, decode KV mirror)
         bf16 = [[f"s{i}", p, {**GREEDY, "max_tokens": 32}] for i, p in enumerate(smollm2_prompts)]
         jobs.append({"key": "smollm2/bf16", "requests": bf16,
@@ -151,14 +151,15 @@ def test_kv_mirror_does_not_change_tokens(engine_results):
     assert [len(on[f"p{i}"]["token_ids"]) for i in range(5)] == [20, 26, 32, 38, 44]
 
 
-def test_cpu_decode_kernel_does_not_change_tokens(engine_results):
-    """bfloat16 decode attention through the C kernel (tpengine/kernels/cpu_decode.py) and through
-    torch.bmm: the same greedy tokens for 5 sequences of a tiny Llama, a batch shrinking 5 -> 1."""
-    from tpengine.kernels import cpu_decode
+def test_cpu_kernels_do_not_change_tokens(engine_results):
+    """bfloat16 on CPU with the C kernels (tpengine/kernels/cpu_native.py: decode attention, add +
+    RMSNorm, RoPE, SiLU*up) and with torch ops only: the same greedy tokens for 5 sequences of a
+    tiny Llama, a batch shrinking 5 -> 1."""
+    from tpengine.kernels import cpu_native
 
-    if cpu_decode.load() is None:
-        pytest.skip(f"C kernel unavailable here: {cpu_decode.unavailable_reason()}")
-    kernel, bmm = (by_id(engine_results[1][k]) for k in ("llama/bf16-mirror-True", "llama/bf16-bmm"))
+    if cpu_native.load() is None:
+        pytest.skip(f"C kernels unavailable here: {cpu_native.unavailable_reason()}")
+    kernel, bmm = (by_id(engine_results[1][k]) for k in ("llama/bf16-mirror-True", "llama/bf16-torch"))
     assert {k: v["token_ids"] for k, v in kernel.items()} == {k: v["token_ids"] for k, v in bmm.items()}
     assert [len(kernel[f"p{i}"]["token_ids"]) for i in range(5)] == [20, 26, 32, 38, 44]
 

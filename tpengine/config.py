@@ -46,9 +46,10 @@ class EngineConfig:
     # CPU, half precision: keep the running batch's KV contiguous across decode steps (faster decode;
     # costs up to one more copy of the KV cache, never more: see tpengine/kernels/kv_mirror.py)
     kv_mirror: bool = True
-    # CPU, bfloat16: decode attention through a C kernel built at run time (tpengine/kernels/cpu_decode.py;
-    # falls back to torch.bmm when no C compiler or no AVX512-BF16); false: always torch.bmm
-    cpu_decode_kernel: bool = True
+    # CPU, bfloat16: decode attention, residual add + RMSNorm, RoPE and SiLU*up through C kernels built at
+    # run time (tpengine/kernels/cpu_native.py; torch ops when there is no C compiler or no AVX512-BF16);
+    # false: always torch ops
+    cpu_kernels: bool = True
     dist_timeout_s: float = 60.0
     threads: int | None = None  # intra-op threads per rank; default cores // tp
     seed: int = 0
@@ -111,7 +112,7 @@ _FIELD_TYPES: dict[str, tuple] = {
     "max_model_len": (int, None), "block_size": (int,), "max_num_seqs": (int,), "max_num_batched_tokens": (int, None),
     "num_kv_blocks": (int, None), "threads": (int, None), "seed": (int,),
     "kv_cache_gb": (float, int), "gpu_memory_utilization": (float, int), "dist_timeout_s": (float, int),
-    "enforce_eager": (bool,), "kv_mirror": (bool,), "cpu_decode_kernel": (bool,),
+    "enforce_eager": (bool,), "kv_mirror": (bool,), "cpu_kernels": (bool,),
 }
 
 

@@ -15,7 +15,7 @@ from tpengine.distributed import TPInfo, all_reduce_min
 from tpengine.engine.context import Context, set_context
 from tpengine.engine.cuda_graphs import CUDAGraphRunner
 from tpengine.engine.step import StepKind, StepPlan
-from tpengine.kernels import cpu_decode, get_backend, kv_mirror
+from tpengine.kernels import cpu_native, get_backend, kv_mirror
 from tpengine.layers.comm import init_shm
 from tpengine.loader import load_model
 from tpengine.surgery import fuse_layers, pack_cpu_weights
@@ -69,9 +69,9 @@ class ModelRunner:
             pack_cpu_weights(self.model)  # oneDNN matmuls (2x MKL's float32 sgemm on AMD)
         self.backend = get_backend(config.attention_backend, tp.device)
         kv_mirror.ENABLED = config.kv_mirror
-        cpu_decode.ENABLED = config.cpu_decode_kernel
-        if tp.device.type == "cpu" and self.dtype == torch.bfloat16 and config.cpu_decode_kernel:
-            cpu_decode.load()  # build it now (~1 s, once per machine), not inside the first decode step
+        cpu_native.ENABLED = config.cpu_kernels
+        if tp.device.type == "cpu" and self.dtype == torch.bfloat16 and config.cpu_kernels:
+            cpu_native.load()  # build the C kernels now (~2 s, once per machine), not inside the first step
         self.attn_modules = [m for m in self.model.modules() if hasattr(m, "tp_q_to_kv")]
         self.graphs: CUDAGraphRunner | None = None
         if tp.device.type == "cuda" and config.num_kv_blocks is None:

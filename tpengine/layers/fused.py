@@ -23,6 +23,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from tpengine.engine.context import get_context
+from tpengine.kernels import cpu_fused
 from tpengine.layers.attention import paged_attention, tpengine_attention
 from tpengine.layers.linear import MergedColumnParallelLinear
 
@@ -57,8 +58,9 @@ class FusedAttention(nn.Module):
         qk, v = qkv[..., : hq + hkv, :], qkv[..., hq + hkv :, :]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[..., :hq, :]), self.k_norm(qk[..., hq:, :])), dim=-2)
-        cos, sin = (t.unsqueeze(-2) for t in position_embeddings)  # [B, T, 1, D]: every head
-        qk = qk * cos + rotate_half(qk) * sin
+        if cpu_fused.rope_(qk, *position_embeddings) is None:  # CPU bfloat16: one C kernel, in place
+            cos, sin = (t.unsqueeze(-2) for t in position_embeddings)  # [B, T, 1, D]: every head
+            qk = qk * cos + rotate_half(qk) * sin
         q, k = qk[..., :hq, :], qk[..., hq:, :]
         ctx = get_context()
         if ctx is not None:
@@ -77,9 +79,12 @@ class FusedMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear([mlp.gate_proj, mlp.up_proj])
         self.down_proj, self.act_fn = mlp.down_proj, mlp.act_fn
         self.intermediate = mlp.gate_proj.out_features
+        self.silu = isinstance(mlp.act_fn, nn.SiLU) or type(mlp.act_fn).__name__ == "SiLUActivation"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.silu and (h := cpu_fused.silu_mul(gate_up, self.intermediate)) is not None:  # CPU bfloat16
+            return self.down_proj(h)
         h = self.act_fn(gate_up[..., : self.intermediate])
         return self.down_proj(h.mul_(gate_up[..., self.intermediate :]))
 
@@ -94,9 +99,18 @@ class RMSNorm(nn.Module):
         self.shape = tuple(norm.weight.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, self.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
+        return self.add_forward(x, None)[1]
+
+    def add_forward(self, h: torch.Tensor, x: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h + x, self(h + x))`` (``h`` itself when ``x`` is None): the residual add before the
+        norm, fused with it by a C kernel on CPU in bfloat16 (tpengine.kernels.cpu_fused)."""
+        if (fused := cpu_fused.add_rms_norm(h, x, self.weight, self.eps)) is not None:
+            return fused
+        if x is not None:
+            h = h + x
+        if h.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return h, F.rms_norm(h, self.shape, self.weight, self.eps)
+        return h, self.weight * F.rms_norm(h.float(), self.shape, None, self.eps).to(h.dtype)
 
 
 def lean_decoder_forward(self, input_ids=None, position_ids=None, inputs_embeds=None, **kwargs):
@@ -104,12 +118,25 @@ def lean_decoder_forward(self, input_ids=None, position_ids=None, inputs_embeds=
     twins) whose layers are all fused: HF's computation (embedding, RoPE tables, then per layer
     ``h = h + attn(norm1(h))`` and ``h = h + mlp(norm2(h))``, final norm) without HF's causal-mask
     building, cache and kwargs plumbing and per-layer wrappers, which tpengine's attention does
-    not use. Returns ``BaseModelOutputWithPast(last_hidden_state=...)``."""
+    not use; each residual add runs inside the next norm's :meth:`RMSNorm.add_forward` (the same
+    ops in the same order, or one C kernel on CPU in bfloat16). Returns
+    ``BaseModelOutputWithPast(last_hidden_state=...)``."""
     h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
     if position_ids is None:
         position_ids = torch.arange(h.shape[1], device=h.device)[None]
     position_embeddings = self.rotary_emb(h, position_ids)
+    delta = None  # each block's output, added to the residual stream by the next norm (fused on CPU bf16)
     for layer in self.layers[: self.config.num_hidden_layers]:
-        h = h + layer.self_attn(layer.input_layernorm(h), position_embeddings)[0]
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return BaseModelOutputWithPast(last_hidden_state=self.norm(h))
+        h, x = _add_norm(layer.input_layernorm, h, delta)
+        delta = layer.self_attn(x, position_embeddings)[0]
+        h, x = _add_norm(layer.post_attention_layernorm, h, delta)
+        delta = layer.mlp(x)
+    return BaseModelOutputWithPast(last_hidden_state=_add_norm(self.norm, h, delta)[1])
+
+
+def _add_norm(norm: nn.Module, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h + delta, norm(h + delta))``; fused for tpengine's :class:`RMSNorm`."""
+    if isinstance(norm, RMSNorm):
+        return norm.add_forward(h, delta)
+    h = h if delta is None else h + delta
+    return h, norm(h)

@@ -1,0 +1,73 @@
+"""The fused bfloat16 CPU kernels (tpengine/kernels/cpu_fused.py) against the torch op chains they
+replace: residual add + RMSNorm and RoPE bit for bit, SiLU * up up to the last bit of exp; the
+cases they decline (float32, shapes they do not cover) return None."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tpengine.kernels import cpu_fused, cpu_native
+from tpengine.layers.fused import rotate_half
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    if cpu_native.load() is None:
+        pytest.skip(f"C kernels unavailable here: {cpu_native.unavailable_reason()}")
+
+
+def rand(*shape, scale=1.0, seed=0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(BF16)
+
+
+@pytest.mark.parametrize("rows", (1, 64, 300))  # 300 x 576: over the kernel's OpenMP threshold
+def test_add_rms_norm_equals_torch(rows):
+    h, x, w = rand(rows, 576, scale=3.0), rand(rows, 576, seed=1), rand(576, seed=2).abs() + 0.5
+    h_before = h.clone()
+    h2, y = cpu_fused.add_rms_norm(h, x, w, 1e-5)
+    want_h = h + x
+    want_y = w * F.rms_norm(want_h.float(), (576,), None, 1e-5).to(BF16)
+    assert torch.equal(h2, want_h) and torch.equal(y, want_y)
+    assert torch.equal(h, h_before)  # inputs are not written
+    h3, y3 = cpu_fused.add_rms_norm(h, None, w, 1e-5)
+    assert h3 is h and torch.equal(y3, w * F.rms_norm(h.float(), (576,), None, 1e-5).to(BF16))
+
+
+def test_rope_in_place_equals_hf_formula():
+    """On the q/k part of a fused q/k/v row (a strided view), leaving v untouched."""
+    qkv, cos, sin = rand(1, 50, 15, 64), rand(1, 50, 64, seed=1), rand(1, 50, 64, seed=2)
+    qk = qkv[..., :12, :]
+    want = qk * cos.unsqueeze(-2) + rotate_half(qk) * sin.unsqueeze(-2)
+    v = qkv[..., 12:, :].clone()
+    assert cpu_fused.rope_(qk, cos, sin) is qk
+    assert torch.equal(qk, want) and torch.equal(qkv[..., 12:, :], v)
+
+
+def test_silu_mul_equals_torch():
+    gu = rand(200, 2 * 1536, scale=4.0)
+    gu[0, :8] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), -100.0, 100.0, -87.0])
+    out = cpu_fused.silu_mul(gu, 1536)
+    want = F.silu(gu[:, :1536]).mul_(gu[:, 1536:])
+    assert out.shape == (200, 1536)
+    same = (out == want) | (out.isnan() & want.isnan())
+    assert same[0, :8].all()  # zeros, infinities, NaN, saturated exp
+    # exp may differ from SLEEF's in its last float32 bit, which the bfloat16 rounding hides here
+    assert same.all()
+
+
+def test_declined_cases_return_none():
+    h, w = rand(4, 576), rand(576)
+    assert cpu_fused.add_rms_norm(h.float(), None, w.float(), 1e-5) is None  # float32: torch's path
+    assert cpu_fused.add_rms_norm(rand(4, 40), None, rand(40), 1e-5) is None  # 40 % 16
+    assert cpu_fused.rope_(rand(1, 3, 2, 48), rand(1, 3, 48), rand(1, 3, 48)) is None  # 48 % 32
+    assert cpu_fused.rope_(rand(2, 3, 2, 64), rand(2, 3, 64), rand(2, 3, 64)) is None  # batch of 2
+    assert cpu_fused.silu_mul(rand(3, 2 * 24), 24) is None  # 24 % 16
+    assert cpu_fused.silu_mul(rand(3, 64), 16) is None  # not 2 x 16 wide
+
+
+def test_disabled_means_torch(monkeypatch):
+    monkeypatch.setattr(cpu_native, "ENABLED", False)
+    assert cpu_fused.add_rms_norm(rand(4, 576), None, rand(576), 1e-5) is None
+    assert cpu_fused.silu_mul(rand(3, 64), 32) is None

@@ -1,0 +1,120 @@
+/* Fused bfloat16 element-wise kernels for the CPU decoder layer: residual add + RMSNorm, RoPE,
+ * SiLU(gate) * up. Each replaces a chain of torch ops that, in bfloat16 on CPU, costs one dispatch
+ * (~5-10 us) and one pass over memory per op; each keeps the chain's roundings, op by op:
+ *
+ *   add_rms_norm: h' = bf16(h + x); y = bf16(w * bf16(h' * rsqrt(mean(h'^2) + eps)))   (fp32 inside)
+ *   rope:         out = bf16(bf16(q * cos) + bf16(rotate_half(q) * sin))               (HF's formula)
+ *   silu_mul:     out = bf16(bf16(g / (1 + exp(-g))) * u)                              (torch's SiLU)
+ *
+ * so they equal the torch ops up to the order of the float32 sum of squares and the last bit of
+ * exp (torch uses SLEEF's; this a Cephes-style polynomial) before the bfloat16 rounding. Loaded
+ * with cpu_decode.c by tpengine/kernels/cpu_native.py; the callers (tpengine/kernels/cpu_fused.py)
+ * check shapes: row length % 16 == 0, head size % 32 == 0. Without AVX512-BF16 the library is
+ * reported unavailable and these are never called (they are stubs then). */
+#include <math.h>
+#include <stdint.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 ld(const uint16_t *p) { /* 16 bfloat16 -> float32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __m512i rne(__m512 x) { /* float32 -> bfloat16 bits (low half of each lane), to nearest even */
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+}
+
+static inline void st(uint16_t *p, __m512 x) { _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(rne(x))); }
+
+static inline __m512 rb(__m512 x) { return _mm512_castsi512_ps(_mm512_slli_epi32(rne(x), 16)); } /* round */
+
+/* exp(x), float32: x = n ln2 + r, |r| <= ln2 / 2, e^r by the Cephes expf polynomial, times 2^n
+ * (scalef: overflow to inf, underflow to 0). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(104.f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* h, x, h_out, y: [rows, n]; w: [n]; x may be NULL (no residual add; h_out unused). */
+void tpe_add_rms_norm(const uint16_t *h, const uint16_t *x, const uint16_t *w, uint16_t *h_out, uint16_t *y,
+                      int64_t rows, int64_t n, float eps, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * n >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *src = h + r * n;
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+            __m512 v = ld(src + i);
+            if (x) {
+                v = rb(_mm512_add_ps(v, ld(x + r * n + i)));
+                st(h_out + r * n + i, v);
+            }
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        if (x) src = h_out + r * n;
+        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)n + eps));
+        for (int64_t i = 0; i < n; i += 16)
+            st(y + r * n + i, _mm512_mul_ps(ld(w + i), rb(_mm512_mul_ps(ld(src + i), inv))));
+    }
+}
+
+/* In place on qk rows t = 0..T-1 at qk + t * row_stride, heads h = 0..H-1 of d values each;
+ * cos, sin: [T, d]. */
+void tpe_rope(uint16_t *qk, int64_t row_stride, int64_t heads, int64_t d, const uint16_t *cos_t,
+              const uint16_t *sin_t, int64_t T, int nthreads) {
+    const int64_t half = d / 2;
+    const __m512 neg = _mm512_set1_ps(-0.f);
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * heads * d >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *c = cos_t + t * d, *s = sin_t + t * d;
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *q = qk + t * row_stride + h * d;
+            for (int64_t i = 0; i < half; i += 16) {
+                __m512 x1 = ld(q + i), x2 = ld(q + half + i);
+                __m512 lo = rb(_mm512_add_ps(rb(_mm512_mul_ps(x1, ld(c + i))),
+                                             rb(_mm512_mul_ps(_mm512_xor_ps(x2, neg), ld(s + i)))));
+                __m512 hi = rb(_mm512_add_ps(rb(_mm512_mul_ps(x2, ld(c + half + i))),
+                                             rb(_mm512_mul_ps(x1, ld(s + half + i)))));
+                st(q + i, lo);
+                st(q + half + i, hi);
+            }
+        }
+    }
+}
+
+/* gate_up: [T, 2 * inter] (gate then up); out: [T, inter]. */
+void tpe_silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t inter, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * inter >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *g = gate_up + t * 2 * inter, *u = g + inter;
+        for (int64_t i = 0; i < inter; i += 16) {
+            __m512 x = ld(g + i);
+            __m512 silu = rb(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_xor_ps(
+                                                                                     x, _mm512_set1_ps(-0.f))))));
+            st(out + t * inter + i, _mm512_mul_ps(silu, ld(u + i)));
+        }
+    }
+}
+
+#else /* never called: tpe_fast() == 0 marks the library unavailable */
+void tpe_add_rms_norm(const uint16_t *h, const uint16_t *x, const uint16_t *w, uint16_t *h_out, uint16_t *y,
+                      int64_t rows, int64_t n, float eps, int nthreads) {}
+void tpe_rope(uint16_t *qk, int64_t row_stride, int64_t heads, int64_t d, const uint16_t *cos_t,
+              const uint16_t *sin_t, int64_t T, int nthreads) {}
+void tpe_silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t inter, int nthreads) {}
+#endif

@@ -1,0 +1,112 @@
+"""Build and load tpengine's CPU C kernels (``cpu_decode.c``, ``cpu_fused.c``) at run time.
+
+The kernels are bfloat16 AVX512-BF16 code for the CPU path (decode attention in
+:mod:`tpengine.kernels.cpu_decode`; residual add + RMSNorm, RoPE and SiLU * up in
+:mod:`tpengine.kernels.cpu_fused`). They are built with ``cc -O3 -march=native -fopenmp -shared``
+(``$CC`` if set) into ``$TPENGINE_CACHE_DIR`` (default ``~/.cache/tpengine``), one library per
+source, compiler and CPU, written atomically so concurrent ranks may build at once (~1 s, once per
+machine). OpenMP threads come from the libgomp torch has already loaded; each call passes
+``torch.get_num_threads()``. When there is no compiler, the build fails, or the CPU lacks
+AVX512-BF16, :func:`load` returns None (with one line on stderr) and every caller keeps its torch
+ops: the kernels only ever make the CPU bfloat16 path faster, never required.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ENABLED = True  # set from EngineConfig.cpu_kernels by the model runner
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_decode.c", "cpu_fused.c"))
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None  # why the library is unavailable, once a load was tried
+
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES = {  # C function -> argument types (all return void but tpe_fast)
+    "tpe_decode_scores": [_P, _P, _P, _P, _I64, _I64, _I32, _I64, _I32, _F32, _I32],
+    "tpe_decode_pv": [_P, _P, _P, _P, _I64, _I64, _I32, _I64, _I32, _I32],
+    "tpe_add_rms_norm": [_P, _P, _P, _P, _P, _I64, _I64, _F32, _I32],
+    "tpe_rope": [_P, _I64, _I64, _I64, _P, _P, _I64, _I32],
+    "tpe_silu_mul": [_P, _P, _I64, _I64, _I32],
+}
+
+
+def _cpu_id() -> str:
+    """The CPU's model and feature flags (part of the cache key: the build uses -march=native)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return "\n".join(sorted({line for line in info if line.startswith(("model name", "flags"))}))
+
+
+def _build() -> Path:
+    """Compile the sources unless a build for them, this compiler and this CPU exists; return the
+    library's path. Raises RuntimeError (no compiler, or the compiler's message on failure)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler (cc, gcc or $CC) on PATH")
+    parts = [p.read_bytes() for p in SOURCES] + [cc.encode(), " ".join(FLAGS).encode(), platform.machine().encode(),
+                                                 _cpu_id().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    root = Path(os.environ.get("TPENGINE_CACHE_DIR") or Path.home() / ".cache" / "tpengine")
+    for folder in (root, Path(tempfile.gettempdir()) / f"tpengine-{os.getuid()}"):
+        lib = folder / f"cpu_kernels-{key}.so"
+        if lib.exists():
+            return lib
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        tmp = folder / f".cpu_kernels-{key}-{os.getpid()}.so"
+        res = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True,
+                             timeout=300)
+        if res.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-500:]}")
+        os.replace(tmp, lib)  # atomic: a concurrent rank sees the whole file or none
+        return lib
+    raise RuntimeError(f"no writable cache folder ({root} or the temp folder)")
+
+
+def load() -> ctypes.CDLL | None:
+    """The loaded kernel library, building it on first use; None when unavailable (see
+    :func:`unavailable_reason`). Never raises. Call it before the first step, so the build is not
+    timed as part of one."""
+    global _lib, _reason
+    if _lib is None and _reason is None:
+        try:
+            lib = ctypes.CDLL(str(_build()))
+            lib.tpe_fast.restype = _I32
+            for name, args in SIGNATURES.items():
+                getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
+            if not lib.tpe_fast():
+                raise RuntimeError("the CPU or compiler lacks AVX512-BF16")
+            _lib = lib
+        except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as e:
+            _reason = str(e)
+            print(f"tpengine: CPU C kernels unavailable, using torch ops: {_reason}", file=sys.stderr)
+    return _lib
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`load` returned None (None while it has not failed)."""
+    return _reason
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the C kernels may take these tensors: :data:`ENABLED`, all bfloat16 on CPU, and the
+    library loads."""
+    return (ENABLED and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+            and load() is not None)
