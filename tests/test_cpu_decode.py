@@ -78,6 +78,8 @@ def test_errors():
     with pytest.raises(ValueError, match=r"^q \(2, 1, 3, 64\), k \(2, 1, 32, 64\), v \(2, 1, 16, 64\), context_lens "
                                          r"\(2,\): expected \[B, Hkv, G<=8, D<=256\], \[B, Hkv, L, D\] x2, \[B\]$"):
         cpu_decode.decode_attention(q, k, v[:, :, :16].contiguous(), lens, 0.125)
+    with pytest.raises(ValueError, match=r"^k and v hold no keys \(L = 0\)$"):
+        cpu_decode.decode_attention(q, k[:, :, :0], v[:, :, :0], torch.zeros(2, dtype=torch.int64), 0.125)
     with pytest.raises(ValueError, match=r"^k and v must be contiguous bfloat16 CPU tensors$"):
         cpu_decode.decode_attention(q, k.float(), v, lens, 0.125)
     assert not cpu_decode.available(q.float(), 3, 64) and not cpu_decode.available(q, 9, 64)

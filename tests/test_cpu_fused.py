@@ -65,6 +65,9 @@ def test_declined_cases_return_none():
     assert cpu_fused.rope_(rand(2, 3, 2, 64), rand(2, 3, 64), rand(2, 3, 64)) is None  # batch of 2
     assert cpu_fused.silu_mul(rand(3, 2 * 24), 24) is None  # 24 % 16
     assert cpu_fused.silu_mul(rand(3, 64), 16) is None  # not 2 x 16 wide
+    assert cpu_fused.silu_mul(rand(3, 0), 0) is None and cpu_fused.add_rms_norm(rand(3, 0), None, rand(0), 1e-5) is None
+    overlapping = rand(1, 1, 2, 64).expand(1, 5, 2, 64)  # 5 positions sharing one row of memory
+    assert cpu_fused.rope_(overlapping, rand(1, 5, 64), rand(1, 5, 64)) is None
 
 
 def test_disabled_means_torch(monkeypatch):

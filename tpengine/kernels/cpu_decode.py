@@ -52,6 +52,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_
     if not all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.device.type == "cpu" for t in (k, v)):
         raise ValueError("k and v must be contiguous bfloat16 CPU tensors")
     cap = k.shape[2]
+    if cap == 0:  # every sequence, even a length-0 padding row, reads key 0
+        raise ValueError("k and v hold no keys (L = 0)")
     if context_lens.numel() and int(context_lens.max()) > cap:
         raise ValueError(f"context length {int(context_lens.max())} exceeds the {cap} keys given")
     q = q.to(torch.bfloat16).contiguous()

@@ -20,9 +20,10 @@ def add_rms_norm(h: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``h2 = h + x`` (``h`` itself when ``x`` is None) and ``weight * rms_norm(h2)``, HF Llama's
     RMSNorm in float32 inside. Shapes: ``h``, ``x [..., n]`` with ``n % 16 == 0``, ``weight [n]``.
-    Returns ``(h2, normed)``, new tensors (``h`` and ``x`` are not written), or None (see module)."""
+    Returns ``(h2, normed)`` (``h2`` is ``h`` when ``x`` is None; neither input is written), or
+    None (see module)."""
     n = h.shape[-1]
-    if (n % 16 or weight.shape != (n,) or (x is not None and x.shape != h.shape)
+    if (n == 0 or n % 16 or weight.shape != (n,) or (x is not None and x.shape != h.shape)
             or not cpu_native.usable(h, weight, *(() if x is None else (x,)))):
         return None
     h, weight = h.contiguous(), weight.contiguous()
@@ -41,8 +42,8 @@ def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     if qk.dim() != 4 or qk.shape[0] != 1:
         return None
     _, t, heads, d = qk.shape
-    if (d % 32 or qk.stride(-1) != 1 or qk.stride(-2) != d or cos.shape != (1, t, d) or sin.shape != (1, t, d)
-            or not cpu_native.usable(qk, cos, sin)):
+    if (d % 32 or qk.stride(-1) != 1 or qk.stride(-2) != d or (t > 1 and qk.stride(1) < heads * d)
+            or cos.shape != (1, t, d) or sin.shape != (1, t, d) or not cpu_native.usable(qk, cos, sin)):
         return None
     cos, sin = cos.contiguous(), sin.contiguous()
     cpu_native.load().tpe_rope(qk.data_ptr(), qk.stride(1), heads, d, cos.data_ptr(), sin.data_ptr(), t,
@@ -54,7 +55,7 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor | None:
     """``silu(gate) * up`` for ``gate_up [..., 2 * inter]`` (gate first), ``inter % 16 == 0``, as
     torch computes ``F.silu(gate).mul_(up)`` in bfloat16. Returns a new ``[..., inter]`` tensor, or
     None (see module)."""
-    if gate_up.shape[-1] != 2 * inter or inter % 16 or not cpu_native.usable(gate_up):
+    if gate_up.shape[-1] != 2 * inter or inter <= 0 or inter % 16 or not cpu_native.usable(gate_up):
         return None
     gate_up = gate_up.contiguous()
     out = gate_up.new_empty(*gate_up.shape[:-1], inter)
