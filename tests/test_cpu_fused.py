@@ -74,3 +74,25 @@ def test_disabled_means_torch(monkeypatch):
     monkeypatch.setattr(cpu_native, "ENABLED", False)
     assert cpu_fused.add_rms_norm(rand(4, 576), None, rand(576), 1e-5) is None
     assert cpu_fused.silu_mul(rand(3, 64), 32) is None
+
+
+def test_copy_rows_equals_index_copy():
+    """KV-cache writes from the strided k/v parts of a fused q/k/v output, and mirror-style
+    appends through a source index: the same tensors as index_copy_ / index_select."""
+    qkv = rand(7, 9, 64)  # 7 tokens; heads 0-4 q, 5-6 k, 7-8 v
+    k, v = qkv[:, 5:7], qkv[:, 7:9]
+    slots = torch.tensor([11, 3, 0, 19, 4, 8, 15])
+    kc, vc = rand(20, 2, 64, seed=1), rand(20, 2, 64, seed=2)
+    want_k, want_v = kc.clone().index_copy_(0, slots, k), vc.clone().index_copy_(0, slots, v)
+    assert cpu_fused.copy_rows((k, v), (kc, vc), slots)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    rows, src = torch.tensor([5, 0, 9]), torch.tensor([39, 2, 17])  # [slots * heads, D] views
+    mk, mv = rand(10, 64, seed=3), rand(10, 64, seed=4)
+    want_mk = mk.clone().index_copy_(0, rows, kc.view(-1, 64).index_select(0, src))
+    want_mv = mv.clone().index_copy_(0, rows, vc.view(-1, 64).index_select(0, src))
+    assert cpu_fused.copy_rows((kc.view(-1, 64), vc.view(-1, 64)), (mk, mv), rows, src)
+    assert torch.equal(mk, want_mk) and torch.equal(mv, want_mv)
+    before = kc.clone()
+    assert not cpu_fused.copy_rows((k.float(), v.float()), (kc.float(), vc.float()), slots)  # float32: torch
+    assert not cpu_fused.copy_rows((k, v), (kc, vc), slots[:3])  # 7 rows, 3 indices
+    assert torch.equal(kc, before)

@@ -1,5 +1,5 @@
 /* Fused bfloat16 element-wise kernels for the CPU decoder layer: residual add + RMSNorm, RoPE,
- * SiLU(gate) * up. Each replaces a chain of torch ops that, in bfloat16 on CPU, costs one dispatch
+ * SiLU(gate) * up (and exact row copies for the KV cache). Each replaces a chain of torch ops that, in bfloat16 on CPU, costs one dispatch
  * (~5-10 us) and one pass over memory per op; each keeps the chain's roundings, op by op:
  *
  *   add_rms_norm: h' = bf16(h + x); y = bf16(w * bf16(h' * rsqrt(mean(h'^2) + eps)))   (fp32 inside)
@@ -13,6 +13,21 @@
  * reported unavailable and these are never called (they are stubs then). */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
+
+/* Row copies: dst_a[dst_index[i]] = src_a[src_index ? src_index[i] : i], and the same from src_b to
+ * dst_b, rows of row_bytes bytes, source rows src_stride bytes apart (any dtype). One call for the
+ * K and V cache writes of a step (two index_copy_ in torch), one for the KV mirror's appends (two
+ * index_select + two index_copy_). Indices are the caller's to bound. */
+void tpe_copy_rows(const char *src_a, const char *src_b, int64_t src_stride, const int64_t *src_index, char *dst_a,
+                   char *dst_b, const int64_t *dst_index, int64_t n, int64_t row_bytes, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (n * row_bytes >= (1 << 20))
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t s = (src_index ? src_index[i] : i) * src_stride, d = dst_index[i] * row_bytes;
+        memcpy(dst_a + d, src_a + s, (size_t)row_bytes);
+        memcpy(dst_b + d, src_b + s, (size_t)row_bytes);
+    }
+}
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>

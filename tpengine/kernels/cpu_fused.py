@@ -1,5 +1,6 @@
 """Fused bfloat16 element-wise ops of the decoder layer on CPU, through ``cpu_fused.c`` (built by
-:mod:`tpengine.kernels.cpu_native`): residual add + RMSNorm, RoPE in place, SiLU(gate) * up.
+:mod:`tpengine.kernels.cpu_native`): residual add + RMSNorm, RoPE in place, SiLU(gate) * up, and
+the KV cache's row copies (:func:`copy_rows`).
 
 In bfloat16 on CPU each of these is a chain of 2-7 torch ops, each a dispatch and a pass over
 memory; at 64 decode tokens the chains were ~4 ms of a ~45 ms SmolLM2-135M step, and in a
@@ -62,3 +63,31 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor | None:
     cpu_native.load().tpe_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
                                    torch.get_num_threads())
     return out
+
+
+def copy_rows(src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor],
+              dst_index: torch.Tensor, src_index: torch.Tensor | None = None) -> bool:
+    """``dst[j][dst_index[i]] = src[j][src_index[i] if src_index is not None else i]`` for j = 0, 1
+    (keys and values): one C call instead of an ``index_copy_`` (+ ``index_select``) per tensor.
+
+    Shapes: ``src`` two ``[M, *row]`` tensors with equal strides whose rows are each contiguous
+    (rows may be any distance apart, e.g. the k and v parts of a fused q/k/v output; ``M == N``
+    without ``src_index``); ``dst`` two contiguous ``[R, *row]`` tensors of the same dtype;
+    ``dst_index``/``src_index [N]`` int64 in range -- the caller's guarantee, not checked. Returns
+    False, copying nothing, when the C kernels cannot take it (bfloat16 on CPU only; see module),
+    so the caller uses torch."""
+    (sa, sb), (da, db) = src, dst
+    n, row = dst_index.shape[0], da.shape[1:]
+    if (n == 0 or sa.dim() == 0 or sa.shape[0] == 0 or sa.shape[1:] != row or sb.shape != sa.shape
+            or sb.stride() != sa.stride() or not sa[0].is_contiguous() or db.shape != da.shape
+            or not (da.is_contiguous() and db.is_contiguous()) or sa.dtype != da.dtype or sb.dtype != da.dtype
+            or (sa.shape[0] != n if src_index is None else src_index.shape != (n,))
+            or not cpu_native.usable(sa, sb, da, db)):
+        return False
+    elem = sa.element_size()
+    di = dst_index.to(torch.int64).contiguous()
+    si = None if src_index is None else src_index.to(torch.int64).contiguous()
+    cpu_native.load().tpe_copy_rows(sa.data_ptr(), sb.data_ptr(), sa.stride(0) * elem,
+                                    None if si is None else si.data_ptr(), da.data_ptr(), db.data_ptr(),
+                                    di.data_ptr(), n, da[0].numel() * elem, torch.get_num_threads())
+    return True

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tpengine.kernels import cpu_fused
+
 CHUNK = 32  # mirror capacity granularity (tokens)
 ENABLED = True  # set from EngineConfig.kv_mirror by the model runner
 
@@ -162,7 +164,9 @@ def decode_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor,
     else:  # append each sequence's newest token (already stored in the paged cache)
         STATS["appends"] += 1
         slots, rows = _append_index(block_tables, context_lens, bs, hkv, m.k.shape[2])
-        m.k.view(-1, d).index_copy_(0, rows, k_cache.view(-1, d).index_select(0, slots))
-        m.v.view(-1, d).index_copy_(0, rows, v_cache.view(-1, d).index_select(0, slots))
+        if not cpu_fused.copy_rows((k_cache.view(-1, d), v_cache.view(-1, d)), (m.k.view(-1, d), m.v.view(-1, d)),
+                                   rows, slots):  # bfloat16 on CPU: one C call for the four ops below
+            m.k.view(-1, d).index_copy_(0, rows, k_cache.view(-1, d).index_select(0, slots))
+            m.v.view(-1, d).index_copy_(0, rows, v_cache.view(-1, d).index_select(0, slots))
     m.serial = _STEP.serial
     return m.k, m.v

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tpengine.kernels import cpu_decode, kv_mirror
+from tpengine.kernels import cpu_decode, cpu_fused, kv_mirror
 from tpengine.kernels.checks import check_cache, check_heads, check_store, prefill_lengths
 
 __all__ = ["store_kvcache", "prefill_attention", "decode_attention"]
@@ -91,13 +91,17 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     ``slot_mapping [N]`` int64; slot -1 means "skip this token" (padding). Values are cast to
     the cache dtype. Raises ValueError on shape mismatch; an out-of-range slot raises torch's
     IndexError. Distinct tokens must map to distinct slots. Contiguous caches without -1 slots
-    (every engine step on CPU) take one ``index_copy_`` per cache.
+    (every engine step on CPU) take one ``index_copy_`` per cache, or in bfloat16 one C call for
+    both (:func:`tpengine.kernels.cpu_fused.copy_rows`, once the slots are known to be in range).
     """
-    _, bs, hkv, d = check_store(key, value, k_cache, v_cache, slot_mapping)
+    num_blocks, bs, hkv, d = check_store(key, value, k_cache, v_cache, slot_mapping)
     if key.shape[0] == 0:
         return
-    no_padding = _per_step("store", (slot_mapping,), (), lambda: int(slot_mapping.min()) >= 0)
-    if no_padding and k_cache.is_contiguous() and v_cache.is_contiguous():
+    lo, hi = _per_step("store", (slot_mapping,), (), lambda: tuple(int(x) for x in torch.aminmax(slot_mapping)))
+    if lo >= 0 and k_cache.is_contiguous() and v_cache.is_contiguous():
+        if hi < num_blocks * bs and cpu_fused.copy_rows((key, value), (k_cache.view(-1, hkv, d), v_cache.view(
+                -1, hkv, d)), slot_mapping):
+            return
         k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
         v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
         return
