@@ -96,3 +96,18 @@ def test_copy_rows_equals_index_copy():
     assert not cpu_fused.copy_rows((k.float(), v.float()), (kc.float(), vc.float()), slots)  # float32: torch
     assert not cpu_fused.copy_rows((k, v), (kc, vc), slots[:3])  # 7 rows, 3 indices
     assert torch.equal(kc, before)
+
+
+@pytest.mark.parametrize("n", (1, 5, 37, 128))
+def test_causal_softmax_equals_torch(n):
+    """The prefill path's s.mul_(scale).add_(causal mask) then softmax, in bfloat16: masked keys
+    exactly 0, the rest equal but for exp's last bit (a rare one-ulp step)."""
+    s = rand(2, 3, n, n, scale=8.0)
+    mask = torch.zeros(n, n).masked_fill_(torch.ones(n, n, dtype=torch.bool).triu_(1), float("-inf")).to(BF16)
+    want = torch.softmax(s.clone().mul_(0.125).add_(mask), dim=-1)
+    got = s.clone()
+    assert cpu_fused.causal_softmax_(got, 0.125) is got
+    assert (got.triu(1) == 0).all() and (got[..., 0, 0] == 1).all()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-9)
+    assert (got != want).sum() <= max(1, got.numel() // 10000)
+    assert cpu_fused.causal_softmax_(s.float(), 0.125) is None and cpu_fused.causal_softmax_(s[..., :3], 0.1) is None

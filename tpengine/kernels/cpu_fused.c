@@ -1,10 +1,12 @@
 /* Fused bfloat16 element-wise kernels for the CPU decoder layer: residual add + RMSNorm, RoPE,
- * SiLU(gate) * up (and exact row copies for the KV cache). Each replaces a chain of torch ops that, in bfloat16 on CPU, costs one dispatch
+ * SiLU(gate) * up, the causal softmax of bfloat16 prefill attention (and exact row copies for
+ * the KV cache). Each replaces a chain of torch ops that, in bfloat16 on CPU, costs one dispatch
  * (~5-10 us) and one pass over memory per op; each keeps the chain's roundings, op by op:
  *
  *   add_rms_norm: h' = bf16(h + x); y = bf16(w * bf16(h' * rsqrt(mean(h'^2) + eps)))   (fp32 inside)
  *   rope:         out = bf16(bf16(q * cos) + bf16(rotate_half(q) * sin))               (HF's formula)
  *   silu_mul:     out = bf16(bf16(g / (1 + exp(-g))) * u)                              (torch's SiLU)
+ *   causal_softmax: p = bf16(softmax(bf16(s * scale) + causal -inf mask)), float32 inside
  *
  * so they equal the torch ops up to the order of the float32 sum of squares and the last bit of
  * exp (torch uses SLEEF's; this a Cephes-style polynomial) before the bfloat16 rounding. Loaded
@@ -126,10 +128,47 @@ void tpe_silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t int
     }
 }
 
+/* In place on s: [blocks, n, n] bfloat16 scores of causal attention (query i of a block sees keys
+ * j <= i): p = bf16(softmax_j(bf16(s * scale) masked)), as torch computes s.mul_(scale), the -inf
+ * mask add and softmax (float32 inside) for bfloat16 -- masked keys get p = 0. */
+void tpe_causal_softmax(uint16_t *s, int64_t blocks, int64_t n, float scale, int nthreads) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (blocks * n * n >= 65536)
+    for (int64_t r = 0; r < blocks * n; r++) {
+        uint16_t *x = s + r * n;
+        const int64_t vis = r % n + 1;
+        float buf[vis + 16];
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < vis; j += 16) {
+            const __mmask16 m = vis - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (vis - j)) - 1);
+            __m512 v = rb(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                                              _mm256_maskz_loadu_epi16(m, x + j)), 16)), vscale));
+            v = _mm512_mask_blend_ps(m, _mm512_set1_ps(-INFINITY), v);
+            _mm512_storeu_ps(buf + j, v);
+            mx = _mm512_max_ps(mx, v);
+        }
+        const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < vis; j += 16) {
+            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(buf + j), vmax)); /* masked lanes: exp(-inf) = 0 */
+            _mm512_storeu_ps(buf + j, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        const __m512 vinv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum)); /* x * (1 / sum), as torch */
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+            __m512 p = j < vis ? _mm512_mul_ps(_mm512_loadu_ps(buf + j), vinv) : _mm512_setzero_ps();
+            if (j < vis && vis - j < 16) p = _mm512_maskz_mov_ps((__mmask16)((1u << (vis - j)) - 1), p);
+            _mm256_mask_storeu_epi16(x + j, m, _mm512_cvtepi32_epi16(rne(p)));
+        }
+    }
+}
+
 #else /* never called: tpe_fast() == 0 marks the library unavailable */
 void tpe_add_rms_norm(const uint16_t *h, const uint16_t *x, const uint16_t *w, uint16_t *h_out, uint16_t *y,
                       int64_t rows, int64_t n, float eps, int nthreads) {}
 void tpe_rope(uint16_t *qk, int64_t row_stride, int64_t heads, int64_t d, const uint16_t *cos_t,
               const uint16_t *sin_t, int64_t T, int nthreads) {}
 void tpe_silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t inter, int nthreads) {}
+void tpe_causal_softmax(uint16_t *s, int64_t blocks, int64_t n, float scale, int nthreads) {}
 #endif

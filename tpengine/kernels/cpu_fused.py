@@ -65,6 +65,19 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor | None:
     return out
 
 
+def causal_softmax_(s: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """In place: ``softmax(s * scale + causal mask, dim=-1)`` for square score blocks
+    ``s [..., n, n]`` (query ``i`` sees keys ``j <= i``), with the roundings of torch's bfloat16
+    ``s.mul_(scale).add_(mask)`` then ``torch.softmax`` (float32 inside; masked keys get 0).
+    ``s`` contiguous, ``1 <= n <= 16384``. Returns ``s``, or None (see module)."""
+    n = s.shape[-1]
+    if (s.dim() < 2 or s.shape[-2] != n or not 1 <= n <= 16384 or not s.is_contiguous()
+            or not cpu_native.usable(s)):
+        return None
+    cpu_native.load().tpe_causal_softmax(s.data_ptr(), s.numel() // (n * n), n, scale, torch.get_num_threads())
+    return s
+
+
 def copy_rows(src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor],
               dst_index: torch.Tensor, src_index: torch.Tensor | None = None) -> bool:
     """``dst[j][dst_index[i]] = src[j][src_index[i] if src_index is not None else i]`` for j = 0, 1

@@ -40,6 +40,7 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_fast)
     "tpe_rope": [_P, _I64, _I64, _I64, _P, _P, _I64, _I32],
     "tpe_silu_mul": [_P, _P, _I64, _I64, _I32],
     "tpe_copy_rows": [_P, _P, _I64, _P, _P, _P, _P, _I64, _I64, _I32],
+    "tpe_causal_softmax": [_P, _I64, _I64, _F32, _I32],
 }
 
 

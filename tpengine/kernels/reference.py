@@ -187,9 +187,12 @@ def _causal_matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     ~3x faster than SDPA's flash kernel for short prompts (measured: 64 x 128 tokens, 9 heads of 64)."""
     b, hkv, n, d = k.shape
     g = q.shape[1] // hkv
-    s = torch.matmul(q.reshape(b, hkv, g * n, d), k.transpose(-1, -2)).mul_(scale)  # [B, Hkv, G*L, L]
-    s = s.view(b, hkv, g, n, n).add_(_causal_bias(n, s.dtype, s.device))  # (4x faster than masked_fill_)
-    p = torch.softmax(s, dim=-1).view(b, hkv, g * n, n)
+    s = torch.matmul(q.reshape(b, hkv, g * n, d), k.transpose(-1, -2))  # [B, Hkv, G*L, L]
+    p = cpu_fused.causal_softmax_(s.view(b, hkv, g, n, n), scale)  # bfloat16 CPU: one C pass, same roundings
+    if p is None:
+        s = s.mul_(scale).view(b, hkv, g, n, n).add_(_causal_bias(n, s.dtype, s.device))  # (4x masked_fill_'s speed)
+        p = torch.softmax(s, dim=-1)
+    p = p.view(b, hkv, g * n, n)
     return torch.matmul(p, v).view(b, hkv * g, n, d)
 
 
