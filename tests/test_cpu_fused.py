@@ -112,3 +112,59 @@ def test_causal_softmax_equals_torch(n):
     assert (got != want).sum() <= max(1, got.numel() // 10000)
     assert cpu_fused.causal_softmax_(s.float(), 0.125) is None  # float32: torch
     assert cpu_fused.causal_softmax_(rand(n, n + 1), 0.1) is None  # not square
+
+
+def test_causal_softmax_rows_with_nan_or_inf_are_nan_as_in_torch():
+    n = 20
+    s = rand(1, n, n)
+    s[0, 5, 2], s[0, 7, 7], s[0, 9, 3] = float("nan"), float("inf"), -float("inf")
+    s[0, 11, :12] = -float("inf")  # every visible key masked out by its score
+    mask = torch.zeros(n, n).masked_fill_(torch.ones(n, n, dtype=torch.bool).triu_(1), float("-inf")).to(BF16)
+    want = torch.softmax(s.clone().mul_(0.125).add_(mask), dim=-1)
+    got = cpu_fused.causal_softmax_(s.clone(), 0.125)
+    assert want[0, [5, 7, 11]].isnan().all() and not want[0, 9].isnan().any()  # what torch does
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def test_add_rms_norm_non_contiguous_residual():
+    """A transposed residual: read from a contiguous copy kept alive through the call."""
+    h, w = rand(64, 576), rand(576, seed=2)
+    x = rand(576, 64, seed=1).t()
+    h2, y = cpu_fused.add_rms_norm(h, x, w, 1e-5)
+    assert torch.equal(h2, h + x) and torch.equal(y, w * F.rms_norm((h + x).float(), (576,), None, 1e-5).to(BF16))
+
+
+def test_cpu_kernels_switch_is_per_engine(tmp_path, monkeypatch):
+    """Two engines in one process, one with cpu_kernels = false: its steps make no C call, even
+    after the other engine was created (the module switch is set at every step)."""
+    from conftest import make_tiny_model
+
+    from tpengine.config import EngineConfig
+    from tpengine.engine.llm_engine import LLMEngine
+    from tpengine.engine.sampling_params import SamplingParams
+
+    model = make_tiny_model(tmp_path, "llama", seed=2)
+    calls = []
+    real = cpu_native.load()
+
+    class Counting:
+        def __getattr__(self, name):
+            return lambda *a: calls.append(name) or getattr(real, name)(*a)
+
+    monkeypatch.setattr(cpu_native, "_lib", Counting())
+    cfg = {"model": str(model), "dtype": "bfloat16", "max_model_len": 64, "kv_cache_gb": 0.01}
+    off = LLMEngine(EngineConfig(**cfg, cpu_kernels=False))
+    on = LLMEngine(EngineConfig(**cfg))
+    try:
+        req = [("a", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))]
+        off.generate(req)
+        assert calls == []
+        on.generate(req)
+        assert "tpe_add_rms_norm" in calls and "tpe_decode_scores" in calls
+        calls.clear()
+        off.generate(req)
+        assert calls == []
+    finally:
+        off.shutdown()
+        on.shutdown()

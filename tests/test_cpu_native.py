@@ -27,8 +27,11 @@ def probe(tmp_path, **env):
                           env={"PATH": "/usr/bin:/bin", "TPENGINE_CACHE_DIR": str(tmp_path), **env})
 
 
-@pytest.mark.skipif(not has_avx512_bf16() or not (shutil.which("cc") or shutil.which("gcc")),
-                    reason="needs a CPU with AVX512-BF16 and a C compiler")
+supported = pytest.mark.skipif(not has_avx512_bf16() or not (shutil.which("cc") or shutil.which("gcc")),
+                               reason="needs a CPU with AVX512-BF16 and a C compiler")
+
+
+@supported
 def test_builds_and_loads_where_supported(tmp_path):
     assert cpu_native.load() is not None, cpu_native.unavailable_reason()
     res = probe(tmp_path)  # a fresh process and an empty cache folder: compiles, then loads
@@ -39,5 +42,27 @@ def test_builds_and_loads_where_supported(tmp_path):
 def test_failing_compiler_falls_back_with_one_line(tmp_path):
     res = probe(tmp_path, CC="/bin/false")
     assert res.returncode == 0 and res.stdout.strip() == "unavailable"
-    assert res.stderr == "tpengine: CPU C kernels unavailable, using torch ops: /bin/false failed: \n"
+    assert res.stderr == "tpengine: CPU C kernels unavailable, using torch ops: /bin/false failed (exit 1): \n"
     assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+
+
+@supported
+def test_compiler_with_flags_and_a_corrupt_cached_build(tmp_path):
+    """``CC`` may carry flags; a cached library that does not load (truncated) is rebuilt once."""
+    assert probe(tmp_path, CC="gcc -O2").stdout.strip() == "loaded"
+    (lib,) = tmp_path.iterdir()
+    lib.write_bytes(b"")
+    res = probe(tmp_path, CC="gcc -O2")
+    assert res.stdout.strip() == "loaded" and res.stderr == ""
+    assert lib.stat().st_size > 0
+
+
+@supported
+def test_unusable_cache_folder_falls_back_to_a_private_temp_folder(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    (tmp_path / "tmp").mkdir()
+    res = probe(tmp_path, TPENGINE_CACHE_DIR=str(blocker / "cache"), TMPDIR=str(tmp_path / "tmp"))
+    assert res.stdout.strip() == "loaded", res.stderr
+    (private,) = (tmp_path / "tmp").iterdir()
+    assert private.stat().st_mode & 0o777 == 0o700 and len(list(private.glob("cpu_kernels-*.so"))) == 1

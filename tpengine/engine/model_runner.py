@@ -146,6 +146,8 @@ class ModelRunner:
         dev = self.tp.device
         to = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
         prefill = plan.kind == StepKind.PREFILL
+        # module switches, set per step so several engines in one process each keep their own config
+        kv_mirror.ENABLED, cpu_native.ENABLED = self.config.kv_mirror, self.config.cpu_kernels
         set_context(Context(is_prefill=prefill, slot_mapping=to(plan.slot_mapping),
                             block_tables=to(plan.block_tables), backend=self.backend,
                             cu_seqlens_q=to(plan.cu_seqlens_q), cu_seqlens_k=to(plan.cu_seqlens_k),

@@ -139,15 +139,22 @@ void tpe_causal_softmax(uint16_t *s, int64_t blocks, int64_t n, float scale, int
         const int64_t vis = r % n + 1;
         float buf[vis + 16];
         __m512 mx = _mm512_set1_ps(-INFINITY);
+        __mmask16 nan = 0;
         for (int64_t j = 0; j < vis; j += 16) {
             const __mmask16 m = vis - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (vis - j)) - 1);
             __m512 v = rb(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
                                                               _mm256_maskz_loadu_epi16(m, x + j)), 16)), vscale));
             v = _mm512_mask_blend_ps(m, _mm512_set1_ps(-INFINITY), v);
             _mm512_storeu_ps(buf + j, v);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
             mx = _mm512_max_ps(mx, v);
         }
-        const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        const float rmax = _mm512_reduce_max_ps(mx);
+        if (nan || !isfinite(rmax)) { /* torch: x - max is NaN somewhere, so the whole row is NaN */
+            for (int64_t j = 0; j < n; j++) x[j] = 0x7fc0;
+            continue;
+        }
+        const __m512 vmax = _mm512_set1_ps(rmax);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < vis; j += 16) {
             __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(buf + j), vmax)); /* masked lanes: exp(-inf) = 0 */

@@ -28,11 +28,11 @@ def add_rms_norm(h: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
             or not cpu_native.usable(h, weight, *(() if x is None else (x,)))):
         return None
     h, weight = h.contiguous(), weight.contiguous()
+    x = None if x is None else x.contiguous()  # kept alive across the call (a temporary's memory is freed)
     h2 = h if x is None else torch.empty_like(h)
     y = torch.empty_like(h)
-    xp = 0 if x is None else x.contiguous().data_ptr()
-    cpu_native.load().tpe_add_rms_norm(h.data_ptr(), xp or None, weight.data_ptr(), h2.data_ptr(), y.data_ptr(),
-                                       h.numel() // n, n, eps, torch.get_num_threads())
+    cpu_native.load().tpe_add_rms_norm(h.data_ptr(), None if x is None else x.data_ptr(), weight.data_ptr(),
+                                       h2.data_ptr(), y.data_ptr(), h.numel() // n, n, eps, torch.get_num_threads())
     return h2, y
 
 

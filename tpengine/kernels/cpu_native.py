@@ -17,6 +17,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -53,52 +54,87 @@ def _cpu_id() -> str:
     return "\n".join(sorted({line for line in info if line.startswith(("model name", "flags"))}))
 
 
-def _build() -> Path:
-    """Compile the sources unless a build for them, this compiler and this CPU exists; return the
-    library's path. Raises RuntimeError (no compiler, or the compiler's message on failure)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
+def _compiler() -> list[str]:
+    """The C compiler command: ``$CC`` (split like a shell would, so ``CC="gcc -O2"`` works), else
+    ``cc`` or ``gcc`` on PATH. Raises RuntimeError when there is none."""
+    cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    if not cc[0]:
         raise RuntimeError("no C compiler (cc, gcc or $CC) on PATH")
-    parts = [p.read_bytes() for p in SOURCES] + [cc.encode(), " ".join(FLAGS).encode(), platform.machine().encode(),
+    return cc
+
+
+def _usable_folder(folder: Path, private: bool) -> bool:
+    """Create ``folder`` if needed; True if we may write it -- and, for the shared temp folder
+    (``private``), only if it is ours and nobody else can write it, since we load code from it."""
+    try:
+        folder.mkdir(mode=0o700 if private else 0o777, parents=True, exist_ok=True)
+        st = folder.stat()
+    except OSError:
+        return False
+    if private and (st.st_uid != os.getuid() or st.st_mode & 0o022):
+        return False
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
+def _build(rebuild: bool = False) -> Path:
+    """Compile the sources unless a build for them, this compiler and this CPU exists (``rebuild``:
+    replace it); return the library's path. Tries ``$TPENGINE_CACHE_DIR`` (default
+    ``~/.cache/tpengine``), then a private folder in the temp folder. Raises RuntimeError (no
+    compiler, no writable folder, or the compiler's exit status and message on failure)."""
+    cc = _compiler()
+    parts = [p.read_bytes() for p in SOURCES] + [" ".join(cc + list(FLAGS)).encode(), platform.machine().encode(),
                                                  _cpu_id().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     root = Path(os.environ.get("TPENGINE_CACHE_DIR") or Path.home() / ".cache" / "tpengine")
-    for folder in (root, Path(tempfile.gettempdir()) / f"tpengine-{os.getuid()}"):
+    for folder, private in ((root, False), (Path(tempfile.gettempdir()) / f"tpengine-{os.getuid()}", True)):
         lib = folder / f"cpu_kernels-{key}.so"
-        if lib.exists():
+        if lib.exists() and not rebuild:
             return lib
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError:
+        if not _usable_folder(folder, private):
             continue
         tmp = folder / f".cpu_kernels-{key}-{os.getpid()}.so"
-        res = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True,
-                             timeout=300)
-        if res.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-500:]}")
-        os.replace(tmp, lib)  # atomic: a concurrent rank sees the whole file or none
-        return lib
-    raise RuntimeError(f"no writable cache folder ({root} or the temp folder)")
+        try:
+            res = subprocess.run([*cc, *FLAGS, *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True,
+                                 timeout=120)
+            if res.returncode != 0:
+                raise RuntimeError(f"{' '.join(cc)} failed (exit {res.returncode}): {res.stderr.strip()[-500:]}")
+            os.replace(tmp, lib)  # atomic: a concurrent rank sees the whole file or none
+            return lib
+        finally:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+    raise RuntimeError(f"no writable cache folder ({root}, or a private one in the temp folder)")
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    """Load the library and declare its functions. Raises OSError, AttributeError, RuntimeError."""
+    lib = ctypes.CDLL(str(path))
+    lib.tpe_fast.restype = _I32
+    for name, args in SIGNATURES.items():
+        getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
+    if not lib.tpe_fast():
+        raise RuntimeError("the CPU or compiler lacks AVX512-BF16")
+    return lib
 
 
 def load() -> ctypes.CDLL | None:
-    """The loaded kernel library, building it on first use; None when unavailable (see
-    :func:`unavailable_reason`). Never raises. Call it before the first step, so the build is not
-    timed as part of one."""
+    """The loaded kernel library, building it on first use (and once more if a cached build does
+    not load, e.g. a truncated file); None when unavailable (see :func:`unavailable_reason`, also
+    printed once to stderr, with the rank under torchrun). Never raises. Call it before the first
+    step, so the build is not timed as part of one."""
     global _lib, _reason
     if _lib is None and _reason is None:
         try:
-            lib = ctypes.CDLL(str(_build()))
-            lib.tpe_fast.restype = _I32
-            for name, args in SIGNATURES.items():
-                getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
-            if not lib.tpe_fast():
-                raise RuntimeError("the CPU or compiler lacks AVX512-BF16")
-            _lib = lib
+            try:
+                _lib = _open(_build())
+            except OSError:
+                _lib = _open(_build(rebuild=True))
         except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as e:
             _reason = str(e)
-            print(f"tpengine: CPU C kernels unavailable, using torch ops: {_reason}", file=sys.stderr)
+            rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
+            print(f"tpengine{rank}: CPU C kernels unavailable, using torch ops: {_reason}", file=sys.stderr)
     return _lib
 
 
