@@ -166,7 +166,7 @@ def main(
     hf_batch_size: Annotated[int, typer.Option(help="HF static batch size (0 = all prompts)")] = 0,
     hf_attn: Annotated[str, typer.Option(help="HF attn_implementation: auto (the faster here: sdpa in "
                                                "float32, eager in bfloat16), sdpa, eager")] = "auto",
-    rounds: Annotated[int, typer.Option(help="alternating rounds; the best one is reported")] = 2,
+    rounds: Annotated[int, typer.Option(help="alternating rounds; the best one is reported")] = 3,
     threads: Annotated[int, typer.Option(help="total cores to use (0 = the affinity mask)")] = 0,
     seed: Annotated[int, typer.Option(help="seed of the random prompts")] = 0,
     out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
