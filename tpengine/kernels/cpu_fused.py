@@ -1,10 +1,11 @@
 """Fused bfloat16 element-wise ops of the decoder layer on CPU, through ``cpu_fused.c`` (built by
-:mod:`tpengine.kernels.cpu_native`): residual add + RMSNorm, RoPE in place, SiLU(gate) * up, and
-the KV cache's row copies (:func:`copy_rows`).
+:mod:`tpengine.kernels.cpu_native`): residual add + RMSNorm, RoPE in place, SiLU(gate) * up, the
+prefill attention's scale + causal mask + softmax in place, and the KV cache's row copies.
 
 In bfloat16 on CPU each of these is a chain of 2-7 torch ops, each a dispatch and a pass over
-memory; at 64 decode tokens the chains were ~4 ms of a ~45 ms SmolLM2-135M step, and in a
-64 x 128-token prefill residual add + RMSNorm alone took ~12 ms per call in torch (0.8 ms here).
+memory; at 64 decode tokens the chains took ~6 ms of a ~50 ms SmolLM2-135M step (~2.7 ms here),
+and in a 64 x 128-token prefill residual add + RMSNorm took ~4 ms per call (0.8 ms here) and the
+scale + mask + softmax ~5 ms per layer (1.6 ms here).
 Each function keeps its chain's roundings op by op (see ``cpu_fused.c``) and returns None when
 the C kernels cannot take the tensors (not bfloat16 on CPU, shapes the kernels do not cover, or
 the library is unavailable), so the caller runs the torch ops instead: float32 never comes here.
