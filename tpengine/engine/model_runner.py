@@ -68,8 +68,6 @@ class ModelRunner:
         if tp.device.type == "cpu":
             pack_cpu_weights(self.model)  # oneDNN matmuls (2x MKL's float32 sgemm on AMD)
         self.backend = get_backend(config.attention_backend, tp.device)
-        kv_mirror.ENABLED = config.kv_mirror
-        cpu_native.ENABLED = config.cpu_kernels
         if tp.device.type == "cpu" and self.dtype == torch.bfloat16 and config.cpu_kernels:
             cpu_native.load()  # build the C kernels now (~2 s, once per machine), not inside the first step
         self.attn_modules = [m for m in self.model.modules() if hasattr(m, "tp_q_to_kv")]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-ENABLED = True  # set from EngineConfig.cpu_kernels by the model runner
+ENABLED = True  # set from EngineConfig.cpu_kernels by the model runner at every step
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_decode.c", "cpu_fused.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 

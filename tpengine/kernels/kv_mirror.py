@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from tpengine.kernels import cpu_fused
 
 CHUNK = 32  # mirror capacity granularity (tokens)
-ENABLED = True  # set from EngineConfig.kv_mirror by the model runner
+ENABLED = True  # set from EngineConfig.kv_mirror by the model runner at every step
 
 
 @dataclass
