@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tpengine.frontend.detokenizer import IncrementalDetokenizer
+from tpengine.engine.detokenizer import IncrementalDetokenizer
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
 
@@ -47,7 +47,7 @@ def decode(tok, ids, skip=True):
 
 def run(tok, ids, stop=(), skip=True):
     """Feed ids one by one like the engine does; return (deltas, detokenizer)."""
-    d = IncrementalDetokenizer(tok, [1, 2, 3], stop=stop, skip_special_tokens=skip)
+    d = IncrementalDetokenizer(tok, stop=stop, skip_special_tokens=skip)
     deltas = []
     for i in ids:
         deltas.append(d.append(i))
@@ -151,7 +151,7 @@ def test_stop_spanning_tokens_and_first_of_several(tok):
 
 def test_prefix_held_then_flushed(tok):
     ids = tok(": ABCDEFGH").input_ids
-    d = IncrementalDetokenizer(tok, [], stop=["Cz"])
+    d = IncrementalDetokenizer(tok, stop=["Cz"])
     got = [d.append(i) for i in ids]
     toks = tok.convert_ids_to_tokens(ids)
     k = toks.index("ĠABC")
@@ -162,20 +162,20 @@ def test_prefix_held_then_flushed(tok):
 
 def test_finish_flushes_held_tail(tok):
     ids = tok("so it ends with J").input_ids
-    d = IncrementalDetokenizer(tok, [], stop=["J!"])
+    d = IncrementalDetokenizer(tok, stop=["J!"])
     got = "".join(d.append(i) for i in ids)
     assert got == "so it ends with " and not d.stopped
     assert d.finish() == "J" and d.text == "so it ends with J"
 
 
 def test_append_after_stop_raises_and_empty_stop_rejected(tok):
-    d = IncrementalDetokenizer(tok, [], stop=["a"])
+    d = IncrementalDetokenizer(tok, stop=["a"])
     d.append(tok("a").input_ids[0])
     assert d.stopped and d.finish() == ""
     with pytest.raises(RuntimeError):
         d.append(5)
     with pytest.raises(ValueError, match="non-empty"):
-        IncrementalDetokenizer(tok, [], stop=[""])
+        IncrementalDetokenizer(tok, stop=[""])
 
 
 def test_decodes_only_a_window(tok):

@@ -16,7 +16,12 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: Floating dtypes of weights and KV cache, by name; each name is also the ``torch`` attribute.
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+#: Bytes per element of each of :data:`WEIGHT_DTYPES`.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: The values of ``EngineConfig.dtype``: "auto" (see :meth:`EngineConfig.torch_dtype`) or a name.
+DTYPES = ("auto", *WEIGHT_DTYPES)
 BACKENDS = ("auto", "torch", "triton")
 
 
@@ -53,8 +58,6 @@ class EngineConfig:
     dist_timeout_s: float = 60.0
     threads: int | None = None  # intra-op threads per rank; default cores // tp
     seed: int = 0
-    # test hook: raise on this rank at this decode step, "RANK:STEP" (case C07)
-    fault_inject: str | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, valid: str) -> ValueError:
@@ -99,16 +102,29 @@ class EngineConfig:
 
         if self.dtype == "auto":
             return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-        return getattr(torch, self.dtype)
+        return torch_dtype(self.dtype)
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
 
 
+def torch_dtype(name: str) -> Any:
+    """The ``torch.dtype`` named ``name`` (one of :data:`WEIGHT_DTYPES`).
+
+    Raises:
+        ValueError: any other name, naming it and the valid ones.
+    """
+    import torch
+
+    if name not in WEIGHT_DTYPES:
+        raise ValueError(f"invalid dtype {name!r}: must be one of {', '.join(WEIGHT_DTYPES)}")
+    return getattr(torch, name)
+
+
 # accepted Python types per field (None: may be unset); ints are accepted where floats are
 _FIELD_TYPES: dict[str, tuple] = {
-    "model": (str,), "dtype": (str,), "attention_backend": (str,), "fault_inject": (str, None),
+    "model": (str,), "dtype": (str,), "attention_backend": (str,),
     "max_model_len": (int, None), "block_size": (int,), "max_num_seqs": (int,), "max_num_batched_tokens": (int, None),
     "num_kv_blocks": (int, None), "threads": (int, None), "seed": (int,),
     "kv_cache_gb": (float, int), "gpu_memory_utilization": (float, int), "dist_timeout_s": (float, int),

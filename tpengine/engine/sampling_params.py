@@ -5,6 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+#: The sampling fields a request line (and the config file's ``[sampling]`` table) may set, in the
+#: order error messages list them; each is a :class:`SamplingParams` field of the same name.
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -61,6 +65,3 @@ class SamplingParams:
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0

@@ -11,15 +11,16 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos")
-SIMPLE_FIELDS = ("id", "prompt", "messages", "prompt_token_ids", *SAMPLING_FIELDS, "stream")
+from tpengine.engine.sampling_params import SAMPLING_KEYS
+
+SIMPLE_FIELDS = ("id", "prompt", "messages", "prompt_token_ids", *SAMPLING_KEYS, "stream")
 BATCH_FIELDS = ("custom_id", "method", "url", "body")
 BODY_IGNORED = ("model", "user", "stream", "stream_options", "metadata", "store")
 # OpenAI fields tpengine does not implement, accepted only at their neutral values
 BODY_NEUTRAL = {"frequency_penalty": (0,), "presence_penalty": (0,), "logprobs": (False, None),
                 "top_logprobs": (None, 0), "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
                 "echo": (False,), "best_of": (None, 1), "suffix": (None,)}
-BODY_FIELDS = ("messages", "prompt", "max_completion_tokens", "n", *SAMPLING_FIELDS, *BODY_IGNORED, *BODY_NEUTRAL)
+BODY_FIELDS = ("messages", "prompt", "max_completion_tokens", "n", *SAMPLING_KEYS, *BODY_IGNORED, *BODY_NEUTRAL)
 URLS = {"/v1/chat/completions": "openai_chat", "/v1/completions": "openai_completion"}
 
 

@@ -24,8 +24,6 @@ class IncrementalDetokenizer:
 
     Args:
         tokenizer: a Hugging Face tokenizer (``decode`` is the only method used).
-        prompt_token_ids: the request's prompt ids; kept for reference only (decoding starts at
-            the first generated token so ``text`` matches decoding the output ids alone).
         stop: stop strings (non-empty). The first occurrence of any of them anywhere in the
             generated text ends generation; the stop string and everything after it are dropped.
         skip_special_tokens: passed to ``tokenizer.decode``.
@@ -41,7 +39,6 @@ class IncrementalDetokenizer:
     def __init__(
         self,
         tokenizer,
-        prompt_token_ids: Sequence[int] = (),
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
     ) -> None:
@@ -50,7 +47,6 @@ class IncrementalDetokenizer:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self.tokenizer = tokenizer
-        self.prompt_token_ids = list(prompt_token_ids)
         self.stop = tuple(stop)
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []

@@ -1,0 +1,9 @@
+"""Small arithmetic helpers shared across tpengine (one definition each)."""
+
+from __future__ import annotations
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of integers: the least ``q`` with ``q * b >= a`` for ``b > 0``
+    (e.g. KV blocks for ``a`` tokens in blocks of ``b``: ``cdiv(17, 16) == 2``)."""
+    return -(-a // b)
