@@ -1,10 +1,16 @@
 """Process groups and the few collectives tpengine uses.
 
 ``init_distributed`` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-MASTER_PORT). Activations travel on the default group (NCCL on CUDA, gloo on CPU); the control
-plane (StepPlan broadcasts, block-count agreement) always travels on a separate gloo group.
-Every group has the configured timeout, so no rank waits forever in a collective. With world
-size 1 and no torchrun environment, no process group is created and every collective is a no-op.
+MASTER_PORT). Activations travel on the default group (NCCL on CUDA, gloo on CPU), or through
+shared memory when :func:`tpengine.shm.init_shm` installed a :class:`tpengine.shm.ShmComm` at
+start-up (:func:`activation_comm`); the control plane (StepPlan broadcasts, block-count
+agreement, the end-of-run memory report) always travels on a separate gloo group. Every group
+has the configured timeout, so no rank waits forever in a collective. With world size 1 and no
+torchrun environment, no process group is created and every collective is a no-op.
+
+The process-wide state (this rank's :class:`TPInfo`, the control group, the installed
+activation comm) is one :class:`_ProcessGroups` object, set by :func:`init_distributed` and
+cleared by :func:`shutdown`; nothing changes it per step.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,8 +38,18 @@ class TPInfo:
         return self.rank == 0
 
 
-_TP: TPInfo | None = None
-_CONTROL_GROUP = None
+@dataclass
+class _ProcessGroups:
+    """What :func:`init_distributed` set up: ``tp``; ``control``, the gloo group of the control
+    plane (None: the default group is gloo already); ``comm``, the activation collectives
+    installed once at start-up (None: torch.distributed's)."""
+
+    tp: TPInfo
+    control: Any = None
+    comm: Any = None
+
+
+_STATE: _ProcessGroups | None = None
 
 
 def _pick_device(local_rank: int, device: str) -> torch.device:
@@ -53,9 +70,9 @@ def init_distributed(timeout_s: float = 60.0, device: str = "auto") -> TPInfo:
     Raises:
         RuntimeError: inconsistent environment (e.g. WORLD_SIZE > 1 without MASTER_ADDR).
     """
-    global _TP, _CONTROL_GROUP
-    if _TP is not None:
-        return _TP
+    global _STATE
+    if _STATE is not None:
+        return _STATE.tp
     size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
@@ -73,35 +90,66 @@ def init_distributed(timeout_s: float = 60.0, device: str = "auto") -> TPInfo:
         timeout = timedelta(seconds=timeout_s)
         backend = "nccl" if dev.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, rank=rank, world_size=size, timeout=timeout)
-        _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
-    _TP = TPInfo(rank=rank, size=size, local_rank=local_rank, device=dev)
-    return _TP
+        control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    else:
+        control = None
+    _STATE = _ProcessGroups(TPInfo(rank=rank, size=size, local_rank=local_rank, device=dev), control)
+    return _STATE.tp
+
+
+_SIZE1 = TPInfo(0, 1, 0, torch.device("cpu"))
 
 
 def get_tp() -> TPInfo:
     """The :class:`TPInfo` set by :func:`init_distributed` (a size-1 CPU info if never called)."""
-    return _TP if _TP is not None else TPInfo(0, 1, 0, torch.device("cpu"))
+    return _STATE.tp if _STATE is not None else _SIZE1
+
+
+def install_activation_comm(comm: Any) -> None:
+    """At start-up (after :func:`init_distributed`): route the layers' all-reduce and gather
+    through ``comm`` (an object with ``all_reduce(t)`` and ``gather_to_driver(t, dim)``, e.g. a
+    :class:`tpengine.shm.ShmComm`), or back to torch.distributed with None.
+
+    Raises:
+        RuntimeError: a comm given before :func:`init_distributed` was called.
+    """
+    if _STATE is None:
+        if comm is None:
+            return
+        raise RuntimeError("install_activation_comm() before init_distributed()")
+    _STATE.comm = comm
+
+
+def activation_comm() -> Any:
+    """The comm installed by :func:`install_activation_comm`, or None (torch.distributed)."""
+    return _STATE.comm if _STATE is not None else None
 
 
 def shutdown() -> None:
     """Wait for every rank (bounded by the group timeout), then destroy the process groups, so
     no rank tears down a connection a peer still uses. Safe to call twice or at size 1."""
-    global _TP, _CONTROL_GROUP
+    global _STATE
     if dist.is_available() and dist.is_initialized():
-        dist.barrier(group=_CONTROL_GROUP)
+        dist.barrier(group=_control_group())
         dist.destroy_process_group()
-    _TP, _CONTROL_GROUP = None, None
+    _STATE = None
+
+
+def _control_group():
+    return _STATE.control if _STATE is not None else None
 
 
 def all_reduce(t: torch.Tensor) -> torch.Tensor:
-    """Sum ``t`` in place over all ranks (activation group); no-op at size 1. Returns ``t``."""
+    """Sum ``t`` in place over all ranks on the default group (torch.distributed, whatever
+    comm is installed); no-op at size 1. Returns ``t``."""
     if get_tp().size > 1:
         dist.all_reduce(t)
     return t
 
 
 def gather_to_driver(t: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
-    """Concatenate every rank's ``t`` (same shape on all ranks) along ``dim`` on rank 0.
+    """Concatenate every rank's ``t`` (same shape on all ranks) along ``dim`` on rank 0, on the
+    default group (torch.distributed, whatever comm is installed).
 
     Returns the concatenation on rank 0 and None elsewhere; ``t`` itself at size 1.
     """
@@ -117,7 +165,7 @@ def gather_to_driver(t: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
 def broadcast_control(t: torch.Tensor) -> torch.Tensor:
     """Broadcast CPU tensor ``t`` from rank 0 in place over the gloo control group."""
     if get_tp().size > 1:
-        dist.broadcast(t, src=0, group=_CONTROL_GROUP)
+        dist.broadcast(t, src=0, group=_control_group())
     return t
 
 
@@ -126,5 +174,17 @@ def all_reduce_min(value: int) -> int:
     if get_tp().size == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_CONTROL_GROUP)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_control_group())
     return int(t.item())
+
+
+def gather_control(value: int) -> list[int] | None:
+    """Every rank's integer ``value``, in rank order, on rank 0 (None on the others): one gather
+    on the gloo control group, bounded by the group timeout. ``[value]`` at size 1."""
+    tp = get_tp()
+    if tp.size == 1:
+        return [value]
+    t = torch.tensor([value], dtype=torch.int64)
+    parts = [torch.empty_like(t) for _ in range(tp.size)] if tp.is_driver else None
+    dist.gather(t, parts, dst=0, group=_control_group())
+    return [int(p.item()) for p in parts] if tp.is_driver else None

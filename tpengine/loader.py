@@ -20,6 +20,7 @@ from transformers import AutoConfig
 
 from tpengine.checkpoint import MANIFEST, checkpoint_files, is_shard_folder, rank_file_name, sha256_file
 from tpengine.distributed import TPInfo
+from tpengine.errors import UserError
 from tpengine.plan import ShardPlan
 from tpengine.surgery import apply_tensor_parallel, build_meta_model, kind_of
 
@@ -28,7 +29,7 @@ CHECKED_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_
                   "num_key_value_heads", "vocab_size", "head_dim", "tie_word_embeddings")
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(UserError):
     """Shards made for another TP size or config, or files that do not match the manifest."""
 
 

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from tpengine.errors import UserError
+
 # Partition kinds of a weight. The name -> kind table lives in tpengine/surgery.py.
 Q, K, V = "q", "k", "v"  # column-parallel by query heads / KV heads
 COLUMN = "column"  # column-parallel by MLP intermediate (gate_proj, up_proj)
@@ -123,20 +125,21 @@ class ShardPlan:
         """Partition ``hf_config`` over ``tp_size`` ranks.
 
         Raises:
-            ValueError: ``tp_size`` outside ``1..num_attention_heads``, or num_attention_heads
-                not a multiple of num_key_value_heads; the message names the values.
+            ValueError: ``tp_size`` not an integer.
+            tpengine.errors.UserError: ``tp_size`` outside ``1..num_attention_heads``, or
+                num_attention_heads not a multiple of num_key_value_heads; the message names the values.
         """
         d = cls.dims(hf_config)
         nh, nkv = d["num_heads"], d["num_kv_heads"]
         if not isinstance(tp_size, int) or isinstance(tp_size, bool):
             raise ValueError(f"tp_size must be an integer, got {tp_size!r}")
         if nkv < 1 or nh % nkv != 0:
-            raise ValueError(
+            raise UserError(
                 f"num_attention_heads={nh} is not a multiple of num_key_value_heads={nkv}; "
                 "grouped-query attention needs every KV head to serve the same number of query heads"
             )
         if not 1 <= tp_size <= nh:
-            raise ValueError(
+            raise UserError(
                 f"tp_size={tp_size} is invalid for this model: it has num_attention_heads={nh}, "
                 f"so tp_size must be between 1 and {nh}"
             )

@@ -11,11 +11,7 @@ from __future__ import annotations
 from collections import deque
 
 from tpengine.engine.sequence import Sequence
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """Blocks needed for ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
-    return (num_tokens + block_size - 1) // block_size
+from tpengine.utils import cdiv
 
 
 class BlockManager:
@@ -40,17 +36,13 @@ class BlockManager:
         return len(self._free)
 
     @property
-    def num_used_blocks(self) -> int:
-        return len(self._used)
-
-    @property
     def capacity_tokens(self) -> int:
         """Token slots in the whole cache: num_blocks * block_size."""
         return self.num_blocks * self.block_size
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
-        return blocks_for(num_tokens, self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def _take(self, n: int, seq: Sequence) -> list[int]:
         if n > len(self._free):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tpengine.config import EngineConfig
 from tpengine.distributed import TPInfo, init_distributed
+from tpengine.engine.detokenizer import IncrementalDetokenizer
 from tpengine.engine.model_runner import ModelRunner
 from tpengine.engine.outputs import RequestOutput
 from tpengine.engine.sampler import Sampler
@@ -23,7 +24,7 @@ from tpengine.engine.sampling_params import SamplingParams
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.step import StepKind, StepPlan, broadcast_plan, build_plan
-from tpengine.frontend.detokenizer import IncrementalDetokenizer
+from tpengine.errors import UserError
 from tpengine.surgery import check_model_limits
 
 
@@ -70,14 +71,14 @@ class LLMEngine:
         config: engine settings; ``config.model`` is a full HF folder or a shard folder.
         tokenizer: optional tokenizer for rank 0 (default: loaded from ``config.model``).
 
+    A step whose sequences are all greedy takes the argmax on each rank's vocabulary shard (no
+    logits gathered, no Sampler call); other steps gather the logits to rank 0 and sample there.
+
     Raises:
         tpengine.loader.CheckpointMismatchError, FileNotFoundError: bad model folder.
+        tpengine.errors.UserError: ``max_model_len`` beyond the model's limit, or a model feature
+            tpengine does not support (from ``check_model_limits``).
     """
-
-    #: Steps whose sequences are all greedy take the argmax on each rank's vocabulary shard
-    #: (no logits gathered, no Sampler call). Set False on rank 0 to route every step's logits
-    #: through ``Sampler.sample`` (e.g. a test that records them); the tokens are the same.
-    argmax_on_ranks: bool = True
 
     def __init__(self, config: EngineConfig, tokenizer=None):
         from transformers import AutoConfig
@@ -85,12 +86,13 @@ class LLMEngine:
         hf_config = AutoConfig.from_pretrained(config.model)
         if config.max_model_len is None:  # as vLLM: the model's own context length
             config = config.replace(max_model_len=int(getattr(hf_config, "max_position_embeddings", 2048)))
-        check_model_limits(hf_config, config.max_model_len)
+        try:
+            check_model_limits(hf_config, config.max_model_len)
+        except ValueError as e:  # the settings do not fit this model: the user's to fix
+            raise UserError(str(e)) from e
         self.config = config
         self.tp: TPInfo = init_distributed(config.dist_timeout_s)
         self.runner = ModelRunner(config, self.tp)
-        self._fault = self._parse_fault(config.fault_inject)
-        self._decode_steps = 0
         if not self.is_driver:
             return
         from transformers import AutoTokenizer
@@ -113,19 +115,6 @@ class LLMEngine:
     def is_driver(self) -> bool:
         return self.tp.is_driver
 
-    @staticmethod
-    def _parse_fault(spec: str | None) -> tuple[int, int] | None:
-        if not spec:
-            return None
-        rank, step = spec.split(":")
-        return int(rank), int(step)
-
-    def _maybe_fault(self, plan: StepPlan) -> None:
-        if plan.kind == StepKind.DECODE:
-            self._decode_steps += 1
-            if self._fault and self._fault == (self.tp.rank, self._decode_steps):
-                raise RuntimeError(f"injected fault on rank {self.tp.rank} at decode step {self._decode_steps}")
-
     # ------------------------------------------------------------------ driver API
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request (rank 0). One that cannot run (too long for max_model_len or the
@@ -141,8 +130,7 @@ class LLMEngine:
         except ValueError as e:
             self._pending.append(RequestOutput(request_id, list(prompt_token_ids), error=str(e), error_field="prompt"))
             return
-        self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
-                                                         params.skip_special_tokens)
+        self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
 
     def has_unfinished(self) -> bool:
         return bool(self._pending) or self.scheduler.has_unfinished
@@ -154,26 +142,26 @@ class LLMEngine:
         if not self.scheduler.has_unfinished:
             return done
         seqs, is_prefill = self.scheduler.schedule()
-        greedy = self.argmax_on_ranks and all(s.params.temperature == 0.0 for s in seqs)
+        greedy = all(s.params.temperature == 0.0 for s in seqs)
         plan = broadcast_plan(build_plan(seqs, is_prefill, self.config.block_size, self._steps, greedy))
-        self._maybe_fault(plan)
         out = self.runner.execute(plan)
         tokens = out.tolist() if plan.greedy else self.sampler.sample(out, seqs)
         self._steps += 1
         self._prefill_steps += is_prefill
         self._prompt_tokens += int(plan.input_ids.numel()) if is_prefill else 0
         self._output_tokens += len(tokens)
-        finished = self.scheduler.postprocess(seqs, tokens)
-        for seq, tok in zip(seqs, tokens):
-            if seq in finished and seq.finish_reason == "stop":
-                continue  # ended on an EOS / stop-token id: it stays in token_ids, not in text
-            detok = self._detok[seq.seq_id]
-            detok.append(tok)
-            if detok.stopped:
-                if seq not in finished:
-                    finished.append(seq)
-                self.scheduler.finish(seq, "stop")
+        stopped = [self._detokenize(seq, tok) for seq, tok in zip(seqs, tokens)]
+        finished = self.scheduler.postprocess(seqs, tokens, stopped)
         return done + [self._output(s) for s in finished]
+
+    def _detokenize(self, seq: Sequence, token_id: int) -> bool:
+        """Feed ``token_id`` to ``seq``'s detokenizer; True when a stop string matched. A token
+        that ends ``seq`` as an EOS / stop-token id is not fed: it stays in token_ids, not text."""
+        if seq.is_finished or self.scheduler.is_stop_token(seq, token_id):
+            return False
+        detok = self._detok[seq.seq_id]
+        detok.append(token_id)
+        return detok.stopped
 
     def _output(self, seq: Sequence) -> RequestOutput:
         detok = self._detok.pop(seq.seq_id)
@@ -222,7 +210,6 @@ class LLMEngine:
             plan = broadcast_plan(None)
             if plan.kind == StepKind.STOP:
                 return
-            self._maybe_fault(plan)
             self.runner.execute(plan)
 
     def shutdown(self) -> None:

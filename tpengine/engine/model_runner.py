@@ -16,7 +16,7 @@ from tpengine.engine.context import Context, set_context
 from tpengine.engine.cuda_graphs import CUDAGraphRunner
 from tpengine.engine.step import StepKind, StepPlan
 from tpengine.kernels import cpu_native, get_backend, kv_mirror
-from tpengine.layers.comm import init_shm
+from tpengine.shm import init_shm
 from tpengine.loader import load_model
 from tpengine.surgery import fuse_layers, pack_cpu_weights
 

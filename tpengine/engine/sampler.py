@@ -82,15 +82,14 @@ class Sampler:
         return seq.generator
 
     @torch.no_grad()
-    def sample(
-        self, logits: torch.Tensor, seqs: list[Sequence], vocab_size: int | None = None
-    ) -> list[int]:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Sample one token id per row.
 
         Args:
-            logits: float ``[len(seqs), V]`` next-token logits, row i for ``seqs[i]``.
+            logits: float ``[len(seqs), V]`` next-token logits, row i for ``seqs[i]``, over the
+                real vocabulary (the LM head drops the padding columns, so a padded id is never
+                sampled).
             seqs: the sequences (their ``params`` and generators are used).
-            vocab_size: if given, columns ``>= vocab_size`` (vocab padding) are never chosen.
 
         Greedy rows (temperature 0) take the argmax, all in one op. Other rows: logits /
         temperature, then top-k, top-p, min-p, then ``torch.multinomial`` with the sequence's
@@ -101,20 +100,13 @@ class Sampler:
             ``len(seqs)`` token ids.
 
         Raises:
-            ValueError: ``logits`` is not 2-D with one row per sequence, or ``vocab_size``
-                is < 1.
+            ValueError: ``logits`` is not 2-D with one row per sequence.
         """
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(
                 f"logits shape {tuple(logits.shape)} does not match {len(seqs)} sequences"
             )
         logits = logits.float()
-        if vocab_size is not None:
-            if vocab_size < 1:
-                raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-            if vocab_size < logits.shape[1]:
-                logits = logits.clone()
-                logits[:, vocab_size:] = float("-inf")
         out: list[int] = [0] * len(seqs)
         greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0.0]
         if greedy:

@@ -89,10 +89,6 @@ class Scheduler:
             raise ValueError(f"seq {seq.seq_id} is {seq.status.name}, not a new request")
         self.waiting.append(seq)
 
-    def is_finished(self) -> bool:
-        """True when no sequence is waiting or running."""
-        return not self.waiting and not self.running
-
     @property
     def has_unfinished(self) -> bool:
         """True while some sequence is waiting or running (a property, not a method)."""
@@ -178,26 +174,41 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ---- results ----------------------------------------------------------------------------
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Append one sampled token per sequence (same order as ``schedule`` returned) and
-        finish those that stop. Sequences finished meanwhile (``finish``) are skipped.
+    def is_stop_token(self, seq: Sequence, token_id: int) -> bool:
+        """True if ``token_id`` ends ``seq`` with "stop": an EOS id (unless ``params.ignore_eos``)
+        or one of ``params.stop_token_ids``. Such a token is kept in ``token_ids`` but never
+        detokenized into the text."""
+        p = seq.params
+        return (token_id in self.eos_token_ids and not p.ignore_eos) or token_id in p.stop_token_ids
 
-        Finish rules: "stop" if the token is an EOS id (unless ``params.ignore_eos``) or in
-        ``params.stop_token_ids``; else "length" if ``max_tokens`` tokens were generated, the
-        sequence reached ``max_model_len`` or outgrew the whole KV cache.
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], stopped: list[bool]) -> list[Sequence]:
+        """Append one sampled token per sequence (same order as ``schedule`` returned) and
+        finish those that stop: the one place a step ends sequences. Sequences finished
+        meanwhile (``finish``) are skipped.
+
+        Args:
+            seqs: the step's batch.
+            token_ids: the sampled token per sequence.
+            stopped: per sequence, whether its text (the detokenizer, after this token) matched
+                one of ``params.stop``.
+
+        Finish rules, first that applies: "stop" if :meth:`is_stop_token`; "stop" if
+        ``stopped``; "length" if ``max_tokens`` tokens were generated, the sequence reached
+        ``max_model_len`` or outgrew the whole KV cache.
 
         Returns:
             the sequences finished by this call (blocks already returned).
 
         Raises:
-            ValueError: ``seqs`` and ``token_ids`` differ in length.
+            ValueError: ``seqs``, ``token_ids`` and ``stopped`` differ in length.
         """
-        if len(seqs) != len(token_ids):
-            raise ValueError(f"{len(seqs)} sequences but {len(token_ids)} sampled tokens")
+        if not len(seqs) == len(token_ids) == len(stopped):
+            raise ValueError(f"{len(seqs)} sequences but {len(token_ids)} sampled tokens and "
+                             f"{len(stopped)} stop-string results")
         now = time.monotonic()
         finished: list[Sequence] = []
         cache_tokens = self.block_manager.capacity_tokens
-        for seq, tok in zip(seqs, token_ids):
+        for seq, tok, stop_string in zip(seqs, token_ids, stopped):
             if seq.is_finished:
                 continue
             tok = int(tok)
@@ -207,7 +218,7 @@ class Scheduler:
                 seq.first_token_time = now
             p = seq.params
             reason = None
-            if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            if self.is_stop_token(seq, tok) or stop_string:
                 reason = "stop"
             elif (
                 seq.num_completion_tokens >= p.max_tokens
@@ -221,9 +232,9 @@ class Scheduler:
         return finished
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End ``seq`` now (stop string matched, abort, ...): remove it from its queue, free its
-        blocks, set ``finish_reason``. On an already finished sequence only the reason changes
-        (e.g. a stop string found in the token that also hit max_tokens).
+        """End ``seq`` now (called by :meth:`postprocess`, or from outside to abort): remove it
+        from its queue, free its blocks, set ``finish_reason``. On an already finished sequence
+        only the reason changes.
 
         Raises:
             ValueError: ``reason`` is not "stop", "length" or "abort".

@@ -8,6 +8,7 @@ import time
 import torch
 
 from tpengine.engine.sampling_params import SamplingParams
+from tpengine.utils import cdiv
 
 
 class SequenceStatus(enum.Enum):
@@ -97,21 +98,12 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
-    def last_token_id(self) -> int:
-        """The newest token (the input of the next decode step).
-
-        Raises:
-            IndexError: the sequence has no tokens.
-        """
-        return self.token_ids[-1]
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
     def num_blocks(self, block_size: int) -> int:
         """KV blocks needed to hold all ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
-        return (self.num_tokens + block_size - 1) // block_size
+        return cdiv(self.num_tokens, block_size)
 
     def append_token(self, token_id: int) -> None:
         """Append one generated token (its K/V is not in the cache yet)."""

@@ -18,6 +18,25 @@ from tpengine.distributed import broadcast_control, get_tp
 MAGIC = 0x7E57E9
 HEADER_LEN = 7  # magic, kind, num_tokens N, num_seqs B, max_blocks M, step index, greedy
 
+#: The payload: StepPlan tensor fields in order, each with its length for (N, B, M) = (tokens,
+#: sequences, block-table width). The one definition used by pack, unpack and broadcast_plan.
+PAYLOAD_FIELDS = (
+    ("input_ids", lambda n, b, m: n),
+    ("positions", lambda n, b, m: n),
+    ("slot_mapping", lambda n, b, m: n),
+    ("block_tables", lambda n, b, m: b * m),
+    ("cu_seqlens_q", lambda n, b, m: b + 1),
+    ("cu_seqlens_k", lambda n, b, m: b + 1),
+    ("context_lens", lambda n, b, m: b),
+    ("sample_idx", lambda n, b, m: b),
+)
+
+
+def payload_sizes(n: int, b: int, m: int) -> list[int]:
+    """Lengths of the :data:`PAYLOAD_FIELDS` for ``n`` tokens, ``b`` sequences and a block table
+    ``m`` blocks wide (their sum is the payload length: ``3n + b*m + 2(b+1) + 2b``)."""
+    return [size(n, b, m) for _, size in PAYLOAD_FIELDS]
+
 
 class StepKind(enum.IntEnum):
     PREFILL = 1
@@ -87,13 +106,12 @@ def build_plan(seqs, is_prefill: bool, block_size: int, step: int, greedy: bool 
 
 
 def pack(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(header [HEADER_LEN], payload [3N + B*M + 2(B+1) + 2B])`` int64 tensors."""
+    """``(header [HEADER_LEN], payload [sum(payload_sizes(N, B, M))])`` int64 tensors."""
     if plan.kind == StepKind.STOP:
         return torch.tensor([MAGIC, plan.kind, 0, 0, 0, plan.step, 0]), torch.empty(0, dtype=torch.int64)
     n, (b, m) = plan.input_ids.numel(), plan.block_tables.shape
     header = torch.tensor([MAGIC, int(plan.kind), n, b, m, plan.step, int(plan.greedy)], dtype=torch.int64)
-    payload = torch.cat([plan.input_ids, plan.positions, plan.slot_mapping, plan.block_tables.flatten(),
-                         plan.cu_seqlens_q, plan.cu_seqlens_k, plan.context_lens, plan.sample_idx])
+    payload = torch.cat([getattr(plan, name).flatten() for name, _ in PAYLOAD_FIELDS])
     return header, payload
 
 
@@ -109,11 +127,9 @@ def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
         raise RuntimeError(f"corrupt StepPlan header {header.tolist()}: ranks are out of lockstep")
     if kind == StepKind.STOP:
         return StepPlan(kind=StepKind.STOP, step=step)
-    sizes = [n, n, n, b * m, b + 1, b + 1, b, b]
-    ids, pos, slots, tables, cu_q, cu_k, ctx, sample = torch.split(payload, sizes)
-    return StepPlan(kind=StepKind(kind), step=step, input_ids=ids, positions=pos, slot_mapping=slots,
-                    block_tables=tables.view(b, m), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                    context_lens=ctx, sample_idx=sample, greedy=bool(greedy))
+    parts = dict(zip((name for name, _ in PAYLOAD_FIELDS), torch.split(payload, payload_sizes(n, b, m))))
+    parts["block_tables"] = parts["block_tables"].view(b, m)
+    return StepPlan(kind=StepKind(kind), step=step, greedy=bool(greedy), **parts)
 
 
 def broadcast_plan(plan: StepPlan | None) -> StepPlan:
@@ -129,6 +145,6 @@ def broadcast_plan(plan: StepPlan | None) -> StepPlan:
         return plan
     header = broadcast_control(torch.empty(HEADER_LEN, dtype=torch.int64))
     _, kind, n, b, m, _, _ = header.tolist()
-    size = 0 if kind == StepKind.STOP else 3 * n + b * m + 2 * (b + 1) + 2 * b
+    size = 0 if kind == StepKind.STOP else sum(payload_sizes(n, b, m))
     payload = broadcast_control(torch.empty(size, dtype=torch.int64)) if size else torch.empty(0, dtype=torch.int64)
     return unpack(header, payload)

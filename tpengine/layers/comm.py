@@ -1,162 +1,24 @@
 """The activation collectives of the parallel layers: all-reduce and gather-to-rank-0.
 
-By default they are :mod:`tpengine.distributed`'s (gloo on CPU, NCCL on CUDA). On CPU, when every
-rank runs on this host, the model runner switches them to :class:`ShmComm`: each rank copies its
-tensor into its slot of one shared-memory file, publishes a generation counter, and reads the
-other ranks' slots once their counters arrive. Gloo needs ~1 ms per all-reduce even for a
-64 x 576 tensor on this 2-core VM (thread wake-ups around its TCP transport); a decode step
-runs 2 all-reduces per layer, so that alone was ~70 ms per step at tp=2. Shared memory takes
-microseconds.
-
-Protocol (call ``g`` = this rank's g-th collective; all ranks make the same calls in the same
-order, as every rank runs the same step): wait until every rank has *started* call ``g - 1``
-(so nobody still reads the buffer about to be reused), copy the tensor into this rank's slot of
-buffer ``g % 2``, set ``flag[rank] = g``; an all-reduce then waits for every flag ``>= g`` and
-sums the slots in rank order (so every rank gets bit-identical results); a gather waits on
-rank 0 only. Stores become visible in program order on x86-64 (TSO), the only architecture this
-is enabled on. A peer that dies or stalls past the timeout raises RuntimeError (bounded wait).
+They go through the comm installed at start-up (:func:`tpengine.distributed.activation_comm`:
+shared memory, see :mod:`tpengine.shm`) when there is one, else torch.distributed's (gloo on
+CPU, NCCL on CUDA).
 """
 
 from __future__ import annotations
-
-import os
-import platform
-import random
-import time
 
 import torch
 
 from tpengine import distributed as dist
 
-HEADER = 4096  # flags and pids, one 64-byte line per rank (up to 64 ranks)
-
-
-class ShmComm:
-    """Collectives over one shared-memory file for ``size`` ranks of this host.
-
-    Args:
-        rank, size: this rank and the group size.
-        path: the file (``/dev/shm/...``), created by rank 0 before the others open it.
-        slot_bytes: the largest tensor it carries; larger ones go through gloo (the same
-            decision on every rank, as it depends only on the shape).
-        timeout_s: longest wait for the other ranks.
-    """
-
-    def __init__(self, rank: int, size: int, path: str, slot_bytes: int, timeout_s: float):
-        self.rank, self.size, self.timeout_s = rank, size, timeout_s
-        self.slot_bytes = -(-slot_bytes // 64) * 64
-        total = HEADER + 2 * size * self.slot_bytes
-        self.buf = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-        header = self.buf[:HEADER].view(torch.int64)[: size * 8].view(size, 8)  # one 64-byte line per rank
-        self.flags = header[:, 0].numpy()  # generation counters (numpy: cheap polling)
-        self.pids = header[:, 1].numpy()
-        self.pids[rank] = os.getpid()
-        self.gen = 0
-
-    def _slot(self, gen: int, rank: int, t: torch.Tensor) -> torch.Tensor:
-        start = HEADER + ((gen % 2) * self.size + rank) * self.slot_bytes
-        return self.buf[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-
-    def _wait(self, gen: int, ranks) -> None:
-        flags = self.flags
-        if all(flags[r] >= gen for r in ranks):
-            return
-        start, spins = time.monotonic(), 0
-        while not all(flags[r] >= gen for r in ranks):
-            spins += 1
-            if spins % 64 == 0:
-                os.sched_yield()  # give the core back if the machine is oversubscribed
-            if spins % 4096 == 0:
-                self._check_peers(start)
-
-    def _check_peers(self, start: float) -> None:
-        for r in range(self.size):
-            pid = int(self.pids[r])
-            if r != self.rank and pid:
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    raise RuntimeError(f"rank {r} (pid {pid}) exited during a collective") from None
-                except PermissionError:
-                    pass
-        if time.monotonic() - start > self.timeout_s:
-            raise RuntimeError(f"rank {self.rank}: no peer progress in a shared-memory collective for "
-                               f"{self.timeout_s:.0f} s")
-
-    def _fits(self, t: torch.Tensor) -> bool:
-        return t.is_contiguous() and t.numel() * t.element_size() <= self.slot_bytes
-
-    def _publish(self, t: torch.Tensor) -> int:
-        self.gen += 1
-        g = self.gen
-        self._wait(g - 1, range(self.size))  # nobody still reads buffer g % 2 from call g - 2
-        self._slot(g, self.rank, t).copy_(t)
-        self.flags[self.rank] = g
-        return g
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over the ranks, in place (same contract as :func:`tpengine.distributed.all_reduce`)."""
-        if not self._fits(t):
-            return dist.all_reduce(t)
-        g = self._publish(t)
-        self._wait(g, range(self.size))
-        torch.add(self._slot(g, 0, t), self._slot(g, 1, t), out=t)
-        for r in range(2, self.size):
-            t.add_(self._slot(g, r, t))
-        return t
-
-    def gather_to_driver(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
-        """Every rank's ``t`` concatenated along ``dim`` on rank 0, None elsewhere."""
-        if not self._fits(t):
-            return dist.gather_to_driver(t, dim)
-        g = self._publish(t)
-        if self.rank != 0:
-            return None
-        self._wait(g, range(self.size))
-        return torch.cat([self._slot(g, r, t) for r in range(self.size)], dim=dim)
-
-
-_SHM: ShmComm | None = None
-
-
-def shm_supported(tp: dist.TPInfo) -> bool:
-    """CPU, more than one rank, all on this host (torchrun's LOCAL_WORLD_SIZE), x86-64."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-    return (tp.device.type == "cpu" and 1 < tp.size <= HEADER // 64 and local == tp.size
-            and platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm"))
-
-
-def init_shm(tp: dist.TPInfo, slot_bytes: int, timeout_s: float) -> bool:
-    """Collective (every rank calls it): switch :func:`all_reduce` and :func:`gather_to_driver` to
-    shared memory when :func:`shm_supported`. Rank 0 creates the file and broadcasts its name; it
-    is unlinked once every rank has mapped it. Returns whether shared memory is in use."""
-    global _SHM
-    _SHM = None
-    if not shm_supported(tp):
-        return False
-    token = torch.tensor([random.getrandbits(62) if tp.is_driver else 0], dtype=torch.int64)
-    path = f"/dev/shm/tpengine-{int(dist.broadcast_control(token)):x}"
-    if tp.is_driver:
-        try:
-            comm = ShmComm(tp.rank, tp.size, path, slot_bytes, timeout_s)
-            dist.all_reduce_min(0)  # created ...
-            dist.all_reduce_min(0)  # ... and mapped by everyone
-        finally:  # the mappings outlive the name; never leave the file behind, even on failure
-            if os.path.exists(path):
-                os.unlink(path)
-    else:
-        dist.all_reduce_min(0)
-        comm = ShmComm(tp.rank, tp.size, path, slot_bytes, timeout_s)
-        dist.all_reduce_min(0)
-    _SHM = comm
-    return True
-
 
 def all_reduce(t: torch.Tensor) -> torch.Tensor:
-    """Sum ``t`` in place over all ranks; no-op at size 1."""
-    return _SHM.all_reduce(t) if _SHM is not None else dist.all_reduce(t)
+    """Sum ``t`` in place over all ranks; no-op at size 1. Returns ``t``."""
+    comm = dist.activation_comm()
+    return comm.all_reduce(t) if comm is not None else dist.all_reduce(t)
 
 
 def gather_to_driver(t: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
     """Concatenate every rank's ``t`` along ``dim`` on rank 0 (None elsewhere); ``t`` at size 1."""
-    return _SHM.gather_to_driver(t, dim) if _SHM is not None else dist.gather_to_driver(t, dim)
+    comm = dist.activation_comm()
+    return comm.gather_to_driver(t, dim) if comm is not None else dist.gather_to_driver(t, dim)
