@@ -1,5 +1,10 @@
 """Helpers shared by the ``tpengine-shard`` commands: user errors, atomic output folders,
-hashing, and which checkpoint files are weights."""
+hashing, and which checkpoint files are weights.
+
+A user's mistake is a :class:`tpengine.errors.UserError` (re-exported here as ``UserError``), the
+same type the main job uses; :func:`user_errors` turns it into one ``error:`` line. Any other
+exception is a failure of the tool and keeps its traceback.
+"""
 
 from __future__ import annotations
 
@@ -14,16 +19,18 @@ from typing import NoReturn
 
 import typer
 
+from tpengine.errors import UserError
+
 # Files that hold weights (never copied as "side files" by split).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 SKIP_FILES = {"model.safetensors.index.json", "pytorch_model.bin.index.json", "manifest.json"}
 
 
-class UserError(Exception):
-    """A mistake in the user's input (bad path, bad value); reported as one line, no traceback."""
+#: Exit code of ``tpengine-shard`` for a user's mistake (the tests of the shard tool pin 1).
+USER_ERROR_EXIT = 1
 
 
-def fail(message: str, code: int = 1) -> NoReturn:
+def fail(message: str, code: int = USER_ERROR_EXIT) -> NoReturn:
     """Print ``message`` as one line on stderr and exit with ``code`` (no traceback)."""
     print(f"error: {message}", file=sys.stderr)
     raise typer.Exit(code)
@@ -31,11 +38,12 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """Turn :class:`UserError`, ``ValueError`` and ``FileNotFoundError`` raised inside the block
-    into :func:`fail` (one line on stderr, exit code 1)."""
+    """Turn a :class:`UserError` raised inside the block, or a ``FileNotFoundError`` (a path the
+    user gave, or a file a checkpoint it names, does not exist), into :func:`fail`: one line on
+    stderr, exit code :data:`USER_ERROR_EXIT`. Anything else propagates (a traceback)."""
     try:
         yield
-    except (UserError, ValueError, FileNotFoundError) as e:
+    except (UserError, FileNotFoundError) as e:
         fail(str(e))
 
 

@@ -43,3 +43,19 @@ def test_load_config_file_and_overrides(tmp_path):
         load_config(p)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_config(tmp_path / "missing.toml")
+
+
+def test_dtype_tables_and_torch_dtype():
+    import torch
+
+    from tpengine.config import DTYPE_BYTES, DTYPES, WEIGHT_DTYPES, torch_dtype
+
+    assert DTYPES == ("auto", *WEIGHT_DTYPES) and set(DTYPE_BYTES) == set(WEIGHT_DTYPES)
+    for name in WEIGHT_DTYPES:
+        assert torch_dtype(name).itemsize == DTYPE_BYTES[name]
+    assert torch_dtype("bfloat16") is torch.bfloat16
+    with pytest.raises(ValueError) as e:
+        torch_dtype("int8")
+    assert str(e.value) == "invalid dtype 'int8': must be one of float32, bfloat16, float16"
+    with pytest.raises(ValueError, match=r"unknown engine setting\(s\) \['fault_inject'\]"):
+        load_config(None, fault_inject="1:3")  # a test worker's patch now, not a setting

@@ -14,7 +14,6 @@ from tpengine.frontend.output import (
     make_record,
     openai_error_record,
     read_done,
-    read_done_ids,
     simple_record,
 )
 from tpengine.frontend.progress import ProgressReporter, percentile
@@ -85,7 +84,7 @@ def test_writer_appends_and_flushes(tmp_path):
     w.close()
     with OutputWriter(p, append=True) as w2:
         w2.write(error_record("c", "bad"))
-    assert read_done_ids(p) == {"a", "b", "c"}
+    assert read_done(p)[0] == {"a", "b", "c"}
     OutputWriter(p).close()  # not appending: truncates
     assert p.read_text() == ""
 
@@ -103,18 +102,18 @@ def test_read_done_ids_truncated_last_line(tmp_path):
             openai_error_record("cid", 3, "bad", code="request_failed")]
     text = "".join(json.dumps(r) + "\n" for r in good)
     p.write_text(text + '{"id": "d", "text": "cut by a cra')
-    assert read_done_ids(p) == {"a", "b", "cid"}
+    assert read_done(p)[0] == {"a", "b", "cid"}
     assert p.read_text() == text  # the torn line is gone; appends start on a clean line
     with OutputWriter(p, append=True) as w:
         w.write(error_record("d", "x"))
-    assert read_done_ids(p) == {"a", "b", "cid", "d"}
-    assert read_done_ids(tmp_path / "missing.jsonl") == set()
+    assert read_done(p)[0] == {"a", "b", "cid", "d"}
+    assert read_done(tmp_path / "missing.jsonl")[0] == set()
 
 
 def test_read_done_ids_no_repair_and_junk(tmp_path):
     p = tmp_path / "out.jsonl"
     p.write_text('{"id": "a"}\nnot json\n[1]\n{"id": "b"')
-    assert read_done_ids(p, repair=False) == {"a"}
+    assert read_done(p, repair=False)[0] == {"a"}
     assert p.read_text().endswith('{"id": "b"')
 
 

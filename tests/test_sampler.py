@@ -83,15 +83,35 @@ def test_sampled_distribution_respects_top_k():
 
 
 def test_padded_vocab_columns_never_sampled_c01():
-    real = 45
-    x = logits(2, seed=8)
-    x[:, real:] = 50.0  # padded columns with large logits
+    """The LM head cuts the padding columns before the Sampler sees the logits (sampling and
+    the greedy argmax on the ranks): padded rows with large logits are never chosen."""
+    from tpengine.layers.embedding import ParallelLMHead
+
+    real, padded, hidden = 45, V, 8
+    head = ParallelLMHead(0, padded, real, hidden, dtype=torch.float32, device="cpu")
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(padded, hidden, generator=g))
+        head.weight[real:] = 50.0  # padded rows: large logits for a positive hidden state
+    h = torch.rand(2, hidden, generator=g) + 0.5
+    x = head(h)
+    assert x.shape == (2, real)
     s = Sampler()
     seqs = [mk(0, temperature=1.0), mk(1, temperature=1.0, seed=3)]
-    draws = [t for _ in range(200) for t in s.sample(x, seqs, vocab_size=real)]
+    draws = [t for _ in range(200) for t in s.sample(x, seqs)]
     assert max(draws) < real
-    assert max(s.sample(x, [mk(2, temperature=0)] * 2, vocab_size=real)) < real
-    assert x[0, real] == 50.0  # caller's logits untouched
+    assert max(s.sample(x, [mk(2, temperature=0)] * 2)) < real
+    assert max(head.greedy(h).tolist()) < real
+    assert (head.weight[real:] == 50.0).all()  # the padded rows themselves are untouched
+
+
+def test_sampling_keys_are_sampling_params_fields():
+    from dataclasses import fields
+
+    from tpengine.engine.sampling_params import SAMPLING_KEYS
+
+    assert set(SAMPLING_KEYS) <= {f.name for f in fields(SamplingParams)}
+    assert SAMPLING_KEYS == ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos")
 
 
 def test_row_max_equals_torch_max_with_ties_infinities_and_nan():

@@ -28,8 +28,10 @@ def fake(s: Sequence) -> int:
     return s.seq_id * 100 + s.num_tokens
 
 
-def step(sched: Scheduler, token_fn=fake, log=None):
-    """One engine step with invariant checks; returns (batch, is_prefill, finished)."""
+def step(sched: Scheduler, token_fn=fake, log=None, stop_fn=None):
+    """One engine step with invariant checks; returns (batch, is_prefill, finished).
+    ``stop_fn(seq)``: whether the new token makes the seq's text match a stop string (as the
+    engine's detokenizer reports it; default never)."""
     bm = sched.block_manager
     batch, is_prefill = sched.schedule()
     assert len(batch) <= sched.max_num_seqs
@@ -47,7 +49,8 @@ def step(sched: Scheduler, token_fn=fake, log=None):
     assert all(not s.block_table for s in sched.waiting)
     if log is not None:
         log.append((is_prefill, [(s.seq_id, s.num_tokens, s.num_completion_tokens) for s in batch]))
-    finished = sched.postprocess(batch, [token_fn(s) for s in batch])
+    stopped = [bool(stop_fn and stop_fn(s)) for s in batch]
+    finished = sched.postprocess(batch, [token_fn(s) for s in batch], stopped)
     return batch, is_prefill, finished
 
 
@@ -74,7 +77,7 @@ def test_prefill_bounded_by_max_num_seqs_then_decode():
     batch, pre, _ = step(sched)
     assert pre and [s.seq_id for s in batch] == [3, 4]
     drain(sched)
-    assert sched.block_manager.num_free_blocks == 64 and sched.is_finished()
+    assert sched.block_manager.num_free_blocks == 64 and not sched.has_unfinished
 
 
 def test_prefill_bounded_by_max_num_batched_tokens():
@@ -158,14 +161,16 @@ def test_200_mixed_requests_no_block_leak_c14(num_blocks):
                 if kind == "abort" and k % 2:
                     sched.finish(s, "abort")  # aborted while still waiting
                 sid += 1
+        def stop_fn(s):  # a "stop string" found by the detokenizer in the k-th token
+            kind, k = plan[s.seq_id]
+            return kind == "ext" and s.num_completion_tokens + 1 == k
+
         for _ in range(3):
             if not sched.has_unfinished:
                 break
-            batch, _, _ = step(sched, token_fn)
-            for s in batch:  # a "stop string" found by the detokenizer after k tokens
+            batch, _, _ = step(sched, token_fn, stop_fn=stop_fn)
+            for s in batch:
                 kind, k = plan[s.seq_id]
-                if kind == "ext" and s.num_completion_tokens == k:
-                    sched.finish(s, "stop")
                 if kind == "abort" and s.num_completion_tokens == 1:
                     sched.finish(s, "abort")
     assert rejected == 34 and len(seqs) == 166
@@ -225,7 +230,7 @@ def test_max_model_len_and_cache_caps_give_length():
     drain(small)  # a lone sequence stops when it no longer fits the whole cache
     assert (t.finish_reason, t.num_completion_tokens) == ("length", 1)
     assert (u.finish_reason, u.num_tokens) == ("length", 9)
-    assert small.block_manager.num_free_blocks == 2 and small.is_finished()
+    assert small.block_manager.num_free_blocks == 2 and not small.has_unfinished
 
 
 def test_finish_from_outside_and_postprocess_validation():
@@ -236,11 +241,27 @@ def test_finish_from_outside_and_postprocess_validation():
     sched.finish(a, "abort")
     assert a.is_finished and a.block_table == [] and a not in sched.running
     assert sched.block_manager.num_free_blocks == 16 - 2
-    assert sched.postprocess([a], [1]) == [] and a.num_completion_tokens == 1  # skipped
+    assert sched.postprocess([a], [1], [False]) == [] and a.num_completion_tokens == 1  # skipped
     with pytest.raises(ValueError, match="finish reason"):
         sched.finish(b, "oops")
     with pytest.raises(ValueError, match="sampled tokens"):
-        sched.postprocess([b], [])
+        sched.postprocess([b], [], [])
+    with pytest.raises(ValueError, match="1 sequences but 1 sampled tokens and 0 stop-string results"):
+        sched.postprocess([b], [5], [])
     drain(sched)
     assert b.first_token_time is not None and b.finish_time >= b.first_token_time
     assert sched.block_manager.num_free_blocks == 16
+
+
+def test_finish_reasons_in_postprocess():
+    """A stop id wins over a stop string (the id stays in token_ids); a stop string on the token
+    that also reaches max_tokens gives "stop"; otherwise "length"."""
+    sched = Scheduler(cfg(), 16, eos_token_ids={7})
+    a, b, c = seq(0, 3, max_tokens=1), seq(1, 3, max_tokens=1), seq(2, 3, max_tokens=1, stop_token_ids=(9,))
+    [sched.add(s) for s in (a, b, c)]
+    batch, _ = sched.schedule()
+    assert sched.is_stop_token(a, 7) and sched.is_stop_token(c, 9) and not sched.is_stop_token(b, 9)
+    assert sched.postprocess(batch, [5, 5, 9], [True, False, True]) == [a, b, c]
+    assert [(s.finish_reason, s.completion_token_ids) for s in (a, b, c)] == [
+        ("stop", [5]), ("length", [5]), ("stop", [9])]
+    assert not sched.has_unfinished and sched.block_manager.num_free_blocks == 16

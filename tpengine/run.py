@@ -6,10 +6,11 @@
 Every rank parses the arguments and validates the whole request file before the model loads,
 so on bad input all ranks exit with code 2 before any collective. Rank 0 tokenizes, writes one
 flushed record per finished request (``--out``, default rank 0's stdout), shows progress and a
-summary on stderr. A file with no request lines (only blank ones) loads no model: rank 0 prints
+summary on stderr (including every rank's peak resident memory). A file with no request lines (only blank ones) loads no model: rank 0 prints
 ``no requests in PATH: nothing to do`` and leaves ``--out`` empty; with ``--skip-invalid`` and
 every line invalid, rank 0 writes only the error records, also without a model. Exit codes: 0 done
-(per-request errors are records, not failures), 2 bad input or settings, 1 a failure while running.
+(per-request errors are records, not failures), 2 bad input or settings (a
+:class:`tpengine.errors.UserError`), 1 any other failure.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from tpengine.config import EngineConfig, load_config
 from tpengine.engine.outputs import RequestOutput
-from tpengine.engine.sampling_params import SamplingParams
+from tpengine.engine.sampling_params import SAMPLING_KEYS, SamplingParams
+from tpengine.errors import UserError
 from tpengine.frontend.output import (
     OutputWriter,
     error_record,
@@ -43,13 +45,7 @@ from tpengine.frontend.requests import (
     parse_requests,
     to_token_ids,
 )
-from tpengine.loader import CheckpointMismatchError
-
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "ignore_eos")
-
-
-class UsageError(Exception):
-    """Bad arguments, settings or request lines: exit code 2 on every rank."""
+from tpengine.memory import gather_peak_rss
 
 
 def resolve_model_dir(model: str, world_size: int) -> str:
@@ -62,24 +58,24 @@ def sampling_defaults(config_path: str | os.PathLike | None, **cli: Any) -> dict
     """SamplingParams defaults: the config file's ``[sampling]`` table, then non-None ``cli``.
 
     Raises:
-        UsageError: an unknown ``[sampling]`` key or an invalid value (names both).
+        UserError: an unknown ``[sampling]`` key or an invalid value (names both).
     """
     values: dict[str, Any] = {}
     if config_path is not None and Path(config_path).is_file():
         try:
             table = tomllib.loads(Path(config_path).read_text()).get("sampling", {})
         except tomllib.TOMLDecodeError as e:
-            raise UsageError(f"config file {str(config_path)!r} is not valid TOML: {e}") from None
+            raise UserError(f"config file {str(config_path)!r} is not valid TOML: {e}") from None
         unknown = sorted(set(table) - set(SAMPLING_KEYS))
         if unknown:
-            raise UsageError(f"{config_path}: unknown [sampling] key(s) {unknown}; "
+            raise UserError(f"{config_path}: unknown [sampling] key(s) {unknown}; "
                              f"valid: {', '.join(SAMPLING_KEYS)}")
         values.update(table)
     values.update({k: v for k, v in cli.items() if v is not None})
     try:
         SamplingParams(**values)
     except (TypeError, ValueError) as e:
-        raise UsageError(f"invalid sampling default: {e}") from e
+        raise UserError(f"invalid sampling default: {e}") from e
     return values
 
 
@@ -117,33 +113,33 @@ def _error_records(errors: list[RequestError], taken: Iterable[str] = ()) -> lis
 def prepare(prompts: Path, out: Path | None, config: Path | None, resume: bool, skip_invalid: bool,
             sampling_cli: dict[str, Any], engine_cli: dict[str, Any], world_size: int):
     """Everything before the model loads, identical on every rank: (EngineConfig, requests,
-    errors, model name). Raises UsageError for bad arguments, settings or (without --skip-invalid) lines."""
+    errors, model name). Raises UserError for bad arguments, settings or (without --skip-invalid) lines."""
     if resume and out is None:
-        raise UsageError("--resume needs --out (the file whose finished ids are skipped)")
+        raise UserError("--resume needs --out (the file whose finished ids are skipped)")
     if out is not None:
         if out.is_dir():
-            raise UsageError(f"--out {str(out)!r} is a folder; give a file path")
+            raise UserError(f"--out {str(out)!r} is a folder; give a file path")
         if not out.parent.is_dir():
-            raise UsageError(f"--out {str(out)!r}: folder {str(out.parent)!r} does not exist")
+            raise UserError(f"--out {str(out)!r}: folder {str(out.parent)!r} does not exist")
         if out.exists() and prompts.exists() and out.resolve() == prompts.resolve():
-            raise UsageError(f"--out {str(out)!r} is the --prompts file; it would be overwritten")
+            raise UserError(f"--out {str(out)!r} is the --prompts file; it would be overwritten")
     defaults = sampling_defaults(config, **sampling_cli)
     try:
         requests, errors = parse_requests(prompts, defaults)
     except OSError as e:
-        raise UsageError(f"cannot read --prompts {str(prompts)!r}: {e}") from e
+        raise UserError(f"cannot read --prompts {str(prompts)!r}: {e}") from e
     if errors and not skip_invalid:
         lines = "\n".join(str(e) for e in errors)
-        raise UsageError(f"{lines}\n{len({e.line for e in errors})} invalid line(s) in {prompts}; "
+        raise UserError(f"{lines}\n{len({e.line for e in errors})} invalid line(s) in {prompts}; "
                          "fix them, or pass --skip-invalid to run the rest")
     try:
         cfg = load_config(config, **engine_cli)
     except (OSError, ValueError) as e:
-        raise UsageError(str(e)) from e
+        raise UserError(str(e)) from e
     model_name = Path(cfg.model).name
     cfg = cfg.replace(model=resolve_model_dir(cfg.model, world_size))
     if not Path(cfg.model).is_dir():
-        raise UsageError(f"model folder {cfg.model!r} does not exist (run `make model`, or pass --model)")
+        raise UserError(f"model folder {cfg.model!r} does not exist (run `make model`, or pass --model)")
     return cfg, requests, errors, model_name
 
 
@@ -182,6 +178,7 @@ def drive(engine, cfg: EngineConfig, requests: list[ParsedRequest], errors: list
                 results = engine.generate(batch, on_output=on_output, on_step=progress.on_step)
                 for o in results or []:  # in case an output was not reported through on_output
                     on_output(o)
+                progress.peak_rss = gather_peak_rss()  # every rank calls it after generate
         finally:
             progress.close()
     return progress.print_summary()
@@ -194,22 +191,27 @@ def _opt(name: str, help: str = "") -> Any:
     return typer.Option(name, help=help)
 
 
-# Errors that are the user's to fix (a folder, a setting, shards for another tp): one line on
-# stderr, exit code 2, no traceback — on every rank that sees them.
-USER_ERRORS = (UsageError, CheckpointMismatchError, FileNotFoundError, ValueError)
-
-
 @record
 def run_engine(cfg: EngineConfig, requests, errors, out: Path | None, resume: bool, model_name: str) -> None:
-    """Every rank: build the engine and run; rank 0 drives and writes. A failure propagates (exit
-    1; torchrun's summary names the rank and, through ``@record``, the exception)."""
+    """Every rank: build the engine and run; rank 0 drives and writes; every rank reports its
+    peak memory to rank 0 for the summary. A failure propagates (exit 1; torchrun's summary
+    names the rank and, through ``@record``, the exception).
+
+    Raises:
+        tpengine.errors.UserError: the model folder does not fit the launch or the settings
+            (``CheckpointMismatchError``, a missing file, ``max_model_len`` too large).
+    """
     from tpengine.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(cfg)
+    try:
+        engine = LLMEngine(cfg)
+    except FileNotFoundError as e:  # a file the model folder lacks: the user's to fix
+        raise UserError(str(e)) from e
     if engine.is_driver:
         drive(engine, cfg, requests, errors, out, resume, model_name)
     else:
         engine.generate([])
+        gather_peak_rss()
     engine.shutdown()
 
 
@@ -240,7 +242,7 @@ def main(
         cfg, requests, errors, model_name = prepare(prompts, out, config, resume, skip_invalid,
                                                     {"max_tokens": max_tokens, "temperature": temperature},
                                                     engine_cli, world)
-    except UsageError as e:
+    except UserError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
@@ -261,7 +263,7 @@ def main(
         raise typer.Exit(0)
     try:
         run_engine(cfg, requests, errors, out, resume, model_name)
-    except USER_ERRORS as e:
+    except UserError as e:  # bad settings or model folder: one line, no traceback
         print(f"[tpengine rank {rank}/{world}] failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         raise typer.Exit(2) from None
     except Exception as e:

@@ -188,7 +188,3 @@ def read_done(path: str | os.PathLike, repair: bool = True) -> tuple[set[str], s
             done.add(rid)
     return done, bad_lines
 
-
-def read_done_ids(path: str | os.PathLike, repair: bool = True) -> set[str]:
-    """Ids already in ``path`` (ok or failed at run time): ``read_done(path, repair)[0]``."""
-    return read_done(path, repair)[0]

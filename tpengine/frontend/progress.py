@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from tpengine.engine.outputs import RequestOutput
+from tpengine.memory import format_peak_rss
 
 
 def percentile(xs: Sequence[float], q: float) -> float | None:
@@ -58,6 +59,7 @@ class ProgressReporter:
         self.ttfts: list[float] = []
         self.tpots: list[float] = []
         self.running = self.waiting = 0
+        self.peak_rss: list[int] | None = None  # bytes per rank, set at the end of the run
         self.start = time.monotonic()
         self._last_print = self.start
         self._bar = None
@@ -146,7 +148,8 @@ class ProgressReporter:
             self._bar = None
 
     def summary(self) -> dict[str, Any]:
-        """The run's numbers: counts, tokens, wall_s, output_tok_s, ttft/tpot p50/p90 (s)."""
+        """The run's numbers: counts, tokens, wall_s, output_tok_s, ttft/tpot p50/p90 (s),
+        peak_rss_bytes (per rank, in rank order; None when not reported)."""
         return {
             "requests_ok": self.ok,
             "requests_error": self.errors,
@@ -158,6 +161,7 @@ class ProgressReporter:
             "ttft_p90_s": percentile(self.ttfts, 90),
             "tpot_p50_s": percentile(self.tpots, 50),
             "tpot_p90_s": percentile(self.tpots, 90),
+            "peak_rss_bytes": self.peak_rss,
         }
 
     def print_summary(self) -> dict[str, Any]:
@@ -179,5 +183,7 @@ class ProgressReporter:
         table.add_row("output tokens/s", f"{s['output_tok_s']:.1f}")
         table.add_row("TTFT p50 / p90", f"{ms(s['ttft_p50_s'])} / {ms(s['ttft_p90_s'])}")
         table.add_row("TPOT p50 / p90", f"{ms(s['tpot_p50_s'])} / {ms(s['tpot_p90_s'])}")
+        if s["peak_rss_bytes"]:
+            table.add_row("peak memory per rank", format_peak_rss(s["peak_rss_bytes"]))
         Console(file=self.stream, width=80).print(table)
         return s
