@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -206,6 +207,25 @@ def test_resume_after_kill(tiny, tmp_path):
         assert rec["token_ids"] == ref[rid]["token_ids"] and rec["text"] == ref[rid]["text"]
 
 
+def test_summary_lists_peak_memory_of_every_rank_at_tp2(tiny, tmp_path):
+    prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "hi", "max_tokens": 2, "temperature": 0}])
+    p = cli(["--prompts", prompts, "--out", tmp_path / "out.jsonl", "--model", tiny, "--max-model-len", 64,
+             "--kv-cache-gb", 0.01], tp=2)
+    m = re.search(r"peak memory per rank\W+0: (\d+\.\d\d) GiB, 1: (\d+\.\d\d) GiB\W", p.stderr)
+    assert m, p.stderr[-3000:]
+    assert all(0.05 < float(x) < 64 for x in m.groups())  # each rank holds torch + a model: > 50 MiB
+
+
+def test_peak_rss_functions():
+    from tpengine.memory import format_peak_rss, gather_peak_rss, peak_rss_bytes
+
+    peak = peak_rss_bytes()
+    assert 2**20 < peak < 2**40
+    assert gather_peak_rss()[0] >= peak  # size 1: this process only, never lower than before
+    assert len(gather_peak_rss()) == 1
+    assert format_peak_rss([int(1.23 * 2**30), int(1.2 * 2**30)]) == "0: 1.23 GiB, 1: 1.20 GiB"
+
+
 def test_resolve_model_dir(tmp_path):
     from tpengine.run import resolve_model_dir
 
@@ -218,17 +238,18 @@ def test_resolve_model_dir(tmp_path):
 
 
 def test_sampling_defaults_precedence(tmp_path):
-    from tpengine.run import UsageError, sampling_defaults
+    from tpengine.errors import UserError
+    from tpengine.run import sampling_defaults
 
     cfg = tmp_path / "c.toml"
     cfg.write_text('[engine]\ndtype = "float32"\n[sampling]\ntemperature = 0.0\nmax_tokens = 256\n')
     assert sampling_defaults(cfg) == {"temperature": 0.0, "max_tokens": 256}
     assert sampling_defaults(cfg, max_tokens=5, temperature=None) == {"temperature": 0.0, "max_tokens": 5}
     assert sampling_defaults(None, temperature=0.5) == {"temperature": 0.5}
-    with pytest.raises(UsageError, match="max_tokens must be >= 1"):
+    with pytest.raises(UserError, match="max_tokens must be >= 1"):
         sampling_defaults(cfg, max_tokens=0)
     cfg.write_text("[sampling]\ntemprature = 0.0\n")
-    with pytest.raises(UsageError, match=r"unknown \[sampling\] key\(s\) \['temprature'\]"):
+    with pytest.raises(UserError, match=r"unknown \[sampling\] key\(s\) \['temprature'\]"):
         sampling_defaults(cfg)
 
 

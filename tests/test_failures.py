@@ -21,8 +21,12 @@ REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 
-def run_job(nproc: int, model: Path, prompts: Path, out: Path, config: Path | None = None, timeout=120):
-    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "tpengine.run",
+def run_job(nproc: int, model: Path, prompts: Path, out: Path, config: Path | None = None, timeout=120,
+            fault: str | None = None):
+    """The main job under torchrun; ``fault`` "RANK:STEP" runs it through tests/workers/fault_run.py,
+    which makes rank RANK raise at its STEP-th decode step."""
+    job = ["-m", "tpengine.run"] if fault is None else [str(REPO / "tests" / "workers" / "fault_run.py"), fault]
+    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *job,
            "--prompts", str(prompts), "--out", str(out), "--model", str(model)]
     if config:
         cmd += ["--config", str(config)]
@@ -60,11 +64,9 @@ def test_clean_exit_and_immediate_second_run(setup):
 
 
 def test_c07_rank1_raises_at_decode_step_3(setup):
-    root, model, prompts, _, _ = setup
-    cfg = root / "fault.toml"
-    cfg.write_text('[engine]\nkv_cache_gb = 0.05\nmax_model_len = 128\nfault_inject = "1:3"\n')
+    root, model, prompts, cfg, _ = setup
     out = root / "fault.jsonl"
-    r, elapsed = run_job(2, model, prompts, out, cfg)
+    r, elapsed = run_job(2, model, prompts, out, cfg, fault="1:3")
     assert r.returncode != 0
     assert elapsed < 30
     assert "[tpengine rank 1/2] failed: RuntimeError: injected fault on rank 1 at decode step 3" in r.stderr

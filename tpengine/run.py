@@ -6,9 +6,10 @@
 Every rank parses the arguments and validates the whole request file before the model loads,
 so on bad input all ranks exit with code 2 before any collective. Rank 0 tokenizes, writes one
 flushed record per finished request (``--out``, default rank 0's stdout), shows progress and a
-summary on stderr (including every rank's peak resident memory). A file with no request lines (only blank ones) loads no model: rank 0 prints
-``no requests in PATH: nothing to do`` and leaves ``--out`` empty; with ``--skip-invalid`` and
-every line invalid, rank 0 writes only the error records, also without a model. Exit codes: 0 done
+summary on stderr (with every rank's peak resident memory). A file with no request lines (only
+blank ones) loads no model: rank 0 prints ``no requests in PATH: nothing to do`` and leaves
+``--out`` empty; with ``--skip-invalid`` and every line invalid, rank 0 writes only the error
+records, also without a model. Exit codes: 0 done
 (per-request errors are records, not failures), 2 bad input or settings (a
 :class:`tpengine.errors.UserError`), 1 any other failure.
 """

@@ -16,8 +16,8 @@ from tpengine.engine.context import Context, set_context
 from tpengine.engine.cuda_graphs import CUDAGraphRunner
 from tpengine.engine.step import StepKind, StepPlan
 from tpengine.kernels import cpu_native, get_backend, kv_mirror
-from tpengine.shm import init_shm
 from tpengine.loader import load_model
+from tpengine.shm import init_shm
 from tpengine.surgery import fuse_layers, pack_cpu_weights
 
 GIB = 1 << 30
