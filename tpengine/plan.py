@@ -190,6 +190,17 @@ class ShardPlan:
             return (1, rp.q_heads[0] * hd, rp.q_heads[1] * hd)
         return (1, *rp.intermediate)  # ROW
 
+    def shard_shape(self, kind: str, is_bias: bool, shape: tuple[int, ...], rank: int) -> tuple[int, ...]:
+        """The shape of rank ``rank``'s shard of a full ``kind`` tensor of ``shape`` (what
+        :meth:`shard` returns, without reading it)."""
+        spec = self.slice_spec(kind, is_bias, rank)
+        if spec is None:
+            return tuple(shape)
+        dim, start, end = spec
+        out = list(shape)
+        out[dim] = end - start
+        return tuple(out)
+
     def shard(self, kind: str, is_bias: bool, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         """Return rank ``rank``'s shard of the full ``tensor`` (a new contiguous tensor).
 
@@ -205,7 +216,7 @@ class ShardPlan:
         if spec is None:
             return tensor.contiguous().clone()
         dim, start, end = spec
-        full = self.vocab_size if kind == VOCAB else self._full_size(kind)
+        full = self.full_size(kind)
         if tensor.dim() <= dim or tensor.shape[dim] != full:
             raise ValueError(
                 f"cannot shard a {kind} {'bias' if is_bias else 'weight'} of shape {tuple(tensor.shape)}: "
@@ -221,9 +232,12 @@ class ShardPlan:
             return out
         return piece.contiguous().clone()
 
-    def _full_size(self, kind: str) -> int:
+    def full_size(self, kind: str) -> int:
+        """The unsplit size of a ``kind`` weight along the dimension the plan splits (vocabulary:
+        the real ``vocab_size``, not the padded one). Raises KeyError for REPLICATED."""
         hd = self.head_dim
         return {
+            VOCAB: self.vocab_size,
             Q: self.num_heads * hd,
             K: self.num_kv_heads * hd,
             V: self.num_kv_heads * hd,

@@ -24,6 +24,8 @@ from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.step import StepKind, StepPlan, broadcast_plan, build_plan
 from tpengine.frontend.detokenizer import IncrementalDetokenizer
+from tpengine.plan import ShardPlan
+from tpengine.process import setup_process
 from tpengine.surgery import check_model_limits
 
 
@@ -88,6 +90,7 @@ class LLMEngine:
         check_model_limits(hf_config, config.max_model_len)
         self.config = config
         self.tp: TPInfo = init_distributed(config.dist_timeout_s)
+        setup_process(config, self.tp, ShardPlan.build(hf_config, self.tp.size))
         self.runner = ModelRunner(config, self.tp)
         self._fault = self._parse_fault(config.fault_inject)
         self._decode_steps = 0
