@@ -79,6 +79,12 @@ def info(
         int | None, typer.Option("--tp", help="show the plan for this TP size (default: list valid sizes)")
     ] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="dtype for byte counts (default: config's)")] = None,
+    kv_cache_gb: Annotated[float, typer.Option("--kv-cache-gb", help="KV cache budget per rank in GiB, as the "
+                                               "engine's kv_cache_gb (for the memory estimate)")] = 1.0,
+    max_num_batched_tokens: Annotated[int, typer.Option(
+        "--max-num-batched-tokens", help="tokens of the largest step (for the activation estimate)")] = 8192,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="sequences per step (LM-head logits)")] = 64,
+    block_size: Annotated[int, typer.Option("--block-size", help="KV cache block size in tokens")] = 16,
 ) -> None:
     """Print the ShardPlan as a table (ranges are half-open start:end), or the valid TP sizes."""
     from rich.console import Console
@@ -127,3 +133,13 @@ def info(
             ",".join(map(str, rp.q_to_kv)), _rng(rp.intermediate), _rng(rp.vocab), str(b), f"{b / 2**20:.2f}",
         )
     console.print(table)
+    from tpengine.estimate import estimate
+
+    mem = estimate(plan, nbytes, int(config.num_hidden_layers), DTYPE_BYTES[dtype], kv_cache_gb, block_size,
+                   max_num_batched_tokens, max_num_seqs)
+    est = Table("rank", "weights GiB", "KV cache GiB", "runtime GiB", "total GiB", box=None,
+                title=f"estimated peak memory per rank (kv_cache_gb {kv_cache_gb}, {max_num_batched_tokens}-token "
+                      f"steps, {max_num_seqs} seqs)")
+    for m in mem:
+        est.add_row(str(m.rank), *(f"{x / 2**30:.2f}" for x in (m.weights, m.kv_cache, m.runtime, m.total)))
+    console.print(est)

@@ -7,7 +7,9 @@ DESIGN.md, "Per-rank checkpoint layout".
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Annotated, Any
@@ -61,8 +63,10 @@ def split_model(
 ) -> dict[str, Any]:
     """Split the HF checkpoint in ``model_dir`` into ``tp_size`` rank files under ``out``.
 
-    Works one rank at a time, one tensor at a time (peak memory: one rank's shards plus one
-    full tensor). Floating tensors are cast to ``dtype`` (default: the dtype of the first
+    Streams: one rank at a time, one tensor at a time, each rank file written tensor by tensor
+    (:class:`tpengine.tensor_file.TensorFileWriter`), so peak memory stays within three copies of
+    the largest tensor (the full tensor, its shard, the shard cast to ``dtype``) plus the runtime.
+    Floating tensors are cast to ``dtype`` (default: the dtype of the first
     floating tensor in the checkpoint). Returns the manifest written to ``out/manifest.json``.
 
     Raises:
@@ -72,12 +76,11 @@ def split_model(
             weight whose module tpengine's layer table does not cover.
     """
     import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
     from transformers import AutoConfig
 
     from tpengine.plan import ShardPlan
     from tpengine.surgery import kind_of
+    from tpengine.tensor_file import TensorFileWriter, read_header, read_rows
 
     model_dir, out = Path(model_dir), Path(out)
     if not (model_dir / "config.json").is_file():
@@ -93,7 +96,7 @@ def split_model(
     if dtype is None:
         dtype = _first_float_dtype(model_dir, files) or "float32"
     tdtype = getattr(torch, dtype)
-    total = sum(len(names) for names in files.values())
+    total = sum(len(names) for names in files.values()) - len(skip)
 
     manifest: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
@@ -108,23 +111,34 @@ def split_model(
     with atomic_dir(out, force=force) as tmp:
         for r in range(tp_size):
             task = progress.add_task(f"rank {r}/{tp_size}", total=total) if progress else None
-            shards: dict[str, torch.Tensor] = {}
-            for fname, names in files.items():
-                with safe_open(model_dir / fname, framework="pt") as f:
-                    for name in names:
+            rname = rank_file_name(r, tp_size)
+            entries = []  # (source file, tensor info, kind, is_bias) in output order
+            for fname in files:
+                for name, info in read_header(model_dir / fname).items():
+                    if name not in skip:
+                        entries.append((fname, info, kind_of(name, len(info.shape)), name.endswith(".bias")))
+            out_dtype = {e[1].name: tdtype if e[1].dtype.is_floating_point else e[1].dtype for e in entries}
+            shapes = {info.name: plan.shard_shape(kind, bias, info.shape, r) for _, info, kind, bias in entries}
+            declared = [(i.name, out_dtype[i.name], shapes[i.name]) for _, i, _, _ in entries]
+            writer = TensorFileWriter(tmp / rname, declared,
+                                      metadata={"format": "pt", "rank": str(r), "tp_size": str(tp_size)})
+            for fname, group in itertools.groupby(entries, key=lambda e: e[0]):
+                fd = os.open(model_dir / fname, os.O_RDONLY)  # read, not mapped: no page stays resident
+                try:
+                    for _, info, kind, bias in group:
+                        t = torch.empty(info.shape, dtype=info.dtype)  # one full tensor at a time
+                        read_rows(fd, info, t)
+                        piece = plan.shard(kind, bias, t, r)
+                        del t
+                        writer.write(info.name, piece.to(out_dtype[info.name]))
+                        del piece
                         if progress:
                             progress.advance(task)
-                        if name in skip:
-                            continue
-                        t = f.get_tensor(name)
-                        piece = plan.shard(kind_of(name, t.dim()), name.endswith(".bias"), t, r)
-                        shards[name] = piece.to(tdtype) if piece.is_floating_point() else piece
-                        del t
-            rname = rank_file_name(r, tp_size)
-            save_file(shards, tmp / rname, metadata={"format": "pt", "rank": str(r), "tp_size": str(tp_size)})
-            manifest["tensors"][str(r)] = {n: list(t.shape) for n, t in shards.items()}
+                finally:
+                    os.close(fd)
+            writer.close()
+            manifest["tensors"][str(r)] = {n: list(shp) for n, shp in shapes.items()}
             manifest["shard_files"].append({"name": rname, "rank": r, "sha256": sha256_file(tmp / rname)})
-            del shards
         sources = list(files) + ([INDEX_NAME] if (model_dir / INDEX_NAME).is_file() else [])
         manifest["source_files"] = [{"name": s, "sha256": sha256_file(model_dir / s)} for s in sources]
         for p in side_files(model_dir):

@@ -2,27 +2,28 @@
 
 Two sources: a shard folder written by ``tpengine-shard split`` (``manifest.json`` +
 ``rank-RR-of-NN.safetensors``: this rank reads only its own file), or a full HF folder, sliced on
-the fly through :class:`tpengine.plan.ShardPlan` tensor by tensor. Afterwards nothing is left on
-the meta device, every weight was assigned exactly once, rotary buffers are rebuilt from the
-config on the real device, and tied embeddings share storage.
+the fly through :class:`tpengine.plan.ShardPlan` tensor by tensor. Each tensor's bytes for this
+rank are read straight into the parameter of the final model that keeps them
+(:mod:`tpengine.tensor_file`), so loading never holds a weight twice and maps no file.
+Afterwards nothing is left on the meta device, every weight was assigned exactly once, and tied
+embeddings share storage.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import os
 from pathlib import Path
 
 import torch
-from accelerate.utils import set_module_tensor_to_device
-from safetensors import safe_open
 from transformers import AutoConfig
 
 from tpengine.checkpoint import MANIFEST, checkpoint_files, is_shard_folder, rank_file_name, sha256_file
 from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
 from tpengine.plan import ShardPlan
-from tpengine.surgery import apply_tensor_parallel, build_meta_model, kind_of
+from tpengine.surgery import build_model, checkpoint_targets, kind_of
+from tpengine.tensor_file import TensorInfo, read_header, read_rows
 
 # config fields a shard folder must agree on with the config it is launched with
 CHECKED_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -70,41 +71,121 @@ def check_manifest(model_dir: Path, hf_config, tp: TPInfo) -> ShardPlan:
     return plan
 
 
-def iter_rank_tensors(model_dir: Path, plan: ShardPlan | None, rank: int, size: int,
-                      tie: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` of this rank's shard, one tensor at a time: read straight from
-    its shard file when ``plan`` is None, else sliced from the full checkpoint through ``plan``.
-    A tied ``lm_head.weight`` is skipped (the LM head shares the embedding)."""
-    if plan is None:
-        with safe_open(str(model_dir / rank_file_name(rank, size)), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                if not (tie and name == "lm_head.weight"):
-                    yield name, f.get_tensor(name)
-        return
-    for fname, names in checkpoint_files(model_dir).items():
-        with safe_open(str(model_dir / fname), framework="pt") as f:
-            for name in names:
+def rank_files(model_dir: Path, sharded: bool, tp: TPInfo) -> list[Path]:
+    """The safetensors files this rank reads: its own ``rank-RR-of-NN.safetensors`` in a shard
+    folder, else every file of the full checkpoint (see :func:`tpengine.checkpoint.checkpoint_files`)."""
+    if sharded:
+        return [model_dir / rank_file_name(tp.rank, tp.size)]
+    return [model_dir / f for f in checkpoint_files(model_dir)]
+
+
+def _materialize(module: torch.nn.Module, attr: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The real storage of ``module.<attr>``, allocated (uninitialised) on first use."""
+    p = getattr(module, attr)
+    if p.is_meta:
+        p = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False)
+        setattr(module, attr, p)
+    return p.data
+
+
+def _fill(fd: int, info: TensorInfo, dest: torch.Tensor, spec: tuple[int, int, int] | None, full: int | None) -> None:
+    """Write this rank's part of checkpoint tensor ``info`` into ``dest``: the whole tensor
+    (``spec`` None) or its ``(dim, start, end)`` slice of a dimension of size ``full``; rows past
+    ``full`` (vocabulary padding) are zeroed. Off the CPU it goes through one CPU staging tensor.
+
+    Raises:
+        ValueError: the checkpoint tensor's shape does not fit the plan, naming both.
+    """
+    want = tuple(dest.shape) if spec is None else None
+    if spec is not None:
+        dim, start, end = spec
+        shape = list(info.shape)
+        if len(shape) <= dim or shape[dim] != full:
+            raise ValueError(f"checkpoint tensor {info.name!r} has shape {list(info.shape)}, expected size {full} "
+                             f"along dim {dim} for this model's config")
+        shape[dim] = end - start
+        want = tuple(shape)
+    if tuple(dest.shape) != want or (spec is None and tuple(info.shape) != want):
+        raise ValueError(f"checkpoint tensor {info.name!r} has shape {list(info.shape)}, but this rank's "
+                         f"parameter is {list(dest.shape)}")
+    stage = dest if dest.device.type == "cpu" else torch.empty(dest.shape, dtype=dest.dtype)
+    if spec is None:
+        read_rows(fd, info, stage)
+    else:
+        dim, start, end = spec
+        keep = max(0, min(end, full) - start)
+        if keep:
+            read_rows(fd, info, stage.narrow(dim, 0, keep), dim, start)
+        if keep < end - start:
+            stage.narrow(dim, keep, end - start - keep).zero_()
+    if stage is not dest:
+        dest.copy_(stage)
+
+
+def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | None, rank: int, tie: bool,
+                 dtype: torch.dtype, device: torch.device, pack: bool) -> int:
+    """Fill every parameter of ``model`` (from :func:`tpengine.surgery.build_model`) from
+    ``files``: each checkpoint tensor's byte range for this rank (its ShardPlan slice, or the
+    whole tensor when ``plan`` is None: a rank file of a shard folder) is read straight into the
+    parameter that keeps it (cast to ``dtype``), so no weight is ever held twice and no file
+    stays mapped. With ``pack`` (CPU), each linear layer's weight is replaced by its oneDNN
+    layout as soon as all its parts are in (a tied LM head keeps the embedding's plain rows).
+    Returns the bytes of weights held.
+
+    Raises:
+        RuntimeError: a weight that appears twice, is never loaded, or has no place in the model.
+        ValueError: a checkpoint tensor whose shape does not fit the plan.
+    """
+    targets = checkpoint_targets(model, tie)
+    left: dict[int, int] = {}
+    for t in targets.values():
+        left[id(t.module)] = left.get(id(t.module), 0) + 1
+    done: set[str] = set()
+    unexpected: list[str] = []
+    head = model.get_output_embeddings()
+    for path in files:
+        infos = read_header(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for name, info in infos.items():
                 if tie and name == "lm_head.weight":
                     continue
-                t = f.get_tensor(name)
-                yield name, plan.shard(kind_of(name, t.dim()), name.endswith(".bias"), t, rank)
+                if name in done:
+                    raise RuntimeError(f"weight {name!r} appears twice in the checkpoint")
+                t = targets.get(name)
+                if t is None:
+                    unexpected.append(name)
+                    continue
+                spec = None
+                if plan is not None:
+                    kind = kind_of(name, len(info.shape))
+                    spec = plan.slice_spec(kind, name.endswith(".bias"), rank)
+                full = None if spec is None else plan.full_size(kind)
+                param = _materialize(t.module, t.attr, dtype, device)
+                _fill(fd, info, param.narrow(0, t.start, t.rows), spec, full)
+                done.add(name)
+                left[id(t.module)] -= 1
+                if not left[id(t.module)] and pack and hasattr(t.module, "pack") and not (tie and t.module is head):
+                    t.module.pack()
+        finally:
+            os.close(fd)
+    if tie:
+        head.weight = model.get_input_embeddings().weight
+    missing = sorted(set(targets) - done)
+    if missing or unexpected:
+        raise RuntimeError(f"rank {rank}: weights never loaded {missing}, unexpected {sorted(unexpected)}")
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        getattr(m, "packed_bytes", 0) for m in model.modules())
 
 
-def _rebuild_rotary(model, device: torch.device) -> None:
-    for module in model.modules():
-        if "inv_freq" in getattr(module, "_buffers", {}) and hasattr(module, "config"):
-            fresh = type(module)(config=module.config)  # real tensors, honours rope scaling
-            for bname, buf in fresh.named_buffers(recurse=False):
-                module._buffers[bname] = buf.to(device)
-            if hasattr(fresh, "attention_scaling"):
-                module.attention_scaling = fresh.attention_scaling
-
-
-def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.float32):
+def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.float32, pack: bool | None = None):
     """Build and load this rank's model from ``model_dir`` (shard folder or full HF folder).
 
-    Returns ``(model, plan, hf_config)``; ``model`` is the HF causal LM with parallel layers,
-    attention routed to tpengine, on ``tp.device`` in ``dtype``.
+    Returns ``(model, plan, hf_config)``; ``model`` is the HF causal LM rebuilt by
+    :func:`tpengine.surgery.build_model`, on ``tp.device`` in ``dtype``, its decoder stack's
+    forward taking ``(input_ids [N], positions [N], ctx)``. ``pack`` (default: on the CPU)
+    stores linear weights in oneDNN's layout instead of the plain one. ``model.weight_bytes``
+    is the bytes of weights this rank holds.
 
     Raises:
         CheckpointMismatchError: a shard folder for another tp/config or with a bad hash.
@@ -119,24 +200,10 @@ def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.flo
     sharded = is_shard_folder(model_dir)
     plan = check_manifest(model_dir, hf_config, tp) if sharded else ShardPlan.build(hf_config, tp.size)
     tie = bool(getattr(hf_config, "tie_word_embeddings", False))
-    model = apply_tensor_parallel(build_meta_model(hf_config, dtype), plan, tp.rank, dtype)
-
-    loaded: set[str] = set()
-    for name, tensor in iter_rank_tensors(model_dir, None if sharded else plan, tp.rank, tp.size, tie):
-        if name in loaded:
-            raise RuntimeError(f"weight {name!r} appears twice in the checkpoint")
-        set_module_tensor_to_device(model, name, tp.device, value=tensor.to(dtype))
-        loaded.add(name)
-    if tie:
-        model.get_output_embeddings().weight = model.get_input_embeddings().weight
-    expected = {n for n, _ in model.named_parameters()}
-    if loaded != expected:
-        raise RuntimeError(f"rank {tp.rank}: weights never loaded {sorted(expected - loaded)}, "
-                           f"unexpected {sorted(loaded - expected)}")
-    _rebuild_rotary(model, tp.device)
-    for module in model.modules():
-        if hasattr(module, "tp_q_to_kv"):
-            module.tp_q_to_kv = module.tp_q_to_kv.to(tp.device)
+    model = build_model(hf_config, plan, tp.rank, dtype, tp.device)
+    pack = tp.device.type == "cpu" if pack is None else pack
+    model.weight_bytes = load_weights(model, rank_files(model_dir, sharded, tp), None if sharded else plan, tp.rank,
+                                      tie, dtype, tp.device, pack)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"rank {tp.rank}: still on the meta device after loading: {left}")

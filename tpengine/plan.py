@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from tpengine.errors import UserError
+from tpengine.utils import cdiv
 
 # Partition kinds of a weight. The name -> kind table lives in tpengine/surgery.py.
 Q, K, V = "q", "k", "v"  # column-parallel by query heads / KV heads
@@ -144,7 +145,7 @@ class ShardPlan:
                 f"so tp_size must be between 1 and {nh}"
             )
         group = nh // nkv
-        padded_vocab = -(-d["vocab_size"] // tp_size) * tp_size
+        padded_vocab = cdiv(d["vocab_size"], tp_size) * tp_size
         per_rank_vocab = padded_vocab // tp_size
         ranks = []
         for r, ((q0, q1), (i0, i1)) in enumerate(
@@ -193,6 +194,17 @@ class ShardPlan:
             return (1, rp.q_heads[0] * hd, rp.q_heads[1] * hd)
         return (1, *rp.intermediate)  # ROW
 
+    def shard_shape(self, kind: str, is_bias: bool, shape: tuple[int, ...], rank: int) -> tuple[int, ...]:
+        """The shape of rank ``rank``'s shard of a full ``kind`` tensor of ``shape`` (what
+        :meth:`shard` returns, without reading it)."""
+        spec = self.slice_spec(kind, is_bias, rank)
+        if spec is None:
+            return tuple(shape)
+        dim, start, end = spec
+        out = list(shape)
+        out[dim] = end - start
+        return tuple(out)
+
     def shard(self, kind: str, is_bias: bool, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         """Return rank ``rank``'s shard of the full ``tensor`` (a new contiguous tensor).
 
@@ -208,7 +220,7 @@ class ShardPlan:
         if spec is None:
             return tensor.contiguous().clone()
         dim, start, end = spec
-        full = self.vocab_size if kind == VOCAB else self._full_size(kind)
+        full = self.full_size(kind)
         if tensor.dim() <= dim or tensor.shape[dim] != full:
             raise ValueError(
                 f"cannot shard a {kind} {'bias' if is_bias else 'weight'} of shape {tuple(tensor.shape)}: "
@@ -224,9 +236,12 @@ class ShardPlan:
             return out
         return piece.contiguous().clone()
 
-    def _full_size(self, kind: str) -> int:
+    def full_size(self, kind: str) -> int:
+        """The unsplit size of a ``kind`` weight along the dimension the plan splits (vocabulary:
+        the real ``vocab_size``, not the padded one). Raises KeyError for REPLICATED."""
         hd = self.head_dim
         return {
+            VOCAB: self.vocab_size,
             Q: self.num_heads * hd,
             K: self.num_kv_heads * hd,
             V: self.num_kv_heads * hd,

@@ -1,13 +1,17 @@
-"""Surgery: the name -> layer-kind table, and swapping modules of a meta-device HF model.
+"""Surgery: the name -> layer-kind table, and building a rank's model in its final form.
 
-The table maps the leaf module name of every weight to its partition kind (see
+The table maps the leaf module name of every checkpoint weight to its partition kind (see
 :mod:`tpengine.plan`). The shard tool and the loader both use :func:`kind_of`, so a weight is
-sliced the same way offline and online.
+sliced the same way offline and online. :func:`build_model` turns a meta-device HF model into
+tpengine's tensor-parallel one (fused q/k/v and gate/up layers from the start);
+:func:`checkpoint_targets` says where each checkpoint tensor goes in it.
 """
 
 from __future__ import annotations
 
 import copy
+import types
+from dataclasses import dataclass
 
 import torch
 from accelerate import init_empty_weights
@@ -15,8 +19,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from tpengine import plan as P
+from tpengine.errors import UserError
 from tpengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from tpengine.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 # leaf module name -> partition kind
 LAYER_KINDS: dict[str, str] = {
@@ -54,125 +58,136 @@ def kind_of(param_name: str, ndim: int) -> str:
     )
 
 
-def build_meta_model(hf_config, dtype: torch.dtype):
-    """The HF causal-LM for ``hf_config`` with every parameter and buffer on the meta device
-    (accelerate's ``init_empty_weights``), attention set to tpengine's."""
-    from tpengine.layers import attention
+# HF classes whose forwards tpengine's layers reproduce exactly (tpengine.layers.fused)
+SUPPORTED_MODELS = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
+SUPPORTED_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
+SUPPORTED_MLP = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
+SUPPORTED_NORM = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 
-    config = copy.deepcopy(hf_config)
-    config._attn_implementation = attention.register()
+
+def build_meta_model(hf_config, dtype: torch.dtype) -> nn.Module:
+    """The HF causal-LM for ``hf_config`` with every parameter and buffer on the meta device
+    (accelerate's ``init_empty_weights``): the structure :func:`build_model` rebuilds."""
     with init_empty_weights(include_buffers=True):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.set_attn_implementation(attention.NAME)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=dtype)
     return model.eval()
 
 
-def apply_tensor_parallel(model: nn.Module, plan: P.ShardPlan, rank: int, dtype: torch.dtype) -> nn.Module:
-    """Swap every ``nn.Linear``/``nn.Embedding`` of ``model`` for its parallel layer, by name, from
-    :data:`LAYER_KINDS`, sized from ``plan.ranks[rank]`` (new parameters on meta). Attention
-    modules get ``tp_q_to_kv`` (a [Hq_local] int64 buffer) and their local head counts.
+def _unsupported(what: str, found: str, known: tuple[str, ...], hf_config) -> UserError:
+    return UserError(f"model_type {getattr(hf_config, 'model_type', '?')!r}: {what} {found!r} is not supported; "
+                      f"tpengine runs {', '.join(known)}")
+
+
+def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """This rank's tensor-parallel model in its final form, weights still on meta.
+
+    Builds HF's model for ``hf_config`` on the meta device, then swaps, by name, each decoder
+    layer's ``self_attn`` for a :class:`~tpengine.layers.fused.FusedAttention` (one
+    column-parallel q/k/v GEMM, row-parallel ``o_proj``), its ``mlp`` for a
+    :class:`~tpengine.layers.fused.FusedMLP` (one gate/up GEMM, row-parallel ``down_proj``), every
+    RMSNorm for :class:`~tpengine.layers.fused.RMSNorm`, ``embed_tokens``/``lm_head`` for the
+    vocabulary-parallel layers, and the decoder stack's forward for
+    :func:`~tpengine.layers.fused.decoder_forward`; every size comes from ``plan.ranks[rank]``.
+    RoPE tables and the per-layer ``tp_q_to_kv`` maps are real tensors on ``device``; the
+    loader (:func:`tpengine.loader.load_model`) fills every parameter through
+    :func:`checkpoint_targets`. Tied embeddings share one Parameter.
 
     Raises:
-        ValueError: an ``nn.Linear`` or ``nn.Embedding`` whose name is not in the table (never
-            silently replicated).
+        UserError: an architecture other than Llama, Mistral, Qwen2 or Qwen3 (naming it).
+        ValueError: an
+            ``nn.Linear``/``nn.Embedding`` left that the layer table does not cover.
     """
-    rp = plan.ranks[rank]
-    hd, hidden = plan.head_dim, plan.hidden_size
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, (nn.Linear, nn.Embedding)):
-            continue
-        leaf = name.rsplit(".", 1)[-1]
-        kind = LAYER_KINDS.get(leaf)
-        if kind is None:
-            raise ValueError(
-                f"module {name!r} ({type(module).__name__}) is not in tpengine's layer table "
-                f"(known: {', '.join(sorted(LAYER_KINDS))}); refusing to replicate it silently"
-            )
-        bias = getattr(module, "bias", None) is not None
-        if kind == P.VOCAB:
-            cls = VocabParallelEmbedding if isinstance(module, nn.Embedding) else ParallelLMHead
-            new = cls(*rp.vocab, plan.vocab_size, hidden, dtype=dtype)
-        elif kind in (P.Q, P.K, P.V, P.COLUMN):
-            _, start, end = plan.slice_spec(kind, False, rank)
-            new = ColumnParallelLinear(module.in_features, end - start, bias, dtype=dtype)
-        else:
-            _, start, end = plan.slice_spec(kind, False, rank)
-            new = RowParallelLinear(end - start, module.out_features, bias, dtype=dtype)
-        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        setattr(parent, leaf, new)
-    for module in model.modules():
-        if hasattr(module, "q_proj") and hasattr(module, "o_proj"):
-            module.num_heads, module.num_key_value_heads = rp.num_q_heads, rp.num_kv_heads
-            module.tp_q_to_kv = torch.tensor(rp.q_to_kv, dtype=torch.int64)
-            assert module.head_dim == hd, (module.head_dim, hd)
+    from tpengine.layers.fused import FusedAttention, FusedMLP, RMSNorm, decoder_forward
+
+    model = build_meta_model(hf_config, dtype)
+    stack = getattr(model, "model", None)
+    if type(stack).__name__ not in SUPPORTED_MODELS:
+        raise _unsupported("decoder", type(stack).__name__, SUPPORTED_MODELS, hf_config)
+    rp, hidden = plan.ranks[rank], plan.hidden_size
+
+    def norm(m: nn.Module) -> nn.Module:
+        if type(m).__name__ not in SUPPORTED_NORM:
+            raise _unsupported("norm", type(m).__name__, SUPPORTED_NORM, hf_config)
+        return RMSNorm(m.weight.shape[0], m.variance_epsilon, dtype)
+
+    for layer in stack.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(attn).__name__ not in SUPPORTED_ATTENTION:
+            raise _unsupported("attention", type(attn).__name__, SUPPORTED_ATTENTION, hf_config)
+        if type(mlp).__name__ not in SUPPORTED_MLP:
+            raise _unsupported("MLP", type(mlp).__name__, SUPPORTED_MLP, hf_config)
+        if attn.head_dim != plan.head_dim:
+            raise ValueError(f"attention head_dim {attn.head_dim} differs from the plan's {plan.head_dim}")
+        q_norm = getattr(attn, "q_norm", None)
+        layer.self_attn = FusedAttention(
+            hidden, rp, plan.head_dim, attn.q_proj.bias is not None, attn.o_proj.bias is not None, attn.scaling,
+            attn.layer_idx, None if q_norm is None else q_norm.variance_epsilon, dtype, device)
+        layer.mlp = FusedMLP(hidden, rp.intermediate_size, mlp.gate_proj.bias is not None,
+                             mlp.down_proj.bias is not None, mlp.act_fn, dtype)
+        layer.input_layernorm = norm(layer.input_layernorm)
+        layer.post_attention_layernorm = norm(layer.post_attention_layernorm)
+    stack.norm = norm(stack.norm)
+    stack.embed_tokens = VocabParallelEmbedding(*rp.vocab, plan.vocab_size, hidden, dtype=dtype)
+    model.lm_head = ParallelLMHead(*rp.vocab, plan.vocab_size, hidden, dtype=dtype)
+    if getattr(hf_config, "tie_word_embeddings", False):
+        model.lm_head.weight = stack.embed_tokens.weight
+    stack.rotary_emb = type(stack.rotary_emb)(config=stack.config).to(device)  # real tables; honours rope scaling
+    stack.forward = types.MethodType(decoder_forward, stack)
+    left = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+    if left:
+        raise ValueError(f"modules {left} are not covered by tpengine's layer table "
+                         f"(known: {', '.join(sorted(LAYER_KINDS))}); refusing to replicate them silently")
     return model
 
 
-# HF modules whose forward the fused modules reproduce exactly (tpengine.layers.fused)
-FUSABLE_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
-FUSABLE_MLP = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
-FUSABLE_NORM = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
-FUSABLE_MODEL = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes in a model from :func:`build_model`: parameter ``attr``
+    of ``module``, rows ``start:start + rows`` (dim 0; the whole parameter but for the parts of
+    a merged q/k/v or gate/up layer)."""
+
+    module: nn.Module
+    attr: str
+    start: int
+    rows: int
 
 
-def fuse_layers(model: nn.Module) -> int:
-    """After loading: swap every known HF attention module for a
-    :class:`~tpengine.layers.fused.FusedAttention` (one q/k/v GEMM), every known gated MLP for a
-    :class:`~tpengine.layers.fused.FusedMLP` (one gate/up GEMM) and every known RMSNorm for
-    :class:`~tpengine.layers.fused.RMSNorm` (``F.rms_norm``). The fused weights are the
-    concatenation of the loaded per-name ShardPlan slices; the separate ones are dropped. A known
-    decoder stack whose layers are all fused runs :func:`~tpengine.layers.fused.lean_decoder_forward`.
-    Other modules keep their HF forward. Returns the number of modules swapped."""
-    import types
+def checkpoint_targets(model: nn.Module, tied: bool) -> dict[str, Target]:
+    """Checkpoint tensor name (HF's, e.g. ``model.layers.0.self_attn.k_proj.weight``) -> its
+    :class:`Target`, for every parameter of ``model``: a merged layer's part ``k_proj`` of
+    ``...self_attn.qkv_proj`` takes the checkpoint's ``...self_attn.k_proj.*``. A tied
+    ``lm_head.weight`` has no target (the LM head shares the embedding)."""
+    from tpengine.layers.linear import MergedColumnParallelLinear
 
-    from tpengine.layers.fused import FusedAttention, FusedMLP, RMSNorm, lean_decoder_forward
-
-    swapped = 0
-    for name, module in list(model.named_modules()):
-        kind = type(module).__name__
-        if kind in FUSABLE_ATTENTION and isinstance(getattr(module, "q_proj", None), ColumnParallelLinear):
-            new = FusedAttention(module)
-        elif kind in FUSABLE_MLP and isinstance(getattr(module, "gate_proj", None), ColumnParallelLinear):
-            new = FusedMLP(module)
-        elif kind in FUSABLE_NORM:
-            new = RMSNorm(module)
-        else:
-            continue
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, new)
-        swapped += 1
-    for module in model.modules():
-        if type(module).__name__ in FUSABLE_MODEL and all(
-                isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FusedMLP)
-                for layer in module.layers):
-            module.forward = types.MethodType(lean_decoder_forward, module)
-            swapped += 1
-    return swapped
-
-
-
-def pack_cpu_weights(model: nn.Module) -> int:
-    """CPU, after loading and :func:`fuse_layers`: give every parallel linear layer and the LM head
-    a oneDNN-packed copy of its weight (:func:`tpengine.layers.linear.prepack`; the weight itself
-    stays, so this costs the memory of the linear weights once more). Returns the layers packed."""
-    return sum(m.pack() for m in model.modules() if hasattr(m, "pack"))
+    out: dict[str, Target] = {}
+    for name, module in model.named_modules():
+        prefix = name.rsplit(".", 1)[0] + "." if "." in name else ""
+        for attr, p in module.named_parameters(recurse=False):
+            if tied and module is model.get_output_embeddings():
+                continue
+            if isinstance(module, MergedColumnParallelLinear):
+                for part, a, b in zip(module.part_names, module.offsets, module.offsets[1:]):
+                    out[f"{prefix}{part}.{attr}"] = Target(module, attr, a, b - a)
+            else:
+                out[f"{name}.{attr}"] = Target(module, attr, 0, p.shape[0])
+    return out
 
 
 def check_model_limits(hf_config, max_model_len: int) -> None:
     """Refuse settings the model cannot honour, before any weight is read.
 
     Raises:
-        ValueError: ``max_model_len`` above the model's ``max_position_embeddings``, or a model
+        UserError: ``max_model_len`` above the model's ``max_position_embeddings``, or a model
             whose sliding-window attention would start to matter below ``max_model_len``
             (tpengine's attention is full causal attention), naming both values.
     """
     limit = getattr(hf_config, "max_position_embeddings", None)
     if limit is not None and max_model_len > limit:
-        raise ValueError(f"max_model_len={max_model_len} is larger than the model's "
+        raise UserError(f"max_model_len={max_model_len} is larger than the model's "
                          f"max_position_embeddings={limit}; use --max-model-len {limit} or less")
     window = getattr(hf_config, "sliding_window", None)
     uses_window = getattr(hf_config, "use_sliding_window", True)  # Qwen2/3 carry a switch
     if window and uses_window and max_model_len > window:
-        raise ValueError(f"this model uses sliding-window attention (sliding_window={window}), which "
+        raise UserError(f"this model uses sliding-window attention (sliding_window={window}), which "
                          f"tpengine does not implement; use --max-model-len {window} or less "
                          f"(now {max_model_len})")

@@ -1,8 +1,10 @@
-"""torchrun worker: load each model folder at this world size and save rank 0's logits.
+"""torchrun worker: load each model folder at this world size through the engine's ModelRunner
+(the production model path: fused layers, packed CPU weights, paged attention over the KV cache)
+and save rank 0's logits of one prefill step at every position.
 
 usage: torchrun --nproc_per_node N tests/workers/tp_logits.py OUT.pt JOBS.json
 JOBS.json: [{"key": str, "model_dir": str, "input_ids": [[...]]}, ...]
-Rank 0 saves {key: logits [1, T, vocab]} plus per-rank structural audits to OUT.pt.
+Rank 0 saves {key: {"logits": [1, T, vocab], "audits": [per rank]}} to OUT.pt.
 """
 
 import json
@@ -10,23 +12,42 @@ import sys
 
 import torch
 
+from tpengine.config import EngineConfig
 from tpengine.distributed import get_tp, init_distributed, shutdown
-from tpengine.layers.linear import ColumnParallelLinear, RowParallelLinear
-from tpengine.loader import load_model
+from tpengine.engine.model_runner import ModelRunner
+from tpengine.engine.step import StepKind, StepPlan
+from tpengine.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+
+BLOCK = 16
 
 
-def audit(model, plan, rank):
-    """Per rank: (linear leaf name, local out, local in) for every parallel linear, plus the
-    count of plain nn.Linear left inside decoder layers, plus q_norm weights if any."""
+def audit(model):
+    """Per rank: (linear name, local out, local in) for every parallel linear (each part of a merged
+    q/k/v or gate/up layer under its checkpoint leaf name), the count of plain nn.Linear left
+    inside decoder layers, q_norm/k_norm weights if any, and whether the LM head shares the
+    embedding's storage."""
     rows, plain = [], 0
     for name, m in model.named_modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-            rows.append((name, m.weight.shape[0], m.weight.shape[1]))
+        if isinstance(m, MergedColumnParallelLinear):
+            prefix = name.rsplit(".", 1)[0]
+            rows += [(f"{prefix}.{p}", n, m.in_features) for p, n in zip(m.part_names, m.sizes)]
+        elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            rows.append((name, m.out_features, m.in_features))
         elif isinstance(m, torch.nn.Linear) and ".layers." in name:
             plain += 1
     norms = {n: p.detach().clone() for n, p in model.named_parameters() if "q_norm" in n or "k_norm" in n}
-    tied = model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    tied = model.get_output_embeddings().weight is not None and (
+        model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr())
     return {"linears": rows, "plain_linear": plain, "norms": norms, "tied_storage": tied}
+
+
+def prefill_plan(ids: torch.Tensor) -> StepPlan:
+    """One sequence of T tokens from position 0, logits at every position."""
+    t = ids.numel()
+    nblocks = -(-t // BLOCK)
+    return StepPlan(StepKind.PREFILL, input_ids=ids, positions=torch.arange(t), slot_mapping=torch.arange(t),
+                    block_tables=torch.arange(nblocks)[None], cu_seqlens_q=torch.tensor([0, t]),
+                    cu_seqlens_k=torch.tensor([0, t]), context_lens=torch.tensor([t]), sample_idx=torch.arange(t))
 
 
 def main():
@@ -35,17 +56,19 @@ def main():
     torch.set_num_threads(1)
     results = {}
     for job in json.load(open(jobs_path)):
-        model, plan, _ = load_model(job["model_dir"], tp)
-        ids = torch.tensor(job["input_ids"])
-        with torch.inference_mode():
-            logits = model(ids).logits
+        ids = torch.tensor(job["input_ids"])[0]
+        config = EngineConfig(model=job["model_dir"], dtype="float32", max_model_len=ids.numel() + 1,
+                              block_size=BLOCK, num_kv_blocks=-(-ids.numel() // BLOCK))
+        runner = ModelRunner(config, tp)
+        logits = runner.execute(prefill_plan(ids))
         audits = [None] * tp.size
         if tp.size > 1:
-            torch.distributed.all_gather_object(audits, audit(model, plan, tp.rank))
+            torch.distributed.all_gather_object(audits, audit(runner.model))
         else:
-            audits = [audit(model, plan, 0)]
+            audits = [audit(runner.model)]
         if tp.is_driver:
-            results[job["key"]] = {"logits": logits, "audits": audits}
+            results[job["key"]] = {"logits": logits[None], "audits": audits}
+        del runner
     if get_tp().is_driver:
         torch.save(results, out_path)
     shutdown()

@@ -24,7 +24,8 @@ from tpengine.engine.sampling_params import SamplingParams
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.step import StepKind, StepPlan, broadcast_plan, build_plan
-from tpengine.errors import UserError
+from tpengine.plan import ShardPlan
+from tpengine.process import setup_process
 from tpengine.surgery import check_model_limits
 
 
@@ -86,12 +87,10 @@ class LLMEngine:
         hf_config = AutoConfig.from_pretrained(config.model)
         if config.max_model_len is None:  # as vLLM: the model's own context length
             config = config.replace(max_model_len=int(getattr(hf_config, "max_position_embeddings", 2048)))
-        try:
-            check_model_limits(hf_config, config.max_model_len)
-        except ValueError as e:  # the settings do not fit this model: the user's to fix
-            raise UserError(str(e)) from e
+        check_model_limits(hf_config, config.max_model_len)  # UserError: settings this model cannot honour
         self.config = config
         self.tp: TPInfo = init_distributed(config.dist_timeout_s)
+        setup_process(config, self.tp, ShardPlan.build(hf_config, self.tp.size))
         self.runner = ModelRunner(config, self.tp)
         if not self.is_driver:
             return

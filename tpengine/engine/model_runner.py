@@ -6,39 +6,22 @@ on the positions to sample and its logits are gathered to rank 0.
 
 from __future__ import annotations
 
-import os
+import sys
+import time
 
 import torch
 
 from tpengine.config import EngineConfig
 from tpengine.distributed import TPInfo, all_reduce_min
-from tpengine.engine.context import Context, set_context
+from tpengine.engine.context import Context
 from tpengine.engine.cuda_graphs import CUDAGraphRunner
 from tpengine.engine.step import StepKind, StepPlan
-from tpengine.kernels import cpu_native, get_backend, kv_mirror
+from tpengine.kernels import get_backend, kv_mirror
 from tpengine.loader import load_model
-from tpengine.shm import init_shm
-from tpengine.surgery import fuse_layers, pack_cpu_weights
+from tpengine.process import release_free_memory
+from tpengine.utils import cdiv
 
 GIB = 1 << 30
-
-
-def keep_freed_memory() -> bool:
-    """CPU: make glibc malloc keep freed memory for reuse instead of handing it back to the OS.
-
-    Every step allocates activations of the same few sizes (tens of MB in a prefill); by default
-    glibc serves blocks above 128 KiB-32 MiB with a fresh ``mmap`` and unmaps them when freed, so
-    every step page-faults all its activation memory again (elementwise ops on a 50 MB tensor ran
-    ~8x slower than with reused memory). ``M_MMAP_MAX=0`` serves everything from the heap and a
-    1 GiB ``M_TRIM_THRESHOLD`` keeps it there. Process-wide; a no-op (False) without glibc.
-    """
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-4, 0)) and bool(libc.mallopt(-1, GIB))  # M_MMAP_MAX, M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        return False
 
 
 class ModelRunner:
@@ -57,28 +40,21 @@ class ModelRunner:
     """
 
     def __init__(self, config: EngineConfig, tp: TPInfo):
+        t0 = time.perf_counter()
         self.config, self.tp = config, tp
-        if tp.device.type == "cpu":
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-            torch.set_num_threads(config.threads or max(1, (cores or 1) // tp.size))
-            keep_freed_memory()
         self.dtype = config.torch_dtype(tp.device)
         self.model, self.plan, self.hf_config = load_model(config.model, tp, self.dtype)
-        fuse_layers(self.model)  # one q/k/v and one gate/up GEMM per layer, lean RMSNorm
-        if tp.device.type == "cpu":
-            pack_cpu_weights(self.model)  # oneDNN matmuls (2x MKL's float32 sgemm on AMD)
+        release_free_memory()  # loading's staging buffers and replaced weight layouts
+        for m in self.model.modules():  # C kernels (CPU bfloat16) or torch ops, decided once per model
+            if hasattr(m, "native"):
+                m.native = config.cpu_kernels
+        self.weight_bytes: int = self.model.weight_bytes
         self.backend = get_backend(config.attention_backend, tp.device)
-        if tp.device.type == "cpu" and self.dtype == torch.bfloat16 and config.cpu_kernels:
-            cpu_native.load()  # build the C kernels now (~2 s, once per machine), not inside the first step
         self.attn_modules = [m for m in self.model.modules() if hasattr(m, "tp_q_to_kv")]
         self.graphs: CUDAGraphRunner | None = None
         if tp.device.type == "cuda" and config.num_kv_blocks is None:
             self._warmup()
         self.num_blocks = all_reduce_min(self._blocks_from_budget())
-        if tp.device.type == "cpu":  # all-reduce/gather through shared memory when all ranks are local
-            rp, elem = self.plan.ranks[tp.rank], torch.empty(0, dtype=self.dtype).element_size()
-            largest = max(config.max_num_batched_tokens * self.plan.hidden_size, config.max_num_seqs * rp.vocab_size)
-            init_shm(tp, min(largest * elem, 64 << 20), config.dist_timeout_s)
         rp = self.plan.ranks[tp.rank]
         self.kv_cache = torch.zeros(2, len(self.attn_modules), self.num_blocks, config.block_size,
                                     rp.num_kv_heads, self.plan.head_dim, dtype=self.dtype, device=tp.device)
@@ -86,10 +62,15 @@ class ModelRunner:
             m.k_cache, m.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         graph_safe = self.backend.__name__.endswith("paged_attention")  # the torch reference syncs
         if tp.device.type == "cuda" and not config.enforce_eager and graph_safe:
-            max_blocks = -(-config.max_model_len // config.block_size)
+            max_blocks = cdiv(config.max_model_len, config.block_size)
             self.graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs, max_blocks,
                                           self.plan.hidden_size, self.dtype, tp.device)
             self.graphs.capture()
+        if tp.is_driver:
+            kv_gib = self.kv_cache.numel() * self.kv_cache.element_size() / GIB
+            print(f"tpengine: model ready: {config.model} {str(self.dtype).removeprefix('torch.')} tp={tp.size}, "
+                  f"weights {self.weight_bytes / GIB:.2f} GiB/rank, KV cache {self.num_blocks} blocks "
+                  f"({kv_gib:.2f} GiB/rank), {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
     def _warmup(self) -> None:
         """CUDA: one eager prefill as large as the scheduler may build (max_num_batched_tokens tokens
@@ -127,7 +108,7 @@ class ModelRunner:
         else:
             budget = c.kv_cache_gb * GIB
         blocks = int(budget // per_block)
-        need = -(-c.max_model_len // c.block_size)
+        need = cdiv(c.max_model_len, c.block_size)
         if blocks < need:
             raise ValueError(f"KV cache budget gives {blocks} blocks of {c.block_size} tokens, fewer than the "
                              f"{need} one max_model_len={c.max_model_len} sequence needs; raise kv_cache_gb "
@@ -144,17 +125,11 @@ class ModelRunner:
         dev = self.tp.device
         to = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
         prefill = plan.kind == StepKind.PREFILL
-        # module switches, set per step so several engines in one process each keep their own config
-        kv_mirror.ENABLED, cpu_native.ENABLED = self.config.kv_mirror, self.config.cpu_kernels
-        set_context(Context(is_prefill=prefill, slot_mapping=to(plan.slot_mapping),
-                            block_tables=to(plan.block_tables), backend=self.backend,
-                            cu_seqlens_q=to(plan.cu_seqlens_q), cu_seqlens_k=to(plan.cu_seqlens_k),
-                            context_lens=to(plan.context_lens)))
-        try:
-            hidden = self.model.model(input_ids=to(plan.input_ids)[None], position_ids=to(plan.positions)[None],
-                                      use_cache=False).last_hidden_state[0]
-        finally:
-            set_context(None)
+        kv_mirror.ENABLED = self.config.kv_mirror  # (the kernels branch replaces this switch)
+        ctx = Context(is_prefill=prefill, slot_mapping=to(plan.slot_mapping), block_tables=to(plan.block_tables),
+                      backend=self.backend, cu_seqlens_q=to(plan.cu_seqlens_q), cu_seqlens_k=to(plan.cu_seqlens_k),
+                      context_lens=to(plan.context_lens))
+        hidden = self.model.model(to(plan.input_ids), to(plan.positions), ctx)
         return self._head(hidden.index_select(0, to(plan.sample_idx)), plan)
 
     def _head(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:

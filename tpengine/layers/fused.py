@@ -1,16 +1,17 @@
-"""Fused attention and MLP modules for the Llama-style decoder families (Llama, Mistral, Qwen2,
-Qwen3), swapped in by :func:`tpengine.surgery.fuse_projections` after the weights are loaded.
+"""The decoder layers tpengine runs for the Llama-style families (Llama, Mistral, Qwen2, Qwen3),
+built in their final tensor-parallel form by :func:`tpengine.surgery.build_model` and filled by
+the loader straight from ShardPlan slices.
 
 * q/k/v run as one column-parallel GEMM and gate/up as another
-  (:class:`tpengine.layers.linear.MergedColumnParallelLinear`: the concatenation of the
-  ShardPlan slices the loader assigned, so the partition math stays in the plan);
+  (:class:`tpengine.layers.linear.MergedColumnParallelLinear`: each part's rows are that
+  checkpoint tensor's ShardPlan slice, so the partition math stays in the plan);
 * RoPE runs once over the query and key heads together (they are adjacent in the fused output),
   with HF's formula ``x * cos + rotate_half(x) * sin``;
-* inside an engine step, attention takes the step's packed ``[T, H, D]`` tokens straight from the
-  GEMM output, with no transposes.
+* attention takes the step's packed ``[T, H, D]`` tokens straight from the GEMM output, with no
+  transposes, and runs paged attention over the KV cache (:mod:`tpengine.layers.attention`).
 
 HF's RMSNorm (eight tensor ops) becomes :class:`RMSNorm` (``F.rms_norm``: one op in float32, four
-in half precision), and the decoder stack's forward becomes :func:`lean_decoder_forward`. The
+in half precision), and the decoder stack's forward becomes :func:`decoder_forward`. The
 forwards mirror the HF ones they replace (same operations in the same order on each element), so
 results match HF's bit for bit in float32.
 """
@@ -20,12 +21,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from tpengine.engine.context import get_context
+from tpengine.engine.context import Context
 from tpengine.kernels import cpu_fused
-from tpengine.layers.attention import paged_attention, tpengine_attention
-from tpengine.layers.linear import MergedColumnParallelLinear
+from tpengine.layers.attention import paged_attention
+from tpengine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -35,24 +35,40 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class FusedAttention(nn.Module):
-    """Replaces an HF attention module (``q_proj``/``k_proj``/``v_proj``/``o_proj`` already
-    tensor-parallel, optional per-head ``q_norm``/``k_norm`` as in Qwen3).
+    """One decoder layer's tensor-parallel attention (Llama, Mistral, Qwen2, Qwen3): a
+    column-parallel q/k/v GEMM (:class:`MergedColumnParallelLinear`, parts ``q_proj``,
+    ``k_proj``, ``v_proj``), optional per-head ``q_norm``/``k_norm`` (Qwen3), RoPE, paged
+    attention over this rank's heads, and the row-parallel ``o_proj``.
 
-    ``forward(hidden_states [B, T, hidden], position_embeddings=(cos, sin) [B, T, D])`` ->
-    ``(out [B, T, hidden], None)`` like the HF module; in an engine step B == 1.
+    Args:
+        hidden: model width; rp: this rank's :class:`~tpengine.plan.RankPlan`; head_dim;
+        qkv_bias / o_bias: whether those projections have biases; scaling: softmax scale;
+        layer_idx: the layer's index (its KV cache); qk_norm_eps: eps of q_norm/k_norm, or None
+        when the model has none; dtype; device: where the small ``tp_q_to_kv`` map lives
+        (parameters start on meta, the loader fills them).
+
+    ``forward(hidden_states [1, T, hidden], position_embeddings=(cos, sin) [1, T, D], ctx)`` ->
+    ``[1, T, hidden]``.
     """
 
-    def __init__(self, attn: nn.Module):
+    native = True  # CPU bfloat16 C kernels where they apply (EngineConfig.cpu_kernels)
+
+    def __init__(self, hidden: int, rp, head_dim: int, qkv_bias: bool, o_bias: bool, scaling: float,
+                 layer_idx: int, qk_norm_eps: float | None, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.qkv_proj = MergedColumnParallelLinear([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o_proj = attn.o_proj
-        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.layer_idx, self.head_dim, self.scaling = attn.layer_idx, attn.head_dim, attn.scaling
-        self.num_heads, self.num_key_value_heads = attn.num_heads, attn.num_key_value_heads
-        self.tp_q_to_kv = attn.tp_q_to_kv
+        hq, hkv = rp.num_q_heads, rp.num_kv_heads
+        self.qkv_proj = MergedColumnParallelLinear(hidden, [hq * head_dim, hkv * head_dim, hkv * head_dim],
+                                                   ["q_proj", "k_proj", "v_proj"], qkv_bias, dtype)
+        self.o_proj = RowParallelLinear(hq * head_dim, hidden, o_bias, dtype)
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm, self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype), RMSNorm(head_dim, qk_norm_eps, dtype)
+        self.layer_idx, self.head_dim, self.scaling = layer_idx, head_dim, scaling
+        self.num_heads, self.num_key_value_heads = hq, hkv
+        self.tp_q_to_kv = torch.tensor(rp.q_to_kv, dtype=torch.int64, device=device)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                attention_mask=None, **kwargs) -> tuple[torch.Tensor, None]:
+                ctx: Context) -> torch.Tensor:
         hq, hkv = self.num_heads, self.num_key_value_heads
         qkv = self.qkv_proj(hidden_states).unflatten(-1, (hq + 2 * hkv, self.head_dim))  # [B, T, H, D]
         qk, v = qkv[..., : hq + hkv, :], qkv[..., hq + hkv :, :]
@@ -62,24 +78,26 @@ class FusedAttention(nn.Module):
             cos, sin = (t.unsqueeze(-2) for t in position_embeddings)  # [B, T, 1, D]: every head
             qk = qk * cos + rotate_half(qk) * sin
         q, k = qk[..., :hq, :], qk[..., hq:, :]
-        ctx = get_context()
-        if ctx is not None:
-            out = paged_attention(self, q[0], k[0], v[0], self.scaling, ctx).unsqueeze(0)
-        else:  # plain causal attention over the batch (outside the engine)
-            out, _ = tpengine_attention(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
-                                        scaling=self.scaling)
-        return self.o_proj(out.flatten(-2)), None
+        out = paged_attention(self, q[0], k[0], v[0], self.scaling, ctx).unsqueeze(0)
+        return self.o_proj(out.flatten(-2))
 
 
 class FusedMLP(nn.Module):
-    """Replaces an HF gated MLP ``down(act(gate(x)) * up(x))`` (parallel layers, HF ``act_fn``)."""
+    """One decoder layer's tensor-parallel gated MLP ``down(act(gate(x)) * up(x))``: a
+    column-parallel gate/up GEMM (parts ``gate_proj``, ``up_proj``, ``intermediate`` local
+    columns each) and the row-parallel ``down_proj``. ``act_fn`` is the HF model's activation.
+    ``[..., hidden]`` -> ``[..., hidden]``."""
 
-    def __init__(self, mlp: nn.Module):
+    native = True
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, down_bias: bool, act_fn: nn.Module,
+                 dtype: torch.dtype):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear([mlp.gate_proj, mlp.up_proj])
-        self.down_proj, self.act_fn = mlp.down_proj, mlp.act_fn
-        self.intermediate = mlp.gate_proj.out_features
-        self.silu = isinstance(mlp.act_fn, nn.SiLU) or type(mlp.act_fn).__name__ == "SiLUActivation"
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate],
+                                                       ["gate_proj", "up_proj"], bias, dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, down_bias, dtype)
+        self.act_fn, self.intermediate = act_fn, intermediate
+        self.silu = isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -90,13 +108,16 @@ class FusedMLP(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Replaces an HF Llama-style RMSNorm (``weight * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(dtype)``)
-    with the same arithmetic through ``F.rms_norm`` (bit-identical in float32 and bfloat16)."""
+    """HF Llama-style RMSNorm, ``weight * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(dtype)``, through
+    ``F.rms_norm`` (bit-identical to HF's eight ops in float32 and bfloat16). ``weight [size]``
+    starts on meta; ``[..., size]`` -> ``[..., size]``."""
 
-    def __init__(self, norm: nn.Module):
+    native = True
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
         super().__init__()
-        self.weight, self.eps = norm.weight, norm.variance_epsilon
-        self.shape = tuple(norm.weight.shape)
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device="meta"), requires_grad=False)
+        self.eps, self.shape = eps, (size,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.add_forward(x, None)[1]
@@ -113,30 +134,23 @@ class RMSNorm(nn.Module):
         return h, self.weight * F.rms_norm(h.float(), self.shape, None, self.eps).to(h.dtype)
 
 
-def lean_decoder_forward(self, input_ids=None, position_ids=None, inputs_embeds=None, **kwargs):
-    """Replaces the forward of an HF decoder stack (``LlamaModel`` and its Mistral/Qwen2/Qwen3
-    twins) whose layers are all fused: HF's computation (embedding, RoPE tables, then per layer
-    ``h = h + attn(norm1(h))`` and ``h = h + mlp(norm2(h))``, final norm) without HF's causal-mask
-    building, cache and kwargs plumbing and per-layer wrappers, which tpengine's attention does
-    not use; each residual add runs inside the next norm's :meth:`RMSNorm.add_forward` (the same
-    ops in the same order, or one C kernel on CPU in bfloat16). Returns
-    ``BaseModelOutputWithPast(last_hidden_state=...)``."""
-    h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-    if position_ids is None:
-        position_ids = torch.arange(h.shape[1], device=h.device)[None]
-    position_embeddings = self.rotary_emb(h, position_ids)
+def decoder_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
+    """The forward of tpengine's decoder stack (installed on HF's ``LlamaModel`` and its
+    Mistral/Qwen2/Qwen3 twins by :func:`tpengine.surgery.build_model`): HF's computation
+    (embedding, RoPE tables, then per layer ``h = h + attn(norm1(h))`` and
+    ``h = h + mlp(norm2(h))``, final norm) over one engine step's tokens, without HF's mask
+    building, cache and per-layer wrappers. Each residual add runs inside the next norm's
+    :meth:`RMSNorm.add_forward` (the same ops in the same order, or one C kernel on CPU in bfloat16).
+
+    Shapes: ``input_ids``, ``positions [N]`` int64 (the step's sequences packed back to back,
+    described by ``ctx``) -> ``[N, hidden]``.
+    """
+    h = self.embed_tokens(input_ids[None])
+    position_embeddings = self.rotary_emb(h, positions[None])
     delta = None  # each block's output, added to the residual stream by the next norm (fused on CPU bf16)
     for layer in self.layers[: self.config.num_hidden_layers]:
-        h, x = _add_norm(layer.input_layernorm, h, delta)
-        delta = layer.self_attn(x, position_embeddings)[0]
-        h, x = _add_norm(layer.post_attention_layernorm, h, delta)
+        h, x = layer.input_layernorm.add_forward(h, delta)
+        delta = layer.self_attn(x, position_embeddings, ctx)
+        h, x = layer.post_attention_layernorm.add_forward(h, delta)
         delta = layer.mlp(x)
-    return BaseModelOutputWithPast(last_hidden_state=_add_norm(self.norm, h, delta)[1])
-
-
-def _add_norm(norm: nn.Module, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(h + delta, norm(h + delta))``; fused for tpengine's :class:`RMSNorm`."""
-    if isinstance(norm, RMSNorm):
-        return norm.add_forward(h, delta)
-    h = h if delta is None else h + delta
-    return h, norm(h)
+    return self.norm.add_forward(h, delta)[1][0]

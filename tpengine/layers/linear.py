@@ -3,8 +3,8 @@
 Weights are created empty (on ``device``, default meta) in their local shapes; the loader fills
 them from this rank's slice, cut by :class:`tpengine.plan.ShardPlan`.
 
-On CPU the engine may :meth:`pack` a layer after loading: a copy of the weight in oneDNN's
-blocked layout, multiplied through oneDNN's matmul. PyTorch's float32 ``F.linear`` goes through
+On CPU the loader may :meth:`pack` a layer once its weight is loaded: the weight is replaced by
+its oneDNN blocked layout, multiplied through oneDNN's matmul. PyTorch's float32 ``F.linear`` goes through
 MKL's sgemm, which on non-Intel CPUs takes a narrower code path; oneDNN's float32 matmul ran
 ~2x faster here (AMD EPYC, AVX-512), and prepacked bfloat16 weights ~10-15% (2x for one row).
 """
@@ -40,14 +40,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
 
 
 class _Packable(nn.Module):
-    """A layer whose ``weight`` can be prepacked for CPU matmuls (see the module docstring)."""
+    """A layer whose ``weight [out, in]`` may be replaced, once loaded, by its oneDNN layout
+    (see the module docstring): :meth:`pack` swaps it in, and ``weight`` becomes None, so the
+    layer never holds its weight twice. ``in_features`` and ``out_features`` keep the shape."""
 
     packed: torch.Tensor | None = None
+    packed_bytes = 0  # the plain layout's bytes of the weight it replaced (oneDNN's may pad a little)
 
     def pack(self) -> bool:
-        """Make a oneDNN-layout copy of ``weight`` (kept alongside it) for every later forward."""
-        self.packed = prepack(self.weight)
-        return self.packed is not None
+        """Replace ``weight`` by its oneDNN-layout copy (:func:`prepack`) where that is available;
+        returns whether it did. During the reorder both layouts exist, for this one weight."""
+        if self.weight is None or self.weight.is_meta:
+            return False
+        packed = prepack(self.weight)
+        if packed is None:
+            return False
+        self.packed_bytes = self.weight.numel() * self.weight.element_size()
+        self.packed, self.weight = packed, None
+        return True
 
 
 class ColumnParallelLinear(_Packable):
@@ -92,21 +102,27 @@ class RowParallelLinear(_Packable):
 class MergedColumnParallelLinear(_Packable):
     """Column-parallel layers that read the same input, run as one GEMM (q/k/v, gate/up).
 
-    ``weight [sum(sizes), in_features]`` is the concatenation of the parts' local weights (each
-    already this rank's ShardPlan slice), ``bias`` likewise (all parts or none have one).
-    Input ``[..., in_features]`` -> ``[..., sum(sizes)]``; the caller slices the parts.
+    ``weight [sum(sizes), in_features]`` holds the parts' local weights (each this rank's
+    ShardPlan slice) one after the other; the loader writes part ``i`` (named ``part_names[i]``,
+    the checkpoint's leaf name, e.g. ``q_proj``) into rows ``offsets[i]:offsets[i + 1]``.
+    ``bias`` likewise (all parts or none have one). Input ``[..., in_features]`` ->
+    ``[..., sum(sizes)]``; the caller slices the parts.
     """
 
-    def __init__(self, parts: list[ColumnParallelLinear]):
+    def __init__(self, in_features: int, sizes: list[int], part_names: list[str], bias: bool, dtype=None,
+                 device="meta"):
         super().__init__()
-        if len({p.in_features for p in parts}) != 1 or len({p.bias is None for p in parts}) != 1:
-            raise ValueError("merged column layers need one input size and all or no biases")
-        self.in_features = parts[0].in_features
-        self.sizes = [p.out_features for p in parts]
-        self.out_features = sum(self.sizes)
-        self.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
-        self.bias = (None if parts[0].bias is None else
-                     nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False))
+        if len(sizes) != len(part_names):
+            raise ValueError(f"{len(sizes)} part sizes but {len(part_names)} part names")
+        self.in_features, self.sizes, self.part_names = in_features, list(sizes), list(part_names)
+        self.offsets = [0]
+        for n in sizes:
+            self.offsets.append(self.offsets[-1] + n)
+        self.out_features = self.offsets[-1]
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(self.out_features, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` -> ``[..., sum(sizes)]``, the parts side by side in ``sizes`` order."""
