@@ -1,4 +1,4 @@
-"""Smoke test of ``python -m tpengine.bench`` on a tiny random model with tiny sizes: HF, tp=1 and
+"""Smoke test of ``python -m benchmarks.bench`` on a tiny random model with tiny sizes: HF, tp=1 and
 tp=2 (torchrun) all run, the JSON has every key and every number is positive."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 from conftest import make_tiny_model
 from typer.testing import CliRunner
 
-from tpengine.bench import app
+from benchmarks.bench import app
 
 
 def test_bench_smoke(tmp_path):
