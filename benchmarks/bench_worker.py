@@ -40,9 +40,9 @@ HF_ATTN = ("sdpa", "eager")
 
 def hf_attn_for(dtype: torch.dtype, attn: str = "auto") -> str:
     """HF ``attn_implementation`` for the baseline: ``attn`` itself, or for "auto" the one that ran
-    faster in this benchmark's throughput workload (64 x 128 -> 128, SmolLM2-135M, 2-core AMD EPYC,
-    torch 2.13 CPU): "sdpa" in float32 (212 vs 142 output tok/s) and "eager" in 16-bit dtypes
-    (369 vs 255). Raises ValueError for anything else than auto, sdpa or eager."""
+    faster in this benchmark's throughput workload on the build machine (README, Performance):
+    "sdpa" in float32 and "eager" in 16-bit dtypes. Raises ValueError for anything else than
+    auto, sdpa or eager."""
     if attn not in ("auto", *HF_ATTN):
         raise ValueError(f"hf attention {attn!r} is not one of auto, {', '.join(HF_ATTN)}")
     if attn != "auto":
