@@ -12,7 +12,8 @@ each process's peak resident memory (VmHWM) is its own. A system whose estimated
 reason ("skipped: needs X GiB, Y available"). It prints a table and writes JSON (``--out``):
 
 ``{"config": {...flags}, "machine": {...}, "shapes": {name: {"path", "built", "build_s", "files",
-"largest_file_bytes", "weight_bytes", "params", "build_peak_rss_bytes", "config": {sizes}}},
+"largest_file_bytes", "weight_bytes", "params", "build_peak_rss_bytes" (this driver's VmHWM after
+building it: cumulative over the shapes before), "config": {sizes}} | {"error"}},
 "results": {name: {system: {"status": "ok", "tp", "load_s", "ttft_ms", "tpot_ms", "output_tok_s",
 ..., "ranks": [{"rank", "peak_rss_bytes", "weight_bytes", "kv_bytes", "budget_bytes",
 "within_budget"}]} | {"status": "skipped" | "failed", "reason"}}}, "total_s"}``
@@ -137,7 +138,7 @@ def main(
                           f"{shape.weight_bytes() / GIB:.2f} GiB in bfloat16")
             try:
                 info = build_synth_model(name, models_dir, tokenizer_dir, layers_per_file=layers_per_file, seed=seed)
-            except (OSError, FileExistsError) as e:
+            except OSError as e:  # no disk space, a half-built folder, no tokenizer
                 built[name] = {"error": str(e)}
                 results[name] = {s: {"status": "skipped", "reason": f"cannot build: {e}"} for s in system_names}
                 console.print(f"  [yellow]skipped[/]: {e}")
