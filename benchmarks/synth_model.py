@@ -181,6 +181,7 @@ def build_synth_model(name: str, models_dir: Path, tokenizer_dir: Path, *, layer
             else:
                 tensors[n] = torch.empty(shapes[n], dtype=DTYPE).normal_(0.0, 0.02, generator=gen)
         save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+        os.chmod(tmp / fname, 0o644)  # safetensors writes 0600; the folder may be shared
         del tensors
         weight_map.update(dict.fromkeys(names, fname))
     index = {"metadata": {"total_size": shape.weight_bytes()}, "weight_map": weight_map}
