@@ -16,7 +16,8 @@ one line ``@@bench {json}``:
 "load_peak_rss_bytes", "weight_bytes", "kv_bytes"}, ...]}``
 
 ``peak_rss_bytes`` is ``VmHWM`` of ``/proc/self/status`` at the end (``load_peak_rss_bytes``: right
-after loading); ``weight_bytes`` the rank's parameters (unique storages), ``kv_bytes`` its KV cache
+after loading); ``weight_bytes`` the rank's weights (the engine's ``ModelRunner.weight_bytes`` where it has one,
+else its parameters, unique storages), ``kv_bytes`` its KV cache
 (engine: the allocated cache; HF: the DynamicCache the workload fills, computed from the config).
 TTFT is arrival to first token and TPOT = (latency - TTFT) / (output tokens - 1) (vLLM's).
 """
@@ -108,7 +109,8 @@ def run_engine(model: str, prompts: list[list[int]], n: int, kv_cache_gb: float,
     outs = engine.generate([(f"r{i}", p, sp) for i, p in enumerate(prompts)] if driver else [])
     elapsed = time.perf_counter() - t0
     mem = {"rank": tp.rank, "peak_rss_bytes": vm_hwm_bytes(), "load_peak_rss_bytes": load_peak,
-           "weight_bytes": module_bytes(engine.runner.model), "kv_bytes": engine.runner.kv_cache.nbytes}
+           "weight_bytes": getattr(engine.runner, "weight_bytes", None) or module_bytes(engine.runner.model),
+           "kv_bytes": engine.runner.kv_cache.nbytes}
     mems = [mem]
     if tp.size > 1:
         mems = [None] * tp.size
