@@ -7,7 +7,7 @@ NPROC     ?= $(TP)
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model test lint demo bench humaneval shards clean
+.PHONY: setup model test lint demo bench humaneval bench-scale shards clean
 
 setup: .venv/.installed
 
@@ -36,17 +36,22 @@ test: setup model
 	$(PY) -m pytest -q -x --durations=15
 
 lint: setup
-	.venv/bin/ruff check tpengine shard_tool tests
+	.venv/bin/ruff check tpengine shard_tool tests benchmarks
 
 demo: setup model
 	.venv/bin/torchrun --nproc_per_node=$(NPROC) -m tpengine.run \
 	  --prompts examples/prompts.jsonl --config configs/smollm2-135m.toml
 
 bench: setup model
-	$(PY) -m tpengine.bench --out bench-results.json
+	$(PY) -m benchmarks.bench --out bench-results.json
 
 humaneval: setup model
-	$(PY) -m tpengine.humaneval
+	$(PY) -m benchmarks.humaneval
+
+# Random-weight TinyLlama-1.1B / Llama-2-7B shapes, built once under models/synth-<name>; add flags with
+# BENCH_SCALE_ARGS='--shapes tinyllama-1.1b --systems tp1,tp2' (python -m benchmarks.bench_scale --help)
+bench-scale: setup model
+	$(PY) -m benchmarks.bench_scale --out bench-scale.json $(BENCH_SCALE_ARGS)
 
 clean:
 	rm -rf .venv models .pytest_cache

@@ -7,7 +7,7 @@
 #   2. pytest    tests/test_kernels.py + tests/test_gpu.py on CUDA, no Triton interpreter
 #   3. agreement scripts/gpu_check.py: SmolLM2 tp=1 bf16 Triton + CUDA graphs vs Hugging Face,
 #                16 prompts, argmax agreement >= 99% of generated positions
-#   4. bench     python -m tpengine.bench --dtype bfloat16 --tp 1 (if tpengine/bench.py exists)
+#   4. bench     python -m benchmarks.bench --dtype bfloat16 --tp 1 (if benchmarks/bench.py exists)
 #
 # Each step runs under `timeout`, capped by what is left of BUDGET_S (default 460 s), and the
 # results (exit codes, seconds, test counts, the agreement and benchmark JSON, log tails of
@@ -67,12 +67,12 @@ step pytest 240 "$PY" -m pytest -q -rfEs -p no:cacheprovider --junitxml="$WORK/j
 
 step agreement 120 "$PY" scripts/gpu_check.py --out "$WORK/agreement.json"
 
-if [[ -f tpengine/bench.py ]]; then
+if [[ -f benchmarks/bench.py ]]; then
   BENCH_ARGS=(--out "$WORK/bench.json")
-  BENCH_HELP=$("$PY" -m tpengine.bench --help 2>/dev/null)
+  BENCH_HELP=$("$PY" -m benchmarks.bench --help 2>/dev/null)
   grep -q -- "--dtype" <<<"$BENCH_HELP" && BENCH_ARGS+=(--dtype bfloat16)
   grep -q -- "--tp" <<<"$BENCH_HELP" && BENCH_ARGS+=(--tp 1)  # one GPU
-  step bench 120 "$PY" -m tpengine.bench "${BENCH_ARGS[@]}"
+  step bench 120 "$PY" -m benchmarks.bench "${BENCH_ARGS[@]}"
 fi
 
 # one JSON with everything
@@ -125,7 +125,7 @@ steps["agreement"]["result"] = load("agreement.json")
 if steps["bench"]["ran"]:
     steps["bench"]["result"] = load("bench.json")
 else:
-    steps["bench"]["note"] = "tpengine/bench.py not found"
+    steps["bench"]["note"] = "benchmarks/bench.py not found"
 
 ran = [s for s in steps.values() if s["ran"]]
 ok = (bool(env and env.get("cuda_available")) and all(s["exit_code"] == 0 for s in ran)

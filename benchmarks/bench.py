@@ -1,9 +1,9 @@
 """Benchmark: tpengine at tp=1 and tp=2 against Hugging Face ``generate``, same model, same prompts.
 
-    python -m tpengine.bench --out bench-results.json            (make bench)
-    python -m tpengine.bench --dtype bfloat16 --num-prompts 16 --rounds 2
+    python -m benchmarks.bench --out bench-results.json            (make bench)
+    python -m benchmarks.bench --dtype bfloat16 --num-prompts 16 --rounds 2
 
-For every dtype, each system loads once in its own process(es) (:mod:`tpengine.bench_worker`;
+For every dtype, each system loads once in its own process(es) (:mod:`benchmarks.bench_worker`;
 tp=2 under torchrun, each rank with cores / tp intra-op threads, HF with all cores) and the
 driver alternates them, so machine noise hits all of them:
 
@@ -32,8 +32,9 @@ from typing import Annotated
 import torch
 import typer
 
-from tpengine.bench_report import render_table, summarize
-from tpengine.bench_worker import MARK
+from benchmarks import subprocess_env
+from benchmarks.bench_report import render_table, summarize
+from benchmarks.bench_worker import MARK
 from tpengine.config import DEFAULT_MODEL_DIR
 
 app = typer.Typer(add_completion=False)
@@ -71,15 +72,15 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 
 
 class Worker:
-    """A running :mod:`tpengine.bench_worker` (one process, or a torchrun group at tp > 1)."""
+    """A running :mod:`benchmarks.bench_worker` (one process, or a torchrun group at tp > 1)."""
 
     def __init__(self, name: str, args: list[str], tp: int, log: Path):
         self.name, self.log_path = name, log
-        base = [sys.executable, "-m", "tpengine.bench_worker"]
+        base = [sys.executable, "-m", "benchmarks.bench_worker"]
         if tp > 1:
             base = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={tp}",
-                    "-m", "tpengine.bench_worker"]
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+                    "-m", "benchmarks.bench_worker"]
+        env = subprocess_env()
         self.log = open(log, "w")
         self.proc = subprocess.Popen(base + args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      text=True, env=env, bufsize=1)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from benchmarks import subprocess_env
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -46,7 +47,7 @@ def run_engine(prompts: Path, out: Path, tp: int, model: str, max_tokens: int) -
     cmd = [*launcher, "-m", "tpengine.run", "--prompts", str(prompts), "--out", str(out), "--model", model,
            "--max-tokens", str(max_tokens), "--temperature", "0", "--max-num-seqs", "32"]
     t0 = time.monotonic()
-    subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    subprocess.run(cmd, check=True, env=subprocess_env())
     return time.monotonic() - t0
 
 

@@ -1,4 +1,4 @@
-"""Summaries and the rich table of :mod:`tpengine.bench` (pure functions of the raw runs)."""
+"""Summaries and the rich table of :mod:`benchmarks.bench` (pure functions of the raw runs)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def summarize(runs: dict, latency_output_len: int) -> dict:
 
 
 def render_table(result: dict):
-    """A ``rich.table.Table`` of ``result`` (the JSON :mod:`tpengine.bench` writes)."""
+    """A ``rich.table.Table`` of ``result`` (the JSON :mod:`benchmarks.bench` writes)."""
     from rich.table import Table
 
     c, m = result["config"], result["machine"]

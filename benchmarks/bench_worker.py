@@ -1,8 +1,8 @@
-"""One system under benchmark, in its own process(es), driven by :mod:`tpengine.bench`.
+"""One system under benchmark, in its own process(es), driven by :mod:`benchmarks.bench`.
 
-    python -m tpengine.bench_worker --system hf --model DIR --dtype float32 --threads 2
-    python -m tpengine.bench_worker --system engine --model DIR --dtype float32 ...     (tp=1)
-    torchrun --standalone --nproc_per_node=2 -m tpengine.bench_worker --system engine ...  (tp=2)
+    python -m benchmarks.bench_worker --system hf --model DIR --dtype float32 --threads 2
+    python -m benchmarks.bench_worker --system engine --model DIR --dtype float32 ...     (tp=1)
+    torchrun --standalone --nproc_per_node=2 -m benchmarks.bench_worker --system engine ...  (tp=2)
 
 The model is loaded once and warmed up; then rank 0 reads one JSON command per stdin line and
 answers each with one stdout line ``@@bench {json}`` (everything else goes to stderr or is
@@ -40,14 +40,30 @@ HF_ATTN = ("sdpa", "eager")
 
 def hf_attn_for(dtype: torch.dtype, attn: str = "auto") -> str:
     """HF ``attn_implementation`` for the baseline: ``attn`` itself, or for "auto" the one that ran
-    faster in this benchmark's throughput workload (64 x 128 -> 128, SmolLM2-135M, 2-core AMD EPYC,
-    torch 2.13 CPU): "sdpa" in float32 (212 vs 142 output tok/s) and "eager" in 16-bit dtypes
-    (369 vs 255). Raises ValueError for anything else than auto, sdpa or eager."""
+    faster in this benchmark's throughput workload on the build machine (README, Performance):
+    "sdpa" in float32 and "eager" in 16-bit dtypes. Raises ValueError for anything else than
+    auto, sdpa or eager."""
     if attn not in ("auto", *HF_ATTN):
         raise ValueError(f"hf attention {attn!r} is not one of auto, {', '.join(HF_ATTN)}")
     if attn != "auto":
         return attn
     return "sdpa" if dtype == torch.float32 else "eager"
+
+
+class FirstTokenTimer:
+    """A ``generate(streamer=...)`` that records when the first new token arrives:
+    ``first`` = ``time.perf_counter()`` at the second ``put`` (the first one is the prompt)."""
+
+    def __init__(self):
+        self.puts, self.first = 0, None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
 
 
 class HFSystem:
@@ -84,21 +100,7 @@ class HFSystem:
                 "prompt_tokens": sum(map(len, prompts)), "attn_implementation": self.attn}
 
     def latency(self, prompt: list[int], n: int) -> dict:
-        from transformers.generation.streamers import BaseStreamer
-
-        class FirstToken(BaseStreamer):  # generate() calls put() with the prompt, then every token
-            def __init__(self):
-                self.puts, self.first = 0, None
-
-            def put(self, value):
-                self.puts += 1
-                if self.puts == 2:
-                    self.first = time.perf_counter()
-
-            def end(self):
-                pass
-
-        s = FirstToken()
+        s = FirstTokenTimer()
         t0 = time.perf_counter()
         out = self._generate([prompt], n, streamer=s)
         t1 = time.perf_counter()

@@ -1,0 +1,24 @@
+"""Benchmarks and evaluations of tpengine; not part of the installed package.
+
+Run from the repository root: ``python -m benchmarks.bench`` (``make bench``), ``python -m
+benchmarks.humaneval`` (``make humaneval``), ``python -m benchmarks.bench_scale`` (``make
+bench-scale``). Their worker subprocesses get the repository root on ``PYTHONPATH``
+(:func:`subprocess_env`), so ``-m benchmarks.<worker>`` resolves from any working directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """``os.environ`` plus the repository root prepended to ``PYTHONPATH``, offline HF and
+    ``TOKENIZERS_PARALLELISM=false``, updated by ``extra``: the environment of every worker."""
+    path = os.environ.get("PYTHONPATH", "")
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), path) if p)}
+    env.update(extra)
+    return env
