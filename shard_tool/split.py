@@ -2,7 +2,7 @@
 
 Every shard is cut by :meth:`tpengine.plan.ShardPlan.shard` with the kind from
 :func:`tpengine.surgery.kind_of`; this module holds no partition math. Output layout: see
-DESIGN.md, "Per-rank checkpoint layout".
+docs/design.md, "Per-rank checkpoint layout".
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """LLMEngine end to end on real ranks: greedy output equals Hugging Face token for token at
-tp 1, 2 and 3, and cases C12, C13, C14, C17 (see ../shared/cases/README.md)."""
+tp 1, 2 and 3, and cases C12, C13, C14, C17 (see docs/cases.md)."""
 
 from __future__ import annotations
 

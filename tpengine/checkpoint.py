@@ -2,7 +2,7 @@
 
 A full HF folder holds ``model.safetensors`` or several files named by
 ``model.safetensors.index.json``; a shard folder (``tpengine-shard split``) holds
-``manifest.json`` and one ``rank-RR-of-NN.safetensors`` per rank (DESIGN.md).
+``manifest.json`` and one ``rank-RR-of-NN.safetensors`` per rank (docs/design.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Pure partition math for one Hugging Face decoder config and one TP size. Both th
 tool (`tpengine-shard split`) and the runtime loader slice weights only through
 :meth:`ShardPlan.shard`, so offline and online sharding cannot drift apart.
 
-Layout (see DESIGN.md):
+Layout (see docs/design.md):
 
 * query heads: contiguous ranges whose sizes differ by at most one (9 heads at tp=2 -> 5 + 4);
 * KV heads: each rank holds exactly the KV heads its query heads use (query head ``h`` uses KV
