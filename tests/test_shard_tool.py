@@ -295,8 +295,19 @@ def test_smollm2_info_split_verify(smollm2_dir: Path, tmp_path: Path) -> None:
     r = cli("info", smollm2_dir, "--tp", "2")
     assert r.exit_code == 0, r.output
     rows = table_rows(r.output)
+    plan_rows, estimate_rows = rows[:2], rows[2:]
     # columns: rank, q heads, #q, kv heads, #kv, q->kv, intermediate, vocab, bytes, MiB
-    assert [(row[1], row[2], row[3], row[4]) for row in rows] == [("0:5", "5", "0:2", "2"), ("5:9", "4", "1:3", "2")]
+    assert [(row[1], row[2], row[3], row[4]) for row in plan_rows] == [("0:5", "5", "0:2", "2"),
+                                                                      ("5:9", "4", "1:3", "2")]
+    # the per-rank memory estimate: weights (the plan's bytes), KV at the default 1 GiB budget,
+    # runtime, total = their sum (to the printed rounding)
+    assert [row[0] for row in estimate_rows] == ["0", "1"]
+    for plan_row, (_, weights, kv, runtime, total) in zip(plan_rows, estimate_rows):
+        assert float(weights) == round(int(plan_row[8]) / 2**30, 2)
+        assert kv == "1.00" and float(runtime) > 0.5
+        assert abs(float(total) - (float(weights) + float(kv) + float(runtime))) <= 0.011
+    r = cli("info", smollm2_dir, "--tp", "2", "--kv-cache-gb", "0.25")
+    assert [row[2] for row in table_rows(r.output)[2:]] == ["0.25", "0.25"]
     out = tmp_path / "tp2"
     r = cli("split", smollm2_dir, "--tp", "2", "--out", out)
     assert r.exit_code == 0, r.output
