@@ -26,8 +26,9 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgp
 SKIP_FILES = {"model.safetensors.index.json", "pytorch_model.bin.index.json", "manifest.json"}
 
 
-#: Exit code of ``tpengine-shard`` for a user's mistake (the tests of the shard tool pin 1).
-USER_ERROR_EXIT = 1
+#: Exit code of ``tpengine-shard`` for a user's mistake, as ``tpengine.run``'s (1 is a failure:
+#: an internal error, or ``verify`` finding a corrupt shard).
+USER_ERROR_EXIT = 2
 
 
 def fail(message: str, code: int = USER_ERROR_EXIT) -> NoReturn:

@@ -155,7 +155,7 @@ def test_tied_checkpoint_with_lm_head(tmp_path: Path) -> None:
     t["lm_head.weight"][0, 0] += 1.0
     save_file(t, model_dir / "model.safetensors", metadata={"format": "pt"})
     r = cli("split", model_dir, "--tp", "2", "--out", tmp_path / "bad")
-    assert r.exit_code == 1 and "lm_head.weight differs" in r.output
+    assert r.exit_code == 2 and "lm_head.weight differs" in r.output
     assert not (tmp_path / "bad").exists()
 
 
@@ -168,7 +168,7 @@ def test_multi_file_checkpoint_and_missing_file(tmp_path: Path) -> None:
     assert {s["name"] for s in manifest["source_files"]} == set(files) | {"model.safetensors.index.json"}
     (model_dir / files[1]).unlink()
     r = cli("split", model_dir, "--tp", "2", "--out", tmp_path / "out")
-    assert r.exit_code == 1
+    assert r.exit_code == 2
     assert files[1] in r.output and "missing" in r.output
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
 
@@ -218,13 +218,13 @@ def test_split_dtype_and_errors(tmp_path: Path) -> None:
     assert all(t.dtype == torch.bfloat16 for t in load_file(out / "rank-01-of-02.safetensors").values())
     assert cli("verify", out).exit_code == 0
     r = cli("split", model_dir, "--tp", "2", "--out", out)
-    assert r.exit_code == 1 and "already exists" in r.output
+    assert r.exit_code == 2 and "already exists" in r.output
     r = cli("split", model_dir, "--tp", "5", "--out", tmp_path / "x")
-    assert r.exit_code == 1 and "tp_size=5" in r.output and "num_attention_heads=4" in r.output
+    assert r.exit_code == 2 and "tp_size=5" in r.output and "num_attention_heads=4" in r.output
     r = cli("split", model_dir, "--tp", "2", "--out", tmp_path / "x", "--dtype", "int8")
-    assert r.exit_code == 1 and "'int8'" in r.output and "bfloat16" in r.output
+    assert r.exit_code == 2 and "'int8'" in r.output and "bfloat16" in r.output
     r = cli("split", tmp_path / "nowhere", "--tp", "2", "--out", tmp_path / "x")
-    assert r.exit_code == 1 and "nowhere" in r.output and "config.json" in r.output
+    assert r.exit_code == 2 and "nowhere" in r.output and "config.json" in r.output
     assert not (tmp_path / "x").exists()
 
 
@@ -273,7 +273,7 @@ def test_split_and_convert_output_get_default_modes(tmp_path: Path) -> None:
 
 def test_convert_errors(tmp_path: Path) -> None:
     r = cli("convert", tmp_path / "missing.gguf", tmp_path / "out")
-    assert r.exit_code == 1 and "missing.gguf" in r.output and "does not exist" in r.output
+    assert r.exit_code == 2 and "missing.gguf" in r.output and "does not exist" in r.output
 
 
 def test_converted_smollm2_says_paris(smollm2_dir: Path) -> None:
