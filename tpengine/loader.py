@@ -79,13 +79,40 @@ def rank_files(model_dir: Path, sharded: bool, tp: TPInfo) -> list[Path]:
     return [model_dir / f for f in checkpoint_files(model_dir)]
 
 
-def _materialize(module: torch.nn.Module, attr: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The real storage of ``module.<attr>``, allocated (uninitialised) on first use."""
+def _materialize(module: torch.nn.Module, attr: str, dtype: torch.dtype, device: torch.device,
+                 staging: _Staging | None = None) -> torch.Tensor:
+    """The real storage of ``module.<attr>``, allocated (uninitialised) on first use: from
+    ``staging`` for a weight that will be replaced by its packed layout, else its own memory."""
     p = getattr(module, attr)
     if p.is_meta:
-        p = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False)
+        data = staging.take(module, p.shape, dtype) if staging is not None else torch.empty(p.shape, dtype=dtype,
+                                                                                              device=device)
+        p = torch.nn.Parameter(data, requires_grad=False)
         setattr(module, attr, p)
     return p.data
+
+
+class _Staging:
+    """Reusable CPU buffers for weights that only pass through on their way to the packed layout:
+    each layer's plain weight is read into a buffer already in memory (not freshly faulted pages),
+    reordered, and the buffer goes back for the next layer. Holds a few buffers of the largest
+    packed weights' size while loading; dropped afterwards."""
+
+    def __init__(self):
+        self.free: list[torch.Tensor] = []
+        self.held: dict[int, torch.Tensor] = {}
+
+    def take(self, module: torch.nn.Module, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        n = shape.numel() * dtype.itemsize
+        fits = [i for i, b in enumerate(self.free) if b.numel() >= n]
+        i = min(fits, key=lambda i: self.free[i].numel()) if fits else None
+        buf = self.free.pop(i) if i is not None else torch.empty(n, dtype=torch.uint8)
+        self.held[id(module)] = buf
+        return buf[:n].view(dtype).view(shape)
+
+    def give_back(self, module: torch.nn.Module) -> None:
+        if (buf := self.held.pop(id(module), None)) is not None:
+            self.free.append(buf)
 
 
 def _fill(fd: int, info: TensorInfo, dest: torch.Tensor, spec: tuple[int, int, int] | None, full: int | None) -> None:
@@ -143,6 +170,8 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
     done: set[str] = set()
     unexpected: list[str] = []
     head = model.get_output_embeddings()
+    packs = lambda m: pack and hasattr(m, "pack") and not (tie and m is head)  # noqa: E731
+    staging = _Staging() if pack and device.type == "cpu" else None
     for path in files:
         infos = read_header(path)
         fd = os.open(path, os.O_RDONLY)
@@ -161,12 +190,16 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
                     kind = kind_of(name, len(info.shape))
                     spec = plan.slice_spec(kind, name.endswith(".bias"), rank)
                 full = None if spec is None else plan.full_size(kind)
-                param = _materialize(t.module, t.attr, dtype, device)
+                via = staging if t.attr == "weight" and packs(t.module) else None
+                param = _materialize(t.module, t.attr, dtype, device, via)
                 _fill(fd, info, param.narrow(0, t.start, t.rows), spec, full)
                 done.add(name)
                 left[id(t.module)] -= 1
-                if not left[id(t.module)] and pack and hasattr(t.module, "pack") and not (tie and t.module is head):
-                    t.module.pack()
+                if not left[id(t.module)] and packs(t.module):
+                    if not t.module.pack() and staging is not None:  # no oneDNN: keep the weight, in memory of its own
+                        t.module.weight.data = t.module.weight.data.clone()
+                    if staging is not None:
+                        staging.give_back(t.module)
         finally:
             os.close(fd)
     if tie:
