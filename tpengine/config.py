@@ -15,9 +15,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from tpengine.kernels import BACKENDS  # the attention backend names, defined with the backends
+
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)

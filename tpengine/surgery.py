@@ -57,13 +57,10 @@ def kind_of(param_name: str, ndim: int) -> str:
 def build_meta_model(hf_config, dtype: torch.dtype):
     """The HF causal-LM for ``hf_config`` with every parameter and buffer on the meta device
     (accelerate's ``init_empty_weights``), attention set to tpengine's."""
-    from tpengine.layers import attention
-
     config = copy.deepcopy(hf_config)
-    config._attn_implementation = attention.register()
+    config._attn_implementation = "sdpa"  # interim (kernels branch): fuse_layers swaps attention for paged
     with init_empty_weights(include_buffers=True):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.set_attn_implementation(attention.NAME)
     return model.eval()
 
 

@@ -11,11 +11,11 @@ import os
 import torch
 
 from tpengine.config import EngineConfig
+from tpengine.context import Context
 from tpengine.distributed import TPInfo, all_reduce_min
-from tpengine.engine.context import Context, set_context
 from tpengine.engine.cuda_graphs import CUDAGraphRunner
 from tpengine.engine.step import StepKind, StepPlan
-from tpengine.kernels import cpu_native, get_backend, kv_mirror
+from tpengine.kernels import cpu_native, get_backend
 from tpengine.layers.comm import init_shm
 from tpengine.loader import load_model
 from tpengine.surgery import fuse_layers, pack_cpu_weights
@@ -65,9 +65,13 @@ class ModelRunner:
         self.dtype = config.torch_dtype(tp.device)
         self.model, self.plan, self.hf_config = load_model(config.model, tp, self.dtype)
         fuse_layers(self.model)  # one q/k/v and one gate/up GEMM per layer, lean RMSNorm
+        for m in self.model.modules():  # interim (kernels branch), until surgery sets it: the fused ops' C-or-torch
+            if hasattr(type(m), "native"):
+                m.native = config.cpu_kernels
         if tp.device.type == "cpu":
             pack_cpu_weights(self.model)  # oneDNN matmuls (2x MKL's float32 sgemm on AMD)
-        self.backend = get_backend(config.attention_backend, tp.device)
+        self.backend = get_backend(config.attention_backend, tp.device, native=config.cpu_kernels,
+                                   kv_mirror=config.kv_mirror)
         if tp.device.type == "cpu" and self.dtype == torch.bfloat16 and config.cpu_kernels:
             cpu_native.load()  # build the C kernels now (~2 s, once per machine), not inside the first step
         self.attn_modules = [m for m in self.model.modules() if hasattr(m, "tp_q_to_kv")]
@@ -84,8 +88,8 @@ class ModelRunner:
                                     rp.num_kv_heads, self.plan.head_dim, dtype=self.dtype, device=tp.device)
         for i, m in enumerate(self.attn_modules):
             m.k_cache, m.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        graph_safe = self.backend.__name__.endswith("paged_attention")  # the torch reference syncs
-        if tp.device.type == "cuda" and not config.enforce_eager and graph_safe:
+            self.backend.bind_layer(m)  # the layer's backend state (CPU: its KV mirror)
+        if tp.device.type == "cuda" and not config.enforce_eager and self.backend.graph_safe:
             max_blocks = -(-config.max_model_len // config.block_size)
             self.graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs, max_blocks,
                                           self.plan.hidden_size, self.dtype, tp.device)
@@ -143,18 +147,9 @@ class ModelRunner:
             return self._head(self.graphs.run(plan), plan)
         dev = self.tp.device
         to = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
-        prefill = plan.kind == StepKind.PREFILL
-        # module switches, set per step so several engines in one process each keep their own config
-        kv_mirror.ENABLED, cpu_native.ENABLED = self.config.kv_mirror, self.config.cpu_kernels
-        set_context(Context(is_prefill=prefill, slot_mapping=to(plan.slot_mapping),
-                            block_tables=to(plan.block_tables), backend=self.backend,
-                            cu_seqlens_q=to(plan.cu_seqlens_q), cu_seqlens_k=to(plan.cu_seqlens_k),
-                            context_lens=to(plan.context_lens)))
-        try:
-            hidden = self.model.model(input_ids=to(plan.input_ids)[None], position_ids=to(plan.positions)[None],
-                                      use_cache=False).last_hidden_state[0]
-        finally:
-            set_context(None)
+        ctx = Context.build(self.backend, plan.kind == StepKind.PREFILL, to(plan.slot_mapping), to(plan.block_tables),
+                            to(plan.cu_seqlens_q), to(plan.cu_seqlens_k), to(plan.context_lens))
+        hidden = self.model.model(to(plan.input_ids), to(plan.positions), ctx)  # [N] ids, positions -> [N, hidden]
         return self._head(hidden.index_select(0, to(plan.sample_idx)), plan)
 
     def _head(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:

@@ -18,20 +18,12 @@ results match HF's bit for bit in float32.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from tpengine.engine.context import get_context
 from tpengine.kernels import cpu_fused
-from tpengine.layers.attention import paged_attention, tpengine_attention
+from tpengine.kernels.cpu_fused import rotate_half  # noqa: F401  (re-exported for the lead's merge)
+from tpengine.layers.attention import paged_attention
 from tpengine.layers.linear import MergedColumnParallelLinear
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` on the last dimension (HF's RoPE convention)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class FusedAttention(nn.Module):
@@ -41,6 +33,8 @@ class FusedAttention(nn.Module):
     ``forward(hidden_states [B, T, hidden], position_embeddings=(cos, sin) [B, T, D])`` ->
     ``(out [B, T, hidden], None)`` like the HF module; in an engine step B == 1.
     """
+
+    native = True  # EngineConfig.cpu_kernels (set per engine)
 
     def __init__(self, attn: nn.Module):
         super().__init__()
@@ -52,27 +46,22 @@ class FusedAttention(nn.Module):
         self.tp_q_to_kv = attn.tp_q_to_kv
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                attention_mask=None, **kwargs) -> tuple[torch.Tensor, None]:
+                ctx) -> tuple[torch.Tensor, None]:
         hq, hkv = self.num_heads, self.num_key_value_heads
         qkv = self.qkv_proj(hidden_states).unflatten(-1, (hq + 2 * hkv, self.head_dim))  # [B, T, H, D]
         qk, v = qkv[..., : hq + hkv, :], qkv[..., hq + hkv :, :]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[..., :hq, :]), self.k_norm(qk[..., hq:, :])), dim=-2)
-        if cpu_fused.rope_(qk, *position_embeddings) is None:  # CPU bfloat16: one C kernel, in place
-            cos, sin = (t.unsqueeze(-2) for t in position_embeddings)  # [B, T, 1, D]: every head
-            qk = qk * cos + rotate_half(qk) * sin
+        qk = cpu_fused.rope_(qk, *position_embeddings, self.native)  # CPU bfloat16: one C kernel, in place
         q, k = qk[..., :hq, :], qk[..., hq:, :]
-        ctx = get_context()
-        if ctx is not None:
-            out = paged_attention(self, q[0], k[0], v[0], self.scaling, ctx).unsqueeze(0)
-        else:  # plain causal attention over the batch (outside the engine)
-            out, _ = tpengine_attention(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
-                                        scaling=self.scaling)
+        out = paged_attention(self, q, k, v, self.scaling, ctx)
         return self.o_proj(out.flatten(-2)), None
 
 
 class FusedMLP(nn.Module):
     """Replaces an HF gated MLP ``down(act(gate(x)) * up(x))`` (parallel layers, HF ``act_fn``)."""
+
+    native = True  # EngineConfig.cpu_kernels (set per engine)
 
     def __init__(self, mlp: nn.Module):
         super().__init__()
@@ -83,8 +72,8 @@ class FusedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.silu and (h := cpu_fused.silu_mul(gate_up, self.intermediate)) is not None:  # CPU bfloat16
-            return self.down_proj(h)
+        if self.silu:  # CPU bfloat16: one C kernel
+            return self.down_proj(cpu_fused.silu_mul(gate_up, self.intermediate, self.native))
         h = self.act_fn(gate_up[..., : self.intermediate])
         return self.down_proj(h.mul_(gate_up[..., self.intermediate :]))
 
@@ -92,6 +81,8 @@ class FusedMLP(nn.Module):
 class RMSNorm(nn.Module):
     """Replaces an HF Llama-style RMSNorm (``weight * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(dtype)``)
     with the same arithmetic through ``F.rms_norm`` (bit-identical in float32 and bfloat16)."""
+
+    native = True  # EngineConfig.cpu_kernels (set per engine)
 
     def __init__(self, norm: nn.Module):
         super().__init__()
@@ -104,34 +95,26 @@ class RMSNorm(nn.Module):
     def add_forward(self, h: torch.Tensor, x: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(h + x, self(h + x))`` (``h`` itself when ``x`` is None): the residual add before the
         norm, fused with it by a C kernel on CPU in bfloat16 (tpengine.kernels.cpu_fused)."""
-        if (fused := cpu_fused.add_rms_norm(h, x, self.weight, self.eps)) is not None:
-            return fused
-        if x is not None:
-            h = h + x
-        if h.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return h, F.rms_norm(h, self.shape, self.weight, self.eps)
-        return h, self.weight * F.rms_norm(h.float(), self.shape, None, self.eps).to(h.dtype)
+        return cpu_fused.add_rms_norm(h, x, self.weight, self.eps, self.native)
 
 
-def lean_decoder_forward(self, input_ids=None, position_ids=None, inputs_embeds=None, **kwargs):
+def lean_decoder_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
     """Replaces the forward of an HF decoder stack (``LlamaModel`` and its Mistral/Qwen2/Qwen3
     twins) whose layers are all fused: HF's computation (embedding, RoPE tables, then per layer
     ``h = h + attn(norm1(h))`` and ``h = h + mlp(norm2(h))``, final norm) without HF's causal-mask
     building, cache and kwargs plumbing and per-layer wrappers, which tpengine's attention does
     not use; each residual add runs inside the next norm's :meth:`RMSNorm.add_forward` (the same
-    ops in the same order, or one C kernel on CPU in bfloat16). Returns
-    ``BaseModelOutputWithPast(last_hidden_state=...)``."""
-    h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-    if position_ids is None:
-        position_ids = torch.arange(h.shape[1], device=h.device)[None]
-    position_embeddings = self.rotary_emb(h, position_ids)
+    ops in the same order, or one C kernel on CPU in bfloat16). ``input_ids``/``positions [N]`` int64,
+    ``ctx`` the step's :class:`tpengine.context.Context`; returns ``[N, hidden]``."""
+    h = self.embed_tokens(input_ids)
+    position_embeddings = tuple(t[0] for t in self.rotary_emb(h, positions[None]))  # cos, sin [N, D]
     delta = None  # each block's output, added to the residual stream by the next norm (fused on CPU bf16)
     for layer in self.layers[: self.config.num_hidden_layers]:
         h, x = _add_norm(layer.input_layernorm, h, delta)
-        delta = layer.self_attn(x, position_embeddings)[0]
+        delta = layer.self_attn(x, position_embeddings, ctx)[0]
         h, x = _add_norm(layer.post_attention_layernorm, h, delta)
         delta = layer.mlp(x)
-    return BaseModelOutputWithPast(last_hidden_state=_add_norm(self.norm, h, delta)[1])
+    return _add_norm(self.norm, h, delta)[1]
 
 
 def _add_norm(norm: nn.Module, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
