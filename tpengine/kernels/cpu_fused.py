@@ -94,8 +94,11 @@ def causal_softmax_(s: torch.Tensor, scale: float, native: bool) -> torch.Tensor
     """``softmax(s * scale + causal mask, dim=-1)`` for square score blocks ``s [..., n, n]`` (query
     ``i`` sees keys ``j <= i``; masked keys get 0), as torch's ``s.mul_(scale).add_(mask)`` then
     ``torch.softmax`` (float32 inside for half types). ``s`` is overwritten; returns the result
-    (``s`` itself from the C kernel: bfloat16 on CPU, ``s`` contiguous, ``n <= 16384``)."""
-    n = s.shape[-1]
+    (``s`` itself from the C kernel: bfloat16 on CPU, ``s`` contiguous, ``n <= 16384``). Raises
+    ValueError if ``s`` is not ``[..., n, n]``."""
+    n = s.shape[-1] if s.dim() else 0
+    if s.dim() < 2 or s.shape[-2] != n:
+        raise ValueError(f"causal_softmax_: s must be square score blocks [..., n, n]; got {tuple(s.shape)}")
     if (native and s.dim() >= 2 and s.shape[-2] == n and 1 <= n <= 16384 and s.is_contiguous()
             and cpu_native.usable(s)):
         ops.causal_softmax_(s, scale)
@@ -110,12 +113,18 @@ def copy_rows(src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, t
     ``index_copy_`` (+ ``index_select``) per tensor.
 
     Shapes: ``src`` two ``[M, *row]`` tensors (``M == N`` without ``src_index``), ``dst`` two
-    ``[R, *row]`` tensors, ``dst_index``/``src_index [N]`` int64. Raises IndexError
+    ``[R, *row]`` tensors, ``dst_index``/``src_index [N]`` int64. Raises ValueError when the
+    numbers of rows and indices differ, IndexError
     ``dst_index[i] = v is out of range for R rows (valid: 0 to R-1)`` (or ``src_index``, ``M``) for
-    an index out of range; the C kernel checks before it writes anything.
+    an index out of range, never writing out of bounds: the C kernel checks every index before it
+    writes anything (torch's ``index_copy_`` may have copied the rows before the bad one).
     """
     (sa, sb), (da, db) = src, dst
     n = dst_index.shape[0]
+    m = sa.shape[0] if sa.dim() else 0
+    if (m if src_index is None else src_index.shape[0]) != n:
+        raise ValueError(f"copy_rows: {n} dst_index entries for {m} source rows"
+                         + ("" if src_index is None else f" and {src_index.shape[0]} src_index entries"))
     if (native and n and sa.dim() and sa.shape[0] and sa.shape[1:] == da.shape[1:] and sb.shape == sa.shape
             and sb.stride() == sa.stride() and sa[0].is_contiguous() and db.shape == da.shape
             and da.is_contiguous() and db.is_contiguous() and sa.dtype == sb.dtype == da.dtype == db.dtype
