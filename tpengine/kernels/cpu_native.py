@@ -152,4 +152,4 @@ def unavailable_reason() -> str | None:
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether the C kernels may take these tensors: all bfloat16 on CPU, and the library loads.
     (Whether to use them at all is the caller's ``native`` flag, from ``EngineConfig.cpu_kernels``.)"""
-    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors) and load() is not None
+    return all(t.dtype == torch.bfloat16 and t.is_cpu for t in tensors) and (_lib is not None or load() is not None)
