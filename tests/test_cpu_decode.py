@@ -1,12 +1,12 @@
 """The C decode-attention kernel (tpengine/kernels/cpu_decode.py) against the torch.bmm arithmetic
-it replaces (tpengine/kernels/reference.py's bfloat16 branch): fast and portable code paths, padding
-rows, masked tails holding NaN/inf, and its errors."""
+it replaces (the CPU backend's bfloat16 branch, tpengine/kernels/cpu_attention.py): fast and
+portable code paths, padding rows, masked tails holding NaN/inf, and its errors."""
 
 import pytest
 import torch
 
 from tpengine.kernels import cpu_decode, cpu_native
-from tpengine.kernels import reference as ref
+from tpengine.kernels.cpu_attention import CPUAttentionBackend, key_mask
 
 BF16 = torch.bfloat16
 
@@ -18,11 +18,11 @@ def kernel():
 
 
 def bmm_path(q, k, v, lens, scale):
-    """The reference's bfloat16 decode arithmetic: bf16 scores, float32 scale + mask + softmax,
+    """The CPU backend's bfloat16 decode arithmetic: bf16 scores, float32 scale + mask + softmax,
     bf16 probabilities, bf16 p @ V."""
     b, hkv, g, d = q.shape
     cap = k.shape[2]
-    bias = ref._key_mask(lens, cap)[1]
+    bias = key_mask(lens, cap)[1]
     s = torch.bmm(q.reshape(b * hkv, g, d), k.view(b * hkv, cap, d).transpose(1, 2))
     s = s.float().mul_(scale).view(b, hkv, g, cap).add_(bias)
     p = torch.softmax(s, dim=-1).to(BF16).view(b * hkv, g, cap)
@@ -55,7 +55,7 @@ def test_kernel_equals_bmm_arithmetic(b, hkv, g, d, cap, lens):
     torch.testing.assert_close(out.float(), want.float(), rtol=2**-7, atol=2**-9)
     assert (out == want).float().mean() >= 0.98
     exact = torch.softmax((q.double() @ k.double().transpose(-1, -2)) * d**-0.5
-                          + ref._key_mask(lens_t, cap)[1].double(), dim=-1) @ v.double()
+                          + key_mask(lens_t, cap)[1].double(), dim=-1) @ v.double()
     torch.testing.assert_close(out.double(), exact, rtol=0.02, atol=0.02)
 
 
@@ -82,13 +82,13 @@ def test_errors():
         cpu_decode.decode_attention(q, k[:, :, :0], v[:, :, :0], torch.zeros(2, dtype=torch.int64), 0.125)
     with pytest.raises(ValueError, match=r"^k and v must be contiguous bfloat16 CPU tensors$"):
         cpu_decode.decode_attention(q, k.float(), v, lens, 0.125)
-    assert not cpu_decode.available(q.float(), 3, 64) and not cpu_decode.available(q, 9, 64)
-    assert cpu_decode.available(q, 3, 64)
+    assert not cpu_decode.available(q.float(), 3, 64, True) and not cpu_decode.available(q, 9, 64, True)
+    assert cpu_decode.available(q, 3, 64, True) and not cpu_decode.available(q, 3, 64, False)
 
 
-def test_reference_decode_uses_the_kernel_and_matches_bmm(monkeypatch):
-    """reference.decode_attention over a paged cache: with the kernel on and off (torch.bmm, or
-    SDPA for a few sequences) the results agree to a bfloat16 ulp."""
+def test_backend_decode_uses_the_kernel_and_matches_bmm(monkeypatch):
+    """The CPU backend's decode attention over a paged cache: with the kernel on (``native``) and
+    off (torch.bmm, or SDPA for a few sequences) the results agree to a bfloat16 ulp."""
     gen = torch.Generator().manual_seed(2)
     bs, hkv, d, lens = 16, 2, 64, [37, 5, 64, 20, 1]
     kc, vc = (torch.randn(24, bs, hkv, d, generator=gen).to(BF16) for _ in "kv")
@@ -99,10 +99,14 @@ def test_reference_decode_uses_the_kernel_and_matches_bmm(monkeypatch):
     calls = []
     monkeypatch.setattr(cpu_decode, "decode_attention",
                         lambda *a, f=cpu_decode.decode_attention: calls.append(1) or f(*a))
-    on = ref.decode_attention(q, kc, vc, tables, ctx, q_to_kv, d**-0.5)
+    def decode(native):
+        be = CPUAttentionBackend(native=native)
+        attn = be.prepare(False, torch.full((len(lens),), -1), tables, None, None, ctx)
+        return be.decode_attention(q, kc, vc, q_to_kv, d**-0.5, attn, None)
+
+    on = decode(True)
     assert len(calls) == 1
-    monkeypatch.setattr(cpu_native, "ENABLED", False)
-    off = ref.decode_attention(q, kc, vc, tables, ctx, q_to_kv, d**-0.5)
+    off = decode(False)
     assert len(calls) == 1
     torch.testing.assert_close(on.float(), off.float(), rtol=2**-7, atol=2**-9)
 

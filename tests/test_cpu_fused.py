@@ -1,13 +1,14 @@
-"""The fused bfloat16 CPU kernels (tpengine/kernels/cpu_fused.py) against the torch op chains they
-replace: residual add + RMSNorm and RoPE bit for bit, SiLU * up up to the last bit of exp; the
-cases they decline (float32, shapes they do not cover) return None."""
+"""The fused CPU ops (tpengine/kernels/cpu_fused.py): their bfloat16 C kernels against the torch op
+chains they replace (residual add + RMSNorm and RoPE bit for bit, SiLU * up up to the last bit of
+exp); the cases the kernels decline (float32, shapes they do not cover, ``native=False``) run the
+torch chain inside the op, with no C call; bad indices raise IndexError naming them."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tpengine.kernels import cpu_fused, cpu_native
-from tpengine.layers.fused import rotate_half
+from tpengine.kernels.cpu_fused import rotate_half
 
 BF16 = torch.bfloat16
 
@@ -18,6 +19,19 @@ def kernels():
         pytest.skip(f"C kernels unavailable here: {cpu_native.unavailable_reason()}")
 
 
+@pytest.fixture
+def c_calls(monkeypatch):
+    """The names of the C functions called (through torch.ops.tpengine.*) while the test runs."""
+    calls, real = [], cpu_native.load()
+
+    class Counting:
+        def __getattr__(self, name):
+            return lambda *a: calls.append(name) or getattr(real, name)(*a)
+
+    monkeypatch.setattr(cpu_native, "_lib", Counting())
+    return calls
+
+
 def rand(*shape, scale=1.0, seed=0):
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(BF16)
 
@@ -26,29 +40,34 @@ def rand(*shape, scale=1.0, seed=0):
 def test_add_rms_norm_equals_torch(rows):
     h, x, w = rand(rows, 576, scale=3.0), rand(rows, 576, seed=1), rand(576, seed=2).abs() + 0.5
     h_before = h.clone()
-    h2, y = cpu_fused.add_rms_norm(h, x, w, 1e-5)
+    h2, y = cpu_fused.add_rms_norm(h, x, w, 1e-5, True)
     want_h = h + x
     want_y = w * F.rms_norm(want_h.float(), (576,), None, 1e-5).to(BF16)
     assert torch.equal(h2, want_h) and torch.equal(y, want_y)
     assert torch.equal(h, h_before)  # inputs are not written
-    h3, y3 = cpu_fused.add_rms_norm(h, None, w, 1e-5)
+    h3, y3 = cpu_fused.add_rms_norm(h, None, w, 1e-5, True)
     assert h3 is h and torch.equal(y3, w * F.rms_norm(h.float(), (576,), None, 1e-5).to(BF16))
 
 
-def test_rope_in_place_equals_hf_formula():
-    """On the q/k part of a fused q/k/v row (a strided view), leaving v untouched."""
+@pytest.mark.parametrize("batch", (True, False), ids=["1xTxHxD", "TxHxD"])
+def test_rope_in_place_equals_hf_formula(batch, c_calls):
+    """On the q/k part of a fused q/k/v row (a strided view), leaving v untouched; with or without
+    a leading batch dimension of 1."""
     qkv, cos, sin = rand(1, 50, 15, 64), rand(1, 50, 64, seed=1), rand(1, 50, 64, seed=2)
+    if not batch:
+        qkv, cos, sin = qkv[0], cos[0], sin[0]
     qk = qkv[..., :12, :]
     want = qk * cos.unsqueeze(-2) + rotate_half(qk) * sin.unsqueeze(-2)
     v = qkv[..., 12:, :].clone()
-    assert cpu_fused.rope_(qk, cos, sin) is qk
+    assert cpu_fused.rope_(qk, cos, sin, True) is qk
     assert torch.equal(qk, want) and torch.equal(qkv[..., 12:, :], v)
+    assert c_calls == ["tpe_rope"]
 
 
 def test_silu_mul_equals_torch():
     gu = rand(200, 2 * 1536, scale=4.0)
     gu[0, :8] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), -100.0, 100.0, -87.0])
-    out = cpu_fused.silu_mul(gu, 1536)
+    out = cpu_fused.silu_mul(gu, 1536, True)
     want = F.silu(gu[:, :1536]).mul_(gu[:, 1536:])
     assert out.shape == (200, 1536)
     same = (out == want) | (out.isnan() & want.isnan())
@@ -57,23 +76,63 @@ def test_silu_mul_equals_torch():
     assert same.all()
 
 
-def test_declined_cases_return_none():
+def _rms(h, x, w):
+    h = h if x is None else h + x
+    if h.dtype == torch.float32:
+        return h, F.rms_norm(h, w.shape, w, 1e-5)
+    return h, w * F.rms_norm(h.float(), w.shape, None, 1e-5).to(h.dtype)
+
+
+def _same(got, want):
+    return all(torch.equal(a, b) for a, b in zip(got, want)) if isinstance(got, tuple) else torch.equal(got, want)
+
+
+def test_declined_cases_run_torch(c_calls):
+    """Cases the C kernels do not cover run the torch chain inside the op: the same values as the
+    chain, no C call."""
     h, w = rand(4, 576), rand(576)
-    assert cpu_fused.add_rms_norm(h.float(), None, w.float(), 1e-5) is None  # float32: torch's path
-    assert cpu_fused.add_rms_norm(rand(4, 40), None, rand(40), 1e-5) is None  # 40 % 16
-    assert cpu_fused.rope_(rand(1, 3, 2, 48), rand(1, 3, 48), rand(1, 3, 48)) is None  # 48 % 32
-    assert cpu_fused.rope_(rand(2, 3, 2, 64), rand(2, 3, 64), rand(2, 3, 64)) is None  # batch of 2
-    assert cpu_fused.silu_mul(rand(3, 2 * 24), 24) is None  # 24 % 16
-    assert cpu_fused.silu_mul(rand(3, 64), 16) is None  # not 2 x 16 wide
-    assert cpu_fused.silu_mul(rand(3, 0), 0) is None and cpu_fused.add_rms_norm(rand(3, 0), None, rand(0), 1e-5) is None
+    assert _same(cpu_fused.add_rms_norm(h.float(), None, w.float(), 1e-5, True), _rms(h.float(), None, w.float()))
+    h40, w40 = rand(4, 40), rand(40)
+    assert _same(cpu_fused.add_rms_norm(h40, h40, w40, 1e-5, True), _rms(h40, h40, w40))  # 40 % 16
+    for qk, cs in ((rand(1, 3, 2, 48), rand(1, 3, 48)), (rand(2, 3, 2, 64), rand(2, 3, 64))):  # 48 % 32; batch 2
+        if qk.shape[0] == 2:  # a batch of 2 is covered now when rows view as [T, H, D]; make one that is not
+            qk = qk.transpose(0, 1)
+            cs = cs.transpose(0, 1)
+        want = qk * cs.unsqueeze(-2) + rotate_half(qk) * cs.unsqueeze(-2)
+        got = cpu_fused.rope_(qk, cs, cs, True)
+        assert got is not qk and torch.equal(got, want)
+    g24 = rand(3, 2 * 24)
+    assert torch.equal(cpu_fused.silu_mul(g24, 24, True), F.silu(g24[:, :24]).mul_(g24[:, 24:]))  # 24 % 16
+    g64 = rand(3, 64)
+    assert torch.equal(cpu_fused.silu_mul(g64.float(), 32, True), F.silu(g64.float()[:, :32]).mul_(g64.float()[:, 32:]))
+    assert cpu_fused.silu_mul(rand(3, 0), 0, True).shape == (3, 0)
+    assert cpu_fused.add_rms_norm(rand(3, 0), None, rand(0), 1e-5, True)[1].shape == (3, 0)
     overlapping = rand(1, 1, 2, 64).expand(1, 5, 2, 64)  # 5 positions sharing one row of memory
-    assert cpu_fused.rope_(overlapping, rand(1, 5, 64), rand(1, 5, 64)) is None
+    c5, s5 = rand(1, 5, 64, seed=1), rand(1, 5, 64, seed=2)
+    got = cpu_fused.rope_(overlapping, c5, s5, True)
+    assert got is not overlapping
+    assert torch.equal(got, overlapping * c5.unsqueeze(-2) + rotate_half(overlapping) * s5.unsqueeze(-2))
+    assert c_calls == []
 
 
-def test_disabled_means_torch(monkeypatch):
-    monkeypatch.setattr(cpu_native, "ENABLED", False)
-    assert cpu_fused.add_rms_norm(rand(4, 576), None, rand(576), 1e-5) is None
-    assert cpu_fused.silu_mul(rand(3, 64), 32) is None
+def test_not_native_means_torch(c_calls):
+    """``native=False`` (EngineConfig.cpu_kernels = false): the torch chains, bit for bit, no C call."""
+    h, x, w = rand(4, 576), rand(4, 576, seed=1), rand(576, seed=2)
+    assert _same(cpu_fused.add_rms_norm(h, x, w, 1e-5, False), _rms(h, x, w))
+    gu = rand(3, 64)
+    assert torch.equal(cpu_fused.silu_mul(gu, 32, False), F.silu(gu[:, :32]).mul_(gu[:, 32:]))
+    qk, cs = rand(4, 3, 64), rand(4, 64, seed=3)
+    assert torch.equal(cpu_fused.rope_(qk, cs, cs, False), qk * cs[:, None] + rotate_half(qk) * cs[:, None])
+    s = rand(2, 8, 8)
+    assert torch.equal(cpu_fused.causal_softmax_(s.clone(), 0.5, False),
+                       torch.softmax(s.clone().mul_(0.5).add_(cpu_fused.causal_bias(8, BF16, s.device)), dim=-1))
+    kc = rand(20, 2, 64)
+    want = kc.clone().index_copy_(0, torch.tensor([3, 1]), gu.view(3, 1, 64).expand(3, 2, 64)[:2].contiguous())
+    got = kc.clone()
+    src = gu.view(3, 1, 64).expand(3, 2, 64)[:2].contiguous()
+    cpu_fused.copy_rows((src, src), (got, got.clone()), torch.tensor([3, 1]), native=False)
+    assert torch.equal(got, want)
+    assert c_calls == []
 
 
 def test_copy_rows_equals_index_copy():
@@ -84,18 +143,53 @@ def test_copy_rows_equals_index_copy():
     slots = torch.tensor([11, 3, 0, 19, 4, 8, 15])
     kc, vc = rand(20, 2, 64, seed=1), rand(20, 2, 64, seed=2)
     want_k, want_v = kc.clone().index_copy_(0, slots, k), vc.clone().index_copy_(0, slots, v)
-    assert cpu_fused.copy_rows((k, v), (kc, vc), slots)
+    cpu_fused.copy_rows((k, v), (kc, vc), slots, native=True)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
     rows, src = torch.tensor([5, 0, 9]), torch.tensor([39, 2, 17])  # [slots * heads, D] views
     mk, mv = rand(10, 64, seed=3), rand(10, 64, seed=4)
     want_mk = mk.clone().index_copy_(0, rows, kc.view(-1, 64).index_select(0, src))
     want_mv = mv.clone().index_copy_(0, rows, vc.view(-1, 64).index_select(0, src))
-    assert cpu_fused.copy_rows((kc.view(-1, 64), vc.view(-1, 64)), (mk, mv), rows, src)
+    cpu_fused.copy_rows((kc.view(-1, 64), vc.view(-1, 64)), (mk, mv), rows, src, native=True)
     assert torch.equal(mk, want_mk) and torch.equal(mv, want_mv)
+    kf, vf = kc.float(), vc.float()
+    cpu_fused.copy_rows((k.float(), v.float()), (kf, vf), slots, native=True)  # float32: torch's index_copy_
+    assert torch.equal(kf, want_k.float()) and torch.equal(vf, want_v.float())
     before = kc.clone()
-    assert not cpu_fused.copy_rows((k.float(), v.float()), (kc.float(), vc.float()), slots)  # float32: torch
-    assert not cpu_fused.copy_rows((k, v), (kc, vc), slots[:3])  # 7 rows, 3 indices
+    with pytest.raises(ValueError, match=r"^copy_rows: 3 dst_index entries for 7 source rows$"):  # nothing copied
+        cpu_fused.copy_rows((k, v), (kc, vc), slots[:3], native=True)
     assert torch.equal(kc, before)
+
+
+@pytest.mark.parametrize("native,dtype", [(True, BF16), (False, BF16), (True, torch.float32)],
+                         ids=["C", "torch", "float32"])
+def test_copy_rows_index_out_of_range(native, dtype):
+    """An index out of range is an IndexError naming it and the valid range, never a write out of
+    bounds; the C kernel checks every index before it copies, so it writes nothing (torch's
+    index_copy_ may have copied the rows before the bad one)."""
+    src, dst = rand(4, 2, 64).to(dtype), rand(10, 2, 64, seed=1).to(dtype)
+    before = dst.clone()
+    with pytest.raises(IndexError, match=r"^dst_index\[2\] = 10 is out of range for 10 rows \(valid: 0 to 9\)$"):
+        cpu_fused.copy_rows((src, src), (dst, dst), torch.tensor([0, 9, 10, 3]), native=native)
+    with pytest.raises(IndexError, match=r"^dst_index\[0\] = -1 is out of range for 10 rows \(valid: 0 to 9\)$"):
+        cpu_fused.copy_rows((src, src), (dst, dst), torch.tensor([-1, 9, 1, 3]), native=native)
+    with pytest.raises(IndexError, match=r"^src_index\[1\] = 4 is out of range for 4 rows \(valid: 0 to 3\)$"):
+        cpu_fused.copy_rows((src, src), (dst, dst), torch.tensor([0, 1]), torch.tensor([3, 4]), native=native)
+    assert torch.equal(dst, before) or not (native and dtype == BF16)
+
+
+def test_ops_are_registered_and_check_arguments():
+    """The C kernels are torch ops (``torch.ops.tpengine.*``, visible to the profiler); bad
+    arguments are a ValueError at the op boundary, naming the op and the argument."""
+    for name in ("add_rms_norm", "rope_", "silu_mul", "causal_softmax_", "copy_rows", "decode_scores", "decode_pv"):
+        assert hasattr(torch.ops.tpengine, name)
+    src, dst = rand(4, 64), rand(10, 128)[:, :64]
+    with pytest.raises(ValueError, match=r"^tpengine\.copy_rows: dst_a must be a contiguous bfloat16 CPU tensor"):
+        torch.ops.tpengine.copy_rows(src, src, None, dst, dst, torch.arange(4))
+    with pytest.raises(ValueError, match=r"^tpengine\.silu_mul: need gate_up \[\.\.\., 2 \* inter\]"):
+        torch.ops.tpengine.silu_mul(rand(3, 64), rand(3, 24))
+    with torch.profiler.profile() as prof:
+        cpu_fused.silu_mul(rand(3, 64), 32, True)
+    assert "tpengine::silu_mul" in {e.key for e in prof.key_averages()}
 
 
 @pytest.mark.parametrize("n", (1, 5, 37, 128))
@@ -106,12 +200,16 @@ def test_causal_softmax_equals_torch(n):
     mask = torch.zeros(n, n).masked_fill_(torch.ones(n, n, dtype=torch.bool).triu_(1), float("-inf")).to(BF16)
     want = torch.softmax(s.clone().mul_(0.125).add_(mask), dim=-1)
     got = s.clone()
-    assert cpu_fused.causal_softmax_(got, 0.125) is got
+    assert cpu_fused.causal_softmax_(got, 0.125, True) is got
     assert (got.triu(1) == 0).all() and (got[..., 0, 0] == 1).all()
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-9)
     assert (got != want).sum() <= max(1, got.numel() // 10000)
-    assert cpu_fused.causal_softmax_(s.float(), 0.125) is None  # float32: torch
-    assert cpu_fused.causal_softmax_(rand(n, n + 1), 0.1) is None  # not square
+    sf = s.float()
+    want_f = torch.softmax(sf.clone().mul_(0.125).add_(cpu_fused.causal_bias(n, sf.dtype, sf.device)), dim=-1)
+    assert torch.equal(cpu_fused.causal_softmax_(sf, 0.125, True), want_f)  # float32: torch
+    with pytest.raises(ValueError, match=rf"^causal_softmax_: s must be square score blocks \[\.\.\., n, n\]; "
+                                         rf"got \({n}, {n + 1}\)$"):
+        cpu_fused.causal_softmax_(rand(n, n + 1), 0.1, True)
 
 
 def test_causal_softmax_rows_with_nan_or_inf_are_nan_as_in_torch():
@@ -121,7 +219,7 @@ def test_causal_softmax_rows_with_nan_or_inf_are_nan_as_in_torch():
     s[0, 11, :12] = -float("inf")  # every visible key masked out by its score
     mask = torch.zeros(n, n).masked_fill_(torch.ones(n, n, dtype=torch.bool).triu_(1), float("-inf")).to(BF16)
     want = torch.softmax(s.clone().mul_(0.125).add_(mask), dim=-1)
-    got = cpu_fused.causal_softmax_(s.clone(), 0.125)
+    got = cpu_fused.causal_softmax_(s.clone(), 0.125, True)
     assert want[0, [5, 7, 11]].isnan().all() and not want[0, 9].isnan().any()  # what torch does
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
@@ -131,13 +229,13 @@ def test_add_rms_norm_non_contiguous_residual():
     """A transposed residual: read from a contiguous copy kept alive through the call."""
     h, w = rand(64, 576), rand(576, seed=2)
     x = rand(576, 64, seed=1).t()
-    h2, y = cpu_fused.add_rms_norm(h, x, w, 1e-5)
+    h2, y = cpu_fused.add_rms_norm(h, x, w, 1e-5, True)
     assert torch.equal(h2, h + x) and torch.equal(y, w * F.rms_norm((h + x).float(), (576,), None, 1e-5).to(BF16))
 
 
 def test_cpu_kernels_switch_is_per_engine(tmp_path, monkeypatch):
     """Two engines in one process, one with cpu_kernels = false: its steps make no C call, even
-    after the other engine was created (the module switch is set at every step)."""
+    after the other engine was created (the choice is per backend and per layer, no module switch)."""
     from conftest import make_tiny_model
 
     from tpengine.config import EngineConfig

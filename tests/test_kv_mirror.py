@@ -1,7 +1,9 @@
-"""The decode KV mirror (tpengine/kernels/kv_mirror.py): across decode steps of one batch the
-bfloat16 decode attention appends one token per sequence instead of gathering the context, and
-its outputs are bit-identical to a fresh gather's and to the mirror-off path's, through capacity
-growth, a batch change and a prefill that rewrote cached tokens, on both attention branches."""
+"""The decode KV mirror (tpengine/kernels/kv_mirror.py): across decode steps of one batch the CPU
+backend's bfloat16 decode attention appends one token per sequence instead of gathering the
+context, and its outputs are bit-identical to a fresh gather's and to the mirror-off path's,
+through capacity growth, a batch change and a prefill that rewrote cached tokens, on both
+attention branches. Continuity is decided by the backend's per-step ``prepare``; each layer owns
+its :class:`KVMirror` (with its own counters)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import pytest
 import torch
 
 from tpengine.kernels import kv_mirror
-from tpengine.kernels import reference as ref
+from tpengine.kernels.cpu_attention import CPUAttentionBackend
+from tpengine.kernels.kv_mirror import KVMirror
 
 BS, D = 16, 64
 
@@ -34,18 +37,39 @@ def _store(kc, vc, bt, lens, g):
     hkv = kc.shape[2]
     slots = torch.tensor([int(bt[b, n // BS]) * BS + n % BS for b, n in enumerate(lens)])
     k, v = (torch.randn(len(lens), hkv, D, generator=g).bfloat16() for _ in range(2))
-    ref.store_kvcache(k, v, kc, vc, slots)
+    be = CPUAttentionBackend()
+    be.store_kvcache(k, v, kc, vc, be.prepare(False, slots, bt, None, None, torch.tensor(lens) + 1))
+
+
+def _prefill(be):
+    """A (one-token, store-nothing) prefill step through ``be``: the next decode step rebuilds."""
+    one = torch.tensor([0, 1])
+    be.prepare(True, torch.tensor([-1]), torch.zeros(1, 1, dtype=torch.int64), one, one, None)
+
+
+def _decode(be, q, kc, vc, tables, ctx, qkv, mirror=None, attn=None):
+    """One decode step's attention through ``be`` (``attn``: the step's metadata, else prepared here)."""
+    if attn is None:
+        attn = be.prepare(False, torch.full((q.shape[0],), -1), tables, None, None, ctx)
+    return be.decode_attention(q, kc, vc, qkv, D**-0.5, attn, mirror)
+
+
+def _oracle(q, kc, vc, tables, ctx, qkv):
+    from tpengine.kernels import reference as ref
+
+    return ref.decode_attention(q.float(), kc.float(), vc.float(), tables, ctx, qkv, D**-0.5)
 
 
 @pytest.mark.parametrize("lens,q_to_kv", [([20, 31, 33, 1, 47], [0, 0, 1, 1]), ([5, 40], [0, 1, 1])],
                          ids=["bmm-path", "sdpa-path"])
-def test_mirror_matches_fresh_gather(lens, q_to_kv, monkeypatch):
+def test_mirror_matches_fresh_gather(lens, q_to_kv):
     hkv, steps = max(q_to_kv) + 1, 40
     kc, vc, bt, g = _setup(lens, steps, hkv, seed=3, spare=16)  # mirrors fit: 5 x 96 <= 39 x 16 slots
     lens, rows = list(lens), list(range(len(lens)))
     qkv = torch.tensor(q_to_kv)
-    kv_mirror.note_prefill()
-    before = dict(kv_mirror.STATS)
+    be, off = CPUAttentionBackend(), CPUAttentionBackend(kv_mirror=False)  # EngineConfig(kv_mirror=False)
+    mirror, fresh_mirrors = KVMirror(), []
+    _prefill(be)
     cap, expect_rebuilds, expect_growths = 0, 0, 0  # the mirror's capacity as the module should grow it
     for step in range(steps):
         rebuild = step == 0
@@ -54,7 +78,7 @@ def test_mirror_matches_fresh_gather(lens, q_to_kv, monkeypatch):
             rebuild = True
         if step == 30:  # a prefill ran and rewrote a cached token of the first sequence
             kc[int(bt[rows[0], 0]), 3] += 1.0
-            kv_mirror.note_prefill()
+            _prefill(be)
             rebuild = True
         _store(kc, vc, bt[rows], [lens[r] for r in rows], g)
         for r in rows:
@@ -65,39 +89,51 @@ def test_mirror_matches_fresh_gather(lens, q_to_kv, monkeypatch):
             expect_growths += not rebuild  # a copy of the old mirror into a larger one
         tables, ctx = bt[rows].clone(), torch.tensor([lens[r] for r in rows])  # fresh tensors per step
         q = torch.randn(len(rows), len(q_to_kv), D, generator=g).bfloat16()
-        got = ref.decode_attention(q, kc, vc, tables, ctx, qkv, D**-0.5)
-        fresh = ref.decode_attention(q, kc.clone(), vc.clone(), tables, ctx, qkv, D**-0.5)  # new cache: a gather
+        attn = be.prepare(False, torch.full((len(rows),), -1), tables, None, None, ctx)  # once per step
+        got = _decode(be, q, kc, vc, tables, ctx, qkv, mirror, attn)
+        fresh_mirrors.append(KVMirror())
+        fresh = _decode(be, q, kc.clone(), vc.clone(), tables, ctx, qkv, fresh_mirrors[-1], attn)  # a gather
         assert torch.equal(got, fresh), f"step {step}"
-        monkeypatch.setattr(kv_mirror, "ENABLED", False)  # EngineConfig(kv_mirror=False): a gather per step
-        assert torch.equal(ref.decode_attention(q, kc, vc, tables, ctx, qkv, D**-0.5), got), f"step {step}"
-        monkeypatch.setattr(kv_mirror, "ENABLED", True)
+        assert torch.equal(_decode(off, q, kc, vc, tables, ctx, qkv, KVMirror()), got), f"step {step}"
         if step in (0, 39):
-            want = ref.decode_attention(q.float(), kc.float(), vc.float(), tables, ctx, qkv, D**-0.5)
+            want = _oracle(q, kc, vc, tables, ctx, qkv)
             torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
-    made = {k: kv_mirror.STATS[k] - before[k] for k in before}
+    made = {k: mirror.stats[k] + sum(m.stats[k] for m in fresh_mirrors) for k in mirror.stats}
     assert expect_rebuilds >= 2 and expect_growths >= 1  # the schedule: start, (shrink,) prefill; a growth
     # + 1 rebuild per `fresh` call (a new cache); a growth then appends
     assert made == {"rebuilds": steps + expect_rebuilds, "growths": expect_growths, "appends": steps - expect_rebuilds}
 
 
 @pytest.mark.parametrize("why", ["disabled", "too-big"])
-def test_mirror_not_used(why, monkeypatch):
-    """``EngineConfig(kv_mirror=False)`` (kv_mirror.ENABLED) or a batch whose mirrors would not fit
-    in the size of the KV cache: every step gathers, no mirror is built, results are unchanged."""
+def test_mirror_not_used(why):
+    """``EngineConfig(kv_mirror=False)`` (a backend made with ``kv_mirror=False``) or a batch whose
+    mirrors would not fit in the size of the KV cache: every step gathers, the mirror is never
+    touched, results are unchanged."""
     lens, q_to_kv = [20, 31, 33, 1, 47], [0, 0, 1, 1]
     kc, vc, bt, g = _setup(lens, 8, 2, seed=5)
     if why == "disabled":
-        monkeypatch.setattr(kv_mirror, "ENABLED", False)
+        be = CPUAttentionBackend(kv_mirror=False)
     else:  # 5 x capacity(56) = 5 x 64 tokens > the cache's 14 blocks x 16 slots
+        be = CPUAttentionBackend()
         assert len(lens) * kv_mirror.capacity(max(lens) + 8) > kc.shape[0] * BS
-    kv_mirror.note_prefill()
-    before = dict(kv_mirror.STATS)
+    _prefill(be)
+    mirror = KVMirror()
     for _ in range(8):
         _store(kc, vc, bt, lens, g)
         lens = [n + 1 for n in lens]
         q = torch.randn(len(lens), len(q_to_kv), D, generator=g).bfloat16()
-        args = (bt.clone(), torch.tensor(lens), torch.tensor(q_to_kv), D**-0.5)
-        got = ref.decode_attention(q, kc, vc, *args)
-        want = ref.decode_attention(q.float(), kc.float(), vc.float(), *args)
-        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
-    assert kv_mirror.STATS == before
+        args = (bt.clone(), torch.tensor(lens), torch.tensor(q_to_kv))
+        got = _decode(be, q, kc, vc, *args, mirror)
+        torch.testing.assert_close(got.float(), _oracle(q, kc, vc, *args), atol=2e-2, rtol=2e-2)
+    assert mirror.stats == {"rebuilds": 0, "growths": 0, "appends": 0} and mirror.k is None
+
+
+def test_bind_layer_gives_each_layer_its_own_mirror():
+    """``bind_layer`` attaches a mirror per module (None with mirrors off)."""
+    a, b = torch.nn.Module(), torch.nn.Module()
+    be = CPUAttentionBackend()
+    be.bind_layer(a)
+    be.bind_layer(b)
+    assert isinstance(a.kv_mirror, KVMirror) and isinstance(b.kv_mirror, KVMirror) and a.kv_mirror is not b.kv_mirror
+    CPUAttentionBackend(kv_mirror=False).bind_layer(a)
+    assert a.kv_mirror is None

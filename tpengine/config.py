@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from tpengine.kernels import BACKENDS  # the attention backend names, defined with the backends
+
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 #: Floating dtypes of weights and KV cache, by name; each name is also the ``torch`` attribute.
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
@@ -22,7 +24,6 @@ WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: The values of ``EngineConfig.dtype``: "auto" (see :meth:`EngineConfig.torch_dtype`) or a name.
 DTYPES = ("auto", *WEIGHT_DTYPES)
-BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ batch of ``B`` sequences copies the step's inputs into the buffers and replays t
 bucket ``>= B``. Padding slots get slot -1 (nothing stored) and context length 0 (attention
 output zero), which the Triton kernels handle; their hidden rows are ignored.
 
-Only the Triton backend is graph-safe (the torch reference syncs with the host in decode).
+Only a backend with ``graph_safe`` (Triton) can be captured: its ``prepare`` for a decode step does not
+sync with the host, so the whole step -- ``backend.prepare`` and ``model.model(input_ids, positions, ctx)``
+-- is captured (the CPU backend reads lengths on the host).
 At tp > 1 every rank replays the same bucket in lockstep, so the captured NCCL all-reduces
 match. With ``use_graphs=False`` the same buffers and padding run eagerly (CPU tests).
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from tpengine.engine.context import Context, set_context
+from tpengine.context import Context
 from tpengine.engine.step import StepKind, StepPlan
 
 #: larger decode batches run eagerly
@@ -32,19 +34,13 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-def decoder_forward(model, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The HF decoder stack on ``N`` packed tokens: ``[N]`` ids and positions -> ``[N, hidden]``."""
-    out = model.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
-    return out.last_hidden_state[0]
-
-
 class CUDAGraphRunner:
     """Captured decode forwards for ``model`` (a loaded tpengine HF model whose attention
     modules already hold their KV caches).
 
     Args:
-        model: the causal LM (``model.model`` is run).
-        backend: the kernels module the attention uses (must be the Triton one on CUDA).
+        model: the causal LM; ``model.model(input_ids [N], positions [N], ctx) -> [N, hidden]`` is run.
+        backend: the engine's attention backend (must be graph-safe, i.e. Triton, to capture).
         max_num_seqs: largest decode batch (captured up to :data:`MAX_GRAPH_BATCH`).
         max_blocks: block-table width of the buffers (``ceil(max_model_len / block_size)``);
             the decode kernel's split count depends on it, so it is fixed at capture.
@@ -71,13 +67,9 @@ class CUDAGraphRunner:
 
     def _forward(self, bs: int) -> None:
         """The decoder on the first ``bs`` buffer rows, written into ``hidden[:bs]``."""
-        set_context(Context(is_prefill=False, slot_mapping=self.slot_mapping[:bs],
-                            block_tables=self.block_tables[:bs], backend=self.backend,
-                            context_lens=self.context_lens[:bs]))
-        try:
-            self.hidden[:bs] = decoder_forward(self.model, self.input_ids[:bs], self.positions[:bs])
-        finally:
-            set_context(None)
+        ctx = Context.build(self.backend, False, self.slot_mapping[:bs], self.block_tables[:bs],
+                            context_lens=self.context_lens[:bs])
+        self.hidden[:bs] = self.model.model(self.input_ids[:bs], self.positions[:bs], ctx)
 
     @torch.inference_mode()
     def capture(self) -> None:

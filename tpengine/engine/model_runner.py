@@ -12,11 +12,11 @@ import time
 import torch
 
 from tpengine.config import EngineConfig
+from tpengine.context import Context
 from tpengine.distributed import TPInfo, all_reduce_min
-from tpengine.engine.context import Context
 from tpengine.engine.cuda_graphs import CUDAGraphRunner
 from tpengine.engine.step import StepKind, StepPlan
-from tpengine.kernels import get_backend, kv_mirror
+from tpengine.kernels import get_backend
 from tpengine.loader import load_model
 from tpengine.process import release_free_memory
 from tpengine.utils import cdiv
@@ -49,7 +49,8 @@ class ModelRunner:
             if hasattr(m, "native"):
                 m.native = config.cpu_kernels
         self.weight_bytes: int = self.model.weight_bytes
-        self.backend = get_backend(config.attention_backend, tp.device)
+        self.backend = get_backend(config.attention_backend, tp.device, native=config.cpu_kernels,
+                                   kv_mirror=config.kv_mirror)
         self.attn_modules = [m for m in self.model.modules() if hasattr(m, "tp_q_to_kv")]
         self.graphs: CUDAGraphRunner | None = None
         if tp.device.type == "cuda" and config.num_kv_blocks is None:
@@ -60,8 +61,8 @@ class ModelRunner:
                                     rp.num_kv_heads, self.plan.head_dim, dtype=self.dtype, device=tp.device)
         for i, m in enumerate(self.attn_modules):
             m.k_cache, m.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        graph_safe = self.backend.__name__.endswith("paged_attention")  # the torch reference syncs
-        if tp.device.type == "cuda" and not config.enforce_eager and graph_safe:
+            self.backend.bind_layer(m)  # the layer's backend state (CPU: its KV mirror)
+        if tp.device.type == "cuda" and not config.enforce_eager and self.backend.graph_safe:
             max_blocks = cdiv(config.max_model_len, config.block_size)
             self.graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs, max_blocks,
                                           self.plan.hidden_size, self.dtype, tp.device)
@@ -124,12 +125,9 @@ class ModelRunner:
             return self._head(self.graphs.run(plan), plan)
         dev = self.tp.device
         to = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
-        prefill = plan.kind == StepKind.PREFILL
-        kv_mirror.ENABLED = self.config.kv_mirror  # (the kernels branch replaces this switch)
-        ctx = Context(is_prefill=prefill, slot_mapping=to(plan.slot_mapping), block_tables=to(plan.block_tables),
-                      backend=self.backend, cu_seqlens_q=to(plan.cu_seqlens_q), cu_seqlens_k=to(plan.cu_seqlens_k),
-                      context_lens=to(plan.context_lens))
-        hidden = self.model.model(to(plan.input_ids), to(plan.positions), ctx)
+        ctx = Context.build(self.backend, plan.kind == StepKind.PREFILL, to(plan.slot_mapping), to(plan.block_tables),
+                            to(plan.cu_seqlens_q), to(plan.cu_seqlens_k), to(plan.context_lens))
+        hidden = self.model.model(to(plan.input_ids), to(plan.positions), ctx)  # [N] ids, positions -> [N, hidden]
         return self._head(hidden.index_select(0, to(plan.sample_idx)), plan)
 
     def _head(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:

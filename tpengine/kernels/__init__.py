@@ -1,36 +1,39 @@
-"""Paged-attention kernels: a torch reference (CPU path, oracle) and Triton kernels (CUDA path).
+"""Paged-attention backends: the CPU one (torch + C kernels) and the Triton one (CUDA), both checked
+against the torch oracle :mod:`tpengine.kernels.reference`.
 
-Both backends are modules exposing the same three functions -- ``store_kvcache``,
-``prefill_attention``, ``decode_attention`` -- documented in :mod:`tpengine.kernels.reference`.
-Triton is imported lazily, so CPU-only installs without it work.
+:func:`get_backend` makes one backend object per engine (interface:
+:class:`tpengine.kernels.backend.AttentionBackend`). Triton is imported lazily, so CPU-only installs
+without it work.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-
-import torch
-
+#: attention backend names (``EngineConfig.attention_backend``)
 BACKENDS = ("auto", "torch", "triton")
 
 
-def get_backend(name: str, device: torch.device | str) -> ModuleType:
-    """Return the kernels module for ``name`` on ``device``.
+def get_backend(name: str, device, *, native: bool, kv_mirror: bool):
+    """A new attention backend for ``name`` on ``device`` (a ``torch.device`` or a string).
 
-    ``"auto"``: Triton on CUDA devices, the torch reference otherwise; ``"torch"``:
-    :mod:`tpengine.kernels.reference`; ``"triton"``: :mod:`tpengine.kernels.paged_attention`
-    (on CPU tensors that works only with ``TRITON_INTERPRET=1`` set before triton is imported).
+    ``"auto"``: Triton on CUDA devices, the CPU backend otherwise; ``"torch"``:
+    :class:`tpengine.kernels.cpu_attention.CPUAttentionBackend` (``native``: use the C kernels,
+    ``EngineConfig.cpu_kernels``; ``kv_mirror``: keep decode contexts across steps,
+    ``EngineConfig.kv_mirror``); ``"triton"``:
+    :class:`tpengine.kernels.triton_attention.TritonAttentionBackend` (on CPU tensors that works
+    only with ``TRITON_INTERPRET=1`` set before triton is imported; the two flags do not apply).
     Raises ValueError for any other name, naming the value and the allowed ones; ImportError if
     Triton is requested but not installed.
     """
+    import torch
+
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; expected one of {', '.join(BACKENDS)}")
     if name == "auto":
         name = "triton" if torch.device(device).type == "cuda" else "torch"
     if name == "torch":
-        from tpengine.kernels import reference
+        from tpengine.kernels.cpu_attention import CPUAttentionBackend
 
-        return reference
-    from tpengine.kernels import paged_attention
+        return CPUAttentionBackend(native=native, kv_mirror=kv_mirror)
+    from tpengine.kernels.triton_attention import TritonAttentionBackend
 
-    return paged_attention
+    return TritonAttentionBackend()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_cache", "check_store", "check_heads", "prefill_lengths"]
+__all__ = ["check_cache", "check_store", "check_heads", "check_slots", "prefill_lengths"]
 
 
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
@@ -71,3 +71,13 @@ def prefill_lengths(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, n_to
         b = bad[0]
         raise ValueError(f"sequence {b}: need 0 <= Lq <= Lk, got Lq={lq[b]}, Lk={lk[b]}")
     return cu_q, cu_k, lq, lk
+
+
+def check_slots(slot_mapping: torch.Tensor, lo: int | torch.Tensor, hi: int | torch.Tensor, num_slots: int) -> None:
+    """Raise IndexError unless every slot (min ``lo``, max ``hi``) is -1 (skip) or in ``[0, num_slots)``:
+    ``slot_mapping[i] = v is out of range for a KV cache of n slots (valid: -1 to skip, 0 to n-1)``,
+    naming the first bad position (found only on that error path)."""
+    if int(lo) < -1 or int(hi) >= num_slots:
+        i = int(((slot_mapping < -1) | (slot_mapping >= num_slots)).nonzero()[0])
+        raise IndexError(f"slot_mapping[{i}] = {int(slot_mapping[i])} is out of range for a KV cache of "
+                         f"{num_slots} slots (valid: -1 to skip, 0 to {num_slots - 1})")

@@ -15,32 +15,13 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf2f(uint16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
-
-static inline uint16_t f2bf(float f) { /* round to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "bf16.h"
 
 static inline int visible(int64_t len) { return len > 0 ? (int)len : 1; }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define TPE_FAST 1
-
-/* bfloat16(x) back as float32, 16 lanes, round to nearest even (NaN stays NaN). */
-static inline __m512 round_bf16(__m512 x) {
-    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
-    __m512i u = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), hi);
-    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_and_si512(u, hi), _mm512_set1_epi32(0x00400000)));
-    return _mm512_castsi512_ps(r);
-}
 
 /* Prefetch the key/value row PF rows ahead, continuing into the next row of the batch once this
  * one's visible keys end: the hardware prefetcher restarts at every sequence (each skips its masked
@@ -76,7 +57,7 @@ static inline __attribute__((always_inline)) void scores_impl(const uint16_t *qn
         for (int t = 0; t < L; t += 16) {
             const __mmask16 m = L - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (L - t)) - 1);
             __m512 x = _mm512_maskz_loadu_ps(m, sn + j * cap + t);
-            _mm512_mask_storeu_ps(sn + j * cap + t, m, _mm512_mul_ps(round_bf16(x), vscale));
+            _mm512_mask_storeu_ps(sn + j * cap + t, m, _mm512_mul_ps(rb(x), vscale));
         }
 }
 
@@ -92,8 +73,7 @@ static inline __attribute__((always_inline)) void pv_impl(const uint16_t *pn, co
         prefetch_row(vn, vnext, t, L, d);
         __m512 vf[16];
         for (int c = 0; c < nc; c++)
-            vf[c] = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vt + 16 * c))), 16));
+            vf[c] = ld(vt + 16 * c);
         for (int j = 0; j < g; j++) {
             const __m512 pj = _mm512_set1_ps(bf2f(pn[j * cap + t]));
             for (int c = 0; c < nc; c++) acc[j][c] = _mm512_fmadd_ps(pj, vf[c], acc[j][c]);
@@ -145,9 +125,19 @@ int tpe_fast(void) {
 #endif
 }
 
-/* scores[n, j, t] = float(bf16(q[n, j] . k[n, t])) * scale for t < visible(lens[n / hkv]), -inf after. */
-void tpe_decode_scores(const uint16_t *q, const uint16_t *k, const int64_t *lens, float *scores, int64_t n_rows,
-                       int64_t hkv, int g, int64_t cap, int d, float scale, int nthreads) {
+/* The first b with lens[b] outside [0, cap], or -1: checked before any key is read. */
+static int64_t bad_len(const int64_t *lens, int64_t n_rows, int64_t hkv, int64_t cap) {
+    for (int64_t b = 0; b < n_rows / hkv; b++)
+        if (lens[b] < 0 || lens[b] > cap) return b;
+    return -1;
+}
+
+/* scores[n, j, t] = float(bf16(q[n, j] . k[n, t])) * scale for t < visible(lens[n / hkv]), -inf after.
+ * Returns -1, or the first sequence b whose lens[b] is outside [0, cap] (then nothing is written). */
+int64_t tpe_decode_scores(const uint16_t *q, const uint16_t *k, const int64_t *lens, float *scores, int64_t n_rows,
+                          int64_t hkv, int g, int64_t cap, int d, float scale, int nthreads) {
+    const int64_t bad = bad_len(lens, n_rows, hkv, cap);
+    if (bad >= 0) return bad;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t n = 0; n < n_rows; n++) {
         const int L = visible(lens[n / hkv]);
@@ -173,11 +163,15 @@ void tpe_decode_scores(const uint16_t *q, const uint16_t *k, const int64_t *lens
         for (int j = 0; j < g; j++)
             for (int64_t t = L; t < cap; t++) sn[j * cap + t] = -INFINITY;
     }
+    return -1;
 }
 
-/* out[n, j] = bf16(sum over t < visible(lens[n / hkv]) of p[n, j, t] * v[n, t]), float32 accumulation. */
-void tpe_decode_pv(const uint16_t *p, const uint16_t *v, const int64_t *lens, uint16_t *out, int64_t n_rows,
-                   int64_t hkv, int g, int64_t cap, int d, int nthreads) {
+/* out[n, j] = bf16(sum over t < visible(lens[n / hkv]) of p[n, j, t] * v[n, t]), float32 accumulation.
+ * Returns -1, or the first sequence b whose lens[b] is outside [0, cap] (then nothing is written). */
+int64_t tpe_decode_pv(const uint16_t *p, const uint16_t *v, const int64_t *lens, uint16_t *out, int64_t n_rows,
+                      int64_t hkv, int g, int64_t cap, int d, int nthreads) {
+    const int64_t bad = bad_len(lens, n_rows, hkv, cap);
+    if (bad >= 0) return bad;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t n = 0; n < n_rows; n++) {
         const int L = visible(lens[n / hkv]);
@@ -198,4 +192,5 @@ void tpe_decode_pv(const uint16_t *p, const uint16_t *v, const int64_t *lens, ui
             }
         for (int i = 0; i < g * d; i++) on[i] = f2bf(acc[i]);
     }
+    return -1;
 }

@@ -19,29 +19,30 @@ from __future__ import annotations
 import torch
 
 from tpengine.kernels import cpu_native
+from tpengine.kernels.cpu_ops import ops
 
 MAX_G, MAX_D = 8, 256  # the C code's stack buffers: query heads per KV head, head size
 
 
-def available(q: torch.Tensor, g: int, d: int) -> bool:
-    """Whether :func:`decode_attention` can take this step: the C kernels are usable
-    (:func:`tpengine.kernels.cpu_native.usable`: enabled, a CPU bfloat16 query, the library loads),
-    ``g <= 8`` query heads per KV head and ``d <= 256``."""
-    return g <= MAX_G and d <= MAX_D and cpu_native.usable(q)
+def available(q: torch.Tensor, g: int, d: int, native: bool) -> bool:
+    """Whether :func:`decode_attention` can take this step: ``native`` (``EngineConfig.cpu_kernels``),
+    the C kernels are usable (:func:`tpengine.kernels.cpu_native.usable`: a CPU bfloat16 query, the
+    library loads), ``g <= 8`` query heads per KV head and ``d <= 256``."""
+    return native and g <= MAX_G and d <= MAX_D and cpu_native.usable(q)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_lens: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """``softmax(q @ k^T * scale, masked) @ v`` for one query token per sequence, bfloat16 on CPU.
+    """``softmax(q @ k^T * scale, masked) @ v`` for one query token per sequence, bfloat16 on CPU,
+    through the ops ``torch.ops.tpengine.decode_scores`` and ``decode_pv``.
 
     Shapes: ``q [B, Hkv, G, D]``, ``k`` and ``v [B, Hkv, L, D]`` contiguous (``L`` >= every
     length), ``context_lens [B]`` int64: sequence ``b`` sees keys ``< context_lens[b]`` (a
     length-0 padding row sees key 0). Returns ``[B, Hkv, G, D]`` bfloat16. Raises ValueError on
-    a shape, dtype or layout mismatch; RuntimeError if the library is unavailable (check
-    :func:`available` first).
+    a shape, dtype or layout mismatch or a length over ``L`` (checked in the C code, no extra
+    pass); RuntimeError if the library is unavailable (check :func:`available` first).
     """
-    lib = cpu_native.load()
-    if lib is None:
+    if cpu_native.load() is None:
         raise RuntimeError(f"CPU C kernels unavailable: {cpu_native.unavailable_reason()}")
     b, hkv, g, d = q.shape
     if (k.shape != v.shape or k.shape[:2] != (b, hkv) or k.shape[3] != d or context_lens.shape != (b,)
@@ -54,15 +55,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_
     cap = k.shape[2]
     if cap == 0:  # every sequence, even a length-0 padding row, reads key 0
         raise ValueError("k and v hold no keys (L = 0)")
-    if context_lens.numel() and int(context_lens.max()) > cap:
-        raise ValueError(f"context length {int(context_lens.max())} exceeds the {cap} keys given")
     q = q.to(torch.bfloat16).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
-    nt, rows = torch.get_num_threads(), b * hkv
     scores = torch.empty(b, hkv, g, cap, dtype=torch.float32)
-    lib.tpe_decode_scores(q.data_ptr(), k.data_ptr(), lens.data_ptr(), scores.data_ptr(), rows, hkv, g, cap, d,
-                          scale, nt)
+    ops.decode_scores(q, k, lens, scores, scale)
     p = torch.softmax(scores, dim=-1).to(torch.bfloat16)
     out = torch.empty(b, hkv, g, d, dtype=torch.bfloat16)
-    lib.tpe_decode_pv(p.data_ptr(), v.data_ptr(), lens.data_ptr(), out.data_ptr(), rows, hkv, g, cap, d, nt)
+    ops.decode_pv(p, v, lens, out)
     return out

@@ -10,45 +10,40 @@
  *
  * so they equal the torch ops up to the order of the float32 sum of squares and the last bit of
  * exp (torch uses SLEEF's; this a Cephes-style polynomial) before the bfloat16 rounding. Loaded
- * with cpu_decode.c by tpengine/kernels/cpu_native.py; the callers (tpengine/kernels/cpu_fused.py)
- * check shapes: row length % 16 == 0, head size % 32 == 0. Without AVX512-BF16 the library is
+ * with cpu_decode.c by tpengine/kernels/cpu_native.py, which registers them as torch ops and checks
+ * shapes: row length % 16 == 0, head size % 32 == 0. Without AVX512-BF16 the library is
  * reported unavailable and these are never called (they are stubs then). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 /* Row copies: dst_a[dst_index[i]] = src_a[src_index ? src_index[i] : i], and the same from src_b to
  * dst_b, rows of row_bytes bytes, source rows src_stride bytes apart (any dtype). One call for the
  * K and V cache writes of a step (two index_copy_ in torch), one for the KV mirror's appends (two
- * index_select + two index_copy_). Indices are the caller's to bound. */
-void tpe_copy_rows(const char *src_a, const char *src_b, int64_t src_stride, const int64_t *src_index, char *dst_a,
-                   char *dst_b, const int64_t *dst_index, int64_t n, int64_t row_bytes, int nthreads) {
+ * index_select + two index_copy_). Every index is checked first (dst_index in [0, dst_rows),
+ * src_index in [0, src_rows)) and nothing is copied if one is out of range: returns -1 when all
+ * are in range, else i for a bad dst_index[i] or n + i for a bad src_index[i] (the first one). */
+int64_t tpe_copy_rows(const char *src_a, const char *src_b, int64_t src_stride, const int64_t *src_index,
+                      int64_t src_rows, char *dst_a, char *dst_b, const int64_t *dst_index, int64_t dst_rows,
+                      int64_t n, int64_t row_bytes, int nthreads) {
+    for (int64_t i = 0; i < n; i++)
+        if ((uint64_t)dst_index[i] >= (uint64_t)dst_rows) return i;
+    if (src_index)
+        for (int64_t i = 0; i < n; i++)
+            if ((uint64_t)src_index[i] >= (uint64_t)src_rows) return n + i;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (n * row_bytes >= (1 << 20))
     for (int64_t i = 0; i < n; i++) {
         const int64_t s = (src_index ? src_index[i] : i) * src_stride, d = dst_index[i] * row_bytes;
         memcpy(dst_a + d, src_a + s, (size_t)row_bytes);
         memcpy(dst_b + d, src_b + s, (size_t)row_bytes);
     }
+    return -1;
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
-
-static inline __m512 ld(const uint16_t *p) { /* 16 bfloat16 -> float32 */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-static inline __m512i rne(__m512 x) { /* float32 -> bfloat16 bits (low half of each lane), to nearest even */
-    __m512i u = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-}
-
-static inline void st(uint16_t *p, __m512 x) { _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(rne(x))); }
-
-static inline __m512 rb(__m512 x) { return _mm512_castsi512_ps(_mm512_slli_epi32(rne(x), 16)); } /* round */
 
 /* exp(x), float32: x = n ln2 + r, |r| <= ln2 / 2, e^r by the Cephes expf polynomial, times 2^n
  * (scalef: overflow to inf, underflow to 0). */

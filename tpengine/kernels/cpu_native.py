@@ -1,8 +1,10 @@
-"""Build and load tpengine's CPU C kernels (``cpu_decode.c``, ``cpu_fused.c``) at run time.
+"""Build and load tpengine's CPU C kernels (``cpu_decode.c``, ``cpu_fused.c``; both include ``bf16.h``)
+at run time.
 
 The kernels are bfloat16 AVX512-BF16 code for the CPU path (decode attention in
 :mod:`tpengine.kernels.cpu_decode`; residual add + RMSNorm, RoPE and SiLU * up in
-:mod:`tpengine.kernels.cpu_fused`). They are built with ``cc -O3 -march=native -fopenmp -shared``
+:mod:`tpengine.kernels.cpu_fused`), called as torch ops (:mod:`tpengine.kernels.cpu_ops`).
+They are built with ``cc -O3 -march=native -fopenmp -shared``
 (``$CC`` if set) into ``$TPENGINE_CACHE_DIR`` (default ``~/.cache/tpengine``), one library per
 source, compiler and CPU, written atomically so concurrent ranks may build at once (~1 s, once per
 machine). OpenMP threads come from the libgomp torch has already loaded; each call passes
@@ -26,21 +28,23 @@ from pathlib import Path
 
 import torch
 
-ENABLED = True  # set from EngineConfig.cpu_kernels by the model runner at every step
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_decode.c", "cpu_fused.c"))
+HEADERS = (Path(__file__).with_name("bf16.h"),)  # included by the sources: part of the cache key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None  # why the library is unavailable, once a load was tried
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-SIGNATURES = {  # C function -> argument types (all return void but tpe_fast)
+#: C functions that check their indices and return -1 or the position of the first bad one
+RETURNS_INDEX = ("tpe_copy_rows", "tpe_decode_scores", "tpe_decode_pv")
+SIGNATURES = {  # C function -> argument types (all return void but tpe_fast and RETURNS_INDEX)
     "tpe_decode_scores": [_P, _P, _P, _P, _I64, _I64, _I32, _I64, _I32, _F32, _I32],
     "tpe_decode_pv": [_P, _P, _P, _P, _I64, _I64, _I32, _I64, _I32, _I32],
     "tpe_add_rms_norm": [_P, _P, _P, _P, _P, _I64, _I64, _F32, _I32],
     "tpe_rope": [_P, _I64, _I64, _I64, _P, _P, _I64, _I32],
     "tpe_silu_mul": [_P, _P, _I64, _I64, _I32],
-    "tpe_copy_rows": [_P, _P, _I64, _P, _P, _P, _P, _I64, _I64, _I32],
+    "tpe_copy_rows": [_P, _P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I32],
     "tpe_causal_softmax": [_P, _I64, _I64, _F32, _I32],
 }
 
@@ -82,8 +86,8 @@ def _build(rebuild: bool = False) -> Path:
     ``~/.cache/tpengine``), then a private folder in the temp folder. Raises RuntimeError (no
     compiler, no writable folder, or the compiler's exit status and message on failure)."""
     cc = _compiler()
-    parts = [p.read_bytes() for p in SOURCES] + [" ".join(cc + list(FLAGS)).encode(), platform.machine().encode(),
-                                                 _cpu_id().encode()]
+    parts = [p.read_bytes() for p in SOURCES + HEADERS] + [" ".join(cc + list(FLAGS)).encode(),
+                                                           platform.machine().encode(), _cpu_id().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     root = Path(os.environ.get("TPENGINE_CACHE_DIR") or Path.home() / ".cache" / "tpengine")
     for folder, private in ((root, False), (Path(tempfile.gettempdir()) / f"tpengine-{os.getuid()}", True)):
@@ -114,6 +118,8 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.tpe_fast.restype = _I32
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
+    for name in RETURNS_INDEX:
+        getattr(lib, name).restype = _I64
     if not lib.tpe_fast():
         raise RuntimeError("the CPU or compiler lacks AVX512-BF16")
     return lib
@@ -144,7 +150,6 @@ def unavailable_reason() -> str | None:
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the C kernels may take these tensors: :data:`ENABLED`, all bfloat16 on CPU, and the
-    library loads."""
-    return (ENABLED and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
-            and load() is not None)
+    """Whether the C kernels may take these tensors: all bfloat16 on CPU, and the library loads.
+    (Whether to use them at all is the caller's ``native`` flag, from ``EngineConfig.cpu_kernels``.)"""
+    return all(t.dtype == torch.bfloat16 and t.is_cpu for t in tensors) and (_lib is not None or load() is not None)

@@ -1,7 +1,8 @@
 """Triton paged-attention kernels: KV store, split-K decode ("flash decoding"), varlen prefill.
 
 Same interface, layout and semantics as :mod:`tpengine.kernels.reference` (its docstrings are
-the contract); this module is the CUDA path. q/k/v/out and the caches are addressed through
+the contract); this module is the CUDA path, run by
+:class:`tpengine.kernels.triton_attention.TritonAttentionBackend`. q/k/v/out and the caches are addressed through
 explicit strides, so any layout works (a unit ``head_dim`` stride is fastest); the small int64
 index tensors (slot_mapping, cu_seqlens, block_tables rows, context_lens, q_to_kv) are made
 contiguous by the wrappers. Every tensor must be on the same device.
@@ -293,20 +294,23 @@ def _prefill_kernel(q, k, v, kc, vc, out, cu_q, cu_k, bt, q_to_kv, scale, block_
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                      block_tables: torch.Tensor | None, q_to_kv: torch.Tensor, scale: float) -> torch.Tensor:
+                      block_tables: torch.Tensor | None, q_to_kv: torch.Tensor, scale: float,
+                      lengths: tuple | None = None) -> torch.Tensor:
     """Triton version of :func:`tpengine.kernels.reference.prefill_attention` (same contract).
+    ``lengths``: :func:`tpengine.kernels.checks.prefill_lengths` of the offsets, if already known
+    (the backend's ``prepare`` reads them once per step); else this call reads them (one host sync).
 
     Grid ``(B, Hq, cdiv(max Lq, BLOCK_M))``; each program holds a ``BLOCK_M`` query tile of one
     head, first streams the cached prefix through the block table, then the new tokens' k/v
-    (causal), with an online softmax and ``tl.dot`` (exact fp32 for float32 inputs). One host
-    sync (the lengths). Raises ValueError on malformed lengths/shapes or a prefix without
+    (causal), with an online softmax and ``tl.dot`` (exact fp32 for float32 inputs). Raises
+    ValueError on malformed lengths/shapes or a prefix without
     ``block_tables``.
     """
     _, bs, hkv, d = check_cache(k_cache, v_cache)
     check_heads(q, q_to_kv, hkv, d)
     if k.shape != v.shape or k.shape[0] != q.shape[0] or tuple(k.shape[1:]) != (hkv, d):
         raise ValueError(f"k/v must be [{q.shape[0]}, {hkv}, {d}]; got {tuple(k.shape)}, {tuple(v.shape)}")
-    _, _, lqs, lks = prefill_lengths(cu_seqlens_q, cu_seqlens_k, q.shape[0])
+    _, _, lqs, lks = prefill_lengths(cu_seqlens_q, cu_seqlens_k, q.shape[0]) if lengths is None else lengths
     if block_tables is None:
         if any(a != b for a, b in zip(lqs, lks)):
             raise ValueError("a sequence has a cached prefix (Lk > Lq) but block_tables is None")

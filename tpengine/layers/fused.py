@@ -19,19 +19,12 @@ results match HF's bit for bit in float32.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tpengine.engine.context import Context
+from tpengine.context import Context
 from tpengine.kernels import cpu_fused
 from tpengine.layers.attention import paged_attention
 from tpengine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` on the last dimension (HF's RoPE convention)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class FusedAttention(nn.Module):
@@ -47,8 +40,8 @@ class FusedAttention(nn.Module):
         when the model has none; dtype; device: where the small ``tp_q_to_kv`` map lives
         (parameters start on meta, the loader fills them).
 
-    ``forward(hidden_states [1, T, hidden], position_embeddings=(cos, sin) [1, T, D], ctx)`` ->
-    ``[1, T, hidden]``.
+    ``forward(hidden_states [T, hidden], position_embeddings=(cos, sin) [T, D], ctx)`` ->
+    ``[T, hidden]``.
     """
 
     native = True  # CPU bfloat16 C kernels where they apply (EngineConfig.cpu_kernels)
@@ -70,15 +63,13 @@ class FusedAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 ctx: Context) -> torch.Tensor:
         hq, hkv = self.num_heads, self.num_key_value_heads
-        qkv = self.qkv_proj(hidden_states).unflatten(-1, (hq + 2 * hkv, self.head_dim))  # [B, T, H, D]
+        qkv = self.qkv_proj(hidden_states).unflatten(-1, (hq + 2 * hkv, self.head_dim))  # [T, H, D]
         qk, v = qkv[..., : hq + hkv, :], qkv[..., hq + hkv :, :]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[..., :hq, :]), self.k_norm(qk[..., hq:, :])), dim=-2)
-        if cpu_fused.rope_(qk, *position_embeddings) is None:  # CPU bfloat16: one C kernel, in place
-            cos, sin = (t.unsqueeze(-2) for t in position_embeddings)  # [B, T, 1, D]: every head
-            qk = qk * cos + rotate_half(qk) * sin
+        qk = cpu_fused.rope_(qk, *position_embeddings, self.native)  # CPU bfloat16: one C kernel, in place
         q, k = qk[..., :hq, :], qk[..., hq:, :]
-        out = paged_attention(self, q[0], k[0], v[0], self.scaling, ctx).unsqueeze(0)
+        out = paged_attention(self, q, k, v, self.scaling, ctx)
         return self.o_proj(out.flatten(-2))
 
 
@@ -101,8 +92,8 @@ class FusedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.silu and (h := cpu_fused.silu_mul(gate_up, self.intermediate)) is not None:  # CPU bfloat16
-            return self.down_proj(h)
+        if self.silu:  # CPU bfloat16: one C kernel
+            return self.down_proj(cpu_fused.silu_mul(gate_up, self.intermediate, self.native))
         h = self.act_fn(gate_up[..., : self.intermediate])
         return self.down_proj(h.mul_(gate_up[..., self.intermediate :]))
 
@@ -125,13 +116,7 @@ class RMSNorm(nn.Module):
     def add_forward(self, h: torch.Tensor, x: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(h + x, self(h + x))`` (``h`` itself when ``x`` is None): the residual add before the
         norm, fused with it by a C kernel on CPU in bfloat16 (tpengine.kernels.cpu_fused)."""
-        if (fused := cpu_fused.add_rms_norm(h, x, self.weight, self.eps)) is not None:
-            return fused
-        if x is not None:
-            h = h + x
-        if h.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return h, F.rms_norm(h, self.shape, self.weight, self.eps)
-        return h, self.weight * F.rms_norm(h.float(), self.shape, None, self.eps).to(h.dtype)
+        return cpu_fused.add_rms_norm(h, x, self.weight, self.eps, self.native)
 
 
 def decoder_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
@@ -145,12 +130,12 @@ def decoder_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx:
     Shapes: ``input_ids``, ``positions [N]`` int64 (the step's sequences packed back to back,
     described by ``ctx``) -> ``[N, hidden]``.
     """
-    h = self.embed_tokens(input_ids[None])
-    position_embeddings = self.rotary_emb(h, positions[None])
+    h = self.embed_tokens(input_ids)
+    position_embeddings = tuple(t[0] for t in self.rotary_emb(h, positions[None]))  # cos, sin [N, D]
     delta = None  # each block's output, added to the residual stream by the next norm (fused on CPU bf16)
     for layer in self.layers[: self.config.num_hidden_layers]:
         h, x = layer.input_layernorm.add_forward(h, delta)
         delta = layer.self_attn(x, position_embeddings, ctx)
         h, x = layer.post_attention_layernorm.add_forward(h, delta)
         delta = layer.mlp(x)
-    return self.norm.add_forward(h, delta)[1][0]
+    return self.norm.add_forward(h, delta)[1]

@@ -1,0 +1,56 @@
+"""The attention backend interface: what :func:`tpengine.layers.attention.paged_attention` and the model
+runner call, implemented by :class:`tpengine.kernels.cpu_attention.CPUAttentionBackend` (torch + C
+kernels) and :class:`tpengine.kernels.triton_attention.TritonAttentionBackend` (CUDA).
+
+One backend object per engine (:func:`tpengine.kernels.get_backend`). Per step the model runner
+calls :meth:`AttentionBackend.prepare` once with the step's index tensors; its result (the step's
+*attention metadata*: host copies of lengths, gather indices, masks...) rides on the step's
+:class:`tpengine.context.Context` as ``ctx.attn`` and is handed back to every layer's call. Nothing
+per step is kept in module globals, so several engines in one process never see each other's state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class AttentionBackend:
+    """Paged attention over ``[num_blocks, block_size, Hkv, D]`` KV caches (layout and semantics:
+    :mod:`tpengine.kernels.reference`, the oracle every backend is tested against).
+
+    Attributes: ``name`` ("torch" or "triton"); ``graph_safe``: its decode steps never sync with
+    the host, so they may be captured in CUDA graphs.
+    """
+
+    name = "abstract"
+    graph_safe = False
+
+    def prepare(self, is_prefill: bool, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+                context_lens: torch.Tensor | None) -> Any:
+        """Once per step, before the forward: the step's attention metadata from its int64 index
+        tensors on the model's device (``slot_mapping [N]``, ``block_tables [B, max_blocks]``,
+        prefill: ``cu_seqlens_q``/``cu_seqlens_k [B+1]``, decode: ``context_lens [B]``)."""
+        raise NotImplementedError
+
+    def bind_layer(self, module: torch.nn.Module) -> None:
+        """Called by the model runner after it sets ``module.k_cache``/``module.v_cache``: attach any
+        per-layer state the backend keeps (the CPU backend's KV mirror)."""
+
+    def store_kvcache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      attn: Any) -> None:
+        """Write this step's ``key``/``value [N, Hkv, D]`` into the caches at ``attn``'s slot mapping."""
+        raise NotImplementedError
+
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, q_to_kv: torch.Tensor, scale: float, attn: Any) -> torch.Tensor:
+        """``q [N, Hq, D]``, this step's ``k``/``v [N, Hkv, D]`` -> ``[N, Hq, D]`` (see the reference)."""
+        raise NotImplementedError
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor,
+                         scale: float, attn: Any, mirror: Any = None) -> torch.Tensor:
+        """``q [B, Hq, D]`` -> ``[B, Hq, D]`` over the cached keys; ``mirror``: the layer's per-layer state
+        from :meth:`bind_layer` (``module.kv_mirror``), or None."""
+        raise NotImplementedError

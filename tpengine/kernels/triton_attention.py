@@ -1,0 +1,67 @@
+"""The Triton attention backend (CUDA; CPU tensors only under ``TRITON_INTERPRET=1``): the kernels of
+:mod:`tpengine.kernels.paged_attention` behind the :class:`tpengine.kernels.backend.AttentionBackend`
+interface. Its decode steps never sync with the host, so they can be captured in CUDA graphs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tpengine.kernels import paged_attention as kernels
+from tpengine.kernels.backend import AttentionBackend
+from tpengine.kernels.checks import prefill_lengths
+
+__all__ = ["TritonAttentionBackend", "TritonAttentionMetadata"]
+
+
+@dataclass
+class TritonAttentionMetadata:
+    """One step's attention metadata: the index tensors (contiguous) and, for a prefill, the host
+    copy of its lengths (:func:`tpengine.kernels.checks.prefill_lengths`; None in decode, which
+    reads everything on the device)."""
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor | None
+    cu_seqlens_q: torch.Tensor | None
+    cu_seqlens_k: torch.Tensor | None
+    context_lens: torch.Tensor | None
+    lengths: tuple | None = None
+
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Triton paged attention. ``native``/``kv_mirror`` are CPU options and do not apply here."""
+
+    name = "triton"
+    graph_safe = True
+
+    def __repr__(self) -> str:
+        return "TritonAttentionBackend()"
+
+    def prepare(self, is_prefill, slot_mapping, block_tables, cu_seqlens_q=None, cu_seqlens_k=None,
+                context_lens=None) -> TritonAttentionMetadata:
+        """See :meth:`AttentionBackend.prepare`; a prefill reads its lengths here (one host sync per
+        step), a decode step does not sync (CUDA-graph safe). Raises ValueError for malformed offsets."""
+        m = TritonAttentionMetadata(is_prefill, slot_mapping.contiguous(), _contiguous(block_tables),
+                                    _contiguous(cu_seqlens_q), _contiguous(cu_seqlens_k), _contiguous(context_lens))
+        if is_prefill:
+            m.lengths = prefill_lengths(cu_seqlens_q, cu_seqlens_k, slot_mapping.shape[0])
+        return m
+
+    def store_kvcache(self, key, value, k_cache, v_cache, attn: TritonAttentionMetadata) -> None:
+        """:func:`tpengine.kernels.paged_attention.store_kvcache` at ``attn.slot_mapping``."""
+        kernels.store_kvcache(key, value, k_cache, v_cache, attn.slot_mapping)
+
+    def prefill_attention(self, q, k, v, k_cache, v_cache, q_to_kv, scale, attn: TritonAttentionMetadata):
+        """:func:`tpengine.kernels.paged_attention.prefill_attention` with the step's lengths."""
+        return kernels.prefill_attention(q, k, v, k_cache, v_cache, attn.cu_seqlens_q, attn.cu_seqlens_k,
+                                         attn.block_tables, q_to_kv, scale, lengths=attn.lengths)
+
+    def decode_attention(self, q, k_cache, v_cache, q_to_kv, scale, attn: TritonAttentionMetadata, mirror=None):
+        """:func:`tpengine.kernels.paged_attention.decode_attention` (``mirror`` is unused)."""
+        return kernels.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.context_lens, q_to_kv, scale)
