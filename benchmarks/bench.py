@@ -36,6 +36,7 @@ from benchmarks import subprocess_env
 from benchmarks.bench_report import render_table, summarize
 from benchmarks.bench_worker import MARK
 from tpengine.config import DEFAULT_MODEL_DIR
+from tpengine.utils import cdiv
 
 app = typer.Typer(add_completion=False)
 
@@ -127,7 +128,7 @@ def run_dtype(dtype: str, systems: list[str], model: str, cores: int, prompts, l
                 tp = 1
             else:
                 tp = int(s.removeprefix("tp"))
-                blocks = len(prompts) * -(-max_len // 16) + 4
+                blocks = len(prompts) * cdiv(max_len, 16) + 4
                 args = common + ["--system", "engine", "--max-num-seqs", str(len(prompts)), "--max-model-len",
                                  str(max_len), "--num-kv-blocks", str(blocks), "--threads", str(max(1, cores // tp))]
             workers[s] = Worker(f"{s}/{dtype}", args, tp, logdir / f"{s}-{dtype}.log")

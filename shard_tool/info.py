@@ -8,8 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from shard_tool.common import UserError, user_errors
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from tpengine.config import DTYPE_BYTES
 
 
 def load_config(model_dir: Path):

@@ -18,8 +18,7 @@ import typer
 
 from shard_tool.common import UserError, atomic_dir, side_files, user_errors
 from tpengine.checkpoint import FORMAT_VERSION, INDEX_NAME, checkpoint_files, rank_file_name, sha256_file
-
-DTYPES = ("float32", "bfloat16", "float16")
+from tpengine.config import WEIGHT_DTYPES
 
 
 def _find(files: dict[str, list[str]], suffix: str) -> tuple[str, str] | None:
@@ -85,8 +84,8 @@ def split_model(
     model_dir, out = Path(model_dir), Path(out)
     if not (model_dir / "config.json").is_file():
         raise UserError(f"{str(model_dir)!r} is not a model folder: it has no config.json")
-    if dtype is not None and dtype not in DTYPES:
-        raise UserError(f"invalid dtype {dtype!r}: must be one of {', '.join(DTYPES)}")
+    if dtype is not None and dtype not in WEIGHT_DTYPES:
+        raise UserError(f"invalid dtype {dtype!r}: must be one of {', '.join(WEIGHT_DTYPES)}")
     if out.exists() and not force:
         raise UserError(f"output folder {str(out)!r} already exists; remove it or pass --force")
     config = AutoConfig.from_pretrained(model_dir)
@@ -148,15 +147,14 @@ def split_model(
 
 
 def _first_float_dtype(model_dir: Path, files: dict[str, list[str]]) -> str | None:
-    from safetensors import safe_open
+    """The name of the first floating dtype among the checkpoint's tensors (header only)."""
+    from tpengine.tensor_file import read_header
 
-    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-    for fname, tensors in files.items():
-        with safe_open(model_dir / fname, framework="pt") as f:
-            for n in tensors:
-                code = f.get_slice(n).get_dtype()
-                if code in names:
-                    return names[code]
+    for fname in files:
+        for info in read_header(model_dir / fname).values():
+            name = str(info.dtype).removeprefix("torch.")
+            if name in WEIGHT_DTYPES:
+                return name
     return None
 
 

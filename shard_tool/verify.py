@@ -6,12 +6,16 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any
 
+import torch
 import typer
 
 from shard_tool.common import UserError, read_json, user_errors
 from tpengine.checkpoint import FORMAT_VERSION, rank_file_name, sha256_file
+from tpengine.config import WEIGHT_DTYPES
+from tpengine.tensor_file import CODE_OF
 
-DTYPE_CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+# safetensors dtype code of each weight dtype name (the code table is tpengine.tensor_file's)
+DTYPE_CODES = {name: CODE_OF[getattr(torch, name)] for name in WEIGHT_DTYPES}
 
 
 def verify_dir(shard_dir: Path) -> list[str]:

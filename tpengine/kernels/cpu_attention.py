@@ -30,6 +30,7 @@ from tpengine.kernels import cpu_decode, cpu_fused
 from tpengine.kernels import kv_mirror as mirrors
 from tpengine.kernels.backend import AttentionBackend
 from tpengine.kernels.checks import check_cache, check_heads, check_slots, check_store, prefill_lengths
+from tpengine.utils import cdiv
 
 __all__ = ["CPUAttentionBackend", "CPUAttentionMetadata"]
 
@@ -324,5 +325,5 @@ def _decode_indices(attn: CPUAttentionMetadata, bs: int, hkv: int, half: bool) -
         slots = block_tables[:, pos // bs].clamp_min(0) * bs + pos % bs  # [B, L]; -1 padding masked
         index = (slots[:, None, :] * hkv + torch.arange(hkv, device=dev)[None, :, None]).flatten()
     else:
-        index = block_tables[:, : -(-max_ctx // bs)].clamp_min(0).flatten()  # -1 padding: block 0, masked
+        index = block_tables[:, : cdiv(max_ctx, bs)].clamp_min(0).flatten()  # -1 padding: block 0, masked
     return _DecodeIndices(index, valid)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from tpengine.kernels import cpu_fused
+from tpengine.utils import cdiv
 
 CHUNK = 32  # mirror capacity granularity (tokens)
 
@@ -96,7 +97,7 @@ def _append_index(step: MirrorStep, block_tables, context_lens, bs: int, hkv: in
 
 def capacity(max_ctx: int) -> int:
     """Mirror capacity (tokens per sequence) for a step whose longest context is ``max_ctx``."""
-    return -(-max_ctx // CHUNK) * CHUNK
+    return cdiv(max_ctx, CHUNK) * CHUNK
 
 
 def usable(num_seqs: int, max_ctx: int, k_cache: torch.Tensor) -> bool:
