@@ -8,6 +8,7 @@ bench-scale``). Their worker subprocesses get the repository root on ``PYTHONPAT
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -22,3 +23,12 @@ def subprocess_env(**extra: str) -> dict[str, str]:
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), path) if p)}
     env.update(extra)
     return env
+
+
+def emit(console, table, result: dict, out: Path | None) -> None:
+    """Print ``table`` (a rich renderable) on ``console`` and, with ``out``, write ``result`` there
+    as JSON (saying so)."""
+    console.print(table)
+    if out is not None:
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        console.print(f"wrote {out}")

@@ -32,7 +32,7 @@ from typing import Annotated
 import torch
 import typer
 
-from benchmarks import subprocess_env
+from benchmarks import emit, subprocess_env
 from benchmarks.bench_report import render_table, summarize
 from benchmarks.bench_worker import MARK
 from tpengine.config import DEFAULT_MODEL_DIR
@@ -225,10 +225,7 @@ def main(
         "runs": runs,
         "total_s": round(time.perf_counter() - t0, 1),
     }
-    console.print(render_table(result))
-    if out is not None:
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        console.print(f"wrote {out}")
+    emit(console, render_table(result), result, out)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from typing import Annotated
 
 import typer
 
-from benchmarks import subprocess_env
+from benchmarks import emit, subprocess_env
 from benchmarks.bench import machine_info
 from benchmarks.bench_worker import MARK
 from benchmarks.scale_report import GIB, OVERHEAD_BYTES, render_table, summarize
@@ -175,10 +175,7 @@ def main(
         "results": results,
         "total_s": round(time.perf_counter() - t0, 1),
     }
-    console.print(render_table(result))
-    if out is not None:
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        console.print(f"wrote {out}")
+    emit(console, render_table(result), result, out)
     if any(r["status"] == "failed" for systems_ in results.values() for r in systems_.values()):
         raise typer.Exit(1)
 

@@ -14,8 +14,8 @@ import torch
 
 
 @dataclass
-class Context:
-    """One step's attention metadata (all index tensors int64, on the model's device).
+class StepIndex:
+    """One step's index tensors (int64, on the model's device), as the StepPlan carries them.
 
     * ``is_prefill``: a prefill step (else decode: one new token per sequence).
     * ``slot_mapping [N]``: cache slot of each of the N tokens in this step (-1: store nothing).
@@ -23,8 +23,8 @@ class Context:
     * ``cu_seqlens_q [B+1]`` / ``cu_seqlens_k [B+1]``: prefill only; new tokens / total tokens
       (cached prefix + new) per sequence, as cumulative offsets.
     * ``context_lens [B]``: decode only; tokens in the cache per sequence including this one.
-    * ``backend``: the engine's :class:`tpengine.kernels.backend.AttentionBackend`.
-    * ``attn``: ``backend.prepare(...)`` of this step (host lengths, gather indices, ...).
+
+    The base of :class:`Context` and of each backend's attention metadata.
     """
 
     is_prefill: bool
@@ -33,6 +33,16 @@ class Context:
     cu_seqlens_q: torch.Tensor | None
     cu_seqlens_k: torch.Tensor | None
     context_lens: torch.Tensor | None
+
+
+@dataclass
+class Context(StepIndex):
+    """One step's context: its :class:`StepIndex` tensors, plus
+
+    * ``backend``: the engine's :class:`tpengine.kernels.backend.AttentionBackend`;
+    * ``attn``: ``backend.prepare(...)`` of this step (host lengths, gather indices, ...).
+    """
+
     backend: Any
     attn: Any
 

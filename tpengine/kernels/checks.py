@@ -81,3 +81,18 @@ def check_slots(slot_mapping: torch.Tensor, lo: int | torch.Tensor, hi: int | to
         i = int(((slot_mapping < -1) | (slot_mapping >= num_slots)).nonzero()[0])
         raise IndexError(f"slot_mapping[{i}] = {int(slot_mapping[i])} is out of range for a KV cache of "
                          f"{num_slots} slots (valid: -1 to skip, 0 to {num_slots - 1})")
+
+
+def check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[int, int, int, int]:
+    """Validate ``decode_attention`` arguments (``q [B, Hq, D]``, ``block_tables [B, max_blocks]``,
+    ``context_lens [B]``, the caches and ``q_to_kv``); returns the cache shape. Raises ValueError."""
+    shape = check_cache(k_cache, v_cache)
+    check_heads(q, q_to_kv, shape[2], shape[3])
+    nb = q.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != nb or context_lens.shape != (nb,):
+        raise ValueError(
+            f"block_tables must be [{nb}, max_blocks] and context_lens [{nb}]; got "
+            f"{tuple(block_tables.shape)}, {tuple(context_lens.shape)}"
+        )
+    return shape

@@ -26,17 +26,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tpengine.context import StepIndex
 from tpengine.kernels import cpu_decode, cpu_fused
 from tpengine.kernels import kv_mirror as mirrors
 from tpengine.kernels.backend import AttentionBackend
-from tpengine.kernels.checks import check_cache, check_heads, check_slots, check_store, prefill_lengths
+from tpengine.kernels.checks import check_cache, check_decode, check_heads, check_slots, check_store, prefill_lengths
 from tpengine.utils import cdiv
 
 __all__ = ["CPUAttentionBackend", "CPUAttentionMetadata"]
 
 
 @dataclass
-class CPUAttentionMetadata:
+class CPUAttentionMetadata(StepIndex):
     """One step's attention metadata on the CPU backend (tensors as given to ``prepare``).
 
     ``slot_min``/``slot_max``: bounds of ``slot_mapping`` (host ints; 0/-1 for no tokens);
@@ -46,12 +47,6 @@ class CPUAttentionMetadata:
     (gather indices, key masks), computed by the first layer that needs them.
     """
 
-    is_prefill: bool
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor | None
-    cu_seqlens_q: torch.Tensor | None
-    cu_seqlens_k: torch.Tensor | None
-    context_lens: torch.Tensor | None
     slot_min: int = 0
     slot_max: int = -1
     cu_q: list[int] | None = None
@@ -186,14 +181,8 @@ class CPUAttentionBackend(AttentionBackend):
         positions ``>= context_lens[b]`` only when the lengths differ. Raises ValueError on shape
         mismatch or when ``max_ctx`` exceeds the block table's capacity."""
         block_tables, context_lens = attn.block_tables, attn.context_lens
-        _, bs, hkv, d = check_cache(k_cache, v_cache)
-        check_heads(q, q_to_kv, hkv, d)
+        _, bs, hkv, d = check_decode(q, k_cache, v_cache, q_to_kv, block_tables, context_lens)
         nb = q.shape[0]
-        if block_tables.dim() != 2 or block_tables.shape[0] != nb or context_lens.shape != (nb,):
-            raise ValueError(
-                f"block_tables must be [{nb}, max_blocks] and context_lens [{nb}]; got "
-                f"{tuple(block_tables.shape)}, {tuple(context_lens.shape)}"
-            )
         if nb == 0:
             return q.new_empty(q.shape)
         half = (q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype and k_cache.is_contiguous()

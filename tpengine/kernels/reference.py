@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tpengine.kernels.checks import check_cache, check_heads, check_slots, check_store, prefill_lengths
+from tpengine.kernels.checks import check_cache, check_decode, check_heads, check_slots, check_store, prefill_lengths
 
 __all__ = ["store_kvcache", "prefill_attention", "decode_attention"]
 
@@ -105,14 +105,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     gets zeros. Raises ValueError on shape mismatch or a context longer than the block table's
     capacity.
     """
-    _, bs, hkv, d = check_cache(k_cache, v_cache)
-    check_heads(q, q_to_kv, hkv, d)
-    nb = q.shape[0]
-    if block_tables.dim() != 2 or block_tables.shape[0] != nb or context_lens.shape != (nb,):
-        raise ValueError(
-            f"block_tables must be [{nb}, max_blocks] and context_lens [{nb}]; got "
-            f"{tuple(block_tables.shape)}, {tuple(context_lens.shape)}"
-        )
+    _, bs, hkv, d = check_decode(q, k_cache, v_cache, q_to_kv, block_tables, context_lens)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     for b, n in enumerate(context_lens.tolist()):
         if n > block_tables.shape[1] * bs:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tpengine.context import StepIndex
 from tpengine.kernels import paged_attention as kernels
 from tpengine.kernels.backend import AttentionBackend
 from tpengine.kernels.checks import prefill_lengths
@@ -16,17 +17,11 @@ __all__ = ["TritonAttentionBackend", "TritonAttentionMetadata"]
 
 
 @dataclass
-class TritonAttentionMetadata:
+class TritonAttentionMetadata(StepIndex):
     """One step's attention metadata: the index tensors (contiguous) and, for a prefill, the host
     copy of its lengths (:func:`tpengine.kernels.checks.prefill_lengths`; None in decode, which
     reads everything on the device)."""
 
-    is_prefill: bool
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor | None
-    cu_seqlens_q: torch.Tensor | None
-    cu_seqlens_k: torch.Tensor | None
-    context_lens: torch.Tensor | None
     lengths: tuple | None = None
 
 
