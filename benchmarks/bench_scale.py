@@ -39,7 +39,8 @@ from benchmarks.scale_report import GIB, OVERHEAD_BYTES, render_table, summarize
 from benchmarks.scale_worker import vm_hwm_bytes
 from benchmarks.synth_model import SHAPES, SynthShape, build_synth_model
 
-SYSTEMS = {"hf": 1, "tp1": 1, "tp2": 2}  # system -> ranks
+SYSTEMS = {"hf": 1, "tp1": 1, "tp2": 2, "tp1-shards": 1, "tp2-shards": 2}  # system -> ranks
+# a "-shards" system loads the tpengine-shard split folder <model>-tp<N> (made once) instead of the full folder
 DEFAULT_SHAPES = "tinyllama-1.1b,llama-2-7b"
 
 app = typer.Typer(add_completion=False)
@@ -76,6 +77,36 @@ def estimated_bytes(shape: SynthShape, system: str, requests: int, tokens: int, 
     return ranks * (shape.weight_bytes() // ranks + kv + OVERHEAD_BYTES)
 
 
+SPLIT_JOB = """
+import json, sys
+from shard_tool.split import split_model
+from benchmarks.scale_worker import vm_hwm_bytes
+split_model(sys.argv[1], int(sys.argv[2]), sys.argv[3], dtype="bfloat16")
+print(json.dumps({"peak_rss_bytes": vm_hwm_bytes()}))
+"""
+
+
+def ensure_shards(model: str, tp: int, timeout_s: float) -> dict:
+    """The ``tpengine-shard split`` folder ``<model>-tp<tp>``, made once in its own process (so its
+    peak memory is its own): ``{"path", "built", "split_s", "split_peak_rss_bytes",
+    "largest_tensor_bytes"}``. Raises subprocess.CalledProcessError when the split fails."""
+    from tpengine.checkpoint import checkpoint_files
+    from tpengine.tensor_file import read_header
+
+    out = Path(f"{model}-tp{tp}")
+    largest = max(i.nbytes for f in checkpoint_files(model) for i in read_header(Path(model) / f).values())
+    info = {"path": str(out), "built": False, "split_s": None, "split_peak_rss_bytes": None,
+            "largest_tensor_bytes": largest}
+    if (out / "manifest.json").is_file():
+        return info
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", SPLIT_JOB, model, str(tp), str(out)], capture_output=True, text=True,
+                       env=subprocess_env(), timeout=timeout_s, check=True)
+    info.update(built=True, split_s=round(time.perf_counter() - t0, 2),
+                split_peak_rss_bytes=json.loads(r.stdout.strip().splitlines()[-1])["peak_rss_bytes"])
+    return info
+
+
 def run_system(system: str, model: str, args: list[str], log: Path, timeout_s: float) -> dict:
     """Run one system's worker to the end; its ``@@bench`` record, or ``{"status": "failed",
     "reason"}`` with the log's tail when it exits without one."""
@@ -99,7 +130,8 @@ def run_system(system: str, model: str, args: list[str], log: Path, timeout_s: f
 @app.command()
 def main(
     shapes: Annotated[str, typer.Option(help=f"comma-separated, of {', '.join(SHAPES)}")] = DEFAULT_SHAPES,
-    systems: Annotated[str, typer.Option(help="comma-separated, of hf, tp1, tp2")] = "hf,tp1,tp2",
+    systems: Annotated[str, typer.Option(help="comma-separated, of hf, tp1, tp2, tp1-shards, tp2-shards "
+                                                  "(from a tpengine-shard split folder, made once)")] = "hf,tp1,tp2",
     requests: Annotated[int, typer.Option(help="requests, all submitted at once")] = 16,
     prompt_len: Annotated[int, typer.Option(help="prompt tokens per request (random ids, fixed seed)")] = 128,
     output_len: Annotated[int, typer.Option(help="output tokens per request (greedy, ignore_eos; >= 2)")] = 32,
@@ -156,16 +188,25 @@ def main(
                 if avail is not None and need > avail:
                     reason = f"needs {need / GIB:.1f} GiB, {avail / GIB:.1f} available"
                     results[name][s] = {"status": "skipped", "reason": reason}
-                    console.print(f"  {s:>4}: skipped: {reason}")
+                    console.print(f"  {s:>10}: skipped: {reason}")
                     continue
-                r = run_system(s, info["path"], args, Path(logdir) / f"{name}-{s}.log", timeout_s)
+                model = info["path"]
+                if s.endswith("-shards"):
+                    split = ensure_shards(model, SYSTEMS[s], timeout_s)
+                    built[name][f"split-tp{SYSTEMS[s]}"] = split
+                    model = split["path"]
+                    if split["built"]:
+                        console.print(f"  split into {model} in {split['split_s']} s, peak "
+                                      f"{split['split_peak_rss_bytes'] / GIB:.2f} GiB (largest tensor "
+                                      f"{split['largest_tensor_bytes'] / GIB:.2f} GiB)")
+                r = run_system(s, model, args, Path(logdir) / f"{name}-{s}.log", timeout_s)
                 results[name][s] = r
                 if r["status"] == "ok":
                     peaks = " / ".join(f"{k['peak_rss_bytes'] / GIB:.2f}" for k in r["ranks"])
-                    console.print(f"  {s:>4}: load {r['load_s']:.1f} s, TTFT {r['ttft_ms']:.1f} ms, "
+                    console.print(f"  {s:>10}: load {r['load_s']:.1f} s, TTFT {r['ttft_ms']:.1f} ms, "
                                   f"TPOT {r['tpot_ms']:.2f} ms, {r['output_tok_s']:.1f} tok/s, peak {peaks} GiB")
                 else:
-                    console.print(f"  {s:>4}: [red]failed[/]: {r['reason']}")
+                    console.print(f"  {s:>10}: [red]failed[/]: {r['reason']}")
     result = {
         "config": {"shapes": shape_names, "systems": system_names, "requests": requests, "prompt_len": prompt_len,
                    "output_len": output_len, "kv_cache_gb": kv_cache_gb, "max_model_len": max_model_len,

@@ -7,7 +7,8 @@ import statistics
 GIB = 2**30
 #: Each rank's memory target: its weights + its KV cache + this much for everything else.
 OVERHEAD_BYTES = GIB
-SYSTEM_NAMES = {"hf": "HF generate", "tp1": "tpengine tp=1", "tp2": "tpengine tp=2"}
+SYSTEM_NAMES = {"hf": "HF generate", "tp1": "tpengine tp=1", "tp2": "tpengine tp=2",
+                "tp1-shards": "tpengine tp=1, shards", "tp2-shards": "tpengine tp=2, shards"}
 
 
 def summarize(record: dict) -> dict:
