@@ -9,6 +9,7 @@ follow the broadcasts until STOP.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -84,6 +85,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None):
         from transformers import AutoConfig
 
+        started = time.perf_counter()
         hf_config = AutoConfig.from_pretrained(config.model)
         if config.max_model_len is None:  # as vLLM: the model's own context length
             config = config.replace(max_model_len=int(getattr(hf_config, "max_position_embeddings", 2048)))
@@ -104,6 +106,7 @@ class LLMEngine:
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []
         self._steps = self._prefill_steps = self._prompt_tokens = self._output_tokens = 0
+        print(self.runner.ready_line(time.perf_counter() - started), file=sys.stderr, flush=True)
 
     @property
     def vocab_size(self) -> int:

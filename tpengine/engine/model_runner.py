@@ -6,9 +6,6 @@ on the positions to sample and its logits are gathered to rank 0.
 
 from __future__ import annotations
 
-import sys
-import time
-
 import torch
 
 from tpengine.config import EngineConfig
@@ -40,7 +37,6 @@ class ModelRunner:
     """
 
     def __init__(self, config: EngineConfig, tp: TPInfo):
-        t0 = time.perf_counter()
         self.config, self.tp = config, tp
         self.dtype = config.torch_dtype(tp.device)
         self.model, self.plan, self.hf_config = load_model(config.model, tp, self.dtype)
@@ -67,11 +63,14 @@ class ModelRunner:
             self.graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs, max_blocks,
                                           self.plan.hidden_size, self.dtype, tp.device)
             self.graphs.capture()
-        if tp.is_driver:
-            kv_gib = self.kv_cache.numel() * self.kv_cache.element_size() / GIB
-            print(f"tpengine: model ready: {config.model} {str(self.dtype).removeprefix('torch.')} tp={tp.size}, "
-                  f"weights {self.weight_bytes / GIB:.2f} GiB/rank, KV cache {self.num_blocks} blocks "
-                  f"({kv_gib:.2f} GiB/rank), {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+    def ready_line(self, seconds: float) -> str:
+        """The one line rank 0 prints when the engine is ready: model, dtype, tp, this rank's weight
+        and KV-cache GiB, KV blocks, and ``seconds`` since the engine started."""
+        kv_gib = self.kv_cache.numel() * self.kv_cache.element_size() / GIB
+        return (f"tpengine: model ready: {self.config.model} {str(self.dtype).removeprefix('torch.')} "
+                f"tp={self.tp.size}, weights {self.weight_bytes / GIB:.2f} GiB/rank, KV cache {self.num_blocks} "
+                f"blocks ({kv_gib:.2f} GiB/rank), {seconds:.1f} s")
 
     def _warmup(self) -> None:
         """CUDA: one eager prefill as large as the scheduler may build (max_num_batched_tokens tokens
