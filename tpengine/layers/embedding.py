@@ -81,10 +81,9 @@ def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x.max(dim=-1)`` of a ``[B, V]`` tensor — the maximum and the *first* index holding it,
     NaN counting as the largest — in two passes that vectorise: the maximum of every
     :data:`ROW_MAX_BLOCK`-column block (``amax``), the first block holding the row's maximum,
-    then the first maximum inside that block. On CPU ``max(dim=-1)`` tracks an index per element
-    and ran at ~0.9 ms for 64 x 49152 logits (both dtypes); this takes ~0.14 ms (float32) and
-    ~0.43 ms (bfloat16). Falls back to ``max`` off the CPU (measured only there), for a
-    non-contiguous x, or for V not a multiple of the block.
+    then the first maximum inside that block (on CPU ``max(dim=-1)`` tracks an index per element
+    and is several times slower; figures in docs/notes/kernels.md). Falls back to ``max`` off
+    the CPU (measured only there), for a non-contiguous x, or for V not a multiple of the block.
     Returns ``(values [B] in x.dtype, indices [B] int64)``."""
     b, v = x.shape
     if v % ROW_MAX_BLOCK or v == ROW_MAX_BLOCK or not x.is_contiguous() or x.device.type != "cpu":

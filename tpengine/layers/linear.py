@@ -4,9 +4,9 @@ Weights are created empty (on ``device``, default meta) in their local shapes; t
 them from this rank's slice, cut by :class:`tpengine.plan.ShardPlan`.
 
 On CPU the loader may :meth:`pack` a layer once its weight is loaded: the weight is replaced by
-its oneDNN blocked layout, multiplied through oneDNN's matmul. PyTorch's float32 ``F.linear`` goes through
-MKL's sgemm, which on non-Intel CPUs takes a narrower code path; oneDNN's float32 matmul ran
-~2x faster here (AMD EPYC, AVX-512), and prepacked bfloat16 weights ~10-15% (2x for one row).
+its oneDNN blocked layout, multiplied through oneDNN's matmul (PyTorch's float32 ``F.linear``
+goes through MKL's sgemm, which on non-Intel CPUs takes a narrower code path; a prepacked
+bfloat16 weight saves the per-call reorder). Measured figures: docs/notes/kernels.md.
 """
 
 from __future__ import annotations
