@@ -137,7 +137,8 @@ def split_model(
                     os.close(fd)
             writer.close()
             manifest["tensors"][str(r)] = {n: list(shp) for n, shp in shapes.items()}
-            manifest["shard_files"].append({"name": rname, "rank": r, "sha256": sha256_file(tmp / rname)})
+            manifest["shard_files"].append({"name": rname, "rank": r, "sha256": sha256_file(tmp / rname),
+                                            "bytes": (tmp / rname).stat().st_size})
         sources = list(files) + ([INDEX_NAME] if (model_dir / INDEX_NAME).is_file() else [])
         manifest["source_files"] = [{"name": s, "sha256": sha256_file(model_dir / s)} for s in sources]
         for p in side_files(model_dir):

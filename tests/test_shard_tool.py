@@ -82,7 +82,8 @@ def check_round_trip(model_dir: Path, out: Path, tp: int) -> dict:
     for r in range(tp):
         fname = f"rank-{r:02d}-of-{tp:02d}.safetensors"
         entry = manifest["shard_files"][r]
-        assert entry == {"name": fname, "rank": r, "sha256": sha256_file(out / fname)}
+        assert entry == {"name": fname, "rank": r, "sha256": sha256_file(out / fname),
+                         "bytes": (out / fname).stat().st_size}
         ranks.append(load_file(out / fname))
         assert {n: list(t.shape) for n, t in ranks[-1].items()} == manifest["tensors"][str(r)]
     expected_names = set(orig) - ({"lm_head.weight"} if tied else set())

@@ -35,8 +35,10 @@ class CheckpointMismatchError(UserError):
 
 
 def check_manifest(model_dir: Path, hf_config, tp: TPInfo) -> ShardPlan:
-    """Check a shard folder against the launch (world size, config, file hash) before any
-    weight is read or collective runs; return its plan.
+    """Check a shard folder against the launch (world size, config, this rank's file size, or its
+    sha256 for a manifest without sizes) before any weight is read or collective runs; return
+    its plan. (``tpengine-shard verify`` re-hashes every file; a header that does not fit the
+    file is caught when it is read.)
 
     Raises:
         CheckpointMismatchError: naming the shard tp and the launch tp, or the config field and
@@ -64,7 +66,12 @@ def check_manifest(model_dir: Path, hf_config, tp: TPInfo) -> ShardPlan:
     path = model_dir / name
     if entry is None or not path.is_file():
         raise CheckpointMismatchError(f"rank {tp.rank}: shard file {str(path)!r} is missing; {fix}")
-    if sha256_file(path) != entry["sha256"]:
+    if "bytes" in entry:  # a size check costs nothing; `tpengine-shard verify` re-hashes the files
+        if path.stat().st_size != entry["bytes"]:
+            raise CheckpointMismatchError(
+                f"rank {tp.rank}: {str(path)!r} has {path.stat().st_size} bytes, not the {entry['bytes']} recorded "
+                f"in {MANIFEST} (corrupt or truncated); {fix}")
+    elif sha256_file(path) != entry["sha256"]:  # a manifest from before sizes were recorded
         raise CheckpointMismatchError(
             f"rank {tp.rank}: {str(path)!r} does not match the sha256 in {MANIFEST} (corrupt or "
             f"truncated); {fix}")

@@ -1,9 +1,13 @@
-"""Peak resident memory of each rank, for the run summary and benchmarks."""
+"""Peak resident memory of each rank, for the run summary and benchmarks; and large zero-filled
+CPU tensors whose memory is only taken as it is used."""
 
 from __future__ import annotations
 
+import mmap
 import resource
 import sys
+
+import torch
 
 from tpengine.distributed import gather_control
 
@@ -32,3 +36,16 @@ def gather_peak_rss() -> list[int] | None:
 def format_peak_rss(peaks: list[int]) -> str:
     """``"0: 1.23 GiB, 1: 1.20 GiB"`` for per-rank byte counts."""
     return ", ".join(f"{rank}: {b / 2**30:.2f} GiB" for rank, b in enumerate(peaks))
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled contiguous CPU tensor of ``shape`` backed by an anonymous memory map: the
+    kernel hands out zeroed pages on first touch, so a large KV cache costs neither time nor
+    resident memory until its blocks are written (``torch.zeros`` writes every page up front).
+    The tensor keeps the mapping alive."""
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    if n == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8, count=n).view(dtype).view(shape)

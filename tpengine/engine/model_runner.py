@@ -15,6 +15,7 @@ from tpengine.engine.cuda_graphs import CUDAGraphRunner
 from tpengine.engine.step import StepKind, StepPlan
 from tpengine.kernels import get_backend
 from tpengine.loader import load_model
+from tpengine.memory import lazy_zeros
 from tpengine.process import release_free_memory
 from tpengine.utils import cdiv
 
@@ -53,8 +54,10 @@ class ModelRunner:
             self._warmup()
         self.num_blocks = all_reduce_min(self._blocks_from_budget())
         rp = self.plan.ranks[tp.rank]
-        self.kv_cache = torch.zeros(2, len(self.attn_modules), self.num_blocks, config.block_size,
-                                    rp.num_kv_heads, self.plan.head_dim, dtype=self.dtype, device=tp.device)
+        shape = (2, len(self.attn_modules), self.num_blocks, config.block_size, rp.num_kv_heads, self.plan.head_dim)
+        # CPU: pages are zeroed by the kernel as blocks are first written, not all up front
+        self.kv_cache = (lazy_zeros(shape, self.dtype) if tp.device.type == "cpu" else
+                         torch.zeros(shape, dtype=self.dtype, device=tp.device))
         for i, m in enumerate(self.attn_modules):
             m.k_cache, m.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             self.backend.bind_layer(m)  # the layer's backend state (CPU: its KV mirror)
