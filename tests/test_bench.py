@@ -138,3 +138,21 @@ def test_bench_scale_rejects_bad_options(tmp_path):
         assert r.exit_code == 2, (args, r.output)
         assert message in " ".join(r.output.replace("│", " ").split()), (args, r.output)
     assert list(tmp_path.iterdir()) == []  # nothing built before the options are checked
+
+
+def test_startup_smoke(tmp_path):
+    """benchmarks.startup runs both whole jobs (HF and tpengine.run) on a tiny model and reports
+    the best of each and their ratio."""
+    from benchmarks.startup import app as startup_app
+
+    model = make_tiny_model(tmp_path, "llama", seed=0, vocab_size=49152, max_position_embeddings=512)
+    out = tmp_path / "startup.json"
+    r = CliRunner().invoke(startup_app, ["--model", str(model), "--dtype", "float32", "--rounds", "1",
+                                         "--out", str(out)])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    (row,) = json.loads(out.read_text())
+    assert row["model"] == str(model) and row["dtype"] == "float32"
+    assert len(row["hf_all_s"]) == len(row["tpengine_all_s"]) == 1
+    assert row["hf_s"] > 0 and row["tpengine_s"] > 0
+    assert abs(row["ratio"] - row["tpengine_s"] / row["hf_s"]) < 1e-9
+    assert "tpengine / HF" in r.output

@@ -15,6 +15,7 @@ import torch
 from conftest import SMOLLM2_DIR, make_tiny_model
 from launch import torchrun
 
+from shard_tool.info import rank_bytes, weight_shapes
 from shard_tool.split import split_model
 from tpengine.plan import ShardPlan
 
@@ -144,6 +145,11 @@ def test_structure_matches_plan(tiny_models, tp_results, name, tp):
         for leaf, out_dim, in_dim in leaves:
             assert (out_dim, in_dim) == want[leaf], (rank, leaf)
         assert a["tied_storage"] == name.endswith("tied")  # C03: LM head shares the embedding shard
+        # the rank holds its slice and nothing more: exactly the plan's bytes for it (float32), and
+        # every linear holds its weight once, in the packed layout only
+        assert a["weight_bytes"] == rank_bytes(plan, weight_shapes(AutoConfig.from_pretrained(tiny_models[name])),
+                                               "float32")[rank]
+        assert a["unpacked"] == 0 and a["packed_and_plain"] == 0
         for n, w in a["norms"].items():
             assert torch.equal(w, audits[0]["norms"][n])
     if name.startswith("qwen3"):

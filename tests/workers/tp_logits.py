@@ -21,11 +21,12 @@ from tpengine.layers.linear import ColumnParallelLinear, MergedColumnParallelLin
 BLOCK = 16
 
 
-def audit(model):
+def audit(model, weight_bytes: int):
     """Per rank: (linear name, local out, local in) for every parallel linear (each part of a merged
     q/k/v or gate/up layer under its checkpoint leaf name), the count of plain nn.Linear left
-    inside decoder layers, q_norm/k_norm weights if any, and whether the LM head shares the
-    embedding's storage."""
+    inside decoder layers, q_norm/k_norm weights if any, whether the LM head shares the
+    embedding's storage, the weight bytes the rank holds, and how many linears still hold a plain
+    weight beside (or instead of) their packed layout."""
     rows, plain = [], 0
     for name, m in model.named_modules():
         if isinstance(m, MergedColumnParallelLinear):
@@ -38,7 +39,11 @@ def audit(model):
     norms = {n: p.detach().clone() for n, p in model.named_parameters() if "q_norm" in n or "k_norm" in n}
     tied = model.get_output_embeddings().weight is not None and (
         model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr())
-    return {"linears": rows, "plain_linear": plain, "norms": norms, "tied_storage": tied}
+    layers = [m for m in model.modules() if isinstance(m, (MergedColumnParallelLinear, RowParallelLinear,
+                                                           ColumnParallelLinear))]
+    return {"linears": rows, "plain_linear": plain, "norms": norms, "tied_storage": tied, "weight_bytes": weight_bytes,
+            "unpacked": sum(m.weight is not None for m in layers),
+            "packed_and_plain": sum(m.weight is not None and m.packed is not None for m in layers)}
 
 
 def prefill_plan(ids: torch.Tensor) -> StepPlan:
@@ -63,9 +68,9 @@ def main():
         logits = runner.execute(prefill_plan(ids))
         audits = [None] * tp.size
         if tp.size > 1:
-            torch.distributed.all_gather_object(audits, audit(runner.model))
+            torch.distributed.all_gather_object(audits, audit(runner.model, runner.weight_bytes))
         else:
-            audits = [audit(runner.model)]
+            audits = [audit(runner.model, runner.weight_bytes)]
         if tp.is_driver:
             results[job["key"]] = {"logits": logits[None], "audits": audits}
         del runner

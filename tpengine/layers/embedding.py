@@ -53,8 +53,17 @@ class ParallelLMHead(_Packable):
         self.weight = nn.Parameter(torch.empty(vocab_end - vocab_start, hidden, dtype=dtype, device=device),
                                    requires_grad=False)
 
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's ``[B, vocab_local]`` logits. A tied head keeps the embedding's plain rows
+        (never a packed copy beside them); for one half-precision row on the CPU it reads them
+        with ``torch.mv``, which streams a plain row-major weight faster than ``F.linear``."""
+        if (self.packed is None and hidden.dim() == 2 and hidden.shape[0] == 1 and hidden.device.type == "cpu"
+                and hidden.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == hidden.dtype):
+            return torch.mv(self.weight, hidden[0]).unsqueeze(0)
+        return linear(hidden, self.weight, None, self.packed)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = gather_to_driver(linear(hidden, self.weight, None, self.packed), dim=-1)
+        logits = gather_to_driver(self._logits(hidden), dim=-1)
         return None if logits is None else logits[..., : self.vocab_size]
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -62,7 +71,7 @@ class ParallelLMHead(_Packable):
         vocabulary shard (padding excluded), rank 0 keeps the best shard's. ``hidden [B, hidden]``
         -> on rank 0 int64 token ids ``[B]``, the first index among equal maxima exactly like
         ``torch.argmax`` over the whole vocabulary; None on other ranks."""
-        logits = linear(hidden, self.weight, None, self.packed)
+        logits = self._logits(hidden)
         value, index = row_max(logits[..., : self.vocab_size - self.vocab_start])
         if get_tp().size == 1:
             return index

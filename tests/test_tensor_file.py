@@ -1,0 +1,112 @@
+"""tpengine.tensor_file: safetensors read by byte range into place, written tensor by tensor."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tpengine.tensor_file import TensorFileWriter, read_header, read_rows
+
+
+@pytest.fixture
+def tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(7, 5, generator=g), "b": torch.randn(5, generator=g).bfloat16(),
+            "i": torch.arange(6, dtype=torch.int64).view(2, 3), "empty": torch.zeros(0, 4)}
+
+
+def test_header_matches_the_library(tmp_path: Path, tensors) -> None:
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, path)
+    infos = read_header(path)
+    assert set(infos) == set(tensors)
+    for name, t in tensors.items():
+        assert infos[name].dtype == t.dtype and infos[name].shape == tuple(t.shape)
+        assert infos[name].nbytes == t.numel() * t.element_size()
+    assert [i.offset for i in infos.values()] == sorted(i.offset for i in infos.values())  # file order
+
+
+def test_read_rows_whole_slices_and_casts(tmp_path: Path, tensors) -> None:
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, path)
+    infos = read_header(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        w = tensors["w"]
+        whole = torch.empty(7, 5)
+        read_rows(fd, infos["w"], whole)
+        assert torch.equal(whole, w)
+        rows = torch.empty(3, 5)
+        read_rows(fd, infos["w"], rows, dim=0, start=2)
+        assert torch.equal(rows, w[2:5])
+        cols = torch.empty(7, 2, dtype=torch.bfloat16)  # a dim-1 slice, cast on the way
+        read_rows(fd, infos["w"], cols, dim=1, start=3)
+        assert torch.equal(cols, w[:, 3:5].bfloat16())
+        b = torch.empty(5)
+        read_rows(fd, infos["b"], b)
+        assert torch.equal(b, tensors["b"].float())
+        with pytest.raises(ValueError, match=r"cannot read rows 5:8 along dim 0 of tensor 'w' \[7, 5\]"):
+            read_rows(fd, infos["w"], torch.empty(3, 5), dim=0, start=5)
+        with pytest.raises(ValueError, match=r"into a \[3, 4\] tensor"):
+            read_rows(fd, infos["w"], torch.empty(3, 4))
+    finally:
+        os.close(fd)
+
+
+def test_chunked_cast_and_column_reads(tmp_path: Path, monkeypatch) -> None:
+    """Reads that stage through a buffer (a cast, a column slice) give the same values in chunks."""
+    import tpengine.tensor_file as tf
+
+    monkeypatch.setattr(tf, "CHUNK_BYTES", 64)  # 16 float32 values per chunk
+    w = torch.randn(9, 7)
+    path = tmp_path / "w.safetensors"
+    save_file({"w": w}, path)
+    info = read_header(path)["w"]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        cast = torch.empty(4, 7, dtype=torch.bfloat16)
+        read_rows(fd, info, cast, dim=0, start=5)
+        assert torch.equal(cast, w[5:].bfloat16())
+        cols = torch.empty(9, 3)
+        read_rows(fd, info, cols, dim=1, start=4)
+        assert torch.equal(cols, w[:, 4:])
+    finally:
+        os.close(fd)
+
+
+def test_truncated_and_foreign_files(tmp_path: Path, tensors) -> None:
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, path)
+    data = path.read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[:-8])
+    with pytest.raises(ValueError, match="does not fit its shape or the .*-byte file \\(truncated\\?\\)"):
+        read_header(cut)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00hello")
+    with pytest.raises(ValueError, match="its header is not JSON"):
+        read_header(junk)
+    tiny = tmp_path / "tiny.safetensors"
+    tiny.write_bytes(b"abc")
+    with pytest.raises(ValueError, match="3 bytes, no header"):
+        read_header(tiny)
+
+
+def test_writer_round_trip_and_order(tmp_path: Path, tensors) -> None:
+    path = tmp_path / "out.safetensors"
+    entries = [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    w = TensorFileWriter(path, entries, metadata={"rank": "0"})
+    for n, t in tensors.items():
+        w.write(n, t)
+    w.close()
+    back = load_file(path)  # the library reads what we wrote
+    assert set(back) == set(tensors) and all(torch.equal(back[n], t) for n, t in tensors.items())
+    w = TensorFileWriter(tmp_path / "bad.safetensors", entries)
+    with pytest.raises(ValueError, match="write of 'b'"):
+        w.write("b", tensors["b"])
+    with pytest.raises(ValueError, match="4 declared tensor\\(s\\) never written, first 'w'"):
+        w.close()
