@@ -4,7 +4,7 @@
 # usage: scripts/gpu_check.sh [OUT.json]          (default gpu-check.json)
 #
 #   1. setup     make setup model (skip with SKIP_SETUP=1, e.g. offline with a ready env)
-#   2. pytest    tests/test_kernels.py + tests/test_gpu.py on CUDA, no Triton interpreter
+#   2. pytest    tests/test_kernels.py + tests/test_triton_kernels.py + tests/test_gpu.py on CUDA, no Triton interpreter
 #   3. agreement scripts/gpu_check.py: SmolLM2 tp=1 bf16 Triton + CUDA graphs vs Hugging Face,
 #                16 prompts, argmax agreement >= 99% of generated positions
 #   4. bench     python -m benchmarks.bench --dtype bfloat16 --tp 1 (if benchmarks/bench.py exists)
@@ -63,7 +63,7 @@ print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "trito
                   "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if cuda else None}))'
 
 step pytest 240 "$PY" -m pytest -q -rfEs -p no:cacheprovider --junitxml="$WORK/junit.xml" \
-  tests/test_kernels.py tests/test_gpu.py
+  tests/test_kernels.py tests/test_triton_kernels.py tests/test_gpu.py
 
 step agreement 120 "$PY" scripts/gpu_check.py --out "$WORK/agreement.json"
 

@@ -1,0 +1,136 @@
+"""Shared cases for the paged-attention kernel tests (tests/test_kernels.py,
+tests/test_triton_kernels.py): cache and token builders, a naive per-token oracle, the CPU backend
+through the reference's call signatures, and the shape configurations.
+
+Without CUDA the Triton kernels run on CPU tensors under the interpreter (TRITON_INTERPRET=1,
+set before triton is first imported), in float32, on small shapes.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from tpengine.kernels import reference as ref  # noqa: E402
+from tpengine.kernels.cpu_attention import CPUAttentionBackend  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+TOL = dict(atol=1e-3, rtol=1e-3)
+
+
+# (head_dim, block_size, q_to_kv): GQA ratios 1, 3, 4 and two uneven TP-shard maps
+CONFIGS = [
+    pytest.param(64, 16, [0, 1], id="d64-bs16-mha"),
+    pytest.param(128, 32, [0, 0, 0, 1, 1, 1], id="d128-bs32-gqa3"),
+    pytest.param(64, 32, [0, 0, 0, 0], id="d64-bs32-gqa4"),
+    pytest.param(128, 16, [0, 0, 0, 1, 1], id="d128-bs16-uneven"),
+    pytest.param(64, 16, [0, 1, 1, 1], id="d64-bs16-replicated"),
+]
+
+
+DECODE_LENS = [1, 15, 16, 17, 33, 70, 0]  # crosses block boundaries; 0 = batch padding
+
+
+# (Lq, Lk): no prefix, prefixes not block-aligned, block-aligned, long prefix + few new tokens
+PREFILL_LENS = [(1, 1), (15, 15), (17, 40), (16, 48), (2, 70)]
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _cache(lens, bs, hkv, d, g, pad_cols=2):
+    """Random caches and shuffled -1-padded block tables with room for ``lens`` tokens each."""
+    need = [-(-n // bs) for n in lens]
+    nblocks = sum(need) + 3
+    perm = torch.randperm(nblocks, generator=g)
+    bt = torch.full((len(lens), max(need) + pad_cols), -1, dtype=torch.int64)
+    used = 0
+    for b, n in enumerate(need):
+        bt[b, :n] = perm[used:used + n]
+        used += n
+    kc = torch.randn(nblocks, bs, hkv, d, generator=g)
+    vc = torch.randn(nblocks, bs, hkv, d, generator=g)
+    return kc, vc, bt
+
+
+def _slot(bt, b, pos, bs):
+    return int(bt[b, pos // bs]) * bs + pos % bs
+
+
+def _tokens(n, h, d, g):
+    """[n, h, d] with non-contiguous strides, like the engine's transposed HF activations."""
+    return torch.randn(h, n, d, generator=g).transpose(0, 1)
+
+
+def _naive(qv, keys, values, q_to_kv, scale):
+    """Dense attention of one query ``[Hq, D]`` over ``keys``/``values [L, Hkv, D]`` in float64."""
+    out = torch.zeros(qv.shape, dtype=torch.float64)
+    if keys.shape[0] == 0:
+        return out
+    for h, kvh in enumerate(q_to_kv):
+        s = keys[:, kvh].double() @ qv[h].double() * scale
+        out[h] = torch.softmax(s, 0) @ values[:, kvh].double()
+    return out
+
+
+def _to(device, *ts):
+    return [t.to(device) for t in ts]
+
+
+# the CPU backend through the reference's call signatures (one step's prepare per call)
+def _none_slots(n):
+    return torch.full((n,), -1)
+
+
+def cpu_store(k, v, kc, vc, slots, native=True):
+    be = CPUAttentionBackend(native=native, kv_mirror=False)
+    be.store_kvcache(k, v, kc, vc, be.prepare(False, slots, None, None, None, torch.zeros(0, dtype=torch.int64)))
+
+
+def cpu_prefill(q, k, v, kc, vc, cu_q, cu_k, bt, qkv, scale, native=True):
+    be = CPUAttentionBackend(native=native)
+    attn = be.prepare(True, _none_slots(q.shape[0]), bt, cu_q, cu_k, None)
+    return be.prefill_attention(q, k, v, kc, vc, qkv, scale, attn)
+
+
+def cpu_decode(q, kc, vc, bt, ctx, qkv, scale, native=True):
+    be = CPUAttentionBackend(native=native)
+    attn = be.prepare(False, _none_slots(q.shape[0]), bt, None, None, ctx)
+    return be.decode_attention(q, kc, vc, qkv, scale, attn, None)
+
+
+ORACLE = (ref.store_kvcache, ref.prefill_attention, ref.decode_attention)
+
+
+CPU = (cpu_store, cpu_prefill, cpu_decode)
+
+
+IMPLS = [pytest.param(ORACLE, id="oracle"), pytest.param(CPU, id="cpu-backend")]
+
+
+def _decode_case(d, bs, q_to_kv, seed=0):
+    g = _gen(seed)
+    kc, vc, bt = _cache(DECODE_LENS, bs, max(q_to_kv) + 1, d, g)
+    q = _tokens(len(DECODE_LENS), len(q_to_kv), d, g)
+    return q, kc, vc, bt, torch.tensor(DECODE_LENS), torch.tensor(q_to_kv)
+
+
+def _prefill_case(d, bs, q_to_kv, lens, seed=0):
+    """Random prefix in the cache; new tokens' k/v stored into the cache as the engine does."""
+    g = _gen(seed)
+    hkv, hq = max(q_to_kv) + 1, len(q_to_kv)
+    kc, vc, bt = _cache([lk for _, lk in lens], bs, hkv, d, g)
+    n = sum(lq for lq, _ in lens)
+    q, k, v = _tokens(n, hq, d, g), _tokens(n, hkv, d, g), _tokens(n, hkv, d, g)
+    slots = [_slot(bt, b, p, bs) for b, (lq, lk) in enumerate(lens) for p in range(lk - lq, lk)]
+    ref.store_kvcache(k, v, kc, vc, torch.tensor(slots))
+    cu_q = torch.tensor([0] + [lq for lq, _ in lens]).cumsum(0)
+    cu_k = torch.tensor([0] + [lk for _, lk in lens]).cumsum(0)
+    return q, k, v, kc, vc, cu_q, cu_k, bt, torch.tensor(q_to_kv)
