@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from tpengine.plan import ShardPlan
 
 GIB = 1 << 30
-# Resident memory of a CPU engine process before its model loads: Python, torch, transformers,
-# the tokenizer, safetensors and the C kernels (measured on the project's machine, see
-# docs/design.md "Memory"); activations are added by the formula below.
+# Resident memory of a CPU engine process apart from its weights, KV cache and activations: Python,
+# torch, transformers, the tokenizer and the C kernels; set so that the estimate meets the peaks
+# `make bench-scale` measured (README, "At scale"); activations are added by the formula below.
 RUNTIME_BASE_BYTES = 560 << 20
 
 
