@@ -103,7 +103,17 @@ class ShardPlan:
     @staticmethod
     def dims(hf_config: Any) -> dict[str, int]:
         """Read the partitioned dimensions from a transformers config (``head_dim`` explicit,
-        as in Qwen3, or ``hidden_size // num_attention_heads``)."""
+        as in Qwen3, or ``hidden_size // num_attention_heads``).
+
+        Raises:
+            UserError: the config lacks one of them (a decoder of another family, e.g. GPT-2),
+                naming its ``model_type`` and the fields missing.
+        """
+        need = ("num_attention_heads", "hidden_size", "intermediate_size", "vocab_size")
+        missing = [f for f in need if getattr(hf_config, f, None) is None]
+        if missing:
+            raise UserError(f"model_type {getattr(hf_config, 'model_type', '?')!r}: the config has no "
+                            f"{', '.join(missing)}; tpengine runs Llama, Mistral, Qwen2 and Qwen3 decoders")
         num_heads = int(hf_config.num_attention_heads)
         num_kv = getattr(hf_config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads

@@ -193,27 +193,32 @@ def _opt(name: str, help: str = "") -> Any:
 
 
 @record
-def run_engine(cfg: EngineConfig, requests, errors, out: Path | None, resume: bool, model_name: str) -> None:
+def run_engine(cfg: EngineConfig, requests, errors, out: Path | None, resume: bool, model_name: str) -> int:
     """Every rank: build the engine and run; rank 0 drives and writes; every rank reports its
-    peak memory to rank 0 for the summary. A failure propagates (exit 1; torchrun's summary
-    names the rank and, through ``@record``, the exception).
-
-    Raises:
-        tpengine.errors.UserError: the model folder does not fit the launch or the settings
-            (``CheckpointMismatchError``, a missing file, ``max_model_len`` too large).
-    """
+    peak memory to rank 0 for the summary. Returns the exit code: 0, or 2 after one line naming
+    the rank for a :class:`tpengine.errors.UserError` (the model folder does not fit the launch or
+    the settings: ``CheckpointMismatchError``, a missing file, an unsupported architecture,
+    ``max_model_len`` too large), which is not recorded as a failure's traceback. Any other
+    failure propagates (exit 1; torchrun's summary names the rank and, through ``@record``, the
+    exception)."""
     from tpengine.engine.llm_engine import LLMEngine
 
     try:
-        engine = LLMEngine(cfg)
-    except FileNotFoundError as e:  # a file the model folder lacks: the user's to fix
-        raise UserError(str(e)) from e
+        try:
+            engine = LLMEngine(cfg)
+        except FileNotFoundError as e:  # a file the model folder lacks: the user's to fix
+            raise UserError(str(e)) from e
+    except UserError as e:  # bad settings or model folder: one line, no traceback
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        print(f"[tpengine rank {rank}/{world}] failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 2
     if engine.is_driver:
         drive(engine, cfg, requests, errors, out, resume, model_name)
     else:
         engine.generate([])
         gather_peak_rss()
     engine.shutdown()
+    return 0
 
 
 @app.command()
@@ -263,14 +268,11 @@ def main(
                 raise typer.Exit(2) from None
         raise typer.Exit(0)
     try:
-        run_engine(cfg, requests, errors, out, resume, model_name)
-    except UserError as e:  # bad settings or model folder: one line, no traceback
-        print(f"[tpengine rank {rank}/{world}] failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        raise typer.Exit(2) from None
+        code = run_engine(cfg, requests, errors, out, resume, model_name)
     except Exception as e:
         print(f"[tpengine rank {rank}/{world}] failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         raise
-    raise typer.Exit(0)
+    raise typer.Exit(code)
 
 
 if __name__ == "__main__":

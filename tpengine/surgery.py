@@ -102,7 +102,8 @@ def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, dev
     model = build_meta_model(hf_config, dtype)
     stack = getattr(model, "model", None)
     if type(stack).__name__ not in SUPPORTED_MODELS:
-        raise _unsupported("decoder", type(stack).__name__, SUPPORTED_MODELS, hf_config)
+        found = type(model).__name__ if stack is None else type(stack).__name__
+        raise _unsupported("decoder", found, SUPPORTED_MODELS, hf_config)
     rp, hidden = plan.ranks[rank], plan.hidden_size
 
     def norm(m: nn.Module) -> nn.Module:
