@@ -2,15 +2,9 @@
 backend selection, and per-step isolation of the backend objects (the Triton kernels:
 tests/test_triton_kernels.py)."""
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-from kernel_cases import (  # noqa: E402
+from kernel_cases import (  # sets TRITON_INTERPRET before triton is first imported (as conftest does)
     CONFIGS,
     DECODE_LENS,
     IMPLS,
@@ -25,11 +19,11 @@ from kernel_cases import (  # noqa: E402
     cpu_store,
 )
 
-from tpengine.kernels import get_backend  # noqa: E402
-from tpengine.kernels import paged_attention as tri  # noqa: E402
-from tpengine.kernels import reference as ref  # noqa: E402
-from tpengine.kernels.cpu_attention import CPUAttentionBackend  # noqa: E402
-from tpengine.kernels.triton_attention import TritonAttentionBackend  # noqa: E402
+from tpengine.kernels import get_backend
+from tpengine.kernels import paged_attention as tri
+from tpengine.kernels import reference as ref
+from tpengine.kernels.cpu_attention import CPUAttentionBackend
+from tpengine.kernels.triton_attention import TritonAttentionBackend
 
 
 def test_get_backend():

@@ -4,15 +4,9 @@ Without CUDA they run on CPU tensors under the interpreter (TRITON_INTERPRET=1, 
 is first imported), in float32, on small shapes.
 """
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-from kernel_cases import (  # noqa: E402
+from kernel_cases import (  # sets TRITON_INTERPRET before triton is first imported (as conftest does)
     CONFIGS,
     DECODE_LENS,
     DEVICE,
@@ -27,9 +21,9 @@ from kernel_cases import (  # noqa: E402
     cpu_decode,
 )
 
-from tpengine.kernels import paged_attention as tri  # noqa: E402
-from tpengine.kernels import reference as ref  # noqa: E402
-from tpengine.kernels.triton_attention import TritonAttentionBackend  # noqa: E402
+from tpengine.kernels import paged_attention as tri
+from tpengine.kernels import reference as ref
+from tpengine.kernels.triton_attention import TritonAttentionBackend
 
 
 @pytest.mark.parametrize("d,hkv", [(64, 2), (128, 3)])
