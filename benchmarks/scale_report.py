@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import statistics
 
-GIB = 2**30
+from tpengine.utils import GIB
+
 #: Each rank's memory target: its weights + its KV cache + this much for everything else.
 OVERHEAD_BYTES = GIB
 SYSTEM_NAMES = {"hf": "HF generate", "tp1": "tpengine tp=1", "tp2": "tpengine tp=2",

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-GIB = 2**30
+from tpengine.utils import GIB
+
 DTYPE = torch.bfloat16
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")

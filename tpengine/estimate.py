@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpengine.plan import ShardPlan
+from tpengine.utils import GIB
 
-GIB = 1 << 30
 # Resident memory of a CPU engine process apart from its weights, KV cache and activations: Python,
 # torch, transformers, the tokenizer and the C kernels; set so that the estimate meets the peaks
 # `make bench-scale` measured (README, "At scale"); activations are added by the formula below.

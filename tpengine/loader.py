@@ -218,14 +218,15 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
         getattr(m, "packed_bytes", 0) for m in model.modules())
 
 
-def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.float32, pack: bool | None = None):
+def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.float32, pack: bool | None = None,
+               native: bool = True):
     """Build and load this rank's model from ``model_dir`` (shard folder or full HF folder).
 
     Returns ``(model, plan, hf_config)``; ``model`` is the HF causal LM rebuilt by
     :func:`tpengine.surgery.build_model`, on ``tp.device`` in ``dtype``, its decoder stack's
     forward taking ``(input_ids [N], positions [N], ctx)``. ``pack`` (default: on the CPU)
-    stores linear weights in oneDNN's layout instead of the plain one. ``model.weight_bytes``
-    is the bytes of weights this rank holds.
+    stores linear weights in oneDNN's layout instead of the plain one; ``native`` lets the fused
+    ops use the CPU C kernels. ``model.weight_bytes`` is the bytes of weights this rank holds.
 
     Raises:
         CheckpointMismatchError: a shard folder for another tp/config or with a bad hash.
@@ -240,7 +241,7 @@ def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.flo
     sharded = is_shard_folder(model_dir)
     plan = check_manifest(model_dir, hf_config, tp) if sharded else ShardPlan.build(hf_config, tp.size)
     tie = bool(getattr(hf_config, "tie_word_embeddings", False))
-    model = build_model(hf_config, plan, tp.rank, dtype, tp.device)
+    model = build_model(hf_config, plan, tp.rank, dtype, tp.device, native)
     pack = tp.device.type == "cpu" if pack is None else pack
     model.weight_bytes = load_weights(model, rank_files(model_dir, sharded, tp), None if sharded else plan, tp.rank,
                                       tie, dtype, tp.device, pack)

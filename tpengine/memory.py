@@ -3,6 +3,7 @@ CPU tensors whose memory is only taken as it is used."""
 
 from __future__ import annotations
 
+import math
 import mmap
 import resource
 import sys
@@ -43,9 +44,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     kernel hands out zeroed pages on first touch, so a large KV cache costs neither time nor
     resident memory until its blocks are written (``torch.zeros`` writes every page up front).
     The tensor keeps the mapping alive."""
-    n = dtype.itemsize
-    for s in shape:
-        n *= s
+    n = math.prod(shape) * dtype.itemsize
     if n == 0:
         return torch.zeros(shape, dtype=dtype)
     return torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8, count=n).view(dtype).view(shape)

@@ -12,8 +12,7 @@ import torch
 from tpengine.config import EngineConfig
 from tpengine.distributed import TPInfo
 from tpengine.plan import ShardPlan
-
-GIB = 1 << 30
+from tpengine.utils import GIB
 
 
 def keep_freed_memory() -> bool:

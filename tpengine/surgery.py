@@ -78,7 +78,8 @@ def _unsupported(what: str, found: str, known: tuple[str, ...], hf_config) -> Us
                       f"tpengine runs {', '.join(known)}")
 
 
-def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, device: torch.device,
+                native: bool = True) -> nn.Module:
     """This rank's tensor-parallel model in its final form, weights still on meta.
 
     Builds HF's model for ``hf_config`` on the meta device, then swaps, by name, each decoder
@@ -90,7 +91,8 @@ def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, dev
     :func:`~tpengine.layers.fused.decoder_forward`; every size comes from ``plan.ranks[rank]``.
     RoPE tables and the per-layer ``tp_q_to_kv`` maps are real tensors on ``device``; the
     loader (:func:`tpengine.loader.load_model`) fills every parameter through
-    :func:`checkpoint_targets`. Tied embeddings share one Parameter.
+    :func:`checkpoint_targets`. Tied embeddings share one Parameter. ``native``: the fused ops
+    may use the CPU C kernels (``EngineConfig.cpu_kernels``), set on every layer here, once.
 
     Raises:
         UserError: an architecture other than Llama, Mistral, Qwen2 or Qwen3 (naming it).
@@ -134,6 +136,9 @@ def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, dev
         model.lm_head.weight = stack.embed_tokens.weight
     stack.rotary_emb = type(stack.rotary_emb)(config=stack.config).to(device)  # real tables; honours rope scaling
     stack.forward = types.MethodType(decoder_forward, stack)
+    for m in model.modules():
+        if hasattr(m, "native"):
+            m.native = native
     left = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
     if left:
         raise ValueError(f"modules {left} are not covered by tpengine's layer table "

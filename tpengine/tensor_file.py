@@ -13,6 +13,7 @@ the tensor that keeps them (:func:`read_rows`), and writes a file one tensor at 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -71,10 +72,7 @@ def read_header(path: str | Path) -> dict[str, TensorInfo]:
         if code not in DTYPE_CODES:
             raise ValueError(f"{str(path)!r}: tensor {name!r} has dtype {code!r}; supported: {', '.join(DTYPE_CODES)}")
         dtype = DTYPE_CODES[code]
-        numel = 1
-        for s in shape:
-            numel *= s
-        if end - begin != numel * dtype.itemsize or base + end > size:
+        if end - begin != math.prod(shape) * dtype.itemsize or base + end > size:
             raise ValueError(f"{str(path)!r}: tensor {name!r} ({code} {list(shape)}) has byte range "
                              f"[{begin}, {end}) that does not fit its shape or the {size}-byte file (truncated?)")
         out[name] = TensorInfo(name, dtype, shape, base + begin, end - begin)
@@ -116,9 +114,7 @@ def read_rows(fd: int, info: TensorInfo, dest: torch.Tensor, dim: int = 0, start
     if dest.numel() == 0:
         return
     item = info.dtype.itemsize
-    row = 1
-    for s in shape[1:]:
-        row *= s
+    row = math.prod(shape[1:])
     if dim == 0 or len(shape) <= 1:
         offset = info.offset + start * row * item
         if dest.dtype == info.dtype:
@@ -164,10 +160,7 @@ class TensorFileWriter:
         offset = 0
         self._order = []
         for name, dtype, shape in entries:
-            numel = 1
-            for s in shape:
-                numel *= s
-            n = numel * dtype.itemsize
+            n = math.prod(shape) * dtype.itemsize
             header[name] = {"dtype": CODE_OF[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
             self._order.append((name, dtype, tuple(shape)))
             offset += n

@@ -17,9 +17,7 @@ from tpengine.kernels import get_backend
 from tpengine.loader import load_model
 from tpengine.memory import lazy_zeros
 from tpengine.process import release_free_memory
-from tpengine.utils import cdiv
-
-GIB = 1 << 30
+from tpengine.utils import GIB, cdiv
 
 
 class ModelRunner:
@@ -40,11 +38,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPInfo):
         self.config, self.tp = config, tp
         self.dtype = config.torch_dtype(tp.device)
-        self.model, self.plan, self.hf_config = load_model(config.model, tp, self.dtype)
+        self.model, self.plan, self.hf_config = load_model(config.model, tp, self.dtype, native=config.cpu_kernels)
         release_free_memory()  # loading's staging buffers and replaced weight layouts
-        for m in self.model.modules():  # C kernels (CPU bfloat16) or torch ops, decided once per model
-            if hasattr(m, "native"):
-                m.native = config.cpu_kernels
         self.weight_bytes: int = self.model.weight_bytes
         self.backend = get_backend(config.attention_backend, tp.device, native=config.cpu_kernels,
                                    kv_mirror=config.kv_mirror)
