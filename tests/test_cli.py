@@ -85,7 +85,7 @@ def test_c09_invalid_and_overlong_requests_at_tp2(tiny, tok, tmp_path):
     assert set(r) == {"a", "b", "c", "d", "e", "f", "a2"}
     assert "200" in r["b"]["error"]["message"] and "128" in r["b"]["error"]["message"]
     assert r["c"]["finish_reason"] == "length"
-    assert 1 <= r["c"]["usage"]["completion_tokens"] and sum(r["c"]["usage"].values()) <= 128
+    assert 1 <= r["c"]["usage"]["completion_tokens"] and r["c"]["usage"]["prompt_tokens"] + r["c"]["usage"]["completion_tokens"] <= 128
     assert r["d"]["error"] == {"message": "prompt: must be non-empty", "field": "prompt", "line": 4}
     assert r["e"]["error"]["field"] == "max_tokens" and ">= 1" in r["e"]["error"]["message"]
     assert r["f"]["usage"]["completion_tokens"] == 1 and r["f"]["finish_reason"] in ("length", "stop")
@@ -295,7 +295,8 @@ def test_skip_invalid_error_records_never_share_an_id_and_resume(tmp_path):
 
     def ok(rid, ch):
         return {"id": rid, "text": ch, "token_ids": [ord(ch)], "finish_reason": "length",
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1}, "metrics": {"ttft_s": 0.25, "latency_s": 0.5}}
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}},
+                "metrics": {"ttft_s": 0.25, "latency_s": 0.5}}
 
     # --resume: the error record for line 3 does not count as request "a" done
     drive(FakeEngine(), None, requests, errors, out, True, "m")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpengine.config import EngineConfig, load_config
+from tpengine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, load_config
 
 
 @pytest.mark.parametrize("kw,message", [
@@ -14,8 +14,10 @@ from tpengine.config import EngineConfig, load_config
     ({"enforce_eager": 1}, "invalid enforce_eager=1: must be bool"),
     ({"dtype": "fp8"}, "invalid dtype='fp8': must be one of auto, float32, bfloat16, float16"),
     ({"block_size": 0}, "invalid block_size=0: must be an integer >= 1"),
-    ({"max_model_len": 100, "max_num_batched_tokens": 50},
-     "invalid max_num_batched_tokens=50: must be >= max_model_len (100)"),
+    ({"max_model_len": 100, "max_num_batched_tokens": 50, "enable_chunked_prefill": False},
+     "invalid max_num_batched_tokens=50: must be >= max_model_len (100) without enable_chunked_prefill "
+     "(a prompt is then prefilled in one step)"),
+    ({"enable_prefix_caching": "yes"}, "invalid enable_prefix_caching='yes': must be bool"),
 ])
 def test_bad_values_name_field_and_valid_range(kw, message):
     with pytest.raises(ValueError) as e:
@@ -25,9 +27,16 @@ def test_bad_values_name_field_and_valid_range(kw, message):
 
 def test_defaults_follow_max_model_len():
     assert EngineConfig().max_model_len is None  # resolved from the model by LLMEngine
-    assert EngineConfig(max_model_len=100).max_num_batched_tokens == 8192
-    assert EngineConfig(max_model_len=32768).max_num_batched_tokens == 32768
-    assert EngineConfig().replace(max_model_len=20000).max_num_batched_tokens == 20000
+    assert EngineConfig().enable_prefix_caching and EngineConfig().enable_chunked_prefill
+    # chunked prefill (default): a fixed step size, whatever max_model_len
+    assert EngineConfig(max_model_len=100).max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS
+    assert EngineConfig(max_model_len=32768).max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS
+    assert EngineConfig(max_model_len=32768, max_num_batched_tokens=16).max_num_batched_tokens == 16
+    # without it a whole prompt must fit one step
+    whole = {"enable_chunked_prefill": False}
+    assert EngineConfig(max_model_len=100, **whole).max_num_batched_tokens == 8192
+    assert EngineConfig(max_model_len=32768, **whole).max_num_batched_tokens == 32768
+    assert EngineConfig(**whole).replace(max_model_len=20000).max_num_batched_tokens == 20000
 
 
 def test_load_config_file_and_overrides(tmp_path):

@@ -22,14 +22,14 @@ from tpengine.frontend.requests import parse_lines
 
 def ok_out(rid="a", n=3):
     return RequestOutput(rid, [1, 2], token_ids=list(range(10, 10 + n)), text="hé!", finish_reason="length",
-                         ttft_s=0.1234567, latency_s=0.5)
+                         ttft_s=0.1234567, latency_s=0.5, num_cached_tokens=1)
 
 
 def test_simple_record_shape():
     rec = simple_record(ok_out())
     assert rec == {
         "id": "a", "text": "hé!", "token_ids": [10, 11, 12], "finish_reason": "length",
-        "usage": {"prompt_tokens": 2, "completion_tokens": 3},
+        "usage": {"prompt_tokens": 2, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 1}},
         "metrics": {"ttft_s": 0.123457, "latency_s": 0.5},
     }
 
@@ -62,7 +62,8 @@ def test_openai_batch_records():
     assert body["object"] == "chat.completion" and body["model"] == "gpt-x"
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hé!"},
                                 "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 1}}
     assert isinstance(body["created"], int)
     body = make_record(comp, ok_out("c2"), model="smollm2")["response"]["body"]
     assert body["object"] == "text_completion" and body["model"] == "smollm2"

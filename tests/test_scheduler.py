@@ -2,6 +2,7 @@
 over 200 mixed requests (C14), several EOS ids / ignore_eos (C12), length caps."""
 
 import random
+from collections import Counter
 
 import pytest
 
@@ -34,17 +35,19 @@ def step(sched: Scheduler, token_fn=fake, log=None, stop_fn=None):
     engine's detokenizer reports it; default never)."""
     bm = sched.block_manager
     batch, is_prefill = sched.schedule()
-    assert len(batch) <= sched.max_num_seqs
-    if is_prefill:
-        assert sum(s.num_tokens - s.num_cached_tokens for s in batch) <= sched.max_num_batched_tokens
-        assert all(s.num_cached_tokens == 0 for s in batch)
+    assert len(batch) <= sched.max_num_seqs and len({s.seq_id for s in batch}) == len(batch)
+    if is_prefill:  # a prefill, or decodes plus prefill chunks (mixed)
+        assert sum(s.num_new_tokens for s in batch) <= sched.max_num_batched_tokens
+        assert all(1 <= s.num_new_tokens <= s.num_tokens - s.num_cached_tokens for s in batch)
     else:
-        assert all(s.num_cached_tokens == s.num_tokens - 1 for s in batch)
+        assert all(s.num_cached_tokens == s.num_tokens - 1 and s.num_new_tokens == 1 for s in batch)
     for s in batch:
         assert s.status is SequenceStatus.RUNNING
         assert len(s.block_table) == (s.num_tokens + bm.block_size - 1) // bm.block_size
-    held = [b for s in sched.running for b in s.block_table]
-    assert len(held) == len(set(held))  # no block owned twice
+        assert s.num_cached_tokens % bm.block_size == 0 or s.num_cached_tokens == s.num_tokens - 1 \
+            or sched.chunked_prefill
+    held = Counter(b for s in sched.running for b in s.block_table)
+    assert all(bm.ref_count[b] == n for b, n in held.items())  # each holder counted once
     assert len(held) + bm.num_free_blocks == bm.num_blocks  # nothing leaked
     assert all(not s.block_table for s in sched.waiting)
     if log is not None:
@@ -81,7 +84,8 @@ def test_prefill_bounded_by_max_num_seqs_then_decode():
 
 
 def test_prefill_bounded_by_max_num_batched_tokens():
-    sched = Scheduler(cfg(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=16), 64, EOS)
+    sched = Scheduler(cfg(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=16,
+                          enable_chunked_prefill=False), 64, EOS)
     for i, n in enumerate([6, 6, 6, 3, 15]):
         sched.add(seq(i, n, max_tokens=3))
     sizes = []

@@ -11,6 +11,7 @@ def test_pack_unpack_round_trip_and_payload_layout():
     a = Sequence(0, "a", [1, 2, 3, 4, 5], SamplingParams())
     b = Sequence(1, "b", [7, 8], SamplingParams())
     a.block_table, b.block_table = [3, 1], [0]
+    a.num_new_tokens, b.num_new_tokens = 5, 2
     plan = build_plan([a, b], True, 4, step=5, greedy=True)
     assert plan.slot_mapping.tolist() == [12, 13, 14, 15, 4, 0, 1]
     header, payload = pack(plan)
@@ -24,3 +25,21 @@ def test_pack_unpack_round_trip_and_payload_layout():
     assert got.block_tables.tolist() == [[3, 1], [0, -1]]
     stop = unpack(*pack(StepPlan(kind=StepKind.STOP, step=9)))
     assert (stop.kind, stop.step, stop.input_ids) == (StepKind.STOP, 9, None)
+
+
+def test_plan_of_a_cached_prefix_a_chunk_and_a_decode():
+    """A mixed step: ``a`` decodes (one token over 5 cached), ``b`` computes positions 4..6 of its 10
+    after a cached first block (a chunk: its prefix comes from the cache, its last token is not the
+    prompt's)."""
+    a = Sequence(0, "a", [1, 2, 3, 4, 5, 6], SamplingParams())
+    b = Sequence(1, "b", list(range(10, 20)), SamplingParams())
+    a.block_table, b.block_table = [3, 1], [2, 0, 4]
+    a.num_cached_tokens, a.num_new_tokens = 5, 1
+    b.num_cached_tokens, b.num_new_tokens = 4, 3
+    plan = build_plan([a, b], True, 4, step=1)
+    assert plan.input_ids.tolist() == [6, 14, 15, 16]
+    assert plan.positions.tolist() == [5, 4, 5, 6]
+    assert plan.slot_mapping.tolist() == [5, 0, 1, 2]
+    assert plan.cu_seqlens_q.tolist() == [0, 1, 4] and plan.cu_seqlens_k.tolist() == [0, 6, 13]
+    assert plan.context_lens.tolist() == [6, 7] and plan.sample_idx.tolist() == [0, 3]
+    assert a.samples and not b.samples

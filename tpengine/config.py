@@ -18,6 +18,9 @@ from typing import Any
 from tpengine.kernels import BACKENDS  # the attention backend names, defined with the backends
 
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
+#: Tokens per step with chunked prefill (the most a prefill or mixed step computes), chosen by the
+#: measurement in docs/notes/chunked-prefill.md.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 #: Floating dtypes of weights and KV cache, by name; each name is also the ``torch`` attribute.
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 #: Bytes per element of each of :data:`WEIGHT_DTYPES`.
@@ -43,7 +46,11 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output tokens; default: the model's max_position_embeddings
     block_size: int = 16
     max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # prefill tokens per step; default max(8192, max_model_len)
+    # tokens computed per step; default: DEFAULT_MAX_NUM_BATCHED_TOKENS with chunked prefill, else
+    # max(8192, max_model_len)
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True  # share the KV blocks of prompt prefixes (hash-chained full blocks)
+    enable_chunked_prefill: bool = True  # a prompt longer than max_num_batched_tokens is prefilled in chunks
     kv_cache_gb: float = 1.0
     num_kv_blocks: int | None = None  # force the block count (tests); else from memory
     gpu_memory_utilization: float = 0.85
@@ -73,6 +80,8 @@ class EngineConfig:
                 raise ValueError(f"invalid {f.name}={value!r}: must be {names}")
             if isinstance(value, float) and not math.isfinite(value):
                 raise bad(f.name, "a finite number")
+        if self.max_num_batched_tokens is None and self.enable_chunked_prefill:
+            object.__setattr__(self, "max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
         if self.max_num_batched_tokens is None and self.max_model_len is not None:
             object.__setattr__(self, "max_num_batched_tokens", max(8192, self.max_model_len))
         if self.dtype not in DTYPES:
@@ -82,9 +91,10 @@ class EngineConfig:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise bad(name, "an integer >= 1")
-        if None not in (self.max_model_len, self.max_num_batched_tokens) and \
-                self.max_num_batched_tokens < self.max_model_len:
-            raise bad("max_num_batched_tokens", f">= max_model_len ({self.max_model_len})")
+        if None not in (self.max_model_len, self.max_num_batched_tokens) and not self.enable_chunked_prefill \
+                and self.max_num_batched_tokens < self.max_model_len:
+            raise bad("max_num_batched_tokens", f">= max_model_len ({self.max_model_len}) without "
+                      "enable_chunked_prefill (a prompt is then prefilled in one step)")
         if self.kv_cache_gb <= 0:
             raise bad("kv_cache_gb", "> 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -130,6 +140,7 @@ _FIELD_TYPES: dict[str, tuple] = {
     "num_kv_blocks": (int, None), "threads": (int, None), "seed": (int,),
     "kv_cache_gb": (float, int), "gpu_memory_utilization": (float, int), "dist_timeout_s": (float, int),
     "enforce_eager": (bool,), "kv_mirror": (bool,), "cpu_kernels": (bool,),
+    "enable_prefix_caching": (bool,), "enable_chunked_prefill": (bool,),
 }
 
 

@@ -239,11 +239,21 @@ def main(
     kv_cache_gb: Annotated[float | None, _opt("--kv-cache-gb", "KV cache GiB per rank (CPU)")] = None,
     dtype: Annotated[str | None, _opt("--dtype", "auto (bf16 on CUDA), float32, bfloat16, float16")] = None,
     threads: Annotated[int | None, _opt("--threads", "intra-op threads per rank (default cores / tp)")] = None,
+    max_num_batched_tokens: Annotated[int | None, _opt(
+        "--max-num-batched-tokens", "most tokens computed in one step; longer prompts are prefilled in chunks")] = None,
+    enable_prefix_caching: Annotated[bool | None, typer.Option(
+        "--enable-prefix-caching/--no-enable-prefix-caching",
+        help="share the KV cache of prompt prefixes between requests (default on)")] = None,
+    enable_chunked_prefill: Annotated[bool | None, typer.Option(
+        "--enable-chunked-prefill/--no-enable-chunked-prefill",
+        help="prefill a prompt longer than --max-num-batched-tokens in chunks (default on)")] = None,
 ) -> None:
     """Run every request in --prompts; one JSON line per request on --out."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     engine_cli = {"model": model, "max_model_len": max_model_len, "block_size": block_size,
-                  "max_num_seqs": max_num_seqs, "kv_cache_gb": kv_cache_gb, "dtype": dtype, "threads": threads}
+                  "max_num_seqs": max_num_seqs, "kv_cache_gb": kv_cache_gb, "dtype": dtype, "threads": threads,
+                  "max_num_batched_tokens": max_num_batched_tokens, "enable_prefix_caching": enable_prefix_caching,
+                  "enable_chunked_prefill": enable_chunked_prefill}
     try:
         cfg, requests, errors, model_name = prepare(prompts, out, config, resume, skip_invalid,
                                                     {"max_tokens": max_tokens, "temperature": temperature},

@@ -1,39 +1,72 @@
-"""Paged KV-cache bookkeeping: which physical blocks each sequence owns (rank 0 only).
+"""Paged KV-cache bookkeeping with automatic prefix caching (rank 0 only).
 
 Physical block ``b`` holds the K/V of ``block_size`` consecutive token positions; the flat slot
 of token position ``p`` of a sequence is ``block_table[p // block_size] * block_size +
-p % block_size`` (the layout of vLLM's paged attention). No prefix caching: a block has exactly
-one owner.
+p % block_size`` (the layout of vLLM's paged attention).
+
+Prefix caching (vLLM's automatic prefix caching, nano-vllm's hash-chained blocks): a *full*
+block whose K/V has been computed is identified by a hash chained over its parent block's hash
+and its own token ids (:func:`block_hash`), so equal hashes mean equal token prefixes. Blocks are
+reference-counted and shared read-only by every sequence whose prefix matches; a partly filled
+block is never shared. A block whose count drops to 0 goes to the free queue *with* its hash: it
+stays a cache hit until it is evicted, least recently freed first, when a new block is needed.
+Workers never see any of this: they get block tables and slot mappings in the StepPlan.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
 
 from tpengine.engine.sequence import Sequence
 from tpengine.utils import cdiv
 
+#: The hash of the empty prefix: the parent of every sequence's first block.
+ROOT_HASH = b""
+
+
+def block_hash(parent: bytes, token_ids) -> bytes:
+    """The chained hash of one full block: BLAKE2b-128 over the parent block's hash and the block's
+    token ids (as int64). Equal hashes mean the same tokens at the same positions from position 0
+    (up to a 2^-128 collision chance)."""
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
 
 class BlockManager:
-    """Free list of ``num_blocks`` physical KV blocks of ``block_size`` tokens each.
+    """``num_blocks`` physical KV blocks of ``block_size`` tokens each, reference-counted, with an
+    LRU queue of free blocks and (``enable_prefix_caching``) a hash -> block map of cached ones.
+
+    Counts: ``num_free_blocks`` blocks are unreferenced (each can be handed out, evicting its
+    cached content if it has any); ``num_cached_blocks`` of those still hold a cached prefix.
 
     Raises:
         ValueError: ``num_blocks`` or ``block_size`` < 1.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
-        self._used: set[int] = set()
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.hash_of: list[bytes | None] = [None] * num_blocks  # set once the block's K/V is computed
+        self.cached: dict[bytes, int] = {}  # hash -> block holding that prefix
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
+        """Unreferenced blocks (cached-and-evictable ones included)."""
         return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Unreferenced blocks that still hold a cached prefix."""
+        return sum(1 for b in self._free if self.hash_of[b] is not None)
 
     @property
     def capacity_tokens(self) -> int:
@@ -44,29 +77,81 @@ class BlockManager:
         """Blocks needed to hold ``num_tokens`` tokens."""
         return cdiv(num_tokens, self.block_size)
 
+    # ---- hashes -------------------------------------------------------------------------------
+    def hashes(self, seq: Sequence) -> list[bytes]:
+        """The chained hashes of ``seq``'s full blocks (``num_tokens // block_size`` of them),
+        extending ``seq.block_hashes`` as tokens are appended."""
+        bs, have = self.block_size, seq.block_hashes
+        for i in range(len(have), seq.num_tokens // bs):
+            have.append(block_hash(have[-1] if have else ROOT_HASH, seq.token_ids[i * bs:(i + 1) * bs]))
+        return have
+
+    def match(self, seq: Sequence) -> list[int]:
+        """The cached blocks of ``seq``'s longest cached prefix, in order: whole blocks only, and
+        at most ``num_tokens - 1`` tokens, so at least the last token is computed and yields logits.
+        Empty without prefix caching."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for h in self.hashes(seq)[: (seq.num_tokens - 1) // self.block_size]:
+            b = self.cached.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    # ---- allocation ---------------------------------------------------------------------------
     def _take(self, n: int, seq: Sequence) -> list[int]:
         if n > len(self._free):
             raise RuntimeError(
                 f"out of KV blocks: seq {seq.seq_id} needs {n} more block(s), "
                 f"{len(self._free)} of {self.num_blocks} free"
             )
-        blocks = [self._free.popleft() for _ in range(n)]
-        self._used.update(blocks)
+        blocks = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)  # the least recently freed
+            h = self.hash_of[b]
+            if h is not None:  # evict its cached prefix
+                if self.cached.get(h) == b:
+                    del self.cached[h]
+                self.hash_of[b] = None
+                self.num_evictions += 1
+            self.ref_count[b] = 1
+            blocks.append(b)
         return blocks
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        """True if enough blocks are free to hold all ``seq.num_tokens`` tokens."""
-        return self.blocks_needed(seq.num_tokens) <= len(self._free)
+    def _new_blocks_needed(self, seq: Sequence, hits: list[int]) -> tuple[int, int]:
+        """(new blocks, free blocks usable for them): hits that are free are taken off the queue."""
+        idle_hits = sum(1 for b in hits if self.ref_count[b] == 0)
+        return self.blocks_needed(seq.num_tokens) - len(hits), len(self._free) - idle_hits
 
-    def allocate(self, seq: Sequence) -> None:
-        """Fill ``seq.block_table`` with blocks for all its tokens (before a prefill).
+    def can_allocate(self, seq: Sequence) -> bool:
+        """True if ``allocate(seq)`` will succeed: its cache hits plus free blocks cover all its tokens."""
+        need, free = self._new_blocks_needed(seq, self.match(seq))
+        return need <= free
+
+    def allocate(self, seq: Sequence) -> int:
+        """Fill ``seq.block_table`` for all ``seq.num_tokens`` tokens (before its prefill): the
+        blocks of its cached prefix (shared, reference count + 1), then new blocks. Sets
+        ``seq.num_cached_tokens`` to the cached prefix's length and returns it.
 
         Raises:
             RuntimeError: ``seq`` already holds blocks, or not enough blocks are free.
         """
         if seq.block_table:
             raise RuntimeError(f"seq {seq.seq_id} already holds blocks {seq.block_table}")
-        seq.block_table = self._take(self.blocks_needed(seq.num_tokens), seq)
+        hits = self.match(seq)
+        need, free = self._new_blocks_needed(seq, hits)
+        if need > free:
+            raise RuntimeError(f"out of KV blocks: seq {seq.seq_id} needs {need} more block(s), "
+                               f"{free} of {self.num_blocks} free")
+        for b in hits:
+            if self.ref_count[b] == 0:
+                del self._free[b]
+            self.ref_count[b] += 1
+        seq.block_table = hits + self._take(need, seq)
+        seq.num_cached_tokens = len(hits) * self.block_size
+        return seq.num_cached_tokens
 
     def _append_need(self, seq: Sequence) -> int:
         return max(0, self.blocks_needed(seq.num_tokens) - len(seq.block_table))
@@ -88,20 +173,40 @@ class BlockManager:
         if need:
             seq.block_table.extend(self._take(need, seq))
 
+    def cache_computed(self, seq: Sequence) -> None:
+        """After a step: register every full block of ``seq`` whose K/V is now computed (the
+        first ``num_cached_tokens // block_size``) under its chained hash, so later sequences can
+        share it. A block whose prefix another block already caches stays unregistered."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_cached_tokens // self.block_size, len(seq.block_table))
+        hashes = self.hashes(seq)
+        for i in range(seq.num_registered_blocks, full):
+            b, h = seq.block_table[i], hashes[i]
+            if self.hash_of[b] is None and h not in self.cached:
+                self.hash_of[b] = h
+                self.cached[h] = b
+        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+
     def deallocate(self, seq: Sequence) -> None:
-        """Return all of ``seq``'s blocks to the free list; clear its table and cached count.
+        """Drop ``seq``'s reference to each of its blocks; a block no one references joins the free
+        queue (tail blocks first, so they are evicted before the prefix blocks other requests are
+        likelier to share) and keeps its cached prefix until evicted. Clears the table and
+        ``num_cached_tokens``.
 
         Raises:
             RuntimeError: a block in the table is not allocated (double free / foreign block).
         """
-        bad = [b for b in seq.block_table if b not in self._used]
+        bad = [b for b in seq.block_table if self.ref_count[b] <= 0]
         if bad:
             raise RuntimeError(f"seq {seq.seq_id} frees blocks {bad} that are not allocated")
         for b in reversed(seq.block_table):
-            self._used.discard(b)
-            self._free.append(b)
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self._free[b] = None
         seq.block_table = []
         seq.num_cached_tokens = 0
+        seq.num_registered_blocks = 0
 
     def slot(self, seq: Sequence, pos: int) -> int:
         """Flat cache slot of token position ``pos`` (0-based) of ``seq``.

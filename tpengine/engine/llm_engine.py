@@ -32,8 +32,11 @@ from tpengine.surgery import check_model_limits
 
 @dataclass(frozen=True)
 class EngineStats:
-    """Counters on rank 0: steps run, tokens (prompt tokens prefilled, output tokens sampled),
-    preemptions, and the KV-block and queue state now."""
+    """Counters on rank 0: steps run (a mixed step of decodes and a prefill chunk counts as a
+    prefill step), tokens (``prompt_tokens`` of the requests scheduled, ``cached_prompt_tokens`` of
+    them found in the prefix cache, ``computed_tokens`` run through the model, ``output_tokens``
+    sampled), preemptions, and the KV-block (``num_cached_blocks``: free ones still holding a cached
+    prefix) and queue state now."""
 
     steps: int
     prefill_steps: int
@@ -45,6 +48,14 @@ class EngineStats:
     num_total_blocks: int
     num_running: int
     num_waiting: int
+    cached_prompt_tokens: int = 0
+    computed_tokens: int = 0
+    num_cached_blocks: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Cached prompt tokens / prompt tokens (0.0 before any prompt)."""
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
@@ -105,7 +116,7 @@ class LLMEngine:
         self._next_id = 0
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []
-        self._steps = self._prefill_steps = self._prompt_tokens = self._output_tokens = 0
+        self._steps = self._prefill_steps = self._computed_tokens = self._output_tokens = 0
         print(self.runner.ready_line(time.perf_counter() - started), file=sys.stderr, flush=True)
 
     @property
@@ -148,11 +159,12 @@ class LLMEngine:
         plan = broadcast_plan(build_plan(seqs, is_prefill, self.config.block_size, self._steps, greedy))
         out = self.runner.execute(plan)
         tokens = out.tolist() if plan.greedy else self.sampler.sample(out, seqs)
+        sampled = [s.samples for s in seqs]  # False: a prefill chunk, its token is dropped
         self._steps += 1
         self._prefill_steps += is_prefill
-        self._prompt_tokens += int(plan.input_ids.numel()) if is_prefill else 0
-        self._output_tokens += len(tokens)
-        stopped = [self._detokenize(seq, tok) for seq, tok in zip(seqs, tokens)]
+        self._computed_tokens += int(plan.input_ids.numel())
+        self._output_tokens += sum(sampled)
+        stopped = [ok and self._detokenize(seq, tok) for seq, tok, ok in zip(seqs, tokens, sampled)]
         finished = self.scheduler.postprocess(seqs, tokens, stopped)
         return done + [self._output(s) for s in finished]
 
@@ -173,6 +185,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
             token_ids=list(seq.completion_token_ids), text=detok.text, finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_prefix_cached_tokens or 0,
             ttft_s=None if seq.first_token_time is None else seq.first_token_time - t0,
             latency_s=(seq.finish_time or time.monotonic()) - t0,
         )
@@ -181,8 +194,9 @@ class LLMEngine:
         """Counters and queue state (rank 0)."""
         s = self.scheduler.stats()
         return EngineStats(self._steps, self._prefill_steps, self._steps - self._prefill_steps,
-                           self._prompt_tokens, self._output_tokens, s.num_preemptions, s.num_free_blocks,
-                           s.num_total_blocks, s.num_running, s.num_waiting)
+                           s.prompt_tokens, self._output_tokens, s.num_preemptions, s.num_free_blocks,
+                           s.num_total_blocks, s.num_running, s.num_waiting, s.cached_prompt_tokens,
+                           self._computed_tokens, s.num_cached_blocks)
 
     # ------------------------------------------------------------------ SPMD API
     def generate(self, requests: Iterable[tuple[str, list[int], SamplingParams]],

@@ -13,6 +13,8 @@ class RequestOutput:
     ``text``: detokenized generated text, cut before a matched stop string, special tokens
     skipped; ``finish_reason``: "stop" | "length" | "abort"; ``error``: a message when the
     request could not run (then ``token_ids`` is empty and ``finish_reason`` is None).
+    ``num_cached_tokens``: prompt tokens whose KV came from the prefix cache (OpenAI's
+    ``usage.prompt_tokens_details.cached_tokens``).
     Times in seconds: ``ttft_s`` arrival -> first token, ``latency_s`` arrival -> finish.
     """
 
@@ -21,6 +23,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    num_cached_tokens: int = 0
     ttft_s: float | None = None
     latency_s: float | None = None
     error: str | None = None

@@ -1,10 +1,16 @@
-"""Continuous-batching scheduler with recompute preemption (rank 0 only).
+"""Continuous-batching scheduler with prefix caching, chunked prefill and recompute preemption
+(rank 0 only).
 
-Design as in nano-vllm / vLLM v0: each step is either one prefill batch (waiting sequences,
-FIFO) or one decode batch (all running sequences). When a decode step runs out of KV blocks the
-most recently admitted running sequence is preempted: its blocks are freed and it goes back to
-the front of the waiting queue, to be re-prefilled later with ALL its tokens (prompt + generated
-so far). Generated tokens are kept, so nothing is lost or repeated (case C13).
+Design as in nano-vllm / vLLM: a step is a prefill batch (waiting sequences, FIFO, prefill
+first), a decode batch (every running sequence, one token each), or - while a long prompt is
+prefilled in chunks - a mixed batch: every running sequence's next token plus the next chunk (as
+vLLM V1 schedules it), so running sequences keep decoding between chunks. A prompt's blocks all
+come at admission, its cached prefix shared from the :class:`BlockManager`'s prefix cache; the step
+computes tokens ``[num_cached_tokens, num_cached_tokens + num_new_tokens)`` of each sequence and
+samples only those whose prefill is then complete. When a step runs out of KV blocks the most
+recently admitted running sequence is preempted: its blocks are freed (their computed prefix stays
+cached) and it goes back to the front of the waiting queue, to be re-prefilled later with ALL its
+tokens (prompt + generated so far). Generated tokens are kept, so nothing is lost or repeated (case C13).
 """
 
 from __future__ import annotations
@@ -29,14 +35,23 @@ class SchedulerStats:
     num_free_blocks: int
     num_total_blocks: int
     num_preemptions: int
+    num_cached_blocks: int = 0
+    prompt_tokens: int = 0  # prompt tokens of the sequences scheduled so far (first scheduling only)
+    cached_prompt_tokens: int = 0  # of those, found in the prefix cache
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Cached prompt tokens / prompt tokens (0.0 before any prompt)."""
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 class Scheduler:
     """Decides which sequences run each step and finishes them.
 
     Uses ``config.max_num_seqs`` (most running sequences at once), ``config.max_num_batched_tokens``
-    (most tokens computed in one prefill step), ``config.max_model_len`` (prompt + output tokens)
-    and ``config.block_size``.
+    (most tokens computed in one prefill or mixed step), ``config.max_model_len`` (prompt + output
+    tokens), ``config.block_size``, ``config.enable_prefix_caching`` and
+    ``config.enable_chunked_prefill`` (a prompt longer than the step's room is cut into chunks).
 
     Args:
         config: the engine configuration.
@@ -55,10 +70,12 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.block_size = config.block_size
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.block_manager = BlockManager(num_kv_blocks, config.block_size)
+        self.chunked_prefill = config.enable_chunked_prefill
+        self.block_manager = BlockManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.num_prompt_tokens = self.num_cached_prompt_tokens = 0
 
     # ---- queues -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -98,31 +115,37 @@ class Scheduler:
         bm = self.block_manager
         return SchedulerStats(
             len(self.waiting), len(self.running), bm.num_free_blocks, bm.num_blocks,
-            self.num_preemptions,
+            self.num_preemptions, bm.num_cached_blocks, self.num_prompt_tokens, self.num_cached_prompt_tokens,
         )
 
     # ---- scheduling -----------------------------------------------------------------------
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """Pick the next step's batch.
+        """Pick the next step's batch and set each sequence's ``num_new_tokens``.
 
         Returns:
-            ``(seqs, is_prefill)``. Prefill: waiting sequences in FIFO order while the running
-            count stays <= max_num_seqs, the new tokens (``num_tokens - num_cached_tokens``, all
-            tokens for a preempted one) stay <= max_num_batched_tokens and blocks can be
-            allocated; stops at the first that does not fit. Otherwise decode: every running
-            sequence that can get a block for its newest token, preempting the most recent
-            ones when blocks run out. ``([], False)`` when nothing is queued.
+            ``(seqs, is_prefill)``. While no prompt is part-way through its prefill: a prefill of
+            waiting sequences in FIFO order while the running count stays <= max_num_seqs, their
+            new tokens (``num_tokens - num_cached_tokens`` after the prefix-cache hit) stay <=
+            max_num_batched_tokens (with chunked prefill the last one admitted may get only a
+            chunk) and blocks can be allocated; otherwise a decode of every running sequence that
+            can get a block for its newest token, preempting the most recent ones when blocks run
+            out. While a prompt is part-way: a mixed step (``is_prefill`` True), the decodes first,
+            then the next chunks in the room they leave. ``([], False)`` when nothing is queued.
 
         Raises:
             RuntimeError: sequences are queued but none can be scheduled (a bookkeeping bug).
         """
-        batch = self._schedule_prefill()
+        if any(s.is_prefilling for s in self.running):
+            decodes = self._schedule_decode()
+            chunks = self._schedule_chunks(self.max_num_batched_tokens - len(decodes))
+            return decodes + chunks, bool(chunks)
+        batch = self._admit(self.max_num_batched_tokens)
         if batch:
             return batch, True
         batch = self._schedule_decode()
         if not batch and self.waiting:
             # Only if every running sequence was preempted this step: their blocks are free now.
-            batch = self._schedule_prefill()
+            batch = self._admit(self.max_num_batched_tokens)
             if batch:
                 return batch, True
             bm = self.block_manager
@@ -133,43 +156,88 @@ class Scheduler:
             )
         return batch, False
 
-    def _schedule_prefill(self) -> list[Sequence]:
+    def _pending_hashes(self) -> set[bytes]:
+        """Hashes of the full prompt blocks that running sequences have not computed yet."""
+        bm, pending = self.block_manager, set()
+        if bm.enable_prefix_caching:
+            for s in self.running:
+                pending.update(bm.hashes(s)[s.num_cached_tokens // bm.block_size:])
+        return pending
+
+    def _schedule_chunks(self, budget: int) -> list[Sequence]:
+        """The next chunk of every part-way prefill (in admission order), then new admissions,
+        within ``budget`` tokens."""
         batch: list[Sequence] = []
-        num_batched = 0
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.is_prefilling:
+                seq.num_new_tokens = min(seq.num_tokens - seq.num_cached_tokens, budget)
+                budget -= seq.num_new_tokens
+                batch.append(seq)
+        return batch + self._admit(budget)
+
+    def _admit(self, budget: int) -> list[Sequence]:
+        """Admit waiting sequences (FIFO) into ``running`` within ``budget`` new tokens: allocate
+        their blocks (sharing their cached prefix) and set ``num_new_tokens``. Stops at the first
+        that does not fit, and at one whose next uncached block a running sequence is computing
+        (it waits a step and then shares that block instead of computing it again)."""
+        batch: list[Sequence] = []
+        if not self.waiting:
+            return batch
         bm = self.block_manager
-        while self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
+        pending = self._pending_hashes()
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            new_tokens = seq.num_tokens - seq.num_cached_tokens
-            if num_batched + new_tokens > self.max_num_batched_tokens or not bm.can_allocate(seq):
+            hits = bm.match(seq)
+            hashes = bm.hashes(seq) if bm.enable_prefix_caching else []
+            if len(hits) < len(hashes) and hashes[len(hits)] in pending:
+                break
+            new_tokens = seq.num_tokens - len(hits) * self.block_size
+            if new_tokens > budget and not self.chunked_prefill or not bm.can_allocate(seq):
                 break
             self.waiting.popleft()
             bm.allocate(seq)
             seq.status = SequenceStatus.RUNNING
-            num_batched += new_tokens
+            seq.num_new_tokens = min(new_tokens, budget)
+            budget -= seq.num_new_tokens
+            if seq.num_prefix_cached_tokens is None:  # first scheduling: the request's usage
+                seq.num_prefix_cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
+                self.num_prompt_tokens += seq.num_prompt_tokens
+                self.num_cached_prompt_tokens += seq.num_prefix_cached_tokens
+            pending.update(hashes[len(hits):])
+            self.running.append(seq)
             batch.append(seq)
-        self.running.extend(batch)
         return batch
 
     def _schedule_decode(self) -> list[Sequence]:
+        """One new token for every running sequence not part-way through its prefill, in order."""
         batch: list[Sequence] = []
+        kept: deque[Sequence] = deque()
         bm = self.block_manager
-        while self.running and len(batch) < self.max_num_seqs:
+        while self.running:
             seq = self.running.popleft()
+            kept.append(seq)
+            if seq.is_prefilling:
+                continue
             while not bm.can_append(seq):
                 if self.running:
                     self._preempt(self.running.pop())  # the most recently admitted
                 else:
+                    kept.pop()
                     self._preempt(seq)
                     break
             else:
                 bm.may_append(seq)
+                seq.num_new_tokens = 1
                 batch.append(seq)
-        self.running.extendleft(reversed(batch))
+        self.running = kept
         return batch
 
     def _preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.block_manager.deallocate(seq)
+        seq.num_new_tokens = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
@@ -182,13 +250,14 @@ class Scheduler:
         return (token_id in self.eos_token_ids and not p.ignore_eos) or token_id in p.stop_token_ids
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int], stopped: list[bool]) -> list[Sequence]:
-        """Append one sampled token per sequence (same order as ``schedule`` returned) and
-        finish those that stop: the one place a step ends sequences. Sequences finished
-        meanwhile (``finish``) are skipped.
+        """Record the step: a sequence whose prefill is not yet complete (a chunk) advances
+        ``num_cached_tokens`` and gets no token; every other one appends its sampled token; the
+        blocks the step completed join the prefix cache; those that stop finish: the one place a
+        step ends sequences. Sequences finished meanwhile (``finish``) are skipped.
 
         Args:
             seqs: the step's batch.
-            token_ids: the sampled token per sequence.
+            token_ids: the sampled token per sequence (ignored for a chunk).
             stopped: per sequence, whether its text (the detokenizer, after this token) matched
                 one of ``params.stop``.
 
@@ -211,9 +280,14 @@ class Scheduler:
         for seq, tok, stop_string in zip(seqs, token_ids, stopped):
             if seq.is_finished:
                 continue
+            if not seq.samples:  # a prefill chunk: nothing sampled yet
+                seq.num_cached_tokens += seq.num_new_tokens
+                self.block_manager.cache_computed(seq)
+                continue
             tok = int(tok)
             seq.append_token(tok)
             seq.num_cached_tokens = seq.num_tokens - 1
+            self.block_manager.cache_computed(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             p = seq.params

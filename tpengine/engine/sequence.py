@@ -36,9 +36,16 @@ class Sequence:
         num_prompt_tokens: length of the prompt.
         status: a ``SequenceStatus``.
         block_table: physical KV block ids, one per ``block_size`` tokens, in order.
-        num_cached_tokens: tokens whose K/V is already written in the cache; 0 before the first
-            prefill and after a preemption, ``num_tokens - 1`` after every step (the newest
-            token's K/V is written by the next decode step).
+        num_cached_tokens: tokens whose K/V is already in the cache (computed, or shared from
+            the prefix cache); 0 while waiting, the cached prefix's length once blocks are
+            allocated, advanced by each prefill chunk, ``num_tokens - 1`` once the prefill is done
+            (the newest token's K/V is written by the next decode step).
+        num_new_tokens: tokens the current step computes, from position ``num_cached_tokens``
+            (set by the scheduler: 1 in a decode, a chunk or the rest of the prompt in a prefill).
+        num_prefix_cached_tokens: prompt tokens found in the prefix cache when the sequence was
+            first scheduled (None before): ``usage.prompt_tokens_details.cached_tokens``.
+        block_hashes: chained hashes of its full blocks (``BlockManager.hashes``);
+            ``num_registered_blocks`` of its table are registered in the prefix cache.
         finish_reason: None while unfinished, else "stop", "length" or "abort".
         generator: per-request ``torch.Generator`` seeded from ``params.seed``; created lazily
             by the ``Sampler`` on the logits' device (None for unseeded requests).
@@ -60,6 +67,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
+        self.num_new_tokens = 0
+        self.num_prefix_cached_tokens: int | None = None
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
@@ -96,6 +107,16 @@ class Sequence:
     def completion_token_ids(self) -> list[int]:
         """The generated ids (a copy)."""
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Holding blocks with more than one token still to compute (a prefill cut into chunks)."""
+        return bool(self.block_table) and self.num_tokens - self.num_cached_tokens > 1
+
+    @property
+    def samples(self) -> bool:
+        """True if this step's ``num_new_tokens`` reach the last token, so its logits are sampled."""
+        return self.num_cached_tokens + self.num_new_tokens >= self.num_tokens
 
     @property
     def is_finished(self) -> bool:

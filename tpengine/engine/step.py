@@ -80,12 +80,14 @@ class StepPlan:
 
 def build_plan(seqs, is_prefill: bool, block_size: int, step: int, greedy: bool = False) -> StepPlan:
     """Rank 0: the StepPlan for ``seqs`` (tpengine.engine.sequence.Sequence, blocks already
-    allocated by the scheduler). Prefill runs each sequence's uncached tokens
-    ``[num_cached_tokens, num_tokens)``; decode runs each sequence's last token."""
+    allocated by the scheduler). Each sequence runs its tokens ``[num_cached_tokens,
+    num_cached_tokens + num_new_tokens)``: in a decode its last token, in a prefill the rest of its
+    prompt or one chunk of it after the cached prefix (a decode in a mixed step is a one-token
+    prefill over its cache); the logits of each sequence's last token in the step are sampled."""
     ids, pos, slots, cu_q, cu_k, ctx = [], [], [], [0], [0], []
     for s in seqs:
-        start = s.num_cached_tokens if is_prefill else s.num_tokens - 1
-        end = s.num_tokens
+        start = s.num_cached_tokens
+        end = start + s.num_new_tokens
         ids.extend(s.token_ids[start:end])
         pos.extend(range(start, end))
         bt = s.block_table

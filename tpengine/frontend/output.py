@@ -3,7 +3,7 @@
 Record shapes:
 
 * simple: ``{"id", "text", "token_ids", "finish_reason", "usage": {"prompt_tokens",
-  "completion_tokens"}, "metrics": {"ttft_s", "latency_s"}}``; error: ``{"id", "error":
+  "completion_tokens", "prompt_tokens_details": {"cached_tokens"}}, "metrics": {"ttft_s", "latency_s"}}``; error: ``{"id", "error":
   {"message", "field"?, "line"?}}``. No two records share an id: the record of an invalid line
   whose id is already taken (a duplicate id) has id ``"<id>#line<N>"`` (``custom_id`` in the
   OpenAI shape), and ``--resume`` never counts an invalid-line record as a finished request.
@@ -27,8 +27,9 @@ from tpengine.engine.outputs import RequestOutput
 from tpengine.frontend.requests import ParsedRequest
 
 
-def _usage(out: RequestOutput) -> dict[str, int]:
-    return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids)}
+def _usage(out: RequestOutput) -> dict[str, Any]:
+    return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
 
 def _secs(x: float | None) -> float | None:
@@ -70,7 +71,9 @@ def openai_record(
         return openai_error_record(req.id, req.line, out.error, out.error_field, code="request_failed")
     n, chat = req.line, req.format == "openai_chat"
     usage = _usage(out)
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    usage = {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
+             "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
+             "prompt_tokens_details": usage["prompt_tokens_details"]}
     choice: dict[str, Any] = {"index": 0}
     if chat:
         choice["message"] = {"role": "assistant", "content": out.text}

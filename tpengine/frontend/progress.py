@@ -56,6 +56,7 @@ class ProgressReporter:
         self.interval_s = interval_s
         self.enabled = enabled
         self.ok = self.errors = self.prompt_tokens = self.output_tokens = self.sampled_tokens = 0
+        self.cached_tokens = 0  # prompt tokens of finished requests found in the prefix cache
         self.ttfts: list[float] = []
         self.tpots: list[float] = []
         self.running = self.waiting = 0
@@ -109,6 +110,7 @@ class ProgressReporter:
         else:
             self.ok += 1
             self.prompt_tokens += len(out.prompt_token_ids)
+            self.cached_tokens += out.num_cached_tokens
             n = len(out.token_ids)
             self.output_tokens += n
             if out.ttft_s is not None:
@@ -148,13 +150,16 @@ class ProgressReporter:
             self._bar = None
 
     def summary(self) -> dict[str, Any]:
-        """The run's numbers: counts, tokens, wall_s, output_tok_s, ttft/tpot p50/p90 (s),
+        """The run's numbers: counts, tokens, prefix_cache_hit_rate (cached prompt tokens / prompt
+        tokens of the finished requests), wall_s, output_tok_s, ttft/tpot p50/p90 (s),
         peak_rss_bytes (per rank, in rank order; None when not reported)."""
         return {
             "requests_ok": self.ok,
             "requests_error": self.errors,
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
+            "cached_prompt_tokens": self.cached_tokens,
+            "prefix_cache_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "wall_s": self.elapsed(),
             "output_tok_s": self.tokens_per_s(),
             "ttft_p50_s": percentile(self.ttfts, 50),
@@ -178,6 +183,8 @@ class ProgressReporter:
         table = Table(title="tpengine run summary", show_header=False)
         table.add_row("requests", f"{s['requests_ok']} ok, {s['requests_error']} errors")
         table.add_row("prompt tokens", str(s["prompt_tokens"]))
+        table.add_row("prefix cache hit rate", f"{s['prefix_cache_hit_rate']:.3f} "
+                      f"({s['cached_prompt_tokens']} of {s['prompt_tokens']} prompt tokens cached)")
         table.add_row("output tokens", str(s["output_tokens"]))
         table.add_row("wall time", f"{s['wall_s']:.2f} s")
         table.add_row("output tokens/s", f"{s['output_tok_s']:.1f}")
