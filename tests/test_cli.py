@@ -85,7 +85,8 @@ def test_c09_invalid_and_overlong_requests_at_tp2(tiny, tok, tmp_path):
     assert set(r) == {"a", "b", "c", "d", "e", "f", "a2"}
     assert "200" in r["b"]["error"]["message"] and "128" in r["b"]["error"]["message"]
     assert r["c"]["finish_reason"] == "length"
-    assert 1 <= r["c"]["usage"]["completion_tokens"] and r["c"]["usage"]["prompt_tokens"] + r["c"]["usage"]["completion_tokens"] <= 128
+    usage = r["c"]["usage"]
+    assert 1 <= usage["completion_tokens"] and usage["prompt_tokens"] + usage["completion_tokens"] <= 128
     assert r["d"]["error"] == {"message": "prompt: must be non-empty", "field": "prompt", "line": 4}
     assert r["e"]["error"]["field"] == "max_tokens" and ">= 1" in r["e"]["error"]["message"]
     assert r["f"]["usage"]["completion_tokens"] == 1 and r["f"]["finish_reason"] in ("length", "stop")

@@ -3,7 +3,8 @@
 Record shapes:
 
 * simple: ``{"id", "text", "token_ids", "finish_reason", "usage": {"prompt_tokens",
-  "completion_tokens", "prompt_tokens_details": {"cached_tokens"}}, "metrics": {"ttft_s", "latency_s"}}``; error: ``{"id", "error":
+  "completion_tokens", "prompt_tokens_details": {"cached_tokens"}}, "metrics": {"ttft_s",
+  "latency_s"}}``; error: ``{"id", "error":
   {"message", "field"?, "line"?}}``. No two records share an id: the record of an invalid line
   whose id is already taken (a duplicate id) has id ``"<id>#line<N>"`` (``custom_id`` in the
   OpenAI shape), and ``--resume`` never counts an invalid-line record as a finished request.
