@@ -5,7 +5,8 @@ Without CUDA the Triton kernels run under the interpreter (``TRITON_INTERPRET=1`
 before triton is imported and passed to the torchrun workers), in float32. Prompts of 5, 17 and
 33 tokens with block size 16 give one-, two- and three-block contexts; the "join" job
 (max_num_seqs 2, the first request stops after 3 tokens) prefills the third prompt between decode
-steps of the second, so decode batches change size. Also on CPU: the CUDA-graph runner's padded
+steps of the second, so decode batches change size; the "chunked" job prefills it in chunks of
+16 beside the second one's decodes (the prefill kernel over a cached prefix). Also on CPU: the CUDA-graph runner's padded
 static buffers, run eagerly inside the engine, give the same tokens.
 """
 
@@ -49,6 +50,9 @@ def cfg(model_dir, backend: str, **kw) -> dict:
 JOBS = {  # name -> (extra config, request max_tokens)
     "together": ({}, (8, 8, 8)),
     "join": ({"max_num_seqs": 2}, (3, 8, 8)),
+    # chunked prefill: p2's 33 tokens in chunks of <= 16 after a cached part, with p1's decodes in
+    # the same (mixed) steps as one-token prefills
+    "chunked": ({"max_num_seqs": 2, "max_num_batched_tokens": 16}, (3, 8, 8)),
 }
 
 
@@ -70,6 +74,7 @@ def results(models, tmp_path_factory):
         r = run_engine_jobs(tmp, tp, jobs, tag="triton", env=INTERP)
         out[tp] = {k: {o["request_id"]: o["token_ids"] for o in v["outputs"]} for k, v in r.items()}
         assert r["llama/triton/join"]["stats"]["prefill_steps"] >= 2  # p2 prefilled between decodes
+        assert r["llama/triton/chunked"]["stats"]["prefill_steps"] >= 4  # 5 + 17 + 33 tokens in chunks of 16
     return out
 
 
