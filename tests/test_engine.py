@@ -221,13 +221,14 @@ def test_c13_c14_c12_on_two_ranks(models, tmp_path):
                 prompt = prompt * 30  # some rejected as too long (> max_model_len 24)
             wave.append([f"w{w}-{j}", prompt, params])
         waves.append(wave)
-    c14 = cfg(d, block_size=4, num_kv_blocks=64, max_num_seqs=8, max_model_len=24)
+    c14 = cfg(d, block_size=4, num_kv_blocks=64, max_num_seqs=8, max_model_len=24, enable_prefix_caching=False)
 
     # C12 (b): B = an id generated at step 3 made an EOS id through generation_config.json
     probe = tiny_prompts(1001, (9,))[0]
     jobs = [{"key": "c13-small", "config": small, "requests": c13},
             {"key": "c13-alone", "config": cfg(d), "waves": [[r] for r in c13]},
             {"key": "c14", "config": c14, "waves": waves},
+            {"key": "c14-cached", "config": {**c14, "enable_prefix_caching": True}, "waves": waves},
             {"key": "c12-probe", "config": cfg(d), "requests": [["x", probe, {**GREEDY, "max_tokens": 8}]]}]
     r = run_engine_jobs(tmp_path, 2, jobs, tag="a")
 
@@ -237,12 +238,15 @@ def test_c13_c14_c12_on_two_ranks(models, tmp_path):
         assert len(small_out[f"q{i}"]["token_ids"]) == 12
         assert small_out[f"q{i}"]["token_ids"] == alone_out[f"q{i}"]["token_ids"]
 
-    out14 = r["c14"]["outputs"]
-    assert len(out14) == 200
-    errors = [o for o in out14 if o["error"]]
-    assert len(errors) == 9 and all("24" in o["error"] for o in errors)
-    assert {o["finish_reason"] for o in out14 if not o["error"]} == {"stop", "length"}
-    assert r["c14"]["stats"]["num_free_blocks"] == r["c14"]["start_free_blocks"] == 64
+    for key in ("c14", "c14-cached"):
+        out14 = r[key]["outputs"]
+        assert len(out14) == 200
+        errors = [o for o in out14 if o["error"]]
+        assert len(errors) == 9 and all("24" in o["error"] for o in errors)
+        assert {o["finish_reason"] for o in out14 if not o["error"]} == {"stop", "length"}
+        # free (cached-and-evictable included) == total
+        assert r[key]["stats"]["num_free_blocks"] == r[key]["start_free_blocks"] == 64
+    assert r["c14"]["stats"]["num_cached_blocks"] == 0 < r["c14-cached"]["stats"]["num_cached_blocks"]
 
     gen = by_id(r["c12-probe"])["x"]["token_ids"]
     b = gen[2]
