@@ -71,7 +71,8 @@ def config_name(chunk: int | None) -> str:
 def summarize(runs: dict) -> dict:
     """Per configuration, the best round of each figure: ``worst_gap_ms`` and ``p50_gap_ms``
     (lowest), ``long_ttft_ms`` (lowest), ``decode_tok_s`` (highest), ``max_step_ms`` (lowest), with
-    ``max_num_batched_tokens`` and ``ttft_vs_no_chunk`` (its long-prompt TTFT / the no-chunking one)."""
+    ``max_num_batched_tokens``, the first round's ``steps``, ``prefill_steps``, ``computed_tokens`` and
+    number of ``gaps``, and ``ttft_vs_no_chunk`` (its long-prompt TTFT / the no-chunking one)."""
     rows = {}
     for name, rs in runs.items():
         rows[name] = {
@@ -82,7 +83,8 @@ def summarize(runs: dict) -> dict:
             "long_ttft_ms": round(min(r["long_ttft_s"] for r in rs) * 1e3, 3),
             "decode_tok_s": round(max(r["running_tokens"] / r["decode_s"] for r in rs), 1),
             "max_step_ms": round(min(max(r["step_s"]) for r in rs) * 1e3, 3),
-            "steps": rs[0]["stats"]["steps"],
+            "steps": rs[0]["stats"]["steps"], "prefill_steps": rs[0]["stats"]["prefill_steps"],
+            "computed_tokens": rs[0]["stats"]["computed_tokens"], "gaps": len(rs[0]["gaps_s"]),
         }
     base = rows.get(NO_CHUNK)
     if base:
