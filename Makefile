@@ -7,7 +7,7 @@ NPROC     ?= $(TP)
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model test lint demo bench humaneval bench-scale shards clean
+.PHONY: setup model test lint demo bench bench-prefix bench-chunked humaneval bench-scale shards clean
 
 setup: .venv/.installed
 
@@ -44,6 +44,16 @@ demo: setup model
 
 bench: setup model
 	$(PY) -m benchmarks.bench --out bench-results.json
+	$(PY) -m benchmarks.prefix_cache --out bench-prefix.json
+	$(PY) -m benchmarks.chunked_prefill --out bench-chunked.json
+
+# The shared-prefix workload, prefix caching on / off / HF (python -m benchmarks.prefix_cache --help)
+bench-prefix: setup model
+	$(PY) -m benchmarks.prefix_cache --out bench-prefix.json
+
+# Decode gaps while a long prompt is prefilled, per chunk size (python -m benchmarks.chunked_prefill --help)
+bench-chunked: setup model
+	$(PY) -m benchmarks.chunked_prefill --out bench-chunked.json
 
 humaneval: setup model
 	$(PY) -m benchmarks.humaneval

@@ -12,11 +12,26 @@ broadcasts each command and every rank runs it (``LLMEngine.generate`` is SPMD).
 Commands (all greedy; every request makes exactly ``output_len`` tokens):
 
 * ``{"cmd": "throughput", "prompts": [[ids...], ...], "output_len": n}`` -> ``{"elapsed_s",
-  "output_tokens", "prompt_tokens"}``: all requests at once (engine: continuous batching with
-  ``ignore_eos``; HF: ``generate`` on left-padded static batches of ``--hf-batch-size``).
+  "output_tokens", "prompt_tokens", "ttft_s": [s per request]}``: all requests at once (engine:
+  continuous batching with ``ignore_eos``, TTFT = each request's arrival to its first token, plus
+  ``"stats"``, the prefix-cache counters of this command: ``prompt_tokens``,
+  ``cached_prompt_tokens``, ``prefix_cache_hit_rate``, ``steps``, ``prefill_steps``,
+  ``computed_tokens``; HF: ``generate`` on left-padded static batches of ``--hf-batch-size``,
+  TTFT = the command's start to its batch's first token).
 * ``{"cmd": "latency", "prompt": [ids...], "output_len": n}`` -> ``{"ttft_s", "latency_s"}``
   for one request (TTFT = arrival to first token, as in vLLM's benchmarks).
+* engine, tp=1 only: ``{"cmd": "interference", "running_prompts": [[ids...], ...],
+  "running_output_len": n, "long_prompt": [ids...], "start_after": k}`` -> see
+  :meth:`EngineSystem.interference` (the decode gaps of running requests while a long prompt is
+  prefilled; :mod:`benchmarks.chunked_prefill`).
+* engine: ``{"cmd": "configure", "enable_chunked_prefill": bool, "max_num_batched_tokens": n,
+  "enable_prefix_caching": bool, "warmup": [[ids...], ...]}`` (every key optional) -> ``{"load_s",
+  "max_num_batched_tokens"}``: build the engine again with these settings (the model is loaded
+  again, outside any measurement) and warm it up, also on the ``warmup`` prompts (2 tokens each).
 * ``{"cmd": "quit"}`` (or end of stdin).
+
+Every engine command starts from an empty prefix cache (:meth:`EngineSystem.reset_prefix_cache`),
+so rounds that repeat the same prompts measure the same work.
 """
 
 from __future__ import annotations
@@ -36,6 +51,9 @@ def _say(obj: dict) -> None:
 
 
 HF_ATTN = ("sdpa", "eager")
+#: The warm-up requests every system runs (2 tokens each) before answering ``ready``; fits any
+#: max_model_len >= 6.
+WARMUP_PROMPTS = [[3, 4, 5, 6], [7, 8, 9, 10]]
 
 
 def hf_attn_for(dtype: torch.dtype, attn: str = "auto") -> str:
@@ -94,10 +112,13 @@ class HFSystem:
 
     def throughput(self, prompts: list[list[int]], n: int) -> dict:
         t0 = time.perf_counter()
-        made = sum(self._generate(prompts[i:i + self.batch_size], n).numel()
-                   for i in range(0, len(prompts), self.batch_size))
+        made, ttft = 0, []
+        for i in range(0, len(prompts), self.batch_size):
+            batch, timer = prompts[i:i + self.batch_size], FirstTokenTimer()
+            made += self._generate(batch, n, streamer=timer).numel()
+            ttft += [timer.first - t0] * len(batch)  # every request of a static batch: its first token
         return {"elapsed_s": time.perf_counter() - t0, "output_tokens": made,
-                "prompt_tokens": sum(map(len, prompts)), "attn_implementation": self.attn}
+                "prompt_tokens": sum(map(len, prompts)), "attn_implementation": self.attn, "ttft_s": ttft}
 
     def latency(self, prompt: list[int], n: int) -> dict:
         s = FirstTokenTimer()
@@ -109,16 +130,31 @@ class HFSystem:
 
 
 class EngineSystem:
-    """tpengine's LLMEngine on this rank (every rank of a torchrun group builds one)."""
+    """tpengine's LLMEngine on this rank (every rank of a torchrun group builds one).
+
+    ``max_num_batched_tokens`` 0 means ``max(8192, max_model_len)`` (every prompt in one step);
+    ``enable_prefix_caching`` and ``enable_chunked_prefill`` are the EngineConfig fields.
+
+    Raises:
+        ValueError: an invalid setting (from EngineConfig, naming the field).
+    """
 
     def __init__(self, model: str, dtype: str, threads: int | None, max_num_seqs: int, max_model_len: int,
-                 num_kv_blocks: int):
+                 num_kv_blocks: int | None, max_num_batched_tokens: int = 0, enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = True):
         from tpengine.config import EngineConfig
+
+        self.base = EngineConfig(model=model, dtype=dtype, threads=threads, max_num_seqs=max_num_seqs,
+                                 max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, dist_timeout_s=3600.0,
+                                 max_num_batched_tokens=max_num_batched_tokens or max(8192, max_model_len),
+                                 enable_prefix_caching=enable_prefix_caching,
+                                 enable_chunked_prefill=enable_chunked_prefill)
+        self._build(self.base)
+
+    def _build(self, cfg) -> None:
         from tpengine.engine.llm_engine import LLMEngine
 
-        cfg = EngineConfig(model=model, dtype=dtype, threads=threads, max_num_seqs=max_num_seqs,
-                           max_model_len=max_model_len, max_num_batched_tokens=max(8192, max_model_len),
-                           num_kv_blocks=num_kv_blocks, dist_timeout_s=3600.0)
+        self.engine = None  # the old engine (its weights and KV cache) goes before the new one loads
         self.engine = LLMEngine(cfg)
         self.tp = self.engine.tp
         mine = torch.get_num_threads()
@@ -126,6 +162,43 @@ class EngineSystem:
         if self.tp.size > 1:
             self.threads = [None] * self.tp.size
             torch.distributed.all_gather_object(self.threads, mine)
+
+    def configure(self, settings: dict) -> dict:
+        """Build the engine again from the startup settings with ``settings`` applied
+        (``enable_chunked_prefill``, ``max_num_batched_tokens``, ``enable_prefix_caching``; 0 or
+        missing max_num_batched_tokens: ``max(8192, max_model_len)``), warm it up (also on
+        ``settings["warmup"]`` prompts, 2 tokens each). Returns ``{"load_s",
+        "max_num_batched_tokens"}``.
+
+        Raises:
+            ValueError: an unknown key, or an invalid value (from EngineConfig).
+        """
+        known = {"enable_chunked_prefill", "max_num_batched_tokens", "enable_prefix_caching", "warmup"}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise ValueError(f"configure: unknown setting(s) {unknown}; valid: {', '.join(sorted(known))}")
+        t0 = time.perf_counter()
+        changes = {k: v for k, v in settings.items() if k != "warmup"}
+        if not changes.get("max_num_batched_tokens"):
+            changes["max_num_batched_tokens"] = max(8192, self.base.max_model_len)
+        self._build(self.base.replace(**changes))
+        self.throughput(WARMUP_PROMPTS, 2)
+        if settings.get("warmup"):
+            self.throughput(settings["warmup"], 2)
+        return {"load_s": time.perf_counter() - t0,
+                "max_num_batched_tokens": self.engine.config.max_num_batched_tokens}
+
+    def reset_prefix_cache(self) -> None:
+        """Rank 0: a new scheduler (empty queues, an empty prefix cache, zero scheduler counters),
+        so a command does not reuse blocks cached by an earlier one. Only rank 0 schedules; the
+        KV tensors of every rank stay as they are (a block's old contents are simply overwritten
+        when it is next written, as after an eviction)."""
+        from tpengine.engine.scheduler import Scheduler
+
+        e = self.engine
+        if e.is_driver:
+            assert not e.has_unfinished(), "reset_prefix_cache with requests in flight"
+            e.scheduler = Scheduler(e.config, e.runner.num_blocks, e.eos_token_ids)
 
     def _run(self, prompts: list[list[int]], n: int):
         from tpengine.engine.sampling_params import SamplingParams
@@ -138,14 +211,91 @@ class EngineSystem:
         return outs
 
     def throughput(self, prompts: list[list[int]], n: int) -> dict:
+        self.reset_prefix_cache()
+        before = self.engine.stats() if self.tp.is_driver else None
         t0 = time.perf_counter()
         outs = self._run(prompts, n)
-        return {"elapsed_s": time.perf_counter() - t0, "output_tokens": sum(len(o.token_ids) for o in outs),
-                "prompt_tokens": sum(map(len, prompts))}
+        res = {"elapsed_s": time.perf_counter() - t0, "output_tokens": sum(len(o.token_ids) for o in outs),
+               "prompt_tokens": sum(map(len, prompts))}
+        if self.tp.is_driver:
+            order = {f"r{i}": i for i in range(len(prompts))}
+            res["ttft_s"] = [o.ttft_s for o in sorted(outs, key=lambda o: order[o.request_id])]
+            res["stats"] = self._stats_since(before)
+        return res
+
+    def _stats_since(self, before) -> dict:
+        """The prefix-cache and step counters since ``before`` (an EngineStats taken after the reset)."""
+        s = self.engine.stats()
+        prompt, cached = s.prompt_tokens - before.prompt_tokens, s.cached_prompt_tokens - before.cached_prompt_tokens
+        return {"prompt_tokens": prompt, "cached_prompt_tokens": cached,
+                "prefix_cache_hit_rate": cached / prompt if prompt else 0.0, "steps": s.steps - before.steps,
+                "prefill_steps": s.prefill_steps - before.prefill_steps,
+                "computed_tokens": s.computed_tokens - before.computed_tokens}
 
     def latency(self, prompt: list[int], n: int) -> dict:
+        self.reset_prefix_cache()
         outs = self._run([prompt], n)
         return {"ttft_s": outs[0].ttft_s, "latency_s": outs[0].latency_s} if outs else {}
+
+    def interference(self, running_prompts: list[list[int]], running_output_len: int, long_prompt: list[int],
+                     start_after: int) -> dict:
+        """Rank 0 at tp=1: start ``running_prompts`` (``running_output_len`` tokens each,
+        ``ignore_eos``, greedy); after the first step at whose end each has >= ``start_after``
+        tokens, add ``long_prompt`` (1 output token); step until all finish, timing each
+        ``engine.step()`` with ``time.perf_counter``.
+
+        Returns:
+            ``{"step_s": [s per step], "gaps_s": [s between consecutive tokens of a running request,
+            every request's gaps in order], "long_ttft_s": arrival -> first token of the long prompt,
+            "long_added_step": index of the first step after it was added, "running_tokens": tokens
+            the running requests made, "decode_s": first step's start to the last running request's
+            last token, "max_num_batched_tokens", "enable_chunked_prefill", "stats"}``. A token's time is the end of
+            the step that sampled it.
+
+        Raises:
+            ValueError: tp > 1 (this loop drives ``step()`` itself, without the broadcasts of
+                ``generate``), or ``start_after`` >= ``running_output_len``.
+        """
+        from tpengine.engine.sampling_params import SamplingParams
+
+        if self.tp.size != 1:
+            raise ValueError(f"interference runs at tp=1 only, not tp={self.tp.size}")
+        if not 1 <= start_after < running_output_len:
+            raise ValueError(f"start_after={start_after} must be in [1, running_output_len={running_output_len})")
+        self.reset_prefix_cache()
+        e = self.engine
+        before = e.stats()
+        run = SamplingParams(temperature=0.0, max_tokens=running_output_len, ignore_eos=True)
+        for i, p in enumerate(running_prompts):
+            e.add_request(f"run{i}", p, run)
+        times: dict[str, list[float]] = {f"run{i}": [] for i in range(len(running_prompts))}
+        step_s, long_out, long_added = [], None, None
+        t_start = time.perf_counter()
+        while e.has_unfinished():
+            t0 = time.perf_counter()
+            finished = e.step()
+            t1 = time.perf_counter()
+            step_s.append(t1 - t0)
+            counts = {s.request_id: s.num_completion_tokens for s in e.scheduler.running}
+            for o in finished:
+                if o.error:
+                    raise RuntimeError(f"request {o.request_id} failed: {o.error}")
+                counts[o.request_id] = len(o.token_ids)
+                if o.request_id == "long":
+                    long_out = o
+            for rid, ts in times.items():
+                ts += [t1] * (counts.get(rid, len(ts)) - len(ts))
+            if long_added is None and all(len(ts) >= start_after for ts in times.values()):
+                e.add_request("long", long_prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+                long_added = len(step_s)
+        bad = [rid for rid, ts in times.items() if len(ts) != running_output_len]
+        assert not bad and long_out is not None, f"running requests without {running_output_len} tokens: {bad}"
+        gaps = [b - a for ts in times.values() for a, b in zip(ts, ts[1:])]
+        return {"step_s": step_s, "gaps_s": gaps, "long_ttft_s": long_out.ttft_s, "long_added_step": long_added,
+                "running_tokens": sum(map(len, times.values())),
+                "decode_s": max(ts[-1] for ts in times.values()) - t_start,
+                "max_num_batched_tokens": e.config.max_num_batched_tokens,
+                "enable_chunked_prefill": e.config.enable_chunked_prefill, "stats": self._stats_since(before)}
 
 
 def serve(system, driver: bool, sync) -> None:
@@ -160,6 +310,11 @@ def serve(system, driver: bool, sync) -> None:
             return
         if cmd["cmd"] == "throughput":
             res = system.throughput(cmd["prompts"], cmd["output_len"])
+        elif cmd["cmd"] == "interference":
+            res = system.interference(cmd["running_prompts"], cmd["running_output_len"], cmd["long_prompt"],
+                                      cmd["start_after"])
+        elif cmd["cmd"] == "configure":
+            res = system.configure({k: v for k, v in cmd.items() if k != "cmd"})
         else:
             res = system.latency(cmd["prompt"], cmd["output_len"])
         if driver:
@@ -173,14 +328,19 @@ def main(system: str = typer.Option(..., help="hf or engine"),
          max_num_seqs: int = typer.Option(64), max_model_len: int = typer.Option(256),
          num_kv_blocks: int = typer.Option(0, help="engine KV blocks (0 = from kv_cache_gb)"),
          hf_batch_size: int = typer.Option(64),
-         hf_attn: str = typer.Option("auto", help="HF attn_implementation: auto, sdpa, eager")) -> None:
+         hf_attn: str = typer.Option("auto", help="HF attn_implementation: auto, sdpa, eager"),
+         max_num_batched_tokens: int = typer.Option(0, help="engine tokens per step (0 = max(8192, "
+                                                         "max_model_len): every prompt in one step)"),
+         enable_prefix_caching: bool = typer.Option(True, help="engine: automatic prefix caching"),
+         chunked_prefill: bool = typer.Option(True, help="engine: enable_chunked_prefill")) -> None:
     t0 = time.perf_counter()
-    warm = [[3, 4, 5, 6], [7, 8, 9, 10]]  # fits any max_model_len >= 6
+    warm = WARMUP_PROMPTS
     if system == "hf":
         sysm = HFSystem(model, getattr(torch, dtype), threads or torch.get_num_threads(), hf_batch_size, hf_attn)
         driver, sync = True, lambda c: c
     else:
-        sysm = EngineSystem(model, dtype, threads or None, max_num_seqs, max_model_len, num_kv_blocks or None)
+        sysm = EngineSystem(model, dtype, threads or None, max_num_seqs, max_model_len, num_kv_blocks or None,
+                            max_num_batched_tokens, enable_prefix_caching, chunked_prefill)
         driver = sysm.tp.is_driver
 
         def sync(c):

@@ -156,3 +156,113 @@ def test_startup_smoke(tmp_path):
     assert row["hf_s"] > 0 and row["tpengine_s"] > 0
     assert abs(row["ratio"] - row["tpengine_s"] / row["hf_s"]) < 1e-9
     assert "tpengine / HF" in r.output
+
+
+def test_prefix_cache_smoke(tmp_path):
+    """benchmarks.prefix_cache on 4 x (64-token shared document + 4-token question): with block_size 16
+    the first request computes all 68 tokens, the other 3 find the document's 4 full blocks cached
+    (64 tokens each), so the hit rate is 3 * 64 / (4 * 68); without caching every token is computed."""
+    from benchmarks.prefix_cache import app as prefix_app
+
+    model = make_tiny_model(tmp_path, "llama", seed=0)
+    out = tmp_path / "prefix.json"
+    args = ["--model", str(model), "--num-prompts", "4", "--doc-len", "64", "--question-len", "4",
+            "--output-len", "4", "--threads", "1", "--out", str(out)]
+    r = CliRunner().invoke(prefix_app, args, terminal_width=200)
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    for label in ("HF generate", "tpengine tp=1, cache on", "tpengine tp=1, cache off"):
+        assert label in r.output, label
+    res = json.loads(out.read_text())
+    assert {"config", "machine", "results", "runs", "total_s"} <= set(res)
+    rows = res["results"]
+    assert set(rows) == {"hf", "tp1-cache", "tp1-nocache"}
+    for s, row in rows.items():
+        assert row["output_tokens"] == 4 * 4, s
+        for key in ("output_tok_s", "ttft_mean_ms", "ttft_p50_ms", "elapsed_s"):
+            assert row[key] > 0, (s, key)
+        (run,) = res["runs"][s]["throughput"]
+        assert run["prompt_tokens"] == 4 * 68 and len(run["ttft_s"]) == 4, s
+    assert rows["tp1-cache"]["hit_rate"] == round(3 * 64 / (4 * 68), 4)
+    assert rows["tp1-cache"]["cached_prompt_tokens"] == 3 * 64
+    assert rows["tp1-nocache"]["hit_rate"] == 0.0 and rows["tp1-nocache"]["cached_prompt_tokens"] == 0
+    assert rows["hf"]["hit_rate"] is None and "vs_no_cache" not in rows["hf"]
+    assert rows["tp1-cache"]["vs_no_cache"] > 0 and "vs_no_cache" not in rows["tp1-nocache"]
+    on = res["runs"]["tp1-cache"]["throughput"][0]["stats"]
+    off = res["runs"]["tp1-nocache"]["throughput"][0]["stats"]
+    # on: the first prompt alone (the others wait for its blocks), then the 3 questions; 3 decodes each
+    assert (on["prefill_steps"], on["computed_tokens"]) == (2, 68 + 3 * 4 + 4 * 3)
+    assert (off["prefill_steps"], off["computed_tokens"]) == (1, 4 * 68 + 4 * 3)
+
+
+def test_chunked_prefill_smoke(tmp_path):
+    """benchmarks.chunked_prefill: 4 running requests (32 in, 16 out) and a 256-token prompt, without
+    chunking and with chunks of 64 and 128 tokens; the step and token counts are the scheduler's."""
+    from benchmarks.chunked_prefill import app as chunked_app
+
+    model = make_tiny_model(tmp_path, "llama", seed=0, max_position_embeddings=512)
+    out = tmp_path / "chunked.json"
+    args = ["--model", str(model), "--running-output-len", "16", "--start-after", "4", "--long-len", "256",
+            "--chunk", "128,64", "--threads", "1", "--out", str(out)]
+    r = CliRunner().invoke(chunked_app, args, terminal_width=200)
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    assert "no chunking" in r.output and "chunked 64" in r.output and "chunked 128" in r.output
+    res = json.loads(out.read_text())
+    assert {"config", "machine", "results", "suggested_default", "runs", "total_s"} <= set(res)
+    rows = res["results"]
+    assert set(rows) == {"no-chunk", "chunk-64", "chunk-128"} and res["config"]["chunks"] == [64, 128]
+    assert {k: (v["max_num_batched_tokens"], v["enable_chunked_prefill"]) for k, v in rows.items()} == {
+        "no-chunk": (8192, False), "chunk-64": (64, True), "chunk-128": (128, True)}
+    # no-chunk: 1 prefill of the 4, 3 decodes, the long prompt alone, 12 decodes. chunk-128: the long prompt's
+    # first 128 tokens alone, then 124 + 4 beside the 4 decodes. chunk-64: the 4 prompts in 2 steps, then
+    # 64 alone and 60, 60, 60, 12 beside the decodes.
+    assert {k: (v["steps"], v["prefill_steps"]) for k, v in rows.items()} == {
+        "no-chunk": (17, 2), "chunk-128": (17, 4), "chunk-64": (18, 7)}
+    for name, row in rows.items():
+        assert row["computed_tokens"] == 4 * 32 + 4 * 15 + 256 and row["gaps"] == 4 * 15, name
+        for key in ("worst_gap_ms", "p50_gap_ms", "long_ttft_ms", "decode_tok_s", "max_step_ms"):
+            assert row[key] > 0, (name, key)
+        assert row["worst_gap_ms"] >= row["p50_gap_ms"]
+        (run,) = res["runs"][name]
+        assert run["running_tokens"] == 4 * 16 and len(run["step_s"]) == row["steps"]
+    assert rows["no-chunk"]["ttft_vs_no_chunk"] == 1.0
+    assert res["suggested_default"] in (None, 64, 128)
+    assert ("(suggested default)" in r.output) == (res["suggested_default"] is not None)
+
+
+def test_chunked_prefill_suggested_default_and_bad_chunks(tmp_path):
+    from benchmarks.chunked_prefill import app as chunked_app
+    from benchmarks.chunked_prefill import suggested_default
+
+    def row(n, gap, ttft):
+        return {"max_num_batched_tokens": n, "worst_gap_ms": gap, "long_ttft_ms": ttft}
+
+    rows = {"no-chunk": row(8192, 500.0, 100.0), "chunk-256": row(256, 20.0, 150.0),
+            "chunk-512": row(512, 40.0, 110.0), "chunk-1024": row(1024, 80.0, 104.0)}
+    assert suggested_default(rows) == 512  # 256 has the smallest gap but its TTFT is 1.5x
+    assert suggested_default({k: v for k, v in rows.items() if k != "chunk-512"}) == 1024
+    assert suggested_default({"no-chunk": rows["no-chunk"], "chunk-256": rows["chunk-256"]}) is None
+    cases = [(["--chunk", "64,x"], "--chunk '64,x': 'x' is not an integer"),
+             (["--chunk", "0"], "--chunk '0': 0 must be >= 1"),
+             (["--start-after", "300"], "--start-after 300 must be >= 1 and < --running-output-len 256"),
+             (["--dtype", "fp8"], "--dtype 'fp8' is not one of float32, bfloat16, float16")]
+    for args, message in cases:
+        r = CliRunner().invoke(chunked_app, ["--model", str(tmp_path), *args], terminal_width=400)
+        assert r.exit_code == 2, (args, r.output)
+        assert message in " ".join(r.output.replace("│", " ").split()), (args, r.output)
+
+
+def test_prefix_cache_rejects_bad_options_before_starting_workers(tmp_path):
+    from benchmarks.prefix_cache import app as prefix_app
+
+    model = make_tiny_model(tmp_path, "llama", seed=0)  # 4 attention heads, 256 positions
+    cases = [(["--dtype", "auto"], "--dtype 'auto' is not one of float32, bfloat16, float16"),
+             (["--hf-attn", "flash"], "--hf-attn 'flash' is not one of auto, sdpa, eager"),
+             (["--tp", "5"], "--tp 5: tp_size=5 is invalid for this model"),
+             (["--doc-len", "200", "--question-len", "40", "--output-len", "20"],
+              "--doc-len 200 + --question-len 40 + --output-len 20 = 260 exceeds the model's "
+              "max_position_embeddings 256"),
+             (["--num-prompts", "0"], "must be >= 1")]
+    for args, message in cases:
+        r = CliRunner().invoke(prefix_app, ["--model", str(model), *args], terminal_width=400)
+        assert r.exit_code == 2, (args, r.output)
+        assert message in " ".join(r.output.replace("│", " ").split()), (args, r.output)
