@@ -189,16 +189,9 @@ class EngineSystem:
                 "max_num_batched_tokens": self.engine.config.max_num_batched_tokens}
 
     def reset_prefix_cache(self) -> None:
-        """Rank 0: a new scheduler (empty queues, an empty prefix cache, zero scheduler counters),
-        so a command does not reuse blocks cached by an earlier one. Only rank 0 schedules; the
-        KV tensors of every rank stay as they are (a block's old contents are simply overwritten
-        when it is next written, as after an eviction)."""
-        from tpengine.engine.scheduler import Scheduler
-
-        e = self.engine
-        if e.is_driver:
-            assert not e.has_unfinished(), "reset_prefix_cache with requests in flight"
-            e.scheduler = Scheduler(e.config, e.runner.num_blocks, e.eos_token_ids)
+        """Rank 0: an empty prefix cache (:meth:`LLMEngine.reset_prefix_cache`), so a command does
+        not reuse blocks cached by an earlier one."""
+        self.engine.reset_prefix_cache()
 
     def _run(self, prompts: list[list[int]], n: int):
         from tpengine.engine.sampling_params import SamplingParams

@@ -184,3 +184,18 @@ def test_prefix_caching_off_shares_nothing():
     b = seq_of(1, [1, 2, 3, 4, 5])
     assert bm.allocate(b) == 0 and set(a.block_table).isdisjoint(b.block_table)
     assert bm.num_cached_blocks == 0 and bm.cached == {}
+
+
+def test_reset_prefix_cache_forgets_free_and_used_blocks_contents_stay_owned():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    a = seq_of(0, [1, 2, 3, 4, 5])
+    bm.allocate(a)
+    computed(bm, a)
+    b = seq_of(1, [1, 2, 3, 4, 9])
+    bm.allocate(b)
+    computed(bm, b)
+    bm.deallocate(a)
+    assert bm.reset_prefix_cache() == 2 and bm.num_cached_blocks == 0
+    assert bm.allocate(seq_of(2, [1, 2, 3, 4, 5])) == 0  # nothing shared any more
+    assert bm.ref_count[b.block_table[0]] == 1  # b still owns its blocks
+    bm.deallocate(b)

@@ -188,6 +188,15 @@ class BlockManager:
                 self.cached[h] = b
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``): later sequences share
+        nothing computed before. Blocks in use keep their contents and owners. Returns the number of
+        cache entries dropped."""
+        n = len(self.cached)
+        self.cached.clear()
+        self.hash_of = [None] * self.num_blocks
+        return n
+
     def deallocate(self, seq: Sequence) -> None:
         """Drop ``seq``'s reference to each of its blocks; a block no one references joins the free
         queue (tail blocks first, so they are evicted before the prefix blocks other requests are

@@ -190,6 +190,12 @@ class LLMEngine:
             latency_s=(seq.finish_time or time.monotonic()) - t0,
         )
 
+    def reset_prefix_cache(self) -> int:
+        """Rank 0: forget every cached prefix, so later requests compute their prompts again (as
+        vLLM's ``LLM.reset_prefix_cache``; e.g. between benchmark rounds). Returns the number of
+        cached blocks dropped; other ranks hold no prefix cache and return 0."""
+        return self.scheduler.block_manager.reset_prefix_cache() if self.is_driver else 0
+
     def stats(self) -> EngineStats:
         """Counters and queue state (rank 0)."""
         s = self.scheduler.stats()
