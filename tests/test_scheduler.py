@@ -319,16 +319,15 @@ def test_preemption_while_blocks_are_shared_keeps_tokens_and_counts():
 
 def test_chunked_prefill_keeps_running_sequences_decoding():
     """A 40-token prompt with max_num_batched_tokens 8 while two sequences decode: every step is a
-    mixed step of both decodes plus a 6-token chunk, and the long one samples only after its last chunk."""
+    mixed step of both decodes plus a 6-token chunk (the last one 4), and the long one samples only
+    after its last chunk."""
     sched = Scheduler(cfg(max_num_seqs=4, max_num_batched_tokens=8), 64, EOS)
     a, b = seq(0, 3, max_tokens=20), seq(1, 3, max_tokens=20)
     [sched.add(s) for s in (a, b)]
     step(sched)  # prefill a, b
     long = seq(2, 40, max_tokens=2)
     sched.add(long)
-    batch, pre, _ = step(sched)  # admitted by a prefill step of its first 8 tokens (prefill first)
-    assert pre and batch == [long] and a.num_completion_tokens == 1
-    chunks = [long.num_cached_tokens]
+    chunks = []
     while long.num_completion_tokens == 0:
         before = (a.num_completion_tokens, b.num_completion_tokens)
         batch, pre, _ = step(sched)
@@ -336,8 +335,8 @@ def test_chunked_prefill_keeps_running_sequences_decoding():
             chunks.append(long.num_cached_tokens)
         assert (a.num_completion_tokens, b.num_completion_tokens) == (before[0] + 1, before[1] + 1)
         assert pre == (long in batch)
-    # first chunk: a lone prefill step (8 tokens), then mixed steps of 2 decodes + 6 tokens
-    assert chunks == [8, 14, 20, 26, 32, 38]
+    # too long for one step, so even its first chunk rides in a mixed step: 2 decodes + 6 tokens
+    assert chunks == [6, 12, 18, 24, 30, 36]
     assert long.completion_token_ids == [2 * 100 + 40]
     drain(sched)
     assert long.completion_token_ids == [240, 241] and a.completion_token_ids == list(range(3, 23))
@@ -357,6 +356,7 @@ def test_chunked_prefill_with_a_cached_prefix_and_chunk_ending_one_token_short()
     assert pre and again.num_prefix_cached_tokens == 16 and again.num_cached_tokens == 24
     batch, pre, _ = step(sched)
     assert pre and again.num_completion_tokens == 1
+    drain(sched)
     tail = Sequence(2, "r2", list(range(600, 609)), SamplingParams(max_tokens=1))  # 9 tokens: 8 + 1
     sched.add(tail)
     step(sched)

@@ -129,13 +129,14 @@ class Scheduler:
             max_num_batched_tokens (with chunked prefill the last one admitted may get only a
             chunk) and blocks can be allocated; otherwise a decode of every running sequence that
             can get a block for its newest token, preempting the most recent ones when blocks run
-            out. While a prompt is part-way: a mixed step (``is_prefill`` True), the decodes first,
-            then the next chunks in the room they leave. ``([], False)`` when nothing is queued.
+            out. While a prompt is part-way, or when sequences are decoding and the next waiting
+            prompt needs more than one step: a mixed step (``is_prefill`` True), the decodes
+            first, then the next chunks and admissions in the room they leave. ``([], False)`` when nothing is queued.
 
         Raises:
             RuntimeError: sequences are queued but none can be scheduled (a bookkeeping bug).
         """
-        if any(s.is_prefilling for s in self.running):
+        if any(s.is_prefilling for s in self.running) or self._head_needs_chunks():
             decodes = self._schedule_decode()
             chunks = self._schedule_chunks(self.max_num_batched_tokens - len(decodes))
             return decodes + chunks, bool(chunks)
@@ -155,6 +156,14 @@ class Scheduler:
                 f"{bm.num_free_blocks}/{bm.num_blocks} free"
             )
         return batch, False
+
+    def _head_needs_chunks(self) -> bool:
+        """True if sequences are decoding and the next waiting prompt is too long for one step: it
+        starts in a mixed step, so the running sequences do not wait for its first chunk."""
+        if not (self.chunked_prefill and self.waiting and self.running):
+            return False
+        head = self.waiting[0]
+        return head.num_tokens - len(self.block_manager.match(head)) * self.block_size > self.max_num_batched_tokens
 
     def _pending_hashes(self) -> set[bytes]:
         """Hashes of the full prompt blocks that running sequences have not computed yet."""

@@ -159,12 +159,13 @@ class CPUAttentionBackend(AttentionBackend):
                 vb = torch.cat([_gather_cache(v_cache, block_tables[b], p).to(v.dtype), vb])
                 # key j visible to query i  <=>  j <= p + i  (bottom-right aligned causal mask)
                 mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=p)
-            qh = q[s:e].transpose(0, 1)  # [Hq, Lq, D]
-            kh = heads(kb).transpose(0, 1)  # [Hq or Hkv, Lk, D]
-            vh = heads(vb).transpose(0, 1)
+            # 4-D [1, H, L, D]: CPU SDPA's flash kernel (a 3-D call falls back to the math path)
+            qh = q[s:e].transpose(0, 1)[None]  # [1, Hq, Lq, D]
+            kh = heads(kb).transpose(0, 1)[None]  # [1, Hq or Hkv, Lk, D]
+            vh = heads(vb).transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=scale,
                                                enable_gqa=gqa)
-            out[s:e] = o.transpose(0, 1)
+            out[s:e] = o[0].transpose(0, 1)
         return out
 
     def decode_attention(self, q, k_cache, v_cache, q_to_kv, scale, attn: CPUAttentionMetadata,
