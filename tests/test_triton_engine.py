@@ -6,8 +6,8 @@ before triton is imported and passed to the torchrun workers), in float32. Promp
 33 tokens with block size 16 give one-, two- and three-block contexts; the "join" job
 (max_num_seqs 2, the first request stops after 3 tokens) prefills the third prompt between decode
 steps of the second, so decode batches change size; the "chunked" job prefills it in chunks of
-16 beside the second one's decodes (the prefill kernel over a cached prefix). Also on CPU: the CUDA-graph runner's padded
-static buffers, run eagerly inside the engine, give the same tokens.
+16 beside the second one's decodes (the prefill kernel over a cached prefix). Also on CPU: the
+CUDA-graph runner's padded static buffers, run eagerly inside the engine, give the same tokens.
 """
 
 from __future__ import annotations
