@@ -150,21 +150,17 @@ class CPUAttentionBackend(AttentionBackend):
             if lq == 0:
                 continue
             s, e, p = cu_q[b], cu_q[b + 1], lk - lq
-            kb, vb = k[s:e], v[s:e]
-            mask = None
-            if p > 0:
-                if block_tables is None:
-                    raise ValueError(f"sequence {b} has a cached prefix ({p} tokens) but block_tables is None")
-                kb = torch.cat([_gather_cache(k_cache, block_tables[b], p).to(k.dtype), kb])
-                vb = torch.cat([_gather_cache(v_cache, block_tables[b], p).to(v.dtype), vb])
-                # key j visible to query i  <=>  j <= p + i  (bottom-right aligned causal mask)
-                mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=p)
             # 4-D [1, H, L, D]: CPU SDPA's flash kernel (a 3-D call falls back to the math path)
             qh = q[s:e].transpose(0, 1)[None]  # [1, Hq, Lq, D]
-            kh = heads(kb).transpose(0, 1)[None]  # [1, Hq or Hkv, Lk, D]
-            vh = heads(vb).transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                               enable_gqa=gqa)
+            kh, vh = (heads(x[s:e]).transpose(0, 1)[None] for x in (k, v))  # [1, Hq or Hkv, Lq, D]
+            if p == 0:
+                o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+            else:
+                if block_tables is None:
+                    raise ValueError(f"sequence {b} has a cached prefix ({p} tokens) but block_tables is None")
+                kp, vp = (heads(_gather_cache(c, block_tables[b], p).to(q.dtype)).transpose(0, 1)[None]
+                          for c in (k_cache, v_cache))  # [1, Hq or Hkv, p, D]
+                o = _prefix_attention(qh, kp, vp, kh, vh, scale, gqa)
             out[s:e] = o[0].transpose(0, 1)
         return out
 
@@ -227,6 +223,32 @@ class CPUAttentionBackend(AttentionBackend):
         if attn.min_ctx == 0:
             out = out.masked_fill_((context_lens == 0)[:, None, None], 0.0)
         return out.contiguous()
+
+
+def _prefix_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kn: torch.Tensor, vn: torch.Tensor,
+                      scale: float, gqa: bool) -> torch.Tensor:
+    """Attention of ``q [1, Hq, Lq, D]`` (new tokens at positions ``p .. p+Lq-1``) over a cached prefix
+    ``kp``/``vp [1, H, p, D]`` (all visible) and the new tokens' own ``kn``/``vn [1, H, Lq, D]``
+    (causal) -> ``[1, Hq, Lq, D]``; ``H`` is ``Hq``, or ``Hkv`` with ``gqa``.
+
+    One query token (a decode in a mixed step) is one SDPA call over the concatenation. Otherwise
+    the two parts run as two flash-attention calls, the prefix unmasked and the new tokens with a
+    causal mask, merged by their log-sum-exp (the split-softmax identity of flash-decoding /
+    FlashAttention's block merge): the same result as one bottom-right-aligned masked call, which
+    CPU SDPA computes over the whole ``Lq x (p + Lq)`` rectangle."""
+    if q.shape[2] == 1:
+        return F.scaled_dot_product_attention(q, torch.cat([kp, kn], 2), torch.cat([vp, vn], 2), scale=scale,
+                                              enable_gqa=gqa)
+    if gqa and kp.shape[1] != q.shape[1]:  # the log-sum-exp op takes one KV head per query head
+        g = q.shape[1] // kp.shape[1]
+        kp, vp, kn, vn = (x.repeat_interleave(g, 1) for x in (kp, vp, kn, vn))
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    o1, l1 = flash(q, kp, vp, 0.0, False, scale=scale)[:2]  # [1, Hq, Lq, D], [1, Hq, Lq] float32
+    o2, l2 = flash(q, kn, vn, 0.0, True, scale=scale)[:2]
+    m = torch.maximum(l1, l2)
+    w1, w2 = (l1 - m).exp_(), (l2 - m).exp_()
+    o = o1.float().mul_(w1[..., None]).add_(o2.float().mul_(w2[..., None])).div_((w1 + w2)[..., None])
+    return o.to(q.dtype)
 
 
 def _gather_cache(cache: torch.Tensor, block_row: torch.Tensor, n: int) -> torch.Tensor:
