@@ -212,11 +212,11 @@ def test_chunked_prefill_smoke(tmp_path):
     assert set(rows) == {"no-chunk", "chunk-64", "chunk-128"} and res["config"]["chunks"] == [64, 128]
     assert {k: (v["max_num_batched_tokens"], v["enable_chunked_prefill"]) for k, v in rows.items()} == {
         "no-chunk": (8192, False), "chunk-64": (64, True), "chunk-128": (128, True)}
-    # no-chunk: 1 prefill of the 4, 3 decodes, the long prompt alone, 12 decodes. chunk-128: the long prompt's
-    # first 128 tokens alone, then 124 + 4 beside the 4 decodes. chunk-64: the 4 prompts in 2 steps, then
-    # 64 alone and 60, 60, 60, 12 beside the decodes.
+    # no-chunk: 1 prefill of the 4, 3 decodes, the long prompt alone, 12 decodes. chunked: the long prompt
+    # is too long for one step, so every chunk rides beside the 4 decodes: chunk-128 124, 124, 8;
+    # chunk-64: the 4 prompts in 2 steps, then 60, 60, 60, 60, 16.
     assert {k: (v["steps"], v["prefill_steps"]) for k, v in rows.items()} == {
-        "no-chunk": (17, 2), "chunk-128": (17, 4), "chunk-64": (18, 7)}
+        "no-chunk": (17, 2), "chunk-128": (16, 4), "chunk-64": (17, 7)}
     for name, row in rows.items():
         assert row["computed_tokens"] == 4 * 32 + 4 * 15 + 256 and row["gaps"] == 4 * 15, name
         for key in ("worst_gap_ms", "p50_gap_ms", "long_ttft_ms", "decode_tok_s", "max_step_ms"):

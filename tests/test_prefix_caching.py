@@ -130,6 +130,9 @@ def test_cached_token_counts_are_exact(results, tp):
     pre = by_id(r["preempt/on"])
     assert r["preempt/on"]["stats"]["num_preemptions"] > 0  # sharers were preempted ...
     assert sorted(o["num_cached_tokens"] for o in pre.values()) == [0] + [16] * 7  # ... usage counts once
+    # ... and their re-prefills found their computed blocks cached: fewer tokens run than with caching off
+    assert r["preempt/on"]["stats"]["computed_tokens"] < r["preempt/off"]["stats"]["computed_tokens"]
+    assert r["preempt/off"]["stats"]["num_preemptions"] > 0
     ev = by_id(r["evict/on"])
     assert [ev[f"a{i}"]["num_cached_tokens"] for i in range(4)] == [0, 12, 12, 12]
     assert [ev[f"again{i}"]["num_cached_tokens"] for i in range(2)] == [0, 12]  # wave b evicted qa's blocks
