@@ -130,10 +130,12 @@ def test_preempts_most_recent_to_front_of_waiting():
     assert sched.stats().num_waiting == 3 and sched.stats().num_free_blocks == 1
 
 
+@pytest.mark.parametrize("budget", [64, 6])  # 6: most prompts prefilled in chunks, in mixed steps
 @pytest.mark.parametrize("num_blocks", [64, 12])
-def test_200_mixed_requests_no_block_leak_c14(num_blocks):
+def test_200_mixed_requests_no_block_leak_c14(num_blocks, budget):
     rng = random.Random(num_blocks)
-    sched = Scheduler(cfg(max_num_seqs=8, max_model_len=32), num_kv_blocks=num_blocks, eos_token_ids=EOS)
+    sched = Scheduler(cfg(max_num_seqs=8, max_model_len=32, max_num_batched_tokens=budget), num_kv_blocks=num_blocks,
+                      eos_token_ids=EOS)
     plan = {}  # seq_id -> (kind, k)
     eos_at = {}
     seqs, rejected = [], 0
@@ -196,6 +198,8 @@ def test_200_mixed_requests_no_block_leak_c14(num_blocks):
     assert sched.stats().num_waiting == sched.stats().num_running == 0
     if num_blocks == 12:
         assert sched.num_preemptions > 0
+    st = sched.stats()
+    assert st.num_cached_blocks > 0 and st.num_free_blocks == num_blocks  # cached ones are free
 
 
 def test_several_eos_ids_and_ignore_eos_c12():

@@ -139,23 +139,22 @@ class Scheduler:
         if any(s.is_prefilling for s in self.running) or self._head_needs_chunks():
             decodes = self._schedule_decode()
             chunks = self._schedule_chunks(self.max_num_batched_tokens - len(decodes))
-            return decodes + chunks, bool(chunks)
-        batch = self._admit(self.max_num_batched_tokens)
-        if batch:
-            return batch, True
-        batch = self._schedule_decode()
+            batch, is_prefill = decodes + chunks, bool(chunks)
+        else:
+            batch, is_prefill = self._admit(self.max_num_batched_tokens), True
+            if not batch:
+                batch, is_prefill = self._schedule_decode(), False
         if not batch and self.waiting:
             # Only if every running sequence was preempted this step: their blocks are free now.
-            batch = self._admit(self.max_num_batched_tokens)
-            if batch:
-                return batch, True
-            bm = self.block_manager
-            raise RuntimeError(
-                f"scheduler stalled: {len(self.waiting)} waiting, head needs "
-                f"{bm.blocks_needed(self.waiting[0].num_tokens)} blocks, "
-                f"{bm.num_free_blocks}/{bm.num_blocks} free"
-            )
-        return batch, False
+            batch, is_prefill = self._schedule_chunks(self.max_num_batched_tokens), True
+            if not batch:
+                bm = self.block_manager
+                raise RuntimeError(
+                    f"scheduler stalled: {len(self.waiting)} waiting, head needs "
+                    f"{bm.blocks_needed(self.waiting[0].num_tokens)} blocks, "
+                    f"{bm.num_free_blocks}/{bm.num_blocks} free"
+                )
+        return batch, is_prefill and bool(batch)
 
     def _head_needs_chunks(self) -> bool:
         """True if sequences are decoding and the next waiting prompt is too long for one step: it
