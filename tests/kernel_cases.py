@@ -40,6 +40,9 @@ DECODE_LENS = [1, 15, 16, 17, 33, 70, 0]  # crosses block boundaries; 0 = batch 
 # (Lq, Lk): no prefix, prefixes not block-aligned, block-aligned, long prefix + few new tokens
 PREFILL_LENS = [(1, 1), (15, 15), (17, 40), (16, 48), (2, 70)]
 
+# a mixed step (chunked prefill): decodes first (one new token over a cache), then chunks and prompts
+MIXED_LENS = [(1, 33), (1, 16), (1, 70), (17, 40), (2, 70), (15, 15)]
+
 
 def _gen(seed):
     return torch.Generator().manual_seed(seed)

@@ -8,6 +8,7 @@ from kernel_cases import (  # sets TRITON_INTERPRET before triton is first impor
     CONFIGS,
     DECODE_LENS,
     IMPLS,
+    MIXED_LENS,
     PREFILL_LENS,
     _decode_case,
     _gen,
@@ -58,13 +59,14 @@ def test_reference_decode_matches_naive(d, bs, q_to_kv, impl):
         torch.testing.assert_close(out[b].double(), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("lens", [PREFILL_LENS, MIXED_LENS], ids=["prefill", "mixed"])
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("d,bs,q_to_kv", CONFIGS[1:2] + CONFIGS[4:5])
-def test_reference_prefill_matches_naive(d, bs, q_to_kv, impl):
-    q, k, v, kc, vc, cu_q, cu_k, bt, qkv = _prefill_case(d, bs, q_to_kv, PREFILL_LENS)
+def test_reference_prefill_matches_naive(d, bs, q_to_kv, impl, lens):
+    q, k, v, kc, vc, cu_q, cu_k, bt, qkv = _prefill_case(d, bs, q_to_kv, lens)
     out = impl[1](q, k, v, kc, vc, cu_q, cu_k, bt, qkv, d**-0.5)
     flat_k, flat_v = kc.flatten(0, 1), vc.flatten(0, 1)
-    for b, (lq, lk) in enumerate(PREFILL_LENS):
+    for b, (lq, lk) in enumerate(lens):
         for i in range(lq):
             pos = lk - lq + i  # the query's position; it sees keys 0..pos, all in the cache by now
             slots = [_slot(bt, b, p, bs) for p in range(pos + 1)]
@@ -140,6 +142,17 @@ def test_cpu_prefill_half_batched(q_to_kv, native):
     half[1][19] += 1.0  # sequence 0's last key: only its last query sees it
     changed = (cpu_prefill(*half, d**-0.5, native=native) != out).any(dim=(1, 2)).nonzero().flatten().tolist()
     assert changed == [19]
+
+
+def test_mixed_step_decodes_take_the_decode_path():
+    """The leading one-token sequences of a prefill step are batched through the decode path."""
+    q, k, v, kc, vc, cu_q, cu_k, bt, qkv = _prefill_case(64, 16, [0, 1, 1, 1], MIXED_LENS)
+    be = CPUAttentionBackend(native=True)
+    attn = be.prepare(True, torch.full((q.shape[0],), -1), bt, cu_q, cu_k, None)
+    assert attn.decodes.context_lens.tolist() == [33, 16, 70]
+    assert (attn.decodes.min_ctx, attn.decodes.max_ctx, attn.decodes.is_prefill) == (16, 70, False)
+    one = _prefill_case(64, 16, [0, 1], [(1, 33), (17, 40)])
+    assert be.prepare(True, torch.full((18,), -1), one[7], one[5], one[6], None).decodes is None  # one decode
 
 
 def test_prepare_is_per_step_and_per_backend(monkeypatch):

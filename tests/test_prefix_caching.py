@@ -64,7 +64,11 @@ def jobs(models, chat_prompts, tp: int) -> list[dict]:
     # chunked prefill: chunks of at most 16 tokens, decodes running between them
     reqs = [[f"c{i}", rand(n, 40 + i), {**GREEDY, "max_tokens": 10}] for i, n in enumerate((37, 5, 60, 3, 17))]
     pair("chunked", base(d, max_num_batched_tokens=16, enable_prefix_caching=False), requests=reqs)
-    pair("chunked-cached", base(d, max_num_batched_tokens=16), requests=reqs + [["c0again", reqs[0][1], reqs[0][2]]])
+    reqs = reqs + [["c0again", reqs[0][1], reqs[0][2]]]
+    pair("chunked-cached", base(d, max_num_batched_tokens=16), requests=reqs)
+    if tp == 1:  # bfloat16: the half-precision paths (C decode kernel for a mixed step's decodes)
+        out.append({"key": "chunked-bf16", "config": base(d, max_num_batched_tokens=16, dtype="bfloat16"),
+                    "requests": reqs})
     # SmolLM2 chat prompts: the chat template's system prompt is a prefix they all share
     reqs = [[f"q{i}", p, {"temperature": 0.0, "max_tokens": 32}] for i, p in enumerate(chat_prompts)]
     pair("smollm2", {"model": str(SMOLLM2_DIR), "max_model_len": 512, "kv_cache_gb": 0.2}, requests=reqs)
@@ -160,3 +164,11 @@ def test_6000_token_prompt_chunked_at_tp2_equals_whole(results):
     # until long samples; short (40 tokens) never waits: 40 steps in all
     assert (st_c["prefill_steps"], st_c["steps"]) == (12, 40)
     assert (st_w["prefill_steps"], st_w["steps"]) == (1, 40)  # whole: both prompts in one 6020-token step
+
+
+def test_chunked_prefill_in_bfloat16_runs_every_request(results):
+    out = by_id(results[1]["chunked-bf16"])
+    assert sorted(out) == ["c0", "c0again", "c1", "c2", "c3", "c4"]
+    assert all(o["error"] is None and len(o["token_ids"]) == 10 for o in out.values())
+    assert out["c0again"]["num_cached_tokens"] == 36
+    assert results[1]["chunked-bf16"]["stats"]["prefill_steps"] > 5

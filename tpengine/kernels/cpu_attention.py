@@ -8,7 +8,8 @@ and contract:
 * prefill: a batch of same-length prompts without a cached prefix runs as one batched call; in
   half precision as HF's eager attention computes it (half-precision matmuls, float32 softmax,
   through :func:`tpengine.kernels.cpu_fused.causal_softmax_`), else SDPA; other batches run SDPA
-  per sequence;
+  per sequence (over a cached prefix as two flash calls merged by their log-sum-exp); the leading
+  one-token sequences of a mixed step (decodes beside a prefill chunk) run the decode path below;
 * decode: the query heads are grouped by KV head, the context is gathered once per step into
   ``[B, Hkv, L, D]`` (or kept across steps by the layer's :class:`tpengine.kernels.kv_mirror.KVMirror`)
   and attended in one batched call: the C kernel (:mod:`tpengine.kernels.cpu_decode`), SDPA for a
@@ -43,7 +44,9 @@ class CPUAttentionMetadata(StepIndex):
     ``slot_min``/``slot_max``: bounds of ``slot_mapping`` (host ints; 0/-1 for no tokens);
     prefill: ``cu_q`` (host offsets), ``seqlens_q``/``seqlens_k`` (host lengths); decode:
     ``min_ctx``/``max_ctx`` (host ints) and ``mirror`` (the step as the KV mirrors see it; None
-    with mirrors off). ``derived``: values every layer shares that depend on the cache geometry
+    with mirrors off). ``decodes``: in a mixed prefill step, the decode metadata of its leading
+    one-token sequences (decodes over their cache, run through the batched decode path; None
+    when there are fewer than two). ``derived``: values every layer shares that depend on the cache geometry
     (gather indices, key masks), computed by the first layer that needs them.
     """
 
@@ -55,6 +58,7 @@ class CPUAttentionMetadata(StepIndex):
     min_ctx: int = 0
     max_ctx: int = 0
     mirror: mirrors.MirrorStep | None = None
+    decodes: CPUAttentionMetadata | None = None
     derived: dict = field(default_factory=dict)
 
     def get(self, key: tuple, compute):
@@ -94,6 +98,12 @@ class CPUAttentionBackend(AttentionBackend):
         if is_prefill:
             self.continuity.prefill()
             m.cu_q, _, m.seqlens_q, m.seqlens_k = prefill_lengths(cu_seqlens_q, cu_seqlens_k, slot_mapping.shape[0])
+            nd = next((b for b, (lq, lk) in enumerate(zip(m.seqlens_q, m.seqlens_k)) if lq != 1 or lk < 2),
+                      len(m.seqlens_q))
+            if nd >= 2 and block_tables is not None:  # a mixed step's decodes, batched as in a decode step
+                lens = torch.tensor(m.seqlens_k[:nd], device=slot_mapping.device)
+                m.decodes = CPUAttentionMetadata(False, slot_mapping[:nd], block_tables[:nd], None, None, lens,
+                                                 min_ctx=min(m.seqlens_k[:nd]), max_ctx=max(m.seqlens_k[:nd]))
         else:
             if context_lens.numel():
                 m.min_ctx, m.max_ctx = (int(x) for x in torch.aminmax(context_lens))
@@ -146,8 +156,12 @@ class CPUAttentionBackend(AttentionBackend):
                 o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
             return o.transpose(1, 2).reshape(q.shape).contiguous()
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides
+        nd = 0
+        if attn.decodes is not None:  # the leading one-token sequences: one batched decode call
+            nd = attn.decodes.context_lens.shape[0]
+            out[:nd] = self.decode_attention(q[:nd], k_cache, v_cache, q_to_kv, scale, attn.decodes)
         for b, (lq, lk) in enumerate(zip(lqs, lks)):
-            if lq == 0:
+            if lq == 0 or b < nd:
                 continue
             s, e, p = cu_q[b], cu_q[b + 1], lk - lq
             # 4-D [1, H, L, D]: CPU SDPA's flash kernel (a 3-D call falls back to the math path)
