@@ -66,6 +66,12 @@ def jobs(models, chat_prompts, tp: int) -> list[dict]:
     pair("chunked", base(d, max_num_batched_tokens=16, enable_prefix_caching=False), requests=reqs)
     reqs = reqs + [["c0again", reqs[0][1], reqs[0][2]]]
     pair("chunked-cached", base(d, max_num_batched_tokens=16), requests=reqs)
+    # seeded sampling: a chunk draws nothing, so chunking, caching and preemption leave the tokens alone
+    seeded = [[f"r{i}", shared + rand(3 + i, 50 + i), {"temperature": 1.0, "seed": 100 + i, "max_tokens": 12,
+                                                        "ignore_eos": True}] for i in range(5)]
+    seeded.append(["r0twin", seeded[0][1], seeded[0][2]])
+    pair("seeded", base(d, max_num_batched_tokens=16, num_kv_blocks=24, max_model_len=64, max_num_seqs=6),
+         requests=seeded)
     if tp == 1:  # bfloat16: the half-precision paths (C decode kernel for a mixed step's decodes)
         out.append({"key": "chunked-bf16", "config": base(d, max_num_batched_tokens=16, dtype="bfloat16"),
                     "requests": reqs})
@@ -97,7 +103,7 @@ def results(models, chat_prompts, tmp_path_factory):
     return {tp: run_engine_jobs(tmp, tp, jobs(models, chat_prompts, tp), tag="-prefix") for tp in (1, 2)}
 
 
-CASES = ("shapes", "evict", "preempt", "chunked", "chunked-cached", "smollm2")
+CASES = ("shapes", "evict", "preempt", "chunked", "chunked-cached", "seeded", "smollm2")
 
 
 @pytest.mark.parametrize("tp", (1, 2))
@@ -172,3 +178,11 @@ def test_chunked_prefill_in_bfloat16_runs_every_request(results):
     assert all(o["error"] is None and len(o["token_ids"]) == 10 for o in out.values())
     assert out["c0again"]["num_cached_tokens"] == 36
     assert results[1]["chunked-bf16"]["stats"]["prefill_steps"] > 5
+
+
+@pytest.mark.parametrize("tp", (1, 2))
+def test_seeded_sampling_survives_chunks_cache_hits_and_preemption(results, tp):
+    on = by_id(results[tp]["seeded/on"])
+    assert results[tp]["seeded/on"]["stats"]["num_preemptions"] > 0
+    assert on["r0twin"]["token_ids"] == on["r0"]["token_ids"] and on["r0twin"]["num_cached_tokens"] == 16
+    assert len({tuple(o["token_ids"]) for o in on.values()}) == 5  # the others differ

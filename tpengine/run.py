@@ -240,7 +240,8 @@ def main(
     dtype: Annotated[str | None, _opt("--dtype", "auto (bf16 on CUDA), float32, bfloat16, float16")] = None,
     threads: Annotated[int | None, _opt("--threads", "intra-op threads per rank (default cores / tp)")] = None,
     max_num_batched_tokens: Annotated[int | None, _opt(
-        "--max-num-batched-tokens", "most tokens computed in one step; longer prompts are prefilled in chunks")] = None,
+        "--max-num-batched-tokens", "most tokens computed in one step (default 2048); longer prompts are "
+        "prefilled in chunks")] = None,
     enable_prefix_caching: Annotated[bool | None, typer.Option(
         "--enable-prefix-caching/--no-enable-prefix-caching",
         help="share the KV cache of prompt prefixes between requests (default on)")] = None,

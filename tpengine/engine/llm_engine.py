@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from tpengine.config import EngineConfig
 from tpengine.distributed import TPInfo, init_distributed
 from tpengine.engine.detokenizer import IncrementalDetokenizer
@@ -25,6 +27,7 @@ from tpengine.engine.sampling_params import SamplingParams
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.step import StepKind, StepPlan, broadcast_plan, build_plan
+from tpengine.errors import UserError
 from tpengine.plan import ShardPlan
 from tpengine.process import setup_process
 from tpengine.surgery import check_model_limits
@@ -99,7 +102,11 @@ class LLMEngine:
         started = time.perf_counter()
         hf_config = AutoConfig.from_pretrained(config.model)
         if config.max_model_len is None:  # as vLLM: the model's own context length
-            config = config.replace(max_model_len=int(getattr(hf_config, "max_position_embeddings", 2048)))
+            try:
+                config = config.replace(max_model_len=int(getattr(hf_config, "max_position_embeddings", 2048)))
+            except ValueError as e:  # a setting that does not fit the model's length: the user's to fix
+                raise UserError(f"{e} (max_model_len taken from the model's max_position_embeddings; "
+                                "pass --max-model-len to choose it)") from None
         check_model_limits(hf_config, config.max_model_len)  # UserError: settings this model cannot honour
         self.config = config
         self.tp: TPInfo = init_distributed(config.dist_timeout_s)
@@ -158,8 +165,16 @@ class LLMEngine:
         greedy = all(s.params.temperature == 0.0 for s in seqs)
         plan = broadcast_plan(build_plan(seqs, is_prefill, self.config.block_size, self._steps, greedy))
         out = self.runner.execute(plan)
-        tokens = out.tolist() if plan.greedy else self.sampler.sample(out, seqs)
-        sampled = [s.samples for s in seqs]  # False: a prefill chunk, its token is dropped
+        sampled = [s.samples for s in seqs]  # False: a prefill chunk, nothing to sample
+        if plan.greedy:
+            tokens = out.tolist()
+        else:  # only the rows that sample draw from their generators (seeded output is chunking-proof)
+            rows = [i for i, ok in enumerate(sampled) if ok]
+            tokens = [0] * len(seqs)
+            if rows:
+                picked = out if len(rows) == len(seqs) else out.index_select(0, torch.tensor(rows, device=out.device))
+                for i, tok in zip(rows, self.sampler.sample(picked, [seqs[i] for i in rows])):
+                    tokens[i] = tok
         self._steps += 1
         self._prefill_steps += is_prefill
         self._computed_tokens += int(plan.input_ids.numel())

@@ -13,6 +13,7 @@ from tpengine.context import Context
 from tpengine.distributed import TPInfo, all_reduce_min
 from tpengine.engine.cuda_graphs import CUDAGraphRunner
 from tpengine.engine.step import StepKind, StepPlan
+from tpengine.errors import UserError
 from tpengine.kernels import get_backend
 from tpengine.loader import load_model
 from tpengine.memory import lazy_zeros
@@ -32,7 +33,8 @@ class ModelRunner:
     ``enforce_eager``, decode steps replay CUDA graphs (:mod:`tpengine.engine.cuda_graphs`).
 
     Raises:
-        ValueError: the KV budget holds less than one block per sequence of max_model_len.
+        tpengine.errors.UserError: the KV budget holds fewer blocks than one sequence of
+            max_model_len needs.
     """
 
     def __init__(self, config: EngineConfig, tp: TPInfo):
@@ -108,7 +110,7 @@ class ModelRunner:
         blocks = int(budget // per_block)
         need = cdiv(c.max_model_len, c.block_size)
         if blocks < need:
-            raise ValueError(f"KV cache budget gives {blocks} blocks of {c.block_size} tokens, fewer than the "
+            raise UserError(f"KV cache budget gives {blocks} blocks of {c.block_size} tokens, fewer than the "
                              f"{need} one max_model_len={c.max_model_len} sequence needs; raise kv_cache_gb "
                              f"(now {c.kv_cache_gb}) or lower max_model_len")
         return blocks
