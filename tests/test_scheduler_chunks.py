@@ -111,3 +111,14 @@ def test_without_chunked_prefill_a_prompt_runs_whole():
     sched.add(s)
     batch, pre, _ = step(sched)
     assert pre and batch == [s] and s.num_completion_tokens == 1
+
+
+def test_caching_off_admits_identical_prompts_together():
+    """Without prefix caching nothing is waited for: identical prompts are prefilled in one step."""
+    sched = Scheduler(cfg(enable_prefix_caching=False), 64, EOS)
+    seqs = [Sequence(i, f"r{i}", list(range(100, 112)), SamplingParams(max_tokens=2)) for i in range(3)]
+    [sched.add(s) for s in seqs]
+    batch, pre, _ = step(sched)
+    assert pre and batch == seqs and all(s.num_prefix_cached_tokens == 0 for s in seqs)
+    drain(sched)
+    assert sched.stats().num_cached_blocks == 0

@@ -199,7 +199,7 @@ class Scheduler:
             seq = self.waiting[0]
             hits = bm.match(seq)
             hashes = bm.hashes(seq) if bm.enable_prefix_caching else []
-            if len(hits) < (seq.num_tokens - 1) // self.block_size and hashes[len(hits)] in pending:
+            if hashes and len(hits) < (seq.num_tokens - 1) // self.block_size and hashes[len(hits)] in pending:
                 break  # its next block could be a hit one step later
             new_tokens = seq.num_tokens - len(hits) * self.block_size
             if new_tokens > budget and not self.chunked_prefill or not bm.can_allocate(seq):
