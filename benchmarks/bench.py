@@ -113,24 +113,30 @@ class Worker:
         self.log.close()
 
 
+def worker_args(hf: bool, tp: int, model: str, dtype: str, cores: int, num_seqs: int, max_len: int,
+                hf_batch_size: int, hf_attn: str, engine_args: tuple[str, ...] = ()) -> list[str]:
+    """The :mod:`benchmarks.bench_worker` arguments of HF generate (``hf``; all ``cores``) or of the
+    engine at ``tp`` (cores / tp threads per rank, ``num_seqs`` sequences of up to ``max_len``
+    tokens, KV blocks of 16 for all of them at once, then ``engine_args``)."""
+    common = ["--model", model, "--dtype", dtype]
+    if hf:
+        return common + ["--system", "hf", "--threads", str(cores), "--hf-batch-size", str(hf_batch_size),
+                         "--hf-attn", hf_attn]
+    blocks = num_seqs * cdiv(max_len, 16) + 4
+    return common + ["--system", "engine", "--max-num-seqs", str(num_seqs), "--max-model-len", str(max_len),
+                     "--num-kv-blocks", str(blocks), "--threads", str(max(1, cores // tp)), *engine_args]
+
+
 def run_dtype(dtype: str, systems: list[str], model: str, cores: int, prompts, lat_prompt, output_len: int,
               lat_output_len: int, rounds: int, hf_batch_size: int, hf_attn: str, logdir: Path, echo) -> dict:
     """Start every system for ``dtype`` (loading in parallel), alternate the measurements,
     return ``{system: {"threads", "load_s", "throughput": [runs], "latency": [runs]}}``."""
     max_len = max(max(map(len, prompts)) + output_len, len(lat_prompt) + lat_output_len)
-    common = ["--model", model, "--dtype", dtype]
     workers: dict[str, Worker] = {}
     try:
         for s in systems:
-            if s == "hf":
-                args = common + ["--system", "hf", "--threads", str(cores), "--hf-batch-size", str(hf_batch_size),
-                                 "--hf-attn", hf_attn]
-                tp = 1
-            else:
-                tp = int(s.removeprefix("tp"))
-                blocks = len(prompts) * cdiv(max_len, 16) + 4
-                args = common + ["--system", "engine", "--max-num-seqs", str(len(prompts)), "--max-model-len",
-                                 str(max_len), "--num-kv-blocks", str(blocks), "--threads", str(max(1, cores // tp))]
+            tp = 1 if s == "hf" else int(s.removeprefix("tp"))
+            args = worker_args(s == "hf", tp, model, dtype, cores, len(prompts), max_len, hf_batch_size, hf_attn)
             workers[s] = Worker(f"{s}/{dtype}", args, tp, logdir / f"{s}-{dtype}.log")
         results = {}
         for s, w in workers.items():

@@ -30,7 +30,7 @@ Commands (all greedy; every request makes exactly ``output_len`` tokens):
   again, outside any measurement) and warm it up, also on the ``warmup`` prompts (2 tokens each).
 * ``{"cmd": "quit"}`` (or end of stdin).
 
-Every engine command starts from an empty prefix cache (:meth:`EngineSystem.reset_prefix_cache`),
+Every engine command starts from an empty prefix cache (:meth:`LLMEngine.reset_prefix_cache`),
 so rounds that repeat the same prompts measure the same work.
 """
 
@@ -188,11 +188,6 @@ class EngineSystem:
         return {"load_s": time.perf_counter() - t0,
                 "max_num_batched_tokens": self.engine.config.max_num_batched_tokens}
 
-    def reset_prefix_cache(self) -> None:
-        """Rank 0: an empty prefix cache (:meth:`LLMEngine.reset_prefix_cache`), so a command does
-        not reuse blocks cached by an earlier one."""
-        self.engine.reset_prefix_cache()
-
     def _run(self, prompts: list[list[int]], n: int):
         from tpengine.engine.sampling_params import SamplingParams
 
@@ -204,7 +199,7 @@ class EngineSystem:
         return outs
 
     def throughput(self, prompts: list[list[int]], n: int) -> dict:
-        self.reset_prefix_cache()
+        self.engine.reset_prefix_cache()  # no blocks cached by an earlier command
         before = self.engine.stats() if self.tp.is_driver else None
         t0 = time.perf_counter()
         outs = self._run(prompts, n)
@@ -226,7 +221,7 @@ class EngineSystem:
                 "computed_tokens": s.computed_tokens - before.computed_tokens}
 
     def latency(self, prompt: list[int], n: int) -> dict:
-        self.reset_prefix_cache()
+        self.engine.reset_prefix_cache()  # no blocks cached by an earlier command
         outs = self._run([prompt], n)
         return {"ttft_s": outs[0].ttft_s, "latency_s": outs[0].latency_s} if outs else {}
 
@@ -255,7 +250,7 @@ class EngineSystem:
             raise ValueError(f"interference runs at tp=1 only, not tp={self.tp.size}")
         if not 1 <= start_after < running_output_len:
             raise ValueError(f"start_after={start_after} must be in [1, running_output_len={running_output_len})")
-        self.reset_prefix_cache()
+        self.engine.reset_prefix_cache()  # no blocks cached by an earlier command
         e = self.engine
         before = e.stats()
         run = SamplingParams(temperature=0.0, max_tokens=running_output_len, ignore_eos=True)

@@ -30,9 +30,8 @@ from typing import Annotated
 import typer
 
 from benchmarks import emit
-from benchmarks.bench import Worker, cpu_cores, machine_info, random_prompts
+from benchmarks.bench import Worker, cpu_cores, machine_info, random_prompts, worker_args
 from tpengine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MODEL_DIR
-from tpengine.utils import cdiv
 
 app = typer.Typer(add_completion=False)
 
@@ -102,22 +101,15 @@ def run_systems(systems: list[str], model: str, dtype: str, cores: int, prompts:
     """Start every system (loading in parallel), alternate the throughput runs, return
     ``{system: {"threads", "load_s", "throughput": [runs]}}``."""
     max_len = max(map(len, prompts)) + output_len
-    common = ["--model", model, "--dtype", dtype]
     workers: dict[str, Worker] = {}
     try:
         for s in systems:
-            if s == "hf":
-                args = common + ["--system", "hf", "--threads", str(cores), "--hf-batch-size", str(hf_batch_size),
-                                 "--hf-attn", hf_attn]
-                tp = 1
-            else:
-                tp_s, mode = s.removeprefix("tp").split("-")
-                tp = int(tp_s)
-                blocks = len(prompts) * cdiv(max_len, 16) + 4  # room for all, even without sharing
-                args = common + ["--system", "engine", "--max-num-seqs", str(len(prompts)), "--max-model-len",
-                                 str(max_len), "--num-kv-blocks", str(blocks), "--threads", str(max(1, cores // tp)),
-                                 "--max-num-batched-tokens", str(max_num_batched_tokens),
-                                 "--enable-prefix-caching" if mode == "cache" else "--no-enable-prefix-caching"]
+            tp_s, _, mode = s.removeprefix("tp").partition("-")  # "hf", "tp1-cache", "tp2-nocache", ...
+            tp = 1 if s == "hf" else int(tp_s)
+            engine = ("--max-num-batched-tokens", str(max_num_batched_tokens),
+                      "--enable-prefix-caching" if mode == "cache" else "--no-enable-prefix-caching")
+            args = worker_args(s == "hf", tp, model, dtype, cores, len(prompts), max_len, hf_batch_size, hf_attn,
+                               engine)  # blocks for all at once, even without sharing
             workers[s] = Worker(s, args, tp, logdir / f"{s}.log")
         runs = {}
         for s, w in workers.items():

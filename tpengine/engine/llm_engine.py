@@ -166,15 +166,7 @@ class LLMEngine:
         plan = broadcast_plan(build_plan(seqs, is_prefill, self.config.block_size, self._steps, greedy))
         out = self.runner.execute(plan)
         sampled = [s.samples for s in seqs]  # False: a prefill chunk, nothing to sample
-        if plan.greedy:
-            tokens = out.tolist()
-        else:  # only the rows that sample draw from their generators (seeded output is chunking-proof)
-            rows = [i for i, ok in enumerate(sampled) if ok]
-            tokens = [0] * len(seqs)
-            if rows:
-                picked = out if len(rows) == len(seqs) else out.index_select(0, torch.tensor(rows, device=out.device))
-                for i, tok in zip(rows, self.sampler.sample(picked, [seqs[i] for i in rows])):
-                    tokens[i] = tok
+        tokens = out.tolist() if plan.greedy else self._sample(out, seqs, sampled)
         self._steps += 1
         self._prefill_steps += is_prefill
         self._computed_tokens += int(plan.input_ids.numel())
@@ -182,6 +174,19 @@ class LLMEngine:
         stopped = [ok and self._detokenize(seq, tok) for seq, tok, ok in zip(seqs, tokens, sampled)]
         finished = self.scheduler.postprocess(seqs, tokens, stopped)
         return done + [self._output(s) for s in finished]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], sampled: list[bool]) -> list[int]:
+        """One token per sequence from ``logits [B, V]``; only the rows with ``sampled`` draw from their
+        generators (a prefill chunk's row gets 0 and draws nothing, so seeded output does not depend
+        on chunking, cache hits or preemption)."""
+        rows = [i for i, ok in enumerate(sampled) if ok]
+        tokens = [0] * len(seqs)
+        if rows:
+            picked = logits if len(rows) == len(seqs) else logits.index_select(
+                0, torch.tensor(rows, device=logits.device))
+            for i, tok in zip(rows, self.sampler.sample(picked, [seqs[i] for i in rows])):
+                tokens[i] = tok
+        return tokens
 
     def _detokenize(self, seq: Sequence, token_id: int) -> bool:
         """Feed ``token_id`` to ``seq``'s detokenizer; True when a stop string matched. A token
