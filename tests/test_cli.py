@@ -276,8 +276,8 @@ class FakeEngine:
 
 
 def test_skip_invalid_error_records_never_share_an_id_and_resume(tmp_path):
+    from tpengine.frontend.job import drive
     from tpengine.frontend.requests import parse_requests
-    from tpengine.run import drive
 
     prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}])
     with open(prompts, "a") as fh:
@@ -309,8 +309,8 @@ def test_skip_invalid_error_records_never_share_an_id_and_resume(tmp_path):
 
 
 def test_duplicate_custom_id_error_record():
+    from tpengine.frontend.job import error_records as _error_records
     from tpengine.frontend.requests import parse_lines
-    from tpengine.run import _error_records
 
     line = {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}
     requests, errors = parse_lines([json.dumps(line), json.dumps(line), json.dumps({**line, "body": {}})])

@@ -19,8 +19,6 @@ from __future__ import annotations
 import os
 import sys
 import tomllib
-from collections import defaultdict
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -28,23 +26,12 @@ import typer
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from tpengine.config import EngineConfig, load_config
-from tpengine.engine.outputs import RequestOutput
 from tpengine.engine.sampling_params import SAMPLING_KEYS, SamplingParams
 from tpengine.errors import UserError
-from tpengine.frontend.output import (
-    OutputWriter,
-    error_record,
-    make_record,
-    openai_error_record,
-    read_done,
-)
-from tpengine.frontend.progress import ProgressReporter
+from tpengine.frontend.job import drive
+from tpengine.frontend.output import OutputWriter
 from tpengine.frontend.requests import (
-    ParsedRequest,
-    RequestError,
-    RequestValidationError,
     parse_requests,
-    to_token_ids,
 )
 from tpengine.memory import gather_peak_rss
 
@@ -80,37 +67,6 @@ def sampling_defaults(config_path: str | os.PathLike | None, **cli: Any) -> dict
     return values
 
 
-def _error_records(errors: list[RequestError], taken: Iterable[str] = ()) -> list[tuple[int, dict]]:
-    """One (line, record) per invalid line; several problems on a line are joined.
-
-    ``taken``: the ids of the valid requests. An error record never shares its id with another
-    record: when the line's id is taken (a duplicate id, or the default line-number id of an
-    unparseable line that a valid request uses explicitly) or already used by an earlier error
-    record, the record's id (``custom_id`` for OpenAI Batch lines) is ``"<id>#line<N>"`` (or
-    ``"<id>#line<N>#2"``, ``#3``, ... if a request uses that id too).
-    """
-    by_line: dict[int, list[RequestError]] = defaultdict(list)
-    for e in errors:
-        by_line[e.line].append(e)
-    out = []
-    used = set(taken)
-    for line, errs in sorted(by_line.items()):
-        first = errs[0]
-        rid = first.id if first.id is not None else str(line - 1)
-        if rid in used:
-            base = rid = f"{rid}#line{line}"
-            k = 1
-            while rid in used:  # a request may carry that very id: "<id>#line<N>#2", ...
-                k += 1
-                rid = f"{base}#{k}"
-        used.add(rid)
-        msg = "; ".join((f"{e.field}: " if e.field else "") + e.message for e in errs)
-        rec = (error_record(rid, msg, first.field, line) if first.format == "simple"
-               else openai_error_record(rid, line, msg, first.field))
-        out.append((line, rec))
-    return out
-
-
 def prepare(prompts: Path, out: Path | None, config: Path | None, resume: bool, skip_invalid: bool,
             sampling_cli: dict[str, Any], engine_cli: dict[str, Any], world_size: int):
     """Everything before the model loads, identical on every rank: (EngineConfig, requests,
@@ -142,47 +98,6 @@ def prepare(prompts: Path, out: Path | None, config: Path | None, resume: bool, 
     if not Path(cfg.model).is_dir():
         raise UserError(f"model folder {cfg.model!r} does not exist (run `make model`, or pass --model)")
     return cfg, requests, errors, model_name
-
-
-def drive(engine, cfg: EngineConfig, requests: list[ParsedRequest], errors: list[RequestError],
-          out: Path | None, resume: bool, model_name: str) -> dict[str, Any]:
-    """Rank 0: skip done ids, tokenize, run, write each record as it finishes; return the summary.
-    ``engine`` is None when there is no valid request: only the error records are written."""
-    done, done_lines = read_done(out) if resume else (set(), set())
-    todo = [r for r in requests if r.id not in done]
-    bad = [(n, rec) for n, rec in _error_records(errors, {r.id for r in requests}) if n not in done_lines]
-    progress = ProgressReporter(total=len(todo) + len(bad))
-    by_id = {r.id: r for r in todo}
-    written: set[str] = set()
-    with OutputWriter(out, append=resume) as writer:
-        for _, rec in bad:
-            writer.write(rec)
-            progress.add_errors()
-
-        def on_output(o: RequestOutput) -> None:
-            if o.request_id in written:
-                return
-            written.add(o.request_id)
-            writer.write(make_record(by_id.get(o.request_id), o, model_name))
-            progress.on_output(o)
-
-        try:
-            if engine is not None:
-                tok = engine.tokenizer
-                vocab = engine.vocab_size  # the model's (maybe > len(tokenizer))
-                batch = []
-                for r in todo:
-                    try:
-                        batch.append((r.id, to_token_ids(r, tok, vocab), r.params))
-                    except RequestValidationError as e:
-                        on_output(RequestOutput(r.id, [], error=str(e), error_field=e.field))
-                results = engine.generate(batch, on_output=on_output, on_step=progress.on_step)
-                for o in results or []:  # in case an output was not reported through on_output
-                    on_output(o)
-                progress.peak_rss = gather_peak_rss()  # every rank calls it after generate
-        finally:
-            progress.close()
-    return progress.print_summary()
 
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
