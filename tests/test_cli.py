@@ -278,6 +278,7 @@ class FakeEngine:
 def test_skip_invalid_error_records_never_share_an_id_and_resume(tmp_path):
     from tpengine.frontend.job import drive
     from tpengine.frontend.requests import parse_requests
+    from tpengine.frontend.writer import OutputWriter, read_done
 
     prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}])
     with open(prompts, "a") as fh:
@@ -286,7 +287,7 @@ def test_skip_invalid_error_records_never_share_an_id_and_resume(tmp_path):
     assert [r.id for r in requests] == ["a", "b", "3"]
     out = tmp_path / "out.jsonl"
     with pytest.raises(RuntimeError, match="killed"):  # killed before any request finished
-        drive(FakeEngine(crash_after=0), None, requests, errors, out, False, "m")
+        drive(FakeEngine(crash_after=0), requests, errors, OutputWriter(out), (set(), set()), "m")
     invalid = [
         {"id": "a#line3", "error": {"message": "id: duplicate id 'a' (first on line 1)", "field": "id", "line": 3}},
         {"id": "3#line4", "error": {"message": "invalid JSON: Expecting property name enclosed in double quotes "
@@ -300,11 +301,12 @@ def test_skip_invalid_error_records_never_share_an_id_and_resume(tmp_path):
                 "metrics": {"ttft_s": 0.25, "latency_s": 0.5}}
 
     # --resume: the error record for line 3 does not count as request "a" done
-    drive(FakeEngine(), None, requests, errors, out, True, "m")
+    drive(FakeEngine(), requests, errors, OutputWriter(out, append=True), read_done(out), "m")
     final = [*invalid, ok("a", "x"), ok("b", "y"), ok("3", "w")]
     assert [json.loads(x) for x in out.read_text().splitlines()] == final
     assert records(out).keys() == {"a#line3", "3#line4", "a", "b", "3"}
-    drive(FakeEngine(), None, requests, errors, out, True, "m")  # all done: nothing added
+    # all done: nothing added
+    drive(FakeEngine(), requests, errors, OutputWriter(out, append=True), read_done(out), "m")
     assert [json.loads(x) for x in out.read_text().splitlines()] == final
 
 

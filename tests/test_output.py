@@ -8,16 +8,10 @@ import json
 import pytest
 
 from tpengine.engine.outputs import RequestOutput
-from tpengine.frontend.output import (
-    OutputWriter,
-    error_record,
-    make_record,
-    openai_error_record,
-    read_done,
-    simple_record,
-)
+from tpengine.frontend.output import error_record, make_record, openai_error_record, simple_record
 from tpengine.frontend.progress import ProgressReporter, percentile
 from tpengine.frontend.requests import parse_lines
+from tpengine.frontend.writer import OutputWriter, read_done
 
 
 def ok_out(rid="a", n=3):

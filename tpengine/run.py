@@ -29,10 +29,10 @@ from tpengine.config import EngineConfig, load_config
 from tpengine.engine.sampling_params import SAMPLING_KEYS, SamplingParams
 from tpengine.errors import UserError
 from tpengine.frontend.job import drive
-from tpengine.frontend.output import OutputWriter
 from tpengine.frontend.requests import (
     parse_requests,
 )
+from tpengine.frontend.writer import OutputWriter, read_done
 from tpengine.memory import gather_peak_rss
 
 
@@ -107,6 +107,11 @@ def _opt(name: str, help: str = "") -> Any:
     return typer.Option(name, help=help)
 
 
+def _out_file(out: Path | None, resume: bool) -> tuple[OutputWriter, tuple[set[str], set[int]]]:
+    done = read_done(out) if resume else (set(), set())
+    return OutputWriter(out, append=resume), done
+
+
 @record
 def run_engine(cfg: EngineConfig, requests, errors, out: Path | None, resume: bool, model_name: str) -> int:
     """Every rank: build the engine and run; rank 0 drives and writes; every rank reports its
@@ -128,7 +133,7 @@ def run_engine(cfg: EngineConfig, requests, errors, out: Path | None, resume: bo
         print(f"[tpengine rank {rank}/{world}] failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 2
     if engine.is_driver:
-        drive(engine, cfg, requests, errors, out, resume, model_name)
+        drive(engine, requests, errors, *_out_file(out, resume), model_name)
     else:
         engine.generate([])
         gather_peak_rss()
@@ -185,7 +190,7 @@ def main(
                     lines = len({e.line for e in errors})
                     print(f"no valid requests in {prompts}: writing {lines} error record(s), no model loaded",
                           file=sys.stderr)
-                    drive(None, cfg, requests, errors, out, resume, model_name)
+                    drive(None, requests, errors, *_out_file(out, resume), model_name)
                 else:
                     OutputWriter(out, append=resume).close()  # an empty --out (kept as is with --resume)
                     print(f"no requests in {prompts}: nothing to do", file=sys.stderr)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
-from tpengine.config import EngineConfig
 from tpengine.engine.outputs import RequestOutput
-from tpengine.frontend.output import OutputWriter, error_record, make_record, openai_error_record, read_done
+from tpengine.frontend.output import error_record, make_record, openai_error_record
 from tpengine.frontend.progress import ProgressReporter
 from tpengine.frontend.requests import ParsedRequest, RequestError, RequestValidationError, to_token_ids
+from tpengine.frontend.writer import OutputWriter
 from tpengine.memory import gather_peak_rss
 
 
@@ -46,17 +45,18 @@ def error_records(errors: list[RequestError], taken: Iterable[str] = ()) -> list
     return out
 
 
-def drive(engine, cfg: EngineConfig, requests: list[ParsedRequest], errors: list[RequestError],
-          out: Path | None, resume: bool, model_name: str) -> dict[str, Any]:
-    """Rank 0: skip done ids, tokenize, run, write each record as it finishes; return the summary.
+def drive(engine, requests: list[ParsedRequest], errors: list[RequestError], writer: OutputWriter,
+          done: tuple[set[str], set[int]], model_name: str) -> dict[str, Any]:
+    """Rank 0: skip ``done`` (ids, invalid-line numbers: ``read_done`` of ``--out`` with ``--resume``),
+    tokenize, run, write each record through ``writer`` as it finishes (closing it); return the summary.
     ``engine`` is None when there is no valid request: only the error records are written."""
-    done, done_lines = read_done(out) if resume else (set(), set())
+    done, done_lines = done
     todo = [r for r in requests if r.id not in done]
     bad = [(n, rec) for n, rec in error_records(errors, {r.id for r in requests}) if n not in done_lines]
     progress = ProgressReporter(total=len(todo) + len(bad))
     by_id = {r.id: r for r in todo}
     written: set[str] = set()
-    with OutputWriter(out, append=resume) as writer:
+    with writer:
         for _, rec in bad:
             writer.write(rec)
             progress.add_errors()

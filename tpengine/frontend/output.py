@@ -1,4 +1,4 @@
-"""Output records (one JSON line per request), the append-and-flush writer, and ``--resume``.
+"""Output records: one JSON line per request, in the shape its request came in.
 
 Record shapes:
 
@@ -16,13 +16,8 @@ Record shapes:
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
-from typing import Any, BinaryIO
-
-from typing_extensions import Self
+from typing import Any
 
 from tpengine.engine.outputs import RequestOutput
 from tpengine.frontend.requests import ParsedRequest
@@ -114,41 +109,6 @@ def record_id(record: dict[str, Any]) -> str | None:
     return rid if isinstance(rid, str) else None
 
 
-class OutputWriter:
-    """Writes one JSON line per finished request and flushes it at once, so a crash loses no
-    finished work. ``path`` None writes to this process's stdout (rank 0's).
-
-    ``append``: keep existing lines (``--resume``); otherwise the file is truncated.
-
-    Raises:
-        OSError: the file cannot be opened.
-    """
-
-    def __init__(self, path: str | os.PathLike | None, append: bool = False) -> None:
-        self.path = path
-        self.count = 0
-        mode = "ab" if append else "wb"
-        self._fh: BinaryIO = sys.stdout.buffer if path is None else open(path, mode)  # noqa: SIM115
-
-    def write(self, record: dict[str, Any]) -> None:
-        """Append ``record`` as one line (UTF-8 JSON) and flush."""
-        self._fh.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
-        self._fh.flush()
-        self.count += 1
-
-    def close(self) -> None:
-        """Flush; close the file (stdout stays open)."""
-        self._fh.flush()
-        if self.path is not None:
-            self._fh.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 def is_validation_error(record: dict[str, Any]) -> int | None:
     """The line number if ``record`` reports an invalid request line (written before the run:
     a simple error with "line", or an OpenAI error with code "invalid_request"), else None."""
@@ -158,37 +118,3 @@ def is_validation_error(record: dict[str, Any]) -> int | None:
     if "custom_id" in record and err.get("code") != "invalid_request":
         return None
     return err["line"]
-
-
-def read_done(path: str | os.PathLike, repair: bool = True) -> tuple[set[str], set[int]]:
-    """What an output file already holds, for ``--resume``: (ids of requests that ran or failed
-    at run time, line numbers of invalid-line error records).
-
-    Invalid-line records do not count as done ids, so a valid request that shares an id with a
-    rejected duplicate line still runs. A missing file gives empty sets. A truncated last line
-    (no trailing newline: a write cut by a crash) is ignored and, with ``repair``, cut off the
-    file so new lines append cleanly. Complete lines that are not JSON objects are skipped.
-    """
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except FileNotFoundError:
-        return set(), set()
-    end = data.rfind(b"\n") + 1
-    if repair and end < len(data):
-        with open(path, "r+b") as fh:
-            fh.truncate(end)
-    done, bad_lines = set(), set()
-    for line in data[:end].split(b"\n"):
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(rec, dict):
-            continue
-        if (n := is_validation_error(rec)) is not None:
-            bad_lines.add(n)
-        elif (rid := record_id(rec)) is not None:
-            done.add(rid)
-    return done, bad_lines
-
