@@ -80,6 +80,14 @@ def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
     return ids
 
 
+def failed_output(request_id: str, prompt_token_ids: list[int], stage: str, exc: Exception) -> RequestOutput:
+    """The error output of a request whose content raised ``exc`` while ``stage`` ("tokenizing",
+    "scheduling", "sampling", "detokenizing"); the one line also goes to stderr."""
+    msg = f"{stage} failed: {type(exc).__name__}: {exc}"
+    print(f"[tpengine] request {request_id!r}: {msg}", file=sys.stderr, flush=True)
+    return RequestOutput(request_id, prompt_token_ids, error=msg)
+
+
 class LLMEngine:
     """The engine on one rank.
 
@@ -138,19 +146,21 @@ class LLMEngine:
     # ------------------------------------------------------------------ driver API
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request (rank 0). One that cannot run (too long for max_model_len or the
-        KV cache, empty, ids outside the vocabulary) becomes an error output of the next step."""
+        KV cache, empty, ids outside the vocabulary) becomes an error output of the next step,
+        and so does any other exception its content raises here: no request ends the engine."""
         vocab = self.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        seq = Sequence(self._next_id, request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
-        self._next_id += 1
         try:
+            bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+            seq = Sequence(self._next_id, request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
+            self._next_id += 1
             if bad:
                 raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
             self.scheduler.add(seq)
+            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         except ValueError as e:
             self._pending.append(RequestOutput(request_id, list(prompt_token_ids), error=str(e), error_field="prompt"))
-            return
-        self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+        except Exception as e:  # noqa: BLE001 -- one request's failure is its own error output
+            self._pending.append(failed_output(request_id, list(prompt_token_ids), "scheduling", e))
 
     def has_unfinished(self) -> bool:
         return bool(self._pending) or self.scheduler.has_unfinished
@@ -166,26 +176,43 @@ class LLMEngine:
         plan = broadcast_plan(build_plan(seqs, is_prefill, self.config.block_size, self._steps, greedy))
         out = self.runner.execute(plan)
         sampled = [s.samples for s in seqs]  # False: a prefill chunk, nothing to sample
-        tokens = out.tolist() if plan.greedy else self._sample(out, seqs, sampled)
+        failed: dict[int, tuple[str, Exception]] = {}
+        tokens = out.tolist() if plan.greedy else self._sample(out, seqs, sampled, failed)
         self._steps += 1
         self._prefill_steps += is_prefill
         self._computed_tokens += int(plan.input_ids.numel())
         self._output_tokens += sum(sampled)
-        stopped = [ok and self._detokenize(seq, tok) for seq, tok, ok in zip(seqs, tokens, sampled)]
-        finished = self.scheduler.postprocess(seqs, tokens, stopped)
-        return done + [self._output(s) for s in finished]
+        stopped = []
+        for i, (seq, tok, ok) in enumerate(zip(seqs, tokens, sampled)):
+            try:
+                stopped.append(i not in failed and ok and self._detokenize(seq, tok))
+            except Exception as e:  # noqa: BLE001 -- this request's own failure
+                failed[i] = ("detokenizing", e)
+                stopped.append(False)
+        for i, (stage, e) in sorted(failed.items()):
+            done.append(self._fail(seqs[i], stage, e))  # finished now: postprocess skips it
+        for seq in self.scheduler.postprocess(seqs, tokens, stopped):
+            try:
+                done.append(self._output(seq))
+            except Exception as e:  # noqa: BLE001
+                done.append(self._fail(seq, "detokenizing", e))
+        return done
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], sampled: list[bool]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], sampled: list[bool],
+                failed: dict[int, tuple[str, Exception]]) -> list[int]:
         """One token per sequence from ``logits [B, V]``; only the rows with ``sampled`` draw from their
         generators (a prefill chunk's row gets 0 and draws nothing, so seeded output does not depend
-        on chunking, cache hits or preemption)."""
+        on chunking, cache hits or preemption). A row whose sampling raises is entered in ``failed``
+        (row -> ("sampling", exception)) and gets 0; the other rows are sampled as if it had not."""
         rows = [i for i, ok in enumerate(sampled) if ok]
         tokens = [0] * len(seqs)
         if rows:
             picked = logits if len(rows) == len(seqs) else logits.index_select(
                 0, torch.tensor(rows, device=logits.device))
-            for i, tok in zip(rows, self.sampler.sample(picked, [seqs[i] for i in rows])):
+            errors: dict[int, Exception] = {}
+            for i, tok in zip(rows, self.sampler.sample(picked, [seqs[i] for i in rows], errors)):
                 tokens[i] = tok
+            failed.update({rows[j]: ("sampling", e) for j, e in errors.items()})
         return tokens
 
     def _detokenize(self, seq: Sequence, token_id: int) -> bool:
@@ -210,6 +237,12 @@ class LLMEngine:
             latency_s=(seq.finish_time or time.monotonic()) - t0,
         )
 
+    def _fail(self, seq: Sequence, stage: str, exc: Exception) -> RequestOutput:
+        """End ``seq`` (its blocks freed) with the error output of ``exc`` raised while ``stage``."""
+        self.scheduler.finish(seq, "abort")
+        self._detok.pop(seq.seq_id, None)
+        return failed_output(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], stage, exc)
+
     def reset_prefix_cache(self) -> int:
         """Rank 0: forget every cached prefix, so later requests compute their prompts again (as
         vLLM's ``LLM.reset_prefix_cache``; e.g. between benchmark rounds). Returns the number of
@@ -228,20 +261,34 @@ class LLMEngine:
     def generate(self, requests: Iterable[tuple[str, list[int], SamplingParams]],
                  on_output: Callable[[RequestOutput], None] | None = None,
                  on_step: Callable[[EngineStats], None] | None = None) -> list[RequestOutput]:
-        """Run ``requests`` to completion; every rank calls this. Rank 0 returns the outputs in
-        finishing order (``on_output`` called as each finishes, ``on_step`` after each step) and
-        then broadcasts STOP; other ranks ignore ``requests``, follow the broadcasts and return []."""
+        """Run ``requests`` to completion; every rank calls this. Other ranks ignore ``requests``,
+        follow rank 0's broadcasts until STOP and return [].
+
+        Rank 0 takes requests from the iterable lazily, as the waiting queue drains (at most
+        ``2 * max_num_seqs`` waiting), so a generator of any length is never held at once. Without
+        ``on_output`` it returns every output in finishing order; with it, each output is handed to
+        ``on_output`` as it finishes and not kept (returns []). ``on_step`` gets the stats after each
+        step. Then it broadcasts STOP."""
         if not self.is_driver:
             self._follow()
             return []
-        for rid, ids, params in requests:
-            self.add_request(rid, ids, params)
+        source = iter(requests)
+        lookahead = 2 * self.config.max_num_seqs
         outputs: list[RequestOutput] = []
-        while self.has_unfinished():
+        while True:
+            while source is not None and len(self.scheduler.waiting) + len(self._pending) < lookahead:
+                item = next(source, None)
+                if item is None:
+                    source = None
+                    break
+                self.add_request(*item)
+            if not self.has_unfinished():
+                break
             for out in self.step():
-                outputs.append(out)
                 if on_output:
                     on_output(out)
+                else:
+                    outputs.append(out)
             if on_step:
                 on_step(self.stats())
         broadcast_plan(StepPlan(kind=StepKind.STOP, step=self._steps))

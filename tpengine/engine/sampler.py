@@ -82,7 +82,8 @@ class Sampler:
         return seq.generator
 
     @torch.no_grad()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               errors: dict[int, Exception] | None = None) -> list[int]:
         """Sample one token id per row.
 
         Args:
@@ -90,6 +91,10 @@ class Sampler:
                 real vocabulary (the LM head drops the padding columns, so a padded id is never
                 sampled).
             seqs: the sequences (their ``params`` and generators are used).
+            errors: when given, a row whose sampling raises (e.g. a temperature so small that
+                ``logits / temperature`` overflows to inf) is entered here (row -> exception) and
+                gets token 0, and the other rows are sampled as usual; when None, it raises. A
+                failing row draws nothing from its generator.
 
         Greedy rows (temperature 0) take the argmax, all in one op. Other rows: logits /
         temperature, then top-k, top-p, min-p, then ``torch.multinomial`` with the sequence's
@@ -114,19 +119,28 @@ class Sampler:
             for i, tok in zip(greedy, logits.index_select(0, rows).argmax(dim=-1).tolist()):
                 out[i] = tok
         for i, seq in enumerate(seqs):
-            p = seq.params
-            if p.temperature == 0.0:
+            if seq.params.temperature == 0.0:
                 continue
-            row = logits[i] / p.temperature
-            row = apply_top_k(row, p.top_k)
-            row = apply_top_p(row, p.top_p)
-            row = apply_min_p(row, p.min_p)
-            probs = torch.softmax(row, dim=-1)
-            if p.seed is None:
-                gen = self._default_generator(probs.device)
-            else:
-                gen = self._seq_generator(seq, probs.device)
-                if gen.device != probs.device:
-                    probs = probs.to(gen.device)
-            out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
+            try:
+                out[i] = self._sample_row(logits[i], seq)
+            except Exception as e:  # noqa: BLE001 -- one request's failure, handed to the caller
+                if errors is None:
+                    raise
+                errors[i] = e
         return out
+
+    def _sample_row(self, logits: torch.Tensor, seq: Sequence) -> int:
+        """One token from a 1-D ``logits [V]`` row with ``seq``'s params and generator."""
+        p = seq.params
+        row = logits / p.temperature
+        row = apply_top_k(row, p.top_k)
+        row = apply_top_p(row, p.top_p)
+        row = apply_min_p(row, p.min_p)
+        probs = torch.softmax(row, dim=-1)
+        if p.seed is None:
+            gen = self._default_generator(probs.device)
+        else:
+            gen = self._seq_generator(seq, probs.device)
+            if gen.device != probs.device:
+                probs = probs.to(gen.device)
+        return int(torch.multinomial(probs, 1, generator=gen).item())

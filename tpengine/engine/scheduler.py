@@ -303,7 +303,7 @@ class Scheduler:
             if self.is_stop_token(seq, tok) or stop_string:
                 reason = "stop"
             elif (
-                seq.num_completion_tokens >= p.max_tokens
+                p.max_tokens is not None and seq.num_completion_tokens >= p.max_tokens
                 or seq.num_tokens >= self.max_model_len
                 or seq.num_tokens > cache_tokens
             ):

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
+from tpengine.engine.llm_engine import failed_output
 from tpengine.engine.outputs import RequestOutput
 from tpengine.frontend.output import error_record, make_record, openai_error_record
 from tpengine.frontend.progress import ProgressReporter
@@ -45,42 +46,69 @@ def error_records(errors: list[RequestError], taken: Iterable[str] = ()) -> list
     return out
 
 
-def drive(engine, requests: list[ParsedRequest], errors: list[RequestError], writer: OutputWriter,
+def drive(engine, requests: Iterable[ParsedRequest], errors: list[RequestError], writer: OutputWriter,
           done: tuple[set[str], set[int]], model_name: str) -> dict[str, Any]:
-    """Rank 0: skip ``done`` (ids, invalid-line numbers: ``read_done`` of ``--out`` with ``--resume``),
-    tokenize, run, write each record through ``writer`` as it finishes (closing it); return the summary.
-    ``engine`` is None when there is no valid request: only the error records are written."""
+    """Rank 0: run every valid request not in ``done`` and write one record per request through
+    ``writer`` as it finishes (closing it at the end); return the run summary.
+
+    ``requests``: a list, or a :class:`tpengine.frontend.request_file.RequestFile` (read lazily, with
+    the ids of its valid requests in ``.ids``); ``done``: (ids, invalid-line numbers) that ``--out``
+    already holds (``read_done`` with ``--resume``). ``engine`` is None when there is no valid
+    request: only the error records are written.
+
+    No request ends the job: whatever one request's content raises while it is templated,
+    tokenized, scheduled, sampled, detokenized or written becomes that request's error record
+    (``"<stage> failed: <exception>"``), and the other requests go on. Requests are tokenized only
+    as the engine takes them, so a file of any length is never held tokenized at once.
+    """
     done, done_lines = done
-    todo = [r for r in requests if r.id not in done]
-    bad = [(n, rec) for n, rec in error_records(errors, {r.id for r in requests}) if n not in done_lines]
-    progress = ProgressReporter(total=len(todo) + len(bad))
-    by_id = {r.id: r for r in todo}
+    ids = getattr(requests, "ids", None)
+    if ids is None:
+        requests = list(requests)
+        ids = {r.id for r in requests}
+    bad = [(n, rec) for n, rec in error_records(errors, ids) if n not in done_lines]
+    progress = ProgressReporter(total=sum(rid not in done for rid in ids) + len(bad))
+    running: dict[str, ParsedRequest] = {}  # taken by the engine, record not yet written
     written: set[str] = set()
+
+    def on_output(o: RequestOutput) -> None:
+        if o.request_id in written:
+            return
+        written.add(o.request_id)
+        req = running.pop(o.request_id, None)
+        try:
+            rec = make_record(req, o, model_name)
+        except Exception as e:  # noqa: BLE001 -- this request's record cannot be built: its error record
+            o = failed_output(o.request_id, o.prompt_token_ids, "writing its record", e)
+            rec = make_record(req, o, model_name)
+        writer.write(rec)
+        progress.on_output(o)
+
+    def feed(tok, vocab: int) -> Iterator[tuple[str, list[int], Any]]:
+        for r in requests:
+            if r.id in done:
+                continue
+            try:
+                prompt = to_token_ids(r, tok, vocab)
+            except RequestValidationError as e:
+                on_output(RequestOutput(r.id, [], error=str(e), error_field=e.field))
+                continue
+            except Exception as e:  # noqa: BLE001 -- e.g. the chat template's raise_exception, a lone surrogate
+                stage = "applying the chat template" if r.kind == "messages" else "tokenizing"
+                on_output(failed_output(r.id, [], stage, e))
+                continue
+            running[r.id] = r
+            yield r.id, prompt, r.params
+
     with writer:
         for _, rec in bad:
             writer.write(rec)
             progress.add_errors()
-
-        def on_output(o: RequestOutput) -> None:
-            if o.request_id in written:
-                return
-            written.add(o.request_id)
-            writer.write(make_record(by_id.get(o.request_id), o, model_name))
-            progress.on_output(o)
-
         try:
             if engine is not None:
-                tok = engine.tokenizer
-                vocab = engine.vocab_size  # the model's (maybe > len(tokenizer))
-                batch = []
-                for r in todo:
-                    try:
-                        batch.append((r.id, to_token_ids(r, tok, vocab), r.params))
-                    except RequestValidationError as e:
-                        on_output(RequestOutput(r.id, [], error=str(e), error_field=e.field))
-                results = engine.generate(batch, on_output=on_output, on_step=progress.on_step)
-                for o in results or []:  # in case an output was not reported through on_output
-                    on_output(o)
+                # the model's vocabulary size (maybe > len(tokenizer)) bounds prompt token ids
+                engine.generate(feed(engine.tokenizer, engine.vocab_size), on_output=on_output,
+                                on_step=progress.on_step)
                 progress.peak_rss = gather_peak_rss()  # every rank calls it after generate
         finally:
             progress.close()
