@@ -29,8 +29,13 @@ class OutputWriter:
         self._fh: BinaryIO = sys.stdout.buffer if path is None else open(path, mode)  # noqa: SIM115
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append ``record`` as one line (UTF-8 JSON) and flush."""
-        self._fh.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+        """Append ``record`` as one line (UTF-8 JSON; all-ASCII with ``\\u`` escapes if it holds a lone
+        surrogate, which UTF-8 cannot encode) and flush."""
+        try:
+            data = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (e.g. an id given as "\ud800"): keep its JSON escape
+            data = (json.dumps(record) + "\n").encode("ascii")
+        self._fh.write(data)
         self._fh.flush()
         self.count += 1
 
