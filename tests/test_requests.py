@@ -33,7 +33,7 @@ def one_error(*objs):
 def test_three_simple_kinds_default_ids_and_defaults():
     reqs, errs = parse(
         {"prompt": "hi"},
-        {"id": "m", "messages": [{"role": "user", "content": "yo"}], "temperature": 0.7, "stream": True},
+        {"id": "m", "messages": [{"role": "user", "content": "yo"}], "temperature": 0.7, "stream": False},
         {"id": 7, "prompt_token_ids": [1, 2, 3], "max_tokens": 4, "stop": "x", "seed": 3, "top_k": -1},
     )
     assert errs == []
@@ -127,7 +127,7 @@ def batch(custom_id, url, body, method="POST"):
 def test_openai_batch_lines():
     reqs, errs = parse(
         batch("c1", "/v1/chat/completions", {"model": "gpt-x", "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "Hi "},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"},
                                          {"type": "text", "text": "there"}]}],
             "max_completion_tokens": 9, "temperature": 0.5, "top_p": 0.9, "seed": 1, "stop": ["\n"], "n": 1}),
         batch("c2", "/v1/completions", {"model": "m", "prompt": "Once", "max_tokens": 5, "stream": False}),
@@ -136,7 +136,7 @@ def test_openai_batch_lines():
     assert errs == []
     c1, c2, c3 = reqs
     assert (c1.id, c1.kind, c1.format, c1.model) == ("c1", "messages", "openai_chat", "gpt-x")
-    assert c1.payload == [{"role": "user", "content": "Hi there"}]
+    assert c1.payload == [{"role": "user", "content": "Hi\nthere"}]  # text parts joined with "\n" (vLLM)
     assert (c1.params.max_tokens, c1.params.temperature, c1.params.top_p, c1.params.seed) == (9, 0.5, 0.9, 1)
     assert c1.params.stop == ("\n",)
     assert (c2.kind, c2.format, c2.payload, c2.params.max_tokens, c2.params.temperature) == (
