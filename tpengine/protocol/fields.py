@@ -98,6 +98,9 @@ class Neutral:
         return core_schema.no_info_wrap_validator_function(wrap, handler(source))
 
 
+_EMPTY_STR = 'must be a non-empty string, got ""'
+
+
 def _non_empty(v: str) -> str | None:
     return "must be non-empty" if v == "" else None
 
@@ -116,8 +119,7 @@ Flag = Annotated[bool, Strict(), Valid("true or false")]
 # --- prompts ---------------------------------------------------------------------------------
 TokenIds = Annotated[list[Annotated[int, Strict(), at.Ge(0)]], Strict(), at.MinLen(1),
                      Valid("a list of token ids (a non-empty list of integer token ids >= 0)")]
-NonEmptyStr = Annotated[str, Strict(), Valid("a non-empty string",
-                                              check=lambda v: 'must be a non-empty string, got ""' if v == "" else None)]
+NonEmptyStr = Annotated[str, Strict(), Valid("a non-empty string", check=lambda v: None if v else _EMPTY_STR)]
 
 
 def _one_prompt(v: str | list) -> str | None:
