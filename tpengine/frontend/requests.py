@@ -31,11 +31,10 @@ from pydantic import ValidationError
 
 from tpengine.engine.sampling_params import SamplingParams
 from tpengine.protocol.errors import field_errors
-from tpengine.protocol.requests import BatchRequestLine, SimpleRequest
+from tpengine.protocol.requests import FORMAT_BY_URL, BatchRequestLine, SimpleRequest
 
 #: ``max_tokens`` when neither the line nor the caller's defaults set it, by request format.
 DEFAULT_MAX_TOKENS: dict[str, int | None] = {"simple": 16, "openai_completion": 16, "openai_chat": None}
-_URL_FORMATS = {"/v1/chat/completions": "openai_chat", "/v1/completions": "openai_completion"}
 
 
 @dataclass
@@ -147,7 +146,7 @@ def _parse_line(
     if isinstance(obj, dict):
         batch = BatchRequestLine.is_batch_line(obj)
         if batch:
-            fmt = _URL_FORMATS.get(obj.get("url"), "openai_chat")
+            fmt = FORMAT_BY_URL.get(obj.get("url"), "openai_chat")
             rid = obj.get("custom_id") if isinstance(obj.get("custom_id"), str) and obj["custom_id"] else None
         else:
             rid = obj.get("id")
