@@ -53,7 +53,7 @@ def test_openai_batch_records():
     resp = rec["response"]
     assert resp["status_code"] == 200 and resp["request_id"] == "req_1"
     body = resp["body"]
-    assert body["object"] == "chat.completion" and body["model"] == "gpt-x"
+    assert body["object"] == "chat.completion" and body["model"] == "smollm2"  # the served model, not "gpt-x"
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hé!"},
                                 "logprobs": None, "finish_reason": "length"}]
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,

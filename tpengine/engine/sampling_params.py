@@ -19,9 +19,11 @@ class SamplingParams:
       min-p (keep tokens with prob >= min_p * max prob).
     * ``seed``: a per-request generator advanced only by this request's own steps, so a seeded
       request samples the same tokens whatever else is batched and at any tp.
-    * ``max_tokens``: most generated tokens (>= 1); ``stop``: strings that end generation (not
-      returned); ``stop_token_ids``: extra ids that end generation (returned in token_ids, not text);
-      ``ignore_eos``: never stop on EOS ids.
+    * ``max_tokens``: most generated tokens (>= 1); None: no limit of its own, generate until EOS
+      (or a stop) or until the sequence reaches ``max_model_len`` (vLLM's chat default; the engine
+      resolves it per request to ``max_model_len`` - prompt tokens); ``stop``: strings that end
+      generation (not returned); ``stop_token_ids``: extra ids that end generation (returned in
+      token_ids, not text); ``ignore_eos``: never stop on EOS ids.
 
     Raises:
         ValueError: a value out of range; the message names the field and the valid range.
@@ -32,7 +34,7 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -45,6 +47,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a finite number, got {v!r}")
         for name in ("top_k", "max_tokens"):
             v = getattr(self, name)
+            if v is None and name == "max_tokens":
+                continue
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"{name} must be an integer, got {v!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
@@ -56,7 +60,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))

@@ -1,6 +1,7 @@
 """Output records: one JSON line per request, in the shape its request came in.
 
-Record shapes:
+Every record is built through a model of :mod:`tpengine.protocol.records` and written as its
+``model_dump()``. Record shapes:
 
 * simple: ``{"id", "text", "token_ids", "finish_reason", "usage": {"prompt_tokens",
   "completion_tokens", "prompt_tokens_details": {"cached_tokens"}}, "metrics": {"ttft_s",
@@ -11,7 +12,7 @@ Record shapes:
 * OpenAI Batch API (lines that came as batch requests): ``{"id": "batch_req_<line>",
   "custom_id", "response": {"status_code": 200, "request_id", "body": <chat.completion or
   text_completion>}, "error": null}``; error: ``{"id", "custom_id", "response": null, "error":
-  {"code", "message", "param"}}``.
+  {"code", "message", "param", "line"}}``. The body's ``model`` is the served model.
 """
 
 from __future__ import annotations
@@ -21,11 +22,23 @@ from typing import Any
 
 from tpengine.engine.outputs import RequestOutput
 from tpengine.frontend.requests import ParsedRequest
-
-
-def _usage(out: RequestOutput) -> dict[str, Any]:
-    return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+from tpengine.protocol.records import (
+    BatchError,
+    BatchOutputLine,
+    BatchResponse,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatResponseMessage,
+    CompletionResponse,
+    CompletionResponseChoice,
+    Metrics,
+    PromptTokensDetails,
+    SimpleError,
+    SimpleErrorRecord,
+    SimpleRecord,
+    SimpleUsage,
+    UsageInfo,
+)
 
 
 def _secs(x: float | None) -> float | None:
@@ -36,24 +49,21 @@ def simple_record(out: RequestOutput) -> dict[str, Any]:
     """The simple-format record of a finished request (or its error record if ``out.error``)."""
     if out.error is not None:
         return error_record(out.request_id, out.error, out.error_field)
-    return {
-        "id": out.request_id,
-        "text": out.text,
-        "token_ids": list(out.token_ids),
-        "finish_reason": out.finish_reason,
-        "usage": _usage(out),
-        "metrics": {"ttft_s": _secs(out.ttft_s), "latency_s": _secs(out.latency_s)},
-    }
+    return SimpleRecord(
+        id=out.request_id,
+        text=out.text,
+        token_ids=list(out.token_ids),
+        finish_reason=out.finish_reason,
+        usage=SimpleUsage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
+                          prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens)),
+        metrics=Metrics(ttft_s=_secs(out.ttft_s), latency_s=_secs(out.latency_s)),
+    ).model_dump()
 
 
 def error_record(request_id: str, message: str, field: str | None = None, line: int | None = None) -> dict:
     """A simple-format error record; ``field``/``line`` are included when known."""
-    err: dict[str, Any] = {"message": message}
-    if field is not None:
-        err["field"] = field
-    if line is not None:
-        err["line"] = line
-    return {"id": request_id, "error": err}
+    rec = SimpleErrorRecord(id=request_id, error=SimpleError(message=message, field=field, line=line))
+    return rec.model_dump(exclude_none=True)
 
 
 def openai_record(
@@ -61,43 +71,40 @@ def openai_record(
 ) -> dict[str, Any]:
     """The OpenAI Batch output line for ``req`` (format openai_chat / openai_completion).
 
-    ``model``: echoed when the request body named none; ``created``: unix seconds (default now).
+    ``model``: the served model's name (the body's ``model``, as vLLM, is the one that ran, not the
+    request's); ``created``: unix seconds (default now).
     """
     if out.error is not None:
         return openai_error_record(req.id, req.line, out.error, out.error_field, code="request_failed")
     n, chat = req.line, req.format == "openai_chat"
-    usage = _usage(out)
-    usage = {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
-             "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
-             "prompt_tokens_details": usage["prompt_tokens_details"]}
-    choice: dict[str, Any] = {"index": 0}
+    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                      prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+    created = int(time.time()) if created is None else created
+    body: ChatCompletionResponse | CompletionResponse
     if chat:
-        choice["message"] = {"role": "assistant", "content": out.text}
+        choice = ChatCompletionResponseChoice(message=ChatResponseMessage(content=out.text),
+                                              finish_reason=out.finish_reason)
+        body = ChatCompletionResponse(id=f"chatcmpl-{n}", created=created, model=model, choices=[choice],
+                                      usage=usage)
     else:
-        choice["text"] = out.text
-    choice.update(logprobs=None, finish_reason=out.finish_reason)
-    body = {
-        "id": f"chatcmpl-{n}" if chat else f"cmpl-{n}",
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()) if created is None else created,
-        "model": req.model or model,
-        "choices": [choice],
-        "usage": usage,
-    }
-    response = {"status_code": 200, "request_id": f"req_{n}", "body": body}
-    return {"id": f"batch_req_{n}", "custom_id": req.id, "response": response, "error": None}
+        choice = CompletionResponseChoice(text=out.text, finish_reason=out.finish_reason)
+        body = CompletionResponse(id=f"cmpl-{n}", created=created, model=model, choices=[choice], usage=usage)
+    response = BatchResponse(request_id=f"req_{n}", body=body)
+    return BatchOutputLine(id=f"batch_req_{n}", custom_id=req.id, response=response).model_dump()
 
 
 def openai_error_record(
     custom_id: str, line: int, message: str, field: str | None = None, code: str = "invalid_request"
 ) -> dict[str, Any]:
     """An OpenAI Batch output line for a request that did not run (``line`` 1-based)."""
-    err = {"code": code, "message": message, "param": field, "line": line}
-    return {"id": f"batch_req_{line}", "custom_id": custom_id, "response": None, "error": err}
+    err = BatchError(code=code, message=message, param=field, line=line)
+    return BatchOutputLine(id=f"batch_req_{line}", custom_id=custom_id, error=err).model_dump()
 
 
 def make_record(req: ParsedRequest | None, out: RequestOutput, model: str) -> dict[str, Any]:
-    """The record for ``out`` in the shape its request came in (simple when ``req`` is None)."""
+    """The record for ``out`` in the shape its request came in (simple when ``req`` is None);
+    ``model``: the served model's name (OpenAI records)."""
     if req is None or req.format == "simple":
         return simple_record(out)
     return openai_record(req, out, model)

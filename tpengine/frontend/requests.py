@@ -1,40 +1,40 @@
 """Parse and validate a JSONL request file before the model loads; tokenize requests.
 
 One JSON object per line, UTF-8 with or without a leading BOM (blank lines are skipped, line
-numbers stay physical, 1-based):
+numbers stay physical, 1-based). The shapes are the models of :mod:`tpengine.protocol.requests`:
 
-* simple: ``{"id"?, "prompt": str}`` | ``{"id"?, "messages": [{"role", "content"}, ...]}`` |
-  ``{"id"?, "prompt_token_ids": [int, ...]}``, plus optional ``max_tokens``, ``temperature``,
-  ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop`` (string or list), ``ignore_eos``,
-  ``stream`` (accepted, ignored). A line without ``id`` gets its 0-based line number as id.
-* OpenAI Batch API: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
-  "/v1/completions", "body": {...}}``; body ``messages`` (chat) or ``prompt`` (completions),
-  ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
-  ``top_k``, ``min_p``, ``ignore_eos``, ``n`` (1 only); ``model``, ``user``, ``stream``,
+* simple (:class:`~tpengine.protocol.SimpleRequest`): ``{"id"?, "prompt": str}`` |
+  ``{"id"?, "messages": [{"role", "content"}, ...]}`` | ``{"id"?, "prompt_token_ids": [int, ...]}``,
+  plus optional ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
+  ``stop`` (string or list), ``ignore_eos``, ``stream`` (false only). A line without ``id`` gets
+  its 0-based line number as id.
+* OpenAI Batch API (:class:`~tpengine.protocol.BatchRequestLine`): ``{"custom_id", "method":
+  "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}``; body ``messages``
+  (chat) or ``prompt`` (completions: one prompt a line), ``max_tokens`` / ``max_completion_tokens``,
+  the sampling fields, ``n`` (1 only); ``model``, ``user``, ``stream`` (false only),
   ``stream_options``, ``metadata``, ``store`` are ignored.
 
-``null`` for an optional field means "not given". Missing sampling fields take the caller's
-defaults (config ``[sampling]`` table, then CLI flags).
+``null`` for an optional field means "not given". ``max_tokens`` is the line's value, else the
+caller's default (config ``[sampling]`` table, then CLI flags), else the format's: None for a
+chat body (until EOS or the context limit, as OpenAI and vLLM), 16 for the others.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from tpengine.engine.sampling_params import SamplingParams
-from tpengine.frontend._fields import (
-    BATCH_FIELDS,
-    SIMPLE_FIELDS,
-    Checker,
-    is_int,
-    parse_batch,
-    parse_prompt,
-    parse_sampling,
-)
+from tpengine.protocol.errors import field_errors
+from tpengine.protocol.requests import FORMAT_BY_URL, BatchRequestLine, SimpleRequest
+
+#: ``max_tokens`` when neither the line nor the caller's defaults set it, by request format.
+DEFAULT_MAX_TOKENS: dict[str, int | None] = {"simple": 16, "openai_completion": 16, "openai_chat": None}
 
 
 @dataclass
@@ -44,7 +44,7 @@ class ParsedRequest:
     ``kind``: "prompt" (payload str) | "messages" (payload list of {"role", "content"} dicts) |
     "token_ids" (payload list[int]); ``format``: "simple" | "openai_chat" | "openai_completion"
     (decides the output record shape); ``line``: 1-based line number; ``model``: the OpenAI
-    body's model name (echoed in the output), else None.
+    body's model name as given, else None (records name the served model, not this one).
     """
 
     id: str
@@ -80,74 +80,107 @@ class RequestValidationError(ValueError):
         self.field = field
 
 
+def iter_requests(
+    lines: Iterable[str | bytes], defaults: Mapping[str, Any] | None = None
+) -> Iterator[tuple[int, ParsedRequest | None, list[RequestError]]]:
+    """Validate ``lines`` one at a time: yield ``(line, request, errors)`` for every non-blank line
+    (1-based physical line numbers; a line's trailing ``"\n"`` is dropped, a BOM is removed from
+    the first line only). ``request`` is None when ``errors`` is not empty (one RequestError per
+    problem: unknown field, wrong type, out-of-range value, duplicate id, bad JSON).
+
+    ``defaults``: SamplingParams kwargs for fields a line leaves out. Only the dict of ids seen
+    so far (id -> line) is kept between lines, so a file of any length streams through.
+    """
+    seen: dict[str, int] = {}
+    for idx, raw in enumerate(lines):
+        parsed = _parse_line(idx, raw, defaults or {}, seen)
+        if parsed is not None:
+            yield parsed
+
+
 def parse_lines(
     lines: Iterable[str | bytes], defaults: Mapping[str, Any] | None = None
 ) -> tuple[list[ParsedRequest], list[RequestError]]:
-    """Validate every line. ``defaults``: SamplingParams kwargs for fields a line leaves out.
-
-    Returns (requests, errors); a line with any error yields no request, and one RequestError
-    per problem (unknown field, wrong type, out-of-range value, duplicate id, bad JSON).
-    """
+    """Validate every line (:func:`iter_requests`, collected). ``defaults``: SamplingParams kwargs
+    for fields a line leaves out. Returns (requests, errors); a line with any error yields no
+    request, and one RequestError per problem."""
     requests: list[ParsedRequest] = []
     errors: list[RequestError] = []
-    seen: dict[str, int] = {}
-    for idx, raw in enumerate(lines):
-        lineno = idx + 1
-        c = Checker()
-        fmt, rid, obj = "simple", None, None
-        try:
-            text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-            if idx == 0:
-                text = text.removeprefix("\ufeff")  # a UTF-8 BOM ("utf-8-sig" files)
-            if not text.strip():
-                continue
-            obj = json.loads(text)
-            if not isinstance(obj, dict):
-                c.bad(None, "must be a JSON object")
-        except UnicodeDecodeError as e:
-            c.bad(None, f"not UTF-8: {e}")
-        except json.JSONDecodeError as e:
-            c.bad(None, f"invalid JSON: {e.msg} at column {e.colno}")
-        if isinstance(obj, dict) and any(k in obj for k in BATCH_FIELDS):
-            rid, bfmt, prompt, kw, model = parse_batch(obj, c)
-            fmt = bfmt or "openai_chat"
-        elif isinstance(obj, dict):
-            c.unknown(obj, SIMPLE_FIELDS)
-            rid = obj.get("id")
-            if rid is None:
-                rid = str(idx)
-            elif is_int(rid):
-                rid = str(rid)
-            elif not isinstance(rid, str) or not rid:
-                c.bad("id", "must be a non-empty string or an integer")
-                rid = None
-            prompt = parse_prompt(obj, c, ("prompt", "messages", "prompt_token_ids"))
-            kw, model = parse_sampling(obj, c), None
-        c.prefix = ""
-        if rid is not None:
-            if rid in seen:
-                name = "custom_id" if fmt != "simple" else "id"
-                c.bad(name, f"duplicate id {rid!r} (first on line {seen[rid]})")
-            else:
-                seen[rid] = lineno
-        if not c.errors:
-            try:
-                params = SamplingParams(**{**(defaults or {}), **kw})
-            except (TypeError, ValueError) as e:
-                c.bad(None, f"invalid sampling parameters: {e}")
-        if c.errors:
-            errors.extend(RequestError(lineno, rid, f, m, fmt) for f, m in c.errors)
-            continue
-        requests.append(ParsedRequest(rid, lineno, prompt[0], fmt, prompt[1], params, model))
+    for _line, req, errs in iter_requests(lines, defaults):
+        if req is not None:
+            requests.append(req)
+        errors.extend(errs)
     return requests, errors
 
 
 def parse_requests(
     path: str | os.PathLike, defaults: Mapping[str, Any] | None = None
 ) -> tuple[list[ParsedRequest], list[RequestError]]:
-    """``parse_lines`` over the file at ``path``. Raises FileNotFoundError / OSError."""
+    """``parse_lines`` over the file at ``path``, read line by line. Raises FileNotFoundError / OSError."""
     with open(path, "rb") as fh:
-        return parse_lines(fh.read().split(b"\n"), defaults)
+        return parse_lines(fh, defaults)
+
+
+def _parse_line(
+    idx: int, raw: str | bytes, defaults: Mapping[str, Any], seen: dict[str, int]
+) -> tuple[int, ParsedRequest | None, list[RequestError]] | None:
+    """One line (0-based ``idx``): None when blank, else (line, request or None, errors)."""
+    lineno = idx + 1
+    problems: list[tuple[str | None, str]] = []
+    fmt, rid, obj = "simple", None, None
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        text = text.removesuffix("\n")
+        if idx == 0:
+            text = text.removeprefix("\ufeff")  # a UTF-8 BOM ("utf-8-sig" files)
+        if not text.strip():
+            return None
+        obj = json.loads(text)
+        if not isinstance(obj, dict):
+            problems.append((None, "must be a JSON object"))
+    except UnicodeDecodeError as e:
+        problems.append((None, f"not UTF-8: {e}"))
+    except json.JSONDecodeError as e:
+        problems.append((None, f"invalid JSON: {e.msg} at column {e.colno}"))
+    model: SimpleRequest | BatchRequestLine | None = None
+    if isinstance(obj, dict):
+        batch = BatchRequestLine.is_batch_line(obj)
+        if batch:
+            fmt = FORMAT_BY_URL.get(obj.get("url"), "openai_chat")
+            rid = obj.get("custom_id") if isinstance(obj.get("custom_id"), str) and obj["custom_id"] else None
+        else:
+            rid = obj.get("id")
+            rid = str(idx) if rid is None else str(rid) if _is_id(rid) else None
+        try:
+            model = (BatchRequestLine if batch else SimpleRequest).model_validate(obj)
+        except ValidationError as e:
+            problems.extend(field_errors(e))
+    if rid is not None:
+        if rid in seen:
+            problems.append(("custom_id" if fmt != "simple" else "id",
+                             f"duplicate id {rid!r} (first on line {seen[rid]})"))
+        else:
+            seen[rid] = lineno
+    req = None
+    if not problems and model is not None:
+        if isinstance(model, BatchRequestLine):
+            kind, payload = model.body.prompt_payload()
+            kw, name = model.body.sampling_kwargs(), model.body.model
+        else:
+            kind, payload = model.prompt_payload()
+            kw, name = model.sampling_kwargs(), None
+        try:
+            params = SamplingParams(**{"max_tokens": DEFAULT_MAX_TOKENS[fmt], **defaults, **kw})
+        except (TypeError, ValueError) as e:
+            problems.append((None, f"invalid sampling parameters: {e}"))
+        else:
+            req = ParsedRequest(rid, lineno, kind, fmt, payload, params, name)
+    return lineno, req, [RequestError(lineno, rid, f, m, fmt) for f, m in problems]
+
+
+def _is_id(v: Any) -> bool:
+    """A valid simple-line id: a non-empty string or an integer (not a bool)."""
+    return (isinstance(v, str) and v != "") or (isinstance(v, int) and not isinstance(v, bool))
 
 
 def to_token_ids(req: ParsedRequest, tokenizer, vocab_size: int | None = None) -> list[int]:

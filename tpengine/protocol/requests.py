@@ -1,0 +1,194 @@
+"""Request shapes: the simple line, the OpenAI ``/v1/completions`` and ``/v1/chat/completions``
+bodies, and the OpenAI Batch line ``{custom_id, method, url, body}`` that carries one of them.
+
+Every model validates a parsed JSON object (``Model.model_validate(obj)``); errors are pydantic
+``ValidationError``s whose messages say what is valid (see :mod:`tpengine.protocol.errors` for
+the ``(field path, message)`` form). ``null`` for an optional field means "not given".
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar
+
+from pydantic import Strict, ValidationInfo, field_validator
+
+from tpengine.protocol.base import Problem, ProtocolModel
+from tpengine.protocol.fields import (
+    URL,
+    ChatURL,
+    CompletionURL,
+    Flag,
+    MaxTokens,
+    Method,
+    Neutral,
+    NonEmptyStr,
+    Prompt,
+    RequestId,
+    TokenIds,
+    Valid,
+    as_json,
+    invalid,
+)
+from tpengine.protocol.messages import Messages
+from tpengine.protocol.sampling import SamplingFields
+
+#: The message for ``"stream": true`` in a batch job (vLLM's run-batch refuses it too).
+STREAM_ERROR = "streaming is not supported in a batch job (each request gets one complete record); use false or omit it"
+
+#: The prompt kinds of :meth:`SimpleRequest.prompt_payload` and the bodies' ``prompt_payload``.
+PROMPT, MESSAGES, TOKEN_IDS = "prompt", "messages", "token_ids"
+
+_Str = Annotated[str, Strict(), Valid("a string")]
+_Object = Annotated[dict[str, Any], Strict(), Valid("an object")]
+
+
+def _prompt_payload(prompt: str | list) -> tuple[str, Any]:
+    if isinstance(prompt, str):
+        return PROMPT, prompt
+    if isinstance(prompt[0], str):  # OpenAI's list form holding one prompt
+        return PROMPT, prompt[0]
+    return TOKEN_IDS, list(prompt)
+
+
+class SimpleRequest(SamplingFields):
+    """A simple line: ``{"id"?, "prompt" | "messages" | "prompt_token_ids", <sampling>, "stream"?}``.
+
+    ``id``: a non-empty string or an integer; ``prompt``: a non-empty string (or a list of token
+    ids, or a list holding one string); exactly one prompt field is required. ``stream``: only
+    false (a batch job writes complete records).
+    """
+
+    PROMPT_KEYS: ClassVar[tuple[str, ...]] = ("prompt", "messages", "prompt_token_ids")
+
+    id: RequestId | None = None
+    prompt: Prompt | None = None
+    messages: Messages | None = None
+    prompt_token_ids: TokenIds | None = None
+    stream: Flag | None = None
+
+    @classmethod
+    def problems(cls, data: dict[str, Any]) -> list[Problem]:
+        out: list[Problem] = []
+        given = [k for k in cls.PROMPT_KEYS if data.get(k) is not None]
+        need = f"exactly one of {', '.join(cls.PROMPT_KEYS)} is required"
+        if not given:
+            out.append((("prompt",), need))
+        elif len(given) > 1:
+            out.append(((), f"{need}, got {', '.join(given)}"))
+        if data.get("stream") is True:
+            out.append((("stream",), f"{STREAM_ERROR}, got true"))
+        return out
+
+    def request_id(self, line_index: int) -> str:
+        """The id as a string; a line without one gets its 0-based line index."""
+        return str(line_index) if self.id is None else str(self.id)
+
+    def prompt_payload(self) -> tuple[str, Any]:
+        """(kind, payload): ("prompt", str) | ("messages", [{"role", "content"[, "name"]}, ...]) |
+        ("token_ids", list[int])."""
+        if self.messages is not None:
+            return MESSAGES, [m.to_template() for m in self.messages]
+        if self.prompt_token_ids is not None:
+            return TOKEN_IDS, list(self.prompt_token_ids)
+        assert self.prompt is not None  # guaranteed by problems()
+        return _prompt_payload(self.prompt)
+
+
+class OpenAIBody(SamplingFields):
+    """The fields both OpenAI bodies share: ``max_completion_tokens`` (wins over ``max_tokens``
+    when both are given), ``n`` (1 only); ``model``, ``user``, ``stream``, ``stream_options``,
+    ``metadata``, ``store`` are accepted and ignored (a batch line's ``"stream": true`` is refused
+    by :class:`BatchRequestLine`); OpenAI fields tpengine does not implement are accepted only at
+    their neutral values, checked by JSON type and value."""
+
+    max_completion_tokens: MaxTokens | None = None
+    n: Annotated[int, Strict(), Neutral((1,), "only n=1 is supported")] | None = None
+    model: _Str | None = None
+    user: _Str | None = None
+    stream: Flag | None = None
+    stream_options: _Object | None = None
+    metadata: _Object | None = None
+    store: Flag | None = None
+    frequency_penalty: Annotated[float, Strict(), Neutral((0,))] | None = None
+    presence_penalty: Annotated[float, Strict(), Neutral((0,))] | None = None
+    top_logprobs: Annotated[int, Strict(), Neutral((0,))] | None = None
+    logit_bias: Annotated[dict[str, Any], Strict(), Neutral(({},))] | None = None
+    response_format: Annotated[dict[str, Any], Strict(), Neutral(({"type": "text"},))] | None = None
+    echo: Annotated[bool, Strict(), Neutral((False,))] | None = None
+    best_of: Annotated[int, Strict(), Neutral((1,))] | None = None
+    suffix: Annotated[str, Strict(), Neutral()] | None = None
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """As :meth:`SamplingFields.sampling_kwargs`; ``max_completion_tokens`` becomes ``max_tokens``."""
+        kw = super().sampling_kwargs()
+        if self.max_completion_tokens is not None:
+            kw["max_tokens"] = self.max_completion_tokens
+        return kw
+
+
+class ChatCompletionRequest(OpenAIBody):
+    """An OpenAI ``/v1/chat/completions`` body: ``messages`` required; ``logprobs`` only false."""
+
+    messages: Messages
+    logprobs: Annotated[bool, Strict(), Neutral((False,))] | None = None
+
+    def prompt_payload(self) -> tuple[str, Any]:
+        """("messages", [{"role", "content"[, "name"]}, ...]); text parts joined with "\\n"."""
+        return MESSAGES, [m.to_template() for m in self.messages]
+
+
+class CompletionRequest(OpenAIBody):
+    """An OpenAI ``/v1/completions`` body: ``prompt`` required (a string, a list of token ids, or a
+    list holding one string); ``logprobs`` (an integer in OpenAI's API) only null."""
+
+    prompt: Prompt
+    logprobs: Annotated[int, Strict(), Neutral()] | None = None
+
+    def prompt_payload(self) -> tuple[str, Any]:
+        """("prompt", str) | ("token_ids", list[int])."""
+        return _prompt_payload(self.prompt)
+
+
+#: The endpoint each Batch ``url`` names, and the request format of its output records.
+BODY_BY_URL: dict[str, type[OpenAIBody]] = {ChatURL: ChatCompletionRequest, CompletionURL: CompletionRequest}
+FORMAT_BY_URL = {ChatURL: "openai_chat", CompletionURL: "openai_completion"}
+
+
+class BatchRequestLine(ProtocolModel):
+    """One OpenAI Batch API input line: ``{"custom_id", "method": "POST", "url", "body"}``; the body
+    is validated as the ``url``'s request (a :class:`ChatCompletionRequest` or
+    :class:`CompletionRequest`); ``"stream": true`` in it is refused."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("custom_id", "method", "url", "body")
+
+    custom_id: NonEmptyStr
+    method: Method
+    url: URL
+    body: ChatCompletionRequest | CompletionRequest
+
+    @field_validator("body", mode="wrap")
+    @classmethod
+    def _body_of_url(cls, v: Any, handler: Any, info: ValidationInfo) -> Any:
+        model = BODY_BY_URL.get(info.data.get("url"))  # absent when the url is invalid
+        if model is not None:
+            return model.model_validate(v)
+        if not isinstance(v, dict):
+            raise invalid(f"must be an object, got {as_json(v)}")
+        return v  # the line fails on its url; the body is not checked further
+
+    @classmethod
+    def problems(cls, data: dict[str, Any]) -> list[Problem]:
+        body = data.get("body")
+        if isinstance(body, dict) and body.get("stream") is True:
+            return [(("body", "stream"), f"{STREAM_ERROR}, got true")]
+        return []
+
+    @property
+    def format(self) -> str:
+        """The output record format: "openai_chat" | "openai_completion"."""
+        return FORMAT_BY_URL[self.url]
+
+    @staticmethod
+    def is_batch_line(obj: dict[str, Any]) -> bool:
+        """Whether a JSON object is meant as a Batch line (it has any of the Batch fields)."""
+        return any(k in obj for k in BatchRequestLine.FIELDS)
