@@ -39,7 +39,8 @@ FAILING = {  # id -> (line, the error message of its record)
     "tiny-temperature": ({"id": "tiny-temperature", "prompt": "abc", "temperature": 1e-40, "max_tokens": 4},
                          "sampling failed: RuntimeError: probability tensor contains either `inf`, `nan` or "
                          "element < 0"),
-    "invalid": ({"id": "invalid", "prompt": 5}, "prompt: must be a non-empty string"),
+    "invalid": ({"id": "invalid", "prompt": 5}, "prompt: must be a non-empty string (or a list of integer token ids "
+                ">= 0, or a list holding one non-empty string), got 5"),
 }
 
 

@@ -86,3 +86,9 @@ def test_detokenizing_failure_is_the_requests_own(model):
     for rid in ("a", "c"):
         assert mixed[rid].error is None and mixed[rid].token_ids == clean[rid].token_ids
         assert mixed[rid].text == clean[rid].text
+
+
+def test_max_tokens_none_runs_to_the_context_limit(model):
+    """An OpenAI chat request without max_tokens (``max_tokens=None``) runs to max_model_len, as vLLM."""
+    out = run(engine(model), [("open", [5, 6, 7, 8, 9], {**GREEDY, "max_tokens": None})])["open"]
+    assert out.finish_reason == "length" and len(out.token_ids) == 128 - 5
