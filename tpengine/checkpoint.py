@@ -93,15 +93,19 @@ def read_json_file(path: str | Path, what: str) -> dict[str, Any]:
 
 
 def read_manifest(model_dir: str | Path) -> dict[str, Any]:
-    """The ``manifest.json`` of the shard folder ``model_dir``, with every key of
-    :data:`MANIFEST_KEYS` present and of its type.
+    """The ``manifest.json`` of the shard folder ``model_dir``: :data:`FORMAT_VERSION`, with every
+    key of :data:`MANIFEST_KEYS` present and of its type.
 
     Raises:
-        UserError: missing, unreadable, not JSON (truncated), or a key missing or of the wrong
-            type: one line naming the file (and the key) and the command that remakes it.
+        UserError: missing, unreadable, not JSON (truncated), another format version, or a key
+            missing or of the wrong type: one line naming the file (and the key) and the command
+            that remakes it.
     """
     path = Path(model_dir) / MANIFEST
     m = read_json_file(path, "shard manifest")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise UserError(f"shard manifest {str(path)!r}: format_version={m.get('format_version')!r} is not "
+                        f"supported (expected {FORMAT_VERSION}); re-run tpengine-shard split")
     for key, kind in MANIFEST_KEYS.items():
         if not isinstance(m.get(key), kind) or isinstance(m.get(key), bool):
             raise UserError(f"shard manifest {str(path)!r}: key {key!r} is missing or not a JSON "
