@@ -169,7 +169,8 @@ def split(
     from rich.console import Console
     from rich.progress import Progress
 
-    with user_errors(), Progress(console=Console(stderr=True), transient=True) as progress:
+    console = Console(stderr=True)  # the bar only on a terminal: a log or pipe gets the result lines alone
+    with user_errors(), Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         m = split_model(model_dir, tp, out, dtype=dtype, force=force, progress=progress)
     n = len(m["tensors"]["0"])
     print(f"wrote {tp} rank files ({n} tensors each, {m['dtype']}) and manifest.json to {out}")

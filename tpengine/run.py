@@ -171,13 +171,16 @@ def prepare(prompts: Path, out: Path | None, config: Path | None, resume: bool, 
             raise UserError(f"model folder {cfg.model!r} does not exist (run `make model`, or pass --model)")
         check_model_folder(cfg.model)
     job = PreparedJob(cfg, requests, errors, model_name)
-    if rank == 0:
-        job.writer = OutputWriter(out, append=resume)  # UserError: locked by another job, or not writable
+    if rank == 0:  # the summary file first: a --summary-json that cannot be written leaves --out untouched
+        new_summary = summary_json is not None and not summary_json.exists()
+        job.summary_file = _open_summary(summary_json) if summary_json is not None else None
         try:
+            job.writer = OutputWriter(out, append=resume)  # UserError: locked by another job, or not writable
             job.done = read_done(out) if resume else (set(), set())
-            job.summary_file = _open_summary(summary_json) if summary_json is not None else None
         except BaseException:
             job.close()
+            if new_summary:
+                summary_json.unlink(missing_ok=True)
             raise
     return job
 
