@@ -183,6 +183,15 @@ def test_unreadable_model_folder_is_one_line_exit_2(tmp_path, job):
     assert out.read_text() == '{"id": "old"}\n'
 
 
+def test_summary_json_of_a_job_without_requests(tmp_path):
+    prompts, summary = tmp_path / "empty.jsonl", tmp_path / "s.json"
+    prompts.write_text("\n")
+    code, err = run_cli("--prompts", prompts, "--model", tmp_path / "nowhere", "--summary-json", summary)
+    assert (code, err) == (0, f"no requests in {prompts}: nothing to do\n")
+    s = json.loads(summary.read_text())
+    assert (s["requests_ok"], s["requests_error"], s["output_tokens"], s["peak_rss_bytes"]) == (0, 0, 0, None)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     if not (SMOLLM2_DIR / "tokenizer.json").is_file():

@@ -1,21 +1,26 @@
-"""The main job: run every request of a JSONL file through the engine, one output line each.
+"""The main job (``tpengine run``): run every request of a JSONL file through the engine, one output line each.
 
-    python -m tpengine.run --prompts examples/prompts.jsonl --config configs/smollm2-135m.toml
+    tpengine run --prompts examples/prompts.jsonl --config configs/smollm2-135m.toml
+    python -m tpengine.run --prompts examples/prompts.jsonl      # the same command
     torchrun --nproc_per_node=2 -m tpengine.run --prompts file.jsonl --out out.jsonl
 
-Every rank parses the arguments and validates the whole request file before the model loads,
-so on bad input all ranks exit with code 2 before any collective. Rank 0 tokenizes, writes one
-flushed record per finished request (``--out``, default rank 0's stdout), shows progress and a
-summary on stderr (with every rank's peak resident memory). A file with no request lines (only
-blank ones) loads no model: rank 0 prints ``no requests in PATH: nothing to do`` and leaves
-``--out`` empty; with ``--skip-invalid`` and every line invalid, rank 0 writes only the error
-records, also without a model. Exit codes: 0 done
-(per-request errors are records, not failures), 2 bad input or settings (a
-:class:`tpengine.errors.UserError`), 1 any other failure.
+Every rank parses the arguments, validates the whole request file, the config file and the
+model folder before the model loads, so on bad input all ranks exit with code 2 before any
+collective. Rank 0 then opens its output files, still before the load: ``--out`` is locked
+(``fcntl.flock``) for the job's lifetime, so a second job on it fails at once (rank 0 exits 2 and
+torchrun stops the other ranks), and it is never one of the inputs (by device and inode). Rank 0
+prints a line before the load and one when the model is ready, tokenizes, writes one flushed
+record per finished request (``--out``, default rank 0's stdout), shows progress and a summary on
+stderr (with every rank's peak resident memory; ``--summary-json`` writes it as JSON). A file with
+no request lines (only blank ones) loads no model: rank 0 prints ``no requests in PATH: nothing to
+do`` and leaves ``--out`` empty; with ``--skip-invalid`` and every line invalid, rank 0 writes only
+the error records, also without a model. Exit codes: 0 done (per-request errors are records, not
+failures), 2 bad input or settings (a :class:`tpengine.errors.UserError`), 1 any other failure.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -32,6 +37,7 @@ from tpengine.engine.sampling_params import SamplingParams
 from tpengine.errors import UserError
 from tpengine.flags import engine_options
 from tpengine.frontend.job import drive
+from tpengine.frontend.progress import ProgressReporter
 from tpengine.frontend.requests import (
     ParsedRequest,
     RequestError,
@@ -282,8 +288,11 @@ def main(
                     print(f"no valid requests in {prompts}: writing {lines} error record(s), no model loaded",
                           file=sys.stderr)
                     job.write_summary(drive(None, job.requests, job.errors, job.writer, job.done, job.model_name))
-                else:  # an empty --out (kept as is with --resume)
+                else:  # an empty --out (kept as is with --resume), a summary of nothing
                     print(f"no requests in {prompts}: nothing to do", file=sys.stderr)
+                    nothing = ProgressReporter(total=0, stream=io.StringIO())
+                    job.write_summary(nothing.summary())
+                    nothing.close()
             except OSError as e:
                 print(f"error: cannot write --out {str(out)!r}: {e}", file=sys.stderr)
                 raise typer.Exit(2) from None
