@@ -9,7 +9,6 @@ exception is a failure of the tool and keeps its traceback.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import sys
@@ -19,6 +18,7 @@ from typing import NoReturn
 
 import typer
 
+from tpengine.checkpoint import check_model_folder, read_json_file
 from tpengine.errors import UserError
 
 # Files that hold weights (never copied as "side files" by split).
@@ -39,13 +39,16 @@ def fail(message: str, code: int = USER_ERROR_EXIT) -> NoReturn:
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """Turn a :class:`UserError` raised inside the block, or a ``FileNotFoundError`` (a path the
-    user gave, or a file a checkpoint it names, does not exist), into :func:`fail`: one line on
-    stderr, exit code :data:`USER_ERROR_EXIT`. Anything else propagates (a traceback)."""
+    """Turn a :class:`UserError` raised inside the block, a ``FileNotFoundError`` (a path the
+    user gave, or a file a checkpoint it names, does not exist) or a ``PermissionError`` (a place
+    the user may not write to) into :func:`fail`: one line on stderr, exit code
+    :data:`USER_ERROR_EXIT`. Anything else propagates (a traceback)."""
     try:
         yield
     except (UserError, FileNotFoundError) as e:
         fail(str(e))
+    except PermissionError as e:  # a place the user cannot write to (or read from)
+        fail(f"{e.strerror}: {str(e.filename)!r}")
 
 
 @contextlib.contextmanager
@@ -59,15 +62,20 @@ def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
     leave 0600 behind.
 
     Raises:
-        UserError: ``out`` already exists and ``force`` is false.
+        UserError: ``out`` already exists and ``force`` is false, or ``<out>.tmp`` cannot be
+            made (a folder the user may not write to, a read-only file system: naming it).
     """
     out = Path(out)
     if out.exists() and not force:
         raise UserError(f"output folder {str(out)!r} already exists; remove it or pass --force")
     tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise UserError(f"cannot create output folder {str(tmp)!r} (written, then renamed to {str(out)!r}): "
+                        f"{e.strerror or e}") from None
     try:
         yield tmp
     except BaseException:
@@ -119,14 +127,33 @@ def side_files(model_dir: Path) -> list[Path]:
 
 
 def read_json(path: Path, what: str) -> dict:
-    """Parse the JSON file ``path``.
+    """Parse the JSON object in the file ``path`` (:func:`tpengine.checkpoint.read_json_file`).
 
     Raises:
-        UserError: the file is missing or not valid JSON (naming ``what`` and the path).
+        UserError: the file is missing, unreadable, not valid JSON or not an object (naming
+            ``what`` and the path).
     """
-    if not Path(path).is_file():
-        raise UserError(f"{what} {str(path)!r} does not exist")
+    return read_json_file(path, what)
+
+
+def read_model_config(model_dir: Path):
+    """The transformers config of the model folder ``model_dir``, read only after
+    :func:`tpengine.checkpoint.check_model_folder` has found its ``config.json`` (and any
+    ``manifest.json``) readable.
+
+    Raises:
+        UserError: no ``config.json`` in ``model_dir`` (or no such folder), a broken one or a
+            broken ``manifest.json``, or one transformers cannot read (naming the file).
+    """
+    from transformers import AutoConfig
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise UserError(f"{str(model_dir)!r} is not a model folder: it has no config.json")
+    check_model_folder(model_dir)
     try:
-        return json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{what} {str(path)!r} is not valid JSON: {e}") from None
+        return AutoConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError, OSError) as e:  # e.g. a model_type transformers does not know
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"model config {str(model_dir / 'config.json')!r} cannot be read by transformers: "
+                        f"{first}") from None

@@ -7,21 +7,18 @@ from typing import Annotated, Any
 
 import typer
 
-from shard_tool.common import UserError, user_errors
+from shard_tool.common import UserError, read_model_config, user_errors
 from tpengine.config import DTYPE_BYTES
 
 
 def load_config(model_dir: Path):
-    """The transformers config of ``model_dir`` (reads config.json only).
+    """The transformers config of ``model_dir`` (reads config.json, and manifest.json if any).
 
     Raises:
-        UserError: no config.json in ``model_dir``.
+        UserError: no config.json in ``model_dir``, or a broken one (see
+            :func:`shard_tool.common.read_model_config`).
     """
-    from transformers import AutoConfig
-
-    if not (Path(model_dir) / "config.json").is_file():
-        raise UserError(f"{str(model_dir)!r} is not a model folder: it has no config.json")
-    return AutoConfig.from_pretrained(model_dir)
+    return read_model_config(model_dir)
 
 
 def config_dtype(config: Any) -> str:

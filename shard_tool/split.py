@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
-from shard_tool.common import UserError, atomic_dir, side_files, user_errors
+from shard_tool.common import UserError, atomic_dir, read_model_config, side_files, user_errors
 from tpengine.checkpoint import FORMAT_VERSION, INDEX_NAME, checkpoint_files, rank_file_name, sha256_file
 from tpengine.config import WEIGHT_DTYPES
 
@@ -69,26 +69,23 @@ def split_model(
     floating tensor in the checkpoint). Returns the manifest written to ``out/manifest.json``.
 
     Raises:
-        UserError: missing config/checkpoint files, bad dtype, a tied lm_head that differs from
-            the embedding, or ``out`` already existing without ``force``.
+        UserError: missing or unreadable config/checkpoint files, an unwritable ``out``, bad dtype,
+            a tied lm_head that differs from the embedding, or ``out`` already existing without ``force``.
         ValueError: an invalid tp_size for this model (message from ShardPlan.build), or a
             weight whose module tpengine's layer table does not cover.
     """
     import torch
-    from transformers import AutoConfig
 
     from tpengine.plan import ShardPlan
     from tpengine.surgery import kind_of
     from tpengine.tensor_file import TensorFileWriter, read_header, read_rows
 
     model_dir, out = Path(model_dir), Path(out)
-    if not (model_dir / "config.json").is_file():
-        raise UserError(f"{str(model_dir)!r} is not a model folder: it has no config.json")
+    config = read_model_config(model_dir)  # UserError: no, a broken or an unreadable config.json
     if dtype is not None and dtype not in WEIGHT_DTYPES:
         raise UserError(f"invalid dtype {dtype!r}: must be one of {', '.join(WEIGHT_DTYPES)}")
     if out.exists() and not force:
         raise UserError(f"output folder {str(out)!r} already exists; remove it or pass --force")
-    config = AutoConfig.from_pretrained(model_dir)
     plan = ShardPlan.build(config, tp_size)
     files = checkpoint_files(model_dir)
     skip = _tied_skip(model_dir, files, bool(getattr(config, "tie_word_embeddings", False)))
@@ -172,7 +169,8 @@ def split(
     from rich.console import Console
     from rich.progress import Progress
 
-    with user_errors(), Progress(console=Console(stderr=True), transient=True) as progress:
+    console = Console(stderr=True)  # the bar only on a terminal: a log or pipe gets the result lines alone
+    with user_errors(), Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         m = split_model(model_dir, tp, out, dtype=dtype, force=force, progress=progress)
     n = len(m["tensors"]["0"])
     print(f"wrote {tp} rank files ({n} tensors each, {m['dtype']}) and manifest.json to {out}")

@@ -9,8 +9,8 @@ from typing import Annotated, Any
 import torch
 import typer
 
-from shard_tool.common import UserError, read_json, user_errors
-from tpengine.checkpoint import FORMAT_VERSION, rank_file_name, sha256_file
+from shard_tool.common import read_model_config, user_errors
+from tpengine.checkpoint import rank_file_name, read_manifest, sha256_file
 from tpengine.config import WEIGHT_DTYPES
 from tpengine.tensor_file import CODE_OF
 
@@ -26,28 +26,23 @@ def verify_dir(shard_dir: Path) -> list[str]:
     with the file (and tensor) it concerns.
 
     Raises:
-        UserError: no readable manifest.json in ``shard_dir``.
+        UserError: no readable manifest.json in ``shard_dir`` (missing, truncated, a key missing),
+            or a broken config.json.
     """
     from safetensors import SafetensorError, safe_open
-    from transformers import AutoConfig
 
     from tpengine.plan import ShardPlan
     from tpengine.surgery import kind_of
 
     shard_dir = Path(shard_dir)
-    m = read_json(shard_dir / "manifest.json", "manifest")
-    if m.get("format_version") != FORMAT_VERSION:
-        raise UserError(
-            f"manifest.json format_version={m.get('format_version')!r} is not supported "
-            f"(expected {FORMAT_VERSION}); re-run tpengine-shard split"
-        )
+    m = read_manifest(shard_dir)  # UserError: missing, truncated, another format, a key missing
     tp = m["tp_size"]
     plan = ShardPlan.from_dict(m["plan"])
     errors: list[str] = []
     if plan.tp_size != tp:
         errors.append(f"manifest.json: plan.tp_size={plan.tp_size} but tp_size={tp}")
     if (shard_dir / "config.json").is_file():
-        rebuilt = ShardPlan.build(AutoConfig.from_pretrained(shard_dir), tp)
+        rebuilt = ShardPlan.build(read_model_config(shard_dir), tp)
         if rebuilt != plan:
             errors.append("manifest.json: stored plan differs from the plan built from config.json")
     want = {rank_file_name(r, tp): r for r in range(tp)}
@@ -104,7 +99,7 @@ def verify(shard_dir: Annotated[Path, typer.Argument(help="folder written by tpe
     """Re-hash every rank file and check names and shapes against the manifest and the plan."""
     with user_errors():
         errors = verify_dir(shard_dir)
-        m = read_json(Path(shard_dir) / "manifest.json", "manifest")
+        m = read_manifest(shard_dir)
     if errors:
         for e in errors[:20]:
             print(f"error: {e}", file=sys.stderr)

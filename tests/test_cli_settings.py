@@ -27,3 +27,74 @@ def test_settings_that_do_not_fit_the_model_are_one_line_and_exit_2(tiny, tmp_pa
     p = cli(["--prompts", prompts, "--model", tiny, "--kv-cache-gb", 0.0001], check=False)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert "failed: UserError: KV cache budget gives" in p.stderr and "max_model_len=512" in p.stderr
+
+
+def run_command():
+    """The click command of ``tpengine run``."""
+    import typer
+
+    from tpengine.cli import app
+
+    return typer.main.get_command(app).commands["run"]
+
+
+def test_every_engine_setting_has_a_flag_and_every_option_help_and_default():
+    """One flag per EngineConfig field, named as vLLM names it; every option of ``tpengine run``
+    has help text and shows its default; the console script is declared."""
+    import tomllib
+    from dataclasses import fields
+
+    from conftest import REPO
+
+    from tpengine.config import EngineConfig
+
+    cmd = run_command()
+    flags = {o: p for p in cmd.params for o in p.opts}
+    for f in fields(EngineConfig):
+        assert "--" + f.name.replace("_", "-") in flags, f.name
+    for name in ("--gpu-memory-utilization", "--attention-backend", "--enforce-eager", "--kv-mirror",
+                 "--cpu-kernels", "--dist-timeout-s", "--seed", "--num-kv-blocks", "--summary-json"):
+        assert name in flags, name
+    for name in ("--enforce-eager", "--kv-mirror", "--cpu-kernels", "--enable-prefix-caching"):
+        assert flags[name].secondary_opts == ["--no-" + name[2:]], name
+    for p in cmd.params:
+        assert p.help, p.opts
+        if p.name != "prompts":  # required
+            assert p.show_default, p.opts
+    help_text = cmd.get_help(cmd.make_context("tpengine run", ["--prompts", "x"]))
+    assert "[default: (0.85)]" in help_text and "[default: (kv-mirror)]" in help_text
+    assert "[default: (no-enforce-eager)]" in help_text and "[default: (16)]" in help_text
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["tpengine"] == "tpengine.cli:app"
+
+
+def test_engine_flags_reach_engine_config(tmp_path, monkeypatch):
+    """Each new flag sets its field; a flag not given leaves the config file's value (then the
+    default); ``python -m tpengine.run`` takes the same options as ``tpengine run``."""
+    from typer.testing import CliRunner
+
+    import tpengine.run as run
+    from tpengine.cli import app
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}])
+    (tmp_path / "c.toml").write_text('[engine]\nblock_size = 8\nseed = 5\n[sampling]\ntemperature = 0.0\n')
+    seen = []
+    monkeypatch.setattr(run, "run_engine", lambda job: seen.append(job) or 0)
+    args = ["--prompts", prompts, "--model", model, "--config", tmp_path / "c.toml", "--out", tmp_path / "o.jsonl",
+            "--gpu-memory-utilization", "0.5", "--attention-backend", "torch", "--enforce-eager", "--no-kv-mirror",
+            "--no-cpu-kernels", "--dist-timeout-s", "5", "--seed", "3", "--num-kv-blocks", "7"]
+    r = CliRunner().invoke(app, ["run", *map(str, args)])
+    assert r.exit_code == 0, r.output
+    c = seen[0].config
+    assert (c.gpu_memory_utilization, c.attention_backend, c.enforce_eager, c.kv_mirror, c.cpu_kernels,
+            c.dist_timeout_s, c.seed, c.num_kv_blocks, c.block_size, c.max_num_seqs) == (
+        0.5, "torch", True, False, False, 5.0, 3, 7, 8, 64)
+    assert seen[0].requests[0].params.temperature == 0.0
+    seen[0].close()
+    r = CliRunner().invoke(run.app, list(map(str, args[:8])))  # python -m tpengine.run: the same command
+    assert r.exit_code == 0, r.output
+    assert (seen[1].config.seed, seen[1].config.block_size, seen[1].config.kv_mirror) == (5, 8, True)
+    seen[1].close()

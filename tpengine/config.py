@@ -1,7 +1,8 @@
 """EngineConfig: the one frozen engine configuration, validated once.
 
-Loaded from ``configs/*.toml`` (an ``[engine]`` table, or top-level keys) plus CLI overrides:
-``load_config(path, overrides)``. Values discovered at run time (number of KV blocks chosen from
+Loaded from ``configs/*.toml`` (an ``[engine]`` table, or top-level keys; a ``[sampling]`` table
+holds request defaults; anything else is refused, naming it) plus CLI overrides:
+``load_config(path, **overrides)``. Values discovered at run time (number of KV blocks chosen from
 memory, world size) are not stored here.
 """
 
@@ -15,6 +16,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from tpengine.engine.sampling_params import SAMPLING_KEYS
+from tpengine.errors import UserError
 from tpengine.kernels import BACKENDS  # the attention backend names, defined with the backends
 
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
@@ -72,7 +75,7 @@ class EngineConfig:
             return ValueError(f"invalid {name}={getattr(self, name)!r}: must be {valid}")
 
         for f in fields(self):  # types first, so the range checks below compare numbers
-            value, kinds = getattr(self, f.name), _FIELD_TYPES[f.name]
+            value, kinds = getattr(self, f.name), FIELD_TYPES[f.name]
             if value is None and None in kinds:
                 continue
             if isinstance(value, bool) and bool not in kinds or not isinstance(value, tuple(k for k in kinds if k)):
@@ -133,8 +136,8 @@ def torch_dtype(name: str) -> Any:
     return getattr(torch, name)
 
 
-# accepted Python types per field (None: may be unset); ints are accepted where floats are
-_FIELD_TYPES: dict[str, tuple] = {
+#: Accepted Python types per EngineConfig field (None: may be unset); ints are accepted where floats are.
+FIELD_TYPES: dict[str, tuple] = {
     "model": (str,), "dtype": (str,), "attention_backend": (str,),
     "max_model_len": (int, None), "block_size": (int,), "max_num_seqs": (int,), "max_num_batched_tokens": (int, None),
     "num_kv_blocks": (int, None), "threads": (int, None), "seed": (int,),
@@ -144,27 +147,69 @@ _FIELD_TYPES: dict[str, tuple] = {
 }
 
 
+#: The tables a config file may hold. Top-level keys that are not tables are engine settings
+#: (the same as an ``[engine]`` table's).
+CONFIG_TABLES = ("engine", "sampling")
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """The tables of the TOML config file ``path``: ``{"engine": {...}, "sampling": {...}}`` (a
+    missing table is empty). Engine settings are the keys of an ``[engine]`` table or top-level
+    keys (not both for one key); ``[sampling]`` keys are :data:`SAMPLING_KEYS` (values are
+    checked by :class:`tpengine.engine.sampling_params.SamplingParams` where they are used).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        UserError: unreadable, not valid TOML, an unknown table (``[samplng]``), an unknown
+            top-level key, or an unknown ``[engine]`` / ``[sampling]`` key, a key set both at top
+            level and in ``[engine]``: one line naming the file, the key or table and the valid ones.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"config file {str(p)!r} does not exist")
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read config file {str(p)!r}: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+    known = sorted(f.name for f in fields(EngineConfig))
+    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
+    top = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    valid_tables = ", ".join(f"[{t}]" for t in CONFIG_TABLES)
+    for name in tables:
+        if name not in CONFIG_TABLES:
+            raise UserError(f"config file {str(p)!r}: unknown table [{name}]; valid tables: {valid_tables}")
+    if unknown := sorted(set(top) - set(known)):
+        raise UserError(f"config file {str(p)!r}: unknown top-level key(s) {unknown}; valid: the tables "
+                        f"{valid_tables}, or engine settings at top level: {', '.join(known)}")
+    engine = tables.get("engine", {})
+    if unknown := sorted(set(engine) - set(known)):
+        raise UserError(f"config file {str(p)!r}: unknown engine setting(s) {unknown} in [engine]; "
+                        f"valid: {', '.join(known)}")
+    if twice := sorted(set(engine) & set(top)):
+        raise UserError(f"config file {str(p)!r}: {twice} set both at top level and in [engine]; set each once")
+    sampling = tables.get("sampling", {})
+    if unknown := sorted(set(sampling) - set(SAMPLING_KEYS)):
+        raise UserError(f"config file {str(p)!r}: unknown [sampling] key(s) {unknown}; "
+                        f"valid: {', '.join(SAMPLING_KEYS)}")
+    return {"engine": {**top, **engine}, "sampling": dict(sampling)}
+
+
 def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> EngineConfig:
-    """Read ``path`` (TOML; keys of an ``[engine]`` table or top level), then apply the
+    """The engine settings of the config file ``path`` (see :func:`read_config_file`), then the
     ``overrides`` whose value is not None (CLI flags).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: an unknown key (naming it and the valid keys) or an invalid value.
+        UserError: (a ``ValueError``) what :func:`read_config_file` raises, or an unknown override
+            (naming it and the valid keys).
+        ValueError: an invalid value (from :class:`EngineConfig`).
     """
-    values: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"config file {str(p)!r} does not exist")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"config file {str(p)!r} is not valid TOML: {e}") from None
-        values.update(data.get("engine", {k: v for k, v in data.items() if not isinstance(v, dict)}))
+    values: dict[str, Any] = dict(read_config_file(path)["engine"]) if path is not None else {}
     values.update({k: v for k, v in overrides.items() if v is not None})
     known = {f.name for f in fields(EngineConfig)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"unknown engine setting(s) {unknown}; valid: {', '.join(sorted(known))}")
+        raise UserError(f"unknown engine setting(s) {unknown}; valid: {', '.join(sorted(known))}")
     return EngineConfig(**values)

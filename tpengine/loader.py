@@ -11,14 +11,21 @@ embeddings share storage.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig
 
-from tpengine.checkpoint import MANIFEST, checkpoint_files, is_shard_folder, rank_file_name, sha256_file
+from tpengine.checkpoint import (
+    MANIFEST,
+    check_model_folder,
+    checkpoint_files,
+    is_shard_folder,
+    rank_file_name,
+    read_manifest,
+    sha256_file,
+)
 from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
 from tpengine.plan import ShardPlan
@@ -44,7 +51,7 @@ def check_manifest(model_dir: Path, hf_config, tp: TPInfo) -> ShardPlan:
         CheckpointMismatchError: naming the shard tp and the launch tp, or the config field and
             both values, or the file whose hash differs — and the command that re-shards (C19).
     """
-    manifest = json.loads((model_dir / MANIFEST).read_text())
+    manifest = read_manifest(model_dir)  # UserError: unreadable or truncated, naming the file
     fix = (f"re-shard with: tpengine-shard split <full HF model folder> --tp {tp.size} "
            f"--out <new folder>")
     if manifest["tp_size"] != tp.size:
@@ -230,13 +237,13 @@ def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.flo
 
     Raises:
         CheckpointMismatchError: a shard folder for another tp/config or with a bad hash.
+        UserError: no folder, a missing or unreadable ``config.json`` or ``manifest.json``
+            (:func:`tpengine.checkpoint.check_model_folder`).
         FileNotFoundError: a checkpoint file the folder or its index names is missing.
         RuntimeError: a weight assigned twice or never, or anything left on meta.
     """
     model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{str(model_dir)!r} has no config.json; pass a HF model folder or a "
-                                f"tpengine-shard split folder (run `make model` for the default)")
+    check_model_folder(model_dir)  # UserError: no folder, no or a broken config.json or manifest.json
     hf_config = AutoConfig.from_pretrained(model_dir)
     sharded = is_shard_folder(model_dir)
     plan = check_manifest(model_dir, hf_config, tp) if sharded else ShardPlan.build(hf_config, tp.size)

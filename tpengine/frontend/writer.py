@@ -1,7 +1,8 @@
-"""The output file of a job: the append-and-flush writer and what ``--resume`` finds already done."""
+"""The output file of a job: the locked append-and-flush writer and what ``--resume`` finds already done."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sys
@@ -9,6 +10,7 @@ from typing import Any, BinaryIO
 
 from typing_extensions import Self
 
+from tpengine.errors import UserError
 from tpengine.frontend.output import is_validation_error, record_id
 
 
@@ -16,17 +18,39 @@ class OutputWriter:
     """Writes one JSON line per finished request and flushes it at once, so a crash loses no
     finished work. ``path`` None writes to this process's stdout (rank 0's).
 
-    ``append``: keep existing lines (``--resume``); otherwise the file is truncated.
+    The file is opened without truncating, locked for the writer's lifetime (``fcntl.flock``
+    ``LOCK_EX | LOCK_NB``: a second job on the same file fails at once instead of interleaving
+    lines), and only then truncated, unless ``append`` (``--resume``: keep existing lines). The
+    lock is released by :meth:`close` or when the process exits.
 
     Raises:
-        OSError: the file cannot be opened.
+        UserError: one line naming the file: another process holds its lock (a second job on the
+            same ``--out``), or it cannot be opened for writing (permission, a folder, no such
+            folder, ...).
     """
 
     def __init__(self, path: str | os.PathLike | None, append: bool = False) -> None:
         self.path = path
         self.count = 0
-        mode = "ab" if append else "wb"
-        self._fh: BinaryIO = sys.stdout.buffer if path is None else open(path, mode)  # noqa: SIM115
+        if path is None:
+            self._fh: BinaryIO = sys.stdout.buffer
+            return
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else 0), 0o666)
+        except OSError as e:
+            raise UserError(f"cannot write --out {str(path)!r}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UserError(f"--out {str(path)!r} is locked by another job writing to it; wait for that job "
+                            "to finish or choose another --out") from None
+        except OSError as e:  # a file system without locks
+            os.close(fd)
+            raise UserError(f"cannot lock --out {str(path)!r}: {e.strerror or e}") from None
+        if not append:
+            os.ftruncate(fd, 0)
+        self._fh = os.fdopen(fd, "ab" if append else "wb")
 
     def write(self, record: dict[str, Any]) -> None:
         """Append ``record`` as one line (UTF-8 JSON; all-ASCII with ``\\u`` escapes if it holds a lone
@@ -40,7 +64,9 @@ class OutputWriter:
         self.count += 1
 
     def close(self) -> None:
-        """Flush; close the file (stdout stays open)."""
+        """Flush; close the file and release its lock (stdout stays open). Idempotent."""
+        if self._fh.closed:
+            return
         self._fh.flush()
         if self.path is not None:
             self._fh.close()

@@ -1,0 +1,34 @@
+"""``tpengine``: the command-line entry point (console script ``tpengine = "tpengine.cli:app"``).
+
+    tpengine run --prompts file.jsonl --out out.jsonl
+    torchrun --nproc_per_node=2 -m tpengine.cli run --prompts file.jsonl
+
+``tpengine run`` is :func:`tpengine.run.main` (also ``python -m tpengine.run``). Exit codes:
+0 the job ran, 2 a user's mistake (one ``error:`` line), 1 an internal failure.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from tpengine import run
+
+app = typer.Typer(
+    name="tpengine",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    help="A small tensor-parallel inference engine for Hugging Face decoder LLMs.",
+)
+
+
+@app.callback()
+def main() -> None:
+    """A small tensor-parallel inference engine for Hugging Face decoder LLMs."""
+
+
+app.command("run")(run.main)
+
+if __name__ == "__main__":
+    app()
