@@ -170,7 +170,7 @@ def test_c10_c12a_c18_smollm2(tok, tmp_path):
     starts = {len(tok.decode(g[:i], skip_special_tokens=True)) for i in range(len(g) + 1)}
     off = next(o for o in range(5, len(T) - 4) if o not in starts and T.find(T[o:o + 4]) == o)
     S = T[off:off + 4]
-    lines = [{**alpha, "id": "s1", "stop": [S]}, {**alpha, "id": "s2", "stop": [S], "stream": True}]
+    lines = [{**alpha, "id": "s1", "stop": [S]}, {**alpha, "id": "s2", "stop": [S], "stream": False}]
     out2 = tmp_path / "out2.jsonl"
     cli(["--prompts", write_jsonl(tmp_path / "2.jsonl", lines), "--out", out2, *cfg])
     for rec in records(out2).values():

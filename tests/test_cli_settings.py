@@ -92,7 +92,7 @@ def test_engine_flags_reach_engine_config(tmp_path, monkeypatch):
     assert (c.gpu_memory_utilization, c.attention_backend, c.enforce_eager, c.kv_mirror, c.cpu_kernels,
             c.dist_timeout_s, c.seed, c.num_kv_blocks, c.block_size, c.max_num_seqs) == (
         0.5, "torch", True, False, False, 5.0, 3, 7, 8, 64)
-    assert seen[0].requests[0].params.temperature == 0.0
+    assert next(iter(seen[0].requests)).params.temperature == 0.0
     seen[0].close()
     r = CliRunner().invoke(run.app, list(map(str, args[:8])))  # python -m tpengine.run: the same command
     assert r.exit_code == 0, r.output

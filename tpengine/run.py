@@ -38,11 +38,8 @@ from tpengine.errors import UserError
 from tpengine.flags import engine_options
 from tpengine.frontend.job import drive
 from tpengine.frontend.progress import ProgressReporter
-from tpengine.frontend.requests import (
-    ParsedRequest,
-    RequestError,
-    parse_requests,
-)
+from tpengine.frontend.request_file import RequestFile
+from tpengine.frontend.requests import RequestError
 from tpengine.frontend.writer import OutputWriter, read_done
 from tpengine.memory import gather_peak_rss
 
@@ -86,7 +83,7 @@ class PreparedJob:
     """
 
     config: EngineConfig
-    requests: list[ParsedRequest]
+    requests: RequestFile  # the valid requests, read from the file again as the engine takes them
     errors: list[RequestError]
     model_name: str
     writer: OutputWriter | None = None
@@ -159,7 +156,8 @@ def prepare(prompts: Path, out: Path | None, config: Path | None, resume: bool, 
         _check_out_path("--summary-json", summary_json, {**inputs, "--out": out})
     defaults = sampling_defaults(config, **sampling_cli)
     try:
-        requests, errors = parse_requests(prompts, defaults)
+        requests = RequestFile(prompts, defaults)  # every line validated, one at a time; none kept
+        errors = requests.errors
     except OSError as e:
         raise UserError(f"cannot read --prompts {str(prompts)!r}: {e}") from e
     if errors and not skip_invalid:
