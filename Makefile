@@ -7,7 +7,7 @@ NPROC     ?= $(TP)
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model test lint demo bench bench-prefix bench-chunked humaneval bench-scale shards clean
+.PHONY: setup model test lint demo bench bench-prefix bench-chunked bench-big-file humaneval bench-scale shards clean
 
 setup: .venv/.installed
 
@@ -54,6 +54,10 @@ bench-prefix: setup model
 # Decode gaps while a long prompt is prefilled, per chunk size (python -m benchmarks.chunked_prefill --help)
 bench-chunked: setup model
 	$(PY) -m benchmarks.chunked_prefill --out bench-chunked.json
+
+# Request files of 1 000 and 100 000 short prompts through the job: rank 0's peak memory, time to the first record
+bench-big-file: setup model
+	$(PY) -m benchmarks.big_file --out bench-big-file.json
 
 humaneval: setup model
 	$(PY) -m benchmarks.humaneval

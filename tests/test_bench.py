@@ -266,3 +266,24 @@ def test_prefix_cache_rejects_bad_options_before_starting_workers(tmp_path):
         r = CliRunner().invoke(prefix_app, ["--model", str(model), *args], terminal_width=400)
         assert r.exit_code == 2, (args, r.output)
         assert message in " ".join(r.output.replace("│", " ").split()), (args, r.output)
+
+
+def test_big_file_smoke(tmp_path):
+    """benchmarks.big_file on files of 3 and 7 lines: every line gets its record, the times are
+    positive and rank 0's peak memory is reported."""
+    from benchmarks.big_file import app as big_app
+
+    if not (SMOLLM2_DIR / "tokenizer.json").is_file():
+        import pytest
+
+        pytest.skip("needs the SmolLM2 tokenizer (make model)")
+    model = make_tiny_model(tmp_path, "llama", seed=0, vocab_size=49152)
+    out = tmp_path / "big.json"
+    args = ["--model", str(model), "--lines", "3", "--lines", "7", "--max-num-seqs", "4", "--out", str(out)]
+    r = CliRunner().invoke(big_app, args, terminal_width=200)
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    runs = json.loads(out.read_text())["runs"]
+    assert [(x["lines"], x["records"], x["summary"]["requests_ok"]) for x in runs] == [(3, 3, 3), (7, 7, 7)]
+    for x in runs:
+        assert 0 < x["first_record_s"] <= x["wall_s"] and x["rank0_peak_rss_mib"] > 0
+        assert x["summary"]["output_tokens"] == 2 * x["lines"]

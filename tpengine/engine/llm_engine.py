@@ -19,8 +19,8 @@ import torch
 
 from tpengine.config import EngineConfig
 from tpengine.distributed import TPInfo, init_distributed
-from tpengine.engine.detokenizer import IncrementalDetokenizer
 from tpengine.engine.model_runner import ModelRunner
+from tpengine.engine.output_processor import OutputProcessor, failed_output
 from tpengine.engine.outputs import RequestOutput
 from tpengine.engine.sampler import Sampler
 from tpengine.engine.sampling_params import SamplingParams
@@ -80,14 +80,6 @@ def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
     return ids
 
 
-def failed_output(request_id: str, prompt_token_ids: list[int], stage: str, exc: Exception) -> RequestOutput:
-    """The error output of a request whose content raised ``exc`` while ``stage`` ("tokenizing",
-    "scheduling", "sampling", "detokenizing"); the one line also goes to stderr."""
-    msg = f"{stage} failed: {type(exc).__name__}: {exc}"
-    print(f"[tpengine] request {request_id!r}: {msg}", file=sys.stderr, flush=True)
-    return RequestOutput(request_id, prompt_token_ids, error=msg)
-
-
 class LLMEngine:
     """The engine on one rank.
 
@@ -129,7 +121,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.eos_token_ids)
         self.sampler = Sampler(config.seed)
         self._next_id = 0
-        self._detok: dict[int, IncrementalDetokenizer] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler.is_stop_token)
         self._pending: list[RequestOutput] = []
         self._steps = self._prefill_steps = self._computed_tokens = self._output_tokens = 0
         print(self.runner.ready_line(time.perf_counter() - started), file=sys.stderr, flush=True)
@@ -144,10 +136,13 @@ class LLMEngine:
         return self.tp.is_driver
 
     # ------------------------------------------------------------------ driver API
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    stream: bool = False) -> None:
         """Queue a request (rank 0). One that cannot run (too long for max_model_len or the
-        KV cache, empty, ids outside the vocabulary) becomes an error output of the next step,
-        and so does any other exception its content raises here: no request ends the engine."""
+        KV cache, empty, ids outside the vocabulary, an id already running) becomes an error output
+        of the next step, and so does any other exception its content raises here: no request ends
+        the engine. ``stream``: :meth:`step` also returns this request's output so far (``finished``
+        False) after every step that gives it a token."""
         vocab = self.vocab_size
         try:
             bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
@@ -155,8 +150,12 @@ class LLMEngine:
             self._next_id += 1
             if bad:
                 raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-            self.scheduler.add(seq)
-            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+            self.outputs.add(seq, stream)
+            try:
+                self.scheduler.add(seq)
+            except BaseException:
+                self.outputs.drop(seq)
+                raise
         except ValueError as e:
             self._pending.append(RequestOutput(request_id, list(prompt_token_ids), error=str(e), error_field="prompt"))
         except Exception as e:  # noqa: BLE001 -- one request's failure is its own error output
@@ -167,7 +166,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Rank 0: schedule, broadcast, execute, sample, postprocess one step. Returns the
-        requests finished in it (error outputs of rejected requests included)."""
+        requests finished in it (error outputs of rejected requests and aborted requests included),
+        then the outputs so far of streaming requests that got a token (``finished`` False)."""
         done, self._pending = self._pending, []
         if not self.scheduler.has_unfinished:
             return done
@@ -185,7 +185,7 @@ class LLMEngine:
         stopped = []
         for i, (seq, tok, ok) in enumerate(zip(seqs, tokens, sampled)):
             try:
-                stopped.append(i not in failed and ok and self._detokenize(seq, tok))
+                stopped.append(i not in failed and ok and self.outputs.detokenize(seq, tok))
             except Exception as e:  # noqa: BLE001 -- this request's own failure
                 failed[i] = ("detokenizing", e)
                 stopped.append(False)
@@ -193,9 +193,12 @@ class LLMEngine:
             done.append(self._fail(seqs[i], stage, e))  # finished now: postprocess skips it
         for seq in self.scheduler.postprocess(seqs, tokens, stopped):
             try:
-                done.append(self._output(seq))
+                done.append(self.outputs.output(seq))
             except Exception as e:  # noqa: BLE001
                 done.append(self._fail(seq, "detokenizing", e))
+        for seq, ok in zip(seqs, sampled):
+            if ok and (partial := self.outputs.stream_output(seq)) is not None:
+                done.append(partial)
         return done
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], sampled: list[bool],
@@ -215,33 +218,28 @@ class LLMEngine:
             failed.update({rows[j]: ("sampling", e) for j, e in errors.items()})
         return tokens
 
-    def _detokenize(self, seq: Sequence, token_id: int) -> bool:
-        """Feed ``token_id`` to ``seq``'s detokenizer; True when a stop string matched. A token
-        that ends ``seq`` as an EOS / stop-token id is not fed: it stays in token_ids, not text."""
-        if seq.is_finished or self.scheduler.is_stop_token(seq, token_id):
-            return False
-        detok = self._detok[seq.seq_id]
-        detok.append(token_id)
-        return detok.stopped
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        detok = self._detok.pop(seq.seq_id)
-        if not detok.stopped:
-            detok.finish()
-        t0 = seq.arrival_time
-        return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            token_ids=list(seq.completion_token_ids), text=detok.text, finish_reason=seq.finish_reason,
-            num_cached_tokens=seq.num_prefix_cached_tokens or 0,
-            ttft_s=None if seq.first_token_time is None else seq.first_token_time - t0,
-            latency_s=(seq.finish_time or time.monotonic()) - t0,
-        )
-
     def _fail(self, seq: Sequence, stage: str, exc: Exception) -> RequestOutput:
         """End ``seq`` (its blocks freed) with the error output of ``exc`` raised while ``stage``."""
         self.scheduler.finish(seq, "abort")
-        self._detok.pop(seq.seq_id, None)
+        self.outputs.drop(seq)
         return failed_output(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], stage, exc)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Rank 0: end a live request now (a client went away); its KV blocks are freed at once and
+        its final output (``finish_reason`` "abort") comes with the next :meth:`step`. Returns
+        False when no such request is live."""
+        seq = self.outputs.get(request_id)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        self._pending.append(self.outputs.output(seq))
+        return True
+
+    def heartbeat(self) -> None:
+        """Rank 0, while there is nothing to run: broadcast an IDLE plan, so the other ranks' wait
+        for the next plan never reaches ``dist_timeout_s`` and a dead rank is noticed (the broadcast
+        raises within ``dist_timeout_s``)."""
+        broadcast_plan(StepPlan(kind=StepKind.IDLE, step=self._steps))
 
     def reset_prefix_cache(self) -> int:
         """Rank 0: forget every cached prefix, so later requests compute their prompts again (as
@@ -299,7 +297,8 @@ class LLMEngine:
             plan = broadcast_plan(None)
             if plan.kind == StepKind.STOP:
                 return
-            self.runner.execute(plan)
+            if plan.kind != StepKind.IDLE:
+                self.runner.execute(plan)
 
     def shutdown(self) -> None:
         """Tear down the process groups (after :meth:`generate` returned on every rank)."""

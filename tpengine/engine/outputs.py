@@ -16,6 +16,8 @@ class RequestOutput:
     ``num_cached_tokens``: prompt tokens whose KV came from the prefix cache (OpenAI's
     ``usage.prompt_tokens_details.cached_tokens``).
     Times in seconds: ``ttft_s`` arrival -> first token, ``latency_s`` arrival -> finish.
+    ``finished``: False for the output so far of a streaming request (then ``text`` is the text
+    safe to show yet, ``token_ids`` every id generated yet, ``finish_reason`` and ``latency_s`` None).
     """
 
     request_id: str
@@ -28,3 +30,4 @@ class RequestOutput:
     latency_s: float | None = None
     error: str | None = None
     error_field: str | None = None
+    finished: bool = True

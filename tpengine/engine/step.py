@@ -42,6 +42,11 @@ class StepKind(enum.IntEnum):
     PREFILL = 1
     DECODE = 2
     STOP = 3
+    IDLE = 4  # nothing to run: a heartbeat while a server waits for requests (no payload)
+
+
+#: Kinds whose plan carries no payload and runs no model.
+CONTROL_KINDS = (StepKind.STOP, StepKind.IDLE)
 
 
 @dataclass
@@ -109,7 +114,7 @@ def build_plan(seqs, is_prefill: bool, block_size: int, step: int, greedy: bool 
 
 def pack(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """``(header [HEADER_LEN], payload [sum(payload_sizes(N, B, M))])`` int64 tensors."""
-    if plan.kind == StepKind.STOP:
+    if plan.kind in CONTROL_KINDS:
         return torch.tensor([MAGIC, plan.kind, 0, 0, 0, plan.step, 0]), torch.empty(0, dtype=torch.int64)
     n, (b, m) = plan.input_ids.numel(), plan.block_tables.shape
     header = torch.tensor([MAGIC, int(plan.kind), n, b, m, plan.step, int(plan.greedy)], dtype=torch.int64)
@@ -127,8 +132,8 @@ def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
     magic, kind, n, b, m, step, greedy = (int(x) for x in header.tolist())
     if magic != MAGIC or kind not in {k.value for k in StepKind}:
         raise RuntimeError(f"corrupt StepPlan header {header.tolist()}: ranks are out of lockstep")
-    if kind == StepKind.STOP:
-        return StepPlan(kind=StepKind.STOP, step=step)
+    if kind in CONTROL_KINDS:
+        return StepPlan(kind=StepKind(kind), step=step)
     parts = dict(zip((name for name, _ in PAYLOAD_FIELDS), torch.split(payload, payload_sizes(n, b, m))))
     parts["block_tables"] = parts["block_tables"].view(b, m)
     return StepPlan(kind=StepKind(kind), step=step, greedy=bool(greedy), **parts)
@@ -147,6 +152,6 @@ def broadcast_plan(plan: StepPlan | None) -> StepPlan:
         return plan
     header = broadcast_control(torch.empty(HEADER_LEN, dtype=torch.int64))
     _, kind, n, b, m, _, _ = header.tolist()
-    size = 0 if kind == StepKind.STOP else sum(payload_sizes(n, b, m))
+    size = 0 if kind in CONTROL_KINDS else sum(payload_sizes(n, b, m))
     payload = broadcast_control(torch.empty(size, dtype=torch.int64)) if size else torch.empty(0, dtype=torch.int64)
     return unpack(header, payload)

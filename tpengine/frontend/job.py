@@ -6,7 +6,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from tpengine.engine.llm_engine import failed_output
+from tpengine.engine.output_processor import failed_output
 from tpengine.engine.outputs import RequestOutput
 from tpengine.frontend.output import error_record, make_record, openai_error_record
 from tpengine.frontend.progress import ProgressReporter
