@@ -1,9 +1,11 @@
 """``tpengine``: the command-line entry point (console script ``tpengine = "tpengine.cli:app"``).
 
     tpengine run --prompts file.jsonl --out out.jsonl
+    tpengine serve --model DIR --port 8000
     torchrun --nproc_per_node=2 -m tpengine.cli run --prompts file.jsonl
 
-``tpengine run`` is :func:`tpengine.run.main` (also ``python -m tpengine.run``). Exit codes:
+``tpengine run`` is :func:`tpengine.run.main` (also ``python -m tpengine.run``); ``tpengine serve``
+is :func:`tpengine.serve.main` (also ``python -m tpengine.serve``). Exit codes:
 0 the job ran, 2 a user's mistake (one ``error:`` line), 1 an internal failure.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import typer
 
-from tpengine import run
+from tpengine import run, serve
 
 app = typer.Typer(
     name="tpengine",
@@ -29,6 +31,7 @@ def main() -> None:
 
 
 app.command("run")(run.main)
+app.command("serve")(serve.main)
 
 if __name__ == "__main__":
     app()

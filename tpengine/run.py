@@ -196,11 +196,12 @@ def _opt(name: str, help: str, default: str | bool = True) -> Any:
     return typer.Option(name, help=help, show_default=default)
 
 
-def _rank() -> tuple[int, int]:
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment; (0, 1) without it."""
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _loading_line(cfg: EngineConfig, world: int) -> str:
+def loading_line(cfg: EngineConfig, world: int) -> str:
     """The line rank 0 prints before the model loads (the ready line follows when it has)."""
     import torch
 
@@ -220,9 +221,9 @@ def run_engine(job: PreparedJob) -> int:
     exception)."""
     from tpengine.engine.llm_engine import LLMEngine
 
-    rank, world = _rank()
+    rank, world = rank_and_world()
     if rank == 0:
-        print(_loading_line(job.config, world), file=sys.stderr, flush=True)
+        print(loading_line(job.config, world), file=sys.stderr, flush=True)
     try:
         try:
             engine = LLMEngine(job.config)
@@ -270,7 +271,7 @@ def main(
     Exit codes: 0 the job ran (a request's own failure is its error record), 2 a mistake found
     before the model loads (arguments, settings, config or request file, model folder, --out),
     or a setting the model cannot honour, 1 an internal failure."""
-    rank, world = _rank()
+    rank, world = rank_and_world()
     try:
         job = prepare(prompts, out, config, resume, skip_invalid,
                       {"max_tokens": max_tokens, "temperature": temperature}, engine, world, rank, summary_json)

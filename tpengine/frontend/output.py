@@ -76,22 +76,33 @@ def openai_record(
     """
     if out.error is not None:
         return openai_error_record(req.id, req.line, out.error, out.error_field, code="request_failed")
-    n, chat = req.line, req.format == "openai_chat"
+    n = req.line
+    body = openai_body(out, req.format == "openai_chat", model, str(n), created)
+    response = BatchResponse(request_id=f"req_{n}", body=body)
+    return BatchOutputLine(id=f"batch_req_{n}", custom_id=req.id, response=response).model_dump()
+
+
+def usage_info(out: RequestOutput) -> UsageInfo:
+    """OpenAI ``usage`` of ``out``: prompt, completion and total tokens, cached prompt tokens."""
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
-    usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                      prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+
+
+def openai_body(out: RequestOutput, chat: bool, model: str, suffix: str,
+                created: int | None = None) -> ChatCompletionResponse | CompletionResponse:
+    """The OpenAI response body of finished ``out``: a ``chat.completion`` (id ``chatcmpl-<suffix>``)
+    or a ``text_completion`` (id ``cmpl-<suffix>``); ``model`` the served model's name; ``created``
+    unix seconds (default now). Shared by the batch job and the server."""
     created = int(time.time()) if created is None else created
-    body: ChatCompletionResponse | CompletionResponse
+    usage = usage_info(out)
     if chat:
         choice = ChatCompletionResponseChoice(message=ChatResponseMessage(content=out.text),
                                               finish_reason=out.finish_reason)
-        body = ChatCompletionResponse(id=f"chatcmpl-{n}", created=created, model=model, choices=[choice],
+        return ChatCompletionResponse(id=f"chatcmpl-{suffix}", created=created, model=model, choices=[choice],
                                       usage=usage)
-    else:
-        choice = CompletionResponseChoice(text=out.text, finish_reason=out.finish_reason)
-        body = CompletionResponse(id=f"cmpl-{n}", created=created, model=model, choices=[choice], usage=usage)
-    response = BatchResponse(request_id=f"req_{n}", body=body)
-    return BatchOutputLine(id=f"batch_req_{n}", custom_id=req.id, response=response).model_dump()
+    choice = CompletionResponseChoice(text=out.text, finish_reason=out.finish_reason)
+    return CompletionResponse(id=f"cmpl-{suffix}", created=created, model=model, choices=[choice], usage=usage)
 
 
 def openai_error_record(

@@ -1,0 +1,231 @@
+"""The OpenAI-compatible server on real ranks (tp=2, SmolLM2 in float32, 127.0.0.1), driven by the
+official ``openai`` client: stream and non-stream texts equal the batch job's; 32 concurrent
+streaming clients; multi-byte text streamed exactly; a disconnect frees blocks; bad requests are
+400s naming the field; SIGTERM stops every rank cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import SMOLLM2_DIR
+from test_cli import ENV, REPO, TORCHRUN, cli
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.skipif(not (SMOLLM2_DIR / "config.json").is_file(), reason="needs make model")
+
+SETTINGS = ["--model", str(SMOLLM2_DIR), "--max-model-len", "1024", "--kv-cache-gb", "0.25", "--dtype", "float32"]
+GREEDY = {"temperature": 0.0, "max_tokens": 24}
+COMPLETIONS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+CHATS = ["What is 2 + 2?", "Name three colors.", "Say hello in French."]
+MULTIBYTE = "Écris « café crème » et 日本語 puis l'emoji 😀 trois fois :"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``torchrun --nproc_per_node 2 -m tpengine.serve`` on a free port, its stderr collected."""
+
+    def __init__(self, tmp: Path, tp: int = 2, extra: tuple[str, ...] = ()):
+        self.port = free_port()
+        self.log = tmp / f"server-{self.port}.log"
+        cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={tp}", "-m", "tpengine.serve", "--port", str(self.port),
+               *SETTINGS, *extra]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=open(self.log, "w"))
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                if urllib.request.urlopen(self.url + "/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.3)
+        else:
+            raise AssertionError("the server did not come up: " + self.log.read_text()[-3000:])
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(self.url + "/metrics", timeout=5).read().decode()
+        out = {}
+        for line in text.splitlines():
+            m = re.match(r"^(tpengine:\w+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
+            if m:
+                out[m.group(1)] = float(m.group(3))
+        return out
+
+    def rank_pids(self) -> dict[int, int]:
+        """rank -> pid of torchrun's workers."""
+        kids = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
+        ranks = {}
+        for pid in map(int, kids):
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = next((int(e.split(b"=")[1]) for e in env if e.startswith(b"RANK=")), None)
+            if rank is not None:
+                ranks[rank] = pid
+        return ranks
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("server"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory):
+    """The batch job's texts for the same requests (OpenAI Batch lines, tp=2)."""
+    tmp = tmp_path_factory.mktemp("batch")
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": p, **GREEDY}}
+             for i, p in enumerate(COMPLETIONS)]
+    lines += [{"custom_id": f"m{i}", "method": "POST", "url": "/v1/chat/completions",
+               "body": {"messages": [{"role": "user", "content": p}], **GREEDY}} for i, p in enumerate([*CHATS, MULTIBYTE])]
+    prompts, out = tmp / "in.jsonl", tmp / "out.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cli(["--prompts", prompts, "--out", out, *SETTINGS], tp=2)
+    recs = {r["custom_id"]: r["response"]["body"]["choices"][0] for r in map(json.loads, out.read_text().splitlines())}
+    return ({p: recs[f"c{i}"]["text"] for i, p in enumerate(COMPLETIONS)},
+            {p: recs[f"m{i}"]["message"]["content"] for i, p in enumerate([*CHATS, MULTIBYTE])})
+
+
+def chat_stream(client, content: str, **kw) -> tuple[list[str], str | None]:
+    deltas, finish = [], None
+    for chunk in client.chat.completions.create(model="smollm2-135m-instruct", stream=True,
+                                                messages=[{"role": "user", "content": content}], **GREEDY, **kw):
+        if chunk.choices:
+            deltas.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    return deltas, finish
+
+
+def test_texts_equal_the_batch_jobs(server, batch):
+    completions, chats = batch
+    c = server.client
+    for p in COMPLETIONS:
+        r = c.completions.create(model="smollm2-135m-instruct", prompt=p, **GREEDY)
+        assert r.choices[0].text == completions[p] and r.model == "smollm2-135m-instruct"
+        assert r.usage.completion_tokens == 24 and r.choices[0].finish_reason == "length"
+        streamed = "".join(x.choices[0].text for x in c.completions.create(
+            model="smollm2-135m-instruct", prompt=p, stream=True, **GREEDY) if x.choices)
+        assert streamed == completions[p]
+    for p in CHATS:
+        r = c.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": p}],
+                                      **GREEDY)
+        assert r.choices[0].message.content == chats[p]
+        assert "".join(chat_stream(c, p)[0]) == chats[p]
+
+
+def test_multibyte_text_streams_exactly(server, batch):
+    """Each delta holds whole characters only: a character whose bytes span tokens is sent once it is
+    complete, never as U+FFFD (only the last delta may end in one, when max_tokens cuts a character,
+    exactly as ``tokenizer.decode`` of the same ids does), and nothing is sent twice."""
+    deltas, finish = chat_stream(server.client, MULTIBYTE)
+    text = "".join(deltas)
+    assert text == batch[1][MULTIBYTE] and finish == "length"
+    assert "\ufffd" not in "".join(deltas[:-1]) and sum(ord(ch) > 0x7F for ch in text) >= 5, deltas
+
+
+def test_32_concurrent_streaming_clients(server, batch):
+    completions, chats = batch
+    prompts = [CHATS[i % len(CHATS)] for i in range(32)]
+    results: dict[int, str] = {}
+    errors = []
+
+    def one(i):
+        try:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+            results[i] = "".join(chat_stream(client, prompts[i])[0])
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert errors == [] and len(results) == 32
+    assert all(results[i] == chats[prompts[i]] for i in range(32))
+
+
+def test_disconnect_frees_blocks(server):
+    stream = server.client.completions.create(model="smollm2-135m-instruct", prompt="Count: 1, 2, 3,", stream=True,
+                                              max_tokens=900, temperature=0.0, extra_body={"ignore_eos": True})
+    for n, _ in enumerate(stream):
+        if n == 3:
+            break
+    m = server.metrics()
+    assert m["tpengine:num_requests_running"] == 1 and m["tpengine:kv_cache_usage_perc"] > 0
+    stream.close()  # the client goes away
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["tpengine:num_requests_running"] == 0:
+            break
+        time.sleep(0.2)
+    assert m["tpengine:num_requests_running"] == 0 and m["tpengine:kv_cache_usage_perc"] == 0.0, m
+
+
+@pytest.mark.parametrize(("body", "status", "param", "message"), [
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "max_tokens: must be an integer >= 1, got 0"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature", "temperature: must be a number >= 0, got \"hot\""),
+    ({"prompt": "x", "bogus": 1}, 400, "bogus", "bogus: unknown field; valid: "),
+    ({"prompt": "apple" + " apple" * 1099}, 400, "prompt", "the prompt has 1100 tokens, but max_model_len is 1024 (the prompt "
+     "must be at most 1023 tokens to leave room for one output token)"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model", "The model `gpt-4` does not exist; this server serves "
+     "`smollm2-135m-instruct`"),
+])
+def test_bad_requests(server, body, status, param, message):
+    req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    err = json.loads(e.value.read())["error"]
+    assert e.value.code == status and err["code"] == status and err["param"] == param
+    assert err["message"].startswith(message) if message.endswith(" ") else err["message"] == message
+    with pytest.raises(openai.BadRequestError if status == 400 else openai.NotFoundError) as e:
+        server.client.completions.create(model=body.get("model", "smollm2-135m-instruct"), prompt=body["prompt"],
+                                         extra_body={k: v for k, v in body.items() if k not in ("model", "prompt")})
+    assert e.value.body["param"] == param
+
+
+def test_sigterm_stops_every_rank_cleanly(tmp_path):
+    s = Server(tmp_path)
+    stream = s.client.completions.create(model="smollm2-135m-instruct", prompt="Count: 1, 2, 3,", stream=True,
+                                         max_tokens=40, temperature=0.0, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    ranks = s.rank_pids()
+    assert set(ranks) == {0, 1}
+    t0 = time.monotonic()
+    os.kill(ranks[0], signal.SIGTERM)  # as a process manager stopping the server would
+    rest = "".join(x.choices[0].text for x in stream if x.choices)  # the in-flight request still finishes
+    assert s.proc.wait(15) == 0 and time.monotonic() - t0 < 10
+    log = s.log.read_text()
+    assert "[tpengine rank 0/2] server stopped (exit 0)" in log and "[tpengine rank 1/2] server stopped (exit 0)" in log
+    assert rest
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q", "-x"]))

@@ -1,0 +1,71 @@
+"""Streaming response shapes: the server-sent-event chunks of ``/v1/completions`` (``object``
+"text_completion") and ``/v1/chat/completions`` (``object`` "chat.completion.chunk"), in OpenAI's
+and vLLM's field names, and the HTTP error body. Each SSE event is ``data: <chunk JSON>\\n\\n``;
+a stream ends with ``data: [DONE]\\n\\n``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from tpengine.protocol.records import RecordModel, UsageInfo
+
+
+class CompletionStreamChoice(RecordModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionStreamResponse(RecordModel):
+    """One chunk of a streamed ``/v1/completions`` response; the usage-only chunk (``stream_options.
+    include_usage``) has ``choices`` [] and ``usage`` set."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(RecordModel):
+    """The new part of the assistant message: ``role`` in the first chunk, then ``content``."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(RecordModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionStreamResponse(RecordModel):
+    """One chunk of a streamed ``/v1/chat/completions`` response (see :class:`CompletionStreamResponse`
+    for the usage chunk)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ErrorInfo(RecordModel):
+    """OpenAI's error object: ``type`` e.g. "invalid_request_error" (400) or "server_error" (5xx);
+    ``param`` the offending field's path; ``code`` the HTTP status."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(RecordModel):
+    """The body of an HTTP error response, and of an error event inside a stream."""
+
+    error: ErrorInfo

@@ -1,0 +1,75 @@
+"""The server's Prometheus metrics (``GET /metrics``), named after vLLM's (``vllm:`` becomes
+``tpengine:``): queue gauges, KV-cache usage, token counters and latency histograms (seconds)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tpengine.engine.outputs import RequestOutput
+
+# vLLM's bucket bounds (seconds)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+
+class ServerMetrics:
+    """The metrics of one server, in their own registry.
+
+    ``observe_step(stats, outputs)`` runs in the engine loop after every step (queue sizes, KV-cache
+    usage, tokens, finished requests' latencies); ``set_queue(stats)`` refreshes the gauges alone.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name"]
+        self.model_name = model_name
+
+        def gauge(name, doc):
+            return Gauge(f"tpengine:{name}", doc, labels, registry=r).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = all).")
+        self.prompt_tokens = Counter("tpengine:prompt_tokens", "Prompt tokens of finished requests.", labels,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("tpengine:generation_tokens", "Generated tokens of finished requests.",
+                                         labels, registry=r).labels(model_name)
+        self.success = Counter("tpengine:request_success", "Finished requests, by finish reason.",
+                               [*labels, "finished_reason"], registry=r)
+        self.ttft = Histogram("tpengine:time_to_first_token_seconds", "Arrival to first token.", labels,
+                              buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.tpot = Histogram("tpengine:time_per_output_token_seconds", "Mean time per output token after "
+                              "the first, per request.", labels, buckets=TPOT_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("tpengine:e2e_request_latency_seconds", "Arrival to finish.", labels,
+                             buckets=E2E_BUCKETS, registry=r).labels(model_name)
+
+    def set_queue(self, stats) -> None:
+        """Gauges from an :class:`tpengine.engine.llm_engine.EngineStats`."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        total = stats.num_total_blocks
+        self.kv_usage.set((total - stats.num_free_blocks) / total if total else 0.0)
+
+    def observe_step(self, stats, outputs: list[RequestOutput]) -> None:
+        self.set_queue(stats)
+        for o in outputs:
+            if not o.finished or o.error is not None:
+                continue
+            n = len(o.token_ids)
+            self.prompt_tokens.inc(len(o.prompt_token_ids))
+            self.generation_tokens.inc(n)
+            self.success.labels(self.model_name, o.finish_reason or "abort").inc()
+            if o.ttft_s is not None:
+                self.ttft.observe(o.ttft_s)
+                if o.latency_s is not None and n > 1:
+                    self.tpot.observe((o.latency_s - o.ttft_s) / (n - 1))
+            if o.latency_s is not None:
+                self.e2e.observe(o.latency_s)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
