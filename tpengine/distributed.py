@@ -188,3 +188,18 @@ def gather_control(value: int) -> list[int] | None:
     parts = [torch.empty_like(t) for _ in range(tp.size)] if tp.is_driver else None
     dist.gather(t, parts, dst=0, group=_control_group())
     return [int(p.item()) for p in parts] if tp.is_driver else None
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` (any picklable object) on every rank: one ``broadcast_object_list`` on the
+    gloo control group, bounded by the group timeout (other ranks pass anything, e.g. None, and get
+    rank 0's copy). ``obj`` itself at size 1.
+
+    Raises:
+        RuntimeError: (torch.distributed's) a rank did not join within the group timeout.
+    """
+    if get_tp().size == 1:
+        return obj
+    box = [obj if get_tp().is_driver else None]
+    dist.broadcast_object_list(box, src=0, group=_control_group())
+    return box[0]

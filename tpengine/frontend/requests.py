@@ -183,9 +183,10 @@ def _is_id(v: Any) -> bool:
     return (isinstance(v, str) and v != "") or (isinstance(v, int) and not isinstance(v, bool))
 
 
-def to_token_ids(req: ParsedRequest, tokenizer, vocab_size: int | None = None) -> list[int]:
+def to_token_ids(req: ParsedRequest, tokenizer, vocab_size: int | None = None,
+                 add_generation_prompt: bool = True) -> list[int]:
     """Prompt ids for ``req``: a prompt gets the tokenizer's default special tokens once; messages
-    are exactly ``tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+    are exactly ``tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
     tokenize=True)`` (never a second BOS); token ids are taken as given.
 
     Raises:
@@ -198,7 +199,8 @@ def to_token_ids(req: ParsedRequest, tokenizer, vocab_size: int | None = None) -
     elif req.kind == "messages":
         field = _field(req, "messages")
         try:
-            out = tokenizer.apply_chat_template(req.payload, add_generation_prompt=True, tokenize=True)
+            out = tokenizer.apply_chat_template(req.payload, add_generation_prompt=add_generation_prompt,
+                                               tokenize=True)
         except ValueError as e:  # e.g. the tokenizer has no chat template
             raise RequestValidationError(f"cannot apply the chat template: {e}", field) from e
         ids = list(out["input_ids"] if isinstance(out, Mapping) else out)
