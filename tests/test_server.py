@@ -102,7 +102,8 @@ def batch(tmp_path_factory):
     lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": p, **GREEDY}}
              for i, p in enumerate(COMPLETIONS)]
     lines += [{"custom_id": f"m{i}", "method": "POST", "url": "/v1/chat/completions",
-               "body": {"messages": [{"role": "user", "content": p}], **GREEDY}} for i, p in enumerate([*CHATS, MULTIBYTE])]
+               "body": {"messages": [{"role": "user", "content": p}], **GREEDY}}
+              for i, p in enumerate([*CHATS, MULTIBYTE])]
     prompts, out = tmp / "in.jsonl", tmp / "out.jsonl"
     prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
     cli(["--prompts", prompts, "--out", out, *SETTINGS], tp=2)
@@ -192,8 +193,8 @@ def test_disconnect_frees_blocks(server):
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "max_tokens: must be an integer >= 1, got 0"),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature", "temperature: must be a number >= 0, got \"hot\""),
     ({"prompt": "x", "bogus": 1}, 400, "bogus", "bogus: unknown field; valid: "),
-    ({"prompt": "apple" + " apple" * 1099}, 400, "prompt", "the prompt has 1100 tokens, but max_model_len is 1024 (the prompt "
-     "must be at most 1023 tokens to leave room for one output token)"),
+    ({"prompt": "apple" + " apple" * 1099}, 400, "prompt", "the prompt has 1100 tokens, but max_model_len is 1024 "
+     "(the prompt must be at most 1023 tokens to leave room for one output token)"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model", "The model `gpt-4` does not exist; this server serves "
      "`smollm2-135m-instruct`"),
 ])

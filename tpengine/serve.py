@@ -86,6 +86,10 @@ def serve_rank0(engine, sock: socket.socket, model_name: str, defaults: dict[str
         await server.serve(sockets=[sock])
         watcher.cancel()
 
+    # uvicorn handles SIGTERM / SIGINT while it serves (stop accepting, drain) and raises the signal
+    # again afterwards under the handlers it found: make those a no-op, so the drain ends in exit 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     asyncio.run(main())
     if not loop.failed:
         loop.stop(drain_s)  # in-flight requests were drained by uvicorn; abort what is left, STOP
