@@ -230,3 +230,21 @@ def test_sigterm_stops_every_rank_cleanly(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q", "-x"]))
+
+
+def test_crashed_rank_is_a_503_and_every_rank_exits_non_zero(tmp_path):
+    s = Server(tmp_path)
+    body = {"model": "smollm2-135m-instruct", "prompt": "Count: 1, 2, 3,", "max_tokens": 900, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(s.url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    resp = urllib.request.urlopen(req, timeout=60)
+    for _ in range(6):  # a few events of the stream in flight
+        resp.readline()
+    os.kill(s.rank_pids()[1], signal.SIGKILL)
+    events = [line.decode() for line in resp if line.startswith(b"data: ")]
+    errors = [json.loads(e[6:])["error"] for e in events if '"error"' in e]
+    assert events[-1] == "data: [DONE]\n" and [e["code"] for e in errors] == [503], events[-3:]
+    assert errors[0]["message"].startswith("the engine failed: RuntimeError: ")
+    assert s.proc.wait(30) != 0
+    assert "[tpengine rank 0/2] server stopped (exit 1)" in s.log.read_text()
