@@ -98,3 +98,22 @@ def test_engine_flags_reach_engine_config(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert (seen[1].config.seed, seen[1].config.block_size, seen[1].config.kv_mirror) == (5, 8, True)
     seen[1].close()
+
+
+def test_serve_has_every_engine_flag_and_every_option_help_and_default():
+    """``tpengine serve`` takes the same engine flags as ``tpengine run``, plus its own options, each
+    with help text and its default shown."""
+    import typer
+
+    from tpengine.cli import app
+
+    commands = typer.main.get_command(app).commands
+    serve, run = commands["serve"], commands["run"]
+    engine_flags = {o for p in run.params if p.name not in {"prompts", "out", "resume", "skip_invalid",
+                                                             "summary_json", "max_tokens", "temperature"}
+                    for o in p.opts}
+    serve_flags = {o for p in serve.params for o in p.opts}
+    assert engine_flags <= serve_flags
+    assert {"--host", "--port", "--served-model-name", "--drain-timeout-s", "--config"} <= serve_flags
+    for p in serve.params:
+        assert p.help and p.show_default, p.opts

@@ -11,7 +11,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -212,24 +211,51 @@ def test_bad_requests(server, body, status, param, message):
     assert e.value.body["param"] == param
 
 
+def test_a_request_that_fails_while_running_is_its_own_error(server, batch):
+    """A temperature so small that sampling overflows fails in the engine: that request is a 500
+    (non-streamed) or an error event (streamed); the server goes on answering the others."""
+    body = {"model": "smollm2-135m-instruct", "prompt": "x", "max_tokens": 4, "temperature": 1e-40}
+    req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    message = "sampling failed: RuntimeError: probability tensor contains either `inf`, `nan` or element < 0"
+    assert e.value.code == 500 and json.loads(e.value.read())["error"]["message"] == message
+    req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    events = [line.decode() for line in urllib.request.urlopen(req, timeout=30) if line.startswith(b"data: ")]
+    assert [json.loads(x[6:])["error"]["message"] for x in events if '"error"' in x] == [message]
+    assert events[-1] == "data: [DONE]\n"
+    p = COMPLETIONS[0]
+    assert server.client.completions.create(model="smollm2-135m-instruct", prompt=p, **GREEDY).choices[0].text \
+        == batch[0][p]
+
+
 def test_sigterm_stops_every_rank_cleanly(tmp_path):
-    s = Server(tmp_path)
-    stream = s.client.completions.create(model="smollm2-135m-instruct", prompt="Count: 1, 2, 3,", stream=True,
-                                         max_tokens=40, temperature=0.0, extra_body={"ignore_eos": True})
-    next(iter(stream))
+    """SIGTERM to rank 0 (as a process manager stops a server): a short request in flight finishes, a
+    long one is aborted when the drain timeout passes (its stream still ends properly), every rank
+    exits 0 within 10 s."""
+    s = Server(tmp_path, extra=("--drain-timeout-s", "3"))
+
+    def stream(max_tokens):
+        return s.client.completions.create(model="smollm2-135m-instruct", prompt="Count: 1, 2, 3,", stream=True,
+                                           max_tokens=max_tokens, temperature=0.0, extra_body={"ignore_eos": True})
+
+    short, long = stream(8), stream(900)
+    next(iter(short)), next(iter(long))
     ranks = s.rank_pids()
     assert set(ranks) == {0, 1}
     t0 = time.monotonic()
-    os.kill(ranks[0], signal.SIGTERM)  # as a process manager stopping the server would
-    rest = "".join(x.choices[0].text for x in stream if x.choices)  # the in-flight request still finishes
+    os.kill(ranks[0], signal.SIGTERM)
+    finish = {}
+    for name, st in (("short", short), ("long", long)):
+        for chunk in st:
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish[name] = chunk.choices[0].finish_reason
+    assert finish == {"short": "length", "long": "abort"}
     assert s.proc.wait(15) == 0 and time.monotonic() - t0 < 10
     log = s.log.read_text()
     assert "[tpengine rank 0/2] server stopped (exit 0)" in log and "[tpengine rank 1/2] server stopped (exit 0)" in log
-    assert rest
-
-
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q", "-x"]))
 
 
 def test_crashed_rank_is_a_503_and_every_rank_exits_non_zero(tmp_path):

@@ -65,18 +65,23 @@ def serve_rank0(engine, sock: socket.socket, model_name: str, defaults: dict[str
     metrics.set_queue(engine.stats())
     state = ServerState(loop, engine.tokenizer, engine.vocab_size, engine.config.max_model_len, model_name,
                         metrics, defaults, int(time.time()))
-    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", timeout_graceful_shutdown=drain_s,
+    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", timeout_graceful_shutdown=drain_s + 3,
                                            lifespan="off"))
     loop.start()
 
     import asyncio
 
-    async def watch() -> None:  # an engine that died: answer 503 a moment, then stop the server
+    async def watch() -> None:
+        """An engine that died: answer 503 a moment, then stop the server. A shutdown (SIGTERM):
+        after ``drain_s`` abort what is still running, so every open stream ends with its final
+        chunk and ``[DONE]`` before uvicorn's own deadline closes the connections."""
         while not server.should_exit:
             if loop.dead is not None:
                 await asyncio.sleep(1.0)
                 server.should_exit = True
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(drain_s)
+        loop.abort_all()
 
     async def main() -> None:
         host, port = sock.getsockname()[:2]

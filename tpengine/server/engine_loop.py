@@ -85,6 +85,10 @@ class EngineLoop:
         """Abort a request (its client went away): its blocks are freed before the next step."""
         self._commands.put(("abort", request_id))
 
+    def abort_all(self) -> None:
+        """Abort every live request (the drain timeout passed): each stream ends with its final output."""
+        self._commands.put(("abort_all",))
+
     def stop(self, drain_s: float) -> None:
         """Stop: take no new request, let running ones finish for up to ``drain_s`` seconds, abort
         the rest, broadcast STOP to the other ranks and join the thread (blocks)."""
@@ -138,6 +142,9 @@ class EngineLoop:
                 self.engine.add_request(cmd[1], cmd[2], cmd[3], stream=cmd[4])
             elif cmd[0] == "abort":
                 self.engine.abort_request(cmd[1])
+            elif cmd[0] == "abort_all":
+                for rid in list(self._streams):
+                    self.engine.abort_request(rid)
             elif self._stop_at is None:  # "stop"
                 self._stop_at = time.monotonic() + cmd[1]
             try:
