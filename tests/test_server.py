@@ -30,6 +30,12 @@ CHATS = ["What is 2 + 2?", "Name three colors.", "Say hello in French."]
 MULTIBYTE = "Écris « café crème » et 日本語 puis l'emoji 😀 trois fois :"
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used (its threads included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -232,10 +238,16 @@ def test_a_request_that_fails_while_running_is_its_own_error(server, batch):
 
 
 def test_sigterm_stops_every_rank_cleanly(tmp_path):
-    """SIGTERM to rank 0 (as a process manager stops a server): a short request in flight finishes, a
+    """Idle for longer than dist_timeout_s, no rank times out or spins (the IDLE heartbeat). Then
+    SIGTERM to rank 0 (as a process manager stops a server): a short request in flight finishes, a
     long one is aborted when the drain timeout passes (its stream still ends properly), every rank
     exits 0 within 10 s."""
-    s = Server(tmp_path, extra=("--drain-timeout-s", "3"))
+    s = Server(tmp_path, extra=("--drain-timeout-s", "3", "--dist-timeout-s", "4"))
+    pids = s.rank_pids()
+    before = {r: cpu_seconds(pid) for r, pid in pids.items()}
+    time.sleep(6)  # > dist_timeout_s without a request
+    used = {r: cpu_seconds(pid) - before[r] for r, pid in pids.items()}
+    assert s.proc.poll() is None and all(u < 0.5 for u in used.values()), used  # blocked, not spinning
 
     def stream(max_tokens):
         return s.client.completions.create(model="smollm2-135m-instruct", prompt="Count: 1, 2, 3,", stream=True,
