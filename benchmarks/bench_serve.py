@@ -109,7 +109,7 @@ class ServerProcess:
     group, its stderr in ``log``; ready once ``GET /health`` answers 200."""
 
     def __init__(self, tp: int, port: int, engine_args: list[str], log: Path, timeout_s: float = 300.0):
-        self.url, self.log_path = f"http://127.0.0.1:{port}", log
+        self.url, self.log_path, self.tp = f"http://127.0.0.1:{port}", log, tp
         cmd = [*launcher(tp, "tpengine.serve"), "--host", "127.0.0.1", "--port", str(port), *engine_args]
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=self.log,
@@ -135,9 +135,22 @@ class ServerProcess:
         return self.log_path.read_text()[-3000:]
 
     def stop(self) -> int | None:
-        """SIGTERM (torchrun forwards it to the ranks); SIGKILL to the group after 30 s. The exit code."""
+        """SIGTERM to the server's ranks (under torchrun its workers, as a process manager stopping the
+        server would: rank 0 drains and stops the others, and torchrun exits with their code 0; a
+        SIGTERM to torchrun itself makes it exit 1); SIGKILL to the group after 30 s. The exit code."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            try:
+                kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+            except OSError:
+                kids = []
+            if self.tp > 1 and kids:
+                for pid in map(int, kids):
+                    try:
+                        os.kill(pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            else:
+                self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
@@ -365,7 +378,8 @@ def main(
             raise
         code = server.stop()
         if code != 0:
-            raise RuntimeError(f"the server exited with code {code} after SIGTERM")
+            console.print(f"[bold red]warning[/]: the server exited with code {code} after SIGTERM:")
+            console.print(server.log_path.read_text()[-3000:], markup=False)
     result = {
         "config": {"model": model, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
                    "max_concurrency": levels, "tp": tp, "dtype": dtype, "max_num_seqs": max_num_seqs,
@@ -374,6 +388,7 @@ def main(
         "machine": machine_info(),
         "offline": off,
         "server_ready_s": round(server.ready_s, 2),
+        "server_exit_code": code,
         "results": runs,
         "total_s": round(time.perf_counter() - t0, 1),
     }
