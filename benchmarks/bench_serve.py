@@ -267,7 +267,7 @@ def summarize_run(results: list[RequestResult], wall_s: float, output_len: int, 
     itl = [b - a for r in results for a, b in zip(r.chunk_s, r.chunk_s[1:])]
     out_tokens = sum(r.output_tokens for r in results)
     tok_s = out_tokens / wall_s
-    return {"max_concurrency": concurrency, "completed": len(results), "wall_s": round(wall_s, 3),
+    return {"max_concurrency": concurrency, "completed": len(results), "wall_s": round(wall_s, 6),
             "input_tokens": input_len * len(results), "output_tokens": out_tokens,
             "request_throughput": round(len(results) / wall_s, 3), "output_tok_s": round(tok_s, 1),
             "vs_offline": None if offline_tok_s is None else round(tok_s / offline_tok_s, 3),
