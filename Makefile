@@ -7,7 +7,7 @@ NPROC     ?= $(TP)
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model test lint demo bench bench-prefix bench-chunked bench-big-file humaneval bench-scale shards clean
+.PHONY: setup model test lint demo bench bench-prefix bench-chunked bench-big-file bench-serve humaneval bench-scale shards clean
 
 setup: .venv/.installed
 
@@ -58,6 +58,10 @@ bench-chunked: setup model
 # Request files of 1 000 and 100 000 short prompts through the job: rank 0's peak memory, time to the first record
 bench-big-file: setup model
 	$(PY) -m benchmarks.big_file --out bench-big-file.json
+
+# Streaming clients against the server (tp=2, 64 concurrent) vs the batch job (python -m benchmarks.bench_serve --help)
+bench-serve: setup model
+	$(PY) -m benchmarks.bench_serve --out bench-serve.json
 
 humaneval: setup model
 	$(PY) -m benchmarks.humaneval

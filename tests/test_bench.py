@@ -287,3 +287,35 @@ def test_big_file_smoke(tmp_path):
     for x in runs:
         assert 0 < x["first_record_s"] <= x["wall_s"] and x["rank0_peak_rss_mib"] > 0
         assert x["summary"]["output_tokens"] == 2 * x["lines"]
+
+
+def test_bench_serve_smoke(tmp_path):
+    """benchmarks.bench_serve at tp=1 on a tiny model: the batch job and the server on 4 x (8 in -> 4 out)
+    at 2 concurrent streaming clients; every request's usage says exactly 4 tokens."""
+    from benchmarks.bench_serve import app as serve_app
+
+    if not (SMOLLM2_DIR / "tokenizer.json").is_file():
+        import pytest
+
+        pytest.skip("needs the SmolLM2 tokenizer (make model)")
+    model = make_tiny_model(tmp_path, "llama", seed=0, vocab_size=49152)
+    out = tmp_path / "serve.json"
+    args = ["--model", str(model), "--tp", "1", "--dtype", "float32", "--num-prompts", "4", "--input-len", "8",
+            "--output-len", "4", "--max-concurrency", "2", "--out", str(out)]
+    r = CliRunner().invoke(serve_app, args, terminal_width=200)
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    res = json.loads(out.read_text())
+    assert {"config", "machine", "offline", "server_ready_s", "results", "total_s"} <= set(res)
+    assert res["config"]["max_concurrency"] == [2] and res["config"]["tp"] == 1
+    off = res["offline"]
+    assert (off["requests_ok"], off["prompt_tokens"], off["output_tokens"]) == (4, 4 * 8, 4 * 4)
+    assert off["output_tok_s"] > 0
+    (row,) = res["results"]
+    assert (row["max_concurrency"], row["completed"], row["input_tokens"], row["output_tokens"]) == (2, 4, 32, 16)
+    assert abs(row["output_tok_s"] - 16 / row["wall_s"]) <= 0.05 + 0.005 * row["output_tok_s"]
+    assert abs(row["vs_offline"] - row["output_tok_s"] / off["output_tok_s"]) < 0.01
+    assert row["request_throughput"] > 0
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert set(row[key]) == {"mean", "p50", "p99"}, key
+        assert 0 < row[key]["p50"] <= row[key]["p99"], key
+    assert row["ttft_ms"]["p99"] <= row["e2e_ms"]["p99"]
