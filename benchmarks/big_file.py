@@ -2,7 +2,7 @@
 for a small and a large file of short prompts, through the real job (``python -m tpengine.run``).
 
     python -m benchmarks.big_file --out bench-big-file.json                  (make bench-big-file)
-    python -m benchmarks.big_file --lines 1000 --lines 100000 --max-tokens 2
+    python -m benchmarks.big_file --lines 1000 --lines 100000 --max-tokens 2 --dtype bfloat16
 
 Each file holds ``--lines`` simple lines ``{"id": "r<i>", "prompt": "Request <i>: say hello."}`` with
 ``max_tokens``. Per file: the job's wall time, the time from its start to the first record on
@@ -71,6 +71,7 @@ def main(
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="max_tokens of every request")] = 2,
     model: Annotated[str, typer.Option("--model", help="model folder")] = DEFAULT_MODEL_DIR,
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="the job's --max-num-seqs")] = 256,
+    dtype: Annotated[str, typer.Option("--dtype", help="the job's --dtype")] = "bfloat16",
     out: Annotated[Path | None, typer.Option("--out", help="results JSON")] = None,
 ) -> None:
     """Run the job on files of ``--lines`` short prompts each (tp=1) and compare."""
@@ -79,21 +80,22 @@ def main(
         for n in lines or [1000, 100_000]:
             path = Path(tmp) / f"prompts-{n}.jsonl"
             write_file(path, n, max_tokens)
-            r = run_job(path, model, ["--max-num-seqs", str(max_num_seqs)])
+            r = run_job(path, model, ["--max-num-seqs", str(max_num_seqs), "--dtype", dtype])
             r["lines"] = n
             results.append(r)
     from rich.console import Console
     from rich.table import Table
 
     info = machine_info()
-    table = Table(title=f"request files of short prompts, tp=1, max_tokens {max_tokens} ({info['cpu']})")
+    table = Table(title=f"request files of short prompts, tp=1, {dtype}, max_tokens {max_tokens} ({info['cpu']})")
     for col in ("lines", "records", "first record s", "wall s", "rank 0 peak RSS MiB"):
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(str(r["lines"]), str(r["records"]), str(r["first_record_s"]), str(r["wall_s"]),
                       str(r["rank0_peak_rss_mib"]))
     emit(Console(stderr=True), table,
-         {"machine": info, "max_tokens": max_tokens, "max_num_seqs": max_num_seqs, "runs": results}, out)
+         {"machine": info, "max_tokens": max_tokens, "max_num_seqs": max_num_seqs, "dtype": dtype, "runs": results},
+         out)
 
 
 if __name__ == "__main__":
