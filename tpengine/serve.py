@@ -15,6 +15,7 @@ Exit codes as the batch job's: 0, 2 a mistake found before the model loads (one 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -65,11 +66,10 @@ def serve_rank0(engine, sock: socket.socket, model_name: str, defaults: dict[str
     metrics.set_queue(engine.stats())
     state = ServerState(loop, engine.tokenizer, engine.vocab_size, engine.config.max_model_len, model_name,
                         metrics, defaults, int(time.time()))
-    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", timeout_graceful_shutdown=drain_s + 3,
-                                           lifespan="off"))
+    config = uvicorn.Config(build_app(state), log_level="warning", timeout_graceful_shutdown=drain_s + 3,
+                            lifespan="off")
+    server = uvicorn.Server(config)
     loop.start()
-
-    import asyncio
 
     async def watch() -> None:
         """An engine that died: answer 503 a moment, then stop the server. A shutdown (SIGTERM):
@@ -79,7 +79,7 @@ def serve_rank0(engine, sock: socket.socket, model_name: str, defaults: dict[str
             if loop.dead is not None:
                 await asyncio.sleep(1.0)
                 server.should_exit = True
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.25)
         await asyncio.sleep(drain_s)
         loop.abort_all()
 

@@ -50,9 +50,13 @@ def problem_response(p: HTTPProblem) -> JSONResponse:
 
 
 async def _outputs(queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-    """A request's engine outputs until its final one; an :class:`EngineDead` is raised as an HTTP 503."""
+    """A request's engine outputs until its final one; an :class:`EngineDead` is raised as an HTTP 503.
+    Outputs so far are cumulative, so when several are queued (the client reads slower than the
+    engine steps) only the latest is yielded."""
     while True:
         item = await queue.get()
+        while not queue.empty() and not (isinstance(item, RequestOutput) and item.finished):
+            item = queue.get_nowait()
         if isinstance(item, BaseException):
             raise HTTPProblem(503, str(item))
         yield item

@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from tpengine.engine.outputs import RequestOutput
 from tpengine.engine.sampling_params import SamplingParams
@@ -26,15 +25,9 @@ class EngineDead(RuntimeError):
     """The engine loop has stopped (a failed step or rank, or shutdown); no request can run."""
 
 
-@dataclass
-class _Stream:
-    """One request's outputs, delivered into an asyncio queue on the server's event loop."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 class EngineLoop:
@@ -58,7 +51,8 @@ class EngineLoop:
         self.dead: BaseException | None = None
         self.failed = False
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, asyncio.Queue] = {}  # request id -> its outputs' queue
+        self._event_loop: asyncio.AbstractEventLoop | None = None  # the server's, set by the first submit
         self._stop_at: float | None = None  # monotonic deadline of the drain, once stopping
         self._thread = threading.Thread(target=self._run, name="tpengine-engine-loop", daemon=True)
 
@@ -76,10 +70,11 @@ class EngineLoop:
         """
         if self.dead is not None or self._stop_at is not None:
             raise EngineDead(f"the engine is not running ({self.dead or 'shutting down'})")
-        s = _Stream(asyncio.get_running_loop())
-        self._streams[request_id] = s
+        self._event_loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = q
         self._commands.put(("add", request_id, prompt_token_ids, params, stream))
-        return s.queue
+        return q
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its client went away): its blocks are freed before the next step."""
@@ -124,8 +119,8 @@ class EngineLoop:
         except BaseException as e:  # a failed step or rank: every waiting request learns it
             self.dead, self.failed = e, True
             print(f"[tpengine rank 0] engine loop failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            for s in list(self._streams.values()):
-                s.put(EngineDead(f"the engine failed: {type(e).__name__}: {e}"))
+            dead = EngineDead(f"the engine failed: {type(e).__name__}: {e}")
+            self._send([(q, dead) for q in list(self._streams.values())])
             self._streams.clear()
         else:
             self.dead = EngineDead("the server shut down")
@@ -153,10 +148,17 @@ class EngineLoop:
                 return True
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
+        items = []
         for out in outs:
-            s = self._streams.get(out.request_id)
-            if s is None:
+            q = self._streams.get(out.request_id)
+            if q is None:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            s.put(out)
+            items.append((q, out))
+        self._send(items)
+
+    def _send(self, items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+        """Hand one step's outputs to the event loop in one call (not one per request)."""
+        if items and self._event_loop is not None:
+            self._event_loop.call_soon_threadsafe(_put_all, items)
