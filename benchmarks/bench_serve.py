@@ -13,7 +13,8 @@ exactly ``--output-len`` tokens out each (``ignore_eos``), greedy. In order:
 2. the server (``python -m tpengine.serve``, same tp and engine flags) is started once, polled on
    ``GET /health``, sent one warm-up request, then for each ``--max-concurrency`` the prompts are run
    through ``POST /v1/completions`` (``stream``, ``stream_options.include_usage``) by at most that
-   many concurrent asyncio clients (one ``httpx2.AsyncClient``), all requests issued at once.
+   many concurrent asyncio clients (one ``aiohttp.ClientSession``, as ``vllm bench serve``), all
+   requests issued at once.
 
 Reported per concurrency (vLLM's definitions, ms): TTFT (request sent to its first non-empty text
 chunk), TPOT ((latency - TTFT) / (output tokens - 1), per request), ITL (every gap between
@@ -170,20 +171,20 @@ class RequestResult:
     error: str | None = None
 
 
-async def one_request(client, url: str, body: dict) -> RequestResult:
+async def one_request(session, url: str, body: dict) -> RequestResult:
     """Send ``body`` to ``url`` streamed; time every non-empty ``choices[0].text`` chunk."""
     r = RequestResult()
     t0 = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                r.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                r.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 return r
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
+            async for raw in resp.content:  # one SSE line at a time
+                if not raw.startswith(b"data: "):
                     continue
-                data = line[6:]
-                if data == "[DONE]":
+                data = raw[6:].strip()
+                if data == b"[DONE]":
                     break
                 now = time.perf_counter()
                 chunk = json.loads(data)
@@ -210,7 +211,8 @@ async def sample_running(client, url: str, every_s: float, samples: list[float],
         except TimeoutError:
             pass
         try:
-            m = RUNNING.search((await client.get(url)).text)
+            async with client.get(url) as resp:
+                m = RUNNING.search(await resp.text())
             if m:
                 samples.append(float(m.group(1)))
         except Exception:  # noqa: BLE001 -- a missed sample is not a failure
@@ -221,10 +223,10 @@ async def run_clients(base_url: str, bodies: list[dict], concurrency: int) -> tu
                                                                                       list[float]]:
     """All ``bodies`` at once, at most ``concurrency`` in flight: the results (in order), the run's wall
     time (s) and the running-batch samples."""
-    import httpx2
+    import aiohttp
 
-    limits = httpx2.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
-    async with httpx2.AsyncClient(limits=limits, timeout=httpx2.Timeout(None)) as client:
+    connector = aiohttp.TCPConnector(limit=concurrency + 1)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as client:
         sem = asyncio.Semaphore(concurrency)
 
         async def bounded(body: dict) -> RequestResult:
