@@ -27,6 +27,10 @@ def test_settings_that_do_not_fit_the_model_are_one_line_and_exit_2(tiny, tmp_pa
     p = cli(["--prompts", prompts, "--model", tiny, "--kv-cache-gb", 0.0001], check=False)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert "failed: UserError: KV cache budget gives" in p.stderr and "max_model_len=512" in p.stderr
+    p = cli(["--prompts", prompts, "--model", tiny, "--kv-cache-gb", 10**6], check=False)  # more than can be mapped
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "failed: UserError: cannot allocate the KV cache (" in p.stderr and "lower --kv-cache-gb (now 1000000" \
+        in p.stderr
 
 
 def run_command():

@@ -25,13 +25,16 @@ NORMAL = [
      "body": {"prompt": "Once upon", "max_tokens": 5, "temperature": 0.7, "seed": 3}},
 ]
 FAILING = {  # id -> (line, the error message of its record)
-    "surrogate": ({"id": "surrogate", "prompt": "x\ud800y", **GREEDY}, f"tokenizing failed: {TOKENIZER_TYPE_ERROR}"),
+    "surrogate": ({"id": "surrogate", "prompt": "x\ud800y", **GREEDY},
+                  "tokenizing failed: the text holds an unpaired surrogate U+D800 at character 1, which is not "
+                  f"Unicode text ({TOKENIZER_TYPE_ERROR})"),
     "alternate": ({"id": "alternate", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
                   "applying the chat template failed: TemplateError: Conversation roles must alternate "
                   "user/assistant/user/assistant/..."),
     "chat-surrogate": ({"custom_id": "chat-surrogate", "method": "POST", "url": "/v1/chat/completions",
                         "body": {"messages": [{"role": "user", "content": "\udfff"}], "max_tokens": 4}},
-                       f"applying the chat template failed: {TOKENIZER_TYPE_ERROR}"),
+                       "applying the chat template failed: the text holds an unpaired surrogate U+DFFF at character "
+                       f"0, which is not Unicode text ({TOKENIZER_TYPE_ERROR})"),
     "vocab": ({"id": "vocab", "prompt_token_ids": [3, 49152]}, "token id 49152 is out of range: vocab size is 49152"),
     "overlong": ({"id": "overlong", "prompt_token_ids": [5] * 80},
                  "request 'overlong': prompt has 80 tokens, but max_model_len is 64 (prompt must be at most 63 "

@@ -365,3 +365,18 @@ def test_parse_requests_reads_lines_like_parse_lines(tmp_path):
     assert [str(e) for e in errs] == [
         "line 3 (id '2'): field 'max_tokens': must be an integer >= 1, got 0",
         "line 4: invalid JSON: Expecting ',' delimiter at column 15"]
+
+
+def test_json_that_cannot_be_built_is_an_invalid_line():
+    """A line nested too deeply for json.loads, or with an integer of more than 4300 digits, is an
+    invalid line like any other (not an exception that ends the job)."""
+    from tpengine.frontend.requests import parse_lines
+
+    deep = "[" * 100_000 + "]" * 100_000
+    huge = '{"prompt": "x", "max_tokens": ' + "9" * 5000 + "}"
+    requests, errors = parse_lines([deep, huge, '{"prompt": "ok"}'])
+    assert [r.payload for r in requests] == ["ok"]
+    assert [(e.line, e.field, e.message) for e in errors] == [
+        (1, None, "invalid JSON: nested too deeply"),
+        (2, None, "invalid JSON: Exceeds the limit (4300 digits) for integer string conversion: value has 5000 "
+                  "digits; use sys.set_int_max_str_digits() to increase the limit")]

@@ -286,3 +286,16 @@ def test_crashed_rank_is_a_503_and_every_rank_exits_non_zero(tmp_path):
     assert errors[0]["message"].startswith("the engine failed: RuntimeError: ")
     assert s.proc.wait(30) != 0
     assert "[tpengine rank 0/2] server stopped (exit 1)" in s.log.read_text()
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    (b"[" * 100_000 + b"]" * 100_000, "the request body is not valid JSON: nested too deeply"),
+    (b"not json", "the request body is not valid JSON: Expecting value: line 1 column 1 (char 0)"),
+    (b"[1, 2]", "the request body must be a JSON object"),
+])
+def test_bodies_that_are_not_a_json_object(server, data, message):
+    req = urllib.request.Request(server.url + "/v1/completions", data=data,
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 400 and json.loads(e.value.read())["error"]["message"] == message

@@ -165,6 +165,8 @@ def read_config_file(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
             level and in ``[engine]``: one line naming the file, the key or table and the valid ones.
     """
     p = Path(path)
+    if p.is_dir():
+        raise FileNotFoundError(f"config file {str(p)!r} is a folder; give a .toml file")
     if not p.is_file():
         raise FileNotFoundError(f"config file {str(p)!r} does not exist")
     try:

@@ -53,8 +53,13 @@ class ModelRunner:
         rp = self.plan.ranks[tp.rank]
         shape = (2, len(self.attn_modules), self.num_blocks, config.block_size, rp.num_kv_heads, self.plan.head_dim)
         # CPU: pages are zeroed by the kernel as blocks are first written, not all up front
-        self.kv_cache = (lazy_zeros(shape, self.dtype) if tp.device.type == "cpu" else
-                         torch.zeros(shape, dtype=self.dtype, device=tp.device))
+        try:
+            self.kv_cache = (lazy_zeros(shape, self.dtype) if tp.device.type == "cpu" else
+                             torch.zeros(shape, dtype=self.dtype, device=tp.device))
+        except (MemoryError, torch.OutOfMemoryError) as e:  # the budget is the user's setting
+            raise UserError(f"cannot allocate the KV cache ({self.num_blocks} blocks of {config.block_size} "
+                            f"tokens) on rank {tp.rank}: {e}; lower --kv-cache-gb (now {config.kv_cache_gb}) or "
+                            "--num-kv-blocks") from None
         for i, m in enumerate(self.attn_modules):
             m.k_cache, m.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             self.backend.bind_layer(m)  # the layer's backend state (CPU: its KV mirror)

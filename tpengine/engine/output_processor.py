@@ -14,11 +14,15 @@ from tpengine.engine.sequence import Sequence
 
 
 def failed_output(request_id: str, prompt_token_ids: list[int], stage: str, exc: Exception) -> RequestOutput:
-    """The error output of a request whose content raised ``exc`` while ``stage`` ("tokenizing",
-    "scheduling", "sampling", "detokenizing"); the one line also goes to stderr."""
-    msg = f"{stage} failed: {type(exc).__name__}: {exc}"
-    print(f"[tpengine] request {request_id!r}: {msg}", file=sys.stderr, flush=True)
-    return RequestOutput(request_id, prompt_token_ids, error=msg)
+    """The error output of a request whose content raised ``exc`` while ``stage`` ("scheduling",
+    "sampling", "detokenizing", ...): ``"<stage> failed: <Exception>: <message>"``."""
+    return failed_request(request_id, f"{stage} failed: {type(exc).__name__}: {exc}", prompt_token_ids)
+
+
+def failed_request(request_id: str, message: str, prompt_token_ids: list[int] | None = None) -> RequestOutput:
+    """The error output of a failed request with ``message``; the one line also goes to stderr."""
+    print(f"[tpengine] request {request_id!r}: {message}", file=sys.stderr, flush=True)
+    return RequestOutput(request_id, list(prompt_token_ids or []), error=message)
 
 
 @dataclass

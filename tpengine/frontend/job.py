@@ -6,11 +6,17 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from tpengine.engine.output_processor import failed_output
+from tpengine.engine.output_processor import failed_output, failed_request
 from tpengine.engine.outputs import RequestOutput
 from tpengine.frontend.output import error_record, make_record, openai_error_record
 from tpengine.frontend.progress import ProgressReporter
-from tpengine.frontend.requests import ParsedRequest, RequestError, RequestValidationError, to_token_ids
+from tpengine.frontend.requests import (
+    ParsedRequest,
+    RequestError,
+    RequestValidationError,
+    failure_message,
+    to_token_ids,
+)
 from tpengine.frontend.writer import OutputWriter
 from tpengine.memory import gather_peak_rss
 
@@ -94,8 +100,7 @@ def drive(engine, requests: Iterable[ParsedRequest], errors: list[RequestError],
                 on_output(RequestOutput(r.id, [], error=str(e), error_field=e.field))
                 continue
             except Exception as e:  # noqa: BLE001 -- e.g. the chat template's raise_exception, a lone surrogate
-                stage = "applying the chat template" if r.kind == "messages" else "tokenizing"
-                on_output(failed_output(r.id, [], stage, e))
+                on_output(failed_request(r.id, failure_message(r, e)))
                 continue
             running[r.id] = r
             yield r.id, prompt, r.params

@@ -142,6 +142,10 @@ def _parse_line(
         problems.append((None, f"not UTF-8: {e}"))
     except json.JSONDecodeError as e:
         problems.append((None, f"invalid JSON: {e.msg} at column {e.colno}"))
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        problems.append((None, f"invalid JSON: {e}"))
+    except RecursionError:
+        problems.append((None, "invalid JSON: nested too deeply"))
     model: SimpleRequest | BatchRequestLine | None = None
     if isinstance(obj, dict):
         batch = BatchRequestLine.is_batch_line(obj)
@@ -214,6 +218,21 @@ def to_token_ids(req: ParsedRequest, tokenizer, vocab_size: int | None = None,
     if not ids:
         raise RequestValidationError("the prompt has no tokens", field)
     return ids
+
+
+def failure_message(req: ParsedRequest, exc: Exception) -> str:
+    """What to tell the user when templating or tokenizing ``req`` raised ``exc``: ``"<stage> failed:
+    <Exception>: <message>"``, saying first where the text holds an unpaired UTF-16 surrogate (JSON
+    allows ``"\\ud800"``, but it is not Unicode text, and tokenizers refuse it)."""
+    stage = "applying the chat template" if req.kind == "messages" else "tokenizing"
+    texts = [req.payload] if req.kind == "prompt" else [
+        m.get("content") for m in req.payload if isinstance(m, Mapping)] if req.kind == "messages" else []
+    for text in texts:
+        if isinstance(text, str) and (i := next((i for i, ch in enumerate(text) if 0xD800 <= ord(ch) <= 0xDFFF),
+                                                None)) is not None:
+            return (f"{stage} failed: the text holds an unpaired surrogate U+{ord(text[i]):04X} at character {i}, "
+                    f"which is not Unicode text ({type(exc).__name__}: {exc})")
+    return f"{stage} failed: {type(exc).__name__}: {exc}"
 
 
 def _field(req: ParsedRequest, name: str) -> str:

@@ -70,6 +70,19 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _parse_and_prepare(body: bytes, kind: str, state: ServerState) -> Prepared:
+    """The request body, decoded and prepared. Raises HTTPProblem (400: not JSON, or see
+    :func:`tpengine.server.serving.prepare_request`)."""
+    try:
+        obj = json.loads(body)
+    except ValueError as e:  # not JSON, invalid UTF-8, an integer of more than 4300 digits
+        raise HTTPProblem(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise HTTPProblem(400, "the request body is not valid JSON: nested too deeply") from None
+    return prepare_request(obj, kind, state.tokenizer, state.vocab_size, state.max_model_len, state.model_name,
+                           state.defaults)
+
+
 def build_app(state: ServerState) -> FastAPI:
     """The app serving ``state``."""
     app = FastAPI(title="tpengine", docs_url=None, redoc_url=None)
@@ -78,12 +91,10 @@ def build_app(state: ServerState) -> FastAPI:
         if state.loop.dead is not None:
             return problem_response(HTTPProblem(503, f"the engine is not running: {state.loop.dead}"))
         try:
-            try:
-                obj = json.loads(await request.body())
-            except ValueError as e:
-                raise HTTPProblem(400, f"the request body is not valid JSON: {e}") from None
-            p = prepare_request(obj, kind, state.tokenizer, state.vocab_size, state.max_model_len,
-                                state.model_name, state.defaults)
+            body = await request.body()
+            # parsing and tokenizing (a long prompt takes a while) run off the event loop, so other
+            # clients' streams and /health go on meanwhile
+            p = await asyncio.to_thread(_parse_and_prepare, body, kind, state)
             try:
                 queue = state.loop.submit(p.request_id, p.prompt_token_ids, p.params, p.stream)
             except EngineDead as e:

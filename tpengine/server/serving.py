@@ -15,7 +15,13 @@ from pydantic import ValidationError
 from tpengine.engine.outputs import RequestOutput
 from tpengine.engine.sampling_params import SamplingParams
 from tpengine.frontend.output import openai_body, usage_info
-from tpengine.frontend.requests import DEFAULT_MAX_TOKENS, ParsedRequest, RequestValidationError, to_token_ids
+from tpengine.frontend.requests import (
+    DEFAULT_MAX_TOKENS,
+    ParsedRequest,
+    RequestValidationError,
+    failure_message,
+    to_token_ids,
+)
 from tpengine.protocol import ChatCompletionRequest, CompletionRequest
 from tpengine.protocol.errors import field_errors
 from tpengine.protocol.stream import (
@@ -92,8 +98,7 @@ def prepare_request(obj: Any, kind: str, tokenizer, vocab_size: int, max_model_l
     except RequestValidationError as e:
         raise HTTPProblem(400, str(e), (e.field or field).removeprefix("body.")) from None
     except Exception as e:  # noqa: BLE001 -- the template's raise_exception, a lone surrogate: this request's
-        stage = "applying the chat template" if chat else "tokenizing"
-        raise HTTPProblem(400, f"{stage} failed: {type(e).__name__}: {e}", field) from None
+        raise HTTPProblem(400, failure_message(req, e), field) from None
     if len(ids) >= max_model_len:
         raise HTTPProblem(400, f"the prompt has {len(ids)} tokens, but max_model_len is {max_model_len} (the "
                           f"prompt must be at most {max_model_len - 1} tokens to leave room for one output "
@@ -114,7 +119,7 @@ def response_body(p: Prepared, out: RequestOutput, model_name: str) -> dict[str,
 
 def sse(obj: dict[str, Any] | str) -> str:
     """One server-sent event."""
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 async def stream_events(p: Prepared, outputs: AsyncIterator[RequestOutput], model_name: str) -> AsyncIterator[str]:
