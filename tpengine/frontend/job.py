@@ -75,12 +75,8 @@ def drive(engine, requests: Iterable[ParsedRequest], errors: list[RequestError],
     bad = [(n, rec) for n, rec in error_records(errors, ids) if n not in done_lines]
     progress = ProgressReporter(total=sum(rid not in done for rid in ids) + len(bad))
     running: dict[str, ParsedRequest] = {}  # taken by the engine, record not yet written
-    written: set[str] = set()
 
     def on_output(o: RequestOutput) -> None:
-        if o.request_id in written:
-            return
-        written.add(o.request_id)
         req = running.pop(o.request_id, None)
         try:
             rec = make_record(req, o, model_name)
