@@ -50,6 +50,12 @@ ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {
 }
 
 
+def option(name: str, help: str, default: str | bool = True) -> Any:
+    """A command's own typer option ``name`` with ``help``; ``default``: True shows the parameter's
+    default in ``--help``, a string shows that text instead, False shows none."""
+    return typer.Option(name, help=help, show_default=default)
+
+
 def flag_name(field: str) -> str:
     """The flag of an EngineConfig field: ``max_num_seqs`` -> ``--max-num-seqs``."""
     return "--" + field.replace("_", "-")

@@ -35,7 +35,7 @@ from tpengine.checkpoint import check_model_folder
 from tpengine.config import EngineConfig, load_config, read_config_file
 from tpengine.engine.sampling_params import SamplingParams
 from tpengine.errors import UserError
-from tpengine.flags import engine_options
+from tpengine.flags import engine_options, option
 from tpengine.frontend.job import drive
 from tpengine.frontend.progress import ProgressReporter
 from tpengine.frontend.request_file import RequestFile
@@ -192,10 +192,6 @@ def prepare(prompts: Path, out: Path | None, config: Path | None, resume: bool, 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
 
-def _opt(name: str, help: str, default: str | bool = True) -> Any:
-    return typer.Option(name, help=help, show_default=default)
-
-
 def rank_and_world() -> tuple[int, int]:
     """(rank, world size) from torchrun's environment; (0, 1) without it."""
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -245,23 +241,23 @@ def run_engine(job: PreparedJob) -> int:
 @app.command()
 @engine_options
 def main(
-    prompts: Annotated[Path, _opt("--prompts", "JSONL request file: simple lines or OpenAI Batch lines", False)],
-    out: Annotated[Path | None, _opt(
+    prompts: Annotated[Path, option("--prompts", "JSONL request file: simple lines or OpenAI Batch lines", False)],
+    out: Annotated[Path | None, option(
         "--out", "output JSONL, one record per request; locked while the job runs", "stdout of rank 0")] = None,
-    config: Annotated[Path | None, _opt(
+    config: Annotated[Path | None, option(
         "--config", "TOML file: an [engine] table of engine settings and a [sampling] table of request "
         "defaults (flags override it), e.g. configs/smollm2-135m.toml", "none")] = None,
-    resume: Annotated[bool, _opt("--resume", "skip ids already in --out, append the rest", "off")] = False,
-    skip_invalid: Annotated[bool, _opt(
+    resume: Annotated[bool, option("--resume", "skip ids already in --out, append the rest", "off")] = False,
+    skip_invalid: Annotated[bool, option(
         "--skip-invalid", "invalid lines become error records (with id '<id>#line<N>' when the id is "
         "already taken, e.g. a duplicate; --resume never counts them as done)", "off")] = False,
-    summary_json: Annotated[Path | None, _opt(
+    summary_json: Annotated[Path | None, option(
         "--summary-json", "also write the run summary (requests, tokens, throughput, latency percentiles, "
         "peak memory per rank) to this file as JSON", "none")] = None,
-    max_tokens: Annotated[int | None, _opt(
+    max_tokens: Annotated[int | None, option(
         "--max-tokens", "default max_tokens of a request that sets none",
         "16 (completions); chat: the rest of the context")] = None,
-    temperature: Annotated[float | None, _opt(
+    temperature: Annotated[float | None, option(
         "--temperature", "default temperature of a request that sets none (0 = greedy)", "1.0")] = None,
     *,
     engine: dict[str, Any],

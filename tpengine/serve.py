@@ -29,14 +29,10 @@ import typer
 from tpengine.checkpoint import check_model_folder
 from tpengine.config import EngineConfig, load_config
 from tpengine.errors import UserError
-from tpengine.flags import engine_options
+from tpengine.flags import engine_options, option
 from tpengine.run import loading_line, rank_and_world, resolve_model_dir, sampling_defaults
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
-
-
-def _opt(name: str, help: str, default: str | bool = True) -> Any:
-    return typer.Option(name, help=help, show_default=default)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -104,14 +100,14 @@ def serve_rank0(engine, sock: socket.socket, model_name: str, defaults: dict[str
 @app.command()
 @engine_options
 def main(
-    host: Annotated[str, _opt("--host", "address to listen on")] = "127.0.0.1",
-    port: Annotated[int, _opt("--port", "port to listen on")] = 8000,
-    config: Annotated[Path | None, _opt(
+    host: Annotated[str, option("--host", "address to listen on")] = "127.0.0.1",
+    port: Annotated[int, option("--port", "port to listen on")] = 8000,
+    config: Annotated[Path | None, option(
         "--config", "TOML file: an [engine] table of engine settings and a [sampling] table of request "
         "defaults (flags override it)", "none")] = None,
-    served_model_name: Annotated[str | None, _opt(
+    served_model_name: Annotated[str | None, option(
         "--served-model-name", "the model name the API answers to and reports", "the model folder's name")] = None,
-    drain_timeout_s: Annotated[float, _opt(
+    drain_timeout_s: Annotated[float, option(
         "--drain-timeout-s", "on SIGTERM / SIGINT, seconds in-flight requests may take to finish before they "
         "are aborted")] = 5.0,
     *,

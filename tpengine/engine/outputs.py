@@ -31,3 +31,12 @@ class RequestOutput:
     error: str | None = None
     error_field: str | None = None
     finished: bool = True
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first, seconds: ``(latency - ttft) / (tokens - 1)``; None
+        with fewer than two tokens or unknown times."""
+        n = len(self.token_ids)
+        if self.ttft_s is None or self.latency_s is None or n < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (n - 1)

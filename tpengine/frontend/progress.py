@@ -115,8 +115,8 @@ class ProgressReporter:
             self.output_tokens += n
             if out.ttft_s is not None:
                 self.ttfts.append(out.ttft_s)
-                if out.latency_s is not None and n > 1:
-                    self.tpots.append((out.latency_s - out.ttft_s) / (n - 1))
+            if out.tpot_s is not None:
+                self.tpots.append(out.tpot_s)
         self._refresh()
 
     def on_step(self, stats: Any = None) -> None:

@@ -102,8 +102,7 @@ class EngineLoop:
                 if applied and self.on_step is not None:  # e.g. an abort freed blocks: the gauges show it now
                     self.on_step(engine.stats(), [])
                 if self._stop_at is not None and (not engine.has_unfinished() or time.monotonic() >= self._stop_at):
-                    for rid in list(self._streams):
-                        engine.abort_request(rid)
+                    self._abort_streams()
                     self._deliver(engine.step() if engine.has_unfinished() else [])
                     break
                 if engine.has_unfinished():
@@ -138,14 +137,18 @@ class EngineLoop:
             elif cmd[0] == "abort":
                 self.engine.abort_request(cmd[1])
             elif cmd[0] == "abort_all":
-                for rid in list(self._streams):
-                    self.engine.abort_request(rid)
+                self._abort_streams()
             elif self._stop_at is None:  # "stop"
                 self._stop_at = time.monotonic() + cmd[1]
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return True
+
+    def _abort_streams(self) -> None:
+        """Abort every request a client still waits for (their final outputs come with the next step)."""
+        for rid in list(self._streams):
+            self.engine.abort_request(rid)
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         items = []

@@ -65,8 +65,8 @@ class ServerMetrics:
             self.success.labels(self.model_name, o.finish_reason or "abort").inc()
             if o.ttft_s is not None:
                 self.ttft.observe(o.ttft_s)
-                if o.latency_s is not None and n > 1:
-                    self.tpot.observe((o.latency_s - o.ttft_s) / (n - 1))
+            if o.tpot_s is not None:
+                self.tpot.observe(o.tpot_s)
             if o.latency_s is not None:
                 self.e2e.observe(o.latency_s)
 
