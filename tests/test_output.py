@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tpengine.engine.outputs import RequestOutput
+from tpengine.engine.outputs import CompletionOutput, RequestOutput
 from tpengine.frontend.output import error_record, make_record, openai_error_record, simple_record
 from tpengine.frontend.progress import ProgressReporter, percentile
 from tpengine.frontend.requests import parse_lines
@@ -15,7 +15,7 @@ from tpengine.frontend.writer import OutputWriter, read_done
 
 
 def ok_out(rid="a", n=3):
-    return RequestOutput(rid, [1, 2], token_ids=list(range(10, 10 + n)), text="hé!", finish_reason="length",
+    return RequestOutput(rid, [1, 2], [CompletionOutput(0, "hé!", list(range(10, 10 + n)), "length")],
                          ttft_s=0.1234567, latency_s=0.5, num_cached_tokens=1)
 
 
@@ -123,8 +123,8 @@ def test_progress_plain_lines_and_summary():
     buf = io.StringIO()
     pr = ProgressReporter(total=3, stream=buf, interval_s=0.0)
     pr.on_step({"num_running": 2, "num_waiting": 1})
-    pr.on_output(RequestOutput("a", [1, 2], token_ids=[5, 6, 7], ttft_s=0.1, latency_s=0.5))
-    pr.on_output(RequestOutput("b", [1], token_ids=[5], ttft_s=0.2, latency_s=0.2))
+    pr.on_output(RequestOutput("a", [1, 2], [CompletionOutput(token_ids=[5, 6, 7])], ttft_s=0.1, latency_s=0.5))
+    pr.on_output(RequestOutput("b", [1], [CompletionOutput(token_ids=[5])], ttft_s=0.2, latency_s=0.2))
     pr.add_errors(1)
     assert "running 2, waiting 1" in buf.getvalue() and "[tpengine] 3/3 requests" in buf.getvalue()
     s = pr.print_summary()
@@ -139,7 +139,7 @@ def test_progress_rich_bar_runs():
     buf = io.StringIO()
     pr = ProgressReporter(total=1, stream=buf, live=True)
     pr.on_step(type("S", (), {"num_running": 1, "num_waiting": 0})())
-    pr.on_output(RequestOutput("a", [1], token_ids=[2, 3], ttft_s=0.1, latency_s=0.2))
+    pr.on_output(RequestOutput("a", [1], [CompletionOutput(token_ids=[2, 3])], ttft_s=0.1, latency_s=0.2))
     pr.close()
     pr.close()
     assert "1/1" in buf.getvalue()

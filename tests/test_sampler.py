@@ -111,7 +111,10 @@ def test_sampling_keys_are_sampling_params_fields():
     from tpengine.engine.sampling_params import SAMPLING_KEYS
 
     assert set(SAMPLING_KEYS) <= {f.name for f in fields(SamplingParams)}
-    assert SAMPLING_KEYS == ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos")
+    assert SAMPLING_KEYS == ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
+                             "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                             "logit_bias", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+                             "logprobs", "prompt_logprobs")
 
 
 def test_row_max_equals_torch_max_with_ties_infinities_and_nan():

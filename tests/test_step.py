@@ -15,8 +15,8 @@ def test_pack_unpack_round_trip_and_payload_layout():
     plan = build_plan([a, b], True, 4, step=5, greedy=True)
     assert plan.slot_mapping.tolist() == [12, 13, 14, 15, 4, 0, 1]
     header, payload = pack(plan)
-    assert header.tolist()[2:] == [7, 2, 2, 5, 1]
-    assert payload_sizes(7, 2, 2) == [7, 7, 7, 4, 3, 3, 2, 2]
+    assert header.tolist()[2:] == [7, 2, 2, 5, 1, 0, 0]
+    assert payload_sizes(7, 2, 2) == [7, 7, 7, 4, 3, 3, 2, 2, 0, 0]
     assert payload.numel() == sum(payload_sizes(7, 2, 2)) == 3 * 7 + 2 * 2 + 2 * 3 + 2 * 2
     got = unpack(header, payload)
     assert (got.kind, got.step, got.greedy) == (StepKind.PREFILL, 5, True)
@@ -25,6 +25,25 @@ def test_pack_unpack_round_trip_and_payload_layout():
     assert got.block_tables.tolist() == [[3, 1], [0, -1]]
     stop = unpack(*pack(StepPlan(kind=StepKind.STOP, step=9)))
     assert (stop.kind, stop.step, stop.input_ids) == (StepKind.STOP, 9, None)
+
+
+def test_prompt_logits_rows_and_block_copies_round_trip():
+    """A sequence asking for prompt logprobs gets the logits of its prompt positions but the last
+    (which is sampled) and not those already collected; block copies travel as [C, 2]."""
+    a = Sequence(0, "a", [1, 2, 3, 4, 5], SamplingParams(prompt_logprobs=1))
+    b = Sequence(1, "b", [7, 8, 9], SamplingParams(prompt_logprobs=0))
+    a.block_table, b.block_table = [3, 1], [0]
+    a.num_new_tokens = 5
+    b.num_cached_tokens, b.num_new_tokens = 1, 2  # a chunk after position 0, position 1 collected
+    b.prompt_logprobs.append(None)
+    b.prompt_logprobs.append(None)
+    plan = build_plan([a, b], True, 4, step=2, block_copies=[(3, 6), (0, 2)])
+    assert plan.prompt_idx.tolist() == [0, 1, 2, 3]  # a's positions 0..3; b's position 1 is collected
+    header, payload = pack(plan)
+    assert header.tolist()[2:] == [7, 2, 2, 2, 0, 4, 2]
+    assert payload.numel() == sum(payload_sizes(7, 2, 2, 4, 2)) == 3 * 7 + 2 * 2 + 2 * 3 + 2 * 2 + 4 + 4
+    got = unpack(header, payload)
+    assert got.block_copies.tolist() == [[3, 6], [0, 2]] and got.prompt_idx.tolist() == [0, 1, 2, 3]
 
 
 def test_plan_of_a_cached_prefix_a_chunk_and_a_decode():

@@ -120,11 +120,23 @@ class ModelRunner:
                              f"(now {c.kv_cache_gb}) or lower max_model_len")
         return blocks
 
+    def copy_blocks(self, copies: torch.Tensor) -> None:
+        """Copy the K/V of every layer from physical block ``copies[i, 0]`` to ``copies[i, 1]``
+        (``[C, 2]`` int64; copy-on-write of a shared partial block), and tell the backend that the
+        cache changed outside a step (CPU: the KV mirrors are rebuilt)."""
+        src, dst = copies[:, 0].to(self.tp.device), copies[:, 1].to(self.tp.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        if hasattr(self.backend, "continuity"):
+            self.backend.continuity.prefill()
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        """Run one PREFILL or DECODE step. Returns float32 logits ``[B, vocab_size]`` on rank 0
-        (one row per sequence, at ``plan.sample_idx``) or, for a ``plan.greedy`` step, their argmax
-        token ids ``[B]`` (int64, without gathering the logits); None on other ranks."""
+        """Run one PREFILL or DECODE step, after the plan's block copies. Returns float32 logits
+        ``[B + P, vocab_size]`` on rank 0 (one row per sequence, at ``plan.sample_idx``, then one per
+        ``plan.prompt_idx`` entry) or, for a ``plan.greedy`` step, the argmax token ids ``[B]``
+        (int64, without gathering the logits); None on other ranks."""
+        if plan.block_copies is not None and plan.block_copies.numel():
+            self.copy_blocks(plan.block_copies)
         if self.graphs is not None and self.graphs.can_run(plan):  # CUDA decode: replay a graph
             return self._head(self.graphs.run(plan), plan)
         dev = self.tp.device
@@ -132,7 +144,8 @@ class ModelRunner:
         ctx = Context.build(self.backend, plan.kind == StepKind.PREFILL, to(plan.slot_mapping), to(plan.block_tables),
                             to(plan.cu_seqlens_q), to(plan.cu_seqlens_k), to(plan.context_lens))
         hidden = self.model.model(to(plan.input_ids), to(plan.positions), ctx)  # [N] ids, positions -> [N, hidden]
-        return self._head(hidden.index_select(0, to(plan.sample_idx)), plan)
+        rows = plan.sample_idx if not plan.prompt_idx.numel() else torch.cat([plan.sample_idx, plan.prompt_idx])
+        return self._head(hidden.index_select(0, to(rows)), plan)
 
     def _head(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:
         """The LM head on ``[B, hidden]``: rank 0 gets float32 logits, or the argmax ids for a greedy plan."""

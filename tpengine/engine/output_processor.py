@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tpengine.engine.detokenizer import IncrementalDetokenizer
-from tpengine.engine.outputs import RequestOutput
+from tpengine.engine.outputs import CompletionOutput, RequestOutput
 from tpengine.engine.sequence import Sequence
 
 
@@ -96,9 +96,10 @@ class OutputProcessor:
     @staticmethod
     def _build(seq: Sequence, text: str, finished: bool) -> RequestOutput:
         t0 = seq.arrival_time
+        sample = CompletionOutput(seq.index, text, list(seq.completion_token_ids),
+                                  seq.finish_reason if finished else None)
         return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            token_ids=list(seq.completion_token_ids), text=text, finish_reason=seq.finish_reason if finished else None,
+            request_id=seq.request_id, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens], outputs=[sample],
             num_cached_tokens=seq.num_prefix_cached_tokens or 0,
             ttft_s=None if seq.first_token_time is None else seq.first_token_time - t0,
             latency_s=(seq.finish_time or time.monotonic()) - t0 if finished else None, finished=finished,

@@ -1,4 +1,5 @@
-"""What the engine hands back for one request (rank 0 only)."""
+"""What the engine hands back for one request (rank 0 only): vLLM's ``RequestOutput`` with one
+``CompletionOutput`` per sample, and the logprobs of a position."""
 
 from __future__ import annotations
 
@@ -6,25 +7,65 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class RequestOutput:
-    """One finished request.
+class Logprob:
+    """One token's log-probability at one position: natural log of its probability under the
+    full-vocabulary softmax of the raw logits (float32); ``rank``: 1 for the most likely token;
+    ``token``: its text, ``tokenizer.decode([token_id])`` (filled by the output processor)."""
 
-    ``token_ids``: generated ids (an EOS or stop-token id that ended generation included);
-    ``text``: detokenized generated text, cut before a matched stop string, special tokens
-    skipped; ``finish_reason``: "stop" | "length" | "abort"; ``error``: a message when the
-    request could not run (then ``token_ids`` is empty and ``finish_reason`` is None).
-    ``num_cached_tokens``: prompt tokens whose KV came from the prefix cache (OpenAI's
-    ``usage.prompt_tokens_details.cached_tokens``).
-    Times in seconds: ``ttft_s`` arrival -> first token, ``latency_s`` arrival -> finish.
-    ``finished``: False for the output so far of a streaming request (then ``text`` is the text
-    safe to show yet, ``token_ids`` every id generated yet, ``finish_reason`` and ``latency_s`` None).
+    token_id: int
+    logprob: float
+    rank: int
+    token: str | None = None
+
+
+@dataclass
+class PositionLogprobs:
+    """The logprobs of one position: the token that is there (sampled, or the prompt's) and the
+    ``top`` k most likely tokens, most likely first (k = the request's ``logprobs`` or
+    ``prompt_logprobs``; padded vocabulary ids never appear)."""
+
+    chosen: Logprob
+    top: list[Logprob] = field(default_factory=list)
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request.
+
+    ``index``: 0..n-1; ``token_ids``: generated ids (an EOS or stop-token id that ended generation
+    included); ``text``: their text, cut before a matched stop string (kept with
+    ``include_stop_str_in_output``), special tokens skipped unless ``skip_special_tokens`` is false;
+    ``finish_reason``: "stop" | "length" | "abort" (None while unfinished); ``logprobs``: one
+    :class:`PositionLogprobs` per token id when the request asked for logprobs, else None;
+    ``cumulative_logprob``: the sum of the chosen tokens' logprobs (None without logprobs).
+    """
+
+    index: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One request: its samples in ``outputs`` (n of them; empty for an error).
+
+    ``text``, ``token_ids`` and ``finish_reason`` are sample 0's (the only one when n is 1).
+    ``prompt_logprobs``: with the request's ``prompt_logprobs``, one entry per prompt token, the
+    first None (nothing predicts it). ``error``: a message when the request could not run (then
+    ``outputs`` is empty). ``num_cached_tokens``: prompt tokens whose KV came from the prefix cache
+    (OpenAI's ``usage.prompt_tokens_details.cached_tokens``). Times in seconds: ``ttft_s`` arrival ->
+    first token, ``latency_s`` arrival -> finish. ``finished``: False for the output so far of a
+    streaming request (then each sample's ``text`` is the text safe to show yet, ``token_ids`` every
+    id generated yet, and ``latency_s`` is None).
     """
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     ttft_s: float | None = None
     latency_s: float | None = None
@@ -33,9 +74,29 @@ class RequestOutput:
     finished: bool = True
 
     @property
+    def text(self) -> str:
+        """Sample 0's text ("" without samples)."""
+        return self.outputs[0].text if self.outputs else ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Sample 0's generated ids ([] without samples)."""
+        return self.outputs[0].token_ids if self.outputs else []
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Sample 0's finish reason (None without samples)."""
+        return self.outputs[0].finish_reason if self.outputs else None
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens over all samples."""
+        return sum(len(o.token_ids) for o in self.outputs)
+
+    @property
     def tpot_s(self) -> float | None:
-        """Time per output token after the first, seconds: ``(latency - ttft) / (tokens - 1)``; None
-        with fewer than two tokens or unknown times."""
+        """Time per output token after the first, seconds: ``(latency - ttft) / (tokens - 1)`` over
+        sample 0; None with fewer than two tokens or unknown times."""
         n = len(self.token_ids)
         if self.ttft_s is None or self.latency_s is None or n < 2:
             return None

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from tpengine.engine.outputs import PositionLogprobs
 from tpengine.engine.sampling_params import SamplingParams
 from tpengine.utils import cdiv
 
@@ -49,6 +50,11 @@ class Sequence:
         finish_reason: None while unfinished, else "stop", "length" or "abort".
         generator: per-request ``torch.Generator`` seeded from ``params.seed``; created lazily
             by the ``Sampler`` on the logits' device (None for unseeded requests).
+        index: the sample's index (0..n-1) among a request's ``n`` samples.
+        logprobs: one :class:`~tpengine.engine.outputs.PositionLogprobs` per generated token when
+            ``params.logprobs`` is set (else None); ``cumulative_logprob`` their chosen logprobs' sum.
+        prompt_logprobs: with ``params.prompt_logprobs``, the entries for prompt positions
+            1.. computed so far (position 0 has none), else None.
     """
 
     def __init__(
@@ -76,6 +82,10 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.generator: torch.Generator | None = None
+        self.index = 0
+        self.logprobs: list[PositionLogprobs] | None = None if params.logprobs is None else []
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list[PositionLogprobs] | None = None if params.prompt_logprobs is None else []
 
     def __len__(self) -> int:
         return len(self.token_ids)
