@@ -16,6 +16,18 @@ from tpengine.engine.llm_engine import LLMEngine
 from tpengine.engine.sampling_params import SamplingParams
 
 
+def as_record(o) -> dict:
+    """A RequestOutput as JSON: its fields plus sample 0's text, token_ids and finish_reason."""
+    return {**dataclasses.asdict(o), "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
+
+
+def params(p: dict) -> SamplingParams:
+    """SamplingParams from JSON kwargs (``logit_bias`` keys come as strings)."""
+    if p.get("logit_bias") is not None:
+        p = {**p, "logit_bias": {int(k): v for k, v in p["logit_bias"].items()}}
+    return SamplingParams(**p)
+
+
 def main():
     out_path, jobs_path = sys.argv[1], sys.argv[2]
     results = {}
@@ -24,11 +36,11 @@ def main():
         start_free = engine.stats().num_free_blocks if engine.is_driver else None
         outs = []
         for wave in job.get("waves", [job.get("requests", [])]):
-            reqs = [(rid, ids, SamplingParams(**p)) for rid, ids, p in wave]
+            reqs = [(rid, ids, params(p)) for rid, ids, p in wave]
             outs += engine.generate(reqs if engine.is_driver else [])
         if engine.is_driver:
             results[job["key"]] = {
-                "outputs": [dataclasses.asdict(o) for o in outs],
+                "outputs": [as_record(o) for o in outs],
                 "stats": dataclasses.asdict(engine.stats()),
                 "start_free_blocks": start_free,
             }
