@@ -214,3 +214,28 @@ def test_sentencepiece_style_decoder_strip_and_byte_fallback():
     assert not any("\ufffd" in x for x in deltas)
     _, d = run(tok, ids, stop=["界 🙂"])
     assert d.stopped and d.text == "hello world! 世"
+
+
+def test_include_stop_str_in_output_keeps_the_first_match_and_drops_the_rest(tok):
+    ids = tok("one, two. three, four").input_ids
+    d = IncrementalDetokenizer(tok, stop=[". ", ","], include_stop_str_in_output=True)
+    got = ""
+    for i in ids:
+        got += d.append(i)
+        if d.stopped:
+            break
+    assert d.stopped and got == d.text == "one,"
+    d = IncrementalDetokenizer(tok, stop=["two", "two."], include_stop_str_in_output=True)
+    out = "".join(d.append(i) for i in tok("one, two. three").input_ids[:4])
+    assert d.stopped and d.text == out == "one, two."  # at one place the longest stop string
+
+
+def test_no_stop_string_before_min_tokens(tok):
+    """vLLM's rule: stop strings are looked for only after ``min_tokens`` tokens; a match inside the
+    first ``min_tokens`` tokens is passed over for good."""
+    ids = tok("a b a b").input_ids
+    assert len(ids) == 4
+    d = IncrementalDetokenizer(tok, stop=["a"], min_tokens=2)
+    got = "".join(d.append(i) for i in ids[:2])
+    assert not d.stopped and got == "a b"
+    assert d.append(ids[2]) == "" and d.stopped and d.text == "a b "

@@ -95,7 +95,10 @@ def jobs_for(models, smollm2_prompts, tp: int) -> list[dict]:
             jobs += [{"key": f"llama/alone{i}", "config": cfg(d), "requests": [reqs[i]]} for i in (P1, P2, P3)]
             jobs.append({"key": "llama/join", "config": cfg(d, max_num_seqs=2), "requests": reqs[:3]})
             sampled = ["seeded", prompts[0], {"temperature": 1.0, "seed": 7, "max_tokens": 200, "ignore_eos": True}]
-            jobs.append({"key": "llama/seeded", "config": cfg(d), "requests": [sampled, *reqs[1:]]})
+            par = {"temperature": 1.0, "max_tokens": 30, "ignore_eos": True}  # prompt of 37 tokens: a partial block
+            parallel = [["par", prompts[1], {**par, "n": 4, "seed": 11}],
+                        *[[f"par+{k}", prompts[1], {**par, "seed": 11 + k}] for k in range(4)]]
+            jobs.append({"key": "llama/seeded", "config": cfg(d), "requests": [sampled, *reqs[1:], *parallel]})
     reqs = [[f"s{i}", p, {**GREEDY, "max_tokens": 64}] for i, p in enumerate(smollm2_prompts)]
     jobs.append({"key": "smollm2", "config": cfg(SMOLLM2_DIR, max_model_len=512, kv_cache_gb=0.2), "requests": reqs})
     if tp == 1:  # bfloat16: the decode KV mirror on and off, a batch shrinking 5 -> 1 (both attention branches)
@@ -274,3 +277,16 @@ def test_c01_seeded_sampling_same_at_every_tp_and_never_padding(engine_results):
     assert len(runs[0]) == 200 and max(runs[0]) < 1001
     assert runs[1] == runs[0] and runs[2] == runs[0]
     assert len(set(runs[0])) > 50  # really sampled, not greedy
+
+
+def test_n_samples_seeded_same_at_every_tp_and_equal_to_single_requests(engine_results):
+    """n=4 seeded 11, batched with 9 other requests: sample k is the single request seeded 11 + k,
+    at tp 1, 2 and 3."""
+    for tp in (1, 2, 3):
+        got = by_id(engine_results[tp]["llama/seeded"])
+        samples = [c["token_ids"] for c in got["par"]["outputs"]]
+        assert [c["index"] for c in got["par"]["outputs"]] == [0, 1, 2, 3]
+        assert samples == [got[f"par+{k}"]["token_ids"] for k in range(4)], tp
+        assert len({tuple(x) for x in samples}) == 4 and all(len(x) == 30 for x in samples)
+        if tp > 1:
+            assert samples == [c["token_ids"] for c in by_id(engine_results[1]["llama/seeded"])["par"]["outputs"]]

@@ -153,25 +153,61 @@ class BlockManager:
         seq.num_cached_tokens = len(hits) * self.block_size
         return seq.num_cached_tokens
 
+    def _shared_write_block(self, seq: Sequence) -> int | None:
+        """The index in ``seq.block_table`` of the block that position ``num_tokens - 1`` is written
+        to, when another sequence shares that block (a fork's partial block); else None."""
+        i = (seq.num_tokens - 1) // self.block_size
+        return i if i < len(seq.block_table) and self.ref_count[seq.block_table[i]] > 1 else None
+
     def _append_need(self, seq: Sequence) -> int:
-        return max(0, self.blocks_needed(seq.num_tokens) - len(seq.block_table))
+        need = max(0, self.blocks_needed(seq.num_tokens) - len(seq.block_table))
+        return need + (self._shared_write_block(seq) is not None)
 
     def can_append(self, seq: Sequence) -> bool:
-        """True if ``may_append(seq)`` will succeed: no new block needed, or one is free."""
+        """True if ``may_append(seq)`` will succeed: no new block needed, or enough are free."""
         return self._append_need(seq) <= len(self._free)
 
-    def may_append(self, seq: Sequence) -> None:
+    def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
         """Before a decode step that writes the K/V of position ``num_tokens - 1``: grow
-        ``seq.block_table`` so it covers ``num_tokens`` tokens (adds at most one block).
+        ``seq.block_table`` so it covers ``num_tokens`` tokens (adds at most one block). If the block
+        written to is shared with a forked sample, ``seq`` gets its own copy first (copy-on-write, as
+        vLLM's v0 block manager): a new block replaces it in the table.
+
+        Returns:
+            the (source, destination) block copies the step must run before writing (0 or 1).
 
         Raises:
             RuntimeError: ``seq`` holds no blocks (never allocated), or no block is free.
         """
         if not seq.block_table:
             raise RuntimeError(f"seq {seq.seq_id} holds no blocks; allocate() it first")
-        need = self._append_need(seq)
+        copies = []
+        if (i := self._shared_write_block(seq)) is not None:
+            src = seq.block_table[i]
+            (dst,) = self._take(1, seq)
+            self.ref_count[src] -= 1  # still >= 1: the other sharers keep it
+            seq.block_table[i] = dst
+            copies.append((src, dst))
+        need = max(0, self.blocks_needed(seq.num_tokens) - len(seq.block_table))
         if need:
             seq.block_table.extend(self._take(need, seq))
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give ``child`` (a new sample of ``parent``'s prompt) ``parent``'s blocks, shared: each
+        block's reference count + 1, the prefix-cache bookkeeping copied. A block either of them
+        later writes to while shared is copied first (:meth:`may_append`).
+
+        Raises:
+            RuntimeError: ``child`` already holds blocks.
+        """
+        if child.block_table:
+            raise RuntimeError(f"seq {child.seq_id} already holds blocks {child.block_table}")
+        for b in parent.block_table:
+            self.ref_count[b] += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_registered_blocks = parent.num_registered_blocks
 
     def cache_computed(self, seq: Sequence) -> None:
         """After a step: register every full block of ``seq`` whose K/V is now computed (the

@@ -27,6 +27,10 @@ class IncrementalDetokenizer:
         stop: stop strings (non-empty). The first occurrence of any of them anywhere in the
             generated text ends generation; the stop string and everything after it are dropped.
         skip_special_tokens: passed to ``tokenizer.decode``.
+        include_stop_str_in_output: keep the matched stop string at the end of the text (vLLM's
+            ``include_stop_str_in_output``); what follows it is still dropped.
+        min_tokens: stop strings are looked for only once more than this many tokens are appended
+            (vLLM's rule: no stop before ``min_tokens``).
 
     Attributes:
         stopped: True once a stop string matched; ``append`` must not be called after that.
@@ -41,6 +45,8 @@ class IncrementalDetokenizer:
         tokenizer,
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         if isinstance(stop, str):
             stop = (stop,)
@@ -49,6 +55,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.skip_special_tokens = skip_special_tokens
+        self.include_stop = include_stop_str_in_output
+        self.min_tokens = min_tokens
         self.token_ids: list[int] = []
         self.stopped = False
         self._max_stop = max((len(s) for s in self.stop), default=0)
@@ -85,11 +93,12 @@ class IncrementalDetokenizer:
         if delta:
             old_len = len(self._text)
             self._text += delta
-            if self.stop:
+            if self.stop and len(self.token_ids) > self.min_tokens:
                 start = max(0, old_len - self._max_stop + 1)
-                hits = [i for s in self.stop if (i := self._text.find(s, start)) >= 0]
+                hits = [(i, -len(s)) for s in self.stop if (i := self._text.find(s, start)) >= 0]
                 if hits:
-                    self._text = self._text[: min(hits)]
+                    i, neg_len = min(hits)  # the first match; at one place the longest stop string
+                    self._text = self._text[: i - neg_len if self.include_stop else i]
                     self.stopped = True
         hold = 0 if self.stopped else self._held_tail()
         end = max(self._emitted, len(self._text) - hold)

@@ -12,7 +12,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -23,7 +23,7 @@ from tpengine.engine.model_runner import ModelRunner
 from tpengine.engine.output_processor import OutputProcessor, failed_output
 from tpengine.engine.outputs import RequestOutput
 from tpengine.engine.sampler import Sampler
-from tpengine.engine.sampling_params import SamplingParams
+from tpengine.engine.sampling_params import SEED_END, SamplingParams
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.step import StepKind, StepPlan, broadcast_plan, build_plan
@@ -150,11 +150,16 @@ class LLMEngine:
             self._next_id += 1
             if bad:
                 raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+                if bad := [t for t in ids if t >= vocab]:
+                    self._pending.append(RequestOutput(request_id, list(prompt_token_ids), error=(
+                        f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})"), error_field=name))
+                    return
             self.outputs.add(seq, stream)
             try:
                 self.scheduler.add(seq)
             except BaseException:
-                self.outputs.drop(seq)
+                self.outputs.drop(seq.request_id)
                 raise
         except ValueError as e:
             self._pending.append(RequestOutput(request_id, list(prompt_token_ids), error=str(e), error_field="prompt"))
@@ -172,34 +177,77 @@ class LLMEngine:
         if not self.scheduler.has_unfinished:
             return done
         seqs, is_prefill = self.scheduler.schedule()
-        greedy = all(s.params.temperature == 0.0 for s in seqs)
-        plan = broadcast_plan(build_plan(seqs, is_prefill, self.config.block_size, self._steps, greedy))
+        greedy = all(not s.params.needs_logits and s.prompt_logprobs is None for s in seqs)
+        plan = broadcast_plan(build_plan(seqs, is_prefill, self.config.block_size, self._steps, greedy,
+                                         self.scheduler.take_block_copies()))
         out = self.runner.execute(plan)
         sampled = [s.samples for s in seqs]  # False: a prefill chunk, nothing to sample
-        failed: dict[int, tuple[str, Exception]] = {}
-        tokens = out.tolist() if plan.greedy else self._sample(out, seqs, sampled, failed)
         self._steps += 1
         self._prefill_steps += is_prefill
         self._computed_tokens += int(plan.input_ids.numel())
+        batch, rows = self._fork(seqs, sampled)  # + the new samples of n > 1 requests, on their parent's row
+        sampled += [True] * (len(batch) - len(seqs))
         self._output_tokens += sum(sampled)
+        failed: dict[int, tuple[str, Exception]] = {}
+        if plan.greedy:
+            ids = out.tolist()
+            tokens = [ids[r] for r in rows]
+        else:
+            b = len(seqs)
+            self._collect_prompt_logprobs(seqs, out[b:])
+            logits = out[:b] if len(batch) == b else out[:b].index_select(0, torch.tensor(rows, device=out.device))
+            tokens = self._sample(logits, batch, sampled, failed)
         stopped = []
-        for i, (seq, tok, ok) in enumerate(zip(seqs, tokens, sampled)):
+        for i, (seq, tok, ok) in enumerate(zip(batch, tokens, sampled)):
             try:
                 stopped.append(i not in failed and ok and self.outputs.detokenize(seq, tok))
             except Exception as e:  # noqa: BLE001 -- this request's own failure
                 failed[i] = ("detokenizing", e)
                 stopped.append(False)
         for i, (stage, e) in sorted(failed.items()):
-            done.append(self._fail(seqs[i], stage, e))  # finished now: postprocess skips it
-        for seq in self.scheduler.postprocess(seqs, tokens, stopped):
+            if not batch[i].is_finished:  # one error output per request, whichever sample failed
+                done.append(self._fail(batch[i], stage, e))  # finished now: postprocess skips it
+        for seq in self.scheduler.postprocess(batch, tokens, stopped):
             try:
-                done.append(self.outputs.output(seq))
+                if (final := self.outputs.finish_sample(seq)) is not None:
+                    done.append(final)
             except Exception as e:  # noqa: BLE001
                 done.append(self._fail(seq, "detokenizing", e))
-        for seq, ok in zip(seqs, sampled):
-            if ok and (partial := self.outputs.stream_output(seq)) is not None:
+        for rid in dict.fromkeys(seq.request_id for seq, ok in zip(batch, sampled) if ok):
+            if (partial := self.outputs.stream_output(rid)) is not None:
                 done.append(partial)
         return done
+
+    def _fork(self, seqs: list[Sequence], sampled: list[bool]) -> tuple[list[Sequence], list[int]]:
+        """Start samples 1..n-1 of every ``n > 1`` request whose first token this step samples (they
+        share its KV blocks: the prompt is computed once). Returns ``(batch, rows)``: ``seqs`` then
+        the new samples, and the logits row of each (a new sample draws from its parent's row)."""
+        batch, rows = list(seqs), list(range(len(seqs)))
+        for i, (seq, ok) in enumerate(zip(seqs, sampled)):
+            if ok and seq.params.n > 1 and self.scheduler.room(seq) > 1:
+                children = [self._new_sample(seq, k) for k in range(1, seq.params.n)]
+                self.scheduler.fork(seq, children)
+                for child in children:
+                    self.outputs.add_sample(child)
+                batch += children
+                rows += [i] * len(children)
+        return batch, rows
+
+    def _new_sample(self, parent: Sequence, k: int) -> Sequence:
+        """Sample ``k`` of ``parent``'s request: its prompt, its params with seed ``seed + k``
+        (wrapping at 2**64, as vLLM's parallel sampling seeds its children) and no prompt logprobs
+        (sample 0 collects them)."""
+        p = parent.params
+        seed = None if p.seed is None else p.seed + k - (SEED_END if p.seed + k >= SEED_END else 0)
+        child = Sequence(self._next_id, parent.request_id, parent.prompt_token_ids,
+                         replace(p, seed=seed, prompt_logprobs=None), arrival_time=parent.arrival_time)
+        self._next_id += 1
+        child.index = k
+        return child
+
+    def _collect_prompt_logprobs(self, seqs: list[Sequence], rows: torch.Tensor) -> None:
+        """Placeholder until the logprobs module lands: prompt logprobs rows are ignored."""
+        return None
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], sampled: list[bool],
                 failed: dict[int, tuple[str, Exception]]) -> list[int]:
@@ -219,20 +267,24 @@ class LLMEngine:
         return tokens
 
     def _fail(self, seq: Sequence, stage: str, exc: Exception) -> RequestOutput:
-        """End ``seq`` (its blocks freed) with the error output of ``exc`` raised while ``stage``."""
-        self.scheduler.finish(seq, "abort")
-        self.outputs.drop(seq)
+        """End ``seq``'s request (every sample's blocks freed) with the error output of ``exc`` raised
+        while ``stage``."""
+        for s in self.outputs.sequences(seq.request_id) or [seq]:
+            self.scheduler.finish(s, "abort")
+        self.outputs.drop(seq.request_id)
         return failed_output(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], stage, exc)
 
     def abort_request(self, request_id: str) -> bool:
         """Rank 0: end a live request now (a client went away); its KV blocks are freed at once and
-        its final output (``finish_reason`` "abort") comes with the next :meth:`step`. Returns
-        False when no such request is live."""
-        seq = self.outputs.get(request_id)
-        if seq is None:
+        its final output (every sample's ``finish_reason`` "abort" unless it had finished) comes
+        with the next :meth:`step`. Returns False when no such request is live."""
+        seqs = self.outputs.sequences(request_id)
+        if not seqs:
             return False
-        self.scheduler.finish(seq, "abort")
-        self._pending.append(self.outputs.output(seq))
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        self._pending.append(self.outputs.output(request_id))
         return True
 
     def heartbeat(self) -> None:

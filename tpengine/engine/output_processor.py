@@ -1,15 +1,20 @@
-"""Rank 0's per-request output state: the detokenizer, whether the request streams, and the
-RequestOutputs built from a sequence (after vLLM's ``OutputProcessor``)."""
+"""Rank 0's per-request output state: each sample's detokenizer, whether the request streams, and
+the RequestOutputs built from its sequences (after vLLM's ``OutputProcessor``).
+
+A request with ``n`` samples is one :class:`RequestState` holding its ``n`` sequences (sample 0 is
+the request's first sequence; the others join when they fork from it, see
+:meth:`tpengine.engine.scheduler.Scheduler.fork`); its output is built once every sample finished.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tpengine.engine.detokenizer import IncrementalDetokenizer
-from tpengine.engine.outputs import CompletionOutput, RequestOutput
+from tpengine.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tpengine.engine.sequence import Sequence
 
 
@@ -26,13 +31,33 @@ def failed_request(request_id: str, message: str, prompt_token_ids: list[int] | 
 
 
 @dataclass
-class RequestState:
-    """One live request: its sequence, detokenizer, and whether it streams."""
+class Sample:
+    """One sample's output state: its sequence, detokenizer, and the text handed out so far."""
 
     seq: Sequence
     detok: IncrementalDetokenizer
+    emitted: str = ""
+    flushed: bool = False
+
+    def flush(self) -> None:
+        """The sample finished: take the detokenizer's held-back text (once)."""
+        if not self.flushed and not self.detok.stopped:
+            self.emitted += self.detok.finish()
+        self.flushed = True
+
+
+@dataclass
+class RequestState:
+    """One live request: its ``n`` samples (fewer until they fork) and whether it streams."""
+
+    n: int
     stream: bool
-    emitted: str = ""  # a streaming request's text handed out so far
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        """Every one of the ``n`` samples exists and is finished."""
+        return len(self.samples) == self.n and all(s.seq.is_finished for s in self.samples)
 
 
 class OutputProcessor:
@@ -48,59 +73,111 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.is_stop_token = is_stop_token
         self.states: dict[str, RequestState] = {}
+        self._token_text: dict[int, str] = {}  # token id -> decode([id]), for logprobs
+
+    def _sample(self, seq: Sequence) -> Sample:
+        p = seq.params
+        return Sample(seq, IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens,
+                                                  p.include_stop_str_in_output, p.min_tokens))
 
     def add(self, seq: Sequence, stream: bool = False) -> None:
-        """Start tracking ``seq`` (its request id must not be live).
+        """Start tracking request ``seq`` (sample 0 of its ``params.n``; its id must not be live).
 
         Raises:
             ValueError: the request id is already live; an empty stop string.
         """
         if seq.request_id in self.states:
             raise ValueError(f"request id {seq.request_id!r} is already running")
-        p = seq.params
-        self.states[seq.request_id] = RequestState(seq, IncrementalDetokenizer(
-            self.tokenizer, p.stop, p.skip_special_tokens), stream)
+        state = RequestState(seq.params.n, stream)
+        state.samples.append(self._sample(seq))
+        self.states[seq.request_id] = state
+
+    def add_sample(self, seq: Sequence) -> None:
+        """Track ``seq``, sample ``seq.index`` of a live request, forked from its sample 0."""
+        self.states[seq.request_id].samples.append(self._sample(seq))
 
     def get(self, request_id: str) -> Sequence | None:
-        """The live sequence of ``request_id``, or None."""
+        """The live request's sample 0 sequence, or None."""
         state = self.states.get(request_id)
-        return None if state is None else state.seq
+        return None if state is None else state.samples[0].seq
+
+    def sequences(self, request_id: str) -> list[Sequence]:
+        """Every sequence of live ``request_id`` (its samples so far; [] when not live)."""
+        state = self.states.get(request_id)
+        return [] if state is None else [s.seq for s in state.samples]
 
     def detokenize(self, seq: Sequence, token_id: int) -> bool:
         """Feed ``token_id`` to ``seq``'s detokenizer; True when a stop string matched."""
         if seq.is_finished or self.is_stop_token(seq, token_id):
             return False
-        state = self.states[seq.request_id]
-        state.emitted += state.detok.append(token_id)
-        return state.detok.stopped
+        sample = self.states[seq.request_id].samples[seq.index]
+        sample.emitted += sample.detok.append(token_id)
+        return sample.detok.stopped
 
-    def stream_output(self, seq: Sequence) -> RequestOutput | None:
-        """An unfinished streaming request's output so far (``finished`` False: the text that is safe
-        to show, every token id generated), or None for a request that does not stream."""
+    def finish_sample(self, seq: Sequence) -> RequestOutput | None:
+        """``seq`` finished: flush its detokenizer. Returns the request's final output once every
+        sample finished (and stops tracking it), else None (also for a request already output)."""
         state = self.states.get(seq.request_id)
-        if state is None or not state.stream or seq.is_finished:
+        if state is None:
             return None
-        return self._build(seq, state.emitted, finished=False)
+        state.samples[seq.index].flush()
+        if not state.finished:
+            return None
+        del self.states[seq.request_id]
+        for sample in state.samples:
+            sample.flush()
+        return self._build(state, finished=True)
 
-    def output(self, seq: Sequence) -> RequestOutput:
-        """The final output of finished ``seq``; stops tracking it."""
-        state = self.states.pop(seq.request_id)
-        if not state.detok.stopped:
-            state.detok.finish()
-        return self._build(seq, state.detok.text, finished=True)
+    def stream_output(self, request_id: str) -> RequestOutput | None:
+        """A live streaming request's output so far (``finished`` False: each sample's text that is
+        safe to show and every token id generated), or None for one that does not stream."""
+        state = self.states.get(request_id)
+        if state is None or not state.stream:
+            return None
+        return self._build(state, finished=False)
 
-    def drop(self, seq: Sequence) -> None:
-        """Stop tracking ``seq`` (failed or aborted)."""
-        self.states.pop(seq.request_id, None)
+    def output(self, request_id: str) -> RequestOutput:
+        """The final output of ``request_id`` now (its unfinished samples as they are: an aborted
+        request); stops tracking it."""
+        state = self.states.pop(request_id)
+        for sample in state.samples:
+            sample.flush()
+        return self._build(state, finished=True)
 
-    @staticmethod
-    def _build(seq: Sequence, text: str, finished: bool) -> RequestOutput:
-        t0 = seq.arrival_time
-        sample = CompletionOutput(seq.index, text, list(seq.completion_token_ids),
-                                  seq.finish_reason if finished else None)
+    def drop(self, request_id: str) -> None:
+        """Stop tracking ``request_id`` (failed)."""
+        self.states.pop(request_id, None)
+
+    def _texts(self, logprobs: list[PositionLogprobs | None] | None) -> None:
+        """Fill in the ``token`` text of every Logprob (``tokenizer.decode([id])``, cached per id)."""
+        for pos in logprobs or ():
+            if pos is None:
+                continue
+            for lp in (pos.chosen, *pos.top):
+                if lp.token is None:
+                    text = self._token_text.get(lp.token_id)
+                    if text is None:
+                        text = self._token_text[lp.token_id] = self.tokenizer.decode([lp.token_id])
+                    lp.token = text
+
+    def _build(self, state: RequestState, finished: bool) -> RequestOutput:
+        first = state.samples[0].seq
+        outputs = []
+        for sample in state.samples:
+            seq = sample.seq
+            text = sample.detok.text if finished else sample.emitted
+            logprobs = None if seq.logprobs is None else list(seq.logprobs)
+            self._texts(logprobs)
+            outputs.append(CompletionOutput(seq.index, text, list(seq.completion_token_ids),
+                                            seq.finish_reason if seq.is_finished or finished else None, logprobs,
+                                            None if logprobs is None else seq.cumulative_logprob))
+        prompt_logprobs = None if first.prompt_logprobs is None else [None, *first.prompt_logprobs]
+        self._texts(prompt_logprobs)
+        t0 = first.arrival_time
+        ends = [s.seq.finish_time for s in state.samples if s.seq.finish_time is not None]
         return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens], outputs=[sample],
-            num_cached_tokens=seq.num_prefix_cached_tokens or 0,
-            ttft_s=None if seq.first_token_time is None else seq.first_token_time - t0,
-            latency_s=(seq.finish_time or time.monotonic()) - t0 if finished else None, finished=finished,
+            request_id=first.request_id, prompt_token_ids=first.token_ids[: first.num_prompt_tokens],
+            outputs=outputs, prompt_logprobs=prompt_logprobs, num_cached_tokens=first.num_prefix_cached_tokens or 0,
+            ttft_s=None if first.first_token_time is None else first.first_token_time - t0,
+            latency_s=(max(ends) if ends else time.monotonic()) - t0 if finished else None, finished=finished,
         )

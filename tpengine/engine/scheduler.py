@@ -76,6 +76,7 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.num_prompt_tokens = self.num_cached_prompt_tokens = 0
+        self.block_copies: list[tuple[int, int]] = []  # copy-on-write copies the next step runs first
 
     # ---- queues -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -102,9 +103,38 @@ class Scheduler:
                 f"of {self.block_size}, but the cache has only {self.block_manager.num_blocks} "
                 "blocks"
             )
+        if seq.params.n > self.max_num_seqs:
+            raise ValueError(f"request {seq.request_id!r}: n={seq.params.n} samples run as {seq.params.n} "
+                             f"sequences at once, but max_num_seqs is {self.max_num_seqs}")
         if seq.status is not SequenceStatus.WAITING or seq.block_table:
             raise ValueError(f"seq {seq.seq_id} is {seq.status.name}, not a new request")
         self.waiting.append(seq)
+
+    @staticmethod
+    def room(seq: Sequence) -> int:
+        """Running sequences ``seq`` becomes: ``params.n`` for a request that has not forked its
+        samples yet (it forks at its first token), else 1."""
+        return seq.params.n if seq.index == 0 and seq.num_completion_tokens == 0 else 1
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Start ``children`` (samples 1..n-1 of running ``parent``, new sequences with its prompt)
+        in the step that samples ``parent``'s first token: they share its KV blocks (a shared
+        partial block is copied when first written, :meth:`BlockManager.may_append`), count as
+        computed what it computed, and join ``running`` right after it; their prompt counts once in
+        the stats. Then :meth:`postprocess` appends each one's sampled token like ``parent``'s."""
+        at = self.running.index(parent) + 1
+        for k, child in enumerate(children):
+            self.block_manager.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+            child.num_cached_tokens, child.num_new_tokens = parent.num_cached_tokens, parent.num_new_tokens
+            child.num_prefix_cached_tokens = parent.num_prefix_cached_tokens
+            self.running.insert(at + k, child)
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies the step just scheduled must run first (then
+        forgotten)."""
+        copies, self.block_copies = self.block_copies, []
+        return copies
 
     @property
     def has_unfinished(self) -> bool:
@@ -195,7 +225,7 @@ class Scheduler:
             return batch
         bm = self.block_manager
         pending = self._pending_hashes()
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+        while self.waiting and len(self.running) + self.room(self.waiting[0]) <= self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             hits = bm.match(seq)
             hashes = bm.hashes(seq) if bm.enable_prefix_caching else []
@@ -236,7 +266,7 @@ class Scheduler:
                     self._preempt(seq)
                     break
             else:
-                bm.may_append(seq)
+                self.block_copies += bm.may_append(seq)
                 seq.num_new_tokens = 1
                 batch.append(seq)
         self.running = kept
