@@ -16,10 +16,11 @@ from tpengine.engine.outputs import RequestOutput
 from tpengine.engine.sampling_params import SamplingParams
 from tpengine.frontend.output import openai_body, usage_info
 from tpengine.frontend.requests import (
-    DEFAULT_MAX_TOKENS,
     ParsedRequest,
     RequestValidationError,
     failure_message,
+    make_params,
+    template_options,
     to_token_ids,
 )
 from tpengine.protocol import ChatCompletionRequest, CompletionRequest
@@ -87,11 +88,11 @@ def prepare_request(obj: Any, kind: str, tokenizer, vocab_size: int, max_model_l
     fmt = FORMATS[kind]
     payload_kind, payload = body.prompt_payload()
     try:
-        params = SamplingParams(**{"max_tokens": DEFAULT_MAX_TOKENS[fmt], **defaults, **body.sampling_kwargs()})
+        params = make_params(fmt, defaults, body.sampling_kwargs())
     except (TypeError, ValueError) as e:
         raise HTTPProblem(400, f"invalid sampling parameters: {e}") from None
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    req = ParsedRequest(rid, 0, payload_kind, fmt, payload, params, body.model)
+    req = ParsedRequest(rid, 0, payload_kind, fmt, payload, params, body.model, template_options(body, payload_kind))
     field = "messages" if chat else "prompt"
     try:
         ids = to_token_ids(req, tokenizer, vocab_size)
