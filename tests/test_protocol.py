@@ -191,9 +191,9 @@ def test_chat_template_options():
     assert errors_of(ChatCompletionRequest, both) == [("continue_final_message", msg)]
     assert errors_of(ChatCompletionRequest, {"messages": MSGS, "continue_final_message": True}) == [
         ("continue_final_message", 'needs the last message to be the "assistant" message to continue, got role "user"')]
+    only = 'applies only to a "messages" prompt (the chat template), not to "prompt"; leave it out'
     assert errors_of(SimpleRequest, {"prompt": "x", "add_generation_prompt": False, "chat_template_kwargs": {}}) == [
-        ("add_generation_prompt", 'applies only to a "messages" prompt (the chat template), not to "prompt"; leave it out'),
-        ("chat_template_kwargs", 'applies only to a "messages" prompt (the chat template), not to "prompt"; leave it out')]
+        ("add_generation_prompt", only), ("chat_template_kwargs", only)]
     assert errors_of(SimpleRequest, {"prompt_token_ids": [1], "continue_final_message": False}) == [
         ("continue_final_message",
          'applies only to a "messages" prompt (the chat template), not to "prompt_token_ids"; leave it out')]
