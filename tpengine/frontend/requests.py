@@ -20,8 +20,9 @@ numbers stay physical, 1-based). The shapes are the models of :mod:`tpengine.pro
   ``stream_options``, ``metadata``, ``store`` are ignored.
 
 ``null`` for an optional field means "not given". ``max_tokens`` is the line's value, else the
-caller's default (config ``[sampling]`` table, then CLI flags), else the format's: None for a
-chat body (until EOS or the context limit, as OpenAI and vLLM), 16 for the others.
+caller's default (CLI flags, then the config ``[sampling]`` table, then the model's
+generation_config.json ``max_new_tokens``), else the format's: None for a chat body (until EOS or
+the context limit, as OpenAI and vLLM), 16 for the others.
 """
 
 from __future__ import annotations
