@@ -133,3 +133,34 @@ def test_shard_split_side_files_carry_generation_config(tmp_path):
     for name in ("config.json", "generation_config.json", "tokenizer.json"):
         shutil.copy(src / name, d / name)
     assert "generation_config.json" in [p.name for p in side_files(d)]
+
+
+def test_the_job_takes_the_models_defaults_and_says_so(tmp_path):
+    from conftest import make_tiny_model
+
+    from tpengine.run import prepare
+
+    model = make_tiny_model(tmp_path / "models")
+    gen = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**gen, "repetition_penalty": 1.3}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n"
+                       + json.dumps({"id": "b", "prompt": "x", "repetition_penalty": 1.1}) + "\n")
+    job = prepare(prompts, tmp_path / "out.jsonl", None, False, False, {"max_tokens": None, "temperature": 0.0},
+                  {"model": str(model)}, world_size=1)
+    try:
+        assert {r.id: (r.params.repetition_penalty, r.params.temperature) for r in job.requests} == {
+            "a": (1.3, 0.0), "b": (1.1, 0.0)}
+        assert job.defaults_line == (f"tpengine: sampling defaults from {model}/generation_config.json: "
+                                     "repetition_penalty=1.3 (--generation-config ignore to use tpengine's own)")
+    finally:
+        job.close()
+    job = prepare(prompts, None, None, False, False, {}, {"model": str(model), "generation_config": "ignore"},
+                  world_size=1)
+    assert job.defaults_line is None and [r.params.repetition_penalty for r in job.requests] == [1.0, 1.1]
+    job.close()
+    (model / "generation_config.json").write_text(json.dumps({"top_k": -5}))
+    with pytest.raises(UserError) as e:
+        prepare(prompts, None, None, False, False, {}, {"model": str(model)}, world_size=1)
+    assert str(e.value) == (f"{model}/generation_config.json: invalid top_k=-5: top_k must be >= -1 (0 or -1: "
+                            "disabled), got -5")

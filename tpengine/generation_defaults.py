@@ -76,9 +76,13 @@ def read_generation_defaults(path: str | Path) -> dict[str, Any]:
         if name == "temperature" and isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0:
             v = 0.0  # HF: temperature 0 is refused by generate but means greedy everywhere else
         try:
-            SamplingParams(**{name: v, **({"min_tokens": 0} if name == "max_tokens" else {})})
+            SamplingParams(**{name: v})
+            if name == "top_k" and v < -1:
+                raise ValueError(f"top_k must be >= -1 (0 or -1: disabled), got {v}")
         except (TypeError, ValueError) as e:
             raise UserError(f"{path}: invalid {key}={json.dumps(v)}: {e}") from None
+        if name == "top_k" and v == -1:
+            v = 0
         out[name] = float(v) if name in ("temperature", "top_p", "min_p", "repetition_penalty") else v
     do_sample = data.get("do_sample")
     if do_sample is not None and not isinstance(do_sample, bool):
