@@ -23,8 +23,8 @@ from tpengine.errors import UserError
 from tpengine.frontend.writer import OutputWriter
 
 VALID_SETTINGS = ("attention_backend, block_size, cpu_kernels, dist_timeout_s, dtype, enable_chunked_prefill, "
-                  "enable_prefix_caching, enforce_eager, gpu_memory_utilization, kv_cache_gb, kv_mirror, "
-                  "max_model_len, max_num_batched_tokens, max_num_seqs, model, num_kv_blocks, seed, threads")
+                  "enable_prefix_caching, enforce_eager, generation_config, gpu_memory_utilization, kv_cache_gb, "
+                  "kv_mirror, max_model_len, max_num_batched_tokens, max_num_seqs, model, num_kv_blocks, seed, threads")
 
 
 def run_cli(*args) -> tuple[int, str]:
@@ -68,7 +68,9 @@ def test_config_file_refuses_unknown_tables_and_keys(tmp_path):
             f"config file {str(p)!r}: unknown engine setting(s) ['blok_size'] in [engine]; valid: {VALID_SETTINGS}",
         "[sampling]\ntemprature = 0.0\n":
             f"config file {str(p)!r}: unknown [sampling] key(s) ['temprature']; valid: max_tokens, temperature, "
-            "top_p, top_k, min_p, seed, stop, ignore_eos",
+            "top_p, top_k, min_p, seed, stop, ignore_eos, n, presence_penalty, frequency_penalty, repetition_penalty, "
+            "min_tokens, logit_bias, stop_token_ids, include_stop_str_in_output, skip_special_tokens, logprobs, "
+            "prompt_logprobs",
         "seed = 1\n[engine]\nseed = 2\n":
             f"config file {str(p)!r}: ['seed'] set both at top level and in [engine]; set each once",
     }

@@ -145,7 +145,7 @@ def test_engine_settings_are_checked(model):
         LLM(str(model), max_num_seq=4, foo=1)
     assert str(e.value) == (
         "unknown engine setting(s) ['foo', 'max_num_seq']; valid: attention_backend, block_size, cpu_kernels, "
-        "dist_timeout_s, dtype, enable_chunked_prefill, enable_prefix_caching, enforce_eager, "
+        "dist_timeout_s, dtype, enable_chunked_prefill, enable_prefix_caching, enforce_eager, generation_config, "
         "gpu_memory_utilization, kv_cache_gb, kv_mirror, max_model_len, max_num_batched_tokens, max_num_seqs, "
         "model, num_kv_blocks, seed, threads")
     with pytest.raises(UserError) as e:
@@ -194,3 +194,40 @@ def test_tp2_every_rank_gets_the_tp1_outputs(model, llm, tmp_path):
     # the in-process engine of the other tests gives the same tokens (greedy prompts)
     again = llm.generate(PROMPTS, GREEDY)
     assert [dataclasses.asdict(o)["outputs"] for o in again] == [o["outputs"] for o in tp1["generate"][:3]]
+
+
+def test_chat_template_options(llm, tok):
+    conv = CONV + [{"role": "assistant", "content": "Hello"}]
+    (out,) = llm.chat(conv, GREEDY, add_generation_prompt=False, continue_final_message=True,
+                      chat_template_kwargs={"unused": 1})
+    want = tok.apply_chat_template(conv, add_generation_prompt=False, continue_final_message=True, tokenize=True)
+    assert out.prompt_token_ids == list(want["input_ids"]) and out.error is None
+    assert out.prompt_token_ids[-1:] == tok("Hello", add_special_tokens=False)["input_ids"]
+    with pytest.raises(UserError) as e:
+        llm.chat(conv, GREEDY, continue_final_message=True)  # add_generation_prompt is True by default, as vLLM
+    assert str(e.value) == ("conversation 0: continue_final_message: cannot be true together with "
+                            "add_generation_prompt true (continue the final message, or open a new assistant "
+                            "turn: set add_generation_prompt false)")
+    with pytest.raises(UserError) as e:
+        llm.chat(CONV, GREEDY, add_generation_prompt=False, continue_final_message=True)
+    assert str(e.value) == ('conversation 0: continue_final_message: needs the last message to be the "assistant" '
+                            'message to continue, got role "user"')
+
+
+def test_default_sampling_params_from_generation_config(model, llm, tmp_path, capsys):
+    import json
+
+    assert llm.get_default_sampling_params() == SamplingParams()  # the tiny model's file sets no sampling key
+    g = tmp_path / "g"
+    g.mkdir()
+    (g / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.3, "max_new_tokens": 5,
+                                                          "do_sample": False}))
+    capsys.readouterr()
+    with LLM(str(model), generation_config=str(g), **SETTINGS) as other:
+        assert other.get_default_sampling_params() == SamplingParams(repetition_penalty=1.3, max_tokens=5,
+                                                                     temperature=0.0)
+    assert (f"tpengine: sampling defaults from {g}/generation_config.json: temperature=0.0, repetition_penalty=1.3, "
+            "max_tokens=5 (--generation-config ignore to use tpengine's own)\n") in capsys.readouterr().err
+    with pytest.raises(UserError) as e:
+        LLM(str(model), generation_config=str(tmp_path / "none"), **SETTINGS)
+    assert "is not a folder" in str(e.value)

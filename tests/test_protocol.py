@@ -43,12 +43,16 @@ def test_field_path():
 
 def test_unknown_field_names_the_valid_ones_own_first():
     assert errors_of(SimpleRequest, {"prompt": "x", "bogus": 1}) == [
-        ("bogus", "unknown field; valid: id, prompt, messages, prompt_token_ids, stream, max_tokens, temperature, "
-                  "top_p, top_k, min_p, seed, stop, ignore_eos")]
+        ("bogus", "unknown field; valid: id, prompt, messages, prompt_token_ids, logprobs, stream, max_tokens, "
+                  "temperature, top_p, top_k, min_p, seed, stop, ignore_eos, n, presence_penalty, frequency_penalty, "
+                  "repetition_penalty, min_tokens, logit_bias, stop_token_ids, include_stop_str_in_output, "
+                  "skip_special_tokens, prompt_logprobs, add_generation_prompt, continue_final_message, "
+                  "chat_template_kwargs")]
     assert errors_of(ChatMessage, {"role": "user", "content": "a", "x": 1}) == [
         ("x", "unknown field; valid: role, content, name")]
     valid = ", ".join(ChatCompletionRequest.valid_fields())
-    assert valid.startswith("messages, logprobs, max_completion_tokens, n, model, user, stream")
+    assert valid.startswith("messages, logprobs, top_logprobs, max_completion_tokens, model, user, stream")
+    assert valid.endswith("add_generation_prompt, continue_final_message, chat_template_kwargs")
     assert "prompt" not in ChatCompletionRequest.valid_fields() and "echo" in valid
     assert errors_of(ChatCompletionRequest, {"messages": MSGS, "prompt": "x"}) == [
         ("prompt", f"unknown field; valid: {valid}")]
@@ -84,34 +88,119 @@ def test_strict_json_types():
 
 
 @pytest.mark.parametrize("body, field, msg", [
-    ({"logprobs": 0}, "logprobs", "not supported by tpengine; only false, got 0"),  # chat logprobs is a bool
-    ({"logprobs": True}, "logprobs", "not supported by tpengine; only false, got true"),
-    ({"n": True}, "n", "only n=1 is supported, got true"),  # n must be the integer 1
-    ({"n": 1.0}, "n", "only n=1 is supported, got 1.0"),
-    ({"n": 2}, "n", "only n=1 is supported, got 2"),
-    ({"frequency_penalty": False}, "frequency_penalty", "not supported by tpengine; only 0, got false"),
-    ({"presence_penalty": 0.1}, "presence_penalty", "not supported by tpengine; only 0, got 0.1"),
-    ({"top_logprobs": False}, "top_logprobs", "not supported by tpengine; only 0, got false"),
-    ({"logit_bias": []}, "logit_bias", "not supported by tpengine; only {}, got []"),
     ({"response_format": {"type": "json_object"}}, "response_format",
      'not supported by tpengine; only {"type": "text"}, got {"type": "json_object"}'),
     ({"echo": 0}, "echo", "not supported by tpengine; only false, got 0"),
     ({"best_of": True}, "best_of", "not supported by tpengine; only 1, got true"),
+    ({"best_of": 2}, "best_of", "not supported by tpengine; only 1, got 2"),
 ])
 def test_neutral_values_checked_by_type_and_value(body, field, msg):
     assert errors_of(ChatCompletionRequest, {"messages": MSGS, **body}) == [(field, msg)]
 
 
 def test_neutral_values_accepted():
-    neutral = {"n": 1, "frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False, "top_logprobs": 0,
-               "logit_bias": {}, "response_format": {"type": "text"}, "echo": False, "best_of": 1, "suffix": None}
+    neutral = {"response_format": {"type": "text"}, "echo": False, "best_of": 1, "suffix": None}
     ChatCompletionRequest.model_validate({"messages": MSGS, **neutral})
     nulls = dict.fromkeys(neutral)
     ChatCompletionRequest.model_validate({"messages": MSGS, **nulls})
-    assert errors_of(CompletionRequest, {"prompt": "x", "logprobs": 0}) == [
-        ("logprobs", "not supported by tpengine; only null, got 0")]  # completions logprobs is an integer
     assert errors_of(CompletionRequest, {"prompt": "x", "suffix": "!"}) == [
         ("suffix", 'not supported by tpengine; only null, got "!"')]
+
+
+@pytest.mark.parametrize("body, field, msg", [
+    ({"n": 0}, "n", "must be an integer >= 1, got 0"),
+    ({"n": True}, "n", "must be an integer >= 1, got true"),
+    ({"n": 2.0}, "n", "must be an integer >= 1, got 2.0"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "must be a number in [-2, 2], got 2.5"),
+    ({"frequency_penalty": False}, "frequency_penalty", "must be a number in [-2, 2], got false"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "must be a number > 0, got 0"),
+    ({"min_tokens": -1}, "min_tokens", "must be an integer >= 0, got -1"),
+    ({"logit_bias": []}, "logit_bias", 'must be an object of token id -> number in [-100, 100] (e.g. {"123": -100}), '
+                                       'got []'),
+    ({"logit_bias": {"5": "x"}}, "logit_bias",
+     'must be an object of token id -> number in [-100, 100] (e.g. {"123": -100}), got {"5": "x"}'),
+    ({"logit_bias": {"a": 1}}, "logit_bias",
+     'must have token-id keys (decimal integer strings such as "123"), got key "a"'),
+    ({"logit_bias": {"-1": 1}}, "logit_bias",
+     'must have token-id keys (decimal integer strings such as "123"), got key "-1"'),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "must have values in [-100, 100], got 101.0 for token 5"),
+    ({"stop_token_ids": [1, -2]}, "stop_token_ids", "must be a list of integer token ids >= 0, got [1, -2]"),
+    ({"include_stop_str_in_output": 1}, "include_stop_str_in_output", "must be true or false, got 1"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens", 'must be true or false, got "no"'),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", "must be an integer in [0, 20], got 21"),
+    ({"seed": -(2**63) - 1}, "seed", "must be an integer in [-2**63, 2**64), got -9223372036854775809"),
+    ({"seed": 2**64}, "seed", "must be an integer in [-2**63, 2**64), got 18446744073709551616"),
+    ({"logprobs": 0}, "logprobs", "must be true or false, got 0"),  # chat logprobs is a bool
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "must be an integer in [0, 20], got 21"),
+    ({"top_logprobs": 2}, "top_logprobs", 'needs "logprobs": true, got "logprobs": null'),
+    ({"logprobs": False, "top_logprobs": 0}, "top_logprobs", 'needs "logprobs": true, got "logprobs": false'),
+    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens", "must be <= max_tokens (8), got 9"),
+    ({"min_tokens": 9, "max_tokens": 20, "max_completion_tokens": 8}, "min_tokens",
+     "must be <= max_completion_tokens (8), got 9"),
+])
+def test_sampling_fields_checked(body, field, msg):
+    assert errors_of(ChatCompletionRequest, {"messages": MSGS, **body}) == [(field, msg)]
+
+
+def test_sampling_fields_become_sampling_params_kwargs():
+    simple = SimpleRequest.model_validate({
+        "prompt": "x", "n": 3, "presence_penalty": -0.5, "frequency_penalty": 1, "repetition_penalty": 1.3,
+        "min_tokens": 2, "max_tokens": 4, "logit_bias": {"5": -100, "17": 2.5}, "stop_token_ids": [7, 9],
+        "include_stop_str_in_output": True, "skip_special_tokens": False, "logprobs": 5, "prompt_logprobs": 0,
+        "seed": -(2**63)})
+    assert simple.sampling_kwargs() == {
+        "max_tokens": 4, "seed": -(2**63), "n": 3, "presence_penalty": -0.5, "frequency_penalty": 1.0,
+        "repetition_penalty": 1.3, "min_tokens": 2, "include_stop_str_in_output": True,
+        "skip_special_tokens": False, "prompt_logprobs": 0, "stop_token_ids": (7, 9),
+        "logit_bias": {5: -100.0, 17: 2.5}, "logprobs": 5}
+    assert errors_of(SimpleRequest, {"prompt": "x", "logprobs": True}) == [
+        ("logprobs", "must be an integer in [0, 20], got true")]
+    assert errors_of(SimpleRequest, {"prompt": "x", "min_tokens": 3, "max_tokens": 2}) == [
+        ("min_tokens", "must be <= max_tokens (2), got 3")]
+    chat = ChatCompletionRequest.model_validate({"messages": MSGS, "logprobs": True, "top_logprobs": 3, "n": 2,
+                                                 "top_k": 5, "min_p": 0.1, "ignore_eos": True, "seed": 2**64 - 1})
+    assert chat.sampling_kwargs() == {"top_k": 5, "min_p": 0.1, "seed": 2**64 - 1, "ignore_eos": True, "n": 2,
+                                      "logprobs": 3}
+    assert ChatCompletionRequest.model_validate({"messages": MSGS, "logprobs": True}).sampling_kwargs() == {
+        "logprobs": 0}
+    assert ChatCompletionRequest.model_validate({"messages": MSGS, "logprobs": False}).sampling_kwargs() == {}
+    comp = CompletionRequest.model_validate({"prompt": "x", "logprobs": 2, "prompt_logprobs": 1})
+    assert comp.sampling_kwargs() == {"prompt_logprobs": 1, "logprobs": 2}
+    assert errors_of(CompletionRequest, {"prompt": "x", "logprobs": True}) == [
+        ("logprobs", "must be an integer in [0, 20], got true")]
+    assert errors_of(CompletionRequest, {"prompt": "x", "top_logprobs": 1})[0][1].startswith("unknown field")
+
+
+ASSISTANT_LAST = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+
+
+def test_chat_template_options():
+    r = SimpleRequest.model_validate({"messages": MSGS})
+    assert r.template_options() == {"add_generation_prompt": True, "continue_final_message": False,
+                                     "chat_template_kwargs": {}}
+    r = ChatCompletionRequest.model_validate({"messages": ASSISTANT_LAST, "continue_final_message": True,
+                                              "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.template_options() == {"add_generation_prompt": False, "continue_final_message": True,
+                                    "chat_template_kwargs": {"enable_thinking": False}}
+    r = SimpleRequest.model_validate({"messages": MSGS, "add_generation_prompt": False})
+    assert r.template_options()["add_generation_prompt"] is False
+    both = {"messages": ASSISTANT_LAST, "continue_final_message": True, "add_generation_prompt": True}
+    msg = ("cannot be true together with add_generation_prompt true (continue the final message, or open a new "
+           "assistant turn: set add_generation_prompt false)")
+    assert errors_of(SimpleRequest, both) == [("continue_final_message", msg)]
+    assert errors_of(ChatCompletionRequest, both) == [("continue_final_message", msg)]
+    assert errors_of(ChatCompletionRequest, {"messages": MSGS, "continue_final_message": True}) == [
+        ("continue_final_message", 'needs the last message to be the "assistant" message to continue, got role "user"')]
+    only = 'applies only to a "messages" prompt (the chat template), not to "prompt"; leave it out'
+    assert errors_of(SimpleRequest, {"prompt": "x", "add_generation_prompt": False, "chat_template_kwargs": {}}) == [
+        ("add_generation_prompt", only), ("chat_template_kwargs", only)]
+    assert errors_of(SimpleRequest, {"prompt_token_ids": [1], "continue_final_message": False}) == [
+        ("continue_final_message",
+         'applies only to a "messages" prompt (the chat template), not to "prompt_token_ids"; leave it out')]
+    assert errors_of(SimpleRequest, {"messages": MSGS, "chat_template_kwargs": []}) == [
+        ("chat_template_kwargs", "must be an object, got []")]
+    assert errors_of(CompletionRequest, {"prompt": "x", "add_generation_prompt": True})[0][1].startswith(
+        "unknown field")
 
 
 def test_max_tokens_and_max_completion_tokens_both_validated():

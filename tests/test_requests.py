@@ -64,12 +64,15 @@ def test_blank_lines_skipped_but_counted():
     ({"prompt": "x", "top_p": 1.5}, "top_p", "must be a number in (0, 1]"),
     ({"prompt": "x", "top_k": -2}, "top_k", "must be an integer >= -1"),
     ({"prompt": "x", "min_p": 2}, "min_p", "must be a number in [0, 1]"),
-    ({"prompt": "x", "seed": -1}, "seed", "must be an integer in [0, 2**64)"),
+    ({"prompt": "x", "seed": -(2**63) - 1}, "seed", "must be an integer in [-2**63, 2**64)"),
     ({"prompt": "x", "stop": [""]}, "stop", "list of non-empty strings"),
     ({"prompt": "x", "stop": 3}, "stop", "list of non-empty strings"),
     ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos", "must be true or false"),
     ({"prompt": "x", "stream": 1}, "stream", "must be true or false"),
-    ({"prompt": "x", "frequency_penalty": 1}, "frequency_penalty", "unknown field; valid: id, prompt"),
+    ({"prompt": "x", "frequency_penalty": 3}, "frequency_penalty", "must be a number in [-2, 2], got 3"),
+    ({"prompt": "x", "best_of": 1}, "best_of", "unknown field; valid: id, prompt"),
+    ({"prompt": "x", "n": 0}, "n", "must be an integer >= 1, got 0"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs", "must be an integer in [0, 20], got 21"),
     ({"prompt": 5}, "prompt", "must be a non-empty string"),
     ({"prompt_token_ids": []}, "prompt_token_ids", "non-empty list of integer token ids"),
     ({"prompt_token_ids": [1, -2]}, "prompt_token_ids", "non-empty list of integer token ids >= 0"),
@@ -88,6 +91,26 @@ def test_field_errors(obj, field, msg):
     assert (err.line, err.field) == (2, field)
     assert msg in err.message
     assert str(err).startswith("line 2") and f"field {field!r}" in str(err)
+
+
+def test_min_tokens_over_the_default_max_tokens_names_both():
+    (err,) = parse({"prompt": "x", "min_tokens": 17}, defaults={})[1]
+    assert (err.field, err.message) == (None, "invalid sampling parameters: min_tokens must be <= max_tokens (16), "
+                                              "got 17")
+    (r,), errs = parse({"prompt": "x", "min_tokens": 17}, defaults={"max_tokens": 20})
+    assert errs == [] and (r.params.min_tokens, r.params.max_tokens) == (17, 20)
+
+
+def test_template_options_reach_the_parsed_request():
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    reqs, errs = parse({"messages": msgs, "continue_final_message": True},
+                       batch("c", "/v1/chat/completions", {"messages": msgs[:1], "add_generation_prompt": False,
+                                                           "chat_template_kwargs": {"x": 1}}),
+                       {"prompt": "p"})
+    assert errs == [] and [r.template_options for r in reqs] == [
+        {"add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {}},
+        {"add_generation_prompt": False, "continue_final_message": False, "chat_template_kwargs": {"x": 1}},
+        None]
 
 
 def test_line_level_errors():
@@ -157,8 +180,10 @@ def test_openai_batch_lines():
     (batch("c", "/v1/completions", {"prompt": "x", "max_tokens": 0}), "body.max_tokens", ">= 1"),
     (batch("c", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                         "max_completion_tokens": -1}), "body.max_completion_tokens", ">= 1"),
-    (batch("c", "/v1/completions", {"prompt": "x", "n": 2}), "body.n", "only n=1 is supported"),
-    (batch("c", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}), "body.logit_bias", "not supported"),
+    (batch("c", "/v1/completions", {"prompt": "x", "n": 0}), "body.n", "must be an integer >= 1, got 0"),
+    (batch("c", "/v1/completions", {"prompt": "x", "logit_bias": {"x": 10}}), "body.logit_bias",
+     'must have token-id keys (decimal integer strings such as "123"), got key "x"'),
+    (batch("c", "/v1/completions", {"prompt": "x", "best_of": 2}), "body.best_of", "not supported"),
     ({**batch("c", "/v1/completions", {"prompt": "x"}), "extra": 1}, "extra", "unknown field"),
 ])
 def test_openai_batch_errors(obj, field, msg):
@@ -276,9 +301,10 @@ def test_no_chat_template_is_a_request_error(bos_tok):
 def test_openai_unimplemented_fields_accepted_only_at_neutral_values():
     msgs = [{"role": "user", "content": "hi"}]
     neutral = {"messages": msgs, "frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False,
-               "response_format": {"type": "text"}, "logit_bias": {}}
+               "response_format": {"type": "text"}, "logit_bias": {}, "echo": False, "best_of": 1}
     reqs, errs = parse(batch("ok", "/v1/chat/completions", neutral))
     assert errs == [] and reqs[0].id == "ok"
-    err = one_error(batch("pen", "/v1/chat/completions", {"messages": msgs, "frequency_penalty": 0.5}))
-    assert err.field == "body.frequency_penalty"
-    assert err.message == "not supported by tpengine; only 0, got 0.5"
+    assert (reqs[0].params.frequency_penalty, reqs[0].params.logit_bias, reqs[0].params.logprobs) == (0.0, None, None)
+    err = one_error(batch("echo", "/v1/chat/completions", {"messages": msgs, "echo": True}))
+    assert err.field == "body.echo"
+    assert err.message == "not supported by tpengine; only false, got true"

@@ -37,9 +37,10 @@ def test_vllm_semantics_through_parse_lines():
     cases = [
         (batch("a", CHAT, {"messages": MSGS, "stream": True}), "body.stream", stream),
         ({"prompt": "x", "stream": True}, "stream", stream),
-        (batch("b", CHAT, {"messages": MSGS, "logprobs": 0}), "body.logprobs",
-         "not supported by tpengine; only false, got 0"),
-        (batch("c", CHAT, {"messages": MSGS, "n": True}), "body.n", "only n=1 is supported, got true"),
+        (batch("b", CHAT, {"messages": MSGS, "logprobs": 0}), "body.logprobs", "must be true or false, got 0"),
+        (batch("c", CHAT, {"messages": MSGS, "n": True}), "body.n", "must be an integer >= 1, got true"),
+        (batch("f", CHAT, {"messages": MSGS, "top_logprobs": 1}), "body.top_logprobs",
+         'needs "logprobs": true, got "logprobs": null'),
         (batch("d", CHAT, {"messages": MSGS, "max_tokens": -5, "max_completion_tokens": 3}), "body.max_tokens",
          "must be an integer >= 1, got -5"),
         (batch("e", "/v1/completions", {"prompt": ["a", "b"]}), "body.prompt",

@@ -69,6 +69,9 @@ class EngineConfig:
     dist_timeout_s: float = 60.0
     threads: int | None = None  # intra-op threads per rank; default cores // tp
     seed: int = 0
+    # sampling defaults: "auto" (the model's generation_config.json), "ignore" (tpengine's built-in
+    # ones) or a folder holding a generation_config.json (see tpengine/generation_defaults.py)
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         def bad(name: str, valid: str) -> ValueError:
@@ -108,6 +111,8 @@ class EngineConfig:
             raise bad("dist_timeout_s", "> 0 seconds")
         if self.threads is not None and self.threads < 1:
             raise bad("threads", "an integer >= 1 or unset")
+        if self.generation_config == "":
+            raise bad("generation_config", "auto, ignore or a folder holding a generation_config.json")
 
     def torch_dtype(self, device: Any) -> Any:
         """The model/KV-cache ``torch.dtype`` on ``device`` (the one place "auto" is resolved):
@@ -138,7 +143,7 @@ def torch_dtype(name: str) -> Any:
 
 #: Accepted Python types per EngineConfig field (None: may be unset); ints are accepted where floats are.
 FIELD_TYPES: dict[str, tuple] = {
-    "model": (str,), "dtype": (str,), "attention_backend": (str,),
+    "model": (str,), "dtype": (str,), "attention_backend": (str,), "generation_config": (str,),
     "max_model_len": (int, None), "block_size": (int,), "max_num_seqs": (int,), "max_num_batched_tokens": (int, None),
     "num_kv_blocks": (int, None), "threads": (int, None), "seed": (int,),
     "kv_cache_gb": (float, int), "gpu_memory_utilization": (float, int), "dist_timeout_s": (float, int),

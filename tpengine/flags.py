@@ -47,6 +47,10 @@ ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {
     "dist_timeout_s": ("seconds a collective waits for the other ranks before the job fails", None),
     "threads": ("intra-op threads per rank", "cores / tp"),
     "seed": ("seed of the sampler (a request's own seed takes precedence)", None),
+    "generation_config": ("sampling defaults: auto (the model folder's generation_config.json: temperature, "
+                          "top_p, top_k, min_p, repetition_penalty, max_new_tokens, do_sample), ignore "
+                          "(tpengine's built-in defaults) or a folder holding a generation_config.json; a "
+                          "request's fields, flags and the [sampling] table take precedence", None),
 }
 
 

@@ -41,6 +41,7 @@ from tpengine.frontend.progress import ProgressReporter
 from tpengine.frontend.request_file import RequestFile
 from tpengine.frontend.requests import RequestError
 from tpengine.frontend.writer import OutputWriter, read_done
+from tpengine.generation_defaults import defaults_line, generation_defaults, merge_defaults
 from tpengine.memory import gather_peak_rss
 
 
@@ -50,25 +51,36 @@ def resolve_model_dir(model: str, world_size: int) -> str:
     return str(shards) if (shards / "manifest.json").is_file() else str(model)
 
 
-def sampling_defaults(config_path: str | os.PathLike | None, **cli: Any) -> dict[str, Any]:
-    """SamplingParams defaults: the config file's ``[sampling]`` table, then non-None ``cli``.
+def sampling_defaults(config_path: str | os.PathLike | None, model_defaults: dict[str, Any] | None = None,
+                      **cli: Any) -> dict[str, Any]:
+    """SamplingParams defaults: non-None ``cli`` over the config file's ``[sampling]`` table over
+    ``model_defaults`` (the model's generation_config.json:
+    :func:`tpengine.generation_defaults.generation_defaults`).
 
     Raises:
         UserError: the config file's own faults (:func:`tpengine.config.read_config_file`: a missing
             file, an unknown table or key, ...) or an invalid value (naming both).
     """
-    values: dict[str, Any] = {}
+    table: dict[str, Any] = {}
     if config_path is not None:
         try:
-            values.update(read_config_file(config_path)["sampling"])
+            table = read_config_file(config_path)["sampling"]
         except FileNotFoundError as e:
             raise UserError(str(e)) from None
-    values.update({k: v for k, v in cli.items() if v is not None})
+    values = merge_defaults(model_defaults or {}, table, cli)
     try:
         SamplingParams(**values)
     except (TypeError, ValueError) as e:
         raise UserError(f"invalid sampling default: {e}") from e
     return values
+
+
+def model_sampling_defaults(cfg: EngineConfig) -> tuple[dict[str, Any], str | None]:
+    """(the SamplingParams defaults ``cfg.generation_config`` takes from the model folder
+    ``cfg.model``, the line rank 0 prints about them or None). Raises UserError for a bad
+    ``--generation-config`` or generation_config.json."""
+    path, values = generation_defaults(cfg.generation_config, cfg.model)
+    return values, defaults_line(path, values)
 
 
 @dataclass
@@ -79,7 +91,8 @@ class PreparedJob:
     ``-tpN``) are the same on every rank. ``writer`` is rank 0's open, locked ``--out`` (stdout
     without ``--out``) and None on other ranks; ``done`` is what ``--out`` already holds on rank 0
     with ``--resume`` (``read_done``: ids, invalid-line numbers), else empty sets;
-    ``summary_file`` is rank 0's open ``--summary-json`` (None without it, and on other ranks).
+    ``summary_file`` is rank 0's open ``--summary-json`` (None without it, and on other ranks);
+    ``defaults_line``: what rank 0 prints about sampling defaults taken from the model, or None.
     """
 
     config: EngineConfig
@@ -89,6 +102,7 @@ class PreparedJob:
     writer: OutputWriter | None = None
     done: tuple[set[str], set[int]] = field(default_factory=lambda: (set(), set()))
     summary_file: TextIO | None = None
+    defaults_line: str | None = None
 
     def close(self) -> None:
         """Close (and unlock) rank 0's files; idempotent."""
@@ -154,7 +168,14 @@ def prepare(prompts: Path, out: Path | None, config: Path | None, resume: bool, 
         _check_out_path("--out", out, inputs)
     if summary_json is not None:
         _check_out_path("--summary-json", summary_json, {**inputs, "--out": out})
-    defaults = sampling_defaults(config, **sampling_cli)
+    try:
+        cfg = load_config(config, **engine_cli)
+    except (OSError, ValueError) as e:
+        raise UserError(str(e)) from e
+    model_name = Path(cfg.model).name
+    cfg = cfg.replace(model=resolve_model_dir(cfg.model, world_size))
+    model_defaults, line = model_sampling_defaults(cfg)
+    defaults = sampling_defaults(config, model_defaults, **sampling_cli)
     try:
         requests = RequestFile(prompts, defaults)  # every line validated, one at a time; none kept
         errors = requests.errors
@@ -164,17 +185,11 @@ def prepare(prompts: Path, out: Path | None, config: Path | None, resume: bool, 
         lines = "\n".join(str(e) for e in errors)
         raise UserError(f"{lines}\n{len({e.line for e in errors})} invalid line(s) in {prompts}; "
                          "fix them, or pass --skip-invalid to run the rest")
-    try:
-        cfg = load_config(config, **engine_cli)
-    except (OSError, ValueError) as e:
-        raise UserError(str(e)) from e
-    model_name = Path(cfg.model).name
-    cfg = cfg.replace(model=resolve_model_dir(cfg.model, world_size))
     if requests:  # a job without valid requests loads no model
         if not Path(cfg.model).exists():
             raise UserError(f"model folder {cfg.model!r} does not exist (run `make model`, or pass --model)")
         check_model_folder(cfg.model)
-    job = PreparedJob(cfg, requests, errors, model_name)
+    job = PreparedJob(cfg, requests, errors, model_name, defaults_line=line)
     if rank == 0:  # the summary file first: a --summary-json that cannot be written leaves --out untouched
         new_summary = summary_json is not None and not summary_json.exists()
         job.summary_file = _open_summary(summary_json) if summary_json is not None else None
@@ -219,6 +234,8 @@ def run_engine(job: PreparedJob) -> int:
 
     rank, world = rank_and_world()
     if rank == 0:
+        if job.defaults_line is not None:
+            print(job.defaults_line, file=sys.stderr, flush=True)
         print(loading_line(job.config, world), file=sys.stderr, flush=True)
     try:
         try:

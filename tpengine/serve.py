@@ -30,7 +30,7 @@ from tpengine.checkpoint import check_model_folder
 from tpengine.config import EngineConfig, load_config
 from tpengine.errors import UserError
 from tpengine.flags import engine_options, option
-from tpengine.run import loading_line, rank_and_world, resolve_model_dir, sampling_defaults
+from tpengine.run import loading_line, model_sampling_defaults, rank_and_world, resolve_model_dir, sampling_defaults
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
@@ -122,7 +122,8 @@ def main(
         model_name = served_model_name or Path(cfg.model).name
         cfg = cfg.replace(model=resolve_model_dir(cfg.model, world))
         check_model_folder(cfg.model)
-        defaults = sampling_defaults(config)
+        model_defaults, defaults_line = model_sampling_defaults(cfg)
+        defaults = sampling_defaults(config, model_defaults)
         if drain_timeout_s < 0:
             raise UserError(f"--drain-timeout-s must be >= 0, got {drain_timeout_s}")
         sock = bind(host, port) if rank == 0 else None
@@ -131,6 +132,8 @@ def main(
             print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
     if rank == 0:
+        if defaults_line is not None:
+            print(defaults_line, file=sys.stderr, flush=True)
         print(loading_line(cfg, world), file=sys.stderr, flush=True)
     try:
         llm = LLMEngine(cfg)

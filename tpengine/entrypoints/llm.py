@@ -17,6 +17,7 @@ checks that raise run on every rank before any collective, so every rank raises 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from tpengine.config import DEFAULT_MODEL_DIR, load_config
 from tpengine.engine.sampling_params import SamplingParams
 from tpengine.entrypoints.outputs import RequestOutput
 from tpengine.errors import UserError
+from tpengine.generation_defaults import defaults_line, generation_defaults
 
 #: One prompt as the engine takes it: (kind, payload, text): kind "prompt" (payload the text),
 #: "token_ids" (payload list[int]) or "messages" (payload [{"role", "content"[, "name"]}, ...]);
@@ -43,7 +45,10 @@ class LLM:
         tensor_parallel_size: optional, for code written for vLLM: must equal the world size
             (torchrun's ``WORLD_SIZE``, 1 without torchrun); tp is always the world size.
         **engine_settings: :class:`tpengine.config.EngineConfig` fields (``dtype``,
-            ``max_model_len``, ``kv_cache_gb``, ``max_num_seqs``, ``seed``, ...); None means unset.
+            ``max_model_len``, ``kv_cache_gb``, ``max_num_seqs``, ``seed``, ``generation_config``,
+            ...); None means unset. ``generation_config`` (vLLM's): "auto" (default: the model's
+            ``generation_config.json`` sampling values are the defaults of
+            :meth:`get_default_sampling_params`), "ignore", or a folder holding one.
 
     Attributes:
         llm_engine: the :class:`tpengine.engine.llm_engine.LLMEngine` (None after :meth:`shutdown`).
@@ -68,10 +73,20 @@ class LLM:
                             f"{tensor_parallel_size}), or leave tensor_parallel_size unset")
         config = load_config(None, model=resolve_model_dir(model, world_size), **engine_settings)
         check_model_folder(config.model)
+        path, self._sampling_defaults = generation_defaults(config.generation_config, config.model)
+        line = defaults_line(path, self._sampling_defaults)
+        if line is not None and int(os.environ.get("RANK", "0")) == 0:
+            print(line, file=sys.stderr, flush=True)
         self.llm_engine: LLMEngine | None = LLMEngine(config)
         self._next_id = 0  # request ids "0", "1", ...: the same on every rank
 
     # ------------------------------------------------------------------ public API
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams used when ``generate`` / ``chat`` get none (vLLM's method): the
+        built-in defaults with the model's ``generation_config.json`` values over them (per the
+        ``generation_config`` setting; see :mod:`tpengine.generation_defaults`)."""
+        return SamplingParams(**self._sampling_defaults)
+
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Generate a completion for each prompt; every rank calls this with the same arguments.
@@ -82,7 +97,8 @@ class LLM:
                 list of token ids (a list of ints is one prompt; a list of such lists is a batch),
                 ``{"prompt": str}`` or ``{"prompt_token_ids": [int, ...]}``.
             sampling_params: one :class:`SamplingParams` for every prompt, or a list with one per
-                prompt; default ``SamplingParams()`` (``max_tokens`` 16, temperature 1.0).
+                prompt; default :meth:`get_default_sampling_params` (``max_tokens`` 16, temperature
+                1.0, unless the model's generation_config.json sets them).
 
         Returns:
             One :class:`RequestOutput` per prompt, in prompt order, on every rank. A prompt that
@@ -96,10 +112,11 @@ class LLM:
             RuntimeError: after :meth:`shutdown`.
         """
         items = _parse_prompts(prompts)
-        return self._run(items, _per_prompt(sampling_params, len(items)), add_generation_prompt=True)
+        return self._run(items, self._per_prompt(sampling_params, len(items)), None)
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate a reply to each conversation; every rank calls this with the same arguments.
 
         Args:
@@ -107,20 +124,29 @@ class LLM:
                 str or a list of ``{"type": "text", "text"}`` parts, joined with "\\n") or a list of
                 conversations. The prompt ids are exactly the tokenizer's
                 ``apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                tokenize=True)``, as the batch job's ``messages`` requests.
-            sampling_params: as :meth:`generate` (default ``SamplingParams()``: ``max_tokens`` 16,
-                as vLLM's ``LLM.chat``).
+                continue_final_message=continue_final_message, tokenize=True,
+                **chat_template_kwargs)``, as the batch job's ``messages`` requests.
+            sampling_params: as :meth:`generate` (default :meth:`get_default_sampling_params`:
+                ``max_tokens`` 16, as vLLM's ``LLM.chat``).
+            add_generation_prompt: open the assistant's turn after the messages.
+            continue_final_message: continue the last message (each conversation's must be the
+                assistant's) without closing it; needs ``add_generation_prompt=False``.
+            chat_template_kwargs: extra template variables (e.g. ``{"enable_thinking": False}``).
 
         Returns:
             One :class:`RequestOutput` per conversation, in order (``prompt`` None); a conversation
             that cannot run (too long, no chat template) has ``error`` set and ``outputs == []``.
 
         Raises:
-            UserError: a malformed message (naming the conversation, the field and what is valid).
+            UserError: a malformed message or template option (naming the conversation, the field
+                and what is valid: e.g. ``continue_final_message`` with ``add_generation_prompt``
+                true, or a last message that is not the assistant's).
             TypeError, ValueError, RuntimeError: as :meth:`generate`.
         """
-        items = _parse_conversations(messages)
-        return self._run(items, _per_prompt(sampling_params, len(items)), add_generation_prompt)
+        options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                   "chat_template_kwargs": chat_template_kwargs}
+        items = _parse_conversations(messages, options)
+        return self._run(items, self._per_prompt(sampling_params, len(items)), _template_options(options))
 
     def shutdown(self) -> None:
         """Free the engine and tear down the process groups; every rank calls it. Safe to call twice."""
@@ -135,8 +161,11 @@ class LLM:
         self.shutdown()
 
     # ------------------------------------------------------------------ internals
+    def _per_prompt(self, sampling_params: Any, n: int) -> list[SamplingParams]:
+        return _per_prompt(self.get_default_sampling_params() if sampling_params is None else sampling_params, n)
+
     def _run(self, items: list[PromptItem], params: list[SamplingParams],
-             add_generation_prompt: bool) -> list[RequestOutput]:
+             template_options: dict[str, Any] | None) -> list[RequestOutput]:
         """Run ``items`` with ``params`` (one each) on the engine; rank 0's outputs on every rank."""
         from tpengine.distributed import broadcast_object
 
@@ -150,13 +179,13 @@ class LLM:
             return broadcast_object(None)
         texts = {rid: item[2] for rid, item in zip(ids, items)}
         results: dict[str, RequestOutput] = {}
-        feed = self._feed(ids, items, params, add_generation_prompt, results)
+        feed = self._feed(ids, items, params, template_options, results)
         for out in engine.generate(feed):
             results[out.request_id] = RequestOutput.from_engine(out, texts[out.request_id])
         return broadcast_object([results[rid] for rid in ids])
 
     def _feed(self, ids: list[str], items: list[PromptItem], params: list[SamplingParams],
-              add_generation_prompt: bool, results: dict[str, RequestOutput]
+              template_options: dict[str, Any] | None, results: dict[str, RequestOutput]
               ) -> Iterator[tuple[str, list[int], SamplingParams]]:
         """Rank 0: tokenize each item as the engine takes it (as the batch job does); one that fails
         gets its error output in ``results`` and is not yielded."""
@@ -165,9 +194,9 @@ class LLM:
 
         engine = self.llm_engine
         for rid, (kind, payload, text), p in zip(ids, items, params):
-            req = ParsedRequest(rid, 0, kind, "simple", payload, p)  # line 0: not from a file
+            req = ParsedRequest(rid, 0, kind, "simple", payload, p, None, template_options)  # line 0: not a file
             try:
-                prompt_ids = to_token_ids(req, engine.tokenizer, engine.vocab_size, add_generation_prompt)
+                prompt_ids = to_token_ids(req, engine.tokenizer, engine.vocab_size)
             except RequestValidationError as e:
                 results[rid] = RequestOutput(rid, text, [], error=str(e))
                 continue
@@ -214,7 +243,12 @@ def _parse_prompts(prompts: Any) -> list[PromptItem]:
     return items
 
 
-def _parse_conversations(messages: Any) -> list[PromptItem]:
+def _template_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``apply_chat_template`` options for ``chat``'s (validated) arguments."""
+    return {**options, "chat_template_kwargs": dict(options["chat_template_kwargs"] or {})}
+
+
+def _parse_conversations(messages: Any, options: dict[str, Any] | None = None) -> list[PromptItem]:
     """``chat``'s ``messages`` as a list of :data:`PromptItem` of kind "messages", each message
     validated by the batch job's pydantic layer (:class:`tpengine.protocol.SimpleRequest`).
 
@@ -237,7 +271,7 @@ def _parse_conversations(messages: Any) -> list[PromptItem]:
             raise TypeError(f"messages[{i}] must be a conversation (a list of {{'role', 'content'}} dicts), "
                             f"got {type(conv).__name__} {_short(conv)}")
         try:
-            req = SimpleRequest.model_validate({"messages": list(conv)})
+            req = SimpleRequest.model_validate({"messages": list(conv), **(options or {})})
         except ValidationError as e:
             problems = "; ".join(f"{f}: {m}" if f else m for f, m in field_errors(e))
             raise UserError(f"conversation {i}: {problems}") from None

@@ -3,16 +3,21 @@
 Every record is built through a model of :mod:`tpengine.protocol.records` and written as its
 ``model_dump()``. Record shapes:
 
-* simple: ``{"id", "text", "token_ids", "finish_reason", "usage": {"prompt_tokens",
-  "completion_tokens", "prompt_tokens_details": {"cached_tokens"}}, "metrics": {"ttft_s",
-  "latency_s"}}``; error: ``{"id", "error":
+* simple: ``{"id", "text", "token_ids", "finish_reason", "logprobs"?, "prompt_logprobs"?,
+  "usage": {"prompt_tokens", "completion_tokens", "prompt_tokens_details": {"cached_tokens"}},
+  "metrics": {"ttft_s", "latency_s"}}`` (``logprobs`` / ``prompt_logprobs`` when the request
+  asked: :mod:`tpengine.frontend.logprobs`); with ``n > 1``, ``{"id", "outputs": [{"index",
+  "text", "token_ids", "finish_reason", "logprobs"?}, ...], "prompt_logprobs"?, "usage",
+  "metrics"}`` (``completion_tokens`` over every sample); error: ``{"id", "error":
   {"message", "field"?, "line"?}}``. No two records share an id: the record of an invalid line
   whose id is already taken (a duplicate id) has id ``"<id>#line<N>"`` (``custom_id`` in the
   OpenAI shape), and ``--resume`` never counts an invalid-line record as a finished request.
 * OpenAI Batch API (lines that came as batch requests): ``{"id": "batch_req_<line>",
   "custom_id", "response": {"status_code": 200, "request_id", "body": <chat.completion or
   text_completion>}, "error": null}``; error: ``{"id", "custom_id", "response": null, "error":
-  {"code", "message", "param", "line"}}``. The body's ``model`` is the served model.
+  {"code", "message", "param", "line"}}``. The body's ``model`` is the served model; its
+  ``choices`` hold one entry per sample (``index`` i), ``choices[i].logprobs`` OpenAI's shapes
+  when asked, and vLLM's ``prompt_logprobs`` (completions: on each choice; chat: at the top).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import time
 from typing import Any
 
 from tpengine.engine.outputs import RequestOutput
+from tpengine.frontend.logprobs import chat_logprobs, completion_logprobs, openai_prompt_logprobs, simple_logprobs
 from tpengine.frontend.requests import ParsedRequest
 from tpengine.protocol.records import (
     BatchError,
@@ -35,7 +41,9 @@ from tpengine.protocol.records import (
     PromptTokensDetails,
     SimpleError,
     SimpleErrorRecord,
+    SimpleMultiRecord,
     SimpleRecord,
+    SimpleSample,
     SimpleUsage,
     UsageInfo,
 )
@@ -46,17 +54,28 @@ def _secs(x: float | None) -> float | None:
 
 
 def simple_record(out: RequestOutput) -> dict[str, Any]:
-    """The simple-format record of a finished request (or its error record if ``out.error``)."""
+    """The simple-format record of a finished request (or its error record if ``out.error``): one
+    sample's fields at the top, or ``outputs`` with n > 1 samples."""
     if out.error is not None:
         return error_record(out.request_id, out.error, out.error_field)
+    usage = SimpleUsage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=out.num_output_tokens,
+                        prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+    metrics = Metrics(ttft_s=_secs(out.ttft_s), latency_s=_secs(out.latency_s))
+    prompt_logprobs = simple_logprobs(out.prompt_logprobs)
+    if len(out.outputs) > 1:
+        samples = [SimpleSample(index=o.index, text=o.text, token_ids=list(o.token_ids), finish_reason=o.finish_reason,
+                                logprobs=simple_logprobs(o.logprobs)) for o in out.outputs]
+        return SimpleMultiRecord(id=out.request_id, outputs=samples, prompt_logprobs=prompt_logprobs, usage=usage,
+                                 metrics=metrics).model_dump()
     return SimpleRecord(
         id=out.request_id,
         text=out.text,
         token_ids=list(out.token_ids),
         finish_reason=out.finish_reason,
-        usage=SimpleUsage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
-                          prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens)),
-        metrics=Metrics(ttft_s=_secs(out.ttft_s), latency_s=_secs(out.latency_s)),
+        logprobs=simple_logprobs(out.outputs[0].logprobs) if out.outputs else None,
+        prompt_logprobs=prompt_logprobs,
+        usage=usage,
+        metrics=metrics,
     ).model_dump()
 
 
@@ -83,8 +102,9 @@ def openai_record(
 
 
 def usage_info(out: RequestOutput) -> UsageInfo:
-    """OpenAI ``usage`` of ``out``: prompt, completion and total tokens, cached prompt tokens."""
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    """OpenAI ``usage`` of ``out``: prompt, completion (every sample's) and total tokens, cached
+    prompt tokens."""
+    prompt, completion = len(out.prompt_token_ids), out.num_output_tokens
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
 
@@ -92,17 +112,21 @@ def usage_info(out: RequestOutput) -> UsageInfo:
 def openai_body(out: RequestOutput, chat: bool, model: str, suffix: str,
                 created: int | None = None) -> ChatCompletionResponse | CompletionResponse:
     """The OpenAI response body of finished ``out``: a ``chat.completion`` (id ``chatcmpl-<suffix>``)
-    or a ``text_completion`` (id ``cmpl-<suffix>``); ``model`` the served model's name; ``created``
-    unix seconds (default now). Shared by the batch job and the server."""
+    or a ``text_completion`` (id ``cmpl-<suffix>``), one choice per sample; ``model`` the served
+    model's name; ``created`` unix seconds (default now). Shared by the batch job and the server."""
     created = int(time.time()) if created is None else created
     usage = usage_info(out)
+    prompt_logprobs = openai_prompt_logprobs(out.prompt_logprobs)
     if chat:
-        choice = ChatCompletionResponseChoice(message=ChatResponseMessage(content=out.text),
-                                              finish_reason=out.finish_reason)
-        return ChatCompletionResponse(id=f"chatcmpl-{suffix}", created=created, model=model, choices=[choice],
-                                      usage=usage)
-    choice = CompletionResponseChoice(text=out.text, finish_reason=out.finish_reason)
-    return CompletionResponse(id=f"cmpl-{suffix}", created=created, model=model, choices=[choice], usage=usage)
+        choices = [ChatCompletionResponseChoice(
+            index=o.index, message=ChatResponseMessage(content=o.text), finish_reason=o.finish_reason,
+            logprobs=None if o.logprobs is None else chat_logprobs(o.logprobs)) for o in out.outputs]
+        return ChatCompletionResponse(id=f"chatcmpl-{suffix}", created=created, model=model, choices=choices,
+                                      usage=usage, prompt_logprobs=prompt_logprobs)
+    comps = [CompletionResponseChoice(
+        index=o.index, text=o.text, finish_reason=o.finish_reason, prompt_logprobs=prompt_logprobs,
+        logprobs=None if o.logprobs is None else completion_logprobs(o.logprobs)) for o in out.outputs]
+    return CompletionResponse(id=f"cmpl-{suffix}", created=created, model=model, choices=comps, usage=usage)
 
 
 def openai_error_record(

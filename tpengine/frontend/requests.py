@@ -5,18 +5,24 @@ numbers stay physical, 1-based). The shapes are the models of :mod:`tpengine.pro
 
 * simple (:class:`~tpengine.protocol.SimpleRequest`): ``{"id"?, "prompt": str}`` |
   ``{"id"?, "messages": [{"role", "content"}, ...]}`` | ``{"id"?, "prompt_token_ids": [int, ...]}``,
-  plus optional ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
-  ``stop`` (string or list), ``ignore_eos``, ``stream`` (false only). A line without ``id`` gets
-  its 0-based line number as id.
+  plus the optional sampling fields under vLLM's ``SamplingParams`` names (``max_tokens``,
+  ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``, ``ignore_eos``, ``n``,
+  ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``min_tokens``,
+  ``logit_bias``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+  ``logprobs``, ``prompt_logprobs``), the chat-template options with ``messages``
+  (``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``) and
+  ``stream`` (false only). A line without ``id`` gets its 0-based line number as id.
 * OpenAI Batch API (:class:`~tpengine.protocol.BatchRequestLine`): ``{"custom_id", "method":
   "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}``; body ``messages``
   (chat) or ``prompt`` (completions: one prompt a line), ``max_tokens`` / ``max_completion_tokens``,
-  the sampling fields, ``n`` (1 only); ``model``, ``user``, ``stream`` (false only),
+  the sampling fields in OpenAI's names (``n``, ``logprobs``, ``top_logprobs``, ...) and vLLM's
+  extra fields, the chat-template options (chat); ``model``, ``user``, ``stream`` (false only),
   ``stream_options``, ``metadata``, ``store`` are ignored.
 
 ``null`` for an optional field means "not given". ``max_tokens`` is the line's value, else the
-caller's default (config ``[sampling]`` table, then CLI flags), else the format's: None for a
-chat body (until EOS or the context limit, as OpenAI and vLLM), 16 for the others.
+caller's default (CLI flags, then the config ``[sampling]`` table, then the model's
+generation_config.json ``max_new_tokens``), else the format's: None for a chat body (until EOS or
+the context limit, as OpenAI and vLLM), 16 for the others.
 """
 
 from __future__ import annotations
@@ -44,7 +50,10 @@ class ParsedRequest:
     ``kind``: "prompt" (payload str) | "messages" (payload list of {"role", "content"} dicts) |
     "token_ids" (payload list[int]); ``format``: "simple" | "openai_chat" | "openai_completion"
     (decides the output record shape); ``line``: 1-based line number; ``model``: the OpenAI
-    body's model name as given, else None (records name the served model, not this one).
+    body's model name as given, else None (records name the served model, not this one);
+    ``template_options``: for "messages", the ``apply_chat_template`` keyword arguments
+    (``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``; see
+    :meth:`tpengine.protocol.messages.ChatTemplateFields.template_options`), None: the defaults.
     """
 
     id: str
@@ -54,6 +63,7 @@ class ParsedRequest:
     payload: Any
     params: SamplingParams
     model: str | None = None
+    template_options: dict[str, Any] | None = None
 
 
 @dataclass
@@ -167,19 +177,34 @@ def _parse_line(
             seen[rid] = lineno
     req = None
     if not problems and model is not None:
-        if isinstance(model, BatchRequestLine):
-            kind, payload = model.body.prompt_payload()
-            kw, name = model.body.sampling_kwargs(), model.body.model
-        else:
-            kind, payload = model.prompt_payload()
-            kw, name = model.sampling_kwargs(), None
+        body, name = (model.body, model.body.model) if isinstance(model, BatchRequestLine) else (model, None)
+        kind, payload = body.prompt_payload()
         try:
-            params = SamplingParams(**{"max_tokens": DEFAULT_MAX_TOKENS[fmt], **defaults, **kw})
+            params = make_params(fmt, defaults, body.sampling_kwargs())
         except (TypeError, ValueError) as e:
             problems.append((None, f"invalid sampling parameters: {e}"))
         else:
-            req = ParsedRequest(rid, lineno, kind, fmt, payload, params, name)
+            req = ParsedRequest(rid, lineno, kind, fmt, payload, params, name, template_options(body, kind))
     return lineno, req, [RequestError(lineno, rid, f, m, fmt) for f, m in problems]
+
+
+def make_params(fmt: str, defaults: Mapping[str, Any], request: Mapping[str, Any]) -> SamplingParams:
+    """The SamplingParams of one request of format ``fmt``: the request's fields over ``defaults``
+    (the caller's: CLI flags, ``[sampling]`` table, generation_config.json) over the built-in
+    ones (``max_tokens`` :data:`DEFAULT_MAX_TOKENS` of ``fmt``).
+
+    Raises:
+        ValueError: an invalid combination (from SamplingParams, e.g. ``min_tokens`` > the
+            default ``max_tokens``), naming the fields.
+    """
+    return SamplingParams(**{"max_tokens": DEFAULT_MAX_TOKENS[fmt], **defaults, **request})
+
+
+def template_options(body: Any, kind: str) -> dict[str, Any] | None:
+    """The chat-template options of a validated request model with a "messages" prompt (None for
+    other prompts, or a model without the options)."""
+    fn = getattr(body, "template_options", None)
+    return fn() if kind == "messages" and fn is not None else None
 
 
 def _is_id(v: Any) -> bool:
@@ -187,11 +212,11 @@ def _is_id(v: Any) -> bool:
     return (isinstance(v, str) and v != "") or (isinstance(v, int) and not isinstance(v, bool))
 
 
-def to_token_ids(req: ParsedRequest, tokenizer, vocab_size: int | None = None,
-                 add_generation_prompt: bool = True) -> list[int]:
+def to_token_ids(req: ParsedRequest, tokenizer, vocab_size: int | None = None) -> list[int]:
     """Prompt ids for ``req``: a prompt gets the tokenizer's default special tokens once; messages
-    are exactly ``tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-    tokenize=True)`` (never a second BOS); token ids are taken as given.
+    are exactly ``tokenizer.apply_chat_template(messages, add_generation_prompt=...,
+    continue_final_message=..., tokenize=True, **chat_template_kwargs)`` with ``req.template_options``
+    (default: ``add_generation_prompt`` true; never a second BOS); token ids are taken as given.
 
     Raises:
         RequestValidationError: a token id >= ``vocab_size`` (default ``len(tokenizer)``; names
@@ -203,8 +228,10 @@ def to_token_ids(req: ParsedRequest, tokenizer, vocab_size: int | None = None,
     elif req.kind == "messages":
         field = _field(req, "messages")
         try:
-            out = tokenizer.apply_chat_template(req.payload, add_generation_prompt=add_generation_prompt,
-                                               tokenize=True)
+            opts = dict(req.template_options or {})
+            kwargs = opts.pop("chat_template_kwargs", None) or {}
+            out = tokenizer.apply_chat_template(req.payload, **{**kwargs, "add_generation_prompt": True, **opts,
+                                                                "tokenize": True})
         except ValueError as e:  # e.g. the tokenizer has no chat template
             raise RequestValidationError(f"cannot apply the chat template: {e}", field) from e
         ids = list(out["input_ids"] if isinstance(out, Mapping) else out)

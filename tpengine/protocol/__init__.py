@@ -4,12 +4,12 @@ Requests (:mod:`.requests`): :class:`SimpleRequest` (a simple JSONL line),
 :class:`CompletionRequest` and :class:`ChatCompletionRequest` (OpenAI bodies, also a server's
 request bodies), :class:`BatchRequestLine` (an OpenAI Batch input line); chat messages in
 :mod:`.messages`, the shared sampling fields in :mod:`.sampling`, field types in :mod:`.fields`.
-Records (:mod:`.records`): the output lines. Errors (:mod:`.errors`): a ``ValidationError`` as
-``(field path, message)`` pairs.
+Records (:mod:`.records`): the output lines (one entry per sample; the logprobs shapes).
+Errors (:mod:`.errors`): a ``ValidationError`` as ``(field path, message)`` pairs.
 """
 
 from tpengine.protocol.errors import field_errors, field_path
-from tpengine.protocol.messages import ChatMessage, TextContentPart
+from tpengine.protocol.messages import ChatMessage, ChatTemplateFields, TextContentPart
 from tpengine.protocol.records import (
     BatchError,
     BatchOutputLine,
@@ -23,7 +23,9 @@ from tpengine.protocol.records import (
     PromptTokensDetails,
     SimpleError,
     SimpleErrorRecord,
+    SimpleMultiRecord,
     SimpleRecord,
+    SimpleSample,
     SimpleUsage,
     UsageInfo,
 )
@@ -40,7 +42,8 @@ from tpengine.protocol.sampling import SamplingFields
 __all__ = [
     "STREAM_ERROR", "BatchError", "BatchOutputLine", "BatchRequestLine", "BatchResponse", "ChatCompletionRequest",
     "ChatCompletionResponse", "ChatCompletionResponseChoice", "ChatMessage", "ChatResponseMessage",
-    "CompletionRequest", "CompletionResponse", "CompletionResponseChoice", "Metrics", "OpenAIBody",
-    "PromptTokensDetails", "SamplingFields", "SimpleError", "SimpleErrorRecord", "SimpleRecord", "SimpleRequest",
-    "SimpleUsage", "TextContentPart", "UsageInfo", "field_errors", "field_path",
+    "ChatTemplateFields", "CompletionRequest", "CompletionResponse", "CompletionResponseChoice", "Metrics",
+    "OpenAIBody", "PromptTokensDetails", "SamplingFields", "SimpleError", "SimpleErrorRecord", "SimpleMultiRecord",
+    "SimpleRecord", "SimpleRequest", "SimpleSample", "SimpleUsage", "TextContentPart", "UsageInfo", "field_errors",
+    "field_path"
 ]

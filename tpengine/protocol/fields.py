@@ -17,6 +17,8 @@ import annotated_types as at
 from pydantic import Field, GetCoreSchemaHandler, Strict, ValidationError
 from pydantic_core import PydanticCustomError, core_schema
 
+from tpengine.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
+
 #: Longest rendering of a bad value in a message (long prompts and id lists are cut).
 MAX_GOT_CHARS = 60
 
@@ -111,10 +113,35 @@ Temperature = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False), Valid
 TopP = Annotated[float, Strict(), Field(gt=0, le=1, allow_inf_nan=False), Valid("a number in (0, 1]")]
 TopK = Annotated[int, Strict(), at.Ge(-1), Valid("an integer >= -1 (0 or -1: disabled)")]
 MinP = Annotated[float, Strict(), Field(ge=0, le=1, allow_inf_nan=False), Valid("a number in [0, 1]")]
-Seed = Annotated[int, Strict(), at.Ge(0), at.Lt(2**64), Valid("an integer in [0, 2**64)")]
+Seed = Annotated[int, Strict(), at.Ge(-(2**63)), at.Lt(2**64), Valid("an integer in [-2**63, 2**64)")]
 Stop = Annotated[Annotated[str, Strict(), at.MinLen(1)] | list[Annotated[str, Strict(), at.MinLen(1)]],
                  Valid("a non-empty string or a list of non-empty strings")]
 Flag = Annotated[bool, Strict(), Valid("true or false")]
+N = Annotated[int, Strict(), at.Ge(1), Valid("an integer >= 1")]
+Penalty = Annotated[float, Strict(), Field(ge=-2, le=2, allow_inf_nan=False), Valid("a number in [-2, 2]")]
+RepetitionPenalty = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False), Valid("a number > 0")]
+MinTokens = Annotated[int, Strict(), at.Ge(0), Valid("an integer >= 0")]
+StopTokenIds = Annotated[list[Annotated[int, Strict(), at.Ge(0)]], Strict(),
+                         Valid("a list of integer token ids >= 0")]
+#: ``logprobs`` / ``prompt_logprobs`` / ``top_logprobs``: how many top tokens per position.
+NumLogprobs = Annotated[int, Strict(), at.Ge(0), at.Le(MAX_LOGPROBS),
+                        Valid(f"an integer in [0, {MAX_LOGPROBS}]")]
+
+
+def _logit_bias(v: dict[str, float]) -> str | None:
+    for k, b in v.items():
+        if not k.isdecimal() or not k.isascii():
+            return f"must have token-id keys (decimal integer strings such as \"123\"), got key {as_json(k)}"
+        if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+            return f"must have values in [-100, 100], got {as_json(b)} for token {k}"
+    return None
+
+
+#: ``logit_bias``: ``{"<token id>": bias}``; JSON keys are strings, so a token id is a decimal string.
+LogitBias = Annotated[dict[str, Annotated[float, Strict(), Field(allow_inf_nan=False)]], Strict(),
+                      Valid('an object of token id -> number in [-100, 100] (e.g. {"123": -100})',
+                            check=_logit_bias)]
+ChatTemplateKwargs = Annotated[dict[str, Any], Strict(), Valid("an object")]
 
 # --- prompts ---------------------------------------------------------------------------------
 TokenIds = Annotated[list[Annotated[int, Strict(), at.Ge(0)]], Strict(), at.MinLen(1),

@@ -73,3 +73,50 @@ class ChatMessage(ProtocolModel):
 #: A non-empty list of messages; an error inside one message names it (``messages[0].role``).
 Messages = Annotated[list[ChatMessage], Strict(), at.MinLen(1),
                      Valid('a non-empty list of {"role", "content"} objects', nested=True)]
+
+
+class ChatTemplateFields(ProtocolModel):
+    """The chat-template options of a request with ``messages`` (vLLM's names), passed to
+    ``tokenizer.apply_chat_template``: ``add_generation_prompt`` (default true: open the assistant's
+    turn; false when ``continue_final_message`` is true and it is not given),
+    ``continue_final_message`` (default false: true continues the last message, which must be the
+    assistant's, with no end of turn: a prefilled reply), ``chat_template_kwargs`` (extra
+    variables for the template, e.g. Qwen3's ``{"enable_thinking": false}``)."""
+
+    add_generation_prompt: Annotated[bool, Strict(), Valid("true or false")] | None = None
+    continue_final_message: Annotated[bool, Strict(), Valid("true or false")] | None = None
+    chat_template_kwargs: Annotated[dict[str, Any], Strict(), Valid("an object")] | None = None
+
+    TEMPLATE_KEYS: ClassVar[tuple[str, ...]] = ("add_generation_prompt", "continue_final_message",
+                                                "chat_template_kwargs")
+
+    @classmethod
+    def template_problems(cls, data: dict[str, Any], prompt_key: str | None) -> list[tuple[tuple[str, ...], str]]:
+        """The options' cross-field rules on the raw object. ``prompt_key``: the prompt field given
+        when it is not ``messages`` (then every option given is refused), else None."""
+        out: list[tuple[tuple[str, ...], str]] = []
+        if prompt_key is not None:
+            for k in cls.TEMPLATE_KEYS:
+                if data.get(k) is not None:
+                    out.append(((k,), f'applies only to a "messages" prompt (the chat template), not to '
+                                      f'"{prompt_key}"; leave it out'))
+            return out
+        if data.get("continue_final_message") is True:
+            if data.get("add_generation_prompt") is True:
+                out.append((("continue_final_message",), "cannot be true together with add_generation_prompt "
+                            "true (continue the final message, or open a new assistant turn: set "
+                            "add_generation_prompt false)"))
+            messages = data.get("messages")
+            last = messages[-1] if isinstance(messages, list) and messages else None
+            if isinstance(last, dict) and isinstance(last.get("role"), str) and last["role"] != "assistant":
+                out.append((("continue_final_message",), 'needs the last message to be the "assistant" message '
+                            f'to continue, got role {as_json(last["role"])}'))
+        return out
+
+    def template_options(self) -> dict[str, Any]:
+        """``apply_chat_template`` keyword arguments: ``add_generation_prompt``,
+        ``continue_final_message`` and ``chat_template_kwargs`` (a dict, {} when not given)."""
+        cont = bool(self.continue_final_message)
+        add = (not cont) if self.add_generation_prompt is None else self.add_generation_prompt
+        return {"add_generation_prompt": add, "continue_final_message": cont,
+                "chat_template_kwargs": dict(self.chat_template_kwargs or {})}

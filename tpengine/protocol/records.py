@@ -8,15 +8,88 @@ are numbers of tokens; times are seconds.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_serializer
 
 
 class RecordModel(BaseModel):
-    """Base of the output records: no field beyond the declared ones."""
+    """Base of the output records: no field beyond the declared ones; the fields named in
+    ``OMIT_NONE`` are left out of the dump when None (fields a request has only when it asked)."""
 
     model_config = ConfigDict(extra="forbid")
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: Any) -> Any:
+        out = handler(self)
+        for k in self.OMIT_NONE:
+            if k in out and out[k] is None:
+                del out[k]
+        return out
+
+
+# --- logprobs ---------------------------------------------------------------------------------
+class TokenLogprob(RecordModel):
+    """One token's logprob in a simple record: ``token_id``, its text ``token``, ``logprob``
+    (natural log; -inf is written as -9999.0, as vLLM)."""
+
+    token_id: int
+    token: str | None
+    logprob: float
+
+
+class SimplePositionLogprobs(TokenLogprob):
+    """One position of a simple record's ``logprobs`` / ``prompt_logprobs``: the token there and
+    the ``top_logprobs`` most likely tokens, most likely first."""
+
+    top_logprobs: list[TokenLogprob]
+
+
+class CompletionLogprobs(RecordModel):
+    """OpenAI's legacy completions ``logprobs``: per generated token its text (``tokens``), logprob
+    (``token_logprobs``), ``{text: logprob}`` of the top tokens and the chosen one
+    (``top_logprobs``), and the character offset of its text in the completion (``text_offset``)."""
+
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class ChatTopLogprob(RecordModel):
+    """One of a chat token's ``top_logprobs``: ``token`` text, ``logprob``, the text's UTF-8
+    ``bytes``."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    """One generated token in a chat ``logprobs.content``, with its ``top_logprobs``."""
+
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(RecordModel):
+    """OpenAI's chat ``choices[i].logprobs``: ``content``, one entry per generated token."""
+
+    content: list[ChatTokenLogprob] | None = None
+
+
+class PromptLogprob(RecordModel):
+    """vLLM's ``prompt_logprobs`` value of one token at one position: ``logprob``, ``rank`` (1 =
+    most likely), ``decoded_token``."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: vLLM's OpenAI ``prompt_logprobs``: per prompt position None (the first) or ``{token id: ...}``
+#: of the prompt's token there and the top tokens.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class PromptTokensDetails(RecordModel):
@@ -50,13 +123,43 @@ class Metrics(RecordModel):
 
 
 class SimpleRecord(RecordModel):
-    """A finished simple-format request: generated ``text`` and ``token_ids``, ``finish_reason``
-    ("stop" | "length" | "abort")."""
+    """A finished simple-format request of one sample: generated ``text`` and ``token_ids``,
+    ``finish_reason`` ("stop" | "length" | "abort"); ``logprobs`` (one per generated token) and
+    ``prompt_logprobs`` (one per prompt token, the first None) only when the request asked."""
+
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("logprobs", "prompt_logprobs")
 
     id: str
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[SimplePositionLogprobs] | None = None
+    prompt_logprobs: list[SimplePositionLogprobs | None] | None = None
+    usage: SimpleUsage
+    metrics: Metrics
+
+
+class SimpleSample(RecordModel):
+    """One of the ``outputs`` of an ``n > 1`` simple record."""
+
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("logprobs",)
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[SimplePositionLogprobs] | None = None
+
+
+class SimpleMultiRecord(RecordModel):
+    """A finished simple-format request with ``n > 1``: its ``outputs`` (n samples);
+    ``usage.completion_tokens`` counts every sample's tokens."""
+
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("prompt_logprobs",)
+
+    id: str
+    outputs: list[SimpleSample]
+    prompt_logprobs: list[SimplePositionLogprobs | None] | None = None
     usage: SimpleUsage
     metrics: Metrics
 
@@ -77,10 +180,15 @@ class SimpleErrorRecord(RecordModel):
 
 
 class CompletionResponseChoice(RecordModel):
+    """One choice; ``prompt_logprobs`` (vLLM's) only when asked."""
+
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("prompt_logprobs",)
+
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(RecordModel):
@@ -102,12 +210,15 @@ class ChatResponseMessage(RecordModel):
 class ChatCompletionResponseChoice(RecordModel):
     index: int = 0
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
 class ChatCompletionResponse(RecordModel):
-    """An OpenAI ``/v1/chat/completions`` response body."""
+    """An OpenAI ``/v1/chat/completions`` response body; ``prompt_logprobs`` (vLLM's, at the top
+    level) only when asked."""
+
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("prompt_logprobs",)
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -115,6 +226,7 @@ class ChatCompletionResponse(RecordModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class BatchResponse(RecordModel):

@@ -22,6 +22,7 @@ from tpengine.protocol.fields import (
     Method,
     Neutral,
     NonEmptyStr,
+    NumLogprobs,
     Prompt,
     RequestId,
     TokenIds,
@@ -29,7 +30,7 @@ from tpengine.protocol.fields import (
     as_json,
     invalid,
 )
-from tpengine.protocol.messages import Messages
+from tpengine.protocol.messages import ChatTemplateFields, Messages
 from tpengine.protocol.sampling import SamplingFields
 
 #: The message for ``"stream": true`` in a batch job (vLLM's run-batch refuses it too).
@@ -50,12 +51,15 @@ def _prompt_payload(prompt: str | list) -> tuple[str, Any]:
     return TOKEN_IDS, list(prompt)
 
 
-class SimpleRequest(SamplingFields):
-    """A simple line: ``{"id"?, "prompt" | "messages" | "prompt_token_ids", <sampling>, "stream"?}``.
+class SimpleRequest(SamplingFields, ChatTemplateFields):
+    """A simple line: ``{"id"?, "prompt" | "messages" | "prompt_token_ids", <sampling>, "logprobs"?,
+    <chat-template options>?, "stream"?}``.
 
     ``id``: a non-empty string or an integer; ``prompt``: a non-empty string (or a list of token
-    ids, or a list holding one string); exactly one prompt field is required. ``stream``: only
-    false (a batch job writes complete records).
+    ids, or a list holding one string); exactly one prompt field is required. ``logprobs``: the
+    number of top logprobs per generated token, in [0, 20] (vLLM's). The chat-template options
+    (:class:`~tpengine.protocol.messages.ChatTemplateFields`) only go with ``messages``.
+    ``stream``: only false (a batch job writes complete records).
     """
 
     PROMPT_KEYS: ClassVar[tuple[str, ...]] = ("prompt", "messages", "prompt_token_ids")
@@ -64,6 +68,7 @@ class SimpleRequest(SamplingFields):
     prompt: Prompt | None = None
     messages: Messages | None = None
     prompt_token_ids: TokenIds | None = None
+    logprobs: NumLogprobs | None = None
     stream: Flag | None = None
 
     @classmethod
@@ -77,7 +82,17 @@ class SimpleRequest(SamplingFields):
             out.append(((), f"{need}, got {', '.join(given)}"))
         if data.get("stream") is True:
             out.append((("stream",), f"{STREAM_ERROR}, got true"))
+        out.extend(super().problems(data))
+        if len(given) == 1:
+            out.extend(cls.template_problems(data, None if given[0] == "messages" else given[0]))
         return out
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """As :meth:`SamplingFields.sampling_kwargs`, with ``logprobs``."""
+        kw = super().sampling_kwargs()
+        if self.logprobs is not None:
+            kw["logprobs"] = self.logprobs
+        return kw
 
     def request_id(self, line_index: int) -> str:
         """The id as a string; a line without one gets its 0-based line index."""
@@ -95,24 +110,25 @@ class SimpleRequest(SamplingFields):
 
 
 class OpenAIBody(SamplingFields):
-    """The fields both OpenAI bodies share: ``max_completion_tokens`` (wins over ``max_tokens``
-    when both are given), ``n`` (1 only); ``model``, ``user``, ``stream``, ``stream_options``,
-    ``metadata``, ``store`` are accepted and ignored (a batch line's ``"stream": true`` is refused
-    by :class:`BatchRequestLine`); OpenAI fields tpengine does not implement are accepted only at
-    their neutral values, checked by JSON type and value."""
+    """The fields both OpenAI bodies share: OpenAI's ``n``, ``presence_penalty``,
+    ``frequency_penalty``, ``logit_bias``, ``seed``, ``stop``, ``temperature``, ``top_p``,
+    ``max_tokens`` and ``max_completion_tokens`` (wins over ``max_tokens`` when both are given);
+    vLLM's extra body fields (the rest of :class:`SamplingFields`: ``top_k``, ``min_p``,
+    ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
+    ``skip_special_tokens``, ``ignore_eos``, ``prompt_logprobs``); ``model``, ``user``, ``stream``,
+    ``stream_options``, ``metadata``, ``store`` are accepted and ignored (a batch line's ``"stream":
+    true`` is refused by :class:`BatchRequestLine`); OpenAI fields tpengine does not implement are
+    accepted only at their neutral values, checked by JSON type and value."""
+
+    MAX_TOKENS_KEYS: ClassVar[tuple[str, ...]] = ("max_tokens", "max_completion_tokens")
 
     max_completion_tokens: MaxTokens | None = None
-    n: Annotated[int, Strict(), Neutral((1,), "only n=1 is supported")] | None = None
     model: _Str | None = None
     user: _Str | None = None
     stream: Flag | None = None
     stream_options: _Object | None = None
     metadata: _Object | None = None
     store: Flag | None = None
-    frequency_penalty: Annotated[float, Strict(), Neutral((0,))] | None = None
-    presence_penalty: Annotated[float, Strict(), Neutral((0,))] | None = None
-    top_logprobs: Annotated[int, Strict(), Neutral((0,))] | None = None
-    logit_bias: Annotated[dict[str, Any], Strict(), Neutral(({},))] | None = None
     response_format: Annotated[dict[str, Any], Strict(), Neutral(({"type": "text"},))] | None = None
     echo: Annotated[bool, Strict(), Neutral((False,))] | None = None
     best_of: Annotated[int, Strict(), Neutral((1,))] | None = None
@@ -126,11 +142,32 @@ class OpenAIBody(SamplingFields):
         return kw
 
 
-class ChatCompletionRequest(OpenAIBody):
-    """An OpenAI ``/v1/chat/completions`` body: ``messages`` required; ``logprobs`` only false."""
+class ChatCompletionRequest(OpenAIBody, ChatTemplateFields):
+    """An OpenAI ``/v1/chat/completions`` body: ``messages`` required; ``logprobs`` (a flag) with
+    ``top_logprobs`` in [0, 20] (only with ``"logprobs": true``, as vLLM): each generated token's
+    logprob and the ``top_logprobs`` most likely (``SamplingParams.logprobs`` = ``top_logprobs``,
+    0 when absent); the chat-template options of
+    :class:`~tpengine.protocol.messages.ChatTemplateFields`."""
 
     messages: Messages
-    logprobs: Annotated[bool, Strict(), Neutral((False,))] | None = None
+    logprobs: Flag | None = None
+    top_logprobs: NumLogprobs | None = None
+
+    @classmethod
+    def problems(cls, data: dict[str, Any]) -> list[Problem]:
+        out = super().problems(data) + cls.template_problems(data, None)
+        if data.get("top_logprobs") is not None and data.get("logprobs") is not True:
+            out.append((("top_logprobs",), f'needs "logprobs": true, got "logprobs": '
+                                           f'{as_json(data.get("logprobs"))}'))
+        return out
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """As :meth:`OpenAIBody.sampling_kwargs`; ``"logprobs": true`` becomes ``logprobs`` =
+        ``top_logprobs`` (0 when not given)."""
+        kw = super().sampling_kwargs()
+        if self.logprobs:
+            kw["logprobs"] = self.top_logprobs or 0
+        return kw
 
     def prompt_payload(self) -> tuple[str, Any]:
         """("messages", [{"role", "content"[, "name"]}, ...]); text parts joined with "\\n"."""
@@ -139,10 +176,18 @@ class ChatCompletionRequest(OpenAIBody):
 
 class CompletionRequest(OpenAIBody):
     """An OpenAI ``/v1/completions`` body: ``prompt`` required (a string, a list of token ids, or a
-    list holding one string); ``logprobs`` (an integer in OpenAI's API) only null."""
+    list holding one string); ``logprobs`` an integer in [0, 20] (OpenAI's legacy completions
+    logprobs: the top that many per generated token)."""
 
     prompt: Prompt
-    logprobs: Annotated[int, Strict(), Neutral()] | None = None
+    logprobs: NumLogprobs | None = None
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """As :meth:`OpenAIBody.sampling_kwargs`, with ``logprobs``."""
+        kw = super().sampling_kwargs()
+        if self.logprobs is not None:
+            kw["logprobs"] = self.logprobs
+        return kw
 
     def prompt_payload(self) -> tuple[str, Any]:
         """("prompt", str) | ("token_ids", list[int])."""

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from tpengine.protocol.records import RecordModel, UsageInfo
+from tpengine.protocol.records import ChatLogprobs, CompletionLogprobs, RecordModel, UsageInfo
 
 
 class CompletionStreamChoice(RecordModel):
+    """One sample's delta (``index``); ``logprobs``: those of the delta's tokens, when asked."""
+
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -37,9 +39,11 @@ class DeltaMessage(RecordModel):
 
 
 class ChatCompletionStreamChoice(RecordModel):
+    """One sample's delta (``index``); ``logprobs``: those of the delta's tokens, when asked."""
+
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -14,12 +14,14 @@ from pydantic import ValidationError
 
 from tpengine.engine.outputs import RequestOutput
 from tpengine.engine.sampling_params import SamplingParams
+from tpengine.frontend.logprobs import chat_logprobs, completion_logprobs
 from tpengine.frontend.output import openai_body, usage_info
 from tpengine.frontend.requests import (
-    DEFAULT_MAX_TOKENS,
     ParsedRequest,
     RequestValidationError,
     failure_message,
+    make_params,
+    template_options,
     to_token_ids,
 )
 from tpengine.protocol import ChatCompletionRequest, CompletionRequest
@@ -87,11 +89,11 @@ def prepare_request(obj: Any, kind: str, tokenizer, vocab_size: int, max_model_l
     fmt = FORMATS[kind]
     payload_kind, payload = body.prompt_payload()
     try:
-        params = SamplingParams(**{"max_tokens": DEFAULT_MAX_TOKENS[fmt], **defaults, **body.sampling_kwargs()})
+        params = make_params(fmt, defaults, body.sampling_kwargs())
     except (TypeError, ValueError) as e:
         raise HTTPProblem(400, f"invalid sampling parameters: {e}") from None
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    req = ParsedRequest(rid, 0, payload_kind, fmt, payload, params, body.model)
+    req = ParsedRequest(rid, 0, payload_kind, fmt, payload, params, body.model, template_options(body, payload_kind))
     field = "messages" if chat else "prompt"
     try:
         ids = to_token_ids(req, tokenizer, vocab_size)
@@ -124,28 +126,42 @@ def sse(obj: dict[str, Any] | str) -> str:
 
 async def stream_events(p: Prepared, outputs: AsyncIterator[RequestOutput], model_name: str) -> AsyncIterator[str]:
     """The SSE events of one streamed request, from its engine outputs (outputs so far, then the final
-    one): text deltas, the finish reason, the usage chunk with ``include_usage``, ``[DONE]``. An error
-    output becomes an error event (OpenAI's error object) before ``[DONE]``."""
-    sent = ""
+    one): per sample (``index`` i of n) its text deltas with, when asked, the logprobs of the tokens
+    generated since its last chunk, then its finish reason; the usage chunk (every sample's tokens)
+    with ``include_usage``; ``[DONE]``. An error output becomes an error event (OpenAI's error
+    object) before ``[DONE]``."""
+    n = p.params.n
+    sent_text, sent_tokens, done = [""] * n, [0] * n, [False] * n
     cls = ChatCompletionStreamResponse if p.chat else CompletionStreamResponse
 
-    def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+    def chunk(index: int, text: str | None, finish: str | None, positions: list | None = None,
+              role: bool = False) -> str:
         if p.chat:
             delta = DeltaMessage(role="assistant", content="") if role else DeltaMessage(content=text)
-            choice: Any = ChatCompletionStreamChoice(delta=delta, finish_reason=finish)
+            lp: Any = None if positions is None else chat_logprobs(positions)
+            choice: Any = ChatCompletionStreamChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)
         else:
-            choice = CompletionStreamChoice(text=text or "", finish_reason=finish)
+            lp = None if positions is None else completion_logprobs(positions, len(sent_text[index]))
+            choice = CompletionStreamChoice(index=index, text=text or "", finish_reason=finish, logprobs=lp)
         return sse(cls(id=p.request_id, created=p.created, model=model_name, choices=[choice]).model_dump())
 
     if p.chat:
-        yield chunk(None, None, role=True)
+        for i in range(n):
+            yield chunk(i, None, None, role=True)
     async for out in outputs:
         if out.error is not None:
             yield sse(output_problem(out).body())
             break
-        delta, sent = out.text[len(sent):], out.text
-        if delta or out.finished:
-            yield chunk(delta, out.finish_reason if out.finished else None)
+        for o in out.outputs:
+            i = o.index
+            if done[i]:
+                continue
+            finished = out.finished or o.finish_reason is not None
+            delta = o.text[len(sent_text[i]):]
+            positions = None if o.logprobs is None else o.logprobs[sent_tokens[i]:]
+            if delta or finished or positions:
+                yield chunk(i, delta, o.finish_reason if finished else None, positions)
+            sent_text[i], sent_tokens[i], done[i] = o.text, len(o.token_ids), finished
         if out.finished:
             if p.include_usage:
                 yield sse(cls(id=p.request_id, created=p.created, model=model_name, choices=[],
