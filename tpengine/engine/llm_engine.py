@@ -88,8 +88,9 @@ class LLMEngine:
         config: engine settings; ``config.model`` is a full HF folder or a shard folder.
         tokenizer: optional tokenizer for rank 0 (default: loaded from ``config.model``).
 
-    A step whose sequences are all greedy takes the argmax on each rank's vocabulary shard (no
-    logits gathered, no Sampler call); other steps gather the logits to rank 0 and sample there.
+    A step whose sequences are all greedy without anything else on their logits (no
+    ``params.needs_logits``, no prompt logprobs rows) takes the argmax on each rank's vocabulary shard
+    (no logits gathered, no Sampler call); other steps gather the logits to rank 0 and sample there.
 
     Raises:
         tpengine.loader.CheckpointMismatchError, FileNotFoundError: bad model folder.
