@@ -79,7 +79,8 @@ def test_aborting_a_request_ends_every_sample(eng):
     eng.step()
     assert eng.abort_request("a")
     (out,) = eng.step()
-    assert [c.finish_reason for c in out.outputs] == ["abort"] * 4 and [len(c.token_ids) for c in out.outputs] == [2] * 4
+    assert [c.finish_reason for c in out.outputs] == ["abort"] * 4
+    assert [len(c.token_ids) for c in out.outputs] == [2] * 4
     s = eng.stats()
     assert s.num_free_blocks == s.num_total_blocks and s.num_running == 0
 

@@ -90,7 +90,7 @@ class BlockManager:
         """The cached blocks of ``seq``'s longest cached prefix, in order: whole blocks only, and
         at most ``num_tokens - 1`` tokens, so at least the last token is computed and yields logits.
         Empty without prefix caching."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:  # vLLM v1: computes every position
             return []
         hits = []
         for h in self.hashes(seq)[: (seq.num_tokens - 1) // self.block_size]:

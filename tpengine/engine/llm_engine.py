@@ -19,6 +19,7 @@ import torch
 
 from tpengine.config import EngineConfig
 from tpengine.distributed import TPInfo, init_distributed
+from tpengine.engine.logprobs import position_logprobs
 from tpengine.engine.model_runner import ModelRunner
 from tpengine.engine.output_processor import OutputProcessor, failed_output
 from tpengine.engine.outputs import RequestOutput
@@ -87,8 +88,9 @@ class LLMEngine:
         config: engine settings; ``config.model`` is a full HF folder or a shard folder.
         tokenizer: optional tokenizer for rank 0 (default: loaded from ``config.model``).
 
-    A step whose sequences are all greedy takes the argmax on each rank's vocabulary shard (no
-    logits gathered, no Sampler call); other steps gather the logits to rank 0 and sample there.
+    A step whose sequences are all greedy without anything else on their logits (no
+    ``params.needs_logits``, no prompt logprobs rows) takes the argmax on each rank's vocabulary shard
+    (no logits gathered, no Sampler call); other steps gather the logits to rank 0 and sample there.
 
     Raises:
         tpengine.loader.CheckpointMismatchError, FileNotFoundError: bad model folder.
@@ -119,7 +121,7 @@ class LLMEngine:
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.eos_token_ids)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.eos_token_ids)
         self._next_id = 0
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.is_stop_token)
         self._pending: list[RequestOutput] = []
@@ -177,9 +179,10 @@ class LLMEngine:
         if not self.scheduler.has_unfinished:
             return done
         seqs, is_prefill = self.scheduler.schedule()
-        greedy = all(not s.params.needs_logits and s.prompt_logprobs is None for s in seqs)
-        plan = broadcast_plan(build_plan(seqs, is_prefill, self.config.block_size, self._steps, greedy,
-                                         self.scheduler.take_block_copies()))
+        plan = build_plan(seqs, is_prefill, self.config.block_size, self._steps,
+                          block_copies=self.scheduler.take_block_copies())
+        plan.greedy = not plan.prompt_idx.numel() and not any(s.params.needs_logits for s in seqs)  # on-shard argmax
+        plan = broadcast_plan(plan)
         out = self.runner.execute(plan)
         sampled = [s.samples for s in seqs]  # False: a prefill chunk, nothing to sample
         self._steps += 1
@@ -194,7 +197,7 @@ class LLMEngine:
             tokens = [ids[r] for r in rows]
         else:
             b = len(seqs)
-            self._collect_prompt_logprobs(seqs, out[b:])
+            self._collect_prompt_logprobs(seqs, out[b:], failed)
             logits = out[:b] if len(batch) == b else out[:b].index_select(0, torch.tensor(rows, device=out.device))
             tokens = self._sample(logits, batch, sampled, failed)
         stopped = []
@@ -245,16 +248,20 @@ class LLMEngine:
         child.index = k
         return child
 
-    def _collect_prompt_logprobs(self, seqs: list[Sequence], rows: torch.Tensor) -> None:
-        """Placeholder until the logprobs module lands: prompt logprobs rows are ignored."""
-        return None
-
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], sampled: list[bool],
                 failed: dict[int, tuple[str, Exception]]) -> list[int]:
-        """One token per sequence from ``logits [B, V]``; only the rows with ``sampled`` draw from their
-        generators (a prefill chunk's row gets 0 and draws nothing, so seeded output does not depend
-        on chunking, cache hits or preemption). A row whose sampling raises is entered in ``failed``
-        (row -> ("sampling", exception)) and gets 0; the other rows are sampled as if it had not."""
+        """One token per sequence from ``logits [B + P, V]`` (``execute``'s rows: B sampled rows, then
+        the P prompt-logprobs rows, handed to :meth:`_collect_prompt_logprobs`); only the rows with
+        ``sampled`` draw from their generators (a prefill chunk's row gets 0 and draws nothing, so
+        seeded output does not depend on chunking, cache hits or preemption). A sampled sequence with
+        ``params.logprobs`` gets a PositionLogprobs of its token appended to ``seq.logprobs`` (from the
+        raw row) and its logprob added to ``seq.cumulative_logprob``. A row whose sampling raises is
+        entered in ``failed`` (row -> ("sampling", exception)) and gets 0; the other rows are sampled
+        as if it had not."""
+        b = len(seqs)
+        if logits.shape[0] > b:
+            self._collect_prompt_logprobs(seqs, logits[b:], failed)
+            logits = logits[:b]
         rows = [i for i, ok in enumerate(sampled) if ok]
         tokens = [0] * len(seqs)
         if rows:
@@ -264,7 +271,54 @@ class LLMEngine:
             for i, tok in zip(rows, self.sampler.sample(picked, [seqs[i] for i in rows], errors)):
                 tokens[i] = tok
             failed.update({rows[j]: ("sampling", e) for j, e in errors.items()})
+            want = [j for j, i in enumerate(rows) if seqs[i].params.logprobs is not None and rows[j] not in failed]
+            if want:
+                try:
+                    raw = picked.index_select(0, torch.tensor(want, device=picked.device))
+                    lps = position_logprobs(raw, [tokens[rows[j]] for j in want],
+                                            [seqs[rows[j]].params.logprobs for j in want], self.vocab_size)
+                except Exception as e:  # noqa: BLE001 -- failures are the requests' own
+                    failed.update({rows[j]: ("logprobs", e) for j in want})
+                else:
+                    for j, lp in zip(want, lps):
+                        seq = seqs[rows[j]]
+                        seq.logprobs.append(lp)
+                        seq.cumulative_logprob += lp.chosen.logprob
         return tokens
+
+    def _collect_prompt_logprobs(self, seqs: list[Sequence], rows: torch.Tensor,
+                                 failed: dict[int, tuple[str, Exception]] | None = None) -> None:
+        """Append the prompt logprobs of this step's ``rows [P, V]`` (raw logits at the plan's
+        ``prompt_idx``: per sequence in batch order, positions ascending, as ``build_plan`` made them)
+        to each sequence's ``prompt_logprobs``. The row of position p predicts prompt token p + 1, so
+        it is that token's entry (entry j of ``seq.prompt_logprobs`` is prompt position j + 1's);
+        positions already collected (before a preemption) have no rows. A failure enters every
+        sequence with rows in ``failed`` (i -> ("prompt logprobs", exception)), or raises without it.
+
+        Raises:
+            RuntimeError: ``rows`` does not hold one row per position the plan asked for.
+        """
+        owners, chosen, ks = [], [], []
+        for i, s in enumerate(seqs):
+            if s.prompt_logprobs is None:
+                continue
+            start = s.num_cached_tokens
+            first, last = max(start, len(s.prompt_logprobs)), min(start + s.num_new_tokens, s.num_prompt_tokens - 1)
+            for p in range(first, last):
+                owners.append(i)
+                chosen.append(s.token_ids[p + 1])
+                ks.append(s.params.prompt_logprobs)
+        if len(owners) != rows.shape[0]:
+            raise RuntimeError(f"{rows.shape[0]} prompt-logprobs rows for {len(owners)} prompt positions")
+        try:
+            lps = position_logprobs(rows, chosen, ks, self.vocab_size)
+        except Exception as e:  # noqa: BLE001 -- the requests' own failure
+            if failed is None:
+                raise
+            failed.update({i: ("prompt logprobs", e) for i in set(owners)})
+            return
+        for i, lp in zip(owners, lps):
+            seqs[i].prompt_logprobs.append(lp)
 
     def _fail(self, seq: Sequence, stage: str, exc: Exception) -> RequestOutput:
         """End ``seq``'s request (every sample's blocks freed) with the error output of ``exc`` raised

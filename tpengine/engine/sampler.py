@@ -1,13 +1,18 @@
-"""Token sampling on rank 0: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Token sampling on rank 0: logits processors (bias, min_tokens, penalties), then greedy,
+temperature, top-k, top-p, min-p, per-request seeds.
 
-Sampled rows are processed one at a time with the row's own ``torch.Generator``, so a seeded
-request draws the same tokens whatever else is in the batch (case C17) and at any tp size.
+The processors run batched over the rows that need them (:mod:`tpengine.engine.logits_processors`);
+sampled rows then draw one at a time with the row's own ``torch.Generator``, so a seeded request
+draws the same tokens whatever else is in the batch (case C17) and at any tp size.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
+from tpengine.engine.logits_processors import process_logits
 from tpengine.engine.sequence import Sequence
 
 
@@ -60,10 +65,12 @@ class Sampler:
 
     Args:
         seed: seed of the default generator used by requests without ``params.seed``.
+        eos_token_ids: the engine's EOS ids, which ``min_tokens`` masks (unless ``ignore_eos``).
     """
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, eos_token_ids: Iterable[int] = ()) -> None:
         self.seed = seed
+        self.eos_token_ids = frozenset(eos_token_ids)
         self._default: dict[torch.device, torch.Generator] = {}
 
     def _default_generator(self, device: torch.device) -> torch.Generator:
@@ -87,19 +94,22 @@ class Sampler:
         """Sample one token id per row.
 
         Args:
-            logits: float ``[len(seqs), V]`` next-token logits, row i for ``seqs[i]``, over the
+            logits: float ``[len(seqs), V]`` raw next-token logits, row i for ``seqs[i]``, over the
                 real vocabulary (the LM head drops the padding columns, so a padded id is never
-                sampled).
-            seqs: the sequences (their ``params`` and generators are used).
-            errors: when given, a row whose sampling raises (e.g. a temperature so small that
-                ``logits / temperature`` overflows to inf) is entered here (row -> exception) and
-                gets token 0, and the other rows are sampled as usual; when None, it raises. A
-                failing row draws nothing from its generator.
+                sampled). Not modified.
+            seqs: the sequences (their ``params``, token ids and generators are used).
+            errors: when given, a row whose processing or sampling raises (e.g. a ``logit_bias``
+                id outside the vocabulary, a temperature so small that ``logits / temperature``
+                overflows to inf) is entered here (row -> exception) and gets token 0, and the other
+                rows are sampled as usual; when None, it raises. A failing row draws nothing from
+                its generator.
 
-        Greedy rows (temperature 0) take the argmax, all in one op. Other rows: logits /
-        temperature, then top-k, top-p, min-p, then ``torch.multinomial`` with the sequence's
-        own generator (seeded from ``params.seed`` once per sequence, advanced only by its own
-        draws) or this sampler's default generator for unseeded requests.
+        First :func:`~tpengine.engine.logits_processors.process_logits` (logit_bias, min_tokens,
+        repetition / presence / frequency penalties) on the rows that need it. Greedy rows
+        (temperature 0) then take the argmax, all in one op. Other rows: logits / temperature,
+        then top-k, top-p, min-p, then ``torch.multinomial`` with the sequence's own generator
+        (seeded from ``params.seed`` once per sequence, advanced only by its own draws) or this
+        sampler's default generator for unseeded requests.
 
         Returns:
             ``len(seqs)`` token ids.
@@ -111,21 +121,39 @@ class Sampler:
             raise ValueError(
                 f"logits shape {tuple(logits.shape)} does not match {len(seqs)} sequences"
             )
-        logits = logits.float()
+        logits = self._process(logits.float(), seqs, errors)
+        failed = errors if errors is not None else {}
         out: list[int] = [0] * len(seqs)
-        greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0.0]
+        greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0.0 and i not in failed]
         if greedy:
             rows = torch.tensor(greedy, device=logits.device)
             for i, tok in zip(greedy, logits.index_select(0, rows).argmax(dim=-1).tolist()):
                 out[i] = tok
         for i, seq in enumerate(seqs):
-            if seq.params.temperature == 0.0:
+            if seq.params.temperature == 0.0 or i in failed:
                 continue
             try:
                 out[i] = self._sample_row(logits[i], seq)
             except Exception as e:  # noqa: BLE001 -- one request's failure, handed to the caller
                 if errors is None:
                     raise
+                errors[i] = e
+        return out
+
+    def _process(self, logits: torch.Tensor, seqs: list[Sequence],
+                 errors: dict[int, Exception] | None) -> torch.Tensor:
+        """:func:`process_logits` over the batch; if that raises and ``errors`` is given, each row
+        is processed alone and a failing one is entered in ``errors`` (its row left raw)."""
+        try:
+            return process_logits(logits, seqs, self.eos_token_ids)
+        except Exception:
+            if errors is None:
+                raise
+        out = logits.clone()
+        for i, seq in enumerate(seqs):
+            try:
+                out[i] = process_logits(logits[i : i + 1], [seq], self.eos_token_ids)[0]
+            except Exception as e:  # noqa: BLE001 -- one request's failure, handed to the caller
                 errors[i] = e
         return out
 
