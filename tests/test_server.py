@@ -299,3 +299,31 @@ def test_bodies_that_are_not_a_json_object(server, data, message):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 400 and json.loads(e.value.read())["error"]["message"] == message
+
+
+def test_n_samples_and_logprobs_stream_as_they_are_returned(server):
+    """n=3 seeded samples with top-2 logprobs: the streamed deltas of each index join into that
+    choice's text and logprobs of the non-streamed response, sample k is the single request seeded
+    7 + k, and the chat logprobs of a greedy answer are those of its own tokens."""
+    c = server.client
+    kw = {"model": "smollm2-135m-instruct", "max_tokens": 12, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    r = c.completions.create(prompt="Once upon a time", n=3, seed=7, logprobs=2, **kw)
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 36
+    for k, ch in enumerate(r.choices):
+        single = c.completions.create(prompt="Once upon a time", seed=7 + k, logprobs=2, **kw).choices[0]
+        assert (single.text, single.logprobs.tokens) == (ch.text, ch.logprobs.tokens)
+        assert len(ch.logprobs.token_logprobs) == 12 and all(lp <= 0 for lp in ch.logprobs.token_logprobs)
+        assert all(len(top) in (2, 3) for top in ch.logprobs.top_logprobs)
+    texts, tokens = {0: "", 1: "", 2: ""}, {0: [], 1: [], 2: []}
+    for chunk in c.completions.create(prompt="Once upon a time", n=3, seed=7, logprobs=2, stream=True, **kw):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+            tokens[ch.index] += ch.logprobs.tokens if ch.logprobs else []
+    assert [texts[k] for k in range(3)] == [ch.text for ch in r.choices]
+    assert [tokens[k] for k in range(3)] == [ch.logprobs.tokens for ch in r.choices]
+    chat = c.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Hi"}],
+                                     max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    shown = content[:-1] if chat.choices[0].finish_reason == "stop" else content  # an EOS has no text
+    assert "".join(t.token for t in shown) == chat.choices[0].message.content and len(content) <= 8
+    assert all(t.top_logprobs[0].token == t.token and len(t.top_logprobs) == 3 for t in content)  # greedy: top 1
