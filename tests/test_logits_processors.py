@@ -16,7 +16,7 @@ from tpengine.engine.logits_processors import (
     process_logits,
     token_counts,
 )
-from tpengine.engine.logprobs import position_logprobs
+from tpengine.engine.logprobs import collect_prompt_logprobs, position_logprobs
 from tpengine.engine.sampler import Sampler
 from tpengine.engine.sampling_params import SamplingParams
 from tpengine.engine.sequence import Sequence
@@ -187,7 +187,8 @@ def test_prompt_logprobs_rows_follow_build_plan():
     out = torch.randn(4 + p, v, generator=g)
     eng = _engine(v)
     failed: dict = {}
-    toks = eng._sample(out, seqs, [s.samples for s in seqs], failed)
+    collect_prompt_logprobs(seqs, out[4:], v)
+    toks = eng._sample(out[:4], seqs, [s.samples for s in seqs], failed)
     assert failed == {}
     assert [x.chosen.token_id for x in a.prompt_logprobs] == [6, 7, 8]  # positions 0..2 of the chunk
     assert [x.chosen.token_id for x in b.prompt_logprobs] == [12, 13]
@@ -202,4 +203,4 @@ def test_prompt_logprobs_rows_follow_build_plan():
     assert b.cumulative_logprob == pytest.approx(float(torch.log_softmax(out[1], -1).max()), abs=1e-6)
     assert a.logprobs is None and c.logprobs is None
     with pytest.raises(RuntimeError, match="4 prompt-logprobs rows for 0 prompt positions"):
-        eng._collect_prompt_logprobs(seqs, rows[:4])  # all collected now: none is asked again
+        collect_prompt_logprobs(seqs, rows[:4])  # all collected now: none is asked again

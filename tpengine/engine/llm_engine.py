@@ -12,14 +12,14 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from tpengine.config import EngineConfig
 from tpengine.distributed import TPInfo, init_distributed
-from tpengine.engine.logprobs import position_logprobs
+from tpengine.engine.logprobs import add_sample_logprobs, collect_prompt_logprobs
 from tpengine.engine.model_runner import ModelRunner
 from tpengine.engine.output_processor import OutputProcessor, failed_output
 from tpengine.engine.outputs import RequestOutput
@@ -27,39 +27,12 @@ from tpengine.engine.sampler import Sampler
 from tpengine.engine.sampling_params import SEED_END, SamplingParams
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
+from tpengine.engine.stats import EngineStats
 from tpengine.engine.step import StepKind, StepPlan, broadcast_plan, build_plan
 from tpengine.errors import UserError
 from tpengine.plan import ShardPlan
 from tpengine.process import setup_process
 from tpengine.surgery import check_model_limits
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Counters on rank 0: steps run (a mixed step of decodes and a prefill chunk counts as a
-    prefill step), tokens (``prompt_tokens`` of the requests scheduled, ``cached_prompt_tokens`` of
-    them found in the prefix cache, ``computed_tokens`` run through the model, ``output_tokens``
-    sampled), preemptions, and the KV-block (``num_cached_blocks``: free ones still holding a cached
-    prefix) and queue state now."""
-
-    steps: int
-    prefill_steps: int
-    decode_steps: int
-    prompt_tokens: int
-    output_tokens: int
-    num_preemptions: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_running: int
-    num_waiting: int
-    cached_prompt_tokens: int = 0
-    computed_tokens: int = 0
-    num_cached_blocks: int = 0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """Cached prompt tokens / prompt tokens (0.0 before any prompt)."""
-        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
@@ -197,7 +170,7 @@ class LLMEngine:
             tokens = [ids[r] for r in rows]
         else:
             b = len(seqs)
-            self._collect_prompt_logprobs(seqs, out[b:], failed)
+            self._prompt_logprobs(seqs, out[b:], failed)
             logits = out[:b] if len(batch) == b else out[:b].index_select(0, torch.tensor(rows, device=out.device))
             tokens = self._sample(logits, batch, sampled, failed)
         stopped = []
@@ -250,75 +223,36 @@ class LLMEngine:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], sampled: list[bool],
                 failed: dict[int, tuple[str, Exception]]) -> list[int]:
-        """One token per sequence from ``logits [B + P, V]`` (``execute``'s rows: B sampled rows, then
-        the P prompt-logprobs rows, handed to :meth:`_collect_prompt_logprobs`); only the rows with
+        """One token per sequence from ``logits [B, V]`` (row i for ``seqs[i]``); only the rows with
         ``sampled`` draw from their generators (a prefill chunk's row gets 0 and draws nothing, so
         seeded output does not depend on chunking, cache hits or preemption). A sampled sequence with
-        ``params.logprobs`` gets a PositionLogprobs of its token appended to ``seq.logprobs`` (from the
-        raw row) and its logprob added to ``seq.cumulative_logprob``. A row whose sampling raises is
-        entered in ``failed`` (row -> ("sampling", exception)) and gets 0; the other rows are sampled
-        as if it had not."""
-        b = len(seqs)
-        if logits.shape[0] > b:
-            self._collect_prompt_logprobs(seqs, logits[b:], failed)
-            logits = logits[:b]
+        ``params.logprobs`` gets its token's logprobs (from the raw row, :func:`add_sample_logprobs`).
+        A row whose sampling raises is entered in ``failed`` (row -> ("sampling", exception)) and gets
+        0; the other rows are sampled as if it had not."""
         rows = [i for i, ok in enumerate(sampled) if ok]
         tokens = [0] * len(seqs)
-        if rows:
-            picked = logits if len(rows) == len(seqs) else logits.index_select(
-                0, torch.tensor(rows, device=logits.device))
-            errors: dict[int, Exception] = {}
-            for i, tok in zip(rows, self.sampler.sample(picked, [seqs[i] for i in rows], errors)):
-                tokens[i] = tok
-            failed.update({rows[j]: ("sampling", e) for j, e in errors.items()})
-            want = [j for j, i in enumerate(rows) if seqs[i].params.logprobs is not None and rows[j] not in failed]
-            if want:
-                try:
-                    raw = picked.index_select(0, torch.tensor(want, device=picked.device))
-                    lps = position_logprobs(raw, [tokens[rows[j]] for j in want],
-                                            [seqs[rows[j]].params.logprobs for j in want], self.vocab_size)
-                except Exception as e:  # noqa: BLE001 -- failures are the requests' own
-                    failed.update({rows[j]: ("logprobs", e) for j in want})
-                else:
-                    for j, lp in zip(want, lps):
-                        seq = seqs[rows[j]]
-                        seq.logprobs.append(lp)
-                        seq.cumulative_logprob += lp.chosen.logprob
+        if not rows:
+            return tokens
+        picked = logits if len(rows) == len(seqs) else logits.index_select(0, torch.tensor(rows, device=logits.device))
+        errors: dict[int, Exception] = {}
+        for i, tok in zip(rows, self.sampler.sample(picked, [seqs[i] for i in rows], errors)):
+            tokens[i] = tok
+        failed.update({rows[j]: ("sampling", e) for j, e in errors.items()})
+        try:
+            add_sample_logprobs(picked, [None if i in failed else seqs[i] for i in rows], [tokens[i] for i in rows],
+                                self.vocab_size)
+        except Exception as e:  # noqa: BLE001 -- failures are the requests' own
+            failed.update({i: ("logprobs", e) for i in rows if i not in failed and seqs[i].params.logprobs is not None})
         return tokens
 
-    def _collect_prompt_logprobs(self, seqs: list[Sequence], rows: torch.Tensor,
-                                 failed: dict[int, tuple[str, Exception]] | None = None) -> None:
-        """Append the prompt logprobs of this step's ``rows [P, V]`` (raw logits at the plan's
-        ``prompt_idx``: per sequence in batch order, positions ascending, as ``build_plan`` made them)
-        to each sequence's ``prompt_logprobs``. The row of position p predicts prompt token p + 1, so
-        it is that token's entry (entry j of ``seq.prompt_logprobs`` is prompt position j + 1's);
-        positions already collected (before a preemption) have no rows. A failure enters every
-        sequence with rows in ``failed`` (i -> ("prompt logprobs", exception)), or raises without it.
-
-        Raises:
-            RuntimeError: ``rows`` does not hold one row per position the plan asked for.
-        """
-        owners, chosen, ks = [], [], []
-        for i, s in enumerate(seqs):
-            if s.prompt_logprobs is None:
-                continue
-            start = s.num_cached_tokens
-            first, last = max(start, len(s.prompt_logprobs)), min(start + s.num_new_tokens, s.num_prompt_tokens - 1)
-            for p in range(first, last):
-                owners.append(i)
-                chosen.append(s.token_ids[p + 1])
-                ks.append(s.params.prompt_logprobs)
-        if len(owners) != rows.shape[0]:
-            raise RuntimeError(f"{rows.shape[0]} prompt-logprobs rows for {len(owners)} prompt positions")
+    def _prompt_logprobs(self, seqs: list[Sequence], rows: torch.Tensor,
+                         failed: dict[int, tuple[str, Exception]]) -> None:
+        """:func:`collect_prompt_logprobs` of this step's prompt rows; a failure is the requests' own
+        (every sequence with rows enters ``failed`` as ("prompt logprobs", exception))."""
         try:
-            lps = position_logprobs(rows, chosen, ks, self.vocab_size)
-        except Exception as e:  # noqa: BLE001 -- the requests' own failure
-            if failed is None:
-                raise
-            failed.update({i: ("prompt logprobs", e) for i in set(owners)})
-            return
-        for i, lp in zip(owners, lps):
-            seqs[i].prompt_logprobs.append(lp)
+            collect_prompt_logprobs(seqs, rows, self.vocab_size)
+        except Exception as e:  # noqa: BLE001
+            failed.update({i: ("prompt logprobs", e) for i, s in enumerate(seqs) if s.prompt_logprobs is not None})
 
     def _fail(self, seq: Sequence, stage: str, exc: Exception) -> RequestOutput:
         """End ``seq``'s request (every sample's blocks freed) with the error output of ``exc`` raised

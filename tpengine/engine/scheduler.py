@@ -17,32 +17,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from tpengine.config import EngineConfig
 from tpengine.engine.block_manager import BlockManager
 from tpengine.engine.sequence import Sequence, SequenceStatus
+from tpengine.engine.stats import SchedulerStats
 
 FINISH_REASONS = ("stop", "length", "abort")
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    """A snapshot of the queues and the KV pool (counts)."""
-
-    num_waiting: int
-    num_running: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_preemptions: int
-    num_cached_blocks: int = 0
-    prompt_tokens: int = 0  # prompt tokens of the sequences scheduled so far (first scheduling only)
-    cached_prompt_tokens: int = 0  # of those, found in the prefix cache
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """Cached prompt tokens / prompt tokens (0.0 before any prompt)."""
-        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 class Scheduler:
