@@ -49,6 +49,7 @@ def test_read_generation_defaults(tmp_path):
     ({"top_k": "50"}, 'invalid top_k="50": top_k must be an integer, got \'50\''),
     ({"max_new_tokens": 0}, "invalid max_new_tokens=0: max_tokens must be >= 1, got 0"),
     ({"do_sample": "no"}, 'invalid do_sample="no": must be true or false'),
+    ({"temperature": -1, "do_sample": True}, "invalid temperature=-1: temperature must be >= 0, got -1"),
 ])
 def test_bad_values_name_the_file_and_key(tmp_path, cfg, msg):
     p = folder(tmp_path, cfg) / "generation_config.json"
@@ -164,3 +165,16 @@ def test_the_job_takes_the_models_defaults_and_says_so(tmp_path):
         prepare(prompts, None, None, False, False, {}, {"model": str(model)}, world_size=1)
     assert str(e.value) == (f"{model}/generation_config.json: invalid top_k=-5: top_k must be >= -1 (0 or -1: "
                             "disabled), got -5")
+
+
+@pytest.mark.parametrize("value", ["x", [2, "3"], True, -1])
+def test_a_bad_eos_token_id_is_named(tmp_path, value):
+    from tpengine.engine.llm_engine import eos_token_ids
+
+    d = folder(tmp_path, {"eos_token_id": value})
+    with pytest.raises(UserError) as e:
+        eos_token_ids(str(d), None)
+    assert str(e.value) == (f"{d}/generation_config.json: invalid eos_token_id={json.dumps(value)}: must be a token "
+                            "id >= 0 or a list of them")
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert eos_token_ids(str(d), None) == {2, 7}

@@ -71,6 +71,7 @@ def test_greedy_samples_are_equal_and_n_beyond_max_num_seqs_is_refused(eng):
     assert len(out.outputs) == 3 and out.outputs[1].token_ids == out.outputs[0].token_ids == out.outputs[2].token_ids
     bad = run(eng, [("big", PROMPT, {**SAMPLED, "n": 9})])["big"]
     assert bad.error == "request 'big': n=9 samples run as 9 sequences at once, but max_num_seqs is 8"
+    assert bad.error_field == "n"
 
 
 def test_aborting_a_request_ends_every_sample(eng):

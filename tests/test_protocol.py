@@ -201,6 +201,11 @@ def test_chat_template_options():
         ("chat_template_kwargs", "must be an object, got []")]
     assert errors_of(CompletionRequest, {"prompt": "x", "add_generation_prompt": True})[0][1].startswith(
         "unknown field")
+    reserved = {"messages": MSGS, "chat_template_kwargs": {"add_generation_prompt": False, "messages": [], "x": 1}}
+    assert errors_of(ChatCompletionRequest, reserved) == [
+        ("chat_template_kwargs.add_generation_prompt",
+         "is set by tpengine itself, not a template variable; use the top-level 'add_generation_prompt' field"),
+        ("chat_template_kwargs.messages", "is set by tpengine itself, not a template variable")]
 
 
 def test_max_tokens_and_max_completion_tokens_both_validated():

@@ -200,6 +200,8 @@ def test_disconnect_frees_blocks(server):
     ({"prompt": "x", "bogus": 1}, 400, "bogus", "bogus: unknown field; valid: "),
     ({"prompt": "apple" + " apple" * 1099}, 400, "prompt", "the prompt has 1100 tokens, but max_model_len is 1024 "
      "(the prompt must be at most 1023 tokens to leave room for one output token)"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs",
+     "prompt_logprobs are not available when stream is true; ask without streaming"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model", "The model `gpt-4` does not exist; this server serves "
      "`smollm2-135m-instruct`"),
 ])

@@ -73,8 +73,6 @@ def read_generation_defaults(path: str | Path) -> dict[str, Any]:
         v = data.get(key)
         if v is None:
             continue
-        if name == "temperature" and isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0:
-            v = 0.0  # HF: temperature 0 is refused by generate but means greedy everywhere else
         try:
             SamplingParams(**{name: v})
             if name == "top_k" and v < -1:

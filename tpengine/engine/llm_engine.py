@@ -37,20 +37,23 @@ from tpengine.surgery import check_model_limits
 
 def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
     """Union of the tokenizer's EOS, ``generation_config.json``'s ``eos_token_id`` (int or list)
-    and ``config.json``'s (case C12: Llama-3-style instruct models end turns with a second id)."""
+    and ``config.json``'s (case C12: Llama-3-style instruct models end turns with a second id).
+
+    Raises:
+        tpengine.errors.UserError: an ``eos_token_id`` that is not a token id >= 0 or a list of them.
+    """
     ids: set[int] = set()
-
-    def add(v):
-        if isinstance(v, int):
-            ids.add(v)
-        elif isinstance(v, (list, tuple)):
-            ids.update(int(x) for x in v)
-
-    add(getattr(tokenizer, "eos_token_id", None))
+    tok = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tok, int):
+        ids.add(tok)
     for name in ("config.json", "generation_config.json"):
         path = Path(model_dir) / name
-        if path.is_file():
-            add(json.loads(path.read_text()).get("eos_token_id"))
+        if not path.is_file() or (v := json.loads(path.read_text()).get("eos_token_id")) is None:
+            continue
+        vals = [v] if isinstance(v, int) else v if isinstance(v, list) else None
+        if vals is None or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in vals):
+            raise UserError(f"{path}: invalid eos_token_id={json.dumps(v)}: must be a token id >= 0 or a list of them")
+        ids.update(vals)
     return ids
 
 
@@ -137,7 +140,8 @@ class LLMEngine:
                 self.outputs.drop(seq.request_id)
                 raise
         except ValueError as e:
-            self._pending.append(RequestOutput(request_id, list(prompt_token_ids), error=str(e), error_field="prompt"))
+            field = "n" if str(e).startswith(f"request {request_id!r}: n=") else "prompt"
+            self._pending.append(RequestOutput(request_id, list(prompt_token_ids), error=str(e), error_field=field))
         except Exception as e:  # noqa: BLE001 -- one request's failure is its own error output
             self._pending.append(failed_output(request_id, list(prompt_token_ids), "scheduling", e))
 

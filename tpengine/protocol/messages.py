@@ -89,6 +89,12 @@ class ChatTemplateFields(ProtocolModel):
 
     TEMPLATE_KEYS: ClassVar[tuple[str, ...]] = ("add_generation_prompt", "continue_final_message",
                                                 "chat_template_kwargs")
+    #: ``apply_chat_template``'s own arguments and the variables it sets itself: a
+    #: ``chat_template_kwargs`` key among them is refused (naming the field to use, if any).
+    RESERVED_KWARGS: ClassVar[tuple[str, ...]] = (
+        "add_generation_prompt", "continue_final_message", "conversation", "messages", "tools", "documents",
+        "chat_template", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+        "return_assistant_tokens_mask", "tokenizer_kwargs")
 
     @classmethod
     def template_problems(cls, data: dict[str, Any], prompt_key: str | None) -> list[tuple[tuple[str, ...], str]]:
@@ -101,6 +107,13 @@ class ChatTemplateFields(ProtocolModel):
                     out.append(((k,), f'applies only to a "messages" prompt (the chat template), not to '
                                       f'"{prompt_key}"; leave it out'))
             return out
+        kwargs = data.get("chat_template_kwargs")
+        if isinstance(kwargs, dict):
+            for k in kwargs:
+                if k in cls.RESERVED_KWARGS:
+                    use = f"; use the top-level {k!r} field" if k in cls.TEMPLATE_KEYS else ""
+                    out.append((("chat_template_kwargs", k), f"is set by tpengine itself, not a template "
+                                f"variable{use}"))
         if data.get("continue_final_message") is True:
             if data.get("add_generation_prompt") is True:
                 out.append((("continue_final_message",), "cannot be true together with add_generation_prompt "

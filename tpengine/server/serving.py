@@ -86,6 +86,9 @@ def prepare_request(obj: Any, kind: str, tokenizer, vocab_size: int, max_model_l
         raise HTTPProblem(400, "; ".join((f"{f}: " if f else "") + m for f, m in errs), errs[0][0]) from None
     if body.model is not None and body.model != model_name:
         raise HTTPProblem(404, f"The model `{body.model}` does not exist; this server serves `{model_name}`", "model")
+    if body.stream and body.prompt_logprobs is not None:  # vLLM refuses it too
+        raise HTTPProblem(400, "prompt_logprobs are not available when stream is true; ask without streaming",
+                          "prompt_logprobs")
     fmt = FORMATS[kind]
     payload_kind, payload = body.prompt_payload()
     try:
