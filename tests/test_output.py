@@ -154,3 +154,13 @@ def test_invalid_line_records_are_not_done_ids(tmp_path):
         w.write(error_record("t", "prompt too long"))  # failed at run time: done
         w.write(make_record(None, ok_out("z"), "m"))
     assert read_done(p) == ({"t", "z"}, {3, 4})
+
+
+def test_position_logprobs_read_as_vllms_dict_of_token_id_to_logprob():
+    from tpengine.engine.outputs import Logprob, PositionLogprobs
+
+    pos = PositionLogprobs(Logprob(9, -3.0, 4, "z"), [Logprob(5, -0.1, 1, "a"), Logprob(7, -2.0, 2, "b")])
+    assert list(pos) == [9, 5, 7] and len(pos) == 3 and 7 in pos and 8 not in pos
+    assert pos[9].logprob == -3.0 and pos[5].decoded_token == "a" and pos[7].rank == 2
+    same = PositionLogprobs(Logprob(5, -0.1, 1, "a"), [Logprob(5, -0.1, 1, "a")])
+    assert dict(same) == {5: Logprob(5, -0.1, 1, "a")}  # the chosen token among the top: once

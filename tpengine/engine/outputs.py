@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 
@@ -10,22 +11,45 @@ from dataclasses import dataclass, field
 class Logprob:
     """One token's log-probability at one position: natural log of its probability under the
     full-vocabulary softmax of the raw logits (float32); ``rank``: 1 for the most likely token;
-    ``token``: its text, ``tokenizer.decode([token_id])`` (filled by the output processor)."""
+    ``token``: its text, ``tokenizer.decode([token_id])`` (filled by the output processor; also
+    ``decoded_token``, vLLM's name)."""
 
     token_id: int
     logprob: float
     rank: int
     token: str | None = None
 
+    @property
+    def decoded_token(self) -> str | None:
+        """vLLM's name of ``token``."""
+        return self.token
 
-@dataclass
-class PositionLogprobs:
+
+@dataclass(eq=True)
+class PositionLogprobs(Mapping):
     """The logprobs of one position: the token that is there (sampled, or the prompt's) and the
     ``top`` k most likely tokens, most likely first (k = the request's ``logprobs`` or
-    ``prompt_logprobs``; padded vocabulary ids never appear)."""
+    ``prompt_logprobs``; padded vocabulary ids never appear).
+
+    It is also vLLM's ``dict[token id, Logprob]`` of the position: ``pos[token_id]``, ``keys()``,
+    ``items()`` and ``len()`` cover the chosen token and the top ones (each once), so code written
+    against vLLM's ``outputs[0].logprobs[i][token_id].logprob`` reads it the same way.
+    """
 
     chosen: Logprob
     top: list[Logprob] = field(default_factory=list)
+
+    def _entries(self) -> dict[int, Logprob]:
+        return {lp.token_id: lp for lp in (self.chosen, *self.top)}
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        return self._entries()[token_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._entries())
+
+    def __len__(self) -> int:
+        return len(self._entries())
 
 
 @dataclass
