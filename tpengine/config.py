@@ -30,6 +30,8 @@ WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: The values of ``EngineConfig.dtype``: "auto" (see :meth:`EngineConfig.torch_dtype`) or a name.
 DTYPES = ("auto", *WEIGHT_DTYPES)
+#: The values of ``EngineConfig.quantization`` besides None (see :mod:`tpengine.layers.quantized`).
+QUANTIZATIONS = ("int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,10 @@ class EngineConfig:
     # sampling defaults: "auto" (the model's generation_config.json), "ignore" (tpengine's built-in
     # ones) or a folder holding a generation_config.json (see tpengine/generation_defaults.py)
     generation_config: str = "auto"
+    # weight-only quantization of the column/row-parallel linears, done on the fly at load (CPU):
+    # "int8" (per output channel), "int4" (group 32, scale and zero) or None (float weights);
+    # see tpengine/layers/quantized.py
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, valid: str) -> ValueError:
@@ -111,6 +117,8 @@ class EngineConfig:
             raise bad("dist_timeout_s", "> 0 seconds")
         if self.threads is not None and self.threads < 1:
             raise bad("threads", "an integer >= 1 or unset")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise bad("quantization", f"one of {', '.join(QUANTIZATIONS)} or unset")
         if self.generation_config == "":
             raise bad("generation_config", "auto, ignore or a folder holding a generation_config.json")
 
@@ -144,6 +152,7 @@ def torch_dtype(name: str) -> Any:
 #: Accepted Python types per EngineConfig field (None: may be unset); ints are accepted where floats are.
 FIELD_TYPES: dict[str, tuple] = {
     "model": (str,), "dtype": (str,), "attention_backend": (str,), "generation_config": (str,),
+    "quantization": (str, None),
     "max_model_len": (int, None), "block_size": (int,), "max_num_seqs": (int,), "max_num_batched_tokens": (int, None),
     "num_kv_blocks": (int, None), "threads": (int, None), "seed": (int,),
     "kv_cache_gb": (float, int), "gpu_memory_utilization": (float, int), "dist_timeout_s": (float, int),

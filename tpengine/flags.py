@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from tpengine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES, FIELD_TYPES, EngineConfig
+from tpengine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES, FIELD_TYPES, QUANTIZATIONS, EngineConfig
 from tpengine.kernels import BACKENDS
 
 #: Per EngineConfig field: (help, default shown in --help or None for the field's own default).
@@ -51,6 +51,9 @@ ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {
                           "top_p, top_k, min_p, repetition_penalty, max_new_tokens, do_sample), ignore "
                           "(tpengine's built-in defaults) or a folder holding a generation_config.json; a "
                           "request's fields, flags and the [sampling] table take precedence", None),
+    "quantization": (f"quantize the linear layers' weights at load (CPU): {', '.join(QUANTIZATIONS)} (int8: per "
+                     "output channel; int4: group 32, scale and zero); the embeddings and LM head stay in --dtype",
+                     "none"),
 }
 
 

@@ -28,10 +28,14 @@ from tpengine.checkpoint import (
 )
 from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
+from tpengine.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from tpengine.layers.quantized import QuantizedWeight, QuantScheme, check_quantization, quantize_linear
 from tpengine.plan import ShardPlan
 from tpengine.surgery import build_model, checkpoint_targets, kind_of
 from tpengine.tensor_file import TensorInfo, read_header, read_rows
 
+# the linears --quantization stores quantized (not the embeddings, not the LM head)
+QUANTIZED_LAYERS = (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear)
 # config fields a shard folder must agree on with the config it is launched with
 CHECKED_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                   "num_key_value_heads", "vocab_size", "head_dim", "tie_word_embeddings")
@@ -164,14 +168,18 @@ def _fill(fd: int, info: TensorInfo, dest: torch.Tensor, spec: tuple[int, int, i
 
 
 def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | None, rank: int, tie: bool,
-                 dtype: torch.dtype, device: torch.device, pack: bool) -> int:
+                 dtype: torch.dtype, device: torch.device, pack: bool, quant: QuantScheme | None = None,
+                 reduce_max=None) -> int:
     """Fill every parameter of ``model`` (from :func:`tpengine.surgery.build_model`) from
     ``files``: each checkpoint tensor's byte range for this rank (its ShardPlan slice, or the
     whole tensor when ``plan`` is None: a rank file of a shard folder) is read straight into the
     parameter that keeps it (cast to ``dtype``), so no weight is ever held twice and no file
     stays mapped. With ``pack`` (CPU), each linear layer's weight is replaced by its oneDNN
     layout as soon as all its parts are in (a tied LM head keeps the embedding's plain rows).
-    Returns the bytes of weights held.
+    With ``quant``, each column/row-parallel linear's weight is instead quantized as soon as
+    its parts are in (:func:`tpengine.layers.quantized.quantize_linear`, ``reduce_max`` the
+    all-reduce MAX of int8's row absmax; never packed), and its float weight dropped.
+    Returns the bytes of weights held (quantized ones as stored: values, scales and zeros).
 
     Raises:
         RuntimeError: a weight that appears twice, is never loaded, or has no place in the model.
@@ -184,8 +192,9 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
     done: set[str] = set()
     unexpected: list[str] = []
     head = model.get_output_embeddings()
-    packs = lambda m: pack and hasattr(m, "pack") and not (tie and m is head)  # noqa: E731
-    staging = _Staging() if pack and device.type == "cpu" else None
+    quantizes = lambda m: quant is not None and isinstance(m, QUANTIZED_LAYERS)  # noqa: E731
+    packs = lambda m: pack and hasattr(m, "pack") and not (tie and m is head) and not quantizes(m)  # noqa: E731
+    staging = _Staging() if (pack or quant is not None) and device.type == "cpu" else None
     for path in files:
         infos = read_header(path)
         fd = os.open(path, os.O_RDONLY)
@@ -204,12 +213,16 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
                     kind = kind_of(name, len(info.shape))
                     spec = plan.slice_spec(kind, name.endswith(".bias"), rank)
                 full = None if spec is None else plan.full_size(kind)
-                via = staging if t.attr == "weight" and packs(t.module) else None
+                via = staging if t.attr == "weight" and (packs(t.module) or quantizes(t.module)) else None
                 param = _materialize(t.module, t.attr, dtype, device, via)
                 _fill(fd, info, param.narrow(0, t.start, t.rows), spec, full)
                 done.add(name)
                 left[id(t.module)] -= 1
-                if not left[id(t.module)] and packs(t.module):
+                if not left[id(t.module)] and quantizes(t.module):
+                    quantize_linear(t.module, quant, reduce_max)  # new tensors: the staging buffer is free
+                    if staging is not None:
+                        staging.give_back(t.module)
+                elif not left[id(t.module)] and packs(t.module):
                     if not t.module.pack() and staging is not None:  # no oneDNN: keep the weight, in memory of its own
                         t.module.weight.data = t.module.weight.data.clone()
                     if staging is not None:
@@ -222,23 +235,34 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
     if missing or unexpected:
         raise RuntimeError(f"rank {rank}: weights never loaded {missing}, unexpected {sorted(unexpected)}")
     return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-        getattr(m, "packed_bytes", 0) for m in model.modules())
+        getattr(m, "packed_bytes", 0) for m in model.modules()) + sum(
+        m.nbytes for m in model.modules() if isinstance(m, QuantizedWeight))
+
+
+def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elementwise max over the tp ranks, in place (the default group; loading only)."""
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t
 
 
 def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.float32, pack: bool | None = None,
-               native: bool = True):
+               native: bool = True, quantization: str | None = None):
     """Build and load this rank's model from ``model_dir`` (shard folder or full HF folder).
 
     Returns ``(model, plan, hf_config)``; ``model`` is the HF causal LM rebuilt by
     :func:`tpengine.surgery.build_model`, on ``tp.device`` in ``dtype``, its decoder stack's
     forward taking ``(input_ids [N], positions [N], ctx)``. ``pack`` (default: on the CPU)
     stores linear weights in oneDNN's layout instead of the plain one; ``native`` lets the fused
-    ops use the CPU C kernels. ``model.weight_bytes`` is the bytes of weights this rank holds.
+    ops use the CPU C kernels. ``quantization`` ("int8", "int4" or None) stores the
+    column/row-parallel linears' weights quantized (:mod:`tpengine.layers.quantized`; at tp > 1
+    int8 all-reduces each row-parallel weight's row absmax while loading, so every rank loads
+    the same files in the same order). ``model.weight_bytes`` is the bytes of weights this rank holds.
 
     Raises:
         CheckpointMismatchError: a shard folder for another tp/config or with a bad hash.
         UserError: no folder, a missing or unreadable ``config.json`` or ``manifest.json``
-            (:func:`tpengine.checkpoint.check_model_folder`).
+            (:func:`tpengine.checkpoint.check_model_folder`); ``quantization`` off the CPU, or
+            an int4 group the tp split would cut (:func:`tpengine.layers.quantized.check_quantization`).
         FileNotFoundError: a checkpoint file the folder or its index names is missing.
         RuntimeError: a weight assigned twice or never, or anything left on meta.
     """
@@ -247,11 +271,17 @@ def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.flo
     hf_config = AutoConfig.from_pretrained(model_dir)
     sharded = is_shard_folder(model_dir)
     plan = check_manifest(model_dir, hf_config, tp) if sharded else ShardPlan.build(hf_config, tp.size)
+    quant = None if quantization is None else QuantScheme.of(quantization)
+    if quant is not None:
+        if tp.device.type != "cpu":
+            raise UserError(f"--quantization {quantization} runs on the CPU only in this version, not on {tp.device}")
+        check_quantization(hf_config, tp.size, quant)
     tie = bool(getattr(hf_config, "tie_word_embeddings", False))
     model = build_model(hf_config, plan, tp.rank, dtype, tp.device, native)
     pack = tp.device.type == "cpu" if pack is None else pack
     model.weight_bytes = load_weights(model, rank_files(model_dir, sharded, tp), None if sharded else plan, tp.rank,
-                                      tie, dtype, tp.device, pack)
+                                      tie, dtype, tp.device, pack, quant,
+                                      _all_reduce_max if tp.size > 1 else None)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"rank {tp.rank}: still on the meta device after loading: {left}")

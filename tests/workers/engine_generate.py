@@ -2,7 +2,8 @@
 
 usage: torchrun --nproc_per_node N tests/workers/engine_generate.py OUT.json JOBS.json
 JOBS.json: [{"key": str, "config": {EngineConfig fields}, "requests": [[id, prompt_ids, params]]}]
-params are SamplingParams keyword arguments. Output: {key: {"outputs": [...], "stats": {...}}}.
+params are SamplingParams keyword arguments. Output: {key: {"outputs": [...], "stats": {...},
+"weight_bytes": [per rank]}}.
 A job may instead carry "waves": a list of request lists, each generate()d in turn.
 """
 
@@ -11,7 +12,7 @@ import json
 import sys
 
 from tpengine.config import EngineConfig
-from tpengine.distributed import get_tp, shutdown
+from tpengine.distributed import gather_control, get_tp, shutdown
 from tpengine.engine.llm_engine import LLMEngine
 from tpengine.engine.sampling_params import SamplingParams
 
@@ -34,6 +35,7 @@ def main():
     for job in json.load(open(jobs_path)):
         engine = LLMEngine(EngineConfig(**job["config"]))
         start_free = engine.stats().num_free_blocks if engine.is_driver else None
+        weight_bytes = gather_control(engine.runner.weight_bytes)  # every rank's, on rank 0
         outs = []
         for wave in job.get("waves", [job.get("requests", [])]):
             reqs = [(rid, ids, params(p)) for rid, ids, p in wave]
@@ -43,6 +45,7 @@ def main():
                 "outputs": [as_record(o) for o in outs],
                 "stats": dataclasses.asdict(engine.stats()),
                 "start_free_blocks": start_free,
+                "weight_bytes": weight_bytes,
             }
     if get_tp().is_driver:
         json.dump(results, open(out_path, "w"))

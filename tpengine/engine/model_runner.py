@@ -40,7 +40,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPInfo):
         self.config, self.tp = config, tp
         self.dtype = config.torch_dtype(tp.device)
-        self.model, self.plan, self.hf_config = load_model(config.model, tp, self.dtype, native=config.cpu_kernels)
+        self.model, self.plan, self.hf_config = load_model(config.model, tp, self.dtype, native=config.cpu_kernels,
+                                                             quantization=config.quantization)
         release_free_memory()  # loading's staging buffers and replaced weight layouts
         self.weight_bytes: int = self.model.weight_bytes
         self.backend = get_backend(config.attention_backend, tp.device, native=config.cpu_kernels,

@@ -32,8 +32,13 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     return mkldnn._reorder_linear_weight(weight.detach())
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None = None):
-    """``x @ weight.T + bias``, through oneDNN with the ``packed`` copy of ``weight`` when there is one."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None = None,
+           quant: nn.Module | None = None):
+    """``x @ weight.T + bias``, through oneDNN with the ``packed`` copy of ``weight`` when there is one,
+    or through the ``quant`` kernel (:mod:`tpengine.layers.quantized`) of a quantized weight."""
+    if quant is not None:
+        y = quant(x)
+        return y + bias if bias is not None else y
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -42,10 +47,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
 class _Packable(nn.Module):
     """A layer whose ``weight [out, in]`` may be replaced, once loaded, by its oneDNN layout
     (see the module docstring): :meth:`pack` swaps it in, and ``weight`` becomes None, so the
-    layer never holds its weight twice. ``in_features`` and ``out_features`` keep the shape."""
+    layer never holds its weight twice. ``in_features`` and ``out_features`` keep the shape.
+    With ``--quantization``, ``quant`` holds the weight instead (a
+    :class:`~tpengine.layers.quantized.QuantizedWeight`, set by
+    :func:`~tpengine.layers.quantized.quantize_linear`; such a layer is not packed)."""
 
     packed: torch.Tensor | None = None
     packed_bytes = 0  # the plain layout's bytes of the weight it replaced (oneDNN's may pad a little)
+
+    def __init__(self):
+        super().__init__()
+        self.quant: nn.Module | None = None
 
     def pack(self) -> bool:
         """Replace ``weight`` by its oneDNN-layout copy (:func:`prepack`) where that is available;
@@ -76,7 +88,7 @@ class ColumnParallelLinear(_Packable):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, self.quant)
 
 
 class RowParallelLinear(_Packable):
@@ -95,7 +107,7 @@ class RowParallelLinear(_Packable):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(linear(x, self.weight, None, self.packed))
+        y = all_reduce(linear(x, self.weight, None, self.packed, self.quant))
         return y + self.bias if self.bias is not None else y
 
 
@@ -126,4 +138,4 @@ class MergedColumnParallelLinear(_Packable):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` -> ``[..., sum(sizes)]``, the parts side by side in ``sizes`` order."""
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, self.quant)
