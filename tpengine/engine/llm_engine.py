@@ -42,10 +42,8 @@ def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
     Raises:
         tpengine.errors.UserError: an ``eos_token_id`` that is not a token id >= 0 or a list of them.
     """
-    ids: set[int] = set()
     tok = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(tok, int):
-        ids.add(tok)
+    ids: set[int] = {tok} if isinstance(tok, int) else set()
     for name in ("config.json", "generation_config.json"):
         path = Path(model_dir) / name
         if not path.is_file() or (v := json.loads(path.read_text()).get("eos_token_id")) is None:
