@@ -101,6 +101,10 @@ def jobs_for(models, smollm2_prompts, tp: int) -> list[dict]:
             jobs.append({"key": "llama/seeded", "config": cfg(d), "requests": [sampled, *reqs[1:], *parallel]})
     reqs = [[f"s{i}", p, {**GREEDY, "max_tokens": 64}] for i, p in enumerate(smollm2_prompts)]
     jobs.append({"key": "smollm2", "config": cfg(SMOLLM2_DIR, max_model_len=512, kv_cache_gb=0.2), "requests": reqs})
+    if tp <= 2:  # each forced CPU linear layout (issue 17: whichever the measurement picks)
+        for layout in ("plain", "packed"):
+            jobs.append({"key": f"smollm2/{layout}", "requests": reqs,
+                         "config": cfg(SMOLLM2_DIR, max_model_len=512, kv_cache_gb=0.2, cpu_linear=layout)})
     if tp == 1:  # bfloat16: the decode KV mirror on and off, a batch shrinking 5 -> 1 (both attention branches)
         prompts = tiny_prompts(1001, TINY_LENGTHS)
         reqs = [[f"p{i}", p, {**GREEDY, "max_tokens": 20 + 6 * i, "ignore_eos": True}] for i, p in enumerate(prompts)]
@@ -146,6 +150,15 @@ def test_smollm2_greedy_equals_hf(smollm2_hf, engine_results, tp):
     mismatched = [i for i, want in enumerate(ref) if got[f"s{i}"]["token_ids"] != want]
     assert mismatched == []
     assert "Paris" in got["s0"]["text"]
+
+
+@pytest.mark.parametrize("tp", (1, 2))
+@pytest.mark.parametrize("layout", ("plain", "packed"))
+def test_smollm2_each_cpu_linear_layout_equals_hf(smollm2_hf, engine_results, tp, layout):
+    """float32 with every linear forced to MKL's plain layout or to oneDNN's packed one: both equal
+    HF greedy token for token (so the measured choice cannot change the tokens)."""
+    got = by_id(engine_results[tp][f"smollm2/{layout}"])
+    assert [i for i, want in enumerate(smollm2_hf) if got[f"s{i}"]["token_ids"] != want] == []
 
 
 def test_kv_mirror_does_not_change_tokens(engine_results):

@@ -18,7 +18,7 @@ from typing import Any
 
 from tpengine.engine.sampling_params import SAMPLING_KEYS
 from tpengine.errors import UserError
-from tpengine.kernels import BACKENDS  # the attention backend names, defined with the backends
+from tpengine.kernels import BACKENDS, CPU_LINEAR_CHOICES  # names defined with the kernels
 
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 #: Tokens per step with chunked prefill (the most a prefill or mixed step computes), chosen by the
@@ -68,6 +68,10 @@ class EngineConfig:
     # run time (tpengine/kernels/cpu_native.py; torch ops when there is no C compiler or no AVX512-BF16);
     # false: always torch ops
     cpu_kernels: bool = True
+    # CPU: the layout of the linear weights, per weight shape: "auto" (the faster of plain/MKL and
+    # oneDNN-packed, measured on this machine and cached; tpengine/kernels/linear_layout.py),
+    # "plain" or "packed"
+    cpu_linear: str = "auto"
     dist_timeout_s: float = 60.0
     threads: int | None = None  # intra-op threads per rank; default cores // tp
     seed: int = 0
@@ -119,6 +123,8 @@ class EngineConfig:
             raise bad("threads", "an integer >= 1 or unset")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise bad("quantization", f"one of {', '.join(QUANTIZATIONS)} or unset")
+        if self.cpu_linear not in CPU_LINEAR_CHOICES:
+            raise bad("cpu_linear", f"one of {', '.join(CPU_LINEAR_CHOICES)}")
         if self.generation_config == "":
             raise bad("generation_config", "auto, ignore or a folder holding a generation_config.json")
 
@@ -151,7 +157,7 @@ def torch_dtype(name: str) -> Any:
 
 #: Accepted Python types per EngineConfig field (None: may be unset); ints are accepted where floats are.
 FIELD_TYPES: dict[str, tuple] = {
-    "model": (str,), "dtype": (str,), "attention_backend": (str,), "generation_config": (str,),
+    "model": (str,), "dtype": (str,), "attention_backend": (str,), "generation_config": (str,), "cpu_linear": (str,),
     "quantization": (str, None),
     "max_model_len": (int, None), "block_size": (int,), "max_num_seqs": (int,), "max_num_batched_tokens": (int, None),
     "num_kv_blocks": (int, None), "threads": (int, None), "seed": (int,),

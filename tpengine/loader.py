@@ -28,6 +28,7 @@ from tpengine.checkpoint import (
 )
 from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
+from tpengine.kernels.linear_layout import choose_layouts
 from tpengine.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from tpengine.layers.quantized import QuantizedWeight, QuantScheme, check_quantization, quantize_linear
 from tpengine.plan import ShardPlan
@@ -168,14 +169,15 @@ def _fill(fd: int, info: TensorInfo, dest: torch.Tensor, spec: tuple[int, int, i
 
 
 def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | None, rank: int, tie: bool,
-                 dtype: torch.dtype, device: torch.device, pack: bool, quant: QuantScheme | None = None,
+                 dtype: torch.dtype, device: torch.device, pack, quant: QuantScheme | None = None,
                  reduce_max=None) -> int:
     """Fill every parameter of ``model`` (from :func:`tpengine.surgery.build_model`) from
     ``files``: each checkpoint tensor's byte range for this rank (its ShardPlan slice, or the
     whole tensor when ``plan`` is None: a rank file of a shard folder) is read straight into the
     parameter that keeps it (cast to ``dtype``), so no weight is ever held twice and no file
-    stays mapped. With ``pack`` (CPU), each linear layer's weight is replaced by its oneDNN
-    layout as soon as all its parts are in (a tied LM head keeps the embedding's plain rows).
+    stays mapped. With ``pack`` (CPU; a bool, or a predicate on the layer), each linear layer's weight
+    is replaced by its oneDNN layout as soon as all its parts are in (a tied LM head keeps the
+    embedding's plain rows).
     With ``quant``, each column/row-parallel linear's weight is instead quantized as soon as
     its parts are in (:func:`tpengine.layers.quantized.quantize_linear`, ``reduce_max`` the
     all-reduce MAX of int8's row absmax; never packed), and its float weight dropped.
@@ -193,8 +195,9 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
     unexpected: list[str] = []
     head = model.get_output_embeddings()
     quantizes = lambda m: quant is not None and isinstance(m, QUANTIZED_LAYERS)  # noqa: E731
-    packs = lambda m: pack and hasattr(m, "pack") and not (tie and m is head) and not quantizes(m)  # noqa: E731
-    staging = _Staging() if (pack or quant is not None) and device.type == "cpu" else None
+    wants = pack if callable(pack) else (lambda m: pack)  # noqa: E731
+    packs = lambda m: hasattr(m, "pack") and not (tie and m is head) and not quantizes(m) and wants(m)  # noqa: E731
+    staging = _Staging() if (pack is not False or quant is not None) and device.type == "cpu" else None
     for path in files:
         infos = read_header(path)
         fd = os.open(path, os.O_RDONLY)
@@ -239,6 +242,17 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
         m.nbytes for m in model.modules() if isinstance(m, QuantizedWeight))
 
 
+def _choose_layouts(model: torch.nn.Module, tie: bool, dtype: torch.dtype, setting: str):
+    """The measured or forced layout (:func:`tpengine.kernels.linear_layout.choose_layouts`) of every
+    packable weight shape of ``model`` (still on meta), counting the layers of each shape."""
+    head = model.get_output_embeddings()
+    shapes: dict[tuple[int, int], int] = {}
+    for m in model.modules():
+        if hasattr(m, "pack") and m.weight is not None and not (tie and m is head):
+            shapes[tuple(m.weight.shape)] = shapes.get(tuple(m.weight.shape), 0) + 1
+    return choose_layouts(shapes, dtype, setting)
+
+
 def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     """``t``'s elementwise max over the tp ranks, in place (the default group; loading only)."""
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
@@ -246,13 +260,15 @@ def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
 
 
 def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.float32, pack: bool | None = None,
-               native: bool = True, quantization: str | None = None):
+               native: bool = True, quantization: str | None = None, cpu_linear: str = "auto"):
     """Build and load this rank's model from ``model_dir`` (shard folder or full HF folder).
 
     Returns ``(model, plan, hf_config)``; ``model`` is the HF causal LM rebuilt by
     :func:`tpengine.surgery.build_model`, on ``tp.device`` in ``dtype``, its decoder stack's
-    forward taking ``(input_ids [N], positions [N], ctx)``. ``pack`` (default: on the CPU)
-    stores linear weights in oneDNN's layout instead of the plain one; ``native`` lets the fused
+    forward taking ``(input_ids [N], positions [N], ctx)``. ``pack`` (default: on the CPU) lets
+    linear weights take oneDNN's layout instead of the plain one, per weight shape as
+    ``cpu_linear`` says ("auto": measured, :mod:`tpengine.kernels.linear_layout`; "plain";
+    "packed"; the choices are ``model.linear_layouts``); ``native`` lets the fused
     ops use the CPU C kernels. ``quantization`` ("int8", "int4" or None) stores the
     column/row-parallel linears' weights quantized (:mod:`tpengine.layers.quantized`; at tp > 1
     int8 all-reduces each row-parallel weight's row absmax while loading, so every rank loads
@@ -279,6 +295,10 @@ def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.flo
     tie = bool(getattr(hf_config, "tie_word_embeddings", False))
     model = build_model(hf_config, plan, tp.rank, dtype, tp.device, native)
     pack = tp.device.type == "cpu" if pack is None else pack
+    model.linear_layouts = {}
+    if pack:
+        model.linear_layouts = _choose_layouts(model, tie, dtype, cpu_linear)
+        pack = lambda m: model.linear_layouts[tuple(m.weight.shape)].layout == "packed"  # noqa: E731
     model.weight_bytes = load_weights(model, rank_files(model_dir, sharded, tp), None if sharded else plan, tp.rank,
                                       tie, dtype, tp.device, pack, quant,
                                       _all_reduce_max if tp.size > 1 else None)

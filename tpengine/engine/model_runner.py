@@ -6,6 +6,8 @@ on the positions to sample and its logits are gathered to rank 0.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from tpengine.config import EngineConfig
@@ -14,7 +16,7 @@ from tpengine.distributed import TPInfo, all_reduce_min
 from tpengine.engine.cuda_graphs import CUDAGraphRunner
 from tpengine.engine.step import StepKind, StepPlan
 from tpengine.errors import UserError
-from tpengine.kernels import get_backend
+from tpengine.kernels import get_backend, linear_layout
 from tpengine.loader import load_model
 from tpengine.memory import lazy_zeros
 from tpengine.process import release_free_memory
@@ -41,7 +43,10 @@ class ModelRunner:
         self.config, self.tp = config, tp
         self.dtype = config.torch_dtype(tp.device)
         self.model, self.plan, self.hf_config = load_model(config.model, tp, self.dtype, native=config.cpu_kernels,
-                                                             quantization=config.quantization)
+                                                             quantization=config.quantization,
+                                                             cpu_linear=config.cpu_linear)
+        if tp.rank == 0 and self.model.linear_layouts:
+            print(linear_layout.summary(self.model.linear_layouts, self.dtype), file=sys.stderr, flush=True)
         release_free_memory()  # loading's staging buffers and replaced weight layouts
         self.weight_bytes: int = self.model.weight_bytes
         self.backend = get_backend(config.attention_backend, tp.device, native=config.cpu_kernels,

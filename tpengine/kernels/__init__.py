@@ -10,6 +10,9 @@ from __future__ import annotations
 
 #: attention backend names (``EngineConfig.attention_backend``)
 BACKENDS = ("auto", "torch", "triton")
+#: CPU linear weight layouts (``EngineConfig.cpu_linear``): "auto" measures and chooses per weight
+#: shape, the others force one (:mod:`tpengine.kernels.linear_layout`)
+CPU_LINEAR_CHOICES = ("auto", "plain", "packed")
 
 
 def get_backend(name: str, device, *, native: bool, kv_mirror: bool):

@@ -54,3 +54,12 @@ class AttentionBackend:
         """``q [B, Hq, D]`` -> ``[B, Hq, D]`` over the cached keys; ``mirror``: the layer's per-layer state
         from :meth:`bind_layer` (``module.kv_mirror``), or None."""
         raise NotImplementedError
+
+    def paged_decode(self, module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, scale: float, attn: Any) -> torch.Tensor | None:
+        """A decode step's whole attention for one layer in one call, where the backend has one:
+        RoPE (``cos``, ``sin [B, D]``) on ``q [B, Hq, D]`` and ``k [B, Hkv, D]``, the store of ``k``/``v``
+        into ``module``'s caches, and attention over them -> ``[B, Hq, D]``; None (the default) when
+        it does not take this step or layer, and the caller runs RoPE, :meth:`store_kvcache` and
+        :meth:`decode_attention` instead."""
+        return None

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from tpengine.context import StepIndex
-from tpengine.kernels import cpu_decode, cpu_fused, cpu_prefill
+from tpengine.kernels import cpu_decode, cpu_fused, cpu_paged, cpu_prefill
 from tpengine.kernels import kv_mirror as mirrors
 from tpengine.kernels.backend import AttentionBackend
 from tpengine.kernels.checks import check_cache, check_decode, check_heads, check_slots, check_store, prefill_lengths
@@ -43,8 +43,9 @@ class CPUAttentionMetadata(StepIndex):
 
     ``slot_min``/``slot_max``: bounds of ``slot_mapping`` (host ints; 0/-1 for no tokens);
     prefill: ``cu_q`` (host offsets), ``seqlens_q``/``seqlens_k`` (host lengths); decode:
-    ``min_ctx``/``max_ctx`` (host ints) and ``mirror`` (the step as the KV mirrors see it; None
-    with mirrors off). ``decodes``: in a mixed prefill step, the decode metadata of its leading
+    ``min_ctx``/``max_ctx`` (host ints), ``paged`` (the layers run :mod:`tpengine.kernels.cpu_paged`)
+    and ``mirror`` (the step as the KV mirrors see it; None with mirrors off or ``paged``).
+    ``decodes``: in a mixed prefill step, the decode metadata of its leading
     one-token sequences (decodes over their cache, run through the batched decode path; None
     when there are fewer than two). ``derived``: values every layer shares that depend on the cache geometry
     (gather indices, key masks), computed by the first layer that needs them.
@@ -58,6 +59,7 @@ class CPUAttentionMetadata(StepIndex):
     min_ctx: int = 0
     max_ctx: int = 0
     mirror: mirrors.MirrorStep | None = None
+    paged: bool = False
     decodes: CPUAttentionMetadata | None = None
     derived: dict = field(default_factory=dict)
 
@@ -107,7 +109,10 @@ class CPUAttentionBackend(AttentionBackend):
         else:
             if context_lens.numel():
                 m.min_ctx, m.max_ctx = (int(x) for x in torch.aminmax(context_lens))
-            if self.kv_mirror:
+            m.paged = self.native and slot_mapping.device.type == "cpu"
+            if m.paged:  # the layers' paged C kernel (cpu_paged) reads the cache itself: no mirror kept
+                self.continuity.prefill()
+            elif self.kv_mirror:
                 m.mirror = self.continuity.decode(block_tables, context_lens)
         return m
 
@@ -115,6 +120,14 @@ class CPUAttentionBackend(AttentionBackend):
         """Give ``module`` its own :class:`~tpengine.kernels.kv_mirror.KVMirror` (``module.kv_mirror``;
         None with mirrors off)."""
         module.kv_mirror = mirrors.KVMirror() if self.kv_mirror else None
+
+    def paged_decode(self, module, q, k, v, cos, sin, scale, attn: CPUAttentionMetadata):
+        """:meth:`AttentionBackend.paged_decode` through :func:`tpengine.kernels.cpu_paged.decode`, for a
+        decode step with the C kernels on (``native``) and a float32 or bfloat16 layer it takes."""
+        if not attn.paged or not cpu_paged.available(q.dtype, q.shape[-1], self.native):
+            return None
+        return cpu_paged.decode(q, k, v, cos, sin, module.k_cache, module.v_cache, module.tp_q_to_kv, scale,
+                                attn.slot_mapping, attn.block_tables, attn.context_lens)
 
     def store_kvcache(self, key, value, k_cache, v_cache, attn: CPUAttentionMetadata) -> None:
         """:func:`tpengine.kernels.reference.store_kvcache` at ``attn.slot_mapping``. Raises ValueError

@@ -45,24 +45,6 @@ int64_t tpe_copy_rows(const char *src_a, const char *src_b, int64_t src_stride, 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
-/* exp(x), float32: x = n ln2 + r, |r| <= ln2 / 2, e^r by the Cephes expf polynomial, times 2^n
- * (scalef: overflow to inf, underflow to 0). */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(104.f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* h, x, h_out, y: [rows, n]; w: [n]; x may be NULL (no residual add; h_out unused). */
 void tpe_add_rms_norm(const uint16_t *h, const uint16_t *x, const uint16_t *w, uint16_t *h_out, uint16_t *y,
                       int64_t rows, int64_t n, float eps, int nthreads) {

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_decode.c", "cpu_fused.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_decode.c", "cpu_fused.c", "cpu_paged.c"))
 HEADERS = (Path(__file__).with_name("bf16.h"),)  # included by the sources: part of the cache key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
@@ -37,7 +37,10 @@ _reason: str | None = None  # why the library is unavailable, once a load was tr
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 #: C functions that check their indices and return -1 or the position of the first bad one
-RETURNS_INDEX = ("tpe_copy_rows", "tpe_decode_scores", "tpe_decode_pv")
+RETURNS_INDEX = ("tpe_copy_rows", "tpe_decode_scores", "tpe_decode_pv", "tpe_paged_decode_f32",
+                 "tpe_paged_decode_bf16")
+_PAGED = [_P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _F32, _P,
+          _I64, _I32]
 SIGNATURES = {  # C function -> argument types (all return void but tpe_fast and RETURNS_INDEX)
     "tpe_decode_scores": [_P, _P, _P, _P, _I64, _I64, _I32, _I64, _I32, _F32, _I32],
     "tpe_decode_pv": [_P, _P, _P, _P, _I64, _I64, _I32, _I64, _I32, _I32],
@@ -46,16 +49,23 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_fast and
     "tpe_silu_mul": [_P, _P, _I64, _I64, _I32],
     "tpe_copy_rows": [_P, _P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I32],
     "tpe_causal_softmax": [_P, _I64, _I64, _F32, _I32],
+    "tpe_paged_decode_f32": _PAGED,
+    "tpe_paged_decode_bf16": _PAGED,
 }
 
 
-def _cpu_id() -> str:
+def cpu_id() -> str:
     """The CPU's model and feature flags (part of the cache key: the build uses -march=native)."""
     try:
         info = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return platform.processor()
     return "\n".join(sorted({line for line in info if line.startswith(("model name", "flags"))}))
+
+
+def cache_root() -> Path:
+    """tpengine's cache folder: ``$TPENGINE_CACHE_DIR``, default ``~/.cache/tpengine``."""
+    return Path(os.environ.get("TPENGINE_CACHE_DIR") or Path.home() / ".cache" / "tpengine")
 
 
 def _compiler() -> list[str]:
@@ -87,9 +97,9 @@ def _build(rebuild: bool = False) -> Path:
     compiler, no writable folder, or the compiler's exit status and message on failure)."""
     cc = _compiler()
     parts = [p.read_bytes() for p in SOURCES + HEADERS] + [" ".join(cc + list(FLAGS)).encode(),
-                                                           platform.machine().encode(), _cpu_id().encode()]
+                                                           platform.machine().encode(), cpu_id().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    root = Path(os.environ.get("TPENGINE_CACHE_DIR") or Path.home() / ".cache" / "tpengine")
+    root = cache_root()
     for folder, private in ((root, False), (Path(tempfile.gettempdir()) / f"tpengine-{os.getuid()}", True)):
         lib = folder / f"cpu_kernels-{key}.so"
         if lib.exists() and not rebuild:

@@ -28,3 +28,14 @@ def paged_attention(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
         return be.prefill_attention(q, k, v, k_cache, v_cache, module.tp_q_to_kv, scaling, attn)
     return be.decode_attention(q, k_cache, v_cache, module.tp_q_to_kv, scaling, attn,
                                getattr(module, "kv_mirror", None))
+
+
+def paged_decode(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 scaling: float, ctx: Context) -> torch.Tensor | None:
+    """A decode step's RoPE, KV store and attention in one backend call
+    (:meth:`tpengine.kernels.backend.AttentionBackend.paged_decode`), or None where the backend has
+    none for this step: then the caller applies RoPE and calls :func:`paged_attention`. Shapes as
+    there, with ``cos``, ``sin [B, D]``; ``q`` and ``k`` are rotated in place."""
+    if ctx.is_prefill:
+        return None
+    return ctx.backend.paged_decode(module, q, k, v, cos, sin, scaling, ctx.attn)

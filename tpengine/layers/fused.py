@@ -23,7 +23,7 @@ from torch import nn
 
 from tpengine.context import Context
 from tpengine.kernels import cpu_fused
-from tpengine.layers.attention import paged_attention
+from tpengine.layers.attention import paged_attention, paged_decode
 from tpengine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -67,6 +67,9 @@ class FusedAttention(nn.Module):
         qk, v = qkv[..., : hq + hkv, :], qkv[..., hq + hkv :, :]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[..., :hq, :]), self.k_norm(qk[..., hq:, :])), dim=-2)
+        out = paged_decode(self, qk[..., :hq, :], qk[..., hq:, :], v, *position_embeddings, self.scaling, ctx)
+        if out is not None:  # CPU decode: RoPE, KV store and attention in one C call
+            return self.o_proj(out.flatten(-2))
         qk = cpu_fused.rope_(qk, *position_embeddings, self.native)  # CPU bfloat16: one C kernel, in place
         q, k = qk[..., :hq, :], qk[..., hq:, :]
         out = paged_attention(self, q, k, v, self.scaling, ctx)

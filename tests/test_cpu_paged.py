@@ -1,0 +1,103 @@
+"""The paged decode C kernel (tpengine/kernels/cpu_paged.c): RoPE, KV store and attention of one
+layer's decode step in one call, against the torch oracle (tpengine.kernels.reference) and the
+torch path's RoPE, in float32 and bfloat16, with the kernel-test shapes (GQA, uneven and
+replicated KV-head maps, block boundaries, a padding row)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import CONFIGS, DECODE_LENS, _cache, _gen, _slot
+
+from tpengine.kernels import cpu_native, cpu_paged
+from tpengine.kernels import reference as ref
+
+pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="CPU C kernels unavailable here")
+
+
+def rope(x, cos, sin):
+    """HF's ``x * cos + rotate_half(x) * sin`` per head, in x's dtype: ``x [B, H, D]``, ``cos [B, D]``."""
+    h = x.shape[-1] // 2
+    rot = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    return x * cos[:, None] + rot * sin[:, None]
+
+
+def case(d, bs, q_to_kv, dtype, seed=0):
+    g = _gen(seed)
+    hq, hkv = len(q_to_kv), max(q_to_kv) + 1
+    kc, vc, bt = _cache(DECODE_LENS, bs, hkv, d, g)
+    b = len(DECODE_LENS)
+    qkv = torch.randn(b, hq + 2 * hkv, d, generator=g).to(dtype)  # the fused q/k/v GEMM output
+    pos = torch.tensor([max(n - 1, 0) for n in DECODE_LENS])
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.cat([pos[:, None] * inv] * 2, dim=-1)
+    slots = torch.tensor([_slot(bt, i, n - 1, bs) if n else -1 for i, n in enumerate(DECODE_LENS)])
+    return (qkv, ang.cos().to(dtype), ang.sin().to(dtype), kc.to(dtype), vc.to(dtype), bt, slots,
+            torch.tensor(DECODE_LENS), torch.tensor(q_to_kv))
+
+
+def views(qkv, hq, hkv):
+    return qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("d, bs, q_to_kv", CONFIGS)
+def test_paged_decode_equals_rope_store_and_reference_attention(d, bs, q_to_kv, dtype):
+    qkv, cos, sin, kc, vc, bt, slots, lens, qkv_map = case(d, bs, q_to_kv, dtype)
+    hq, hkv = len(q_to_kv), max(q_to_kv) + 1
+    # the oracle: torch RoPE, the reference store, the reference attention (float32 math)
+    q0, k0, v0 = (x.clone() for x in views(qkv, hq, hkv))
+    q0, k0 = rope(q0, cos, sin), rope(k0, cos, sin)
+    kc0, vc0 = kc.clone(), vc.clone()
+    ref.store_kvcache(k0, v0, kc0, vc0, slots)
+    want = ref.decode_attention(q0.float(), kc0.float(), vc0.float(), bt, lens, qkv_map, d ** -0.5)
+
+    q, k, v = views(qkv, hq, hkv)
+    out = cpu_paged.decode(q, k, v, cos, sin, kc, vc, qkv_map, d ** -0.5, slots, bt, lens)
+    assert out.shape == (len(DECODE_LENS), hq, d) and out.dtype == dtype
+    # RoPE in place, op by op as torch rounds it; the cache written exactly
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), want, **tol)
+    assert torch.equal(out[DECODE_LENS.index(0)], torch.zeros(hq, d, dtype=dtype))  # padding row
+
+
+def test_paged_decode_without_rope_and_bfloat16_matches_the_torch_decode_path():
+    """bfloat16 without RoPE against the CPU backend's own C decode path (the arithmetic it
+    replaces): bf16-rounded scores and probabilities, float32 accumulation."""
+    from kernel_cases import cpu_decode
+
+    qkv, _, _, kc, vc, bt, slots, lens, qkv_map = case(64, 16, [0, 0, 0, 1, 1, 1], torch.bfloat16, seed=4)
+    q, k, v = views(qkv, 6, 2)
+    none = torch.full_like(slots, -1)
+    out = cpu_paged.decode(q, k, v, None, None, kc, vc, qkv_map, 0.125, none, bt, lens)
+    want = cpu_decode(q.contiguous(), kc, vc, bt, lens, qkv_map, 0.125)
+    assert (out.float() - want.float()).abs().max().item() <= 2 ** -7 * want.float().abs().max().item()
+
+
+def test_paged_decode_bad_indices_raise_before_anything_is_written():
+    qkv, cos, sin, kc, vc, bt, slots, lens, qkv_map = case(64, 16, [0, 1], torch.float32)
+    q, k, v = views(qkv, 2, 2)
+    nb, bs = kc.shape[:2]
+    before = (qkv.clone(), kc.clone(), vc.clone())
+
+    def run(s=slots, t=bt, n=lens):
+        with pytest.raises(IndexError) as e:
+            cpu_paged.decode(q, k, v, cos, sin, kc, vc, qkv_map, 0.125, s, t, n)
+        assert torch.equal(kc, before[1]) and torch.equal(vc, before[2])
+        return str(e.value)
+
+    bad = slots.clone()
+    bad[2] = nb * bs
+    assert run(s=bad) == f"paged decode: slot_mapping[2] = {nb * bs} is out of range; valid: [-1, {nb * bs})"
+    long = lens.clone()
+    long[1] = bt.shape[1] * bs + 1
+    assert run(n=long) == (f"paged decode: context_lens[1] = {bt.shape[1] * bs + 1} is out of range; valid: "
+                           f"[0, {bt.shape[1] * bs}]")
+    table = bt.clone()
+    table[3, 0] = nb
+    assert run(t=table) == (f"paged decode: block_tables[3] = {table[3].tolist()} is out of range; valid: "
+                            f"[0, {nb}) for the blocks a sequence's length covers")
+    with pytest.raises(ValueError, match=r"k_cache must be contiguous"):
+        cpu_paged.decode(q, k, v, cos, sin, kc.transpose(0, 1), vc, qkv_map, 0.125, slots, bt, lens)

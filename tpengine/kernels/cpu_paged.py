@@ -1,0 +1,83 @@
+"""Paged decode attention on CPU in one C call per layer (``cpu_paged.c``, built by
+:mod:`tpengine.kernels.cpu_native`): RoPE on the new query and key heads, the new keys and values
+stored at their slots, and attention over each sequence's cached keys read through its block
+table -- the store, gather, two products and softmax of the torch path
+(:mod:`tpengine.kernels.cpu_attention`) without a contiguous copy of the context and without a
+dispatch per op. float32 and bfloat16; the arithmetic is described in ``cpu_paged.c``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpengine.kernels import cpu_native
+
+MAX_D = 256  # the C code keeps one query head in registers: 16 vectors of 16 floats
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def available(dtype: torch.dtype, head_dim: int, native: bool) -> bool:
+    """Whether :func:`decode` takes a layer of this dtype and head size: ``native``
+    (``EngineConfig.cpu_kernels``), float32 or bfloat16, ``head_dim % 16 == 0`` and ``<= 256``, and
+    the C library loads."""
+    return (native and dtype in DTYPES and head_dim % 16 == 0 and head_dim <= MAX_D
+            and cpu_native.load() is not None)
+
+
+def _rows(name: str, t: torch.Tensor, heads: int, d: int, dtype: torch.dtype) -> int:
+    """``t [B, heads, D]`` with unit element stride and heads ``D`` apart; returns its row stride."""
+    if t.dtype != dtype or t.dim() != 3 or t.shape[1:] != (heads, d) or t.stride(2) != 1 or t.stride(1) != d:
+        raise ValueError(f"paged decode: {name} must be [B, {heads}, {d}] {dtype} with heads {d} elements apart; "
+                         f"got {t.dtype} {tuple(t.shape)} strides {tuple(t.stride())}")
+    return t.stride(0)
+
+
+def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+           k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor, scale: float,
+           slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """One decode step of one layer. ``q [B, Hq, D]``, ``k``/``v [B, Hkv, D]`` (views into the q/k/v
+    GEMM output are fine: any row stride; RoPE is applied to ``q`` and ``k`` IN PLACE when ``cos``,
+    ``sin [B, D]`` are given), caches ``[num_blocks, block_size, Hkv, D]`` contiguous, ``q_to_kv
+    [Hq]``, ``slot_mapping [B]`` (-1: not stored), ``block_tables [B, max_blocks]``, ``context_lens
+    [B]`` (int64; the new token included; 0: a padding row, output zero). Returns ``[B, Hq, D]``.
+
+    Raises:
+        ValueError: a shape, dtype or layout mismatch.
+        IndexError: a slot, length or block id out of range (checked before anything is written).
+    """
+    lib = cpu_native.load()
+    if lib is None:
+        raise RuntimeError(f"CPU C kernels unavailable: {cpu_native.unavailable_reason()}")
+    dtype, (b, hq, d) = q.dtype, q.shape
+    nb, bs, hkv, _ = k_cache.shape
+    if dtype not in DTYPES or d % 16 or d > MAX_D:
+        raise ValueError(f"paged decode: float32 or bfloat16 with head size % 16 == 0 and <= {MAX_D}; got {dtype}, {d}")
+    qs, ks, vs = _rows("q", q, hq, d, dtype), _rows("k", k, hkv, d, dtype), _rows("v", v, hkv, d, dtype)
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"paged decode: q, k, v must have the same B; got {b}, {k.shape[0]}, {v.shape[0]}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != dtype or t.shape != (nb, bs, hkv, d) or not t.is_contiguous():
+            raise ValueError(f"paged decode: {name} must be contiguous [{nb}, {bs}, {hkv}, {d}] {dtype}; got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    if cos is not None and not (cos.dtype == sin.dtype == dtype and cos.shape == sin.shape == (b, d)
+                                and cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError(f"paged decode: cos and sin must be contiguous [{b}, {d}] {dtype}; got {tuple(cos.shape)}")
+    idx = [t.contiguous() for t in (slot_mapping, block_tables, context_lens, q_to_kv)]
+    if any(t.dtype != torch.int64 for t in idx) or idx[0].shape != (b,) or idx[2].shape != (b,) \
+            or idx[1].dim() != 2 or idx[1].shape[0] != b or idx[3].shape != (hq,):
+        raise ValueError(f"paged decode: int64 slot_mapping [{b}], block_tables [{b}, max_blocks], context_lens "
+                         f"[{b}], q_to_kv [{hq}]; got {[(t.dtype, tuple(t.shape)) for t in idx]}")
+    out = torch.empty(b, hq, d, dtype=dtype)
+    fn = lib.tpe_paged_decode_f32 if dtype == torch.float32 else lib.tpe_paged_decode_bf16
+    bad = fn(q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, None if cos is None else cos.data_ptr(),
+             None if sin is None else sin.data_ptr(), idx[0].data_ptr(), idx[1].data_ptr(), idx[1].shape[1],
+             idx[2].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), nb, bs, idx[3].data_ptr(), hq, hkv, d, scale,
+             out.data_ptr(), b, torch.get_num_threads())
+    if bad >= 0:
+        i, what = bad % b, ("slot_mapping", "context_lens", "block_tables")[bad // b]
+        valid = {"slot_mapping": f"[-1, {nb * bs})", "context_lens": f"[0, {idx[1].shape[1] * bs}]",
+                 "block_tables": f"[0, {nb}) for the blocks a sequence's length covers"}[what]
+        value = idx[1][i].tolist() if what == "block_tables" else int(idx[("slot_mapping", "context_lens").index(what)
+                                                                                 * 2][i])
+        raise IndexError(f"paged decode: {what}[{i}] = {value} is out of range; valid: {valid}")
+    return out
