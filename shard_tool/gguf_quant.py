@@ -1,0 +1,191 @@
+"""GGUF Q4_1 / Q8_0 blocks -> tpengine's quantized checkpoint tensors, without going through float.
+
+``tpengine-shard convert --keep-quant`` writes the GGUF's quantized weights in the on-disk format
+of notes/quant-format.md (``P.qweight`` / ``P.scales`` / ``P.zeros`` instead of ``P.weight``, and
+``quantization.json``), so the engine runs the very weights llama.cpp runs.
+
+Block layouts (ggml-common.h, ``block_q4_1`` / ``block_q8_0``; gguf-py's ``quants.py``), 32
+weights a block along the input dimension:
+
+- Q4_1, 20 bytes: fp16 ``d``, fp16 ``m``, 16 bytes of nibbles (weight ``i`` in the low nibble of
+  byte ``i`` for i < 16, weight ``16 + i`` in its high nibble); ``w = d * q + m``, q in 0..15.
+  As int4 ("mid" convention ``w = (q - 8) * scale + zero``): ``scale = d``, ``zero = m + 8 * d``,
+  q unchanged, repacked two a byte (weight ``2j`` low, ``2j + 1`` high).
+- Q8_0, 34 bytes: fp16 ``d``, 32 int8 ``q``; ``w = d * q``. As grouped int8: g = 32, ``scales = d``.
+
+Names and row order are those transformers' GGUF loader gives the dequantised tensors
+(``get_gguf_hf_weights_map`` and the architecture's ``TensorProcessor``, e.g. Llama's reversal of
+llama.cpp's Q/K row permutation): the processor is run on a tensor of block indices, so the same
+rearrangement moves whole blocks, and anything other than a permutation of whole rows is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tpengine.errors import UserError
+
+#: Weights a GGUF Q4_1 / Q8_0 block holds (QK4_1 = QK8_0 = 32).
+GROUP_SIZE = 32
+#: Float GGUF tensor types, written as float32 tensors (as the dequantising convert does).
+FLOAT_TYPES = ("F32", "F16", "BF16")
+#: Quantized GGUF tensor types --keep-quant imports, and the tpengine scheme each becomes.
+SCHEMES = {"Q4_1": "int4", "Q8_0": "int8"}
+QUANT_FILE = "quantization.json"
+
+
+@dataclass(frozen=True)
+class QuantTensors:
+    """One quantized weight in the on-disk format: ``qweight`` uint8 [out, in // 2] (int4, two
+    weights a byte) or int8 [out, in]; ``scales`` (and for int4 ``zeros``) float32 [out, in // 32]."""
+
+    scheme: str
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None = None
+
+    def rows(self, perm: np.ndarray) -> QuantTensors:
+        """The same weight with its output rows reordered: row ``r`` of the result is row ``perm[r]``."""
+        idx = torch.from_numpy(np.ascontiguousarray(perm, dtype=np.int64))
+        zeros = None if self.zeros is None else self.zeros[idx].contiguous()
+        return QuantTensors(self.scheme, self.qweight[idx].contiguous(), self.scales[idx].contiguous(), zeros)
+
+    def named(self, weight_name: str) -> dict[str, torch.Tensor]:
+        """The tensors stored for HF weight ``weight_name``: ``P.weight`` -> ``P.qweight``,
+        ``P.scales`` (and ``P.zeros``)."""
+        base = weight_name.removesuffix(".weight")
+        out = {f"{base}.qweight": self.qweight, f"{base}.scales": self.scales}
+        if self.zeros is not None:
+            out[f"{base}.zeros"] = self.zeros
+        return out
+
+
+def _blocks(data: np.ndarray, block_bytes: int) -> np.ndarray:
+    """GGUF row bytes uint8 [rows, n_blocks * block_bytes] -> [rows, n_blocks, block_bytes]."""
+    rows, nbytes = data.shape
+    return np.ascontiguousarray(data).reshape(rows, nbytes // block_bytes, block_bytes)
+
+
+def q4_1_to_int4(data: np.ndarray) -> QuantTensors:
+    """Q4_1 blocks uint8 [out, (in / 32) * 20] -> int4: qweight uint8 [out, in / 2], scales = d and
+    zeros = m + 8 d, float32 [out, in / 32]. Integer repacking only; ``m + 8 d`` is the one float
+    operation (8 d is exact; the sum of two fp16 values is exact in float32 unless their exponents
+    lie more than 13 apart)."""
+    b = _blocks(data, 20)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = b[..., 4:20]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [out, nb, 32]: weights 0..15, then 16..31
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).reshape(b.shape[0], -1)  # weight 2j low, 2j+1 high
+    zeros = m + np.float32(8) * d
+    return QuantTensors("int4", torch.from_numpy(packed), torch.from_numpy(d), torch.from_numpy(zeros))
+
+
+def q8_0_to_int8(data: np.ndarray) -> QuantTensors:
+    """Q8_0 blocks uint8 [out, (in / 32) * 34] -> grouped int8: qweight int8 [out, in], scales = d
+    float32 [out, in / 32]. No float arithmetic (fp16 -> float32 is exact)."""
+    b = _blocks(data, 34)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = b[..., 2:34].copy().view(np.int8).reshape(b.shape[0], -1)
+    return QuantTensors("int8", torch.from_numpy(q), torch.from_numpy(d))
+
+
+def block_row_permutation(processor, gguf_name: str, rows: int, n_blocks: int, **kwargs) -> np.ndarray | None:
+    """The row permutation transformers' ``processor`` applies to GGUF tensor ``gguf_name``
+    ([rows, n_blocks * 32] once dequantised): ``None`` when it leaves the rows alone, else
+    ``perm`` with result row ``r`` = GGUF row ``perm[r]``. Found by processing a [rows, n_blocks]
+    array of block indices in place of the weights.
+
+    Raises:
+        UserError: the processor renames the tensor or rearranges anything but whole rows.
+    """
+    idx = np.arange(rows * n_blocks, dtype=np.int64).reshape(rows, n_blocks)
+    res = processor.process(weights=idx, name=gguf_name, **kwargs)
+    out = None if res is None else np.asarray(res.weights)
+    if res is None or res.name != gguf_name or out.shape != idx.shape:
+        raise UserError(f"--keep-quant cannot import {gguf_name!r}: transformers' {type(processor).__name__} "
+                        "reshapes or renames it; convert without --keep-quant")
+    perm = out[:, 0] // n_blocks
+    if not np.array_equal(out, idx[perm]):
+        raise UserError(f"--keep-quant cannot import {gguf_name!r}: transformers' {type(processor).__name__} "
+                        "rearranges it within rows; convert without --keep-quant")
+    return None if np.array_equal(perm, np.arange(rows)) else perm
+
+
+def _check_type(name: str, hf_name: str, type_name: str, shape: tuple[int, ...]) -> None:
+    """Raise a UserError for a GGUF tensor --keep-quant cannot import."""
+    if type_name in FLOAT_TYPES:
+        return
+    if type_name not in SCHEMES:
+        raise UserError(
+            f"GGUF tensor {name!r} ({hf_name}) is {type_name}: --keep-quant imports Q4_1 and Q8_0 blocks "
+            f"(and {', '.join(FLOAT_TYPES)} tensors as float32); convert without --keep-quant to dequantize "
+            "it to float32")
+    if len(shape) != 2 or not hf_name.endswith(".weight"):
+        raise UserError(f"GGUF tensor {name!r} ({hf_name}) is {type_name} with shape {list(shape)}: --keep-quant "
+                        "imports quantized 2-D weights only; convert without --keep-quant")
+
+
+def write_keep_quant_weights(gguf_file: Path, model, folder: Path) -> dict[str, dict]:
+    """Write ``folder/model.safetensors`` and ``folder/quantization.json`` from ``gguf_file``:
+    Q4_1 / Q8_0 weights as int4 / int8 (group 32), float tensors as float32, under the HF names of
+    ``model`` (a transformers model, e.g. on the meta device, built from the GGUF's config).
+    The tied LM head (no ``output.weight`` in the GGUF) is not written, as ``save_pretrained``
+    does not write it. Returns the ``weights`` table of quantization.json.
+
+    Raises:
+        UserError: a tensor of another quantized type (Q4_K, Q6_K, ...), a quantized tensor that
+            is not a 2-D weight, a processor that rearranges more than rows, or an HF weight the
+            GGUF lacks.
+    """
+    from gguf import GGUFReader, dequantize
+    from safetensors.torch import save_file
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        read_field,
+    )
+
+    reader = GGUFReader(str(gguf_file))
+    architecture = read_field(reader, "general.architecture")[0]
+    # model.config is what AutoConfig made of the GGUF's parsed config (the processor's input in
+    # load_gguf_checkpoint), under the same HF keys (num_attention_heads, num_key_value_heads, ...).
+    parsed = {"config": model.config.to_dict(), "tensors": {}}
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+    name_map = get_gguf_hf_weights_map(model, processor)
+    kwargs = {"tensor_key_mapping": name_map, "parsed_parameters": parsed}
+
+    mapped = [t for t in reader.tensors if t.name in name_map]
+    for t in mapped:
+        _check_type(t.name, name_map[t.name], t.tensor_type.name, tuple(int(s) for s in t.shape))
+    tensors: dict[str, torch.Tensor] = {}
+    weights: dict[str, dict] = {}
+    for t in mapped:
+        hf_name, type_name = name_map[t.name], t.tensor_type.name
+        if type_name in FLOAT_TYPES:
+            res = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name, **kwargs)
+            tensors[hf_name] = torch.from_numpy(np.copy(res.weights)).to(torch.float32)
+            continue
+        quant = q4_1_to_int4(t.data) if type_name == "Q4_1" else q8_0_to_int8(t.data)
+        perm = block_row_permutation(processor, t.name, quant.scales.shape[0], quant.scales.shape[1], **kwargs)
+        if perm is not None:
+            quant = quant.rows(perm)
+        tensors.update(quant.named(hf_name))
+        weights[hf_name] = {"scheme": quant.scheme, "group_size": GROUP_SIZE}
+
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    written = {n.removesuffix(".qweight") + ".weight" if n.endswith(".qweight") else n for n in tensors}
+    missing = [n for n in model.state_dict() if n not in written and not (tied and n == "lm_head.weight")]
+    if missing:
+        raise UserError(f"GGUF file {str(gguf_file)!r} has no tensor for {', '.join(missing)}; "
+                        "--keep-quant writes only what the file holds")
+    save_file(tensors, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
+    table = {"quant_method": "tpengine", "format_version": 1, "weights": weights}
+    (Path(folder) / QUANT_FILE).write_text(json.dumps(table, indent=2) + "\n")
+    return weights
