@@ -339,7 +339,10 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
         finally:
             os.close(fd)
     if tie:
-        head.weight = model.get_input_embeddings().weight
+        emb = model.get_input_embeddings()
+        head.weight = emb.weight
+        if getattr(emb, "quant", None) is not None:  # a stored quantized tied embedding: one storage for both
+            head.quant = emb.quant
     missing = sorted(set(wanted) - done)
     if missing or unexpected:
         raise RuntimeError(f"rank {rank}: weights never loaded {missing}, unexpected {sorted(unexpected)}")
