@@ -1,7 +1,6 @@
-"""The on-disk format of quantized checkpoints (docs/notes/quant-format.md, docs/design.md
-"Quantized weights"): ``quantization.json``, the stored parts of a quantized weight, how
-tensor parallelism slices them, and building the in-memory
-:class:`~tpengine.layers.quantized.QuantizedWeight` from them.
+"""The on-disk format of quantized checkpoints (docs/design.md, "Quantized weights"):
+``quantization.json``, the stored parts of a quantized weight, how tensor parallelism slices
+them, and building the in-memory :class:`~tpengine.layers.quantized.QuantizedWeight` from them.
 
 A quantized 2-D weight ``P.weight [out, in]`` is stored instead as
 
