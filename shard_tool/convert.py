@@ -18,7 +18,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path, force: bool = False, keep_quant
 
     With ``keep_quant`` the folder is the same except that model.safetensors holds the Q4_1 /
     Q8_0 weights as int4 / int8 (group 32) read straight from the GGUF blocks, listed in
-    quantization.json (format: notes/quant-format.md; :mod:`shard_tool.gguf_quant`).
+    quantization.json (format: docs/notes/quant-format.md; :mod:`shard_tool.gguf_quant`).
 
     Raises:
         UserError: ``gguf_file`` is missing / not a .gguf file, or ``out_dir`` exists

@@ -1,7 +1,7 @@
 """GGUF Q4_1 / Q8_0 blocks -> tpengine's quantized checkpoint tensors, without going through float.
 
 ``tpengine-shard convert --keep-quant`` writes the GGUF's quantized weights in the on-disk format
-of notes/quant-format.md (``P.qweight`` / ``P.scales`` / ``P.zeros`` instead of ``P.weight``, and
+of docs/notes/quant-format.md (``P.qweight`` / ``P.scales`` / ``P.zeros`` instead of ``P.weight``, and
 ``quantization.json``), so the engine runs the very weights llama.cpp runs.
 
 Block layouts (ggml-common.h, ``block_q4_1`` / ``block_q8_0``; gguf-py's ``quants.py``), 32

@@ -44,15 +44,21 @@ def weight_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     }
 
 
-def rank_bytes(plan: Any, shapes: dict[str, tuple[int, ...]], dtype: str) -> list[int]:
+def rank_bytes(plan: Any, shapes: dict[str, tuple[int, ...]], dtype: str, quantized: dict | None = None) -> list[int]:
     """Weight bytes each rank holds (shard shapes from ``plan.slice_spec``, vocab padding
-    included), for tensors of ``shapes`` stored as ``dtype``."""
+    included), for tensors of ``shapes`` stored as ``dtype``; a weight in ``quantized`` (name ->
+    :class:`~tpengine.quant_checkpoint.QuantEntry`) as its quantized storage in memory: its
+    qweight (int4: two values a byte, rows padded to the kernel's multiple of 16) and its
+    scales (and zeros) in ``dtype``."""
     from tpengine.surgery import kind_of
 
     out = []
     for r in range(plan.tp_size):
         total = 0
         for name, shape in shapes.items():
+            if quantized and name in quantized:
+                total += _quant_bytes(plan, kind_of(name, len(shape)), quantized[name], r, DTYPE_BYTES[dtype])
+                continue
             spec = plan.slice_spec(kind_of(name, len(shape)), name.endswith(".bias"), r)
             local = list(shape)
             if spec is not None:
@@ -63,6 +69,19 @@ def rank_bytes(plan: Any, shapes: dict[str, tuple[int, ...]], dtype: str) -> lis
             total += numel * DTYPE_BYTES[dtype]
         out.append(total)
     return out
+
+
+def _quant_bytes(plan: Any, kind: str, entry: Any, rank: int, scale_bytes: int) -> int:
+    """Bytes rank ``rank`` holds of one quantized ``kind`` weight (see :func:`rank_bytes`)."""
+    from tpengine.layers.quantized import INT4_ROW_MULTIPLE
+    from tpengine.quant_checkpoint import local_shapes
+
+    total = 0
+    for part, (dt, (rows, cols)) in local_shapes(plan, kind, entry, rank).items():
+        if entry.scheme == "int4":
+            rows = -(-rows // INT4_ROW_MULTIPLE) * INT4_ROW_MULTIPLE
+        total += rows * cols * (dt.itemsize if part == "qweight" else scale_bytes)
+    return total
 
 
 def _rng(a: tuple[int, int]) -> str:
@@ -82,7 +101,8 @@ def info(
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="sequences per step (LM-head logits)")] = 64,
     block_size: Annotated[int, typer.Option("--block-size", help="KV cache block size in tokens")] = 16,
 ) -> None:
-    """Print the ShardPlan as a table (ranges are half-open start:end), or the valid TP sizes."""
+    """Print the ShardPlan as a table (ranges are half-open start:end), or the valid TP sizes; for a
+    quantized folder, its quantization and the quantized weight bytes."""
     from rich.console import Console
     from rich.table import Table
 
@@ -98,27 +118,36 @@ def info(
             plan = ShardPlan.build(config, tp)  # ValueError names the head count and tp
         dtype = dtype or config_dtype(config)
         shapes = weight_shapes(config)
+        from tpengine.quant_checkpoint import describe_table, read_table
+
+        quantized = read_table(model_dir)  # UserError: a broken quantization table
     console.print(
         f"{getattr(config, 'model_type', '?')}: {d['num_heads']} query heads, {d['num_kv_heads']} KV heads, "
         f"head_dim {d['head_dim']}, hidden {d['hidden_size']}, intermediate {d['intermediate_size']}, "
         f"vocab {d['vocab_size']}, {getattr(config, 'num_hidden_layers', '?')} layers, dtype {dtype}"
     )
+    if quantized:
+        console.print(f"quantized: {describe_table(quantized)} (the rest {dtype})")
     if tp is None:
         table = Table("tp", "q heads/rank", "kv heads/rank", "padded vocab", "max MiB/rank", box=None)
         for size in ShardPlan.valid_tp_sizes(config):
             p = ShardPlan.build(config, size)
-            nbytes = rank_bytes(p, shapes, dtype)
+            try:
+                mib = f"{max(rank_bytes(p, shapes, dtype, quantized)) / 2**20:.2f}"
+            except UserError:  # a row split off the quantization's group boundaries
+                mib = "cuts groups"
             table.add_row(
                 str(size),
                 ",".join(str(rp.num_q_heads) for rp in p.ranks),
                 ",".join(str(rp.num_kv_heads) for rp in p.ranks),
                 str(p.padded_vocab_size),
-                f"{max(nbytes) / 2**20:.2f}",
+                mib,
             )
         console.print(f"valid TP sizes: 1..{d['num_heads']}")
         console.print(table)
         return
-    nbytes = rank_bytes(plan, shapes, dtype)
+    with user_errors():
+        nbytes = rank_bytes(plan, shapes, dtype, quantized)
     table = Table(
         "rank", "q heads", "#q", "kv heads", "#kv", "q->kv (local)", "intermediate", "vocab",
         "weight bytes", "MiB", box=None, title=f"tp={tp}, padded vocab {plan.padded_vocab_size}",

@@ -1,8 +1,10 @@
-"""``tpengine-shard split MODEL_DIR --tp N --out DIR``: HF folder -> per-rank safetensors.
+"""``tpengine-shard split MODEL_DIR --tp N --out DIR [--quantize int8|int4]``: HF folder ->
+per-rank safetensors.
 
 Every shard is cut by :meth:`tpengine.plan.ShardPlan.shard` with the kind from
-:func:`tpengine.surgery.kind_of`; this module holds no partition math. Output layout: see
-docs/design.md, "Per-rank checkpoint layout".
+:func:`tpengine.surgery.kind_of`, and every stored part of a quantized weight by
+:func:`tpengine.quant_checkpoint.slice_part`; this module holds no partition math. Output
+layout: see docs/design.md, "Per-rank checkpoint layout" and "Quantized weights".
 """
 
 from __future__ import annotations
@@ -57,10 +59,45 @@ def _tied_skip(model_dir: Path, files: dict[str, list[str]], tied: bool) -> set[
     return {head[1]}
 
 
+def quantize_entry(config: Any, tp_size: int, quantize: str | None, group_size: int | None):
+    """The :class:`~tpengine.quant_checkpoint.QuantEntry` of ``split --quantize`` (None without
+    it): int8 per output channel, or int4 with ``group_size`` (default 32).
+
+    Raises:
+        UserError: an unknown scheme or int4 group size, ``group_size`` with int8, or an int4
+            group the tp split would cut (:func:`tpengine.layers.quantized.check_quantization`).
+    """
+    from tpengine.layers.quantized import QuantScheme, check_quantization
+    from tpengine.quant_checkpoint import QuantEntry
+
+    if quantize is None:
+        if group_size is not None:
+            raise UserError("--group-size is given without --quantize int4")
+        return None
+    if quantize == "int8" and group_size is not None:
+        raise UserError(f"--group-size {group_size} applies to --quantize int4 only (int8 has one scale per "
+                        "output channel)")
+    try:
+        scheme = QuantScheme.of(quantize, group_size)
+    except ValueError as e:
+        raise UserError(str(e).replace("invalid quantization", "invalid --quantize")) from None
+    check_quantization(config, tp_size, scheme)
+    return QuantEntry(scheme.name, scheme.group_size)
+
+
 def split_model(
-    model_dir: Path, tp_size: int, out: Path, dtype: str | None = None, force: bool = False, progress=None
+    model_dir: Path, tp_size: int, out: Path, dtype: str | None = None, force: bool = False, progress=None,
+    quantize: str | None = None, group_size: int | None = None,
 ) -> dict[str, Any]:
     """Split the HF checkpoint in ``model_dir`` into ``tp_size`` rank files under ``out``.
+
+    With ``quantize`` ("int8" or "int4", ``group_size`` input columns per int4 scale, default
+    32), every column/row-parallel linear's weight ``P.weight`` (cast to ``dtype`` first) is
+    written as its quantized parts ``P.qweight``, ``P.scales`` (and ``P.zeros``), quantized
+    whole and then sliced (:func:`tpengine.quant_checkpoint.quantize_parts`: bit for bit what
+    ``--quantization`` makes on the fly at float32 activations); the manifest's
+    ``"quantization"`` lists them. A folder that is already quantized (``quantization.json``,
+    e.g. from ``convert --keep-quant``) has its stored parts sliced as they are.
 
     Streams: one rank at a time, one tensor at a time, each rank file written tensor by tensor
     (:class:`tpengine.tensor_file.TensorFileWriter`), so peak memory stays within three copies of
@@ -70,12 +107,15 @@ def split_model(
 
     Raises:
         UserError: missing or unreadable config/checkpoint files, an unwritable ``out``, bad dtype,
-            a tied lm_head that differs from the embedding, or ``out`` already existing without ``force``.
+            a tied lm_head that differs from the embedding, or ``out`` already existing without ``force``;
+            a bad ``quantize``/``group_size``, an int4 group the tp split would cut, or ``quantize``
+            on a folder that is already quantized.
         ValueError: an invalid tp_size for this model (message from ShardPlan.build), or a
             weight whose module tpengine's layer table does not cover.
     """
     import torch
 
+    from tpengine import quant_checkpoint as QC
     from tpengine.plan import ShardPlan
     from tpengine.surgery import kind_of
     from tpengine.tensor_file import TensorFileWriter, read_header, read_rows
@@ -87,6 +127,11 @@ def split_model(
     if out.exists() and not force:
         raise UserError(f"output folder {str(out)!r} already exists; remove it or pass --force")
     plan = ShardPlan.build(config, tp_size)
+    entry = quantize_entry(config, tp_size, quantize, group_size)
+    stored = QC.read_table(model_dir) or {}  # an already quantized folder's weights
+    if stored and entry is not None:
+        raise UserError(f"{str(model_dir)!r} is already quantized ({QC.describe_table(stored)}); split it "
+                        "without --quantize")
     files = checkpoint_files(model_dir)
     skip = _tied_skip(model_dir, files, bool(getattr(config, "tie_word_embeddings", False)))
     if dtype is None:
@@ -104,6 +149,7 @@ def split_model(
         "config": config.to_dict(),
         "tensors": {},
     }
+    quantized = {}  # weight name -> QuantEntry, of the output
     with atomic_dir(out, force=force) as tmp:
         for r in range(tp_size):
             task = progress.add_task(f"rank {r}/{tp_size}", total=total) if progress else None
@@ -113,9 +159,21 @@ def split_model(
                 for name, info in read_header(model_dir / fname).items():
                     if name not in skip:
                         entries.append((fname, info, kind_of(name, len(info.shape)), name.endswith(".bias")))
-            out_dtype = {e[1].name: tdtype if e[1].dtype.is_floating_point else e[1].dtype for e in entries}
-            shapes = {info.name: plan.shard_shape(kind, bias, info.shape, r) for _, info, kind, bias in entries}
-            declared = [(i.name, out_dtype[i.name], shapes[i.name]) for _, i, _, _ in entries]
+            declared = []  # (name, dtype, shape) of the rank file, in order
+            for _, info, kind, bias in entries:
+                part = QC.part_of(info.name)
+                if part is not None and part[0] in stored:  # an already quantized weight's part
+                    quantized[part[0]] = stored[part[0]]
+                    declared.append((info.name, *QC.local_shapes(plan, kind, stored[part[0]], r)[part[1]]))
+                elif entry is not None and QC.is_linear_weight(info.name, len(info.shape)):
+                    quantized[info.name] = entry
+                    declared += [(QC.part_name(info.name, p), *ds)
+                                 for p, ds in QC.local_shapes(plan, kind, entry, r).items()]
+                else:
+                    declared.append((info.name, tdtype if info.dtype.is_floating_point else info.dtype,
+                                     plan.shard_shape(kind, bias, info.shape, r)))
+            shapes = {n: tuple(shape) for n, _, shape in declared}
+            out_dtype = {n: dt for n, dt, _ in declared}
             writer = TensorFileWriter(tmp / rname, declared,
                                       metadata={"format": "pt", "rank": str(r), "tp_size": str(tp_size)})
             for fname, group in itertools.groupby(entries, key=lambda e: e[0]):
@@ -124,10 +182,18 @@ def split_model(
                     for _, info, kind, bias in group:
                         t = torch.empty(info.shape, dtype=info.dtype)  # one full tensor at a time
                         read_rows(fd, info, t)
-                        piece = plan.shard(kind, bias, t, r)
+                        part = QC.part_of(info.name)
+                        if part is not None and part[0] in stored:
+                            writer.write(info.name, QC.slice_part(plan, kind, stored[part[0]], part[1], t, r))
+                        elif info.name in quantized:  # quantized whole, then sliced
+                            parts = QC.quantize_parts(t.to(tdtype), quantized[info.name])
+                            for p, value in parts.items():
+                                writer.write(QC.part_name(info.name, p),
+                                             QC.slice_part(plan, kind, quantized[info.name], p, value, r))
+                            del parts
+                        else:
+                            writer.write(info.name, plan.shard(kind, bias, t, r).to(out_dtype[info.name]))
                         del t
-                        writer.write(info.name, piece.to(out_dtype[info.name]))
-                        del piece
                         if progress:
                             progress.advance(task)
                 finally:
@@ -138,8 +204,11 @@ def split_model(
                                             "bytes": (tmp / rname).stat().st_size})
         sources = list(files) + ([INDEX_NAME] if (model_dir / INDEX_NAME).is_file() else [])
         manifest["source_files"] = [{"name": s, "sha256": sha256_file(model_dir / s)} for s in sources]
+        if quantized:
+            manifest["quantization"] = QC.table_json(quantized)
         for p in side_files(model_dir):
-            shutil.copy2(p, tmp / p.name)
+            if p.name != QC.QUANT_FILE:  # the manifest holds the table of the rank files
+                shutil.copy2(p, tmp / p.name)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str) + "\n")
     return manifest
 
@@ -164,6 +233,11 @@ def split(
         str | None, typer.Option("--dtype", help="float32, bfloat16 or float16 (default: checkpoint's)")
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="replace --out if it exists")] = False,
+    quantize: Annotated[str | None, typer.Option(
+        "--quantize", help="store the column/row-parallel linears' weights quantized: int8 (per output "
+        "channel) or int4 (group-wise scale and zero)")] = None,
+    group_size: Annotated[int | None, typer.Option(
+        "--group-size", help="int4: input columns per scale and zero, 32, 64, 128 or 256 (default 32)")] = None,
 ) -> None:
     """Write one safetensors file per rank plus manifest.json (exactly what each rank loads)."""
     from rich.console import Console
@@ -171,6 +245,12 @@ def split(
 
     console = Console(stderr=True)  # the bar only on a terminal: a log or pipe gets the result lines alone
     with user_errors(), Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
-        m = split_model(model_dir, tp, out, dtype=dtype, force=force, progress=progress)
+        m = split_model(model_dir, tp, out, dtype=dtype, force=force, progress=progress, quantize=quantize,
+                        group_size=group_size)
     n = len(m["tensors"]["0"])
-    print(f"wrote {tp} rank files ({n} tensors each, {m['dtype']}) and manifest.json to {out}")
+    quant = ""
+    if m.get("quantization"):
+        from tpengine.quant_checkpoint import describe_table, parse_table
+
+        quant = f", quantized {describe_table(parse_table(m['quantization'], 'manifest'))}"
+    print(f"wrote {tp} rank files ({n} tensors each, {m['dtype']}{quant}) and manifest.json to {out}")

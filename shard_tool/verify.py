@@ -1,4 +1,5 @@
-"""``tpengine-shard verify DIR``: check a split checkpoint against its manifest and plan."""
+"""``tpengine-shard verify DIR``: check a split checkpoint against its manifest and plan (and,
+quantized, the stored parts against the manifest's quantization table)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,12 @@ def verify_dir(shard_dir: Path) -> list[str]:
     """Check every rank file of the split checkpoint in ``shard_dir``: its sha256 against the
     manifest, its tensor names and shapes against the manifest, and each shape along the split
     dimension against the ShardPlan (the stored plan must also equal the one rebuilt from
-    config.json). Returns one message per problem (empty list: all good); each message starts
-    with the file (and tensor) it concerns.
+    config.json). A quantized folder's parts (``P.qweight``, ``P.scales``, ``P.zeros``) are
+    checked against the manifest's ``"quantization"`` table: every listed weight stored as all
+    its parts (no float ``P.weight``), each part of the format's dtype and of the shape the
+    plan and its scheme give the rank (:func:`tpengine.quant_checkpoint.local_shapes`), no part
+    of an unlisted weight. Returns one message per problem (empty list: all good); each message
+    starts with the file (and tensor) it concerns.
 
     Raises:
         UserError: no readable manifest.json in ``shard_dir`` (missing, truncated, a key missing),
@@ -31,6 +36,8 @@ def verify_dir(shard_dir: Path) -> list[str]:
     """
     from safetensors import SafetensorError, safe_open
 
+    from tpengine import quant_checkpoint as QC
+    from tpengine.errors import UserError
     from tpengine.plan import ShardPlan
     from tpengine.surgery import kind_of
 
@@ -52,6 +59,12 @@ def verify_dir(shard_dir: Path) -> list[str]:
     for extra in sorted(p.name for p in shard_dir.glob("rank-*.safetensors") if p.name not in want):
         errors.append(f"{extra}: not part of this tp_size={tp} checkpoint")
     code = DTYPE_CODES.get(m.get("dtype"))
+    table: dict = {}
+    if m.get("quantization") is not None:
+        try:
+            table = QC.parse_table(m["quantization"], "manifest.json")
+        except UserError as e:
+            errors.append(str(e))
     for fname, r in want.items():
         path = shard_dir / fname
         if not path.is_file():
@@ -73,10 +86,21 @@ def verify_dir(shard_dir: Path) -> list[str]:
             errors.append(f"{fname}: tensor {n} listed in manifest is missing")
         for n in sorted(set(got) - set(expected)):
             errors.append(f"{fname}: tensor {n} is not in the manifest")
+        for w, e in sorted(table.items()):
+            if w in got:
+                errors.append(f"{fname}: tensor {w} is stored float, but the quantization table lists it as "
+                              f"{e.describe()}")
+            for part in QC.PARTS[e.scheme]:
+                if QC.part_name(w, part) not in got:
+                    errors.append(f"{fname}: tensor {QC.part_name(w, part)} ({e.describe()}) is missing")
         for n in sorted(set(got) & set(expected)):
             shape, dt = list(got[n][0]), got[n][1]
             if shape != list(expected[n]):
                 errors.append(f"{fname}: tensor {n} has shape {shape}, manifest says {expected[n]}")
+                continue
+            part = QC.part_of(n)
+            if part is not None:
+                errors += _check_part(fname, n, shape, dt, table.get(part[0]), part[1], plan, r)
                 continue
             if code and dt in DTYPE_CODES.values() and dt != code:
                 errors.append(f"{fname}: tensor {n} has dtype {dt}, manifest says {m['dtype']}")
@@ -95,6 +119,31 @@ def verify_dir(shard_dir: Path) -> list[str]:
     return errors
 
 
+def _check_part(fname: str, n: str, shape: list[int], dt: str, entry: Any, part: str, plan: Any,
+                rank: int) -> list[str]:
+    """Problems of the stored quantized part ``n`` (``shape``, safetensors dtype code ``dt``) of
+    rank ``rank``'s file ``fname``: not in the quantization table, or of a dtype or shape other
+    than the format's and the plan's for ``entry`` (a :class:`~tpengine.quant_checkpoint.QuantEntry`)."""
+    from tpengine import quant_checkpoint as QC
+    from tpengine.errors import UserError
+    from tpengine.surgery import kind_of
+
+    if entry is None:
+        return [f"{fname}: tensor {n} is a quantized part, but the quantization table does not list "
+                f"{QC.part_of(n)[0]}"]
+    try:
+        dtype, want = QC.local_shapes(plan, kind_of(n, len(shape)), entry, rank)[part]
+    except (UserError, ValueError, KeyError) as e:
+        return [f"{fname}: tensor {n}: {e}"]
+    errors = []
+    if dt != CODE_OF[dtype]:
+        errors.append(f"{fname}: tensor {n} has dtype {dt}; {entry.describe()} stores {part} as {CODE_OF[dtype]}")
+    if shape != list(want):
+        errors.append(f"{fname}: tensor {n} has shape {shape}; the plan and {entry.describe()} give rank {rank} "
+                      f"{list(want)}")
+    return errors
+
+
 def verify(shard_dir: Annotated[Path, typer.Argument(help="folder written by tpengine-shard split")]) -> None:
     """Re-hash every rank file and check names and shapes against the manifest and the plan."""
     with user_errors():
@@ -107,7 +156,12 @@ def verify(shard_dir: Annotated[Path, typer.Argument(help="folder written by tpe
             print(f"error: ... and {len(errors) - 20} more", file=sys.stderr)
         raise typer.Exit(1)
     n = sum(len(t) for t in m["tensors"].values())
+    quant = ""
+    if m.get("quantization") is not None:
+        from tpengine.quant_checkpoint import describe_table, parse_table
+
+        quant = f", quantized {describe_table(parse_table(m['quantization'], 'manifest.json'))}"
     print(
-        f"OK: {shard_dir}: {m['tp_size']} rank files, {n} tensors, dtype {m['dtype']}, "
+        f"OK: {shard_dir}: {m['tp_size']} rank files, {n} tensors, dtype {m['dtype']}{quant}, "
         "sha256, names and shapes match manifest and plan"
     )

@@ -1,5 +1,5 @@
 """``tpengine-shard convert --keep-quant``: the GGUF's Q4_1 / Q8_0 blocks kept as int4 / int8
-(shard_tool/gguf_quant.py, format notes/quant-format.md), checked against the dequantising convert:
+(shard_tool/gguf_quant.py, format docs/notes/quant-format.md), checked against the dequantising convert:
 the real SmolLM2 GGUF (every weight dequantises bit for bit to models/smollm2-135m-instruct's),
 tiny GGUFs written with gguf-py (GQA Q/K row permutation, F16, the unsupported-type error), and
 the folder through LLMEngine at tp 1 and 2 once the loader reads quantized folders."""

@@ -22,7 +22,8 @@ from tpengine.config import load_config, read_config_file
 from tpengine.errors import UserError
 from tpengine.frontend.writer import OutputWriter
 
-VALID_SETTINGS = ("attention_backend, block_size, cpu_kernels, cpu_linear, dist_timeout_s, dtype, enable_chunked_prefill, "
+VALID_SETTINGS = ("attention_backend, block_size, cpu_kernels, cpu_linear, dist_timeout_s, dtype, "
+                  "enable_chunked_prefill, "
                   "enable_prefix_caching, enforce_eager, generation_config, gpu_memory_utilization, kv_cache_gb, "
                   "kv_mirror, max_model_len, max_num_batched_tokens, max_num_seqs, model, num_kv_blocks, quantization, "
                   "seed, threads")

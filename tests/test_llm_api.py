@@ -145,7 +145,8 @@ def test_engine_settings_are_checked(model):
         LLM(str(model), max_num_seq=4, foo=1)
     assert str(e.value) == (
         "unknown engine setting(s) ['foo', 'max_num_seq']; valid: attention_backend, block_size, cpu_kernels, "
-        "cpu_linear, dist_timeout_s, dtype, enable_chunked_prefill, enable_prefix_caching, enforce_eager, generation_config, "
+        "cpu_linear, dist_timeout_s, dtype, enable_chunked_prefill, enable_prefix_caching, enforce_eager, "
+        "generation_config, "
         "gpu_memory_utilization, kv_cache_gb, kv_mirror, max_model_len, max_num_batched_tokens, max_num_seqs, "
         "model, num_kv_blocks, quantization, seed, threads")
     with pytest.raises(UserError) as e:

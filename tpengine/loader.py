@@ -5,6 +5,9 @@ Two sources: a shard folder written by ``tpengine-shard split`` (``manifest.json
 the fly through :class:`tpengine.plan.ShardPlan` tensor by tensor. Each tensor's bytes for this
 rank are read straight into the parameter of the final model that keeps them
 (:mod:`tpengine.tensor_file`), so loading never holds a weight twice and maps no file.
+Either may be quantized (:mod:`tpengine.quant_checkpoint`: a full folder's ``quantization.json``,
+a split folder's manifest): a stored weight's parts are read into its quantized storage, never
+through a float weight.
 Afterwards nothing is left on the meta device, every weight was assigned exactly once, and tied
 embeddings share storage.
 """
@@ -32,11 +35,25 @@ from tpengine.kernels.linear_layout import choose_layouts
 from tpengine.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from tpengine.layers.quantized import QuantizedWeight, QuantScheme, check_quantization, quantize_linear
 from tpengine.plan import ShardPlan
+from tpengine.quant_checkpoint import (
+    PART_DTYPES,
+    PARTS,
+    QuantEntry,
+    build_weight,
+    describe_table,
+    is_linear_weight,
+    part_name,
+    part_of,
+    part_slice,
+    read_table,
+)
 from tpengine.surgery import build_model, checkpoint_targets, kind_of
 from tpengine.tensor_file import TensorInfo, read_header, read_rows
 
 # the linears --quantization stores quantized (not the embeddings, not the LM head)
 QUANTIZED_LAYERS = (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear)
+# the layers that can hold a weight a quantized folder stores quantized
+STORED_QUANT_LAYERS = QUANTIZED_LAYERS
 # config fields a shard folder must agree on with the config it is launched with
 CHECKED_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                   "num_key_value_heads", "vocab_size", "head_dim", "tie_word_embeddings")
@@ -168,9 +185,58 @@ def _fill(fd: int, info: TensorInfo, dest: torch.Tensor, spec: tuple[int, int, i
         dest.copy_(stage)
 
 
+class _QuantParts:
+    """This rank's stored parts of quantized layers while they load: part -> buffer ``[rows of the
+    layer, stored columns]`` per layer (qweight in its stored dtype, scales/zeros in the
+    activation dtype), allocated on a layer's first part; :meth:`finish` builds the layer's
+    :class:`~tpengine.layers.quantized.QuantizedWeight` and frees them."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.bufs: dict[int, dict[str, torch.Tensor]] = {}
+
+    def dest(self, module: torch.nn.Module, part: str, entry: QuantEntry, info: TensorInfo,
+             cols: int) -> torch.Tensor:
+        """The buffer of ``part`` of ``module`` (``cols`` stored columns for this rank), for the
+        checkpoint tensor ``info``.
+
+        Raises:
+            ValueError: ``info`` of another dtype than the format's, or a merged layer whose
+                parts disagree in columns, naming the tensor.
+        """
+        want = PART_DTYPES.get((entry.scheme, part))
+        if (want is not None and info.dtype != want) or (want is None and not info.dtype.is_floating_point):
+            raise ValueError(f"checkpoint tensor {info.name!r} has dtype {info.dtype}; the {entry.scheme} format "
+                             f"stores {part} as {want or 'float32'}")
+        bufs = self.bufs.setdefault(id(module), {})
+        if part not in bufs:
+            bufs[part] = torch.empty(module.weight.shape[0], cols, dtype=want or self.dtype)
+        if bufs[part].shape[1] != cols:
+            raise ValueError(f"checkpoint tensor {info.name!r} has {cols} columns for this rank, the other "
+                             f"parts of its merged layer {bufs[part].shape[1]}")
+        return bufs[part]
+
+    def finish(self, module: torch.nn.Module, name: str, entry: QuantEntry) -> None:
+        """Set ``module.quant`` from its parts (``weight`` becomes None).
+
+        Raises:
+            ValueError: parts whose shapes do not fit the layer's ``[out, in]`` under ``entry``.
+        """
+        bufs = self.bufs.pop(id(module))
+        out, k = module.weight.shape
+        groups = bufs["scales"].shape[1]
+        q_cols = k if entry.scheme == "int8" else k // 2
+        per_channel = entry.scheme == "int8" and groups == 1
+        if bufs["qweight"].shape[1] != q_cols or not (per_channel or groups * (entry.group_size or 0) == k):
+            raise ValueError(f"{name!r} ({entry.describe()}): stored qweight {list(bufs['qweight'].shape)} and "
+                             f"scales {list(bufs['scales'].shape)} do not fit this rank's [{out}, {k}] weight")
+        module.quant = build_weight(entry, bufs)
+        module.weight = None
+
+
 def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | None, rank: int, tie: bool,
                  dtype: torch.dtype, device: torch.device, pack, quant: QuantScheme | None = None,
-                 reduce_max=None) -> int:
+                 reduce_max=None, stored: dict[str, QuantEntry] | None = None) -> int:
     """Fill every parameter of ``model`` (from :func:`tpengine.surgery.build_model`) from
     ``files``: each checkpoint tensor's byte range for this rank (its ShardPlan slice, or the
     whole tensor when ``plan`` is None: a rank file of a shard folder) is read straight into the
@@ -181,51 +247,94 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
     With ``quant``, each column/row-parallel linear's weight is instead quantized as soon as
     its parts are in (:func:`tpengine.layers.quantized.quantize_linear`, ``reduce_max`` the
     all-reduce MAX of int8's row absmax; never packed), and its float weight dropped.
+    ``stored`` (a quantized folder's table, weight name -> entry): each listed weight is read
+    from its stored parts (:mod:`tpengine.quant_checkpoint`; this rank's slice per the format's
+    TP rules) into its quantized storage, scales and zeros cast to ``dtype``.
     Returns the bytes of weights held (quantized ones as stored: values, scales and zeros).
 
     Raises:
         RuntimeError: a weight that appears twice, is never loaded, or has no place in the model.
-        ValueError: a checkpoint tensor whose shape does not fit the plan.
+        ValueError: a checkpoint tensor whose shape or dtype does not fit the plan or format.
+        UserError: a stored quantized weight of a layer that keeps float weights, or the parts
+            of one merged layer stored in different schemes.
     """
+    stored = stored or {}
     targets = checkpoint_targets(model, tie)
+    wanted: dict[str, tuple] = {}  # checkpoint name -> (target, part or None, entry or None)
+    schemes: dict[int, set] = {}
+    for name, t in targets.items():
+        e = stored.get(name) if t.attr == "weight" else None
+        if t.attr == "weight":
+            schemes.setdefault(id(t.module), set()).add(e)
+        if e is None:
+            wanted[name] = (t, None, None)
+            continue
+        if not isinstance(t.module, STORED_QUANT_LAYERS):
+            raise UserError(f"{name!r} is stored quantized ({e.describe()}), but tpengine's "
+                            f"{type(t.module).__name__} holds float weights only in this version")
+        for part in PARTS[e.scheme]:
+            wanted[part_name(name, part)] = (t, part, e)
+    for name, t in targets.items():
+        if len(schemes.get(id(t.module), ())) > 1:
+            parts = [n for n, u in targets.items() if u.module is t.module and u.attr == "weight"]
+            raise UserError(f"the parts {', '.join(parts)} of one merged layer are stored in different ways "
+                            f"({', '.join(stored[n].describe() if n in stored else 'float' for n in parts)}); "
+                            "tpengine needs them alike")
     left: dict[int, int] = {}
-    for t in targets.values():
+    for t, _, _ in wanted.values():
         left[id(t.module)] = left.get(id(t.module), 0) + 1
     done: set[str] = set()
     unexpected: list[str] = []
     head = model.get_output_embeddings()
+    qstored = {id(t.module): e for t, part, e in wanted.values() if part is not None}  # layer -> its entry
+    qparts = _QuantParts(dtype)
     quantizes = lambda m: quant is not None and isinstance(m, QUANTIZED_LAYERS)  # noqa: E731
     wants = pack if callable(pack) else (lambda m: pack)  # noqa: E731
-    packs = lambda m: hasattr(m, "pack") and not (tie and m is head) and not quantizes(m) and wants(m)  # noqa: E731
+    packs = lambda m: (hasattr(m, "pack") and not (tie and m is head) and not quantizes(m)  # noqa: E731
+                       and id(m) not in qstored and wants(m))
     staging = _Staging() if (pack is not False or quant is not None) and device.type == "cpu" else None
     for path in files:
         infos = read_header(path)
         fd = os.open(path, os.O_RDONLY)
         try:
             for name, info in infos.items():
-                if tie and name == "lm_head.weight":
+                if tie and (name == "lm_head.weight" or (part_of(name) or ("",))[0] == "lm_head.weight"):
                     continue
                 if name in done:
                     raise RuntimeError(f"weight {name!r} appears twice in the checkpoint")
-                t = targets.get(name)
-                if t is None:
+                if name not in wanted:
                     unexpected.append(name)
                     continue
-                spec = None
+                t, part, entry = wanted[name]
+                spec, full = None, None
                 if plan is not None:
                     kind = kind_of(name, len(info.shape))
-                    spec = plan.slice_spec(kind, name.endswith(".bias"), rank)
-                full = None if spec is None else plan.full_size(kind)
-                via = staging if t.attr == "weight" and (packs(t.module) or quantizes(t.module)) else None
-                param = _materialize(t.module, t.attr, dtype, device, via)
-                _fill(fd, info, param.narrow(0, t.start, t.rows), spec, full)
+                    if part is None:
+                        spec = plan.slice_spec(kind, name.endswith(".bias"), rank)
+                        full = None if spec is None else plan.full_size(kind)
+                    else:
+                        spec, full = part_slice(plan, kind, entry, part, rank)
+                if part is None:
+                    via = staging if t.attr == "weight" and (packs(t.module) or quantizes(t.module)) else None
+                    dest = _materialize(t.module, t.attr, dtype, device, via)
+                else:
+                    if len(info.shape) != 2:
+                        raise ValueError(f"checkpoint tensor {info.name!r} has shape {list(info.shape)}; the "
+                                         f"{entry.scheme} format stores {part} as a 2-D tensor")
+                    cols = spec[2] - spec[1] if spec is not None and spec[0] == 1 else info.shape[1]
+                    dest = qparts.dest(t.module, part, entry, info, cols)
+                _fill(fd, info, dest.narrow(0, t.start, t.rows), spec, full)
                 done.add(name)
                 left[id(t.module)] -= 1
-                if not left[id(t.module)] and quantizes(t.module):
+                if left[id(t.module)]:
+                    continue
+                if id(t.module) in qstored:
+                    qparts.finish(t.module, name, qstored[id(t.module)])
+                elif quantizes(t.module):
                     quantize_linear(t.module, quant, reduce_max)  # new tensors: the staging buffer is free
                     if staging is not None:
                         staging.give_back(t.module)
-                elif not left[id(t.module)] and packs(t.module):
+                elif packs(t.module):
                     if not t.module.pack() and staging is not None:  # no oneDNN: keep the weight, in memory of its own
                         t.module.weight.data = t.module.weight.data.clone()
                     if staging is not None:
@@ -233,8 +342,11 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
         finally:
             os.close(fd)
     if tie:
-        head.weight = model.get_input_embeddings().weight
-    missing = sorted(set(targets) - done)
+        emb = model.get_input_embeddings()
+        head.weight = emb.weight
+        if getattr(emb, "quant", None) is not None:  # a stored quantized tied embedding: one storage for both
+            head.quant = emb.quant
+    missing = sorted(set(wanted) - done)
     if missing or unexpected:
         raise RuntimeError(f"rank {rank}: weights never loaded {missing}, unexpected {sorted(unexpected)}")
     return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
@@ -259,6 +371,34 @@ def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def check_stored_quantization(model_dir: Path, table: dict[str, QuantEntry], quantization: str | None,
+                              linears: list[str], hf_config, tp: TPInfo) -> None:
+    """Check a quantized folder's ``table`` against the launch before any weight is read: the
+    CPU (torch's kernels), no ``--quantization`` that says otherwise than the folder, and, for
+    a full folder sliced on the fly, row splits on group boundaries. ``linears``: the checkpoint
+    names of the model's column/row-parallel linear weights.
+
+    Raises:
+        UserError: ``quantization`` given and some column/row-parallel linear of the folder not
+            stored in exactly that scheme (naming both), a device other than the CPU, or a tp
+            that cuts a group (check_quantization's message, after the folder).
+    """
+    where = f"the quantized folder {str(model_dir)!r} ({describe_table(table)})"
+    if quantization is not None:
+        want = QuantScheme.of(quantization)
+        if any(table.get(n) != QuantEntry(want.name, want.group_size) for n in linears):
+            flag = QuantEntry(want.name, want.group_size).describe()
+            raise UserError(f"--quantization {quantization} ({flag}) disagrees with {where}; drop --quantization "
+                            "to run the folder's weights as stored, or pass a float folder to quantize on the fly")
+    if tp.device.type != "cpu":
+        raise UserError(f"{where} runs on the CPU only in this version, not on {tp.device}")
+    for e in sorted({e for e in table.values() if e.group_size is not None}, key=lambda e: (e.scheme, e.group_size)):
+        try:
+            check_quantization(hf_config, tp.size, QuantScheme(e.scheme, e.group_size))
+        except UserError as err:
+            raise UserError(f"{where} cannot run at tp={tp.size}: {err}") from None
+
+
 def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.float32, pack: bool | None = None,
                native: bool = True, quantization: str | None = None, cpu_linear: str = "auto"):
     """Build and load this rank's model from ``model_dir`` (shard folder or full HF folder).
@@ -272,13 +412,17 @@ def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.flo
     ops use the CPU C kernels. ``quantization`` ("int8", "int4" or None) stores the
     column/row-parallel linears' weights quantized (:mod:`tpengine.layers.quantized`; at tp > 1
     int8 all-reduces each row-parallel weight's row absmax while loading, so every rank loads
-    the same files in the same order). ``model.weight_bytes`` is the bytes of weights this rank holds.
+    the same files in the same order). A quantized folder (:mod:`tpengine.quant_checkpoint`)
+    needs no ``quantization``: its weights are loaded as stored (``quantization``, if given,
+    must say the same). ``model.weight_bytes`` is the bytes of weights this rank holds.
 
     Raises:
         CheckpointMismatchError: a shard folder for another tp/config or with a bad hash.
         UserError: no folder, a missing or unreadable ``config.json`` or ``manifest.json``
             (:func:`tpengine.checkpoint.check_model_folder`); ``quantization`` off the CPU, or
-            an int4 group the tp split would cut (:func:`tpengine.layers.quantized.check_quantization`).
+            an int4 group the tp split would cut (:func:`tpengine.layers.quantized.check_quantization`);
+            a quantized folder that ``quantization`` disagrees with, a broken ``quantization.json``
+            (:func:`check_stored_quantization`, :func:`tpengine.quant_checkpoint.read_table`).
         FileNotFoundError: a checkpoint file the folder or its index names is missing.
         RuntimeError: a weight assigned twice or never, or anything left on meta.
     """
@@ -287,13 +431,18 @@ def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.flo
     hf_config = AutoConfig.from_pretrained(model_dir)
     sharded = is_shard_folder(model_dir)
     plan = check_manifest(model_dir, hf_config, tp) if sharded else ShardPlan.build(hf_config, tp.size)
+    tie = bool(getattr(hf_config, "tie_word_embeddings", False))
+    model = build_model(hf_config, plan, tp.rank, dtype, tp.device, native)
+    table = read_table(model_dir)  # UserError: a broken quantization.json or manifest table
+    if table is not None:
+        linears = [n for n in checkpoint_targets(model, tie) if is_linear_weight(n, 2)]
+        check_stored_quantization(model_dir, table, quantization, linears, hf_config, tp)
+        quantization = None  # the folder's weights are used as stored
     quant = None if quantization is None else QuantScheme.of(quantization)
     if quant is not None:
         if tp.device.type != "cpu":
             raise UserError(f"--quantization {quantization} runs on the CPU only in this version, not on {tp.device}")
         check_quantization(hf_config, tp.size, quant)
-    tie = bool(getattr(hf_config, "tie_word_embeddings", False))
-    model = build_model(hf_config, plan, tp.rank, dtype, tp.device, native)
     pack = tp.device.type == "cpu" if pack is None else pack
     model.linear_layouts = {}
     if pack:
@@ -301,7 +450,7 @@ def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.flo
         pack = lambda m: model.linear_layouts[tuple(m.weight.shape)].layout == "packed"  # noqa: E731
     model.weight_bytes = load_weights(model, rank_files(model_dir, sharded, tp), None if sharded else plan, tp.rank,
                                       tie, dtype, tp.device, pack, quant,
-                                      _all_reduce_max if tp.size > 1 else None)
+                                      _all_reduce_max if tp.size > 1 else None, table)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"rank {tp.rank}: still on the meta device after loading: {left}")

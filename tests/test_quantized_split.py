@@ -1,0 +1,375 @@
+"""Quantized checkpoints on disk (tpengine/quant_checkpoint.py): ``tpengine-shard split --quantize``,
+full folders with quantization.json, the loader reading both, verify and info, and their errors.
+
+The tiny Qwen3 (head_dim 32, intermediate 128) splits on 32-column groups at tp 1 and 2; a tied
+tiny Llama covers the shared embedding/LM head beside quantized linears.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from launch import run_engine_jobs
+from safetensors.torch import load_file, save_file
+from test_shard_tool import cli
+from transformers import AutoConfig
+
+from shard_tool.split import split_model
+from shard_tool.verify import verify_dir
+from tpengine.checkpoint import sha256_file
+from tpengine.distributed import TPInfo
+from tpengine.errors import UserError
+from tpengine.layers.quantized import QuantizedWeight
+from tpengine.loader import QUANTIZED_LAYERS, load_model
+from tpengine.plan import ShardPlan
+from tpengine.quant_checkpoint import (
+    QuantEntry,
+    is_linear_weight,
+    pack_nibbles,
+    part_name,
+    quantize_parts,
+    read_table,
+    table_json,
+    unpack_nibbles,
+    write_table,
+)
+from tpengine.surgery import build_model, checkpoint_targets
+
+CPU = torch.device("cpu")
+INT8, INT4 = QuantEntry("int8", None), QuantEntry("int4", 32)
+
+
+def write_full_quantized(src: Path, out: Path, entry_of) -> Path:
+    """A full quantized folder from the float folder ``src``: every linear weight ``n`` with
+    ``entry_of(n)`` not None stored as its parts, model.safetensors + quantization.json."""
+    out.mkdir()
+    tensors, table = {}, {}
+    for name, t in load_file(src / "model.safetensors").items():
+        e = entry_of(name) if is_linear_weight(name, t.dim()) else None
+        if e is None:
+            tensors[name] = t
+            continue
+        table[name] = e
+        tensors.update({part_name(name, p): v for p, v in quantize_parts(t, e).items()})
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    for f in src.iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy2(f, out / f.name)
+    write_table(out, table)
+    return out
+
+
+def quant_buffers(model) -> dict[str, torch.Tensor]:
+    return {n: b for n, b in model.named_buffers() if ".quant." in n}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qsplit")
+    qwen3 = make_tiny_model(root, "qwen3", seed=2, name="qwen3", head_dim=32, intermediate_size=128,
+                            random_biases=True)
+    f = {"root": root, "qwen3": qwen3}
+    for q in ("int8", "int4"):
+        for tp in (1, 2):
+            f[f"split/{q}/{tp}"] = root / f"split-{q}-tp{tp}"
+            split_model(qwen3, tp, f[f"split/{q}/{tp}"], quantize=q)
+        f[f"full/{q}"] = write_full_quantized(qwen3, root / f"full-{q}", lambda n, q=q: INT8 if q == "int8" else INT4)
+    # attention int4, MLP int8: a folder of two schemes
+    f["full/mixed"] = write_full_quantized(qwen3, root / "full-mixed", lambda n: INT4 if "self_attn" in n else INT8)
+    return f
+
+
+# --------------------------------------------------------------------------- the format
+def test_nibbles_and_parts_layout():
+    """int4 qweight bytes: element 2j in the low nibble, 2j+1 in the high one; parts' shapes and dtypes."""
+    q = torch.tensor([[1, 2, 15, 0], [7, 8, 9, 10]], dtype=torch.int32)
+    b = pack_nibbles(q)
+    assert b.dtype == torch.uint8 and b.tolist() == [[0x21, 0x0F], [0x87, 0xA9]]
+    assert torch.equal(unpack_nibbles(b), q)
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(0))
+    p4, p8 = quantize_parts(w, INT4), quantize_parts(w, INT8)
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in p4.items()} == {
+        "qweight": (torch.uint8, (48, 32)), "scales": (torch.float32, (48, 2)), "zeros": (torch.float32, (48, 2))}
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in p8.items()} == {
+        "qweight": (torch.int8, (48, 64)), "scales": (torch.float32, (48, 1))}
+    deq = ((unpack_nibbles(p4["qweight"]).float() - 8).reshape(48, 2, 32) * p4["scales"][..., None]
+           + p4["zeros"][..., None])
+    assert float((deq.reshape(48, 64) - w).abs().max()) <= float(p4["scales"].max()) / 2 + 1e-6
+    with pytest.raises(UserError, match=r"^int8 with group size 32: tpengine quantizes int8 per output channel only$"):
+        quantize_parts(w, QuantEntry("int8", 32))
+    assert table_json({"b.weight": INT8, "a.weight": INT4}) == {
+        "quant_method": "tpengine", "format_version": 1,
+        "weights": {"a.weight": {"scheme": "int4", "group_size": 32},
+                    "b.weight": {"scheme": "int8", "group_size": None}}}
+
+
+def test_split_manifest_and_names(folders):
+    """split --quantize stores exactly the column/row-parallel linears (the set --quantization quantizes) as
+    qweight/scales(/zeros), the manifest lists them, and no quantization.json is copied."""
+    m = json.loads((folders["split/int4/2"] / "manifest.json").read_text())
+    table = read_table(folders["split/int4/2"])
+    cfg = AutoConfig.from_pretrained(folders["qwen3"])
+    model = build_model(cfg, ShardPlan.build(cfg, 1), 0, torch.float32, CPU)  # weights on meta
+    linears = {n for n, t in checkpoint_targets(model, False).items() if isinstance(t.module, QUANTIZED_LAYERS)
+               and t.attr == "weight"}
+    assert set(table) == linears and len(linears) == 14 and set(table.values()) == {INT4}
+    assert m["quantization"] == table_json(table)
+    r0 = m["tensors"]["0"]
+    assert r0["model.layers.0.mlp.down_proj.qweight"] == [64, 32]  # [hidden, intermediate/2 / 2]
+    assert r0["model.layers.0.mlp.down_proj.scales"] == r0["model.layers.0.mlp.down_proj.zeros"] == [64, 2]
+    assert r0["model.layers.0.self_attn.k_proj.qweight"] == [32, 32] and "model.layers.0.mlp.up_proj.weight" not in r0
+    assert r0["model.embed_tokens.weight"] == [501, 64] and r0["model.layers.0.self_attn.q_norm.weight"] == [32]
+    m8 = json.loads((folders["split/int8/2"] / "manifest.json").read_text())["tensors"]["1"]
+    o_proj = "model.layers.1.self_attn.o_proj"
+    assert m8[f"{o_proj}.qweight"] == [64, 64] and m8[f"{o_proj}.scales"] == [64, 1]  # the full row's scale
+    assert not (folders["split/int4/2"] / "quantization.json").exists()
+
+
+@pytest.mark.parametrize("q", ["int8", "int4"])
+def test_split_tp1_equals_on_the_fly(folders, q):
+    """The tp=1 split's quantized storage equals --quantization's on-the-fly result bit for bit."""
+    fly, _, _ = load_model(folders["qwen3"], TPInfo(0, 1, 0, CPU), quantization=q)
+    disk, _, _ = load_model(folders[f"split/{q}/1"], TPInfo(0, 1, 0, CPU))
+    a, b = quant_buffers(fly), quant_buffers(disk)
+    assert sorted(a) == sorted(b) and len(a) == 16
+    assert all(torch.equal(a[n], b[n]) and a[n].dtype == b[n].dtype for n in a)
+    assert disk.weight_bytes == fly.weight_bytes
+    assert all(m.weight is None for m in disk.modules() if isinstance(m, QUANTIZED_LAYERS))
+
+
+@pytest.mark.parametrize("q", ["int8", "int4"])
+def test_full_folder_sliced_equals_split(folders, q):
+    """A full quantized folder sliced on the fly at tp=2 gives each rank the storage of the tp=2 split."""
+    for rank in (0, 1):
+        full, _, _ = load_model(folders[f"full/{q}"], TPInfo(rank, 2, rank, CPU))
+        split, _, _ = load_model(folders[f"split/{q}/2"], TPInfo(rank, 2, rank, CPU))
+        a, b = quant_buffers(full), quant_buffers(split)
+        assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+        assert full.weight_bytes == split.weight_bytes
+
+
+# ------------------------------------------------------------------------------ engine
+GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, "logprobs": 0}
+
+
+@pytest.fixture(scope="module")
+def runs(folders):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 1001, (n,), generator=g).tolist() for n in (5, 19)]
+    reqs = [[f"t{i}", p, GREEDY] for i, p in enumerate(prompts)]
+    base = {"dtype": "float32", "max_model_len": 64, "kv_cache_gb": 0.02}
+
+    def job(key, model, q=None):
+        return {"key": key, "requests": reqs, "config": {"model": str(model), "quantization": q, **base}}
+
+    at = {1: [], 2: []}
+    for q in ("int8", "int4"):
+        for tp in (1, 2):
+            at[tp] += [job(f"fly/{q}", folders["qwen3"], q), job(f"split/{q}", folders[f"split/{q}/{tp}"]),
+                       job(f"full/{q}", folders[f"full/{q}"])]
+    for tp in (1, 2):
+        at[tp].append(job("full/mixed", folders["full/mixed"]))
+    return {tp: run_engine_jobs(folders["root"], tp, jobs) for tp, jobs in at.items()}
+
+
+def greedy(result: dict) -> dict:
+    """request id -> (token ids, each token's logprob)."""
+    return {o["request_id"]: (o["token_ids"], [p["chosen"]["logprob"] for p in o["outputs"][0]["logprobs"]])
+            for o in result["outputs"]}
+
+
+@pytest.mark.parametrize("q", ["int8", "int4"])
+def test_split_runs_as_on_the_fly(runs, q):
+    """Greedy tokens and their logprobs, float32 activations: the tp=2 split equals --quantization at tp=2
+    (bit for bit), and the tp=1 split's tokens; the full folder gives the same at tp 1 and 2."""
+    fly2, split2 = greedy(runs[2][f"fly/{q}"]), greedy(runs[2][f"split/{q}"])
+    assert split2 == fly2 and all(len(t) == 12 for t, _ in split2.values())
+    assert greedy(runs[1][f"split/{q}"]) == greedy(runs[1][f"fly/{q}"])
+    tokens = lambda r: {k: t for k, (t, _) in greedy(r).items()}  # noqa: E731
+    assert tokens(runs[1][f"split/{q}"]) == tokens(runs[2][f"split/{q}"]) == tokens(runs[1][f"full/{q}"]) \
+        == tokens(runs[2][f"full/{q}"])
+    assert runs[2][f"split/{q}"]["weight_bytes"] == runs[2][f"fly/{q}"]["weight_bytes"] == \
+        runs[2][f"full/{q}"]["weight_bytes"]
+
+
+def test_mixed_full_folder_tp2_equals_tp1(runs):
+    one, two = greedy(runs[1]["full/mixed"]), greedy(runs[2]["full/mixed"])
+    assert {k: t for k, (t, _) in one.items()} == {k: t for k, (t, _) in two.items()}
+    assert all(len(t) == 12 for t, _ in one.values())
+    assert runs[1]["full/mixed"]["weight_bytes"][0] < runs[1]["fly/int8"]["weight_bytes"][0]
+
+
+# --------------------------------------------------------------------------- verify, info
+def rewrite_rank_file(folder: Path, rank: int, change) -> None:
+    """Rewrite ``folder``'s rank file with ``change(tensors)`` applied, and its manifest entry (sha256,
+    bytes, shapes) to match, so only the plan and scheme checks can tell."""
+    mpath = folder / "manifest.json"
+    m = json.loads(mpath.read_text())
+    name = f"rank-{rank:02d}-of-{m['tp_size']:02d}.safetensors"
+    tensors = load_file(folder / name)
+    change(tensors)
+    save_file(tensors, folder / name, metadata={"format": "pt"})
+    entry = next(e for e in m["shard_files"] if e["name"] == name)
+    entry["sha256"], entry["bytes"] = sha256_file(folder / name), (folder / name).stat().st_size
+    m["tensors"][str(rank)] = {n: list(t.shape) for n, t in tensors.items()}
+    mpath.write_text(json.dumps(m))
+
+
+def test_verify_quantized(folders, tmp_path):
+    good = folders["split/int4/2"]
+    r = cli("verify", good)
+    assert r.exit_code == 0 and r.stdout == (
+        f"OK: {good}: 2 rank files, 106 tensors, dtype float32, quantized int4, group size 32: 14 weights, "
+        "sha256, names and shapes match manifest and plan\n")
+    tampered = shutil.copytree(good, tmp_path / "tampered")
+    f = tampered / "rank-01-of-02.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0xFF
+    f.write_bytes(bytes(data))
+    errors = verify_dir(tampered)
+    assert len(errors) == 1 and errors[0].startswith("rank-01-of-02.safetensors: sha256 ")
+    bad = shutil.copytree(good, tmp_path / "bad")
+    down = "model.layers.0.mlp.down_proj"
+
+    def change(t):
+        t[f"{down}.scales"] = t[f"{down}.scales"][:, :1].contiguous()  # one group, where the plan gives two
+        t[f"{down}.zeros"] = t[f"{down}.zeros"].to(torch.bfloat16)
+        del t["model.layers.1.self_attn.q_proj.zeros"]
+        t["model.layers.1.mlp.up_proj.weight"] = torch.zeros(64, 64)
+
+    rewrite_rank_file(bad, 0, change)
+    assert verify_dir(bad) == [
+        "rank-00-of-02.safetensors: tensor model.layers.1.mlp.up_proj.weight is stored float, but the "
+        "quantization table lists it as int4, group size 32",
+        "rank-00-of-02.safetensors: tensor model.layers.1.self_attn.q_proj.zeros (int4, group size 32) is missing",
+        f"rank-00-of-02.safetensors: tensor {down}.scales has shape [64, 1]; the plan and int4, group size 32 "
+        "give rank 0 [64, 2]",
+        f"rank-00-of-02.safetensors: tensor {down}.zeros has dtype BF16; int4, group size 32 stores zeros as F32",
+    ]
+    r = cli("verify", bad)
+    assert r.exit_code == 1 and r.stderr.count("\n") == 4
+
+
+def test_info_quantized(folders):
+    r = cli("info", folders["split/int4/2"], "--tp", "2")
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[1] == "quantized: int4, group size 32: 14 weights (the rest float32)"
+    loaded, _, _ = load_model(folders["split/int4/2"], TPInfo(0, 2, 0, CPU))
+    assert any(line.split()[:1] == ["0"] and str(loaded.weight_bytes) in line.split() for line in lines)
+    r = cli("info", folders["full/mixed"])
+    assert r.exit_code == 0 and "quantized: int4, group size 32: 8 weights; int8, per output channel: 6 weights " \
+        "(the rest float32)" in r.stdout
+
+
+# ------------------------------------------------------------------------------ errors
+def test_split_errors(folders, tmp_path, smollm2_dir):
+    r = cli("split", smollm2_dir, "--tp", "5", "--out", tmp_path / "x", "--quantize", "int4")
+    assert (r.exit_code, r.stderr) == (2, (
+        "error: --quantization int4 (group size 32) at tp=5: the row-parallel layer mlp.down_proj splits its "
+        "input at column 308, not on a group boundary (a multiple of 32); valid tp sizes: 1, 2, 3, 4, 6, 8\n"))
+    for args, msg in [
+        (("--quantize", "int8", "--group-size", "32"),
+         "--group-size 32 applies to --quantize int4 only (int8 has one scale per output channel)"),
+        (("--quantize", "int4", "--group-size", "48"), "invalid int4 group size 48: must be one of 32, 64, 128, 256"),
+        (("--quantize", "fp8"), "invalid --quantize 'fp8': must be one of int8, int4"),
+        (("--group-size", "32"), "--group-size is given without --quantize int4"),
+    ]:
+        r = cli("split", folders["qwen3"], "--tp", "2", "--out", tmp_path / "x", *args)
+        assert (r.exit_code, r.stderr) == (2, f"error: {msg}\n")
+    r = cli("split", folders["full/int4"], "--tp", "2", "--out", tmp_path / "x", "--quantize", "int8")
+    assert (r.exit_code, r.stderr) == (2, f"error: {str(folders['full/int4'])!r} is already quantized (int4, group "
+                                          "size 32: 14 weights); split it without --quantize\n")
+    assert not (tmp_path / "x").exists()
+
+
+def test_split_of_a_full_quantized_folder(folders, tmp_path):
+    """Splitting a full quantized folder slices its stored parts: the same tensors as split --quantize."""
+    out = tmp_path / "resplit"
+    m = split_model(folders["full/mixed"], 2, out)
+    assert read_table(out) == read_table(folders["full/mixed"]) and verify_dir(out) == []
+    assert m["quantization"]["weights"]["model.layers.0.mlp.down_proj.weight"] == {"scheme": "int8", "group_size": None}
+    out4 = split_model(folders["full/int4"], 2, tmp_path / "resplit4")
+    for r in (0, 1):
+        a = load_file(tmp_path / "resplit4" / f"rank-{r:02d}-of-02.safetensors")
+        b = load_file(folders["split/int4/2"] / f"rank-{r:02d}-of-02.safetensors")
+        assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+    assert out4["quantization"] == json.loads((folders["split/int4/2"] / "manifest.json").read_text())["quantization"]
+
+
+def test_load_errors(folders, tmp_path):
+    split4 = folders["split/int4/2"]
+    with pytest.raises(UserError) as e:
+        load_model(split4, TPInfo(0, 2, 0, CPU), quantization="int8")
+    assert str(e.value) == (f"--quantization int8 (int8, per output channel) disagrees with the quantized folder "
+                            f"{str(split4)!r} (int4, group size 32: 14 weights); drop --quantization to run the "
+                            "folder's weights as stored, or pass a float folder to quantize on the fly")
+    load_model(split4, TPInfo(1, 2, 1, CPU), quantization="int4")  # the same scheme: loaded as stored
+    with pytest.raises(UserError) as e:
+        load_model(folders["full/mixed"], TPInfo(0, 1, 0, CPU), quantization="int4")
+    assert str(e.value).startswith("--quantization int4 (int4, group size 32) disagrees with the quantized folder ")
+    with pytest.raises(UserError) as e:
+        load_model(folders["full/int4"], TPInfo(0, 3, 0, CPU))
+    assert str(e.value) == (
+        f"the quantized folder {str(folders['full/int4'])!r} (int4, group size 32: 14 weights) cannot run at tp=3: "
+        "--quantization int4 (group size 32) at tp=3: the row-parallel layer mlp.down_proj splits its input at "
+        "column 43, not on a group boundary (a multiple of 32); valid tp sizes: 1, 2, 4")
+    src = folders["qwen3"]
+    merged = write_full_quantized(src, tmp_path / "merged", lambda n: INT4 if "k_proj" in n else None)
+    with pytest.raises(UserError) as e:
+        load_model(merged, TPInfo(0, 1, 0, CPU))
+    assert str(e.value) == (
+        "the parts model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.k_proj.weight, "
+        "model.layers.0.self_attn.v_proj.weight of one merged layer are stored in different ways (float, int4, "
+        "group size 32, float); tpengine needs them alike")
+    emb = shutil.copytree(folders["full/int8"], tmp_path / "emb")
+    t = load_file(emb / "model.safetensors")
+    t.update({part_name("model.embed_tokens.weight", p): v
+              for p, v in quantize_parts(t.pop("model.embed_tokens.weight"), INT8).items()})
+    save_file(t, emb / "model.safetensors", metadata={"format": "pt"})
+    write_table(emb, {**read_table(emb), "model.embed_tokens.weight": INT8})
+    with pytest.raises(UserError) as e:
+        load_model(emb, TPInfo(0, 1, 0, CPU))
+    assert str(e.value) == ("'model.embed_tokens.weight' is stored quantized (int8, per output channel), but "
+                            "tpengine's VocabParallelEmbedding holds float weights only in this version")
+    bad = shutil.copytree(folders["full/int8"], tmp_path / "v2")
+    (bad / "quantization.json").write_text(json.dumps({**table_json(read_table(bad)), "format_version": 2}))
+    with pytest.raises(UserError) as e:
+        load_model(bad, TPInfo(0, 1, 0, CPU))
+    assert str(e.value) == (f"quantization table {str(bad / 'quantization.json')!r}: quant_method='tpengine', "
+                            "format_version=2 is not supported (expected 'tpengine', 1)")
+    (bad / "quantization.json").write_text(json.dumps(
+        {**table_json(read_table(folders["full/int8"])), "weights": {"x.weight": {"scheme": "int3"}}}))
+    with pytest.raises(UserError) as e:
+        load_model(bad, TPInfo(0, 1, 0, CPU))
+    assert str(e.value) == (f"quantization table {str(bad / 'quantization.json')!r}: weight 'x.weight': scheme "
+                            "'int3' is invalid (must be one of int8, int4, for a name ending in .weight)")
+    wrong = shutil.copytree(folders["full/int4"], tmp_path / "wrongdtype")
+    t = load_file(wrong / "model.safetensors")
+    t["model.layers.0.mlp.down_proj.qweight"] = t["model.layers.0.mlp.down_proj.qweight"].to(torch.int8)
+    save_file(t, wrong / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as e:
+        load_model(wrong, TPInfo(0, 1, 0, CPU))
+    assert str(e.value) == ("checkpoint tensor 'model.layers.0.mlp.down_proj.qweight' has dtype torch.int8; the "
+                            "int4 format stores qweight as torch.uint8")
+
+
+def test_tied_llama_split_int4(tmp_path):
+    """A tied embedding stays float (one Parameter shared with the LM head) beside int4 linears; tp 2 = tp 1."""
+    src = make_tiny_model(tmp_path, "llama", seed=5, intermediate_size=128, tie_word_embeddings=True)
+    split_model(src, 1, tmp_path / "t1", quantize="int4")
+    split_model(src, 2, tmp_path / "t2", quantize="int4")
+    model, _, _ = load_model(tmp_path / "t2", TPInfo(1, 2, 1, CPU))
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert sum(isinstance(m, QuantizedWeight) for m in model.modules()) == 8
+    g = torch.Generator().manual_seed(4)
+    reqs = [["a", torch.randint(3, 1001, (9,), generator=g).tolist(), {**GREEDY, "max_tokens": 8}]]
+    cfg = {"dtype": "float32", "max_model_len": 64, "kv_cache_gb": 0.02}
+    jobs = {tp: [{"key": "k", "requests": reqs, "config": {"model": str(tmp_path / f"t{tp}"), **cfg}}] for tp in (1, 2)}
+    one, two = (run_engine_jobs(tmp_path, tp, jobs[tp]) for tp in (1, 2))
+    assert greedy(one["k"])["a"][0] == greedy(two["k"])["a"][0] and len(greedy(one["k"])["a"][0]) == 8
