@@ -86,7 +86,7 @@ def test_loaded_model_holds_each_weight_once_in_the_chosen_layout(tmp_path, sett
 
 def test_gemv_rows_and_pick_count_the_gemv_for_the_plain_layout():
     # the GEMV beats F.linear at 1 and 8 rows: plain takes min(plain, gemv) there and wins
-    t = {"plain": [100, 110, 140], "packed": [75, 76, 100], "gemv": [60, 70, None]}
+    t = {"plain": [100, 110, 140], "packed": [75, 76, 100], "gemv": [50, 55, None]}  # 3.4 vs 3.88
     assert L.gemv_rows(t) == 8 and L.pick(t) == "plain"
     # it wins at 1 row only: used up to 1 row; packed stays faster overall
     t = {"plain": [100, 110, 140], "packed": [75, 76, 100], "gemv": [70, 120, None]}
