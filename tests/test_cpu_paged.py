@@ -101,3 +101,29 @@ def test_paged_decode_bad_indices_raise_before_anything_is_written():
                             f"[0, {nb}) for the blocks a sequence's length covers")
     with pytest.raises(ValueError, match=r"k_cache must be contiguous"):
         cpu_paged.decode(q, k, v, cos, sin, kc.transpose(0, 1), vc, qkv_map, 0.125, slots, bt, lens)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_decode_steps_take_the_paged_kernel_once_per_layer(tmp_path, monkeypatch, dtype):
+    """In the engine every decode step calls the paged kernel once per layer (2 layers x 5 decode
+    steps for 6 tokens), and the tokens equal the torch path's (``cpu_kernels=False``)."""
+    from conftest import make_tiny_model
+
+    from tpengine.config import EngineConfig
+    from tpengine.engine.llm_engine import LLMEngine
+    from tpengine.engine.sampling_params import SamplingParams
+
+    model = make_tiny_model(tmp_path, "llama", seed=5, head_dim=32)
+    calls = []
+    real = cpu_paged.decode
+    monkeypatch.setattr(cpu_paged, "decode", lambda *a: calls.append(a[0].shape) or real(*a))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for native in (True, False):
+        eng = LLMEngine(EngineConfig(model=str(model), dtype=dtype, cpu_kernels=native, num_kv_blocks=16,
+                                     max_model_len=64))
+        tokens[native] = eng.generate([("a", [5, 6, 7, 8, 9], params)])[0].token_ids
+        eng.shutdown()
+        if native:
+            assert calls == [(1, 4, 32)] * (2 * 5)  # [B, Hq, D] of the tiny Llama
+    assert len(calls) == 10 and tokens[True] == tokens[False] and len(tokens[True]) == 6

@@ -108,11 +108,11 @@ def jobs_for(models, smollm2_prompts, tp: int) -> list[dict]:
     if tp == 1:  # bfloat16: the decode KV mirror on and off, a batch shrinking 5 -> 1 (both attention branches)
         prompts = tiny_prompts(1001, TINY_LENGTHS)
         reqs = [[f"p{i}", p, {**GREEDY, "max_tokens": 20 + 6 * i, "ignore_eos": True}] for i, p in enumerate(prompts)]
-        for mirror in (True, False):
+        for mirror in (True, False):  # torch ops only (the C kernels' paged decode keeps no mirror)
             jobs.append({"key": f"llama/bf16-mirror-{mirror}", "requests": reqs,
-                         "config": cfg(models["llama"], dtype="bfloat16", kv_mirror=mirror)})
-        jobs.append({"key": "llama/bf16-torch", "requests": reqs,  # torch ops only, none of the C kernels
-                     "config": cfg(models["llama"], dtype="bfloat16", cpu_kernels=False)})
+                         "config": cfg(models["llama"], dtype="bfloat16", kv_mirror=mirror, cpu_kernels=False)})
+        jobs.append({"key": "llama/bf16-native", "requests": reqs,  # the C kernels: paged decode, fused ops
+                     "config": cfg(models["llama"], dtype="bfloat16")})
     if tp <= 2:  # the bfloat16 CPU path (matmul prefill attention, decode KV mirror)
         bf16 = [[f"s{i}", p, {**GREEDY, "max_tokens": 32}] for i, p in enumerate(smollm2_prompts)]
         jobs.append({"key": "smollm2/bf16", "requests": bf16,
@@ -168,14 +168,14 @@ def test_kv_mirror_does_not_change_tokens(engine_results):
 
 
 def test_cpu_kernels_do_not_change_tokens(engine_results):
-    """bfloat16 on CPU with the C kernels (tpengine/kernels/cpu_native.py: decode attention, add +
+    """bfloat16 on CPU with the C kernels (tpengine/kernels/cpu_native.py: paged decode attention, add +
     RMSNorm, RoPE, SiLU*up) and with torch ops only: the same greedy tokens for 5 sequences of a
     tiny Llama, a batch shrinking 5 -> 1."""
     from tpengine.kernels import cpu_native
 
     if cpu_native.load() is None:
         pytest.skip(f"C kernels unavailable here: {cpu_native.unavailable_reason()}")
-    kernel, bmm = (by_id(engine_results[1][k]) for k in ("llama/bf16-mirror-True", "llama/bf16-torch"))
+    kernel, bmm = (by_id(engine_results[1][k]) for k in ("llama/bf16-native", "llama/bf16-mirror-True"))
     assert {k: v["token_ids"] for k, v in kernel.items()} == {k: v["token_ids"] for k, v in bmm.items()}
     assert [len(kernel[f"p{i}"]["token_ids"]) for i in range(5)] == [20, 26, 32, 38, 44]
 

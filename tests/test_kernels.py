@@ -29,7 +29,8 @@ from tpengine.kernels.triton_attention import TritonAttentionBackend
 
 def test_get_backend():
     cpu = get_backend("auto", "cpu", native=False, kv_mirror=True)
-    assert isinstance(cpu, CPUAttentionBackend) and (cpu.native, cpu.kv_mirror) == (False, True)
+    assert isinstance(cpu, CPUAttentionBackend) and (cpu.native, cpu.kv_mirror, cpu.paged) == (False, True, False)
+    assert get_backend("auto", "cpu", native=True, kv_mirror=True).paged  # the C kernels' paged decode
     assert not cpu.graph_safe and cpu.name == "torch"
     assert isinstance(get_backend("auto", torch.device("cuda"), native=True, kv_mirror=True), TritonAttentionBackend)
     assert isinstance(get_backend("torch", "cuda", native=True, kv_mirror=False), CPUAttentionBackend)

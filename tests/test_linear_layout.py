@@ -11,10 +11,12 @@ from conftest import make_tiny_model
 
 from tpengine.config import EngineConfig
 from tpengine.distributed import TPInfo
+from tpengine.kernels import cpu_gemv, cpu_native
 from tpengine.kernels import linear_layout as L
 from tpengine.layers.linear import prepack
 from tpengine.loader import load_model
 
+cpu_gemv_ok = cpu_native.load() is not None
 needs_onednn = pytest.mark.skipif(prepack(torch.zeros(2, 2)) is None, reason="no oneDNN packing in this torch")
 
 
@@ -80,3 +82,45 @@ def test_loaded_model_holds_each_weight_once_in_the_chosen_layout(tmp_path, sett
     assert {c.layout for c in model.linear_layouts.values()} == {setting}
     line = L.summary(model.linear_layouts, torch.float32)
     assert line.startswith(f"tpengine: CPU linear layouts (float32, {torch.get_num_threads()} threads, forced): ")
+
+
+def test_gemv_rows_and_pick_count_the_gemv_for_the_plain_layout():
+    # the GEMV beats F.linear at 1 and 8 rows: plain takes min(plain, gemv) there and wins
+    t = {"plain": [100, 110, 140], "packed": [75, 76, 100], "gemv": [50, 55, None]}  # 3.4 vs 3.88
+    assert L.gemv_rows(t) == 8 and L.pick(t) == "plain"
+    # it wins at 1 row only: used up to 1 row; packed stays faster overall
+    t = {"plain": [100, 110, 140], "packed": [75, 76, 100], "gemv": [70, 120, None]}
+    assert L.gemv_rows(t) == 1 and L.pick(t) == "packed"
+    assert L.gemv_rows({"plain": [1, 1, 1], "packed": [1, 1, 1]}) == 0  # float32: no GEMV timings
+
+
+@pytest.mark.skipif(not cpu_gemv_ok, reason="CPU C kernels unavailable here")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+def test_gemv_equals_float32_matmul_rounded_once(rows):
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(75, 96, generator=g) * 0.1).bfloat16()  # 75 rows: groups of 4 and a tail
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    got = cpu_gemv.gemv(x, w)
+    want = (x.double() @ w.double().T)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 75)
+    # one bfloat16 rounding of a float32 sum: within half an ulp of bf16 plus float32 sum error
+    assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-6).all()
+    with pytest.raises(ValueError, match=r"gemv: x \[\.\.\., 96\] bfloat16 with 1\.\.8 rows"):
+        cpu_gemv.gemv(torch.zeros(9, 96, dtype=torch.bfloat16), w)
+
+
+@pytest.mark.skipif(not cpu_gemv_ok, reason="CPU C kernels unavailable here")
+def test_linears_through_the_gemv_match_f_linear(tmp_path):
+    """A bfloat16 model whose plain linears take the GEMV at <= 8 rows gives the logits of F.linear
+    within bfloat16 rounding, and the layers hold their plain weights only."""
+    model_dir = make_tiny_model(tmp_path, "llama", seed=1, hidden_size=64, intermediate_size=128)
+    model, _, _ = load_model(model_dir, TPInfo(0, 1, 0, torch.device("cpu")), torch.bfloat16, cpu_linear="plain")
+    linears = [m for n, m in model.named_modules() if hasattr(m, "pack") and not n.endswith("lm_head")]
+    x = torch.randn(5, 64).bfloat16()
+    plain = [m(x) for m in linears if m.in_features == 64]
+    for m in linears:
+        m.gemv_rows = 8
+    via = [m(x) for m in linears if m.in_features == 64]
+    for a, b in zip(via, plain):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+    assert all(m.packed is None and m.weight is not None for m in linears)

@@ -31,6 +31,7 @@ from tpengine.checkpoint import (
 )
 from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
+from tpengine.kernels import cpu_gemv
 from tpengine.kernels.linear_layout import choose_layouts
 from tpengine.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from tpengine.layers.quantized import QuantizedWeight, QuantScheme, check_quantization, quantize_linear
@@ -451,6 +452,10 @@ def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.flo
     model.weight_bytes = load_weights(model, rank_files(model_dir, sharded, tp), None if sharded else plan, tp.rank,
                                       tie, dtype, tp.device, pack, quant,
                                       _all_reduce_max if tp.size > 1 else None, table)
+    for m in model.modules():  # plain bfloat16 weights measured faster through the GEMV kernel at a few rows
+        choice = model.linear_layouts.get(tuple(m.weight.shape)) if getattr(m, "weight", None) is not None else None
+        if hasattr(m, "pack") and choice is not None and choice.gemv_rows and cpu_gemv.available(m.weight):
+            m.gemv_rows = choice.gemv_rows
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"rank {tp.rank}: still on the meta device after loading: {left}")

@@ -21,7 +21,8 @@ def get_backend(name: str, device, *, native: bool, kv_mirror: bool):
     ``"auto"``: Triton on CUDA devices, the CPU backend otherwise; ``"torch"``:
     :class:`tpengine.kernels.cpu_attention.CPUAttentionBackend` (``native``: use the C kernels,
     ``EngineConfig.cpu_kernels``; ``kv_mirror``: keep decode contexts across steps,
-    ``EngineConfig.kv_mirror``); ``"triton"``:
+    ``EngineConfig.kv_mirror``; with ``native``, decode steps take the paged C kernel, which keeps
+    no mirror); ``"triton"``:
     :class:`tpengine.kernels.triton_attention.TritonAttentionBackend` (on CPU tensors that works
     only with ``TRITON_INTERPRET=1`` set before triton is imported; the two flags do not apply).
     Raises ValueError for any other name, naming the value and the allowed ones; ImportError if
@@ -36,7 +37,7 @@ def get_backend(name: str, device, *, native: bool, kv_mirror: bool):
     if name == "torch":
         from tpengine.kernels.cpu_attention import CPUAttentionBackend
 
-        return CPUAttentionBackend(native=native, kv_mirror=kv_mirror)
+        return CPUAttentionBackend(native=native, kv_mirror=kv_mirror, paged=native)
     from tpengine.kernels.triton_attention import TritonAttentionBackend
 
     return TritonAttentionBackend()

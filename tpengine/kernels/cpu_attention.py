@@ -76,6 +76,8 @@ class CPUAttentionBackend(AttentionBackend):
     Args:
         native: use the C kernels where they apply (``EngineConfig.cpu_kernels``).
         kv_mirror: keep each layer's decode context across steps (``EngineConfig.kv_mirror``).
+        paged: with ``native``, decode steps run :meth:`paged_decode` (one C call per layer, no
+            mirror); the engine's backend has it on (:func:`tpengine.kernels.get_backend`).
 
     ``prepare`` syncs with the host (slot bounds; prefill lengths; decode lengths and the mirror's
     continuity check), once per step, so the backend is not CUDA-graph safe.
@@ -84,12 +86,12 @@ class CPUAttentionBackend(AttentionBackend):
     name = "torch"
     graph_safe = False
 
-    def __init__(self, *, native: bool = True, kv_mirror: bool = True):
-        self.native, self.kv_mirror = native, kv_mirror
+    def __init__(self, *, native: bool = True, kv_mirror: bool = True, paged: bool = False):
+        self.native, self.kv_mirror, self.paged = native, kv_mirror, paged
         self.continuity = mirrors.Continuity()  # the previous decode step, for the mirrors
 
     def __repr__(self) -> str:
-        return f"CPUAttentionBackend(native={self.native}, kv_mirror={self.kv_mirror})"
+        return f"CPUAttentionBackend(native={self.native}, kv_mirror={self.kv_mirror}, paged={self.paged})"
 
     def prepare(self, is_prefill, slot_mapping, block_tables, cu_seqlens_q=None, cu_seqlens_k=None,
                 context_lens=None) -> CPUAttentionMetadata:
@@ -109,7 +111,7 @@ class CPUAttentionBackend(AttentionBackend):
         else:
             if context_lens.numel():
                 m.min_ctx, m.max_ctx = (int(x) for x in torch.aminmax(context_lens))
-            m.paged = self.native and slot_mapping.device.type == "cpu"
+            m.paged = self.paged and self.native and slot_mapping.device.type == "cpu"
             if m.paged:  # the layers' paged C kernel (cpu_paged) reads the cache itself: no mirror kept
                 self.continuity.prefill()
             elif self.kv_mirror:

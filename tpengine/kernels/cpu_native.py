@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_decode.c", "cpu_fused.c", "cpu_paged.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_decode.c", "cpu_fused.c", "cpu_paged.c",
+                                                         "cpu_gemv.c"))
 HEADERS = (Path(__file__).with_name("bf16.h"),)  # included by the sources: part of the cache key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
@@ -51,6 +52,7 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_fast and
     "tpe_causal_softmax": [_P, _I64, _I64, _F32, _I32],
     "tpe_paged_decode_f32": _PAGED,
     "tpe_paged_decode_bf16": _PAGED,
+    "tpe_gemv_bf16": [_P, _I64, _I64, _P, _I64, _P, _I32],
 }
 
 

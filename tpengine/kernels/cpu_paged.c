@@ -19,9 +19,9 @@
  * k + b * k_stride, v + b * v_stride; cos, sin [B, D] (NULL: no RoPE); slots [B] (-1: not stored);
  * block_tables [B, max_blocks]; lens [B] (keys visible to the sequence, its new one included; 0
  * for a padding row, whose output is zero); caches [num_blocks, bs, Hkv, D]; q_to_kv [Hq];
- * out [B, Hq, D] contiguous. Needs D % 16 == 0. Every slot, length and block id is checked before
- * anything is written: returns -1, or the first bad b (a slot), B + b (a length beyond the block
- * table) or 2B + b (a block id out of range). */
+ * out [B, Hq, D] contiguous. Needs D % 32 == 0 (RoPE rotates halves of whole 16-lane vectors).
+ * Every slot, length and block id is checked before anything is written: returns -1, or the first
+ * bad b (a slot), B + b (a length beyond the block table) or 2B + b (a block id out of range). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

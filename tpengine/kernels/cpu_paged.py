@@ -18,9 +18,9 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 def available(dtype: torch.dtype, head_dim: int, native: bool) -> bool:
     """Whether :func:`decode` takes a layer of this dtype and head size: ``native``
-    (``EngineConfig.cpu_kernels``), float32 or bfloat16, ``head_dim % 16 == 0`` and ``<= 256``, and
-    the C library loads."""
-    return (native and dtype in DTYPES and head_dim % 16 == 0 and head_dim <= MAX_D
+    (``EngineConfig.cpu_kernels``), float32 or bfloat16, ``head_dim % 32 == 0`` (RoPE rotates halves
+    of whole 16-lane vectors) and ``<= 256``, and the C library loads."""
+    return (native and dtype in DTYPES and head_dim % 32 == 0 and head_dim <= MAX_D
             and cpu_native.load() is not None)
 
 
@@ -50,8 +50,8 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor 
         raise RuntimeError(f"CPU C kernels unavailable: {cpu_native.unavailable_reason()}")
     dtype, (b, hq, d) = q.dtype, q.shape
     nb, bs, hkv, _ = k_cache.shape
-    if dtype not in DTYPES or d % 16 or d > MAX_D:
-        raise ValueError(f"paged decode: float32 or bfloat16 with head size % 16 == 0 and <= {MAX_D}; got {dtype}, {d}")
+    if dtype not in DTYPES or d % 32 or d > MAX_D:
+        raise ValueError(f"paged decode: float32 or bfloat16 with head size % 32 == 0 and <= {MAX_D}; got {dtype}, {d}")
     qs, ks, vs = _rows("q", q, hq, d, dtype), _rows("k", k, hkv, d, dtype), _rows("v", v, hkv, d, dtype)
     if k.shape[0] != b or v.shape[0] != b:
         raise ValueError(f"paged decode: q, k, v must have the same B; got {b}, {k.shape[0]}, {v.shape[0]}")

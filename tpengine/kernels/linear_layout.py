@@ -4,6 +4,8 @@ A CPU linear layer holds its weight in ONE of two layouts (never both: that woul
 
 * ``plain``: the row-major ``[out, in]`` tensor, multiplied by ``F.linear`` (MKL's sgemm in float32,
   torch's oneDNN/cpublas GEMM in half precision);
+  or, for a bfloat16 weight at up to a few rows, tpengine's own GEMV kernel
+  (:mod:`tpengine.kernels.cpu_gemv`) where it measured faster;
 * ``packed``: oneDNN's blocked layout (:func:`tpengine.layers.linear.prepack`), multiplied by
   ``torch.ops.mkldnn._linear_pointwise``.
 
@@ -33,7 +35,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tpengine.kernels import CPU_LINEAR_CHOICES
+from tpengine.kernels import CPU_LINEAR_CHOICES, cpu_gemv
 from tpengine.kernels.cpu_native import cache_root, cpu_id
 
 LAYOUTS = ("plain", "packed")
@@ -42,34 +44,54 @@ ROW_BUCKETS = (1, 8, 64)
 #: The most weight bytes (per shape and layout) one measurement allocates; larger single weights
 #: are not measured (they keep ``packed``, the layout that saves the per-call reorder).
 MEASURE_BYTES = 256 << 20
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)
 class LayoutChoice:
     """The layout chosen for one weight shape: ``layout`` ("plain" or "packed"), ``how``
-    ("measured", "cached", "forced" or "default" for an unmeasured one), and the microseconds per
-    call of each layout at each of :data:`ROW_BUCKETS` (empty unless measured or cached)."""
+    ("measured", "cached", "forced" or "default" for an unmeasured one), the microseconds per
+    call of each path at each of :data:`ROW_BUCKETS` (empty unless measured or cached), and for a
+    plain bfloat16 weight ``gemv_rows``, the most rows the GEMV kernel takes (:func:`gemv_rows`)."""
 
     layout: str
     how: str
-    times_us: dict[str, list[float]]
+    times_us: dict[str, list]
+    gemv_rows: int = 0
 
     def describe(self, shape: tuple[int, int]) -> str:
         """``"576->960 plain (plain 85/146/337 us, packed 128/126/439 us at 1/8/64 rows)"``."""
         out, inp = shape
-        s = f"{inp}->{out} {self.layout}"
+        s = f"{inp}->{out} {self.layout}" + (f" (gemv up to {self.gemv_rows} rows)" if self.gemv_rows else "")
         if self.times_us:
-            cols = ", ".join(f"{k} {'/'.join(f'{t:.0f}' for t in v)} us" for k, v in self.times_us.items())
+            cols = ", ".join(f"{k} {'/'.join('-' if t is None else f'{t:.0f}' for t in v)} us"
+                             for k, v in self.times_us.items())
             s += f" ({cols} at {'/'.join(map(str, ROW_BUCKETS))} rows)"
         return s
 
 
-def pick(times_us: dict[str, list[float]]) -> str:
+def gemv_rows(times_us: dict[str, list]) -> int:
+    """The most rows up to which the plain layout runs :func:`tpengine.kernels.cpu_gemv.gemv` instead
+    of ``F.linear``: the largest bucket up to which the GEMV was faster at every bucket (0: never;
+    no ``"gemv"`` timings: never)."""
+    rows = 0
+    for n, g, p in zip(ROW_BUCKETS, times_us.get("gemv") or (), times_us["plain"]):
+        if g is None or g >= p:
+            break
+        rows = n
+    return rows
+
+
+def pick(times_us: dict[str, list]) -> str:
     """The layout whose summed time relative to the faster layout, over the buckets, is smallest
-    (``{"plain": [t1, t8, t64], "packed": [...]}``); a tie keeps ``packed``."""
-    best = [min(ts) for ts in zip(*times_us.values())]
-    score = {k: sum(t / b for t, b in zip(v, best)) for k, v in times_us.items()}
+    (``{"plain": [t1, t8, t64], "packed": [...], "gemv": [t1, t8, None]}``, the optional GEMV
+    timings counting for the plain layout up to :func:`gemv_rows`); a tie keeps ``packed``."""
+    g = gemv_rows(times_us)
+    plain = [min(p, t) if n <= g else p for n, p, t in zip(ROW_BUCKETS, times_us["plain"],
+                                                            times_us.get("gemv") or times_us["plain"])]
+    layouts = {"plain": plain, "packed": times_us["packed"]}
+    best = [min(ts) for ts in zip(*layouts.values())]
+    score = {k: sum(t / b for t, b in zip(v, best)) for k, v in layouts.items()}
     return min(sorted(score), key=lambda k: (score[k], k != "packed"))
 
 
@@ -101,10 +123,14 @@ def measure(shape: tuple[int, int], count: int, dtype: torch.dtype) -> dict[str,
     plain = [torch.full((out, inp), 0.01 * (i + 1), dtype=dtype) for i in range(n)]
     if prepack(plain[0]) is None:
         return None
-    times: dict[str, list[float]] = {"plain": [], "packed": []}
+    times: dict[str, list] = {"plain": [], "packed": []}
     for rows in ROW_BUCKETS:
         x = torch.full((rows, inp), 0.5, dtype=dtype)
         times["plain"].append(_time_us([lambda w=w: F.linear(x, w) for w in plain]))
+    if cpu_gemv.available(plain[0]):
+        times["gemv"] = [_time_us([lambda w=w: cpu_gemv.gemv(x, w) for w in plain])
+                         if (x := torch.full((rows, inp), 0.5, dtype=dtype)).shape[0] <= cpu_gemv.MAX_ROWS else None
+                         for rows in ROW_BUCKETS]
     packed = []
     for i in range(n):  # replace as we go: never both layouts of all the synthetic weights
         packed.append(prepack(plain[i]))
@@ -167,8 +193,11 @@ def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype,
             times, how = measure(shape, count, dtype), "measured"
             if times is not None:
                 cache[key], wrote = times, True
-        chosen[shape] = LayoutChoice("packed", "default", {}) if times is None else LayoutChoice(pick(times), how,
-                                                                                                  times)
+        if times is None:
+            chosen[shape] = LayoutChoice("packed", "default", {})
+        else:
+            layout = pick(times)
+            chosen[shape] = LayoutChoice(layout, how, times, gemv_rows(times) if layout == "plain" else 0)
     if wrote:
         _write_cache(path, cache)
     return chosen

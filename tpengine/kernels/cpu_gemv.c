@@ -1,0 +1,66 @@
+/* bfloat16 matrix-vector products for the few rows of a decode step: y = x @ w^T with x [rows, k],
+ * w [n, k] row-major (the plain layout of a linear weight), y [rows, n], float32 accumulation
+ * (AVX512-BF16 dot products of bfloat16 pairs, vdpbf16ps), rounded once to bfloat16 -- what
+ * F.linear computes, up to the order of the float32 sum. A decode step at one row is bound by
+ * reading the weight: this streams each weight row once for all rows of x, four weight rows at a
+ * time, the output rows split between the threads. Needs k % 32 == 0 and rows <= 8 (the caller
+ * checks); tpengine.kernels.linear_layout measures it against the other paths per shape. */
+#include <stdint.h>
+
+#include "bf16.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+#define GEMV_ROWS(R)                                                                                                \
+    static void gemv_##R(const uint16_t *x, int64_t k, const uint16_t *w, int64_t o0, int64_t o1, uint16_t *y,   \
+                         int64_t n) {                                                                             \
+        int64_t o = o0;                                                                                           \
+        for (; o + 4 <= o1; o += 4) {                                                                             \
+            __m512 acc[R][4];                                                                                     \
+            for (int r = 0; r < R; r++)                                                                           \
+                for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();                                      \
+            for (int64_t i = 0; i < k; i += 32) {                                                                 \
+                __m512bh wv[4];                                                                                   \
+                for (int j = 0; j < 4; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + (o + j) * k + i);            \
+                for (int r = 0; r < R; r++) {                                                                     \
+                    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * k + i);                              \
+                    for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);               \
+                }                                                                                                 \
+            }                                                                                                     \
+            for (int r = 0; r < R; r++)                                                                           \
+                for (int j = 0; j < 4; j++) y[r * n + o + j] = f2bf(_mm512_reduce_add_ps(acc[r][j]));             \
+        }                                                                                                         \
+        for (; o < o1; o++) {                                                                                     \
+            __m512 acc[R];                                                                                        \
+            for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                             \
+            for (int64_t i = 0; i < k; i += 32) {                                                                 \
+                const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + o * k + i);                                  \
+                for (int r = 0; r < R; r++)                                                                       \
+                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(x + r * k + i), wv);           \
+            }                                                                                                     \
+            for (int r = 0; r < R; r++) y[r * n + o] = f2bf(_mm512_reduce_add_ps(acc[r]));                        \
+        }                                                                                                         \
+    }
+
+GEMV_ROWS(1)
+GEMV_ROWS(2)
+GEMV_ROWS(4)
+
+/* x [rows, k], w [n, k], y [rows, n]; rows in 1..8 (taken 4, 2 and 1 at a time). */
+void tpe_gemv_bf16(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t n, uint16_t *y,
+                   int nthreads) {
+    const int64_t chunk = ((n + nthreads - 1) / nthreads + 3) / 4 * 4; /* whole groups of 4 rows per thread */
+#pragma omp parallel for schedule(static, 1) num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)
+    for (int64_t o0 = 0; o0 < n; o0 += chunk) {
+        const int64_t o1 = o0 + chunk < n ? o0 + chunk : n;
+        int64_t r = 0;
+        for (; r + 4 <= rows; r += 4) gemv_4(x + r * k, k, w, o0, o1, y + r * n, n);
+        for (; r + 2 <= rows; r += 2) gemv_2(x + r * k, k, w, o0, o1, y + r * n, n);
+        for (; r < rows; r++) gemv_1(x + r * k, k, w, o0, o1, y + r * n, n);
+    }
+}
+
+#else /* never called: tpe_fast() == 0 marks the library unavailable */
+void tpe_gemv_bf16(void) {}
+#endif
