@@ -4,7 +4,7 @@ The command-line tools (``tpengine.run``, ``tpengine-shard``) catch only :class:
 becomes one ``error:`` line on stderr and a non-zero exit code without a traceback. Any other
 exception, a plain ``ValueError`` included, is a failure of tpengine itself and keeps its
 traceback. Code that validates user input raises :class:`UserError` (or a subclass, such as
-``tpengine.loader.CheckpointMismatchError``), or the boundary that received the input converts
+``tpengine.shard_folder.CheckpointMismatchError``), or the boundary that received the input converts
 the validator's ``ValueError`` into one.
 """
 

@@ -20,15 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from tpengine.checkpoint import (
-    MANIFEST,
-    check_model_folder,
-    checkpoint_files,
-    is_shard_folder,
-    rank_file_name,
-    read_manifest,
-    sha256_file,
-)
+from tpengine.checkpoint import check_model_folder, is_shard_folder
 from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
 from tpengine.kernels import cpu_gemv
@@ -36,18 +28,9 @@ from tpengine.kernels.linear_layout import choose_layouts
 from tpengine.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from tpengine.layers.quantized import QuantizedWeight, QuantScheme, check_quantization, quantize_linear
 from tpengine.plan import ShardPlan
-from tpengine.quant_checkpoint import (
-    PART_DTYPES,
-    PARTS,
-    QuantEntry,
-    build_weight,
-    describe_table,
-    is_linear_weight,
-    part_name,
-    part_of,
-    part_slice,
-    read_table,
-)
+from tpengine.quant_checkpoint import PARTS, QuantEntry, is_linear_weight, part_name, part_of, part_slice, read_table
+from tpengine.quant_load import QuantParts, check_stored_quantization
+from tpengine.shard_folder import CheckpointMismatchError, check_manifest, rank_files  # noqa: F401 (re-exported)
 from tpengine.surgery import build_model, checkpoint_targets, kind_of
 from tpengine.tensor_file import TensorInfo, read_header, read_rows
 
@@ -55,67 +38,6 @@ from tpengine.tensor_file import TensorInfo, read_header, read_rows
 QUANTIZED_LAYERS = (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear)
 # the layers that can hold a weight a quantized folder stores quantized
 STORED_QUANT_LAYERS = QUANTIZED_LAYERS
-# config fields a shard folder must agree on with the config it is launched with
-CHECKED_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                  "num_key_value_heads", "vocab_size", "head_dim", "tie_word_embeddings")
-
-
-class CheckpointMismatchError(UserError):
-    """Shards made for another TP size or config, or files that do not match the manifest."""
-
-
-def check_manifest(model_dir: Path, hf_config, tp: TPInfo) -> ShardPlan:
-    """Check a shard folder against the launch (world size, config, this rank's file size, or its
-    sha256 for a manifest without sizes) before any weight is read or collective runs; return
-    its plan. (``tpengine-shard verify`` re-hashes every file; a header that does not fit the
-    file is caught when it is read.)
-
-    Raises:
-        CheckpointMismatchError: naming the shard tp and the launch tp, or the config field and
-            both values, or the file whose hash differs — and the command that re-shards (C19).
-    """
-    manifest = read_manifest(model_dir)  # UserError: unreadable or truncated, naming the file
-    fix = (f"re-shard with: tpengine-shard split <full HF model folder> --tp {tp.size} "
-           f"--out <new folder>")
-    if manifest["tp_size"] != tp.size:
-        raise CheckpointMismatchError(
-            f"shard folder {str(model_dir)!r} was made for tp={manifest['tp_size']} but this launch "
-            f"has tp={tp.size} (world size); {fix}, or launch with --nproc_per_node={manifest['tp_size']}")
-    stored = manifest["config"]
-    for field in CHECKED_FIELDS:
-        mine = getattr(hf_config, field, None)
-        if field in stored and mine is not None and stored[field] != mine:
-            raise CheckpointMismatchError(
-                f"shard folder {str(model_dir)!r} was made for {field}={stored[field]} but the model "
-                f"config has {field}={mine}; {fix}")
-    plan = ShardPlan.from_dict(manifest["plan"])
-    if plan != ShardPlan.build(hf_config, tp.size):
-        raise CheckpointMismatchError(f"the plan in {MANIFEST} differs from this config's plan; {fix}")
-    name = rank_file_name(tp.rank, tp.size)
-    entry = next((f for f in manifest["shard_files"] if f["name"] == name), None)
-    path = model_dir / name
-    if entry is None or not path.is_file():
-        raise CheckpointMismatchError(f"rank {tp.rank}: shard file {str(path)!r} is missing; {fix}")
-    if "bytes" in entry:  # a size check costs nothing; `tpengine-shard verify` re-hashes the files
-        if path.stat().st_size != entry["bytes"]:
-            raise CheckpointMismatchError(
-                f"rank {tp.rank}: {str(path)!r} has {path.stat().st_size} bytes, not the {entry['bytes']} recorded "
-                f"in {MANIFEST} (corrupt or truncated); {fix}")
-    elif sha256_file(path) != entry["sha256"]:  # a manifest from before sizes were recorded
-        raise CheckpointMismatchError(
-            f"rank {tp.rank}: {str(path)!r} does not match the sha256 in {MANIFEST} (corrupt or "
-            f"truncated); {fix}")
-    return plan
-
-
-def rank_files(model_dir: Path, sharded: bool, tp: TPInfo) -> list[Path]:
-    """The safetensors files this rank reads: its own ``rank-RR-of-NN.safetensors`` in a shard
-    folder, else every file of the full checkpoint (see :func:`tpengine.checkpoint.checkpoint_files`)."""
-    if sharded:
-        return [model_dir / rank_file_name(tp.rank, tp.size)]
-    return [model_dir / f for f in checkpoint_files(model_dir)]
-
-
 def _materialize(module: torch.nn.Module, attr: str, dtype: torch.dtype, device: torch.device,
                  staging: _Staging | None = None) -> torch.Tensor:
     """The real storage of ``module.<attr>``, allocated (uninitialised) on first use: from
@@ -186,55 +108,6 @@ def _fill(fd: int, info: TensorInfo, dest: torch.Tensor, spec: tuple[int, int, i
         dest.copy_(stage)
 
 
-class _QuantParts:
-    """This rank's stored parts of quantized layers while they load: part -> buffer ``[rows of the
-    layer, stored columns]`` per layer (qweight in its stored dtype, scales/zeros in the
-    activation dtype), allocated on a layer's first part; :meth:`finish` builds the layer's
-    :class:`~tpengine.layers.quantized.QuantizedWeight` and frees them."""
-
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-        self.bufs: dict[int, dict[str, torch.Tensor]] = {}
-
-    def dest(self, module: torch.nn.Module, part: str, entry: QuantEntry, info: TensorInfo,
-             cols: int) -> torch.Tensor:
-        """The buffer of ``part`` of ``module`` (``cols`` stored columns for this rank), for the
-        checkpoint tensor ``info``.
-
-        Raises:
-            ValueError: ``info`` of another dtype than the format's, or a merged layer whose
-                parts disagree in columns, naming the tensor.
-        """
-        want = PART_DTYPES.get((entry.scheme, part))
-        if (want is not None and info.dtype != want) or (want is None and not info.dtype.is_floating_point):
-            raise ValueError(f"checkpoint tensor {info.name!r} has dtype {info.dtype}; the {entry.scheme} format "
-                             f"stores {part} as {want or 'float32'}")
-        bufs = self.bufs.setdefault(id(module), {})
-        if part not in bufs:
-            bufs[part] = torch.empty(module.weight.shape[0], cols, dtype=want or self.dtype)
-        if bufs[part].shape[1] != cols:
-            raise ValueError(f"checkpoint tensor {info.name!r} has {cols} columns for this rank, the other "
-                             f"parts of its merged layer {bufs[part].shape[1]}")
-        return bufs[part]
-
-    def finish(self, module: torch.nn.Module, name: str, entry: QuantEntry) -> None:
-        """Set ``module.quant`` from its parts (``weight`` becomes None).
-
-        Raises:
-            ValueError: parts whose shapes do not fit the layer's ``[out, in]`` under ``entry``.
-        """
-        bufs = self.bufs.pop(id(module))
-        out, k = module.weight.shape
-        groups = bufs["scales"].shape[1]
-        q_cols = k if entry.scheme == "int8" else k // 2
-        per_channel = entry.scheme == "int8" and groups == 1
-        if bufs["qweight"].shape[1] != q_cols or not (per_channel or groups * (entry.group_size or 0) == k):
-            raise ValueError(f"{name!r} ({entry.describe()}): stored qweight {list(bufs['qweight'].shape)} and "
-                             f"scales {list(bufs['scales'].shape)} do not fit this rank's [{out}, {k}] weight")
-        module.quant = build_weight(entry, bufs)
-        module.weight = None
-
-
 def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | None, rank: int, tie: bool,
                  dtype: torch.dtype, device: torch.device, pack, quant: QuantScheme | None = None,
                  reduce_max=None, stored: dict[str, QuantEntry] | None = None) -> int:
@@ -288,7 +161,7 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
     unexpected: list[str] = []
     head = model.get_output_embeddings()
     qstored = {id(t.module): e for t, part, e in wanted.values() if part is not None}  # layer -> its entry
-    qparts = _QuantParts(dtype)
+    qparts = QuantParts(dtype)
     quantizes = lambda m: quant is not None and isinstance(m, QUANTIZED_LAYERS)  # noqa: E731
     wants = pack if callable(pack) else (lambda m: pack)  # noqa: E731
     packs = lambda m: (hasattr(m, "pack") and not (tie and m is head) and not quantizes(m)  # noqa: E731
@@ -370,34 +243,6 @@ def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     """``t``'s elementwise max over the tp ranks, in place (the default group; loading only)."""
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return t
-
-
-def check_stored_quantization(model_dir: Path, table: dict[str, QuantEntry], quantization: str | None,
-                              linears: list[str], hf_config, tp: TPInfo) -> None:
-    """Check a quantized folder's ``table`` against the launch before any weight is read: the
-    CPU (torch's kernels), no ``--quantization`` that says otherwise than the folder, and, for
-    a full folder sliced on the fly, row splits on group boundaries. ``linears``: the checkpoint
-    names of the model's column/row-parallel linear weights.
-
-    Raises:
-        UserError: ``quantization`` given and some column/row-parallel linear of the folder not
-            stored in exactly that scheme (naming both), a device other than the CPU, or a tp
-            that cuts a group (check_quantization's message, after the folder).
-    """
-    where = f"the quantized folder {str(model_dir)!r} ({describe_table(table)})"
-    if quantization is not None:
-        want = QuantScheme.of(quantization)
-        if any(table.get(n) != QuantEntry(want.name, want.group_size) for n in linears):
-            flag = QuantEntry(want.name, want.group_size).describe()
-            raise UserError(f"--quantization {quantization} ({flag}) disagrees with {where}; drop --quantization "
-                            "to run the folder's weights as stored, or pass a float folder to quantize on the fly")
-    if tp.device.type != "cpu":
-        raise UserError(f"{where} runs on the CPU only in this version, not on {tp.device}")
-    for e in sorted({e for e in table.values() if e.group_size is not None}, key=lambda e: (e.scheme, e.group_size)):
-        try:
-            check_quantization(hf_config, tp.size, QuantScheme(e.scheme, e.group_size))
-        except UserError as err:
-            raise UserError(f"{where} cannot run at tp={tp.size}: {err}") from None
 
 
 def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.float32, pack: bool | None = None,

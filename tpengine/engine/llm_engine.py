@@ -67,7 +67,7 @@ class LLMEngine:
     (no logits gathered, no Sampler call); other steps gather the logits to rank 0 and sample there.
 
     Raises:
-        tpengine.loader.CheckpointMismatchError, FileNotFoundError: bad model folder.
+        tpengine.shard_folder.CheckpointMismatchError, FileNotFoundError: bad model folder.
         tpengine.errors.UserError: ``max_model_len`` beyond the model's limit, or a model feature
             tpengine does not support (from ``check_model_limits``).
     """
