@@ -127,3 +127,12 @@ def test_engine_decode_steps_take_the_paged_kernel_once_per_layer(tmp_path, monk
         if native:
             assert calls == [(1, 4, 32)] * (2 * 5)  # [B, Hq, D] of the tiny Llama
     assert len(calls) == 10 and tokens[True] == tokens[False] and len(tokens[True]) == 6
+
+
+def test_paged_decode_refuses_a_bad_head_map():
+    qkv, cos, sin, kc, vc, bt, slots, lens, _ = case(64, 16, [0, 1], torch.float32)
+    q, k, v = views(qkv, 2, 2)
+    with pytest.raises(ValueError) as e:
+        cpu_paged.decode(q, k, v, cos, sin, kc, vc, torch.tensor([0, 2]), 0.125, slots, bt, lens)
+    assert str(e.value) == ("paged decode: q_to_kv [0, 2] must map each of the 2 query heads to a KV head in "
+                            "[0, 2), at most 16 on one")

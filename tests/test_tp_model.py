@@ -146,10 +146,10 @@ def test_structure_matches_plan(tiny_models, tp_results, name, tp):
             assert (out_dim, in_dim) == want[leaf], (rank, leaf)
         assert a["tied_storage"] == name.endswith("tied")  # C03: LM head shares the embedding shard
         # the rank holds its slice and nothing more: exactly the plan's bytes for it (float32), and
-        # every linear holds its weight once, in the packed layout only
+        # every linear holds its weight once, in the one layout measured for its shape (issue 17)
         assert a["weight_bytes"] == rank_bytes(plan, weight_shapes(AutoConfig.from_pretrained(tiny_models[name])),
                                                "float32")[rank]
-        assert a["unpacked"] == 0 and a["packed_and_plain"] == 0
+        assert a["unpacked"] == a["plain_chosen"] and a["packed_and_plain"] == 0
         for n, w in a["norms"].items():
             assert torch.equal(w, audits[0]["norms"][n])
     if name.startswith("qwen3"):

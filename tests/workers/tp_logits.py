@@ -43,6 +43,8 @@ def audit(model, weight_bytes: int):
                                                            ColumnParallelLinear))]
     return {"linears": rows, "plain_linear": plain, "norms": norms, "tied_storage": tied, "weight_bytes": weight_bytes,
             "unpacked": sum(m.weight is not None for m in layers),
+            "plain_chosen": sum(model.linear_layouts[(m.out_features, m.in_features)].layout == "plain"
+                                for m in layers),
             "packed_and_plain": sum(m.weight is not None and m.packed is not None for m in layers)}
 
 

@@ -21,7 +21,9 @@
  * for a padding row, whose output is zero); caches [num_blocks, bs, Hkv, D]; q_to_kv [Hq];
  * out [B, Hq, D] contiguous. Needs D % 32 == 0 (RoPE rotates halves of whole 16-lane vectors).
  * Every slot, length and block id is checked before anything is written: returns -1, or the first
- * bad b (a slot), B + b (a length beyond the block table) or 2B + b (a block id out of range). */
+ * bad b (a slot), B + b (a length beyond the block table), 2B + b (a block id out of range) or 3B
+ * (q_to_kv naming a KV head out of range, or more than MAX_G query heads on one KV head). Each KV
+ * head's query heads are attended together, so every key and value row is read once per step. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -29,11 +31,21 @@
 
 #include "bf16.h"
 
+#define MAX_G 16 /* query heads per KV head (the caller checks) */
+#define MAX_D 256
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
 static int64_t check(const int64_t *slots, const int64_t *block_tables, int64_t max_blocks, const int64_t *lens,
-                     int64_t B, int64_t num_blocks, int64_t bs) {
+                     int64_t B, int64_t num_blocks, int64_t bs, const int64_t *q_to_kv, int64_t hq, int64_t hkv) {
+    for (int64_t kv = 0; kv < hkv; kv++) {
+        int64_t g = 0;
+        for (int64_t h = 0; h < hq; h++) g += q_to_kv[h] == kv;
+        if (g > MAX_G) return 3 * B;
+    }
+    for (int64_t h = 0; h < hq; h++)
+        if ((uint64_t)q_to_kv[h] >= (uint64_t)hkv) return 3 * B;
     for (int64_t b = 0; b < B; b++)
         if (slots[b] < -1 || slots[b] >= num_blocks * bs) return b;
     for (int64_t b = 0; b < B; b++)
@@ -52,7 +64,7 @@ static int64_t check(const int64_t *slots, const int64_t *block_tables, int64_t 
                  const int64_t *lens, T *k_cache, T *v_cache, int64_t num_blocks, int64_t bs,                       \
                  const int64_t *q_to_kv, int64_t hq, int64_t hkv, int64_t d, float scale, T *out, int64_t B,        \
                  int nthreads) {                                                                                    \
-        int64_t bad = check(slots, block_tables, max_blocks, lens, B, num_blocks, bs);                             \
+        int64_t bad = check(slots, block_tables, max_blocks, lens, B, num_blocks, bs, q_to_kv, hq, hkv);                             \
         if (bad >= 0) return bad;                                                                                   \
         const int64_t half = d / 2, row = hkv * d;                                                                  \
         const __m512 neg = _mm512_set1_ps(-0.f);                                                                    \
@@ -82,55 +94,73 @@ static int64_t check(const int64_t *slots, const int64_t *block_tables, int64_t 
         _Pragma("omp parallel num_threads(nthreads) if (work * hq * d >= 32768)") {                               \
             float *sc = NULL;                                                                                       \
             int64_t cap = 0;                                                                                        \
-            _Pragma("omp for schedule(dynamic, 1)") for (int64_t bh = 0; bh < B * hq; bh++) {                    \
-                const int64_t b = bh / hq, h = bh % hq, L = lens[b], kv = q_to_kv[h];                               \
-                T *o = out + bh * d;                                                                                \
+            _Pragma("omp for schedule(dynamic, 1)") for (int64_t bk = 0; bk < B * hkv; bk++) {                   \
+                const int64_t b = bk / hkv, kv = bk % hkv, L = lens[b];                                             \
+                int64_t heads[MAX_G], g = 0;                                                                        \
+                for (int64_t h = 0; h < hq && g < MAX_G; h++)                                                       \
+                    if (q_to_kv[h] == kv) heads[g++] = h;                                                           \
+                if (g == 0) continue;                                                                               \
                 if (L == 0) {                                                                                       \
-                    memset(o, 0, (size_t)d * sizeof(T));                                                            \
+                    for (int64_t j = 0; j < g; j++) memset(out + (b * hq + heads[j]) * d, 0, (size_t)d * sizeof(T)); \
                     continue;                                                                                       \
                 }                                                                                                   \
-                if (L > cap) {                                                                                      \
+                if (L * g > cap) {                                                                                  \
                     free(sc);                                                                                       \
-                    cap = L + 64;                                                                                   \
+                    cap = L * g + 64;                                                                               \
                     sc = (float *)malloc((size_t)cap * sizeof(float));                                              \
                 }                                                                                                   \
-                const T *qh = q + b * q_stride + h * d;                                                             \
                 const int64_t *bt = block_tables + b * max_blocks;                                                  \
-                __m512 qv[16];                                                                                      \
-                for (int64_t i = 0; i < d; i += 16) qv[i / 16] = LD(qh + i);                                        \
-                float mx = -INFINITY;                                                                               \
-                for (int64_t t = 0; t < L; t++) {                                                                   \
+                const int64_t nv = d / 16;                                                                          \
+                __m512 qv[MAX_G][MAX_D / 16];                                                                       \
+                float mx[MAX_G];                                                                                    \
+                for (int64_t j = 0; j < g; j++) {                                                                   \
+                    for (int64_t i = 0; i < nv; i++) qv[j][i] = LD(q + b * q_stride + heads[j] * d + i * 16);       \
+                    mx[j] = -INFINITY;                                                                              \
+                }                                                                                                   \
+                for (int64_t t = 0; t < L; t++) { /* each key row read once for the g query heads */               \
                     const T *kt = k_cache + (bt[t / bs] * bs + t % bs) * row + kv * d;                              \
-                    __m512 acc = _mm512_mul_ps(qv[0], LD(kt));                                                      \
-                    for (int64_t i = 16; i < d; i += 16) acc = _mm512_fmadd_ps(qv[i / 16], LD(kt + i), acc);        \
-                    float s = _mm512_reduce_add_ps(acc);                                                            \
-                    s = _mm512_cvtss_f32(RND(_mm512_set1_ps(s))) * scale;                                          \
-                    sc[t] = s;                                                                                      \
-                    mx = s > mx ? s : mx;                                                                           \
+                    for (int64_t j = 0; j < g; j++) {                                                               \
+                        __m512 acc = _mm512_mul_ps(qv[j][0], LD(kt));                                               \
+                        for (int64_t i = 1; i < nv; i++) acc = _mm512_fmadd_ps(qv[j][i], LD(kt + i * 16), acc);     \
+                        const float s = _mm512_cvtss_f32(RND(_mm512_set1_ps(_mm512_reduce_add_ps(acc)))) * scale;   \
+                        sc[j * L + t] = s;                                                                          \
+                        mx[j] = s > mx[j] ? s : mx[j];                                                              \
+                    }                                                                                               \
                 }                                                                                                   \
-                __m512 sum = _mm512_setzero_ps();                                                                   \
-                const __m512 vmax = _mm512_set1_ps(mx);                                                             \
-                int64_t t = 0;                                                                                      \
-                for (; t + 16 <= L; t += 16) {                                                                      \
-                    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + t), vmax));                                 \
-                    _mm512_storeu_ps(sc + t, e);                                                                    \
-                    sum = _mm512_add_ps(sum, e);                                                                    \
+                for (int64_t j = 0; j < g; j++) { /* softmax, then p rounded as the dtype rounds it */             \
+                    float *sj = sc + j * L;                                                                         \
+                    __m512 sum = _mm512_setzero_ps();                                                               \
+                    const __m512 vmax = _mm512_set1_ps(mx[j]);                                                      \
+                    int64_t t = 0;                                                                                  \
+                    for (; t + 16 <= L; t += 16) {                                                                  \
+                        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sj + t), vmax));                             \
+                        _mm512_storeu_ps(sj + t, e);                                                                \
+                        sum = _mm512_add_ps(sum, e);                                                                \
+                    }                                                                                               \
+                    if (t < L) {                                                                                    \
+                        const __mmask16 m = (__mmask16)((1u << (L - t)) - 1);                                       \
+                        __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sj + t), vmax))); \
+                        _mm512_mask_storeu_ps(sj + t, m, e);                                                        \
+                        sum = _mm512_add_ps(sum, e);                                                                \
+                    }                                                                                               \
+                    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));                             \
+                    for (t = 0; t + 16 <= L; t += 16)                                                               \
+                        _mm512_storeu_ps(sj + t, RND(_mm512_mul_ps(_mm512_loadu_ps(sj + t), inv)));                 \
+                    for (; t < L; t++) sj[t] = _mm512_cvtss_f32(RND(_mm512_set1_ps(sj[t] * _mm512_cvtss_f32(inv)))); \
                 }                                                                                                   \
-                if (t < L) {                                                                                        \
-                    const __mmask16 m = (__mmask16)((1u << (L - t)) - 1);                                           \
-                    __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + t), vmax))); \
-                    _mm512_mask_storeu_ps(sc + t, m, e);                                                            \
-                    sum = _mm512_add_ps(sum, e);                                                                    \
-                }                                                                                                   \
-                const float inv = 1.f / _mm512_reduce_add_ps(sum);                                                  \
-                __m512 acc[16];                                                                                     \
-                for (int64_t i = 0; i < d; i += 16) acc[i / 16] = _mm512_setzero_ps();                              \
-                for (int64_t u = 0; u < L; u++) {                                                                   \
-                    const __m512 p = RND(_mm512_set1_ps(sc[u] * inv));                                              \
+                __m512 acc[MAX_G][MAX_D / 16];                                                                      \
+                for (int64_t j = 0; j < g; j++)                                                                     \
+                    for (int64_t i = 0; i < nv; i++) acc[j][i] = _mm512_setzero_ps();                               \
+                for (int64_t u = 0; u < L; u++) { /* each value row read once */                                   \
                     const T *vt = v_cache + (bt[u / bs] * bs + u % bs) * row + kv * d;                              \
-                    for (int64_t i = 0; i < d; i += 16) acc[i / 16] = _mm512_fmadd_ps(p, LD(vt + i), acc[i / 16]); \
+                    for (int64_t i = 0; i < nv; i++) {                                                              \
+                        const __m512 vv = LD(vt + i * 16);                                                          \
+                        for (int64_t j = 0; j < g; j++)                                                             \
+                            acc[j][i] = _mm512_fmadd_ps(_mm512_set1_ps(sc[j * L + u]), vv, acc[j][i]);              \
+                    }                                                                                               \
                 }                                                                                                   \
-                for (int64_t i = 0; i < d; i += 16) ST(o + i, acc[i / 16]);                                         \
+                for (int64_t j = 0; j < g; j++)                                                                     \
+                    for (int64_t i = 0; i < nv; i++) ST(out + (b * hq + heads[j]) * d + i * 16, acc[j][i]);         \
             }                                                                                                       \
             free(sc);                                                                                               \
         }                                                                                                           \

@@ -12,7 +12,8 @@ import torch
 
 from tpengine.kernels import cpu_native
 
-MAX_D = 256  # the C code keeps one query head in registers: 16 vectors of 16 floats
+MAX_D = 256  # the C code keeps a query head in 16 vectors of 16 floats
+MAX_G = 16  # query heads per KV head
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -73,6 +74,9 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor 
              None if sin is None else sin.data_ptr(), idx[0].data_ptr(), idx[1].data_ptr(), idx[1].shape[1],
              idx[2].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), nb, bs, idx[3].data_ptr(), hq, hkv, d, scale,
              out.data_ptr(), b, torch.get_num_threads())
+    if bad == 3 * b:
+        raise ValueError(f"paged decode: q_to_kv {idx[3].tolist()} must map each of the {hq} query heads to a KV "
+                         f"head in [0, {hkv}), at most {MAX_G} on one")
     if bad >= 0:
         i, what = bad % b, ("slot_mapping", "context_lens", "block_tables")[bad // b]
         valid = {"slot_mapping": f"[-1, {nb * bs})", "context_lens": f"[0, {idx[1].shape[1] * bs}]",
