@@ -28,14 +28,16 @@ from tpengine.checkpoint import (
 )
 from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
+from tpengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpengine.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from tpengine.layers.quantized import QuantizedWeight, QuantScheme, check_quantization, quantize_linear
 from tpengine.plan import ShardPlan
 from tpengine.surgery import build_model, checkpoint_targets, kind_of
 from tpengine.tensor_file import TensorInfo, read_header, read_rows
 
-# the linears --quantization stores quantized (not the embeddings, not the LM head)
+# the linears --quantization stores quantized with its scheme, and the vocabulary layers (QuantScheme.vocab)
 QUANTIZED_LAYERS = (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear)
+VOCAB_LAYERS = (VocabParallelEmbedding, ParallelLMHead)
 # config fields a shard folder must agree on with the config it is launched with
 CHECKED_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                   "num_key_value_heads", "vocab_size", "head_dim", "tie_word_embeddings")
@@ -178,7 +180,8 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
     layout as soon as all its parts are in (a tied LM head keeps the embedding's plain rows).
     With ``quant``, each column/row-parallel linear's weight is instead quantized as soon as
     its parts are in (:func:`tpengine.layers.quantized.quantize_linear`, ``reduce_max`` the
-    all-reduce MAX of int8's row absmax; never packed), and its float weight dropped.
+    all-reduce MAX of int8's row absmax; never packed), and its float weight dropped; so are
+    the embedding's and LM head's with ``quant.vocab`` (a tied LM head shares the embedding's).
     Returns the bytes of weights held (quantized ones as stored: values, scales and zeros).
 
     Raises:
@@ -192,7 +195,9 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
     done: set[str] = set()
     unexpected: list[str] = []
     head = model.get_output_embeddings()
-    quantizes = lambda m: quant is not None and isinstance(m, QUANTIZED_LAYERS)  # noqa: E731
+    scheme = lambda m: quant if isinstance(m, QUANTIZED_LAYERS) else quant.vocab if isinstance(  # noqa: E731
+        m, VOCAB_LAYERS) else None
+    quantizes = lambda m: quant is not None and scheme(m) is not None  # noqa: E731
     packs = lambda m: pack and hasattr(m, "pack") and not (tie and m is head) and not quantizes(m)  # noqa: E731
     staging = _Staging() if (pack or quant is not None) and device.type == "cpu" else None
     for path in files:
@@ -219,7 +224,7 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
                 done.add(name)
                 left[id(t.module)] -= 1
                 if not left[id(t.module)] and quantizes(t.module):
-                    quantize_linear(t.module, quant, reduce_max)  # new tensors: the staging buffer is free
+                    quantize_linear(t.module, scheme(t.module), reduce_max)  # new tensors: the staging buffer is free
                     if staging is not None:
                         staging.give_back(t.module)
                 elif not left[id(t.module)] and packs(t.module):
@@ -230,7 +235,8 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
         finally:
             os.close(fd)
     if tie:
-        head.weight = model.get_input_embeddings().weight
+        embed = model.get_input_embeddings()
+        head.weight, head.quant = embed.weight, embed.quant
     missing = sorted(set(targets) - done)
     if missing or unexpected:
         raise RuntimeError(f"rank {rank}: weights never loaded {missing}, unexpected {sorted(unexpected)}")
@@ -246,7 +252,7 @@ def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
 
 
 def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.float32, pack: bool | None = None,
-               native: bool = True, quantization: str | None = None):
+               native: bool = True, quantization: str | QuantScheme | None = None):
     """Build and load this rank's model from ``model_dir`` (shard folder or full HF folder).
 
     Returns ``(model, plan, hf_config)``; ``model`` is the HF causal LM rebuilt by
@@ -254,7 +260,9 @@ def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.flo
     forward taking ``(input_ids [N], positions [N], ctx)``. ``pack`` (default: on the CPU)
     stores linear weights in oneDNN's layout instead of the plain one; ``native`` lets the fused
     ops use the CPU C kernels. ``quantization`` ("int8", "int4" or None) stores the
-    column/row-parallel linears' weights quantized (:mod:`tpengine.layers.quantized`; at tp > 1
+    column/row-parallel linears' weights quantized, and the embedding / LM head's by the
+    scheme's ``vocab`` (a :class:`~tpengine.layers.quantized.QuantScheme` may be given instead
+    of the name, e.g. to choose ``vocab``; :mod:`tpengine.layers.quantized`; at tp > 1
     int8 all-reduces each row-parallel weight's row absmax while loading, so every rank loads
     the same files in the same order). ``model.weight_bytes`` is the bytes of weights this rank holds.
 
@@ -271,10 +279,10 @@ def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.flo
     hf_config = AutoConfig.from_pretrained(model_dir)
     sharded = is_shard_folder(model_dir)
     plan = check_manifest(model_dir, hf_config, tp) if sharded else ShardPlan.build(hf_config, tp.size)
-    quant = None if quantization is None else QuantScheme.of(quantization)
+    quant = QuantScheme.of(quantization) if isinstance(quantization, str) else quantization
     if quant is not None:
         if tp.device.type != "cpu":
-            raise UserError(f"--quantization {quantization} runs on the CPU only in this version, not on {tp.device}")
+            raise UserError(f"--quantization {quant.name} runs on the CPU only in this version, not on {tp.device}")
         check_quantization(hf_config, tp.size, quant)
     tie = bool(getattr(hf_config, "tie_word_embeddings", False))
     model = build_model(hf_config, plan, tp.rank, dtype, tp.device, native)
