@@ -307,6 +307,9 @@ class QuantizedWeight(nn.Module):
     def _rows_f32(self, ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def prepare_rows(self) -> None:
+        """Do now (at load) what the first :meth:`rows` would (learn int4's packed layout)."""
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         return self._rows_f32(flat).to(self.dtype).reshape(*ids.shape, self.in_features)
@@ -366,6 +369,10 @@ class Int8Weight(QuantizedWeight):
     def _layout(self) -> Int4PackLayout:
         return int4_pack_layout(self.packed_lo.shape[0])
 
+    def prepare_rows(self) -> None:
+        if self.group_size is not None:
+            self._layout  # noqa: B018
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).contiguous()
         if self.group_size is None:
@@ -408,6 +415,9 @@ class Int4Weight(QuantizedWeight):
     def _layout(self) -> Int4PackLayout:
         return int4_pack_layout(self.packed.shape[0])
 
+    def prepare_rows(self) -> None:
+        self._layout  # noqa: B018
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _int4_mm(x.reshape(-1, self.in_features).contiguous(), self.packed, self.group_size,
                      self.scales_and_zeros, self.out_features)
@@ -446,6 +456,7 @@ def quantize_linear(layer: nn.Module, scheme: QuantScheme,
     Raises:
         UserError: see :func:`quantize_weight`.
     """
+    from tpengine.layers.embedding import VocabParallelEmbedding
     from tpengine.layers.linear import RowParallelLinear
 
     w = layer.weight.data
@@ -455,6 +466,8 @@ def quantize_linear(layer: nn.Module, scheme: QuantScheme,
         absmax = reduce_max(w.float().abs().amax(dim=1))
     layer.quant = quantize_weight(w, scheme, w.dtype, absmax)
     layer.weight = None
+    if isinstance(layer, VocabParallelEmbedding):
+        layer.quant.prepare_rows()  # at load, not in the first step
 
 
 # ------------------------------------------------------------------------------ the split
