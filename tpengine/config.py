@@ -78,8 +78,8 @@ class EngineConfig:
     # sampling defaults: "auto" (the model's generation_config.json), "ignore" (tpengine's built-in
     # ones) or a folder holding a generation_config.json (see tpengine/generation_defaults.py)
     generation_config: str = "auto"
-    # weight-only quantization of the column/row-parallel linears, done on the fly at load (CPU):
-    # "int8" (per output channel), "int4" (group 32, scale and zero) or None (float weights);
+    # weight-only quantization of the column/row-parallel linears and the embedding / LM head, at load (CPU):
+    # "int8" (per output channel), "int4" (group 32, scale and zero; the embedding / LM head int8) or None;
     # see tpengine/layers/quantized.py
     quantization: str | None = None
 

@@ -54,7 +54,7 @@ ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {
                           "(tpengine's built-in defaults) or a folder holding a generation_config.json; a "
                           "request's fields, flags and the [sampling] table take precedence", None),
     "quantization": (f"quantize the linear layers' weights at load (CPU): {', '.join(QUANTIZATIONS)} (int8: per "
-                     "output channel; int4: group 32, scale and zero); the embeddings and LM head stay in --dtype",
+                     "output channel; int4: group 32, scale and zero), the embedding / LM head too (int8)",
                      "none"),
 }
 

@@ -25,6 +25,7 @@ from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
 from tpengine.kernels import cpu_gemv
 from tpengine.kernels.linear_layout import choose_layouts
+from tpengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpengine.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from tpengine.layers.quantized import QuantizedWeight, QuantScheme, check_quantization, quantize_linear
 from tpengine.plan import ShardPlan
@@ -34,10 +35,11 @@ from tpengine.shard_folder import CheckpointMismatchError, check_manifest, rank_
 from tpengine.surgery import build_model, checkpoint_targets, kind_of
 from tpengine.tensor_file import TensorInfo, read_header, read_rows
 
-# the linears --quantization stores quantized (not the embeddings, not the LM head)
+# the linears --quantization stores quantized with its scheme, and the vocabulary layers (QuantScheme.vocab)
 QUANTIZED_LAYERS = (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear)
+VOCAB_LAYERS = (VocabParallelEmbedding, ParallelLMHead)
 # the layers that can hold a weight a quantized folder stores quantized
-STORED_QUANT_LAYERS = QUANTIZED_LAYERS
+STORED_QUANT_LAYERS = QUANTIZED_LAYERS + VOCAB_LAYERS
 def _materialize(module: torch.nn.Module, attr: str, dtype: torch.dtype, device: torch.device,
                  staging: _Staging | None = None) -> torch.Tensor:
     """The real storage of ``module.<attr>``, allocated (uninitialised) on first use: from
@@ -162,7 +164,9 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
     head = model.get_output_embeddings()
     qstored = {id(t.module): e for t, part, e in wanted.values() if part is not None}  # layer -> its entry
     qparts = QuantParts(dtype)
-    quantizes = lambda m: quant is not None and isinstance(m, QUANTIZED_LAYERS)  # noqa: E731
+    scheme = lambda m: quant if isinstance(m, QUANTIZED_LAYERS) else quant.vocab if isinstance(  # noqa: E731
+        m, VOCAB_LAYERS) else None
+    quantizes = lambda m: quant is not None and scheme(m) is not None  # noqa: E731
     wants = pack if callable(pack) else (lambda m: pack)  # noqa: E731
     packs = lambda m: (hasattr(m, "pack") and not (tie and m is head) and not quantizes(m)  # noqa: E731
                        and id(m) not in qstored and wants(m))
@@ -205,7 +209,7 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
                 if id(t.module) in qstored:
                     qparts.finish(t.module, name, qstored[id(t.module)])
                 elif quantizes(t.module):
-                    quantize_linear(t.module, quant, reduce_max)  # new tensors: the staging buffer is free
+                    quantize_linear(t.module, scheme(t.module), reduce_max)  # new tensors: the staging buffer is free
                     if staging is not None:
                         staging.give_back(t.module)
                 elif packs(t.module):
@@ -246,7 +250,7 @@ def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
 
 
 def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.float32, pack: bool | None = None,
-               native: bool = True, quantization: str | None = None, cpu_linear: str = "auto"):
+               native: bool = True, quantization: str | QuantScheme | None = None, cpu_linear: str = "auto"):
     """Build and load this rank's model from ``model_dir`` (shard folder or full HF folder).
 
     Returns ``(model, plan, hf_config)``; ``model`` is the HF causal LM rebuilt by
@@ -284,10 +288,10 @@ def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.flo
         linears = [n for n in checkpoint_targets(model, tie) if is_linear_weight(n, 2)]
         check_stored_quantization(model_dir, table, quantization, linears, hf_config, tp)
         quantization = None  # the folder's weights are used as stored
-    quant = None if quantization is None else QuantScheme.of(quantization)
+    quant = QuantScheme.of(quantization) if isinstance(quantization, str) else quantization
     if quant is not None:
         if tp.device.type != "cpu":
-            raise UserError(f"--quantization {quantization} runs on the CPU only in this version, not on {tp.device}")
+            raise UserError(f"--quantization {quant.name} runs on the CPU only in this version, not on {tp.device}")
         check_quantization(hf_config, tp.size, quant)
     pack = tp.device.type == "cpu" if pack is None else pack
     model.linear_layouts = {}

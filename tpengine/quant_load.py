@@ -40,7 +40,7 @@ class QuantParts:
                              f"stores {part} as {want or 'float32'}")
         bufs = self.bufs.setdefault(id(module), {})
         if part not in bufs:
-            bufs[part] = torch.empty(module.weight.shape[0], cols, dtype=want or self.dtype)
+            bufs[part] = torch.zeros(module.weight.shape[0], cols, dtype=want or self.dtype)  # vocab padding rows: 0
         if bufs[part].shape[1] != cols:
             raise ValueError(f"checkpoint tensor {info.name!r} has {cols} columns for this rank, the other "
                              f"parts of its merged layer {bufs[part].shape[1]}")

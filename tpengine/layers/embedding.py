@@ -1,7 +1,10 @@
 """Vocabulary-parallel embedding and LM head (Megatron-LM, Shoeybi et al. 2019).
 
 The vocabulary is padded to a multiple of tp (:class:`tpengine.plan.ShardPlan`); rank r holds
-rows ``[vocab_start, vocab_end)`` of the padded table, padding rows are zero.
+rows ``[vocab_start, vocab_end)`` of the padded table, padding rows are zero. Under
+``--quantization`` either layer holds ``quant`` (a :class:`~tpengine.layers.quantized.QuantizedWeight`
+of those rows) instead of ``weight``: the lookup dequantizes only the rows it reads, the LM head
+multiplies through the quantized kernel; a tied pair shares one ``quant``.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from tpengine.layers.linear import _Packable, linear
 class VocabParallelEmbedding(nn.Module):
     """Masked lookup in this rank's vocabulary rows, summed over ranks.
 
-    ``weight [vocab_end - vocab_start, hidden]``; ids ``[...]`` int64 -> ``[..., hidden]``.
-    Ids outside this rank's range contribute zero; padded ids embed to zero everywhere.
+    ``weight [vocab_end - vocab_start, hidden]`` (or ``quant``, the same rows quantized); ids
+    ``[...]`` int64 -> ``[..., hidden]``. Ids outside this rank's range contribute zero; padded
+    ids embed to zero everywhere.
     """
 
     def __init__(self, vocab_start: int, vocab_end: int, vocab_size: int, hidden: int,
@@ -28,12 +32,16 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start, self.vocab_end, self.vocab_size = vocab_start, vocab_end, vocab_size
         self.weight = nn.Parameter(torch.empty(vocab_end - vocab_start, hidden, dtype=dtype, device=device),
                                    requires_grad=False)
+        self.quant: nn.Module | None = None
+
+    def _lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(local_ids, self.weight) if self.quant is None else self.quant.rows(local_ids)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if get_tp().size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         mask = (ids >= self.vocab_start) & (ids < self.vocab_end)
-        out = F.embedding((ids - self.vocab_start) * mask, self.weight)
+        out = self._lookup((ids - self.vocab_start) * mask)
         out = out * mask.unsqueeze(-1).to(out.dtype)
         return all_reduce(out)
 
@@ -42,8 +50,9 @@ class ParallelLMHead(_Packable):
     """This rank's vocabulary logits, gathered to rank 0 and cut to the real vocabulary.
 
     ``weight [vocab_local, hidden]`` (the embedding shard's own Parameter when embeddings are
-    tied). Input ``[..., hidden]`` -> on rank 0 ``[..., vocab_size]`` (padding columns dropped,
-    so padded ids can never be sampled); None on other ranks.
+    tied), or ``quant`` (quantized, the embedding's own ``quant`` when tied). Input
+    ``[..., hidden]`` -> on rank 0 ``[..., vocab_size]`` (padding columns dropped, so padded ids
+    can never be sampled); None on other ranks.
     """
 
     def __init__(self, vocab_start: int, vocab_end: int, vocab_size: int, hidden: int,
@@ -56,7 +65,10 @@ class ParallelLMHead(_Packable):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's ``[B, vocab_local]`` logits. A tied head keeps the embedding's plain rows
         (never a packed copy beside them); for one half-precision row on the CPU it reads them
-        with ``torch.mv``, which streams a plain row-major weight faster than ``F.linear``."""
+        with ``torch.mv``, which streams a plain row-major weight faster than ``F.linear``.
+        A quantized head multiplies through its kernel."""
+        if self.quant is not None:
+            return self.quant(hidden)
         if (self.packed is None and hidden.dim() == 2 and hidden.shape[0] == 1 and hidden.device.type == "cpu"
                 and hidden.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == hidden.dtype):
             return torch.mv(self.weight, hidden[0]).unsqueeze(0)
