@@ -69,3 +69,7 @@ def machine_line(info: dict) -> str:
     """One line naming the machine of :func:`machine_info`: CPU model, flags, cores, torch."""
     flags = flags_text(info["cpu_flags"]) if "cpu_flags" in info else "flags unknown"
     return f"{info['cpu']} ({flags}), {info['cores']} cores, torch {info['torch']}"
+
+
+if __name__ == "__main__":  # python -m benchmarks.machine: the line (make bench prints it first)
+    print(f"machine: {machine_line(machine_info())}")
