@@ -130,7 +130,9 @@ def worker_args(hf: bool, tp: int, model: str, dtype: str, cores: int, num_seqs:
 
 def run_dtype(dtype: str, systems: list[str], model: str, cores: int, prompts, lat_prompt, output_len: int,
               lat_output_len: int, rounds: int, hf_batch_size: int, hf_attn: str, logdir: Path, echo) -> dict:
-    """Start every system for ``dtype`` (loading in parallel), alternate the measurements,
+    """Start every system for ``dtype``, one after the other (each loads and warms up alone: a dozen
+    processes loading at once on a few cores stall one another's OpenMP barriers), alternate the
+    measurements,
     return ``{system: {"threads", "weight_bytes", "load_s", "throughput": [runs], "latency": [runs]}}``
     (``systems``: "hf" and :func:`system_key` keys; ``weight_bytes``: per rank)."""
     max_len = max(max(map(len, prompts)) + output_len, len(lat_prompt) + lat_output_len)
@@ -140,10 +142,10 @@ def run_dtype(dtype: str, systems: list[str], model: str, cores: int, prompts, l
             tp, quant = parse_system(s)
             args = worker_args(s == "hf", tp, model, dtype, cores, len(prompts), max_len, hf_batch_size, hf_attn,
                                quantization=quant)
-            workers[s] = Worker(f"{s}/{dtype}", args, tp, logdir / f"{s}-{dtype}.log")
+            workers[s] = w = Worker(f"{s}/{dtype}", args, tp, logdir / f"{s}-{dtype}.log")
+            w.ready = w.read()
         results = {}
         for s, w in workers.items():
-            w.ready = w.read()
             results[s] = {"threads": w.ready["threads"], "weight_bytes": w.ready.get("weight_bytes"),
                           "load_s": w.ready["load_s"], "throughput": [], "latency": []}
         for r in range(rounds):
@@ -169,7 +171,7 @@ def main(
     model: Annotated[str, typer.Option(help="HF model folder")] = DEFAULT_MODEL_DIR,
     num_prompts: Annotated[int, typer.Option(help="throughput: number of requests")] = 32,
     input_len: Annotated[int, typer.Option(help="throughput: prompt tokens per request")] = 128,
-    output_len: Annotated[int, typer.Option(help="throughput: output tokens per request")] = 128,
+    output_len: Annotated[int, typer.Option(help="throughput: output tokens per request")] = 64,
     latency_input_len: Annotated[int, typer.Option(help="latency: prompt tokens")] = 128,
     latency_output_len: Annotated[int, typer.Option(help="latency: output tokens (>= 2)")] = 64,
     dtype: Annotated[list[str], typer.Option(help="repeat for several; each against HF in the same dtype")] = None,

@@ -138,7 +138,7 @@ def render_table(result: dict):
     c, m = result["config"], result["machine"]
     table = Table(title=f"HumanEval quality, {c['problems']} problems, tp=1, bfloat16 activations: perplexity of "
                         f"the canonical solutions; greedy agreement with bf16 ({c['max_tokens']} new tokens)",
-                  caption=f"{machine_line(m)}; {result['total_s']} s in all")
+                  caption=f"{machine_line(m)}; {c['threads'] or m['cores']} thread(s); {result['total_s']} s in all")
     for col in ("weights", "weight MiB/rank", "solution tokens", "perplexity", "vs bf16", "limit", "pass",
                 "prefix agreement", "exact match", "wall s"):
         table.add_column(col, justify="left" if col == "weights" else "right")
@@ -203,7 +203,7 @@ def main(
                       f"scoring {r['score_s']} s, greedy {r['greedy_s']} s ({r['cached_prompt_tokens']} prompt tokens "
                       "cached)")
     result = {"config": {"model": model, "gguf_dir": str(gguf_dir) if gguf_dir else None, "problems": len(problems),
-                         "max_tokens": max_tokens, "max_model_len": max_model_len, "tp": 1,
+                         "max_tokens": max_tokens, "max_model_len": max_model_len, "tp": 1, "threads": threads or None,
                          "activations": "bfloat16"},
               "machine": machine, "results": summarize(runs),
               "completions": {k: r["completions"] for k, r in runs.items()},

@@ -96,7 +96,8 @@ def test_quality_smoke(tmp_path):
     assert res["results"]["int8"]["threshold"] == 0.01 and res["results"]["int4"]["threshold"] == 0.05
     assert res["results"]["int4"]["weight_bytes"] < res["results"]["int8"]["weight_bytes"] < bf16["weight_bytes"]
     assert res["config"] == {"model": str(model), "gguf_dir": str(broken), "problems": 3, "max_tokens": 4,
-                             "max_model_len": res["config"]["max_model_len"], "tp": 1, "activations": "bfloat16"}
+                             "max_model_len": res["config"]["max_model_len"], "tp": 1, "threads": None,
+                             "activations": "bfloat16"}
     assert "machine: " in r.output and "HumanEval quality, 3 problems" in r.output
 
     r = runner.invoke(app, [*args, "--gguf-dir", str(tmp_path / "absent")], terminal_width=200)
