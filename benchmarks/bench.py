@@ -3,6 +3,12 @@
     python -m benchmarks.bench --out bench-results.json            (make bench)
     python -m benchmarks.bench --dtype bfloat16 --num-prompts 16 --rounds 2
 
+In the bfloat16 group, tpengine also runs at every tp with weight-only quantized weights
+(``--quantization`` int8 and int4 by default: ``EngineConfig.quantization``, quantized at load,
+bfloat16 activations); every engine row reports its weight bytes per rank (the engine's
+``ModelRunner.weight_bytes``). The output names the CPU model, its AMX / AVX512-BF16 / AVX-512
+flags and the torch version (:mod:`benchmarks.machine`).
+
 For every dtype, each system loads once in its own process(es) (:mod:`benchmarks.bench_worker`;
 tp=2 under torchrun, each rank with cores / tp intra-op threads, HF with all cores) and the
 driver alternates them, so machine noise hits all of them:
@@ -20,8 +26,6 @@ the table shows the best round (highest throughput, lowest latency); the JSON ke
 from __future__ import annotations
 
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -35,35 +39,16 @@ import typer
 from benchmarks import emit, subprocess_env
 from benchmarks.bench_report import render_table, summarize
 from benchmarks.bench_worker import MARK
+from benchmarks.machine import cpu_cores, machine_info, machine_line  # noqa: F401 -- re-exported
 from tpengine.config import DEFAULT_MODEL_DIR
+from tpengine.errors import UserError
 from tpengine.utils import cdiv
 
 app = typer.Typer(add_completion=False)
 
-
-def cpu_cores() -> int:
-    """Cores this process may run on (the affinity mask), else ``os.cpu_count()``."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def machine_info() -> dict:
-    """CPU model, cores, memory and library versions, for the record."""
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem = None
-    try:
-        mem = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError, AttributeError):
-        pass
-    return {"cpu": cpu, "cores": cpu_cores(), "memory_gib": mem,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version()}
+#: The quantized rows' group (their activation dtype) and their default schemes.
+QUANT_DTYPE = "bfloat16"
+QUANT_DEFAULT = ("int8", "int4")
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -113,47 +98,68 @@ class Worker:
         self.log.close()
 
 
+def system_key(tp: int, quantization: str | None = None) -> str:
+    """The key of tpengine at ``tp`` with ``quantization`` weights: "tp1", "tp2-int8", ..."""
+    return f"tp{tp}" + (f"-{quantization}" if quantization else "")
+
+
+def parse_system(system: str) -> tuple[int, str | None]:
+    """``(tp, quantization)`` of a :func:`system_key` ("tp2-int4" -> (2, "int4")); "hf" -> (1, None)."""
+    if system == "hf":
+        return 1, None
+    tp, _, quant = system.removeprefix("tp").partition("-")
+    return int(tp), quant or None
+
+
 def worker_args(hf: bool, tp: int, model: str, dtype: str, cores: int, num_seqs: int, max_len: int,
-                hf_batch_size: int, hf_attn: str, engine_args: tuple[str, ...] = ()) -> list[str]:
+                hf_batch_size: int, hf_attn: str, engine_args: tuple[str, ...] = (),
+                quantization: str | None = None) -> list[str]:
     """The :mod:`benchmarks.bench_worker` arguments of HF generate (``hf``; all ``cores``) or of the
     engine at ``tp`` (cores / tp threads per rank, ``num_seqs`` sequences of up to ``max_len``
-    tokens, KV blocks of 16 for all of them at once, then ``engine_args``)."""
+    tokens, KV blocks of 16 for all of them at once, ``quantization`` int8 / int4 weights or None,
+    then ``engine_args``)."""
     common = ["--model", model, "--dtype", dtype]
     if hf:
         return common + ["--system", "hf", "--threads", str(cores), "--hf-batch-size", str(hf_batch_size),
                          "--hf-attn", hf_attn]
     blocks = num_seqs * cdiv(max_len, 16) + 4
+    quant = ["--quantization", quantization] if quantization else []
     return common + ["--system", "engine", "--max-num-seqs", str(num_seqs), "--max-model-len", str(max_len),
-                     "--num-kv-blocks", str(blocks), "--threads", str(max(1, cores // tp)), *engine_args]
+                     "--num-kv-blocks", str(blocks), "--threads", str(max(1, cores // tp)), *quant, *engine_args]
 
 
 def run_dtype(dtype: str, systems: list[str], model: str, cores: int, prompts, lat_prompt, output_len: int,
               lat_output_len: int, rounds: int, hf_batch_size: int, hf_attn: str, logdir: Path, echo) -> dict:
-    """Start every system for ``dtype`` (loading in parallel), alternate the measurements,
-    return ``{system: {"threads", "load_s", "throughput": [runs], "latency": [runs]}}``."""
+    """Start every system for ``dtype``, one after the other (each loads and warms up alone: a dozen
+    processes loading at once on a few cores stall one another's OpenMP barriers), alternate the
+    measurements,
+    return ``{system: {"threads", "weight_bytes", "load_s", "throughput": [runs], "latency": [runs]}}``
+    (``systems``: "hf" and :func:`system_key` keys; ``weight_bytes``: per rank)."""
     max_len = max(max(map(len, prompts)) + output_len, len(lat_prompt) + lat_output_len)
     workers: dict[str, Worker] = {}
     try:
         for s in systems:
-            tp = 1 if s == "hf" else int(s.removeprefix("tp"))
-            args = worker_args(s == "hf", tp, model, dtype, cores, len(prompts), max_len, hf_batch_size, hf_attn)
-            workers[s] = Worker(f"{s}/{dtype}", args, tp, logdir / f"{s}-{dtype}.log")
+            tp, quant = parse_system(s)
+            args = worker_args(s == "hf", tp, model, dtype, cores, len(prompts), max_len, hf_batch_size, hf_attn,
+                               quantization=quant)
+            workers[s] = w = Worker(f"{s}/{dtype}", args, tp, logdir / f"{s}-{dtype}.log")
+            w.ready = w.read()
         results = {}
         for s, w in workers.items():
-            w.ready = w.read()
-            results[s] = {"threads": w.ready["threads"], "load_s": w.ready["load_s"], "throughput": [], "latency": []}
+            results[s] = {"threads": w.ready["threads"], "weight_bytes": w.ready.get("weight_bytes"),
+                          "load_s": w.ready["load_s"], "throughput": [], "latency": []}
         for r in range(rounds):
             order = systems if r % 2 == 0 else systems[::-1]
             for s in order:
                 res = workers[s].ask({"cmd": "throughput", "prompts": prompts, "output_len": output_len})
                 results[s]["throughput"].append(res)
-                echo(f"  {dtype} round {r + 1} {s:>4}: {res['output_tokens'] / res['elapsed_s']:8.1f} output tok/s "
+                echo(f"  {dtype} round {r + 1} {s:>8}: {res['output_tokens'] / res['elapsed_s']:8.1f} output tok/s "
                      f"({res['elapsed_s']:.1f} s)")
             for s in order:
                 res = workers[s].ask({"cmd": "latency", "prompt": lat_prompt, "output_len": lat_output_len})
                 results[s]["latency"].append(res)
                 tpot = (res["latency_s"] - res["ttft_s"]) / max(1, lat_output_len - 1)
-                echo(f"  {dtype} round {r + 1} {s:>4}: TTFT {res['ttft_s'] * 1e3:7.1f} ms, TPOT {tpot * 1e3:6.2f} ms")
+                echo(f"  {dtype} round {r + 1} {s:>8}: TTFT {res['ttft_s'] * 1e3:7.1f} ms, TPOT {tpot * 1e3:6.2f} ms")
         return results
     finally:
         for w in workers.values():
@@ -163,39 +169,47 @@ def run_dtype(dtype: str, systems: list[str], model: str, cores: int, prompts, l
 @app.command()
 def main(
     model: Annotated[str, typer.Option(help="HF model folder")] = DEFAULT_MODEL_DIR,
-    num_prompts: Annotated[int, typer.Option(help="throughput: number of requests")] = 64,
+    num_prompts: Annotated[int, typer.Option(help="throughput: number of requests")] = 32,
     input_len: Annotated[int, typer.Option(help="throughput: prompt tokens per request")] = 128,
-    output_len: Annotated[int, typer.Option(help="throughput: output tokens per request")] = 128,
+    output_len: Annotated[int, typer.Option(help="throughput: output tokens per request")] = 64,
     latency_input_len: Annotated[int, typer.Option(help="latency: prompt tokens")] = 128,
-    latency_output_len: Annotated[int, typer.Option(help="latency: output tokens (>= 2)")] = 128,
+    latency_output_len: Annotated[int, typer.Option(help="latency: output tokens (>= 2)")] = 64,
     dtype: Annotated[list[str], typer.Option(help="repeat for several; each against HF in the same dtype")] = None,
     tp: Annotated[list[int], typer.Option(help="tpengine tensor-parallel sizes; repeat for several")] = None,
     hf: Annotated[bool, typer.Option(help="include the HF generate baseline")] = True,
     hf_batch_size: Annotated[int, typer.Option(help="HF static batch size (0 = all prompts)")] = 0,
     hf_attn: Annotated[str, typer.Option(help="HF attn_implementation: auto (the faster here: sdpa in "
                                                "float32, eager in bfloat16), sdpa, eager")] = "auto",
-    rounds: Annotated[int, typer.Option(help="alternating rounds; the best one is reported")] = 3,
+    quantization: Annotated[list[str], typer.Option(help="weight-only quantized tpengine rows, at each --tp, in "
+                                                         "the bfloat16 group (bfloat16 activations): int8, int4; "
+                                                         "repeat for several; none for none")] = None,
+    rounds: Annotated[int, typer.Option(help="alternating rounds; the best one is reported")] = 2,
     threads: Annotated[int, typer.Option(help="total cores to use (0 = the affinity mask)")] = 0,
     seed: Annotated[int, typer.Option(help="seed of the random prompts")] = 0,
     out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
 ) -> None:
-    """Throughput and latency of tpengine (tp=1, tp=2) and HF generate; prints a table."""
+    """Throughput and latency of tpengine (tp=1, tp=2; float and int8/int4 weights) and HF generate; prints a table."""
     from rich.console import Console
 
-    console = Console(width=max(Console().width, 120))
+    console = Console(width=max(Console().width, 160))  # the table is 11 columns wide
     dtypes, tps = dtype or ["float32", "bfloat16"], tp or [1, 2]
+    quants = [q for q in (quantization or list(QUANT_DEFAULT)) if q != "none"]
     if latency_output_len < 2 or output_len < 1 or min(num_prompts, input_len, latency_input_len, rounds) < 1:
         raise typer.BadParameter("lengths, --num-prompts and --rounds must be >= 1 (--latency-output-len >= 2)")
     if hf_attn not in ("auto", "sdpa", "eager"):
         raise typer.BadParameter(f"--hf-attn {hf_attn!r} is not one of auto, sdpa, eager")
     from transformers import AutoConfig
 
-    from tpengine.config import DTYPES
+    from tpengine.config import DTYPES, QUANTIZATIONS
+    from tpengine.layers.quantized import QuantScheme, check_quantization
     from tpengine.plan import ShardPlan
 
     bad_dtypes = [d for d in dtypes if d not in DTYPES]
     if bad_dtypes:
         raise typer.BadParameter(f"--dtype {bad_dtypes[0]!r} is not one of {', '.join(DTYPES)}")
+    bad_quants = [q for q in quants if q not in QUANTIZATIONS]
+    if bad_quants:
+        raise typer.BadParameter(f"--quantization {bad_quants[0]!r} is not one of {', '.join(QUANTIZATIONS)}, none")
     try:
         hf_config = AutoConfig.from_pretrained(model)
     except (OSError, ValueError) as e:
@@ -205,6 +219,14 @@ def main(
             ShardPlan.build(hf_config, t)
         except ValueError as e:
             raise typer.BadParameter(f"--tp {t}: {e}") from None
+        for q in quants:
+            try:
+                check_quantization(hf_config, t, QuantScheme.of(q))
+            except (ValueError, UserError) as e:
+                raise typer.BadParameter(f"--tp {t} --quantization {q}: {e}") from None
+    if quants and QUANT_DTYPE not in dtypes:
+        console.print(f"--quantization {', '.join(quants)}: skipped, its rows run in the {QUANT_DTYPE} group "
+                      f"(--dtype {QUANT_DTYPE})")
     vocab = hf_config.vocab_size
     cores = threads or cpu_cores()
     for t in tps:
@@ -213,11 +235,15 @@ def main(
                           f"1 thread per rank; its figures are not representative")
     prompts = random_prompts(num_prompts, input_len, vocab, seed)
     lat_prompt = random_prompts(1, latency_input_len, vocab, seed + 1)[0]
-    systems = (["hf"] if hf else []) + [f"tp{t}" for t in tps]
+    quant_systems = [system_key(t, q) for q in quants for t in tps]
+    machine = machine_info()
+    console.print(f"machine: {machine_line(machine)}")
     t0 = time.perf_counter()
     runs = {}
     with tempfile.TemporaryDirectory(prefix="tpengine-bench-") as logdir:
         for dt in dtypes:
+            systems = (["hf"] if hf else []) + [system_key(t) for t in tps] + (quant_systems if dt == QUANT_DTYPE
+                                                                                else [])
             console.print(f"[bold]{dt}[/]: starting {', '.join(systems)}")
             runs[dt] = run_dtype(dt, systems, model, cores, prompts, lat_prompt, output_len, latency_output_len,
                                  rounds, hf_batch_size or num_prompts, hf_attn, Path(logdir), console.print)
@@ -225,8 +251,9 @@ def main(
         "config": {"model": model, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
                    "latency_input_len": latency_input_len, "latency_output_len": latency_output_len,
                    "dtypes": dtypes, "tp": tps, "rounds": rounds, "seed": seed, "cores": cores,
-                   "hf_batch_size": hf_batch_size or num_prompts, "hf_attn": hf_attn},
-        "machine": machine_info(),
+                   "hf_batch_size": hf_batch_size or num_prompts, "hf_attn": hf_attn, "quantization": quants,
+                   "quantized_dtype": QUANT_DTYPE},
+        "machine": machine,
         "results": summarize(runs, latency_output_len),
         "runs": runs,
         "total_s": round(time.perf_counter() - t0, 1),

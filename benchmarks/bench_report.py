@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
+from benchmarks.machine import flags_text
+
 SYSTEM_NAMES = {"hf": "HF generate"}
 
 
+def _split(system: str) -> tuple[int, str | None]:
+    """``(tp, quantization)`` of a system key ("tp2-int8" -> (2, "int8"), "tp1" -> (1, None))."""
+    tp, _, quant = system.removeprefix("tp").partition("-")
+    return int(tp), quant or None
+
+
 def _name(system: str) -> str:
-    return SYSTEM_NAMES.get(system, f"tpengine tp={system.removeprefix('tp')}")
+    if system in SYSTEM_NAMES:
+        return SYSTEM_NAMES[system]
+    tp, quant = _split(system)
+    return f"tpengine tp={tp}" + (f" {quant}" if quant else "")
 
 
 def summarize(runs: dict, latency_output_len: int) -> dict:
     """Per dtype and system, the best round: ``output_tok_s`` and ``total_tok_s`` (highest),
-    ``ttft_ms`` and ``tpot_ms`` (lowest), ``threads`` (per rank); plus, where HF ran,
-    ``vs_hf`` (throughput ratio) and ``tpot_vs_hf`` (TPOT ratio, < 1 is faster), and for tp > 1,
-    ``tp_efficiency`` = its throughput / tp=1 throughput (the same cores split over the ranks);
-    for HF, ``attn`` = the attention implementation it ran with."""
+    ``ttft_ms`` and ``tpot_ms`` (lowest), ``threads`` (per rank), ``weight_bytes`` (per rank, when
+    the worker reported them); plus, where HF ran, ``vs_hf`` (throughput ratio) and ``tpot_vs_hf``
+    (TPOT ratio, < 1 is faster), and for tp > 1, ``tp_efficiency`` = its throughput / the tp=1
+    throughput of the same weights (the same cores split over the ranks); for a quantized system
+    ("tp1-int8", ...), ``tpot_vs_float`` and ``weights_vs_float`` = its TPOT and its largest rank's
+    weight bytes / those of the same tp with float weights in the same dtype; for HF, ``attn`` =
+    the attention implementation it ran with."""
     out: dict = {}
     for dtype, systems in runs.items():
         rows = {}
@@ -29,15 +43,26 @@ def summarize(runs: dict, latency_output_len: int) -> dict:
                 "ttft_ms": round(min(x["ttft_s"] for x in r["latency"]) * 1e3, 3),
                 "tpot_ms": round(min(tpots) * 1e3, 3),
             }
+            if r.get("weight_bytes"):
+                rows[s]["weight_bytes"] = r["weight_bytes"]
             if "attn_implementation" in best:  # HF: the attention implementation it ran with
                 rows[s]["attn"] = best["attn_implementation"]
-        hf, tp1 = rows.get("hf"), rows.get("tp1")
+        hf = rows.get("hf")
         for s, row in rows.items():
             if hf and s != "hf":
                 row["vs_hf"] = round(row["output_tok_s"] / hf["output_tok_s"], 2)
                 row["tpot_vs_hf"] = round(row["tpot_ms"] / hf["tpot_ms"], 2)
-            if tp1 and s.startswith("tp") and s != "tp1":
+            if s == "hf":
+                continue
+            tp, quant = _split(s)
+            tp1 = rows.get("tp1" + (f"-{quant}" if quant else ""))
+            if tp1 and tp > 1:
                 row["tp_efficiency"] = round(row["output_tok_s"] / tp1["output_tok_s"], 2)
+            plain = rows.get(f"tp{tp}")
+            if quant and plain:
+                row["tpot_vs_float"] = round(row["tpot_ms"] / plain["tpot_ms"], 2)
+                if row.get("weight_bytes") and plain.get("weight_bytes"):
+                    row["weights_vs_float"] = round(max(row["weight_bytes"]) / max(plain["weight_bytes"]), 3)
         out[dtype] = rows
     return out
 
@@ -48,21 +73,26 @@ def render_table(result: dict):
 
     c, m = result["config"], result["machine"]
     has_hf = any("hf" in rows for rows in result["results"].values())
+    flags = f" ({flags_text(m['cpu_flags'])})" if "cpu_flags" in m else ""
     table = Table(title=f"{c['model']}: {c['num_prompts']} x ({c['input_len']} in -> {c['output_len']} out) "
                         f"throughput; 1 x ({c['latency_input_len']} in -> {c['latency_output_len']} out) latency",
-                  caption=f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, transformers {m['transformers']}; "
-                          f"best of {c['rounds']} round(s), {result['total_s']} s in all"
-                          + ("; HF attn_implementation in brackets" if has_hf else ""))
-    for col in ("dtype", "system", "threads/rank", "output tok/s", "vs HF", "TP eff.", "TTFT ms", "TPOT ms",
-                "TPOT vs HF"):
+                  caption=f"{m['cpu']}{flags}, {m['cores']} cores, torch {m['torch']}, transformers "
+                          f"{m['transformers']}; best of {c['rounds']} round(s), {result['total_s']} s in all"
+                          + ("; HF attn_implementation in brackets" if has_hf else "")
+                          + "; vs float: the same tp's TPOT / weight bytes with float weights")
+    for col in ("dtype", "system", "threads/rank", "weights MiB/rank", "output tok/s", "vs HF", "TP eff.",
+                "TTFT ms", "TPOT ms", "TPOT vs HF", "TPOT / weights vs float"):
         table.add_column(col, justify="left" if col in ("dtype", "system") else "right")
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for dtype, rows in result["results"].items():
         for s, r in rows.items():
             name = _name(s) + (f" ({r['attn']})" if "attn" in r else "")
-            table.add_row(dtype, name, "/".join(map(str, r["threads"])), fmt(r["output_tok_s"], ".1f"),
+            weights = "-" if not r.get("weight_bytes") else f"{max(r['weight_bytes']) / 2**20:.1f}"
+            vs_float = "-" if "tpot_vs_float" not in r else (
+                f"{r['tpot_vs_float']:.2f}x / " + fmt(r.get("weights_vs_float"), ".2f") + "x")
+            table.add_row(dtype, name, "/".join(map(str, r["threads"])), weights, fmt(r["output_tok_s"], ".1f"),
                           fmt(r.get("vs_hf"), ".2f") + ("x" if "vs_hf" in r else ""),
                           fmt(r.get("tp_efficiency"), ".2f"), fmt(r["ttft_ms"], ".1f"), fmt(r["tpot_ms"], ".2f"),
-                          fmt(r.get("tpot_vs_hf"), ".2f") + ("x" if "tpot_vs_hf" in r else ""))
+                          fmt(r.get("tpot_vs_hf"), ".2f") + ("x" if "tpot_vs_hf" in r else ""), vs_float)
         table.add_section()
     return table

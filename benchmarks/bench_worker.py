@@ -3,8 +3,10 @@
     python -m benchmarks.bench_worker --system hf --model DIR --dtype float32 --threads 2
     python -m benchmarks.bench_worker --system engine --model DIR --dtype float32 ...     (tp=1)
     torchrun --standalone --nproc_per_node=2 -m benchmarks.bench_worker --system engine ...  (tp=2)
+    python -m benchmarks.bench_worker --system engine --dtype bfloat16 --quantization int4 ...
 
-The model is loaded once and warmed up; then rank 0 reads one JSON command per stdin line and
+The model is loaded once and warmed up (rank 0 then says ``{"ready", "threads": [per rank],
+"weight_bytes": [per rank], "load_s"}``); then rank 0 reads one JSON command per stdin line and
 answers each with one stdout line ``@@bench {json}`` (everything else goes to stderr or is
 ignored), so the driver can alternate systems without reloading them. At tp > 1 rank 0
 broadcasts each command and every rank runs it (``LLMEngine.generate`` is SPMD).
@@ -100,6 +102,9 @@ class HFSystem:
         self.pad = int(pad[0] if isinstance(pad, list) else (pad or 0))
         self.batch_size = batch_size
         self.threads = [torch.get_num_threads()]
+        # every parameter and buffer once (a tied LM head is the embedding's tensor)
+        tensors = {t.data_ptr(): t for t in (*self.model.parameters(), *self.model.buffers())}
+        self.weight_bytes = [sum(t.numel() * t.element_size() for t in tensors.values())]
 
     @torch.inference_mode()
     def _generate(self, prompts: list[list[int]], n: int, streamer=None) -> torch.Tensor:
@@ -133,7 +138,9 @@ class EngineSystem:
     """tpengine's LLMEngine on this rank (every rank of a torchrun group builds one).
 
     ``max_num_batched_tokens`` 0 means ``max(8192, max_model_len)`` (every prompt in one step);
-    ``enable_prefix_caching`` and ``enable_chunked_prefill`` are the EngineConfig fields.
+    ``enable_prefix_caching``, ``enable_chunked_prefill`` and ``quantization`` (None, "int8",
+    "int4") are the EngineConfig fields. ``weight_bytes``: every rank's model weight bytes
+    (``ModelRunner.weight_bytes``), rank order.
 
     Raises:
         ValueError: an invalid setting (from EngineConfig, naming the field).
@@ -141,14 +148,14 @@ class EngineSystem:
 
     def __init__(self, model: str, dtype: str, threads: int | None, max_num_seqs: int, max_model_len: int,
                  num_kv_blocks: int | None, max_num_batched_tokens: int = 0, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, quantization: str | None = None):
         from tpengine.config import EngineConfig
 
         self.base = EngineConfig(model=model, dtype=dtype, threads=threads, max_num_seqs=max_num_seqs,
                                  max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, dist_timeout_s=3600.0,
                                  max_num_batched_tokens=max_num_batched_tokens or max(8192, max_model_len),
                                  enable_prefix_caching=enable_prefix_caching,
-                                 enable_chunked_prefill=enable_chunked_prefill)
+                                 enable_chunked_prefill=enable_chunked_prefill, quantization=quantization)
         self._build(self.base)
 
     def _build(self, cfg) -> None:
@@ -157,11 +164,12 @@ class EngineSystem:
         self.engine = None  # the old engine (its weights and KV cache) goes before the new one loads
         self.engine = LLMEngine(cfg)
         self.tp = self.engine.tp
-        mine = torch.get_num_threads()
-        self.threads = [mine]
+        mine = (torch.get_num_threads(), self.engine.runner.weight_bytes)
+        every = [mine]
         if self.tp.size > 1:
-            self.threads = [None] * self.tp.size
-            torch.distributed.all_gather_object(self.threads, mine)
+            every = [None] * self.tp.size
+            torch.distributed.all_gather_object(every, mine)
+        self.threads, self.weight_bytes = [t for t, _ in every], [b for _, b in every]
 
     def configure(self, settings: dict) -> dict:
         """Build the engine again from the startup settings with ``settings`` applied
@@ -320,7 +328,9 @@ def main(system: str = typer.Option(..., help="hf or engine"),
          max_num_batched_tokens: int = typer.Option(0, help="engine tokens per step (0 = max(8192, "
                                                          "max_model_len): every prompt in one step)"),
          enable_prefix_caching: bool = typer.Option(True, help="engine: automatic prefix caching"),
-         chunked_prefill: bool = typer.Option(True, help="engine: enable_chunked_prefill")) -> None:
+         chunked_prefill: bool = typer.Option(True, help="engine: enable_chunked_prefill"),
+         quantization: str = typer.Option("", help="engine: weight-only int8 or int4 (empty: float weights)")
+         ) -> None:
     t0 = time.perf_counter()
     warm = WARMUP_PROMPTS
     if system == "hf":
@@ -328,7 +338,7 @@ def main(system: str = typer.Option(..., help="hf or engine"),
         driver, sync = True, lambda c: c
     else:
         sysm = EngineSystem(model, dtype, threads or None, max_num_seqs, max_model_len, num_kv_blocks or None,
-                            max_num_batched_tokens, enable_prefix_caching, chunked_prefill)
+                            max_num_batched_tokens, enable_prefix_caching, chunked_prefill, quantization or None)
         driver = sysm.tp.is_driver
 
         def sync(c):
@@ -340,7 +350,8 @@ def main(system: str = typer.Option(..., help="hf or engine"),
 
     sysm.throughput(warm, 2)  # warm-up (allocator, oneDNN primitives, lazy imports)
     if driver:
-        _say({"ready": True, "threads": sysm.threads, "load_s": time.perf_counter() - t0})
+        _say({"ready": True, "threads": sysm.threads, "weight_bytes": sysm.weight_bytes,
+              "load_s": time.perf_counter() - t0})
     serve(sysm, driver, sync)
     if system != "hf":
         sysm.engine.shutdown()

@@ -17,7 +17,8 @@ def test_bench_smoke(tmp_path):
     model = make_tiny_model(tmp_path, "llama", seed=0)
     out = tmp_path / "bench.json"
     args = ["--model", str(model), "--num-prompts", "3", "--input-len", "5", "--output-len", "4",
-            "--latency-input-len", "6", "--latency-output-len", "3", "--dtype", "bfloat16", "--out", str(out)]
+            "--latency-input-len", "6", "--latency-output-len", "3", "--dtype", "bfloat16", "--quantization", "none",
+            "--out", str(out)]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output + repr(r.exception)
     assert "tpengine tp=2" in r.output and "HF generate" in r.output
@@ -38,6 +39,39 @@ def test_bench_smoke(tmp_path):
     assert runs[0]["output_tokens"] == 3 * 4 and runs[0]["prompt_tokens"] == 3 * 5
 
 
+def test_bench_quantized_rows(tmp_path):
+    """int8 and int4 rows at tp 1 and 2 in the bfloat16 group (none in float32), each with its
+    weight bytes per rank, TP efficiency against the same weights' tp=1, and TPOT / weight bytes
+    against the same tp's float weights; the output names the CPU and its flags."""
+    from benchmarks.machine import CPU_FLAGS, read_cpuinfo
+
+    model = make_tiny_model(tmp_path, "llama", seed=0, intermediate_size=128)  # int4 groups of 32 at tp 2
+    out = tmp_path / "bench.json"
+    args = ["--model", str(model), "--num-prompts", "2", "--input-len", "5", "--output-len", "3",
+            "--latency-input-len", "6", "--latency-output-len", "3", "--dtype", "float32", "--dtype", "bfloat16",
+            "--no-hf", "--rounds", "1", "--out", str(out)]
+    r = CliRunner().invoke(app, args, terminal_width=200)
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    res = json.loads(out.read_text())
+    assert set(res["results"]["float32"]) == {"tp1", "tp2"}
+    rows = res["results"]["bfloat16"]
+    assert list(rows) == ["tp1", "tp2", "tp1-int8", "tp2-int8", "tp1-int4", "tp2-int4"]
+    assert res["config"]["quantization"] == ["int8", "int4"] and res["config"]["rounds"] == 1
+    for s in ("tp1-int8", "tp2-int8", "tp1-int4", "tp2-int4"):
+        tp = int(s[2])
+        assert len(rows[s]["weight_bytes"]) == tp and all(b > 0 for b in rows[s]["weight_bytes"])
+        assert 0 < rows[s]["weights_vs_float"] < 1, s  # quantized linears are smaller than bfloat16 ones
+        assert rows[s]["tpot_vs_float"] > 0
+    assert sum(rows["tp2"]["weight_bytes"]) > max(rows["tp2"]["weight_bytes"])  # split over the ranks
+    assert rows["tp2-int8"]["tp_efficiency"] > 0 and "tp_efficiency" not in rows["tp1-int8"]
+    assert "tpengine tp=2 int4" in r.output
+    cpu, flags = read_cpuinfo()
+    present = {name: flag in flags for flag, name in CPU_FLAGS.items()}
+    assert res["machine"]["cpu_flags"] == present and res["machine"]["cpu"] == cpu
+    line = ", ".join(f"{n} {'yes' if on else 'no'}" for n, on in present.items())
+    assert f"machine: {cpu} ({line}), " in r.output
+
+
 def test_bench_rejects_bad_options_before_starting_workers(tmp_path):
     model = make_tiny_model(tmp_path, "llama", seed=0)  # 4 attention heads
     cases = [(["--hf-attn", "flash"], "--hf-attn 'flash' is not one of auto, sdpa, eager"),
@@ -45,6 +79,9 @@ def test_bench_rejects_bad_options_before_starting_workers(tmp_path):
              (["--tp", "5"], "--tp 5: tp_size=5 is invalid for this model: it has num_attention_heads=4, "
                              "so tp_size must be between 1 and 4"),
              (["--tp", "0"], "--tp 0: tp_size=0 is invalid for this model"),
+             (["--quantization", "fp8"], "--quantization 'fp8' is not one of int8, int4, none"),
+             (["--quantization", "int4"], "--tp 1 --quantization int4: --quantization int4 (group size 32): "
+                                          "mlp.down_proj has 100 input features, not a multiple of 32"),
              (["--model", str(tmp_path / "nothing")], "cannot read its config.json")]
     for args, message in cases:
         r = CliRunner().invoke(app, ["--model", str(model), *args], terminal_width=400)
