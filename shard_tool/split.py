@@ -60,8 +60,10 @@ def _tied_skip(model_dir: Path, files: dict[str, list[str]], tied: bool) -> set[
 
 
 def quantize_entry(config: Any, tp_size: int, quantize: str | None, group_size: int | None):
-    """The :class:`~tpengine.quant_checkpoint.QuantEntry` of ``split --quantize`` (None without
-    it): int8 per output channel, or int4 with ``group_size`` (default 32).
+    """The :class:`~tpengine.quant_checkpoint.QuantEntry` pair ``(linears, embedding / LM head)``
+    of ``split --quantize``, the same as ``--quantization`` makes (None without it): int8 per
+    output channel, or int4 with ``group_size`` (default 32); the vocabulary layers int8 per
+    output channel (``QuantScheme.vocab``).
 
     Raises:
         UserError: an unknown scheme or int4 group size, ``group_size`` with int8, or an int4
@@ -82,7 +84,8 @@ def quantize_entry(config: Any, tp_size: int, quantize: str | None, group_size: 
     except ValueError as e:
         raise UserError(str(e).replace("invalid quantization", "invalid --quantize")) from None
     check_quantization(config, tp_size, scheme)
-    return QuantEntry(scheme.name, scheme.group_size)
+    vocab = None if scheme.vocab is None else QuantEntry(scheme.vocab.name, scheme.vocab.group_size)
+    return QuantEntry(scheme.name, scheme.group_size), vocab
 
 
 def split_model(
@@ -92,8 +95,8 @@ def split_model(
     """Split the HF checkpoint in ``model_dir`` into ``tp_size`` rank files under ``out``.
 
     With ``quantize`` ("int8" or "int4", ``group_size`` input columns per int4 scale, default
-    32), every column/row-parallel linear's weight ``P.weight`` (cast to ``dtype`` first) is
-    written as its quantized parts ``P.qweight``, ``P.scales`` (and ``P.zeros``), quantized
+    32), every column/row-parallel linear's weight ``P.weight`` (cast to ``dtype`` first), and
+    the embedding's / an untied LM head's as int8 per output channel, is written as its quantized parts ``P.qweight``, ``P.scales`` (and ``P.zeros``), quantized
     whole and then sliced (:func:`tpengine.quant_checkpoint.quantize_parts`: bit for bit what
     ``--quantization`` makes on the fly at float32 activations); the manifest's
     ``"quantization"`` lists them. A folder that is already quantized (``quantization.json``,
@@ -127,7 +130,7 @@ def split_model(
     if out.exists() and not force:
         raise UserError(f"output folder {str(out)!r} already exists; remove it or pass --force")
     plan = ShardPlan.build(config, tp_size)
-    entry = quantize_entry(config, tp_size, quantize, group_size)
+    entry, vocab_entry = quantize_entry(config, tp_size, quantize, group_size) or (None, None)
     stored = QC.read_table(model_dir) or {}  # an already quantized folder's weights
     if stored and entry is not None:
         raise UserError(f"{str(model_dir)!r} is already quantized ({QC.describe_table(stored)}); split it "
@@ -165,10 +168,11 @@ def split_model(
                 if part is not None and part[0] in stored:  # an already quantized weight's part
                     quantized[part[0]] = stored[part[0]]
                     declared.append((info.name, *QC.local_shapes(plan, kind, stored[part[0]], r)[part[1]]))
-                elif entry is not None and QC.is_linear_weight(info.name, len(info.shape)):
-                    quantized[info.name] = entry
+                elif entry is not None and (QC.is_linear_weight(info.name, len(info.shape)) or (
+                        vocab_entry is not None and QC.is_vocab_weight(info.name, len(info.shape)))):
+                    quantized[info.name] = entry if QC.is_linear_weight(info.name, len(info.shape)) else vocab_entry
                     declared += [(QC.part_name(info.name, p), *ds)
-                                 for p, ds in QC.local_shapes(plan, kind, entry, r).items()]
+                                 for p, ds in QC.local_shapes(plan, kind, quantized[info.name], r).items()]
                 else:
                     declared.append((info.name, tdtype if info.dtype.is_floating_point else info.dtype,
                                      plan.shard_shape(kind, bias, info.shape, r)))

@@ -139,6 +139,15 @@ def is_linear_weight(name: str, ndim: int) -> bool:
     return name.endswith(".weight") and ndim == 2 and len(parts) >= 2 and LAYER_KINDS.get(parts[-2]) in LINEAR_KINDS
 
 
+def is_vocab_weight(name: str, ndim: int) -> bool:
+    """True for the embedding's or the LM head's weight (``embed_tokens``, ``lm_head``), which
+    ``--quantization`` and ``split --quantize`` store by the scheme's ``vocab``."""
+    from tpengine.surgery import LAYER_KINDS
+
+    parts = name.split(".")
+    return name.endswith(".weight") and ndim == 2 and len(parts) >= 2 and LAYER_KINDS.get(parts[-2]) == P.VOCAB
+
+
 def part_of(name: str) -> tuple[str, str] | None:
     """``(weight name, part)`` of a stored part's name (``x.q_proj.qweight`` ->
     ``("x.q_proj.weight", "qweight")``), or None for any other tensor name."""
