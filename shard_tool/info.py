@@ -49,7 +49,8 @@ def rank_bytes(plan: Any, shapes: dict[str, tuple[int, ...]], dtype: str, quanti
     included), for tensors of ``shapes`` stored as ``dtype``; a weight in ``quantized`` (name ->
     :class:`~tpengine.quant_checkpoint.QuantEntry`) as its quantized storage in memory: its
     qweight (int4: two values a byte, rows padded to the kernel's multiple of 16) and its
-    scales (and zeros) in ``dtype``."""
+    scales (and zeros) in ``dtype``; grouped int8 (GGUF's Q8_0) as its two int4 halves (rows
+    padded, a scale and a zero for each half, :class:`~tpengine.layers.quantized.Int8Weight`)."""
     from tpengine.surgery import kind_of
 
     out = []
@@ -74,13 +75,15 @@ def rank_bytes(plan: Any, shapes: dict[str, tuple[int, ...]], dtype: str, quanti
 def _quant_bytes(plan: Any, kind: str, entry: Any, rank: int, scale_bytes: int) -> int:
     """Bytes rank ``rank`` holds of one quantized ``kind`` weight (see :func:`rank_bytes`)."""
     from tpengine.layers.quantized import INT4_ROW_MULTIPLE
-    from tpengine.quant_checkpoint import local_shapes
+    from tpengine.quant_checkpoint import local_shapes, weight_shape
 
+    grouped8 = entry.scheme == "int8" and not entry.per_channel(weight_shape(plan, kind)[1])
     total = 0
     for part, (dt, (rows, cols)) in local_shapes(plan, kind, entry, rank).items():
-        if entry.scheme == "int4":
+        if entry.scheme == "int4" or grouped8:
             rows = -(-rows // INT4_ROW_MULTIPLE) * INT4_ROW_MULTIPLE
-        total += rows * cols * (dt.itemsize if part == "qweight" else scale_bytes)
+        # grouped int8 runs as two int4 weights: two scale-and-zero pairs for each stored scale
+        total += rows * cols * (dt.itemsize if part == "qweight" else scale_bytes * (4 if grouped8 else 1))
     return total
 
 

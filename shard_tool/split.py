@@ -96,9 +96,11 @@ def split_model(
 
     With ``quantize`` ("int8" or "int4", ``group_size`` input columns per int4 scale, default
     32), every column/row-parallel linear's weight ``P.weight`` (cast to ``dtype`` first), and
-    the embedding's / an untied LM head's as int8 per output channel, is written as its quantized parts ``P.qweight``, ``P.scales`` (and ``P.zeros``), quantized
-    whole and then sliced (:func:`tpengine.quant_checkpoint.quantize_parts`: bit for bit what
-    ``--quantization`` makes on the fly at float32 activations); the manifest's
+    the embedding's and an untied LM head's as int8 per output channel (``QuantScheme.vocab``),
+    is written as its quantized parts ``P.qweight``, ``P.scales`` (and ``P.zeros``), quantized
+    whole and then sliced, vocabulary padding rows all 0
+    (:func:`tpengine.quant_checkpoint.quantize_parts`: bit for bit what ``--quantization``
+    makes on the fly at float32 activations); the manifest's
     ``"quantization"`` lists them. A folder that is already quantized (``quantization.json``,
     e.g. from ``convert --keep-quant``) has its stored parts sliced as they are.
 
@@ -239,7 +241,8 @@ def split(
     force: Annotated[bool, typer.Option("--force", help="replace --out if it exists")] = False,
     quantize: Annotated[str | None, typer.Option(
         "--quantize", help="store the column/row-parallel linears' weights quantized: int8 (per output "
-        "channel) or int4 (group-wise scale and zero)")] = None,
+        "channel) or int4 (group-wise scale and zero); the embedding / LM head int8 per output channel "
+        "under both")] = None,
     group_size: Annotated[int | None, typer.Option(
         "--group-size", help="int4: input columns per scale and zero, 32, 64, 128 or 256 (default 32)")] = None,
 ) -> None:

@@ -1,8 +1,10 @@
 """Quantized checkpoints on disk (tpengine/quant_checkpoint.py): ``tpengine-shard split --quantize``,
 full folders with quantization.json, the loader reading both, verify and info, and their errors.
 
-The tiny Qwen3 (head_dim 32, intermediate 128) splits on 32-column groups at tp 1 and 2; a tied
-tiny Llama covers the shared embedding/LM head beside quantized linears.
+The tiny Qwen3 (head_dim 32, intermediate 128) splits on 32-column groups at tp 1 and 2; its
+vocabulary (1001 rows) pads one row at tp 2. Under both schemes the embedding and the untied LM
+head are stored int8 per output channel, as ``--quantization`` holds them; a tied tiny Llama
+covers the one quantized table the embedding and LM head share.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ from shard_tool.verify import verify_dir
 from tpengine.checkpoint import sha256_file
 from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
-from tpengine.layers.quantized import QuantizedWeight
-from tpengine.loader import QUANTIZED_LAYERS, load_model
+from tpengine.layers.quantized import Int8Weight, QuantizedWeight, quantize_int8
+from tpengine.loader import QUANTIZED_LAYERS, VOCAB_LAYERS, load_model
 from tpengine.plan import ShardPlan
 from tpengine.quant_checkpoint import (
     QuantEntry,
     is_linear_weight,
+    is_vocab_weight,
     pack_nibbles,
     part_name,
     quantize_parts,
@@ -44,18 +47,24 @@ CPU = torch.device("cpu")
 INT8, INT4 = QuantEntry("int8", None), QuantEntry("int4", 32)
 
 
-def write_full_quantized(src: Path, out: Path, entry_of) -> Path:
+def write_full_quantized(src: Path, out: Path, entry_of, vocab: QuantEntry | None = INT8) -> Path:
     """A full quantized folder from the float folder ``src``: every linear weight ``n`` with
-    ``entry_of(n)`` not None stored as its parts, model.safetensors + quantization.json."""
+    ``entry_of(n)`` not None, and the embedding / LM head with ``vocab`` not None (default int8
+    per channel, as ``--quantization``), stored as its parts, model.safetensors + quantization.json."""
     out.mkdir()
     tensors, table = {}, {}
     for name, t in load_file(src / "model.safetensors").items():
-        e = entry_of(name) if is_linear_weight(name, t.dim()) else None
+        e = entry_of(name) if is_linear_weight(name, t.dim()) else vocab if is_vocab_weight(name, t.dim()) else None
         if e is None:
             tensors[name] = t
             continue
         table[name] = e
-        tensors.update({part_name(name, p): v for p, v in quantize_parts(t, e).items()})
+        if e.scheme == "int8" and e.group_size is not None:  # grouped int8 (GGUF's Q8_0): w = q * scale
+            q, scales = quantize_int8(t, torch.float32, group_size=e.group_size)
+            parts = {"qweight": q, "scales": scales}
+        else:
+            parts = quantize_parts(t, e)
+        tensors.update({part_name(name, p): v for p, v in parts.items()})
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     for f in src.iterdir():
         if not f.name.endswith(".safetensors"):
@@ -66,6 +75,9 @@ def write_full_quantized(src: Path, out: Path, entry_of) -> Path:
 
 def quant_buffers(model) -> dict[str, torch.Tensor]:
     return {n: b for n, b in model.named_buffers() if ".quant." in n}
+
+
+VOCAB = {"model.embed_tokens.weight", "lm_head.weight"}
 
 
 @pytest.fixture(scope="module")
@@ -109,21 +121,33 @@ def test_nibbles_and_parts_layout():
 
 
 def test_split_manifest_and_names(folders):
-    """split --quantize stores exactly the column/row-parallel linears (the set --quantization quantizes) as
-    qweight/scales(/zeros), the manifest lists them, and no quantization.json is copied."""
+    """split --quantize stores exactly what --quantization quantizes, the column/row-parallel linears in the
+    scheme and the embedding / LM head int8 per channel, as qweight/scales(/zeros); the manifest lists them,
+    and no quantization.json is copied."""
     m = json.loads((folders["split/int4/2"] / "manifest.json").read_text())
     table = read_table(folders["split/int4/2"])
     cfg = AutoConfig.from_pretrained(folders["qwen3"])
     model = build_model(cfg, ShardPlan.build(cfg, 1), 0, torch.float32, CPU)  # weights on meta
     linears = {n for n, t in checkpoint_targets(model, False).items() if isinstance(t.module, QUANTIZED_LAYERS)
                and t.attr == "weight"}
-    assert set(table) == linears and len(linears) == 14 and set(table.values()) == {INT4}
+    assert set(table) == linears | VOCAB and len(linears) == 14 and {table[n] for n in linears} == {INT4}
+    assert {table[n] for n in VOCAB} == {INT8}
     assert m["quantization"] == table_json(table)
     r0 = m["tensors"]["0"]
     assert r0["model.layers.0.mlp.down_proj.qweight"] == [64, 32]  # [hidden, intermediate/2 / 2]
     assert r0["model.layers.0.mlp.down_proj.scales"] == r0["model.layers.0.mlp.down_proj.zeros"] == [64, 2]
     assert r0["model.layers.0.self_attn.k_proj.qweight"] == [32, 32] and "model.layers.0.mlp.up_proj.weight" not in r0
-    assert r0["model.embed_tokens.weight"] == [501, 64] and r0["model.layers.0.self_attn.q_norm.weight"] == [32]
+    assert r0["model.layers.0.self_attn.q_norm.weight"] == [32]
+    for r in ("0", "1"):  # the padded vocabulary's 1002 rows, 501 a rank, a scale per row
+        t = m["tensors"][r]
+        assert t["model.embed_tokens.qweight"] == t["lm_head.qweight"] == [501, 64]
+        assert t["model.embed_tokens.scales"] == t["lm_head.scales"] == [501, 1]
+        assert "model.embed_tokens.weight" not in t and "lm_head.weight" not in t
+    r1 = load_file(folders["split/int4/2"] / "rank-01-of-02.safetensors")
+    for p in ("model.embed_tokens", "lm_head"):  # rank 1's last row is padding: all zero
+        assert r1[f"{p}.qweight"].dtype == torch.int8 and r1[f"{p}.scales"].dtype == torch.float32
+        assert not r1[f"{p}.qweight"][-1].any() and float(r1[f"{p}.scales"][-1, 0]) == 0.0
+        assert bool((r1[f"{p}.scales"][:-1] > 0).all())
     m8 = json.loads((folders["split/int8/2"] / "manifest.json").read_text())["tensors"]["1"]
     o_proj = "model.layers.1.self_attn.o_proj"
     assert m8[f"{o_proj}.qweight"] == [64, 64] and m8[f"{o_proj}.scales"] == [64, 1]  # the full row's scale
@@ -136,10 +160,27 @@ def test_split_tp1_equals_on_the_fly(folders, q):
     fly, _, _ = load_model(folders["qwen3"], TPInfo(0, 1, 0, CPU), quantization=q)
     disk, _, _ = load_model(folders[f"split/{q}/1"], TPInfo(0, 1, 0, CPU))
     a, b = quant_buffers(fly), quant_buffers(disk)
-    assert sorted(a) == sorted(b) and len(a) == 16
+    assert sorted(a) == sorted(b) and len(a) == 20  # 8 linear modules and 2 vocabulary layers, 2 buffers each
+    assert {n for n in a if not n.startswith("model.layers.")} == {
+        "model.embed_tokens.quant.qweight", "model.embed_tokens.quant.scales", "lm_head.quant.qweight",
+        "lm_head.quant.scales"}
     assert all(torch.equal(a[n], b[n]) and a[n].dtype == b[n].dtype for n in a)
     assert disk.weight_bytes == fly.weight_bytes
-    assert all(m.weight is None for m in disk.modules() if isinstance(m, QUANTIZED_LAYERS))
+    assert all(m.weight is None for m in disk.modules() if isinstance(m, (*QUANTIZED_LAYERS, *VOCAB_LAYERS)))
+
+
+def test_split_tp2_equals_on_the_fly(folders):
+    """Each rank of the tp=2 int4 split holds --quantization int4's tp=2 storage bit for bit, the
+    vocabulary's padding row (rank 1) included (int4 needs no all-reduce: loaded rank by rank)."""
+    for rank in (0, 1):
+        fly, _, _ = load_model(folders["qwen3"], TPInfo(rank, 2, rank, CPU), quantization="int4")
+        disk, _, _ = load_model(folders["split/int4/2"], TPInfo(rank, 2, rank, CPU))
+        a, b = quant_buffers(fly), quant_buffers(disk)
+        assert sorted(a) == sorted(b) and len(a) == 20
+        assert all(torch.equal(a[n], b[n]) and a[n].dtype == b[n].dtype for n in a)
+        assert disk.weight_bytes == fly.weight_bytes
+        if rank == 1:
+            assert float(a["lm_head.quant.scales"][-1]) == 0.0 and not a["lm_head.quant.qweight"][-1].any()
 
 
 @pytest.mark.parametrize("q", ["int8", "int4"])
@@ -151,6 +192,35 @@ def test_full_folder_sliced_equals_split(folders, q):
         a, b = quant_buffers(full), quant_buffers(split)
         assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
         assert full.weight_bytes == split.weight_bytes
+
+
+def test_grouped_int8_vocab_folder(folders, tmp_path):
+    """A full folder whose embedding / LM head are grouped int8 (group 32, as convert --keep-quant imports
+    GGUF's Q8_0) beside int4 linears: loaded as grouped Int8Weight, its tp=2 split verifies and gives each
+    rank the storage of the full folder sliced on the fly, and info's weight bytes are what each rank loads."""
+    q8 = QuantEntry("int8", 32)
+    full = write_full_quantized(folders["qwen3"], tmp_path / "full-q8", lambda n: INT4, vocab=q8)
+    assert {read_table(full)[n] for n in VOCAB} == {q8}
+    one, _, _ = load_model(full, TPInfo(0, 1, 0, CPU))
+    emb = one.get_input_embeddings().quant
+    assert isinstance(emb, Int8Weight) and emb.group_size == 32 and emb.out_features == 1001
+    w = load_file(folders["qwen3"] / "model.safetensors")["model.embed_tokens.weight"]
+    q, scales = quantize_int8(w, torch.float32, group_size=32)
+    assert torch.equal(emb.dequantize(), q.float().reshape(1001, 2, 32).mul(scales[..., None]).reshape(1001, 64))
+    m = split_model(full, 2, tmp_path / "split-q8")
+    assert m["tensors"]["1"]["model.embed_tokens.scales"] == [501, 2] and verify_dir(tmp_path / "split-q8") == []
+    r = cli("info", tmp_path / "split-q8", "--tp", "2")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines()[1] == ("quantized: int4, group size 32: 14 weights; int8, group size 32: 2 weights "
+                                        "(the rest float32)")
+    for rank in (0, 1):
+        sliced, _, _ = load_model(full, TPInfo(rank, 2, rank, CPU))
+        split, _, _ = load_model(tmp_path / "split-q8", TPInfo(rank, 2, rank, CPU))
+        a, b = quant_buffers(sliced), quant_buffers(split)
+        assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+        assert "model.embed_tokens.quant.packed_lo" in a and sliced.weight_bytes == split.weight_bytes
+        assert sum(line.split()[:1] == [str(rank)] and str(split.weight_bytes) in line.split()
+                   for line in r.stdout.splitlines()) == 1
 
 
 # ------------------------------------------------------------------------------ engine
@@ -224,8 +294,8 @@ def test_verify_quantized(folders, tmp_path):
     good = folders["split/int4/2"]
     r = cli("verify", good)
     assert r.exit_code == 0 and r.stdout == (
-        f"OK: {good}: 2 rank files, 106 tensors, dtype float32, quantized int4, group size 32: 14 weights, "
-        "sha256, names and shapes match manifest and plan\n")
+        f"OK: {good}: 2 rank files, 110 tensors, dtype float32, quantized int4, group size 32: 14 weights; "
+        "int8, per output channel: 2 weights, sha256, names and shapes match manifest and plan\n")
     tampered = shutil.copytree(good, tmp_path / "tampered")
     f = tampered / "rank-01-of-02.safetensors"
     data = bytearray(f.read_bytes())
@@ -241,29 +311,34 @@ def test_verify_quantized(folders, tmp_path):
         t[f"{down}.zeros"] = t[f"{down}.zeros"].to(torch.bfloat16)
         del t["model.layers.1.self_attn.q_proj.zeros"]
         t["model.layers.1.mlp.up_proj.weight"] = torch.zeros(64, 64)
+        t["model.embed_tokens.scales"] = t["model.embed_tokens.scales"][:500].contiguous()  # a row short
 
     rewrite_rank_file(bad, 0, change)
     assert verify_dir(bad) == [
         "rank-00-of-02.safetensors: tensor model.layers.1.mlp.up_proj.weight is stored float, but the "
         "quantization table lists it as int4, group size 32",
         "rank-00-of-02.safetensors: tensor model.layers.1.self_attn.q_proj.zeros (int4, group size 32) is missing",
+        "rank-00-of-02.safetensors: tensor model.embed_tokens.scales has shape [500, 1]; the plan and int8, per "
+        "output channel give rank 0 [501, 1]",
         f"rank-00-of-02.safetensors: tensor {down}.scales has shape [64, 1]; the plan and int4, group size 32 "
         "give rank 0 [64, 2]",
         f"rank-00-of-02.safetensors: tensor {down}.zeros has dtype BF16; int4, group size 32 stores zeros as F32",
     ]
     r = cli("verify", bad)
-    assert r.exit_code == 1 and r.stderr.count("\n") == 4
+    assert r.exit_code == 1 and r.stderr.count("\n") == 5
 
 
 def test_info_quantized(folders):
     r = cli("info", folders["split/int4/2"], "--tp", "2")
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
-    assert lines[1] == "quantized: int4, group size 32: 14 weights (the rest float32)"
-    loaded, _, _ = load_model(folders["split/int4/2"], TPInfo(0, 2, 0, CPU))
-    assert any(line.split()[:1] == ["0"] and str(loaded.weight_bytes) in line.split() for line in lines)
+    assert lines[1] == "quantized: int4, group size 32: 14 weights; int8, per output channel: 2 weights (the rest " \
+        "float32)"
+    for rank in (0, 1):  # the weight bytes each rank loads, the quantized vocabulary (rank 1: its padding row) in
+        loaded, _, _ = load_model(folders["split/int4/2"], TPInfo(rank, 2, rank, CPU))
+        assert sum(line.split()[:1] == [str(rank)] and str(loaded.weight_bytes) in line.split() for line in lines) == 1
     r = cli("info", folders["full/mixed"])
-    assert r.exit_code == 0 and "quantized: int4, group size 32: 8 weights; int8, per output channel: 6 weights " \
+    assert r.exit_code == 0 and "quantized: int4, group size 32: 8 weights; int8, per output channel: 8 weights " \
         "(the rest float32)" in r.stdout
 
 
@@ -284,7 +359,8 @@ def test_split_errors(folders, tmp_path, smollm2_dir):
         assert (r.exit_code, r.stderr) == (2, f"error: {msg}\n")
     r = cli("split", folders["full/int4"], "--tp", "2", "--out", tmp_path / "x", "--quantize", "int8")
     assert (r.exit_code, r.stderr) == (2, f"error: {str(folders['full/int4'])!r} is already quantized (int4, group "
-                                          "size 32: 14 weights); split it without --quantize\n")
+                                          "size 32: 14 weights; int8, per output channel: 2 weights); split it "
+                                          "without --quantize\n")
     assert not (tmp_path / "x").exists()
 
 
@@ -307,7 +383,8 @@ def test_load_errors(folders, tmp_path):
     with pytest.raises(UserError) as e:
         load_model(split4, TPInfo(0, 2, 0, CPU), quantization="int8")
     assert str(e.value) == (f"--quantization int8 (int8, per output channel) disagrees with the quantized folder "
-                            f"{str(split4)!r} (int4, group size 32: 14 weights); drop --quantization to run the "
+                            f"{str(split4)!r} (int4, group size 32: 14 weights; int8, per output channel: 2 weights); "
+                            "drop --quantization to run the "
                             "folder's weights as stored, or pass a float folder to quantize on the fly")
     load_model(split4, TPInfo(1, 2, 1, CPU), quantization="int4")  # the same scheme: loaded as stored
     with pytest.raises(UserError) as e:
@@ -316,7 +393,8 @@ def test_load_errors(folders, tmp_path):
     with pytest.raises(UserError) as e:
         load_model(folders["full/int4"], TPInfo(0, 3, 0, CPU))
     assert str(e.value) == (
-        f"the quantized folder {str(folders['full/int4'])!r} (int4, group size 32: 14 weights) cannot run at tp=3: "
+        f"the quantized folder {str(folders['full/int4'])!r} (int4, group size 32: 14 weights; int8, per output "
+        "channel: 2 weights) cannot run at tp=3: "
         "--quantization int4 (group size 32) at tp=3: the row-parallel layer mlp.down_proj splits its input at "
         "column 43, not on a group boundary (a multiple of 32); valid tp sizes: 1, 2, 4")
     src = folders["qwen3"]
@@ -327,16 +405,12 @@ def test_load_errors(folders, tmp_path):
         "the parts model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.k_proj.weight, "
         "model.layers.0.self_attn.v_proj.weight of one merged layer are stored in different ways (float, int4, "
         "group size 32, float); tpengine needs them alike")
-    emb = shutil.copytree(folders["full/int8"], tmp_path / "emb")
-    t = load_file(emb / "model.safetensors")
-    t.update({part_name("model.embed_tokens.weight", p): v
-              for p, v in quantize_parts(t.pop("model.embed_tokens.weight"), INT8).items()})
-    save_file(t, emb / "model.safetensors", metadata={"format": "pt"})
-    write_table(emb, {**read_table(emb), "model.embed_tokens.weight": INT8})
+    norm = shutil.copytree(folders["full/int8"], tmp_path / "norm")  # a layer with float weights only
+    write_table(norm, {**read_table(norm), "model.norm.weight": INT8})
     with pytest.raises(UserError) as e:
-        load_model(emb, TPInfo(0, 1, 0, CPU))
-    assert str(e.value) == ("'model.embed_tokens.weight' is stored quantized (int8, per output channel), but "
-                            "tpengine's VocabParallelEmbedding holds float weights only in this version")
+        load_model(norm, TPInfo(0, 1, 0, CPU))
+    assert str(e.value) == ("'model.norm.weight' is stored quantized (int8, per output channel), but "
+                            "tpengine's RMSNorm holds float weights only in this version")
     bad = shutil.copytree(folders["full/int8"], tmp_path / "v2")
     (bad / "quantization.json").write_text(json.dumps({**table_json(read_table(bad)), "format_version": 2}))
     with pytest.raises(UserError) as e:
@@ -360,16 +434,32 @@ def test_load_errors(folders, tmp_path):
 
 
 def test_tied_llama_split_int4(tmp_path):
-    """A tied embedding stays float (one Parameter shared with the LM head) beside int4 linears; tp 2 = tp 1."""
+    """A tied embedding is stored once, int8 per channel (no lm_head entry), and loads as ONE quantized table
+    the LM head shares, beside int4 linears: bit for bit --quantization int4's, at tp 1 and on both ranks of
+    tp 2 (padding row included); greedy tokens and logprobs equal on the fly's, and tp 2's tokens tp 1's."""
     src = make_tiny_model(tmp_path, "llama", seed=5, intermediate_size=128, tie_word_embeddings=True)
     split_model(src, 1, tmp_path / "t1", quantize="int4")
-    split_model(src, 2, tmp_path / "t2", quantize="int4")
-    model, _, _ = load_model(tmp_path / "t2", TPInfo(1, 2, 1, CPU))
-    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    assert sum(isinstance(m, QuantizedWeight) for m in model.modules()) == 8
+    m = split_model(src, 2, tmp_path / "t2", quantize="int4")
+    weights = m["quantization"]["weights"]
+    assert weights["model.embed_tokens.weight"] == {"scheme": "int8", "group_size": None}
+    assert "lm_head.weight" not in weights and len(weights) == 15
+    assert not any(n.startswith("lm_head.") for n in m["tensors"]["1"])
+    for tp, rank in ((1, 0), (2, 0), (2, 1)):
+        model, _, _ = load_model(tmp_path / f"t{tp}", TPInfo(rank, tp, rank, CPU))
+        fly, _, _ = load_model(src, TPInfo(rank, tp, rank, CPU), quantization="int4")
+        for mod in (model, fly):
+            head, emb = mod.get_output_embeddings(), mod.get_input_embeddings()
+            assert head.quant is emb.quant and emb.weight is None and head.weight is None
+            assert sum(isinstance(q, QuantizedWeight) for q in mod.modules()) == 9  # 8 linear modules, 1 table
+        a, b = quant_buffers(fly), quant_buffers(model)
+        assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) and a[n].dtype == b[n].dtype for n in a)
+        assert model.weight_bytes == fly.weight_bytes
     g = torch.Generator().manual_seed(4)
     reqs = [["a", torch.randint(3, 1001, (9,), generator=g).tolist(), {**GREEDY, "max_tokens": 8}]]
     cfg = {"dtype": "float32", "max_model_len": 64, "kv_cache_gb": 0.02}
-    jobs = {tp: [{"key": "k", "requests": reqs, "config": {"model": str(tmp_path / f"t{tp}"), **cfg}}] for tp in (1, 2)}
+    jobs = {tp: [{"key": "k", "requests": reqs, "config": {"model": str(tmp_path / f"t{tp}"), **cfg}},
+                 {"key": "fly", "requests": reqs, "config": {"model": str(src), "quantization": "int4", **cfg}}]
+            for tp in (1, 2)}
     one, two = (run_engine_jobs(tmp_path, tp, jobs[tp]) for tp in (1, 2))
+    assert greedy(one["k"]) == greedy(one["fly"]) and greedy(two["k"]) == greedy(two["fly"])
     assert greedy(one["k"])["a"][0] == greedy(two["k"])["a"][0] and len(greedy(one["k"])["a"][0]) == 8

@@ -10,6 +10,7 @@ import torch
 
 from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
+from tpengine.layers.embedding import VocabParallelEmbedding
 from tpengine.layers.quantized import QuantScheme, check_quantization
 from tpengine.quant_checkpoint import PART_DTYPES, QuantEntry, build_weight, describe_table
 from tpengine.tensor_file import TensorInfo
@@ -47,7 +48,8 @@ class QuantParts:
         return bufs[part]
 
     def finish(self, module: torch.nn.Module, name: str, entry: QuantEntry) -> None:
-        """Set ``module.quant`` from its parts (``weight`` becomes None).
+        """Set ``module.quant`` from its parts (``weight`` becomes None; an embedding's rows
+        lookup prepared).
 
         Raises:
             ValueError: parts whose shapes do not fit the layer's ``[out, in]`` under ``entry``.
@@ -62,6 +64,8 @@ class QuantParts:
                              f"scales {list(bufs['scales'].shape)} do not fit this rank's [{out}, {k}] weight")
         module.quant = build_weight(entry, bufs)
         module.weight = None
+        if isinstance(module, VocabParallelEmbedding):
+            module.quant.prepare_rows()  # at load, not in the first step (as quantize_linear)
 
 
 def check_stored_quantization(model_dir: Path, table: dict[str, QuantEntry], quantization: str | None,

@@ -35,7 +35,8 @@ int8, int4) only, so a rank's quantized slice is bit for bit the same slice of t
 quantized weight:
 
 * a column split (and the vocabulary split) takes whole output rows, with their scales (and
-  zeros); vocabulary padding rows are zero, and quantize to zero;
+  zeros); vocabulary padding rows are zero, and quantize to zero with scale (and zero) 0, as a
+  stored folder (:mod:`tpengine.quant_checkpoint`) holds them;
 * a row split cuts the input dimension: for grouped schemes every rank's input range must start
   on a group boundary (:func:`check_quantization` refuses a tp where it does not); for int8 per
   channel the per-row ``absmax`` is of the FULL row, the max over the ranks of their slices'
@@ -318,6 +319,13 @@ class QuantizedWeight(nn.Module):
     def dequantize(self) -> torch.Tensor:
         return self._rows_f32(torch.arange(self.out_features))
 
+    def zero_rows_from(self, start: int) -> None:
+        """Set the scales (and zeros) of output rows ``start..`` to zero, in place: vocabulary
+        padding rows (their values are 0 already) as a stored folder holds them."""
+        for name, b in self.named_buffers():
+            if "scales" in name:
+                (b[start:] if b.dim() == 1 else b[:, start:]).zero_()
+
 
 class Int8Weight(QuantizedWeight):
     """W8A16, ``w = q * scale`` of ``q int8 [out, in]`` and ``scales``.
@@ -453,11 +461,12 @@ def quantize_linear(layer: nn.Module, scheme: QuantScheme,
     quantized storage ``layer.quant`` (``weight`` becomes None). For a
     :class:`~tpengine.layers.linear.RowParallelLinear` under per-channel int8, ``reduce_max``
     (an all-reduce MAX over the tp ranks, in place) turns the slice's row absmax into the full rows'.
+    A vocabulary layer's padding rows get scale (and zero) 0, as a stored folder holds them.
 
     Raises:
         UserError: see :func:`quantize_weight`.
     """
-    from tpengine.layers.embedding import VocabParallelEmbedding
+    from tpengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
     from tpengine.layers.linear import RowParallelLinear
 
     w = layer.weight.data
@@ -467,6 +476,8 @@ def quantize_linear(layer: nn.Module, scheme: QuantScheme,
         absmax = reduce_max(w.float().abs().amax(dim=1))
     layer.quant = quantize_weight(w, scheme, w.dtype, absmax)
     layer.weight = None
+    if isinstance(layer, (VocabParallelEmbedding, ParallelLMHead)):  # padding rows: scale 0, as stored
+        layer.quant.zero_rows_from(max(0, layer.vocab_size - layer.vocab_start))
     if isinstance(layer, VocabParallelEmbedding):
         layer.quant.prepare_rows()  # at load, not in the first step
 
