@@ -169,11 +169,12 @@ def _write_cache(path: Path, data: dict) -> None:
         pass
 
 
-def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype,
-                   setting: str = "auto") -> dict[tuple[int, int], LayoutChoice]:
+def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setting: str = "auto",
+                   native: bool = True) -> dict[tuple[int, int], LayoutChoice]:
     """The layout of each weight shape ``(out, in)`` (``shapes`` maps it to how many layers of this
     rank have it) for CPU weights in ``dtype``: ``setting`` "plain" or "packed" forces it; "auto"
-    measures (:func:`measure`) or reads the cached timings (:func:`cache_path`).
+    measures (:func:`measure`) or reads the cached timings (:func:`cache_path`). ``native`` False
+    (``EngineConfig.cpu_kernels`` off) leaves the GEMV kernel out of the choice.
 
     Raises:
         ValueError: ``setting`` not in :data:`CPU_LINEAR_CHOICES`.
@@ -196,6 +197,8 @@ def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype,
         if times is None:
             chosen[shape] = LayoutChoice("packed", "default", {})
         else:
+            if not native:
+                times = {k: v for k, v in times.items() if k != "gemv"}
             layout = pick(times)
             chosen[shape] = LayoutChoice(layout, how, times, gemv_rows(times) if layout == "plain" else 0)
     if wrote:
