@@ -16,7 +16,9 @@ both layouts for every distinct ``(out, in)`` shape of the model, at the row buc
 :data:`ROW_BUCKETS`, over as many distinct weights of that shape as the model has (up to
 :data:`MEASURE_BYTES`), so the weights stream from memory as they do in a step rather than sitting
 in a cache. A shape takes the layout with the smaller sum over the buckets of its time relative to
-the faster one. The timings are cached per CPU model and flags, torch version, thread count and
+the faster one. Each shape is measured twice; when the two disagree by more than 1.5x at some
+bucket (another process took the cores), the faster of each is used for this run and nothing is
+cached. Otherwise the timings are cached per CPU model and flags, torch version, thread count and
 dtype in ``$TPENGINE_CACHE_DIR`` (default ``~/.cache/tpengine``), so a machine measures once.
 """
 
@@ -148,6 +150,13 @@ def cache_path(dtype: torch.dtype) -> Path:
     return cache_root() / f"linear-layouts-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
+def consistent(a: dict[str, list], b: dict[str, list], ratio: float = 1.5) -> bool:
+    """Whether two measurements of one shape agree within ``ratio`` at every bucket and path (a
+    time-slice lost to another process makes one call several times slower)."""
+    return all(x is None or y is None or max(x, y) <= ratio * min(x, y)
+               for k in a for x, y in zip(a[k], b.get(k, a[k])))
+
+
 def _read_cache(path: Path) -> dict[str, dict[str, list[float]]]:
     try:
         data = json.loads(path.read_text())
@@ -192,8 +201,13 @@ def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setti
         how = "cached"
         if not (isinstance(times, dict) and all(len(times.get(k) or ()) == len(ROW_BUCKETS) for k in LAYOUTS)):
             times, how = measure(shape, count, dtype), "measured"
-            if times is not None:
-                cache[key], wrote = times, True
+            again = None if times is None else measure(shape, count, dtype)
+            if times is not None and again is not None:
+                if consistent(times, again):
+                    cache[key], wrote = times, True
+                else:  # another process shared the cores: use the faster of the two, cache neither
+                    how = "measured, noisy (not cached)"
+                times = {k: [None if a is None else min(a, b) for a, b in zip(v, again[k])] for k, v in times.items()}
         if times is None:
             chosen[shape] = LayoutChoice("packed", "default", {})
         else:
