@@ -42,32 +42,52 @@ def test_forced_settings_and_bad_setting():
 
 
 @needs_onednn
+def test_measure_times_every_path_at_every_bucket():
+    t = L.measure((48, 32), 3, torch.bfloat16)
+    assert set(t) == ({"plain", "packed", "gemv"} if cpu_gemv_ok else {"plain", "packed"})
+    assert all(len(t[k]) == 3 and min(t[k]) > 0 for k in ("plain", "packed"))
+    if cpu_gemv_ok:  # the GEMV takes up to 8 rows: timed at 1 and 8, not at 64
+        assert t["gemv"][0] > 0 and t["gemv"][1] > 0 and t["gemv"][2] is None
+    assert L.measure((1 << 16, 1 << 12), 1, torch.float32) is None  # 1 GiB: above MEASURE_BYTES, not measured
+
+
 def test_auto_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
     calls = []
-    real = L.measure
-    monkeypatch.setattr(L, "measure", lambda *a: calls.append(a) or real(*a))
+    fake = {(48, 32): {"plain": [10, 20, 40], "packed": [20, 20, 30]},
+            (32, 64): {"plain": [9, 9, 9], "packed": [3, 3, 3]}}
+    monkeypatch.setattr(L, "measure", lambda *a: calls.append(a) or fake[a[0]])
     shapes = {(48, 32): 3, (32, 64): 2}
     first = L.choose_layouts(shapes, torch.float32)
-    assert sorted(calls) == [((32, 64), 2, torch.float32), ((48, 32), 3, torch.float32)]
-    assert {v.how for v in first.values()} == {"measured"}
-    for c in first.values():
-        assert set(c.times_us) == {"plain", "packed"} and all(len(t) == 3 and min(t) > 0 for t in c.times_us.values())
-        assert c.layout == L.pick(c.times_us)
+    # each shape twice (a consistency check against another process taking the cores)
+    assert sorted(calls) == [((32, 64), 2, torch.float32)] * 2 + [((48, 32), 3, torch.float32)] * 2
+    assert {k: (v.layout, v.how) for k, v in first.items()} == {(48, 32): ("plain", "measured"),
+                                                                (32, 64): ("packed", "measured")}
     stored = json.loads(L.cache_path(torch.float32).read_text())
-    assert sorted(stored) == ["32x64x2", "48x32x3"]
+    assert stored == {"48x32x3": fake[(48, 32)], "32x64x2": fake[(32, 64)]}
     calls.clear()
     second = L.choose_layouts(shapes, torch.float32)
     assert calls == [] and {v.how for v in second.values()} == {"cached"}
     assert {k: v.layout for k, v in second.items()} == {k: v.layout for k, v in first.items()}
     # another dtype is another machine setting: measured again, in its own file
     L.choose_layouts({(48, 32): 3}, torch.bfloat16)
-    assert calls == [((48, 32), 3, torch.bfloat16)] and L.cache_path(torch.bfloat16) != L.cache_path(torch.float32)
+    assert calls == [((48, 32), 3, torch.bfloat16)] * 2 and L.cache_path(torch.bfloat16) != L.cache_path(torch.float32)
     # a damaged cache file is measured again, not trusted
     L.cache_path(torch.float32).write_text("{not json")
     calls.clear()
     L.choose_layouts(shapes, torch.float32)
-    assert len(calls) == 2
+    assert len(calls) == 4
+
+
+def test_inconsistent_timings_are_used_but_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    runs = iter([{"plain": [10, 20, 30], "packed": [5, 10, 15]}, {"plain": [40, 20, 30], "packed": [5, 10, 15]}])
+    monkeypatch.setattr(L, "measure", lambda *a: next(runs))
+    got = L.choose_layouts({(8, 32): 1}, torch.float32)[(8, 32)]
+    assert got.how == "measured, noisy (not cached)" and got.times_us == {"plain": [10, 20, 30], "packed": [5, 10, 15]}
+    assert not L.cache_path(torch.float32).exists()
+    assert L.consistent({"plain": [10, None]}, {"plain": [15, 3]})
+    assert not L.consistent({"plain": [10]}, {"plain": [16]})
 
 
 @needs_onednn

@@ -232,7 +232,7 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
         m.nbytes for m in model.modules() if isinstance(m, QuantizedWeight))
 
 
-def _choose_layouts(model: torch.nn.Module, tie: bool, dtype: torch.dtype, setting: str):
+def _choose_layouts(model: torch.nn.Module, tie: bool, dtype: torch.dtype, setting: str, native: bool):
     """The measured or forced layout (:func:`tpengine.kernels.linear_layout.choose_layouts`) of every
     packable weight shape of ``model`` (still on meta), counting the layers of each shape."""
     head = model.get_output_embeddings()
@@ -240,7 +240,7 @@ def _choose_layouts(model: torch.nn.Module, tie: bool, dtype: torch.dtype, setti
     for m in model.modules():
         if hasattr(m, "pack") and m.weight is not None and not (tie and m is head):
             shapes[tuple(m.weight.shape)] = shapes.get(tuple(m.weight.shape), 0) + 1
-    return choose_layouts(shapes, dtype, setting)
+    return choose_layouts(shapes, dtype, setting, native)
 
 
 def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
@@ -296,7 +296,7 @@ def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.flo
     pack = tp.device.type == "cpu" if pack is None else pack
     model.linear_layouts = {}
     if pack:
-        model.linear_layouts = _choose_layouts(model, tie, dtype, cpu_linear)
+        model.linear_layouts = _choose_layouts(model, tie, dtype, cpu_linear, native)
         pack = lambda m: model.linear_layouts[tuple(m.weight.shape)].layout == "packed"  # noqa: E731
     model.weight_bytes = load_weights(model, rank_files(model_dir, sharded, tp), None if sharded else plan, tp.rank,
                                       tie, dtype, tp.device, pack, quant,

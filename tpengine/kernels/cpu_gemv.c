@@ -2,8 +2,8 @@
  * w [n, k] row-major (the plain layout of a linear weight), y [rows, n], float32 accumulation
  * (AVX512-BF16 dot products of bfloat16 pairs, vdpbf16ps), rounded once to bfloat16 -- what
  * F.linear computes, up to the order of the float32 sum. A decode step at one row is bound by
- * reading the weight: this streams each weight row once for all rows of x, four weight rows at a
- * time, the output rows split between the threads. Needs k % 32 == 0 and rows <= 8 (the caller
+ * reading the weight: this streams each weight row once for all rows of x (up to 8; 4 or 2 weight
+ * rows at a time), the output rows split between the threads. Needs k % 32 == 0 and rows <= 8 (the caller
  * checks); tpengine.kernels.linear_layout measures it against the other paths per shape. */
 #include <stdint.h>
 
@@ -12,24 +12,24 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
-#define GEMV_ROWS(R)                                                                                                \
+#define GEMV_ROWS(R, J)                                                                                             \
     static void gemv_##R(const uint16_t *x, int64_t k, const uint16_t *w, int64_t o0, int64_t o1, uint16_t *y,   \
                          int64_t n) {                                                                             \
         int64_t o = o0;                                                                                           \
-        for (; o + 4 <= o1; o += 4) {                                                                             \
-            __m512 acc[R][4];                                                                                     \
+        for (; o + J <= o1; o += J) {                                                                             \
+            __m512 acc[R][J];                                                                                     \
             for (int r = 0; r < R; r++)                                                                           \
-                for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();                                      \
+                for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();                                      \
             for (int64_t i = 0; i < k; i += 32) {                                                                 \
-                __m512bh wv[4];                                                                                   \
-                for (int j = 0; j < 4; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + (o + j) * k + i);            \
+                __m512bh wv[J];                                                                                   \
+                for (int j = 0; j < J; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + (o + j) * k + i);            \
                 for (int r = 0; r < R; r++) {                                                                     \
                     const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * k + i);                              \
-                    for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);               \
+                    for (int j = 0; j < J; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);               \
                 }                                                                                                 \
             }                                                                                                     \
             for (int r = 0; r < R; r++)                                                                           \
-                for (int j = 0; j < 4; j++) y[r * n + o + j] = f2bf(_mm512_reduce_add_ps(acc[r][j]));             \
+                for (int j = 0; j < J; j++) y[r * n + o + j] = f2bf(_mm512_reduce_add_ps(acc[r][j]));             \
         }                                                                                                         \
         for (; o < o1; o++) {                                                                                     \
             __m512 acc[R];                                                                                        \
@@ -43,11 +43,13 @@
         }                                                                                                         \
     }
 
-GEMV_ROWS(1)
-GEMV_ROWS(2)
-GEMV_ROWS(4)
+GEMV_ROWS(1, 4)
+GEMV_ROWS(2, 4)
+GEMV_ROWS(4, 4)
+GEMV_ROWS(8, 2)
 
-/* x [rows, k], w [n, k], y [rows, n]; rows in 1..8 (taken 4, 2 and 1 at a time). */
+/* x [rows, k], w [n, k], y [rows, n]; rows in 1..8 (8 at once against 2 weight rows, else 4, 2 and 1
+ * at a time against 4 weight rows). */
 void tpe_gemv_bf16(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t n, uint16_t *y,
                    int nthreads) {
     const int64_t chunk = ((n + nthreads - 1) / nthreads + 3) / 4 * 4; /* whole groups of 4 rows per thread */
@@ -55,6 +57,7 @@ void tpe_gemv_bf16(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w
     for (int64_t o0 = 0; o0 < n; o0 += chunk) {
         const int64_t o1 = o0 + chunk < n ? o0 + chunk : n;
         int64_t r = 0;
+        for (; r + 8 <= rows; r += 8) gemv_8(x + r * k, k, w, o0, o1, y + r * n, n);
         for (; r + 4 <= rows; r += 4) gemv_4(x + r * k, k, w, o0, o1, y + r * n, n);
         for (; r + 2 <= rows; r += 2) gemv_2(x + r * k, k, w, o0, o1, y + r * n, n);
         for (; r < rows; r++) gemv_1(x + r * k, k, w, o0, o1, y + r * n, n);

@@ -16,7 +16,9 @@ both layouts for every distinct ``(out, in)`` shape of the model, at the row buc
 :data:`ROW_BUCKETS`, over as many distinct weights of that shape as the model has (up to
 :data:`MEASURE_BYTES`), so the weights stream from memory as they do in a step rather than sitting
 in a cache. A shape takes the layout with the smaller sum over the buckets of its time relative to
-the faster one. The timings are cached per CPU model and flags, torch version, thread count and
+the faster one. Each shape is measured twice; when the two disagree by more than 1.5x at some
+bucket (another process took the cores), the faster of each is used for this run and nothing is
+cached. Otherwise the timings are cached per CPU model and flags, torch version, thread count and
 dtype in ``$TPENGINE_CACHE_DIR`` (default ``~/.cache/tpengine``), so a machine measures once.
 """
 
@@ -148,6 +150,13 @@ def cache_path(dtype: torch.dtype) -> Path:
     return cache_root() / f"linear-layouts-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
+def consistent(a: dict[str, list], b: dict[str, list], ratio: float = 1.5) -> bool:
+    """Whether two measurements of one shape agree within ``ratio`` at every bucket and path (a
+    time-slice lost to another process makes one call several times slower)."""
+    return all(x is None or y is None or max(x, y) <= ratio * min(x, y)
+               for k in a for x, y in zip(a[k], b.get(k, a[k])))
+
+
 def _read_cache(path: Path) -> dict[str, dict[str, list[float]]]:
     try:
         data = json.loads(path.read_text())
@@ -169,11 +178,12 @@ def _write_cache(path: Path, data: dict) -> None:
         pass
 
 
-def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype,
-                   setting: str = "auto") -> dict[tuple[int, int], LayoutChoice]:
+def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setting: str = "auto",
+                   native: bool = True) -> dict[tuple[int, int], LayoutChoice]:
     """The layout of each weight shape ``(out, in)`` (``shapes`` maps it to how many layers of this
     rank have it) for CPU weights in ``dtype``: ``setting`` "plain" or "packed" forces it; "auto"
-    measures (:func:`measure`) or reads the cached timings (:func:`cache_path`).
+    measures (:func:`measure`) or reads the cached timings (:func:`cache_path`). ``native`` False
+    (``EngineConfig.cpu_kernels`` off) leaves the GEMV kernel out of the choice.
 
     Raises:
         ValueError: ``setting`` not in :data:`CPU_LINEAR_CHOICES`.
@@ -191,11 +201,18 @@ def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype,
         how = "cached"
         if not (isinstance(times, dict) and all(len(times.get(k) or ()) == len(ROW_BUCKETS) for k in LAYOUTS)):
             times, how = measure(shape, count, dtype), "measured"
-            if times is not None:
-                cache[key], wrote = times, True
+            again = None if times is None else measure(shape, count, dtype)
+            if times is not None and again is not None:
+                if consistent(times, again):
+                    cache[key], wrote = times, True
+                else:  # another process shared the cores: use the faster of the two, cache neither
+                    how = "measured, noisy (not cached)"
+                times = {k: [None if a is None else min(a, b) for a, b in zip(v, again[k])] for k, v in times.items()}
         if times is None:
             chosen[shape] = LayoutChoice("packed", "default", {})
         else:
+            if not native:
+                times = {k: v for k, v in times.items() if k != "gemv"}
             layout = pick(times)
             chosen[shape] = LayoutChoice(layout, how, times, gemv_rows(times) if layout == "plain" else 0)
     if wrote:
