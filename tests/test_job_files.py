@@ -204,8 +204,9 @@ def tiny(tmp_path_factory):
 
 
 def test_load_lines_and_summary_json(tiny, tmp_path):
-    """Rank 0 prints a line before the load and one when ready (model, dtype, tp, KV blocks,
-    seconds); --summary-json holds the summary ``drive`` returns."""
+    """Rank 0 prints a line before the load, the CPU linear layouts it chose (issue 17), and one
+    when ready (model, dtype, tp, KV blocks, seconds); --summary-json holds the summary ``drive``
+    returns."""
     prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Hello", "max_tokens": 2},
                                                   {"id": "b", "prompt": "Hi", "max_tokens": 3}])
     out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
@@ -213,8 +214,12 @@ def test_load_lines_and_summary_json(tiny, tmp_path):
              "--dtype", "float32"])
     lines = p.stderr.splitlines()
     assert lines[0] == f"tpengine: loading {tiny} (tp 1, dtype float32) ..."
+    shapes = [s.split(" ")[0] for s in lines[1].split("): ", 1)[1].split("; ")]
+    assert re.fullmatch(r"tpengine: CPU linear layouts \(float32, \d+ threads, [a-z, ()/]+\): "
+                        r"\d+->\d+ (plain|packed)[^;]*(; \d+->\d+ (plain|packed)[^;]*)*", lines[1]), lines[1]
+    assert shapes == ["64->64", "100->64", "64->128", "64->200", "64->49152"]  # the tiny Llama's weight shapes
     assert re.fullmatch(rf"tpengine: model ready: {re.escape(str(tiny))} float32 tp=1, weights 0\.\d\d GiB/rank, "
-                        r"KV cache 40 blocks \(0\.\d\d GiB/rank\), \d+\.\d s", lines[1]), lines[1]
+                        r"KV cache 40 blocks \(0\.\d\d GiB/rank\), \d+\.\d s", lines[2]), lines[2]
     s = json.loads(summary.read_text())
     assert (s["requests_ok"], s["requests_error"], s["prompt_tokens"], s["output_tokens"]) == (2, 0, 2, 5)
     assert len(s["peak_rss_bytes"]) == 1 and s["peak_rss_bytes"][0] > 0
