@@ -53,7 +53,7 @@ def test_paged_decode_equals_rope_store_and_reference_attention(d, bs, q_to_kv, 
     want = ref.decode_attention(q0.float(), kc0.float(), vc0.float(), bt, lens, qkv_map, d ** -0.5)
 
     q, k, v = views(qkv, hq, hkv)
-    out = cpu_paged.decode(q, k, v, cos, sin, kc, vc, qkv_map, d ** -0.5, slots, bt, lens)
+    out = cpu_paged.decode(q, k, v, cos, sin, kc, vc, qkv_map, d ** -0.5, cpu_paged.paged_index(slots, bt, lens))
     assert out.shape == (len(DECODE_LENS), hq, d) and out.dtype == dtype
     # RoPE in place, op by op as torch rounds it; the cache written exactly
     assert torch.equal(q, q0) and torch.equal(k, k0)
@@ -71,7 +71,7 @@ def test_paged_decode_without_rope_and_bfloat16_matches_the_torch_decode_path():
     qkv, _, _, kc, vc, bt, slots, lens, qkv_map = case(64, 16, [0, 0, 0, 1, 1, 1], torch.bfloat16, seed=4)
     q, k, v = views(qkv, 6, 2)
     none = torch.full_like(slots, -1)
-    out = cpu_paged.decode(q, k, v, None, None, kc, vc, qkv_map, 0.125, none, bt, lens)
+    out = cpu_paged.decode(q, k, v, None, None, kc, vc, qkv_map, 0.125, cpu_paged.paged_index(none, bt, lens))
     want = cpu_decode(q.contiguous(), kc, vc, bt, lens, qkv_map, 0.125)
     assert (out.float() - want.float()).abs().max().item() <= 2 ** -7 * want.float().abs().max().item()
 
@@ -84,7 +84,7 @@ def test_paged_decode_bad_indices_raise_before_anything_is_written():
 
     def run(s=slots, t=bt, n=lens):
         with pytest.raises(IndexError) as e:
-            cpu_paged.decode(q, k, v, cos, sin, kc, vc, qkv_map, 0.125, s, t, n)
+            cpu_paged.decode(q, k, v, cos, sin, kc, vc, qkv_map, 0.125, cpu_paged.paged_index(s, t, n))
         assert torch.equal(kc, before[1]) and torch.equal(vc, before[2])
         return str(e.value)
 
@@ -100,7 +100,8 @@ def test_paged_decode_bad_indices_raise_before_anything_is_written():
     assert run(t=table) == (f"paged decode: block_tables[3] = {table[3].tolist()} is out of range; valid: "
                             f"[0, {nb}) for the blocks a sequence's length covers")
     with pytest.raises(ValueError, match=r"k_cache must be contiguous"):
-        cpu_paged.decode(q, k, v, cos, sin, kc.transpose(0, 1), vc, qkv_map, 0.125, slots, bt, lens)
+        cpu_paged.decode(q, k, v, cos, sin, kc.transpose(0, 1), vc, qkv_map, 0.125,
+                         cpu_paged.paged_index(slots, bt, lens))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -133,6 +134,17 @@ def test_paged_decode_refuses_a_bad_head_map():
     qkv, cos, sin, kc, vc, bt, slots, lens, _ = case(64, 16, [0, 1], torch.float32)
     q, k, v = views(qkv, 2, 2)
     with pytest.raises(ValueError) as e:
-        cpu_paged.decode(q, k, v, cos, sin, kc, vc, torch.tensor([0, 2]), 0.125, slots, bt, lens)
+        cpu_paged.decode(q, k, v, cos, sin, kc, vc, torch.tensor([0, 2]), 0.125,
+                         cpu_paged.paged_index(slots, bt, lens))
     assert str(e.value) == ("paged decode: q_to_kv [0, 2] must map each of the 2 query heads to a KV head in "
                             "[0, 2), at most 16 on one")
+
+
+def test_paged_index_is_checked_once_for_the_step():
+    _, _, _, _, _, bt, slots, lens, _ = case(64, 16, [0, 1], torch.float32)
+    index = cpu_paged.paged_index(slots, bt.t().contiguous().t(), lens)  # any strides: made contiguous
+    assert index.block_tables.is_contiguous() and torch.equal(index.block_tables, bt)
+    with pytest.raises(ValueError) as e:
+        cpu_paged.paged_index(slots, bt, lens[:-1])
+    assert str(e.value) == ("paged decode: int64 slot_mapping [B], block_tables [B, max_blocks], context_lens [B]; "
+                            f"got [(torch.int64, (7,)), (torch.int64, {tuple(bt.shape)}), (torch.int64, (6,))]")

@@ -43,7 +43,8 @@ class CPUAttentionMetadata(StepIndex):
 
     ``slot_min``/``slot_max``: bounds of ``slot_mapping`` (host ints; 0/-1 for no tokens);
     prefill: ``cu_q`` (host offsets), ``seqlens_q``/``seqlens_k`` (host lengths); decode:
-    ``min_ctx``/``max_ctx`` (host ints), ``paged`` (the layers run :mod:`tpengine.kernels.cpu_paged`)
+    ``min_ctx``/``max_ctx`` (host ints), ``paged`` (the layers run :mod:`tpengine.kernels.cpu_paged`
+    over ``paged_index``, checked here once for the step)
     and ``mirror`` (the step as the KV mirrors see it; None with mirrors off or ``paged``).
     ``decodes``: in a mixed prefill step, the decode metadata of its leading
     one-token sequences (decodes over their cache, run through the batched decode path; None
@@ -60,6 +61,7 @@ class CPUAttentionMetadata(StepIndex):
     max_ctx: int = 0
     mirror: mirrors.MirrorStep | None = None
     paged: bool = False
+    paged_index: cpu_paged.PagedIndex | None = None
     decodes: CPUAttentionMetadata | None = None
     derived: dict = field(default_factory=dict)
 
@@ -114,6 +116,7 @@ class CPUAttentionBackend(AttentionBackend):
             m.paged = self.paged and self.native and slot_mapping.device.type == "cpu"
             if m.paged:  # the layers' paged C kernel (cpu_paged) reads the cache itself: no mirror kept
                 self.continuity.prefill()
+                m.paged_index = cpu_paged.paged_index(slot_mapping, block_tables, context_lens)  # once for all layers
             elif self.kv_mirror:
                 m.mirror = self.continuity.decode(block_tables, context_lens)
         return m
@@ -129,7 +132,7 @@ class CPUAttentionBackend(AttentionBackend):
         if not attn.paged or not cpu_paged.available(q.dtype, q.shape[-1], self.native):
             return None
         return cpu_paged.decode(q, k, v, cos, sin, module.k_cache, module.v_cache, module.tp_q_to_kv, scale,
-                                attn.slot_mapping, attn.block_tables, attn.context_lens)
+                                attn.paged_index)
 
     def store_kvcache(self, key, value, k_cache, v_cache, attn: CPUAttentionMetadata) -> None:
         """:func:`tpengine.kernels.reference.store_kvcache` at ``attn.slot_mapping``. Raises ValueError

@@ -8,6 +8,8 @@ dispatch per op. float32 and bfloat16; the arithmetic is described in ``cpu_page
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tpengine.kernels import cpu_native
@@ -25,6 +27,31 @@ def available(dtype: torch.dtype, head_dim: int, native: bool) -> bool:
             and cpu_native.load() is not None)
 
 
+@dataclass(frozen=True)
+class PagedIndex:
+    """One decode step's index tensors, checked once for every layer: contiguous int64
+    ``slot_mapping [B]``, ``block_tables [B, max_blocks]``, ``context_lens [B]``."""
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+
+
+def paged_index(slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> PagedIndex:
+    """The step's :class:`PagedIndex` (made contiguous).
+
+    Raises:
+        ValueError: not int64, or shapes that do not agree on B.
+    """
+    idx = [t.contiguous() for t in (slot_mapping, block_tables, context_lens)]
+    b = idx[0].shape[0] if idx[0].dim() == 1 else -1
+    if any(t.dtype != torch.int64 for t in idx) or b < 0 or idx[2].shape != (b,) or idx[1].dim() != 2 \
+            or idx[1].shape[0] != b:
+        raise ValueError(f"paged decode: int64 slot_mapping [B], block_tables [B, max_blocks], context_lens [B]; "
+                         f"got {[(t.dtype, tuple(t.shape)) for t in idx]}")
+    return PagedIndex(*idx)
+
+
 def _rows(name: str, t: torch.Tensor, heads: int, d: int, dtype: torch.dtype) -> int:
     """``t [B, heads, D]`` with unit element stride and heads ``D`` apart; returns its row stride."""
     if t.dtype != dtype or t.dim() != 3 or t.shape[1:] != (heads, d) or t.stride(2) != 1 or t.stride(1) != d:
@@ -35,12 +62,13 @@ def _rows(name: str, t: torch.Tensor, heads: int, d: int, dtype: torch.dtype) ->
 
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
            k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor, scale: float,
-           slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+           index: PagedIndex) -> torch.Tensor:
     """One decode step of one layer. ``q [B, Hq, D]``, ``k``/``v [B, Hkv, D]`` (views into the q/k/v
     GEMM output are fine: any row stride; RoPE is applied to ``q`` and ``k`` IN PLACE when ``cos``,
     ``sin [B, D]`` are given), caches ``[num_blocks, block_size, Hkv, D]`` contiguous, ``q_to_kv
-    [Hq]``, ``slot_mapping [B]`` (-1: not stored), ``block_tables [B, max_blocks]``, ``context_lens
-    [B]`` (int64; the new token included; 0: a padding row, output zero). Returns ``[B, Hq, D]``.
+    [Hq]`` int64 contiguous, and the step's ``index`` (:func:`paged_index`, made once per step):
+    ``slot_mapping [B]`` (-1: not stored), ``block_tables [B, max_blocks]``, ``context_lens [B]``
+    (the new token included; 0: a padding row, output zero). Returns ``[B, Hq, D]``.
 
     Raises:
         ValueError: a shape, dtype or layout mismatch.
@@ -63,11 +91,10 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor 
     if cos is not None and not (cos.dtype == sin.dtype == dtype and cos.shape == sin.shape == (b, d)
                                 and cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError(f"paged decode: cos and sin must be contiguous [{b}, {d}] {dtype}; got {tuple(cos.shape)}")
-    idx = [t.contiguous() for t in (slot_mapping, block_tables, context_lens, q_to_kv)]
-    if any(t.dtype != torch.int64 for t in idx) or idx[0].shape != (b,) or idx[2].shape != (b,) \
-            or idx[1].dim() != 2 or idx[1].shape[0] != b or idx[3].shape != (hq,):
-        raise ValueError(f"paged decode: int64 slot_mapping [{b}], block_tables [{b}, max_blocks], context_lens "
-                         f"[{b}], q_to_kv [{hq}]; got {[(t.dtype, tuple(t.shape)) for t in idx]}")
+    idx = [index.slot_mapping, index.block_tables, index.context_lens, q_to_kv]
+    if idx[0].shape != (b,) or q_to_kv.dtype != torch.int64 or q_to_kv.shape != (hq,) or not q_to_kv.is_contiguous():
+        raise ValueError(f"paged decode: an index for B={b} and a contiguous int64 q_to_kv [{hq}]; got B="
+                         f"{idx[0].shape[0]}, q_to_kv {q_to_kv.dtype} {tuple(q_to_kv.shape)}")
     out = torch.empty(b, hq, d, dtype=dtype)
     fn = lib.tpe_paged_decode_f32 if dtype == torch.float32 else lib.tpe_paged_decode_bf16
     bad = fn(q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, None if cos is None else cos.data_ptr(),
