@@ -90,10 +90,12 @@ def _same(got, want):
 def test_declined_cases_run_torch(c_calls):
     """Cases the C kernels do not cover run the torch chain inside the op: the same values as the
     chain, no C call."""
-    h, w = rand(4, 576), rand(576)
-    assert _same(cpu_fused.add_rms_norm(h.float(), None, w.float(), 1e-5, True), _rms(h.float(), None, w.float()))
     h40, w40 = rand(4, 40), rand(40)
     assert _same(cpu_fused.add_rms_norm(h40, h40, w40, 1e-5, True), _rms(h40, h40, w40))  # 40 % 16
+    h40, w40 = h40.float(), w40.float()
+    assert _same(cpu_fused.add_rms_norm(h40, h40, w40, 1e-5, True), _rms(h40, h40, w40))  # float32, 40 % 16
+    h, w = rand(4, 576), rand(576)
+    assert _same(cpu_fused.add_rms_norm(h, None, w.float(), 1e-5, True), _rms(h, None, w.float()))  # mixed dtypes
     for qk, cs in ((rand(1, 3, 2, 48), rand(1, 3, 48)), (rand(2, 3, 2, 64), rand(2, 3, 64))):  # 48 % 32; batch 2
         if qk.shape[0] == 2:  # a batch of 2 is covered now when rows view as [T, H, D]; make one that is not
             qk = qk.transpose(0, 1)
@@ -103,8 +105,8 @@ def test_declined_cases_run_torch(c_calls):
         assert got is not qk and torch.equal(got, want)
     g24 = rand(3, 2 * 24)
     assert torch.equal(cpu_fused.silu_mul(g24, 24, True), F.silu(g24[:, :24]).mul_(g24[:, 24:]))  # 24 % 16
-    g64 = rand(3, 64)
-    assert torch.equal(cpu_fused.silu_mul(g64.float(), 32, True), F.silu(g64.float()[:, :32]).mul_(g64.float()[:, 32:]))
+    g48 = rand(3, 48).float()
+    assert torch.equal(cpu_fused.silu_mul(g48, 24, True), F.silu(g48[:, :24]).mul_(g48[:, 24:]))  # float32, 24 % 16
     assert cpu_fused.silu_mul(rand(3, 0), 0, True).shape == (3, 0)
     assert cpu_fused.add_rms_norm(rand(3, 0), None, rand(0), 1e-5, True)[1].shape == (3, 0)
     overlapping = rand(1, 1, 2, 64).expand(1, 5, 2, 64)  # 5 positions sharing one row of memory
@@ -113,6 +115,25 @@ def test_declined_cases_run_torch(c_calls):
     assert got is not overlapping
     assert torch.equal(got, overlapping * c5.unsqueeze(-2) + rotate_half(overlapping) * s5.unsqueeze(-2))
     assert c_calls == []
+
+
+def test_float32_kernels_match_torch(c_calls):
+    """float32 residual add + RMSNorm and SiLU * up run the ``_f32`` C kernels: the residual sum is
+    exact, the rest equal to torch's float32 ops up to the order of the sum of squares and the
+    last bits of exp (a few units in the last place)."""
+    h, x, w = rand(8, 576).float(), rand(8, 576, seed=1).float(), rand(576, seed=2).float()
+    h2, y = cpu_fused.add_rms_norm(h, x, w, 1e-5, True)
+    want_h2, want_y = _rms(h, x, w)
+    assert torch.equal(h2, want_h2)
+    torch.testing.assert_close(y, want_y, rtol=4e-7 * 8, atol=1e-7)
+    h1, y1 = cpu_fused.add_rms_norm(h, None, w, 1e-5, True)
+    assert h1 is h
+    torch.testing.assert_close(y1, _rms(h, None, w)[1], rtol=4e-7 * 8, atol=1e-7)
+    gu = rand(5, 2 * 1536, scale=4.0).float()
+    gu[0, :6] = torch.tensor([0.0, float("inf"), -float("inf"), -100.0, 100.0, -87.0])
+    out = cpu_fused.silu_mul(gu, 1536, True)
+    torch.testing.assert_close(out, F.silu(gu[:, :1536]).mul_(gu[:, 1536:]), rtol=4e-6, atol=1e-30, equal_nan=True)
+    assert c_calls == ["tpe_add_rms_norm_f32", "tpe_add_rms_norm_f32", "tpe_silu_mul_f32"]
 
 
 def test_not_native_means_torch(c_calls):

@@ -111,7 +111,7 @@ def test_gemv_rows_and_pick_count_the_gemv_for_the_plain_layout():
     # it wins at 1 row only: used up to 1 row; packed stays faster overall
     t = {"plain": [100, 110, 140], "packed": [75, 76, 100], "gemv": [70, 120, None]}
     assert L.gemv_rows(t) == 1 and L.pick(t) == "packed"
-    assert L.gemv_rows({"plain": [1, 1, 1], "packed": [1, 1, 1]}) == 0  # float32: no GEMV timings
+    assert L.gemv_rows({"plain": [1, 1, 1], "packed": [1, 1, 1]}) == 0  # no GEMV timings (--no-cpu-kernels)
 
 
 @pytest.mark.skipif(not cpu_gemv_ok, reason="CPU C kernels unavailable here")
@@ -125,8 +125,25 @@ def test_gemv_equals_float32_matmul_rounded_once(rows):
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 75)
     # one bfloat16 rounding of a float32 sum: within half an ulp of bf16 plus float32 sum error
     assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-6).all()
-    with pytest.raises(ValueError, match=r"gemv: x \[\.\.\., 96\] bfloat16 with 1\.\.8 rows"):
+    with pytest.raises(ValueError, match=r"gemv: x \[\.\.\., 96\] with 1\.\.8 rows and a contiguous weight"):
         cpu_gemv.gemv(torch.zeros(9, 96, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match=r"got x torch\.float32 \(2, 96\), weight torch\.bfloat16 \(75, 96\)$"):
+        cpu_gemv.gemv(torch.zeros(2, 96), w)
+
+
+@pytest.mark.skipif(not cpu_gemv_ok, reason="CPU C kernels unavailable here")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+def test_float32_gemv_equals_matmul(rows):
+    """The float32 GEMV (16-lane FMA sums) equals a float64 product within float32 sum error,
+    for 1..8 rows and an output count with a tail (75 = 18 groups of 4 + 3)."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(75, 80, generator=g) * 0.1  # 80 = 5 steps of 16
+    x = torch.randn(rows, 80, generator=g)
+    got = cpu_gemv.gemv(x, w)
+    want = x.double() @ w.double().T
+    assert got.dtype == torch.float32 and got.shape == (rows, 75)
+    assert ((got.double() - want).abs() <= (x.double().abs() @ w.double().abs().T) * 2 ** -20).all()
+    assert cpu_gemv.available(w) and not cpu_gemv.available(torch.zeros(75, 72))  # 72 % 16
 
 
 @pytest.mark.skipif(not cpu_gemv_ok, reason="CPU C kernels unavailable here")

@@ -148,6 +148,44 @@ void tpe_causal_softmax(uint16_t *s, int64_t blocks, int64_t n, float scale, int
     }
 }
 
+/* float32 twins of tpe_add_rms_norm and tpe_silu_mul (the same formulas with no bfloat16 rounding:
+ * h' = h + x; y = w * (h' * (1 / sqrt(mean(h'^2) + eps))); out = (g / (1 + exp(-g))) * u), equal to
+ * torch's float32 ops up to the order of the sum of squares and the last bit of exp. n % 16 == 0. */
+void tpe_add_rms_norm_f32(const float *h, const float *x, const float *w, float *h_out, float *y, int64_t rows,
+                          int64_t n, float eps, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * n >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *src = h + r * n;
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+            __m512 v = _mm512_loadu_ps(src + i);
+            if (x) {
+                v = _mm512_add_ps(v, _mm512_loadu_ps(x + r * n + i));
+                _mm512_storeu_ps(h_out + r * n + i, v);
+            }
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        if (x) src = h_out + r * n;
+        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)n + eps));
+        for (int64_t i = 0; i < n; i += 16)
+            _mm512_storeu_ps(y + r * n + i, _mm512_mul_ps(_mm512_loadu_ps(w + i),
+                                                          _mm512_mul_ps(_mm512_loadu_ps(src + i), inv)));
+    }
+}
+
+void tpe_silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t inter, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * inter >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * 2 * inter, *u = g + inter;
+        for (int64_t i = 0; i < inter; i += 16) {
+            __m512 x = _mm512_loadu_ps(g + i);
+            __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_xor_ps(
+                                                                                 x, _mm512_set1_ps(-0.f)))));
+            _mm512_storeu_ps(out + t * inter + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
+        }
+    }
+}
+
 #else /* never called: tpe_fast() == 0 marks the library unavailable */
 void tpe_add_rms_norm(const uint16_t *h, const uint16_t *x, const uint16_t *w, uint16_t *h_out, uint16_t *y,
                       int64_t rows, int64_t n, float eps, int nthreads) {}
@@ -155,4 +193,6 @@ void tpe_rope(uint16_t *qk, int64_t row_stride, int64_t heads, int64_t d, const 
               const uint16_t *sin_t, int64_t T, int nthreads) {}
 void tpe_silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t inter, int nthreads) {}
 void tpe_causal_softmax(uint16_t *s, int64_t blocks, int64_t n, float scale, int nthreads) {}
+void tpe_add_rms_norm_f32(void) {}
+void tpe_silu_mul_f32(void) {}
 #endif

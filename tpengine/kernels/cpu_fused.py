@@ -3,13 +3,14 @@ residual add + RMSNorm, RoPE, SiLU(gate) * up, the prefill attention's scale + c
 softmax, and the KV cache's row copies.
 
 Every function takes ``native`` (``EngineConfig.cpu_kernels``, held by the layers as
-``self.native``): when it is set and the C kernels can take the tensors (bfloat16 on CPU, shapes
-they cover, the library loads; :mod:`tpengine.kernels.cpu_native`), the op runs as one
-``torch.ops.tpengine.*`` call (:mod:`tpengine.kernels.cpu_ops`, ``cpu_fused.c``), which keeps the
-torch chain's roundings op by op; otherwise it runs the torch chain (the same ops in the same order
-as HF's modules, so float32 stays bit-identical to HF). Callers use the return value and never
-branch. In bfloat16 on CPU each chain is 2-7 torch ops, each a dispatch and a pass over memory (the
-measured gains are in ``docs``/the README).
+``self.native``): when it is set and the C kernels can take the tensors (bfloat16 on CPU, and for
+the residual add + RMSNorm and SiLU * up also float32; shapes they cover; the library loads:
+:mod:`tpengine.kernels.cpu_native`), the op runs as one ``torch.ops.tpengine.*`` call
+(:mod:`tpengine.kernels.cpu_ops`, ``cpu_fused.c``), which keeps
+the torch chain's roundings op by op, up to the order of a float32 sum and the last bit of exp;
+otherwise it runs the torch chain (the same ops in the same order as HF's modules, bit-identical
+to HF in float32). Callers use the return value and never branch. On CPU each chain is 2-10
+torch ops, each a dispatch and a pass over memory (the measured gains are in ``docs``/the README).
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ def add_rms_norm(h: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, 
                  native: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``h2 = h + x`` (``h`` itself when ``x`` is None) and ``weight * rms_norm(h2)``, HF Llama's
     RMSNorm (float32 inside). Shapes: ``h``, ``x [..., n]``, ``weight [n]``. Returns ``(h2, normed)``;
-    neither input is written. C kernel: bfloat16 on CPU, ``n % 16 == 0``."""
+    neither input is written. C kernel: bfloat16 or float32 on CPU, ``n % 16 == 0``."""
     n = h.shape[-1]
     if (native and n and n % 16 == 0 and weight.shape == (n,) and (x is None or x.shape == h.shape)
-            and cpu_native.usable(h, weight, *(() if x is None else (x,)))):
+            and cpu_native.usable(h, weight, *(() if x is None else (x,)), float32=True)):
         h, weight = h.contiguous(), weight.contiguous()
         x = None if x is None else x.contiguous()  # kept alive across the call (a temporary's memory is freed)
         h2 = h if x is None else torch.empty_like(h)
@@ -74,8 +75,10 @@ def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: bool) 
 
 def silu_mul(gate_up: torch.Tensor, inter: int, native: bool) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up [..., 2 * inter]`` (gate first) -> a new ``[..., inter]``
-    tensor, computed as torch's ``F.silu(gate).mul_(up)`` (C kernel: bfloat16 on CPU, ``inter % 16 == 0``)."""
-    if native and gate_up.shape[-1] == 2 * inter and inter > 0 and inter % 16 == 0 and cpu_native.usable(gate_up):
+    tensor, computed as torch's ``F.silu(gate).mul_(up)`` (C kernel: bfloat16 or float32 on CPU,
+    ``inter % 16 == 0``)."""
+    if (native and gate_up.shape[-1] == 2 * inter and inter > 0 and inter % 16 == 0
+            and cpu_native.usable(gate_up, float32=True)):
         gate_up = gate_up.contiguous()
         out = gate_up.new_empty(*gate_up.shape[:-1], inter)
         ops.silu_mul(gate_up, out)

@@ -1,8 +1,8 @@
-"""bfloat16 matrix-vector products for the few rows of a decode step, on a linear layer's plain
-``[out, in]`` weight (``cpu_gemv.c``, built by :mod:`tpengine.kernels.cpu_native`). Used for a
-weight shape when :mod:`tpengine.kernels.linear_layout` measured it faster than ``F.linear`` and
-oneDNN's packed layout at those rows on this machine; the weight is the plain one either way, so
-no second copy exists."""
+"""bfloat16 and float32 matrix-vector products for the few rows of a decode step, on a linear
+layer's plain ``[out, in]`` weight (``cpu_gemv.c``, built by :mod:`tpengine.kernels.cpu_native`).
+Used for a weight shape when :mod:`tpengine.kernels.linear_layout` measured it faster than
+``F.linear`` and oneDNN's packed layout at those rows on this machine; the weight is the plain one
+either way, so no second copy exists."""
 
 from __future__ import annotations
 
@@ -12,18 +12,22 @@ from tpengine.kernels import cpu_native
 
 #: The most rows one call takes (the C code keeps 4 rows x 4 weight rows of accumulators).
 MAX_ROWS = 8
+#: dtype -> (the C function, the input width the kernel steps by)
+_KERNELS = {torch.bfloat16: ("tpe_gemv_bf16", 32), torch.float32: ("tpe_gemv_f32", 16)}
 
 
 def available(weight: torch.Tensor) -> bool:
-    """Whether :func:`gemv` takes this weight: a contiguous bfloat16 CPU ``[n, k]`` with ``k % 32 == 0``
-    (the library loads)."""
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.shape[1] % 32 == 0 and weight.is_contiguous() and cpu_native.load() is not None)
+    """Whether :func:`gemv` takes this weight: a contiguous bfloat16 (``k % 32 == 0``) or float32
+    (``k % 16 == 0``) CPU ``[n, k]`` tensor, and the library loads."""
+    kernel = _KERNELS.get(weight.dtype)
+    return (kernel is not None and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[1] % kernel[1] == 0 and weight.is_contiguous() and cpu_native.load() is not None)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for ``x [..., k]`` with at most :data:`MAX_ROWS` rows, ``weight [n, k]``
-    (see :func:`available`), bfloat16 -> ``[..., n]`` bfloat16, float32 accumulation.
+    (see :func:`available`), both bfloat16 or both float32 -> ``[..., n]`` in that dtype, float32
+    accumulation.
 
     Raises:
         ValueError: a dtype, shape or row count it does not take.
@@ -31,10 +35,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     lib = cpu_native.load()
     n, k = weight.shape
     rows = x.numel() // k if x.shape[-1] == k else -1
-    if lib is None or not available(weight) or x.dtype != torch.bfloat16 or not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"gemv: x [..., {k}] bfloat16 with 1..{MAX_ROWS} rows and a contiguous bfloat16 [n, k % 32 "
-                         f"== 0] weight; got x {x.dtype} {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
+    if lib is None or not available(weight) or x.dtype != weight.dtype or not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"gemv: x [..., {k}] with 1..{MAX_ROWS} rows and a contiguous weight [n, k] of its dtype "
+                         f"(bfloat16 with k % 32 == 0 or float32 with k % 16 == 0); got x {x.dtype} "
+                         f"{tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
     x2 = x.reshape(rows, k).contiguous()
-    y = torch.empty(rows, n, dtype=torch.bfloat16)
-    lib.tpe_gemv_bf16(x2.data_ptr(), rows, k, weight.data_ptr(), n, y.data_ptr(), torch.get_num_threads())
+    y = torch.empty(rows, n, dtype=x.dtype)
+    getattr(lib, _KERNELS[x.dtype][0])(x2.data_ptr(), rows, k, weight.data_ptr(), n, y.data_ptr(),
+                                       torch.get_num_threads())
     return y.reshape(*x.shape[:-1], n)

@@ -48,11 +48,14 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_fast and
     "tpe_add_rms_norm": [_P, _P, _P, _P, _P, _I64, _I64, _F32, _I32],
     "tpe_rope": [_P, _I64, _I64, _I64, _P, _P, _I64, _I32],
     "tpe_silu_mul": [_P, _P, _I64, _I64, _I32],
+    "tpe_add_rms_norm_f32": [_P, _P, _P, _P, _P, _I64, _I64, _F32, _I32],
+    "tpe_silu_mul_f32": [_P, _P, _I64, _I64, _I32],
     "tpe_copy_rows": [_P, _P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I32],
     "tpe_causal_softmax": [_P, _I64, _I64, _F32, _I32],
     "tpe_paged_decode_f32": _PAGED,
     "tpe_paged_decode_bf16": _PAGED,
     "tpe_gemv_bf16": [_P, _I64, _I64, _P, _I64, _P, _I32],
+    "tpe_gemv_f32": [_P, _I64, _I64, _P, _I64, _P, _I32],
 }
 
 
@@ -161,7 +164,10 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the C kernels may take these tensors: all bfloat16 on CPU, and the library loads.
-    (Whether to use them at all is the caller's ``native`` flag, from ``EngineConfig.cpu_kernels``.)"""
-    return all(t.dtype == torch.bfloat16 and t.is_cpu for t in tensors) and (_lib is not None or load() is not None)
+def usable(*tensors: torch.Tensor, float32: bool = False) -> bool:
+    """Whether the C kernels may take these tensors: all bfloat16 (or, with ``float32``, all
+    float32) on CPU, and the library loads. (Whether to use them at all is the caller's ``native``
+    flag, from ``EngineConfig.cpu_kernels``.)"""
+    dtype = tensors[0].dtype if tensors else torch.bfloat16
+    ok = dtype == torch.bfloat16 or (float32 and dtype == torch.float32)
+    return ok and all(t.dtype == dtype and t.is_cpu for t in tensors) and (_lib is not None or load() is not None)

@@ -6,7 +6,8 @@ that checks shapes, dtypes and layout (ValueError naming the op, the argument an
 and then calls the C function from :func:`tpengine.kernels.cpu_native.load` through ctypes. Indices
 are bounded inside the C code, before anything is written: an out-of-range ``copy_rows`` index
 raises IndexError naming the index, its value and the valid range. Outputs are passed in (mutated
-arguments, ``(a!)`` in the schema), so every op returns nothing. Callers are
+arguments, ``(a!)`` in the schema), so every op returns nothing. ``add_rms_norm`` and ``silu_mul``
+also take float32 tensors (``tpe_*_f32``). Callers are
 :mod:`tpengine.kernels.cpu_fused` and :mod:`tpengine.kernels.cpu_decode`; they decide whether the C
 kernels may run at all (:func:`tpengine.kernels.cpu_native.usable`).
 """
@@ -69,16 +70,25 @@ def _index(op: str, name: str, t: torch.Tensor, n: int) -> None:
           lambda: f"{name} must be a contiguous int64 [{n}] tensor; got {t.dtype} {tuple(t.shape)}")
 
 
+def _same_float(op: str, **tensors: torch.Tensor) -> torch.dtype:
+    """Every tensor contiguous on CPU, all bfloat16 or all float32; returns that dtype."""
+    dtype = next(iter(tensors.values())).dtype
+    if dtype == torch.float32 and all(t.dtype == dtype and t.is_cpu and t.is_contiguous() for t in tensors.values()):
+        return dtype
+    _bf16(op, **tensors)
+    return BF16
+
+
 def _add_rms_norm(h, x, weight, h_out, y, eps):
     n = h.shape[-1]
-    _bf16("add_rms_norm", h=h, weight=weight, y=y, **({} if x is None else {"x": x, "h_out": h_out}))
+    dtype = _same_float("add_rms_norm", h=h, weight=weight, y=y, **({} if x is None else {"x": x, "h_out": h_out}))
     _need(n > 0 and n % 16 == 0 and weight.shape == (n,) and y.shape == h.shape
           and (x is None or x.shape == h.shape == h_out.shape), "add_rms_norm",
           lambda: f"need h, x, h_out, y [..., n] with n % 16 == 0 and weight [n]; got h {tuple(h.shape)}, weight "
           f"{tuple(weight.shape)}, y {tuple(y.shape)}")
-    _lib().tpe_add_rms_norm(h.data_ptr(), None if x is None else x.data_ptr(), weight.data_ptr(),
-                            None if x is None else h_out.data_ptr(), y.data_ptr(), h.numel() // n, n, eps,
-                            torch.get_num_threads())
+    fn = _lib().tpe_add_rms_norm if dtype == BF16 else _lib().tpe_add_rms_norm_f32
+    fn(h.data_ptr(), None if x is None else x.data_ptr(), weight.data_ptr(),
+       None if x is None else h_out.data_ptr(), y.data_ptr(), h.numel() // n, n, eps, torch.get_num_threads())
 
 
 def _rope(qk, cos, sin):
@@ -95,13 +105,13 @@ def _rope(qk, cos, sin):
 
 
 def _silu_mul(gate_up, out):
-    _bf16("silu_mul", gate_up=gate_up, out=out)
+    dtype = _same_float("silu_mul", gate_up=gate_up, out=out)
     inter = out.shape[-1] if out.dim() else 0
     _need(inter > 0 and inter % 16 == 0 and gate_up.shape == (*out.shape[:-1], 2 * inter), "silu_mul",
           lambda: f"need gate_up [..., 2 * inter] and out [..., inter], inter % 16 == 0; got {tuple(gate_up.shape)}, "
           f"{tuple(out.shape)}")
-    _lib().tpe_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
-                        torch.get_num_threads())
+    fn = _lib().tpe_silu_mul if dtype == BF16 else _lib().tpe_silu_mul_f32
+    fn(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter, torch.get_num_threads())
 
 
 def _causal_softmax(s, scale):
@@ -189,9 +199,9 @@ def _decode_pv(p, v, lens, out):
         raise _len_error(lens, bad, cap)
 
 
-for _name, _impl in {"add_rms_norm": _add_rms_norm, "rope_": _rope, "silu_mul": _silu_mul,
-                     "causal_softmax_": _causal_softmax, "copy_rows": _copy_rows, "decode_scores": _decode_scores,
-                     "decode_pv": _decode_pv}.items():
+_IMPLS = {"add_rms_norm": _add_rms_norm, "rope_": _rope, "silu_mul": _silu_mul, "causal_softmax_": _causal_softmax,
+          "copy_rows": _copy_rows, "decode_scores": _decode_scores, "decode_pv": _decode_pv}
+for _name, _impl in _IMPLS.items():
     _LIB.define(SCHEMAS[_name])
     _LIB.impl(_name, _impl, "CPU")
 

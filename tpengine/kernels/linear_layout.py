@@ -46,7 +46,7 @@ ROW_BUCKETS = (1, 8, 64)
 #: The most weight bytes (per shape and layout) one measurement allocates; larger single weights
 #: are not measured (they keep ``packed``, the layout that saves the per-call reorder).
 MEASURE_BYTES = 256 << 20
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 @dataclass(frozen=True)
