@@ -16,7 +16,8 @@ from tpengine.distributed import TPInfo, all_reduce_min
 from tpengine.engine.cuda_graphs import CUDAGraphRunner
 from tpengine.engine.step import StepKind, StepPlan
 from tpengine.errors import UserError
-from tpengine.kernels import get_backend, linear_layout
+from tpengine.kernels import cpu_qgemv, get_backend, linear_layout
+from tpengine.layers import cpu_decode_program
 from tpengine.loader import load_model
 from tpengine.memory import lazy_zeros
 from tpengine.process import release_free_memory
@@ -46,7 +47,10 @@ class ModelRunner:
                                                              quantization=config.quantization,
                                                              cpu_linear=config.cpu_linear)
         if tp.rank == 0 and self.model.linear_layouts:
-            print(linear_layout.summary(self.model.linear_layouts, self.dtype), file=sys.stderr, flush=True)
+            line = linear_layout.summary(self.model.linear_layouts, self.dtype)
+            if self.model.quant_kernels:  # quantized weights: which kernel each shape takes at few rows
+                line += "; quantized weights: " + cpu_qgemv.summary(self.model.quant_kernels)
+            print(line, file=sys.stderr, flush=True)
         release_free_memory()  # loading's staging buffers and replaced weight layouts
         self.weight_bytes: int = self.model.weight_bytes
         self.backend = get_backend(config.attention_backend, tp.device, native=config.cpu_kernels,
@@ -69,6 +73,9 @@ class ModelRunner:
         for i, m in enumerate(self.attn_modules):
             m.k_cache, m.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             self.backend.bind_layer(m)  # the layer's backend state (CPU: its KV mirror)
+        # CPU decode steps: the same kernels as the model's forward, bound once (cpu_decode_program)
+        self.decode_program = (cpu_decode_program.build(self.model, tp.size, config.cpu_kernels)
+                               if tp.device.type == "cpu" else None)
         if tp.device.type == "cuda" and not config.enforce_eager and self.backend.graph_safe:
             max_blocks = cdiv(config.max_model_len, config.block_size)
             self.graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs, max_blocks,
@@ -149,7 +156,10 @@ class ModelRunner:
         to = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
         ctx = Context.build(self.backend, plan.kind == StepKind.PREFILL, to(plan.slot_mapping), to(plan.block_tables),
                             to(plan.cu_seqlens_q), to(plan.cu_seqlens_k), to(plan.context_lens))
-        hidden = self.model.model(to(plan.input_ids), to(plan.positions), ctx)  # [N] ids, positions -> [N, hidden]
+        forward = self.model.model  # [N] ids, positions -> [N, hidden]
+        if self.decode_program is not None and self.decode_program.takes(ctx):
+            forward = self.decode_program
+        hidden = forward(to(plan.input_ids), to(plan.positions), ctx)
         rows = plan.sample_idx if not plan.prompt_idx.numel() else torch.cat([plan.sample_idx, plan.prompt_idx])
         return self._head(hidden.index_select(0, to(rows)), plan)
 

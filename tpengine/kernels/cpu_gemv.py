@@ -44,3 +44,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     getattr(lib, _KERNELS[x.dtype][0])(x2.data_ptr(), rows, k, weight.data_ptr(), n, y.data_ptr(),
                                        torch.get_num_threads())
     return y.reshape(*x.shape[:-1], n)
+
+
+def bind(weight: torch.Tensor):
+    """:func:`gemv` for this one weight with its checks done once: returns ``run(x [rows, k]
+    contiguous, weight's dtype, 1 <= rows <= MAX_ROWS) -> [rows, n]`` (the caller guarantees
+    the arguments: the decode program, :mod:`tpengine.layers.cpu_decode_program`).
+
+    Raises:
+        ValueError: a weight :func:`available` refuses.
+    """
+    if not available(weight):
+        raise ValueError(f"gemv: cannot take a {weight.dtype} weight {tuple(weight.shape)}")
+    fn, (n, k), wp, dtype = getattr(cpu_native.load(), _KERNELS[weight.dtype][0]), weight.shape, weight.data_ptr(), \
+        weight.dtype
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(x.shape[0], n, dtype=dtype)
+        fn(x.data_ptr(), x.shape[0], k, wp, n, y.data_ptr(), torch.get_num_threads())
+        return y
+    return run

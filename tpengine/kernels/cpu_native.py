@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_decode.c", "cpu_fused.c", "cpu_paged.c",
-                                                         "cpu_gemv.c"))
+                                                         "cpu_gemv.c", "cpu_qgemv.c"))
 HEADERS = (Path(__file__).with_name("bf16.h"),)  # included by the sources: part of the cache key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
@@ -39,7 +39,7 @@ _reason: str | None = None  # why the library is unavailable, once a load was tr
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 #: C functions that check their indices and return -1 or the position of the first bad one
 RETURNS_INDEX = ("tpe_copy_rows", "tpe_decode_scores", "tpe_decode_pv", "tpe_paged_decode_f32",
-                 "tpe_paged_decode_bf16")
+                 "tpe_paged_decode_bf16", "tpe_qgemv_int8", "tpe_qgemv_int4")
 _PAGED = [_P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _F32, _P,
           _I64, _I32]
 SIGNATURES = {  # C function -> argument types (all return void but tpe_fast and RETURNS_INDEX)
@@ -56,6 +56,8 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_fast and
     "tpe_paged_decode_bf16": _PAGED,
     "tpe_gemv_bf16": [_P, _I64, _I64, _P, _I64, _P, _I32],
     "tpe_gemv_f32": [_P, _I64, _I64, _P, _I64, _P, _I32],
+    "tpe_qgemv_int8": [_P, _I64, _I64, _P, _P, _I64, _P, _I32, _I32],
+    "tpe_qgemv_int4": [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _I32, _I32],
 }
 
 

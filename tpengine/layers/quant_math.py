@@ -7,6 +7,7 @@ back for an embedding lookup). The conventions are the module docstring of
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -137,6 +138,7 @@ class Int4PackLayout:
         return start[:, None] + torch.arange(k) * stride[:, None], shift[:, None]
 
 
+@functools.lru_cache(maxsize=64)
 def int4_pack_layout(rows: int) -> Int4PackLayout:
     """Learn the packed layout of ``rows`` rows (a multiple of :data:`INT4_ROW_MULTIPLE`) from
     the packing function itself: pack two-column probes whose values spell out each row's

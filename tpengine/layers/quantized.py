@@ -54,6 +54,8 @@ from torch import nn
 
 from tpengine.config import QUANTIZATIONS  # the values of EngineConfig.quantization besides None
 from tpengine.errors import UserError
+from tpengine.kernels import cpu_native, cpu_qgemv
+from tpengine.kernels.cpu_qgemv import int4_layout_ok
 from tpengine.layers.quant_math import (  # noqa: F401 (the arithmetic; re-exported for callers and tests)
     INT4_ROW_MULTIPLE,
     Int4PackLayout,
@@ -122,6 +124,15 @@ class QuantizedWeight(nn.Module):
 
     out_features: int
     in_features: int
+    #: Up to this many rows ``forward`` runs tpengine's kernels (:mod:`tpengine.kernels.cpu_qgemv`),
+    #: above it torch's; set per weight shape by measurement (:func:`tpengine.kernels.cpu_qgemv.choose`).
+    gemv_rows = 0
+
+    @property
+    def native_ok(self) -> bool:
+        """Whether tpengine's C kernels can take this weight (the library loads, and for int4
+        torch packed it in the layout they read)."""
+        return False
 
     @property
     def nbytes(self) -> int:
@@ -136,6 +147,11 @@ class QuantizedWeight(nn.Module):
 
     def prepare_rows(self) -> None:
         """Do now (at load) what the first :meth:`rows` would (learn int4's packed layout)."""
+
+    def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``forward`` for a contiguous ``x [rows, in]`` with the per-call checks of tpengine's
+        kernel done once (the decode program's hot path); the same results as ``forward``."""
+        return self.forward
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
@@ -207,9 +223,26 @@ class Int8Weight(QuantizedWeight):
         if self.group_size is not None:
             self._layout  # noqa: B018
 
+    @functools.cached_property
+    def native_ok(self) -> bool:
+        return cpu_native.load() is not None and (self.group_size is None or int4_layout_ok(self._layout))
+
+    def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        if self.group_size is not None or not self.gemv_rows:
+            return self.forward
+        native, limit, q, s = cpu_qgemv.bind_int8(self.qweight, self.scales), self.gemv_rows, self.qweight, self.scales
+        return lambda x: native(x) if x.shape[0] <= limit else torch._weight_int8pack_mm(x, q, s)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).contiguous()
-        if self.group_size is None:
+        if x2.shape[0] <= self.gemv_rows:
+            if self.group_size is None:
+                y = cpu_qgemv.int8(x2, self.qweight, self.scales)
+            else:
+                g, n = self.group_size, self.out_features
+                y = cpu_qgemv.int4(x2, self.packed_lo, self.scales_and_zeros_lo, g, n) + cpu_qgemv.int4(
+                    x2, self.packed_hi, self.scales_and_zeros_hi, g, n)
+        elif self.group_size is None:
             y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
         else:
             g, n = self.group_size, self.out_features
@@ -252,9 +285,23 @@ class Int4Weight(QuantizedWeight):
     def prepare_rows(self) -> None:
         self._layout  # noqa: B018
 
+    @functools.cached_property
+    def native_ok(self) -> bool:
+        return cpu_native.load() is not None and int4_layout_ok(self._layout)
+
+    def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        if not self.gemv_rows:
+            return self.forward
+        native = cpu_qgemv.bind_int4(self.packed, self.scales_and_zeros, self.group_size, self.out_features)
+        limit, p, g, sz, n = self.gemv_rows, self.packed, self.group_size, self.scales_and_zeros, self.out_features
+        return lambda x: native(x) if x.shape[0] <= limit else _int4_mm(x, p, g, sz, n)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _int4_mm(x.reshape(-1, self.in_features).contiguous(), self.packed, self.group_size,
-                     self.scales_and_zeros, self.out_features)
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        if x2.shape[0] <= self.gemv_rows:
+            y = cpu_qgemv.int4(x2, self.packed, self.scales_and_zeros, self.group_size, self.out_features)
+        else:
+            y = _int4_mm(x2, self.packed, self.group_size, self.scales_and_zeros, self.out_features)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _rows_f32(self, ids: torch.Tensor) -> torch.Tensor:

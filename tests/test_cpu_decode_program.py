@@ -1,0 +1,77 @@
+"""The CPU decode program (tpengine/layers/cpu_decode_program.py): the decode step's kernels bound
+once. It must give exactly what the model's own forward gives -- the same tokens and the same
+logprobs, bit for bit -- in float32 and bfloat16, with float, int8 and int4 weights, at 1..8 rows
+(the GEMV kernels) and above (torch's), and it must be the path decode steps actually take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model
+
+from tpengine.config import EngineConfig
+from tpengine.engine.llm_engine import LLMEngine
+from tpengine.engine.sampling_params import SamplingParams
+from tpengine.kernels import cpu_native
+from tpengine.layers import cpu_decode_program
+
+pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="CPU C kernels unavailable here")
+# head size 32 (the paged C kernel takes multiples of 32), widths multiples of 16
+SHAPE = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96}
+BASE = {"max_model_len": 128, "kv_cache_gb": 0.05}
+# no prefix caching: the second run of a prompt must prefill it whole, as the first did
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("program"), seed=4, **SHAPE)
+
+
+class Counting:
+    """The runner's program, counting the steps it ran."""
+
+    def __init__(self, program):
+        self.program, self.calls = program, 0
+        self.takes = program.takes
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.program(*args)
+
+
+def run(engine: LLMEngine, prompts: list[list[int]]) -> list[tuple]:
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    outs = engine.generate([(str(i), p, sp) for i, p in enumerate(prompts)])
+    return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob,
+             [sorted((k, v.logprob) for k, v in pos.items()) for pos in o.outputs[0].logprobs]) for o in outs]
+
+
+@pytest.mark.parametrize("dtype, quantization", [("float32", None), ("bfloat16", None), ("float32", "int8"),
+                                                 ("bfloat16", "int8"), ("bfloat16", "int4")])
+def test_program_equals_the_model_forward(llama, dtype, quantization):
+    engine = LLMEngine(EngineConfig(model=str(llama), dtype=dtype, quantization=quantization,
+                                    enable_prefix_caching=False, **BASE))
+    runner = engine.runner
+    assert runner.decode_program is not None
+    g = torch.Generator().manual_seed(1)
+    batches = [[torch.randint(3, 1001, (n,), generator=g).tolist() for n in lens]
+               for lens in ([7], [3, 17, 40], [5 + i for i in range(11)])]  # 1, 3 and 11 rows a step
+    counting = Counting(runner.decode_program)
+    runner.decode_program = counting
+    with_program = [run(engine, b) for b in batches]
+    assert counting.calls == 3 * 9  # every decode step (10 tokens: 1 from the prefill, 9 decodes a batch)
+    runner.decode_program = None
+    assert [run(engine, b) for b in batches] == with_program
+
+
+def test_program_declines_what_it_does_not_cover(tmp_path):
+    """q/k norms (Qwen3), head size 16, C kernels off: no program; those models keep the forward."""
+    qwen3 = make_tiny_model(tmp_path, "qwen3", name="qwen3", head_dim=32, intermediate_size=96)
+    small_heads = make_tiny_model(tmp_path, name="d16")  # hidden 64 / 4 heads
+    for model, native in ((qwen3, True), (small_heads, True)):
+        engine = LLMEngine(EngineConfig(model=str(model), cpu_kernels=native, **BASE))
+        assert engine.runner.decode_program is None
+    llama = make_tiny_model(tmp_path, name="llama", **SHAPE)
+    engine = LLMEngine(EngineConfig(model=str(llama), cpu_kernels=False, **BASE))
+    assert engine.runner.decode_program is None
+    assert cpu_decode_program.build(engine.runner.model, 1, native=False) is None

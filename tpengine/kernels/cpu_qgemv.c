@@ -1,0 +1,235 @@
+/* Weight-only int8 and int4 matrix-vector products for the few rows of a decode step, on the
+ * layouts tpengine.layers.quantized already holds (no second copy):
+ *
+ *   int8, per output channel: q int8 [n, k] row-major, scales [n]; y[r, o] = s[o] * sum_i x[r, i] q[o, i]
+ *     (what torch._weight_int8pack_mm computes, up to the order of the float32 sum);
+ *   int4, group-wise: torch's _convert_weight_to_int4pack_for_cpu layout of the 0..15 values
+ *     (AVX-512 build: blocks of 64 output rows; in a block, column i takes 32 bytes, byte j holding
+ *     row j in its low nibble and row j + 32 in its high one; a last block of nb < 64 rows takes
+ *     nb / 2 bytes a column, byte j holding rows 2j and 2j + 1), scales_and_zeros [groups, n_pad, 2];
+ *     y[r, o] = sum_i x[r, i] ((q[o, i] - 8) s[g, o] + z[g, o]), computed per group g as
+ *     s * (sum_i x q - 8 sum_i x) + z * sum_i x (what torch._weight_int4pack_mm_for_cpu computes,
+ *     up to the order of the float32 sums).
+ *
+ * Activations x [rows, k] and outputs y [rows, n] are bfloat16 (is_bf16) or float32, scales bfloat16
+ * or float32 likewise; the sums are float32. Rows 1..8, k % 16 == 0 (int4: k % group == 0, group
+ * % 16 == 0). A decode step at one row is bound by reading the weight: each weight byte is read
+ * once for all rows of x, the output blocks split between the threads. Python side:
+ * tpengine/kernels/cpu_qgemv.py, which checks the layout torch produced before using these. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define QMAX_ROWS 8
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline float ldf(const void *p, int64_t i, int is_bf16) {
+    return is_bf16 ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void stf(void *p, int64_t i, float v, int is_bf16) {
+    if (is_bf16)
+        ((uint16_t *)p)[i] = f2bf(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* x [rows, k] (bf16 or f32) -> xf [rows, k] float32 */
+static void to_f32(const void *x, int64_t rows, int64_t k, int is_bf16, float *xf) {
+    for (int64_t i = 0; i < rows * k; i++) xf[i] = ldf(x, i, is_bf16);
+}
+
+/* ------------------------------------------------------------------------------------- int8 */
+#define Q8_ROWS(R, J)                                                                                           \
+    static void q8_##R(const float *x, int64_t k, const int8_t *w, int64_t o0, int64_t o1, float *acc_out,    \
+                       int64_t n) {                                                                           \
+        int64_t o = o0;                                                                                       \
+        for (; o + J <= o1; o += J) {                                                                         \
+            __m512 acc[R][J];                                                                                 \
+            for (int r = 0; r < R; r++)                                                                       \
+                for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();                                  \
+            for (int64_t i = 0; i < k; i += 16) {                                                             \
+                __m512 wv[J];                                                                                 \
+                for (int j = 0; j < J; j++)                                                                   \
+                    wv[j] = _mm512_cvtepi32_ps(                                                               \
+                        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + (o + j) * k + i))));       \
+                for (int r = 0; r < R; r++) {                                                                 \
+                    const __m512 xv = _mm512_loadu_ps(x + r * k + i);                                         \
+                    for (int j = 0; j < J; j++) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);            \
+                }                                                                                             \
+            }                                                                                                 \
+            for (int r = 0; r < R; r++)                                                                       \
+                for (int j = 0; j < J; j++) acc_out[r * n + o + j] = _mm512_reduce_add_ps(acc[r][j]);         \
+        }                                                                                                     \
+        for (; o < o1; o++) {                                                                                 \
+            __m512 acc[R];                                                                                    \
+            for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                         \
+            for (int64_t i = 0; i < k; i += 16) {                                                             \
+                const __m512 wv = _mm512_cvtepi32_ps(                                                         \
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + o * k + i))));                 \
+                for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * k + i), wv, acc[r]); \
+            }                                                                                                 \
+            for (int r = 0; r < R; r++) acc_out[r * n + o] = _mm512_reduce_add_ps(acc[r]);                    \
+        }                                                                                                     \
+    }
+
+Q8_ROWS(1, 4)
+Q8_ROWS(2, 4)
+Q8_ROWS(4, 4)
+Q8_ROWS(8, 2)
+
+/* x [rows, k], q [n, k] int8, scales [n], y [rows, n]; returns 0, or -1 for rows outside 1..8. */
+int64_t tpe_qgemv_int8(const void *x, int64_t rows, int64_t k, const int8_t *q, const void *scales, int64_t n,
+                       void *y, int is_bf16, int nthreads) {
+    if (rows < 1 || rows > QMAX_ROWS) return -1;
+    float *xf = malloc(sizeof(float) * rows * k), *acc = malloc(sizeof(float) * rows * n);
+    if (!xf || !acc) {
+        free(xf);
+        free(acc);
+        return -2;
+    }
+    to_f32(x, rows, k, is_bf16, xf);
+    const int64_t chunk = ((n + nthreads - 1) / nthreads + 3) / 4 * 4;
+#pragma omp parallel for schedule(static, 1) num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)
+    for (int64_t o0 = 0; o0 < n; o0 += chunk) {
+        const int64_t o1 = o0 + chunk < n ? o0 + chunk : n;
+        int64_t r = 0;
+        for (; r + 8 <= rows; r += 8) q8_8(xf + r * k, k, q, o0, o1, acc + r * n, n);
+        for (; r + 4 <= rows; r += 4) q8_4(xf + r * k, k, q, o0, o1, acc + r * n, n);
+        for (; r + 2 <= rows; r += 2) q8_2(xf + r * k, k, q, o0, o1, acc + r * n, n);
+        for (; r < rows; r++) q8_1(xf + r * k, k, q, o0, o1, acc + r * n, n);
+        for (int64_t rr = 0; rr < rows; rr++)
+            for (int64_t o = o0; o < o1; o++) stf(y, rr * n + o, acc[rr * n + o] * ldf(scales, o, is_bf16), is_bf16);
+    }
+    free(xf);
+    free(acc);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------- int4 */
+/* One full 64-row block b, rows r0..r0+R-1 of x: out[r][0..63] = the block's outputs. */
+#define Q4_ROWS(R)                                                                                              \
+    static void q4_block_##R(const float *x, const float *xs, int64_t k, int64_t gs, const uint8_t *blk,       \
+                             const void *sz, int64_t n_pad, int64_t o0, int is_bf16, float *out, int64_t ldo) { \
+        const __m128i m4 = _mm_set1_epi8(0x0f);                                                               \
+        __m512 res[R][4];                                                                                     \
+        for (int r = 0; r < R; r++)                                                                           \
+            for (int v = 0; v < 4; v++) res[r][v] = _mm512_setzero_ps();                                      \
+        float s[64], z[64];                                                                                   \
+        for (int64_t g = 0; g < k / gs; g++) {                                                                \
+            __m512 acc[R][4];                                                                                 \
+            for (int r = 0; r < R; r++)                                                                       \
+                for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();                                  \
+            for (int64_t i = g * gs; i < (g + 1) * gs; i++) {                                                 \
+                const __m128i b0 = _mm_loadu_si128((const __m128i *)(blk + i * 32));                          \
+                const __m128i b1 = _mm_loadu_si128((const __m128i *)(blk + i * 32 + 16));                     \
+                const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b0, m4)));            \
+                const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b1, m4)));            \
+                const __m512 q2 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b0, 4), m4))); \
+                const __m512 q3 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b1, 4), m4))); \
+                for (int r = 0; r < R; r++) {                                                                 \
+                    const __m512 xv = _mm512_set1_ps(x[r * k + i]);                                           \
+                    acc[r][0] = _mm512_fmadd_ps(xv, q0, acc[r][0]);                                           \
+                    acc[r][1] = _mm512_fmadd_ps(xv, q1, acc[r][1]);                                           \
+                    acc[r][2] = _mm512_fmadd_ps(xv, q2, acc[r][2]);                                           \
+                    acc[r][3] = _mm512_fmadd_ps(xv, q3, acc[r][3]);                                           \
+                }                                                                                             \
+            }                                                                                                 \
+            const int64_t base = (g * n_pad + o0) * 2;                                                        \
+            for (int j = 0; j < 64; j++) {                                                                    \
+                s[j] = ldf(sz, base + 2 * j, is_bf16);                                                        \
+                z[j] = ldf(sz, base + 2 * j + 1, is_bf16);                                                    \
+            }                                                                                                 \
+            for (int v = 0; v < 4; v++) {                                                                     \
+                const __m512 sv = _mm512_loadu_ps(s + 16 * v), zv = _mm512_loadu_ps(z + 16 * v);              \
+                for (int r = 0; r < R; r++) {                                                                 \
+                    const float xsum = xs[r * (k / gs) + g];                                                  \
+                    const __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(-8.f * xsum), sv,                         \
+                                                     _mm512_mul_ps(_mm512_set1_ps(xsum), zv));                \
+                    res[r][v] = _mm512_add_ps(res[r][v], _mm512_fmadd_ps(sv, acc[r][v], t));                  \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int r = 0; r < R; r++)                                                                           \
+            for (int v = 0; v < 4; v++) _mm512_storeu_ps(out + r * ldo + 16 * v, res[r][v]);                  \
+    }
+
+Q4_ROWS(1)
+Q4_ROWS(2)
+Q4_ROWS(4)
+
+/* The last block of nb < 64 rows (rows 2j and 2j + 1 in byte j of each column's nb / 2 bytes). */
+static void q4_tail(const float *x, const float *xs, int64_t rows, int64_t k, int64_t gs, const uint8_t *blk,
+                    int64_t nb, const void *sz, int64_t n_pad, int64_t o0, int is_bf16, float *out, int64_t ldo) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < nb; j++) {
+            float total = 0.f;
+            for (int64_t g = 0; g < k / gs; g++) {
+                float acc = 0.f;
+                for (int64_t i = g * gs; i < (g + 1) * gs; i++) {
+                    const uint8_t b = blk[i * (nb / 2) + j / 2];
+                    acc += x[r * k + i] * (float)((j & 1) ? b >> 4 : b & 15);
+                }
+                const float xsum = xs[r * (k / gs) + g];
+                const float sc = ldf(sz, (g * n_pad + o0 + j) * 2, is_bf16);
+                const float ze = ldf(sz, (g * n_pad + o0 + j) * 2 + 1, is_bf16);
+                total += sc * acc + (ze - 8.f * sc) * xsum;
+            }
+            out[r * ldo + j] = total;
+        }
+}
+
+/* x [rows, k]; packed: the int4 layout above for n_pad rows (a multiple of 16); sz [k / gs, n_pad, 2];
+ * y [rows, n] (the first n <= n_pad rows). Returns 0, or -1 for bad arguments (rows outside 1..8,
+ * k or gs not multiples of 16, k % gs, n > n_pad, n_pad % 16). */
+int64_t tpe_qgemv_int4(const void *x, int64_t rows, int64_t k, const uint8_t *packed, const void *sz, int64_t gs,
+                       int64_t n, int64_t n_pad, void *y, int is_bf16, int nthreads) {
+    if (rows < 1 || rows > QMAX_ROWS || k % 16 || gs % 16 || gs <= 0 || k % gs || n > n_pad || n_pad % 16) return -1;
+    const int64_t groups = k / gs, full = n_pad / 64, nblocks = full + (n_pad % 64 != 0);
+    float *xf = malloc(sizeof(float) * rows * k), *xs = malloc(sizeof(float) * rows * groups);
+    float *out = malloc(sizeof(float) * rows * n_pad);
+    if (!xf || !xs || !out) {
+        free(xf);
+        free(xs);
+        free(out);
+        return -2;
+    }
+    to_f32(x, rows, k, is_bf16, xf);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float t = 0.f;
+            for (int64_t i = g * gs; i < (g + 1) * gs; i++) t += xf[r * k + i];
+            xs[r * groups + g] = t;
+        }
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n_pad * k >= 65536)
+    for (int64_t b = 0; b < nblocks; b++) {
+        const uint8_t *blk = packed + b * 64 * k / 2;
+        const int64_t o0 = b * 64;
+        if (b == full) {
+            q4_tail(xf, xs, rows, k, gs, blk, n_pad - o0, sz, n_pad, o0, is_bf16, out + o0, n_pad);
+        } else {
+            int64_t r = 0;
+            for (; r + 4 <= rows; r += 4)
+                q4_block_4(xf + r * k, xs + r * groups, k, gs, blk, sz, n_pad, o0, is_bf16, out + r * n_pad + o0, n_pad);
+            for (; r + 2 <= rows; r += 2)
+                q4_block_2(xf + r * k, xs + r * groups, k, gs, blk, sz, n_pad, o0, is_bf16, out + r * n_pad + o0, n_pad);
+            for (; r < rows; r++)
+                q4_block_1(xf + r * k, xs + r * groups, k, gs, blk, sz, n_pad, o0, is_bf16, out + r * n_pad + o0, n_pad);
+        }
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t o = o0; o < o0 + 64 && o < n; o++) stf(y, r * n + o, out[r * n_pad + o], is_bf16);
+    }
+    free(xf);
+    free(xs);
+    free(out);
+    return 0;
+}
+
+#else /* never called: tpe_fast() == 0 marks the library unavailable */
+int64_t tpe_qgemv_int8(void) { return -1; }
+int64_t tpe_qgemv_int4(void) { return -1; }
+#endif

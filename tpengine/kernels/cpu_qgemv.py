@@ -1,0 +1,189 @@
+"""int8 and int4 weight-only matrix-vector products for the few rows of a decode step
+(``cpu_qgemv.c``, built by :mod:`tpengine.kernels.cpu_native`), on the storage
+:mod:`tpengine.layers.quantized` already holds (int8 ``[out, in]`` with per-channel scales; torch's
+packed int4 layout with ``scales_and_zeros``), so no second copy of a weight exists.
+
+torch's CPU weight-only kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) are
+written for many rows; at one row they read the weight well below the memory bandwidth. Whether
+these kernels are faster is measured per weight shape on the machine that runs
+(:func:`choose`), at :data:`ROW_BUCKETS` rows, on the model's own quantized weights; a weight
+uses them up to the largest bucket where they were faster at every bucket up to it
+(``QuantizedWeight.gemv_rows``), and torch's kernel for more rows (prefill, big batches).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpengine.kernels import cpu_native
+
+#: The most rows one call takes.
+MAX_ROWS = 8
+#: Rows per call the choice is measured at.
+ROW_BUCKETS = (1, 4, 8)
+_FLOAT = (torch.bfloat16, torch.float32)
+
+
+def int4_layout_ok(layout) -> bool:
+    """Whether a :class:`tpengine.layers.quant_math.Int4PackLayout` is the one ``cpu_qgemv.c``
+    reads: 64-row blocks, row ``r`` at byte ``r % 32`` of each column in nibble ``4 * (r // 32)``;
+    a last block of ``nb`` rows with rows ``2j`` and ``2j + 1`` in byte ``j`` (torch's AVX-512
+    layout; its AVX2 one has 32-row blocks and is left to torch's kernel)."""
+    r = torch.arange(layout.block)
+    t = torch.arange(layout.tail)
+    return (layout.block == 64 and torch.equal(layout.pos.long(), r % 32)
+            and torch.equal(layout.shift.long(), 4 * (r // 32)) and torch.equal(layout.tail_pos.long(), t // 2)
+            and torch.equal(layout.tail_shift.long(), 4 * (t % 2)))
+
+
+def _rows(x: torch.Tensor, k: int, op: str) -> tuple[torch.Tensor, int]:
+    rows = x.numel() // k if x.dim() and x.shape[-1] == k else -1
+    if x.dtype not in _FLOAT or not 1 <= rows <= MAX_ROWS or k % 16:
+        raise ValueError(f"{op}: x must be bfloat16 or float32 [..., {k}] with 1..{MAX_ROWS} rows and "
+                         f"{k} % 16 == 0; got {x.dtype} {tuple(x.shape)}")
+    return x.reshape(rows, k).contiguous(), rows
+
+
+def _lib():
+    lib = cpu_native.load()
+    if lib is None:
+        raise RuntimeError(f"CPU C kernels unavailable: {cpu_native.unavailable_reason()}")
+    return lib
+
+
+def _check(status: int, op: str) -> None:
+    if status != 0:  # the arguments were checked above: only a failed allocation gets here
+        raise RuntimeError(f"qgemv {op}: the C kernel failed (status {status}: out of memory)")
+
+
+def int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``(x @ qweight.T) * scales`` for ``x [..., k]`` (1..8 rows, bfloat16 or float32),
+    ``qweight int8 [n, k]``, ``scales [n]`` in ``x``'s dtype -> ``[..., n]`` in that dtype.
+
+    Raises:
+        ValueError: a dtype, shape or row count it does not take.
+        RuntimeError: the C kernels are unavailable.
+    """
+    n, k = qweight.shape
+    x2, rows = _rows(x, k, "qgemv int8")
+    if qweight.dtype != torch.int8 or not qweight.is_contiguous() or scales.shape != (n,) or scales.dtype != x.dtype:
+        raise ValueError(f"qgemv int8: need a contiguous int8 [n, {k}] weight and [n] scales in {x.dtype}; got "
+                         f"{qweight.dtype} {tuple(qweight.shape)}, scales {scales.dtype} {tuple(scales.shape)}")
+    y = torch.empty(rows, n, dtype=x.dtype)
+    _check(_lib().tpe_qgemv_int8(x2.data_ptr(), rows, k, qweight.data_ptr(), scales.contiguous().data_ptr(), n,
+                                 y.data_ptr(), int(x.dtype == torch.bfloat16), torch.get_num_threads()), "int8")
+    return y.reshape(*x.shape[:-1], n)
+
+
+def int4(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+         out_features: int) -> torch.Tensor:
+    """``x @ ((q - 8) * scale + zero).T`` for ``x [..., k]`` (1..8 rows, bfloat16 or float32),
+    ``packed`` (``_convert_weight_to_int4pack_for_cpu`` of ``n_pad`` rows, in the layout
+    :func:`int4_layout_ok` accepts: the caller checks), ``scales_and_zeros [k / group_size,
+    n_pad, 2]`` in ``x``'s dtype -> ``[..., out_features]`` (the first ``out_features <= n_pad``).
+
+    Raises:
+        ValueError: a dtype, shape, group size or row count it does not take.
+        RuntimeError: the C kernels are unavailable.
+    """
+    groups, n_pad, two = scales_and_zeros.shape
+    k = groups * group_size
+    x2, rows = _rows(x, k, "qgemv int4")
+    if (two != 2 or group_size % 16 or packed.dtype != torch.uint8 or packed.numel() * 2 != n_pad * k
+            or not packed.is_contiguous() or n_pad % 16 or not 0 < out_features <= n_pad
+            or scales_and_zeros.dtype != x.dtype):
+        raise ValueError(f"qgemv int4: need uint8 packed [{n_pad}, {k // 2}], scales_and_zeros [{groups}, n_pad % 16 "
+                         f"== 0, 2] in {x.dtype}, group size % 16 == 0 and 0 < out_features <= n_pad; got packed "
+                         f"{packed.dtype} {tuple(packed.shape)}, scales_and_zeros {scales_and_zeros.dtype} "
+                         f"{tuple(scales_and_zeros.shape)}, group size {group_size}, out_features {out_features}")
+    y = torch.empty(rows, out_features, dtype=x.dtype)
+    _check(_lib().tpe_qgemv_int4(x2.data_ptr(), rows, k, packed.data_ptr(), scales_and_zeros.contiguous().data_ptr(),
+                                 group_size, out_features, n_pad, y.data_ptr(), int(x.dtype == torch.bfloat16),
+                                 torch.get_num_threads()), "int4")
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def bind_int8(qweight: torch.Tensor, scales: torch.Tensor):
+    """:func:`int8` for one weight with its checks done once: ``run(x [rows, k] contiguous in the
+    scales' dtype, 1 <= rows <= MAX_ROWS) -> [rows, n]`` (the caller guarantees the arguments).
+
+    Raises:
+        ValueError: see :func:`int8`.
+    """
+    n, k = qweight.shape
+    int8(torch.zeros(1, k, dtype=scales.dtype), qweight, scales)  # the checks, once
+    fn, qp, sp, dtype, bf = _lib().tpe_qgemv_int8, qweight.data_ptr(), scales.data_ptr(), scales.dtype, \
+        int(scales.dtype == torch.bfloat16)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(x.shape[0], n, dtype=dtype)
+        _check(fn(x.data_ptr(), x.shape[0], k, qp, sp, n, y.data_ptr(), bf, torch.get_num_threads()), "int8")
+        return y
+    return run
+
+
+def bind_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, out_features: int):
+    """:func:`int4` for one weight with its checks done once: ``run(x [rows, k] contiguous in the
+    scales' dtype, 1 <= rows <= MAX_ROWS) -> [rows, out_features]``.
+
+    Raises:
+        ValueError: see :func:`int4`.
+    """
+    groups, n_pad, _ = scales_and_zeros.shape
+    k, dtype = groups * group_size, scales_and_zeros.dtype
+    int4(torch.zeros(1, k, dtype=dtype), packed, scales_and_zeros, group_size, out_features)  # the checks, once
+    fn, pp, sp, bf = _lib().tpe_qgemv_int4, packed.data_ptr(), scales_and_zeros.data_ptr(), int(dtype == torch.bfloat16)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(x.shape[0], out_features, dtype=dtype)
+        _check(fn(x.data_ptr(), x.shape[0], k, pp, sp, group_size, out_features, n_pad, y.data_ptr(), bf,
+                  torch.get_num_threads()), "int4")
+        return y
+    return run
+
+
+def gemv_rows(torch_us: list[float], native_us: list[float]) -> int:
+    """The largest of :data:`ROW_BUCKETS` up to which ``native_us`` (these kernels) beat
+    ``torch_us`` at every bucket (0: never)."""
+    rows = 0
+    for n, t, c in zip(ROW_BUCKETS, torch_us, native_us):
+        if c >= t:
+            break
+        rows = n
+    return rows
+
+
+def choose(groups: dict[str, list]) -> dict[str, dict]:
+    """Time torch's kernel and these for each group of quantized weights of one shape and kind
+    (``groups``: a key such as ``"int4 g32 576->3072"`` -> its
+    :class:`~tpengine.layers.quantized.QuantizedWeight` modules, rotating over all of them so the
+    weights stream from memory), at :data:`ROW_BUCKETS` rows in ``dtype`` of the weights, and set
+    each module's ``gemv_rows``. Returns ``{key: {"torch": [us...], "tpengine": [us...],
+    "gemv_rows": n}}``."""
+    from tpengine.kernels.linear_layout import _time_us
+
+    chosen = {}
+    for key, mods in sorted(groups.items()):
+        times = {"torch": [], "tpengine": []}
+        for rows in ROW_BUCKETS:
+            x = torch.full((rows, mods[0].in_features), 0.01, dtype=mods[0].dtype)
+            for path, use in (("torch", 0), ("tpengine", MAX_ROWS)):
+                def call(m, use=use):
+                    m.gemv_rows = use
+                    return m(x)
+                times[path].append(_time_us([lambda m=m: call(m) for m in mods]))
+        rows = gemv_rows(times["torch"], times["tpengine"])
+        for m in mods:
+            m.gemv_rows = rows
+        chosen[key] = {**times, "gemv_rows": rows}
+    return chosen
+
+
+def summary(chosen: dict[str, dict]) -> str:
+    """``"int4 g32 576->3072 tpengine up to 8 rows (torch 120/200/300 us, tpengine 60/90/150 us at
+    1/4/8 rows)"`` for each key, ``"; "``-separated."""
+    def us(v):
+        return "/".join(f"{t:.0f}" for t in v)
+    return "; ".join(f"{k} {'tpengine up to ' + str(c['gemv_rows']) + ' rows' if c['gemv_rows'] else 'torch'} "
+                     f"(torch {us(c['torch'])} us, tpengine {us(c['tpengine'])} us at "
+                     f"{'/'.join(map(str, ROW_BUCKETS))} rows)" for k, c in sorted(chosen.items()))
