@@ -229,7 +229,51 @@ int64_t tpe_qgemv_int4(const void *x, int64_t rows, int64_t k, const uint8_t *pa
     return 0;
 }
 
+/* ------------------------------------------------------------------------ int4 -> float, transposed */
+/* wt [k, n_pad] (bf16 or f32): wt[i, o] = (q[o, i] - 8) * s[g, o] + z[g, o], the int4 weight of the
+ * layout above dequantized and transposed (each column of a packed block gives 64 consecutive
+ * outputs), for a prefill's GEMM: x @ wt. The last block (nb < 64 rows) is read scalar. */
+void tpe_dequant_int4(const uint8_t *packed, const void *sz, int64_t gs, int64_t k, int64_t n_pad, void *wt,
+                      int is_bf16, int nthreads) {
+    const int64_t full = n_pad / 64, nblocks = full + (n_pad % 64 != 0), groups = k / gs;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n_pad * k >= 65536)
+    for (int64_t b = 0; b < nblocks; b++) {
+        const uint8_t *blk = packed + b * 64 * k / 2;
+        const int64_t o0 = b * 64, nb = b == full ? n_pad - o0 : 64;
+        float s[64], z[64];
+        for (int64_t g = 0; g < groups; g++) {
+            for (int64_t j = 0; j < nb; j++) {
+                s[j] = ldf(sz, ((g * n_pad) + o0 + j) * 2, is_bf16);
+                z[j] = ldf(sz, ((g * n_pad) + o0 + j) * 2 + 1, is_bf16) - 8.f * s[j];
+            }
+            for (int64_t i = g * gs; i < (g + 1) * gs; i++) {
+                if (nb < 64) {
+                    for (int64_t j = 0; j < nb; j++) {
+                        const uint8_t v = blk[i * (nb / 2) + j / 2];
+                        stf(wt, i * n_pad + o0 + j, (float)((j & 1) ? v >> 4 : v & 15) * s[j] + z[j], is_bf16);
+                    }
+                    continue;
+                }
+                const __m128i m4 = _mm_set1_epi8(0x0f);
+                const __m128i b0 = _mm_loadu_si128((const __m128i *)(blk + i * 32));
+                const __m128i b1 = _mm_loadu_si128((const __m128i *)(blk + i * 32 + 16));
+                const __m128i nib[4] = {_mm_and_si128(b0, m4), _mm_and_si128(b1, m4),
+                                        _mm_and_si128(_mm_srli_epi16(b0, 4), m4), _mm_and_si128(_mm_srli_epi16(b1, 4), m4)};
+                for (int v = 0; v < 4; v++) {
+                    const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib[v])),
+                                                     _mm512_loadu_ps(s + 16 * v), _mm512_loadu_ps(z + 16 * v));
+                    if (is_bf16)
+                        st((uint16_t *)wt + i * n_pad + o0 + 16 * v, w);
+                    else
+                        _mm512_storeu_ps((float *)wt + i * n_pad + o0 + 16 * v, w);
+                }
+            }
+        }
+    }
+}
+
 #else /* never called: tpe_fast() == 0 marks the library unavailable */
 int64_t tpe_qgemv_int8(void) { return -1; }
 int64_t tpe_qgemv_int4(void) { return -1; }
+void tpe_dequant_int4(void) {}
 #endif

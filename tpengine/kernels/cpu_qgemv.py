@@ -21,6 +21,10 @@ from tpengine.kernels import cpu_native
 MAX_ROWS = 8
 #: Rows per call the choice is measured at.
 ROW_BUCKETS = (1, 4, 8)
+#: Rows per call the prefill choice (torch's kernel or dequantize + GEMM) is measured at, on at most
+#: :data:`PREFILL_WEIGHTS` weights of a shape (a prefill GEMM is bound by arithmetic, not by memory).
+PREFILL_BUCKETS = (64, 512)
+PREFILL_WEIGHTS = 4
 _FLOAT = (torch.bfloat16, torch.float32)
 
 
@@ -142,6 +146,27 @@ def bind_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: 
     return run
 
 
+def dequant_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The transposed float weight ``wt [k, n_pad]`` (``wt[i, o] = (q[o, i] - 8) * scale + zero``) of an
+    int4 weight in the layout :func:`int4_layout_ok` accepts, in the scales' dtype: a scratch tensor
+    for one prefill GEMM (``x @ wt``), freed with it.
+
+    Raises:
+        ValueError: a dtype or shape it does not take.
+    """
+    groups, n_pad, two = scales_and_zeros.shape
+    k, dtype = groups * group_size, scales_and_zeros.dtype
+    if (dtype not in _FLOAT or two != 2 or group_size % 16 or packed.dtype != torch.uint8
+            or packed.numel() * 2 != n_pad * k or not packed.is_contiguous() or n_pad % 16):
+        raise ValueError(f"dequant int4: need uint8 packed [{n_pad}, {k // 2}] and bfloat16/float32 scales_and_zeros "
+                         f"[{groups}, n_pad % 16 == 0, 2]; got {packed.dtype} {tuple(packed.shape)}, {dtype} "
+                         f"{tuple(scales_and_zeros.shape)}")
+    wt = torch.empty(k, n_pad, dtype=dtype)
+    _lib().tpe_dequant_int4(packed.data_ptr(), scales_and_zeros.contiguous().data_ptr(), group_size, k, n_pad,
+                            wt.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads())
+    return wt
+
+
 def gemv_rows(torch_us: list[float], native_us: list[float]) -> int:
     """The largest of :data:`ROW_BUCKETS` up to which ``native_us`` (these kernels) beat
     ``torch_us`` at every bucket (0: never)."""
@@ -157,13 +182,18 @@ def choose(groups: dict[str, list]) -> dict[str, dict]:
     """Time torch's kernel and these for each group of quantized weights of one shape and kind
     (``groups``: a key such as ``"int4 g32 576->3072"`` -> its
     :class:`~tpengine.layers.quantized.QuantizedWeight` modules, rotating over all of them so the
-    weights stream from memory), at :data:`ROW_BUCKETS` rows in ``dtype`` of the weights, and set
-    each module's ``gemv_rows``. Returns ``{key: {"torch": [us...], "tpengine": [us...],
-    "gemv_rows": n}}``."""
+    weights stream from memory), at :data:`ROW_BUCKETS` rows in the weights' dtype, and set each
+    module's ``gemv_rows`` (:func:`gemv_rows`); where the kind has a dequantize-then-GEMM path
+    (int4, int8 per channel), time it against torch's kernel at :data:`PREFILL_BUCKETS` rows and
+    set ``dequant_rows`` to the smallest bucket from which it was faster at every larger one (0:
+    never). Returns ``{key: {"torch": [us...], "tpengine": [us...], "gemv_rows": n, "prefill_torch":
+    [us...], "prefill_dequant": [us...], "dequant_rows": n}}``."""
     from tpengine.kernels.linear_layout import _time_us
 
     chosen = {}
     for key, mods in sorted(groups.items()):
+        for m in mods:
+            m.dequant_rows = 0
         times = {"torch": [], "tpengine": []}
         for rows in ROW_BUCKETS:
             x = torch.full((rows, mods[0].in_features), 0.01, dtype=mods[0].dtype)
@@ -173,17 +203,42 @@ def choose(groups: dict[str, list]) -> dict[str, dict]:
                     return m(x)
                 times[path].append(_time_us([lambda m=m: call(m) for m in mods]))
         rows = gemv_rows(times["torch"], times["tpengine"])
+        dequant = 0
+        if getattr(mods[0], "group_size", None) is None or type(mods[0]).__name__ == "Int4Weight":
+            times["prefill_torch"], times["prefill_dequant"] = [], []
+            few = mods[:PREFILL_WEIGHTS]
+            for m in few:
+                m.gemv_rows = 0
+            for n in PREFILL_BUCKETS:
+                x = torch.full((n, mods[0].in_features), 0.01, dtype=mods[0].dtype)
+                for path, use in (("prefill_torch", 0), ("prefill_dequant", 1)):
+                    def run(m, use=use):
+                        m.dequant_rows = use
+                        return m(x)
+                    times[path].append(_time_us([lambda m=m: run(m) for m in few], passes=2))
+            for n, t, d in reversed(list(zip(PREFILL_BUCKETS, times["prefill_torch"], times["prefill_dequant"]))):
+                if d >= t:
+                    break
+                dequant = n
         for m in mods:
-            m.gemv_rows = rows
-        chosen[key] = {**times, "gemv_rows": rows}
+            m.gemv_rows, m.dequant_rows = rows, dequant
+        chosen[key] = {**times, "gemv_rows": rows, "dequant_rows": dequant}
     return chosen
 
 
 def summary(chosen: dict[str, dict]) -> str:
     """``"int4 g32 576->3072 tpengine up to 8 rows (torch 120/200/300 us, tpengine 60/90/150 us at
-    1/4/8 rows)"`` for each key, ``"; "``-separated."""
+    1/4/8 rows), dequantize + GEMM from 64 rows (torch 900/7000 us, dequantized 300/1500 us at
+    64/512 rows)"`` for each key, ``"; "``-separated."""
     def us(v):
         return "/".join(f"{t:.0f}" for t in v)
-    return "; ".join(f"{k} {'tpengine up to ' + str(c['gemv_rows']) + ' rows' if c['gemv_rows'] else 'torch'} "
-                     f"(torch {us(c['torch'])} us, tpengine {us(c['tpengine'])} us at "
-                     f"{'/'.join(map(str, ROW_BUCKETS))} rows)" for k, c in sorted(chosen.items()))
+
+    def one(k, c):
+        s = (f"{k} {'tpengine up to ' + str(c['gemv_rows']) + ' rows' if c['gemv_rows'] else 'torch'} "
+             f"(torch {us(c['torch'])} us, tpengine {us(c['tpengine'])} us at {'/'.join(map(str, ROW_BUCKETS))} rows)")
+        if "prefill_torch" in c:
+            s += (f", {'dequantize + GEMM from ' + str(c['dequant_rows']) + ' rows' if c['dequant_rows'] else 'torch'}"
+                  f" (torch {us(c['prefill_torch'])} us, dequantized {us(c['prefill_dequant'])} us at "
+                  f"{'/'.join(map(str, PREFILL_BUCKETS))} rows)")
+        return s
+    return "; ".join(one(k, c) for k, c in sorted(chosen.items()))

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tpengine.config import QUANTIZATIONS  # the values of EngineConfig.quantization besides None
@@ -127,6 +128,14 @@ class QuantizedWeight(nn.Module):
     #: Up to this many rows ``forward`` runs tpengine's kernels (:mod:`tpengine.kernels.cpu_qgemv`),
     #: above it torch's; set per weight shape by measurement (:func:`tpengine.kernels.cpu_qgemv.choose`).
     gemv_rows = 0
+    #: From this many rows on ``forward`` dequantizes the weight into a scratch float tensor and runs
+    #: one GEMM (prefill); 0: never. Set by the same measurement.
+    dequant_rows = 0
+
+    def _many(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` of a contiguous ``x [rows, in]`` above ``gemv_rows``: torch's kernel, or the
+        dequantize-then-GEMM path from ``dequant_rows`` rows on."""
+        raise NotImplementedError
 
     @property
     def native_ok(self) -> bool:
@@ -230,24 +239,28 @@ class Int8Weight(QuantizedWeight):
     def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
         if self.group_size is not None or not self.gemv_rows:
             return self.forward
-        native, limit, q, s = cpu_qgemv.bind_int8(self.qweight, self.scales), self.gemv_rows, self.qweight, self.scales
-        return lambda x: native(x) if x.shape[0] <= limit else torch._weight_int8pack_mm(x, q, s)
+        native, limit, many = cpu_qgemv.bind_int8(self.qweight, self.scales), self.gemv_rows, self._many
+        return lambda x: native(x) if x.shape[0] <= limit else many(x)
+
+    def _many(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group_size is None:
+            if self.dequant_rows and x.shape[0] >= self.dequant_rows:
+                return F.linear(x, self.qweight.to(x.dtype) * self.scales[:, None])
+            return torch._weight_int8pack_mm(x, self.qweight, self.scales)
+        g, n = self.group_size, self.out_features
+        return _int4_mm(x, self.packed_lo, g, self.scales_and_zeros_lo, n) + _int4_mm(
+            x, self.packed_hi, g, self.scales_and_zeros_hi, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).contiguous()
-        if x2.shape[0] <= self.gemv_rows:
-            if self.group_size is None:
-                y = cpu_qgemv.int8(x2, self.qweight, self.scales)
-            else:
-                g, n = self.group_size, self.out_features
-                y = cpu_qgemv.int4(x2, self.packed_lo, self.scales_and_zeros_lo, g, n) + cpu_qgemv.int4(
-                    x2, self.packed_hi, self.scales_and_zeros_hi, g, n)
+        if x2.shape[0] > self.gemv_rows:
+            y = self._many(x2)
         elif self.group_size is None:
-            y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
+            y = cpu_qgemv.int8(x2, self.qweight, self.scales)
         else:
             g, n = self.group_size, self.out_features
-            y = _int4_mm(x2, self.packed_lo, g, self.scales_and_zeros_lo, n) + _int4_mm(
-                x2, self.packed_hi, g, self.scales_and_zeros_hi, n)
+            y = cpu_qgemv.int4(x2, self.packed_lo, self.scales_and_zeros_lo, g, n) + cpu_qgemv.int4(
+                x2, self.packed_hi, self.scales_and_zeros_hi, g, n)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _rows_f32(self, ids: torch.Tensor) -> torch.Tensor:
@@ -293,15 +306,22 @@ class Int4Weight(QuantizedWeight):
         if not self.gemv_rows:
             return self.forward
         native = cpu_qgemv.bind_int4(self.packed, self.scales_and_zeros, self.group_size, self.out_features)
-        limit, p, g, sz, n = self.gemv_rows, self.packed, self.group_size, self.scales_and_zeros, self.out_features
-        return lambda x: native(x) if x.shape[0] <= limit else _int4_mm(x, p, g, sz, n)
+        limit, many = self.gemv_rows, self._many
+        return lambda x: native(x) if x.shape[0] <= limit else many(x)
+
+    def _many(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.out_features
+        if self.dequant_rows and x.shape[0] >= self.dequant_rows:
+            wt = cpu_qgemv.dequant_int4(self.packed, self.scales_and_zeros, self.group_size)  # [in, n_pad] scratch
+            return x @ (wt if wt.shape[1] == n else wt[:, :n])
+        return _int4_mm(x, self.packed, self.group_size, self.scales_and_zeros, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).contiguous()
-        if x2.shape[0] <= self.gemv_rows:
-            y = cpu_qgemv.int4(x2, self.packed, self.scales_and_zeros, self.group_size, self.out_features)
+        if x2.shape[0] > self.gemv_rows:
+            y = self._many(x2)
         else:
-            y = _int4_mm(x2, self.packed, self.group_size, self.scales_and_zeros, self.out_features)
+            y = cpu_qgemv.int4(x2, self.packed, self.scales_and_zeros, self.group_size, self.out_features)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _rows_f32(self, ids: torch.Tensor) -> torch.Tensor:

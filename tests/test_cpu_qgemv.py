@@ -1,0 +1,96 @@
+"""tpengine's int8 / int4 weight-only kernels (tpengine/kernels/cpu_qgemv.c): the few-row GEMVs and
+the int4 dequantization, against the dequantized reference, on the storage the quantized layers
+hold, in float32 and bfloat16, including a last int4 block of fewer than 64 rows and rows padded
+to 16; the measured choice between them and torch's kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpengine.kernels import cpu_native, cpu_qgemv
+from tpengine.layers.quant_math import int4_pack_layout
+from tpengine.layers.quantized import Int4Weight, Int8Weight, QuantScheme, quantize_weight
+
+pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="CPU C kernels unavailable here")
+SCHEMES = [("int8", None), ("int8", 32), ("int4", 32), ("int4", 128)]
+SHAPES = [(960, 256), (472, 256), (80, 128)]  # 472: 7 blocks of 64 and a last one of 24 (padded to 32)
+
+
+def weight(name, group, shape, dtype, seed=0):
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return quantize_weight(w, QuantScheme(name, group), dtype)
+
+
+def bound(x, q):
+    """|x| @ |w|.T: the scale of a product's float32 rounding error."""
+    return x.double().abs() @ q.dequantize().double().abs().T
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name, group", SCHEMES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_few_rows_equal_the_dequantized_product(name, group, shape, dtype):
+    q = weight(name, group, shape, dtype)
+    assert q.native_ok
+    for rows in (1, 2, 3, 5, 8):
+        x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
+        want = x.double() @ q.dequantize().double().T
+        q.gemv_rows = 8
+        got = q(x)
+        assert got.dtype == dtype and got.shape == (rows, shape[0])
+        # float32 sums; bfloat16: each output rounded once (grouped int8: two int4 products, each
+        # rounded at its own magnitude, up to |x| @ |w|, then added)
+        tol = bound(x, q) * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -18)
+        assert ((got.double() - want).abs() <= tol + 1e-30).all(), (rows, (got.double() - want).abs().max())
+        if q.gemv_rows and not (name == "int8" and group):
+            assert torch.equal(q.bind()(x.contiguous()), got)  # the decode program's bound call
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int4_dequantize_is_the_stored_weight_transposed(shape, dtype):
+    q = weight("int4", 32, shape, dtype)
+    wt = cpu_qgemv.dequant_int4(q.packed, q.scales_and_zeros, 32)
+    n_pad = q.scales_and_zeros.shape[1]
+    assert wt.shape == (shape[1], n_pad) and wt.dtype == dtype
+    want = q.dequantize()  # float32 (q - 8) * scale + zero
+    got = wt[:, : shape[0]].T.double()
+    # float32: q * scale + (zero - 8 scale) in one fused multiply-add, a few ulps of the weight's range
+    # from (q - 8) * scale + zero; bfloat16: that, rounded once
+    tol = (want.double().abs() * 2 ** -8 if dtype == torch.bfloat16 else 0) + want.abs().max().item() * 2 ** -21
+    assert ((got - want.double()).abs() <= tol).all()
+    x = torch.randn(70, shape[1], generator=torch.Generator().manual_seed(2)).to(dtype)
+    q.gemv_rows, q.dequant_rows = 0, 64  # 70 rows: dequantize + one GEMM
+    torch.testing.assert_close(q(x).float(), (x.float() @ want.T), rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_layout_check_and_argument_errors():
+    assert cpu_qgemv.int4_layout_ok(int4_pack_layout(472 + 8))  # 480 rows: 7 blocks of 64, one of 32
+    q8, q4 = weight("int8", None, (64, 128), torch.float32), weight("int4", 32, (64, 128), torch.float32)
+    with pytest.raises(ValueError, match=r"^qgemv int8: x must be bfloat16 or float32 \[\.\.\., 128\] with 1\.\.8 "):
+        cpu_qgemv.int8(torch.zeros(9, 128), q8.qweight, q8.scales)
+    with pytest.raises(ValueError, match=r"^qgemv int8: need a contiguous int8 \[n, 128\] weight and \[n\] scales in "
+                                         r"torch\.bfloat16"):
+        cpu_qgemv.int8(torch.zeros(1, 128, dtype=torch.bfloat16), q8.qweight, q8.scales)
+    with pytest.raises(ValueError, match=r"^qgemv int4: need uint8 packed \[64, 64\]"):
+        cpu_qgemv.int4(torch.zeros(1, 128), q4.packed, q4.scales_and_zeros, 32, 65)
+    assert cpu_qgemv.gemv_rows([10, 20, 30], [5, 25, 10]) == 1
+    assert cpu_qgemv.gemv_rows([10, 20, 30], [11, 1, 1]) == 0
+    assert cpu_qgemv.gemv_rows([10, 20, 30], [9, 19, 29]) == 8
+
+
+def test_choose_sets_every_weight_of_a_shape():
+    mods = [weight("int4", 32, (192, 128), torch.bfloat16, seed=i) for i in range(3)]
+    per_channel = [weight("int8", None, (192, 128), torch.bfloat16, seed=i) for i in range(2)]
+    chosen = cpu_qgemv.choose({"int4 g32 128->192": mods, "int8 per channel 128->192": per_channel})
+    for key, group in (("int4 g32 128->192", mods), ("int8 per channel 128->192", per_channel)):
+        c = chosen[key]
+        assert len(c["torch"]) == len(c["tpengine"]) == 3 and len(c["prefill_torch"]) == 2
+        assert c["gemv_rows"] == cpu_qgemv.gemv_rows(c["torch"], c["tpengine"]) and c["dequant_rows"] in (0, 64, 512)
+        assert {(m.gemv_rows, m.dequant_rows) for m in group} == {(c["gemv_rows"], c["dequant_rows"])}
+    line = cpu_qgemv.summary(chosen)
+    assert line.startswith("int4 g32 128->192 ") and "; int8 per channel 128->192 " in line
+    assert " at 1/4/8 rows)" in line and " at 64/512 rows)" in line
+    assert isinstance(mods[0], Int4Weight) and isinstance(per_channel[0], Int8Weight)
