@@ -308,19 +308,20 @@ def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.flo
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"rank {tp.rank}: still on the meta device after loading: {left}")
-    model.quant_kernels = _choose_quant_kernels(model, native)
+    model.quant_kernels = _choose_quant_kernels(model, native, tp.rank)
     return model, plan, hf_config
 
 
-def _choose_quant_kernels(model: torch.nn.Module, native: bool) -> dict[str, dict]:
+def _choose_quant_kernels(model: torch.nn.Module, native: bool, rank: int) -> dict[str, dict]:
     """Measure tpengine's int8/int4 kernels against torch's per quantized weight shape
     (:func:`tpengine.kernels.cpu_qgemv.choose`) and set each weight's ``gemv_rows``; {} without
     ``native`` or quantized weights. Each rank measures its own shapes (no collective: ranks may
-    hold different shapes, and either kernel computes the same products)."""
+    hold different shapes, and either kernel computes the same products; the timings are cached
+    per rank, so every later load makes the same choice)."""
     groups: dict[str, list] = {}
     for m in model.modules():
         if isinstance(m, QuantizedWeight) and native and m.native_ok:
             kind = type(m).__name__.removesuffix("Weight").lower()
             group = f"g{m.group_size}" if m.group_size else "per channel"
             groups.setdefault(f"{kind} {group} {m.in_features}->{m.out_features}", []).append(m)
-    return cpu_qgemv.choose(groups) if groups else {}
+    return cpu_qgemv.choose(groups, rank) if groups else {}

@@ -4,7 +4,8 @@
  * F.linear computes, up to the order of the float32 sum (float32: x, w and y float32, FMA
  * accumulation in 16 lanes per weight row). A decode step at one row is bound by
  * reading the weight: this streams each weight row once for all rows of x (up to 8; 4 or 2 weight
- * rows at a time), the output rows split between the threads. Needs k % 32 == 0 (float32: k % 16 == 0) and rows <= 8 (the caller
+ * rows at a time, prefetching the next group of weight rows while it reads one), the output rows
+ * split between the threads. Needs k % 32 == 0 (float32: k % 16 == 0) and rows <= 8 (the caller
  * checks); tpengine.kernels.linear_layout measures it against the other paths per shape. */
 #include <stdint.h>
 
@@ -23,6 +24,8 @@
                 for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();                                      \
             for (int64_t i = 0; i < k; i += 32) {                                                                 \
                 __m512bh wv[J];                                                                                   \
+                if ((i & 31) == 0)                                                                                \
+                    for (int j = 0; j < J; j++) _mm_prefetch((const char *)(w + (o + J + j) * k + i), _MM_HINT_T0); \
                 for (int j = 0; j < J; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + (o + j) * k + i);            \
                 for (int r = 0; r < R; r++) {                                                                     \
                     const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * k + i);                              \
@@ -75,6 +78,7 @@ void tpe_gemv_bf16(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w
                 for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();                                      \
             for (int64_t i = 0; i < k; i += 16) {                                                                 \
                 __m512 wv[J];                                                                                     \
+                for (int j = 0; j < J; j++) _mm_prefetch((const char *)(w + (o + J + j) * k + i), _MM_HINT_T0);   \
                 for (int j = 0; j < J; j++) wv[j] = _mm512_loadu_ps(w + (o + j) * k + i);                         \
                 for (int r = 0; r < R; r++) {                                                                     \
                     const __m512 xv = _mm512_loadu_ps(x + r * k + i);                                             \

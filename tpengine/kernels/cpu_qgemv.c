@@ -14,7 +14,10 @@
  * Activations x [rows, k] and outputs y [rows, n] are bfloat16 (is_bf16) or float32, scales bfloat16
  * or float32 likewise; the sums are float32. Rows 1..8, k % 16 == 0 (int4: k % group == 0, group
  * % 16 == 0). A decode step at one row is bound by reading the weight: each weight byte is read
- * once for all rows of x, the output blocks split between the threads. Python side:
+ * once for all rows of x, the output blocks split between the threads. The int8 kernel, which walks
+ * weight rows a group at a time, prefetches the next group's rows as it reads a group (without it
+ * the hardware prefetcher ramps up on each short row and a full model's int8 weights, read from
+ * memory, streamed at about half the rate). Python side:
  * tpengine/kernels/cpu_qgemv.py, which checks the layout torch produced before using these. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -54,6 +57,8 @@ static void to_f32(const void *x, int64_t rows, int64_t k, int is_bf16, float *x
                 for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();                                  \
             for (int64_t i = 0; i < k; i += 16) {                                                             \
                 __m512 wv[J];                                                                                 \
+                if ((i & 63) == 0)                                                                            \
+                    for (int j = 0; j < J; j++) _mm_prefetch((const char *)(w + (o + J + j) * k + i), _MM_HINT_T0); \
                 for (int j = 0; j < J; j++)                                                                   \
                     wv[j] = _mm512_cvtepi32_ps(                                                               \
                         _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + (o + j) * k + i))));       \

@@ -6,16 +6,23 @@ packed int4 layout with ``scales_and_zeros``), so no second copy of a weight exi
 torch's CPU weight-only kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) are
 written for many rows; at one row they read the weight well below the memory bandwidth. Whether
 these kernels are faster is measured per weight shape on the machine that runs
-(:func:`choose`), at :data:`ROW_BUCKETS` rows, on the model's own quantized weights; a weight
-uses them up to the largest bucket where they were faster at every bucket up to it
-(``QuantizedWeight.gemv_rows``), and torch's kernel for more rows (prefill, big batches).
+(:func:`choose`), at :data:`ROW_BUCKETS` rows, on the model's own quantized weights, once per
+machine (cached like the linear layouts); a weight uses them up to the largest bucket where they
+were faster at every bucket up to it (``QuantizedWeight.gemv_rows``), and for more rows torch's
+kernel, or from ``dequant_rows`` rows on (prefill) a dequantized scratch copy of one layer's
+weight and one float GEMM, where that measured faster.
 """
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import torch
 
 from tpengine.kernels import cpu_native
+from tpengine.kernels.cpu_native import cache_root, cpu_id
+from tpengine.kernels.linear_layout import _read_cache, _write_cache
 
 #: The most rows one call takes.
 MAX_ROWS = 8
@@ -25,6 +32,7 @@ ROW_BUCKETS = (1, 4, 8)
 #: :data:`PREFILL_WEIGHTS` weights of a shape (a prefill GEMM is bound by arithmetic, not by memory).
 PREFILL_BUCKETS = (64, 512)
 PREFILL_WEIGHTS = 4
+CACHE_VERSION = 1
 _FLOAT = (torch.bfloat16, torch.float32)
 
 
@@ -178,51 +186,85 @@ def gemv_rows(torch_us: list[float], native_us: list[float]) -> int:
     return rows
 
 
-def choose(groups: dict[str, list]) -> dict[str, dict]:
-    """Time torch's kernel and these for each group of quantized weights of one shape and kind
-    (``groups``: a key such as ``"int4 g32 576->3072"`` -> its
-    :class:`~tpengine.layers.quantized.QuantizedWeight` modules, rotating over all of them so the
-    weights stream from memory), at :data:`ROW_BUCKETS` rows in the weights' dtype, and set each
-    module's ``gemv_rows`` (:func:`gemv_rows`); where the kind has a dequantize-then-GEMM path
-    (int4, int8 per channel), time it against torch's kernel at :data:`PREFILL_BUCKETS` rows and
-    set ``dequant_rows`` to the smallest bucket from which it was faster at every larger one (0:
-    never). Returns ``{key: {"torch": [us...], "tpengine": [us...], "gemv_rows": n, "prefill_torch":
-    [us...], "prefill_dequant": [us...], "dequant_rows": n}}``."""
+def cache_path(dtype: torch.dtype) -> Path:
+    """The timings file of :func:`choose` for this CPU (model and flags), torch version, thread
+    count and activation ``dtype`` (``$TPENGINE_CACHE_DIR``, as :mod:`tpengine.kernels.linear_layout`)."""
+    key = "\0".join(["quant", str(CACHE_VERSION), cpu_id(), torch.__version__, str(torch.get_num_threads()),
+                     str(dtype)])
+    return cache_root() / f"quant-kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _measure(mods: list) -> dict[str, list[float]]:
+    """Microseconds per call of torch's kernel and these at :data:`ROW_BUCKETS` rows (rotating over
+    ``mods``), and where the kind has a dequantize-then-GEMM path (int4, int8 per channel) of
+    torch's kernel and that path at :data:`PREFILL_BUCKETS` rows (on at most :data:`PREFILL_WEIGHTS`)."""
     from tpengine.kernels.linear_layout import _time_us
 
-    chosen = {}
-    for key, mods in sorted(groups.items()):
-        for m in mods:
-            m.dequant_rows = 0
-        times = {"torch": [], "tpengine": []}
-        for rows in ROW_BUCKETS:
-            x = torch.full((rows, mods[0].in_features), 0.01, dtype=mods[0].dtype)
-            for path, use in (("torch", 0), ("tpengine", MAX_ROWS)):
-                def call(m, use=use):
-                    m.gemv_rows = use
+    times: dict[str, list[float]] = {"torch": [], "tpengine": []}
+    for m in mods:
+        m.gemv_rows, m.dequant_rows = 0, 0
+    for rows in ROW_BUCKETS:
+        x = torch.full((rows, mods[0].in_features), 0.01, dtype=mods[0].dtype)
+        for path, use in (("torch", 0), ("tpengine", MAX_ROWS)):
+            def call(m, use=use):
+                m.gemv_rows = use
+                return m(x)
+            times[path].append(_time_us([lambda m=m: call(m) for m in mods]))
+    if getattr(mods[0], "group_size", None) is None or type(mods[0]).__name__ == "Int4Weight":
+        times["prefill_torch"], times["prefill_dequant"] = [], []
+        few = mods[:PREFILL_WEIGHTS]
+        for m in few:
+            m.gemv_rows = 0
+        for n in PREFILL_BUCKETS:
+            x = torch.full((n, mods[0].in_features), 0.01, dtype=mods[0].dtype)
+            for path, use in (("prefill_torch", 0), ("prefill_dequant", 1)):
+                def run(m, use=use):
+                    m.dequant_rows = use
                     return m(x)
-                times[path].append(_time_us([lambda m=m: call(m) for m in mods]))
-        rows = gemv_rows(times["torch"], times["tpengine"])
-        dequant = 0
-        if getattr(mods[0], "group_size", None) is None or type(mods[0]).__name__ == "Int4Weight":
-            times["prefill_torch"], times["prefill_dequant"] = [], []
-            few = mods[:PREFILL_WEIGHTS]
-            for m in few:
-                m.gemv_rows = 0
-            for n in PREFILL_BUCKETS:
-                x = torch.full((n, mods[0].in_features), 0.01, dtype=mods[0].dtype)
-                for path, use in (("prefill_torch", 0), ("prefill_dequant", 1)):
-                    def run(m, use=use):
-                        m.dequant_rows = use
-                        return m(x)
-                    times[path].append(_time_us([lambda m=m: run(m) for m in few], passes=2))
-            for n, t, d in reversed(list(zip(PREFILL_BUCKETS, times["prefill_torch"], times["prefill_dequant"]))):
-                if d >= t:
-                    break
-                dequant = n
+                times[path].append(_time_us([lambda m=m: run(m) for m in few], passes=2))
+    return times
+
+
+def dequant_rows(times: dict[str, list[float]]) -> int:
+    """The smallest of :data:`PREFILL_BUCKETS` from which dequantize + GEMM was faster than torch's
+    kernel at every larger bucket (0: never, or not measured)."""
+    rows = 0
+    for n, t, d in reversed(list(zip(PREFILL_BUCKETS, times.get("prefill_torch", ()),
+                                     times.get("prefill_dequant", ())))):
+        if d >= t:
+            break
+        rows = n
+    return rows
+
+
+def choose(groups: dict[str, list], rank: int = 0) -> dict[str, dict]:
+    """For each group of quantized weights of one shape and kind (``groups``: a key such as ``"int4
+    g32 576->3072"`` -> its :class:`~tpengine.layers.quantized.QuantizedWeight` modules), time
+    torch's kernels and these (:func:`_measure`, on the modules themselves, rotating over all of them
+    so the weights stream from memory) or read the timings this ``rank`` cached for that key
+    (:func:`cache_path`: the first measurement on a machine is kept, so every later load chooses
+    the same kernels and gives the same bits), and set each module's ``gemv_rows``
+    (:func:`gemv_rows`) and ``dequant_rows`` (:func:`dequant_rows`). Returns ``{key: {"torch":
+    [us...], "tpengine": [us...], ..., "gemv_rows": n, "dequant_rows": n, "how": "measured" |
+    "cached"}}``."""
+    if not groups:
+        return {}
+    path = cache_path(next(iter(groups.values()))[0].dtype)
+    cache = _read_cache(path)
+    chosen, new = {}, {}
+    for key, mods in sorted(groups.items()):
+        ckey = f"{key} rank {rank}"
+        times, how = cache.get(ckey), "cached"
+        if not (isinstance(times, dict) and all(len(times.get(k) or ()) == len(ROW_BUCKETS) for k in ("torch",
+                                                                                                    "tpengine"))):
+            times, how = _measure(mods), "measured"
+            new[ckey] = times
+        rows, deq = gemv_rows(times["torch"], times["tpengine"]), dequant_rows(times)
         for m in mods:
-            m.gemv_rows, m.dequant_rows = rows, dequant
-        chosen[key] = {**times, "gemv_rows": rows, "dequant_rows": dequant}
+            m.gemv_rows, m.dequant_rows = rows, deq
+        chosen[key] = {**times, "gemv_rows": rows, "dequant_rows": deq, "how": how}
+    if new:  # merged into what is there now (another rank may have written meanwhile); first one kept
+        _write_cache(path, {**new, **_read_cache(path)})
     return chosen
 
 

@@ -237,8 +237,10 @@ class Int8Weight(QuantizedWeight):
         return cpu_native.load() is not None and (self.group_size is None or int4_layout_ok(self._layout))
 
     def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        if self.group_size is not None or not self.gemv_rows:
+        if self.group_size is not None:
             return self.forward
+        if not self.gemv_rows:
+            return self._many
         native, limit, many = cpu_qgemv.bind_int8(self.qweight, self.scales), self.gemv_rows, self._many
         return lambda x: native(x) if x.shape[0] <= limit else many(x)
 
@@ -304,7 +306,7 @@ class Int4Weight(QuantizedWeight):
 
     def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
         if not self.gemv_rows:
-            return self.forward
+            return self._many
         native = cpu_qgemv.bind_int4(self.packed, self.scales_and_zeros, self.group_size, self.out_features)
         limit, many = self.gemv_rows, self._many
         return lambda x: native(x) if x.shape[0] <= limit else many(x)
