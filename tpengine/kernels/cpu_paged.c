@@ -56,6 +56,46 @@ static int64_t check(const int64_t *slots, const int64_t *block_tables, int64_t 
     return -1;
 }
 
+/* Prefetch the cache lines of one row of n bytes: the K/V rows of a sequence sit in blocks anywhere
+ * in the cache, at a stride of all KV heads, which the hardware prefetcher does not follow. */
+static inline void prefetch_row(const void *p, int64_t n) {
+    for (int64_t o = 0; o < n; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T1);
+}
+#define VAHEAD 16 /* value rows prefetched ahead: one group of keys' worth, as for the keys */
+
+/* The 16 horizontal sums of a[0..15], lane l = sum of a[l]'s 16 lanes: a transpose-and-add tree
+ * (pairs of floats, pairs of pairs, then 128-bit quarters), 15 adds instead of 16 full reductions. */
+static inline __m512 sum16(const __m512 *a) {
+    __m512 w[8], x[4], y[2];
+    for (int k = 0; k < 8; k++)
+        w[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+    for (int k = 0; k < 4; k++)
+        x[k] = _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(w[2 * k]), _mm512_castps_pd(w[2 * k + 1]))),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(w[2 * k]), _mm512_castps_pd(w[2 * k + 1]))));
+    for (int k = 0; k < 2; k++)
+        y[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+}
+
+/* sum_u p[j][u] * v[u] for each of the g query heads (NV 16-lane vectors of the head), p[j] = sc + j * L,
+ * v[u] = vptr[u]; each head's sum runs over u in order (the values are read again from cache for the
+ * next head); the first head's pass prefetches the value rows VAHEAD ahead. */
+#define PV_HEADS(T, LD, ST, NV)                                                                                  \
+    for (int64_t j = 0; j < g; j++) {                                                                          \
+        __m512 a[MAX_D / 16];                                                                                  \
+        for (int64_t i = 0; i < (NV); i++) a[i] = _mm512_setzero_ps();                                         \
+        const float *pj = sc + j * L;                                                                          \
+        for (int64_t u = 0; u < L; u++) {                                                                      \
+            if (j == 0 && u + VAHEAD < L) prefetch_row(vptr[u + VAHEAD], pfn);             \
+            const __m512 pu = _mm512_set1_ps(pj[u]);                                                          \
+            const T *vt = vptr[u];                                                                             \
+            for (int64_t i = 0; i < (NV); i++) a[i] = _mm512_fmadd_ps(pu, LD(vt + i * 16), a[i]);              \
+        }                                                                                                      \
+        for (int64_t i = 0; i < (NV); i++) ST(out + (b * hq + heads[j]) * d + i * 16, a[i]);                   \
+    }
+
 /* One dtype's kernel. LD(p): 16 elements -> __m512; ST(p, x): store 16 rounded; RND(x): x rounded
  * to the dtype, back as float32; T: the element type. */
 #define PAGED_DECODE(NAME, T, LD, ST, RND)                                                                         \
@@ -90,12 +130,20 @@ static int64_t check(const int64_t *slots, const int64_t *block_tables, int64_t 
             }                                                                                                       \
         }                                                                                                           \
         int64_t work = 0;                                                                                           \
+        /* many sequences: one item per sequence (its K/V rows read whole, every head); few: per (b, KV head) */    \
+        const int whole = B >= 4 * nthreads;                                                                        \
+        const int64_t items = whole ? B : B * hkv;                                                                  \
         for (int64_t b = 0; b < B; b++) work += lens[b];                                                            \
         _Pragma("omp parallel num_threads(nthreads) if (work * hq * d >= 32768)") {                               \
             float *sc = NULL;                                                                                       \
+            const T **vptr = NULL;                                                                                  \
             int64_t cap = 0;                                                                                        \
-            _Pragma("omp for schedule(dynamic, 1)") for (int64_t bk = 0; bk < B * hkv; bk++) {                   \
-                const int64_t b = bk / hkv, kv = bk % hkv, L = lens[b];                                             \
+            _Pragma("omp for schedule(dynamic, 1)") for (int64_t it = 0; it < items; it++) {                        \
+              const int64_t b = whole ? it : it / hkv, kv0 = whole ? 0 : it % hkv;                                  \
+              for (int64_t kv = kv0; kv < (whole ? hkv : kv0 + 1); kv++) {                                          \
+                const int64_t L = lens[b];                                                                          \
+                /* whole rows (every KV head) are fetched with the first head: contiguous in a block */             \
+                const int64_t pfn = (whole && kv == 0 ? row : d) * (int64_t)sizeof(T);                              \
                 int64_t heads[MAX_G], g = 0;                                                                        \
                 for (int64_t h = 0; h < hq && g < MAX_G; h++)                                                       \
                     if (q_to_kv[h] == kv) heads[g++] = h;                                                           \
@@ -108,6 +156,8 @@ static int64_t check(const int64_t *slots, const int64_t *block_tables, int64_t 
                     free(sc);                                                                                       \
                     cap = L * g + 64;                                                                               \
                     sc = (float *)malloc((size_t)cap * sizeof(float));                                              \
+                    free(vptr);                                                                                     \
+                    vptr = (const T **)malloc((size_t)cap * sizeof(*vptr));                                         \
                 }                                                                                                   \
                 const int64_t *bt = block_tables + b * max_blocks;                                                  \
                 const int64_t nv = d / 16;                                                                          \
@@ -117,16 +167,45 @@ static int64_t check(const int64_t *slots, const int64_t *block_tables, int64_t 
                     for (int64_t i = 0; i < nv; i++) qv[j][i] = LD(q + b * q_stride + heads[j] * d + i * 16);       \
                     mx[j] = -INFINITY;                                                                              \
                 }                                                                                                   \
-                for (int64_t t = 0; t < L; t++) { /* each key row read once for the g query heads */               \
-                    const T *kt = k_cache + (bt[t / bs] * bs + t % bs) * row + kv * d;                              \
+                const __m512 vscale = _mm512_set1_ps(scale);                                                \
+                __m512 mxv[MAX_G];                                                                          \
+                for (int64_t j = 0; j < g; j++) mxv[j] = _mm512_set1_ps(-INFINITY);                        \
+                int64_t kb = 0, ko = 0; /* the next key's block-table index and offset in its block */      \
+                int64_t pt = 0, pb = 0, po = 0; /* the prefetch cursor, 16 keys ahead after the first group */ \
+                for (; pt < 16 && pt < L; pt++) {                                                           \
+                    prefetch_row(k_cache + (bt[pb] * bs + po) * row + kv * d, pfn);      \
+                    if (++po == bs) po = 0, pb++;                                                           \
+                }                                                                                           \
+                for (int64_t t0 = 0; t0 < L; t0 += 16) { /* 16 keys at a time, each read from memory once */ \
+                    const int64_t nk = L - t0 < 16 ? L - t0 : 16;                                           \
+                    const __mmask16 m = nk == 16 ? (__mmask16)0xffff : (__mmask16)((1u << nk) - 1);        \
+                    const T *kp[16];                                                                        \
+                    for (int64_t kk = 0; kk < nk; kk++) { /* no division: walk (block, offset) */           \
+                        kp[kk] = k_cache + (bt[kb] * bs + ko) * row + kv * d;                               \
+                        if (++ko == bs) ko = 0, kb++;                                                       \
+                    }                                                                                       \
+                    for (int64_t kk = 0; kk < 16 && pt < L; kk++, pt++) { /* the next 16 keys: prefetch */  \
+                        prefetch_row(k_cache + (bt[pb] * bs + po) * row + kv * d, pfn);  \
+                        if (++po == bs) po = 0, pb++;                                                       \
+                    }                                                                                       \
+                    for (int64_t kk = nk; kk < 16; kk++) kp[kk] = kp[0];                                    \
+                    __m512 a[MAX_G][16];                                                                            \
+                    for (int64_t kk = 0; kk < 16; kk++) { /* each key row loaded (and widened) once */              \
+                        __m512 kr[MAX_D / 16];                                                                      \
+                        for (int64_t i = 0; i < nv; i++) kr[i] = LD(kp[kk] + i * 16);                               \
+                        for (int64_t j = 0; j < g; j++) {                                                           \
+                            __m512 acc = _mm512_mul_ps(qv[j][0], kr[0]);                                            \
+                            for (int64_t i = 1; i < nv; i++) acc = _mm512_fmadd_ps(qv[j][i], kr[i], acc);           \
+                            a[j][kk] = acc;                                                                         \
+                        }                                                                                           \
+                    }                                                                                               \
                     for (int64_t j = 0; j < g; j++) {                                                               \
-                        __m512 acc = _mm512_mul_ps(qv[j][0], LD(kt));                                               \
-                        for (int64_t i = 1; i < nv; i++) acc = _mm512_fmadd_ps(qv[j][i], LD(kt + i * 16), acc);     \
-                        const float s = _mm512_cvtss_f32(RND(_mm512_set1_ps(_mm512_reduce_add_ps(acc)))) * scale;   \
-                        sc[j * L + t] = s;                                                                          \
-                        mx[j] = s > mx[j] ? s : mx[j];                                                              \
+                        const __m512 sv = _mm512_mul_ps(RND(sum16(a[j])), vscale);                                  \
+                        _mm512_mask_storeu_ps(sc + j * L + t0, m, sv);                                              \
+                        mxv[j] = _mm512_mask_max_ps(mxv[j], m, mxv[j], sv);                                         \
                     }                                                                                               \
                 }                                                                                                   \
+                for (int64_t j = 0; j < g; j++) mx[j] = _mm512_reduce_max_ps(mxv[j]);                       \
                 for (int64_t j = 0; j < g; j++) { /* softmax, then p rounded as the dtype rounds it */             \
                     float *sj = sc + j * L;                                                                         \
                     __m512 sum = _mm512_setzero_ps();                                                               \
@@ -148,21 +227,22 @@ static int64_t check(const int64_t *slots, const int64_t *block_tables, int64_t 
                         _mm512_storeu_ps(sj + t, RND(_mm512_mul_ps(_mm512_loadu_ps(sj + t), inv)));                 \
                     for (; t < L; t++) sj[t] = _mm512_cvtss_f32(RND(_mm512_set1_ps(sj[t] * _mm512_cvtss_f32(inv)))); \
                 }                                                                                                   \
-                __m512 acc[MAX_G][MAX_D / 16];                                                                      \
-                for (int64_t j = 0; j < g; j++)                                                                     \
-                    for (int64_t i = 0; i < nv; i++) acc[j][i] = _mm512_setzero_ps();                               \
-                for (int64_t u = 0; u < L; u++) { /* each value row read once */                                   \
-                    const T *vt = v_cache + (bt[u / bs] * bs + u % bs) * row + kv * d;                              \
-                    for (int64_t i = 0; i < nv; i++) {                                                              \
-                        const __m512 vv = LD(vt + i * 16);                                                          \
-                        for (int64_t j = 0; j < g; j++)                                                             \
-                            acc[j][i] = _mm512_fmadd_ps(_mm512_set1_ps(sc[j * L + u]), vv, acc[j][i]);              \
-                    }                                                                                               \
+                for (int64_t u = 0, vb = 0, vo = 0; u < L; u++) { /* the value rows, walked once */                 \
+                    vptr[u] = v_cache + (bt[vb] * bs + vo) * row + kv * d;                                          \
+                    if (++vo == bs) vo = 0, vb++;                                                                   \
                 }                                                                                                   \
-                for (int64_t j = 0; j < g; j++)                                                                     \
-                    for (int64_t i = 0; i < nv; i++) ST(out + (b * hq + heads[j]) * d + i * 16, acc[j][i]);         \
+                for (int64_t u = 0; u < VAHEAD && u < L; u++) prefetch_row(vptr[u], pfn);        \
+                switch (nv) { /* the head size as a constant: the accumulators stay in registers */                 \
+                case 2: PV_HEADS(T, LD, ST, 2) break;                                                               \
+                case 4: PV_HEADS(T, LD, ST, 4) break;                                                               \
+                case 8: PV_HEADS(T, LD, ST, 8) break;                                                               \
+                case 16: PV_HEADS(T, LD, ST, 16) break;                                                             \
+                default: PV_HEADS(T, LD, ST, nv) break;                                                             \
+                }                                                                                                   \
+              }                                                                                                     \
             }                                                                                                       \
             free(sc);                                                                                               \
+            free(vptr);                                                                                             \
         }                                                                                                           \
         return -1;                                                                                                  \
     }
