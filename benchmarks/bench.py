@@ -169,9 +169,9 @@ def run_dtype(dtype: str, systems: list[str], model: str, cores: int, prompts, l
 @app.command()
 def main(
     model: Annotated[str, typer.Option(help="HF model folder")] = DEFAULT_MODEL_DIR,
-    num_prompts: Annotated[int, typer.Option(help="throughput: number of requests")] = 32,
+    num_prompts: Annotated[int, typer.Option(help="throughput: number of requests")] = 64,
     input_len: Annotated[int, typer.Option(help="throughput: prompt tokens per request")] = 128,
-    output_len: Annotated[int, typer.Option(help="throughput: output tokens per request")] = 64,
+    output_len: Annotated[int, typer.Option(help="throughput: output tokens per request")] = 128,
     latency_input_len: Annotated[int, typer.Option(help="latency: prompt tokens")] = 128,
     latency_output_len: Annotated[int, typer.Option(help="latency: output tokens (>= 2)")] = 64,
     dtype: Annotated[list[str], typer.Option(help="repeat for several; each against HF in the same dtype")] = None,

@@ -23,7 +23,11 @@
  * Every slot, length and block id is checked before anything is written: returns -1, or the first
  * bad b (a slot), B + b (a length beyond the block table), 2B + b (a block id out of range) or 3B
  * (q_to_kv naming a KV head out of range, or more than MAX_G query heads on one KV head). Each KV
- * head's query heads are attended together, so every key and value row is read once per step. */
+ * head's query heads are attended together, so every key and value row is read from memory once
+ * per step: the scores of 16 keys at a time (reduced together, sum16), the block table walked
+ * without divisions, the next rows prefetched (a sequence's rows sit in blocks anywhere in the
+ * cache); with many sequences (B >= 4 threads) a work item is one sequence, its rows read whole
+ * (every KV head), else one (sequence, KV head). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
