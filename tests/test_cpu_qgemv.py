@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from tpengine.kernels import cpu_native, cpu_qgemv
+from tpengine.layers.quant_apply import quantize_weight
 from tpengine.layers.quant_math import int4_pack_layout
-from tpengine.layers.quantized import Int4Weight, Int8Weight, QuantScheme, quantize_weight
+from tpengine.layers.quantized import Int4Weight, Int8Weight, QuantScheme
 
 pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="CPU C kernels unavailable here")
 SCHEMES = [("int8", None), ("int8", 32), ("int4", 32), ("int4", 128)]

@@ -12,6 +12,7 @@ from launch import run_engine_jobs
 from tpengine.config import EngineConfig
 from tpengine.errors import UserError
 from tpengine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tpengine.layers.quant_apply import quantize_linear
 from tpengine.layers.quantized import (
     QuantScheme,
     check_quantization,
@@ -19,7 +20,6 @@ from tpengine.layers.quantized import (
     dequantize_int8,
     quantize_int4,
     quantize_int8,
-    quantize_linear,
 )
 
 

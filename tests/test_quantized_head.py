@@ -11,6 +11,7 @@ from conftest import make_tiny_model
 
 from tpengine.distributed import TPInfo
 from tpengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tpengine.layers.quant_apply import quantize_linear, quantize_weight
 from tpengine.layers.quantized import (
     Int8Weight,
     QuantScheme,
@@ -21,8 +22,6 @@ from tpengine.layers.quantized import (
     int4_pack_layout,
     quantize_int4,
     quantize_int8,
-    quantize_linear,
-    quantize_weight,
 )
 from tpengine.loader import load_model
 

@@ -27,7 +27,8 @@ from tpengine.kernels import cpu_gemv, cpu_qgemv
 from tpengine.kernels.linear_layout import choose_layouts
 from tpengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpengine.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
-from tpengine.layers.quantized import QuantizedWeight, QuantScheme, check_quantization, quantize_linear
+from tpengine.layers.quant_apply import quantize_linear
+from tpengine.layers.quantized import QuantizedWeight, QuantScheme, check_quantization
 from tpengine.plan import ShardPlan
 from tpengine.quant_checkpoint import PARTS, QuantEntry, is_linear_weight, part_name, part_of, part_slice, read_table
 from tpengine.quant_load import QuantParts, check_stored_quantization
@@ -121,7 +122,7 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
     is replaced by its oneDNN layout as soon as all its parts are in (a tied LM head keeps the
     embedding's plain rows).
     With ``quant``, each column/row-parallel linear's weight is instead quantized as soon as
-    its parts are in (:func:`tpengine.layers.quantized.quantize_linear`, ``reduce_max`` the
+    its parts are in (:func:`tpengine.layers.quant_apply.quantize_linear`, ``reduce_max`` the
     all-reduce MAX of int8's row absmax; never packed), and its float weight dropped.
     ``stored`` (a quantized folder's table, weight name -> entry): each listed weight is read
     from its stored parts (:mod:`tpengine.quant_checkpoint`; this rank's slice per the format's

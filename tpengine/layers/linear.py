@@ -54,7 +54,7 @@ class _Packable(nn.Module):
     layer never holds its weight twice. ``in_features`` and ``out_features`` keep the shape.
     With ``--quantization``, ``quant`` holds the weight instead (a
     :class:`~tpengine.layers.quantized.QuantizedWeight`, set by
-    :func:`~tpengine.layers.quantized.quantize_linear`; such a layer is not packed)."""
+    :func:`~tpengine.layers.quant_apply.quantize_linear`; such a layer is not packed)."""
 
     packed: torch.Tensor | None = None
     gemv_rows = 0  # up to this many rows, the bfloat16 GEMV kernel (set by the loader where it measured faster)

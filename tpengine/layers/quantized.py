@@ -2,7 +2,8 @@
 vocabulary-parallel embedding and the LM head.
 
 The loader quantizes each column/row-parallel linear's weight, and the embedding's and LM head's
-vocabulary rows, as soon as this rank's float slice of it is in (:func:`quantize_linear`), and
+vocabulary rows, as soon as this rank's float slice of it is in
+(:func:`tpengine.layers.quant_apply.quantize_linear`), and
 drops the float weight: only the weight being converted is ever held in both forms. Activations
 stay in the model dtype (float32, bfloat16 or float16). Every :class:`QuantizedWeight` multiplies
 (``forward``) and hands out dequantized rows (``rows``, the embedding lookup: the same stored
@@ -54,7 +55,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpengine.config import QUANTIZATIONS  # the values of EngineConfig.quantization besides None
-from tpengine.errors import UserError
 from tpengine.kernels import cpu_native, cpu_qgemv
 from tpengine.kernels.cpu_qgemv import int4_layout_ok
 from tpengine.layers.quant_math import (  # noqa: F401 (the arithmetic; re-exported for callers and tests)
@@ -72,8 +72,7 @@ from tpengine.layers.quant_math import (  # noqa: F401 (the arithmetic; re-expor
 )
 from tpengine.layers.quant_tp import check_quantization  # noqa: F401 (re-exported)
 
-__all__ = ["QUANTIZATIONS", "Int4Weight", "Int8Weight", "QuantScheme", "QuantizedWeight", "check_quantization",
-           "quantize_linear"]
+__all__ = ["QUANTIZATIONS", "Int4Weight", "Int8Weight", "QuantScheme", "QuantizedWeight", "check_quantization"]
 #: Group size of ``--quantization int4`` (input columns per scale/zero).
 INT4_GROUP_SIZE = 32
 #: Group size of the embedding / LM head under ``--quantization int4`` (see docs/design.md).
@@ -121,7 +120,7 @@ class QuantizedWeight(nn.Module):
     an embedding / LM head): ``forward(x [..., in]) -> [..., out]`` in ``x``'s dtype (the model
     dtype its scales are stored in); ``rows(ids [...]) -> [..., in]``, the dequantized rows
     ``ids`` in that dtype (an embedding lookup); ``dequantize()``, the whole float32 weight;
-    ``nbytes``, the bytes held. Built by :func:`quantize_weight`; CPU only."""
+    ``nbytes``, the bytes held. Built by :func:`tpengine.layers.quant_apply.quantize_weight`; CPU only."""
 
     out_features: int
     in_features: int
@@ -330,47 +329,3 @@ class Int4Weight(QuantizedWeight):
         q = _int4_values(self.packed, self._layout, ids, self.in_features)
         sz = self.scales_and_zeros[:, ids].transpose(0, 1)  # [M, groups, 2]
         return _group_dequant(q - 8, sz[..., 0], sz[..., 1])
-
-
-def quantize_weight(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype,
-                    absmax: torch.Tensor | None = None) -> QuantizedWeight:
-    """``w [out, in]`` as ``scheme``'s storage, scales in ``dtype``; ``absmax [out]``: int8's full
-    rows' absolute max (per channel only, see :func:`quantize_int8`).
-
-    Raises:
-        UserError: ``w`` not on the CPU (the kernels are torch's CPU ones).
-    """
-    if w.device.type != "cpu":
-        raise UserError(f"--quantization {scheme.name} runs on the CPU only; the weights are on {w.device}")
-    if scheme.name == "int8":
-        return Int8Weight(*quantize_int8(w, dtype, absmax, scheme.group_size), scheme.group_size)
-    return Int4Weight(*quantize_int4(w, scheme.group_size, dtype), scheme.group_size)
-
-
-def quantize_linear(layer: nn.Module, scheme: QuantScheme,
-                    reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-    """Replace the loaded float ``layer.weight [out, in]`` of a column/row-parallel linear, a
-    :class:`~tpengine.layers.embedding.VocabParallelEmbedding` or a
-    :class:`~tpengine.layers.embedding.ParallelLMHead` (this rank's vocabulary rows) by its
-    quantized storage ``layer.quant`` (``weight`` becomes None). For a
-    :class:`~tpengine.layers.linear.RowParallelLinear` under per-channel int8, ``reduce_max``
-    (an all-reduce MAX over the tp ranks, in place) turns the slice's row absmax into the full rows'.
-    A vocabulary layer's padding rows get scale (and zero) 0, as a stored folder holds them.
-
-    Raises:
-        UserError: see :func:`quantize_weight`.
-    """
-    from tpengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-    from tpengine.layers.linear import RowParallelLinear
-
-    w = layer.weight.data
-    absmax = None
-    if (scheme.name == "int8" and scheme.group_size is None and isinstance(layer, RowParallelLinear)
-            and reduce_max is not None):
-        absmax = reduce_max(w.float().abs().amax(dim=1))
-    layer.quant = quantize_weight(w, scheme, w.dtype, absmax)
-    layer.weight = None
-    if isinstance(layer, (VocabParallelEmbedding, ParallelLMHead)):  # padding rows: scale 0, as stored
-        layer.quant.zero_rows_from(max(0, layer.vocab_size - layer.vocab_start))
-    if isinstance(layer, VocabParallelEmbedding):
-        layer.quant.prepare_rows()  # at load, not in the first step
