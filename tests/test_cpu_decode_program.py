@@ -27,6 +27,12 @@ def llama(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("program"), seed=4, **SHAPE)
 
 
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """q/k/v biases (column-parallel, added by the GEMM) and random norm weights."""
+    return make_tiny_model(tmp_path_factory.mktemp("program-qwen2"), "qwen2", seed=5, random_biases=True, **SHAPE)
+
+
 class Counting:
     """The runner's program, counting the steps it ran."""
 
@@ -46,10 +52,13 @@ def run(engine: LLMEngine, prompts: list[list[int]]) -> list[tuple]:
              [sorted((k, v.logprob) for k, v in pos.items()) for pos in o.outputs[0].logprobs]) for o in outs]
 
 
-@pytest.mark.parametrize("dtype, quantization", [("float32", None), ("bfloat16", None), ("float32", "int8"),
-                                                 ("bfloat16", "int8"), ("bfloat16", "int4")])
-def test_program_equals_the_model_forward(llama, dtype, quantization):
-    engine = LLMEngine(EngineConfig(model=str(llama), dtype=dtype, quantization=quantization,
+@pytest.mark.parametrize("arch, dtype, quantization", [
+    ("llama", "float32", None), ("llama", "bfloat16", None), ("llama", "float32", "int8"),
+    ("llama", "bfloat16", "int8"), ("llama", "bfloat16", "int4"), ("qwen2", "float32", None),
+    ("qwen2", "bfloat16", "int4")])
+def test_program_equals_the_model_forward(request, arch, dtype, quantization):
+    model = request.getfixturevalue(arch)
+    engine = LLMEngine(EngineConfig(model=str(model), dtype=dtype, quantization=quantization,
                                     enable_prefix_caching=False, **BASE))
     runner = engine.runner
     assert runner.decode_program is not None
