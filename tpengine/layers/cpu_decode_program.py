@@ -115,6 +115,7 @@ def _attention(attn: FusedAttention, dtype: torch.dtype):
     def run(qkv: torch.Tensor, step: _Step) -> torch.Tensor:
         if attn.k_cache is not k_cache:
             raise RuntimeError("decode program: the layer's KV cache was replaced after the program was built")
+        qkv = qkv.contiguous()  # (a linear's output is; a padded quantized one is cut to width)
         b = qkv.shape[0]
         out = torch.empty(b, hq * d, dtype=dtype)
         p = qkv.data_ptr()
