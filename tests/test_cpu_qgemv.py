@@ -95,3 +95,24 @@ def test_choose_sets_every_weight_of_a_shape():
     assert line.startswith("int4 g32 128->192 ") and "; int8 per channel 128->192 " in line
     assert " at 1/4/8 rows)" in line and " at 64/512 rows)" in line
     assert isinstance(mods[0], Int4Weight) and isinstance(per_channel[0], Int8Weight)
+
+
+def test_cached_choices_are_reused_and_bad_entries_measured_again(tmp_path, monkeypatch):
+    """The first measurement of a shape is cached per rank and reused by the next load; an entry
+    someone broke is measured again (never a crash at load)."""
+    import json
+
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    mods = [weight("int4", 32, (96, 64), torch.float32, seed=i) for i in range(2)]
+    first = cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=1)
+    assert first["int4 g32 64->96"]["how"] == "measured"
+    path = cpu_qgemv.cache_path(torch.float32)
+    cached = json.loads(path.read_text())
+    assert list(cached) == ["int4 g32 64->96 rank 1"]
+    again = cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=1)["int4 g32 64->96"]
+    assert again["how"] == "cached" and again["torch"] == first["int4 g32 64->96"]["torch"]
+    path.write_text(json.dumps({"int4 g32 64->96 rank 1": {"torch": ["x", 1, 2], "tpengine": [1, 2, 3]}}))
+    assert cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=1)["int4 g32 64->96"]["how"] == "measured"
+    assert cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=1)["int4 g32 64->96"]["how"] == "cached"  # replaced
+    path.write_text("not json")
+    assert cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=1)["int4 g32 64->96"]["how"] == "measured"

@@ -237,6 +237,16 @@ def dequant_rows(times: dict[str, list[float]]) -> int:
     return rows
 
 
+def _valid(times) -> bool:
+    """Whether cached ``times`` have the shape :func:`_measure` writes (numbers at every bucket)."""
+    def numbers(v, n):
+        return isinstance(v, list) and len(v) == n and all(isinstance(t, (int, float)) for t in v)
+    return (isinstance(times, dict) and numbers(times.get("torch"), len(ROW_BUCKETS))
+            and numbers(times.get("tpengine"), len(ROW_BUCKETS))
+            and all(numbers(times[k], len(PREFILL_BUCKETS)) for k in ("prefill_torch", "prefill_dequant")
+                    if k in times))
+
+
 def choose(groups: dict[str, list], rank: int = 0) -> dict[str, dict]:
     """For each group of quantized weights of one shape and kind (``groups``: a key such as ``"int4
     g32 576->3072"`` -> its :class:`~tpengine.layers.quantized.QuantizedWeight` modules), time
@@ -255,8 +265,7 @@ def choose(groups: dict[str, list], rank: int = 0) -> dict[str, dict]:
     for key, mods in sorted(groups.items()):
         ckey = f"{key} rank {rank}"
         times, how = cache.get(ckey), "cached"
-        if not (isinstance(times, dict) and all(len(times.get(k) or ()) == len(ROW_BUCKETS) for k in ("torch",
-                                                                                                    "tpengine"))):
+        if not _valid(times):  # absent, or a file someone edited: measure again
             times, how = _measure(mods), "measured"
             new[ckey] = times
         rows, deq = gemv_rows(times["torch"], times["tpengine"]), dequant_rows(times)
@@ -264,7 +273,7 @@ def choose(groups: dict[str, list], rank: int = 0) -> dict[str, dict]:
             m.gemv_rows, m.dequant_rows = rows, deq
         chosen[key] = {**times, "gemv_rows": rows, "dequant_rows": deq, "how": how}
     if new:  # merged into what is there now (another rank may have written meanwhile); first one kept
-        _write_cache(path, {**new, **_read_cache(path)})
+        _write_cache(path, {**new, **{k: v for k, v in _read_cache(path).items() if _valid(v)}})
     return chosen
 
 
