@@ -14,108 +14,28 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
-#define GEMV_ROWS(R, J)                                                                                             \
-    static void gemv_##R(const uint16_t *x, int64_t k, const uint16_t *w, int64_t o0, int64_t o1, uint16_t *y,   \
-                         int64_t n) {                                                                             \
-        int64_t o = o0;                                                                                           \
-        for (; o + J <= o1; o += J) {                                                                             \
-            __m512 acc[R][J];                                                                                     \
-            for (int r = 0; r < R; r++)                                                                           \
-                for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();                                      \
-            for (int64_t i = 0; i < k; i += 32) {                                                                 \
-                __m512bh wv[J];                                                                                   \
-                if ((i & 31) == 0)                                                                                \
-                    for (int j = 0; j < J; j++) _mm_prefetch((const char *)(w + (o + J + j) * k + i), _MM_HINT_T0); \
-                for (int j = 0; j < J; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + (o + j) * k + i);            \
-                for (int r = 0; r < R; r++) {                                                                     \
-                    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * k + i);                              \
-                    for (int j = 0; j < J; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);               \
-                }                                                                                                 \
-            }                                                                                                     \
-            for (int r = 0; r < R; r++)                                                                           \
-                for (int j = 0; j < J; j++) y[r * n + o + j] = f2bf(_mm512_reduce_add_ps(acc[r][j]));             \
-        }                                                                                                         \
-        for (; o < o1; o++) {                                                                                     \
-            __m512 acc[R];                                                                                        \
-            for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                             \
-            for (int64_t i = 0; i < k; i += 32) {                                                                 \
-                const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + o * k + i);                                  \
-                for (int r = 0; r < R; r++)                                                                       \
-                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(x + r * k + i), wv);           \
-            }                                                                                                     \
-            for (int r = 0; r < R; r++) y[r * n + o] = f2bf(_mm512_reduce_add_ps(acc[r]));                        \
-        }                                                                                                         \
-    }
+#include "gemv.h"
 
-GEMV_ROWS(1, 4)
-GEMV_ROWS(2, 4)
-GEMV_ROWS(4, 4)
-GEMV_ROWS(8, 2)
+static inline __m512bh ld_bh(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
+static inline __m512 mac_bh(__m512 acc, __m512bh x, __m512bh w) { return _mm512_dpbf16_ps(acc, x, w); }
+static inline __m512 mac_ps(__m512 acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
+static inline float same(float f) { return f; }
 
-/* x [rows, k], w [n, k], y [rows, n]; rows in 1..8 (8 at once against 2 weight rows, else 4, 2 and 1
- * at a time against 4 weight rows). */
+TPE_GEMV_FAMILY(gemv_bf16, uint16_t, uint16_t, uint16_t, 32, __m512bh, ld_bh, ld_bh, mac_bh, f2bf)
+TPE_GEMV_FAMILY(gemv_f32, float, float, float, 16, __m512, _mm512_loadu_ps, _mm512_loadu_ps, mac_ps, same)
+
+/* x [rows, k], w [n, k], y [rows, n]; rows in 1..8 (bfloat16: k % 32 == 0; float32: k % 16 == 0). */
 void tpe_gemv_bf16(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t n, uint16_t *y,
                    int nthreads) {
-    const int64_t chunk = ((n + nthreads - 1) / nthreads + 3) / 4 * 4; /* whole groups of 4 rows per thread */
+    const int64_t chunk = tpe_gemv_chunk(n, nthreads);
 #pragma omp parallel for schedule(static, 1) num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)
-    for (int64_t o0 = 0; o0 < n; o0 += chunk) {
-        const int64_t o1 = o0 + chunk < n ? o0 + chunk : n;
-        int64_t r = 0;
-        for (; r + 8 <= rows; r += 8) gemv_8(x + r * k, k, w, o0, o1, y + r * n, n);
-        for (; r + 4 <= rows; r += 4) gemv_4(x + r * k, k, w, o0, o1, y + r * n, n);
-        for (; r + 2 <= rows; r += 2) gemv_2(x + r * k, k, w, o0, o1, y + r * n, n);
-        for (; r < rows; r++) gemv_1(x + r * k, k, w, o0, o1, y + r * n, n);
-    }
+    for (int64_t o0 = 0; o0 < n; o0 += chunk) gemv_bf16_rows(x, rows, k, w, o0, o0 + chunk < n ? o0 + chunk : n, y, n);
 }
 
-#define GEMV_F32_ROWS(R, J)                                                                                         \
-    static void gemv_f32_##R(const float *x, int64_t k, const float *w, int64_t o0, int64_t o1, float *y,       \
-                             int64_t n) {                                                                         \
-        int64_t o = o0;                                                                                           \
-        for (; o + J <= o1; o += J) {                                                                             \
-            __m512 acc[R][J];                                                                                     \
-            for (int r = 0; r < R; r++)                                                                           \
-                for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();                                      \
-            for (int64_t i = 0; i < k; i += 16) {                                                                 \
-                __m512 wv[J];                                                                                     \
-                for (int j = 0; j < J; j++) _mm_prefetch((const char *)(w + (o + J + j) * k + i), _MM_HINT_T0);   \
-                for (int j = 0; j < J; j++) wv[j] = _mm512_loadu_ps(w + (o + j) * k + i);                         \
-                for (int r = 0; r < R; r++) {                                                                     \
-                    const __m512 xv = _mm512_loadu_ps(x + r * k + i);                                             \
-                    for (int j = 0; j < J; j++) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);                \
-                }                                                                                                 \
-            }                                                                                                     \
-            for (int r = 0; r < R; r++)                                                                           \
-                for (int j = 0; j < J; j++) y[r * n + o + j] = _mm512_reduce_add_ps(acc[r][j]);                   \
-        }                                                                                                         \
-        for (; o < o1; o++) {                                                                                     \
-            __m512 acc[R];                                                                                        \
-            for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                             \
-            for (int64_t i = 0; i < k; i += 16) {                                                                 \
-                const __m512 wv = _mm512_loadu_ps(w + o * k + i);                                                 \
-                for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * k + i), wv, acc[r]); \
-            }                                                                                                     \
-            for (int r = 0; r < R; r++) y[r * n + o] = _mm512_reduce_add_ps(acc[r]);                              \
-        }                                                                                                         \
-    }
-
-GEMV_F32_ROWS(1, 4)
-GEMV_F32_ROWS(2, 4)
-GEMV_F32_ROWS(4, 4)
-GEMV_F32_ROWS(8, 2)
-
-/* float32: x [rows, k], w [n, k], y [rows, n]; rows in 1..8, k % 16 == 0. */
 void tpe_gemv_f32(const float *x, int64_t rows, int64_t k, const float *w, int64_t n, float *y, int nthreads) {
-    const int64_t chunk = ((n + nthreads - 1) / nthreads + 3) / 4 * 4;
+    const int64_t chunk = tpe_gemv_chunk(n, nthreads);
 #pragma omp parallel for schedule(static, 1) num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)
-    for (int64_t o0 = 0; o0 < n; o0 += chunk) {
-        const int64_t o1 = o0 + chunk < n ? o0 + chunk : n;
-        int64_t r = 0;
-        for (; r + 8 <= rows; r += 8) gemv_f32_8(x + r * k, k, w, o0, o1, y + r * n, n);
-        for (; r + 4 <= rows; r += 4) gemv_f32_4(x + r * k, k, w, o0, o1, y + r * n, n);
-        for (; r + 2 <= rows; r += 2) gemv_f32_2(x + r * k, k, w, o0, o1, y + r * n, n);
-        for (; r < rows; r++) gemv_f32_1(x + r * k, k, w, o0, o1, y + r * n, n);
-    }
+    for (int64_t o0 = 0; o0 < n; o0 += chunk) gemv_f32_rows(x, rows, k, w, o0, o0 + chunk < n ? o0 + chunk : n, y, n);
 }
 
 #else /* never called: tpe_fast() == 0 marks the library unavailable */

@@ -30,7 +30,8 @@ import torch
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_decode.c", "cpu_fused.c", "cpu_paged.c",
                                                          "cpu_gemv.c", "cpu_qgemv.c"))
-HEADERS = (Path(__file__).with_name("bf16.h"),)  # included by the sources: part of the cache key
+#: included by the sources: part of the cache key
+HEADERS = (Path(__file__).with_name("bf16.h"), Path(__file__).with_name("gemv.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 _lib: ctypes.CDLL | None = None

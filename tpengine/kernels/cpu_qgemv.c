@@ -30,6 +30,8 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
+#include "gemv.h"
+
 static inline float ldf(const void *p, int64_t i, int is_bf16) {
     return is_bf16 ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
@@ -47,45 +49,14 @@ static void to_f32(const void *x, int64_t rows, int64_t k, int is_bf16, float *x
 }
 
 /* ------------------------------------------------------------------------------------- int8 */
-#define Q8_ROWS(R, J)                                                                                           \
-    static void q8_##R(const float *x, int64_t k, const int8_t *w, int64_t o0, int64_t o1, float *acc_out,    \
-                       int64_t n) {                                                                           \
-        int64_t o = o0;                                                                                       \
-        for (; o + J <= o1; o += J) {                                                                         \
-            __m512 acc[R][J];                                                                                 \
-            for (int r = 0; r < R; r++)                                                                       \
-                for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();                                  \
-            for (int64_t i = 0; i < k; i += 16) {                                                             \
-                __m512 wv[J];                                                                                 \
-                if ((i & 63) == 0)                                                                            \
-                    for (int j = 0; j < J; j++) _mm_prefetch((const char *)(w + (o + J + j) * k + i), _MM_HINT_T0); \
-                for (int j = 0; j < J; j++)                                                                   \
-                    wv[j] = _mm512_cvtepi32_ps(                                                               \
-                        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + (o + j) * k + i))));       \
-                for (int r = 0; r < R; r++) {                                                                 \
-                    const __m512 xv = _mm512_loadu_ps(x + r * k + i);                                         \
-                    for (int j = 0; j < J; j++) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);            \
-                }                                                                                             \
-            }                                                                                                 \
-            for (int r = 0; r < R; r++)                                                                       \
-                for (int j = 0; j < J; j++) acc_out[r * n + o + j] = _mm512_reduce_add_ps(acc[r][j]);         \
-        }                                                                                                     \
-        for (; o < o1; o++) {                                                                                 \
-            __m512 acc[R];                                                                                    \
-            for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                         \
-            for (int64_t i = 0; i < k; i += 16) {                                                             \
-                const __m512 wv = _mm512_cvtepi32_ps(                                                         \
-                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + o * k + i))));                 \
-                for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * k + i), wv, acc[r]); \
-            }                                                                                                 \
-            for (int r = 0; r < R; r++) acc_out[r * n + o] = _mm512_reduce_add_ps(acc[r]);                    \
-        }                                                                                                     \
-    }
+static inline __m512 ld_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline __m512 mac_i8(__m512 acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
+static inline float same_i8(float f) { return f; }
 
-Q8_ROWS(1, 4)
-Q8_ROWS(2, 4)
-Q8_ROWS(4, 4)
-Q8_ROWS(8, 2)
+/* float32 x against int8 rows: the unscaled sums (the scale is applied per output row after) */
+TPE_GEMV_FAMILY(q8, int8_t, float, float, 16, __m512, ld_i8, _mm512_loadu_ps, mac_i8, same_i8)
 
 /* x [rows, k], q [n, k] int8, scales [n], y [rows, n]; returns 0, or -1 for rows outside 1..8. */
 int64_t tpe_qgemv_int8(const void *x, int64_t rows, int64_t k, const int8_t *q, const void *scales, int64_t n,
@@ -98,15 +69,11 @@ int64_t tpe_qgemv_int8(const void *x, int64_t rows, int64_t k, const int8_t *q, 
         return -2;
     }
     to_f32(x, rows, k, is_bf16, xf);
-    const int64_t chunk = ((n + nthreads - 1) / nthreads + 3) / 4 * 4;
+    const int64_t chunk = tpe_gemv_chunk(n, nthreads);
 #pragma omp parallel for schedule(static, 1) num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)
     for (int64_t o0 = 0; o0 < n; o0 += chunk) {
         const int64_t o1 = o0 + chunk < n ? o0 + chunk : n;
-        int64_t r = 0;
-        for (; r + 8 <= rows; r += 8) q8_8(xf + r * k, k, q, o0, o1, acc + r * n, n);
-        for (; r + 4 <= rows; r += 4) q8_4(xf + r * k, k, q, o0, o1, acc + r * n, n);
-        for (; r + 2 <= rows; r += 2) q8_2(xf + r * k, k, q, o0, o1, acc + r * n, n);
-        for (; r < rows; r++) q8_1(xf + r * k, k, q, o0, o1, acc + r * n, n);
+        q8_rows(xf, rows, k, q, o0, o1, acc, n);
         for (int64_t rr = 0; rr < rows; rr++)
             for (int64_t o = o0; o < o1; o++) stf(y, rr * n + o, acc[rr * n + o] * ldf(scales, o, is_bf16), is_bf16);
     }
