@@ -83,7 +83,7 @@ def _quant_bytes(plan: Any, kind: str, entry: Any, rank: int, scale_bytes: int) 
         if entry.scheme == "int4" or grouped8:
             rows = -(-rows // INT4_ROW_MULTIPLE) * INT4_ROW_MULTIPLE
         # grouped int8 runs as two int4 weights: two scale-and-zero pairs for each stored scale
-        total += rows * cols * (dt.itemsize if part == "qweight" else scale_bytes * (4 if grouped8 else 1))
+        total += rows * cols * (dt.itemsize if not dt.is_floating_point else scale_bytes * (4 if grouped8 else 1))
     return total
 
 

@@ -84,8 +84,8 @@ def quantize_entry(config: Any, tp_size: int, quantize: str | None, group_size: 
     except ValueError as e:
         raise UserError(str(e).replace("invalid quantization", "invalid --quantize")) from None
     check_quantization(config, tp_size, scheme)
-    vocab = None if scheme.vocab is None else QuantEntry(scheme.vocab.name, scheme.vocab.group_size)
-    return QuantEntry(scheme.name, scheme.group_size), vocab
+    vocab = None if scheme.vocab is None else QuantEntry.of_scheme(scheme.vocab)
+    return QuantEntry.of_scheme(scheme), vocab
 
 
 def split_model(

@@ -17,8 +17,10 @@ from tpengine.layers.quantized import (
     QuantScheme,
     check_quantization,
     dequantize_int4,
+    dequantize_int4_coded,
     dequantize_int8,
     quantize_int4,
+    quantize_int4_coded,
     quantize_int8,
 )
 
@@ -29,22 +31,26 @@ def weight(out: int, k: int, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("scheme", ["int8", "int8-32", "int4-32", "int4-128"])
+@pytest.mark.parametrize("scheme", ["int8", "int8-32", "int4-32", "int4-128", "int4f-32", "int4f-128"])
 def test_kernel_equals_reference_dequant(scheme, dtype):
     """The layer's kernel output equals ``x @ dequant(w).T`` (+ bias) for prefill- and decode-shaped x
-    (int8-32: grouped int8, GGUF Q8_0's layout), and its ``dequantize()`` is that reference exactly."""
+    (int8-32: grouped int8, GGUF Q8_0's layout; int4: ``--quantization int4``'s coded zeros; int4f:
+    float zeros, GGUF Q4_1's), and its ``dequantize()`` is that reference exactly."""
     w, bias = weight(88, 256), torch.randn(88) * 0.1  # 88 rows: int4 pads them to 96
     layer = ColumnParallelLinear(256, 88, bias=True, dtype=dtype, device="cpu")
     layer.weight.data.copy_(w.to(dtype))
     layer.bias.data.copy_(bias.to(dtype))
     name, _, g = scheme.partition("-")
-    quantize_linear(layer, QuantScheme.of(name, int(g) if g else None))
+    scheme_ = QuantScheme("int4", int(g)) if name == "int4f" else QuantScheme.of(name, int(g) if g else None)
+    quantize_linear(layer, scheme_)
     assert layer.weight is None
     q = layer.quant
     if name == "int8" and not g:
         deq = dequantize_int8(q.qweight, q.scales)
     elif name == "int8":
         deq = dequantize_int8(*quantize_int8(w.to(dtype), dtype, group_size=int(g)))
+    elif name == "int4":
+        deq = dequantize_int4_coded(*quantize_int4_coded(w.to(dtype), int(g), dtype), int(g))
     else:
         deq = dequantize_int4(*quantize_int4(w.to(dtype), int(g), dtype), int(g))
     assert torch.equal(q.dequantize(), deq)
@@ -108,8 +114,9 @@ def test_row_split_quantizes_as_tp1(name):
             assert torch.equal(part.quant.scales, whole.quant.scales)
         else:
             g = start // 32  # 40 rows, padded to 48 for the kernel
-            assert part.quant.scales_and_zeros.shape == (3, 48, 2)
-            assert torch.equal(part.quant.scales_and_zeros, whole.quant.scales_and_zeros[g:g + 3])
+            assert part.quant.scales.shape == part.quant.zero_codes.shape == (3, 48)
+            assert torch.equal(part.quant.scales, whole.quant.scales[g:g + 3])
+            assert torch.equal(part.quant.zero_codes, whole.quant.zero_codes[g:g + 3])
             assert torch.equal(dequantize_int4(*quantize_int4(w[:, start:start + 96], 32, torch.float32), 32),
                                dequantize_int4(*quantize_int4(w, 32, torch.float32), 32)[:, start:start + 96])
 
@@ -208,8 +215,8 @@ def linear_elements(hf) -> tuple[int, int]:
 
 def test_weight_bytes(runs):
     """Weight bytes per rank: the float run's less the linears' and the tied embedding / LM head's
-    float bytes plus their quantized bytes (int8: 1 byte a weight + a scale a row; int4: half a byte
-    + a scale and a zero per 32), the one quantized table counted once."""
+    float bytes plus their quantized bytes (int8: 1 byte a weight + a scale a row; int4, linears and
+    table: half a byte + a scale and a one-byte zero code per 32), the one quantized table counted once."""
     from transformers import AutoConfig
 
     results, _ = runs
@@ -221,14 +228,12 @@ def test_weight_bytes(runs):
     f32 = one["smollm2/float32/None"][0]
     bf16 = f32 // 2  # the unquantized bfloat16 run's: every weight float (269030016 measured)
     assert one["smollm2/float32/int8"] == [f32 - 4 * n + n + 4 * rows - 4 * e + e + 4 * v]
-    int4 = lambda m, size: m // 2 + (m // 32) * 2 * size  # noqa: E731  (values, then a scale and a zero per 32)
-    # int4 linears, the table int8 per channel (1 byte a weight + a scale a row)
-    assert one["smollm2/float32/int4"] == [f32 - 4 * n + int4(n, 4) - 4 * e + e + 4 * v]
-    assert one["smollm2/bfloat16/int4"] == [bf16 - 2 * n + int4(n, 2) - 2 * e + e + 2 * v]
+    int4 = lambda m, size: m // 2 + (m // 32) * (size + 1)  # noqa: E731  (values, a scale and a zero code per 32)
+    assert one["smollm2/float32/int4"] == [f32 - 4 * n + int4(n, 4) - 4 * e + int4(e, 4)]
+    assert one["smollm2/bfloat16/int4"] == [bf16 - 2 * n + int4(n, 2) - 2 * e + int4(e, 2)]
     for key in ("smollm2/float32/int8", "smollm2/float32/int4"):  # split in two (norms and a shared KV head whole)
         assert all(b <= 0.52 * one[key][0] for b in two[key]), (key, two[key], one[key])
-    # the linears alone at int4 (bf16 scales and zeros): 0.5 + 4/32 bytes a weight, 0.3125 of bf16's
-    assert (n // 2 + (n // 32) * 4) / (2 * n) == 0.3125
-    # the whole model with its int8 table: 94835328 bytes, 0.3525 of bf16's (an int4 g32 table would
-    # make 84120192, 0.3127, at +6% perplexity: docs/notes/quantized-head.md)
-    assert one["smollm2/bfloat16/int4"][0] == 94835328 and round(94835328 / bf16, 4) == 0.3525
+    # 0.5 + 3/32 bytes a weight, 0.297 of bf16's; the whole model (norms in bfloat16) 79917696 bytes,
+    # 0.2971 of bf16's (float zeros made 0.3125; the int8 table of earlier versions 0.3525)
+    assert (n // 2 + (n // 32) * 3) / (2 * n) == 0.296875
+    assert one["smollm2/bfloat16/int4"][0] == 79917696 and round(79917696 / bf16, 4) == 0.2971

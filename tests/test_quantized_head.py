@@ -118,11 +118,13 @@ def test_int8_weight_errors():
 
 
 def test_scheme_vocab():
-    """--quantization's schemes quantize the embedding / LM head too, int8 per channel under both."""
+    """--quantization's schemes quantize the embedding / LM head too: int8 per channel under int8, int4
+    group 32 with coded zeros (as the linears) under int4."""
     assert QuantScheme.of("int8") == QuantScheme("int8", None, QuantScheme("int8", None))
     assert QuantScheme.of("int8", 32) == QuantScheme("int8", 32, QuantScheme("int8", None))
-    assert QuantScheme.of("int4") == QuantScheme("int4", 32, QuantScheme("int8", None))
-    assert QuantScheme.of("int4", 64) == QuantScheme("int4", 64, QuantScheme("int8", None))
+    coded = QuantScheme("int4", 32, None, zero_codes=True)
+    assert QuantScheme.of("int4") == QuantScheme("int4", 32, coded, zero_codes=True)
+    assert QuantScheme.of("int4", 64) == QuantScheme("int4", 64, coded, zero_codes=True)
     from conftest import tiny_config
 
     tiny = tiny_config("llama", intermediate_size=128)  # hidden 64
@@ -185,14 +187,15 @@ def test_loader_quantizes_vocab_layers(tmp_path, tied):
     tables = 1 if tied else 2
     for scheme, table, linears in (
             ("int8", 1001 * 64 + 1001 * 4, None),
-            ("int4", 1001 * 64 + 1001 * 4, None),  # an int8 per-channel table
+            ("int4", 1008 * 64 // 2 + 1008 * 2 * (4 + 1), None),  # int4 g32, a scale and a zero code a group
             (QuantScheme("int4", 32, QuantScheme("int4", 32)), 1008 * 64 // 2 + 1008 * 2 * 2 * 4, "int4"),
             (QuantScheme("int4", 32, QuantScheme("int8", 32)), 1008 * 64 + 2 * (2 * 1008 * 2 * 4), "int4"),
             (QuantScheme("int4", 32, None), 1001 * 64 * 4, "int4")):
         model, _, hf = load(path, scheme)
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
         kind = linears or scheme
-        lin = linear_bytes(hf, 1, per_row=4) if kind == "int8" else linear_bytes(hf, 0.5, per_group=2 * 4)
+        lin = (linear_bytes(hf, 1, per_row=4) if kind == "int8" else linear_bytes(hf, 0.5, per_group=4 + 1)
+               if kind == "int4" and scheme == "int4" else linear_bytes(hf, 0.5, per_group=2 * 4))
         if isinstance(scheme, QuantScheme) and scheme.vocab is None:
             assert embed.quant is None and head.quant is None and embed.weight is not None
             assert model.weight_bytes == norms + lin + tables * table

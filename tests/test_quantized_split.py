@@ -33,6 +33,7 @@ from tpengine.quant_checkpoint import (
     is_linear_weight,
     is_vocab_weight,
     pack_nibbles,
+    parse_table,
     part_name,
     quantize_parts,
     read_table,
@@ -43,13 +44,14 @@ from tpengine.quant_checkpoint import (
 from tpengine.surgery import build_model, checkpoint_targets
 
 CPU = torch.device("cpu")
-INT8, INT4 = QuantEntry("int8", None), QuantEntry("int4", 32)
+#: --quantization int8 / int4's entries (int4: coded zeros; its table the same), and int4 with float zeros (GGUF Q4_1's)
+INT8, INT4, INT4F = QuantEntry("int8", None), QuantEntry("int4", 32, True), QuantEntry("int4", 32)
 
 
 def write_full_quantized(src: Path, out: Path, entry_of, vocab: QuantEntry | None = INT8) -> Path:
     """A full quantized folder from the float folder ``src``: every linear weight ``n`` with
     ``entry_of(n)`` not None, and the embedding / LM head with ``vocab`` not None (default int8
-    per channel, as ``--quantization``), stored as its parts, model.safetensors + quantization.json."""
+    per channel, as ``--quantization int8``), stored as its parts, model.safetensors + quantization.json."""
     out.mkdir()
     tensors, table = {}, {}
     for name, t in load_file(src / "model.safetensors").items():
@@ -89,7 +91,8 @@ def folders(tmp_path_factory):
         for tp in (1, 2):
             f[f"split/{q}/{tp}"] = root / f"split-{q}-tp{tp}"
             split_model(qwen3, tp, f[f"split/{q}/{tp}"], quantize=q)
-        f[f"full/{q}"] = write_full_quantized(qwen3, root / f"full-{q}", lambda n, q=q: INT8 if q == "int8" else INT4)
+        e = INT8 if q == "int8" else INT4  # as --quantization q: linears and table
+        f[f"full/{q}"] = write_full_quantized(qwen3, root / f"full-{q}", lambda n, e=e: e, vocab=e)
     # attention int4, MLP int8: a folder of two schemes
     f["full/mixed"] = write_full_quantized(qwen3, root / "full-mixed", lambda n: INT4 if "self_attn" in n else INT8)
     return f
@@ -103,9 +106,14 @@ def test_nibbles_and_parts_layout():
     assert b.dtype == torch.uint8 and b.tolist() == [[0x21, 0x0F], [0x87, 0xA9]]
     assert torch.equal(unpack_nibbles(b), q)
     w = torch.randn(48, 64, generator=torch.Generator().manual_seed(0))
-    p4, p8 = quantize_parts(w, INT4), quantize_parts(w, INT8)
+    p4, p8, pz = quantize_parts(w, INT4F), quantize_parts(w, INT8), quantize_parts(w, INT4)
     assert {k: (v.dtype, tuple(v.shape)) for k, v in p4.items()} == {
         "qweight": (torch.uint8, (48, 32)), "scales": (torch.float32, (48, 2)), "zeros": (torch.float32, (48, 2))}
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in pz.items()} == {
+        "qweight": (torch.uint8, (48, 32)), "scales": (torch.float32, (48, 2)), "zeros": (torch.int8, (48, 2))}
+    deqz = ((unpack_nibbles(pz["qweight"]).float() - 8).reshape(48, 2, 32) * pz["scales"][..., None]
+            + (pz["zeros"].float() * pz["scales"] / 16)[..., None])  # zero = code * scale / 16
+    assert float((deqz.reshape(48, 64) - w).abs().max()) <= float(pz["scales"].max()) * (1 / 2 + 1 / 32) + 1e-6
     assert {k: (v.dtype, tuple(v.shape)) for k, v in p8.items()} == {
         "qweight": (torch.int8, (48, 64)), "scales": (torch.float32, (48, 1))}
     deq = ((unpack_nibbles(p4["qweight"]).float() - 8).reshape(48, 2, 32) * p4["scales"][..., None]
@@ -113,16 +121,24 @@ def test_nibbles_and_parts_layout():
     assert float((deq.reshape(48, 64) - w).abs().max()) <= float(p4["scales"].max()) / 2 + 1e-6
     with pytest.raises(UserError, match=r"^int8 with group size 32: tpengine quantizes int8 per output channel only$"):
         quantize_parts(w, QuantEntry("int8", 32))
-    assert table_json({"b.weight": INT8, "a.weight": INT4}) == {
+    assert table_json({"b.weight": INT8, "a.weight": INT4F, "c.weight": INT4}) == {
         "quant_method": "tpengine", "format_version": 1,
         "weights": {"a.weight": {"scheme": "int4", "group_size": 32},
-                    "b.weight": {"scheme": "int8", "group_size": None}}}
+                    "b.weight": {"scheme": "int8", "group_size": None},
+                    "c.weight": {"scheme": "int4", "group_size": 32, "zeros": "int8"}}}
+    assert parse_table(table_json({"c.weight": INT4}), "t") == {"c.weight": INT4}
+    bad = {"quant_method": "tpengine", "format_version": 1, "weights": {"a.weight": {
+        "scheme": "int8", "group_size": None, "zeros": "int8"}}}
+    with pytest.raises(UserError) as e:
+        parse_table(bad, "t")
+    assert str(e.value) == ("t: weight 'a.weight': zeros 'int8' is invalid (\"int8\" for int4 coded zeros, or "
+                            "absent for float32 zeros)")
 
 
 def test_split_manifest_and_names(folders):
     """split --quantize stores exactly what --quantization quantizes, the column/row-parallel linears in the
-    scheme and the embedding / LM head int8 per channel, as qweight/scales(/zeros); the manifest lists them,
-    and no quantization.json is copied."""
+    scheme and the embedding / LM head (int4 g32 with coded zeros under int4), as qweight/scales/zeros; the
+    manifest lists them, and no quantization.json is copied."""
     m = json.loads((folders["split/int4/2"] / "manifest.json").read_text())
     table = read_table(folders["split/int4/2"])
     cfg = AutoConfig.from_pretrained(folders["qwen3"])
@@ -130,22 +146,23 @@ def test_split_manifest_and_names(folders):
     linears = {n for n, t in checkpoint_targets(model, False).items() if isinstance(t.module, QUANTIZED_LAYERS)
                and t.attr == "weight"}
     assert set(table) == linears | VOCAB and len(linears) == 14 and {table[n] for n in linears} == {INT4}
-    assert {table[n] for n in VOCAB} == {INT8}
+    assert {table[n] for n in VOCAB} == {INT4}
     assert m["quantization"] == table_json(table)
     r0 = m["tensors"]["0"]
     assert r0["model.layers.0.mlp.down_proj.qweight"] == [64, 32]  # [hidden, intermediate/2 / 2]
     assert r0["model.layers.0.mlp.down_proj.scales"] == r0["model.layers.0.mlp.down_proj.zeros"] == [64, 2]
     assert r0["model.layers.0.self_attn.k_proj.qweight"] == [32, 32] and "model.layers.0.mlp.up_proj.weight" not in r0
     assert r0["model.layers.0.self_attn.q_norm.weight"] == [32]
-    for r in ("0", "1"):  # the padded vocabulary's 1002 rows, 501 a rank, a scale per row
+    for r in ("0", "1"):  # the padded vocabulary's 1002 rows, 501 a rank, a scale and a zero code per 32
         t = m["tensors"][r]
-        assert t["model.embed_tokens.qweight"] == t["lm_head.qweight"] == [501, 64]
-        assert t["model.embed_tokens.scales"] == t["lm_head.scales"] == [501, 1]
+        assert t["model.embed_tokens.qweight"] == t["lm_head.qweight"] == [501, 32]
+        assert t["model.embed_tokens.scales"] == t["lm_head.scales"] == t["lm_head.zeros"] == [501, 2]
         assert "model.embed_tokens.weight" not in t and "lm_head.weight" not in t
     r1 = load_file(folders["split/int4/2"] / "rank-01-of-02.safetensors")
     for p in ("model.embed_tokens", "lm_head"):  # rank 1's last row is padding: all zero
-        assert r1[f"{p}.qweight"].dtype == torch.int8 and r1[f"{p}.scales"].dtype == torch.float32
-        assert not r1[f"{p}.qweight"][-1].any() and float(r1[f"{p}.scales"][-1, 0]) == 0.0
+        assert r1[f"{p}.qweight"].dtype == torch.uint8 and r1[f"{p}.scales"].dtype == torch.float32
+        assert r1[f"{p}.zeros"].dtype == torch.int8 and not r1[f"{p}.zeros"][-1].any()
+        assert not r1[f"{p}.qweight"][-1].any() and not r1[f"{p}.scales"][-1].any()
         assert bool((r1[f"{p}.scales"][:-1] > 0).all())
     m8 = json.loads((folders["split/int8/2"] / "manifest.json").read_text())["tensors"]["1"]
     o_proj = "model.layers.1.self_attn.o_proj"
@@ -159,10 +176,11 @@ def test_split_tp1_equals_on_the_fly(folders, q):
     fly, _, _ = load_model(folders["qwen3"], TPInfo(0, 1, 0, CPU), quantization=q)
     disk, _, _ = load_model(folders[f"split/{q}/1"], TPInfo(0, 1, 0, CPU))
     a, b = quant_buffers(fly), quant_buffers(disk)
-    assert sorted(a) == sorted(b) and len(a) == 20  # 8 linear modules and 2 vocabulary layers, 2 buffers each
+    # 8 linear modules and 2 vocabulary layers, 2 buffers each (int8) or 3 (int4: packed, scales, zero codes)
+    assert sorted(a) == sorted(b) and len(a) == (20 if q == "int8" else 30)
+    parts = ("qweight", "scales") if q == "int8" else ("packed", "scales", "zero_codes")
     assert {n for n in a if not n.startswith("model.layers.")} == {
-        "model.embed_tokens.quant.qweight", "model.embed_tokens.quant.scales", "lm_head.quant.qweight",
-        "lm_head.quant.scales"}
+        f"{m}.quant.{p}" for m in ("model.embed_tokens", "lm_head") for p in parts}
     assert all(torch.equal(a[n], b[n]) and a[n].dtype == b[n].dtype for n in a)
     assert disk.weight_bytes == fly.weight_bytes
     assert all(m.weight is None for m in disk.modules() if isinstance(m, (*QUANTIZED_LAYERS, *VOCAB_LAYERS)))
@@ -175,11 +193,12 @@ def test_split_tp2_equals_on_the_fly(folders):
         fly, _, _ = load_model(folders["qwen3"], TPInfo(rank, 2, rank, CPU), quantization="int4")
         disk, _, _ = load_model(folders["split/int4/2"], TPInfo(rank, 2, rank, CPU))
         a, b = quant_buffers(fly), quant_buffers(disk)
-        assert sorted(a) == sorted(b) and len(a) == 20
+        assert sorted(a) == sorted(b) and len(a) == 30
         assert all(torch.equal(a[n], b[n]) and a[n].dtype == b[n].dtype for n in a)
         assert disk.weight_bytes == fly.weight_bytes
-        if rank == 1:
-            assert float(a["lm_head.quant.scales"][-1]) == 0.0 and not a["lm_head.quant.qweight"][-1].any()
+        if rank == 1:  # local row 500 is the padding row (then 11 kernel padding rows): scale and code 0
+            assert not a["lm_head.quant.scales"][:, 500:].any() and not a["lm_head.quant.zero_codes"][:, 500:].any()
+            assert bool((a["lm_head.quant.scales"][:, :500] > 0).all())
 
 
 @pytest.mark.parametrize("q", ["int8", "int4"])
@@ -198,7 +217,7 @@ def test_grouped_int8_vocab_folder(folders, tmp_path):
     GGUF's Q8_0) beside int4 linears: loaded as grouped Int8Weight, its tp=2 split verifies and gives each
     rank the storage of the full folder sliced on the fly, and info's weight bytes are what each rank loads."""
     q8 = QuantEntry("int8", 32)
-    full = write_full_quantized(folders["qwen3"], tmp_path / "full-q8", lambda n: INT4, vocab=q8)
+    full = write_full_quantized(folders["qwen3"], tmp_path / "full-q8", lambda n: INT4F, vocab=q8)
     assert {read_table(full)[n] for n in VOCAB} == {q8}
     one, _, _ = load_model(full, TPInfo(0, 1, 0, CPU))
     emb = one.get_input_embeddings().quant
@@ -275,14 +294,14 @@ def test_mixed_full_folder_tp2_equals_tp1(runs):
 
 # --------------------------------------------------------------------------- verify, info
 def test_tied_llama_split_int4(tmp_path):
-    """A tied embedding is stored once, int8 per channel (no lm_head entry), and loads as ONE quantized table
+    """A tied embedding is stored once, int4 with coded zeros (no lm_head entry), and loads as ONE quantized table
     the LM head shares, beside int4 linears: bit for bit --quantization int4's, at tp 1 and on both ranks of
     tp 2 (padding row included); greedy tokens and logprobs equal on the fly's, and tp 2's tokens tp 1's."""
     src = make_tiny_model(tmp_path, "llama", seed=5, intermediate_size=128, tie_word_embeddings=True)
     split_model(src, 1, tmp_path / "t1", quantize="int4")
     m = split_model(src, 2, tmp_path / "t2", quantize="int4")
     weights = m["quantization"]["weights"]
-    assert weights["model.embed_tokens.weight"] == {"scheme": "int8", "group_size": None}
+    assert weights["model.embed_tokens.weight"] == {"scheme": "int4", "group_size": 32, "zeros": "int8"}
     assert "lm_head.weight" not in weights and len(weights) == 15
     assert not any(n.startswith("lm_head.") for n in m["tensors"]["1"])
     for tp, rank in ((1, 0), (2, 0), (2, 1)):

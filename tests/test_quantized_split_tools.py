@@ -47,8 +47,8 @@ def test_verify_quantized(folders, tmp_path):
     good = folders["split/int4/2"]
     r = cli("verify", good)
     assert r.exit_code == 0 and r.stdout == (
-        f"OK: {good}: 2 rank files, 110 tensors, dtype float32, quantized int4, group size 32: 14 weights; "
-        "int8, per output channel: 2 weights, sha256, names and shapes match manifest and plan\n")
+        f"OK: {good}: 2 rank files, 114 tensors, dtype float32, quantized int4, group size 32, int8 zero codes: "
+        "16 weights, sha256, names and shapes match manifest and plan\n")
     tampered = shutil.copytree(good, tmp_path / "tampered")
     f = tampered / "rank-01-of-02.safetensors"
     data = bytearray(f.read_bytes())
@@ -69,13 +69,15 @@ def test_verify_quantized(folders, tmp_path):
     rewrite_rank_file(bad, 0, change)
     assert verify_dir(bad) == [
         "rank-00-of-02.safetensors: tensor model.layers.1.mlp.up_proj.weight is stored float, but the "
-        "quantization table lists it as int4, group size 32",
-        "rank-00-of-02.safetensors: tensor model.layers.1.self_attn.q_proj.zeros (int4, group size 32) is missing",
-        "rank-00-of-02.safetensors: tensor model.embed_tokens.scales has shape [500, 1]; the plan and int8, per "
-        "output channel give rank 0 [501, 1]",
-        f"rank-00-of-02.safetensors: tensor {down}.scales has shape [64, 1]; the plan and int4, group size 32 "
-        "give rank 0 [64, 2]",
-        f"rank-00-of-02.safetensors: tensor {down}.zeros has dtype BF16; int4, group size 32 stores zeros as F32",
+        "quantization table lists it as int4, group size 32, int8 zero codes",
+        "rank-00-of-02.safetensors: tensor model.layers.1.self_attn.q_proj.zeros (int4, group size 32, int8 zero "
+        "codes) is missing",
+        "rank-00-of-02.safetensors: tensor model.embed_tokens.scales has shape [500, 2]; the plan and int4, group "
+        "size 32, int8 zero codes give rank 0 [501, 2]",
+        f"rank-00-of-02.safetensors: tensor {down}.scales has shape [64, 1]; the plan and int4, group size 32, "
+        "int8 zero codes give rank 0 [64, 2]",
+        f"rank-00-of-02.safetensors: tensor {down}.zeros has dtype BF16; int4, group size 32, int8 zero codes "
+        "stores zeros as I8",
     ]
     r = cli("verify", bad)
     assert r.exit_code == 1 and r.stderr.count("\n") == 5
@@ -85,14 +87,13 @@ def test_info_quantized(folders):
     r = cli("info", folders["split/int4/2"], "--tp", "2")
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
-    assert lines[1] == "quantized: int4, group size 32: 14 weights; int8, per output channel: 2 weights (the rest " \
-        "float32)"
+    assert lines[1] == "quantized: int4, group size 32, int8 zero codes: 16 weights (the rest float32)"
     for rank in (0, 1):  # the weight bytes each rank loads, the quantized vocabulary (rank 1: its padding row) in
         loaded, _, _ = load_model(folders["split/int4/2"], TPInfo(rank, 2, rank, CPU))
         assert sum(line.split()[:1] == [str(rank)] and str(loaded.weight_bytes) in line.split() for line in lines) == 1
     r = cli("info", folders["full/mixed"])
-    assert r.exit_code == 0 and "quantized: int4, group size 32: 8 weights; int8, per output channel: 8 weights " \
-        "(the rest float32)" in r.stdout
+    assert r.exit_code == 0 and ("quantized: int4, group size 32, int8 zero codes: 8 weights; int8, per output "
+                                 "channel: 8 weights (the rest float32)") in r.stdout
 
 
 # ------------------------------------------------------------------------------ errors
@@ -112,8 +113,7 @@ def test_split_errors(folders, tmp_path, smollm2_dir):
         assert (r.exit_code, r.stderr) == (2, f"error: {msg}\n")
     r = cli("split", folders["full/int4"], "--tp", "2", "--out", tmp_path / "x", "--quantize", "int8")
     assert (r.exit_code, r.stderr) == (2, f"error: {str(folders['full/int4'])!r} is already quantized (int4, group "
-                                          "size 32: 14 weights; int8, per output channel: 2 weights); split it "
-                                          "without --quantize\n")
+                                          "size 32, int8 zero codes: 16 weights); split it without --quantize\n")
     assert not (tmp_path / "x").exists()
 
 
@@ -136,18 +136,19 @@ def test_load_errors(folders, tmp_path):
     with pytest.raises(UserError) as e:
         load_model(split4, TPInfo(0, 2, 0, CPU), quantization="int8")
     assert str(e.value) == (f"--quantization int8 (int8, per output channel) disagrees with the quantized folder "
-                            f"{str(split4)!r} (int4, group size 32: 14 weights; int8, per output channel: 2 weights); "
+                            f"{str(split4)!r} (int4, group size 32, int8 zero codes: 16 weights); "
                             "drop --quantization to run the "
                             "folder's weights as stored, or pass a float folder to quantize on the fly")
     load_model(split4, TPInfo(1, 2, 1, CPU), quantization="int4")  # the same scheme: loaded as stored
     with pytest.raises(UserError) as e:
         load_model(folders["full/mixed"], TPInfo(0, 1, 0, CPU), quantization="int4")
-    assert str(e.value).startswith("--quantization int4 (int4, group size 32) disagrees with the quantized folder ")
+    assert str(e.value).startswith("--quantization int4 (int4, group size 32, int8 zero codes) disagrees with the "
+                                   "quantized folder ")
     with pytest.raises(UserError) as e:
         load_model(folders["full/int4"], TPInfo(0, 3, 0, CPU))
     assert str(e.value) == (
-        f"the quantized folder {str(folders['full/int4'])!r} (int4, group size 32: 14 weights; int8, per output "
-        "channel: 2 weights) cannot run at tp=3: "
+        f"the quantized folder {str(folders['full/int4'])!r} (int4, group size 32, int8 zero codes: 16 weights) "
+        "cannot run at tp=3: "
         "--quantization int4 (group size 32) at tp=3: the row-parallel layer mlp.down_proj splits its input at "
         "column 43, not on a group boundary (a multiple of 32); valid tp sizes: 1, 2, 4")
     src = folders["qwen3"]
@@ -157,7 +158,7 @@ def test_load_errors(folders, tmp_path):
     assert str(e.value) == (
         "the parts model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.k_proj.weight, "
         "model.layers.0.self_attn.v_proj.weight of one merged layer are stored in different ways (float, int4, "
-        "group size 32, float); tpengine needs them alike")
+        "group size 32, int8 zero codes, float); tpengine needs them alike")
     norm = shutil.copytree(folders["full/int8"], tmp_path / "norm")  # a layer with float weights only
     write_table(norm, {**read_table(norm), "model.norm.weight": INT8})
     with pytest.raises(UserError) as e:

@@ -8,7 +8,9 @@ A quantized 2-D weight ``P.weight [out, in]`` is stored instead as
   channel: ``[out, 1]``), ``w = q * scale``;
 * int4: ``P.qweight`` uint8 ``[out, in // 2]`` (element ``2j`` in the low nibble of byte ``j``,
   ``2j + 1`` in the high one, values 0..15), ``P.scales`` and ``P.zeros`` float32
-  ``[out, in // g]``, ``w = (q - 8) * scale + zero``.
+  ``[out, in // g]``, ``w = (q - 8) * scale + zero``; with ``"zeros": "int8"`` in the table entry
+  (``--quantization int4``'s coded zeros) ``P.zeros`` is int8 ``[out, in // g]`` codes and
+  ``zero = code * scale / 16`` (:func:`tpengine.layers.quant_math.quantize_int4_coded`).
 
 A full folder lists its quantized weights in ``quantization.json``; a split folder
 (``tpengine-shard split``) records the same object under the manifest's ``"quantization"`` key
@@ -37,7 +39,7 @@ QUANT_FORMAT_VERSION = 1
 SCHEMES = ("int8", "int4")
 #: The stored parts of a quantized weight of each scheme, in file order.
 PARTS = {"int8": ("qweight", "scales"), "int4": ("qweight", "scales", "zeros")}
-#: Storage dtype of each part on disk.
+#: Storage dtype of each part on disk that is not a float32 scale (see :func:`part_dtype`).
 PART_DTYPES = {("int8", "qweight"): torch.int8, ("int4", "qweight"): torch.uint8}
 SCALE_DTYPE = torch.float32
 #: Partition kinds of the column/row-parallel linears (what ``--quantization`` quantizes).
@@ -47,10 +49,17 @@ LINEAR_KINDS = (P.Q, P.K, P.V, P.COLUMN, P.ROW_HEADS, P.ROW)
 @dataclass(frozen=True)
 class QuantEntry:
     """How one weight is stored: ``scheme`` "int8" or "int4", ``group_size`` input columns per
-    scale (and zero); None for int8 per output channel (the spec's ``g = in``)."""
+    scale (and zero); None for int8 per output channel (the spec's ``g = in``); ``zero_codes``
+    (int4 only): the zeros stored as int8 codes (``"zeros": "int8"`` in JSON), else float32."""
 
     scheme: str
     group_size: int | None
+    zero_codes: bool = False
+
+    @classmethod
+    def of_scheme(cls, scheme) -> QuantEntry:
+        """The entry storing a :class:`~tpengine.layers.quantized.QuantScheme`'s weights."""
+        return cls(scheme.name, scheme.group_size, scheme.zero_codes)
 
     def per_channel(self, in_full: int) -> bool:
         """True for one scale per output row (int8 with no group size, or one as wide as the
@@ -60,10 +69,18 @@ class QuantEntry:
     def describe(self) -> str:
         """e.g. "int4, group size 32" or "int8, per output channel"."""
         return f"{self.scheme}, " + ("per output channel" if self.group_size is None
-                                     else f"group size {self.group_size}")
+                                     else f"group size {self.group_size}") + (", int8 zero codes" * self.zero_codes)
 
     def to_json(self) -> dict[str, Any]:
-        return {"scheme": self.scheme, "group_size": self.group_size}
+        return {"scheme": self.scheme, "group_size": self.group_size, **({"zeros": "int8"} if self.zero_codes else {})}
+
+
+def part_dtype(entry: QuantEntry, part: str) -> torch.dtype | None:
+    """The stored dtype of ``part`` under ``entry``: int8 / uint8 for a qweight, int8 for coded
+    zeros, None for a float scale or zero (float32 on disk; any float dtype is read)."""
+    if part == "zeros" and entry.zero_codes:
+        return torch.int8
+    return PART_DTYPES.get((entry.scheme, part))
 
 
 def table_json(weights: dict[str, QuantEntry]) -> dict[str, Any]:
@@ -93,6 +110,7 @@ def parse_table(data: Any, where: str) -> dict[str, QuantEntry]:
     for name, e in weights.items():
         scheme = e.get("scheme") if isinstance(e, dict) else None
         g = e.get("group_size") if isinstance(e, dict) else None
+        zeros = e.get("zeros") if isinstance(e, dict) else None
         if not name.endswith(".weight") or scheme not in SCHEMES:
             raise UserError(f"{where}: weight {name!r}: scheme {scheme!r} is invalid (must be one of "
                             f"{', '.join(SCHEMES)}, for a name ending in .weight)")
@@ -100,7 +118,10 @@ def parse_table(data: Any, where: str) -> dict[str, QuantEntry]:
                                                                    and g > 0 and g % 2 == 0)):
             raise UserError(f"{where}: weight {name!r}: group_size {g!r} is invalid (an even positive "
                             "integer; null only for int8 per output channel)")
-        out[name] = QuantEntry(scheme, g)
+        if zeros not in (None, "int8") or (zeros is not None and scheme != "int4"):
+            raise UserError(f"{where}: weight {name!r}: zeros {zeros!r} is invalid (\"int8\" for int4 coded "
+                            "zeros, or absent for float32 zeros)")
+        out[name] = QuantEntry(scheme, g, zeros == "int8")
     return out
 
 
@@ -184,7 +205,7 @@ def stored_shapes(entry: QuantEntry, out: int, k: int, in_full: int | None = Non
                         f"not a multiple of {g}")
     groups = 1 if entry.per_channel(in_full) else k // g
     q = (torch.int8, (out, k)) if entry.scheme == "int8" else (torch.uint8, (out, k // 2))
-    return {"qweight": q, **{p: (SCALE_DTYPE, (out, groups)) for p in PARTS[entry.scheme][1:]}}
+    return {"qweight": q, **{p: (part_dtype(entry, p) or SCALE_DTYPE, (out, groups)) for p in PARTS[entry.scheme][1:]}}
 
 
 def part_slice(plan: P.ShardPlan, kind: str, entry: QuantEntry, part: str,
@@ -274,7 +295,7 @@ def quantize_parts(w: torch.Tensor, entry: QuantEntry) -> dict[str, torch.Tensor
         UserError: grouped int8 (``--quantization`` has per-channel int8 only), or ``in`` not
             a multiple of the group size.
     """
-    from tpengine.layers.quantized import quantize_int4, quantize_int8
+    from tpengine.layers.quantized import quantize_int4, quantize_int4_coded, quantize_int8
 
     out, k = w.shape
     if entry.scheme == "int8":
@@ -283,6 +304,9 @@ def quantize_parts(w: torch.Tensor, entry: QuantEntry) -> dict[str, torch.Tensor
         q, s = quantize_int8(w, SCALE_DTYPE)
         return {"qweight": q, "scales": s[:, None].contiguous()}
     stored_shapes(entry, out, k)  # UserError: in not a multiple of the group size
+    if entry.zero_codes:
+        q, scales, codes = quantize_int4_coded(w, entry.group_size, SCALE_DTYPE)
+        return {"qweight": pack_nibbles(q), "scales": scales.T.contiguous(), "zeros": codes.T.contiguous()}
     q, sz = quantize_int4(w, entry.group_size, SCALE_DTYPE)
     return {"qweight": pack_nibbles(q), "scales": sz[..., 0].T.contiguous(), "zeros": sz[..., 1].T.contiguous()}
 
@@ -292,14 +316,18 @@ def build_weight(entry: QuantEntry, parts: dict[str, torch.Tensor]):
     parts (this rank's, merged parts stacked by rows; scales/zeros already in the activation
     dtype): int8 ``Int8Weight(qweight, scales [out])`` per output channel (one scale column),
     else ``Int8Weight(qweight, scales [out, in // g], group_size=g)``; int4 ``Int4Weight`` of the
-    unpacked 0..15 values (transient) and ``[in // g, out, 2]`` scales and zeros."""
-    from tpengine.layers.quantized import Int4Weight, Int8Weight
+    unpacked 0..15 values (transient) and ``[in // g, out, 2]`` scales and zeros, or with coded zeros
+    ``Int4CodedWeight`` of them and ``[in // g, out]`` scales and codes."""
+    from tpengine.layers.quantized import Int4CodedWeight, Int4Weight, Int8Weight
 
     if entry.scheme == "int8":
         q, s = parts["qweight"], parts["scales"]
         if s.shape[1] == 1:
             return Int8Weight(q, s[:, 0])
         return Int8Weight(q, s, group_size=entry.group_size)  # grouped int8: branch qhead's Int8Weight
+    if entry.zero_codes:
+        return Int4CodedWeight(unpack_nibbles(parts["qweight"]), parts["scales"].T.contiguous(),
+                               parts["zeros"].T.contiguous(), entry.group_size)
     sz = torch.stack([parts["scales"], parts["zeros"]], dim=-1).transpose(0, 1).contiguous()
     return Int4Weight(unpack_nibbles(parts["qweight"]), sz, entry.group_size)
 

@@ -12,14 +12,14 @@ from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
 from tpengine.layers.embedding import VocabParallelEmbedding
 from tpengine.layers.quantized import QuantScheme, check_quantization
-from tpengine.quant_checkpoint import PART_DTYPES, QuantEntry, build_weight, describe_table
+from tpengine.quant_checkpoint import QuantEntry, build_weight, describe_table, part_dtype
 from tpengine.tensor_file import TensorInfo
 
 
 class QuantParts:
     """This rank's stored parts of quantized layers while they load: part -> buffer ``[rows of the
     layer, stored columns]`` per layer (qweight in its stored dtype, scales/zeros in the
-    activation dtype), allocated on a layer's first part; :meth:`finish` builds the layer's
+    activation dtype, coded zeros int8), allocated on a layer's first part; :meth:`finish` builds the layer's
     :class:`~tpengine.layers.quantized.QuantizedWeight` and frees them."""
 
     def __init__(self, dtype: torch.dtype):
@@ -35,7 +35,7 @@ class QuantParts:
             ValueError: ``info`` of another dtype than the format's, or a merged layer whose
                 parts disagree in columns, naming the tensor.
         """
-        want = PART_DTYPES.get((entry.scheme, part))
+        want = part_dtype(entry, part)
         if (want is not None and info.dtype != want) or (want is None and not info.dtype.is_floating_point):
             raise ValueError(f"checkpoint tensor {info.name!r} has dtype {info.dtype}; the {entry.scheme} format "
                              f"stores {part} as {want or 'float32'}")
@@ -83,8 +83,8 @@ def check_stored_quantization(model_dir: Path, table: dict[str, QuantEntry], qua
     where = f"the quantized folder {str(model_dir)!r} ({describe_table(table)})"
     if quantization is not None:
         want = QuantScheme.of(quantization)
-        if any(table.get(n) != QuantEntry(want.name, want.group_size) for n in linears):
-            flag = QuantEntry(want.name, want.group_size).describe()
+        if any(table.get(n) != QuantEntry.of_scheme(want) for n in linears):
+            flag = QuantEntry.of_scheme(want).describe()
             raise UserError(f"--quantization {quantization} ({flag}) disagrees with {where}; drop --quantization "
                             "to run the folder's weights as stored, or pass a float folder to quantize on the fly")
     if tp.device.type != "cpu":

@@ -9,7 +9,10 @@
  *     nb / 2 bytes a column, byte j holding rows 2j and 2j + 1), scales_and_zeros [groups, n_pad, 2];
  *     y[r, o] = sum_i x[r, i] ((q[o, i] - 8) s[g, o] + z[g, o]), computed per group g as
  *     s * (sum_i x q - 8 sum_i x) + z * sum_i x (what torch._weight_int4pack_mm_for_cpu computes,
- *     up to the order of the float32 sums).
+ *     up to the order of the float32 sums);
+ *   int4 with int8 zero codes: the same values, with scales [groups, n_pad] and zero codes c int8
+ *     [groups, n_pad] instead of scales_and_zeros: zero = c * s / 16, computed (c * s) * 0.0625f
+ *     (zc NULL: scales_and_zeros).
  *
  * Activations x [rows, k] and outputs y [rows, n] are bfloat16 (is_bf16) or float32, scales bfloat16
  * or float32 likewise; the sums are float32. Rows 1..8, k % 16 == 0 (int4: k % group == 0, group
@@ -83,10 +86,22 @@ int64_t tpe_qgemv_int8(const void *x, int64_t rows, int64_t k, const int8_t *q, 
 }
 
 /* ------------------------------------------------------------------------------------- int4 */
+/* scale and zero of element idx = g * n_pad + o: from scales_and_zeros [groups, n_pad, 2] (zc NULL), or
+ * from scales [groups, n_pad] and the int8 zero codes zc [groups, n_pad] (zero = c * s / 16). */
+static inline void q4_sz(const void *sz, const int8_t *zc, int64_t idx, int is_bf16, float *s, float *z) {
+    if (zc) {
+        *s = ldf(sz, idx, is_bf16);
+        *z = ((float)zc[idx] * *s) * 0.0625f;
+    } else {
+        *s = ldf(sz, 2 * idx, is_bf16);
+        *z = ldf(sz, 2 * idx + 1, is_bf16);
+    }
+}
+
 /* One full 64-row block b, rows r0..r0+R-1 of x: out[r][0..63] = the block's outputs. */
 #define Q4_ROWS(R)                                                                                              \
     static void q4_block_##R(const float *x, const float *xs, int64_t k, int64_t gs, const uint8_t *blk,       \
-                             const void *sz, int64_t n_pad, int64_t o0, int is_bf16, float *out, int64_t ldo) { \
+                             const void *sz, const int8_t *zc, int64_t n_pad, int64_t o0, int is_bf16, float *out, int64_t ldo) { \
         const __m128i m4 = _mm_set1_epi8(0x0f);                                                               \
         __m512 res[R][4];                                                                                     \
         for (int r = 0; r < R; r++)                                                                           \
@@ -111,11 +126,7 @@ int64_t tpe_qgemv_int8(const void *x, int64_t rows, int64_t k, const int8_t *q, 
                     acc[r][3] = _mm512_fmadd_ps(xv, q3, acc[r][3]);                                           \
                 }                                                                                             \
             }                                                                                                 \
-            const int64_t base = (g * n_pad + o0) * 2;                                                        \
-            for (int j = 0; j < 64; j++) {                                                                    \
-                s[j] = ldf(sz, base + 2 * j, is_bf16);                                                        \
-                z[j] = ldf(sz, base + 2 * j + 1, is_bf16);                                                    \
-            }                                                                                                 \
+            for (int j = 0; j < 64; j++) q4_sz(sz, zc, g * n_pad + o0 + j, is_bf16, s + j, z + j);            \
             for (int v = 0; v < 4; v++) {                                                                     \
                 const __m512 sv = _mm512_loadu_ps(s + 16 * v), zv = _mm512_loadu_ps(z + 16 * v);              \
                 for (int r = 0; r < R; r++) {                                                                 \
@@ -136,7 +147,7 @@ Q4_ROWS(4)
 
 /* The last block of nb < 64 rows (rows 2j and 2j + 1 in byte j of each column's nb / 2 bytes). */
 static void q4_tail(const float *x, const float *xs, int64_t rows, int64_t k, int64_t gs, const uint8_t *blk,
-                    int64_t nb, const void *sz, int64_t n_pad, int64_t o0, int is_bf16, float *out, int64_t ldo) {
+                    int64_t nb, const void *sz, const int8_t *zc, int64_t n_pad, int64_t o0, int is_bf16, float *out, int64_t ldo) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t j = 0; j < nb; j++) {
             float total = 0.f;
@@ -147,18 +158,20 @@ static void q4_tail(const float *x, const float *xs, int64_t rows, int64_t k, in
                     acc += x[r * k + i] * (float)((j & 1) ? b >> 4 : b & 15);
                 }
                 const float xsum = xs[r * (k / gs) + g];
-                const float sc = ldf(sz, (g * n_pad + o0 + j) * 2, is_bf16);
-                const float ze = ldf(sz, (g * n_pad + o0 + j) * 2 + 1, is_bf16);
+                float sc, ze;
+                q4_sz(sz, zc, g * n_pad + o0 + j, is_bf16, &sc, &ze);
                 total += sc * acc + (ze - 8.f * sc) * xsum;
             }
             out[r * ldo + j] = total;
         }
 }
 
-/* x [rows, k]; packed: the int4 layout above for n_pad rows (a multiple of 16); sz [k / gs, n_pad, 2];
+/* x [rows, k]; packed: the int4 layout above for n_pad rows (a multiple of 16); sz [k / gs, n_pad, 2], or
+ * scales [k / gs, n_pad] with the zero codes zc [k / gs, n_pad] (zc not NULL);
  * y [rows, n] (the first n <= n_pad rows). Returns 0, or -1 for bad arguments (rows outside 1..8,
  * k or gs not multiples of 16, k % gs, n > n_pad, n_pad % 16). */
-int64_t tpe_qgemv_int4(const void *x, int64_t rows, int64_t k, const uint8_t *packed, const void *sz, int64_t gs,
+int64_t tpe_qgemv_int4(const void *x, int64_t rows, int64_t k, const uint8_t *packed, const void *sz,
+                       const int8_t *zc, int64_t gs,
                        int64_t n, int64_t n_pad, void *y, int is_bf16, int nthreads) {
     if (rows < 1 || rows > QMAX_ROWS || k % 16 || gs % 16 || gs <= 0 || k % gs || n > n_pad || n_pad % 16) return -1;
     const int64_t groups = k / gs, full = n_pad / 64, nblocks = full + (n_pad % 64 != 0);
@@ -182,15 +195,18 @@ int64_t tpe_qgemv_int4(const void *x, int64_t rows, int64_t k, const uint8_t *pa
         const uint8_t *blk = packed + b * 64 * k / 2;
         const int64_t o0 = b * 64;
         if (b == full) {
-            q4_tail(xf, xs, rows, k, gs, blk, n_pad - o0, sz, n_pad, o0, is_bf16, out + o0, n_pad);
+            q4_tail(xf, xs, rows, k, gs, blk, n_pad - o0, sz, zc, n_pad, o0, is_bf16, out + o0, n_pad);
         } else {
             int64_t r = 0;
             for (; r + 4 <= rows; r += 4)
-                q4_block_4(xf + r * k, xs + r * groups, k, gs, blk, sz, n_pad, o0, is_bf16, out + r * n_pad + o0, n_pad);
+                q4_block_4(xf + r * k, xs + r * groups, k, gs, blk, sz, zc, n_pad, o0, is_bf16,
+                           out + r * n_pad + o0, n_pad);
             for (; r + 2 <= rows; r += 2)
-                q4_block_2(xf + r * k, xs + r * groups, k, gs, blk, sz, n_pad, o0, is_bf16, out + r * n_pad + o0, n_pad);
+                q4_block_2(xf + r * k, xs + r * groups, k, gs, blk, sz, zc, n_pad, o0, is_bf16,
+                           out + r * n_pad + o0, n_pad);
             for (; r < rows; r++)
-                q4_block_1(xf + r * k, xs + r * groups, k, gs, blk, sz, n_pad, o0, is_bf16, out + r * n_pad + o0, n_pad);
+                q4_block_1(xf + r * k, xs + r * groups, k, gs, blk, sz, zc, n_pad, o0, is_bf16,
+                           out + r * n_pad + o0, n_pad);
         }
         for (int64_t r = 0; r < rows; r++)
             for (int64_t o = o0; o < o0 + 64 && o < n; o++) stf(y, r * n + o, out[r * n_pad + o], is_bf16);
@@ -205,7 +221,7 @@ int64_t tpe_qgemv_int4(const void *x, int64_t rows, int64_t k, const uint8_t *pa
 /* wt [k, n_pad] (bf16 or f32): wt[i, o] = (q[o, i] - 8) * s[g, o] + z[g, o], the int4 weight of the
  * layout above dequantized and transposed (each column of a packed block gives 64 consecutive
  * outputs), for a prefill's GEMM: x @ wt. The last block (nb < 64 rows) is read scalar. */
-void tpe_dequant_int4(const uint8_t *packed, const void *sz, int64_t gs, int64_t k, int64_t n_pad, void *wt,
+void tpe_dequant_int4(const uint8_t *packed, const void *sz, const int8_t *zc, int64_t gs, int64_t k, int64_t n_pad, void *wt,
                       int is_bf16, int nthreads) {
     const int64_t full = n_pad / 64, nblocks = full + (n_pad % 64 != 0), groups = k / gs;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n_pad * k >= 65536)
@@ -215,8 +231,8 @@ void tpe_dequant_int4(const uint8_t *packed, const void *sz, int64_t gs, int64_t
         float s[64], z[64];
         for (int64_t g = 0; g < groups; g++) {
             for (int64_t j = 0; j < nb; j++) {
-                s[j] = ldf(sz, ((g * n_pad) + o0 + j) * 2, is_bf16);
-                z[j] = ldf(sz, ((g * n_pad) + o0 + j) * 2 + 1, is_bf16) - 8.f * s[j];
+                q4_sz(sz, zc, g * n_pad + o0 + j, is_bf16, s + j, z + j);
+                z[j] -= 8.f * s[j];
             }
             for (int64_t i = g * gs; i < (g + 1) * gs; i++) {
                 if (nb < 64) {

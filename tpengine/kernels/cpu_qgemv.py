@@ -1,7 +1,7 @@
 """int8 and int4 weight-only matrix-vector products for the few rows of a decode step
 (``cpu_qgemv.c``, built by :mod:`tpengine.kernels.cpu_native`), on the storage
 :mod:`tpengine.layers.quantized` already holds (int8 ``[out, in]`` with per-channel scales; torch's
-packed int4 layout with ``scales_and_zeros``), so no second copy of a weight exists.
+packed int4 layout with ``scales_and_zeros``, or scales and int8 zero codes), so no second copy of a weight exists.
 
 torch's CPU weight-only kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) are
 written for many rows; at one row they read the weight well below the memory bandwidth. Whether
@@ -87,31 +87,56 @@ def int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.
     return y.reshape(*x.shape[:-1], n)
 
 
+def _int4_scales(scales_and_zeros: torch.Tensor, zero_codes: torch.Tensor | None, op: str) -> tuple[int, int]:
+    """``(groups, n_pad)`` of an int4 weight's scales: ``scales_and_zeros [groups, n_pad, 2]``, or with
+    ``zero_codes`` (int8 ``[groups, n_pad]``) ``scales [groups, n_pad]`` (zero = code * scale / 16).
+
+    Raises:
+        ValueError: other shapes or dtypes, naming them.
+    """
+    if zero_codes is None:
+        if scales_and_zeros.dim() == 3 and scales_and_zeros.shape[2] == 2:
+            return scales_and_zeros.shape[0], scales_and_zeros.shape[1]
+        raise ValueError(f"{op}: scales_and_zeros must be [groups, n_pad, 2]; got {tuple(scales_and_zeros.shape)}")
+    if (scales_and_zeros.dim() != 2 or zero_codes.dtype != torch.int8 or zero_codes.shape != scales_and_zeros.shape
+            or not zero_codes.is_contiguous()):
+        raise ValueError(f"{op}: with zero codes, scales must be [groups, n_pad] and zero_codes a contiguous int8 "
+                         f"tensor of that shape; got scales {tuple(scales_and_zeros.shape)}, zero_codes "
+                         f"{zero_codes.dtype} {tuple(zero_codes.shape)}")
+    return scales_and_zeros.shape
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def int4(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
-         out_features: int) -> torch.Tensor:
+         out_features: int, zero_codes: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ ((q - 8) * scale + zero).T`` for ``x [..., k]`` (1..8 rows, bfloat16 or float32),
     ``packed`` (``_convert_weight_to_int4pack_for_cpu`` of ``n_pad`` rows, in the layout
     :func:`int4_layout_ok` accepts: the caller checks), ``scales_and_zeros [k / group_size,
-    n_pad, 2]`` in ``x``'s dtype -> ``[..., out_features]`` (the first ``out_features <= n_pad``).
+    n_pad, 2]`` in ``x``'s dtype, or ``scales [k / group_size, n_pad]`` with ``zero_codes`` (int8,
+    same shape; ``zero = code * scale / 16``) -> ``[..., out_features]`` (the first
+    ``out_features <= n_pad``).
 
     Raises:
         ValueError: a dtype, shape, group size or row count it does not take.
         RuntimeError: the C kernels are unavailable.
     """
-    groups, n_pad, two = scales_and_zeros.shape
+    groups, n_pad = _int4_scales(scales_and_zeros, zero_codes, "qgemv int4")
     k = groups * group_size
     x2, rows = _rows(x, k, "qgemv int4")
-    if (two != 2 or group_size % 16 or packed.dtype != torch.uint8 or packed.numel() * 2 != n_pad * k
+    if (group_size % 16 or packed.dtype != torch.uint8 or packed.numel() * 2 != n_pad * k
             or not packed.is_contiguous() or n_pad % 16 or not 0 < out_features <= n_pad
             or scales_and_zeros.dtype != x.dtype):
-        raise ValueError(f"qgemv int4: need uint8 packed [{n_pad}, {k // 2}], scales_and_zeros [{groups}, n_pad % 16 "
-                         f"== 0, 2] in {x.dtype}, group size % 16 == 0 and 0 < out_features <= n_pad; got packed "
-                         f"{packed.dtype} {tuple(packed.shape)}, scales_and_zeros {scales_and_zeros.dtype} "
+        raise ValueError(f"qgemv int4: need uint8 packed [{n_pad}, {k // 2}], scales [{groups}, n_pad % 16 == 0] "
+                         f"in {x.dtype}, group size % 16 == 0 and 0 < out_features <= n_pad; got packed "
+                         f"{packed.dtype} {tuple(packed.shape)}, scales {scales_and_zeros.dtype} "
                          f"{tuple(scales_and_zeros.shape)}, group size {group_size}, out_features {out_features}")
     y = torch.empty(rows, out_features, dtype=x.dtype)
     _check(_lib().tpe_qgemv_int4(x2.data_ptr(), rows, k, packed.data_ptr(), scales_and_zeros.contiguous().data_ptr(),
-                                 group_size, out_features, n_pad, y.data_ptr(), int(x.dtype == torch.bfloat16),
-                                 torch.get_num_threads()), "int4")
+                                 _ptr(zero_codes), group_size, out_features, n_pad, y.data_ptr(),
+                                 int(x.dtype == torch.bfloat16), torch.get_num_threads()), "int4")
     return y.reshape(*x.shape[:-1], out_features)
 
 
@@ -134,44 +159,47 @@ def bind_int8(qweight: torch.Tensor, scales: torch.Tensor):
     return run
 
 
-def bind_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, out_features: int):
+def bind_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, out_features: int,
+              zero_codes: torch.Tensor | None = None):
     """:func:`int4` for one weight with its checks done once: ``run(x [rows, k] contiguous in the
     scales' dtype, 1 <= rows <= MAX_ROWS) -> [rows, out_features]``.
 
     Raises:
         ValueError: see :func:`int4`.
     """
-    groups, n_pad, _ = scales_and_zeros.shape
+    groups, n_pad = _int4_scales(scales_and_zeros, zero_codes, "qgemv int4")
     k, dtype = groups * group_size, scales_and_zeros.dtype
-    int4(torch.zeros(1, k, dtype=dtype), packed, scales_and_zeros, group_size, out_features)  # the checks, once
-    fn, pp, sp, bf = _lib().tpe_qgemv_int4, packed.data_ptr(), scales_and_zeros.data_ptr(), int(dtype == torch.bfloat16)
+    int4(torch.zeros(1, k, dtype=dtype), packed, scales_and_zeros, group_size, out_features, zero_codes)  # checks, once
+    fn, pp, sp, zp = _lib().tpe_qgemv_int4, packed.data_ptr(), scales_and_zeros.data_ptr(), _ptr(zero_codes)
+    bf = int(dtype == torch.bfloat16)
 
     def run(x: torch.Tensor) -> torch.Tensor:
         y = torch.empty(x.shape[0], out_features, dtype=dtype)
-        _check(fn(x.data_ptr(), x.shape[0], k, pp, sp, group_size, out_features, n_pad, y.data_ptr(), bf,
+        _check(fn(x.data_ptr(), x.shape[0], k, pp, sp, zp, group_size, out_features, n_pad, y.data_ptr(), bf,
                   torch.get_num_threads()), "int4")
         return y
     return run
 
 
-def dequant_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+def dequant_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                 zero_codes: torch.Tensor | None = None) -> torch.Tensor:
     """The transposed float weight ``wt [k, n_pad]`` (``wt[i, o] = (q[o, i] - 8) * scale + zero``) of an
-    int4 weight in the layout :func:`int4_layout_ok` accepts, in the scales' dtype: a scratch tensor
-    for one prefill GEMM (``x @ wt``), freed with it.
+    int4 weight in the layout :func:`int4_layout_ok` accepts (scales as :func:`int4` takes them), in the
+    scales' dtype: a scratch tensor for one prefill GEMM (``x @ wt``), freed with it.
 
     Raises:
         ValueError: a dtype or shape it does not take.
     """
-    groups, n_pad, two = scales_and_zeros.shape
+    groups, n_pad = _int4_scales(scales_and_zeros, zero_codes, "dequant int4")
     k, dtype = groups * group_size, scales_and_zeros.dtype
-    if (dtype not in _FLOAT or two != 2 or group_size % 16 or packed.dtype != torch.uint8
+    if (dtype not in _FLOAT or group_size % 16 or packed.dtype != torch.uint8
             or packed.numel() * 2 != n_pad * k or not packed.is_contiguous() or n_pad % 16):
-        raise ValueError(f"dequant int4: need uint8 packed [{n_pad}, {k // 2}] and bfloat16/float32 scales_and_zeros "
-                         f"[{groups}, n_pad % 16 == 0, 2]; got {packed.dtype} {tuple(packed.shape)}, {dtype} "
+        raise ValueError(f"dequant int4: need uint8 packed [{n_pad}, {k // 2}] and bfloat16/float32 scales "
+                         f"[{groups}, n_pad % 16 == 0]; got {packed.dtype} {tuple(packed.shape)}, {dtype} "
                          f"{tuple(scales_and_zeros.shape)}")
     wt = torch.empty(k, n_pad, dtype=dtype)
-    _lib().tpe_dequant_int4(packed.data_ptr(), scales_and_zeros.contiguous().data_ptr(), group_size, k, n_pad,
-                            wt.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads())
+    _lib().tpe_dequant_int4(packed.data_ptr(), scales_and_zeros.contiguous().data_ptr(), _ptr(zero_codes), group_size,
+                            k, n_pad, wt.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads())
     return wt
 
 
@@ -210,7 +238,7 @@ def _measure(mods: list) -> dict[str, list[float]]:
                 m.gemv_rows = use
                 return m(x)
             times[path].append(_time_us([lambda m=m: call(m) for m in mods]))
-    if getattr(mods[0], "group_size", None) is None or type(mods[0]).__name__ == "Int4Weight":
+    if getattr(mods[0], "group_size", None) is None or type(mods[0]).__name__.startswith("Int4"):
         times["prefill_torch"], times["prefill_dequant"] = [], []
         few = mods[:PREFILL_WEIGHTS]
         for m in few:

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from tpengine.errors import UserError
-from tpengine.layers.quant_math import quantize_int4, quantize_int8
-from tpengine.layers.quantized import Int4Weight, Int8Weight, QuantizedWeight, QuantScheme
+from tpengine.layers.quant_math import quantize_int4, quantize_int4_coded, quantize_int8
+from tpengine.layers.quantized import Int4CodedWeight, Int4Weight, Int8Weight, QuantizedWeight, QuantScheme
 
 
 def quantize_weight(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype,
@@ -28,6 +28,8 @@ def quantize_weight(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype,
         raise UserError(f"--quantization {scheme.name} runs on the CPU only; the weights are on {w.device}")
     if scheme.name == "int8":
         return Int8Weight(*quantize_int8(w, dtype, absmax, scheme.group_size), scheme.group_size)
+    if scheme.zero_codes:
+        return Int4CodedWeight(*quantize_int4_coded(w, scheme.group_size, dtype), scheme.group_size)
     return Int4Weight(*quantize_int4(w, scheme.group_size, dtype), scheme.group_size)
 
 

@@ -79,21 +79,89 @@ def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size:
     return ((g - 8) * sz[..., :1] + sz[..., 1:]).reshape(out, k)
 
 
+#: int4 with int8 zero codes: ``zero = code * scale / ZERO_CODE_STEP`` (``code`` in -128..127).
+ZERO_CODE_STEP = 16
+
+
+def coded_zeros(scales: torch.Tensor, zero_codes: torch.Tensor) -> torch.Tensor:
+    """float32 zeros ``(code * scale) / 16`` of ``scales`` and int8 ``zero_codes`` (same shape), in the
+    order the C kernels compute them (so the two agree bit for bit)."""
+    return (zero_codes.float() * scales.float()) * (1.0 / ZERO_CODE_STEP)
+
+
+def quantize_int4_coded(w: torch.Tensor, group_size: int, dtype: torch.dtype):
+    """Group-wise int4 of ``w [out, in]`` with the zero stored as an int8 code (a byte a group
+    instead of a float: 4.75 bits a weight at group 32 and bfloat16 scales, against 5):
+    ``(q int32 [out, in] in 0..15, scales [in / g, out] in dtype, zero_codes int8 [in / g, out])``,
+    ``w ~ (q - 8) * scale + zero`` with ``zero = code * scale / 16`` (:func:`coded_zeros`).
+
+    Per group, as :func:`quantize_int4`: ``scale = max(max - min, 1e-6) / 15`` (rounded to ``dtype``),
+    the zero ``min + 8 * scale`` rounded to a multiple of ``scale / 16`` (``code``); a group whose
+    zero falls outside the codes' range (``|zero| >= 8 * scale``: it does not contain 0) first has
+    its range widened to take in 0 (min ``<= 0 <=`` max), which brings the zero into the range; an
+    all-zero group is stored as a vocabulary padding row is, all 0: values, scale and code. Then
+    ``q = round((w - zero) / scale + 8)`` clamped to ``[0, 15]``. (The coded zero lets the grid sit
+    anywhere between two steps, unlike an integer zero point ``(q - z) * scale``: SmolLM2's weights
+    came from GGUF Q4_1 grids, and an integer zero point cost them +20% perplexity where this code
+    costs nothing measurable; docs/notes/quantized-head.md.)
+
+    Raises:
+        ValueError: ``in`` not a multiple of ``group_size``.
+    """
+    out, k = w.shape
+    if k % group_size:
+        raise ValueError(f"int4: {k} input columns are not a multiple of the group size {group_size}")
+    g = w.float().reshape(out, k // group_size, group_size)
+    mx, mn = g.amax(dim=-1), g.amin(dim=-1)
+
+    def scale_of(mx, mn):
+        return ((mx - mn).clamp(min=1e-6) / 15).to(dtype).float()
+
+    s = scale_of(mx, mn)
+    r = torch.round((mn + 8 * s) / s * ZERO_CODE_STEP)
+    wide = (r < -128) | (r > 127)
+    mn, mx = torch.where(wide, mn.clamp(max=0), mn), torch.where(wide, mx.clamp(min=0), mx)
+    s = torch.where(wide, scale_of(mx, mn), s)
+    empty = (mx == 0) & (mn == 0)
+    codes = torch.round((mn + 8 * s) / s * ZERO_CODE_STEP).clamp_(-128, 127).masked_fill_(empty, 0).to(torch.int8)
+    zeros = coded_zeros(s, codes)
+    q = torch.round((g - zeros[..., None]) / s[..., None] + 8).clamp_(0, 15).masked_fill_(empty[..., None], 0)
+    s = s.masked_fill(empty, 0)
+    return q.reshape(out, k).to(torch.int32), s.to(dtype).t().contiguous(), codes.t().contiguous()
+
+
+def dequantize_int4_coded(q: torch.Tensor, scales: torch.Tensor, zero_codes: torch.Tensor,
+                          group_size: int) -> torch.Tensor:
+    """The float32 ``[out, in]`` weight ``(q - 8) * scale + zero`` of ``q [out, in]`` (0..15),
+    ``scales`` and ``zero_codes [in / group_size, out]`` (the reference for the coded int4 kernels)."""
+    out, k = q.shape
+    s = scales.float()[:, :out].t()
+    z = coded_zeros(scales[:, :out], zero_codes[:, :out]).t()
+    g = q.float().reshape(out, k // group_size, group_size)
+    return ((g - 8) * s[..., None] + z[..., None]).reshape(out, k)
+
+
 #: The CPU int4 kernel's output rows come in multiples of this (a layer's are padded up to it).
 INT4_ROW_MULTIPLE = 16
 
 
 def _int4_pack(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed, scales_and_zeros)`` for the CPU int4 kernel of ``q int32 [out, in]`` (0..15) and
-    ``scales_and_zeros [in / g, out, 2]``, rows padded with zeros (scale 0) to a multiple of
-    :data:`INT4_ROW_MULTIPLE`."""
+    ``scales_and_zeros [in / g, out, 2]`` (or any ``[in / g, out, ...]`` scale tensor), rows padded with
+    zeros (scale 0) to a multiple of :data:`INT4_ROW_MULTIPLE`."""
     out, k = q.shape
     pad = -out % INT4_ROW_MULTIPLE
     if pad:
         q = torch.cat([q, q.new_zeros(pad, k)])
-        scales_and_zeros = torch.cat([scales_and_zeros, scales_and_zeros.new_zeros(
-            scales_and_zeros.shape[0], pad, 2)], dim=1)
+        scales_and_zeros = _pad_out(scales_and_zeros, pad)
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1), scales_and_zeros.contiguous()
+
+
+def _pad_out(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """``t [groups, out, ...]`` with ``pad`` zero output rows appended (dim 1), contiguous."""
+    if not pad:
+        return t.contiguous()
+    return torch.cat([t, t.new_zeros(t.shape[0], pad, *t.shape[2:])], dim=1).contiguous()
 
 
 def _int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor,
