@@ -14,12 +14,15 @@ from tpengine.layers.quant_math import int4_pack_layout
 from tpengine.layers.quantized import Int4Weight, Int8Weight, QuantScheme
 
 pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="CPU C kernels unavailable here")
-SCHEMES = [("int8", None), ("int8", 32), ("int4", 32), ("int4", 128)]
+#: int4z: int4 with int8 zero codes (--quantization int4's); int4: float zeros (GGUF Q4_1's)
+SCHEMES = [("int8", None), ("int8", 32), ("int4", 32), ("int4", 128), ("int4z", 32), ("int4z", 128)]
 SHAPES = [(960, 256), (472, 256), (80, 128)]  # 472: 7 blocks of 64 and a last one of 24 (padded to 32)
 
 
 def weight(name, group, shape, dtype, seed=0):
     w = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 0.05
+    if name == "int4z":
+        return quantize_weight(w, QuantScheme("int4", group, zero_codes=True), dtype)
     return quantize_weight(w, QuantScheme(name, group), dtype)
 
 
@@ -50,10 +53,13 @@ def test_few_rows_equal_the_dequantized_product(name, group, shape, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_int4_dequantize_is_the_stored_weight_transposed(shape, dtype):
-    q = weight("int4", 32, shape, dtype)
-    wt = cpu_qgemv.dequant_int4(q.packed, q.scales_and_zeros, 32)
-    n_pad = q.scales_and_zeros.shape[1]
+@pytest.mark.parametrize("name", ["int4", "int4z"])
+def test_int4_dequantize_is_the_stored_weight_transposed(name, shape, dtype):
+    q = weight(name, 32, shape, dtype)
+    if name == "int4z":
+        wt, n_pad = cpu_qgemv.dequant_int4(q.packed, q.scales, 32, q.zero_codes), q.scales.shape[1]
+    else:
+        wt, n_pad = cpu_qgemv.dequant_int4(q.packed, q.scales_and_zeros, 32), q.scales_and_zeros.shape[1]
     assert wt.shape == (shape[1], n_pad) and wt.dtype == dtype
     want = q.dequantize()  # float32 (q - 8) * scale + zero
     got = wt[:, : shape[0]].T.double()
@@ -77,6 +83,14 @@ def test_layout_check_and_argument_errors():
         cpu_qgemv.int8(torch.zeros(1, 128, dtype=torch.bfloat16), q8.qweight, q8.scales)
     with pytest.raises(ValueError, match=r"^qgemv int4: need uint8 packed \[64, 64\]"):
         cpu_qgemv.int4(torch.zeros(1, 128), q4.packed, q4.scales_and_zeros, 32, 65)
+    z = weight("int4z", 32, (64, 128), torch.float32)
+    with pytest.raises(ValueError) as e:
+        cpu_qgemv.int4(torch.zeros(1, 128), z.packed, z.scales, 32, 64, z.zero_codes[:, :32].contiguous())
+    assert str(e.value) == ("qgemv int4: with zero codes, scales must be [groups, n_pad] and zero_codes a contiguous "
+                            "int8 tensor of that shape; got scales (4, 64), zero_codes torch.int8 (4, 32)")
+    with pytest.raises(ValueError, match=r"^dequant int4: scales_and_zeros must be \[groups, n_pad, 2\]; got "
+                                         r"\(4, 64\)$"):
+        cpu_qgemv.dequant_int4(z.packed, z.scales, 32)
     assert cpu_qgemv.gemv_rows([10, 20, 30], [5, 25, 10]) == 1
     assert cpu_qgemv.gemv_rows([10, 20, 30], [11, 1, 1]) == 0
     assert cpu_qgemv.gemv_rows([10, 20, 30], [9, 19, 29]) == 8
@@ -116,3 +130,29 @@ def test_cached_choices_are_reused_and_bad_entries_measured_again(tmp_path, monk
     assert cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=1)["int4 g32 64->96"]["how"] == "cached"  # replaced
     path.write_text("not json")
     assert cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=1)["int4 g32 64->96"]["how"] == "measured"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_coded_int4_every_path_is_the_stored_weight(dtype):
+    """int4 with int8 zero codes: ``dequantize()`` is :func:`dequantize_int4_coded` of what
+    :func:`quantize_int4_coded` stores; tpengine's GEMV (8 rows), torch's kernel (its scales and zeros
+    built per call) and dequantize + GEMM all give that weight's product; an all-zero group is stored
+    as 0 (scale and code 0) and stays exactly 0; a group without 0 in its range is widened to take it in."""
+    from tpengine.layers.quant_math import dequantize_int4_coded, quantize_int4_coded
+
+    w = torch.randn(80, 128, generator=torch.Generator().manual_seed(7)) * 0.05
+    w[3] = 0.0
+    w[5, :32] = torch.linspace(1.0, 2.0, 32)  # no 0 in the range: widened to [0, 2]
+    q = quantize_weight(w, QuantScheme("int4", 32, zero_codes=True), dtype)
+    ref = dequantize_int4_coded(*quantize_int4_coded(w, 32, dtype), 32)
+    assert torch.equal(q.dequantize(), ref) and not ref[3].any()
+    assert not q.scales[:, 3].any() and not q.zero_codes[:, 3].any()
+    step = float(q.scales[0, 5])
+    assert step == pytest.approx(2.0 / 15, rel=2 ** -7) and float((ref[5, :32] - w[5, :32]).abs().max()) <= step / 2
+    assert q.nbytes == 80 * 128 // 2 + 4 * 80 * (dtype.itemsize + 1)  # half a byte a weight, a scale and a code a group
+    for rows, (gemv, deq) in ((8, (8, 0)), (8, (0, 0)), (70, (0, 64)), (70, (0, 0))):
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        q.gemv_rows, q.dequant_rows = gemv, deq
+        want = x.double() @ ref.double().T
+        tol = bound(x, q) * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -18)
+        assert ((q(x).double() - want).abs() <= tol + 1e-30).all(), (rows, gemv, deq)
