@@ -98,6 +98,26 @@ static inline void q4_sz(const void *sz, const int8_t *zc, int64_t idx, int is_b
     }
 }
 
+/* The scales and zeros of the 16 outputs idx..idx + 15 (idx = g * n_pad + o), as q4_sz computes them
+ * one by one (the same float32 values): scales_and_zeros pairs de-interleaved, or scales and codes. */
+static inline void q4_sz16(const void *sz, const int8_t *zc, int64_t idx, int is_bf16, __m512 *s, __m512 *z) {
+    if (zc) {
+        *s = is_bf16 ? ld((const uint16_t *)sz + idx) : _mm512_loadu_ps((const float *)sz + idx);
+        const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(zc + idx))));
+        *z = _mm512_mul_ps(_mm512_mul_ps(c, *s), _mm512_set1_ps(0.0625f));
+    } else if (is_bf16) { /* 16 (scale, zero) bf16 pairs: one 32-bit lane each */
+        const __m512i v = _mm512_loadu_si512((const uint16_t *)sz + 2 * idx);
+        *s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        *z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+    } else {
+        const float *f = (const float *)sz + 2 * idx;
+        const __m512 a = _mm512_loadu_ps(f), b = _mm512_loadu_ps(f + 16);
+        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        *s = _mm512_permutex2var_ps(a, even, b);
+        *z = _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b);
+    }
+}
+
 /* One full 64-row block b, rows r0..r0+R-1 of x: out[r][0..63] = the block's outputs. */
 #define Q4_ROWS(R)                                                                                              \
     static void q4_block_##R(const float *x, const float *xs, int64_t k, int64_t gs, const uint8_t *blk,       \
@@ -106,7 +126,6 @@ static inline void q4_sz(const void *sz, const int8_t *zc, int64_t idx, int is_b
         __m512 res[R][4];                                                                                     \
         for (int r = 0; r < R; r++)                                                                           \
             for (int v = 0; v < 4; v++) res[r][v] = _mm512_setzero_ps();                                      \
-        float s[64], z[64];                                                                                   \
         for (int64_t g = 0; g < k / gs; g++) {                                                                \
             __m512 acc[R][4];                                                                                 \
             for (int r = 0; r < R; r++)                                                                       \
@@ -126,9 +145,9 @@ static inline void q4_sz(const void *sz, const int8_t *zc, int64_t idx, int is_b
                     acc[r][3] = _mm512_fmadd_ps(xv, q3, acc[r][3]);                                           \
                 }                                                                                             \
             }                                                                                                 \
-            for (int j = 0; j < 64; j++) q4_sz(sz, zc, g * n_pad + o0 + j, is_bf16, s + j, z + j);            \
             for (int v = 0; v < 4; v++) {                                                                     \
-                const __m512 sv = _mm512_loadu_ps(s + 16 * v), zv = _mm512_loadu_ps(z + 16 * v);              \
+                __m512 sv, zv;                                                                                \
+                q4_sz16(sz, zc, g * n_pad + o0 + 16 * v, is_bf16, &sv, &zv);                                  \
                 for (int r = 0; r < R; r++) {                                                                 \
                     const float xsum = xs[r * (k / gs) + g];                                                  \
                     const __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(-8.f * xsum), sv,                         \
