@@ -164,6 +164,68 @@ Q4_ROWS(1)
 Q4_ROWS(2)
 Q4_ROWS(4)
 
+/* The same block for bfloat16 x, two columns at a time through vdpbf16ps (each 32-bit lane pairs one
+ * row's values in columns i and i + 1, as x[i], x[i + 1] are broadcast). One vpermb (zeroing) puts the
+ * bytes of 16 rows of both columns in those lanes; a value q then becomes the bfloat16 128 + q (bits
+ * 0x4300 | q) with one ternary-logic op and no conversion, so a group's sum is sum x q + 128 sum x and
+ * the scale step takes 136 sum x off where the float path takes 8 sum x (float32 sums; the offset costs
+ * the sums ~7 of float32's 24 bits, far below the bfloat16 output's rounding). */
+#define Q4B_ROWS(R)                                                                                             \
+    static void q4b_block_##R(const uint16_t *x, const float *xs, int64_t k, int64_t gs, const uint8_t *blk,   \
+                              const void *sz, const int8_t *zc, int64_t n_pad, int64_t o0, float *out,         \
+                              int64_t ldo) {                                                                   \
+        const __m512i m = _mm512_set1_epi32(0x000f000f), c = _mm512_set1_epi32(0x43004300);                  \
+        uint8_t i1[64], i2[64];                                                                               \
+        for (int l = 0; l < 16; l++) {                                                                        \
+            i1[4 * l] = (uint8_t)l, i1[4 * l + 2] = (uint8_t)(32 + l);                                        \
+            i2[4 * l] = (uint8_t)(16 + l), i2[4 * l + 2] = (uint8_t)(48 + l);                                 \
+            i1[4 * l + 1] = i1[4 * l + 3] = i2[4 * l + 1] = i2[4 * l + 3] = 0;                                \
+        }                                                                                                     \
+        const __m512i p1 = _mm512_loadu_si512(i1), p2 = _mm512_loadu_si512(i2);                               \
+        const __mmask64 even = 0x5555555555555555ull;                                                         \
+        __m512 res[R][4];                                                                                     \
+        for (int r = 0; r < R; r++)                                                                           \
+            for (int v = 0; v < 4; v++) res[r][v] = _mm512_setzero_ps();                                      \
+        for (int64_t g = 0; g < k / gs; g++) {                                                                \
+            __m512 acc[R][4];                                                                                 \
+            for (int r = 0; r < R; r++)                                                                       \
+                for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();                                  \
+            for (int64_t i = g * gs; i < (g + 1) * gs; i += 2) {                                              \
+                const __m512i b = _mm512_loadu_si512(blk + i * 32);                                           \
+                const __m512i a1 = _mm512_maskz_permutexvar_epi8(even, p1, b);                                \
+                const __m512i a2 = _mm512_maskz_permutexvar_epi8(even, p2, b);                                \
+                const __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(a1, m, c, 0xEA);                      \
+                const __m512bh w1 = (__m512bh)_mm512_ternarylogic_epi32(a2, m, c, 0xEA);                      \
+                const __m512bh w2 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(a1, 4), m, c, 0xEA); \
+                const __m512bh w3 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(a2, 4), m, c, 0xEA); \
+                for (int r = 0; r < R; r++) {                                                                 \
+                    int32_t pair;                                                                             \
+                    memcpy(&pair, x + r * k + i, 4);                                                          \
+                    const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);                                    \
+                    acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);                                          \
+                    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);                                          \
+                    acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xv, w2);                                          \
+                    acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xv, w3);                                          \
+                }                                                                                             \
+            }                                                                                                 \
+            for (int v = 0; v < 4; v++) {                                                                     \
+                __m512 sv, zv;                                                                                \
+                q4_sz16(sz, zc, g * n_pad + o0 + 16 * v, 1, &sv, &zv);                                        \
+                for (int r = 0; r < R; r++) {                                                                 \
+                    const float xsum = xs[r * (k / gs) + g];                                                  \
+                    const __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(-136.f * xsum), sv,                       \
+                                                     _mm512_mul_ps(_mm512_set1_ps(xsum), zv));                \
+                    res[r][v] = _mm512_add_ps(res[r][v], _mm512_fmadd_ps(sv, acc[r][v], t));                  \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int r = 0; r < R; r++)                                                                           \
+            for (int v = 0; v < 4; v++) _mm512_storeu_ps(out + r * ldo + 16 * v, res[r][v]);                  \
+    }
+
+Q4B_ROWS(1)
+Q4B_ROWS(2)
+
 /* The last block of nb < 64 rows (rows 2j and 2j + 1 in byte j of each column's nb / 2 bytes). */
 static void q4_tail(const float *x, const float *xs, int64_t rows, int64_t k, int64_t gs, const uint8_t *blk,
                     int64_t nb, const void *sz, const int8_t *zc, int64_t n_pad, int64_t o0, int is_bf16, float *out, int64_t ldo) {
@@ -217,6 +279,15 @@ int64_t tpe_qgemv_int4(const void *x, int64_t rows, int64_t k, const uint8_t *pa
             q4_tail(xf, xs, rows, k, gs, blk, n_pad - o0, sz, zc, n_pad, o0, is_bf16, out + o0, n_pad);
         } else {
             int64_t r = 0;
+            if (is_bf16 && rows < 4) { /* more rows: the float kernel's FMAs, on two ports, are faster */
+                const uint16_t *xb = (const uint16_t *)x;
+                for (; r + 2 <= rows; r += 2)
+                    q4b_block_2(xb + r * k, xs + r * groups, k, gs, blk, sz, zc, n_pad, o0, out + r * n_pad + o0,
+                                n_pad);
+                for (; r < rows; r++)
+                    q4b_block_1(xb + r * k, xs + r * groups, k, gs, blk, sz, zc, n_pad, o0, out + r * n_pad + o0,
+                                n_pad);
+            }
             for (; r + 4 <= rows; r += 4)
                 q4_block_4(xf + r * k, xs + r * groups, k, gs, blk, sz, zc, n_pad, o0, is_bf16,
                            out + r * n_pad + o0, n_pad);

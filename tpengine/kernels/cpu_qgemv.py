@@ -32,7 +32,7 @@ ROW_BUCKETS = (1, 4, 8)
 #: :data:`PREFILL_WEIGHTS` weights of a shape (a prefill GEMM is bound by arithmetic, not by memory).
 PREFILL_BUCKETS = (64, 512)
 PREFILL_WEIGHTS = 4
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 _FLOAT = (torch.bfloat16, torch.float32)
 
 
