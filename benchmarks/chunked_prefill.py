@@ -119,7 +119,8 @@ def render_table(result: dict):
                           + ("none within 10% of the no-chunking TTFT" if suggested is None else str(suggested)))
     for col in ("configuration", "tokens/step", "worst gap ms", "p50 gap ms", "long TTFT ms", "TTFT vs none",
                 "decode tok/s", "max step ms"):
-        table.add_column(col, justify="left" if col == "configuration" else "right")
+        # the configuration column never wraps: its label may carry "(suggested default)"
+        table.add_column(col, justify="left" if col == "configuration" else "right", no_wrap=col == "configuration")
     for name, r in result["results"].items():
         label = "no chunking" if name == NO_CHUNK else f"chunked {r['max_num_batched_tokens']}"
         if suggested is not None and name == config_name(suggested):

@@ -175,6 +175,13 @@ def test_chunked_prefill_smoke(tmp_path):
     assert rows["no-chunk"]["ttft_vs_no_chunk"] == 1.0
     assert res["suggested_default"] in (None, 64, 128)
     assert ("(suggested default)" in r.output) == (res["suggested_default"] is not None)
+    from rich.console import Console
+
+    from benchmarks.chunked_prefill import render_table
+
+    console = Console(width=120, record=True)  # the narrowest the benchmark prints at: the label stays whole
+    console.print(render_table({**res, "suggested_default": 128}))
+    assert "chunked 128 (suggested default)" in console.export_text()
 
 
 def test_chunked_prefill_suggested_default_and_bad_chunks(tmp_path):
