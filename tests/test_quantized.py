@@ -13,14 +13,13 @@ from tpengine.config import EngineConfig
 from tpengine.errors import UserError
 from tpengine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpengine.layers.quant_apply import quantize_linear
+from tpengine.layers.quant_math import dequantize_int4_coded, quantize_int4_coded
 from tpengine.layers.quantized import (
     QuantScheme,
     check_quantization,
     dequantize_int4,
-    dequantize_int4_coded,
     dequantize_int8,
     quantize_int4,
-    quantize_int4_coded,
     quantize_int8,
 )
 

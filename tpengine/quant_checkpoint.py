@@ -295,7 +295,7 @@ def quantize_parts(w: torch.Tensor, entry: QuantEntry) -> dict[str, torch.Tensor
         UserError: grouped int8 (``--quantization`` has per-channel int8 only), or ``in`` not
             a multiple of the group size.
     """
-    from tpengine.layers.quantized import quantize_int4, quantize_int4_coded, quantize_int8
+    from tpengine.layers.quant_math import quantize_int4, quantize_int4_coded, quantize_int8
 
     out, k = w.shape
     if entry.scheme == "int8":
@@ -318,7 +318,8 @@ def build_weight(entry: QuantEntry, parts: dict[str, torch.Tensor]):
     else ``Int8Weight(qweight, scales [out, in // g], group_size=g)``; int4 ``Int4Weight`` of the
     unpacked 0..15 values (transient) and ``[in // g, out, 2]`` scales and zeros, or with coded zeros
     ``Int4CodedWeight`` of them and ``[in // g, out]`` scales and codes."""
-    from tpengine.layers.quantized import Int4CodedWeight, Int4Weight, Int8Weight
+    from tpengine.layers.quant_coded import Int4CodedWeight
+    from tpengine.layers.quantized import Int4Weight, Int8Weight
 
     if entry.scheme == "int8":
         q, s = parts["qweight"], parts["scales"]

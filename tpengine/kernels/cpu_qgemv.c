@@ -118,6 +118,22 @@ static inline void q4_sz16(const void *sz, const int8_t *zc, int64_t idx, int is
     }
 }
 
+/* The end of group g for R rows of x: res[r][v] += s * (acc[r][v] - off * xsum) + z * xsum over the 64
+ * outputs idx..idx + 63 (off: the value offset the loop summed, 8 for (q - 8), 136 for the bfloat16 128 + q;
+ * xs[r * xstride]: row r's sum of x over the group). */
+static inline void q4_fold(int R, __m512 (*res)[4], __m512 (*acc)[4], const void *sz, const int8_t *zc, int64_t idx,
+                           int is_bf16, const float *xs, int64_t xstride, float off) {
+    for (int v = 0; v < 4; v++) {
+        __m512 sv, zv;
+        q4_sz16(sz, zc, idx + 16 * v, is_bf16, &sv, &zv);
+        for (int r = 0; r < R; r++) {
+            const float xsum = xs[r * xstride];
+            const __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(-off * xsum), sv, _mm512_mul_ps(_mm512_set1_ps(xsum), zv));
+            res[r][v] = _mm512_add_ps(res[r][v], _mm512_fmadd_ps(sv, acc[r][v], t));
+        }
+    }
+}
+
 /* One full 64-row block b, rows r0..r0+R-1 of x: out[r][0..63] = the block's outputs. */
 #define Q4_ROWS(R)                                                                                              \
     static void q4_block_##R(const float *x, const float *xs, int64_t k, int64_t gs, const uint8_t *blk,       \
@@ -145,16 +161,7 @@ static inline void q4_sz16(const void *sz, const int8_t *zc, int64_t idx, int is
                     acc[r][3] = _mm512_fmadd_ps(xv, q3, acc[r][3]);                                           \
                 }                                                                                             \
             }                                                                                                 \
-            for (int v = 0; v < 4; v++) {                                                                     \
-                __m512 sv, zv;                                                                                \
-                q4_sz16(sz, zc, g * n_pad + o0 + 16 * v, is_bf16, &sv, &zv);                                  \
-                for (int r = 0; r < R; r++) {                                                                 \
-                    const float xsum = xs[r * (k / gs) + g];                                                  \
-                    const __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(-8.f * xsum), sv,                         \
-                                                     _mm512_mul_ps(_mm512_set1_ps(xsum), zv));                \
-                    res[r][v] = _mm512_add_ps(res[r][v], _mm512_fmadd_ps(sv, acc[r][v], t));                  \
-                }                                                                                             \
-            }                                                                                                 \
+            q4_fold(R, res, acc, sz, zc, g * n_pad + o0, is_bf16, xs + g, k / gs, 8.f);                               \
         }                                                                                                     \
         for (int r = 0; r < R; r++)                                                                           \
             for (int v = 0; v < 4; v++) _mm512_storeu_ps(out + r * ldo + 16 * v, res[r][v]);                  \
@@ -208,16 +215,7 @@ Q4_ROWS(4)
                     acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xv, w3);                                          \
                 }                                                                                             \
             }                                                                                                 \
-            for (int v = 0; v < 4; v++) {                                                                     \
-                __m512 sv, zv;                                                                                \
-                q4_sz16(sz, zc, g * n_pad + o0 + 16 * v, 1, &sv, &zv);                                        \
-                for (int r = 0; r < R; r++) {                                                                 \
-                    const float xsum = xs[r * (k / gs) + g];                                                  \
-                    const __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(-136.f * xsum), sv,                       \
-                                                     _mm512_mul_ps(_mm512_set1_ps(xsum), zv));                \
-                    res[r][v] = _mm512_add_ps(res[r][v], _mm512_fmadd_ps(sv, acc[r][v], t));                  \
-                }                                                                                             \
-            }                                                                                                 \
+            q4_fold(R, res, acc, sz, zc, g * n_pad + o0, 1, xs + g, k / gs, 136.f);                                   \
         }                                                                                                     \
         for (int r = 0; r < R; r++)                                                                           \
             for (int v = 0; v < 4; v++) _mm512_storeu_ps(out + r * ldo + 16 * v, res[r][v]);                  \

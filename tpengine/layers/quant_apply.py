@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from tpengine.errors import UserError
+from tpengine.layers.quant_coded import Int4CodedWeight
 from tpengine.layers.quant_math import quantize_int4, quantize_int4_coded, quantize_int8
-from tpengine.layers.quantized import Int4CodedWeight, Int4Weight, Int8Weight, QuantizedWeight, QuantScheme
+from tpengine.layers.quantized import Int4Weight, Int8Weight, QuantizedWeight, QuantScheme
 
 
 def quantize_weight(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype,

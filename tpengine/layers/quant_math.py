@@ -48,6 +48,19 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------- int4
+def _int4_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(groups float32 [out, in / g, g], their max, their min)`` of ``w [out, in]``.
+
+    Raises:
+        ValueError: ``in`` not a multiple of ``group_size``.
+    """
+    out, k = w.shape
+    if k % group_size:
+        raise ValueError(f"int4: {k} input columns are not a multiple of the group size {group_size}")
+    g = w.float().reshape(out, k // group_size, group_size)
+    return g, g.amax(dim=-1), g.amin(dim=-1)
+
+
 def quantize_int4(w: torch.Tensor, group_size: int, dtype: torch.dtype):
     """Asymmetric group-wise int4 of ``w [out, in]`` (``in`` a multiple of ``group_size``):
     ``(q int32 [out, in] in 0..15, scales_and_zeros [in / group_size, out, 2] in dtype)``, per
@@ -59,10 +72,7 @@ def quantize_int4(w: torch.Tensor, group_size: int, dtype: torch.dtype):
         ValueError: ``in`` not a multiple of ``group_size``.
     """
     out, k = w.shape
-    if k % group_size:
-        raise ValueError(f"int4: {k} input columns are not a multiple of the group size {group_size}")
-    g = w.float().reshape(out, k // group_size, group_size)
-    mx, mn = g.amax(dim=-1), g.amin(dim=-1)
+    g, mx, mn = _int4_groups(w, group_size)
     scales = ((mx - mn).clamp(min=1e-6) / 15).to(dtype)
     zeros = (mn + 8 * scales.float()).to(dtype)
     q = torch.round((g - zeros.float()[..., None]) / scales.float()[..., None] + 8).clamp_(0, 15)
@@ -109,10 +119,7 @@ def quantize_int4_coded(w: torch.Tensor, group_size: int, dtype: torch.dtype):
         ValueError: ``in`` not a multiple of ``group_size``.
     """
     out, k = w.shape
-    if k % group_size:
-        raise ValueError(f"int4: {k} input columns are not a multiple of the group size {group_size}")
-    g = w.float().reshape(out, k // group_size, group_size)
-    mx, mn = g.amax(dim=-1), g.amin(dim=-1)
+    g, mx, mn = _int4_groups(w, group_size)
 
     def scale_of(mx, mn):
         return ((mx - mn).clamp(min=1e-6) / 15).to(dtype).float()
