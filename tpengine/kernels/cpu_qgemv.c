@@ -29,6 +29,10 @@
 #include "bf16.h"
 
 #define QMAX_ROWS 8
+/* int4: how far ahead of the column being read its block's bytes are prefetched. One 4 KiB page: the
+ * hardware prefetcher stops at page ends, and a model's weights read from memory (blocks of 64 rows
+ * read one after another by each thread) streamed ~1.5x slower without it (docs/notes/kernels.md). */
+#define Q4_PREFETCH_BYTES 4096
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -123,6 +127,12 @@ static inline void q4_sz16(const void *sz, const int8_t *zc, int64_t idx, int is
  * xs[r * xstride]: row r's sum of x over the group). */
 static inline void q4_fold(int R, __m512 (*res)[4], __m512 (*acc)[4], const void *sz, const int8_t *zc, int64_t idx,
                            int is_bf16, const float *xs, int64_t xstride, float off) {
+    /* the next block's scales (and codes) of this group: one strided line set a group, which the
+     * hardware prefetcher does not follow */
+    const int64_t es = is_bf16 ? 2 : 4, sbytes = (zc ? 64 : 128) * es;
+    const char *snext = (const char *)sz + (zc ? idx + 64 : 2 * (idx + 64)) * es;
+    for (int64_t b = 0; b < sbytes; b += 64) _mm_prefetch(snext + b, _MM_HINT_T0);
+    if (zc) _mm_prefetch((const char *)(zc + idx + 64), _MM_HINT_T0);
     for (int v = 0; v < 4; v++) {
         __m512 sv, zv;
         q4_sz16(sz, zc, idx + 16 * v, is_bf16, &sv, &zv);
@@ -147,6 +157,7 @@ static inline void q4_fold(int R, __m512 (*res)[4], __m512 (*acc)[4], const void
             for (int r = 0; r < R; r++)                                                                       \
                 for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();                                  \
             for (int64_t i = g * gs; i < (g + 1) * gs; i++) {                                                 \
+                if (!(i & 1)) _mm_prefetch((const char *)(blk + i * 32 + Q4_PREFETCH_BYTES), _MM_HINT_T0);     \
                 const __m128i b0 = _mm_loadu_si128((const __m128i *)(blk + i * 32));                          \
                 const __m128i b1 = _mm_loadu_si128((const __m128i *)(blk + i * 32 + 16));                     \
                 const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b0, m4)));            \
@@ -198,6 +209,7 @@ Q4_ROWS(4)
             for (int r = 0; r < R; r++)                                                                       \
                 for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();                                  \
             for (int64_t i = g * gs; i < (g + 1) * gs; i += 2) {                                              \
+                _mm_prefetch((const char *)(blk + i * 32 + Q4_PREFETCH_BYTES), _MM_HINT_T0);                  \
                 const __m512i b = _mm512_loadu_si512(blk + i * 32);                                           \
                 const __m512i a1 = _mm512_maskz_permutexvar_epi8(even, p1, b);                                \
                 const __m512i a2 = _mm512_maskz_permutexvar_epi8(even, p2, b);                                \
