@@ -37,6 +37,9 @@ def test_builds_and_loads_where_supported(tmp_path):
     res = probe(tmp_path)  # a fresh process and an empty cache folder: compiles, then loads
     assert res.stdout.strip() == "loaded", res.stderr
     assert [p.name.startswith("cpu_kernels-") and p.suffix == ".so" for p in tmp_path.iterdir()] == [True]
+    # the library's name carries its build key, which the cached timings' keys use
+    assert cpu_native.library_key() == cpu_native.build_key() and len(cpu_native.build_key()) == 16
+    assert cpu_native.build_key(["gcc", "-O2"]) != cpu_native.build_key(["gcc"])
 
 
 def test_failing_compiler_falls_back_with_one_line(tmp_path):

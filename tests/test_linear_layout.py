@@ -161,3 +161,17 @@ def test_linears_through_the_gemv_match_f_linear(tmp_path):
     for a, b in zip(via, plain):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
     assert all(m.packed is None and m.weight is not None for m in linears)
+
+
+def test_a_changed_kernel_build_is_measured_again(tmp_path, monkeypatch):
+    """The timings name the C kernels' build: another build (a changed kernel source, compiler or
+    flags) reads another file, so it is measured, not served the old kernel's timings."""
+    from tpengine.kernels import cpu_native, cpu_qgemv
+
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_native, "library_key", lambda: "aaaa")
+    paths = (L.cache_path(torch.float32), cpu_qgemv.cache_path(torch.float32))
+    monkeypatch.setattr(cpu_native, "library_key", lambda: "bbbb")
+    assert L.cache_path(torch.float32) != paths[0] and cpu_qgemv.cache_path(torch.float32) != paths[1]
+    monkeypatch.setattr(cpu_native, "library_key", lambda: "aaaa")
+    assert (L.cache_path(torch.float32), cpu_qgemv.cache_path(torch.float32)) == paths

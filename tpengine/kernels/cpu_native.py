@@ -99,15 +99,24 @@ def _usable_folder(folder: Path, private: bool) -> bool:
     return os.access(folder, os.W_OK | os.X_OK)
 
 
+def build_key(cc: list[str] | None = None) -> str:
+    """The 16 hex digits naming a build: a hash of the sources, the headers, the compiler command
+    and flags, the machine and the CPU (:func:`cpu_id`). Part of the name of the built library, and
+    of the key of every timing measured on it (a changed kernel is measured again). Raises
+    RuntimeError when no compiler is found (``cc`` None: :func:`_compiler`'s)."""
+    cc = _compiler() if cc is None else cc
+    parts = [p.read_bytes() for p in SOURCES + HEADERS] + [" ".join(cc + list(FLAGS)).encode(),
+                                                           platform.machine().encode(), cpu_id().encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
 def _build(rebuild: bool = False) -> Path:
     """Compile the sources unless a build for them, this compiler and this CPU exists (``rebuild``:
     replace it); return the library's path. Tries ``$TPENGINE_CACHE_DIR`` (default
     ``~/.cache/tpengine``), then a private folder in the temp folder. Raises RuntimeError (no
     compiler, no writable folder, or the compiler's exit status and message on failure)."""
     cc = _compiler()
-    parts = [p.read_bytes() for p in SOURCES + HEADERS] + [" ".join(cc + list(FLAGS)).encode(),
-                                                           platform.machine().encode(), cpu_id().encode()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    key = build_key(cc)
     root = cache_root()
     for folder, private in ((root, False), (Path(tempfile.gettempdir()) / f"tpengine-{os.getuid()}", True)):
         lib = folder / f"cpu_kernels-{key}.so"
@@ -161,6 +170,17 @@ def load() -> ctypes.CDLL | None:
             rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
             print(f"tpengine{rank}: CPU C kernels unavailable, using torch ops: {_reason}", file=sys.stderr)
     return _lib
+
+
+def library_key() -> str:
+    """:func:`build_key` of the library :func:`load` gives, or "unavailable": the part of a cached
+    timing's key that names the kernels it timed. Never raises."""
+    if load() is None:
+        return "unavailable"
+    try:
+        return build_key()
+    except RuntimeError:
+        return "unavailable"
 
 
 def unavailable_reason() -> str | None:

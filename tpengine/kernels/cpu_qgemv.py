@@ -215,10 +215,11 @@ def gemv_rows(torch_us: list[float], native_us: list[float]) -> int:
 
 
 def cache_path(dtype: torch.dtype) -> Path:
-    """The timings file of :func:`choose` for this CPU (model and flags), torch version, thread
-    count and activation ``dtype`` (``$TPENGINE_CACHE_DIR``, as :mod:`tpengine.kernels.linear_layout`)."""
-    key = "\0".join(["quant", str(CACHE_VERSION), cpu_id(), torch.__version__, str(torch.get_num_threads()),
-                     str(dtype)])
+    """The timings file of :func:`choose` for this CPU (model and flags), build of the C kernels
+    (:func:`~tpengine.kernels.cpu_native.library_key`), torch version, thread count and activation
+    ``dtype`` (``$TPENGINE_CACHE_DIR``, as :mod:`tpengine.kernels.linear_layout`)."""
+    key = "\0".join(["quant", str(CACHE_VERSION), cpu_id(), cpu_native.library_key(), torch.__version__,
+                     str(torch.get_num_threads()), str(dtype)])
     return cache_root() / f"quant-kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 

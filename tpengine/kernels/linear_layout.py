@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tpengine.kernels import CPU_LINEAR_CHOICES, cpu_gemv
+from tpengine.kernels import CPU_LINEAR_CHOICES, cpu_gemv, cpu_native
 from tpengine.kernels.cpu_native import cache_root, cpu_id
 
 LAYOUTS = ("plain", "packed")
@@ -145,8 +145,10 @@ def measure(shape: tuple[int, int], count: int, dtype: torch.dtype) -> dict[str,
 
 
 def cache_path(dtype: torch.dtype) -> Path:
-    """The timings file for this CPU (model and flags), torch version, thread count and ``dtype``."""
-    key = "\0".join([str(CACHE_VERSION), cpu_id(), torch.__version__, str(torch.get_num_threads()), str(dtype)])
+    """The timings file for this CPU (model and flags), build of the C kernels
+    (:func:`~tpengine.kernels.cpu_native.library_key`), torch version, thread count and ``dtype``."""
+    key = "\0".join([str(CACHE_VERSION), cpu_id(), cpu_native.library_key(), torch.__version__,
+                     str(torch.get_num_threads()), str(dtype)])
     return cache_root() / f"linear-layouts-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
