@@ -4,16 +4,12 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import nn
 
-from tpengine.kernels import cpu_qgemv
 from tpengine.layers.quant_math import (
     INT4_ROW_MULTIPLE,
     _group_dequant,
-    _int4_mm,
     _int4_pack,
     _int4_values,
     _pad_out,
@@ -43,30 +39,14 @@ class Int4CodedWeight(Int4Weight):
     def dtype(self) -> torch.dtype:
         return self.scales.dtype
 
+    def _kernel_scales(self) -> torch.Tensor:
+        return self.scales
+
+    def _kernel_codes(self) -> torch.Tensor:
+        return self.zero_codes
+
     def _torch_sz(self) -> torch.Tensor:
         return torch.stack([self.scales, coded_zeros(self.scales, self.zero_codes).to(self.scales.dtype)], dim=-1)
-
-    def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        if not self.gemv_rows:
-            return self._many
-        native = cpu_qgemv.bind_int4(self.packed, self.scales, self.group_size, self.out_features, self.zero_codes)
-        limit, many = self.gemv_rows, self._many
-        return lambda x: native(x) if x.shape[0] <= limit else many(x)
-
-    def _many(self, x: torch.Tensor) -> torch.Tensor:
-        n = self.out_features
-        if self.dequant_rows and x.shape[0] >= self.dequant_rows:
-            wt = cpu_qgemv.dequant_int4(self.packed, self.scales, self.group_size, self.zero_codes)
-            return x @ (wt if wt.shape[1] == n else wt[:, :n])
-        return _int4_mm(x, self.packed, self.group_size, self._torch_sz(), n)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).contiguous()
-        if x2.shape[0] > self.gemv_rows:
-            y = self._many(x2)
-        else:
-            y = cpu_qgemv.int4(x2, self.packed, self.scales, self.group_size, self.out_features, self.zero_codes)
-        return y.reshape(*x.shape[:-1], self.out_features)
 
     def _rows_f32(self, ids: torch.Tensor) -> torch.Tensor:
         q = _int4_values(self.packed, self._layout, ids, self.in_features)

@@ -308,26 +308,39 @@ class Int4Weight(QuantizedWeight):
     def native_ok(self) -> bool:
         return cpu_native.load() is not None and int4_layout_ok(self._layout)
 
+    # What the kernels read. tpengine's C kernels: the scales (here scales_and_zeros) and the zero
+    # codes (None here); torch's kernel: scales_and_zeros. Int4CodedWeight overrides all three.
+    def _kernel_scales(self) -> torch.Tensor:
+        return self.scales_and_zeros
+
+    def _kernel_codes(self) -> torch.Tensor | None:
+        return None
+
+    def _torch_sz(self) -> torch.Tensor:
+        return self.scales_and_zeros
+
     def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
         if not self.gemv_rows:
             return self._many
-        native = cpu_qgemv.bind_int4(self.packed, self.scales_and_zeros, self.group_size, self.out_features)
+        native = cpu_qgemv.bind_int4(self.packed, self._kernel_scales(), self.group_size, self.out_features,
+                                     self._kernel_codes())
         limit, many = self.gemv_rows, self._many
         return lambda x: native(x) if x.shape[0] <= limit else many(x)
 
     def _many(self, x: torch.Tensor) -> torch.Tensor:
         n = self.out_features
-        if self.dequant_rows and x.shape[0] >= self.dequant_rows:
-            wt = cpu_qgemv.dequant_int4(self.packed, self.scales_and_zeros, self.group_size)  # [in, n_pad] scratch
+        if self.dequant_rows and x.shape[0] >= self.dequant_rows:  # [in, n_pad] scratch
+            wt = cpu_qgemv.dequant_int4(self.packed, self._kernel_scales(), self.group_size, self._kernel_codes())
             return x @ (wt if wt.shape[1] == n else wt[:, :n])
-        return _int4_mm(x, self.packed, self.group_size, self.scales_and_zeros, n)
+        return _int4_mm(x, self.packed, self.group_size, self._torch_sz(), n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).contiguous()
         if x2.shape[0] > self.gemv_rows:
             y = self._many(x2)
         else:
-            y = cpu_qgemv.int4(x2, self.packed, self.scales_and_zeros, self.group_size, self.out_features)
+            y = cpu_qgemv.int4(x2, self.packed, self._kernel_scales(), self.group_size, self.out_features,
+                               self._kernel_codes())
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _rows_f32(self, ids: torch.Tensor) -> torch.Tensor:
