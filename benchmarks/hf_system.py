@@ -5,6 +5,7 @@ implementation (:func:`hf_attn_for`) and the first-token timer; driven by
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -14,16 +15,41 @@ HF_ATTN = ("sdpa", "eager")
 WARMUP_PROMPTS = [[3, 4, 5, 6], [7, 8, 9, 10]]
 
 
-def hf_attn_for(dtype: torch.dtype, attn: str = "auto") -> str:
-    """HF ``attn_implementation`` for the baseline: ``attn`` itself, or for "auto" the one that ran
-    faster in this benchmark's throughput workload on the build machine (README, Performance):
-    "sdpa" in float32 and "eager" in 16-bit dtypes. Raises ValueError for anything else than
-    auto, sdpa or eager."""
+#: The workload the "auto" attention choice is timed on: prompts x prompt tokens -> new tokens.
+AUTO_ATTN_WORKLOAD = (16, 32, 16)
+
+
+def hf_attn_for(attn: str = "auto") -> str | None:
+    """HF ``attn_implementation`` for the baseline: ``attn`` itself, or None for "auto" (measured
+    by :class:`HFSystem` on this machine, :func:`choose_hf_attn`). Raises ValueError for anything
+    else than auto, sdpa or eager."""
     if attn not in ("auto", *HF_ATTN):
         raise ValueError(f"hf attention {attn!r} is not one of auto, {', '.join(HF_ATTN)}")
-    if attn != "auto":
-        return attn
-    return "sdpa" if dtype == torch.float32 else "eager"
+    return None if attn == "auto" else attn
+
+
+def choose_hf_attn(model, name: str, dtype: torch.dtype, generate) -> str:
+    """The faster of :data:`HF_ATTN` for HF ``model`` (named ``name``) in ``dtype`` on this machine:
+    ``generate(prompts, n)`` timed on :data:`AUTO_ATTN_WORKLOAD` with each implementation set
+    (``model.set_attn_implementation``), timed once per machine, model, dtype and transformers
+    version and cached (:func:`tpengine.kernels.measured.fastest`). Leaves ``model`` set to the
+    choice."""
+    import transformers
+
+    from tpengine.kernels.measured import fastest
+
+    n, length, new = AUTO_ATTN_WORKLOAD
+    prompts = torch.randint(0, 1000, (n, length), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def run(impl: str):
+        model.set_attn_implementation(impl)
+        generate(prompts, new)
+
+    key = (f"hf attention {name} {str(dtype).removeprefix('torch.')} transformers {transformers.__version__} "
+           f"{n}x{length}->{new}")
+    choice = fastest(key, {impl: [lambda impl=impl: run(impl)] for impl in HF_ATTN}, passes=2)
+    model.set_attn_implementation(choice.name)
+    return choice.name
 
 
 class FirstTokenTimer:
@@ -44,19 +70,21 @@ class FirstTokenTimer:
 
 class HFSystem:
     """HF ``AutoModelForCausalLM.generate``: static batches, left padding, greedy, with the
-    attention implementation :func:`hf_attn_for` picks (the faster one for the dtype), so the
-    baseline is HF at its best rather than at its default."""
+    attention implementation given, or for "auto" the one measured faster on this machine
+    (:func:`choose_hf_attn`), so the baseline is HF at its best rather than at its default."""
 
     def __init__(self, model: str, dtype: torch.dtype, threads: int, batch_size: int, attn: str = "auto"):
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
-        self.attn = hf_attn_for(dtype, attn)
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation=self.attn).eval()
+        chosen = hf_attn_for(attn)
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype,
+                                                          attn_implementation=chosen or HF_ATTN[0]).eval()
         gc = self.model.generation_config
         pad = gc.pad_token_id if gc.pad_token_id is not None else gc.eos_token_id
         self.pad = int(pad[0] if isinstance(pad, list) else (pad or 0))
         self.batch_size = batch_size
+        self.attn = chosen or choose_hf_attn(self.model, Path(model).name, dtype, self._generate)
         self.threads = [torch.get_num_threads()]
         # every parameter and buffer once (a tied LM head is the embedding's tensor)
         tensors = {t.data_ptr(): t for t in (*self.model.parameters(), *self.model.buffers())}

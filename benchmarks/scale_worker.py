@@ -66,7 +66,8 @@ def hf_kv_bytes(config, batch: int, tokens: int, dtype: torch.dtype) -> int:
 def run_hf(model: str, prompts: list[list[int]], n: int) -> tuple[dict, dict]:
     """HF ``generate`` on one static batch: (timings, this process's memory record)."""
     t0 = time.perf_counter()
-    hf = HFSystem(model, torch.bfloat16, torch.get_num_threads(), len(prompts))
+    # eager, not "auto": timing both implementations on a multi-GB model would cost minutes
+    hf = HFSystem(model, torch.bfloat16, torch.get_num_threads(), len(prompts), "eager")
     load_s, load_peak = time.perf_counter() - t0, vm_hwm_bytes()
     t0 = time.perf_counter()
     hf._generate(WARMUP, 2)

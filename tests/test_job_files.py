@@ -214,9 +214,14 @@ def test_load_lines_and_summary_json(tiny, tmp_path):
              "--dtype", "float32"])
     lines = p.stderr.splitlines()
     assert lines[0] == f"tpengine: loading {tiny} (tp 1, dtype float32) ..."
-    shapes = [s.split(" ")[0] for s in lines[1].split("): ", 1)[1].split("; ")]
+    layouts, _, row_max = lines[1].partition("; greedy row max block ")
+    shapes = [s.split(" ")[0] for s in layouts.split("): ", 1)[1].split("; ")]
     assert re.fullmatch(r"tpengine: CPU linear layouts \(float32, \d+ threads, [a-z, ()/]+\): "
-                        r"\d+->\d+ (plain|packed)[^;]*(; \d+->\d+ (plain|packed)[^;]*)*", lines[1]), lines[1]
+                        r"\d+->\d+ (plain|packed)[^;]*(; \d+->\d+ (plain|packed)[^;]*)*", layouts), lines[1]
+    # the greedy pick's block, measured among those dividing the 49152 columns (0: torch's max)
+    assert re.fullmatch(r"(0|256|512|1024|2048|4096) \((measured|cached|measured, noisy \(not cached\)): "
+                        r"0 \d+/\d+ us, 256 \d+/\d+ us, 512 \d+/\d+ us, 1024 \d+/\d+ us, 2048 \d+/\d+ us, "
+                        r"4096 \d+/\d+ us\)", row_max), lines[1]
     assert shapes == ["64->64", "100->64", "64->128", "64->200", "64->49152"]  # the tiny Llama's weight shapes
     assert re.fullmatch(rf"tpengine: model ready: {re.escape(str(tiny))} float32 tp=1, weights 0\.\d\d GiB/rank, "
                         r"KV cache 40 blocks \(0\.\d\d GiB/rank\), \d+\.\d s", lines[2]), lines[2]

@@ -120,7 +120,7 @@ def test_sampling_keys_are_sampling_params_fields():
 def test_row_max_equals_torch_max_with_ties_infinities_and_nan():
     """The LM head's greedy pick (tpengine.layers.embedding.row_max) is ``max(dim=-1)`` exactly:
     same values, and the first index among equal maxima, also across blocks."""
-    from tpengine.layers.embedding import ROW_MAX_BLOCK, row_max
+    from tpengine.layers.embedding import ROW_MAX_BLOCK, ROW_MAX_CANDIDATES, row_max
 
     g = torch.Generator().manual_seed(5)
     v = 96 * ROW_MAX_BLOCK  # SmolLM2's 49152 columns: the blocked path
@@ -135,11 +135,38 @@ def test_row_max_equals_torch_max_with_ties_infinities_and_nan():
         x[6, [100, 20000]] = float("nan")  # NaN counts as the maximum, as in torch.max
         x[7] = torch.randn(v, generator=g).to(dtype).round()  # many ties at small integers
         want_v, want_i = x.max(dim=-1)
+        for block in ROW_MAX_CANDIDATES:  # every block the per-machine measurement may pick
+            got_v, got_i = row_max(x, block)
+            assert torch.equal(got_i, want_i), (dtype, block, got_i, want_i)
+            assert torch.equal(got_v.isnan(), want_v.isnan())
+            assert torch.equal(got_v.nan_to_num(), want_v.nan_to_num())
+            assert got_i[1] == 7 and got_i[2] == ROW_MAX_BLOCK + 3 and got_i[3] == 0 and got_i[4] == v - 1
+            assert got_i[6] == 100
         got_v, got_i = row_max(x)
-        assert torch.equal(got_i, want_i), (dtype, got_i, want_i)
-        assert torch.equal(got_v.isnan(), want_v.isnan())
-        assert torch.equal(got_v.nan_to_num(), want_v.nan_to_num())
-        assert got_i[1] == 7 and got_i[2] == ROW_MAX_BLOCK + 3 and got_i[3] == 0 and got_i[4] == v - 1
-        assert got_i[6] == 100
         assert torch.equal(row_max(x[:, : v - 1])[1], x[:, : v - 1].max(dim=-1).indices)  # fallback paths
         assert torch.equal(row_max(x[:, :1000])[1], x[:, :1000].max(dim=-1).indices)
+
+
+def test_row_max_block_is_measured_once_per_machine(tmp_path, monkeypatch):
+    """The greedy pick's block is timed on this machine among the candidates that divide the
+    shard's width (0: torch's max), then read back from the cache."""
+    from tpengine.kernels import measured
+    from tpengine.layers.embedding import choose_row_max_block
+
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    fake = {"0": [30.0, 900.0], "256": [20.0, 450.0], "512": [21.0, 400.0], "1024": [40.0, 420.0]}
+    calls = []
+    monkeypatch.setattr(measured, "measure", lambda c, *_: calls.append(sorted(c)) or {k: fake[k] for k in c})
+    first = choose_row_max_block(3072, torch.float32)  # 2048 and 4096 do not divide 3072
+    assert calls == [["0", "1024", "256", "512"]] * 2
+    assert (first.name, first.how) == ("512", "measured")  # 21/20 + 400/400 < 20/20 + 450/400
+    again = choose_row_max_block(3072, torch.float32)
+    assert (again.name, again.how, len(calls)) == ("512", "cached", 2)
+    assert again.describe() == "512 (cached: 0 30/900 us, 256 20/450 us, 512 21/400 us, 1024 40/420 us)"
+    fake["2048"] = [50.0, 500.0]
+    runs = iter([1.0, 2.0])  # the second measurement 2x the first: another process on the cores
+    monkeypatch.setattr(measured, "measure",
+                        lambda c, *_: (lambda f: {k: [t * f for t in fake[k]] for k in c})(next(runs)))
+    noisy = choose_row_max_block(6144, torch.float32)  # used for this load, not cached
+    assert (noisy.name, noisy.how) == ("512", "measured, noisy (not cached)")
+    assert "row_max 6144 float32 rows 1/64" not in measured._read_cache(measured.cache_path())

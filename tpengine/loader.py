@@ -25,7 +25,7 @@ from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
 from tpengine.kernels import cpu_gemv, cpu_qgemv
 from tpengine.kernels.linear_layout import choose_layouts
-from tpengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tpengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding, choose_row_max_block
 from tpengine.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from tpengine.layers.quant_apply import quantize_linear
 from tpengine.layers.quantized import QuantizedWeight, QuantScheme, check_quantization
@@ -310,6 +310,11 @@ def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.flo
     if left:
         raise RuntimeError(f"rank {tp.rank}: still on the meta device after loading: {left}")
     model.quant_kernels = _choose_quant_kernels(model, native, tp.rank)
+    model.row_max_choice = None
+    head = getattr(model, "lm_head", None)
+    if tp.device.type == "cpu" and isinstance(head, ParallelLMHead):  # the greedy pick's block, measured
+        model.row_max_choice = choose_row_max_block(head.shard_width, dtype)
+        head.row_max_block = int(model.row_max_choice.name)
     return model, plan, hf_config
 
 

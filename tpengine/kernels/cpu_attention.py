@@ -32,6 +32,7 @@ from tpengine.kernels import cpu_decode, cpu_fused, cpu_paged, cpu_prefill
 from tpengine.kernels import kv_mirror as mirrors
 from tpengine.kernels.backend import AttentionBackend
 from tpengine.kernels.checks import check_cache, check_decode, check_heads, check_slots, check_store, prefill_lengths
+from tpengine.kernels.measured import Choice, timings
 from tpengine.utils import cdiv
 
 __all__ = ["CPUAttentionBackend", "CPUAttentionMetadata"]
@@ -90,6 +91,7 @@ class CPUAttentionBackend(AttentionBackend):
 
     def __init__(self, *, native: bool = True, kv_mirror: bool = True, paged: bool = False):
         self.native, self.kv_mirror, self.paged = native, kv_mirror, paged
+        self.sdpa_rows = SDPA_ROWS  # half-precision decode without the C kernel: SDPA up to B * Hkv rows
         self.continuity = mirrors.Continuity()  # the previous decode step, for the mirrors
 
     def __repr__(self) -> str:
@@ -232,13 +234,7 @@ class CPUAttentionBackend(AttentionBackend):
                 out = cpu_decode.decode_attention(qg, kg, vg, context_lens, scale)
             else:
                 valid, bias = attn.get(("key-mask", kg.shape[2]), lambda: key_mask(context_lens, kg.shape[2]))
-                if nb * hkv <= 8:  # a few sequences: SDPA's fixed cost is below the half-precision bmm's
-                    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=valid, scale=scale)
-                else:  # as HF's eager attention computes it: half-precision matmuls, float32 softmax
-                    s = torch.bmm(qg.reshape(nb * hkv, g, d), kg.view(nb * hkv, -1, d).transpose(1, 2))
-                    s = s.float().mul_(scale).view(nb, hkv, g, -1).add_(bias)
-                    p = torch.softmax(s, dim=-1).to(q.dtype).view(nb * hkv, g, -1)
-                    out = torch.bmm(p, vg.view(nb * hkv, -1, d))
+                out = half_decode(qg, kg, vg, valid, bias, scale, nb * hkv <= self.sdpa_rows)
         else:  # whole blocks, read as a strided [B, Hkv, L, D]
             n_blk = m.index.numel() // nb
 
@@ -281,6 +277,51 @@ def _groups(q_to_kv: tuple[int, ...], hkv: int, device: torch.device):
 def _is_gqa(q_to_kv: torch.Tensor, hkv: int) -> bool:
     """True if local query head ``h`` reads KV head ``h // (Hq // Hkv)`` (SDPA's ``enable_gqa``)."""
     return _groups(tuple(q_to_kv.tolist()), hkv, q_to_kv.device)[1] is None
+
+
+#: Where none was measured (:func:`choose_sdpa_rows`): SDPA for a half-precision decode of up to this
+#: many ``B * Hkv`` rows, the bmm path above.
+SDPA_ROWS = 8
+#: ``B * Hkv`` rows and keys per row the crossover is timed at.
+SDPA_BUCKETS, SDPA_KEYS = (1, 2, 4, 8, 16, 32, 64), 256
+
+
+def half_decode(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, valid: torch.Tensor, bias: torch.Tensor,
+                scale: float, sdpa: bool) -> torch.Tensor:
+    """Half-precision decode attention without the C kernel: ``qg [B, Hkv, G, D]``, ``kg``/``vg``
+    ``[B, Hkv, L, D]`` contiguous, ``valid``/``bias`` from :func:`key_mask` -> ``[B, Hkv, G, D]``.
+    ``sdpa``: one ``scaled_dot_product_attention`` call; else as HF's eager attention computes it
+    (half-precision bmm, float32 softmax). Which is faster depends on the machine and ``B * Hkv``
+    (:func:`choose_sdpa_rows`)."""
+    if sdpa:
+        return F.scaled_dot_product_attention(qg, kg, vg, attn_mask=valid, scale=scale)
+    nb, hkv, g, d = qg.shape
+    s = torch.bmm(qg.reshape(nb * hkv, g, d), kg.view(nb * hkv, -1, d).transpose(1, 2))
+    s = s.float().mul_(scale).view(nb, hkv, g, -1).add_(bias)
+    p = torch.softmax(s, dim=-1).to(qg.dtype).view(nb * hkv, g, -1)
+    return torch.bmm(p, vg.view(nb * hkv, -1, d)).view(nb, hkv, g, d)
+
+
+def choose_sdpa_rows(g: int, d: int, dtype: torch.dtype) -> Choice:
+    """The most ``B * Hkv`` rows up to which SDPA beats the bmm path of :func:`half_decode` at every
+    one of :data:`SDPA_BUCKETS` (0: never), timed on this machine with ``G`` query heads per KV
+    head, head size ``d`` and :data:`SDPA_KEYS` keys (:func:`tpengine.kernels.measured.timings`,
+    cached per machine). ``Choice.name`` is the row count as a string."""
+    gen = torch.Generator().manual_seed(0)
+    work = {"sdpa": [], "bmm": []}
+    for n in SDPA_BUCKETS:
+        q, k, v = (torch.randn(n, 1, rows, d, generator=gen).to(dtype) for rows in (g, SDPA_KEYS, SDPA_KEYS))
+        valid, bias = key_mask(torch.full((n,), SDPA_KEYS), SDPA_KEYS)
+        for name in work:
+            work[name].append(lambda q=q, k=k, v=v, m=valid, b=bias, s=name == "sdpa": half_decode(q, k, v, m, b,
+                                                                                                  0.125, s))
+    times, how = timings(f"decode sdpa/bmm g{g} d{d} {str(dtype).removeprefix('torch.')} keys {SDPA_KEYS}", work)
+    rows = 0
+    for n, a, b in zip(SDPA_BUCKETS, times["sdpa"], times["bmm"]):
+        if a > b:
+            break
+        rows = n
+    return Choice(str(rows), how, times)
 
 
 def key_mask(context_lens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

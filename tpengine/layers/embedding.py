@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpengine.distributed import get_tp
+from tpengine.kernels.measured import Choice, fastest
 from tpengine.layers.comm import all_reduce, gather_to_driver
 from tpengine.layers.linear import _Packable, linear
 
@@ -52,7 +53,8 @@ class ParallelLMHead(_Packable):
     ``weight [vocab_local, hidden]`` (the embedding shard's own Parameter when embeddings are
     tied), or ``quant`` (quantized, the embedding's own ``quant`` when tied). Input
     ``[..., hidden]`` -> on rank 0 ``[..., vocab_size]`` (padding columns dropped, so padded ids
-    can never be sampled); None on other ranks.
+    can never be sampled); None on other ranks. ``row_max_block``: the greedy pick's block
+    (:func:`row_max`; set by the loader from :func:`choose_row_max_block` on CPU).
     """
 
     def __init__(self, vocab_start: int, vocab_end: int, vocab_size: int, hidden: int,
@@ -61,6 +63,12 @@ class ParallelLMHead(_Packable):
         self.vocab_start, self.vocab_end, self.vocab_size = vocab_start, vocab_end, vocab_size
         self.weight = nn.Parameter(torch.empty(vocab_end - vocab_start, hidden, dtype=dtype, device=device),
                                    requires_grad=False)
+        self.row_max_block = ROW_MAX_BLOCK
+
+    @property
+    def shard_width(self) -> int:
+        """This rank's real vocabulary columns (its shard without the padding)."""
+        return min(self.vocab_end, self.vocab_size) - self.vocab_start
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's ``[B, vocab_local]`` logits. A tied head keeps the embedding's plain rows
@@ -84,7 +92,7 @@ class ParallelLMHead(_Packable):
         -> on rank 0 int64 token ids ``[B]``, the first index among equal maxima exactly like
         ``torch.argmax`` over the whole vocabulary; None on other ranks."""
         logits = self._logits(hidden)
-        value, index = row_max(logits[..., : self.vocab_size - self.vocab_start])
+        value, index = row_max(logits[..., : self.vocab_size - self.vocab_start], self.row_max_block)
         if get_tp().size == 1:
             return index
         mine = torch.stack([value.double(), (index + self.vocab_start).double()], dim=-1)  # exact
@@ -95,23 +103,43 @@ class ParallelLMHead(_Packable):
         return every[:, 1::2].gather(1, best).squeeze(1).long()
 
 
+#: The block :func:`row_max` uses where none was measured (off the CPU, or before
+#: :func:`choose_row_max_block`).
 ROW_MAX_BLOCK = 512
+#: The blocks :func:`choose_row_max_block` times (0: torch's ``max``).
+ROW_MAX_CANDIDATES = (0, 256, 512, 1024, 2048, 4096)
+#: Rows the choice is timed at: one decoding sequence, a full decode batch.
+ROW_MAX_ROWS = (1, 64)
 
 
-def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x.max(dim=-1)`` of a ``[B, V]`` tensor — the maximum and the *first* index holding it,
-    NaN counting as the largest — in two passes that vectorise: the maximum of every
-    :data:`ROW_MAX_BLOCK`-column block (``amax``), the first block holding the row's maximum,
-    then the first maximum inside that block (on CPU ``max(dim=-1)`` tracks an index per element
-    and is several times slower; figures in docs/notes/kernels.md). Falls back to ``max`` off
-    the CPU (measured only there), for a non-contiguous x, or for V not a multiple of the block.
-    Returns ``(values [B] in x.dtype, indices [B] int64)``."""
+def row_max(x: torch.Tensor, block: int = ROW_MAX_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.max(dim=-1)`` of a ``[B, V]`` tensor -- the maximum and the *first* index holding it,
+    NaN counting as the largest -- in two passes that vectorise: the maximum of every
+    ``block``-column block (``amax``), the first block holding the row's maximum, then the first
+    maximum inside that block (on CPU ``max(dim=-1)`` tracks an index per element and is several
+    times slower; figures in docs/notes/kernels.md). Uses ``max`` itself for ``block`` 0, off the
+    CPU, for a non-contiguous x, or for V not a multiple of ``block`` (or equal to it); the block
+    is measured per machine (:func:`choose_row_max_block`). Returns ``(values [B] in x.dtype,
+    indices [B] int64)``, the same for every ``block``."""
     b, v = x.shape
-    if v % ROW_MAX_BLOCK or v == ROW_MAX_BLOCK or not x.is_contiguous() or x.device.type != "cpu":
+    if not block or v % block or v == block or not x.is_contiguous() or x.device.type != "cpu":
         return x.max(dim=-1)
-    blocks = x.view(b, v // ROW_MAX_BLOCK, ROW_MAX_BLOCK)
+    blocks = x.view(b, v // block, block)
     block_max = blocks.amax(dim=-1)  # [B, V / block]
     rows = torch.arange(b, device=x.device)
-    block = block_max.float().argmax(dim=-1)  # first block holding the maximum (float: exact, faster)
-    inside = blocks[rows, block].float().argmax(dim=-1)  # first maximum inside it
-    return block_max[rows, block], block * ROW_MAX_BLOCK + inside
+    first = block_max.float().argmax(dim=-1)  # first block holding the maximum (float: exact, faster)
+    inside = blocks[rows, first].float().argmax(dim=-1)  # first maximum inside it
+    return block_max[rows, first], first * block + inside
+
+
+def choose_row_max_block(width: int, dtype: torch.dtype) -> Choice:
+    """The fastest :func:`row_max` block on this machine for ``[rows, width]`` logits in ``dtype``
+    at each of :data:`ROW_MAX_ROWS` rows, among the :data:`ROW_MAX_CANDIDATES` that divide
+    ``width`` (:func:`tpengine.kernels.measured.fastest`: timed once per machine and cached).
+    Every candidate gives the same values and indices. ``Choice.name`` is the block as a string."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(r, width, generator=g).to(dtype) for r in ROW_MAX_ROWS]
+    blocks = [c for c in ROW_MAX_CANDIDATES if c == 0 or (width % c == 0 and width != c)]
+    candidates = {str(c): [lambda x=x, c=c: row_max(x, c) for x in xs] for c in blocks}
+    return fastest(f"row_max {width} {str(dtype).removeprefix('torch.')} rows {'/'.join(map(str, ROW_MAX_ROWS))}",
+                   candidates)
