@@ -136,6 +136,11 @@ def test_sdpa_crossover_is_measured_once_per_machine(tmp_path, monkeypatch):
     assert (again.name, again.how, len(calls)) == ("4", "cached", 2)
     fake["sdpa"][0] = 25.0
     assert choose_sdpa_rows(2, 64, BF16).name == "0"  # another head shape: measured, slower from 1 row
+    runs = iter([1.0, 2.0])  # two measurements 2x apart (another process on the cores): the default stays
+    monkeypatch.setattr(measured, "measure", lambda c, *_: (lambda f: {k: [t * f for t in fake[k]] for k in c})(
+        next(runs)))
+    noisy = choose_sdpa_rows(4, 64, BF16)
+    assert (noisy.name, noisy.how) == ("8", "measured, noisy (not cached), default kept")
 
 
 @pytest.mark.parametrize("d", (64, 20))  # AVX512-BF16 and portable p @ V
