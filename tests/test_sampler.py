@@ -169,4 +169,4 @@ def test_row_max_block_is_measured_once_per_machine(tmp_path, monkeypatch):
                         lambda c, *_: (lambda f: {k: [t * f for t in fake[k]] for k in c})(next(runs)))
     noisy = choose_row_max_block(6144, torch.float32)  # used for this load, not cached
     assert (noisy.name, noisy.how) == ("512", "measured, noisy (not cached)")
-    assert "row_max 6144 float32 rows 1/64" not in measured._read_cache(measured.cache_path())
+    assert "row_max 6144 float32 rows 1/64" not in measured.read_cache(measured.cache_path())

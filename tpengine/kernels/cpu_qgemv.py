@@ -22,7 +22,7 @@ import torch
 
 from tpengine.kernels import cpu_native
 from tpengine.kernels.cpu_native import cache_root, cpu_id
-from tpengine.kernels.linear_layout import _read_cache, _write_cache
+from tpengine.kernels.measured import read_cache, time_us, write_cache
 
 #: The most rows one call takes.
 MAX_ROWS = 8
@@ -227,8 +227,6 @@ def _measure(mods: list) -> dict[str, list[float]]:
     """Microseconds per call of torch's kernel and these at :data:`ROW_BUCKETS` rows (rotating over
     ``mods``), and where the kind has a dequantize-then-GEMM path (int4, int8 per channel) of
     torch's kernel and that path at :data:`PREFILL_BUCKETS` rows (on at most :data:`PREFILL_WEIGHTS`)."""
-    from tpengine.kernels.linear_layout import _time_us
-
     times: dict[str, list[float]] = {"torch": [], "tpengine": []}
     for m in mods:
         m.gemv_rows, m.dequant_rows = 0, 0
@@ -238,7 +236,7 @@ def _measure(mods: list) -> dict[str, list[float]]:
             def call(m, use=use):
                 m.gemv_rows = use
                 return m(x)
-            times[path].append(_time_us([lambda m=m: call(m) for m in mods]))
+            times[path].append(time_us([lambda m=m: call(m) for m in mods]))
     if getattr(mods[0], "group_size", None) is None or type(mods[0]).__name__.startswith("Int4"):
         times["prefill_torch"], times["prefill_dequant"] = [], []
         few = mods[:PREFILL_WEIGHTS]
@@ -250,7 +248,7 @@ def _measure(mods: list) -> dict[str, list[float]]:
                 def run(m, use=use):
                     m.dequant_rows = use
                     return m(x)
-                times[path].append(_time_us([lambda m=m: run(m) for m in few], passes=2))
+                times[path].append(time_us([lambda m=m: run(m) for m in few], passes=2))
     return times
 
 
@@ -289,7 +287,7 @@ def choose(groups: dict[str, list], rank: int = 0) -> dict[str, dict]:
     if not groups:
         return {}
     path = cache_path(next(iter(groups.values()))[0].dtype)
-    cache = _read_cache(path)
+    cache = read_cache(path)
     chosen, new = {}, {}
     for key, mods in sorted(groups.items()):
         ckey = f"{key} rank {rank}"
@@ -302,7 +300,7 @@ def choose(groups: dict[str, list], rank: int = 0) -> dict[str, dict]:
             m.gemv_rows, m.dequant_rows = rows, deq
         chosen[key] = {**times, "gemv_rows": rows, "dequant_rows": deq, "how": how}
     if new:  # merged into what is there now (another rank may have written meanwhile); first one kept
-        _write_cache(path, {**new, **{k: v for k, v in _read_cache(path).items() if _valid(v)}})
+        write_cache(path, {**new, **{k: v for k, v in read_cache(path).items() if _valid(v)}})
     return chosen
 
 

@@ -25,20 +25,15 @@ dtype in ``$TPENGINE_CACHE_DIR`` (default ``~/.cache/tpengine``), so a machine m
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import statistics
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from tpengine.kernels import CPU_LINEAR_CHOICES, cpu_gemv, cpu_native
 from tpengine.kernels.cpu_native import cache_root, cpu_id
+from tpengine.kernels.measured import consistent, read_cache, time_us, write_cache
 
 LAYOUTS = ("plain", "packed")
 #: Rows per call the choice is measured at: one decoding sequence, a small batch, a full decode batch.
@@ -97,20 +92,6 @@ def pick(times_us: dict[str, list]) -> str:
     return min(sorted(score), key=lambda k: (score[k], k != "packed"))
 
 
-def _time_us(fns: list[Callable[[], object]], passes: int = 4) -> float:
-    """Microseconds per call over ``fns``: each call timed alone, in ``passes`` passes after a
-    warm-up pass, and the median taken (so a call that another process preempted does not count)."""
-    for f in fns:
-        f()
-    times = []
-    for _ in range(passes):
-        for f in fns:
-            start = time.perf_counter()
-            f()
-            times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
-
-
 def measure(shape: tuple[int, int], count: int, dtype: torch.dtype) -> dict[str, list[float]] | None:
     """Microseconds per call of each layout for a weight ``shape = (out, in)`` in ``dtype`` at each
     of :data:`ROW_BUCKETS` rows, rotating over ``min(count, MEASURE_BYTES // bytes)`` distinct
@@ -128,9 +109,9 @@ def measure(shape: tuple[int, int], count: int, dtype: torch.dtype) -> dict[str,
     times: dict[str, list] = {"plain": [], "packed": []}
     for rows in ROW_BUCKETS:
         x = torch.full((rows, inp), 0.5, dtype=dtype)
-        times["plain"].append(_time_us([lambda w=w: F.linear(x, w) for w in plain]))
+        times["plain"].append(time_us([lambda w=w: F.linear(x, w) for w in plain]))
     if cpu_gemv.available(plain[0]):
-        times["gemv"] = [_time_us([lambda w=w: cpu_gemv.gemv(x, w) for w in plain])
+        times["gemv"] = [time_us([lambda w=w: cpu_gemv.gemv(x, w) for w in plain])
                          if (x := torch.full((rows, inp), 0.5, dtype=dtype)).shape[0] <= cpu_gemv.MAX_ROWS else None
                          for rows in ROW_BUCKETS]
     packed = []
@@ -139,7 +120,7 @@ def measure(shape: tuple[int, int], count: int, dtype: torch.dtype) -> dict[str,
         plain[i] = None
     for rows in ROW_BUCKETS:
         x = torch.full((rows, inp), 0.5, dtype=dtype)
-        times["packed"].append(_time_us([lambda p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+        times["packed"].append(time_us([lambda p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
                                          for p in packed]))
     return times
 
@@ -150,34 +131,6 @@ def cache_path(dtype: torch.dtype) -> Path:
     key = "\0".join([str(CACHE_VERSION), cpu_id(), cpu_native.library_key(), torch.__version__,
                      str(torch.get_num_threads()), str(dtype)])
     return cache_root() / f"linear-layouts-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-
-
-def consistent(a: dict[str, list], b: dict[str, list], ratio: float = 1.5) -> bool:
-    """Whether two measurements of one shape agree within ``ratio`` at every bucket and path (a
-    time-slice lost to another process makes one call several times slower)."""
-    return all(x is None or y is None or max(x, y) <= ratio * min(x, y)
-               for k in a for x, y in zip(a[k], b.get(k, a[k])))
-
-
-def _read_cache(path: Path) -> dict[str, dict[str, list[float]]]:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_cache(path: Path, data: dict) -> None:
-    """Atomically (a concurrent rank sees the whole file or none); a cache that cannot be written
-    only means measuring again next time."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".linear-layouts-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass
 
 
 def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setting: str = "auto",
@@ -195,7 +148,7 @@ def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setti
     if setting != "auto":
         return {s: LayoutChoice(setting, "forced", {}) for s in shapes}
     path = cache_path(dtype)
-    cache = _read_cache(path)
+    cache = read_cache(path)
     chosen, wrote = {}, False
     for shape, count in sorted(shapes.items()):
         key = f"{shape[0]}x{shape[1]}x{min(count, 1 << 20)}"
@@ -218,7 +171,7 @@ def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setti
             layout = pick(times)
             chosen[shape] = LayoutChoice(layout, how, times, gemv_rows(times) if layout == "plain" else 0)
     if wrote:
-        _write_cache(path, cache)
+        write_cache(path, cache)
     return chosen
 
 

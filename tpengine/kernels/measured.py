@@ -1,19 +1,27 @@
-"""A choice between interchangeable implementations, made by timing them on the machine that runs,
-and cached per machine (issue 17: no constant tuned on one CPU).
+"""Timing interchangeable implementations on the machine that runs, and caching the timings per
+machine (issue 17: no constant tuned on one CPU).
 
-:func:`fastest` times every candidate at every workload, takes the one with the smallest summed
-relative time (the rule :func:`tpengine.kernels.linear_layout.pick` uses for the linear layouts),
-measures twice, and caches the timings under a key in ``$TPENGINE_CACHE_DIR``
-(``choices-<hash>.json``). The file's name covers the CPU model and flags, the C kernels' build,
-the torch version and the thread count. Timings that disagree by over 1.5x between the two
-measurements (another process on the cores) are used for that run only. The users: the greedy
-pick's block (:func:`tpengine.layers.embedding.choose_row_max_block`) and the half-precision
-decode attention's SDPA / bmm crossover (:func:`tpengine.kernels.cpu_attention.choose_sdpa_rows`).
+The shared pieces: :func:`time_us` (median per-call time), :func:`consistent` (two measurements
+agree), :func:`read_cache` / :func:`write_cache` (atomic JSON files in ``$TPENGINE_CACHE_DIR``),
+used by the linear layouts (:mod:`tpengine.kernels.linear_layout`) and the weight-only kernels
+(:mod:`tpengine.kernels.cpu_qgemv`). On top of them :func:`fastest` times every candidate at every
+workload, takes the one with the smallest summed relative time (:func:`pick`, the linear layouts'
+rule), measures twice, and caches the timings under a key in ``choices-<hash>.json``, a file
+named by the CPU model and flags, the C kernels' build, the torch version and the thread count.
+Timings that disagree by over 1.5x (another process on the cores) are used for that run only.
+Its users: the greedy pick's block (:func:`tpengine.layers.embedding.choose_row_max_block`), the
+half-precision decode attention's SDPA / bmm crossover
+(:func:`tpengine.kernels.cpu_attention.choose_sdpa_rows`) and the HF baseline's attention in the
+benchmarks.
 """
-
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import statistics
+import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -22,7 +30,6 @@ import torch
 
 from tpengine.kernels import cpu_native
 from tpengine.kernels.cpu_native import cache_root, cpu_id
-from tpengine.kernels.linear_layout import _read_cache, _time_us, _write_cache, consistent
 
 CACHE_VERSION = 1
 
@@ -40,6 +47,51 @@ class Choice:
         """``"512 (measured: 512 20/410 us, max 31/890 us)"``."""
         times = ", ".join(f"{k} {'/'.join(f'{t:.0f}' for t in v)} us" for k, v in self.times_us.items())
         return f"{self.name} ({self.how}: {times})"
+
+
+def time_us(fns: list[Callable[[], object]], passes: int = 4) -> float:
+    """Microseconds per call over ``fns``: each call timed alone, in ``passes`` passes after a
+    warm-up pass, and the median taken (so a call that another process preempted does not count)."""
+    for f in fns:
+        f()
+    times = []
+    for _ in range(passes):
+        for f in fns:
+            start = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def consistent(a: dict[str, list], b: dict[str, list], ratio: float = 1.5) -> bool:
+    """Whether two measurements (name -> times per workload, None for one not timed) agree within
+    ``ratio`` at every workload (a time-slice lost to another process makes one call several
+    times slower)."""
+    return all(x is None or y is None or max(x, y) <= ratio * min(x, y)
+               for k in a for x, y in zip(a[k], b.get(k, a[k])))
+
+
+def read_cache(path: Path) -> dict:
+    """A timings file's JSON object; {} for a missing, unreadable or damaged file (then measured
+    again)."""
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def write_cache(path: Path, data: dict) -> None:
+    """Write a timings file atomically (a concurrent rank sees the whole file or none); a cache
+    that cannot be written only means measuring again next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".timings-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def cache_path() -> Path:
@@ -62,7 +114,7 @@ def measure(candidates: dict[str, list[Callable[[], object]]], passes: int = 5) 
     """Microseconds per call of each candidate at each of its workloads (one callable per
     workload, the same count for every candidate): the median of ``passes`` timed calls after a
     warm-up call."""
-    return {k: [_time_us([f], passes) for f in fns] for k, fns in candidates.items()}
+    return {k: [time_us([f], passes) for f in fns] for k, fns in candidates.items()}
 
 
 def timings(key: str, candidates: dict[str, list[Callable[[], object]]],
@@ -77,7 +129,7 @@ def timings(key: str, candidates: dict[str, list[Callable[[], object]]],
         raise ValueError(f"measured choice {key!r}: need candidates with the same number (>= 1) of workloads, "
                          f"got {({k: len(v) for k, v in candidates.items()})}")
     path = cache_path()
-    times = _read_cache(path).get(key)
+    times = read_cache(path).get(key)
     if (isinstance(times, dict) and sorted(times) == sorted(candidates)
             and all(isinstance(v, list) and len(v) == len(candidates[k])
                     and all(isinstance(t, (int, float)) and t >= 0 for t in v) for k, v in times.items())):
@@ -86,9 +138,9 @@ def timings(key: str, candidates: dict[str, list[Callable[[], object]]],
     if not consistent(first, second):
         return first, "measured, noisy (not cached)"
     times = {k: [min(a, b) for a, b in zip(first[k], second[k])] for k in candidates}
-    cache = _read_cache(path)  # another process may have written meanwhile
+    cache = read_cache(path)  # another process may have written meanwhile
     cache[key] = times
-    _write_cache(path, cache)
+    write_cache(path, cache)
     return times, "measured"
 
 
