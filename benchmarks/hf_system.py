@@ -16,7 +16,7 @@ WARMUP_PROMPTS = [[3, 4, 5, 6], [7, 8, 9, 10]]
 
 
 #: The workload the "auto" attention choice is timed on: prompts x prompt tokens -> new tokens.
-AUTO_ATTN_WORKLOAD = (16, 32, 16)
+AUTO_ATTN_WORKLOAD = (8, 32, 8)
 
 
 def hf_attn_for(attn: str = "auto") -> str | None:
@@ -47,7 +47,7 @@ def choose_hf_attn(model, name: str, dtype: torch.dtype, generate) -> str:
 
     key = (f"hf attention {name} {str(dtype).removeprefix('torch.')} transformers {transformers.__version__} "
            f"{n}x{length}->{new}")
-    choice = fastest(key, {impl: [lambda impl=impl: run(impl)] for impl in HF_ATTN}, passes=2)
+    choice = fastest(key, {impl: [lambda impl=impl: run(impl)] for impl in HF_ATTN}, passes=1)
     model.set_attn_implementation(choice.name)
     return choice.name
 
