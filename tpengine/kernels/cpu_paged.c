@@ -84,20 +84,28 @@ static inline __m512 sum16(const __m512 *a) {
 }
 
 /* sum_u p[j][u] * v[u] for each of the g query heads (NV 16-lane vectors of the head), p[j] = sc + j * L,
- * v[u] = vptr[u]; each head's sum runs over u in order (the values are read again from cache for the
- * next head); the first head's pass prefetches the value rows VAHEAD ahead. */
-#define PV_HEADS(T, LD, ST, NV)                                                                                  \
-    for (int64_t j = 0; j < g; j++) {                                                                          \
-        __m512 a[MAX_D / 16];                                                                                  \
-        for (int64_t i = 0; i < (NV); i++) a[i] = _mm512_setzero_ps();                                         \
-        const float *pj = sc + j * L;                                                                          \
+ * v[u] = vptr[u]: PJ heads at a time, so each value row is loaded (and widened) once for all of them;
+ * each head's sum still runs over u in order, the same float32 operations as one head at a time. The
+ * first pass prefetches the value rows VAHEAD ahead. */
+#define PV_HEADS(T, LD, ST, NV, PJ)                                                                              \
+    for (int64_t j0 = 0; j0 < g; j0 += (PJ)) {                                                                 \
+        const int64_t nj = g - j0 < (PJ) ? g - j0 : (PJ);                                                      \
+        __m512 a[PJ][MAX_D / 16];                                                                              \
+        for (int64_t jj = 0; jj < (PJ); jj++)                                                                  \
+            for (int64_t i = 0; i < (NV); i++) a[jj][i] = _mm512_setzero_ps();                                 \
         for (int64_t u = 0; u < L; u++) {                                                                      \
-            if (j == 0 && u + VAHEAD < L) prefetch_row(vptr[u + VAHEAD], pfn);             \
-            const __m512 pu = _mm512_set1_ps(pj[u]);                                                          \
+            if (j0 == 0 && u + VAHEAD < L) prefetch_row(vptr[u + VAHEAD], pfn);                               \
             const T *vt = vptr[u];                                                                             \
-            for (int64_t i = 0; i < (NV); i++) a[i] = _mm512_fmadd_ps(pu, LD(vt + i * 16), a[i]);              \
+            __m512 vv[MAX_D / 16];                                                                             \
+            for (int64_t i = 0; i < (NV); i++) vv[i] = LD(vt + i * 16);                                        \
+            for (int64_t jj = 0; jj < (PJ); jj++) {                                                            \
+                if (jj >= nj) break;                                                                           \
+                const __m512 pu = _mm512_set1_ps(sc[(j0 + jj) * L + u]);                                       \
+                for (int64_t i = 0; i < (NV); i++) a[jj][i] = _mm512_fmadd_ps(pu, vv[i], a[jj][i]);            \
+            }                                                                                                  \
         }                                                                                                      \
-        for (int64_t i = 0; i < (NV); i++) ST(out + (b * hq + heads[j]) * d + i * 16, a[i]);                   \
+        for (int64_t jj = 0; jj < nj; jj++)                                                                    \
+            for (int64_t i = 0; i < (NV); i++) ST(out + (b * hq + heads[j0 + jj]) * d + i * 16, a[jj][i]);     \
     }
 
 /* One dtype's kernel. LD(p): 16 elements -> __m512; ST(p, x): store 16 rounded; RND(x): x rounded
@@ -237,11 +245,11 @@ static inline __m512 sum16(const __m512 *a) {
                 }                                                                                                   \
                 for (int64_t u = 0; u < VAHEAD && u < L; u++) prefetch_row(vptr[u], pfn);        \
                 switch (nv) { /* the head size as a constant: the accumulators stay in registers */                 \
-                case 2: PV_HEADS(T, LD, ST, 2) break;                                                               \
-                case 4: PV_HEADS(T, LD, ST, 4) break;                                                               \
-                case 8: PV_HEADS(T, LD, ST, 8) break;                                                               \
-                case 16: PV_HEADS(T, LD, ST, 16) break;                                                             \
-                default: PV_HEADS(T, LD, ST, nv) break;                                                             \
+                case 2: PV_HEADS(T, LD, ST, 2, 4) break;                                                               \
+                case 4: PV_HEADS(T, LD, ST, 4, 4) break;                                                               \
+                case 8: PV_HEADS(T, LD, ST, 8, 2) break;                                                               \
+                case 16: PV_HEADS(T, LD, ST, 16, 1) break;                                                             \
+                default: PV_HEADS(T, LD, ST, nv, 1) break;                                                             \
                 }                                                                                                   \
               }                                                                                                     \
             }                                                                                                       \
