@@ -122,7 +122,7 @@ def test_sdpa_crossover_is_measured_once_per_machine(tmp_path, monkeypatch):
     """Without the C kernel, half-precision decode takes SDPA up to the most B x Hkv rows at which
     it was timed faster than the bmm path at every bucket on this machine; cached after."""
     from tpengine.kernels import measured
-    from tpengine.kernels.cpu_attention import SDPA_BUCKETS, choose_sdpa_rows
+    from tpengine.kernels.cpu_half_decode import SDPA_BUCKETS, choose_sdpa_rows
 
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
     fake = {"sdpa": [10.0, 11, 12, 30, 40, 50, 60], "bmm": [20.0, 20, 20, 20, 30, 10, 90]}

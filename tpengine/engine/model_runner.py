@@ -17,7 +17,8 @@ from tpengine.engine.cuda_graphs import CUDAGraphRunner
 from tpengine.engine.step import StepKind, StepPlan
 from tpengine.errors import UserError
 from tpengine.kernels import cpu_decode, cpu_qgemv, get_backend, linear_layout
-from tpengine.kernels.cpu_attention import CPUAttentionBackend, choose_sdpa_rows
+from tpengine.kernels.cpu_attention import CPUAttentionBackend
+from tpengine.kernels.cpu_half_decode import choose_sdpa_rows
 from tpengine.kernels.measured import Choice
 from tpengine.layers import cpu_decode_program
 from tpengine.loader import load_model
@@ -152,7 +153,7 @@ class ModelRunner:
     def _choose_sdpa_rows(self) -> Choice | None:
         """On CPU in half precision where the C decode kernel does not apply (C kernels off or
         unavailable, or a head shape it does not take): measure the SDPA / bmm crossover of the
-        decode attention (:func:`tpengine.kernels.cpu_attention.choose_sdpa_rows`) and give it to the
+        decode attention (:func:`tpengine.kernels.cpu_half_decode.choose_sdpa_rows`) and give it to the
         backend; None elsewhere."""
         if (self.tp.device.type != "cpu" or self.dtype not in (torch.bfloat16, torch.float16)
                 or not isinstance(self.backend, CPUAttentionBackend) or not self.attn_modules):

@@ -144,18 +144,21 @@ static inline void q4_fold(int R, __m512 (*res)[4], __m512 (*acc)[4], const void
     }
 }
 
+/* a[r][v] = 0 for the R rows' four 16-output vectors (the block's sums, or one group's). */
+#define Q4_ZERO(a, R)                                                                                          \
+    for (int r_ = 0; r_ < (R); r_++)                                                                          \
+        for (int v_ = 0; v_ < 4; v_++) (a)[r_][v_] = _mm512_setzero_ps()
+
 /* One full 64-row block b, rows r0..r0+R-1 of x: out[r][0..63] = the block's outputs. */
 #define Q4_ROWS(R)                                                                                              \
     static void q4_block_##R(const float *x, const float *xs, int64_t k, int64_t gs, const uint8_t *blk,       \
                              const void *sz, const int8_t *zc, int64_t n_pad, int64_t o0, int is_bf16, float *out, int64_t ldo) { \
         const __m128i m4 = _mm_set1_epi8(0x0f);                                                               \
         __m512 res[R][4];                                                                                     \
-        for (int r = 0; r < R; r++)                                                                           \
-            for (int v = 0; v < 4; v++) res[r][v] = _mm512_setzero_ps();                                      \
+        Q4_ZERO(res, R);                                                                                      \
         for (int64_t g = 0; g < k / gs; g++) {                                                                \
             __m512 acc[R][4];                                                                                 \
-            for (int r = 0; r < R; r++)                                                                       \
-                for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();                                  \
+            Q4_ZERO(acc, R);                                                                                  \
             for (int64_t i = g * gs; i < (g + 1) * gs; i++) {                                                 \
                 if (!(i & 1)) _mm_prefetch((const char *)(blk + i * 32 + Q4_PREFETCH_BYTES), _MM_HINT_T0);     \
                 const __m128i b0 = _mm_loadu_si128((const __m128i *)(blk + i * 32));                          \
@@ -202,12 +205,10 @@ Q4_ROWS(4)
         const __m512i p1 = _mm512_loadu_si512(i1), p2 = _mm512_loadu_si512(i2);                               \
         const __mmask64 even = 0x5555555555555555ull;                                                         \
         __m512 res[R][4];                                                                                     \
-        for (int r = 0; r < R; r++)                                                                           \
-            for (int v = 0; v < 4; v++) res[r][v] = _mm512_setzero_ps();                                      \
+        Q4_ZERO(res, R);                                                                                      \
         for (int64_t g = 0; g < k / gs; g++) {                                                                \
             __m512 acc[R][4];                                                                                 \
-            for (int r = 0; r < R; r++)                                                                       \
-                for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();                                  \
+            Q4_ZERO(acc, R);                                                                                  \
             for (int64_t i = g * gs; i < (g + 1) * gs; i += 2) {                                              \
                 _mm_prefetch((const char *)(blk + i * 32 + Q4_PREFETCH_BYTES), _MM_HINT_T0);                  \
                 const __m512i b = _mm512_loadu_si512(blk + i * 32);                                           \

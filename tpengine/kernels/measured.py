@@ -11,7 +11,7 @@ named by the CPU model and flags, the C kernels' build, the torch version and th
 Timings that disagree by over 1.5x (another process on the cores) are used for that run only.
 Its users: the greedy pick's block (:func:`tpengine.layers.embedding.choose_row_max_block`), the
 half-precision decode attention's SDPA / bmm crossover
-(:func:`tpengine.kernels.cpu_attention.choose_sdpa_rows`) and the HF baseline's attention in the
+(:func:`tpengine.kernels.cpu_half_decode.choose_sdpa_rows`) and the HF baseline's attention in the
 benchmarks.
 """
 from __future__ import annotations
