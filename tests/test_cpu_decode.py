@@ -111,36 +111,11 @@ def test_backend_decode_uses_the_kernel_and_matches_bmm(monkeypatch):
     off = decode(False)
     assert len(calls) == 1
     torch.testing.assert_close(on.float(), off.float(), rtol=2**-7, atol=2**-9)
-    # the measured SDPA / bmm crossover forced each way (B x Hkv = 10 rows here): bmm is the kernel's
+    # the SDPA / bmm switch forced each way (B x Hkv = 10 rows here): bmm is the kernel's
     # arithmetic; SDPA rounds inside in its own order (a few bfloat16 steps on small outputs)
     torch.testing.assert_close(decode(False, 0).float(), on.float(), rtol=2**-7, atol=2**-9)
     torch.testing.assert_close(decode(False, 64).float(), on.float(), rtol=2**-7, atol=2**-7)
     assert len(calls) == 1
-
-
-def test_sdpa_crossover_is_measured_once_per_machine(tmp_path, monkeypatch):
-    """Without the C kernel, half-precision decode takes SDPA up to the most B x Hkv rows at which
-    it was timed faster than the bmm path at every bucket on this machine; cached after."""
-    from tpengine.kernels import measured
-    from tpengine.kernels.cpu_half_decode import SDPA_BUCKETS, choose_sdpa_rows
-
-    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
-    fake = {"sdpa": [10.0, 11, 12, 30, 40, 50, 60], "bmm": [20.0, 20, 20, 20, 30, 10, 90]}
-    assert len(SDPA_BUCKETS) == 7
-    calls = []
-    monkeypatch.setattr(measured, "measure", lambda c, *_: calls.append(sorted(c)) or
-                        {k: fake[k] for k in c} if all(len(v) == 7 for v in c.values()) else None)
-    first = choose_sdpa_rows(3, 64, BF16)
-    assert (first.name, first.how, calls) == ("4", "measured", [["bmm", "sdpa"]] * 2)  # slower at 8: stops at 4
-    again = choose_sdpa_rows(3, 64, BF16)
-    assert (again.name, again.how, len(calls)) == ("4", "cached", 2)
-    fake["sdpa"][0] = 25.0
-    assert choose_sdpa_rows(2, 64, BF16).name == "0"  # another head shape: measured, slower from 1 row
-    runs = iter([1.0, 2.0])  # two measurements 2x apart (another process on the cores): the default stays
-    monkeypatch.setattr(measured, "measure", lambda c, *_: (lambda f: {k: [t * f for t in fake[k]] for k in c})(
-        next(runs)))
-    noisy = choose_sdpa_rows(4, 64, BF16)
-    assert (noisy.name, noisy.how) == ("8", "measured, noisy (not cached), default kept")
 
 
 @pytest.mark.parametrize("d", (64, 20))  # AVX512-BF16 and portable p @ V
@@ -156,25 +131,3 @@ def test_ties_round_to_even(d):
     even = torch.tensor([1.0, 1.0 + 2 * e, 1.5, 1.5 + 2 * e]).repeat(d // 4 + 1)[:d]  # 1+e and 1.5+e are odd
     assert torch.equal(out, even)
     assert torch.equal(bmm_path(q, k, v, torch.tensor([2]), 1.0).float().flatten(), even)
-
-
-def test_runner_measures_the_crossover_only_without_the_kernel(tmp_path, monkeypatch):
-    """A bfloat16 engine with the C kernels off measures the SDPA / bmm crossover at load and gives it
-    to its backend; with them on (the kernel takes decode attention) nothing is measured."""
-    from conftest import make_tiny_model
-
-    from tpengine.config import EngineConfig
-    from tpengine.engine import model_runner
-    from tpengine.engine.llm_engine import LLMEngine
-    from tpengine.kernels.measured import Choice
-
-    model = make_tiny_model(tmp_path, name="llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
-    seen = []
-    monkeypatch.setattr(model_runner, "choose_sdpa_rows",
-                        lambda g, d, dtype: seen.append((g, d, dtype)) or Choice("16", "measured", {}))
-    cfg = {"model": str(model), "dtype": "bfloat16", "max_model_len": 64, "kv_cache_gb": 0.02}
-    off = LLMEngine(EngineConfig(cpu_kernels=False, **cfg))
-    assert seen == [(2, 64, BF16)] and off.runner.backend.sdpa_rows == 16
-    if cpu_decode.available(torch.empty(1, dtype=BF16), 2, 64, True):  # a CPU with AVX512-BF16
-        on = LLMEngine(EngineConfig(cpu_kernels=True, **cfg))
-        assert len(seen) == 1 and on.runner.backend.sdpa_rows == 8  # SDPA_ROWS: not used, never measured

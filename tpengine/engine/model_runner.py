@@ -16,10 +16,7 @@ from tpengine.distributed import TPInfo, all_reduce_min
 from tpengine.engine.cuda_graphs import CUDAGraphRunner
 from tpengine.engine.step import StepKind, StepPlan
 from tpengine.errors import UserError
-from tpengine.kernels import cpu_decode, cpu_qgemv, get_backend, linear_layout
-from tpengine.kernels.cpu_attention import CPUAttentionBackend
-from tpengine.kernels.cpu_half_decode import choose_sdpa_rows
-from tpengine.kernels.measured import Choice
+from tpengine.kernels import cpu_qgemv, get_backend, linear_layout
 from tpengine.layers import cpu_decode_program
 from tpengine.loader import load_model
 from tpengine.memory import lazy_zeros
@@ -54,15 +51,12 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, tp.device, native=config.cpu_kernels,
                                    kv_mirror=config.kv_mirror)
         self.attn_modules = [m for m in self.model.modules() if hasattr(m, "tp_q_to_kv")]
-        sdpa = self._choose_sdpa_rows()
         if tp.rank == 0 and self.model.linear_layouts:
             line = linear_layout.summary(self.model.linear_layouts, self.dtype)
             if self.model.quant_kernels:  # quantized weights: which kernel each shape takes at few rows
                 line += "; quantized weights: " + cpu_qgemv.summary(self.model.quant_kernels)
             if self.model.row_max_choice is not None:
                 line += "; greedy row max block " + self.model.row_max_choice.describe()
-            if sdpa is not None:
-                line += "; half-precision decode without the C kernel: SDPA up to B x Hkv = " + sdpa.describe()
             print(line, file=sys.stderr, flush=True)
         self.graphs: CUDAGraphRunner | None = None
         if tp.device.type == "cuda" and config.num_kv_blocks is None:
@@ -149,22 +143,6 @@ class ModelRunner:
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         if hasattr(self.backend, "continuity"):
             self.backend.continuity.prefill()
-
-    def _choose_sdpa_rows(self) -> Choice | None:
-        """On CPU in half precision where the C decode kernel does not apply (C kernels off or
-        unavailable, or a head shape it does not take): measure the SDPA / bmm crossover of the
-        decode attention (:func:`tpengine.kernels.cpu_half_decode.choose_sdpa_rows`) and give it to the
-        backend; None elsewhere."""
-        if (self.tp.device.type != "cpu" or self.dtype not in (torch.bfloat16, torch.float16)
-                or not isinstance(self.backend, CPUAttentionBackend) or not self.attn_modules):
-            return None
-        a = self.attn_modules[0]
-        g, d = max(1, a.num_heads // max(1, a.num_key_value_heads)), a.head_dim
-        if cpu_decode.available(torch.empty(1, dtype=self.dtype), g, d, self.backend.native):
-            return None
-        choice = choose_sdpa_rows(g, d, self.dtype)
-        self.backend.sdpa_rows = int(choice.name)
-        return choice
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:

@@ -9,11 +9,10 @@ workload, takes the one with the smallest summed relative time (:func:`pick`, th
 rule), measures twice, and caches the timings under a key in ``choices-<hash>.json``, a file
 named by the CPU model and flags, the C kernels' build, the torch version and the thread count.
 Timings that disagree by over 1.5x (another process on the cores) are used for that run only.
-Its users: the greedy pick's block (:func:`tpengine.layers.embedding.choose_row_max_block`), the
-half-precision decode attention's SDPA / bmm crossover
-(:func:`tpengine.kernels.cpu_half_decode.choose_sdpa_rows`) and the HF baseline's attention in the
-benchmarks.
+Its users: the greedy pick's block (:func:`tpengine.layers.embedding.choose_row_max_block`) and
+the HF baseline's attention in the benchmarks.
 """
+
 from __future__ import annotations
 
 import hashlib
