@@ -11,7 +11,7 @@ from conftest import make_tiny_model
 
 from tpengine.config import EngineConfig
 from tpengine.distributed import TPInfo
-from tpengine.kernels import cpu_gemv, cpu_native
+from tpengine.kernels import cpu_gemm, cpu_gemv, cpu_native
 from tpengine.kernels import linear_layout as L
 from tpengine.layers.linear import prepack
 from tpengine.loader import load_model
@@ -48,6 +48,10 @@ def test_measure_times_every_path_at_every_bucket():
     assert all(len(t[k]) == 3 and min(t[k]) > 0 for k in ("plain", "packed"))
     if cpu_gemv_ok:  # the GEMV takes up to 8 rows: timed at 1 and 8, not at 64
         assert t["gemv"][0] > 0 and t["gemv"][1] > 0 and t["gemv"][2] is None
+    t = L.measure((48, 32), 3, torch.float32)  # float32 adds the GEMM, which takes from 17 rows: 64 only
+    assert set(t) == ({"plain", "packed", "gemv", "gemm"} if cpu_gemv_ok else {"plain", "packed"})
+    if cpu_gemv_ok:
+        assert t["gemm"][:2] == [None, None] and t["gemm"][2] > 0
     assert L.measure((1 << 16, 1 << 12), 1, torch.float32) is None  # 1 GiB: above MEASURE_BYTES, not measured
 
 
@@ -104,14 +108,29 @@ def test_loaded_model_holds_each_weight_once_in_the_chosen_layout(tmp_path, sett
     assert line.startswith(f"tpengine: CPU linear layouts (float32, {torch.get_num_threads()} threads, forced): ")
 
 
-def test_gemv_rows_and_pick_count_the_gemv_for_the_plain_layout():
-    # the GEMV beats F.linear at 1 and 8 rows: plain takes min(plain, gemv) there and wins
-    t = {"plain": [100, 110, 140], "packed": [75, 76, 100], "gemv": [50, 55, None]}  # 3.4 vs 3.88
-    assert L.gemv_rows(t) == 8 and L.pick(t) == "plain"
-    # it wins at 1 row only: used up to 1 row; packed stays faster overall
-    t = {"plain": [100, 110, 140], "packed": [75, 76, 100], "gemv": [70, 120, None]}
-    assert L.gemv_rows(t) == 1 and L.pick(t) == "packed"
-    assert L.gemv_rows({"plain": [1, 1, 1], "packed": [1, 1, 1]}) == 0  # no GEMV timings (--no-cpu-kernels)
+def test_plain_kernels_and_pick_count_the_fastest_plain_path_per_bucket():
+    # the GEMV beats F.linear at 1 and 8 rows, the GEMM at 64: plain takes those and wins (3 vs 3.88)
+    t = {"plain": [100, 110, 140], "packed": [75, 76, 100], "gemv": [50, 55, None], "gemm": [None, None, 90]}
+    assert L.plain_kernels(t) == ("gemv", "gemv", "gemm") and L.plain_times(t) == [50, 55, 90]
+    assert L.pick(t) == "plain"
+    # the GEMV wins at 1 row only, the GEMM loses at 64: packed stays faster overall
+    t = {"plain": [100, 110, 140], "packed": [75, 76, 100], "gemv": [70, 120, None], "gemm": [None, None, 150]}
+    assert L.plain_kernels(t) == ("gemv", "plain", "plain") and L.pick(t) == "packed"
+    # each bucket on its own: F.linear at 1 row, the GEMV at 8 (issue 17: a near tie at 1 row no
+    # longer keeps the GEMV from the 8-row bucket it wins)
+    t = {"plain": [317, 730, 1471], "packed": [379, 495, 1201], "gemv": [333, 423, None], "gemm": [None, None, 1070]}
+    assert L.plain_kernels(t) == ("plain", "gemv", "gemm") and L.pick(t) == "plain"
+    assert L.plain_kernels({"plain": [1, 1, 1], "packed": [1, 1, 1]}) == ("plain",) * 3  # no kernels timed
+    assert L.plain_kernels({"plain": [5, 5, 5], "gemv": [5, 5, None]}) == ("plain",) * 3  # a tie keeps F.linear
+
+
+def test_kernel_at_maps_a_row_count_to_its_bucket():
+    kernels = ("plain", "gemv", "gemm")
+    got = {rows: L.kernel_at(kernels, rows) for rows in (1, 2, 8, 9, 16, 17, 64, 65, 512)}
+    # 9..16 rows fall in the 64-row bucket but are below the GEMM's MIN_ROWS; past 64, F.linear
+    assert got == {1: "plain", 2: "gemv", 8: "gemv", 9: "plain", 16: "plain", 17: "gemm", 64: "gemm", 65: "plain",
+                   512: "plain"}
+    assert L.kernel_at((), 1) == "plain"
 
 
 @pytest.mark.skipif(not cpu_gemv_ok, reason="CPU C kernels unavailable here")
@@ -156,7 +175,7 @@ def test_linears_through_the_gemv_match_f_linear(tmp_path):
     x = torch.randn(5, 64).bfloat16()
     plain = [m(x) for m in linears if m.in_features == 64]
     for m in linears:
-        m.gemv_rows = 8
+        m.kernels = ("gemv", "gemv", "plain")
     via = [m(x) for m in linears if m.in_features == 64]
     for a, b in zip(via, plain):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
@@ -175,3 +194,59 @@ def test_a_changed_kernel_build_is_measured_again(tmp_path, monkeypatch):
     assert L.cache_path(torch.float32) != paths[0] and cpu_qgemv.cache_path(torch.float32) != paths[1]
     monkeypatch.setattr(cpu_native, "library_key", lambda: "aaaa")
     assert (L.cache_path(torch.float32), cpu_qgemv.cache_path(torch.float32)) == paths
+
+
+@pytest.mark.skipif(not cpu_gemv_ok, reason="CPU C kernels unavailable here")
+@pytest.mark.parametrize("rows,n,k", [(64, 75, 80), (17, 30, 48), (130, 7, 33), (40, 24, 576), (1, 5, 3)])
+def test_float32_gemm_equals_matmul_and_each_row_is_batch_independent(rows, n, k):
+    """The float32 GEMM (cpu_gemm.c: one FMA chain over k per output) equals a float64 product within
+    float32 sum error for every tail (weight rows not a multiple of the block, x rows not a multiple
+    of 16 or past 64, odd k), and a row's output does not depend on the rows around it."""
+    g = torch.Generator().manual_seed(rows + n)
+    w = torch.randn(n, k, generator=g) * 0.1
+    x = torch.randn(rows, k, generator=g)
+    got = cpu_gemm.gemm(x, w)
+    want = x.double() @ w.double().T
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert ((got.double() - want).abs() <= (x.double().abs() @ w.double().abs().T) * k * 2 ** -23).all()
+    for lo, hi in ((0, 1), (rows // 2, rows), (rows - 1, rows)):
+        assert torch.equal(cpu_gemm.gemm(x[lo:hi], w), got[lo:hi])
+    assert torch.equal(cpu_gemm.gemm(x.view(1, rows, k), w), got.view(1, rows, n))  # leading dims
+    with pytest.raises(ValueError, match=rf"gemm: float32 x \[\.\.\., {k}\] on the CPU and a contiguous float32 "
+                                         rf"weight \[n, k\]; got x torch\.bfloat16 \({rows}, {k}\) on cpu"):
+        cpu_gemm.gemm(x.bfloat16(), w)
+    assert cpu_gemm.available(w) and not cpu_gemm.available(w.bfloat16()) and not cpu_gemm.available(w.t())
+
+
+@pytest.mark.skipif(not cpu_gemv_ok, reason="CPU C kernels unavailable here")
+@pytest.mark.parametrize("path", ["plain", "gemv", "gemm"])
+def test_each_forced_float32_path_gives_hf_tokens(tmp_path, path):
+    """float32 greedy tokens equal HF's whichever plain path the linears and the tied LM head take,
+    forced on every bucket (the GEMV up to 8 rows, the GEMM from 17), at 1 and at 24 sequences."""
+    from transformers import AutoModelForCausalLM
+
+    from tpengine.engine.sampling_params import SamplingParams
+    from tpengine.entrypoints.llm import LLM
+
+    model_dir = make_tiny_model(tmp_path, "llama", seed=3, hidden_size=64, intermediate_size=128,
+                                tie_word_embeddings=True)
+    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=24, cpu_linear="plain")
+    model = llm.llm_engine.runner.model
+    kernels = {"plain": ("plain",) * 3, "gemv": ("gemv", "gemv", "plain"), "gemm": ("plain", "plain", "gemm")}[path]
+    mods = [m for m in model.modules() if hasattr(m, "pack")]
+    assert len(mods) == 2 * 4 + 1  # 2 layers x (qkv, o, gate_up, down) and the tied head
+    for m in mods:
+        m.kernels = kernels
+    runner = llm.llm_engine.runner
+    if runner.decode_program is not None:  # rebuilt with the forced paths
+        from tpengine.layers import cpu_decode_program
+        runner.decode_program = cpu_decode_program.build(model, 1, True)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 256, (24, 7), generator=g).tolist()
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0,
+                                                                                ignore_eos=True))]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, min_new_tokens=6)[0, 7:].tolist()
+                for p in prompts]
+    assert got == want

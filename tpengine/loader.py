@@ -23,8 +23,8 @@ from transformers import AutoConfig
 from tpengine.checkpoint import check_model_folder, is_shard_folder
 from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
-from tpengine.kernels import cpu_gemv, cpu_qgemv
-from tpengine.kernels.linear_layout import choose_layouts
+from tpengine.kernels import cpu_gemm, cpu_gemv, cpu_qgemv
+from tpengine.kernels.linear_layout import choose_head, choose_layouts
 from tpengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding, choose_row_max_block
 from tpengine.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from tpengine.layers.quant_apply import quantize_linear
@@ -302,16 +302,23 @@ def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.flo
     model.weight_bytes = load_weights(model, rank_files(model_dir, sharded, tp), None if sharded else plan, tp.rank,
                                       tie, dtype, tp.device, pack, quant,
                                       _all_reduce_max if tp.size > 1 else None, table)
-    for m in model.modules():  # plain bfloat16 weights measured faster through the GEMV kernel at a few rows
+    head = getattr(model, "lm_head", None)
+    for m in model.modules():  # plain weights measured faster through the GEMV / GEMM kernels at some rows
         choice = model.linear_layouts.get(tuple(m.weight.shape)) if getattr(m, "weight", None) is not None else None
-        if hasattr(m, "pack") and choice is not None and choice.gemv_rows and cpu_gemv.available(m.weight):
-            m.gemv_rows = choice.gemv_rows
+        if not hasattr(m, "pack") or choice is None or (tie and m is head):
+            continue
+        takes = {"plain": True, "gemv": cpu_gemv.available(m.weight), "gemm": cpu_gemm.available(m.weight)}
+        if choice.kernels and all(takes[k] for k in choice.kernels):
+            m.kernels = choice.kernels
+    model.head_layout = None
+    if pack and tie and isinstance(head, ParallelLMHead) and head.weight is not None and head.quant is None:
+        model.head_layout = choose_head(head.weight, cpu_linear, native)  # the tied head stays plain
+        head.kernels = model.head_layout.kernels
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"rank {tp.rank}: still on the meta device after loading: {left}")
     model.quant_kernels = _choose_quant_kernels(model, native, tp.rank)
     model.row_max_choice = None
-    head = getattr(model, "lm_head", None)
     if tp.device.type == "cpu" and isinstance(head, ParallelLMHead):  # the greedy pick's block, measured
         model.row_max_choice = choose_row_max_block(head.shard_width, dtype)
         head.row_max_block = int(model.row_max_choice.name)

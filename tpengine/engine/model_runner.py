@@ -55,6 +55,9 @@ class ModelRunner:
             line = linear_layout.summary(self.model.linear_layouts, self.dtype)
             if self.model.quant_kernels:  # quantized weights: which kernel each shape takes at few rows
                 line += "; quantized weights: " + cpu_qgemv.summary(self.model.quant_kernels)
+            head = getattr(self.model, "head_layout", None)
+            if head is not None and head.times_us:
+                line += "; tied LM head " + head.describe(tuple(self.model.lm_head.weight.shape))
             if self.model.row_max_choice is not None:
                 line += "; greedy row max block " + self.model.row_max_choice.describe()
             print(line, file=sys.stderr, flush=True)

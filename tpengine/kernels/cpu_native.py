@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_decode.c", "cpu_fused.c", "cpu_paged.c",
-                                                         "cpu_gemv.c", "cpu_qgemv.c"))
+                                                         "cpu_gemv.c", "cpu_gemm.c", "cpu_qgemv.c"))
 #: included by the sources: part of the cache key
 HEADERS = (Path(__file__).with_name("bf16.h"), Path(__file__).with_name("gemv.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -57,6 +57,7 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_fast and
     "tpe_paged_decode_bf16": _PAGED,
     "tpe_gemv_bf16": [_P, _I64, _I64, _P, _I64, _P, _I32],
     "tpe_gemv_f32": [_P, _I64, _I64, _P, _I64, _P, _I32],
+    "tpe_gemm_f32": [_P, _I64, _I64, _P, _I64, _P, _P, _I32],
     "tpe_qgemv_int8": [_P, _I64, _I64, _P, _P, _I64, _P, _I32, _I32],
     "tpe_qgemv_int4": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _I32, _I32],
     "tpe_dequant_int4": [_P, _P, _P, _I64, _I64, _I64, _P, _I32, _I32],

@@ -15,7 +15,7 @@ check done once when it is built, and each layer's calls held as eight closures:
     delta = down(silu(gate_up(x)))  gate/up GEMM, SiLU * up (C), row-parallel down_proj
 
 Each linear's closure is the path its layer would take (:func:`tpengine.layers.linear.linear`:
-the GEMV kernel up to the rows it was measured faster at, oneDNN's packed weight, MKL, or the
+the GEMV or GEMM kernel at the rows it was measured faster at, oneDNN's packed weight, MKL, or the
 quantized weight's kernel). The paged attention kernel still checks every index before it writes
 (an out-of-range slot or block id raises the checked path's exact error). Built by
 :func:`build` for the model runner, which uses it for CPU decode steps; a model it does not cover
@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from tpengine.context import Context
-from tpengine.kernels import cpu_gemv, cpu_native, cpu_paged
+from tpengine.kernels import cpu_gemm, cpu_gemv, cpu_native, cpu_paged
+from tpengine.kernels.linear_layout import ROW_BUCKETS, kernel_at
 from tpengine.layers.comm import all_reduce
 from tpengine.layers.fused import FusedAttention, FusedMLP, RMSNorm
 
@@ -48,9 +49,8 @@ def _linear(m, row_parallel: bool, tp: int) -> Fn:
     elif m.packed is not None:
         op, packed, b = torch.ops.mkldnn._linear_pointwise, m.packed, None if row_parallel else bias
         f = lambda x: op(x, packed, b, "none", [], "")  # noqa: E731
-    elif m.gemv_rows and bias is None:
-        g, w, limit = cpu_gemv.bind(m.weight), m.weight, m.gemv_rows
-        f = lambda x: g(x) if x.shape[0] <= limit else F.linear(x, w)  # noqa: E731
+    elif m.kernels and bias is None:
+        f = _plain_kernels(m.weight, m.kernels)
     else:
         w, b = m.weight, None if row_parallel else bias
         f = lambda x: F.linear(x, w, b)  # noqa: E731
@@ -63,6 +63,23 @@ def _linear(m, row_parallel: bool, tp: int) -> Fn:
         unbiased = f
         f = lambda x: unbiased(x) + bias  # noqa: E731
     return f
+
+
+def _plain_kernels(w: torch.Tensor, kernels: tuple[str, ...]) -> Fn:
+    """``x [rows, in] -> [rows, out]`` on the plain weight ``w`` as :func:`tpengine.layers.linear.linear`
+    runs it: per row count the path ``kernels`` names (:func:`tpengine.kernels.linear_layout.kernel_at`)."""
+    paths = {"plain": lambda x: F.linear(x, w)}
+    if "gemv" in kernels:
+        paths["gemv"] = cpu_gemv.bind(w)
+    if "gemm" in kernels:
+        paths["gemm"] = cpu_gemm.bind(w)
+    by_rows = [paths[kernel_at(kernels, rows)] for rows in range(ROW_BUCKETS[-1] + 1)]
+    last = len(by_rows)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        return (by_rows[rows] if rows < last else paths["plain"])(x)
+    return run
 
 
 def _norm(norm: RMSNorm, dtype: torch.dtype):

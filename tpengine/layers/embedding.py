@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpengine.distributed import get_tp
+from tpengine.kernels.linear_layout import kernel_at
 from tpengine.kernels.measured import Choice, fastest
 from tpengine.layers.comm import all_reduce, gather_to_driver
 from tpengine.layers.linear import _Packable, linear
@@ -73,10 +74,13 @@ class ParallelLMHead(_Packable):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's ``[B, vocab_local]`` logits. A tied head keeps the embedding's plain rows
         (never a packed copy beside them); for one half-precision row on the CPU it reads them
-        with ``torch.mv``, which streams a plain row-major weight faster than ``F.linear``.
+        with ``torch.mv``, which streams a plain row-major weight faster than ``F.linear``; a
+        float32 one takes the GEMM kernel at the rows it measured faster at (``kernels``).
         A quantized head multiplies through its kernel."""
         if self.quant is not None:
             return self.quant(hidden)
+        if self.kernels and kernel_at(self.kernels, hidden.numel() // hidden.shape[-1]) != "plain":
+            return linear(hidden, self.weight, None, None, None, self.kernels)  # measured: the loader's choose_head
         if (self.packed is None and hidden.dim() == 2 and hidden.shape[0] == 1 and hidden.device.type == "cpu"
                 and hidden.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == hidden.dtype):
             return torch.mv(self.weight, hidden[0]).unsqueeze(0)

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpengine.kernels import cpu_gemv
+from tpengine.kernels import cpu_gemm, cpu_gemv
+from tpengine.kernels.linear_layout import kernel_at
 from tpengine.layers.comm import all_reduce
 
 
@@ -34,12 +35,18 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None = None,
-           quant: nn.Module | None = None, gemv_rows: int = 0):
+           quant: nn.Module | None = None, kernels: tuple[str, ...] = ()):
     """``x @ weight.T + bias``, through oneDNN with the ``packed`` copy of ``weight`` when there is one,
-    through the ``quant`` kernel (:mod:`tpengine.layers.quantized`) of a quantized weight, or, for at
-    most ``gemv_rows`` rows without a bias, through :func:`tpengine.kernels.cpu_gemv.gemv`."""
-    if gemv_rows and bias is None and x.numel() <= gemv_rows * x.shape[-1]:
-        return cpu_gemv.gemv(x, weight)
+    through the ``quant`` kernel (:mod:`tpengine.layers.quantized`) of a quantized weight, or,
+    without a bias, through the path ``kernels`` names for ``x``'s row count
+    (:func:`tpengine.kernels.linear_layout.kernel_at`: :func:`tpengine.kernels.cpu_gemv.gemv`,
+    :func:`tpengine.kernels.cpu_gemm.gemm` or ``F.linear``)."""
+    if kernels and bias is None:
+        path = kernel_at(kernels, x.numel() // x.shape[-1])
+        if path == "gemv":
+            return cpu_gemv.gemv(x, weight)
+        if path == "gemm":
+            return cpu_gemm.gemm(x, weight)
     if quant is not None:
         y = quant(x)
         return y + bias if bias is not None else y
@@ -57,7 +64,7 @@ class _Packable(nn.Module):
     :func:`~tpengine.layers.quant_apply.quantize_linear`; such a layer is not packed)."""
 
     packed: torch.Tensor | None = None
-    gemv_rows = 0  # up to this many rows, the bfloat16 GEMV kernel (set by the loader where it measured faster)
+    kernels: tuple[str, ...] = ()  # the plain weight's path per row bucket (set by the loader where measured)
     packed_bytes = 0  # the plain layout's bytes of the weight it replaced (oneDNN's may pad a little)
 
     def __init__(self):
@@ -93,7 +100,7 @@ class ColumnParallelLinear(_Packable):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed, self.quant, self.gemv_rows)
+        return linear(x, self.weight, self.bias, self.packed, self.quant, self.kernels)
 
 
 class RowParallelLinear(_Packable):
@@ -112,7 +119,7 @@ class RowParallelLinear(_Packable):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(linear(x, self.weight, None, self.packed, self.quant, self.gemv_rows))
+        y = all_reduce(linear(x, self.weight, None, self.packed, self.quant, self.kernels))
         return y + self.bias if self.bias is not None else y
 
 
@@ -143,4 +150,4 @@ class MergedColumnParallelLinear(_Packable):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` -> ``[..., sum(sizes)]``, the parts side by side in ``sizes`` order."""
-        return linear(x, self.weight, self.bias, self.packed, self.quant, self.gemv_rows)
+        return linear(x, self.weight, self.bias, self.packed, self.quant, self.kernels)
