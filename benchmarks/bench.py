@@ -5,7 +5,9 @@
 
 In the bfloat16 group, tpengine also runs at every tp with weight-only quantized weights
 (``--quantization`` int8 and int4 by default: ``EngineConfig.quantization``, quantized at load,
-bfloat16 activations); every engine row reports its weight bytes per rank (the engine's
+bfloat16 activations): their latency (TPOT, what weight-only quantization is for), and their
+throughput too with ``--quantized-throughput`` (off by default, so that ``make bench`` stays under
+10 minutes); every engine row reports its weight bytes per rank (the engine's
 ``ModelRunner.weight_bytes``). The output names the CPU model, its AMX / AVX512-BF16 / AVX-512
 flags and the torch version (:mod:`benchmarks.machine`).
 
@@ -129,12 +131,14 @@ def worker_args(hf: bool, tp: int, model: str, dtype: str, cores: int, num_seqs:
 
 
 def run_dtype(dtype: str, systems: list[str], model: str, cores: int, prompts, lat_prompt, output_len: int,
-              lat_output_len: int, rounds: int, hf_batch_size: int, hf_attn: str, logdir: Path, echo) -> dict:
+              lat_output_len: int, rounds: int, hf_batch_size: int, hf_attn: str, logdir: Path, echo,
+              latency_only: frozenset[str] = frozenset()) -> dict:
     """Start every system for ``dtype``, one after the other (each loads and warms up alone: a dozen
     processes loading at once on a few cores stall one another's OpenMP barriers), alternate the
     measurements,
     return ``{system: {"threads", "weight_bytes", "load_s", "throughput": [runs], "latency": [runs]}}``
-    (``systems``: "hf" and :func:`system_key` keys; ``weight_bytes``: per rank)."""
+    (``systems``: "hf" and :func:`system_key` keys; ``weight_bytes``: per rank; the systems in
+    ``latency_only`` have no throughput runs)."""
     max_len = max(max(map(len, prompts)) + output_len, len(lat_prompt) + lat_output_len)
     workers: dict[str, Worker] = {}
     try:
@@ -150,7 +154,7 @@ def run_dtype(dtype: str, systems: list[str], model: str, cores: int, prompts, l
                           "load_s": w.ready["load_s"], "throughput": [], "latency": []}
         for r in range(rounds):
             order = systems if r % 2 == 0 else systems[::-1]
-            for s in order:
+            for s in [s for s in order if s not in latency_only]:
                 res = workers[s].ask({"cmd": "throughput", "prompts": prompts, "output_len": output_len})
                 results[s]["throughput"].append(res)
                 echo(f"  {dtype} round {r + 1} {s:>8}: {res['output_tokens'] / res['elapsed_s']:8.1f} output tok/s "
@@ -183,6 +187,8 @@ def main(
     quantization: Annotated[list[str], typer.Option(help="weight-only quantized tpengine rows, at each --tp, in "
                                                          "the bfloat16 group (bfloat16 activations): int8, int4; "
                                                          "repeat for several; none for none")] = None,
+    quantized_throughput: Annotated[bool, typer.Option(help="also run the quantized rows' throughput workload "
+                                                            "(by default they report latency only)")] = False,
     rounds: Annotated[int, typer.Option(help="alternating rounds; the best one is reported")] = 2,
     threads: Annotated[int, typer.Option(help="total cores to use (0 = the affinity mask)")] = 0,
     seed: Annotated[int, typer.Option(help="seed of the random prompts")] = 0,
@@ -246,13 +252,14 @@ def main(
                                                                                 else [])
             console.print(f"[bold]{dt}[/]: starting {', '.join(systems)}")
             runs[dt] = run_dtype(dt, systems, model, cores, prompts, lat_prompt, output_len, latency_output_len,
-                                 rounds, hf_batch_size or num_prompts, hf_attn, Path(logdir), console.print)
+                                 rounds, hf_batch_size or num_prompts, hf_attn, Path(logdir), console.print,
+                                 frozenset() if quantized_throughput else frozenset(quant_systems))
     result = {
         "config": {"model": model, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
                    "latency_input_len": latency_input_len, "latency_output_len": latency_output_len,
                    "dtypes": dtypes, "tp": tps, "rounds": rounds, "seed": seed, "cores": cores,
                    "hf_batch_size": hf_batch_size or num_prompts, "hf_attn": hf_attn, "quantization": quants,
-                   "quantized_dtype": QUANT_DTYPE},
+                   "quantized_dtype": QUANT_DTYPE, "quantized_throughput": quantized_throughput},
         "machine": machine,
         "results": summarize(runs, latency_output_len),
         "runs": runs,

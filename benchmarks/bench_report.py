@@ -28,35 +28,36 @@ def summarize(runs: dict, latency_output_len: int) -> dict:
     throughput of the same weights (the same cores split over the ranks); for a quantized system
     ("tp1-int8", ...), ``tpot_vs_float`` and ``weights_vs_float`` = its TPOT and its largest rank's
     weight bytes / those of the same tp with float weights in the same dtype; for HF, ``attn`` =
-    the attention implementation it ran with."""
+    the attention implementation it ran with. A system without throughput runs (a latency-only
+    quantized row) has no throughput fields, ``vs_hf`` or ``tp_efficiency``."""
     out: dict = {}
     for dtype, systems in runs.items():
         rows = {}
         for s, r in systems.items():
-            best = max(r["throughput"], key=lambda x: x["output_tokens"] / x["elapsed_s"])
             tpots = [(x["latency_s"] - x["ttft_s"]) / max(1, latency_output_len - 1) for x in r["latency"]]
-            rows[s] = {
-                "threads": r["threads"],
-                "output_tok_s": round(best["output_tokens"] / best["elapsed_s"], 1),
-                "total_tok_s": round((best["output_tokens"] + best["prompt_tokens"]) / best["elapsed_s"], 1),
-                "elapsed_s": round(best["elapsed_s"], 4),
-                "ttft_ms": round(min(x["ttft_s"] for x in r["latency"]) * 1e3, 3),
-                "tpot_ms": round(min(tpots) * 1e3, 3),
-            }
+            rows[s] = {"threads": r["threads"], "ttft_ms": round(min(x["ttft_s"] for x in r["latency"]) * 1e3, 3),
+                       "tpot_ms": round(min(tpots) * 1e3, 3)}
+            if r["throughput"]:  # (none for a latency-only row)
+                best = max(r["throughput"], key=lambda x: x["output_tokens"] / x["elapsed_s"])
+                rows[s].update({
+                    "output_tok_s": round(best["output_tokens"] / best["elapsed_s"], 1),
+                    "total_tok_s": round((best["output_tokens"] + best["prompt_tokens"]) / best["elapsed_s"], 1),
+                    "elapsed_s": round(best["elapsed_s"], 4)})
+                if "attn_implementation" in best:  # HF: the attention implementation it ran with
+                    rows[s]["attn"] = best["attn_implementation"]
             if r.get("weight_bytes"):
                 rows[s]["weight_bytes"] = r["weight_bytes"]
-            if "attn_implementation" in best:  # HF: the attention implementation it ran with
-                rows[s]["attn"] = best["attn_implementation"]
         hf = rows.get("hf")
         for s, row in rows.items():
             if hf and s != "hf":
-                row["vs_hf"] = round(row["output_tok_s"] / hf["output_tok_s"], 2)
+                if "output_tok_s" in row and "output_tok_s" in hf:
+                    row["vs_hf"] = round(row["output_tok_s"] / hf["output_tok_s"], 2)
                 row["tpot_vs_hf"] = round(row["tpot_ms"] / hf["tpot_ms"], 2)
             if s == "hf":
                 continue
             tp, quant = _split(s)
             tp1 = rows.get("tp1" + (f"-{quant}" if quant else ""))
-            if tp1 and tp > 1:
+            if tp1 and tp > 1 and "output_tok_s" in row and "output_tok_s" in tp1:
                 row["tp_efficiency"] = round(row["output_tok_s"] / tp1["output_tok_s"], 2)
             plain = rows.get(f"tp{tp}")
             if quant and plain:
@@ -90,7 +91,7 @@ def render_table(result: dict):
             weights = "-" if not r.get("weight_bytes") else f"{max(r['weight_bytes']) / 2**20:.1f}"
             vs_float = "-" if "tpot_vs_float" not in r else (
                 f"{r['tpot_vs_float']:.2f}x / " + fmt(r.get("weights_vs_float"), ".2f") + "x")
-            table.add_row(dtype, name, "/".join(map(str, r["threads"])), weights, fmt(r["output_tok_s"], ".1f"),
+            table.add_row(dtype, name, "/".join(map(str, r["threads"])), weights, fmt(r.get("output_tok_s"), ".1f"),
                           fmt(r.get("vs_hf"), ".2f") + ("x" if "vs_hf" in r else ""),
                           fmt(r.get("tp_efficiency"), ".2f"), fmt(r["ttft_ms"], ".1f"), fmt(r["tpot_ms"], ".2f"),
                           fmt(r.get("tpot_vs_hf"), ".2f") + ("x" if "tpot_vs_hf" in r else ""), vs_float)

@@ -194,7 +194,8 @@ def _timed(cache: dict, key: str, needs: tuple[str, ...], measure_fn) -> tuple[d
 def choose_head(weight: torch.Tensor, setting: str = "auto", native: bool = True) -> LayoutChoice:
     """The kernels of a tied LM head's loaded CPU ``weight [vocab_local, hidden]``, which stays plain
     (its rows are the embedding's too, so there is no packed copy): ``F.linear`` or the GEMM kernel
-    per bucket (:func:`plain_kernels`), timed on this weight itself at :data:`ROW_BUCKETS` (cached like :func:`choose_layouts`).
+    per bucket (:func:`plain_kernels`), timed on this weight itself at :data:`ROW_BUCKETS` (cached
+    like :func:`choose_layouts`).
     ``setting`` other than "auto", ``native`` False, or a weight the GEMM does not take: plain
     ``F.linear`` with no timings."""
     if setting != "auto" or not native or not cpu_gemm.available(weight):
