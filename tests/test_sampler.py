@@ -147,6 +147,60 @@ def test_row_max_equals_torch_max_with_ties_infinities_and_nan():
         assert torch.equal(row_max(x[:, :1000])[1], x[:, :1000].max(dim=-1).indices)
 
 
+def test_col_max_equals_torch_max_over_rows_with_ties_infinities_and_nan():
+    """The transposed greedy pick (tpengine.layers.embedding.col_max) is ``max(dim=0)`` exactly, for
+    every block the measurement may pick: the first row among equal maxima, NaN the largest."""
+    from tpengine.layers.embedding import ROW_MAX_BLOCK, ROW_MAX_CANDIDATES, col_max
+
+    g = torch.Generator().manual_seed(6)
+    v = 96 * ROW_MAX_BLOCK
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(v, 9, generator=g).to(dtype)
+        x[[7, 4000, 40000], 1] = 50.0  # ties in different blocks
+        x[[ROW_MAX_BLOCK + 3, ROW_MAX_BLOCK + 9], 2] = 50.0  # ties in one block
+        x[:, 3] = 0.0
+        x[:, 4] = float("-inf")
+        x[v - 1, 4] = -1.0
+        x[300, 5] = float("inf")
+        x[[100, 20000], 6] = float("nan")
+        x[:, 7] = torch.randn(v, generator=g).to(dtype).round()
+        want_v, want_i = x.max(dim=0)
+        for block in ROW_MAX_CANDIDATES:
+            got_v, got_i = col_max(x, block)
+            assert torch.equal(got_i, want_i), (dtype, block, got_i, want_i)
+            assert torch.equal(got_v.isnan(), want_v.isnan())
+            assert torch.equal(got_v.nan_to_num(), want_v.nan_to_num())
+        assert torch.equal(col_max(x[: v - 5], 512)[1], x[: v - 5].max(dim=0)[1])  # not a multiple: max
+
+
+def test_greedy_through_the_transposed_logits_picks_the_argmax(tmp_path, monkeypatch):
+    """A bfloat16 head with ``greedy_mm`` (chosen by measurement, here forced) picks the argmax of
+    ``weight @ hidden.T`` over the real vocabulary (padding rows excluded), and the choice is timed
+    once per machine, then cached."""
+    from tpengine.kernels import measured
+    from tpengine.layers.embedding import ParallelLMHead, choose_greedy_path
+
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    g = torch.Generator().manual_seed(7)
+    head = ParallelLMHead(0, 1024, 1000, 64, dtype=torch.bfloat16, device="cpu")  # 24 padding rows
+    head.weight.data.copy_(torch.randn(1024, 64, generator=g))
+    head.weight.data[1000:] = 100.0  # padding rows would win if they were read
+    hidden = torch.randn(5, 64, generator=g).bfloat16()
+    want = torch.mm(head.weight, hidden.t())[:1000].float().argmax(dim=0)
+    head.greedy_mm = False  # F.linear and row_max
+    linear = torch.nn.functional.linear(hidden, head.weight)
+    assert torch.equal(head.greedy(hidden), linear[:, :1000].float().argmax(-1))
+    head.greedy_mm = True
+    assert torch.equal(head.greedy(hidden), want)
+    assert torch.equal(head.greedy(hidden[:1]), head._logits(hidden[:1])[:, :1000].float().argmax(-1))  # 1 row: mv
+    calls = []
+    monkeypatch.setattr(measured, "measure", lambda c, *_: calls.append(sorted(c)) or {"linear": [2.0, 4.0],
+                                                                                        "mm": [1.0, 2.0]})
+    first = choose_greedy_path(head)
+    assert (first.name, first.how, calls) == ("mm", "measured", [["linear", "mm"]] * 2)
+    assert (choose_greedy_path(head).how, len(calls)) == ("cached", 2)
+
+
 def test_row_max_block_is_measured_once_per_machine(tmp_path, monkeypatch):
     """The greedy pick's block is timed on this machine among the candidates that divide the
     shard's width (0: torch's max), then read back from the cache."""

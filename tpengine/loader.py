@@ -25,7 +25,7 @@ from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
 from tpengine.kernels import cpu_gemm, cpu_gemv, cpu_qgemv
 from tpengine.kernels.linear_layout import choose_head, choose_layouts
-from tpengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding, choose_row_max_block
+from tpengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding, choose_greedy_path, choose_row_max_block
 from tpengine.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from tpengine.layers.quant_apply import quantize_linear
 from tpengine.layers.quantized import QuantizedWeight, QuantScheme, check_quantization
@@ -318,10 +318,14 @@ def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.flo
     if left:
         raise RuntimeError(f"rank {tp.rank}: still on the meta device after loading: {left}")
     model.quant_kernels = _choose_quant_kernels(model, native, tp.rank)
-    model.row_max_choice = None
+    model.row_max_choice = model.greedy_choice = None
     if tp.device.type == "cpu" and isinstance(head, ParallelLMHead):  # the greedy pick's block, measured
         model.row_max_choice = choose_row_max_block(head.shard_width, dtype)
         head.row_max_block = int(model.row_max_choice.name)
+        if (native and head.quant is None and head.packed is None and head.weight is not None
+                and dtype in (torch.bfloat16, torch.float16)):  # float32 keeps F.linear: HF's arithmetic
+            model.greedy_choice = choose_greedy_path(head)
+            head.greedy_mm = model.greedy_choice.name == "mm"
     return model, plan, hf_config
 
 

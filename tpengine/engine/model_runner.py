@@ -60,6 +60,8 @@ class ModelRunner:
                 line += "; tied LM head " + head.describe(tuple(self.model.lm_head.weight.shape))
             if self.model.row_max_choice is not None:
                 line += "; greedy row max block " + self.model.row_max_choice.describe()
+            if getattr(self.model, "greedy_choice", None) is not None:
+                line += "; greedy logits " + self.model.greedy_choice.describe()
             print(line, file=sys.stderr, flush=True)
         self.graphs: CUDAGraphRunner | None = None
         if tp.device.type == "cuda" and config.num_kv_blocks is None:

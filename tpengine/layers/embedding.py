@@ -65,6 +65,7 @@ class ParallelLMHead(_Packable):
         self.weight = nn.Parameter(torch.empty(vocab_end - vocab_start, hidden, dtype=dtype, device=device),
                                    requires_grad=False)
         self.row_max_block = ROW_MAX_BLOCK
+        self.greedy_mm = False
 
     @property
     def shard_width(self) -> int:
@@ -94,9 +95,17 @@ class ParallelLMHead(_Packable):
         """Greedy sampling without gathering the logits: every rank takes the maximum of its
         vocabulary shard (padding excluded), rank 0 keeps the best shard's. ``hidden [B, hidden]``
         -> on rank 0 int64 token ids ``[B]``, the first index among equal maxima exactly like
-        ``torch.argmax`` over the whole vocabulary; None on other ranks."""
-        logits = self._logits(hidden)
-        value, index = row_max(logits[..., : self.vocab_size - self.vocab_start], self.row_max_block)
+        ``torch.argmax`` over the whole vocabulary; None on other ranks. With ``greedy_mm`` (set by
+        the loader where :func:`choose_greedy_path` measured it faster: a plain half-precision
+        CPU head) a batch of rows computes the transposed logits ``weight @ hidden.T`` -- the
+        weight, row-major, is then the GEMM's left operand and is not rearranged per call -- and
+        takes each column's maximum (:func:`col_max`); the logits' rounding may differ from
+        ``F.linear``'s in the last bit."""
+        width = self.vocab_size - self.vocab_start
+        if self.greedy_mm and hidden.dim() == 2 and hidden.shape[0] > 1:  # measured faster here (greedy_path)
+            value, index = col_max(torch.mm(self.weight, hidden.t())[:width], self.row_max_block)
+        else:
+            value, index = row_max(self._logits(hidden)[..., :width], self.row_max_block)
         if get_tp().size == 1:
             return index
         mine = torch.stack([value.double(), (index + self.vocab_start).double()], dim=-1)  # exact
@@ -134,6 +143,39 @@ def row_max(x: torch.Tensor, block: int = ROW_MAX_BLOCK) -> tuple[torch.Tensor, 
     first = block_max.float().argmax(dim=-1)  # first block holding the maximum (float: exact, faster)
     inside = blocks[rows, first].float().argmax(dim=-1)  # first maximum inside it
     return block_max[rows, first], first * block + inside
+
+
+def col_max(x: torch.Tensor, block: int = ROW_MAX_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`row_max` of ``x.T`` for a ``[V, B]`` tensor: per column the maximum and the *first*
+    row index holding it (NaN the largest), by the same two passes over ``block``-row blocks
+    (``amax`` over each block's rows, the first block holding the column's maximum, the first
+    maximum inside it); ``x.max(dim=0)`` for ``block`` 0, off the CPU, a non-contiguous x, or V
+    not a multiple of ``block`` (or equal to it). Returns ``(values [B] in x.dtype, indices [B]
+    int64)``, the same for every ``block``."""
+    v, b = x.shape
+    if not block or v % block or v == block or not x.is_contiguous() or x.device.type != "cpu":
+        return x.max(dim=0)
+    blocks = x.view(v // block, block, b)
+    block_max = blocks.amax(dim=1)  # [V / block, B]
+    cols = torch.arange(b, device=x.device)
+    first = block_max.float().argmax(dim=0)  # first block holding each column's maximum
+    inside = blocks[first, :, cols].float().argmax(dim=1)  # [B, block] -> first maximum inside it
+    return block_max[first, cols], first * block + inside
+
+
+def choose_greedy_path(head: "ParallelLMHead", rows: tuple[int, ...] = (8, 64)) -> Choice:
+    """Whether a plain half-precision CPU ``head`` picks greedy tokens faster through the
+    transposed logits (``"mm"``: ``weight @ hidden.T`` and :func:`col_max`) than through
+    ``F.linear`` and :func:`row_max` (``"linear"``), timed on its own weight at ``rows`` rows with
+    its ``row_max_block`` (:func:`tpengine.kernels.measured.fastest`: once per machine, cached).
+    ``Choice.name`` is "mm" or "linear"."""
+    g = torch.Generator().manual_seed(0)
+    w, width, block = head.weight, head.shard_width, head.row_max_block
+    xs = [torch.randn(r, w.shape[1], generator=g).to(w.dtype) for r in rows]
+    candidates = {"linear": [lambda x=x: row_max(F.linear(x, w)[:, :width], block) for x in xs],
+                  "mm": [lambda x=x: col_max(torch.mm(w, x.t())[:width], block) for x in xs]}
+    return fastest(f"greedy head {w.shape[0]}x{w.shape[1]} {str(w.dtype).removeprefix('torch.')} block {block} "
+                   f"rows {'/'.join(map(str, rows))}", candidates)
 
 
 def choose_row_max_block(width: int, dtype: torch.dtype) -> Choice:
