@@ -41,8 +41,16 @@ def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not available(weight) or x.dtype != torch.float32 or x.shape[-1] != k or x.device.type != "cpu":
         raise ValueError(f"gemm: float32 x [..., {k}] on the CPU and a contiguous float32 weight [n, k]; got x "
                          f"{x.dtype} {tuple(x.shape)} on {x.device}, weight {weight.dtype} {tuple(weight.shape)}")
-    x2 = x.reshape(-1, k).contiguous()
-    return bind(weight)(x2).reshape(*x.shape[:-1], n)
+    return _run(weight, x.reshape(-1, k).contiguous()).reshape(*x.shape[:-1], n)
+
+
+def _run(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The C call for checked arguments: ``x [rows, k]`` contiguous float32 -> ``[rows, n]``."""
+    (n, k), y = weight.shape, torch.empty(x.shape[0], weight.shape[0])
+    panel = torch.empty(k * PANEL_ROWS)  # torch's CPU allocations are 64-byte aligned
+    cpu_native.load().tpe_gemm_f32(x.data_ptr(), x.shape[0], k, weight.data_ptr(), n, y.data_ptr(),
+                                   panel.data_ptr(), torch.get_num_threads())
+    return y
 
 
 def bind(weight: torch.Tensor):
@@ -55,11 +63,4 @@ def bind(weight: torch.Tensor):
     """
     if not available(weight):
         raise ValueError(f"gemm: cannot take a {weight.dtype} weight {tuple(weight.shape)}")
-    fn, (n, k), wp = cpu_native.load().tpe_gemm_f32, weight.shape, weight.data_ptr()
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        y = torch.empty(x.shape[0], n)
-        panel = torch.empty(k * PANEL_ROWS)  # torch's CPU allocations are 64-byte aligned
-        fn(x.data_ptr(), x.shape[0], k, wp, n, y.data_ptr(), panel.data_ptr(), torch.get_num_threads())
-        return y
-    return run
+    return lambda x: _run(weight, x)
