@@ -8,12 +8,13 @@
  * Arithmetic, op by op as the torch path rounds it:
  *   rope (HF's formula):  f32: q*cos + rotate_half(q)*sin, each product and the sum rounded to
  *                          float32 (no fused multiply-add); bf16: each rounded to bfloat16.
- *   scores:                f32: dot(q, k) * scale; bf16: bf16(dot(q, k)) * scale in float32.
+ *   scores:                f32: dot(q, k) * scale; bf16: bf16(dot(q, k)) * scale in float32, the
+ *                          dot by AVX512-BF16's vdpbf16ps (exact products, float32 sums of pairs).
  *   softmax (float32):     exp(s - max) / sum, with a Cephes-style exp (bf16.h's exp16).
- *   output:                sum_t p[t] * v[t] in float32 (bf16: p rounded to bfloat16 first), then
- *                          rounded to the dtype.
+ *   output:                sum_t p[t] * v[t] in float32 (bf16: p rounded to bfloat16 first, the sum
+ *                          by vdpbf16ps over pairs of keys), then rounded to the dtype.
  * The float32 sums run in a different order than SDPA's, so results equal the torch path up to
- * float32 rounding.
+ * float32 rounding (vdpbf16ps also flushes float32 denormals to zero).
  *
  * Layout (elements, not bytes): q [B, Hq, D] at q + b * q_stride; k, v [B, Hkv, D] at
  * k + b * k_stride, v + b * v_stride; cos, sin [B, D] (NULL: no RoPE); slots [B] (-1: not stored);
@@ -25,8 +26,9 @@
  * (q_to_kv naming a KV head out of range, or more than MAX_G query heads on one KV head). Each KV
  * head's query heads are attended together, so every key and value row is read from memory once
  * per step: the scores of 16 keys at a time (reduced together, sum16), the block table walked
- * without divisions, the next rows prefetched (a sequence's rows sit in blocks anywhere in the
- * cache); with many sequences (B >= 4 threads) a work item is one sequence, its rows read whole
+ * without divisions, the next key rows and the value rows of the same positions prefetched
+ * together (bfloat16) while the scores run (a sequence's rows sit in blocks anywhere in the cache, which the
+ * hardware prefetcher does not follow; the value rows are then read from L2); with many sequences (B >= 4 threads) a work item is one sequence, its rows read whole
  * (every KV head), else one (sequence, KV head). */
 #include <math.h>
 #include <stdint.h>
@@ -108,9 +110,78 @@ static inline __m512 sum16(const __m512 *a) {
             for (int64_t i = 0; i < (NV); i++) ST(out + (b * hq + heads[j0 + jj]) * d + i * 16, a[jj][i]);     \
     }
 
+/* bfloat16: the 16 dot products q . k[kk] (kk < 16, D = 32 * NV32 elements each) by vdpbf16ps, pairs of
+ * bfloat16 products summed into float32 lanes (the products are exact; each lane's sums rounded to
+ * float32), the lanes then reduced by sum16. One instruction per 32 elements, against two loads to
+ * widen and two fused multiply-adds in float32. NV32 is a constant at every call (inlined). */
+static inline __attribute__((always_inline)) __m512 qk16_bf16(const uint16_t *q, const uint16_t *const *kp,
+                                                              const int64_t NV32) {
+    __m512i qv[MAX_D / 32];
+    for (int64_t i = 0; i < NV32; i++) qv[i] = _mm512_loadu_si512(q + i * 32);
+    __m512 a[16];
+    for (int64_t kk = 0; kk < 16; kk++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < NV32; i++)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)qv[i], (__m512bh)_mm512_loadu_si512(kp[kk] + i * 32));
+        a[kk] = acc;
+    }
+    return sum16(a);
+}
+
+/* bfloat16: out[j] = sum_u p[j][u] v[u] for g query heads (p bfloat16 at pb + j * lp, lp even, zero
+ * past L), two value rows at a time by vdpbf16ps: the rows u, u + 1 interleaved element by element
+ * (unpacklo/hi within 128-bit lanes), each multiplied by the pair (p[u], p[u + 1]). Lane l of the
+ * "lo" accumulator of 32 elements holds element 8 (l / 4) + l % 4, of "hi" that plus 4; the stores
+ * put them back in order. PJ heads at a time; the first pass prefetches the rows VAHEAD ahead. A
+ * missing row u + 1 (odd L) is a zero row. */
+static const uint16_t zero_row[MAX_D] = {0};
+static inline __attribute__((always_inline)) void pv_bf16(const uint16_t *const *vptr, int64_t L, const uint16_t *pb,
+                                                          int64_t lp, int64_t g, const int64_t *heads, uint16_t *out,
+                                                          int64_t pfn, const int64_t NV32, const int64_t PJ) {
+    const __m512i lo_idx = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i hi_idx = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    for (int64_t j0 = 0; j0 < g; j0 += PJ) {
+        const int64_t nj = g - j0 < PJ ? g - j0 : PJ;
+        __m512 a[4][2 * MAX_D / 32];
+        for (int64_t jj = 0; jj < PJ; jj++)
+            for (int64_t i = 0; i < 2 * NV32; i++) a[jj][i] = _mm512_setzero_ps();
+        for (int64_t u = 0; u < L; u += 2) {
+            if (j0 == 0 && u + VAHEAD < L) {
+                prefetch_row(vptr[u + VAHEAD], pfn);
+                if (u + VAHEAD + 1 < L) prefetch_row(vptr[u + VAHEAD + 1], pfn);
+            }
+            const uint16_t *r0 = vptr[u], *r1 = u + 1 < L ? vptr[u + 1] : zero_row;
+            __m512i lo[MAX_D / 32], hi[MAX_D / 32];
+            for (int64_t i = 0; i < NV32; i++) {
+                const __m512i x0 = _mm512_loadu_si512(r0 + i * 32), x1 = _mm512_loadu_si512(r1 + i * 32);
+                lo[i] = _mm512_unpacklo_epi16(x0, x1);
+                hi[i] = _mm512_unpackhi_epi16(x0, x1);
+            }
+            for (int64_t jj = 0; jj < PJ; jj++) {
+                if (jj >= nj) break;
+                uint32_t pair;
+                memcpy(&pair, pb + (j0 + jj) * lp + u, sizeof(pair));
+                const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
+                for (int64_t i = 0; i < NV32; i++) {
+                    a[jj][2 * i] = _mm512_dpbf16_ps(a[jj][2 * i], (__m512bh)lo[i], pp);
+                    a[jj][2 * i + 1] = _mm512_dpbf16_ps(a[jj][2 * i + 1], (__m512bh)hi[i], pp);
+                }
+            }
+        }
+        for (int64_t jj = 0; jj < nj; jj++) {
+            uint16_t *o = out + heads[j0 + jj] * NV32 * 32;
+            for (int64_t i = 0; i < NV32; i++) {
+                st(o + i * 32, _mm512_permutex2var_ps(a[jj][2 * i], lo_idx, a[jj][2 * i + 1]));
+                st(o + i * 32 + 16, _mm512_permutex2var_ps(a[jj][2 * i], hi_idx, a[jj][2 * i + 1]));
+            }
+        }
+    }
+}
+
 /* One dtype's kernel. LD(p): 16 elements -> __m512; ST(p, x): store 16 rounded; RND(x): x rounded
- * to the dtype, back as float32; T: the element type. */
-#define PAGED_DECODE(NAME, T, LD, ST, RND)                                                                         \
+ * to the dtype, back as float32; T: the element type; BF: 1 for bfloat16 (scores and the weighted
+ * sum of values by vdpbf16ps, qk16_bf16 and pv_bf16), 0 for float32. */
+#define PAGED_DECODE(NAME, T, LD, ST, RND, BF)                                                                         \
     int64_t NAME(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v, int64_t v_stride, const T *cos_t,     \
                  const T *sin_t, const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,             \
                  const int64_t *lens, T *k_cache, T *v_cache, int64_t num_blocks, int64_t bs,                       \
@@ -149,6 +220,7 @@ static inline __m512 sum16(const __m512 *a) {
         _Pragma("omp parallel num_threads(nthreads) if (work * hq * d >= 32768)") {                               \
             float *sc = NULL;                                                                                       \
             const T **vptr = NULL;                                                                                  \
+            uint16_t *pbf = NULL; /* bfloat16: the probabilities, each head's padded to an even count */             \
             int64_t cap = 0;                                                                                        \
             _Pragma("omp for schedule(dynamic, 1)") for (int64_t it = 0; it < items; it++) {                        \
               const int64_t b = whole ? it : it / hkv, kv0 = whole ? 0 : it % hkv;                                  \
@@ -164,19 +236,22 @@ static inline __m512 sum16(const __m512 *a) {
                     for (int64_t j = 0; j < g; j++) memset(out + (b * hq + heads[j]) * d, 0, (size_t)d * sizeof(T)); \
                     continue;                                                                                       \
                 }                                                                                                   \
-                if (L * g > cap) {                                                                                  \
+                if ((L + 1) * g > cap) {                                                                                \
                     free(sc);                                                                                       \
-                    cap = L * g + 64;                                                                               \
+                    cap = (L + 1) * g + 64;                                                                             \
                     sc = (float *)malloc((size_t)cap * sizeof(float));                                              \
                     free(vptr);                                                                                     \
                     vptr = (const T **)malloc((size_t)cap * sizeof(*vptr));                                         \
+                    free(pbf);                                                                                      \
+                    pbf = BF ? (uint16_t *)malloc((size_t)cap * sizeof(uint16_t)) : NULL;                            \
                 }                                                                                                   \
                 const int64_t *bt = block_tables + b * max_blocks;                                                  \
                 const int64_t nv = d / 16;                                                                          \
                 __m512 qv[MAX_G][MAX_D / 16];                                                                       \
                 float mx[MAX_G];                                                                                    \
                 for (int64_t j = 0; j < g; j++) {                                                                   \
-                    for (int64_t i = 0; i < nv; i++) qv[j][i] = LD(q + b * q_stride + heads[j] * d + i * 16);       \
+                    if (!BF)                                                                                        \
+                        for (int64_t i = 0; i < nv; i++) qv[j][i] = LD(q + b * q_stride + heads[j] * d + i * 16);   \
                     mx[j] = -INFINITY;                                                                              \
                 }                                                                                                   \
                 const __m512 vscale = _mm512_set1_ps(scale);                                                \
@@ -184,8 +259,9 @@ static inline __m512 sum16(const __m512 *a) {
                 for (int64_t j = 0; j < g; j++) mxv[j] = _mm512_set1_ps(-INFINITY);                        \
                 int64_t kb = 0, ko = 0; /* the next key's block-table index and offset in its block */      \
                 int64_t pt = 0, pb = 0, po = 0; /* the prefetch cursor, 16 keys ahead after the first group */ \
-                for (; pt < 16 && pt < L; pt++) {                                                           \
+                for (; pt < 16 && pt < L; pt++) {                                                       \
                     prefetch_row(k_cache + (bt[pb] * bs + po) * row + kv * d, pfn);      \
+                    if (BF) prefetch_row(v_cache + (bt[pb] * bs + po) * row + kv * d, pfn);      \
                     if (++po == bs) po = 0, pb++;                                                           \
                 }                                                                                           \
                 for (int64_t t0 = 0; t0 < L; t0 += 16) { /* 16 keys at a time, each read from memory once */ \
@@ -198,9 +274,22 @@ static inline __m512 sum16(const __m512 *a) {
                     }                                                                                       \
                     for (int64_t kk = 0; kk < 16 && pt < L; kk++, pt++) { /* the next 16 keys: prefetch */  \
                         prefetch_row(k_cache + (bt[pb] * bs + po) * row + kv * d, pfn);  \
+                        if (BF) prefetch_row(v_cache + (bt[pb] * bs + po) * row + kv * d, pfn);  \
                         if (++po == bs) po = 0, pb++;                                                       \
                     }                                                                                       \
                     for (int64_t kk = nk; kk < 16; kk++) kp[kk] = kp[0];                                    \
+                    if (BF) {                                                                                       \
+                        const uint16_t *const *kq = (const uint16_t *const *)kp;                                    \
+                        for (int64_t j = 0; j < g; j++) {                                                           \
+                            const uint16_t *qj = (const uint16_t *)(q + b * q_stride + heads[j] * d);               \
+                            const __m512 s = nv == 4 ? qk16_bf16(qj, kq, 2) : nv == 8 ? qk16_bf16(qj, kq, 4)        \
+                                                                                   : qk16_bf16(qj, kq, nv / 2);     \
+                            const __m512 sv = _mm512_mul_ps(RND(s), vscale);                                        \
+                            _mm512_mask_storeu_ps(sc + j * L + t0, m, sv);                                          \
+                            mxv[j] = _mm512_mask_max_ps(mxv[j], m, mxv[j], sv);                                     \
+                        }                                                                                           \
+                        continue;                                                                                   \
+                    }                                                                                               \
                     __m512 a[MAX_G][16];                                                                            \
                     for (int64_t kk = 0; kk < 16; kk++) { /* each key row loaded (and widened) once */              \
                         __m512 kr[MAX_D / 16];                                                                      \
@@ -238,12 +327,36 @@ static inline __m512 sum16(const __m512 *a) {
                     for (t = 0; t + 16 <= L; t += 16)                                                               \
                         _mm512_storeu_ps(sj + t, RND(_mm512_mul_ps(_mm512_loadu_ps(sj + t), inv)));                 \
                     for (; t < L; t++) sj[t] = _mm512_cvtss_f32(RND(_mm512_set1_ps(sj[t] * _mm512_cvtss_f32(inv)))); \
+                    if (BF) { /* p is bfloat16-rounded: its top 16 bits are the bfloat16 */                        \
+                        uint16_t *pj = pbf + j * (L + (L & 1));                                                      \
+                        for (t = 0; t + 16 <= L; t += 16)                                                           \
+                            _mm256_storeu_si256((__m256i *)(pj + t),                                                \
+                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(sj + t)), 16))); \
+                        for (; t < L; t++) {                                                                        \
+                            uint32_t u;                                                                             \
+                            memcpy(&u, sj + t, 4);                                                                  \
+                            pj[t] = (uint16_t)(u >> 16);                                                            \
+                        }                                                                                           \
+                        if (L & 1) pj[L] = 0;                                                                       \
+                    }                                                                                               \
                 }                                                                                                   \
                 for (int64_t u = 0, vb = 0, vo = 0; u < L; u++) { /* the value rows, walked once */                 \
                     vptr[u] = v_cache + (bt[vb] * bs + vo) * row + kv * d;                                          \
                     if (++vo == bs) vo = 0, vb++;                                                                   \
                 }                                                                                                   \
                 for (int64_t u = 0; u < VAHEAD && u < L; u++) prefetch_row(vptr[u], pfn);        \
+                if (BF) {                                                                                           \
+                    const uint16_t *const *vq = (const uint16_t *const *)vptr;                                      \
+                    uint16_t *ob = (uint16_t *)(out + b * hq * d);                                                  \
+                    const int64_t lp = L + (L & 1);                                                                 \
+                    switch (nv) { /* the head size as a constant */                                                 \
+                    case 4: pv_bf16(vq, L, pbf, lp, g, heads, ob, pfn, 2, 4); break;                                 \
+                    case 8: pv_bf16(vq, L, pbf, lp, g, heads, ob, pfn, 4, 2); break;                                 \
+                    case 16: pv_bf16(vq, L, pbf, lp, g, heads, ob, pfn, 8, 1); break;                                \
+                    default: pv_bf16(vq, L, pbf, lp, g, heads, ob, pfn, nv / 2, 1); break;                           \
+                    }                                                                                               \
+                    continue;                                                                                       \
+                }                                                                                                   \
                 switch (nv) { /* the head size as a constant: the accumulators stay in registers */                 \
                 case 2: PV_HEADS(T, LD, ST, 2, 4) break;                                                               \
                 case 4: PV_HEADS(T, LD, ST, 4, 4) break;                                                               \
@@ -255,6 +368,7 @@ static inline __m512 sum16(const __m512 *a) {
             }                                                                                                       \
             free(sc);                                                                                               \
             free(vptr);                                                                                             \
+            free(pbf);                                                                                              \
         }                                                                                                           \
         return -1;                                                                                                  \
     }
@@ -268,8 +382,8 @@ static inline __m512 keep32(__m512 x) {
     return x;
 }
 
-PAGED_DECODE(tpe_paged_decode_f32, float, ld32, st32, keep32)
-PAGED_DECODE(tpe_paged_decode_bf16, uint16_t, ld, st, rb)
+PAGED_DECODE(tpe_paged_decode_f32, float, ld32, st32, keep32, 0)
+PAGED_DECODE(tpe_paged_decode_bf16, uint16_t, ld, st, rb, 1)
 
 #else /* never called: tpe_fast() == 0 marks the library unavailable */
 int64_t tpe_paged_decode_f32(void) { return -1; }
