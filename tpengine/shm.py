@@ -29,9 +29,13 @@ import time
 import torch
 
 from tpengine import distributed as dist
+from tpengine.kernels import cpu_native
 from tpengine.utils import cdiv
 
-HEADER = 4096  # flags and pids, one 64-byte line per rank (up to 64 ranks)
+HEADER = 4096  # flags and pids, one 64-byte line per rank (up to 64 ranks); cpu_shm.c has the same
+#: The dtypes the C all-reduce takes; the longest it spins in one wait before this module waits instead.
+FAST_DTYPES = (torch.float32, torch.bfloat16)
+SPIN_NS = 10_000_000
 
 
 class ShmComm:
@@ -55,6 +59,9 @@ class ShmComm:
         self.pids = header[:, 1].numpy()
         self.pids[rank] = os.getpid()
         self.gen = 0
+        lib = cpu_native.load()
+        self._fast = lib.tpe_shm_all_reduce if lib is not None else None
+        self._base = self.buf.data_ptr()
 
     def _slot(self, gen: int, rank: int, t: torch.Tensor) -> torch.Tensor:
         start = HEADER + ((gen % 2) * self.size + rank) * self.slot_bytes
@@ -98,10 +105,25 @@ class ShmComm:
         return g
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over the ranks, in place (same contract as :func:`tpengine.distributed.all_reduce`)."""
+        """Sum ``t`` over the ranks, in place (same contract as :func:`tpengine.distributed.all_reduce`).
+        A float32 or bfloat16 tensor takes the C fast path (``cpu_shm.c``: the same protocol and
+        sums in one call, each wait spinning at most :data:`SPIN_NS`); where it stops waiting, this
+        method waits (checking the peers and the timeout) and finishes the call."""
         if not self._fits(t):
             return dist.all_reduce(t)
-        g = self._publish(t)
+        if self._fast is not None and t.dtype in FAST_DTYPES:
+            self.gen += 1
+            g = self.gen
+            done = self._fast(self._base, self.slot_bytes, self.size, self.rank, g, t.data_ptr(), t.numel(),
+                              int(t.dtype == torch.bfloat16), SPIN_NS)
+            if done == 0:
+                return t
+            if done == 1:  # nothing published yet
+                self._wait(g - 1, range(self.size))
+                self._slot(g, self.rank, t).copy_(t)
+                self.flags[self.rank] = g
+        else:
+            g = self._publish(t)
         self._wait(g, range(self.size))
         torch.add(self._slot(g, 0, t), self._slot(g, 1, t), out=t)
         for r in range(2, self.size):

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_decode.c", "cpu_fused.c", "cpu_paged.c",
-                                                         "cpu_gemv.c", "cpu_gemm.c", "cpu_qgemv.c"))
+                                                         "cpu_gemv.c", "cpu_gemm.c", "cpu_qgemv.c", "cpu_shm.c"))
 #: included by the sources: part of the cache key
 HEADERS = (Path(__file__).with_name("bf16.h"), Path(__file__).with_name("gemv.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -38,9 +38,10 @@ _lib: ctypes.CDLL | None = None
 _reason: str | None = None  # why the library is unavailable, once a load was tried
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-#: C functions that check their indices and return -1 or the position of the first bad one
+#: C functions that return an int64: those that check their indices -1 or the position of the first bad
+#: one; tpe_shm_all_reduce how far it got (cpu_shm.c)
 RETURNS_INDEX = ("tpe_copy_rows", "tpe_decode_scores", "tpe_decode_pv", "tpe_paged_decode_f32",
-                 "tpe_paged_decode_bf16", "tpe_qgemv_int8", "tpe_qgemv_int4")
+                 "tpe_paged_decode_bf16", "tpe_qgemv_int8", "tpe_qgemv_int4", "tpe_shm_all_reduce")
 _PAGED = [_P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _F32, _P,
           _I64, _I32]
 SIGNATURES = {  # C function -> argument types (all return void but tpe_fast and RETURNS_INDEX)
@@ -61,6 +62,7 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_fast and
     "tpe_qgemv_int8": [_P, _I64, _I64, _P, _P, _I64, _P, _I32, _I32],
     "tpe_qgemv_int4": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _I32, _I32],
     "tpe_dequant_int4": [_P, _P, _P, _I64, _I64, _I64, _P, _I32, _I32],
+    "tpe_shm_all_reduce": [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _I64],
 }
 
 

@@ -1,0 +1,82 @@
+"""The shared-memory all-reduce (tpengine/shm.py, its C fast path tpengine/kernels/cpu_shm.c):
+sums in rank order equal to torch's, float32 and bfloat16, at 2 and 3 ranks, odd lengths (the C
+tail), and the hand-over to the Python wait when a peer is late (the C wait gives up after
+SPIN_NS)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from tpengine import shm
+from tpengine.kernels import cpu_native
+
+pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="CPU C kernels unavailable here")
+
+SLOT = 1 << 17
+
+
+def tensor(rank: int, call: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * call + rank)
+    return torch.randn(n, generator=g).to(dtype)
+
+
+def expected(size: int, call: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``((t_0 + t_1) + t_2) ...``, each sum rounded to ``dtype`` (what every rank must get)."""
+    out = tensor(0, call, n, dtype) + tensor(1, call, n, dtype)
+    for r in range(2, size):
+        out = out + tensor(r, call, n, dtype)
+    return out
+
+
+CALLS = [(37, torch.bfloat16), (64 * 576, torch.bfloat16), (1000, torch.float32), (5, torch.float32),
+         (64 * 576, torch.bfloat16)]
+
+
+def worker(rank: int, size: int, path: str, late: int, spin_ns: int, out) -> None:
+    shm.SPIN_NS = spin_ns
+    comm = shm.ShmComm(rank, size, path, SLOT, timeout_s=30.0)
+    codes = []
+    fast = comm._fast
+    comm._fast = lambda *a: codes.append(fast(*a)) or codes[-1]
+    got = []
+    for call, (n, dtype) in enumerate(CALLS):
+        if rank == late and call == 2:
+            time.sleep(0.05)  # the others' C waits run out; they finish in Python
+        t = tensor(rank, call, n, dtype)
+        got.append(torch.equal(comm.all_reduce(t), expected(size, call, n, dtype)))
+    if rank == late:  # a gather lets the others run a call ahead: their first wait runs out too
+        time.sleep(0.05)
+    gathered = comm.gather_to_driver(torch.full((2,), float(rank)), dim=0)
+    t = tensor(rank, 9, 100, torch.bfloat16)
+    got.append(torch.equal(comm.all_reduce(t), expected(size, 9, 100, torch.bfloat16)))
+    out.put((rank, got, None if gathered is None else gathered.tolist(), codes))
+
+
+@pytest.mark.parametrize("size, late, spin_ns", [(2, -1, shm.SPIN_NS), (3, -1, shm.SPIN_NS), (2, 1, 1_000_000),
+                                                 (3, 2, 1_000_000)])
+def test_all_reduce_equals_torch_sums(tmp_path, size, late, spin_ns):
+    path = tmp_path / "shm"
+    path.write_bytes(bytes(shm.HEADER + 2 * size * SLOT))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, size, str(path), late, spin_ns, out)) for r in range(size)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert [r[0] for r in results] == list(range(size))
+    assert all(ok == [True] * (len(CALLS) + 1) for _, ok, _, _ in results), results
+    assert results[0][2] == [float(r) for r in range(size) for _ in range(2)]
+    assert all(g is None for _, _, g, _ in results[1:])
+    # every all-reduce took the C path; a late peer makes the others' C waits hand over to Python: the
+    # second wait (2) at the late call, the first (1) on ranks > 0 after the gather (they ran ahead)
+    for rank, _, _, codes in results:
+        assert len(codes) == len(CALLS) + 1 and set(codes) <= {0, 1, 2}, (rank, codes)
+        if 0 <= late != rank:
+            assert codes[2] == 2, (rank, codes)
+            assert rank == 0 or codes[-1] == 1, (rank, codes)
