@@ -1,7 +1,7 @@
 """The shared-memory all-reduce (tpengine/shm.py, its C fast path tpengine/kernels/cpu_shm.c):
 sums in rank order equal to torch's, float32 and bfloat16, at 2 and 3 ranks, odd lengths (the C
-tail), and the hand-over to the Python wait when a peer is late (the C wait gives up after
-SPIN_NS)."""
+tail), the hand-over to the Python wait when a peer is late (the C wait gives up after SPIN_NS),
+and the all-reduce fused with the residual add and RMSNorm equal to the two steps."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tpengine import shm
-from tpengine.kernels import cpu_native
+from tpengine.kernels import cpu_fused, cpu_native
 
 pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="CPU C kernels unavailable here")
 
@@ -53,6 +53,14 @@ def worker(rank: int, size: int, path: str, late: int, spin_ns: int, out) -> Non
     gathered = comm.gather_to_driver(torch.full((2,), float(rank)), dim=0)
     t = tensor(rank, 9, 100, torch.bfloat16)
     got.append(torch.equal(comm.all_reduce(t), expected(size, 9, 100, torch.bfloat16)))
+    # the all-reduce fused with the residual add and RMSNorm: what the two steps give
+    for call, dtype in ((10, torch.bfloat16), (11, torch.float32)):
+        rows, n = 7, 48
+        h, w = tensor(99, call, rows * n, dtype).view(rows, n), tensor(98, call, n, dtype)
+        t = tensor(rank, call, rows * n, dtype).view(rows, n)
+        fused = comm.all_reduce_add_rms_norm(t, h, w, 1e-5)
+        want = cpu_fused.add_rms_norm(h, expected(size, call, rows * n, dtype).view(rows, n), w, 1e-5, True)
+        got.append(fused is not None and all(torch.equal(a, b) for a, b in zip(fused, want)))
     out.put((rank, got, None if gathered is None else gathered.tolist(), codes))
 
 
@@ -70,7 +78,7 @@ def test_all_reduce_equals_torch_sums(tmp_path, size, late, spin_ns):
     for p in procs:
         p.join(timeout=60)
     assert [r[0] for r in results] == list(range(size))
-    assert all(ok == [True] * (len(CALLS) + 1) for _, ok, _, _ in results), results
+    assert all(ok == [True] * (len(CALLS) + 3) for _, ok, _, _ in results), results
     assert results[0][2] == [float(r) for r in range(size) for _ in range(2)]
     assert all(g is None for _, _, g, _ in results[1:])
     # every all-reduce took the C path; a late peer makes the others' C waits hand over to Python: the
@@ -80,3 +88,14 @@ def test_all_reduce_equals_torch_sums(tmp_path, size, late, spin_ns):
         if 0 <= late != rank:
             assert codes[2] == 2, (rank, codes)
             assert rank == 0 or codes[-1] == 1, (rank, codes)
+
+
+def test_row_parallel_partial_sum_needs_no_bias():
+    from tpengine.layers.linear import RowParallelLinear
+
+    m = RowParallelLinear(4, 3, bias=True, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"^RowParallelLinear: reduce=False needs a layer without bias"):
+        m(torch.ones(2, 4), reduce=False)
+    m = RowParallelLinear(4, 3, bias=False, dtype=torch.float32, device="cpu")
+    torch.nn.init.ones_(m.weight)
+    assert torch.equal(m(torch.ones(2, 4), reduce=False), torch.full((2, 3), 4.0))

@@ -29,7 +29,7 @@ import time
 import torch
 
 from tpengine import distributed as dist
-from tpengine.kernels import cpu_native
+from tpengine.kernels import cpu_fused, cpu_native
 from tpengine.utils import cdiv
 
 HEADER = 4096  # flags and pids, one 64-byte line per rank (up to 64 ranks); cpu_shm.c has the same
@@ -61,6 +61,7 @@ class ShmComm:
         self.gen = 0
         lib = cpu_native.load()
         self._fast = lib.tpe_shm_all_reduce if lib is not None else None
+        self._fused = lib.tpe_shm_all_reduce_add_rms_norm if lib is not None else None
         self._base = self.buf.data_ptr()
 
     def _slot(self, gen: int, rank: int, t: torch.Tensor) -> torch.Tensor:
@@ -116,14 +117,40 @@ class ShmComm:
             g = self.gen
             done = self._fast(self._base, self.slot_bytes, self.size, self.rank, g, t.data_ptr(), t.numel(),
                               int(t.dtype == torch.bfloat16), SPIN_NS)
-            if done == 0:
-                return t
-            if done == 1:  # nothing published yet
-                self._wait(g - 1, range(self.size))
-                self._slot(g, self.rank, t).copy_(t)
-                self.flags[self.rank] = g
-        else:
-            g = self._publish(t)
+            return t if done == 0 else self._finish(t, g, published=done == 2)
+        return self._finish(t, self._publish(t), published=True)
+
+    def all_reduce_add_rms_norm(self, t: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``h2 = h + all_reduce(t)`` and ``weight * rms_norm(h2)`` in one C call
+        (``cpu_shm.c``: the all-reduce's sums, then :func:`tpengine.kernels.cpu_fused.add_rms_norm`'s
+        arithmetic; ``t`` is not written). Shapes: ``t``, ``h [rows, n]`` contiguous, ``weight [n]``,
+        float32 or bfloat16 alike, ``n % 16 == 0``. Returns ``(h2, normed)``, or None (nothing done)
+        where the fast path does not take these tensors; the caller then reduces and normalizes
+        separately, with the same result."""
+        n = h.shape[-1] if h.dim() else 0
+        if (self._fused is None or t.dtype not in FAST_DTYPES or not self._fits(t) or h.dim() != 2 or not n
+                or n % 16 or h.shape != t.shape or not h.is_contiguous() or h.dtype != t.dtype
+                or weight.shape != (n,) or weight.dtype != t.dtype or not weight.is_contiguous()):
+            return None
+        self.gen += 1
+        g = self.gen
+        h2, y = torch.empty_like(h), torch.empty_like(h)
+        done = self._fused(self._base, self.slot_bytes, self.size, self.rank, g, t.data_ptr(), h.shape[0], n,
+                           int(t.dtype == torch.bfloat16), SPIN_NS, h.data_ptr(), weight.data_ptr(), h2.data_ptr(),
+                           y.data_ptr(), eps, torch.get_num_threads())
+        if done == 0:
+            return h2, y
+        self._finish(t, g, published=done == 2)
+        return cpu_fused.add_rms_norm(h, t, weight, eps, True)
+
+    def _finish(self, t: torch.Tensor, g: int, published: bool) -> torch.Tensor:
+        """Call ``g`` of an all-reduce of ``t`` from where the C path stopped waiting: publish
+        (unless ``published``), wait, sum the slots into ``t``."""
+        if not published:
+            self._wait(g - 1, range(self.size))
+            self._slot(g, self.rank, t).copy_(t)
+            self.flags[self.rank] = g
         self._wait(g, range(self.size))
         torch.add(self._slot(g, 0, t), self._slot(g, 1, t), out=t)
         for r in range(2, self.size):

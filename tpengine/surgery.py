@@ -136,6 +136,8 @@ def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, dev
         model.lm_head.weight = stack.embed_tokens.weight
     stack.rotary_emb = type(stack.rotary_emb)(config=stack.config).to(device)  # real tables; honours rope scaling
     stack.forward = types.MethodType(decoder_forward, stack)
+    stack.reduce_in_norm = plan.tp_size > 1 and all(
+        layer.self_attn.o_proj.bias is None and layer.mlp.down_proj.bias is None for layer in stack.layers)
     for m in model.modules():
         if hasattr(m, "native"):
             m.native = native

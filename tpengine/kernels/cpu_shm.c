@@ -14,6 +14,7 @@
  * wait ran out (nothing was written), 2 when the second did (this rank's slot and flag are published,
  * t is not summed); the caller then waits in Python, where the peers' liveness and the collective
  * timeout are checked, and finishes the call. n: elements of t (float32 or bfloat16, contiguous). */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <sched.h>
@@ -51,22 +52,40 @@ static int wait_all(char *base, int64_t size, int64_t gen, int64_t max_ns) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
-int64_t tpe_shm_all_reduce(char *base, int64_t slot_bytes, int64_t size, int64_t rank, int64_t gen, void *t,
-                           int64_t n, int64_t bf16, int64_t max_ns) {
-    const int64_t es = bf16 ? 2 : 4;
+/* Steps 1-4 of call gen (header comment): 0 when every rank's slot is published, else 1 or 2 as
+ * tpe_shm_all_reduce returns. */
+static int64_t publish(char *base, int64_t slot_bytes, int64_t size, int64_t rank, int64_t gen, const void *t,
+                       int64_t bytes, int64_t max_ns) {
     char *slots = base + HEADER + (gen % 2) * size * slot_bytes;
     if (!wait_all(base, size, gen - 1, max_ns)) return 1;
-    memcpy(slots + rank * slot_bytes, t, (size_t)(n * es));
+    memcpy(slots + rank * slot_bytes, t, (size_t)bytes);
     __atomic_store_n((int64_t *)(base + 64 * rank), gen, __ATOMIC_RELEASE);
     if (!wait_all(base, size, gen, max_ns)) return 2;
+    return 0;
+}
+
+/* 16 elements at i of the rank-order sum of the slots, each sum rounded to bfloat16 (as torch.add). */
+static inline __m512 sum_bf16(const char *slots, int64_t slot_bytes, int64_t size, int64_t i) {
+    __m512 acc = ld((const uint16_t *)slots + i);
+    for (int64_t r = 1; r < size; r++) acc = rb(_mm512_add_ps(acc, ld((const uint16_t *)(slots + r * slot_bytes) + i)));
+    return acc;
+}
+
+static inline __m512 sum_f32(const char *slots, int64_t slot_bytes, int64_t size, int64_t i) {
+    __m512 acc = _mm512_loadu_ps((const float *)slots + i);
+    for (int64_t r = 1; r < size; r++) acc = _mm512_add_ps(acc, _mm512_loadu_ps((const float *)(slots + r * slot_bytes) + i));
+    return acc;
+}
+
+int64_t tpe_shm_all_reduce(char *base, int64_t slot_bytes, int64_t size, int64_t rank, int64_t gen, void *t,
+                           int64_t n, int64_t bf16, int64_t max_ns) {
+    const int64_t rc = publish(base, slot_bytes, size, rank, gen, t, n * (bf16 ? 2 : 4), max_ns);
+    if (rc) return rc;
+    const char *slots = base + HEADER + (gen % 2) * size * slot_bytes;
+    int64_t i = 0;
     if (bf16) {
         uint16_t *o = (uint16_t *)t;
-        int64_t i = 0;
-        for (; i + 16 <= n; i += 16) {
-            __m512 acc = ld((const uint16_t *)slots + i);
-            for (int64_t r = 1; r < size; r++) acc = rb(_mm512_add_ps(acc, ld((const uint16_t *)(slots + r * slot_bytes) + i)));
-            st(o + i, acc);
-        }
+        for (; i + 16 <= n; i += 16) st(o + i, sum_bf16(slots, slot_bytes, size, i));
         for (; i < n; i++) {
             float acc = bf2f(((const uint16_t *)slots)[i]);
             for (int64_t r = 1; r < size; r++) acc = bf2f(f2bf(acc + bf2f(((const uint16_t *)(slots + r * slot_bytes))[i])));
@@ -74,7 +93,8 @@ int64_t tpe_shm_all_reduce(char *base, int64_t slot_bytes, int64_t size, int64_t
         }
     } else {
         float *o = (float *)t;
-        for (int64_t i = 0; i < n; i++) {
+        for (; i + 16 <= n; i += 16) _mm512_storeu_ps(o + i, sum_f32(slots, slot_bytes, size, i));
+        for (; i < n; i++) {
             float acc = ((const float *)slots)[i];
             for (int64_t r = 1; r < size; r++) acc += ((const float *)(slots + r * slot_bytes))[i];
             o[i] = acc;
@@ -83,6 +103,46 @@ int64_t tpe_shm_all_reduce(char *base, int64_t slot_bytes, int64_t size, int64_t
     return 0;
 }
 
+/* The all-reduce of t [rows, n] fused with the residual add and RMSNorm after it: x = the rank-order sum
+ * of the slots (as tpe_shm_all_reduce would leave in t; t itself is not written), then exactly
+ * tpe_add_rms_norm's (bf16) / tpe_add_rms_norm_f32's arithmetic on (h, x): h_out = h + x,
+ * y = w * rms_norm(h_out). n % 16 == 0. The rows are split over nthreads once every slot is in. */
+int64_t tpe_shm_all_reduce_add_rms_norm(char *base, int64_t slot_bytes, int64_t size, int64_t rank, int64_t gen,
+                                        const void *t, int64_t rows, int64_t n, int64_t bf16, int64_t max_ns,
+                                        const void *h, const void *w, void *h_out, void *y, float eps, int nthreads) {
+    const int64_t rc = publish(base, slot_bytes, size, rank, gen, t, rows * n * (bf16 ? 2 : 4), max_ns);
+    if (rc) return rc;
+    const char *slots = base + HEADER + (gen % 2) * size * slot_bytes;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * n >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        __m512 ss = _mm512_setzero_ps();
+        if (bf16) {
+            const uint16_t *hr = (const uint16_t *)h + r * n, *wr = (const uint16_t *)w;
+            uint16_t *hor = (uint16_t *)h_out + r * n, *yr = (uint16_t *)y + r * n;
+            for (int64_t i = 0; i < n; i += 16) {
+                const __m512 v = rb(_mm512_add_ps(ld(hr + i), sum_bf16(slots, slot_bytes, size, r * n + i)));
+                st(hor + i, v);
+                ss = _mm512_fmadd_ps(v, v, ss);
+            }
+            const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)n + eps));
+            for (int64_t i = 0; i < n; i += 16) st(yr + i, _mm512_mul_ps(ld(wr + i), rb(_mm512_mul_ps(ld(hor + i), inv))));
+        } else {
+            const float *hr = (const float *)h + r * n, *wr = (const float *)w;
+            float *hor = (float *)h_out + r * n, *yr = (float *)y + r * n;
+            for (int64_t i = 0; i < n; i += 16) {
+                const __m512 v = _mm512_add_ps(_mm512_loadu_ps(hr + i), sum_f32(slots, slot_bytes, size, r * n + i));
+                _mm512_storeu_ps(hor + i, v);
+                ss = _mm512_fmadd_ps(v, v, ss);
+            }
+            const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)n + eps));
+            for (int64_t i = 0; i < n; i += 16)
+                _mm512_storeu_ps(yr + i, _mm512_mul_ps(_mm512_loadu_ps(wr + i), _mm512_mul_ps(_mm512_loadu_ps(hor + i), inv)));
+        }
+    }
+    return 0;
+}
+
 #else /* never called: tpe_fast() == 0 marks the library unavailable */
 int64_t tpe_shm_all_reduce(void) { return 1; }
+int64_t tpe_shm_all_reduce_add_rms_norm(void) { return 1; }
 #endif

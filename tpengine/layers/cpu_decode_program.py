@@ -33,15 +33,16 @@ import torch.nn.functional as F
 from tpengine.context import Context
 from tpengine.kernels import cpu_gemm, cpu_gemv, cpu_native, cpu_paged
 from tpengine.kernels.linear_layout import ROW_BUCKETS, kernel_at
-from tpengine.layers.comm import all_reduce
+from tpengine.layers.comm import all_reduce, all_reduce_add_rms_norm
 from tpengine.layers.fused import FusedAttention, FusedMLP, RMSNorm
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _linear(m, row_parallel: bool, tp: int) -> Fn:
+def _linear(m, row_parallel: bool, tp: int, reduce: bool = True) -> Fn:
     """``x [rows, in]`` contiguous -> ``[rows, out]`` the way :func:`tpengine.layers.linear.linear`
-    runs layer ``m`` (then the all-reduce and bias of a row-parallel layer at tp > 1)."""
+    runs layer ``m`` (then the all-reduce and bias of a row-parallel layer at tp > 1; ``reduce``
+    False: its partial sum, which the next norm all-reduces)."""
     bias = m.bias
     if m.quant is not None:
         q = m.quant.bind()
@@ -54,7 +55,7 @@ def _linear(m, row_parallel: bool, tp: int) -> Fn:
     else:
         w, b = m.weight, None if row_parallel else bias
         f = lambda x: F.linear(x, w, b)  # noqa: E731
-    if not row_parallel:
+    if not row_parallel or not reduce:
         return f
     if tp > 1:
         inner = f
@@ -82,15 +83,18 @@ def _plain_kernels(w: torch.Tensor, kernels: tuple[str, ...]) -> Fn:
     return run
 
 
-def _norm(norm: RMSNorm, dtype: torch.dtype):
+def _norm(norm: RMSNorm, dtype: torch.dtype, reduce: bool = False):
     """``(h, x | None) -> (h + x, rms_norm(h + x))`` through the C kernel, as
-    :func:`tpengine.kernels.cpu_fused.add_rms_norm` calls it."""
+    :func:`tpengine.kernels.cpu_fused.add_rms_norm` calls it; ``reduce``: ``x`` is a row-parallel
+    partial sum, all-reduced first (:func:`tpengine.layers.comm.all_reduce_add_rms_norm`)."""
     lib = cpu_native.load()
     fn = lib.tpe_add_rms_norm if dtype == torch.bfloat16 else lib.tpe_add_rms_norm_f32
     w, n, eps = norm.weight.contiguous(), norm.weight.shape[0], float(norm.eps)
     wp = w.data_ptr()
 
     def run(h: torch.Tensor, x: torch.Tensor | None):
+        if reduce and x is not None:
+            return all_reduce_add_rms_norm(x, h, w, eps, True)
         y = torch.empty_like(h)
         if x is None:
             fn(h.data_ptr(), None, wp, None, y.data_ptr(), h.shape[0], n, eps, torch.get_num_threads())
@@ -203,6 +207,7 @@ def build(model, tp: int, native: bool) -> CPUDecodeProgram | None:
             or dtype not in (torch.float32, torch.bfloat16) or not layers):
         return None
     keep, built = [], []
+    fuse = getattr(stack, "reduce_in_norm", False)  # as decoder_forward: the all-reduces run in the norms
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not (isinstance(attn, FusedAttention) and isinstance(mlp, FusedMLP) and attn.q_norm is None and mlp.silu
@@ -211,10 +216,11 @@ def build(model, tp: int, native: bool) -> CPUDecodeProgram | None:
                 and all(isinstance(n, RMSNorm) and n.weight.dtype == dtype and n.weight.shape[0] % 16 == 0
                         for n in (layer.input_layernorm, layer.post_attention_layernorm))):
             return None
-        (norm1, w1), (norm2, w2) = _norm(layer.input_layernorm, dtype), _norm(layer.post_attention_layernorm, dtype)
+        (norm1, w1), (norm2, w2) = (_norm(layer.input_layernorm, dtype, fuse),
+                                    _norm(layer.post_attention_layernorm, dtype, fuse))
         keep += [w1, w2]
         built.append((norm1, _linear(attn.qkv_proj, False, tp), _attention(attn, dtype),
-                      _linear(attn.o_proj, True, tp), norm2, _linear(mlp.gate_up_proj, False, tp), _silu(mlp, dtype),
-                      _linear(mlp.down_proj, True, tp)))
-    final, wf = _norm(stack.norm, dtype)
+                      _linear(attn.o_proj, True, tp, not fuse), norm2, _linear(mlp.gate_up_proj, False, tp),
+                      _silu(mlp, dtype), _linear(mlp.down_proj, True, tp, not fuse)))
+    final, wf = _norm(stack.norm, dtype, fuse)
     return CPUDecodeProgram(stack, built, final, dtype, keep + [wf])

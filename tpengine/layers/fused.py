@@ -24,6 +24,7 @@ from torch import nn
 from tpengine.context import Context
 from tpengine.kernels import cpu_fused
 from tpengine.layers.attention import paged_attention, paged_decode
+from tpengine.layers.comm import all_reduce_add_rms_norm
 from tpengine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -61,7 +62,8 @@ class FusedAttention(nn.Module):
         self.tp_q_to_kv = torch.tensor(rp.q_to_kv, dtype=torch.int64, device=device)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                ctx: Context) -> torch.Tensor:
+                ctx: Context, reduce: bool = True) -> torch.Tensor:
+        """``reduce`` False: ``o_proj``'s partial sum, not all-reduced (:meth:`RowParallelLinear.forward`)."""
         hq, hkv = self.num_heads, self.num_key_value_heads
         qkv = self.qkv_proj(hidden_states).unflatten(-1, (hq + 2 * hkv, self.head_dim))  # [T, H, D]
         qk, v = qkv[..., : hq + hkv, :], qkv[..., hq + hkv :, :]
@@ -69,11 +71,11 @@ class FusedAttention(nn.Module):
             qk = torch.cat((self.q_norm(qk[..., :hq, :]), self.k_norm(qk[..., hq:, :])), dim=-2)
         out = paged_decode(self, qk[..., :hq, :], qk[..., hq:, :], v, *position_embeddings, self.scaling, ctx)
         if out is not None:  # CPU decode: RoPE, KV store and attention in one C call
-            return self.o_proj(out.flatten(-2))
+            return self.o_proj(out.flatten(-2), reduce)
         qk = cpu_fused.rope_(qk, *position_embeddings, self.native)  # CPU bfloat16: one C kernel, in place
         q, k = qk[..., :hq, :], qk[..., hq:, :]
         out = paged_attention(self, q, k, v, self.scaling, ctx)
-        return self.o_proj(out.flatten(-2))
+        return self.o_proj(out.flatten(-2), reduce)
 
 
 class FusedMLP(nn.Module):
@@ -93,12 +95,13 @@ class FusedMLP(nn.Module):
         self.act_fn, self.intermediate = act_fn, intermediate
         self.silu = isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """``reduce`` False: ``down_proj``'s partial sum, not all-reduced."""
         gate_up = self.gate_up_proj(x)
         if self.silu:  # CPU bfloat16: one C kernel
-            return self.down_proj(cpu_fused.silu_mul(gate_up, self.intermediate, self.native))
+            return self.down_proj(cpu_fused.silu_mul(gate_up, self.intermediate, self.native), reduce)
         h = self.act_fn(gate_up[..., : self.intermediate])
-        return self.down_proj(h.mul_(gate_up[..., self.intermediate :]))
+        return self.down_proj(h.mul_(gate_up[..., self.intermediate :]), reduce)
 
 
 class RMSNorm(nn.Module):
@@ -116,9 +119,14 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.add_forward(x, None)[1]
 
-    def add_forward(self, h: torch.Tensor, x: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, h: torch.Tensor, x: torch.Tensor | None,
+                    reduce: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(h + x, self(h + x))`` (``h`` itself when ``x`` is None): the residual add before the
-        norm, fused with it by a C kernel on CPU in bfloat16 (tpengine.kernels.cpu_fused)."""
+        norm, fused with it by a C kernel on CPU (tpengine.kernels.cpu_fused). ``reduce``: ``x`` is a
+        row-parallel layer's partial sum, all-reduced first (fused with the add and the norm where
+        the shared-memory comm can: :func:`tpengine.layers.comm.all_reduce_add_rms_norm`)."""
+        if reduce and x is not None:
+            return all_reduce_add_rms_norm(x, h, self.weight, self.eps, self.native)
         return cpu_fused.add_rms_norm(h, x, self.weight, self.eps, self.native)
 
 
@@ -129,6 +137,9 @@ def decoder_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx:
     ``h = h + mlp(norm2(h))``, final norm) over one engine step's tokens, without HF's mask
     building, cache and per-layer wrappers. Each residual add runs inside the next norm's
     :meth:`RMSNorm.add_forward` (the same ops in the same order, or one C kernel on CPU in bfloat16).
+    With ``reduce_in_norm`` (set by :func:`tpengine.surgery.build_model` at tp > 1 when no
+    row-parallel layer has a bias) the blocks return their row-parallel partial sums and that norm
+    all-reduces them too (one C call over the shared-memory comm on CPU).
 
     Shapes: ``input_ids``, ``positions [N]`` int64 (the step's sequences packed back to back,
     described by ``ctx``) -> ``[N, hidden]``.
@@ -136,9 +147,10 @@ def decoder_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx:
     h = self.embed_tokens(input_ids)
     position_embeddings = tuple(t[0] for t in self.rotary_emb(h, positions[None]))  # cos, sin [N, D]
     delta = None  # each block's output, added to the residual stream by the next norm (fused on CPU bf16)
+    fuse = getattr(self, "reduce_in_norm", False)  # tp > 1: the blocks' all-reduces run in the next norm
     for layer in self.layers[: self.config.num_hidden_layers]:
-        h, x = layer.input_layernorm.add_forward(h, delta)
-        delta = layer.self_attn(x, position_embeddings, ctx)
-        h, x = layer.post_attention_layernorm.add_forward(h, delta)
-        delta = layer.mlp(x)
-    return self.norm.add_forward(h, delta)[1]
+        h, x = layer.input_layernorm.add_forward(h, delta, fuse)
+        delta = layer.self_attn(x, position_embeddings, ctx, not fuse)
+        h, x = layer.post_attention_layernorm.add_forward(h, delta, fuse)
+        delta = layer.mlp(x, not fuse)
+    return self.norm.add_forward(h, delta, fuse)[1]

@@ -118,8 +118,20 @@ class RowParallelLinear(_Packable):
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(linear(x, self.weight, None, self.packed, self.quant, self.kernels))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """``reduce`` False: this rank's partial sum, not all-reduced (the caller reduces it, e.g. in
+        the next norm, :func:`tpengine.layers.comm.all_reduce_add_rms_norm`); only without a bias.
+
+        Raises:
+            ValueError: ``reduce`` False on a layer with a bias (it is added after the sum).
+        """
+        y = linear(x, self.weight, None, self.packed, self.quant, self.kernels)
+        if not reduce:
+            if self.bias is not None:
+                raise ValueError("RowParallelLinear: reduce=False needs a layer without bias (the bias is added "
+                                 "once, after the all-reduce)")
+            return y
+        y = all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
 
