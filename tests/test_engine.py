@@ -4,6 +4,7 @@ tp 1, 2 and 3, and cases C12, C13, C14, C17 (see docs/cases.md)."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -183,8 +184,11 @@ def test_cpu_kernels_do_not_change_tokens(engine_results):
 @pytest.mark.parametrize("tp", (1, 2))
 def test_smollm2_bfloat16_tracks_hf(smollm2_prompts, engine_results, tp):
     """bfloat16 on CPU: rounding differs from HF's (fused GEMMs, float32 softmax, the all-reduce
-    at tp=2), so greedy paths may part after a while, but every prompt's first 4 tokens equal HF
-    bfloat16 eager greedy's, and the bulk of the 16 x 32 positions agree."""
+    at tp=2, the linear paths measured fastest on this machine), so greedy paths may part after a
+    while, but every prompt's first 4 tokens equal HF bfloat16 eager greedy's -- or, where one
+    differs, HF's logit of the engine's token is within 2 bfloat16 ulps of its best (a near-tie
+    that another rounding flips: e.g. 25.75 against 25.875) -- and the bulk of the 16 x 32
+    positions agree."""
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(SMOLLM2_DIR, dtype=torch.bfloat16, attn_implementation="eager").eval()
@@ -195,8 +199,16 @@ def test_smollm2_bfloat16_tracks_hf(smollm2_prompts, engine_results, tp):
     same = 0
     for i, want in enumerate(ref):
         ids = got[f"s{i}"]["token_ids"]
-        assert ids[:4] == want[:4], f"prompt {i}"
-        same += next((j for j, (a, b) in enumerate(zip(ids, want)) if a != b), min(len(ids), len(want)))
+        first = next((j for j, (a, b) in enumerate(zip(ids, want)) if a != b), min(len(ids), len(want)))
+        if first < 4:
+            with torch.inference_mode():
+                logits = m(torch.tensor([smollm2_prompts[i] + want[:first]])).logits[0, -1].float()
+            best = logits[want[first]].item()
+            ulp = 2.0 ** (math.floor(math.log2(abs(best))) - 7)
+            assert best - logits[ids[first]].item() <= 2 * ulp, (f"prompt {i}, token {first}: {ids[first]} "
+                                                                 f"(HF logit {logits[ids[first]].item()}) for "
+                                                                 f"{want[first]} ({best})")
+        same += first
     assert same >= 0.5 * sum(map(len, ref)), same
     assert "Paris" in got["s0"]["text"]
 
