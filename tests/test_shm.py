@@ -6,7 +6,6 @@ and the all-reduce fused with the residual add and RMSNorm equal to the two step
 from __future__ import annotations
 
 import multiprocessing as mp
-import time
 
 import pytest
 import torch
@@ -36,20 +35,30 @@ CALLS = [(37, torch.bfloat16), (64 * 576, torch.bfloat16), (1000, torch.float32)
          (64 * 576, torch.bfloat16)]
 
 
-def worker(rank: int, size: int, path: str, late: int, spin_ns: int, out) -> None:
+def worker(rank: int, size: int, path: str, late: int, spin_ns: int, tokens, out) -> None:
     shm.SPIN_NS = spin_ns
     comm = shm.ShmComm(rank, size, path, SLOT, timeout_s=30.0)
     codes = []
     fast = comm._fast
-    comm._fast = lambda *a: codes.append(fast(*a)) or codes[-1]
+
+    def traced(*a):
+        codes.append(fast(*a))
+        # the late rank goes on only once the others' C waits have given up (no sleep: no timing guess)
+        if 0 <= late != rank and (len(codes) == 3 or (rank > 0 and len(codes) == len(CALLS) + 1)):
+            tokens.put(len(codes))
+        return codes[-1]
+
+    comm._fast = traced
+    waiting = [r for r in range(size) if r != late]
     got = []
     for call, (n, dtype) in enumerate(CALLS):
-        if rank == late and call == 2:
-            time.sleep(0.05)  # the others' C waits run out; they finish in Python
+        if rank == late and call == 2:  # the others' second C wait runs out; they finish in Python
+            assert sorted(tokens.get(timeout=60) for _ in waiting) == [3] * len(waiting)
         t = tensor(rank, call, n, dtype)
         got.append(torch.equal(comm.all_reduce(t), expected(size, call, n, dtype)))
-    if rank == late:  # a gather lets the others run a call ahead: their first wait runs out too
-        time.sleep(0.05)
+    if rank == late:  # the driver waits in the gather; the others run a call ahead: their first wait runs out
+        ahead = [r for r in waiting if r > 0]
+        assert sorted(tokens.get(timeout=60) for _ in ahead) == [len(CALLS) + 1] * len(ahead)
     gathered = comm.gather_to_driver(torch.full((2,), float(rank)), dim=0)
     t = tensor(rank, 9, 100, torch.bfloat16)
     got.append(torch.equal(comm.all_reduce(t), expected(size, 9, 100, torch.bfloat16)))
@@ -70,8 +79,9 @@ def test_all_reduce_equals_torch_sums(tmp_path, size, late, spin_ns):
     path = tmp_path / "shm"
     path.write_bytes(bytes(shm.HEADER + 2 * size * SLOT))
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, size, str(path), late, spin_ns, out)) for r in range(size)]
+    out, tokens = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, size, str(path), late, spin_ns, tokens, out))
+             for r in range(size)]
     for p in procs:
         p.start()
     results = sorted(out.get(timeout=120) for _ in procs)
