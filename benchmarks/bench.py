@@ -41,6 +41,7 @@ import typer
 from benchmarks import emit, subprocess_env
 from benchmarks.bench_report import render_table, summarize
 from benchmarks.bench_worker import MARK
+from benchmarks.hf_system import HF_ATTN
 from benchmarks.machine import cpu_cores, machine_info, machine_line  # noqa: F401 -- re-exported
 from tpengine.config import DEFAULT_MODEL_DIR
 from tpengine.errors import UserError
@@ -140,12 +141,15 @@ def run_dtype(dtype: str, systems: list[str], model: str, cores: int, prompts, l
     (``systems``: "hf" and :func:`system_key` keys; ``weight_bytes``: per rank; the systems in
     ``latency_only`` have no throughput runs)."""
     max_len = max(max(map(len, prompts)) + output_len, len(lat_prompt) + lat_output_len)
+    # --hf-attn auto over >= 2 rounds: HF runs each implementation in turn on the measured workload
+    # itself (round r: HF_ATTN[r % 2]) and its best runs are reported; one round: the measured choice
+    per_round = hf_attn == "auto" and rounds >= 2
     workers: dict[str, Worker] = {}
     try:
         for s in systems:
             tp, quant = parse_system(s)
-            args = worker_args(s == "hf", tp, model, dtype, cores, len(prompts), max_len, hf_batch_size, hf_attn,
-                               quantization=quant)
+            args = worker_args(s == "hf", tp, model, dtype, cores, len(prompts), max_len, hf_batch_size,
+                               HF_ATTN[0] if per_round else hf_attn, quantization=quant)
             workers[s] = w = Worker(f"{s}/{dtype}", args, tp, logdir / f"{s}-{dtype}.log")
             w.ready = w.read()
         results = {}
@@ -154,13 +158,16 @@ def run_dtype(dtype: str, systems: list[str], model: str, cores: int, prompts, l
                           "load_s": w.ready["load_s"], "throughput": [], "latency": []}
         for r in range(rounds):
             order = systems if r % 2 == 0 else systems[::-1]
+            attn = {"attn": HF_ATTN[r % 2]} if per_round else {}
             for s in [s for s in order if s not in latency_only]:
-                res = workers[s].ask({"cmd": "throughput", "prompts": prompts, "output_len": output_len})
+                res = workers[s].ask({"cmd": "throughput", "prompts": prompts, "output_len": output_len,
+                                      **(attn if s == "hf" else {})})
                 results[s]["throughput"].append(res)
                 echo(f"  {dtype} round {r + 1} {s:>8}: {res['output_tokens'] / res['elapsed_s']:8.1f} output tok/s "
                      f"({res['elapsed_s']:.1f} s)")
             for s in order:
-                res = workers[s].ask({"cmd": "latency", "prompt": lat_prompt, "output_len": lat_output_len})
+                res = workers[s].ask({"cmd": "latency", "prompt": lat_prompt, "output_len": lat_output_len,
+                                      **(attn if s == "hf" else {})})
                 results[s]["latency"].append(res)
                 tpot = (res["latency_s"] - res["ttft_s"]) / max(1, lat_output_len - 1)
                 echo(f"  {dtype} round {r + 1} {s:>8}: TTFT {res['ttft_s'] * 1e3:7.1f} ms, TPOT {tpot * 1e3:6.2f} ms")

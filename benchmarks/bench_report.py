@@ -27,8 +27,9 @@ def summarize(runs: dict, latency_output_len: int) -> dict:
     (TPOT ratio, < 1 is faster), and for tp > 1, ``tp_efficiency`` = its throughput / the tp=1
     throughput of the same weights (the same cores split over the ranks); for a quantized system
     ("tp1-int8", ...), ``tpot_vs_float`` and ``weights_vs_float`` = its TPOT and its largest rank's
-    weight bytes / those of the same tp with float weights in the same dtype; for HF, ``attn`` =
-    the attention implementation it ran with. A system without throughput runs (a latency-only
+    weight bytes / those of the same tp with float weights in the same dtype; for HF, ``attn`` and
+    ``attn_latency`` = the attention implementation of its best throughput run and of its lowest
+    TPOT. A system without throughput runs (a latency-only
     quantized row) has no throughput fields, ``vs_hf`` or ``tp_efficiency``."""
     out: dict = {}
     for dtype, systems in runs.items():
@@ -45,6 +46,9 @@ def summarize(runs: dict, latency_output_len: int) -> dict:
                     "elapsed_s": round(best["elapsed_s"], 4)})
                 if "attn_implementation" in best:  # HF: the attention implementation it ran with
                     rows[s]["attn"] = best["attn_implementation"]
+            fastest = r["latency"][tpots.index(min(tpots))] if r["latency"] else {}
+            if "attn_implementation" in fastest:  # HF: that of its lowest TPOT
+                rows[s]["attn_latency"] = fastest["attn_implementation"]
             if r.get("weight_bytes"):
                 rows[s]["weight_bytes"] = r["weight_bytes"]
         hf = rows.get("hf")
@@ -87,7 +91,10 @@ def render_table(result: dict):
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for dtype, rows in result["results"].items():
         for s, r in rows.items():
-            name = _name(s) + (f" ({r['attn']})" if "attn" in r else "")
+            attn = [r[k] for k in ("attn", "attn_latency") if k in r]
+            if len(attn) == 2 and attn[0] != attn[1]:
+                attn = [f"{attn[0]}; TPOT {attn[1]}"]
+            name = _name(s) + (f" ({attn[0]})" if attn else "")
             weights = "-" if not r.get("weight_bytes") else f"{max(r['weight_bytes']) / 2**20:.1f}"
             vs_float = "-" if "tpot_vs_float" not in r else (
                 f"{r['tpot_vs_float']:.2f}x / " + fmt(r.get("weights_vs_float"), ".2f") + "x")

@@ -224,15 +224,16 @@ def serve(system, driver: bool, sync) -> None:
         cmd = sync(cmd)
         if cmd["cmd"] == "quit":
             return
+        attn = {"attn": cmd["attn"]} if "attn" in cmd else {}  # HF: the attention implementation of this run
         if cmd["cmd"] == "throughput":
-            res = system.throughput(cmd["prompts"], cmd["output_len"])
+            res = system.throughput(cmd["prompts"], cmd["output_len"], **attn)
         elif cmd["cmd"] == "interference":
             res = system.interference(cmd["running_prompts"], cmd["running_output_len"], cmd["long_prompt"],
                                       cmd["start_after"])
         elif cmd["cmd"] == "configure":
             res = system.configure({k: v for k, v in cmd.items() if k != "cmd"})
         else:
-            res = system.latency(cmd["prompt"], cmd["output_len"])
+            res = system.latency(cmd["prompt"], cmd["output_len"], **attn)
         if driver:
             _say(res)
 

@@ -99,7 +99,19 @@ class HFSystem:
                                   pad_token_id=self.pad, streamer=streamer)
         return out[:, width:]
 
-    def throughput(self, prompts: list[list[int]], n: int) -> dict:
+    def _use(self, attn: str | None) -> None:
+        """Run with ``attn`` (one of :data:`HF_ATTN`) from now on; None: keep the current one."""
+        if attn is not None and attn != self.attn:
+            if attn not in HF_ATTN:
+                raise ValueError(f"hf attention {attn!r} is not one of {', '.join(HF_ATTN)}")
+            self.model.set_attn_implementation(attn)
+            self.attn = attn
+
+    def throughput(self, prompts: list[list[int]], n: int, attn: str | None = None) -> dict:
+        """``prompts`` in static batches of ``batch_size``, ``n`` new tokens each, with ``attn``
+        (None: the current implementation). Returns elapsed_s, output/prompt token counts, the
+        implementation and each request's TTFT (s)."""
+        self._use(attn)
         t0 = time.perf_counter()
         made, ttft = 0, []
         for i in range(0, len(prompts), self.batch_size):
@@ -109,7 +121,10 @@ class HFSystem:
         return {"elapsed_s": time.perf_counter() - t0, "output_tokens": made,
                 "prompt_tokens": sum(map(len, prompts)), "attn_implementation": self.attn, "ttft_s": ttft}
 
-    def latency(self, prompt: list[int], n: int) -> dict:
+    def latency(self, prompt: list[int], n: int, attn: str | None = None) -> dict:
+        """One request alone, ``n`` new tokens, with ``attn`` (None: the current implementation):
+        ttft_s, latency_s and the implementation."""
+        self._use(attn)
         s = FirstTokenTimer()
         t0 = time.perf_counter()
         out = self._generate([prompt], n, streamer=s)
