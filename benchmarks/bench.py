@@ -85,6 +85,13 @@ class Worker:
         tail = self.log_path.read_text()[-4000:]
         raise RuntimeError(f"bench worker {self.name} exited with code {self.proc.returncode}:\n{tail}")
 
+    def choices(self) -> list[str]:
+        """The measured choices rank 0 logged while loading (its ``tpengine: ...`` lines: linear
+        layouts, kernels, greedy path), without the ``model ready`` line."""
+        self.log.flush()
+        return [line.strip() for line in self.log_path.read_text().splitlines()
+                if line.startswith("tpengine: ") and not line.startswith("tpengine: model ready")]
+
     def ask(self, cmd: dict) -> dict:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
@@ -155,7 +162,9 @@ def run_dtype(dtype: str, systems: list[str], model: str, cores: int, prompts, l
         results = {}
         for s, w in workers.items():
             results[s] = {"threads": w.ready["threads"], "weight_bytes": w.ready.get("weight_bytes"),
-                          "load_s": w.ready["load_s"], "throughput": [], "latency": []}
+                          "load_s": w.ready["load_s"], "throughput": [], "latency": [], "choices": w.choices()}
+            for line in results[s]["choices"]:  # what the engine measured and chose on this machine
+                echo(f"  {dtype} {s}: {line}")
         for r in range(rounds):
             order = systems if r % 2 == 0 else systems[::-1]
             attn = {"attn": HF_ATTN[r % 2]} if per_round else {}

@@ -39,6 +39,11 @@ def test_bench_smoke(tmp_path):
     best = max(hf_runs["throughput"], key=lambda x: x["output_tokens"] / x["elapsed_s"])
     assert rows["hf"]["attn"] == best["attn_implementation"] and rows["hf"]["attn_latency"] in ("sdpa", "eager")
     assert len(rows["tp2"]["threads"]) == 2 and rows["tp2"]["tp_efficiency"] > 0
+    for s in ("tp1", "tp2"):  # the engine's measured choices, as rank 0 logged them, echoed and kept
+        got = res["runs"]["bfloat16"][s]["choices"]
+        assert any(c.startswith("tpengine: CPU linear layouts (bfloat16") for c in got), (s, got)
+        assert f"bfloat16 {s}: tpengine: CPU linear layouts (bfloat16" in r.output
+    assert res["runs"]["bfloat16"]["hf"]["choices"] == []
     runs = res["runs"]["bfloat16"]["tp1"]["throughput"]
     assert runs[0]["output_tokens"] == 3 * 4 and runs[0]["prompt_tokens"] == 3 * 5
 
