@@ -198,8 +198,9 @@ def main(
     tp: Annotated[list[int], typer.Option(help="tpengine tensor-parallel sizes; repeat for several")] = None,
     hf: Annotated[bool, typer.Option(help="include the HF generate baseline")] = True,
     hf_batch_size: Annotated[int, typer.Option(help="HF static batch size (0 = all prompts)")] = 0,
-    hf_attn: Annotated[str, typer.Option(help="HF attn_implementation: auto (the one measured faster on "
-                                               "this machine, cached), sdpa, eager")] = "auto",
+    hf_attn: Annotated[str, typer.Option(help="HF attn_implementation: auto (with >= 2 rounds sdpa and "
+                                               "eager in turn, the best shown; one round: the one timed "
+                                               "faster on this machine, cached), sdpa, eager")] = "auto",
     quantization: Annotated[list[str], typer.Option(help="weight-only quantized tpengine rows, at each --tp, in "
                                                          "the bfloat16 group (bfloat16 activations): int8, int4; "
                                                          "repeat for several; none for none")] = None,
