@@ -148,3 +148,49 @@ def test_paged_index_is_checked_once_for_the_step():
         cpu_paged.paged_index(slots, bt, lens[:-1])
     assert str(e.value) == ("paged decode: int64 slot_mapping [B], block_tables [B, max_blocks], context_lens [B]; "
                             f"got [(torch.int64, (7,)), (torch.int64, {tuple(bt.shape)}), (torch.int64, (6,))]")
+
+
+AMX = cpu_paged.set_amx(0)
+
+
+@pytest.mark.skipif(not AMX, reason="the paged kernel's AMX path needs AMX-BF16 (Sapphire Rapids or later)")
+@pytest.mark.parametrize("d, bs, q_to_kv", [c for c in CONFIGS if c.values[1] % 16 == 0 and c.values[0] <= 128])
+def test_paged_decode_amx_path_equals_the_reference_and_the_avx512_path(d, bs, q_to_kv):
+    """bfloat16: the AMX path (from one sequence on) against the reference attention, as the
+    AVX-512 path is tested above, and against the AVX-512 path itself (the same roundings; the
+    float32 sums in another order may move a bfloat16 output by one ulp)."""
+    hq, hkv = len(q_to_kv), max(q_to_kv) + 1
+    outs = []
+    for min_batch in (0, 1):
+        qkv, cos, sin, kc, vc, bt, slots, lens, qkv_map = case(d, bs, q_to_kv, torch.bfloat16)
+        q0, k0, v0 = (x.clone() for x in views(qkv, hq, hkv))
+        q0, k0 = rope(q0, cos, sin), rope(k0, cos, sin)
+        kc0, vc0 = kc.clone(), vc.clone()
+        ref.store_kvcache(k0, v0, kc0, vc0, slots)
+        want = ref.decode_attention(q0.float(), kc0.float(), vc0.float(), bt, lens, qkv_map, d ** -0.5)
+        assert cpu_paged.set_amx(min_batch)
+        try:
+            q, k, v = views(qkv, hq, hkv)
+            out = cpu_paged.decode(q, k, v, cos, sin, kc, vc, qkv_map, d ** -0.5,
+                                   cpu_paged.paged_index(slots, bt, lens))
+        finally:
+            cpu_paged.set_amx(0)
+        assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+        torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+        assert torch.equal(out[DECODE_LENS.index(0)], torch.zeros(hq, d, dtype=torch.bfloat16))
+        outs.append(out)
+    ulp = outs[0].float().abs().clamp_min(2 ** -126) * 2 ** -7  # one bfloat16 ulp (at most)
+    assert ((outs[1].float() - outs[0].float()).abs() <= ulp).all()
+
+
+def test_choose_amx_measures_both_paths_and_leaves_the_choice_set():
+    choice = cpu_paged.choose_amx(torch.tensor([0, 0, 0, 1, 1, 1]), 2, 64, 16, batches=(1, 4), context=40, layers=2)
+    try:
+        if not AMX:
+            assert choice is None
+            return
+        assert set(choice.times_us) == {"avx512", "amx"} and all(len(t) == 2 for t in choice.times_us.values())
+        assert choice.name in ("avx512", "amx from B >= 1", "amx from B >= 4")
+        assert cpu_paged.choose_amx(torch.tensor([0, 0]), 1, 64, 8) is None  # block size not a multiple of 16
+    finally:
+        cpu_paged.set_amx(0)

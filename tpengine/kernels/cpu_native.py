@@ -57,6 +57,7 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_fast and
     "tpe_causal_softmax": [_P, _I64, _I64, _F32, _I32],
     "tpe_paged_decode_f32": _PAGED,
     "tpe_paged_decode_bf16": _PAGED,
+    "tpe_paged_set_amx": [_I32],
     "tpe_gemv_bf16": [_P, _I64, _I64, _P, _I64, _P, _I32],
     "tpe_gemv_f32": [_P, _I64, _I64, _P, _I64, _P, _I32],
     "tpe_gemm_f32": [_P, _I64, _I64, _P, _I64, _P, _P, _I32],
@@ -154,6 +155,7 @@ def _open(path: Path) -> ctypes.CDLL:
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
     for name in RETURNS_INDEX:
         getattr(lib, name).restype = _I64
+    lib.tpe_paged_set_amx.restype = _I32
     if not lib.tpe_fast():
         raise RuntimeError("the CPU or compiler lacks AVX512-BF16")
     return lib

@@ -132,12 +132,14 @@ static inline __attribute__((always_inline)) __m512 qk16_bf16(const uint16_t *q,
  * past L), two value rows at a time by vdpbf16ps: the rows u, u + 1 interleaved element by element
  * (unpacklo/hi within 128-bit lanes), each multiplied by the pair (p[u], p[u + 1]). Lane l of the
  * "lo" accumulator of 32 elements holds element 8 (l / 4) + l % 4, of "hi" that plus 4; the stores
- * put them back in order. PJ heads at a time; the first pass prefetches the rows VAHEAD ahead. A
+ * put them back in order. p[j][u] may also sit at pb + j * lp + u * pu (pu > 1: the AMX path's
+ * [keys, heads] layout). PJ heads at a time; the first pass prefetches the rows VAHEAD ahead. A
  * missing row u + 1 (odd L) is a zero row. */
 static const uint16_t zero_row[MAX_D] = {0};
 static inline __attribute__((always_inline)) void pv_bf16(const uint16_t *const *vptr, int64_t L, const uint16_t *pb,
-                                                          int64_t lp, int64_t g, const int64_t *heads, uint16_t *out,
-                                                          int64_t pfn, const int64_t NV32, const int64_t PJ) {
+                                                          int64_t lp, int64_t pu, int64_t g, const int64_t *heads,
+                                                          uint16_t *out, int64_t pfn, const int64_t NV32,
+                                                          const int64_t PJ) {
     const __m512i lo_idx = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
     const __m512i hi_idx = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
     for (int64_t j0 = 0; j0 < g; j0 += PJ) {
@@ -160,7 +162,11 @@ static inline __attribute__((always_inline)) void pv_bf16(const uint16_t *const 
             for (int64_t jj = 0; jj < PJ; jj++) {
                 if (jj >= nj) break;
                 uint32_t pair;
-                memcpy(&pair, pb + (j0 + jj) * lp + u, sizeof(pair));
+                const uint16_t *pj = pb + (j0 + jj) * lp + u * pu;
+                if (pu == 1)
+                    memcpy(&pair, pj, sizeof(pair));
+                else
+                    pair = (uint32_t)pj[0] | (uint32_t)pj[pu] << 16;
                 const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
                 for (int64_t i = 0; i < NV32; i++) {
                     a[jj][2 * i] = _mm512_dpbf16_ps(a[jj][2 * i], (__m512bh)lo[i], pp);
@@ -176,6 +182,163 @@ static inline __attribute__((always_inline)) void pv_bf16(const uint16_t *const 
             }
         }
     }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* AMX (Sapphire Rapids and later), bfloat16: the scores of 16 keys for all the KV head's query heads
+ * in d / 32 tile multiplies (tdpbf16ps: A = the 16 key rows of one block, 32 elements of the head,
+ * loaded straight from the cache at the row stride; B = the query heads' elements in pairs, the VNNI
+ * layout, NP columns; C = [16 keys, NP heads] float32), instead of 16 dot products per head, each
+ * reduced across lanes. The scores then sit [keys, NP heads] (NP = g rounded up to 4, 8 or 16; the
+ * padding heads have zero queries), and the softmax runs on that layout, each lane's head's max and
+ * sum gathered by rotating the lanes. Needs block_size % 16 == 0 and D <= 128 (d / 32 B tiles). */
+#define HAVE_AMX 1
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg; /* ldtilecfg's 64-byte operand */
+
+static int amx_perm = -1;
+/* Whether Linux lets this process use AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA). */
+static int amx_ok(void) {
+    if (amx_perm < 0) amx_perm = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_perm;
+}
+
+/* tmm0: scores [16, np] float32; tmm1: 16 key rows x 32 elements; tmm2..: the query pairs [16, np]. */
+static void amx_config(int64_t np, int64_t nc) {
+    tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = 16, c.colsb[0] = (uint16_t)(np * 4);
+    c.rows[1] = 16, c.colsb[1] = 64;
+    for (int64_t i = 0; i < nc; i++) c.rows[2 + i] = 16, c.colsb[2 + i] = (uint16_t)(np * 4);
+    _tile_loadconfig(&c);
+}
+static void amx_release(void) { _tile_release(); }
+
+/* One (sequence, KV head) item by AMX: scores into sc [L (+ up to 15), np], softmax, p (bfloat16,
+ * [L + 1, np]) into pbf, then p @ V by pv_bf16. q: the sequence's query row [Hq, D]; out: its output
+ * row. The same roundings as the AVX-512 path: bf16(dot) * scale, p = bf16(exp(s - max) / sum). */
+static void amx_item(const uint16_t *q, const int64_t *heads, int64_t g, int64_t np, int64_t d,
+                     const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *bt, int64_t bs, int64_t row,
+                     int64_t kv, int64_t L, float scale, float *sc, uint16_t *pbf, const uint16_t **vptr,
+                     uint16_t *out, int64_t pfn) {
+    const int64_t nc = d / 32;
+    uint32_t qt[4][16][16]; /* [chunk][pair][head]: the B tiles */
+    for (int64_t c = 0; c < nc; c++)
+        for (int64_t r = 0; r < 16; r++)
+            for (int64_t n = 0; n < np; n++) {
+                uint32_t x = 0;
+                if (n < g) memcpy(&x, q + heads[n] * d + c * 32 + 2 * r, sizeof(x));
+                qt[c][r][n] = x;
+            }
+    const int64_t qs = 16 * sizeof(uint32_t), rb_ = row * (int64_t)sizeof(uint16_t), tb = np * 4;
+    _tile_loadd(2, qt[0], qs);
+    if (nc > 1) _tile_loadd(3, qt[1], qs);
+    if (nc > 2) _tile_loadd(4, qt[2], qs);
+    if (nc > 3) _tile_loadd(5, qt[3], qs);
+    int64_t pt = 0, pb = 0, po = 0; /* the prefetch cursor, 16 keys ahead after the first group */
+    for (; pt < 16 && pt < L; pt++) {
+        prefetch_row(k_cache + (bt[pb] * bs + po) * row + kv * d, pfn);
+        prefetch_row(v_cache + (bt[pb] * bs + po) * row + kv * d, pfn);
+        if (++po == bs) po = 0, pb++;
+    }
+    for (int64_t t0 = 0, kb = 0, ko = 0; t0 < L; t0 += 16) {
+        const uint16_t *kp = k_cache + (bt[kb] * bs + ko) * row + kv * d;
+        if ((ko += 16) == bs) ko = 0, kb++;
+        for (int64_t kk = 0; kk < 16 && pt < L; kk++, pt++) {
+            prefetch_row(k_cache + (bt[pb] * bs + po) * row + kv * d, pfn);
+            prefetch_row(v_cache + (bt[pb] * bs + po) * row + kv * d, pfn);
+            if (++po == bs) po = 0, pb++;
+        }
+        _tile_zero(0);
+        _tile_loadd(1, kp, rb_);
+        _tile_dpbf16ps(0, 1, 2);
+        if (nc > 1) {
+            _tile_loadd(1, kp + 32, rb_);
+            _tile_dpbf16ps(0, 1, 3);
+        }
+        if (nc > 2) {
+            _tile_loadd(1, kp + 64, rb_);
+            _tile_dpbf16ps(0, 1, 4);
+        }
+        if (nc > 3) {
+            _tile_loadd(1, kp + 96, rb_);
+            _tile_dpbf16ps(0, 1, 5);
+        }
+        _tile_stored(0, sc + t0 * np, tb); /* rows past L (the last block's unused slots) are ignored */
+    }
+    /* softmax over keys, per head: lane l of a vector holds head l % np */
+    const int64_t F = L * np;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < F; i += 16) {
+        const __mmask16 m = F - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (F - i)) - 1);
+        const __m512 v = _mm512_mul_ps(rb(_mm512_maskz_loadu_ps(m, sc + i)), vscale);
+        _mm512_mask_storeu_ps(sc + i, m, v);
+        mx = _mm512_mask_max_ps(mx, m, mx, v);
+    }
+    for (int64_t r = 8; r >= np; r >>= 1) {
+        const __m512i rot = _mm512_and_si512(_mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                                                5, 4, 3, 2, 1, 0),
+                                                              _mm512_set1_epi32((int)r)), _mm512_set1_epi32(15));
+        mx = _mm512_max_ps(mx, _mm512_permutexvar_ps(rot, mx));
+    }
+    for (int64_t i = 0; i < F; i += 16) {
+        const __mmask16 m = F - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (F - i)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + i), mx)));
+        _mm512_mask_storeu_ps(sc + i, m, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    for (int64_t r = 8; r >= np; r >>= 1) {
+        const __m512i rot = _mm512_and_si512(_mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                                                5, 4, 3, 2, 1, 0),
+                                                              _mm512_set1_epi32((int)r)), _mm512_set1_epi32(15));
+        sum = _mm512_add_ps(sum, _mm512_permutexvar_ps(rot, sum));
+    }
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum);
+    for (int64_t i = 0; i < F; i += 16) { /* p rounded to bfloat16: its top 16 bits */
+        const __mmask16 m = F - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (F - i)) - 1);
+        const __m512 p = rb(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, sc + i), inv));
+        _mm256_mask_storeu_epi16((__m256i *)(pbf + i), m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16)));
+    }
+    for (int64_t n = 0; n < np; n++) pbf[F + n] = 0; /* the pair of an odd L's last key */
+    for (int64_t u = 0, vb = 0, vo = 0; u < L; u++) {
+        vptr[u] = v_cache + (bt[vb] * bs + vo) * row + kv * d;
+        if (++vo == bs) vo = 0, vb++;
+    }
+    for (int64_t u = 0; u < VAHEAD && u < L; u++) prefetch_row(vptr[u], pfn);
+    switch (d / 16) {
+    case 4: pv_bf16(vptr, L, pbf, 1, np, g, heads, out, pfn, 2, 4); break;
+    case 8: pv_bf16(vptr, L, pbf, 1, np, g, heads, out, pfn, 4, 2); break;
+    default: pv_bf16(vptr, L, pbf, 1, np, g, heads, out, pfn, d / 32, 1); break;
+    }
+}
+#else
+#define HAVE_AMX 0
+static int amx_ok(void) { return 0; }
+static void amx_config(int64_t np, int64_t nc) { (void)np, (void)nc; }
+static void amx_release(void) {}
+static void amx_item(const uint16_t *q, const int64_t *heads, int64_t g, int64_t np, int64_t d,
+                     const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *bt, int64_t bs, int64_t row,
+                     int64_t kv, int64_t L, float scale, float *sc, uint16_t *pbf, const uint16_t **vptr,
+                     uint16_t *out, int64_t pfn) {}
+#endif
+
+/* The fewest sequences (B) at which the bfloat16 kernel takes its AMX path; 0: never (the default).
+ * The caller's measured choice. */
+static int64_t paged_amx_min = 0;
+/* Set it; returns 1 if the AMX path is available (built with AMX, allowed by the OS), else 0 (and the
+ * path stays off). */
+int tpe_paged_set_amx(int min_batch) {
+    paged_amx_min = HAVE_AMX && amx_ok() && min_batch > 0 ? min_batch : 0;
+    return HAVE_AMX && amx_ok();
 }
 
 /* One dtype's kernel. LD(p): 16 elements -> __m512; ST(p, x): store 16 rounded; RND(x): x rounded
@@ -215,6 +378,14 @@ static inline __attribute__((always_inline)) void pv_bf16(const uint16_t *const 
         int64_t work = 0;                                                                                           \
         /* many sequences: one item per sequence (its K/V rows read whole, every head); few: per (b, KV head) */    \
         const int whole = B >= 4 * nthreads;                                                                        \
+        int64_t gmax = 0; /* the most query heads on one KV head: the AMX path's padded head count */              \
+        for (int64_t kv = 0; kv < hkv; kv++) {                                                                      \
+            int64_t c = 0;                                                                                          \
+            for (int64_t h = 0; h < hq; h++) c += q_to_kv[h] == kv;                                                 \
+            if (c > gmax) gmax = c;                                                                                 \
+        }                                                                                                           \
+        const int64_t np = gmax <= 4 ? 4 : gmax <= 8 ? 8 : 16;                                                      \
+        const int use_amx = BF && paged_amx_min && B >= paged_amx_min && bs % 16 == 0 && d <= 128;                                   \
         const int64_t items = whole ? B : B * hkv;                                                                  \
         for (int64_t b = 0; b < B; b++) work += lens[b];                                                            \
         _Pragma("omp parallel num_threads(nthreads) if (work * hq * d >= 32768)") {                               \
@@ -222,6 +393,7 @@ static inline __attribute__((always_inline)) void pv_bf16(const uint16_t *const 
             const T **vptr = NULL;                                                                                  \
             uint16_t *pbf = NULL; /* bfloat16: the probabilities, each head's padded to an even count */             \
             int64_t cap = 0;                                                                                        \
+            if (use_amx) amx_config(np, d / 32);                                                                    \
             _Pragma("omp for schedule(dynamic, 1)") for (int64_t it = 0; it < items; it++) {                        \
               const int64_t b = whole ? it : it / hkv, kv0 = whole ? 0 : it % hkv;                                  \
               for (int64_t kv = kv0; kv < (whole ? hkv : kv0 + 1); kv++) {                                          \
@@ -236,9 +408,9 @@ static inline __attribute__((always_inline)) void pv_bf16(const uint16_t *const 
                     for (int64_t j = 0; j < g; j++) memset(out + (b * hq + heads[j]) * d, 0, (size_t)d * sizeof(T)); \
                     continue;                                                                                       \
                 }                                                                                                   \
-                if ((L + 1) * g > cap) {                                                                                \
+                if ((L + 16) * np > cap) {                                                                              \
                     free(sc);                                                                                       \
-                    cap = (L + 1) * g + 64;                                                                             \
+                    cap = (L + 16) * np + 64;                                                                           \
                     sc = (float *)malloc((size_t)cap * sizeof(float));                                              \
                     free(vptr);                                                                                     \
                     vptr = (const T **)malloc((size_t)cap * sizeof(*vptr));                                         \
@@ -247,6 +419,12 @@ static inline __attribute__((always_inline)) void pv_bf16(const uint16_t *const 
                 }                                                                                                   \
                 const int64_t *bt = block_tables + b * max_blocks;                                                  \
                 const int64_t nv = d / 16;                                                                          \
+                if (use_amx) {                                                                                      \
+                    amx_item((const uint16_t *)(q + b * q_stride), heads, g, np, d, (const uint16_t *)k_cache,     \
+                             (const uint16_t *)v_cache, bt, bs, row, kv, L, scale, sc, pbf,                         \
+                             (const uint16_t **)vptr, (uint16_t *)(out + b * hq * d), pfn);                         \
+                    continue;                                                                                       \
+                }                                                                                                   \
                 __m512 qv[MAX_G][MAX_D / 16];                                                                       \
                 float mx[MAX_G];                                                                                    \
                 for (int64_t j = 0; j < g; j++) {                                                                   \
@@ -350,10 +528,10 @@ static inline __attribute__((always_inline)) void pv_bf16(const uint16_t *const 
                     uint16_t *ob = (uint16_t *)(out + b * hq * d);                                                  \
                     const int64_t lp = L + (L & 1);                                                                 \
                     switch (nv) { /* the head size as a constant */                                                 \
-                    case 4: pv_bf16(vq, L, pbf, lp, g, heads, ob, pfn, 2, 4); break;                                 \
-                    case 8: pv_bf16(vq, L, pbf, lp, g, heads, ob, pfn, 4, 2); break;                                 \
-                    case 16: pv_bf16(vq, L, pbf, lp, g, heads, ob, pfn, 8, 1); break;                                \
-                    default: pv_bf16(vq, L, pbf, lp, g, heads, ob, pfn, nv / 2, 1); break;                           \
+                    case 4: pv_bf16(vq, L, pbf, lp, 1, g, heads, ob, pfn, 2, 4); break;                                 \
+                    case 8: pv_bf16(vq, L, pbf, lp, 1, g, heads, ob, pfn, 4, 2); break;                                 \
+                    case 16: pv_bf16(vq, L, pbf, lp, 1, g, heads, ob, pfn, 8, 1); break;                                \
+                    default: pv_bf16(vq, L, pbf, lp, 1, g, heads, ob, pfn, nv / 2, 1); break;                           \
                     }                                                                                               \
                     continue;                                                                                       \
                 }                                                                                                   \
@@ -366,6 +544,7 @@ static inline __attribute__((always_inline)) void pv_bf16(const uint16_t *const 
                 }                                                                                                   \
               }                                                                                                     \
             }                                                                                                       \
+            if (use_amx) amx_release();                                                                             \
             free(sc);                                                                                               \
             free(vptr);                                                                                             \
             free(pbf);                                                                                              \
@@ -388,4 +567,5 @@ PAGED_DECODE(tpe_paged_decode_bf16, uint16_t, ld, st, rb, 1)
 #else /* never called: tpe_fast() == 0 marks the library unavailable */
 int64_t tpe_paged_decode_f32(void) { return -1; }
 int64_t tpe_paged_decode_bf16(void) { return -1; }
+int tpe_paged_set_amx(int on) { return 0; }
 #endif

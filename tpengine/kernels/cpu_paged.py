@@ -112,3 +112,68 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor 
                                                                                  * 2][i])
         raise IndexError(f"paged decode: {what}[{i}] = {value} is out of range; valid: {valid}")
     return out
+
+
+_decode = decode  # the measurement's own reference (not counted by a test that wraps decode)
+
+
+def set_amx(min_batch: int) -> bool:
+    """Let the bfloat16 kernel take its AMX path (``cpu_paged.c``: the scores of a block's 16 keys for
+    all of a KV head's query heads by tile multiplies) in steps of ``min_batch`` or more sequences
+    (0: never), for this process. Returns whether the path is available: the library built with AMX
+    (``-march=native`` on a CPU with AMX-BF16) and the OS lets the process use tile data; when not,
+    the kernel keeps its AVX-512 path whatever ``min_batch``. The path also needs a block size that
+    is a multiple of 16 and a head size up to 128 (else the call takes the AVX-512 path). Both paths
+    round as ``cpu_paged.c`` describes (the float32 sums run in other orders)."""
+    lib = cpu_native.load()
+    return lib is not None and bool(lib.tpe_paged_set_amx(int(min_batch)))
+
+
+def choose_amx(q_to_kv: torch.Tensor, hkv: int, head_dim: int, block_size: int,
+               batches: tuple[int, ...] = (1, 8, 64), context: int = 192, layers: int = 8):
+    """The measured choice of the bfloat16 kernel's path for one rank's layer shape (query head ``h``
+    on KV head ``q_to_kv[h]`` of ``hkv``, ``q_to_kv [Hq]`` int64, heads of ``head_dim``, blocks of
+    ``block_size``): the AVX-512 and AMX paths timed on decode steps of each of ``batches``
+    sequences of ``context`` keys over ``layers`` separate caches (so rows stream from memory as in
+    a step), by :func:`tpengine.kernels.measured.timings` (cached per machine); AMX is then taken
+    from the smallest measured batch from which it is faster at every larger one (``"amx from B
+    >= 8"``), else never (``"avx512"``). Leaves that set (:func:`set_amx`). Returns a
+    :class:`~tpengine.kernels.measured.Choice`, or None where the AMX path does not apply
+    (unavailable, ``block_size % 16``, ``head_dim`` over 128 or not a multiple of 32); then the
+    AVX-512 path stays."""
+    from tpengine.kernels.measured import Choice, timings
+
+    if block_size % 16 or head_dim % 32 or head_dim > 128 or not set_amx(0):
+        return None
+    g = torch.Generator().manual_seed(0)
+    q_to_kv = q_to_kv.to(torch.int64).contiguous()
+    hq = q_to_kv.shape[0]
+    nbps = -(-context // block_size)
+    calls = []
+    for b in batches:
+        nb = b * nbps + 1
+        caches = [tuple(torch.randn(nb, block_size, hkv, head_dim, generator=g).to(torch.bfloat16) for _ in "kv")
+                  for _ in range(layers)]
+        tables = torch.randperm(nb - 1, generator=g)[: b * nbps].view(b, nbps).contiguous()
+        index = paged_index(torch.full((b,), -1, dtype=torch.int64), tables, torch.full((b,), context,
+                                                                                        dtype=torch.int64))
+        q = torch.randn(b, hq, head_dim, generator=g).to(torch.bfloat16)
+        kv = torch.randn(b, hkv, head_dim, generator=g).to(torch.bfloat16)
+
+        def step(caches=caches, index=index, q=q, kv=kv):
+            for kc, vc in caches:
+                _decode(q, kv, kv, None, None, kc, vc, q_to_kv, 0.125, index)
+        calls.append(step)
+
+    def path(min_batch: int):
+        return [lambda f=f: (set_amx(min_batch), f()) for f in calls]
+    key = (f"paged decode bf16 q_to_kv {q_to_kv.tolist()} hkv {hkv} d {head_dim} bs {block_size} ctx {context} "
+           f"layers {layers} batches {'/'.join(map(str, batches))}")
+    times, how = timings(key, {"avx512": path(0), "amx": path(1)})
+    start = 0  # the first batch from which AMX wins at every larger one
+    for i in reversed(range(len(batches))):
+        if times["amx"][i] >= times["avx512"][i]:
+            break
+        start = batches[i]
+    set_amx(start)
+    return Choice(f"amx from B >= {start}" if start else "avx512", how, times)
