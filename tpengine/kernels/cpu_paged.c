@@ -43,13 +43,21 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
-static int64_t check(const int64_t *slots, const int64_t *block_tables, int64_t max_blocks, const int64_t *lens,
-                     int64_t B, int64_t num_blocks, int64_t bs, const int64_t *q_to_kv, int64_t hq, int64_t hkv) {
+/* The most query heads on one KV head. */
+static int64_t max_group(const int64_t *q_to_kv, int64_t hq, int64_t hkv) {
+    int64_t gmax = 0;
     for (int64_t kv = 0; kv < hkv; kv++) {
         int64_t g = 0;
         for (int64_t h = 0; h < hq; h++) g += q_to_kv[h] == kv;
-        if (g > MAX_G) return 3 * B;
+        if (g > gmax) gmax = g;
     }
+    return gmax;
+}
+
+static int64_t check(const int64_t *slots, const int64_t *block_tables, int64_t max_blocks, const int64_t *lens,
+                     int64_t B, int64_t num_blocks, int64_t bs, const int64_t *q_to_kv, int64_t hq, int64_t hkv,
+                     int64_t gmax) {
+    if (gmax > MAX_G) return 3 * B;
     for (int64_t h = 0; h < hq; h++)
         if ((uint64_t)q_to_kv[h] >= (uint64_t)hkv) return 3 * B;
     for (int64_t b = 0; b < B; b++)
@@ -222,6 +230,21 @@ static void amx_config(int64_t np, int64_t nc) {
 }
 static void amx_release(void) { _tile_release(); }
 
+/* The lanes below n (n >= 1; all 16 from n >= 16). */
+static inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+
+/* x's lanes combined per head, lane l holding head l % np (np = 4, 8 or 16): the max (is_max) or the
+ * sum of the lanes of each head, in every lane of that head, by rotating the lanes by 8, then 4. */
+static inline __m512 per_head(__m512 x, int64_t np, int is_max) {
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int64_t r = 8; r >= np; r >>= 1) {
+        const __m512 y = _mm512_permutexvar_ps(
+            _mm512_and_si512(_mm512_add_epi32(lanes, _mm512_set1_epi32((int)r)), _mm512_set1_epi32(15)), x);
+        x = is_max ? _mm512_max_ps(x, y) : _mm512_add_ps(x, y);
+    }
+    return x;
+}
+
 /* One (sequence, KV head) item by AMX: scores into sc [L (+ up to 15), np], softmax, p (bfloat16,
  * [L + 1, np]) into pbf, then p @ V by pv_bf16. q: the sequence's query row [Hq, D]; out: its output
  * row. The same roundings as the AVX-512 path: bf16(dot) * scale, p = bf16(exp(s - max) / sum). */
@@ -279,32 +302,22 @@ static void amx_item(const uint16_t *q, const int64_t *heads, int64_t g, int64_t
     const __m512 vscale = _mm512_set1_ps(scale);
     __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
     for (int64_t i = 0; i < F; i += 16) {
-        const __mmask16 m = F - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (F - i)) - 1);
+        const __mmask16 m = first_lanes(F - i);
         const __m512 v = _mm512_mul_ps(rb(_mm512_maskz_loadu_ps(m, sc + i)), vscale);
         _mm512_mask_storeu_ps(sc + i, m, v);
         mx = _mm512_mask_max_ps(mx, m, mx, v);
     }
-    for (int64_t r = 8; r >= np; r >>= 1) {
-        const __m512i rot = _mm512_and_si512(_mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
-                                                                                5, 4, 3, 2, 1, 0),
-                                                              _mm512_set1_epi32((int)r)), _mm512_set1_epi32(15));
-        mx = _mm512_max_ps(mx, _mm512_permutexvar_ps(rot, mx));
-    }
+    mx = per_head(mx, np, 1);
     for (int64_t i = 0; i < F; i += 16) {
-        const __mmask16 m = F - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (F - i)) - 1);
+        const __mmask16 m = first_lanes(F - i);
         const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + i), mx)));
         _mm512_mask_storeu_ps(sc + i, m, e);
         sum = _mm512_add_ps(sum, e);
     }
-    for (int64_t r = 8; r >= np; r >>= 1) {
-        const __m512i rot = _mm512_and_si512(_mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
-                                                                                5, 4, 3, 2, 1, 0),
-                                                              _mm512_set1_epi32((int)r)), _mm512_set1_epi32(15));
-        sum = _mm512_add_ps(sum, _mm512_permutexvar_ps(rot, sum));
-    }
+    sum = per_head(sum, np, 0);
     const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum);
     for (int64_t i = 0; i < F; i += 16) { /* p rounded to bfloat16: its top 16 bits */
-        const __mmask16 m = F - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (F - i)) - 1);
+        const __mmask16 m = first_lanes(F - i);
         const __m512 p = rb(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, sc + i), inv));
         _mm256_mask_storeu_epi16((__m256i *)(pbf + i), m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16)));
     }
@@ -350,7 +363,8 @@ int tpe_paged_set_amx(int min_batch) {
                  const int64_t *lens, T *k_cache, T *v_cache, int64_t num_blocks, int64_t bs,                       \
                  const int64_t *q_to_kv, int64_t hq, int64_t hkv, int64_t d, float scale, T *out, int64_t B,        \
                  int nthreads) {                                                                                    \
-        int64_t bad = check(slots, block_tables, max_blocks, lens, B, num_blocks, bs, q_to_kv, hq, hkv);                             \
+        const int64_t gmax = max_group(q_to_kv, hq, hkv); /* (the AMX path pads to it) */         \
+        int64_t bad = check(slots, block_tables, max_blocks, lens, B, num_blocks, bs, q_to_kv, hq, hkv, gmax);                             \
         if (bad >= 0) return bad;                                                                                   \
         const int64_t half = d / 2, row = hkv * d;                                                                  \
         const __m512 neg = _mm512_set1_ps(-0.f);                                                                    \
@@ -378,12 +392,6 @@ int tpe_paged_set_amx(int min_batch) {
         int64_t work = 0;                                                                                           \
         /* many sequences: one item per sequence (its K/V rows read whole, every head); few: per (b, KV head) */    \
         const int whole = B >= 4 * nthreads;                                                                        \
-        int64_t gmax = 0; /* the most query heads on one KV head: the AMX path's padded head count */              \
-        for (int64_t kv = 0; kv < hkv; kv++) {                                                                      \
-            int64_t c = 0;                                                                                          \
-            for (int64_t h = 0; h < hq; h++) c += q_to_kv[h] == kv;                                                 \
-            if (c > gmax) gmax = c;                                                                                 \
-        }                                                                                                           \
         const int64_t np = gmax <= 4 ? 4 : gmax <= 8 ? 8 : 16;                                                      \
         const int use_amx = BF && paged_amx_min && B >= paged_amx_min && bs % 16 == 0 && d <= 128;                                   \
         const int64_t items = whole ? B : B * hkv;                                                                  \
