@@ -34,6 +34,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "bf16.h"
 
@@ -76,6 +77,35 @@ static inline void prefetch_row(const void *p, int64_t n) {
     for (int64_t o = 0; o < n; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T1);
 }
 #define VAHEAD 16 /* value rows prefetched ahead: one group of keys' worth, as for the keys */
+
+/* The next work item's K/V rows, prefetched a few rows at a time while the current item computes
+ * (ahead_step once per group of 16 keys of its score passes), so that memory keeps streaming during
+ * the passes that read L2 only (the second and later KV heads of a whole-row item, the softmax, P.V)
+ * and the next item starts on rows already in L2. k, v: the item's first head in the caches (bytes);
+ * n: bytes of a row to fetch (every KV head, or one); left: rows still to fetch, per: rows a step. */
+typedef struct {
+    const char *k, *v;
+    const int64_t *bt;
+    int64_t bs, rowb, n, left, per, pb, po;
+} ahead_t;
+static inline void ahead_step(ahead_t *a) {
+    for (int64_t i = 0; i < a->per && a->left > 0; i++, a->left--) {
+        const int64_t off = (a->bt[a->pb] * a->bs + a->po) * a->rowb;
+        prefetch_row(a->k + off, a->n);
+        prefetch_row(a->v + off, a->n);
+        if (++a->po == a->bs) a->po = 0, a->pb++;
+    }
+}
+/* Bytes of the next item's rows that may be fetched ahead: a quarter of this core's L2 (the current
+ * item's rows stay there too); 256 KiB where the OS does not say. */
+static int64_t ahead_budget(void) {
+    static int64_t budget = 0;
+    if (!budget) {
+        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        budget = l2 > 0 ? l2 / 4 : 256 * 1024;
+    }
+    return budget;
+}
 
 /* The 16 horizontal sums of a[0..15], lane l = sum of a[l]'s 16 lanes: a transpose-and-add tree
  * (pairs of floats, pairs of pairs, then 128-bit quarters), 15 adds instead of 16 full reductions. */
@@ -251,7 +281,7 @@ static inline __m512 per_head(__m512 x, int64_t np, int is_max) {
 static void amx_item(const uint16_t *q, const int64_t *heads, int64_t g, int64_t np, int64_t d,
                      const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *bt, int64_t bs, int64_t row,
                      int64_t kv, int64_t L, float scale, float *sc, uint16_t *pbf, const uint16_t **vptr,
-                     uint16_t *out, int64_t pfn) {
+                     uint16_t *out, int64_t pfn, ahead_t *ah) {
     const int64_t nc = d / 32;
     uint32_t qt[4][16][16]; /* [chunk][pair][head]: the B tiles */
     for (int64_t c = 0; c < nc; c++)
@@ -280,6 +310,7 @@ static void amx_item(const uint16_t *q, const int64_t *heads, int64_t g, int64_t
             prefetch_row(v_cache + (bt[pb] * bs + po) * row + kv * d, pfn);
             if (++po == bs) po = 0, pb++;
         }
+        ahead_step(ah);
         _tile_zero(0);
         _tile_loadd(1, kp, rb_);
         _tile_dpbf16ps(0, 1, 2);
@@ -341,7 +372,7 @@ static void amx_release(void) {}
 static void amx_item(const uint16_t *q, const int64_t *heads, int64_t g, int64_t np, int64_t d,
                      const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *bt, int64_t bs, int64_t row,
                      int64_t kv, int64_t L, float scale, float *sc, uint16_t *pbf, const uint16_t **vptr,
-                     uint16_t *out, int64_t pfn) {}
+                     uint16_t *out, int64_t pfn, ahead_t *ah) {}
 #endif
 
 /* The fewest sequences (B) at which the bfloat16 kernel takes its AMX path; 0: never (the default).
@@ -395,6 +426,7 @@ int tpe_paged_set_amx(int min_batch) {
         const int64_t np = gmax <= 4 ? 4 : gmax <= 8 ? 8 : 16;                                                      \
         const int use_amx = BF && paged_amx_min && B >= paged_amx_min && bs % 16 == 0 && d <= 128;                                   \
         const int64_t items = whole ? B : B * hkv;                                                                  \
+        int64_t claim = 0; /* the next item to take */                                                              \
         for (int64_t b = 0; b < B; b++) work += lens[b];                                                            \
         _Pragma("omp parallel num_threads(nthreads) if (work * hq * d >= 32768)") {                               \
             float *sc = NULL;                                                                                       \
@@ -402,12 +434,27 @@ int tpe_paged_set_amx(int min_batch) {
             uint16_t *pbf = NULL; /* bfloat16: the probabilities, each head's padded to an even count */             \
             int64_t cap = 0;                                                                                        \
             if (use_amx) amx_config(np, d / 32);                                                                    \
-            _Pragma("omp for schedule(dynamic, 1)") for (int64_t it = 0; it < items; it++) {                        \
+            /* items claimed one ahead (dynamic scheduling by hand), so the next one's rows can be fetched ahead */ \
+            int64_t it = __atomic_fetch_add(&claim, 1, __ATOMIC_RELAXED);                                           \
+            int pre = 0; /* this item's rows were fetched ahead */                                                  \
+            while (it < items) {                                                                                    \
               const int64_t b = whole ? it : it / hkv, kv0 = whole ? 0 : it % hkv;                                  \
+              const int64_t nx = __atomic_fetch_add(&claim, 1, __ATOMIC_RELAXED);                                   \
+              ahead_t ah = {0};                                                                                     \
+              if (nx < items) {                                                                                     \
+                  const int64_t bn = whole ? nx : nx / hkv, n = (whole ? row : d) * (int64_t)sizeof(T);             \
+                  const int64_t groups = (whole ? hkv : 1) * ((lens[b] + 15) / 16);                                 \
+                  if (groups > 0 && 2 * n * lens[bn] <= ahead_budget()) {                                           \
+                      ah.k = (const char *)(k_cache + (whole ? 0 : (nx % hkv) * d));                                \
+                      ah.v = (const char *)(v_cache + (whole ? 0 : (nx % hkv) * d));                                \
+                      ah.bt = block_tables + bn * max_blocks, ah.bs = bs, ah.rowb = row * (int64_t)sizeof(T);       \
+                      ah.n = n, ah.left = lens[bn], ah.per = (lens[bn] + groups - 1) / groups;                      \
+                  }                                                                                                 \
+              }                                                                                                     \
               for (int64_t kv = kv0; kv < (whole ? hkv : kv0 + 1); kv++) {                                          \
                 const int64_t L = lens[b];                                                                          \
                 /* whole rows (every KV head) are fetched with the first head: contiguous in a block */             \
-                const int64_t pfn = (whole && kv == 0 ? row : d) * (int64_t)sizeof(T);                              \
+                const int64_t pfn = pre ? 0 : (whole && kv == 0 ? row : d) * (int64_t)sizeof(T);                    \
                 int64_t heads[MAX_G], g = 0;                                                                        \
                 for (int64_t h = 0; h < hq && g < MAX_G; h++)                                                       \
                     if (q_to_kv[h] == kv) heads[g++] = h;                                                           \
@@ -430,7 +477,7 @@ int tpe_paged_set_amx(int min_batch) {
                 if (use_amx) {                                                                                      \
                     amx_item((const uint16_t *)(q + b * q_stride), heads, g, np, d, (const uint16_t *)k_cache,     \
                              (const uint16_t *)v_cache, bt, bs, row, kv, L, scale, sc, pbf,                         \
-                             (const uint16_t **)vptr, (uint16_t *)(out + b * hq * d), pfn);                         \
+                             (const uint16_t **)vptr, (uint16_t *)(out + b * hq * d), pfn, &ah);                         \
                     continue;                                                                                       \
                 }                                                                                                   \
                 __m512 qv[MAX_G][MAX_D / 16];                                                                       \
@@ -463,6 +510,7 @@ int tpe_paged_set_amx(int min_batch) {
                         if (BF) prefetch_row(v_cache + (bt[pb] * bs + po) * row + kv * d, pfn);  \
                         if (++po == bs) po = 0, pb++;                                                       \
                     }                                                                                       \
+                    ahead_step(&ah);                                                                                \
                     for (int64_t kk = nk; kk < 16; kk++) kp[kk] = kp[0];                                    \
                     if (BF) {                                                                                       \
                         const uint16_t *const *kq = (const uint16_t *const *)kp;                                    \
@@ -551,6 +599,8 @@ int tpe_paged_set_amx(int min_batch) {
                 default: PV_HEADS(T, LD, ST, nv, 1) break;                                                             \
                 }                                                                                                   \
               }                                                                                                     \
+              pre = ah.n > 0 && ah.left == 0;                                                                       \
+              it = nx;                                                                                              \
             }                                                                                                       \
             if (use_amx) amx_release();                                                                             \
             free(sc);                                                                                               \
