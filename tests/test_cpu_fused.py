@@ -201,13 +201,20 @@ def test_copy_rows_index_out_of_range(native, dtype):
 def test_ops_are_registered_and_check_arguments():
     """The C kernels are torch ops (``torch.ops.tpengine.*``, visible to the profiler); bad
     arguments are a ValueError at the op boundary, naming the op and the argument."""
-    for name in ("add_rms_norm", "rope_", "silu_mul", "causal_softmax_", "copy_rows", "decode_scores", "decode_pv"):
+    for name in ("add_rms_norm", "rope_", "silu_mul", "causal_softmax_", "copy_rows", "decode_scores", "decode_pv",
+                 "row_argmax", "col_argmax"):
         assert hasattr(torch.ops.tpengine, name)
     src, dst = rand(4, 64), rand(10, 128)[:, :64]
     with pytest.raises(ValueError, match=r"^tpengine\.copy_rows: dst_a must be a contiguous bfloat16 CPU tensor"):
         torch.ops.tpengine.copy_rows(src, src, None, dst, dst, torch.arange(4))
     with pytest.raises(ValueError, match=r"^tpengine\.silu_mul: need gate_up \[\.\.\., 2 \* inter\]"):
         torch.ops.tpengine.silu_mul(rand(3, 64), rand(3, 24))
+    with pytest.raises(ValueError, match=r"^tpengine\.row_argmax: x must be a non-empty float32 or bfloat16 \[rows, "
+                                         r"cols\] CPU tensor with contiguous rows; got torch\.int64 \(2, 3\)"):
+        torch.ops.tpengine.row_argmax(torch.zeros(2, 3, dtype=torch.int64), torch.empty(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"^tpengine\.col_argmax: index must be a contiguous int64 \[3\] tensor; "
+                                         r"got torch\.int64 \(2,\)$"):
+        torch.ops.tpengine.col_argmax(rand(2, 3), torch.empty(2, dtype=torch.int64))
     with torch.profiler.profile() as prof:
         cpu_fused.silu_mul(rand(3, 64), 32, True)
     assert "tpengine::silu_mul" in {e.key for e in prof.key_averages()}

@@ -1,6 +1,7 @@
 """Sampler: greedy, top-k/top-p/min-p filters, per-request seeds independent of the batch
 (C17), padded vocab columns never sampled (C01)."""
 
+import pytest
 import torch
 
 from tpengine.engine.sampler import Sampler, apply_min_p, apply_top_k, apply_top_p
@@ -117,10 +118,16 @@ def test_sampling_keys_are_sampling_params_fields():
                              "logprobs", "prompt_logprobs")
 
 
-def test_row_max_equals_torch_max_with_ties_infinities_and_nan():
+@pytest.mark.parametrize("native", [False, True])
+def test_row_max_equals_torch_max_with_ties_infinities_and_nan(native):
     """The LM head's greedy pick (tpengine.layers.embedding.row_max) is ``max(dim=-1)`` exactly:
-    same values, and the first index among equal maxima, also across blocks."""
+    same values, and the first index among equal maxima, also across blocks -- by torch ops per
+    block, and (``native``) by the C kernel tpengine/kernels/cpu_argmax.c."""
+    from tpengine.kernels import cpu_native
     from tpengine.layers.embedding import ROW_MAX_BLOCK, ROW_MAX_CANDIDATES, row_max
+
+    if native and cpu_native.load() is None:
+        pytest.skip(f"CPU C kernels unavailable: {cpu_native.unavailable_reason()}")
 
     g = torch.Generator().manual_seed(5)
     v = 96 * ROW_MAX_BLOCK  # SmolLM2's 49152 columns: the blocked path
@@ -136,21 +143,27 @@ def test_row_max_equals_torch_max_with_ties_infinities_and_nan():
         x[7] = torch.randn(v, generator=g).to(dtype).round()  # many ties at small integers
         want_v, want_i = x.max(dim=-1)
         for block in ROW_MAX_CANDIDATES:  # every block the per-machine measurement may pick
-            got_v, got_i = row_max(x, block)
+            got_v, got_i = row_max(x, block, native)
             assert torch.equal(got_i, want_i), (dtype, block, got_i, want_i)
             assert torch.equal(got_v.isnan(), want_v.isnan())
             assert torch.equal(got_v.nan_to_num(), want_v.nan_to_num())
             assert got_i[1] == 7 and got_i[2] == ROW_MAX_BLOCK + 3 and got_i[3] == 0 and got_i[4] == v - 1
             assert got_i[6] == 100
-        got_v, got_i = row_max(x)
-        assert torch.equal(row_max(x[:, : v - 1])[1], x[:, : v - 1].max(dim=-1).indices)  # fallback paths
-        assert torch.equal(row_max(x[:, :1000])[1], x[:, :1000].max(dim=-1).indices)
+        assert torch.equal(row_max(x[:, : v - 1], native=native)[1], x[:, : v - 1].max(dim=-1).indices)  # fallbacks
+        assert torch.equal(row_max(x[:, :1000], native=native)[1], x[:, :1000].max(dim=-1).indices)
+        assert torch.equal(row_max(x[:3, :19], native=native)[1], x[:3, :19].max(dim=-1).indices)  # < 64 columns
 
 
-def test_col_max_equals_torch_max_over_rows_with_ties_infinities_and_nan():
+@pytest.mark.parametrize("native", [False, True])
+def test_col_max_equals_torch_max_over_rows_with_ties_infinities_and_nan(native):
     """The transposed greedy pick (tpengine.layers.embedding.col_max) is ``max(dim=0)`` exactly, for
-    every block the measurement may pick: the first row among equal maxima, NaN the largest."""
+    every block the measurement may pick (and the C kernel, ``native``): the first row among equal
+    maxima, NaN the largest; also across the kernel's per-thread row ranges and past 64 columns."""
+    from tpengine.kernels import cpu_native
     from tpengine.layers.embedding import ROW_MAX_BLOCK, ROW_MAX_CANDIDATES, col_max
+
+    if native and cpu_native.load() is None:
+        pytest.skip(f"CPU C kernels unavailable: {cpu_native.unavailable_reason()}")
 
     g = torch.Generator().manual_seed(6)
     v = 96 * ROW_MAX_BLOCK
@@ -166,11 +179,16 @@ def test_col_max_equals_torch_max_over_rows_with_ties_infinities_and_nan():
         x[:, 7] = torch.randn(v, generator=g).to(dtype).round()
         want_v, want_i = x.max(dim=0)
         for block in ROW_MAX_CANDIDATES:
-            got_v, got_i = col_max(x, block)
+            got_v, got_i = col_max(x, block, native)
             assert torch.equal(got_i, want_i), (dtype, block, got_i, want_i)
             assert torch.equal(got_v.isnan(), want_v.isnan())
             assert torch.equal(got_v.nan_to_num(), want_v.nan_to_num())
-        assert torch.equal(col_max(x[: v - 5], 512)[1], x[: v - 5].max(dim=0)[1])  # not a multiple: max
+        assert torch.equal(col_max(x[: v - 5], 512, native)[1], x[: v - 5].max(dim=0)[1])  # not a multiple: max
+        wide = x.repeat(1, 9)[:, :70]  # 70 columns (two passes, of 64 and 6), rows 81 elements apart
+        wide[:, 69] = -1.0
+        wide[[v // 2 - 1, v // 2], 69] = 60.0  # a tie across the 2 threads' row ranges: the first wins
+        assert torch.equal(col_max(wide, 512, native)[1], wide.max(dim=0)[1])
+        assert col_max(wide, 512, native)[1][69] == v // 2 - 1
 
 
 def test_greedy_through_the_transposed_logits_picks_the_argmax(tmp_path, monkeypatch):

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_decode.c", "cpu_fused.c", "cpu_paged.c",
-                                                         "cpu_gemv.c", "cpu_gemm.c", "cpu_qgemv.c", "cpu_shm.c"))
+                                                         "cpu_gemv.c", "cpu_gemm.c", "cpu_qgemv.c", "cpu_shm.c",
+                                                         "cpu_argmax.c"))
 #: included by the sources: part of the cache key
 HEADERS = (Path(__file__).with_name("bf16.h"), Path(__file__).with_name("gemv.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -58,6 +59,7 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_fast and
     "tpe_paged_decode_f32": _PAGED,
     "tpe_paged_decode_bf16": _PAGED,
     "tpe_paged_set_amx": [_I32],
+    **{f"tpe_{w}_argmax_{t}": [_P, _I64, _I64, _I64, _P, _I32] for w in ("row", "col") for t in ("f32", "bf16")},
     "tpe_gemv_bf16": [_P, _I64, _I64, _P, _I64, _P, _I32],
     "tpe_gemv_f32": [_P, _I64, _I64, _P, _I64, _P, _I32],
     "tpe_gemm_f32": [_P, _I64, _I64, _P, _I64, _P, _P, _I32],

@@ -31,6 +31,8 @@ SCHEMAS = {
                   "Tensor dst_index) -> ()"),
     "decode_scores": "decode_scores(Tensor q, Tensor k, Tensor lens, Tensor(a!) scores, float scale) -> ()",
     "decode_pv": "decode_pv(Tensor p, Tensor v, Tensor lens, Tensor(a!) out) -> ()",
+    "row_argmax": "row_argmax(Tensor x, Tensor(a!) index) -> ()",
+    "col_argmax": "col_argmax(Tensor x, Tensor(a!) index) -> ()",
 }
 
 
@@ -199,8 +201,29 @@ def _decode_pv(p, v, lens, out):
         raise _len_error(lens, bad, cap)
 
 
+def _argmax(op: str, x: torch.Tensor, index: torch.Tensor, along_rows: bool) -> None:
+    _need(x.dtype in (torch.float32, BF16) and x.is_cpu and x.dim() == 2 and x.numel() > 0 and x.stride(1) == 1
+          and x.stride(0) >= x.shape[1], op,
+          lambda: f"x must be a non-empty float32 or bfloat16 [rows, cols] CPU tensor with contiguous rows; got "
+          f"{x.dtype} {tuple(x.shape)} strides {tuple(x.stride())} on {x.device}")
+    rows, cols = x.shape
+    _index(op, "index", index, rows if along_rows else cols)
+    lib = _lib()
+    fn = getattr(lib, f"tpe_{'row' if along_rows else 'col'}_argmax_{'bf16' if x.dtype == BF16 else 'f32'}")
+    fn(x.data_ptr(), rows, cols, x.stride(0), index.data_ptr(), torch.get_num_threads())
+
+
+def _row_argmax(x, index):
+    _argmax("row_argmax", x, index, True)
+
+
+def _col_argmax(x, index):
+    _argmax("col_argmax", x, index, False)
+
+
 _IMPLS = {"add_rms_norm": _add_rms_norm, "rope_": _rope, "silu_mul": _silu_mul, "causal_softmax_": _causal_softmax,
-          "copy_rows": _copy_rows, "decode_scores": _decode_scores, "decode_pv": _decode_pv}
+          "copy_rows": _copy_rows, "decode_scores": _decode_scores, "decode_pv": _decode_pv,
+          "row_argmax": _row_argmax, "col_argmax": _col_argmax}
 for _name, _impl in _IMPLS.items():
     _LIB.define(SCHEMAS[_name])
     _LIB.impl(_name, _impl, "CPU")

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpengine.distributed import get_tp
+from tpengine.kernels import cpu_native
+from tpengine.kernels.cpu_ops import ops
 from tpengine.kernels.linear_layout import kernel_at
 from tpengine.kernels.measured import Choice, fastest
 from tpengine.layers.comm import all_reduce, gather_to_driver
@@ -55,8 +57,11 @@ class ParallelLMHead(_Packable):
     tied), or ``quant`` (quantized, the embedding's own ``quant`` when tied). Input
     ``[..., hidden]`` -> on rank 0 ``[..., vocab_size]`` (padding columns dropped, so padded ids
     can never be sampled); None on other ranks. ``row_max_block``: the greedy pick's block
-    (:func:`row_max`; set by the loader from :func:`choose_row_max_block` on CPU).
+    (:func:`row_max`; set by the loader from :func:`choose_row_max_block` on CPU); ``native``: the
+    greedy pick may use the C kernels (``EngineConfig.cpu_kernels``, set by the surgery).
     """
+
+    native = True
 
     def __init__(self, vocab_start: int, vocab_end: int, vocab_size: int, hidden: int,
                  dtype=None, device="meta"):
@@ -103,9 +108,9 @@ class ParallelLMHead(_Packable):
         ``F.linear``'s in the last bit."""
         width = self.vocab_size - self.vocab_start
         if self.greedy_mm and hidden.dim() == 2 and hidden.shape[0] > 1:  # measured faster here (greedy_path)
-            value, index = col_max(torch.mm(self.weight, hidden.t())[:width], self.row_max_block)
+            value, index = col_max(torch.mm(self.weight, hidden.t())[:width], self.row_max_block, self.native)
         else:
-            value, index = row_max(self._logits(hidden)[..., :width], self.row_max_block)
+            value, index = row_max(self._logits(hidden)[..., :width], self.row_max_block, self.native)
         if get_tp().size == 1:
             return index
         mine = torch.stack([value.double(), (index + self.vocab_start).double()], dim=-1)  # exact
@@ -125,16 +130,28 @@ ROW_MAX_CANDIDATES = (0, 256, 512, 1024, 2048, 4096)
 ROW_MAX_ROWS = (1, 64)
 
 
-def row_max(x: torch.Tensor, block: int = ROW_MAX_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def _native_argmax(x: torch.Tensor, native: bool) -> bool:
+    """Whether the C argmax kernel (tpengine/kernels/cpu_argmax.c) takes ``x``: 2-D float32 or
+    bfloat16 on CPU with contiguous rows, the kernels on and loadable."""
+    return (native and x.dim() == 2 and x.numel() > 0 and x.dtype in (torch.float32, torch.bfloat16)
+            and x.device.type == "cpu" and x.stride(1) == 1 and cpu_native.usable(x, float32=True))
+
+
+def row_max(x: torch.Tensor, block: int = ROW_MAX_BLOCK, native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``x.max(dim=-1)`` of a ``[B, V]`` tensor -- the maximum and the *first* index holding it,
     NaN counting as the largest -- in two passes that vectorise: the maximum of every
     ``block``-column block (``amax``), the first block holding the row's maximum, then the first
     maximum inside that block (on CPU ``max(dim=-1)`` tracks an index per element and is several
     times slower; figures in docs/notes/kernels.md). Uses ``max`` itself for ``block`` 0, off the
     CPU, for a non-contiguous x, or for V not a multiple of ``block`` (or equal to it); the block
-    is measured per machine (:func:`choose_row_max_block`). Returns ``(values [B] in x.dtype,
-    indices [B] int64)``, the same for every ``block``."""
+    is measured per machine (:func:`choose_row_max_block`). With ``native`` (and a float32 or
+    bfloat16 ``x`` with contiguous rows) one pass of the C kernel ``tpengine.row_argmax`` instead,
+    ``block`` unused. Returns ``(values [B] in x.dtype, indices [B] int64)``, the same either way."""
     b, v = x.shape
+    if _native_argmax(x, native):
+        index = torch.empty(b, dtype=torch.int64)
+        ops.row_argmax(x, index)
+        return x[torch.arange(b), index], index
     if not block or v % block or v == block or not x.is_contiguous() or x.device.type != "cpu":
         return x.max(dim=-1)
     blocks = x.view(b, v // block, block)
@@ -145,14 +162,19 @@ def row_max(x: torch.Tensor, block: int = ROW_MAX_BLOCK) -> tuple[torch.Tensor, 
     return block_max[rows, first], first * block + inside
 
 
-def col_max(x: torch.Tensor, block: int = ROW_MAX_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def col_max(x: torch.Tensor, block: int = ROW_MAX_BLOCK, native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`row_max` of ``x.T`` for a ``[V, B]`` tensor: per column the maximum and the *first*
     row index holding it (NaN the largest), by the same two passes over ``block``-row blocks
     (``amax`` over each block's rows, the first block holding the column's maximum, the first
     maximum inside it); ``x.max(dim=0)`` for ``block`` 0, off the CPU, a non-contiguous x, or V
-    not a multiple of ``block`` (or equal to it). Returns ``(values [B] in x.dtype, indices [B]
-    int64)``, the same for every ``block``."""
+    not a multiple of ``block`` (or equal to it); with ``native``, the C kernel ``tpengine.col_argmax``
+    (one pass over the rows, as :func:`row_max`). Returns ``(values [B] in x.dtype, indices [B]
+    int64)``, the same either way."""
     v, b = x.shape
+    if _native_argmax(x, native):
+        index = torch.empty(b, dtype=torch.int64)
+        ops.col_argmax(x, index)
+        return x[index, torch.arange(b)], index
     if not block or v % block or v == block or not x.is_contiguous() or x.device.type != "cpu":
         return x.max(dim=0)
     blocks = x.view(v // block, block, b)
@@ -172,8 +194,9 @@ def choose_greedy_path(head: "ParallelLMHead", rows: tuple[int, ...] = (8, 64)) 
     g = torch.Generator().manual_seed(0)
     w, width, block = head.weight, head.shard_width, head.row_max_block
     xs = [torch.randn(r, w.shape[1], generator=g).to(w.dtype) for r in rows]
-    candidates = {"linear": [lambda x=x: row_max(F.linear(x, w)[:, :width], block) for x in xs],
-                  "mm": [lambda x=x: col_max(torch.mm(w, x.t())[:width], block) for x in xs]}
+    native = head.native
+    candidates = {"linear": [lambda x=x: row_max(F.linear(x, w)[:, :width], block, native) for x in xs],
+                  "mm": [lambda x=x: col_max(torch.mm(w, x.t())[:width], block, native) for x in xs]}
     return fastest(f"greedy head {w.shape[0]}x{w.shape[1]} {str(w.dtype).removeprefix('torch.')} block {block} "
                    f"rows {'/'.join(map(str, rows))}", candidates)
 
