@@ -239,3 +239,23 @@ def test_no_stop_string_before_min_tokens(tok):
     got = "".join(d.append(i) for i in ids[:2])
     assert not d.stopped and got == "a b"
     assert d.append(ids[2]) == " " and d.stopped and d.text == "a b "
+
+
+def test_fast_tokenizers_decode_through_the_rust_tokenizer_with_the_same_text(tok):
+    """A transformers fast tokenizer is decoded by its ``tokenizers.Tokenizer`` directly (what its
+    ``decode`` calls, without the per-call argument conversion), with the same text; a tokenizer
+    class that overrides ``_decode``, or any other object, keeps ``tokenizer.decode``."""
+    from tpengine.engine.detokenizer import _rust_decoder
+
+    assert _rust_decoder(tok) is tok.backend_tokenizer
+    ids = tok(" ".join(TEXTS)).input_ids
+    for skip in (True, False):
+        deltas, d = run(tok, ids + [tok.eos_token_id], skip=skip)
+        assert "".join(deltas) == d.text == decode(tok, ids + [tok.eos_token_id], skip)
+
+    class Custom(type(tok)):
+        def _decode(self, token_ids, **kw):
+            return "custom"
+
+    custom = object.__new__(Custom)
+    assert _rust_decoder(custom) is None and _rust_decoder(object()) is None

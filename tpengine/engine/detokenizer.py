@@ -19,6 +19,20 @@ from collections.abc import Sequence
 REPLACEMENT = "\ufffd"
 
 
+def _rust_decoder(tokenizer):
+    """The ``tokenizers.Tokenizer`` whose ``decode(ids, skip_special_tokens=...)`` is exactly what
+    ``tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`` returns: a
+    transformers fast tokenizer that keeps the library's own ``_decode`` (which then only calls it);
+    None for any other tokenizer. Skips transformers' per-call argument conversion, twice a token."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    if isinstance(tokenizer, TokenizersBackend) and type(tokenizer)._decode is TokenizersBackend._decode:
+        return tokenizer.backend_tokenizer
+    return None
+
+
 class IncrementalDetokenizer:
     """Turns generated token ids into text deltas, one token at a time.
 
@@ -64,6 +78,7 @@ class IncrementalDetokenizer:
         self._read = 0  # ids before this are decoded into _text
         self._text = ""  # confirmed decoded text (cut at the stop string once stopped)
         self._emitted = 0  # chars of _text already returned to the caller
+        self._backend = _rust_decoder(tokenizer)
 
     @property
     def text(self) -> str:
@@ -72,6 +87,8 @@ class IncrementalDetokenizer:
         return self._text
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(
             ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
         )
