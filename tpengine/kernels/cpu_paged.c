@@ -441,7 +441,7 @@ int tpe_paged_set_amx(int min_batch) {
               const int64_t b = whole ? it : it / hkv, kv0 = whole ? 0 : it % hkv;                                  \
               const int64_t nx = __atomic_fetch_add(&claim, 1, __ATOMIC_RELAXED);                                   \
               ahead_t ah = {0};                                                                                     \
-              if (nx < items) {                                                                                     \
+              if (BF && nx < items) { /* bfloat16 only: no gain measured in float32 */                              \
                   const int64_t bn = whole ? nx : nx / hkv, n = (whole ? row : d) * (int64_t)sizeof(T);             \
                   const int64_t groups = (whole ? hkv : 1) * ((lens[b] + 15) / 16);                                 \
                   if (groups > 0 && 2 * n * lens[bn] <= ahead_budget()) {                                           \
