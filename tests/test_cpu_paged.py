@@ -22,18 +22,18 @@ def rope(x, cos, sin):
     return x * cos[:, None] + rot * sin[:, None]
 
 
-def case(d, bs, q_to_kv, dtype, seed=0):
+def case(d, bs, q_to_kv, dtype, seed=0, lens=DECODE_LENS):
     g = _gen(seed)
     hq, hkv = len(q_to_kv), max(q_to_kv) + 1
-    kc, vc, bt = _cache(DECODE_LENS, bs, hkv, d, g)
-    b = len(DECODE_LENS)
+    kc, vc, bt = _cache(lens, bs, hkv, d, g)
+    b = len(lens)
     qkv = torch.randn(b, hq + 2 * hkv, d, generator=g).to(dtype)  # the fused q/k/v GEMM output
-    pos = torch.tensor([max(n - 1, 0) for n in DECODE_LENS])
+    pos = torch.tensor([max(n - 1, 0) for n in lens])
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     ang = torch.cat([pos[:, None] * inv] * 2, dim=-1)
-    slots = torch.tensor([_slot(bt, i, n - 1, bs) if n else -1 for i, n in enumerate(DECODE_LENS)])
+    slots = torch.tensor([_slot(bt, i, n - 1, bs) if n else -1 for i, n in enumerate(lens)])
     return (qkv, ang.cos().to(dtype), ang.sin().to(dtype), kc.to(dtype), vc.to(dtype), bt, slots,
-            torch.tensor(DECODE_LENS), torch.tensor(q_to_kv))
+            torch.tensor(lens), torch.tensor(q_to_kv))
 
 
 def views(qkv, hq, hkv):
@@ -181,6 +181,41 @@ def test_paged_decode_amx_path_equals_the_reference_and_the_avx512_path(d, bs, q
         outs.append(out)
     ulp = outs[0].float().abs().clamp_min(2 ** -126) * 2 ** -7  # one bfloat16 ulp (at most)
     assert ((outs[1].float() - outs[0].float()).abs() <= ulp).all()
+
+
+MANY_LENS = DECODE_LENS * 3 + [1000, 1, 129]  # 24 sequences (one work item each); 1000: past the fetch-ahead budget
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("path", ["f32", "bf16", "bf16-amx"])
+def test_paged_decode_of_many_sequences_claims_every_item_once(path, threads):
+    """A batch of many sequences (a work item per sequence, whole K/V rows; each thread claims its
+    next item one ahead and fetches its rows while computing the current one) gives the reference
+    attention for every sequence, whatever the thread count, lengths (a long one, padding rows)
+    and path."""
+    if path == "bf16-amx" and not AMX:
+        pytest.skip("the paged kernel's AMX path needs AMX-BF16")
+    dtype = torch.float32 if path == "f32" else torch.bfloat16
+    q_to_kv = [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    qkv, cos, sin, kc, vc, bt, slots, lens, qkv_map = case(64, 16, q_to_kv, dtype, seed=3, lens=MANY_LENS)
+    q0, k0, v0 = (x.clone() for x in views(qkv, 9, 3))
+    q0, k0 = rope(q0, cos, sin), rope(k0, cos, sin)
+    kc0, vc0 = kc.clone(), vc.clone()
+    ref.store_kvcache(k0, v0, kc0, vc0, slots)
+    want = ref.decode_attention(q0.float(), kc0.float(), vc0.float(), bt, lens, qkv_map, 0.125)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    cpu_paged.set_amx(1 if path == "bf16-amx" else 0)
+    try:
+        q, k, v = views(qkv, 9, 3)
+        out = cpu_paged.decode(q, k, v, cos, sin, kc, vc, qkv_map, 0.125, cpu_paged.paged_index(slots, bt, lens))
+    finally:
+        torch.set_num_threads(before)
+        cpu_paged.set_amx(0)
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), want, **tol)
+    assert (out[lens == 0] == 0).all() and int((lens == 0).sum()) == 3
 
 
 def test_choose_amx_measures_both_paths_and_leaves_the_choice_set():
