@@ -12,7 +12,6 @@
  *               partial results are merged in order (an earlier range wins a tie).
  * Needs rows, cols >= 1. */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -46,107 +45,107 @@ static inline int beats(float v, int64_t i, int isnan_, float bv, int64_t bi, in
 
 /* Each row in four interleaved lane sets (columns c + 16 k of every 64, k < 4: four independent
  * chains of compares), reduced at the end. */
-#define ROW_ARGMAX(NAME, T, LD)                                                                               \
-    void NAME(const T *x, int64_t rows, int64_t cols, int64_t ld, int64_t *idx, int nthreads) {               \
-        _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (rows > 1 && rows * cols >= 65536)") \
-        for (int64_t r = 0; r < rows; r++) {                                                                  \
-            const T *p = x + r * ld;                                                                          \
-            const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);     \
-            __m512 mx[4];                                                                                     \
-            __m512i ix[4];                                                                                    \
-            __mmask16 nan[4], seen[4]; /* seen: lanes with an element yet (a lane's first is always taken) */ \
-            for (int k = 0; k < 4; k++)                                                                       \
-                mx[k] = _mm512_set1_ps(-INFINITY), ix[k] = _mm512_set1_epi32(0), nan[k] = seen[k] = 0;       \
-            for (int64_t c = 0; c < cols; c += 64)                                                            \
-                for (int k = 0; k < 4; k++) {                                                                 \
-                    const int64_t n = cols - c - 16 * k;                                                      \
-                    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : n > 0 ? (__mmask16)((1u << n) - 1) : 0; \
-                    const __m512 v = LD(p + c + 16 * k, m);                                                   \
-                    const __m512i at = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(c + 16 * k)));          \
-                    const __mmask16 first = m & ~seen[k];                                                     \
-                    mx[k] = _mm512_mask_mov_ps(mx[k], first, v);                                              \
-                    ix[k] = _mm512_mask_mov_epi32(ix[k], first, at);                                          \
-                    nan[k] |= _mm512_mask_cmp_ps_mask(first, v, v, _CMP_UNORD_Q);                             \
-                    take(v, at, &mx[k], &ix[k], &nan[k], m & seen[k]);                                        \
-                    seen[k] |= m;                                                                             \
-                }                                                                                             \
-            float mv[64];                                                                                     \
-            int32_t iv[64];                                                                                   \
+#define ROW_ARGMAX(NAME, T, LD)                                                                                        \
+    void NAME(const T *x, int64_t rows, int64_t cols, int64_t ld, int64_t *idx, int nthreads) {                        \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (rows > 1 && rows * cols >= 65536)")       \
+        for (int64_t r = 0; r < rows; r++) {                                                                           \
+            const T *p = x + r * ld;                                                                                   \
+            const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);               \
+            __m512 mx[4];                                                                                              \
+            __m512i ix[4];                                                                                             \
+            __mmask16 nan[4], seen[4]; /* seen: lanes with an element yet (a lane's first is always taken) */          \
+            for (int k = 0; k < 4; k++)                                                                                \
+                mx[k] = _mm512_set1_ps(-INFINITY), ix[k] = _mm512_set1_epi32(0), nan[k] = seen[k] = 0;                 \
+            for (int64_t c = 0; c < cols; c += 64)                                                                     \
+                for (int k = 0; k < 4; k++) {                                                                          \
+                    const int64_t n = cols - c - 16 * k;                                                               \
+                    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : n > 0 ? (__mmask16)((1u << n) - 1) : 0;          \
+                    const __m512 v = LD(p + c + 16 * k, m);                                                            \
+                    const __m512i at = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(c + 16 * k)));                   \
+                    const __mmask16 first = m & ~seen[k];                                                              \
+                    mx[k] = _mm512_mask_mov_ps(mx[k], first, v);                                                       \
+                    ix[k] = _mm512_mask_mov_epi32(ix[k], first, at);                                                   \
+                    nan[k] |= _mm512_mask_cmp_ps_mask(first, v, v, _CMP_UNORD_Q);                                      \
+                    take(v, at, &mx[k], &ix[k], &nan[k], m & seen[k]);                                                 \
+                    seen[k] |= m;                                                                                      \
+                }                                                                                                      \
+            float mv[64];                                                                                              \
+            int32_t iv[64];                                                                                            \
             for (int k = 0; k < 4; k++) _mm512_storeu_ps(mv + 16 * k, mx[k]), _mm512_storeu_si512(iv + 16 * k, ix[k]); \
-            int best = 0; /* lane 0 of set 0 holds column 0: always seen */                                  \
-            for (int l = 1; l < 64; l++) {                                                                    \
-                const int k = l / 16, b = best / 16;                                                          \
-                if (((seen[k] >> (l % 16)) & 1) && beats(mv[l], iv[l], (nan[k] >> (l % 16)) & 1, mv[best],    \
-                                                         iv[best], (nan[b] >> (best % 16)) & 1))              \
-                    best = l;                                                                                 \
-            }                                                                                                 \
-            idx[r] = iv[best];                                                                                \
-        }                                                                                                     \
+            int best = 0; /* lane 0 of set 0 holds column 0: always seen */                                            \
+            for (int l = 1; l < 64; l++) {                                                                             \
+                const int k = l / 16, b = best / 16;                                                                   \
+                if (((seen[k] >> (l % 16)) & 1) && beats(mv[l], iv[l], (nan[k] >> (l % 16)) & 1, mv[best],             \
+                                                         iv[best], (nan[b] >> (best % 16)) & 1))                       \
+                    best = l;                                                                                          \
+            }                                                                                                          \
+            idx[r] = iv[best];                                                                                         \
+        }                                                                                                              \
     }
 
 /* Columns c0 .. c0 + 64 (four groups of 16, masks m[g]; a group with mask 0 reads nothing) over rows
  * r0..r1 (r1 > r0), one pass over the rows: per column the first row of its maximum. */
-#define COL_RANGE(NAME, T, LD)                                                                                       \
-    static void NAME(const T *x, int64_t ld, int64_t r0, int64_t r1, int64_t c0, const __mmask16 *m,                 \
-                     float *mv, int64_t *iv, uint16_t *nanv) {                                                       \
-        __m512 mx[4];                                                                                                \
-        __m512i ix[4];                                                                                               \
-        __mmask16 nan[4];                                                                                            \
-        for (int g = 0; g < 4; g++) {                                                                                \
-            mx[g] = LD(x + r0 * ld + c0 + 16 * g, m[g]);                                                             \
-            ix[g] = _mm512_set1_epi32((int)r0);                                                                      \
-            nan[g] = _mm512_mask_cmp_ps_mask(m[g], mx[g], mx[g], _CMP_UNORD_Q);                                      \
-        }                                                                                                            \
-        for (int64_t r = r0 + 1; r < r1; r++) {                                                                      \
-            const __m512i at = _mm512_set1_epi32((int)r);                                                            \
-            for (int g = 0; g < 4; g++) take(LD(x + r * ld + c0 + 16 * g, m[g]), at, &mx[g], &ix[g], &nan[g], m[g]); \
-        }                                                                                                            \
-        for (int g = 0; g < 4; g++) {                                                                                \
-            int32_t i32[16];                                                                                         \
-            _mm512_storeu_ps(mv + 16 * g, mx[g]);                                                                    \
-            _mm512_storeu_si512(i32, ix[g]);                                                                         \
-            for (int l = 0; l < 16; l++) iv[16 * g + l] = i32[l];                                                    \
-            nanv[g] = nan[g];                                                                                        \
-        }                                                                                                            \
+#define COL_RANGE(NAME, T, LD)                                                                                         \
+    static void NAME(const T *x, int64_t ld, int64_t r0, int64_t r1, int64_t c0, const __mmask16 *m,                   \
+                     float *mv, int64_t *iv, uint16_t *nanv) {                                                         \
+        __m512 mx[4];                                                                                                  \
+        __m512i ix[4];                                                                                                 \
+        __mmask16 nan[4];                                                                                              \
+        for (int g = 0; g < 4; g++) {                                                                                  \
+            mx[g] = LD(x + r0 * ld + c0 + 16 * g, m[g]);                                                               \
+            ix[g] = _mm512_set1_epi32((int)r0);                                                                        \
+            nan[g] = _mm512_mask_cmp_ps_mask(m[g], mx[g], mx[g], _CMP_UNORD_Q);                                        \
+        }                                                                                                              \
+        for (int64_t r = r0 + 1; r < r1; r++) {                                                                        \
+            const __m512i at = _mm512_set1_epi32((int)r);                                                              \
+            for (int g = 0; g < 4; g++) take(LD(x + r * ld + c0 + 16 * g, m[g]), at, &mx[g], &ix[g], &nan[g], m[g]);   \
+        }                                                                                                              \
+        for (int g = 0; g < 4; g++) {                                                                                  \
+            int32_t i32[16];                                                                                           \
+            _mm512_storeu_ps(mv + 16 * g, mx[g]);                                                                      \
+            _mm512_storeu_si512(i32, ix[g]);                                                                           \
+            for (int l = 0; l < 16; l++) iv[16 * g + l] = i32[l];                                                      \
+            nanv[g] = nan[g];                                                                                          \
+        }                                                                                                              \
     }
 
-#define COL_ARGMAX(NAME, RANGE, T)                                                                                   \
-    void NAME(const T *x, int64_t rows, int64_t cols, int64_t ld, int64_t *idx, int nthreads) {                      \
-        int nt = rows * cols >= 65536 ? nthreads : 1;                                                                \
-        if (nt > rows) nt = (int)rows;                                                                               \
-        const int64_t groups = (cols + 15) / 16, groups4 = (groups + 3) / 4 * 4; /* 16-column groups */              \
-        float *mv = malloc(sizeof(float) * 16 * groups4 * nt);                                                       \
-        int64_t *iv = malloc(sizeof(int64_t) * 16 * groups4 * nt);                                                   \
-        uint16_t *nanv = malloc(sizeof(uint16_t) * groups4 * nt);                                                    \
-        _Pragma("omp parallel num_threads(nt)") {                                                                    \
-            const int t = omp_get_thread_num();                                                                      \
-            const int64_t r0 = rows * t / nt, r1 = rows * (t + 1) / nt;                                              \
-            for (int64_t g0 = 0; g0 < groups; g0 += 4) {                                                             \
-                __mmask16 m[4];                                                                                      \
-                for (int g = 0; g < 4; g++) {                                                                        \
-                    const int64_t n = cols - 16 * (g0 + g);                                                          \
-                    m[g] = n >= 16 ? (__mmask16)0xffff : n > 0 ? (__mmask16)((1u << n) - 1) : 0;                     \
-                }                                                                                                    \
-                const int64_t o = t * groups4 + g0;                                                                  \
-                RANGE(x, ld, r0, r1, 16 * g0, m, mv + 16 * o, iv + 16 * o, nanv + o);                                \
-            }                                                                                                        \
-        }                                                                                                            \
-        for (int64_t c = 0; c < cols; c++) { /* merge the ranges in row order */                                     \
-            const int64_t gi = c / 16, l = c % 16;                                                                   \
-            float bv = mv[16 * gi + l];                                                                              \
-            int64_t bi = iv[16 * gi + l];                                                                            \
-            int bn = (nanv[gi] >> l) & 1;                                                                            \
-            for (int t = 1; t < nt; t++) {                                                                           \
-                const int64_t o = t * groups4 + gi;                                                                  \
-                const int n = (nanv[o] >> l) & 1;                                                                    \
-                if (beats(mv[16 * o + l], iv[16 * o + l], n, bv, bi, bn))                                            \
-                    bv = mv[16 * o + l], bi = iv[16 * o + l], bn = n;                                                \
-            }                                                                                                        \
-            idx[c] = bi;                                                                                             \
-        }                                                                                                            \
-        free(mv);                                                                                                    \
-        free(iv);                                                                                                    \
-        free(nanv);                                                                                                  \
+#define COL_ARGMAX(NAME, RANGE, T)                                                                                     \
+    void NAME(const T *x, int64_t rows, int64_t cols, int64_t ld, int64_t *idx, int nthreads) {                        \
+        int nt = rows * cols >= 65536 ? nthreads : 1;                                                                  \
+        if (nt > rows) nt = (int)rows;                                                                                 \
+        const int64_t groups = (cols + 15) / 16, groups4 = (groups + 3) / 4 * 4; /* 16-column groups */                \
+        float *mv = malloc(sizeof(float) * 16 * groups4 * nt);                                                         \
+        int64_t *iv = malloc(sizeof(int64_t) * 16 * groups4 * nt);                                                     \
+        uint16_t *nanv = malloc(sizeof(uint16_t) * groups4 * nt);                                                      \
+        _Pragma("omp parallel for schedule(static) num_threads(nt)") /* one row range per t, whatever the team */      \
+        for (int t = 0; t < nt; t++) {                                                                                 \
+            const int64_t r0 = rows * t / nt, r1 = rows * (t + 1) / nt;                                                \
+            for (int64_t g0 = 0; g0 < groups; g0 += 4) {                                                               \
+                __mmask16 m[4];                                                                                        \
+                for (int g = 0; g < 4; g++) {                                                                          \
+                    const int64_t n = cols - 16 * (g0 + g);                                                            \
+                    m[g] = n >= 16 ? (__mmask16)0xffff : n > 0 ? (__mmask16)((1u << n) - 1) : 0;                       \
+                }                                                                                                      \
+                const int64_t o = t * groups4 + g0;                                                                    \
+                RANGE(x, ld, r0, r1, 16 * g0, m, mv + 16 * o, iv + 16 * o, nanv + o);                                  \
+            }                                                                                                          \
+        }                                                                                                              \
+        for (int64_t c = 0; c < cols; c++) { /* merge the ranges in row order */                                       \
+            const int64_t gi = c / 16, l = c % 16;                                                                     \
+            float bv = mv[16 * gi + l];                                                                                \
+            int64_t bi = iv[16 * gi + l];                                                                              \
+            int bn = (nanv[gi] >> l) & 1;                                                                              \
+            for (int t = 1; t < nt; t++) {                                                                             \
+                const int64_t o = t * groups4 + gi;                                                                    \
+                const int n = (nanv[o] >> l) & 1;                                                                      \
+                if (beats(mv[16 * o + l], iv[16 * o + l], n, bv, bi, bn))                                              \
+                    bv = mv[16 * o + l], bi = iv[16 * o + l], bn = n;                                                  \
+            }                                                                                                          \
+            idx[c] = bi;                                                                                               \
+        }                                                                                                              \
+        free(mv);                                                                                                      \
+        free(iv);                                                                                                      \
+        free(nanv);                                                                                                    \
     }
 
 ROW_ARGMAX(tpe_row_argmax_f32, float, ld_f32)
