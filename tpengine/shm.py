@@ -15,12 +15,8 @@ order, as every rank runs the same step): wait until every rank has *started* ca
 (so nobody still reads the buffer about to be reused), copy the tensor into this rank's slot of
 buffer ``g % 2``, set ``flag[rank] = g``; an all-reduce then waits for every flag ``>= g`` and
 sums the slots in rank order (so every rank gets bit-identical results); a gather waits on
-rank 0 only. The all-reduce fused with the next RMSNorm publishes a tensor larger than
-:attr:`ShmComm.chunk_bytes` in chunks of rows, each announced by a per-rank progress counter
-(``g * 2**32 + rows published``, in the flag's cache line), and sums each chunk once every rank has
-it, while the rows are still in cache (``cpu_shm.c``); its flag is set once the whole tensor is in,
-so a reader waiting on flags sees the same protocol. Stores become visible in program order on
-x86-64 (TSO), the only architecture this is enabled on. A peer that dies or stalls past the timeout raises RuntimeError (bounded wait).
+rank 0 only. Stores become visible in program order on x86-64 (TSO), the only architecture this
+is enabled on. A peer that dies or stalls past the timeout raises RuntimeError (bounded wait).
 """
 
 from __future__ import annotations
@@ -51,10 +47,6 @@ class ShmComm:
         slot_bytes: the largest tensor it carries; larger ones go through gloo (the same
             decision on every rank, as it depends only on the shape).
         timeout_s: longest wait for the other ranks.
-
-    Attributes:
-        chunk_bytes: the fused all-reduce + norm's pipeline chunk (bytes of rows; 0: none): an
-            eighth of this core's L2 cache (``os.sysconf``), 128 KiB where the OS does not say.
     """
 
     def __init__(self, rank: int, size: int, path: str, slot_bytes: int, timeout_s: float):
@@ -71,7 +63,6 @@ class ShmComm:
         self._fast = lib.tpe_shm_all_reduce if lib is not None else None
         self._fused = lib.tpe_shm_all_reduce_add_rms_norm if lib is not None else None
         self._base = self.buf.data_ptr()
-        self.chunk_bytes = l2_bytes() // 8
 
     def _slot(self, gen: int, rank: int, t: torch.Tensor) -> torch.Tensor:
         start = HEADER + ((gen % 2) * self.size + rank) * self.slot_bytes
@@ -147,7 +138,7 @@ class ShmComm:
         h2, y = torch.empty_like(h), torch.empty_like(h)
         done = self._fused(self._base, self.slot_bytes, self.size, self.rank, g, t.data_ptr(), h.shape[0], n,
                            int(t.dtype == torch.bfloat16), SPIN_NS, h.data_ptr(), weight.data_ptr(), h2.data_ptr(),
-                           y.data_ptr(), eps, torch.get_num_threads(), self.chunk_bytes)
+                           y.data_ptr(), eps, torch.get_num_threads())
         if done == 0:
             return h2, y
         self._finish(t, g, published=done == 2)
@@ -175,16 +166,6 @@ class ShmComm:
             return None
         self._wait(g, range(self.size))
         return torch.cat([self._slot(g, r, t) for r in range(self.size)], dim=dim)
-
-
-def l2_bytes() -> int:
-    """This core's L2 cache in bytes (``os.sysconf("SC_LEVEL2_CACHE_SIZE")``), 1 MiB where the OS
-    does not say."""
-    try:
-        size = os.sysconf("SC_LEVEL2_CACHE_SIZE")
-    except (ValueError, OSError):
-        size = 0
-    return size if size > 0 else 1 << 20
 
 
 def shm_supported(tp: dist.TPInfo) -> bool:

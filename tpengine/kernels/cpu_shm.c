@@ -10,13 +10,6 @@
  *           (g % 2, rank), store flag[rank] = g (release), wait until every flag >= g (acquire),
  *           t = ((s_0 + s_1) + s_2) + ..., each sum rounded to the dtype (bfloat16: as torch.add).
  *
- * The fused all-reduce + norm of a tensor over chunk_bytes (> 0) publishes and sums it in chunks of
- * whole rows, a pipeline: copy chunk c into the slot, store progress[rank] = g * PROG_SCALE + c + 1
- * (rank r's progress at base + 64 r + 16), wait until every rank has chunk c (its progress, or its
- * flag >= g: a peer on the Python path publishes whole), sum and normalize chunk c -- so the slot
- * chunks are read back from cache rather than memory. flag[rank] = g is stored once the last chunk is
- * in, so a Python-path peer waiting on flags sees the protocol above unchanged.
- *
  * Each wait spins at most max_ns nanoseconds: returns 0 when the call is complete, 1 when the first
  * wait ran out (nothing was written), 2 when the second did (this rank's slot and flag are published,
  * t is not summed); the caller then waits in Python, where the peers' liveness and the collective
@@ -30,7 +23,6 @@
 #include "bf16.h"
 
 #define HEADER 4096
-#define PROG_SCALE ((int64_t)1 << 32) /* progress = g * PROG_SCALE + rows published (fewer than 2^32) */
 
 static int64_t now_ns(void) {
     struct timespec ts;
@@ -46,28 +38,6 @@ static int wait_all(char *base, int64_t size, int64_t gen, int64_t max_ns) {
         for (int64_t r = 0; r < size && ok; r++) ok = __atomic_load_n((int64_t *)(base + 64 * r), __ATOMIC_ACQUIRE) >= gen;
         if (ok) return 1;
         if ((spins & 255) == 255) { /* every ~10 us: give the core back if another process wants it */
-            sched_yield();
-            const int64_t t = now_ns();
-            if (deadline < 0) deadline = t + max_ns;
-            else if (t > deadline) return 0;
-        }
-#if defined(__x86_64__)
-        __builtin_ia32_pause();
-#endif
-    }
-}
-
-/* 1 once every rank has published the first `rows` rows of call gen (its progress, or its flag >= gen),
- * 0 if max_ns passed first. */
-static int wait_rows(char *base, int64_t size, int64_t gen, int64_t rows, int64_t max_ns) {
-    int64_t deadline = -1;
-    for (int64_t spins = 0;; spins++) {
-        int ok = 1;
-        for (int64_t r = 0; r < size && ok; r++)
-            ok = __atomic_load_n((int64_t *)(base + 64 * r + 16), __ATOMIC_ACQUIRE) >= gen * PROG_SCALE + rows ||
-                 __atomic_load_n((int64_t *)(base + 64 * r), __ATOMIC_ACQUIRE) >= gen;
-        if (ok) return 1;
-        if ((spins & 255) == 255) {
             sched_yield();
             const int64_t t = now_ns();
             if (deadline < 0) deadline = t + max_ns;
@@ -133,11 +103,18 @@ int64_t tpe_shm_all_reduce(char *base, int64_t slot_bytes, int64_t size, int64_t
     return 0;
 }
 
-/* Rows r0..r1 of the fused all-reduce + residual add + RMSNorm (see below) from the slots. */
-static void norm_rows(const char *slots, int64_t slot_bytes, int64_t size, int64_t r0, int64_t r1, int64_t n,
-                      int64_t bf16, const void *h, const void *w, void *h_out, void *y, float eps, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads) if ((r1 - r0) * n >= 65536)
-    for (int64_t r = r0; r < r1; r++) {
+/* The all-reduce of t [rows, n] fused with the residual add and RMSNorm after it: x = the rank-order sum
+ * of the slots (as tpe_shm_all_reduce would leave in t; t itself is not written), then exactly
+ * tpe_add_rms_norm's (bf16) / tpe_add_rms_norm_f32's arithmetic on (h, x): h_out = h + x,
+ * y = w * rms_norm(h_out). n % 16 == 0. The rows are split over nthreads once every slot is in. */
+int64_t tpe_shm_all_reduce_add_rms_norm(char *base, int64_t slot_bytes, int64_t size, int64_t rank, int64_t gen,
+                                        const void *t, int64_t rows, int64_t n, int64_t bf16, int64_t max_ns,
+                                        const void *h, const void *w, void *h_out, void *y, float eps, int nthreads) {
+    const int64_t rc = publish(base, slot_bytes, size, rank, gen, t, rows * n * (bf16 ? 2 : 4), max_ns);
+    if (rc) return rc;
+    const char *slots = base + HEADER + (gen % 2) * size * slot_bytes;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * n >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
         __m512 ss = _mm512_setzero_ps();
         if (bf16) {
             const uint16_t *hr = (const uint16_t *)h + r * n, *wr = (const uint16_t *)w;
@@ -162,45 +139,6 @@ static void norm_rows(const char *slots, int64_t slot_bytes, int64_t size, int64
                 _mm512_storeu_ps(yr + i, _mm512_mul_ps(_mm512_loadu_ps(wr + i), _mm512_mul_ps(_mm512_loadu_ps(hor + i), inv)));
         }
     }
-}
-
-/* The all-reduce of t [rows, n] fused with the residual add and RMSNorm after it: x = the rank-order sum
- * of the slots (as tpe_shm_all_reduce would leave in t; t itself is not written), then exactly
- * tpe_add_rms_norm's (bf16) / tpe_add_rms_norm_f32's arithmetic on (h, x): h_out = h + x,
- * y = w * rms_norm(h_out). n % 16 == 0. The rows are split over nthreads once every slot is in; a
- * tensor over chunk_bytes (> 0) is published and summed in chunks of rows, pipelined (header comment).
- * Returns as tpe_shm_all_reduce; a chunk wait that runs out first publishes the remaining chunks, so
- * the call is then always published (2). */
-int64_t tpe_shm_all_reduce_add_rms_norm(char *base, int64_t slot_bytes, int64_t size, int64_t rank, int64_t gen,
-                                        const void *t, int64_t rows, int64_t n, int64_t bf16, int64_t max_ns,
-                                        const void *h, const void *w, void *h_out, void *y, float eps, int nthreads,
-                                        int64_t chunk_bytes) {
-    const int64_t es = bf16 ? 2 : 4, row_bytes = n * es;
-    const int64_t per = chunk_bytes > 0 ? (chunk_bytes / row_bytes > 0 ? chunk_bytes / row_bytes : 1) : rows;
-    const int64_t chunks = (rows + per - 1) / per;
-    char *slots = base + HEADER + (gen % 2) * size * slot_bytes;
-    if (chunks <= 1 || rows >= PROG_SCALE) {
-        const int64_t rc = publish(base, slot_bytes, size, rank, gen, t, rows * row_bytes, max_ns);
-        if (rc) return rc;
-        norm_rows(slots, slot_bytes, size, 0, rows, n, bf16, h, w, h_out, y, eps, nthreads);
-        return 0;
-    }
-    if (!wait_all(base, size, gen - 1, max_ns)) return 1; /* nobody still reads buffer gen % 2 */
-    char *mine = slots + rank * slot_bytes;
-    int64_t *prog = (int64_t *)(base + 64 * rank + 16);
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t r0 = c * per, r1 = r0 + per < rows ? r0 + per : rows;
-        memcpy(mine + r0 * row_bytes, (const char *)t + r0 * row_bytes, (size_t)((r1 - r0) * row_bytes));
-        __atomic_store_n(prog, gen * PROG_SCALE + r1, __ATOMIC_RELEASE);
-        if (!wait_rows(base, size, gen, r1, max_ns)) { /* publish the rest; the caller finishes */
-            memcpy(mine + r1 * row_bytes, (const char *)t + r1 * row_bytes, (size_t)((rows - r1) * row_bytes));
-            __atomic_store_n(prog, gen * PROG_SCALE + rows, __ATOMIC_RELEASE);
-            __atomic_store_n((int64_t *)(base + 64 * rank), gen, __ATOMIC_RELEASE);
-            return 2;
-        }
-        norm_rows(slots, slot_bytes, size, r0, r1, n, bf16, h, w, h_out, y, eps, nthreads);
-    }
-    __atomic_store_n((int64_t *)(base + 64 * rank), gen, __ATOMIC_RELEASE);
     return 0;
 }
 
