@@ -224,8 +224,8 @@ def main(
     from transformers import AutoConfig
 
     from tpengine.config import DTYPES, QUANTIZATIONS
-    from tpengine.layers.quantized import QuantScheme, check_quantization
-    from tpengine.plan import ShardPlan
+    from tpengine.model.plan import ShardPlan
+    from tpengine.quant.weights import QuantScheme, check_quantization
 
     bad_dtypes = [d for d in dtypes if d not in DTYPES]
     if bad_dtypes:

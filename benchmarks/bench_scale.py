@@ -90,8 +90,8 @@ def ensure_shards(model: str, tp: int, timeout_s: float) -> dict:
     """The ``tpengine-shard split`` folder ``<model>-tp<tp>``, made once in its own process (so its
     peak memory is its own): ``{"path", "built", "split_s", "split_peak_rss_bytes",
     "largest_tensor_bytes"}``. Raises subprocess.CalledProcessError when the split fails."""
-    from tpengine.checkpoint import checkpoint_files
-    from tpengine.tensor_file import read_header
+    from tpengine.model.checkpoint import checkpoint_files
+    from tpengine.model.tensor_file import read_header
 
     out = Path(f"{model}-tp{tp}")
     largest = max(i.nbytes for f in checkpoint_files(model) for i in read_header(Path(model) / f).values())

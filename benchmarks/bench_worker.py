@@ -117,7 +117,7 @@ class EngineSystem:
                 "max_num_batched_tokens": self.engine.config.max_num_batched_tokens}
 
     def _run(self, prompts: list[list[int]], n: int):
-        from tpengine.engine.sampling_params import SamplingParams
+        from tpengine.sampling_params import SamplingParams
 
         sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         outs = self.engine.generate([(f"r{i}", p, sp) for i, p in enumerate(prompts)] if self.tp.is_driver else [])
@@ -172,7 +172,7 @@ class EngineSystem:
             ValueError: tp > 1 (this loop drives ``step()`` itself, without the broadcasts of
                 ``generate``), or ``start_after`` >= ``running_output_len``.
         """
-        from tpengine.engine.sampling_params import SamplingParams
+        from tpengine.sampling_params import SamplingParams
 
         if self.tp.size != 1:
             raise ValueError(f"interference runs at tp=1 only, not tp={self.tp.size}")

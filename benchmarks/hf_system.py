@@ -32,11 +32,11 @@ def choose_hf_attn(model, name: str, dtype: torch.dtype, generate) -> str:
     """The faster of :data:`HF_ATTN` for HF ``model`` (named ``name``) in ``dtype`` on this machine:
     ``generate(prompts, n)`` timed on :data:`AUTO_ATTN_WORKLOAD` with each implementation set
     (``model.set_attn_implementation``), timed once per machine, model, dtype and transformers
-    version and cached (:func:`tpengine.kernels.measured.fastest`). Leaves ``model`` set to the
+    version and cached (:func:`tpengine.backends.cpu.measured.fastest`). Leaves ``model`` set to the
     choice."""
     import transformers
 
-    from tpengine.kernels.measured import fastest
+    from tpengine.backends.cpu.measured import fastest
 
     n, length, new = AUTO_ATTN_WORKLOAD
     prompts = torch.randint(0, 1000, (n, length), generator=torch.Generator().manual_seed(0)).tolist()

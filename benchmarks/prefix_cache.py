@@ -160,7 +160,7 @@ def main(
     from transformers import AutoConfig
 
     from tpengine.config import WEIGHT_DTYPES
-    from tpengine.plan import ShardPlan
+    from tpengine.model.plan import ShardPlan
 
     if dtype not in WEIGHT_DTYPES:
         raise typer.BadParameter(f"--dtype {dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}")

@@ -80,7 +80,7 @@ def run_config(model: str, quantization: str | None, tokenizer, scoring: list[tu
     """
     from tpengine.config import EngineConfig
     from tpengine.engine.llm_engine import LLMEngine
-    from tpengine.engine.sampling_params import SamplingParams
+    from tpengine.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     cfg = EngineConfig(model=model, dtype="bfloat16", quantization=quantization, max_model_len=max_model_len,

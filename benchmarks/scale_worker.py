@@ -93,7 +93,7 @@ def run_engine(model: str, prompts: list[list[int]], n: int, kv_cache_gb: float,
     memory records of every rank on rank 0 else None)."""
     from tpengine.config import EngineConfig
     from tpengine.engine.llm_engine import LLMEngine
-    from tpengine.engine.sampling_params import SamplingParams
+    from tpengine.sampling_params import SamplingParams
 
     cfg = EngineConfig(model=model, dtype="bfloat16", kv_cache_gb=kv_cache_gb, max_model_len=max_model_len,
                        max_num_seqs=len(prompts), dist_timeout_s=3600.0)

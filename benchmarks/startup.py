@@ -1,4 +1,4 @@
-"""Whole-process time of a one-request, one-token job: ``tpengine.run`` against Hugging Face
+"""Whole-process time of a one-request, one-token job: ``tpengine.entrypoints.run`` against Hugging Face
 (``from_pretrained`` + ``generate``), same model folder and dtype, each in a fresh process.
 
     python -m benchmarks.startup --model models/smollm2-135m-instruct --dtype float32

@@ -42,7 +42,7 @@ CHAT = [
 def run_engine(model: str, prompts: list[list[int]], max_tokens: int, device: str) -> tuple[list, dict]:
     from tpengine.config import EngineConfig
     from tpengine.engine.llm_engine import LLMEngine
-    from tpengine.engine.sampling_params import SamplingParams
+    from tpengine.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     cuda = device == "cuda"

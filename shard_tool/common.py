@@ -18,15 +18,15 @@ from typing import NoReturn
 
 import typer
 
-from tpengine.checkpoint import check_model_folder, read_json_file
 from tpengine.errors import UserError
+from tpengine.model.checkpoint import check_model_folder, read_json_file
 
 # Files that hold weights (never copied as "side files" by split).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 SKIP_FILES = {"model.safetensors.index.json", "pytorch_model.bin.index.json", "manifest.json"}
 
 
-#: Exit code of ``tpengine-shard`` for a user's mistake, as ``tpengine.run``'s (1 is a failure:
+#: Exit code of ``tpengine-shard`` for a user's mistake, as ``tpengine.entrypoints.run``'s (1 is a failure:
 #: an internal error, or ``verify`` finding a corrupt shard).
 USER_ERROR_EXIT = 2
 
@@ -127,7 +127,7 @@ def side_files(model_dir: Path) -> list[Path]:
 
 
 def read_json(path: Path, what: str) -> dict:
-    """Parse the JSON object in the file ``path`` (:func:`tpengine.checkpoint.read_json_file`).
+    """Parse the JSON object in the file ``path`` (:func:`tpengine.model.checkpoint.read_json_file`).
 
     Raises:
         UserError: the file is missing, unreadable, not valid JSON or not an object (naming
@@ -138,7 +138,7 @@ def read_json(path: Path, what: str) -> dict:
 
 def read_model_config(model_dir: Path):
     """The transformers config of the model folder ``model_dir``, read only after
-    :func:`tpengine.checkpoint.check_model_folder` has found its ``config.json`` (and any
+    :func:`tpengine.model.checkpoint.check_model_folder` has found its ``config.json`` (and any
     ``manifest.json``) readable.
 
     Raises:

@@ -1,9 +1,9 @@
 """``tpengine-shard split MODEL_DIR --tp N --out DIR [--quantize int8|int4]``: HF folder ->
 per-rank safetensors.
 
-Every shard is cut by :meth:`tpengine.plan.ShardPlan.shard` with the kind from
-:func:`tpengine.surgery.kind_of`, and every stored part of a quantized weight by
-:func:`tpengine.quant_checkpoint.slice_part`; this module holds no partition math. Output
+Every shard is cut by :meth:`tpengine.model.plan.ShardPlan.shard` with the kind from
+:func:`tpengine.model.surgery.kind_of`, and every stored part of a quantized weight by
+:func:`tpengine.quant.checkpoint.slice_part`; this module holds no partition math. Output
 layout: see docs/design.md, "Per-rank checkpoint layout" and "Quantized weights".
 """
 
@@ -19,8 +19,8 @@ from typing import Annotated, Any
 import typer
 
 from shard_tool.common import UserError, atomic_dir, read_model_config, side_files, user_errors
-from tpengine.checkpoint import FORMAT_VERSION, INDEX_NAME, checkpoint_files, rank_file_name, sha256_file
 from tpengine.config import WEIGHT_DTYPES
+from tpengine.model.checkpoint import FORMAT_VERSION, INDEX_NAME, checkpoint_files, rank_file_name, sha256_file
 
 
 def _find(files: dict[str, list[str]], suffix: str) -> tuple[str, str] | None:
@@ -60,17 +60,17 @@ def _tied_skip(model_dir: Path, files: dict[str, list[str]], tied: bool) -> set[
 
 
 def quantize_entry(config: Any, tp_size: int, quantize: str | None, group_size: int | None):
-    """The :class:`~tpengine.quant_checkpoint.QuantEntry` pair ``(linears, embedding / LM head)``
+    """The :class:`~tpengine.quant.checkpoint.QuantEntry` pair ``(linears, embedding / LM head)``
     of ``split --quantize``, the same as ``--quantization`` makes (None without it): int8 per
     output channel, or int4 with ``group_size`` (default 32); the vocabulary layers int8 per
     output channel (``QuantScheme.vocab``).
 
     Raises:
         UserError: an unknown scheme or int4 group size, ``group_size`` with int8, or an int4
-            group the tp split would cut (:func:`tpengine.layers.quantized.check_quantization`).
+            group the tp split would cut (:func:`tpengine.quant.weights.check_quantization`).
     """
-    from tpengine.layers.quantized import QuantScheme, check_quantization
-    from tpengine.quant_checkpoint import QuantEntry
+    from tpengine.quant.checkpoint import QuantEntry
+    from tpengine.quant.weights import QuantScheme, check_quantization
 
     if quantize is None:
         if group_size is not None:
@@ -99,13 +99,13 @@ def split_model(
     the embedding's and an untied LM head's as int8 per output channel (``QuantScheme.vocab``),
     is written as its quantized parts ``P.qweight``, ``P.scales`` (and ``P.zeros``), quantized
     whole and then sliced, vocabulary padding rows all 0
-    (:func:`tpengine.quant_checkpoint.quantize_parts`: bit for bit what ``--quantization``
+    (:func:`tpengine.quant.checkpoint.quantize_parts`: bit for bit what ``--quantization``
     makes on the fly at float32 activations); the manifest's
     ``"quantization"`` lists them. A folder that is already quantized (``quantization.json``,
     e.g. from ``convert --keep-quant``) has its stored parts sliced as they are.
 
     Streams: one rank at a time, one tensor at a time, each rank file written tensor by tensor
-    (:class:`tpengine.tensor_file.TensorFileWriter`), so peak memory stays within three copies of
+    (:class:`tpengine.model.tensor_file.TensorFileWriter`), so peak memory stays within three copies of
     the largest tensor (the full tensor, its shard, the shard cast to ``dtype``) plus the runtime.
     Floating tensors are cast to ``dtype`` (default: the dtype of the first
     floating tensor in the checkpoint). Returns the manifest written to ``out/manifest.json``.
@@ -120,10 +120,10 @@ def split_model(
     """
     import torch
 
-    from tpengine import quant_checkpoint as QC
-    from tpengine.plan import ShardPlan
-    from tpengine.surgery import kind_of
-    from tpengine.tensor_file import TensorFileWriter, read_header, read_rows
+    from tpengine.model.plan import ShardPlan
+    from tpengine.model.surgery import kind_of
+    from tpengine.model.tensor_file import TensorFileWriter, read_header, read_rows
+    from tpengine.quant import checkpoint as QC
 
     model_dir, out = Path(model_dir), Path(out)
     config = read_model_config(model_dir)  # UserError: no, a broken or an unreadable config.json
@@ -221,7 +221,7 @@ def split_model(
 
 def _first_float_dtype(model_dir: Path, files: dict[str, list[str]]) -> str | None:
     """The name of the first floating dtype among the checkpoint's tensors (header only)."""
-    from tpengine.tensor_file import read_header
+    from tpengine.model.tensor_file import read_header
 
     for fname in files:
         for info in read_header(model_dir / fname).values():
@@ -257,7 +257,7 @@ def split(
     n = len(m["tensors"]["0"])
     quant = ""
     if m.get("quantization"):
-        from tpengine.quant_checkpoint import describe_table, parse_table
+        from tpengine.quant.checkpoint import describe_table, parse_table
 
         quant = f", quantized {describe_table(parse_table(m['quantization'], 'manifest'))}"
     print(f"wrote {tp} rank files ({n} tensors each, {m['dtype']}{quant}) and manifest.json to {out}")

@@ -15,8 +15,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from tpengine.kernels import reference as ref  # noqa: E402
-from tpengine.kernels.cpu_attention import CPUAttentionBackend  # noqa: E402
+from tpengine.backends import reference as ref  # noqa: E402
+from tpengine.backends.cpu.attention import CPUAttentionBackend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -13,7 +13,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def run(args: list[str], tp: int) -> subprocess.CompletedProcess:
-    """``tpengine.run`` at tp=1 (python -m) or under torchrun."""
+    """``tpengine.entrypoints.run`` at tp=1 (python -m) or under torchrun."""
     cmd = ([sys.executable, "-m", "tpengine.run"] if tp == 1 else
            [TORCHRUN, "--standalone", f"--nproc_per_node={tp}", "-m", "tpengine.run"])
     return subprocess.run(cmd + args, cwd=REPO, capture_output=True, text=True, timeout=180, env=ENV)

@@ -129,7 +129,7 @@ def test_bench_rejects_bad_options_before_starting_workers(tmp_path):
 
 
 def test_startup_smoke(tmp_path):
-    """benchmarks.startup runs both whole jobs (HF and tpengine.run) on a tiny model and reports
+    """benchmarks.startup runs both whole jobs (HF and tpengine.entrypoints.run) on a tiny model and reports
     the best of each and their ratio."""
     from benchmarks.startup import app as startup_app
 
@@ -323,7 +323,7 @@ def test_hf_auto_attention_is_measured_and_cached(tmp_path, monkeypatch):
     import torch
 
     from benchmarks.hf_system import HFSystem, hf_attn_for
-    from tpengine.kernels import measured
+    from tpengine.backends.cpu import measured
 
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path / "cache"))
     model = make_tiny_model(tmp_path, name="llama")

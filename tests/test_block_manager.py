@@ -3,8 +3,8 @@
 import pytest
 
 from tpengine.engine.block_manager import BlockManager
-from tpengine.engine.sampling_params import SamplingParams
 from tpengine.engine.sequence import Sequence
+from tpengine.sampling_params import SamplingParams
 
 
 def make_seq(seq_id: int, n: int) -> Sequence:

@@ -218,7 +218,7 @@ def test_summary_lists_peak_memory_of_every_rank_at_tp2(tiny, tmp_path):
 
 
 def test_peak_rss_functions():
-    from tpengine.memory import format_peak_rss, gather_peak_rss, peak_rss_bytes
+    from tpengine.engine.memory import format_peak_rss, gather_peak_rss, peak_rss_bytes
 
     peak = peak_rss_bytes()
     assert 2**20 < peak < 2**40
@@ -228,7 +228,7 @@ def test_peak_rss_functions():
 
 
 def test_resolve_model_dir(tmp_path):
-    from tpengine.run import resolve_model_dir
+    from tpengine.entrypoints.run import resolve_model_dir
 
     base = tmp_path / "m"
     (tmp_path / "m-tp2").mkdir()
@@ -239,8 +239,8 @@ def test_resolve_model_dir(tmp_path):
 
 
 def test_sampling_defaults_precedence(tmp_path):
+    from tpengine.entrypoints.run import sampling_defaults
     from tpengine.errors import UserError
-    from tpengine.run import sampling_defaults
 
     cfg = tmp_path / "c.toml"
     cfg.write_text('[engine]\ndtype = "float32"\n[sampling]\ntemperature = 0.0\nmax_tokens = 256\n')

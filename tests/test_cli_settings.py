@@ -37,7 +37,7 @@ def run_command():
     """The click command of ``tpengine run``."""
     import typer
 
-    from tpengine.cli import app
+    from tpengine.entrypoints.cli import app
 
     return typer.main.get_command(app).commands["run"]
 
@@ -69,7 +69,7 @@ def test_every_engine_setting_has_a_flag_and_every_option_help_and_default():
     assert "[default: (0.85)]" in help_text and "[default: (kv-mirror)]" in help_text
     assert "[default: (no-enforce-eager)]" in help_text and "[default: (16)]" in help_text
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["tpengine"] == "tpengine.cli:app"
+    assert scripts["tpengine"] == "tpengine.entrypoints.cli:app"
 
 
 def test_engine_flags_reach_engine_config(tmp_path, monkeypatch):
@@ -77,8 +77,8 @@ def test_engine_flags_reach_engine_config(tmp_path, monkeypatch):
     default); ``python -m tpengine.run`` takes the same options as ``tpengine run``."""
     from typer.testing import CliRunner
 
-    import tpengine.run as run
-    from tpengine.cli import app
+    import tpengine.entrypoints.run as run
+    from tpengine.entrypoints.cli import app
 
     model = tmp_path / "m"
     model.mkdir()
@@ -109,7 +109,7 @@ def test_serve_has_every_engine_flag_and_every_option_help_and_default():
     with help text and its default shown."""
     import typer
 
-    from tpengine.cli import app
+    from tpengine.entrypoints.cli import app
 
     commands = typer.main.get_command(app).commands
     serve, run = commands["serve"], commands["run"]

@@ -1,12 +1,12 @@
-"""The C decode-attention kernel (tpengine/kernels/cpu_decode.py) against the torch.bmm arithmetic
-it replaces (the CPU backend's bfloat16 branch, tpengine/kernels/cpu_attention.py): fast and
+"""The C decode-attention kernel (tpengine/backends/cpu/cpu_decode.py) against the torch.bmm arithmetic
+it replaces (the CPU backend's bfloat16 branch, tpengine/backends/cpu/attention.py): fast and
 portable code paths, padding rows, masked tails holding NaN/inf, and its errors."""
 
 import pytest
 import torch
 
-from tpengine.kernels import cpu_decode, cpu_native
-from tpengine.kernels.cpu_attention import CPUAttentionBackend, key_mask
+from tpengine.backends.cpu import cpu_decode, cpu_native
+from tpengine.backends.cpu.attention import CPUAttentionBackend, key_mask
 
 BF16 = torch.bfloat16
 

@@ -1,4 +1,4 @@
-"""The CPU decode program (tpengine/layers/cpu_decode_program.py): the decode step's kernels bound
+"""The CPU decode program (tpengine/backends/cpu/decode_program.py): the decode step's kernels bound
 once. It must give exactly what the model's own forward gives -- the same tokens and the same
 logprobs, bit for bit -- in float32 and bfloat16, with float, int8 and int4 weights, at 1..8 rows
 (the GEMV kernels) and above (torch's), and it must be the path decode steps actually take."""
@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
+from tpengine.backends.cpu import cpu_native
+from tpengine.backends.cpu import decode_program as cpu_decode_program
 from tpengine.config import EngineConfig
 from tpengine.engine.llm_engine import LLMEngine
-from tpengine.engine.sampling_params import SamplingParams
-from tpengine.kernels import cpu_native
-from tpengine.layers import cpu_decode_program
+from tpengine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="CPU C kernels unavailable here")
 # head size 32 (the paged C kernel takes multiples of 32), widths multiples of 16

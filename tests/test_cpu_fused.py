@@ -1,4 +1,4 @@
-"""The fused CPU ops (tpengine/kernels/cpu_fused.py): their bfloat16 C kernels against the torch op
+"""The fused CPU ops (tpengine/backends/cpu/cpu_fused.py): their bfloat16 C kernels against the torch op
 chains they replace (residual add + RMSNorm and RoPE bit for bit, SiLU * up up to the last bit of
 exp); the cases the kernels decline (float32, shapes they do not cover, ``native=False``) run the
 torch chain inside the op, with no C call; bad indices raise IndexError naming them."""
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpengine.kernels import cpu_fused, cpu_native
-from tpengine.kernels.cpu_fused import rotate_half
+from tpengine.backends.cpu import cpu_fused, cpu_native
+from tpengine.backends.cpu.cpu_fused import rotate_half
 
 BF16 = torch.bfloat16
 
@@ -269,7 +269,7 @@ def test_cpu_kernels_switch_is_per_engine(tmp_path, monkeypatch):
 
     from tpengine.config import EngineConfig
     from tpengine.engine.llm_engine import LLMEngine
-    from tpengine.engine.sampling_params import SamplingParams
+    from tpengine.sampling_params import SamplingParams
 
     model = make_tiny_model(tmp_path, "llama", seed=2)
     calls = []

@@ -1,4 +1,4 @@
-"""Building and loading the CPU C kernels (tpengine/kernels/cpu_native.py): a CPU with AVX512-BF16
+"""Building and loading the CPU C kernels (tpengine/backends/cpu/cpu_native.py): a CPU with AVX512-BF16
 and a C compiler must get them (so the kernel tests cannot skip silently where they should run),
 and a failing compiler leaves one clear line and the torch ops, never an error."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tpengine.kernels import cpu_native
+from tpengine.backends.cpu import cpu_native
 
-PROBE = ("from tpengine.kernels import cpu_native; lib = cpu_native.load(); "
+PROBE = ("from tpengine.backends.cpu import cpu_native; lib = cpu_native.load(); "
          "print('loaded' if lib is not None else 'unavailable')")
 
 

@@ -1,5 +1,5 @@
-"""The paged decode C kernel (tpengine/kernels/cpu_paged.c): RoPE, KV store and attention of one
-layer's decode step in one call, against the torch oracle (tpengine.kernels.reference) and the
+"""The paged decode C kernel (tpengine/backends/cpu/csrc/cpu_paged.c): RoPE, KV store and attention of one
+layer's decode step in one call, against the torch oracle (tpengine.backends.reference) and the
 torch path's RoPE, in float32 and bfloat16, with the kernel-test shapes (GQA, uneven and
 replicated KV-head maps, block boundaries, a padding row)."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from kernel_cases import CONFIGS, DECODE_LENS, _cache, _gen, _slot
 
-from tpengine.kernels import cpu_native, cpu_paged
-from tpengine.kernels import reference as ref
+from tpengine.backends import reference as ref
+from tpengine.backends.cpu import cpu_native, cpu_paged
 
 pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="CPU C kernels unavailable here")
 
@@ -112,7 +112,7 @@ def test_engine_decode_steps_take_the_paged_kernel_once_per_layer(tmp_path, monk
 
     from tpengine.config import EngineConfig
     from tpengine.engine.llm_engine import LLMEngine
-    from tpengine.engine.sampling_params import SamplingParams
+    from tpengine.sampling_params import SamplingParams
 
     model = make_tiny_model(tmp_path, "llama", seed=5, head_dim=32)
     calls = []

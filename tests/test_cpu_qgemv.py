@@ -1,4 +1,4 @@
-"""tpengine's int8 / int4 weight-only kernels (tpengine/kernels/cpu_qgemv.c): the few-row GEMVs and
+"""tpengine's int8 / int4 weight-only kernels (tpengine/backends/cpu/csrc/cpu_qgemv.c): the few-row GEMVs and
 the int4 dequantization, against the dequantized reference, on the storage the quantized layers
 hold, in float32 and bfloat16, including a last int4 block of fewer than 64 rows and rows padded
 to 16; the measured choice between them and torch's kernels."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpengine.kernels import cpu_native, cpu_qgemv
-from tpengine.layers.quant_apply import quantize_weight
-from tpengine.layers.quant_math import int4_pack_layout
-from tpengine.layers.quantized import Int4Weight, Int8Weight, QuantScheme
+from tpengine.backends.cpu import cpu_native, cpu_qgemv
+from tpengine.quant.apply import quantize_weight
+from tpengine.quant.arith import int4_pack_layout
+from tpengine.quant.weights import Int4Weight, Int8Weight, QuantScheme
 
 pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="CPU C kernels unavailable here")
 #: int4z: int4 with int8 zero codes (--quantization int4's); int4: float zeros (GGUF Q4_1's)
@@ -138,7 +138,7 @@ def test_coded_int4_every_path_is_the_stored_weight(dtype):
     :func:`quantize_int4_coded` stores; tpengine's GEMV (8 rows), torch's kernel (its scales and zeros
     built per call) and dequantize + GEMM all give that weight's product; an all-zero group is stored
     as 0 (scale and code 0) and stays exactly 0; a group without 0 in its range is widened to take it in."""
-    from tpengine.layers.quant_math import dequantize_int4_coded, quantize_int4_coded
+    from tpengine.quant.arith import dequantize_int4_coded, quantize_int4_coded
 
     w = torch.randn(80, 128, generator=torch.Generator().manual_seed(7)) * 0.05
     w[3] = 0.0

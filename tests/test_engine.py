@@ -169,10 +169,10 @@ def test_kv_mirror_does_not_change_tokens(engine_results):
 
 
 def test_cpu_kernels_do_not_change_tokens(engine_results):
-    """bfloat16 on CPU with the C kernels (tpengine/kernels/cpu_native.py: paged decode attention, add +
+    """bfloat16 on CPU with the C kernels (tpengine/backends/cpu/cpu_native.py: paged decode attention, add +
     RMSNorm, RoPE, SiLU*up) and with torch ops only: the same greedy tokens for 5 sequences of a
     tiny Llama, a batch shrinking 5 -> 1."""
-    from tpengine.kernels import cpu_native
+    from tpengine.backends.cpu import cpu_native
 
     if cpu_native.load() is None:
         pytest.skip(f"C kernels unavailable here: {cpu_native.unavailable_reason()}")

@@ -9,7 +9,7 @@ from conftest import SMOLLM2_DIR, make_tiny_model
 
 from tpengine.config import EngineConfig
 from tpengine.engine.llm_engine import LLMEngine
-from tpengine.engine.sampling_params import SamplingParams
+from tpengine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -1,4 +1,4 @@
-"""Sampling defaults from generation_config.json (tpengine.generation_defaults): the keys taken,
+"""Sampling defaults from generation_config.json (tpengine.entrypoints.generation_defaults): the keys taken,
 do_sample false, bad values, the setting (auto / ignore / a folder), the precedence of request >
 CLI > [sampling] table > generation_config.json > built-in defaults, the printed line, and the
 LLM API's get_default_sampling_params."""
@@ -11,15 +11,15 @@ import shutil
 import pytest
 
 from tpengine.config import EngineConfig
-from tpengine.errors import UserError
-from tpengine.frontend.requests import parse_lines
-from tpengine.generation_defaults import (
+from tpengine.entrypoints.generation_defaults import (
     defaults_line,
     generation_config_file,
     generation_defaults,
     read_generation_defaults,
 )
-from tpengine.run import model_sampling_defaults, sampling_defaults
+from tpengine.entrypoints.run import model_sampling_defaults, sampling_defaults
+from tpengine.errors import UserError
+from tpengine.frontend.requests import parse_lines
 
 
 def folder(tmp_path, cfg, name="m"):
@@ -139,7 +139,7 @@ def test_shard_split_side_files_carry_generation_config(tmp_path):
 def test_the_job_takes_the_models_defaults_and_says_so(tmp_path):
     from conftest import make_tiny_model
 
-    from tpengine.run import prepare
+    from tpengine.entrypoints.run import prepare
 
     model = make_tiny_model(tmp_path / "models")
     gen = json.loads((model / "generation_config.json").read_text())

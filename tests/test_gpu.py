@@ -55,7 +55,7 @@ def close(e) -> None:
 def generate(e, prompts: dict[str, list[int]], max_tokens: int | dict[str, int]):
     """Greedy run (``max_tokens`` for all, or per id); returns ``({id: tokens}, {id: [step logits,
     float32 CPU]})`` (rank 0)."""
-    from tpengine.engine.sampling_params import SamplingParams
+    from tpengine.sampling_params import SamplingParams
 
     logits: dict[str, list[torch.Tensor]] = {rid: [] for rid in prompts}
     sample = e.sampler.sample
@@ -98,7 +98,7 @@ def chat_prompts() -> list[list[int]]:
 
 
 def test_cuda_defaults():
-    from tpengine.kernels.triton_attention import TritonAttentionBackend
+    from tpengine.backends.cuda.attention import TritonAttentionBackend
 
     e = engine()
     try:

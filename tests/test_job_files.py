@@ -17,8 +17,8 @@ from conftest import SMOLLM2_DIR, make_tiny_model
 from test_cli import cli, write_jsonl
 from typer.testing import CliRunner
 
-from tpengine.cli import app
 from tpengine.config import load_config, read_config_file
+from tpengine.entrypoints.cli import app
 from tpengine.errors import UserError
 from tpengine.frontend.writer import OutputWriter
 

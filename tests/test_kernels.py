@@ -20,11 +20,11 @@ from kernel_cases import (  # sets TRITON_INTERPRET before triton is first impor
     cpu_store,
 )
 
-from tpengine.kernels import get_backend
-from tpengine.kernels import paged_attention as tri
-from tpengine.kernels import reference as ref
-from tpengine.kernels.cpu_attention import CPUAttentionBackend
-from tpengine.kernels.triton_attention import TritonAttentionBackend
+from tpengine.backends import get_backend
+from tpengine.backends import reference as ref
+from tpengine.backends.cpu.attention import CPUAttentionBackend
+from tpengine.backends.cuda import triton_kernels as tri
+from tpengine.backends.cuda.attention import TritonAttentionBackend
 
 
 def test_get_backend():
@@ -160,8 +160,8 @@ def test_prepare_is_per_step_and_per_backend(monkeypatch):
     """Two CPU backends in one process with different native/kv_mirror settings, their steps
     interleaved: each step's metadata comes from its own backend's prepare, one backend's prefill
     does not break the other's mirror continuity, and the native=False one makes no C call."""
-    from tpengine.kernels import cpu_native
-    from tpengine.kernels.kv_mirror import KVMirror
+    from tpengine.backends.cpu import cpu_native
+    from tpengine.backends.cpu.kv_mirror import KVMirror
 
     if cpu_native.load() is None:
         pytest.skip(f"C kernels unavailable here: {cpu_native.unavailable_reason()}")

@@ -1,4 +1,4 @@
-"""The decode KV mirror (tpengine/kernels/kv_mirror.py): across decode steps of one batch the CPU
+"""The decode KV mirror (tpengine/backends/cpu/kv_mirror.py): across decode steps of one batch the CPU
 backend's bfloat16 decode attention appends one token per sequence instead of gathering the
 context, and its outputs are bit-identical to a fresh gather's and to the mirror-off path's,
 through capacity growth, a batch change and a prefill that rewrote cached tokens, on both
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpengine.kernels import kv_mirror
-from tpengine.kernels.cpu_attention import CPUAttentionBackend
-from tpengine.kernels.kv_mirror import KVMirror
+from tpengine.backends.cpu import kv_mirror
+from tpengine.backends.cpu.attention import CPUAttentionBackend
+from tpengine.backends.cpu.kv_mirror import KVMirror
 
 BS, D = 16, 64
 
@@ -55,7 +55,7 @@ def _decode(be, q, kc, vc, tables, ctx, qkv, mirror=None, attn=None):
 
 
 def _oracle(q, kc, vc, tables, ctx, qkv):
-    from tpengine.kernels import reference as ref
+    from tpengine.backends import reference as ref
 
     return ref.decode_attention(q.float(), kc.float(), vc.float(), tables, ctx, qkv, D**-0.5)
 

@@ -1,4 +1,4 @@
-"""The CPU linear layout choice (issue 17, tpengine/kernels/linear_layout.py): the decision rule,
+"""The CPU linear layout choice (issue 17, tpengine/backends/cpu/linear_layout.py): the decision rule,
 forced settings, the per-machine timings cache, and what a loaded model holds for each choice."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
+from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_native
+from tpengine.backends.cpu import linear_layout as L
 from tpengine.config import EngineConfig
 from tpengine.distributed import TPInfo
-from tpengine.kernels import cpu_gemm, cpu_gemv, cpu_native
-from tpengine.kernels import linear_layout as L
-from tpengine.layers.linear import prepack
-from tpengine.loader import load_model
+from tpengine.model.layers.linear import prepack
+from tpengine.model.loader import load_model
 
 cpu_gemv_ok = cpu_native.load() is not None
 needs_onednn = pytest.mark.skipif(prepack(torch.zeros(2, 2)) is None, reason="no oneDNN packing in this torch")
@@ -185,7 +185,7 @@ def test_linears_through_the_gemv_match_f_linear(tmp_path):
 def test_a_changed_kernel_build_is_measured_again(tmp_path, monkeypatch):
     """The timings name the C kernels' build: another build (a changed kernel source, compiler or
     flags) reads another file, so it is measured, not served the old kernel's timings."""
-    from tpengine.kernels import cpu_native, cpu_qgemv
+    from tpengine.backends.cpu import cpu_native, cpu_qgemv
 
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_native, "library_key", lambda: "aaaa")
@@ -225,8 +225,8 @@ def test_each_forced_float32_path_gives_hf_tokens(tmp_path, path):
     forced on every bucket (the GEMV up to 8 rows, the GEMM from 17), at 1 and at 24 sequences."""
     from transformers import AutoModelForCausalLM
 
-    from tpengine.engine.sampling_params import SamplingParams
     from tpengine.entrypoints.llm import LLM
+    from tpengine.sampling_params import SamplingParams
 
     model_dir = make_tiny_model(tmp_path, "llama", seed=3, hidden_size=64, intermediate_size=128,
                                 tie_word_embeddings=True)
@@ -239,7 +239,7 @@ def test_each_forced_float32_path_gives_hf_tokens(tmp_path, path):
         m.kernels = kernels
     runner = llm.llm_engine.runner
     if runner.decode_program is not None:  # rebuilt with the forced paths
-        from tpengine.layers import cpu_decode_program
+        from tpengine.backends.cpu import decode_program as cpu_decode_program
         runner.decode_program = cpu_decode_program.build(model, 1, True)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 256, (24, 7), generator=g).tolist()

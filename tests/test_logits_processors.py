@@ -18,9 +18,9 @@ from tpengine.engine.logits_processors import (
 )
 from tpengine.engine.logprobs import collect_prompt_logprobs, position_logprobs
 from tpengine.engine.sampler import Sampler
-from tpengine.engine.sampling_params import SamplingParams
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.step import build_plan
+from tpengine.sampling_params import SamplingParams
 
 INF = float("inf")
 

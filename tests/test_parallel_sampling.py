@@ -11,8 +11,8 @@ from conftest import SMOLLM2_DIR, make_tiny_model
 from tpengine.config import EngineConfig
 from tpengine.engine.block_manager import BlockManager
 from tpengine.engine.llm_engine import LLMEngine
-from tpengine.engine.sampling_params import SamplingParams
 from tpengine.engine.sequence import Sequence
+from tpengine.sampling_params import SamplingParams
 
 PROMPT = list(range(100, 110))  # 10 tokens: 2 full blocks of 4 and a partial one
 SAMPLED = {"temperature": 1.0, "max_tokens": 12, "ignore_eos": True}

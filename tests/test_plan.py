@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tpengine import plan as P
-from tpengine.plan import ShardPlan
+from tpengine.model import plan as P
+from tpengine.model.plan import ShardPlan
 
 GRID = [(4, 2), (4, 4), (4, 1), (6, 2), (6, 3), (8, 2), (9, 3), (12, 4), (16, 8), (32, 8)]
 

@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 linears (tpengine/layers/quantized.py): the kernels against a reference
+"""Weight-only int8 / int4 linears (tpengine/quant/weights.py): the kernels against a reference
 dequantize, round-trip error bounds, tp-independent quantized slices, the group-boundary error,
 and greedy generation through the engine at tp 1 and 2 (SmolLM2 and a tiny Qwen3)."""
 
@@ -11,10 +11,10 @@ from launch import run_engine_jobs
 
 from tpengine.config import EngineConfig
 from tpengine.errors import UserError
-from tpengine.layers.linear import ColumnParallelLinear, RowParallelLinear
-from tpengine.layers.quant_apply import quantize_linear
-from tpengine.layers.quant_math import dequantize_int4_coded, quantize_int4_coded
-from tpengine.layers.quantized import (
+from tpengine.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tpengine.quant.apply import quantize_linear
+from tpengine.quant.arith import dequantize_int4_coded, quantize_int4_coded
+from tpengine.quant.weights import (
     QuantScheme,
     check_quantization,
     dequantize_int4,

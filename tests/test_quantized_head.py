@@ -1,4 +1,4 @@
-"""The quantized embedding / LM head (tpengine/layers/quantized.py, embedding.py, loader.py) and
+"""The quantized embedding / LM head (tpengine/quant/weights.py, embedding.py, loader.py) and
 grouped int8: rows read back out of the packed layouts equal the reference dequantize, the
 grouped int8 kernel against ``x @ dequant(w).T``, the lookup, the LM head and its greedy argmax
 on quantized rows, and a tied model holding ONE quantized table (exact weight bytes)."""
@@ -10,9 +10,10 @@ import torch
 from conftest import make_tiny_model
 
 from tpengine.distributed import TPInfo
-from tpengine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from tpengine.layers.quant_apply import quantize_linear, quantize_weight
-from tpengine.layers.quantized import (
+from tpengine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tpengine.model.loader import load_model
+from tpengine.quant.apply import quantize_linear, quantize_weight
+from tpengine.quant.weights import (
     Int8Weight,
     QuantScheme,
     _int4_values,
@@ -23,7 +24,6 @@ from tpengine.layers.quantized import (
     quantize_int4,
     quantize_int8,
 )
-from tpengine.loader import load_model
 
 SCHEMES = {"int8": QuantScheme("int8"), "int8-32": QuantScheme("int8", 32), "int4-32": QuantScheme("int4", 32),
            "int4-64": QuantScheme("int4", 64)}

@@ -17,11 +17,11 @@ from test_shard_tool import cli
 
 from shard_tool.split import split_model
 from shard_tool.verify import verify_dir
-from tpengine.checkpoint import sha256_file
 from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
-from tpengine.loader import load_model
-from tpengine.quant_checkpoint import (
+from tpengine.model.checkpoint import sha256_file
+from tpengine.model.loader import load_model
+from tpengine.quant.checkpoint import (
     read_table,
     table_json,
     write_table,

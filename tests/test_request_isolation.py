@@ -10,7 +10,7 @@ from conftest import SMOLLM2_DIR, make_tiny_model
 
 from tpengine.config import EngineConfig
 from tpengine.engine.llm_engine import LLMEngine
-from tpengine.engine.sampling_params import SamplingParams
+from tpengine.sampling_params import SamplingParams
 
 SEEDED = {"temperature": 0.8, "top_p": 0.9, "max_tokens": 8, "ignore_eos": True}
 GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from tpengine.engine.sampler import Sampler, apply_min_p, apply_top_k, apply_top_p
-from tpengine.engine.sampling_params import SamplingParams
 from tpengine.engine.sequence import Sequence
+from tpengine.sampling_params import SamplingParams
 
 V = 50
 
@@ -86,7 +86,7 @@ def test_sampled_distribution_respects_top_k():
 def test_padded_vocab_columns_never_sampled_c01():
     """The LM head cuts the padding columns before the Sampler sees the logits (sampling and
     the greedy argmax on the ranks): padded rows with large logits are never chosen."""
-    from tpengine.layers.embedding import ParallelLMHead
+    from tpengine.model.layers.embedding import ParallelLMHead
 
     real, padded, hidden = 45, V, 8
     head = ParallelLMHead(0, padded, real, hidden, dtype=torch.float32, device="cpu")
@@ -109,7 +109,7 @@ def test_padded_vocab_columns_never_sampled_c01():
 def test_sampling_keys_are_sampling_params_fields():
     from dataclasses import fields
 
-    from tpengine.engine.sampling_params import SAMPLING_KEYS
+    from tpengine.sampling_params import SAMPLING_KEYS
 
     assert set(SAMPLING_KEYS) <= {f.name for f in fields(SamplingParams)}
     assert SAMPLING_KEYS == ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
@@ -120,11 +120,11 @@ def test_sampling_keys_are_sampling_params_fields():
 
 @pytest.mark.parametrize("native", [False, True])
 def test_row_max_equals_torch_max_with_ties_infinities_and_nan(native):
-    """The LM head's greedy pick (tpengine.layers.embedding.row_max) is ``max(dim=-1)`` exactly:
+    """The LM head's greedy pick (tpengine.model.layers.embedding.row_max) is ``max(dim=-1)`` exactly:
     same values, and the first index among equal maxima, also across blocks -- by torch ops per
-    block, and (``native``) by the C kernel tpengine/kernels/cpu_argmax.c."""
-    from tpengine.kernels import cpu_native
-    from tpengine.layers.embedding import ROW_MAX_BLOCK, ROW_MAX_CANDIDATES, row_max
+    block, and (``native``) by the C kernel tpengine/backends/cpu/csrc/cpu_argmax.c."""
+    from tpengine.backends.cpu import cpu_native
+    from tpengine.model.layers.embedding import ROW_MAX_BLOCK, ROW_MAX_CANDIDATES, row_max
 
     if native and cpu_native.load() is None:
         pytest.skip(f"CPU C kernels unavailable: {cpu_native.unavailable_reason()}")
@@ -156,11 +156,11 @@ def test_row_max_equals_torch_max_with_ties_infinities_and_nan(native):
 
 @pytest.mark.parametrize("native", [False, True])
 def test_col_max_equals_torch_max_over_rows_with_ties_infinities_and_nan(native):
-    """The transposed greedy pick (tpengine.layers.embedding.col_max) is ``max(dim=0)`` exactly, for
+    """The transposed greedy pick (tpengine.model.layers.embedding.col_max) is ``max(dim=0)`` exactly, for
     every block the measurement may pick (and the C kernel, ``native``): the first row among equal
     maxima, NaN the largest; also across the kernel's per-thread row ranges and past 64 columns."""
-    from tpengine.kernels import cpu_native
-    from tpengine.layers.embedding import ROW_MAX_BLOCK, ROW_MAX_CANDIDATES, col_max
+    from tpengine.backends.cpu import cpu_native
+    from tpengine.model.layers.embedding import ROW_MAX_BLOCK, ROW_MAX_CANDIDATES, col_max
 
     if native and cpu_native.load() is None:
         pytest.skip(f"CPU C kernels unavailable: {cpu_native.unavailable_reason()}")
@@ -195,8 +195,8 @@ def test_greedy_through_the_transposed_logits_picks_the_argmax(tmp_path, monkeyp
     """A bfloat16 head with ``greedy_mm`` (chosen by measurement, here forced) picks the argmax of
     ``weight @ hidden.T`` over the real vocabulary (padding rows excluded), and the choice is timed
     once per machine, then cached."""
-    from tpengine.kernels import measured
-    from tpengine.layers.embedding import ParallelLMHead, choose_greedy_path
+    from tpengine.backends.cpu import measured
+    from tpengine.model.layers.embedding import ParallelLMHead, choose_greedy_path
 
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
     g = torch.Generator().manual_seed(7)
@@ -222,8 +222,8 @@ def test_greedy_through_the_transposed_logits_picks_the_argmax(tmp_path, monkeyp
 def test_row_max_block_is_measured_once_per_machine(tmp_path, monkeypatch):
     """The greedy pick's block is timed on this machine among the candidates that divide the
     shard's width (0: torch's max), then read back from the cache."""
-    from tpengine.kernels import measured
-    from tpengine.layers.embedding import choose_row_max_block
+    from tpengine.backends.cpu import measured
+    from tpengine.model.layers.embedding import choose_row_max_block
 
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
     fake = {"0": [30.0, 900.0], "256": [20.0, 450.0], "512": [21.0, 400.0], "1024": [40.0, 420.0]}

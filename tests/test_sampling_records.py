@@ -8,8 +8,8 @@ import asyncio
 import json
 
 from tpengine.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from tpengine.engine.sampling_params import SamplingParams
 from tpengine.frontend.output import openai_body, simple_record
+from tpengine.sampling_params import SamplingParams
 from tpengine.server.serving import Prepared, stream_events
 
 

@@ -7,9 +7,9 @@ from collections import Counter
 import pytest
 
 from tpengine.config import EngineConfig
-from tpengine.engine.sampling_params import SamplingParams
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence, SequenceStatus
+from tpengine.sampling_params import SamplingParams
 
 EOS = {100_000, 100_001, 100_002}
 

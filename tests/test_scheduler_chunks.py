@@ -4,9 +4,9 @@ that leaves one token, and prompts that run whole without chunking."""
 
 from test_scheduler import EOS, cfg, drain, seq, step
 
-from tpengine.engine.sampling_params import SamplingParams
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
+from tpengine.sampling_params import SamplingParams
 
 
 def shared(sid: int, prefix: list[int], n_own: int, **params) -> Sequence:

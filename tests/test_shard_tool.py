@@ -18,10 +18,10 @@ from shard_tool.cli import app
 from shard_tool.common import atomic_dir
 from shard_tool.info import rank_bytes, weight_shapes
 from shard_tool.split import split_model
-from tpengine import plan as P
-from tpengine.checkpoint import sha256_file
-from tpengine.plan import ShardPlan
-from tpengine.surgery import kind_of
+from tpengine.model import plan as P
+from tpengine.model.checkpoint import sha256_file
+from tpengine.model.plan import ShardPlan
+from tpengine.model.surgery import kind_of
 
 runner = CliRunner()
 

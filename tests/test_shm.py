@@ -1,4 +1,4 @@
-"""The shared-memory all-reduce (tpengine/shm.py, its C fast path tpengine/kernels/cpu_shm.c):
+"""The shared-memory all-reduce (tpengine/backends/cpu/shm.py, its C fast path tpengine/backends/cpu/csrc/cpu_shm.c):
 sums in rank order equal to torch's, float32 and bfloat16, at 2 and 3 ranks, odd lengths (the C
 tail), the hand-over to the Python wait when a peer is late (the C wait gives up after SPIN_NS),
 and the all-reduce fused with the residual add and RMSNorm equal to the two steps."""
@@ -10,8 +10,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from tpengine import shm
-from tpengine.kernels import cpu_fused, cpu_native
+from tpengine.backends.cpu import cpu_fused, cpu_native, shm
 
 pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="CPU C kernels unavailable here")
 
@@ -101,7 +100,7 @@ def test_all_reduce_equals_torch_sums(tmp_path, size, late, spin_ns):
 
 
 def test_row_parallel_partial_sum_needs_no_bias():
-    from tpengine.layers.linear import RowParallelLinear
+    from tpengine.model.layers.linear import RowParallelLinear
 
     m = RowParallelLinear(4, 3, bias=True, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match=r"^RowParallelLinear: reduce=False needs a layer without bias"):

@@ -2,9 +2,9 @@
 
 import torch
 
-from tpengine.engine.sampling_params import SamplingParams
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.step import PAYLOAD_FIELDS, StepKind, StepPlan, build_plan, pack, payload_sizes, unpack
+from tpengine.sampling_params import SamplingParams
 
 
 def test_pack_unpack_round_trip_and_payload_layout():

@@ -1,4 +1,4 @@
-"""tpengine.tensor_file: safetensors read by byte range into place, written tensor by tensor."""
+"""tpengine.model.tensor_file: safetensors read by byte range into place, written tensor by tensor."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tpengine.tensor_file import TensorFileWriter, read_header, read_rows
+from tpengine.model.tensor_file import TensorFileWriter, read_header, read_rows
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_read_rows_whole_slices_and_casts(tmp_path: Path, tensors) -> None:
 
 def test_chunked_cast_and_column_reads(tmp_path: Path, monkeypatch) -> None:
     """Reads that stage through a buffer (a cast, a column slice) give the same values in chunks."""
-    import tpengine.tensor_file as tf
+    import tpengine.model.tensor_file as tf
 
     monkeypatch.setattr(tf, "CHUNK_BYTES", 64)  # 16 float32 values per chunk
     w = torch.randn(9, 7)

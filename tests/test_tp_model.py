@@ -17,7 +17,7 @@ from launch import torchrun
 
 from shard_tool.info import rank_bytes, weight_shapes
 from shard_tool.split import split_model
-from tpengine.plan import ShardPlan
+from tpengine.model.plan import ShardPlan
 
 # name -> (arch, overrides); together they cover even and uneven head splits, KV heads fewer
 # than ranks, vocabulary 1001, non-zero biases on q/k/v and row-parallel layers, tied and untied.

@@ -23,8 +23,8 @@ import pytest
 from conftest import make_tiny_model
 from launch import run_engine_jobs
 
+from tpengine.backends.cuda.graphs import CUDAGraphRunner, graph_batch_sizes
 from tpengine.config import EngineConfig
-from tpengine.engine.cuda_graphs import CUDAGraphRunner, graph_batch_sizes
 
 INTERP = {} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"}
 LENGTHS = (5, 17, 33)
@@ -93,7 +93,7 @@ def test_graph_runner_padding_in_engine(models, results):
     """tp=1, in process: decode steps go through CUDAGraphRunner's static buffers, padded to the
     bucket sizes (3 sequences -> 4 rows), run eagerly; tokens equal the torch backend's."""
     from tpengine.engine.llm_engine import LLMEngine
-    from tpengine.engine.sampling_params import SamplingParams
+    from tpengine.sampling_params import SamplingParams
 
     for job, (extra, max_tokens) in JOBS.items():
         engine = LLMEngine(EngineConfig(**cfg(models["llama"], "triton", **extra)))

@@ -21,9 +21,9 @@ from kernel_cases import (  # sets TRITON_INTERPRET before triton is first impor
     cpu_decode,
 )
 
-from tpengine.kernels import paged_attention as tri
-from tpengine.kernels import reference as ref
-from tpengine.kernels.triton_attention import TritonAttentionBackend
+from tpengine.backends import reference as ref
+from tpengine.backends.cuda import triton_kernels as tri
+from tpengine.backends.cuda.attention import TritonAttentionBackend
 
 
 @pytest.mark.parametrize("d,hkv", [(64, 2), (128, 3)])

@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 #: Public name -> the module that defines it.
 _EXPORTS = {
     "LLM": "tpengine.entrypoints.llm",
-    "SamplingParams": "tpengine.engine.sampling_params",
+    "SamplingParams": "tpengine.sampling_params",
     "RequestOutput": "tpengine.entrypoints.outputs",
     "CompletionOutput": "tpengine.entrypoints.outputs",
 }
@@ -23,9 +23,9 @@ _EXPORTS = {
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 if TYPE_CHECKING:
-    from tpengine.engine.sampling_params import SamplingParams
     from tpengine.entrypoints.llm import LLM
     from tpengine.entrypoints.outputs import CompletionOutput, RequestOutput
+    from tpengine.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

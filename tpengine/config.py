@@ -16,9 +16,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from tpengine.engine.sampling_params import SAMPLING_KEYS
+from tpengine.backends import BACKENDS, CPU_LINEAR_CHOICES  # names defined with the kernels
 from tpengine.errors import UserError
-from tpengine.kernels import BACKENDS, CPU_LINEAR_CHOICES  # names defined with the kernels
+from tpengine.sampling_params import SAMPLING_KEYS
 
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 #: Tokens per step with chunked prefill (the most a prefill or mixed step computes), chosen by the
@@ -30,7 +30,7 @@ WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: The values of ``EngineConfig.dtype``: "auto" (see :meth:`EngineConfig.torch_dtype`) or a name.
 DTYPES = ("auto", *WEIGHT_DTYPES)
-#: The values of ``EngineConfig.quantization`` besides None (see :mod:`tpengine.layers.quantized`).
+#: The values of ``EngineConfig.quantization`` besides None (see :mod:`tpengine.quant.weights`).
 QUANTIZATIONS = ("int8", "int4")
 
 
@@ -62,25 +62,25 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: triton on CUDA, torch reference on CPU
     enforce_eager: bool = False  # GPU: disable CUDA graphs
     # CPU, half precision: keep the running batch's KV contiguous across decode steps (faster decode;
-    # costs up to one more copy of the KV cache, never more: see tpengine/kernels/kv_mirror.py)
+    # costs up to one more copy of the KV cache, never more: see tpengine/backends/cpu/kv_mirror.py)
     kv_mirror: bool = True
     # CPU, bfloat16: decode attention, residual add + RMSNorm, RoPE and SiLU*up through C kernels built at
-    # run time (tpengine/kernels/cpu_native.py; torch ops when there is no C compiler or no AVX512-BF16);
+    # run time (tpengine/backends/cpu/cpu_native.py; torch ops when there is no C compiler or no AVX512-BF16);
     # false: always torch ops
     cpu_kernels: bool = True
     # CPU: the layout of the linear weights, per weight shape: "auto" (the faster of plain/MKL and
-    # oneDNN-packed, measured on this machine and cached; tpengine/kernels/linear_layout.py),
+    # oneDNN-packed, measured on this machine and cached; tpengine/backends/cpu/linear_layout.py),
     # "plain" or "packed"
     cpu_linear: str = "auto"
     dist_timeout_s: float = 60.0
     threads: int | None = None  # intra-op threads per rank; default cores // tp
     seed: int = 0
     # sampling defaults: "auto" (the model's generation_config.json), "ignore" (tpengine's built-in
-    # ones) or a folder holding a generation_config.json (see tpengine/generation_defaults.py)
+    # ones) or a folder holding a generation_config.json (see tpengine/entrypoints/generation_defaults.py)
     generation_config: str = "auto"
     # weight-only quantization of the column/row-parallel linears and the embedding / LM head, at load (CPU):
     # "int8" (per output channel), "int4" (group 32, scale and zero; the embedding / LM head int8) or None;
-    # see tpengine/layers/quantized.py
+    # see tpengine/quant/weights.py
     quantization: str | None = None
 
     def __post_init__(self) -> None:
@@ -176,7 +176,7 @@ def read_config_file(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     """The tables of the TOML config file ``path``: ``{"engine": {...}, "sampling": {...}}`` (a
     missing table is empty). Engine settings are the keys of an ``[engine]`` table or top-level
     keys (not both for one key); ``[sampling]`` keys are :data:`SAMPLING_KEYS` (values are
-    checked by :class:`tpengine.engine.sampling_params.SamplingParams` where they are used).
+    checked by :class:`tpengine.sampling_params.SamplingParams` where they are used).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.

@@ -1,7 +1,7 @@
 """The per-step context: what the attention layers need to know about the current step.
 
 The model runner builds one :class:`Context` per step and passes it explicitly down the forward
-(``model.model(input_ids, positions, ctx)`` -> every layer -> :func:`tpengine.layers.attention.paged_attention`);
+(``model.model(input_ids, positions, ctx)`` -> every layer -> :func:`tpengine.model.layers.attention.paged_attention`);
 there is no global.
 """
 
@@ -39,7 +39,7 @@ class StepIndex:
 class Context(StepIndex):
     """One step's context: its :class:`StepIndex` tensors, plus
 
-    * ``backend``: the engine's :class:`tpengine.kernels.backend.AttentionBackend`;
+    * ``backend``: the engine's :class:`tpengine.backends.base.AttentionBackend`;
     * ``attn``: ``backend.prepare(...)`` of this step (host lengths, gather indices, ...).
     """
 

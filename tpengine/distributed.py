@@ -2,7 +2,7 @@
 
 ``init_distributed`` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT). Activations travel on the default group (NCCL on CUDA, gloo on CPU), or through
-shared memory when :func:`tpengine.shm.init_shm` installed a :class:`tpengine.shm.ShmComm` at
+shared memory when :func:`tpengine.backends.cpu.shm.init_shm` installed a :class:`tpengine.backends.cpu.shm.ShmComm` at
 start-up (:func:`activation_comm`); the control plane (StepPlan broadcasts, block-count
 agreement, the end-of-run memory report) always travels on a separate gloo group. Every group
 has the configured timeout, so no rank waits forever in a collective. With world size 1 and no
@@ -108,7 +108,7 @@ def get_tp() -> TPInfo:
 def install_activation_comm(comm: Any) -> None:
     """At start-up (after :func:`init_distributed`): route the layers' all-reduce and gather
     through ``comm`` (an object with ``all_reduce(t)`` and ``gather_to_driver(t, dim)``, e.g. a
-    :class:`tpengine.shm.ShmComm`), or back to torch.distributed with None.
+    :class:`tpengine.backends.cpu.shm.ShmComm`), or back to torch.distributed with None.
 
     Raises:
         RuntimeError: a comm given before :func:`init_distributed` was called.

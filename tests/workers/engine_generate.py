@@ -14,7 +14,7 @@ import sys
 from tpengine.config import EngineConfig
 from tpengine.distributed import gather_control, get_tp, shutdown
 from tpengine.engine.llm_engine import LLMEngine
-from tpengine.engine.sampling_params import SamplingParams
+from tpengine.sampling_params import SamplingParams
 
 
 def as_record(o) -> dict:

@@ -1,6 +1,6 @@
-"""torchrun worker: the main job (``tpengine.run``) with a fault injected (case C07).
+"""torchrun worker: the main job (``tpengine.entrypoints.run``) with a fault injected (case C07).
 
-usage: torchrun --nproc_per_node N tests/workers/fault_run.py RANK:STEP [tpengine.run args ...]
+usage: torchrun --nproc_per_node N tests/workers/fault_run.py RANK:STEP [tpengine.entrypoints.run args ...]
 Patches ``ModelRunner.execute`` so that rank RANK raises ``RuntimeError("injected fault on
 rank R at decode step S")`` at its S-th decode step (1-based), then runs the main job's CLI.
 """
@@ -30,7 +30,7 @@ def inject(rank: int, step: int) -> None:
 def main():
     rank, step = (int(x) for x in sys.argv[1].split(":"))
     inject(rank, step)
-    from tpengine.run import app
+    from tpengine.entrypoints.run import app
 
     app(args=sys.argv[2:], prog_name="tpengine.run")
 

@@ -17,7 +17,7 @@ import weakref
 import torch.distributed as dist
 
 from tpengine.distributed import init_distributed, shutdown
-from tpengine.loader import load_model
+from tpengine.model.loader import load_model
 
 
 def threads() -> int:

@@ -16,7 +16,7 @@ from tpengine.config import EngineConfig
 from tpengine.distributed import get_tp, init_distributed, shutdown
 from tpengine.engine.model_runner import ModelRunner
 from tpengine.engine.step import StepKind, StepPlan
-from tpengine.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from tpengine.model.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 
 BLOCK = 16
 

@@ -23,16 +23,16 @@ from tpengine.engine.logprobs import add_sample_logprobs, collect_prompt_logprob
 from tpengine.engine.model_runner import ModelRunner
 from tpengine.engine.output_processor import OutputProcessor, failed_output
 from tpengine.engine.outputs import RequestOutput
+from tpengine.engine.process import setup_process
 from tpengine.engine.sampler import Sampler
-from tpengine.engine.sampling_params import SEED_END, SamplingParams
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.stats import EngineStats
 from tpengine.engine.step import StepKind, StepPlan, broadcast_plan, build_plan
 from tpengine.errors import UserError
-from tpengine.plan import ShardPlan
-from tpengine.process import setup_process
-from tpengine.surgery import check_model_limits
+from tpengine.model.plan import ShardPlan
+from tpengine.model.surgery import check_model_limits
+from tpengine.sampling_params import SEED_END, SamplingParams
 
 
 def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
@@ -67,7 +67,7 @@ class LLMEngine:
     (no logits gathered, no Sampler call); other steps gather the logits to rank 0 and sample there.
 
     Raises:
-        tpengine.shard_folder.CheckpointMismatchError, FileNotFoundError: bad model folder.
+        tpengine.model.shard_folder.CheckpointMismatchError, FileNotFoundError: bad model folder.
         tpengine.errors.UserError: ``max_model_len`` beyond the model's limit, or a model feature
             tpengine does not support (from ``check_model_limits``).
     """

@@ -1,7 +1,7 @@
 """Logits processors on rank 0: ``logit_bias``, ``min_tokens``, repetition / presence / frequency
 penalties, applied to full-vocabulary float32 rows before temperature and the filters.
 
-Order (vLLM's, :class:`~tpengine.engine.sampling_params.SamplingParams`): bias, min_tokens, then
+Order (vLLM's, :class:`~tpengine.sampling_params.SamplingParams`): bias, min_tokens, then
 the penalties. Hugging Face ``generate`` runs ``sequence_bias``, then ``repetition_penalty``, then
 ``min_new_tokens`` (``GenerationMixin._get_logits_processor``); the two orders give the same rows,
 since a -inf logit stays -inf under every penalty.

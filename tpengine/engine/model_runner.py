@@ -10,17 +10,18 @@ import sys
 
 import torch
 
+from tpengine.backends import get_backend
+from tpengine.backends.cpu import cpu_paged, cpu_qgemv, linear_layout
+from tpengine.backends.cpu import decode_program as cpu_decode_program
+from tpengine.backends.cuda.graphs import CUDAGraphRunner
 from tpengine.config import EngineConfig
 from tpengine.context import Context
 from tpengine.distributed import TPInfo, all_reduce_min
-from tpengine.engine.cuda_graphs import CUDAGraphRunner
+from tpengine.engine.memory import lazy_zeros
+from tpengine.engine.process import release_free_memory
 from tpengine.engine.step import StepKind, StepPlan
 from tpengine.errors import UserError
-from tpengine.kernels import cpu_paged, cpu_qgemv, get_backend, linear_layout
-from tpengine.layers import cpu_decode_program
-from tpengine.loader import load_model
-from tpengine.memory import lazy_zeros
-from tpengine.process import release_free_memory
+from tpengine.model.loader import load_model
 from tpengine.utils import GIB, cdiv
 
 
@@ -33,7 +34,7 @@ class ModelRunner:
     ``config.num_kv_blocks`` or ``config.kv_cache_gb`` (GiB per rank; on CUDA
     ``gpu_memory_utilization`` x free memory after a warm-up prefill, less its activation peak)
     and is agreed by all ranks with all_reduce(MIN). On CUDA with the Triton backend and not
-    ``enforce_eager``, decode steps replay CUDA graphs (:mod:`tpengine.engine.cuda_graphs`).
+    ``enforce_eager``, decode steps replay CUDA graphs (:mod:`tpengine.backends.cuda.graphs`).
 
     Raises:
         tpengine.errors.UserError: the KV budget holds fewer blocks than one sequence of

@@ -8,7 +8,7 @@ import time
 import torch
 
 from tpengine.engine.outputs import PositionLogprobs
-from tpengine.engine.sampling_params import SamplingParams
+from tpengine.sampling_params import SamplingParams
 from tpengine.utils import cdiv
 
 

@@ -22,10 +22,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from tpengine.config import DEFAULT_MODEL_DIR, load_config
-from tpengine.engine.sampling_params import SamplingParams
+from tpengine.entrypoints.generation_defaults import defaults_line, generation_defaults
 from tpengine.entrypoints.outputs import RequestOutput
 from tpengine.errors import UserError
-from tpengine.generation_defaults import defaults_line, generation_defaults
+from tpengine.sampling_params import SamplingParams
 
 #: One prompt as the engine takes it: (kind, payload, text): kind "prompt" (payload the text),
 #: "token_ids" (payload list[int]) or "messages" (payload [{"role", "content"[, "name"]}, ...]);
@@ -62,9 +62,9 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL_DIR, *, tensor_parallel_size: int | None = None,
                  **engine_settings: Any) -> None:
-        from tpengine.checkpoint import check_model_folder
         from tpengine.engine.llm_engine import LLMEngine
-        from tpengine.run import resolve_model_dir
+        from tpengine.entrypoints.run import resolve_model_dir
+        from tpengine.model.checkpoint import check_model_folder
 
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if tensor_parallel_size is not None and tensor_parallel_size != world_size:
@@ -84,7 +84,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """The SamplingParams used when ``generate`` / ``chat`` get none (vLLM's method): the
         built-in defaults with the model's ``generation_config.json`` values over them (per the
-        ``generation_config`` setting; see :mod:`tpengine.generation_defaults`)."""
+        ``generation_config`` setting; see :mod:`tpengine.entrypoints.generation_defaults`)."""
         return SamplingParams(**self._sampling_defaults)
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None

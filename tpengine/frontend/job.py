@@ -6,6 +6,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from tpengine.engine.memory import gather_peak_rss
 from tpengine.engine.output_processor import failed_output, failed_request
 from tpengine.engine.outputs import RequestOutput
 from tpengine.frontend.output import error_record, make_record, openai_error_record
@@ -18,7 +19,6 @@ from tpengine.frontend.requests import (
     to_token_ids,
 )
 from tpengine.frontend.writer import OutputWriter
-from tpengine.memory import gather_peak_rss
 
 
 def error_records(errors: list[RequestError], taken: Iterable[str] = ()) -> list[tuple[int, dict]]:

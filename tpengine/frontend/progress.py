@@ -12,8 +12,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from tpengine.engine.memory import format_peak_rss
 from tpengine.engine.outputs import RequestOutput
-from tpengine.memory import format_peak_rss
 
 
 def percentile(xs: Sequence[float], q: float) -> float | None:

@@ -35,9 +35,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tpengine.engine.sampling_params import SamplingParams
 from tpengine.protocol.errors import field_errors
 from tpengine.protocol.requests import FORMAT_BY_URL, BatchRequestLine, SimpleRequest
+from tpengine.sampling_params import SamplingParams
 
 #: ``max_tokens`` when neither the line nor the caller's defaults set it, by request format.
 DEFAULT_MAX_TOKENS: dict[str, int | None] = {"simple": 16, "openai_completion": 16, "openai_chat": None}

@@ -17,7 +17,7 @@ import annotated_types as at
 from pydantic import Field, GetCoreSchemaHandler, Strict, ValidationError
 from pydantic_core import PydanticCustomError, core_schema
 
-from tpengine.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from tpengine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 #: Longest rendering of a bad value in a message (long prompts and id lists are cut).
 MAX_GOT_CHARS = 60

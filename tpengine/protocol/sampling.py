@@ -73,7 +73,7 @@ class SamplingFields(ProtocolModel):
         return []
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        """:class:`tpengine.engine.sampling_params.SamplingParams` kwargs for the fields given:
+        """:class:`tpengine.sampling_params.SamplingParams` kwargs for the fields given:
         ``top_k`` -1 becomes 0 (disabled), ``stop`` and ``stop_token_ids`` tuples, ``logit_bias``
         keys ints."""
         kw: dict[str, Any] = {}

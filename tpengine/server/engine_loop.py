@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 
 from tpengine.engine.outputs import RequestOutput
-from tpengine.engine.sampling_params import SamplingParams
 from tpengine.engine.step import StepKind, StepPlan, broadcast_plan
+from tpengine.sampling_params import SamplingParams
 
 
 class EngineDead(RuntimeError):

@@ -13,7 +13,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from tpengine.engine.outputs import RequestOutput
-from tpengine.engine.sampling_params import SamplingParams
 from tpengine.frontend.logprobs import chat_logprobs, completion_logprobs
 from tpengine.frontend.output import openai_body, usage_info
 from tpengine.frontend.requests import (
@@ -35,6 +34,7 @@ from tpengine.protocol.stream import (
     ErrorInfo,
     ErrorResponse,
 )
+from tpengine.sampling_params import SamplingParams
 
 FORMATS = {"chat": "openai_chat", "completion": "openai_completion"}
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable", 500: "server_error"}

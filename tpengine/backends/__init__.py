@@ -1,0 +1,43 @@
+"""Paged-attention backends: the CPU one (torch + C kernels) and the Triton one (CUDA), both checked
+against the torch oracle :mod:`tpengine.backends.reference`.
+
+:func:`get_backend` makes one backend object per engine (interface:
+:class:`tpengine.backends.base.AttentionBackend`). Triton is imported lazily, so CPU-only installs
+without it work.
+"""
+
+from __future__ import annotations
+
+#: attention backend names (``EngineConfig.attention_backend``)
+BACKENDS = ("auto", "torch", "triton")
+#: CPU linear weight layouts (``EngineConfig.cpu_linear``): "auto" measures and chooses per weight
+#: shape, the others force one (:mod:`tpengine.backends.cpu.linear_layout`)
+CPU_LINEAR_CHOICES = ("auto", "plain", "packed")
+
+
+def get_backend(name: str, device, *, native: bool, kv_mirror: bool):
+    """A new attention backend for ``name`` on ``device`` (a ``torch.device`` or a string).
+
+    ``"auto"``: Triton on CUDA devices, the CPU backend otherwise; ``"torch"``:
+    :class:`tpengine.backends.cpu.attention.CPUAttentionBackend` (``native``: use the C kernels,
+    ``EngineConfig.cpu_kernels``; ``kv_mirror``: keep decode contexts across steps,
+    ``EngineConfig.kv_mirror``; with ``native``, decode steps take the paged C kernel, which keeps
+    no mirror); ``"triton"``:
+    :class:`tpengine.backends.cuda.attention.TritonAttentionBackend` (on CPU tensors that works
+    only with ``TRITON_INTERPRET=1`` set before triton is imported; the two flags do not apply).
+    Raises ValueError for any other name, naming the value and the allowed ones; ImportError if
+    Triton is requested but not installed.
+    """
+    import torch
+
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; expected one of {', '.join(BACKENDS)}")
+    if name == "auto":
+        name = "triton" if torch.device(device).type == "cuda" else "torch"
+    if name == "torch":
+        from tpengine.backends.cpu.attention import CPUAttentionBackend
+
+        return CPUAttentionBackend(native=native, kv_mirror=kv_mirror, paged=native)
+    from tpengine.backends.cuda.attention import TritonAttentionBackend
+
+    return TritonAttentionBackend()

@@ -1,0 +1,312 @@
+"""The CPU attention backend: paged attention in torch with the CPU fast paths, and the KV mirror.
+
+What it adds to the oracle's arithmetic (:mod:`tpengine.backends.reference`), with the same layout
+and contract:
+
+* store: one ``index_copy_`` per cache, or in bfloat16 one C row copy for both
+  (:func:`tpengine.backends.cpu.cpu_fused.copy_rows`);
+* prefill: a batch of same-length prompts without a cached prefix runs as one batched call; in
+  half precision as HF's eager attention computes it (half-precision matmuls, float32 softmax,
+  through :func:`tpengine.backends.cpu.cpu_fused.causal_softmax_`), else SDPA; other batches run SDPA
+  per sequence (over a cached prefix as two flash calls merged by their log-sum-exp); the leading
+  one-token sequences of a mixed step (decodes beside a prefill chunk) run the decode path below;
+* decode: the query heads are grouped by KV head, the context is gathered once per step into
+  ``[B, Hkv, L, D]`` (or kept across steps by the layer's :class:`tpengine.backends.cpu.kv_mirror.KVMirror`)
+  and attended in one batched call: the C kernel (:mod:`tpengine.backends.cpu.cpu_decode`), SDPA for a
+  few sequences, or half-precision bmm with a float32 softmax.
+
+Per-step values (host copies of lengths and slot bounds, gather indices, key masks, the mirror's
+continuity decision) live on the step's :class:`CPUAttentionMetadata` from :meth:`CPUAttentionBackend.prepare`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from tpengine.backends.base import AttentionBackend
+from tpengine.backends.checks import check_cache, check_decode, check_heads, check_slots, check_store, prefill_lengths
+from tpengine.backends.cpu import cpu_decode, cpu_fused, cpu_paged
+from tpengine.backends.cpu import kv_mirror as mirrors
+from tpengine.backends.cpu import prefill as cpu_prefill
+from tpengine.backends.cpu.half_decode import SDPA_ROWS, half_decode, key_mask
+from tpengine.context import StepIndex
+from tpengine.utils import cdiv
+
+__all__ = ["CPUAttentionBackend", "CPUAttentionMetadata"]
+
+
+@dataclass
+class CPUAttentionMetadata(StepIndex):
+    """One step's attention metadata on the CPU backend (tensors as given to ``prepare``).
+
+    ``slot_min``/``slot_max``: bounds of ``slot_mapping`` (host ints; 0/-1 for no tokens);
+    prefill: ``cu_q`` (host offsets), ``seqlens_q``/``seqlens_k`` (host lengths); decode:
+    ``min_ctx``/``max_ctx`` (host ints), ``paged`` (the layers run :mod:`tpengine.backends.cpu.cpu_paged`
+    over ``paged_index``, checked here once for the step)
+    and ``mirror`` (the step as the KV mirrors see it; None with mirrors off or ``paged``).
+    ``decodes``: in a mixed prefill step, the decode metadata of its leading
+    one-token sequences (decodes over their cache, run through the batched decode path; None
+    when there are fewer than two). ``derived``: values every layer shares that depend on the cache geometry
+    (gather indices, key masks), computed by the first layer that needs them.
+    """
+
+    slot_min: int = 0
+    slot_max: int = -1
+    cu_q: list[int] | None = None
+    seqlens_q: list[int] | None = None
+    seqlens_k: list[int] | None = None
+    min_ctx: int = 0
+    max_ctx: int = 0
+    mirror: mirrors.MirrorStep | None = None
+    paged: bool = False
+    paged_index: cpu_paged.PagedIndex | None = None
+    decodes: CPUAttentionMetadata | None = None
+    derived: dict = field(default_factory=dict)
+
+    def get(self, key: tuple, compute):
+        """``derived[key]``, computing it with ``compute()`` on first use in this step."""
+        if key not in self.derived:
+            self.derived[key] = compute()
+        return self.derived[key]
+
+
+class CPUAttentionBackend(AttentionBackend):
+    """Paged attention in torch (any device; the fast paths are for CPU).
+
+    Args:
+        native: use the C kernels where they apply (``EngineConfig.cpu_kernels``).
+        kv_mirror: keep each layer's decode context across steps (``EngineConfig.kv_mirror``).
+        paged: with ``native``, decode steps run :meth:`paged_decode` (one C call per layer, no
+            mirror); the engine's backend has it on (:func:`tpengine.backends.get_backend`).
+
+    ``prepare`` syncs with the host (slot bounds; prefill lengths; decode lengths and the mirror's
+    continuity check), once per step, so the backend is not CUDA-graph safe.
+    """
+
+    name = "torch"
+    graph_safe = False
+
+    def __init__(self, *, native: bool = True, kv_mirror: bool = True, paged: bool = False):
+        self.native, self.kv_mirror, self.paged = native, kv_mirror, paged
+        self.sdpa_rows = SDPA_ROWS  # half-precision decode without the C kernel: SDPA up to B * Hkv rows
+        self.continuity = mirrors.Continuity()  # the previous decode step, for the mirrors
+
+    def __repr__(self) -> str:
+        return f"CPUAttentionBackend(native={self.native}, kv_mirror={self.kv_mirror}, paged={self.paged})"
+
+    def prepare(self, is_prefill, slot_mapping, block_tables, cu_seqlens_q=None, cu_seqlens_k=None,
+                context_lens=None) -> CPUAttentionMetadata:
+        """See :meth:`AttentionBackend.prepare`. Raises ValueError for malformed prefill offsets."""
+        m = CPUAttentionMetadata(is_prefill, slot_mapping, block_tables, cu_seqlens_q, cu_seqlens_k, context_lens)
+        if slot_mapping.numel():
+            m.slot_min, m.slot_max = (int(x) for x in torch.aminmax(slot_mapping))
+        if is_prefill:
+            self.continuity.prefill()
+            m.cu_q, _, m.seqlens_q, m.seqlens_k = prefill_lengths(cu_seqlens_q, cu_seqlens_k, slot_mapping.shape[0])
+            nd = next((b for b, (lq, lk) in enumerate(zip(m.seqlens_q, m.seqlens_k)) if lq != 1 or lk < 2),
+                      len(m.seqlens_q))
+            if nd >= 2 and block_tables is not None:  # a mixed step's decodes, batched as in a decode step
+                lens = torch.tensor(m.seqlens_k[:nd], device=slot_mapping.device)
+                m.decodes = CPUAttentionMetadata(False, slot_mapping[:nd], block_tables[:nd], None, None, lens,
+                                                 min_ctx=min(m.seqlens_k[:nd]), max_ctx=max(m.seqlens_k[:nd]))
+        else:
+            if context_lens.numel():
+                m.min_ctx, m.max_ctx = (int(x) for x in torch.aminmax(context_lens))
+            m.paged = self.paged and self.native and slot_mapping.device.type == "cpu"
+            if m.paged:  # the layers' paged C kernel (cpu_paged) reads the cache itself: no mirror kept
+                self.continuity.prefill()
+                m.paged_index = cpu_paged.paged_index(slot_mapping, block_tables, context_lens)  # once for all layers
+            elif self.kv_mirror:
+                m.mirror = self.continuity.decode(block_tables, context_lens)
+        return m
+
+    def bind_layer(self, module: torch.nn.Module) -> None:
+        """Give ``module`` its own :class:`~tpengine.backends.cpu.kv_mirror.KVMirror` (``module.kv_mirror``;
+        None with mirrors off)."""
+        module.kv_mirror = mirrors.KVMirror() if self.kv_mirror else None
+
+    def paged_decode(self, module, q, k, v, cos, sin, scale, attn: CPUAttentionMetadata):
+        """:meth:`AttentionBackend.paged_decode` through :func:`tpengine.backends.cpu.cpu_paged.decode`, for a
+        decode step with the C kernels on (``native``) and a float32 or bfloat16 layer it takes."""
+        if not attn.paged or not cpu_paged.available(q.dtype, q.shape[-1], self.native):
+            return None
+        return cpu_paged.decode(q, k, v, cos, sin, module.k_cache, module.v_cache, module.tp_q_to_kv, scale,
+                                attn.paged_index)
+
+    def store_kvcache(self, key, value, k_cache, v_cache, attn: CPUAttentionMetadata) -> None:
+        """:func:`tpengine.backends.reference.store_kvcache` at ``attn.slot_mapping``. Raises ValueError
+        on shape mismatch; IndexError for a slot out of range (from the bounds ``prepare`` read)."""
+        slot_mapping = attn.slot_mapping
+        num_blocks, bs, hkv, d = check_store(key, value, k_cache, v_cache, slot_mapping)
+        if key.shape[0] == 0:
+            return
+        check_slots(slot_mapping, attn.slot_min, attn.slot_max, num_blocks * bs)
+        if attn.slot_min >= 0 and k_cache.is_contiguous() and v_cache.is_contiguous():
+            cpu_fused.copy_rows((key, value), (k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)), slot_mapping,
+                                native=self.native)
+            return
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        blk, off = slots // bs, slots % bs
+        k_cache[blk, off] = key[keep].to(k_cache.dtype)
+        v_cache[blk, off] = value[keep].to(v_cache.dtype)
+
+    def prefill_attention(self, q, k, v, k_cache, v_cache, q_to_kv, scale, attn: CPUAttentionMetadata):
+        """:func:`tpengine.backends.reference.prefill_attention` with the step's lengths from ``attn``."""
+        _, _, hkv, d = check_cache(k_cache, v_cache)
+        check_heads(q, q_to_kv, hkv, d)
+        if k.shape != v.shape or k.shape[0] != q.shape[0] or tuple(k.shape[1:]) != (hkv, d):
+            raise ValueError(f"k/v must be [{q.shape[0]}, {hkv}, {d}]; got {tuple(k.shape)}, {tuple(v.shape)}")
+        cu_q, lqs, lks, block_tables = attn.cu_q, attn.seqlens_q, attn.seqlens_k, attn.block_tables
+        gqa = _is_gqa(q_to_kv, hkv)
+
+        def heads(x):  # [..., Hkv, D] -> the KV head of every query head (unless SDPA's GQA does it)
+            return x if gqa else x.index_select(-2, q_to_kv)
+
+        if lqs and lqs == lks and min(lqs) == max(lqs) > 0:
+            # no cached prefix and equal lengths (a batch of same-length prompts): one batched call
+            b, n = len(lqs), lqs[0]
+            qh, kh, vh = (x.unflatten(0, (b, n)).transpose(1, 2) for x in (q, heads(k), heads(v)))
+            if q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and q.device.type == "cpu":
+                o = cpu_prefill.causal_matmul_attention(qh, kh, vh, scale, self.native)
+            else:
+                o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+            return o.transpose(1, 2).reshape(q.shape).contiguous()
+        out = q.new_empty(q.shape)  # contiguous, whatever q's strides
+        nd = 0
+        if attn.decodes is not None:  # the leading one-token sequences: one batched decode call
+            nd = attn.decodes.context_lens.shape[0]
+            out[:nd] = self.decode_attention(q[:nd], k_cache, v_cache, q_to_kv, scale, attn.decodes)
+        for b, (lq, lk) in enumerate(zip(lqs, lks)):
+            if lq == 0 or b < nd:
+                continue
+            s, e, p = cu_q[b], cu_q[b + 1], lk - lq
+            # 4-D [1, H, L, D]: CPU SDPA's flash kernel (a 3-D call falls back to the math path)
+            qh = q[s:e].transpose(0, 1)[None]  # [1, Hq, Lq, D]
+            kh, vh = (heads(x[s:e]).transpose(0, 1)[None] for x in (k, v))  # [1, Hq or Hkv, Lq, D]
+            if p == 0:
+                o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+            else:
+                if block_tables is None:
+                    raise ValueError(f"sequence {b} has a cached prefix ({p} tokens) but block_tables is None")
+                kp, vp = (heads(cpu_prefill.gather_cache(c, block_tables[b], p).to(q.dtype)).transpose(0, 1)[None]
+                          for c in (k_cache, v_cache))  # [1, Hq or Hkv, p, D]
+                o = cpu_prefill.prefix_attention(qh, kp, vp, kh, vh, scale, gqa)
+            out[s:e] = o[0].transpose(0, 1)
+        return out
+
+    def decode_attention(self, q, k_cache, v_cache, q_to_kv, scale, attn: CPUAttentionMetadata,
+                         mirror: mirrors.KVMirror | None = None) -> torch.Tensor:
+        """:func:`tpengine.backends.reference.decode_attention` with the step's lengths from ``attn``.
+
+        Groups the query heads by their KV head (``[B, Hkv, G, D]``, so each KV head is gathered and
+        read once whatever ``q_to_kv`` is), gathers every sequence's first ``max_ctx`` cached tokens
+        into ``[B, Hkv, max_ctx, D]`` (half types: padded to the mirror's capacity, and kept across
+        steps in ``mirror`` when mirrors are on and fit, :func:`tpengine.backends.cpu.kv_mirror.usable`)
+        and attends in one batched call: the C kernel (bfloat16, ``native``), SDPA for a few
+        sequences, or half-precision matmuls with a float32 softmax (which CPU SDPA is several times
+        slower than for one query token per sequence); float32 runs SDPA over whole blocks, masking
+        positions ``>= context_lens[b]`` only when the lengths differ. Raises ValueError on shape
+        mismatch or when ``max_ctx`` exceeds the block table's capacity."""
+        block_tables, context_lens = attn.block_tables, attn.context_lens
+        _, bs, hkv, d = check_decode(q, k_cache, v_cache, q_to_kv, block_tables, context_lens)
+        nb = q.shape[0]
+        if nb == 0:
+            return q.new_empty(q.shape)
+        half = (q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype and k_cache.is_contiguous()
+                and v_cache.is_contiguous())
+        m = attn.get(("decode", bs, hkv, half), lambda: _decode_indices(attn, bs, hkv, half))
+        if attn.max_ctx == 0:
+            return q.new_zeros(q.shape)
+        g, q_slots, out_slots = _groups(tuple(q_to_kv.tolist()), hkv, q.device)
+        qg = (q if q_slots is None else q.index_select(1, q_slots)).reshape(nb, hkv, g, d)
+        if half:
+            if mirror is not None and attn.mirror is not None and mirrors.usable(nb, attn.max_ctx, k_cache):
+                # [B, Hkv, capacity >= max_ctx, D], kept across the decode steps of one batch
+                kg, vg = mirror.decode_kv(k_cache, v_cache, m.index, block_tables, context_lens, attn.max_ctx,
+                                          attn.mirror, self.native)
+            else:  # the same shapes, gathered for this step only
+                kg, vg = mirrors.gather(k_cache, v_cache, m.index, nb, attn.max_ctx)
+            if cpu_decode.available(q, g, d, self.native):  # the bmm branch's arithmetic in a C kernel
+                out = cpu_decode.decode_attention(qg, kg, vg, context_lens, scale)
+            else:
+                valid, bias = attn.get(("key-mask", kg.shape[2]), lambda: key_mask(context_lens, kg.shape[2]))
+                out = half_decode(qg, kg, vg, valid, bias, scale, nb * hkv <= self.sdpa_rows)
+        else:  # whole blocks, read as a strided [B, Hkv, L, D]
+            n_blk = m.index.numel() // nb
+
+            def gather(cache):
+                kv = F.embedding(m.index, cache.reshape(cache.shape[0], -1)).view(nb, n_blk * bs, hkv, d)
+                kv = kv[:, : attn.max_ctx]
+                return kv.transpose(1, 2).to(q.dtype)
+
+            out = F.scaled_dot_product_attention(qg, gather(k_cache), gather(v_cache), attn_mask=m.valid,
+                                                 scale=scale)
+        out = out.reshape(nb, hkv * g, d)
+        if out_slots is not None:
+            out = out.index_select(1, out_slots)
+        if attn.min_ctx == 0:
+            out = out.masked_fill_((context_lens == 0)[:, None, None], 0.0)
+        return out.contiguous()
+
+
+@functools.lru_cache(maxsize=256)
+def _groups(q_to_kv: tuple[int, ...], hkv: int, device: torch.device):
+    """Query heads grouped by the KV head they read, for attention that reads each KV head once.
+
+    Returns ``(G, gather, scatter)``: every KV head gets ``G`` query slots (the largest group;
+    smaller groups are padded with a repeat of one of their heads). ``gather [Hkv*G]`` is the query
+    head in each slot and ``scatter [Hq]`` the slot of each query head; both are None when
+    ``q_to_kv`` is already ``h // G`` (standard GQA), where ``[Hq, D]`` views as ``[Hkv, G, D]``.
+    """
+    groups = [[h for h, j in enumerate(q_to_kv) if j == kv] for kv in range(hkv)]
+    g = max(len(x) for x in groups)
+    if list(q_to_kv) == [h // g for h in range(len(q_to_kv))] and g * hkv == len(q_to_kv):
+        return g, None, None
+    gather, scatter = [], [0] * len(q_to_kv)
+    for kv, heads in enumerate(groups):
+        for i, h in enumerate(heads):
+            scatter[h] = kv * g + i
+        gather += heads + [heads[-1] if heads else 0] * (g - len(heads))
+    return g, torch.tensor(gather, device=device), torch.tensor(scatter, device=device)
+
+
+def _is_gqa(q_to_kv: torch.Tensor, hkv: int) -> bool:
+    """True if local query head ``h`` reads KV head ``h // (Hq // Hkv)`` (SDPA's ``enable_gqa``)."""
+    return _groups(tuple(q_to_kv.tolist()), hkv, q_to_kv.device)[1] is None
+
+
+@dataclass(frozen=True)
+class _DecodeIndices:
+    """What every layer of one decode step shares: the gather index (float32: the first
+    ``ceil(max_ctx / bs)`` block ids of each row, for whole-block copies; half types: the
+    ``[B, Hkv, max_ctx]`` rows of the ``[slots * Hkv, D]`` cache view, for a contiguous copy) and,
+    for float32, the key mask ``valid`` (None when every sequence has ``max_ctx`` tokens; the half
+    path masks its own padded key length, see :func:`key_mask`)."""
+
+    index: torch.Tensor | None
+    valid: torch.Tensor | None
+
+
+def _decode_indices(attn: CPUAttentionMetadata, bs: int, hkv: int, half: bool) -> _DecodeIndices:
+    """Raises ValueError when ``max_ctx`` exceeds the block table's capacity."""
+    block_tables, context_lens, max_ctx = attn.block_tables, attn.context_lens, attn.max_ctx
+    if max_ctx > block_tables.shape[1] * bs:
+        raise ValueError(
+            f"context length {max_ctx} exceeds block table capacity {block_tables.shape[1]}x{bs}"
+        )
+    if max_ctx == 0:
+        return _DecodeIndices(None, None)
+    dev = block_tables.device
+    valid = key_mask(context_lens, max_ctx)[0] if attn.min_ctx != max_ctx and not half else None
+    if half:
+        pos = torch.arange(max_ctx, device=dev)
+        slots = block_tables[:, pos // bs].clamp_min(0) * bs + pos % bs  # [B, L]; -1 padding masked
+        index = (slots[:, None, :] * hkv + torch.arange(hkv, device=dev)[None, :, None]).flatten()
+    else:
+        index = block_tables[:, : cdiv(max_ctx, bs)].clamp_min(0).flatten()  # -1 padding: block 0, masked
+    return _DecodeIndices(index, valid)

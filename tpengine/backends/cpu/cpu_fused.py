@@ -1,0 +1,149 @@
+"""Fused element-wise ops of the decoder layer, each choosing its C kernel or its torch chain itself:
+residual add + RMSNorm, RoPE, SiLU(gate) * up, the prefill attention's scale + causal mask +
+softmax, and the KV cache's row copies.
+
+Every function takes ``native`` (``EngineConfig.cpu_kernels``, held by the layers as
+``self.native``): when it is set and the C kernels can take the tensors (bfloat16 on CPU, and for
+the residual add + RMSNorm and SiLU * up also float32; shapes they cover; the library loads:
+:mod:`tpengine.backends.cpu.cpu_native`), the op runs as one ``torch.ops.tpengine.*`` call
+(:mod:`tpengine.backends.cpu.cpu_ops`, ``cpu_fused.c``), which keeps
+the torch chain's roundings op by op, up to the order of a float32 sum and the last bit of exp;
+otherwise it runs the torch chain (the same ops in the same order as HF's modules, bit-identical
+to HF in float32). Callers use the return value and never branch. On CPU each chain is 2-10
+torch ops, each a dispatch and a pass over memory (the measured gains are in ``docs``/the README).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from tpengine.backends.cpu import cpu_native
+from tpengine.backends.cpu.cpu_ops import index_error, ops
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` on the last dimension (HF's RoPE convention)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def add_rms_norm(h: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h2 = h + x`` (``h`` itself when ``x`` is None) and ``weight * rms_norm(h2)``, HF Llama's
+    RMSNorm (float32 inside). Shapes: ``h``, ``x [..., n]``, ``weight [n]``. Returns ``(h2, normed)``;
+    neither input is written. C kernel: bfloat16 or float32 on CPU, ``n % 16 == 0``."""
+    n = h.shape[-1]
+    if (native and n and n % 16 == 0 and weight.shape == (n,) and (x is None or x.shape == h.shape)
+            and cpu_native.usable(h, weight, *(() if x is None else (x,)), float32=True)):
+        h, weight = h.contiguous(), weight.contiguous()
+        x = None if x is None else x.contiguous()  # kept alive across the call (a temporary's memory is freed)
+        h2 = h if x is None else torch.empty_like(h)
+        y = torch.empty_like(h)
+        ops.add_rms_norm(h, x, weight, None if x is None else h2, y, eps)
+        return h2, y
+    if x is not None:
+        h = h + x
+    if h.dtype == torch.float32 and weight.dtype == torch.float32:
+        return h, F.rms_norm(h, (n,), weight, eps)
+    return h, weight * F.rms_norm(h.float(), (n,), None, eps).to(h.dtype)
+
+
+def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: bool) -> torch.Tensor:
+    """HF's RoPE ``qk * cos + rotate_half(qk) * sin`` for every head. Shapes: ``qk [..., T, H, D]``
+    (may be a view into a wider row, e.g. the fused q/k/v GEMM output), ``cos``/``sin [..., T, D]``
+    (the same leading dims). Returns the result: ``qk`` itself, rotated in place, from the C kernel
+    (bfloat16 on CPU, ``D % 32 == 0``, each token's heads packed, tokens evenly strided), else a new
+    tensor from the torch ops."""
+    d = qk.shape[-1]
+    if native and qk.dim() >= 3 and cos.shape == sin.shape == (*qk.shape[:-2], d) and d % 32 == 0 \
+            and cpu_native.usable(qk, cos, sin):
+        try:
+            rows = qk.view(-1, *qk.shape[-2:])  # [T, H, D] over the same memory
+        except RuntimeError:
+            rows = None
+        t, heads = rows.shape[:2] if rows is not None else (0, 0)
+        if (rows is not None and rows.stride(-1) == 1 and rows.stride(-2) == d
+                and (t <= 1 or rows.stride(0) >= heads * d)):
+            ops.rope_(rows, cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous())
+            return qk
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [..., T, 1, D]: every head
+    return qk * cos + rotate_half(qk) * sin
+
+
+def silu_mul(gate_up: torch.Tensor, inter: int, native: bool) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [..., 2 * inter]`` (gate first) -> a new ``[..., inter]``
+    tensor, computed as torch's ``F.silu(gate).mul_(up)`` (C kernel: bfloat16 or float32 on CPU,
+    ``inter % 16 == 0``)."""
+    if (native and gate_up.shape[-1] == 2 * inter and inter > 0 and inter % 16 == 0
+            and cpu_native.usable(gate_up, float32=True)):
+        gate_up = gate_up.contiguous()
+        out = gate_up.new_empty(*gate_up.shape[:-1], inter)
+        ops.silu_mul(gate_up, out)
+        return out
+    return F.silu(gate_up[..., :inter]).mul_(gate_up[..., inter:])
+
+
+@functools.lru_cache(maxsize=8)
+def causal_bias(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[n, n]`` additive causal mask: 0 on and below the diagonal, -inf above."""
+    return torch.zeros(n, n, dtype=dtype, device=device).masked_fill_(
+        torch.ones(n, n, dtype=torch.bool, device=device).triu_(1), float("-inf"))
+
+
+def causal_softmax_(s: torch.Tensor, scale: float, native: bool) -> torch.Tensor:
+    """``softmax(s * scale + causal mask, dim=-1)`` for square score blocks ``s [..., n, n]`` (query
+    ``i`` sees keys ``j <= i``; masked keys get 0), as torch's ``s.mul_(scale).add_(mask)`` then
+    ``torch.softmax`` (float32 inside for half types). ``s`` is overwritten; returns the result
+    (``s`` itself from the C kernel: bfloat16 on CPU, ``s`` contiguous, ``n <= 16384``). Raises
+    ValueError if ``s`` is not ``[..., n, n]``."""
+    n = s.shape[-1] if s.dim() else 0
+    if s.dim() < 2 or s.shape[-2] != n:
+        raise ValueError(f"causal_softmax_: s must be square score blocks [..., n, n]; got {tuple(s.shape)}")
+    if (native and s.dim() >= 2 and s.shape[-2] == n and 1 <= n <= 16384 and s.is_contiguous()
+            and cpu_native.usable(s)):
+        ops.causal_softmax_(s, scale)
+        return s
+    return torch.softmax(s.mul_(scale).add_(causal_bias(n, s.dtype, s.device)), dim=-1)  # (4x masked_fill_'s speed)
+
+
+def _int64(index: torch.Tensor) -> torch.Tensor:
+    return index if index.dtype == torch.int64 and index.is_contiguous() else index.to(torch.int64).contiguous()
+
+
+def copy_rows(src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor],
+              dst_index: torch.Tensor, src_index: torch.Tensor | None = None, *, native: bool) -> None:
+    """``dst[j][dst_index[i]] = src[j][src_index[i] if src_index is not None else i]`` for j = 0, 1
+    (keys and values), cast to the destination dtype: one C call (bfloat16 on CPU) instead of an
+    ``index_copy_`` (+ ``index_select``) per tensor.
+
+    Shapes: ``src`` two ``[M, *row]`` tensors (``M == N`` without ``src_index``), ``dst`` two
+    ``[R, *row]`` tensors, ``dst_index``/``src_index [N]`` int64. Raises ValueError when the
+    numbers of rows and indices differ, IndexError
+    ``dst_index[i] = v is out of range for R rows (valid: 0 to R-1)`` (or ``src_index``, ``M``) for
+    an index out of range, never writing out of bounds: the C kernel checks every index before it
+    writes anything (torch's ``index_copy_`` may have copied the rows before the bad one).
+    """
+    (sa, sb), (da, db) = src, dst
+    n = dst_index.shape[0]
+    m = sa.shape[0] if sa.dim() else 0
+    if (m if src_index is None else src_index.shape[0]) != n:
+        raise ValueError(f"copy_rows: {n} dst_index entries for {m} source rows"
+                         + ("" if src_index is None else f" and {src_index.shape[0]} src_index entries"))
+    if native and n and da.dtype == torch.bfloat16 and cpu_native.usable(sa, sb, da, db):
+        ss = sa.stride()  # the C layout: rows of dst contiguous, src rows equally strided and each contiguous
+        if (ss[1:] == da.stride()[1:] and sb.stride() == ss and da.is_contiguous() and db.is_contiguous()
+                and sa.shape[1:] == da.shape[1:] and sb.shape == sa.shape and db.shape == da.shape):
+            ops.copy_rows(sa, sb, None if src_index is None else _int64(src_index), da, db, _int64(dst_index))
+            return
+    try:
+        for s, d in ((sa, da), (sb, db)):
+            d.index_copy_(0, dst_index, (s if src_index is None else s.index_select(0, src_index)).to(d.dtype))
+    except (IndexError, RuntimeError):
+        for name, index, rows in (("dst_index", dst_index, da.shape[0]),
+                                  ("src_index", src_index, sa.shape[0] if sa.dim() else 0)):
+            if index is not None and index.numel() and ((index < 0) | (index >= rows)).any():
+                raise index_error(name, index, int(((index < 0) | (index >= rows)).nonzero()[0]), rows) from None
+        raise

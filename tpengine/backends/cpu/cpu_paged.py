@@ -1,0 +1,179 @@
+"""Paged decode attention on CPU in one C call per layer (``cpu_paged.c``, built by
+:mod:`tpengine.backends.cpu.cpu_native`): RoPE on the new query and key heads, the new keys and values
+stored at their slots, and attention over each sequence's cached keys read through its block
+table -- the store, gather, two products and softmax of the torch path
+(:mod:`tpengine.backends.cpu.attention`) without a contiguous copy of the context and without a
+dispatch per op. float32 and bfloat16; the arithmetic is described in ``cpu_paged.c``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tpengine.backends.cpu import cpu_native
+
+MAX_D = 256  # the C code keeps a query head in 16 vectors of 16 floats
+MAX_G = 16  # query heads per KV head
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def available(dtype: torch.dtype, head_dim: int, native: bool) -> bool:
+    """Whether :func:`decode` takes a layer of this dtype and head size: ``native``
+    (``EngineConfig.cpu_kernels``), float32 or bfloat16, ``head_dim % 32 == 0`` (RoPE rotates halves
+    of whole 16-lane vectors) and ``<= 256``, and the C library loads."""
+    return (native and dtype in DTYPES and head_dim % 32 == 0 and head_dim <= MAX_D
+            and cpu_native.load() is not None)
+
+
+@dataclass(frozen=True)
+class PagedIndex:
+    """One decode step's index tensors, checked once for every layer: contiguous int64
+    ``slot_mapping [B]``, ``block_tables [B, max_blocks]``, ``context_lens [B]``."""
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+
+
+def paged_index(slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> PagedIndex:
+    """The step's :class:`PagedIndex` (made contiguous).
+
+    Raises:
+        ValueError: not int64, or shapes that do not agree on B.
+    """
+    idx = [t.contiguous() for t in (slot_mapping, block_tables, context_lens)]
+    b = idx[0].shape[0] if idx[0].dim() == 1 else -1
+    if any(t.dtype != torch.int64 for t in idx) or b < 0 or idx[2].shape != (b,) or idx[1].dim() != 2 \
+            or idx[1].shape[0] != b:
+        raise ValueError(f"paged decode: int64 slot_mapping [B], block_tables [B, max_blocks], context_lens [B]; "
+                         f"got {[(t.dtype, tuple(t.shape)) for t in idx]}")
+    return PagedIndex(*idx)
+
+
+def _rows(name: str, t: torch.Tensor, heads: int, d: int, dtype: torch.dtype) -> int:
+    """``t [B, heads, D]`` with unit element stride and heads ``D`` apart; returns its row stride."""
+    if t.dtype != dtype or t.dim() != 3 or t.shape[1:] != (heads, d) or t.stride(2) != 1 or t.stride(1) != d:
+        raise ValueError(f"paged decode: {name} must be [B, {heads}, {d}] {dtype} with heads {d} elements apart; "
+                         f"got {t.dtype} {tuple(t.shape)} strides {tuple(t.stride())}")
+    return t.stride(0)
+
+
+def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+           k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor, scale: float,
+           index: PagedIndex) -> torch.Tensor:
+    """One decode step of one layer. ``q [B, Hq, D]``, ``k``/``v [B, Hkv, D]`` (views into the q/k/v
+    GEMM output are fine: any row stride; RoPE is applied to ``q`` and ``k`` IN PLACE when ``cos``,
+    ``sin [B, D]`` are given), caches ``[num_blocks, block_size, Hkv, D]`` contiguous, ``q_to_kv
+    [Hq]`` int64 contiguous, and the step's ``index`` (:func:`paged_index`, made once per step):
+    ``slot_mapping [B]`` (-1: not stored), ``block_tables [B, max_blocks]``, ``context_lens [B]``
+    (the new token included; 0: a padding row, output zero). Returns ``[B, Hq, D]``.
+
+    Raises:
+        ValueError: a shape, dtype or layout mismatch.
+        IndexError: a slot, length or block id out of range (checked before anything is written).
+    """
+    lib = cpu_native.load()
+    if lib is None:
+        raise RuntimeError(f"CPU C kernels unavailable: {cpu_native.unavailable_reason()}")
+    dtype, (b, hq, d) = q.dtype, q.shape
+    nb, bs, hkv, _ = k_cache.shape
+    if dtype not in DTYPES or d % 32 or d > MAX_D:
+        raise ValueError(f"paged decode: float32 or bfloat16 with head size % 32 == 0 and <= {MAX_D}; got {dtype}, {d}")
+    qs, ks, vs = _rows("q", q, hq, d, dtype), _rows("k", k, hkv, d, dtype), _rows("v", v, hkv, d, dtype)
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"paged decode: q, k, v must have the same B; got {b}, {k.shape[0]}, {v.shape[0]}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != dtype or t.shape != (nb, bs, hkv, d) or not t.is_contiguous():
+            raise ValueError(f"paged decode: {name} must be contiguous [{nb}, {bs}, {hkv}, {d}] {dtype}; got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    if cos is not None and not (cos.dtype == sin.dtype == dtype and cos.shape == sin.shape == (b, d)
+                                and cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError(f"paged decode: cos and sin must be contiguous [{b}, {d}] {dtype}; got {tuple(cos.shape)}")
+    idx = [index.slot_mapping, index.block_tables, index.context_lens, q_to_kv]
+    if idx[0].shape != (b,) or q_to_kv.dtype != torch.int64 or q_to_kv.shape != (hq,) or not q_to_kv.is_contiguous():
+        raise ValueError(f"paged decode: an index for B={b} and a contiguous int64 q_to_kv [{hq}]; got B="
+                         f"{idx[0].shape[0]}, q_to_kv {q_to_kv.dtype} {tuple(q_to_kv.shape)}")
+    out = torch.empty(b, hq, d, dtype=dtype)
+    fn = lib.tpe_paged_decode_f32 if dtype == torch.float32 else lib.tpe_paged_decode_bf16
+    bad = fn(q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, None if cos is None else cos.data_ptr(),
+             None if sin is None else sin.data_ptr(), idx[0].data_ptr(), idx[1].data_ptr(), idx[1].shape[1],
+             idx[2].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), nb, bs, idx[3].data_ptr(), hq, hkv, d, scale,
+             out.data_ptr(), b, torch.get_num_threads())
+    if bad == 3 * b:
+        raise ValueError(f"paged decode: q_to_kv {idx[3].tolist()} must map each of the {hq} query heads to a KV "
+                         f"head in [0, {hkv}), at most {MAX_G} on one")
+    if bad >= 0:
+        i, what = bad % b, ("slot_mapping", "context_lens", "block_tables")[bad // b]
+        valid = {"slot_mapping": f"[-1, {nb * bs})", "context_lens": f"[0, {idx[1].shape[1] * bs}]",
+                 "block_tables": f"[0, {nb}) for the blocks a sequence's length covers"}[what]
+        value = idx[1][i].tolist() if what == "block_tables" else int(idx[("slot_mapping", "context_lens").index(what)
+                                                                                 * 2][i])
+        raise IndexError(f"paged decode: {what}[{i}] = {value} is out of range; valid: {valid}")
+    return out
+
+
+_decode = decode  # the measurement's own reference (not counted by a test that wraps decode)
+
+
+def set_amx(min_batch: int) -> bool:
+    """Let the bfloat16 kernel take its AMX path (``cpu_paged.c``: the scores of a block's 16 keys for
+    all of a KV head's query heads by tile multiplies) in steps of ``min_batch`` or more sequences
+    (0: never), for this process. Returns whether the path is available: the library built with AMX
+    (``-march=native`` on a CPU with AMX-BF16) and the OS lets the process use tile data; when not,
+    the kernel keeps its AVX-512 path whatever ``min_batch``. The path also needs a block size that
+    is a multiple of 16 and a head size up to 128 (else the call takes the AVX-512 path). Both paths
+    round as ``cpu_paged.c`` describes (the float32 sums run in other orders)."""
+    lib = cpu_native.load()
+    return lib is not None and bool(lib.tpe_paged_set_amx(int(min_batch)))
+
+
+def choose_amx(q_to_kv: torch.Tensor, hkv: int, head_dim: int, block_size: int,
+               batches: tuple[int, ...] = (1, 8, 64), context: int = 192, layers: int = 8):
+    """The measured choice of the bfloat16 kernel's path for one rank's layer shape (query head ``h``
+    on KV head ``q_to_kv[h]`` of ``hkv``, ``q_to_kv [Hq]`` int64, heads of ``head_dim``, blocks of
+    ``block_size``): the AVX-512 and AMX paths timed on decode steps of each of ``batches``
+    sequences of ``context`` keys over ``layers`` separate caches (so rows stream from memory as in
+    a step), by :func:`tpengine.backends.cpu.measured.timings` (cached per machine); AMX is then taken
+    from the smallest measured batch from which it is faster at every larger one (``"amx from B
+    >= 8"``), else never (``"avx512"``). Leaves that set (:func:`set_amx`). Returns a
+    :class:`~tpengine.backends.cpu.measured.Choice`, or None where the AMX path does not apply
+    (unavailable, ``block_size % 16``, ``head_dim`` over 128 or not a multiple of 32); then the
+    AVX-512 path stays."""
+    from tpengine.backends.cpu.measured import Choice, timings
+
+    if block_size % 16 or head_dim % 32 or head_dim > 128 or not set_amx(0):
+        return None
+    g = torch.Generator().manual_seed(0)
+    q_to_kv = q_to_kv.to(torch.int64).contiguous()
+    hq = q_to_kv.shape[0]
+    nbps = -(-context // block_size)
+    calls = []
+    for b in batches:
+        nb = b * nbps + 1
+        caches = [tuple(torch.randn(nb, block_size, hkv, head_dim, generator=g).to(torch.bfloat16) for _ in "kv")
+                  for _ in range(layers)]
+        tables = torch.randperm(nb - 1, generator=g)[: b * nbps].view(b, nbps).contiguous()
+        index = paged_index(torch.full((b,), -1, dtype=torch.int64), tables, torch.full((b,), context,
+                                                                                        dtype=torch.int64))
+        q = torch.randn(b, hq, head_dim, generator=g).to(torch.bfloat16)
+        kv = torch.randn(b, hkv, head_dim, generator=g).to(torch.bfloat16)
+
+        def step(caches=caches, index=index, q=q, kv=kv):
+            for kc, vc in caches:
+                _decode(q, kv, kv, None, None, kc, vc, q_to_kv, 0.125, index)
+        calls.append(step)
+
+    def path(min_batch: int):
+        return [lambda f=f: (set_amx(min_batch), f()) for f in calls]
+    key = (f"paged decode bf16 q_to_kv {q_to_kv.tolist()} hkv {hkv} d {head_dim} bs {block_size} ctx {context} "
+           f"layers {layers} batches {'/'.join(map(str, batches))}")
+    times, how = timings(key, {"avx512": path(0), "amx": path(1)})
+    start = 0  # the first batch from which AMX wins at every larger one
+    for i in reversed(range(len(batches))):
+        if times["amx"][i] >= times["avx512"][i]:
+            break
+        start = batches[i]
+    set_amx(start)
+    return Choice(f"amx from B >= {start}" if start else "avx512", how, times)

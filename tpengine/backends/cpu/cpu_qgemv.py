@@ -1,0 +1,322 @@
+"""int8 and int4 weight-only matrix-vector products for the few rows of a decode step
+(``cpu_qgemv.c``, built by :mod:`tpengine.backends.cpu.cpu_native`), on the storage
+:mod:`tpengine.quant.weights` already holds (int8 ``[out, in]`` with per-channel scales; torch's
+packed int4 layout with ``scales_and_zeros``, or scales and int8 zero codes), so no second copy of a weight exists.
+
+torch's CPU weight-only kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) are
+written for many rows; at one row they read the weight well below the memory bandwidth. Whether
+these kernels are faster is measured per weight shape on the machine that runs
+(:func:`choose`), at :data:`ROW_BUCKETS` rows, on the model's own quantized weights, once per
+machine (cached like the linear layouts); a weight uses them up to the largest bucket where they
+were faster at every bucket up to it (``QuantizedWeight.gemv_rows``), and for more rows torch's
+kernel, or from ``dequant_rows`` rows on (prefill) a dequantized scratch copy of one layer's
+weight and one float GEMM, where that measured faster.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from tpengine.backends.cpu import cpu_native
+from tpengine.backends.cpu.cpu_native import cache_root, cpu_id
+from tpengine.backends.cpu.measured import read_cache, time_us, write_cache
+
+#: The most rows one call takes.
+MAX_ROWS = 8
+#: Rows per call the choice is measured at.
+ROW_BUCKETS = (1, 4, 8)
+#: Rows per call the prefill choice (torch's kernel or dequantize + GEMM) is measured at, on at most
+#: :data:`PREFILL_WEIGHTS` weights of a shape (a prefill GEMM is bound by arithmetic, not by memory).
+PREFILL_BUCKETS = (64, 512)
+PREFILL_WEIGHTS = 4
+CACHE_VERSION = 2
+_FLOAT = (torch.bfloat16, torch.float32)
+
+
+def int4_layout_ok(layout) -> bool:
+    """Whether a :class:`tpengine.quant.arith.Int4PackLayout` is the one ``cpu_qgemv.c``
+    reads: 64-row blocks, row ``r`` at byte ``r % 32`` of each column in nibble ``4 * (r // 32)``;
+    a last block of ``nb`` rows with rows ``2j`` and ``2j + 1`` in byte ``j`` (torch's AVX-512
+    layout; its AVX2 one has 32-row blocks and is left to torch's kernel)."""
+    r = torch.arange(layout.block)
+    t = torch.arange(layout.tail)
+    return (layout.block == 64 and torch.equal(layout.pos.long(), r % 32)
+            and torch.equal(layout.shift.long(), 4 * (r // 32)) and torch.equal(layout.tail_pos.long(), t // 2)
+            and torch.equal(layout.tail_shift.long(), 4 * (t % 2)))
+
+
+def _rows(x: torch.Tensor, k: int, op: str) -> tuple[torch.Tensor, int]:
+    rows = x.numel() // k if x.dim() and x.shape[-1] == k else -1
+    if x.dtype not in _FLOAT or not 1 <= rows <= MAX_ROWS or k % 16:
+        raise ValueError(f"{op}: x must be bfloat16 or float32 [..., {k}] with 1..{MAX_ROWS} rows and "
+                         f"{k} % 16 == 0; got {x.dtype} {tuple(x.shape)}")
+    return x.reshape(rows, k).contiguous(), rows
+
+
+def _lib():
+    lib = cpu_native.load()
+    if lib is None:
+        raise RuntimeError(f"CPU C kernels unavailable: {cpu_native.unavailable_reason()}")
+    return lib
+
+
+def _check(status: int, op: str) -> None:
+    if status != 0:  # the arguments were checked above: only a failed allocation gets here
+        raise RuntimeError(f"qgemv {op}: the C kernel failed (status {status}: out of memory)")
+
+
+def int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``(x @ qweight.T) * scales`` for ``x [..., k]`` (1..8 rows, bfloat16 or float32),
+    ``qweight int8 [n, k]``, ``scales [n]`` in ``x``'s dtype -> ``[..., n]`` in that dtype.
+
+    Raises:
+        ValueError: a dtype, shape or row count it does not take.
+        RuntimeError: the C kernels are unavailable.
+    """
+    n, k = qweight.shape
+    x2, rows = _rows(x, k, "qgemv int8")
+    if qweight.dtype != torch.int8 or not qweight.is_contiguous() or scales.shape != (n,) or scales.dtype != x.dtype:
+        raise ValueError(f"qgemv int8: need a contiguous int8 [n, {k}] weight and [n] scales in {x.dtype}; got "
+                         f"{qweight.dtype} {tuple(qweight.shape)}, scales {scales.dtype} {tuple(scales.shape)}")
+    y = torch.empty(rows, n, dtype=x.dtype)
+    _check(_lib().tpe_qgemv_int8(x2.data_ptr(), rows, k, qweight.data_ptr(), scales.contiguous().data_ptr(), n,
+                                 y.data_ptr(), int(x.dtype == torch.bfloat16), torch.get_num_threads()), "int8")
+    return y.reshape(*x.shape[:-1], n)
+
+
+def _int4_scales(scales_and_zeros: torch.Tensor, zero_codes: torch.Tensor | None, op: str) -> tuple[int, int]:
+    """``(groups, n_pad)`` of an int4 weight's scales: ``scales_and_zeros [groups, n_pad, 2]``, or with
+    ``zero_codes`` (int8 ``[groups, n_pad]``) ``scales [groups, n_pad]`` (zero = code * scale / 16).
+
+    Raises:
+        ValueError: other shapes or dtypes, naming them.
+    """
+    if zero_codes is None:
+        if scales_and_zeros.dim() == 3 and scales_and_zeros.shape[2] == 2:
+            return scales_and_zeros.shape[0], scales_and_zeros.shape[1]
+        raise ValueError(f"{op}: scales_and_zeros must be [groups, n_pad, 2]; got {tuple(scales_and_zeros.shape)}")
+    if (scales_and_zeros.dim() != 2 or zero_codes.dtype != torch.int8 or zero_codes.shape != scales_and_zeros.shape
+            or not zero_codes.is_contiguous()):
+        raise ValueError(f"{op}: with zero codes, scales must be [groups, n_pad] and zero_codes a contiguous int8 "
+                         f"tensor of that shape; got scales {tuple(scales_and_zeros.shape)}, zero_codes "
+                         f"{zero_codes.dtype} {tuple(zero_codes.shape)}")
+    return scales_and_zeros.shape
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def int4(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+         out_features: int, zero_codes: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ ((q - 8) * scale + zero).T`` for ``x [..., k]`` (1..8 rows, bfloat16 or float32),
+    ``packed`` (``_convert_weight_to_int4pack_for_cpu`` of ``n_pad`` rows, in the layout
+    :func:`int4_layout_ok` accepts: the caller checks), ``scales_and_zeros [k / group_size,
+    n_pad, 2]`` in ``x``'s dtype, or ``scales [k / group_size, n_pad]`` with ``zero_codes`` (int8,
+    same shape; ``zero = code * scale / 16``) -> ``[..., out_features]`` (the first
+    ``out_features <= n_pad``).
+
+    Raises:
+        ValueError: a dtype, shape, group size or row count it does not take.
+        RuntimeError: the C kernels are unavailable.
+    """
+    groups, n_pad = _int4_scales(scales_and_zeros, zero_codes, "qgemv int4")
+    k = groups * group_size
+    x2, rows = _rows(x, k, "qgemv int4")
+    if (group_size % 16 or packed.dtype != torch.uint8 or packed.numel() * 2 != n_pad * k
+            or not packed.is_contiguous() or n_pad % 16 or not 0 < out_features <= n_pad
+            or scales_and_zeros.dtype != x.dtype):
+        raise ValueError(f"qgemv int4: need uint8 packed [{n_pad}, {k // 2}], scales [{groups}, n_pad % 16 == 0] "
+                         f"in {x.dtype}, group size % 16 == 0 and 0 < out_features <= n_pad; got packed "
+                         f"{packed.dtype} {tuple(packed.shape)}, scales {scales_and_zeros.dtype} "
+                         f"{tuple(scales_and_zeros.shape)}, group size {group_size}, out_features {out_features}")
+    y = torch.empty(rows, out_features, dtype=x.dtype)
+    _check(_lib().tpe_qgemv_int4(x2.data_ptr(), rows, k, packed.data_ptr(), scales_and_zeros.contiguous().data_ptr(),
+                                 _ptr(zero_codes), group_size, out_features, n_pad, y.data_ptr(),
+                                 int(x.dtype == torch.bfloat16), torch.get_num_threads()), "int4")
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def bind_int8(qweight: torch.Tensor, scales: torch.Tensor):
+    """:func:`int8` for one weight with its checks done once: ``run(x [rows, k] contiguous in the
+    scales' dtype, 1 <= rows <= MAX_ROWS) -> [rows, n]`` (the caller guarantees the arguments).
+
+    Raises:
+        ValueError: see :func:`int8`.
+    """
+    n, k = qweight.shape
+    int8(torch.zeros(1, k, dtype=scales.dtype), qweight, scales)  # the checks, once
+    fn, qp, sp, dtype, bf = _lib().tpe_qgemv_int8, qweight.data_ptr(), scales.data_ptr(), scales.dtype, \
+        int(scales.dtype == torch.bfloat16)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(x.shape[0], n, dtype=dtype)
+        _check(fn(x.data_ptr(), x.shape[0], k, qp, sp, n, y.data_ptr(), bf, torch.get_num_threads()), "int8")
+        return y
+    return run
+
+
+def bind_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, out_features: int,
+              zero_codes: torch.Tensor | None = None):
+    """:func:`int4` for one weight with its checks done once: ``run(x [rows, k] contiguous in the
+    scales' dtype, 1 <= rows <= MAX_ROWS) -> [rows, out_features]``.
+
+    Raises:
+        ValueError: see :func:`int4`.
+    """
+    groups, n_pad = _int4_scales(scales_and_zeros, zero_codes, "qgemv int4")
+    k, dtype = groups * group_size, scales_and_zeros.dtype
+    int4(torch.zeros(1, k, dtype=dtype), packed, scales_and_zeros, group_size, out_features, zero_codes)  # checks, once
+    fn, pp, sp, zp = _lib().tpe_qgemv_int4, packed.data_ptr(), scales_and_zeros.data_ptr(), _ptr(zero_codes)
+    bf = int(dtype == torch.bfloat16)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(x.shape[0], out_features, dtype=dtype)
+        _check(fn(x.data_ptr(), x.shape[0], k, pp, sp, zp, group_size, out_features, n_pad, y.data_ptr(), bf,
+                  torch.get_num_threads()), "int4")
+        return y
+    return run
+
+
+def dequant_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                 zero_codes: torch.Tensor | None = None) -> torch.Tensor:
+    """The transposed float weight ``wt [k, n_pad]`` (``wt[i, o] = (q[o, i] - 8) * scale + zero``) of an
+    int4 weight in the layout :func:`int4_layout_ok` accepts (scales as :func:`int4` takes them), in the
+    scales' dtype: a scratch tensor for one prefill GEMM (``x @ wt``), freed with it.
+
+    Raises:
+        ValueError: a dtype or shape it does not take.
+    """
+    groups, n_pad = _int4_scales(scales_and_zeros, zero_codes, "dequant int4")
+    k, dtype = groups * group_size, scales_and_zeros.dtype
+    if (dtype not in _FLOAT or group_size % 16 or packed.dtype != torch.uint8
+            or packed.numel() * 2 != n_pad * k or not packed.is_contiguous() or n_pad % 16):
+        raise ValueError(f"dequant int4: need uint8 packed [{n_pad}, {k // 2}] and bfloat16/float32 scales "
+                         f"[{groups}, n_pad % 16 == 0]; got {packed.dtype} {tuple(packed.shape)}, {dtype} "
+                         f"{tuple(scales_and_zeros.shape)}")
+    wt = torch.empty(k, n_pad, dtype=dtype)
+    _lib().tpe_dequant_int4(packed.data_ptr(), scales_and_zeros.contiguous().data_ptr(), _ptr(zero_codes), group_size,
+                            k, n_pad, wt.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads())
+    return wt
+
+
+def gemv_rows(torch_us: list[float], native_us: list[float]) -> int:
+    """The largest of :data:`ROW_BUCKETS` up to which ``native_us`` (these kernels) beat
+    ``torch_us`` at every bucket (0: never)."""
+    rows = 0
+    for n, t, c in zip(ROW_BUCKETS, torch_us, native_us):
+        if c >= t:
+            break
+        rows = n
+    return rows
+
+
+def cache_path(dtype: torch.dtype) -> Path:
+    """The timings file of :func:`choose` for this CPU (model and flags), build of the C kernels
+    (:func:`~tpengine.backends.cpu.cpu_native.library_key`), torch version, thread count and activation
+    ``dtype`` (``$TPENGINE_CACHE_DIR``, as :mod:`tpengine.backends.cpu.linear_layout`)."""
+    key = "\0".join(["quant", str(CACHE_VERSION), cpu_id(), cpu_native.library_key(), torch.__version__,
+                     str(torch.get_num_threads()), str(dtype)])
+    return cache_root() / f"quant-kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _measure(mods: list) -> dict[str, list[float]]:
+    """Microseconds per call of torch's kernel and these at :data:`ROW_BUCKETS` rows (rotating over
+    ``mods``), and where the kind has a dequantize-then-GEMM path (int4, int8 per channel) of
+    torch's kernel and that path at :data:`PREFILL_BUCKETS` rows (on at most :data:`PREFILL_WEIGHTS`)."""
+    times: dict[str, list[float]] = {"torch": [], "tpengine": []}
+    for m in mods:
+        m.gemv_rows, m.dequant_rows = 0, 0
+    for rows in ROW_BUCKETS:
+        x = torch.full((rows, mods[0].in_features), 0.01, dtype=mods[0].dtype)
+        for path, use in (("torch", 0), ("tpengine", MAX_ROWS)):
+            def call(m, use=use):
+                m.gemv_rows = use
+                return m(x)
+            times[path].append(time_us([lambda m=m: call(m) for m in mods]))
+    if getattr(mods[0], "group_size", None) is None or type(mods[0]).__name__.startswith("Int4"):
+        times["prefill_torch"], times["prefill_dequant"] = [], []
+        few = mods[:PREFILL_WEIGHTS]
+        for m in few:
+            m.gemv_rows = 0
+        for n in PREFILL_BUCKETS:
+            x = torch.full((n, mods[0].in_features), 0.01, dtype=mods[0].dtype)
+            for path, use in (("prefill_torch", 0), ("prefill_dequant", 1)):
+                def run(m, use=use):
+                    m.dequant_rows = use
+                    return m(x)
+                times[path].append(time_us([lambda m=m: run(m) for m in few], passes=2))
+    return times
+
+
+def dequant_rows(times: dict[str, list[float]]) -> int:
+    """The smallest of :data:`PREFILL_BUCKETS` from which dequantize + GEMM was faster than torch's
+    kernel at every larger bucket (0: never, or not measured)."""
+    rows = 0
+    for n, t, d in reversed(list(zip(PREFILL_BUCKETS, times.get("prefill_torch", ()),
+                                     times.get("prefill_dequant", ())))):
+        if d >= t:
+            break
+        rows = n
+    return rows
+
+
+def _valid(times) -> bool:
+    """Whether cached ``times`` have the shape :func:`_measure` writes (numbers at every bucket)."""
+    def numbers(v, n):
+        return isinstance(v, list) and len(v) == n and all(isinstance(t, (int, float)) for t in v)
+    return (isinstance(times, dict) and numbers(times.get("torch"), len(ROW_BUCKETS))
+            and numbers(times.get("tpengine"), len(ROW_BUCKETS))
+            and all(numbers(times[k], len(PREFILL_BUCKETS)) for k in ("prefill_torch", "prefill_dequant")
+                    if k in times))
+
+
+def choose(groups: dict[str, list], rank: int = 0) -> dict[str, dict]:
+    """For each group of quantized weights of one shape and kind (``groups``: a key such as ``"int4
+    g32 576->3072"`` -> its :class:`~tpengine.quant.weights.QuantizedWeight` modules), time
+    torch's kernels and these (:func:`_measure`, on the modules themselves, rotating over all of them
+    so the weights stream from memory) or read the timings this ``rank`` cached for that key
+    (:func:`cache_path`: the first measurement on a machine is kept, so every later load chooses
+    the same kernels and gives the same bits), and set each module's ``gemv_rows``
+    (:func:`gemv_rows`) and ``dequant_rows`` (:func:`dequant_rows`). Returns ``{key: {"torch":
+    [us...], "tpengine": [us...], ..., "gemv_rows": n, "dequant_rows": n, "how": "measured" |
+    "cached"}}``."""
+    if not groups:
+        return {}
+    path = cache_path(next(iter(groups.values()))[0].dtype)
+    cache = read_cache(path)
+    chosen, new = {}, {}
+    for key, mods in sorted(groups.items()):
+        ckey = f"{key} rank {rank}"
+        times, how = cache.get(ckey), "cached"
+        if not _valid(times):  # absent, or a file someone edited: measure again
+            times, how = _measure(mods), "measured"
+            new[ckey] = times
+        rows, deq = gemv_rows(times["torch"], times["tpengine"]), dequant_rows(times)
+        for m in mods:
+            m.gemv_rows, m.dequant_rows = rows, deq
+        chosen[key] = {**times, "gemv_rows": rows, "dequant_rows": deq, "how": how}
+    if new:  # merged into what is there now (another rank may have written meanwhile); first one kept
+        write_cache(path, {**new, **{k: v for k, v in read_cache(path).items() if _valid(v)}})
+    return chosen
+
+
+def summary(chosen: dict[str, dict]) -> str:
+    """``"int4 g32 576->3072 tpengine up to 8 rows (torch 120/200/300 us, tpengine 60/90/150 us at
+    1/4/8 rows), dequantize + GEMM from 64 rows (torch 900/7000 us, dequantized 300/1500 us at
+    64/512 rows)"`` for each key, ``"; "``-separated."""
+    def us(v):
+        return "/".join(f"{t:.0f}" for t in v)
+
+    def one(k, c):
+        s = (f"{k} {'tpengine up to ' + str(c['gemv_rows']) + ' rows' if c['gemv_rows'] else 'torch'} "
+             f"(torch {us(c['torch'])} us, tpengine {us(c['tpengine'])} us at {'/'.join(map(str, ROW_BUCKETS))} rows)")
+        if "prefill_torch" in c:
+            s += (f", {'dequantize + GEMM from ' + str(c['dequant_rows']) + ' rows' if c['dequant_rows'] else 'torch'}"
+                  f" (torch {us(c['prefill_torch'])} us, dequantized {us(c['prefill_dequant'])} us at "
+                  f"{'/'.join(map(str, PREFILL_BUCKETS))} rows)")
+        return s
+    return "; ".join(one(k, c) for k, c in sorted(chosen.items()))

@@ -1,0 +1,629 @@
+/* Paged decode attention on CPU in one call per layer: RoPE on the step's new query and key heads,
+ * the new keys and values written into the paged KV cache at their slots, and attention of each
+ * query head over its sequence's cached keys read through the block table -- what
+ * tpengine.backends.reference computes for a decode step (store_kvcache, then decode_attention),
+ * for float32 (tpe_paged_decode_f32) and bfloat16 (tpe_paged_decode_bf16). The CPU twin of the
+ * Triton paged kernel: no gather of the context into a contiguous copy, no per-op dispatch.
+ *
+ * Arithmetic, op by op as the torch path rounds it:
+ *   rope (HF's formula):  f32: q*cos + rotate_half(q)*sin, each product and the sum rounded to
+ *                          float32 (no fused multiply-add); bf16: each rounded to bfloat16.
+ *   scores:                f32: dot(q, k) * scale; bf16: bf16(dot(q, k)) * scale in float32, the
+ *                          dot by AVX512-BF16's vdpbf16ps (exact products, float32 sums of pairs).
+ *   softmax (float32):     exp(s - max) / sum, with a Cephes-style exp (bf16.h's exp16).
+ *   output:                sum_t p[t] * v[t] in float32 (bf16: p rounded to bfloat16 first, the sum
+ *                          by vdpbf16ps over pairs of keys), then rounded to the dtype.
+ * The float32 sums run in a different order than SDPA's, so results equal the torch path up to
+ * float32 rounding (vdpbf16ps also flushes float32 denormals to zero).
+ *
+ * Layout (elements, not bytes): q [B, Hq, D] at q + b * q_stride; k, v [B, Hkv, D] at
+ * k + b * k_stride, v + b * v_stride; cos, sin [B, D] (NULL: no RoPE); slots [B] (-1: not stored);
+ * block_tables [B, max_blocks]; lens [B] (keys visible to the sequence, its new one included; 0
+ * for a padding row, whose output is zero); caches [num_blocks, bs, Hkv, D]; q_to_kv [Hq];
+ * out [B, Hq, D] contiguous. Needs D % 32 == 0 (RoPE rotates halves of whole 16-lane vectors).
+ * Every slot, length and block id is checked before anything is written: returns -1, or the first
+ * bad b (a slot), B + b (a length beyond the block table), 2B + b (a block id out of range) or 3B
+ * (q_to_kv naming a KV head out of range, or more than MAX_G query heads on one KV head). Each KV
+ * head's query heads are attended together, so every key and value row is read from memory once
+ * per step: the scores of 16 keys at a time (reduced together, sum16), the block table walked
+ * without divisions, the next key rows and the value rows of the same positions prefetched
+ * together (bfloat16) while the scores run (a sequence's rows sit in blocks anywhere in the cache, which the
+ * hardware prefetcher does not follow; the value rows are then read from L2); with many sequences (B >= 4 threads) a work item is one sequence, its rows read whole
+ * (every KV head), else one (sequence, KV head). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "bf16.h"
+
+#define MAX_G 16 /* query heads per KV head (the caller checks) */
+#define MAX_D 256
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+/* The most query heads on one KV head. */
+static int64_t max_group(const int64_t *q_to_kv, int64_t hq, int64_t hkv) {
+    int64_t gmax = 0;
+    for (int64_t kv = 0; kv < hkv; kv++) {
+        int64_t g = 0;
+        for (int64_t h = 0; h < hq; h++) g += q_to_kv[h] == kv;
+        if (g > gmax) gmax = g;
+    }
+    return gmax;
+}
+
+static int64_t check(const int64_t *slots, const int64_t *block_tables, int64_t max_blocks, const int64_t *lens,
+                     int64_t B, int64_t num_blocks, int64_t bs, const int64_t *q_to_kv, int64_t hq, int64_t hkv,
+                     int64_t gmax) {
+    if (gmax > MAX_G) return 3 * B;
+    for (int64_t h = 0; h < hq; h++)
+        if ((uint64_t)q_to_kv[h] >= (uint64_t)hkv) return 3 * B;
+    for (int64_t b = 0; b < B; b++)
+        if (slots[b] < -1 || slots[b] >= num_blocks * bs) return b;
+    for (int64_t b = 0; b < B; b++)
+        if (lens[b] < 0 || lens[b] > max_blocks * bs) return B + b;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t j = 0; j * bs < lens[b]; j++)
+            if ((uint64_t)block_tables[b * max_blocks + j] >= (uint64_t)num_blocks) return 2 * B + b;
+    return -1;
+}
+
+/* Prefetch the cache lines of one row of n bytes: the K/V rows of a sequence sit in blocks anywhere
+ * in the cache, at a stride of all KV heads, which the hardware prefetcher does not follow. */
+static inline void prefetch_row(const void *p, int64_t n) {
+    for (int64_t o = 0; o < n; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T1);
+}
+#define VAHEAD 16 /* value rows prefetched ahead: one group of keys' worth, as for the keys */
+
+/* The next work item's K/V rows, prefetched a few rows at a time while the current item computes
+ * (ahead_step once per group of 16 keys of its score passes), so that memory keeps streaming during
+ * the passes that read L2 only (the second and later KV heads of a whole-row item, the softmax, P.V)
+ * and the next item starts on rows already in L2. k, v: the item's first head in the caches (bytes);
+ * n: bytes of a row to fetch (every KV head, or one); left: rows still to fetch, per: rows a step. */
+typedef struct {
+    const char *k, *v;
+    const int64_t *bt;
+    int64_t bs, rowb, n, left, per, pb, po;
+} ahead_t;
+static inline void ahead_step(ahead_t *a) {
+    for (int64_t i = 0; i < a->per && a->left > 0; i++, a->left--) {
+        const int64_t off = (a->bt[a->pb] * a->bs + a->po) * a->rowb;
+        prefetch_row(a->k + off, a->n);
+        prefetch_row(a->v + off, a->n);
+        if (++a->po == a->bs) a->po = 0, a->pb++;
+    }
+}
+/* Bytes of the next item's rows that may be fetched ahead: a quarter of this core's L2 (the current
+ * item's rows stay there too); 256 KiB where the OS does not say. */
+static int64_t ahead_budget(void) {
+    static int64_t budget = 0;
+    if (!budget) {
+        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        budget = l2 > 0 ? l2 / 4 : 256 * 1024;
+    }
+    return budget;
+}
+
+/* The 16 horizontal sums of a[0..15], lane l = sum of a[l]'s 16 lanes: a transpose-and-add tree
+ * (pairs of floats, pairs of pairs, then 128-bit quarters), 15 adds instead of 16 full reductions. */
+static inline __m512 sum16(const __m512 *a) {
+    __m512 w[8], x[4], y[2];
+    for (int k = 0; k < 8; k++)
+        w[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+    for (int k = 0; k < 4; k++)
+        x[k] = _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(w[2 * k]), _mm512_castps_pd(w[2 * k + 1]))),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(w[2 * k]), _mm512_castps_pd(w[2 * k + 1]))));
+    for (int k = 0; k < 2; k++)
+        y[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+}
+
+/* sum_u p[j][u] * v[u] for each of the g query heads (NV 16-lane vectors of the head), p[j] = sc + j * L,
+ * v[u] = vptr[u]: PJ heads at a time, so each value row is loaded (and widened) once for all of them;
+ * each head's sum still runs over u in order, the same float32 operations as one head at a time. The
+ * first pass prefetches the value rows VAHEAD ahead. */
+#define PV_HEADS(T, LD, ST, NV, PJ)                                                                              \
+    for (int64_t j0 = 0; j0 < g; j0 += (PJ)) {                                                                 \
+        const int64_t nj = g - j0 < (PJ) ? g - j0 : (PJ);                                                      \
+        __m512 a[PJ][MAX_D / 16];                                                                              \
+        for (int64_t jj = 0; jj < (PJ); jj++)                                                                  \
+            for (int64_t i = 0; i < (NV); i++) a[jj][i] = _mm512_setzero_ps();                                 \
+        for (int64_t u = 0; u < L; u++) {                                                                      \
+            if (j0 == 0 && u + VAHEAD < L) prefetch_row(vptr[u + VAHEAD], pfn);                               \
+            const T *vt = vptr[u];                                                                             \
+            __m512 vv[MAX_D / 16];                                                                             \
+            for (int64_t i = 0; i < (NV); i++) vv[i] = LD(vt + i * 16);                                        \
+            for (int64_t jj = 0; jj < (PJ); jj++) {                                                            \
+                if (jj >= nj) break;                                                                           \
+                const __m512 pu = _mm512_set1_ps(sc[(j0 + jj) * L + u]);                                       \
+                for (int64_t i = 0; i < (NV); i++) a[jj][i] = _mm512_fmadd_ps(pu, vv[i], a[jj][i]);            \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int64_t jj = 0; jj < nj; jj++)                                                                    \
+            for (int64_t i = 0; i < (NV); i++) ST(out + (b * hq + heads[j0 + jj]) * d + i * 16, a[jj][i]);     \
+    }
+
+/* bfloat16: the 16 dot products q . k[kk] (kk < 16, D = 32 * NV32 elements each) by vdpbf16ps, pairs of
+ * bfloat16 products summed into float32 lanes (the products are exact; each lane's sums rounded to
+ * float32), the lanes then reduced by sum16. One instruction per 32 elements, against two loads to
+ * widen and two fused multiply-adds in float32. NV32 is a constant at every call (inlined). */
+static inline __attribute__((always_inline)) __m512 qk16_bf16(const uint16_t *q, const uint16_t *const *kp,
+                                                              const int64_t NV32) {
+    __m512i qv[MAX_D / 32];
+    for (int64_t i = 0; i < NV32; i++) qv[i] = _mm512_loadu_si512(q + i * 32);
+    __m512 a[16];
+    for (int64_t kk = 0; kk < 16; kk++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < NV32; i++)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)qv[i], (__m512bh)_mm512_loadu_si512(kp[kk] + i * 32));
+        a[kk] = acc;
+    }
+    return sum16(a);
+}
+
+/* bfloat16: out[j] = sum_u p[j][u] v[u] for g query heads (p bfloat16 at pb + j * lp, lp even, zero
+ * past L), two value rows at a time by vdpbf16ps: the rows u, u + 1 interleaved element by element
+ * (unpacklo/hi within 128-bit lanes), each multiplied by the pair (p[u], p[u + 1]). Lane l of the
+ * "lo" accumulator of 32 elements holds element 8 (l / 4) + l % 4, of "hi" that plus 4; the stores
+ * put them back in order. p[j][u] may also sit at pb + j * lp + u * pu (pu > 1: the AMX path's
+ * [keys, heads] layout). PJ heads at a time; the first pass prefetches the rows VAHEAD ahead. A
+ * missing row u + 1 (odd L) is a zero row. */
+static const uint16_t zero_row[MAX_D] = {0};
+static inline __attribute__((always_inline)) void pv_bf16(const uint16_t *const *vptr, int64_t L, const uint16_t *pb,
+                                                          int64_t lp, int64_t pu, int64_t g, const int64_t *heads,
+                                                          uint16_t *out, int64_t pfn, const int64_t NV32,
+                                                          const int64_t PJ) {
+    const __m512i lo_idx = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i hi_idx = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    for (int64_t j0 = 0; j0 < g; j0 += PJ) {
+        const int64_t nj = g - j0 < PJ ? g - j0 : PJ;
+        __m512 a[4][2 * MAX_D / 32];
+        for (int64_t jj = 0; jj < PJ; jj++)
+            for (int64_t i = 0; i < 2 * NV32; i++) a[jj][i] = _mm512_setzero_ps();
+        for (int64_t u = 0; u < L; u += 2) {
+            if (j0 == 0 && u + VAHEAD < L) {
+                prefetch_row(vptr[u + VAHEAD], pfn);
+                if (u + VAHEAD + 1 < L) prefetch_row(vptr[u + VAHEAD + 1], pfn);
+            }
+            const uint16_t *r0 = vptr[u], *r1 = u + 1 < L ? vptr[u + 1] : zero_row;
+            __m512i lo[MAX_D / 32], hi[MAX_D / 32];
+            for (int64_t i = 0; i < NV32; i++) {
+                const __m512i x0 = _mm512_loadu_si512(r0 + i * 32), x1 = _mm512_loadu_si512(r1 + i * 32);
+                lo[i] = _mm512_unpacklo_epi16(x0, x1);
+                hi[i] = _mm512_unpackhi_epi16(x0, x1);
+            }
+            for (int64_t jj = 0; jj < PJ; jj++) {
+                if (jj >= nj) break;
+                uint32_t pair;
+                const uint16_t *pj = pb + (j0 + jj) * lp + u * pu;
+                if (pu == 1)
+                    memcpy(&pair, pj, sizeof(pair));
+                else
+                    pair = (uint32_t)pj[0] | (uint32_t)pj[pu] << 16;
+                const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
+                for (int64_t i = 0; i < NV32; i++) {
+                    a[jj][2 * i] = _mm512_dpbf16_ps(a[jj][2 * i], (__m512bh)lo[i], pp);
+                    a[jj][2 * i + 1] = _mm512_dpbf16_ps(a[jj][2 * i + 1], (__m512bh)hi[i], pp);
+                }
+            }
+        }
+        for (int64_t jj = 0; jj < nj; jj++) {
+            uint16_t *o = out + heads[j0 + jj] * NV32 * 32;
+            for (int64_t i = 0; i < NV32; i++) {
+                st(o + i * 32, _mm512_permutex2var_ps(a[jj][2 * i], lo_idx, a[jj][2 * i + 1]));
+                st(o + i * 32 + 16, _mm512_permutex2var_ps(a[jj][2 * i], hi_idx, a[jj][2 * i + 1]));
+            }
+        }
+    }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* AMX (Sapphire Rapids and later), bfloat16: the scores of 16 keys for all the KV head's query heads
+ * in d / 32 tile multiplies (tdpbf16ps: A = the 16 key rows of one block, 32 elements of the head,
+ * loaded straight from the cache at the row stride; B = the query heads' elements in pairs, the VNNI
+ * layout, NP columns; C = [16 keys, NP heads] float32), instead of 16 dot products per head, each
+ * reduced across lanes. The scores then sit [keys, NP heads] (NP = g rounded up to 4, 8 or 16; the
+ * padding heads have zero queries), and the softmax runs on that layout, each lane's head's max and
+ * sum gathered by rotating the lanes. Needs block_size % 16 == 0 and D <= 128 (d / 32 B tiles). */
+#define HAVE_AMX 1
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg; /* ldtilecfg's 64-byte operand */
+
+static int amx_perm = -1;
+/* Whether Linux lets this process use AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA). */
+static int amx_ok(void) {
+    if (amx_perm < 0) amx_perm = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_perm;
+}
+
+/* tmm0: scores [16, np] float32; tmm1: 16 key rows x 32 elements; tmm2..: the query pairs [16, np]. */
+static void amx_config(int64_t np, int64_t nc) {
+    tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = 16, c.colsb[0] = (uint16_t)(np * 4);
+    c.rows[1] = 16, c.colsb[1] = 64;
+    for (int64_t i = 0; i < nc; i++) c.rows[2 + i] = 16, c.colsb[2 + i] = (uint16_t)(np * 4);
+    _tile_loadconfig(&c);
+}
+static void amx_release(void) { _tile_release(); }
+
+/* The lanes below n (n >= 1; all 16 from n >= 16). */
+static inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+
+/* x's lanes combined per head, lane l holding head l % np (np = 4, 8 or 16): the max (is_max) or the
+ * sum of the lanes of each head, in every lane of that head, by rotating the lanes by 8, then 4. */
+static inline __m512 per_head(__m512 x, int64_t np, int is_max) {
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int64_t r = 8; r >= np; r >>= 1) {
+        const __m512 y = _mm512_permutexvar_ps(
+            _mm512_and_si512(_mm512_add_epi32(lanes, _mm512_set1_epi32((int)r)), _mm512_set1_epi32(15)), x);
+        x = is_max ? _mm512_max_ps(x, y) : _mm512_add_ps(x, y);
+    }
+    return x;
+}
+
+/* One (sequence, KV head) item by AMX: scores into sc [L (+ up to 15), np], softmax, p (bfloat16,
+ * [L + 1, np]) into pbf, then p @ V by pv_bf16. q: the sequence's query row [Hq, D]; out: its output
+ * row. The same roundings as the AVX-512 path: bf16(dot) * scale, p = bf16(exp(s - max) / sum). */
+static void amx_item(const uint16_t *q, const int64_t *heads, int64_t g, int64_t np, int64_t d,
+                     const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *bt, int64_t bs, int64_t row,
+                     int64_t kv, int64_t L, float scale, float *sc, uint16_t *pbf, const uint16_t **vptr,
+                     uint16_t *out, int64_t pfn, ahead_t *ah) {
+    const int64_t nc = d / 32;
+    uint32_t qt[4][16][16]; /* [chunk][pair][head]: the B tiles */
+    for (int64_t c = 0; c < nc; c++)
+        for (int64_t r = 0; r < 16; r++)
+            for (int64_t n = 0; n < np; n++) {
+                uint32_t x = 0;
+                if (n < g) memcpy(&x, q + heads[n] * d + c * 32 + 2 * r, sizeof(x));
+                qt[c][r][n] = x;
+            }
+    const int64_t qs = 16 * sizeof(uint32_t), rb_ = row * (int64_t)sizeof(uint16_t), tb = np * 4;
+    _tile_loadd(2, qt[0], qs);
+    if (nc > 1) _tile_loadd(3, qt[1], qs);
+    if (nc > 2) _tile_loadd(4, qt[2], qs);
+    if (nc > 3) _tile_loadd(5, qt[3], qs);
+    int64_t pt = 0, pb = 0, po = 0; /* the prefetch cursor, 16 keys ahead after the first group */
+    for (; pt < 16 && pt < L; pt++) {
+        prefetch_row(k_cache + (bt[pb] * bs + po) * row + kv * d, pfn);
+        prefetch_row(v_cache + (bt[pb] * bs + po) * row + kv * d, pfn);
+        if (++po == bs) po = 0, pb++;
+    }
+    for (int64_t t0 = 0, kb = 0, ko = 0; t0 < L; t0 += 16) {
+        const uint16_t *kp = k_cache + (bt[kb] * bs + ko) * row + kv * d;
+        if ((ko += 16) == bs) ko = 0, kb++;
+        for (int64_t kk = 0; kk < 16 && pt < L; kk++, pt++) {
+            prefetch_row(k_cache + (bt[pb] * bs + po) * row + kv * d, pfn);
+            prefetch_row(v_cache + (bt[pb] * bs + po) * row + kv * d, pfn);
+            if (++po == bs) po = 0, pb++;
+        }
+        ahead_step(ah);
+        _tile_zero(0);
+        _tile_loadd(1, kp, rb_);
+        _tile_dpbf16ps(0, 1, 2);
+        if (nc > 1) {
+            _tile_loadd(1, kp + 32, rb_);
+            _tile_dpbf16ps(0, 1, 3);
+        }
+        if (nc > 2) {
+            _tile_loadd(1, kp + 64, rb_);
+            _tile_dpbf16ps(0, 1, 4);
+        }
+        if (nc > 3) {
+            _tile_loadd(1, kp + 96, rb_);
+            _tile_dpbf16ps(0, 1, 5);
+        }
+        _tile_stored(0, sc + t0 * np, tb); /* rows past L (the last block's unused slots) are ignored */
+    }
+    /* softmax over keys, per head: lane l of a vector holds head l % np */
+    const int64_t F = L * np;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < F; i += 16) {
+        const __mmask16 m = first_lanes(F - i);
+        const __m512 v = _mm512_mul_ps(rb(_mm512_maskz_loadu_ps(m, sc + i)), vscale);
+        _mm512_mask_storeu_ps(sc + i, m, v);
+        mx = _mm512_mask_max_ps(mx, m, mx, v);
+    }
+    mx = per_head(mx, np, 1);
+    for (int64_t i = 0; i < F; i += 16) {
+        const __mmask16 m = first_lanes(F - i);
+        const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + i), mx)));
+        _mm512_mask_storeu_ps(sc + i, m, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    sum = per_head(sum, np, 0);
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum);
+    for (int64_t i = 0; i < F; i += 16) { /* p rounded to bfloat16: its top 16 bits */
+        const __mmask16 m = first_lanes(F - i);
+        const __m512 p = rb(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, sc + i), inv));
+        _mm256_mask_storeu_epi16((__m256i *)(pbf + i), m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16)));
+    }
+    for (int64_t n = 0; n < np; n++) pbf[F + n] = 0; /* the pair of an odd L's last key */
+    for (int64_t u = 0, vb = 0, vo = 0; u < L; u++) {
+        vptr[u] = v_cache + (bt[vb] * bs + vo) * row + kv * d;
+        if (++vo == bs) vo = 0, vb++;
+    }
+    for (int64_t u = 0; u < VAHEAD && u < L; u++) prefetch_row(vptr[u], pfn);
+    switch (d / 16) {
+    case 4: pv_bf16(vptr, L, pbf, 1, np, g, heads, out, pfn, 2, 4); break;
+    case 8: pv_bf16(vptr, L, pbf, 1, np, g, heads, out, pfn, 4, 2); break;
+    default: pv_bf16(vptr, L, pbf, 1, np, g, heads, out, pfn, d / 32, 1); break;
+    }
+}
+#else
+#define HAVE_AMX 0
+static int amx_ok(void) { return 0; }
+static void amx_config(int64_t np, int64_t nc) { (void)np, (void)nc; }
+static void amx_release(void) {}
+static void amx_item(const uint16_t *q, const int64_t *heads, int64_t g, int64_t np, int64_t d,
+                     const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *bt, int64_t bs, int64_t row,
+                     int64_t kv, int64_t L, float scale, float *sc, uint16_t *pbf, const uint16_t **vptr,
+                     uint16_t *out, int64_t pfn, ahead_t *ah) {}
+#endif
+
+/* The fewest sequences (B) at which the bfloat16 kernel takes its AMX path; 0: never (the default).
+ * The caller's measured choice. */
+static int64_t paged_amx_min = 0;
+/* Set it; returns 1 if the AMX path is available (built with AMX, allowed by the OS), else 0 (and the
+ * path stays off). */
+int tpe_paged_set_amx(int min_batch) {
+    paged_amx_min = HAVE_AMX && amx_ok() && min_batch > 0 ? min_batch : 0;
+    return HAVE_AMX && amx_ok();
+}
+
+/* One dtype's kernel. LD(p): 16 elements -> __m512; ST(p, x): store 16 rounded; RND(x): x rounded
+ * to the dtype, back as float32; T: the element type; BF: 1 for bfloat16 (scores and the weighted
+ * sum of values by vdpbf16ps, qk16_bf16 and pv_bf16), 0 for float32. */
+#define PAGED_DECODE(NAME, T, LD, ST, RND, BF)                                                                         \
+    int64_t NAME(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v, int64_t v_stride, const T *cos_t,     \
+                 const T *sin_t, const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,             \
+                 const int64_t *lens, T *k_cache, T *v_cache, int64_t num_blocks, int64_t bs,                       \
+                 const int64_t *q_to_kv, int64_t hq, int64_t hkv, int64_t d, float scale, T *out, int64_t B,        \
+                 int nthreads) {                                                                                    \
+        const int64_t gmax = max_group(q_to_kv, hq, hkv); /* (the AMX path pads to it) */         \
+        int64_t bad = check(slots, block_tables, max_blocks, lens, B, num_blocks, bs, q_to_kv, hq, hkv, gmax);                             \
+        if (bad >= 0) return bad;                                                                                   \
+        const int64_t half = d / 2, row = hkv * d;                                                                  \
+        const __m512 neg = _mm512_set1_ps(-0.f);                                                                    \
+        for (int64_t b = 0; b < B; b++) {                                                                          \
+            if (cos_t) { /* RoPE in place on the query heads, then the key heads */                              \
+                const T *c = cos_t + b * d, *s = sin_t + b * d;                                                     \
+                for (int64_t h = 0; h < hq + hkv; h++) {                                                            \
+                    T *x = h < hq ? q + b * q_stride + h * d : k + b * k_stride + (h - hq) * d;                     \
+                    for (int64_t i = 0; i < half; i += 16) {                                                        \
+                        __m512 x1 = LD(x + i), x2 = LD(x + half + i);                                               \
+                        __m512 lo = _mm512_add_ps(RND(_mm512_mul_ps(x1, LD(c + i))),                                \
+                                                  RND(_mm512_mul_ps(_mm512_xor_ps(x2, neg), LD(s + i))));           \
+                        __m512 hi = _mm512_add_ps(RND(_mm512_mul_ps(x2, LD(c + half + i))),                         \
+                                                  RND(_mm512_mul_ps(x1, LD(s + half + i))));                        \
+                        ST(x + i, lo);                                                                              \
+                        ST(x + half + i, hi);                                                                       \
+                    }                                                                                               \
+                }                                                                                                   \
+            }                                                                                                       \
+            if (slots[b] >= 0) {                                                                                    \
+                memcpy(k_cache + slots[b] * row, k + b * k_stride, (size_t)row * sizeof(T));                       \
+                memcpy(v_cache + slots[b] * row, v + b * v_stride, (size_t)row * sizeof(T));                       \
+            }                                                                                                       \
+        }                                                                                                           \
+        int64_t work = 0;                                                                                           \
+        /* many sequences: one item per sequence (its K/V rows read whole, every head); few: per (b, KV head) */    \
+        const int whole = B >= 4 * nthreads;                                                                        \
+        const int64_t np = gmax <= 4 ? 4 : gmax <= 8 ? 8 : 16;                                                      \
+        const int use_amx = BF && paged_amx_min && B >= paged_amx_min && bs % 16 == 0 && d <= 128;                                   \
+        const int64_t items = whole ? B : B * hkv;                                                                  \
+        int64_t claim = 0; /* the next item to take */                                                              \
+        for (int64_t b = 0; b < B; b++) work += lens[b];                                                            \
+        _Pragma("omp parallel num_threads(nthreads) if (work * hq * d >= 32768)") {                               \
+            float *sc = NULL;                                                                                       \
+            const T **vptr = NULL;                                                                                  \
+            uint16_t *pbf = NULL; /* bfloat16: the probabilities, each head's padded to an even count */             \
+            int64_t cap = 0;                                                                                        \
+            if (use_amx) amx_config(np, d / 32);                                                                    \
+            /* items claimed one ahead (dynamic scheduling by hand), so the next one's rows can be fetched ahead */ \
+            int64_t it = __atomic_fetch_add(&claim, 1, __ATOMIC_RELAXED);                                           \
+            int pre = 0; /* this item's rows were fetched ahead */                                                  \
+            while (it < items) {                                                                                    \
+              const int64_t b = whole ? it : it / hkv, kv0 = whole ? 0 : it % hkv;                                  \
+              const int64_t nx = __atomic_fetch_add(&claim, 1, __ATOMIC_RELAXED);                                   \
+              ahead_t ah = {0};                                                                                     \
+              if (BF && nx < items) { /* bfloat16 only: no gain measured in float32 */                              \
+                  const int64_t bn = whole ? nx : nx / hkv, n = (whole ? row : d) * (int64_t)sizeof(T);             \
+                  const int64_t groups = (whole ? hkv : 1) * ((lens[b] + 15) / 16);                                 \
+                  if (groups > 0 && 2 * n * lens[bn] <= ahead_budget()) {                                           \
+                      ah.k = (const char *)(k_cache + (whole ? 0 : (nx % hkv) * d));                                \
+                      ah.v = (const char *)(v_cache + (whole ? 0 : (nx % hkv) * d));                                \
+                      ah.bt = block_tables + bn * max_blocks, ah.bs = bs, ah.rowb = row * (int64_t)sizeof(T);       \
+                      ah.n = n, ah.left = lens[bn], ah.per = (lens[bn] + groups - 1) / groups;                      \
+                  }                                                                                                 \
+              }                                                                                                     \
+              for (int64_t kv = kv0; kv < (whole ? hkv : kv0 + 1); kv++) {                                          \
+                const int64_t L = lens[b];                                                                          \
+                /* whole rows (every KV head) are fetched with the first head: contiguous in a block */             \
+                const int64_t pfn = pre ? 0 : (whole && kv == 0 ? row : d) * (int64_t)sizeof(T);                    \
+                int64_t heads[MAX_G], g = 0;                                                                        \
+                for (int64_t h = 0; h < hq && g < MAX_G; h++)                                                       \
+                    if (q_to_kv[h] == kv) heads[g++] = h;                                                           \
+                if (g == 0) continue;                                                                               \
+                if (L == 0) {                                                                                       \
+                    for (int64_t j = 0; j < g; j++) memset(out + (b * hq + heads[j]) * d, 0, (size_t)d * sizeof(T)); \
+                    continue;                                                                                       \
+                }                                                                                                   \
+                if ((L + 16) * np > cap) {                                                                              \
+                    free(sc);                                                                                       \
+                    cap = (L + 16) * np + 64;                                                                           \
+                    sc = (float *)malloc((size_t)cap * sizeof(float));                                              \
+                    free(vptr);                                                                                     \
+                    vptr = (const T **)malloc((size_t)cap * sizeof(*vptr));                                         \
+                    free(pbf);                                                                                      \
+                    pbf = BF ? (uint16_t *)malloc((size_t)cap * sizeof(uint16_t)) : NULL;                            \
+                }                                                                                                   \
+                const int64_t *bt = block_tables + b * max_blocks;                                                  \
+                const int64_t nv = d / 16;                                                                          \
+                if (use_amx) {                                                                                      \
+                    amx_item((const uint16_t *)(q + b * q_stride), heads, g, np, d, (const uint16_t *)k_cache,     \
+                             (const uint16_t *)v_cache, bt, bs, row, kv, L, scale, sc, pbf,                         \
+                             (const uint16_t **)vptr, (uint16_t *)(out + b * hq * d), pfn, &ah);                         \
+                    continue;                                                                                       \
+                }                                                                                                   \
+                __m512 qv[MAX_G][MAX_D / 16];                                                                       \
+                float mx[MAX_G];                                                                                    \
+                for (int64_t j = 0; j < g; j++) {                                                                   \
+                    if (!BF)                                                                                        \
+                        for (int64_t i = 0; i < nv; i++) qv[j][i] = LD(q + b * q_stride + heads[j] * d + i * 16);   \
+                    mx[j] = -INFINITY;                                                                              \
+                }                                                                                                   \
+                const __m512 vscale = _mm512_set1_ps(scale);                                                \
+                __m512 mxv[MAX_G];                                                                          \
+                for (int64_t j = 0; j < g; j++) mxv[j] = _mm512_set1_ps(-INFINITY);                        \
+                int64_t kb = 0, ko = 0; /* the next key's block-table index and offset in its block */      \
+                int64_t pt = 0, pb = 0, po = 0; /* the prefetch cursor, 16 keys ahead after the first group */ \
+                for (; pt < 16 && pt < L; pt++) {                                                       \
+                    prefetch_row(k_cache + (bt[pb] * bs + po) * row + kv * d, pfn);      \
+                    if (BF) prefetch_row(v_cache + (bt[pb] * bs + po) * row + kv * d, pfn);      \
+                    if (++po == bs) po = 0, pb++;                                                           \
+                }                                                                                           \
+                for (int64_t t0 = 0; t0 < L; t0 += 16) { /* 16 keys at a time, each read from memory once */ \
+                    const int64_t nk = L - t0 < 16 ? L - t0 : 16;                                           \
+                    const __mmask16 m = nk == 16 ? (__mmask16)0xffff : (__mmask16)((1u << nk) - 1);        \
+                    const T *kp[16];                                                                        \
+                    for (int64_t kk = 0; kk < nk; kk++) { /* no division: walk (block, offset) */           \
+                        kp[kk] = k_cache + (bt[kb] * bs + ko) * row + kv * d;                               \
+                        if (++ko == bs) ko = 0, kb++;                                                       \
+                    }                                                                                       \
+                    for (int64_t kk = 0; kk < 16 && pt < L; kk++, pt++) { /* the next 16 keys: prefetch */  \
+                        prefetch_row(k_cache + (bt[pb] * bs + po) * row + kv * d, pfn);  \
+                        if (BF) prefetch_row(v_cache + (bt[pb] * bs + po) * row + kv * d, pfn);  \
+                        if (++po == bs) po = 0, pb++;                                                       \
+                    }                                                                                       \
+                    ahead_step(&ah);                                                                                \
+                    for (int64_t kk = nk; kk < 16; kk++) kp[kk] = kp[0];                                    \
+                    if (BF) {                                                                                       \
+                        const uint16_t *const *kq = (const uint16_t *const *)kp;                                    \
+                        for (int64_t j = 0; j < g; j++) {                                                           \
+                            const uint16_t *qj = (const uint16_t *)(q + b * q_stride + heads[j] * d);               \
+                            const __m512 s = nv == 4 ? qk16_bf16(qj, kq, 2) : nv == 8 ? qk16_bf16(qj, kq, 4)        \
+                                                                                   : qk16_bf16(qj, kq, nv / 2);     \
+                            const __m512 sv = _mm512_mul_ps(RND(s), vscale);                                        \
+                            _mm512_mask_storeu_ps(sc + j * L + t0, m, sv);                                          \
+                            mxv[j] = _mm512_mask_max_ps(mxv[j], m, mxv[j], sv);                                     \
+                        }                                                                                           \
+                        continue;                                                                                   \
+                    }                                                                                               \
+                    __m512 a[MAX_G][16];                                                                            \
+                    for (int64_t kk = 0; kk < 16; kk++) { /* each key row loaded (and widened) once */              \
+                        __m512 kr[MAX_D / 16];                                                                      \
+                        for (int64_t i = 0; i < nv; i++) kr[i] = LD(kp[kk] + i * 16);                               \
+                        for (int64_t j = 0; j < g; j++) {                                                           \
+                            __m512 acc = _mm512_mul_ps(qv[j][0], kr[0]);                                            \
+                            for (int64_t i = 1; i < nv; i++) acc = _mm512_fmadd_ps(qv[j][i], kr[i], acc);           \
+                            a[j][kk] = acc;                                                                         \
+                        }                                                                                           \
+                    }                                                                                               \
+                    for (int64_t j = 0; j < g; j++) {                                                               \
+                        const __m512 sv = _mm512_mul_ps(RND(sum16(a[j])), vscale);                                  \
+                        _mm512_mask_storeu_ps(sc + j * L + t0, m, sv);                                              \
+                        mxv[j] = _mm512_mask_max_ps(mxv[j], m, mxv[j], sv);                                         \
+                    }                                                                                               \
+                }                                                                                                   \
+                for (int64_t j = 0; j < g; j++) mx[j] = _mm512_reduce_max_ps(mxv[j]);                       \
+                for (int64_t j = 0; j < g; j++) { /* softmax, then p rounded as the dtype rounds it */             \
+                    float *sj = sc + j * L;                                                                         \
+                    __m512 sum = _mm512_setzero_ps();                                                               \
+                    const __m512 vmax = _mm512_set1_ps(mx[j]);                                                      \
+                    int64_t t = 0;                                                                                  \
+                    for (; t + 16 <= L; t += 16) {                                                                  \
+                        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sj + t), vmax));                             \
+                        _mm512_storeu_ps(sj + t, e);                                                                \
+                        sum = _mm512_add_ps(sum, e);                                                                \
+                    }                                                                                               \
+                    if (t < L) {                                                                                    \
+                        const __mmask16 m = (__mmask16)((1u << (L - t)) - 1);                                       \
+                        __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sj + t), vmax))); \
+                        _mm512_mask_storeu_ps(sj + t, m, e);                                                        \
+                        sum = _mm512_add_ps(sum, e);                                                                \
+                    }                                                                                               \
+                    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));                             \
+                    for (t = 0; t + 16 <= L; t += 16)                                                               \
+                        _mm512_storeu_ps(sj + t, RND(_mm512_mul_ps(_mm512_loadu_ps(sj + t), inv)));                 \
+                    for (; t < L; t++) sj[t] = _mm512_cvtss_f32(RND(_mm512_set1_ps(sj[t] * _mm512_cvtss_f32(inv)))); \
+                    if (BF) { /* p is bfloat16-rounded: its top 16 bits are the bfloat16 */                        \
+                        uint16_t *pj = pbf + j * (L + (L & 1));                                                      \
+                        for (t = 0; t + 16 <= L; t += 16)                                                           \
+                            _mm256_storeu_si256((__m256i *)(pj + t),                                                \
+                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(sj + t)), 16))); \
+                        for (; t < L; t++) {                                                                        \
+                            uint32_t u;                                                                             \
+                            memcpy(&u, sj + t, 4);                                                                  \
+                            pj[t] = (uint16_t)(u >> 16);                                                            \
+                        }                                                                                           \
+                        if (L & 1) pj[L] = 0;                                                                       \
+                    }                                                                                               \
+                }                                                                                                   \
+                for (int64_t u = 0, vb = 0, vo = 0; u < L; u++) { /* the value rows, walked once */                 \
+                    vptr[u] = v_cache + (bt[vb] * bs + vo) * row + kv * d;                                          \
+                    if (++vo == bs) vo = 0, vb++;                                                                   \
+                }                                                                                                   \
+                for (int64_t u = 0; u < VAHEAD && u < L; u++) prefetch_row(vptr[u], pfn);        \
+                if (BF) {                                                                                           \
+                    const uint16_t *const *vq = (const uint16_t *const *)vptr;                                      \
+                    uint16_t *ob = (uint16_t *)(out + b * hq * d);                                                  \
+                    const int64_t lp = L + (L & 1);                                                                 \
+                    switch (nv) { /* the head size as a constant */                                                 \
+                    case 4: pv_bf16(vq, L, pbf, lp, 1, g, heads, ob, pfn, 2, 4); break;                                 \
+                    case 8: pv_bf16(vq, L, pbf, lp, 1, g, heads, ob, pfn, 4, 2); break;                                 \
+                    case 16: pv_bf16(vq, L, pbf, lp, 1, g, heads, ob, pfn, 8, 1); break;                                \
+                    default: pv_bf16(vq, L, pbf, lp, 1, g, heads, ob, pfn, nv / 2, 1); break;                           \
+                    }                                                                                               \
+                    continue;                                                                                       \
+                }                                                                                                   \
+                switch (nv) { /* the head size as a constant: the accumulators stay in registers */                 \
+                case 2: PV_HEADS(T, LD, ST, 2, 4) break;                                                               \
+                case 4: PV_HEADS(T, LD, ST, 4, 4) break;                                                               \
+                case 8: PV_HEADS(T, LD, ST, 8, 2) break;                                                               \
+                case 16: PV_HEADS(T, LD, ST, 16, 1) break;                                                             \
+                default: PV_HEADS(T, LD, ST, nv, 1) break;                                                             \
+                }                                                                                                   \
+              }                                                                                                     \
+              pre = ah.n > 0 && ah.left == 0;                                                                       \
+              it = nx;                                                                                              \
+            }                                                                                                       \
+            if (use_amx) amx_release();                                                                             \
+            free(sc);                                                                                               \
+            free(vptr);                                                                                             \
+            free(pbf);                                                                                              \
+        }                                                                                                           \
+        return -1;                                                                                                  \
+    }
+
+static inline __m512 ld32(const float *p) { return _mm512_loadu_ps(p); }
+static inline void st32(float *p, __m512 x) { _mm512_storeu_ps(p, x); }
+/* float32 "rounding": none, but an opaque barrier, so the compiler cannot contract a product and
+ * the sum after it into one fused multiply-add (torch rounds the product first). */
+static inline __m512 keep32(__m512 x) {
+    __asm__("" : "+v"(x));
+    return x;
+}
+
+PAGED_DECODE(tpe_paged_decode_f32, float, ld32, st32, keep32, 0)
+PAGED_DECODE(tpe_paged_decode_bf16, uint16_t, ld, st, rb, 1)
+
+#else /* never called: tpe_fast() == 0 marks the library unavailable */
+int64_t tpe_paged_decode_f32(void) { return -1; }
+int64_t tpe_paged_decode_bf16(void) { return -1; }
+int tpe_paged_set_amx(int on) { return 0; }
+#endif

@@ -1,0 +1,368 @@
+/* Weight-only int8 and int4 matrix-vector products for the few rows of a decode step, on the
+ * layouts tpengine.quant.weights already holds (no second copy):
+ *
+ *   int8, per output channel: q int8 [n, k] row-major, scales [n]; y[r, o] = s[o] * sum_i x[r, i] q[o, i]
+ *     (what torch._weight_int8pack_mm computes, up to the order of the float32 sum);
+ *   int4, group-wise: torch's _convert_weight_to_int4pack_for_cpu layout of the 0..15 values
+ *     (AVX-512 build: blocks of 64 output rows; in a block, column i takes 32 bytes, byte j holding
+ *     row j in its low nibble and row j + 32 in its high one; a last block of nb < 64 rows takes
+ *     nb / 2 bytes a column, byte j holding rows 2j and 2j + 1), scales_and_zeros [groups, n_pad, 2];
+ *     y[r, o] = sum_i x[r, i] ((q[o, i] - 8) s[g, o] + z[g, o]), computed per group g as
+ *     s * (sum_i x q - 8 sum_i x) + z * sum_i x (what torch._weight_int4pack_mm_for_cpu computes,
+ *     up to the order of the float32 sums);
+ *   int4 with int8 zero codes: the same values, with scales [groups, n_pad] and zero codes c int8
+ *     [groups, n_pad] instead of scales_and_zeros: zero = c * s / 16, computed (c * s) * 0.0625f
+ *     (zc NULL: scales_and_zeros).
+ *
+ * Activations x [rows, k] and outputs y [rows, n] are bfloat16 (is_bf16) or float32, scales bfloat16
+ * or float32 likewise; the sums are float32. Rows 1..8, k % 16 == 0 (int4: k % group == 0, group
+ * % 16 == 0). A decode step at one row is bound by reading the weight: each weight byte is read
+ * once for all rows of x, the output blocks split between the threads. The int8 kernel, which walks
+ * weight rows a group at a time, prefetches the next group's rows as it reads a group (without it
+ * the hardware prefetcher ramps up on each short row and a full model's int8 weights, read from
+ * memory, streamed at about half the rate). Python side:
+ * tpengine/backends/cpu/cpu_qgemv.py, which checks the layout torch produced before using these. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define QMAX_ROWS 8
+/* int4: how far ahead of the column being read its block's bytes are prefetched. One 4 KiB page: the
+ * hardware prefetcher stops at page ends, and a model's weights read from memory (blocks of 64 rows
+ * read one after another by each thread) streamed ~1.5x slower without it (docs/notes/kernels.md). */
+#define Q4_PREFETCH_BYTES 4096
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+#include "gemv.h"
+
+static inline float ldf(const void *p, int64_t i, int is_bf16) {
+    return is_bf16 ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void stf(void *p, int64_t i, float v, int is_bf16) {
+    if (is_bf16)
+        ((uint16_t *)p)[i] = f2bf(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* x [rows, k] (bf16 or f32) -> xf [rows, k] float32 */
+static void to_f32(const void *x, int64_t rows, int64_t k, int is_bf16, float *xf) {
+    for (int64_t i = 0; i < rows * k; i++) xf[i] = ldf(x, i, is_bf16);
+}
+
+/* ------------------------------------------------------------------------------------- int8 */
+static inline __m512 ld_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline __m512 mac_i8(__m512 acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
+static inline float same_i8(float f) { return f; }
+
+/* float32 x against int8 rows: the unscaled sums (the scale is applied per output row after) */
+TPE_GEMV_FAMILY(q8, int8_t, float, float, 16, __m512, ld_i8, _mm512_loadu_ps, mac_i8, same_i8)
+
+/* x [rows, k], q [n, k] int8, scales [n], y [rows, n]; returns 0, or -1 for rows outside 1..8. */
+int64_t tpe_qgemv_int8(const void *x, int64_t rows, int64_t k, const int8_t *q, const void *scales, int64_t n,
+                       void *y, int is_bf16, int nthreads) {
+    if (rows < 1 || rows > QMAX_ROWS) return -1;
+    float *xf = malloc(sizeof(float) * rows * k), *acc = malloc(sizeof(float) * rows * n);
+    if (!xf || !acc) {
+        free(xf);
+        free(acc);
+        return -2;
+    }
+    to_f32(x, rows, k, is_bf16, xf);
+    const int64_t chunk = tpe_gemv_chunk(n, nthreads);
+#pragma omp parallel for schedule(static, 1) num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)
+    for (int64_t o0 = 0; o0 < n; o0 += chunk) {
+        const int64_t o1 = o0 + chunk < n ? o0 + chunk : n;
+        q8_rows(xf, rows, k, q, o0, o1, acc, n);
+        for (int64_t rr = 0; rr < rows; rr++)
+            for (int64_t o = o0; o < o1; o++) stf(y, rr * n + o, acc[rr * n + o] * ldf(scales, o, is_bf16), is_bf16);
+    }
+    free(xf);
+    free(acc);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------- int4 */
+/* scale and zero of element idx = g * n_pad + o: from scales_and_zeros [groups, n_pad, 2] (zc NULL), or
+ * from scales [groups, n_pad] and the int8 zero codes zc [groups, n_pad] (zero = c * s / 16). */
+static inline void q4_sz(const void *sz, const int8_t *zc, int64_t idx, int is_bf16, float *s, float *z) {
+    if (zc) {
+        *s = ldf(sz, idx, is_bf16);
+        *z = ((float)zc[idx] * *s) * 0.0625f;
+    } else {
+        *s = ldf(sz, 2 * idx, is_bf16);
+        *z = ldf(sz, 2 * idx + 1, is_bf16);
+    }
+}
+
+/* The scales and zeros of the 16 outputs idx..idx + 15 (idx = g * n_pad + o), as q4_sz computes them
+ * one by one (the same float32 values): scales_and_zeros pairs de-interleaved, or scales and codes. */
+static inline void q4_sz16(const void *sz, const int8_t *zc, int64_t idx, int is_bf16, __m512 *s, __m512 *z) {
+    if (zc) {
+        *s = is_bf16 ? ld((const uint16_t *)sz + idx) : _mm512_loadu_ps((const float *)sz + idx);
+        const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(zc + idx))));
+        *z = _mm512_mul_ps(_mm512_mul_ps(c, *s), _mm512_set1_ps(0.0625f));
+    } else if (is_bf16) { /* 16 (scale, zero) bf16 pairs: one 32-bit lane each */
+        const __m512i v = _mm512_loadu_si512((const uint16_t *)sz + 2 * idx);
+        *s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        *z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+    } else {
+        const float *f = (const float *)sz + 2 * idx;
+        const __m512 a = _mm512_loadu_ps(f), b = _mm512_loadu_ps(f + 16);
+        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        *s = _mm512_permutex2var_ps(a, even, b);
+        *z = _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b);
+    }
+}
+
+/* The end of group g for R rows of x: res[r][v] += s * (acc[r][v] - off * xsum) + z * xsum over the 64
+ * outputs idx..idx + 63 (off: the value offset the loop summed, 8 for (q - 8), 136 for the bfloat16 128 + q;
+ * xs[r * xstride]: row r's sum of x over the group). */
+static inline void q4_fold(int R, __m512 (*res)[4], __m512 (*acc)[4], const void *sz, const int8_t *zc, int64_t idx,
+                           int is_bf16, const float *xs, int64_t xstride, float off) {
+    /* the next block's scales (and codes) of this group: one strided line set a group, which the
+     * hardware prefetcher does not follow */
+    const int64_t es = is_bf16 ? 2 : 4, sbytes = (zc ? 64 : 128) * es;
+    const char *snext = (const char *)sz + (zc ? idx + 64 : 2 * (idx + 64)) * es;
+    for (int64_t b = 0; b < sbytes; b += 64) _mm_prefetch(snext + b, _MM_HINT_T0);
+    if (zc) _mm_prefetch((const char *)(zc + idx + 64), _MM_HINT_T0);
+    for (int v = 0; v < 4; v++) {
+        __m512 sv, zv;
+        q4_sz16(sz, zc, idx + 16 * v, is_bf16, &sv, &zv);
+        for (int r = 0; r < R; r++) {
+            const float xsum = xs[r * xstride];
+            const __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(-off * xsum), sv, _mm512_mul_ps(_mm512_set1_ps(xsum), zv));
+            res[r][v] = _mm512_add_ps(res[r][v], _mm512_fmadd_ps(sv, acc[r][v], t));
+        }
+    }
+}
+
+/* a[r][v] = 0 for the R rows' four 16-output vectors (the block's sums, or one group's). */
+#define Q4_ZERO(a, R)                                                                                          \
+    for (int r_ = 0; r_ < (R); r_++)                                                                          \
+        for (int v_ = 0; v_ < 4; v_++) (a)[r_][v_] = _mm512_setzero_ps()
+
+/* One full 64-row block b, rows r0..r0+R-1 of x: out[r][0..63] = the block's outputs. */
+#define Q4_ROWS(R)                                                                                              \
+    static void q4_block_##R(const float *x, const float *xs, int64_t k, int64_t gs, const uint8_t *blk,       \
+                             const void *sz, const int8_t *zc, int64_t n_pad, int64_t o0, int is_bf16, float *out, int64_t ldo) { \
+        const __m128i m4 = _mm_set1_epi8(0x0f);                                                               \
+        __m512 res[R][4];                                                                                     \
+        Q4_ZERO(res, R);                                                                                      \
+        for (int64_t g = 0; g < k / gs; g++) {                                                                \
+            __m512 acc[R][4];                                                                                 \
+            Q4_ZERO(acc, R);                                                                                  \
+            for (int64_t i = g * gs; i < (g + 1) * gs; i++) {                                                 \
+                if (!(i & 1)) _mm_prefetch((const char *)(blk + i * 32 + Q4_PREFETCH_BYTES), _MM_HINT_T0);     \
+                const __m128i b0 = _mm_loadu_si128((const __m128i *)(blk + i * 32));                          \
+                const __m128i b1 = _mm_loadu_si128((const __m128i *)(blk + i * 32 + 16));                     \
+                const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b0, m4)));            \
+                const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b1, m4)));            \
+                const __m512 q2 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b0, 4), m4))); \
+                const __m512 q3 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b1, 4), m4))); \
+                for (int r = 0; r < R; r++) {                                                                 \
+                    const __m512 xv = _mm512_set1_ps(x[r * k + i]);                                           \
+                    acc[r][0] = _mm512_fmadd_ps(xv, q0, acc[r][0]);                                           \
+                    acc[r][1] = _mm512_fmadd_ps(xv, q1, acc[r][1]);                                           \
+                    acc[r][2] = _mm512_fmadd_ps(xv, q2, acc[r][2]);                                           \
+                    acc[r][3] = _mm512_fmadd_ps(xv, q3, acc[r][3]);                                           \
+                }                                                                                             \
+            }                                                                                                 \
+            q4_fold(R, res, acc, sz, zc, g * n_pad + o0, is_bf16, xs + g, k / gs, 8.f);                               \
+        }                                                                                                     \
+        for (int r = 0; r < R; r++)                                                                           \
+            for (int v = 0; v < 4; v++) _mm512_storeu_ps(out + r * ldo + 16 * v, res[r][v]);                  \
+    }
+
+Q4_ROWS(1)
+Q4_ROWS(2)
+Q4_ROWS(4)
+
+/* The same block for bfloat16 x, two columns at a time through vdpbf16ps (each 32-bit lane pairs one
+ * row's values in columns i and i + 1, as x[i], x[i + 1] are broadcast). One vpermb (zeroing) puts the
+ * bytes of 16 rows of both columns in those lanes; a value q then becomes the bfloat16 128 + q (bits
+ * 0x4300 | q) with one ternary-logic op and no conversion, so a group's sum is sum x q + 128 sum x and
+ * the scale step takes 136 sum x off where the float path takes 8 sum x (float32 sums; the offset costs
+ * the sums ~7 of float32's 24 bits, far below the bfloat16 output's rounding). */
+#define Q4B_ROWS(R)                                                                                             \
+    static void q4b_block_##R(const uint16_t *x, const float *xs, int64_t k, int64_t gs, const uint8_t *blk,   \
+                              const void *sz, const int8_t *zc, int64_t n_pad, int64_t o0, float *out,         \
+                              int64_t ldo) {                                                                   \
+        const __m512i m = _mm512_set1_epi32(0x000f000f), c = _mm512_set1_epi32(0x43004300);                  \
+        uint8_t i1[64], i2[64];                                                                               \
+        for (int l = 0; l < 16; l++) {                                                                        \
+            i1[4 * l] = (uint8_t)l, i1[4 * l + 2] = (uint8_t)(32 + l);                                        \
+            i2[4 * l] = (uint8_t)(16 + l), i2[4 * l + 2] = (uint8_t)(48 + l);                                 \
+            i1[4 * l + 1] = i1[4 * l + 3] = i2[4 * l + 1] = i2[4 * l + 3] = 0;                                \
+        }                                                                                                     \
+        const __m512i p1 = _mm512_loadu_si512(i1), p2 = _mm512_loadu_si512(i2);                               \
+        const __mmask64 even = 0x5555555555555555ull;                                                         \
+        __m512 res[R][4];                                                                                     \
+        Q4_ZERO(res, R);                                                                                      \
+        for (int64_t g = 0; g < k / gs; g++) {                                                                \
+            __m512 acc[R][4];                                                                                 \
+            Q4_ZERO(acc, R);                                                                                  \
+            for (int64_t i = g * gs; i < (g + 1) * gs; i += 2) {                                              \
+                _mm_prefetch((const char *)(blk + i * 32 + Q4_PREFETCH_BYTES), _MM_HINT_T0);                  \
+                const __m512i b = _mm512_loadu_si512(blk + i * 32);                                           \
+                const __m512i a1 = _mm512_maskz_permutexvar_epi8(even, p1, b);                                \
+                const __m512i a2 = _mm512_maskz_permutexvar_epi8(even, p2, b);                                \
+                const __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(a1, m, c, 0xEA);                      \
+                const __m512bh w1 = (__m512bh)_mm512_ternarylogic_epi32(a2, m, c, 0xEA);                      \
+                const __m512bh w2 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(a1, 4), m, c, 0xEA); \
+                const __m512bh w3 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(a2, 4), m, c, 0xEA); \
+                for (int r = 0; r < R; r++) {                                                                 \
+                    int32_t pair;                                                                             \
+                    memcpy(&pair, x + r * k + i, 4);                                                          \
+                    const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);                                    \
+                    acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);                                          \
+                    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);                                          \
+                    acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xv, w2);                                          \
+                    acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xv, w3);                                          \
+                }                                                                                             \
+            }                                                                                                 \
+            q4_fold(R, res, acc, sz, zc, g * n_pad + o0, 1, xs + g, k / gs, 136.f);                                   \
+        }                                                                                                     \
+        for (int r = 0; r < R; r++)                                                                           \
+            for (int v = 0; v < 4; v++) _mm512_storeu_ps(out + r * ldo + 16 * v, res[r][v]);                  \
+    }
+
+Q4B_ROWS(1)
+Q4B_ROWS(2)
+
+/* The last block of nb < 64 rows (rows 2j and 2j + 1 in byte j of each column's nb / 2 bytes). */
+static void q4_tail(const float *x, const float *xs, int64_t rows, int64_t k, int64_t gs, const uint8_t *blk,
+                    int64_t nb, const void *sz, const int8_t *zc, int64_t n_pad, int64_t o0, int is_bf16, float *out, int64_t ldo) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < nb; j++) {
+            float total = 0.f;
+            for (int64_t g = 0; g < k / gs; g++) {
+                float acc = 0.f;
+                for (int64_t i = g * gs; i < (g + 1) * gs; i++) {
+                    const uint8_t b = blk[i * (nb / 2) + j / 2];
+                    acc += x[r * k + i] * (float)((j & 1) ? b >> 4 : b & 15);
+                }
+                const float xsum = xs[r * (k / gs) + g];
+                float sc, ze;
+                q4_sz(sz, zc, g * n_pad + o0 + j, is_bf16, &sc, &ze);
+                total += sc * acc + (ze - 8.f * sc) * xsum;
+            }
+            out[r * ldo + j] = total;
+        }
+}
+
+/* x [rows, k]; packed: the int4 layout above for n_pad rows (a multiple of 16); sz [k / gs, n_pad, 2], or
+ * scales [k / gs, n_pad] with the zero codes zc [k / gs, n_pad] (zc not NULL);
+ * y [rows, n] (the first n <= n_pad rows). Returns 0, or -1 for bad arguments (rows outside 1..8,
+ * k or gs not multiples of 16, k % gs, n > n_pad, n_pad % 16). */
+int64_t tpe_qgemv_int4(const void *x, int64_t rows, int64_t k, const uint8_t *packed, const void *sz,
+                       const int8_t *zc, int64_t gs,
+                       int64_t n, int64_t n_pad, void *y, int is_bf16, int nthreads) {
+    if (rows < 1 || rows > QMAX_ROWS || k % 16 || gs % 16 || gs <= 0 || k % gs || n > n_pad || n_pad % 16) return -1;
+    const int64_t groups = k / gs, full = n_pad / 64, nblocks = full + (n_pad % 64 != 0);
+    float *xf = malloc(sizeof(float) * rows * k), *xs = malloc(sizeof(float) * rows * groups);
+    float *out = malloc(sizeof(float) * rows * n_pad);
+    if (!xf || !xs || !out) {
+        free(xf);
+        free(xs);
+        free(out);
+        return -2;
+    }
+    to_f32(x, rows, k, is_bf16, xf);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float t = 0.f;
+            for (int64_t i = g * gs; i < (g + 1) * gs; i++) t += xf[r * k + i];
+            xs[r * groups + g] = t;
+        }
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n_pad * k >= 65536)
+    for (int64_t b = 0; b < nblocks; b++) {
+        const uint8_t *blk = packed + b * 64 * k / 2;
+        const int64_t o0 = b * 64;
+        if (b == full) {
+            q4_tail(xf, xs, rows, k, gs, blk, n_pad - o0, sz, zc, n_pad, o0, is_bf16, out + o0, n_pad);
+        } else {
+            int64_t r = 0;
+            if (is_bf16 && rows < 4) { /* more rows: the float kernel's FMAs, on two ports, are faster */
+                const uint16_t *xb = (const uint16_t *)x;
+                for (; r + 2 <= rows; r += 2)
+                    q4b_block_2(xb + r * k, xs + r * groups, k, gs, blk, sz, zc, n_pad, o0, out + r * n_pad + o0,
+                                n_pad);
+                for (; r < rows; r++)
+                    q4b_block_1(xb + r * k, xs + r * groups, k, gs, blk, sz, zc, n_pad, o0, out + r * n_pad + o0,
+                                n_pad);
+            }
+            for (; r + 4 <= rows; r += 4)
+                q4_block_4(xf + r * k, xs + r * groups, k, gs, blk, sz, zc, n_pad, o0, is_bf16,
+                           out + r * n_pad + o0, n_pad);
+            for (; r + 2 <= rows; r += 2)
+                q4_block_2(xf + r * k, xs + r * groups, k, gs, blk, sz, zc, n_pad, o0, is_bf16,
+                           out + r * n_pad + o0, n_pad);
+            for (; r < rows; r++)
+                q4_block_1(xf + r * k, xs + r * groups, k, gs, blk, sz, zc, n_pad, o0, is_bf16,
+                           out + r * n_pad + o0, n_pad);
+        }
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t o = o0; o < o0 + 64 && o < n; o++) stf(y, r * n + o, out[r * n_pad + o], is_bf16);
+    }
+    free(xf);
+    free(xs);
+    free(out);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------ int4 -> float, transposed */
+/* wt [k, n_pad] (bf16 or f32): wt[i, o] = (q[o, i] - 8) * s[g, o] + z[g, o], the int4 weight of the
+ * layout above dequantized and transposed (each column of a packed block gives 64 consecutive
+ * outputs), for a prefill's GEMM: x @ wt. The last block (nb < 64 rows) is read scalar. */
+void tpe_dequant_int4(const uint8_t *packed, const void *sz, const int8_t *zc, int64_t gs, int64_t k, int64_t n_pad, void *wt,
+                      int is_bf16, int nthreads) {
+    const int64_t full = n_pad / 64, nblocks = full + (n_pad % 64 != 0), groups = k / gs;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n_pad * k >= 65536)
+    for (int64_t b = 0; b < nblocks; b++) {
+        const uint8_t *blk = packed + b * 64 * k / 2;
+        const int64_t o0 = b * 64, nb = b == full ? n_pad - o0 : 64;
+        float s[64], z[64];
+        for (int64_t g = 0; g < groups; g++) {
+            for (int64_t j = 0; j < nb; j++) {
+                q4_sz(sz, zc, g * n_pad + o0 + j, is_bf16, s + j, z + j);
+                z[j] -= 8.f * s[j];
+            }
+            for (int64_t i = g * gs; i < (g + 1) * gs; i++) {
+                if (nb < 64) {
+                    for (int64_t j = 0; j < nb; j++) {
+                        const uint8_t v = blk[i * (nb / 2) + j / 2];
+                        stf(wt, i * n_pad + o0 + j, (float)((j & 1) ? v >> 4 : v & 15) * s[j] + z[j], is_bf16);
+                    }
+                    continue;
+                }
+                const __m128i m4 = _mm_set1_epi8(0x0f);
+                const __m128i b0 = _mm_loadu_si128((const __m128i *)(blk + i * 32));
+                const __m128i b1 = _mm_loadu_si128((const __m128i *)(blk + i * 32 + 16));
+                const __m128i nib[4] = {_mm_and_si128(b0, m4), _mm_and_si128(b1, m4),
+                                        _mm_and_si128(_mm_srli_epi16(b0, 4), m4), _mm_and_si128(_mm_srli_epi16(b1, 4), m4)};
+                for (int v = 0; v < 4; v++) {
+                    const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib[v])),
+                                                     _mm512_loadu_ps(s + 16 * v), _mm512_loadu_ps(z + 16 * v));
+                    if (is_bf16)
+                        st((uint16_t *)wt + i * n_pad + o0 + 16 * v, w);
+                    else
+                        _mm512_storeu_ps((float *)wt + i * n_pad + o0 + 16 * v, w);
+                }
+            }
+        }
+    }
+}
+
+#else /* never called: tpe_fast() == 0 marks the library unavailable */
+int64_t tpe_qgemv_int8(void) { return -1; }
+int64_t tpe_qgemv_int4(void) { return -1; }
+void tpe_dequant_int4(void) {}
+#endif

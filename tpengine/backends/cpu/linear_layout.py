@@ -1,0 +1,250 @@
+"""Which CPU weight layout each linear shape runs in, chosen by measurement on the machine that runs.
+
+A CPU linear layer holds its weight in ONE of two layouts (never both: that would be a second copy):
+
+* ``plain``: the row-major ``[out, in]`` tensor, multiplied by ``F.linear`` (MKL's sgemm in float32,
+  torch's oneDNN/cpublas GEMM in half precision);
+  or, at up to a few rows, tpengine's own GEMV kernel (:mod:`tpengine.backends.cpu.cpu_gemv`), and for a
+  float32 weight at a decode batch's rows tpengine's GEMM (:mod:`tpengine.backends.cpu.cpu_gemm`), where
+  they measured faster;
+* ``packed``: oneDNN's blocked layout (:func:`tpengine.model.layers.linear.prepack`), multiplied by
+  ``torch.ops.mkldnn._linear_pointwise``.
+
+Which one is faster depends on the CPU, the dtype, the shape and the number of rows: on a 2-vCPU
+AMD EPYC the packed float32 path was ~2x faster, on an Intel Sapphire Rapids MKL's float32 sgemm
+wins at one row (docs/notes/kernels.md). So nothing is hard-coded: :func:`choose_layouts` times
+both layouts for every distinct ``(out, in)`` shape of the model, at the row buckets
+:data:`ROW_BUCKETS`, over as many distinct weights of that shape as the model has (up to
+:data:`MEASURE_BYTES`), so the weights stream from memory as they do in a step rather than sitting
+in a cache. A shape takes the layout with the smaller sum over the buckets of its time relative to
+the faster one. Each shape is measured twice; when the two disagree by more than 1.5x at some
+bucket (another process took the cores), the faster of each is used for this run and nothing is
+cached. Otherwise the timings are cached per CPU model and flags, torch version, thread count and
+dtype in ``$TPENGINE_CACHE_DIR`` (default ``~/.cache/tpengine``), so a machine measures once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tpengine.backends import CPU_LINEAR_CHOICES
+from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_native
+from tpengine.backends.cpu.cpu_native import cache_root, cpu_id
+from tpengine.backends.cpu.measured import consistent, read_cache, time_us, write_cache
+
+LAYOUTS = ("plain", "packed")
+#: Rows per call the choice is measured at: one decoding sequence, a small batch, a full decode batch.
+ROW_BUCKETS = (1, 8, 64)
+#: The most weight bytes (per shape and layout) one measurement allocates; larger single weights
+#: are not measured (they keep ``packed``, the layout that saves the per-call reorder).
+MEASURE_BYTES = 256 << 20
+CACHE_VERSION = 4
+
+
+#: The plain layout's paths: ``F.linear``, and tpengine's kernels on the same plain weight.
+PLAIN_PATHS = ("plain", "gemv", "gemm")
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The layout chosen for one weight shape: ``layout`` ("plain" or "packed"), ``how``
+    ("measured", "cached", "forced" or "default" for an unmeasured one), the microseconds per
+    call of each path at each of :data:`ROW_BUCKETS` (empty unless measured or cached), and for a
+    plain weight ``kernels``, the path each bucket runs (:func:`plain_kernels`; empty: ``F.linear``
+    throughout)."""
+
+    layout: str
+    how: str
+    times_us: dict[str, list]
+    kernels: tuple[str, ...] = ()
+
+    def describe(self, shape: tuple[int, int]) -> str:
+        """``"576->960 plain (gemv/gemv/gemm at 1/8/64 rows) (plain 85/146/337 us, packed 128/126/439 us, ...)"``."""
+        out, inp = shape
+        buckets = "/".join(map(str, ROW_BUCKETS))
+        s = f"{inp}->{out} {self.layout}"
+        if any(k != "plain" for k in self.kernels):
+            s += f" ({'/'.join(self.kernels)} at {buckets} rows)"
+        if self.times_us:
+            cols = ", ".join(f"{k} {'/'.join('-' if t is None else f'{t:.0f}' for t in v)} us"
+                             for k, v in self.times_us.items())
+            s += f" ({cols} at {buckets} rows)"
+        return s
+
+
+def plain_kernels(times_us: dict[str, list]) -> tuple[str, ...]:
+    """The plain layout's path at each of :data:`ROW_BUCKETS`: the fastest of ``F.linear`` ("plain")
+    and the kernels timed there ("gemv" up to :data:`tpengine.backends.cpu.cpu_gemv.MAX_ROWS` rows, "gemm"
+    from :data:`tpengine.backends.cpu.cpu_gemm.MIN_ROWS`; None where a kernel does not take the bucket's
+    rows); a tie keeps ``F.linear``."""
+    out = []
+    for i, p in enumerate(times_us["plain"]):
+        best, name = p, "plain"
+        for k in PLAIN_PATHS[1:]:
+            t = (times_us.get(k) or [None] * len(ROW_BUCKETS))[i]
+            if t is not None and t < best:
+                best, name = t, k
+        out.append(name)
+    return tuple(out)
+
+
+def kernel_at(kernels: tuple[str, ...], rows: int) -> str:
+    """The path of :func:`plain_kernels` for a call of ``rows`` rows: that of the first bucket of at
+    least ``rows`` rows; "plain" (``F.linear``) past the last bucket, with no ``kernels``, and for
+    the GEMM below :data:`tpengine.backends.cpu.cpu_gemm.MIN_ROWS` rows."""
+    for n, k in zip(ROW_BUCKETS, kernels):
+        if rows <= n:
+            return "plain" if k == "gemm" and rows < cpu_gemm.MIN_ROWS else k
+    return "plain"
+
+
+def plain_times(times_us: dict[str, list]) -> list[float]:
+    """The plain layout's time at each bucket, on the path :func:`plain_kernels` gives it."""
+    return [times_us[k][i] for i, k in enumerate(plain_kernels(times_us))]
+
+
+def pick(times_us: dict[str, list]) -> str:
+    """The layout whose summed time relative to the faster layout, over the buckets, is smallest
+    (``{"plain": [t1, t8, t64], "packed": [...], "gemv": [t1, t8, None], "gemm": [None, None, t64]}``,
+    the plain layout timed on its fastest path per bucket, :func:`plain_times`); a tie keeps
+    ``packed``."""
+    layouts = {"plain": plain_times(times_us), "packed": times_us["packed"]}
+    best = [min(ts) for ts in zip(*layouts.values())]
+    score = {k: sum(t / b for t, b in zip(v, best)) for k, v in layouts.items()}
+    return min(sorted(score), key=lambda k: (score[k], k != "packed"))
+
+
+def plain_timings(weights: list[torch.Tensor], dtype: torch.dtype, kernels: tuple[str, ...] = ("gemv", "gemm")
+                  ) -> dict[str, list]:
+    """Microseconds per call at each of :data:`ROW_BUCKETS` rows of ``F.linear`` ("plain") and of
+    each of tpengine's ``kernels`` that takes these weights (None at a bucket outside the
+    kernel's rows), rotating over the ``weights`` (each ``[out, in]``, plain, ``dtype``)."""
+    inp = weights[0].shape[1]
+    xs = [torch.full((rows, inp), 0.5, dtype=dtype) for rows in ROW_BUCKETS]
+    times: dict[str, list] = {"plain": [time_us([lambda w=w: F.linear(x, w) for w in weights]) for x in xs]}
+    paths = {"gemv": (cpu_gemv, lambda rows: rows <= cpu_gemv.MAX_ROWS),
+             "gemm": (cpu_gemm, lambda rows: rows >= cpu_gemm.MIN_ROWS)}
+    for name in kernels:
+        mod, takes = paths[name]
+        if mod.available(weights[0]):
+            fn = getattr(mod, name)
+            times[name] = [time_us([lambda w=w: fn(x, w) for w in weights]) if takes(x.shape[0]) else None
+                           for x in xs]
+    return times
+
+
+def measure(shape: tuple[int, int], count: int, dtype: torch.dtype) -> dict[str, list[float]] | None:
+    """Microseconds per call of each layout for a weight ``shape = (out, in)`` in ``dtype`` at each
+    of :data:`ROW_BUCKETS` rows, rotating over ``min(count, MEASURE_BYTES // bytes)`` distinct
+    synthetic weights. None where packing is unavailable or one weight exceeds :data:`MEASURE_BYTES`."""
+    from tpengine.model.layers.linear import prepack
+
+    out, inp = shape
+    nbytes = out * inp * torch.empty(0, dtype=dtype).element_size()
+    if nbytes > MEASURE_BYTES:
+        return None
+    n = max(1, min(count, MEASURE_BYTES // nbytes))
+    plain = [torch.full((out, inp), 0.01 * (i + 1), dtype=dtype) for i in range(n)]
+    if prepack(plain[0]) is None:
+        return None
+    times = plain_timings(plain, dtype)
+    times["packed"] = []
+    packed = []
+    for i in range(n):  # replace as we go: never both layouts of all the synthetic weights
+        packed.append(prepack(plain[i]))
+        plain[i] = None
+    for rows in ROW_BUCKETS:
+        x = torch.full((rows, inp), 0.5, dtype=dtype)
+        times["packed"].append(time_us([lambda p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                                         for p in packed]))
+    return times
+
+
+def cache_path(dtype: torch.dtype) -> Path:
+    """The timings file for this CPU (model and flags), build of the C kernels
+    (:func:`~tpengine.backends.cpu.cpu_native.library_key`), torch version, thread count and ``dtype``."""
+    key = "\0".join([str(CACHE_VERSION), cpu_id(), cpu_native.library_key(), torch.__version__,
+                     str(torch.get_num_threads()), str(dtype)])
+    return cache_root() / f"linear-layouts-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _timed(cache: dict, key: str, needs: tuple[str, ...], measure_fn) -> tuple[dict | None, str, bool]:
+    """``(times, how, cached_now)``: ``cache[key]`` when it holds every path in ``needs`` at every
+    bucket ("cached"), else ``measure_fn()`` run twice and the faster of each taken ("measured";
+    stored in ``cache`` when the two agree, "measured, noisy (not cached)" when they do not:
+    another process shared the cores). ``times`` None: not measurable."""
+    times = cache.get(key)
+    if isinstance(times, dict) and all(len(times.get(k) or ()) == len(ROW_BUCKETS) for k in needs):
+        return times, "cached", False
+    times = measure_fn()
+    again = None if times is None else measure_fn()
+    if times is None or again is None:
+        return times, "measured", False
+    ok = consistent(times, again)
+    if ok:
+        cache[key] = times
+    both = {k: [None if a is None else min(a, b) for a, b in zip(v, again[k])] for k, v in times.items()}
+    return both, "measured" if ok else "measured, noisy (not cached)", ok
+
+
+def choose_head(weight: torch.Tensor, setting: str = "auto", native: bool = True) -> LayoutChoice:
+    """The kernels of a tied LM head's loaded CPU ``weight [vocab_local, hidden]``, which stays plain
+    (its rows are the embedding's too, so there is no packed copy): ``F.linear`` or the GEMM kernel
+    per bucket (:func:`plain_kernels`), timed on this weight itself at :data:`ROW_BUCKETS` (cached
+    like :func:`choose_layouts`).
+    ``setting`` other than "auto", ``native`` False, or a weight the GEMM does not take: plain
+    ``F.linear`` with no timings."""
+    if setting != "auto" or not native or not cpu_gemm.available(weight):
+        return LayoutChoice("plain", "default", {})
+    path = cache_path(weight.dtype)
+    cache = read_cache(path)
+    key = f"head {weight.shape[0]}x{weight.shape[1]}"
+    times, how, wrote = _timed(cache, key, ("plain", "gemm"), lambda: plain_timings([weight], weight.dtype, ("gemm",)))
+    if wrote:
+        write_cache(path, cache)
+    return LayoutChoice("plain", how, times, plain_kernels(times))
+
+
+def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setting: str = "auto",
+                   native: bool = True) -> dict[tuple[int, int], LayoutChoice]:
+    """The layout of each weight shape ``(out, in)`` (``shapes`` maps it to how many layers of this
+    rank have it) for CPU weights in ``dtype``: ``setting`` "plain" or "packed" forces it; "auto"
+    measures (:func:`measure`) or reads the cached timings (:func:`cache_path`). ``native`` False
+    (``EngineConfig.cpu_kernels`` off) leaves the GEMV and GEMM kernels out of the choice.
+
+    Raises:
+        ValueError: ``setting`` not in :data:`CPU_LINEAR_CHOICES`.
+    """
+    if setting not in CPU_LINEAR_CHOICES:
+        raise ValueError(f"invalid cpu_linear={setting!r}: must be one of {', '.join(CPU_LINEAR_CHOICES)}")
+    if setting != "auto":
+        return {s: LayoutChoice(setting, "forced", {}) for s in shapes}
+    path = cache_path(dtype)
+    cache = read_cache(path)
+    chosen, wrote = {}, False
+    for shape, count in sorted(shapes.items()):
+        key = f"{shape[0]}x{shape[1]}x{min(count, 1 << 20)}"
+        times, how, fresh = _timed(cache, key, LAYOUTS, lambda: measure(shape, count, dtype))
+        wrote |= fresh
+        if times is None:
+            chosen[shape] = LayoutChoice("packed", "default", {})
+        else:
+            if not native:
+                times = {k: v for k, v in times.items() if k not in ("gemv", "gemm")}
+            layout = pick(times)
+            chosen[shape] = LayoutChoice(layout, how, times, plain_kernels(times) if layout == "plain" else ())
+    if wrote:
+        write_cache(path, cache)
+    return chosen
+
+
+def summary(chosen: dict[tuple[int, int], LayoutChoice], dtype: torch.dtype) -> str:
+    """The one line rank 0 logs: every shape's layout and the timings it was chosen on."""
+    hows = sorted({c.how for c in chosen.values()})
+    return (f"tpengine: CPU linear layouts ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, "
+            f"{'/'.join(hows)}): " + "; ".join(c.describe(s) for s, c in sorted(chosen.items())))

@@ -1,0 +1,150 @@
+"""Timing interchangeable implementations on the machine that runs, and caching the timings per
+machine (issue 17: no constant tuned on one CPU).
+
+The shared pieces: :func:`time_us` (median per-call time), :func:`consistent` (two measurements
+agree), :func:`read_cache` / :func:`write_cache` (atomic JSON files in ``$TPENGINE_CACHE_DIR``),
+used by the linear layouts (:mod:`tpengine.backends.cpu.linear_layout`) and the weight-only kernels
+(:mod:`tpengine.backends.cpu.cpu_qgemv`). On top of them :func:`fastest` times every candidate at every
+workload, takes the one with the smallest summed relative time (:func:`pick`, the linear layouts'
+rule), measures twice, and caches the timings under a key in ``choices-<hash>.json``, a file
+named by the CPU model and flags, the C kernels' build, the torch version and the thread count.
+Timings that disagree by over 1.5x (another process on the cores) are used for that run only.
+Its users: the greedy pick's block (:func:`tpengine.model.layers.embedding.choose_row_max_block`) and
+the HF baseline's attention in the benchmarks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from tpengine.backends.cpu import cpu_native
+from tpengine.backends.cpu.cpu_native import cache_root, cpu_id
+
+CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Choice:
+    """``name``: the candidate chosen; ``how``: "measured", "cached" or "measured, noisy (not
+    cached)"; ``times_us``: each candidate's microseconds per call at each workload."""
+
+    name: str
+    how: str
+    times_us: dict[str, list[float]] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """``"512 (measured: 512 20/410 us, max 31/890 us)"``."""
+        times = ", ".join(f"{k} {'/'.join(f'{t:.0f}' for t in v)} us" for k, v in self.times_us.items())
+        return f"{self.name} ({self.how}: {times})"
+
+
+def time_us(fns: list[Callable[[], object]], passes: int = 4) -> float:
+    """Microseconds per call over ``fns``: each call timed alone, in ``passes`` passes after a
+    warm-up pass, and the median taken (so a call that another process preempted does not count)."""
+    for f in fns:
+        f()
+    times = []
+    for _ in range(passes):
+        for f in fns:
+            start = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def consistent(a: dict[str, list], b: dict[str, list], ratio: float = 1.5) -> bool:
+    """Whether two measurements (name -> times per workload, None for one not timed) agree within
+    ``ratio`` at every workload (a time-slice lost to another process makes one call several
+    times slower)."""
+    return all(x is None or y is None or max(x, y) <= ratio * min(x, y)
+               for k in a for x, y in zip(a[k], b.get(k, a[k])))
+
+
+def read_cache(path: Path) -> dict:
+    """A timings file's JSON object; {} for a missing, unreadable or damaged file (then measured
+    again)."""
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def write_cache(path: Path, data: dict) -> None:
+    """Write a timings file atomically (a concurrent rank sees the whole file or none); a cache
+    that cannot be written only means measuring again next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".timings-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def cache_path() -> Path:
+    """The timings file for this CPU (model and flags), build of the C kernels, torch version and
+    thread count."""
+    key = "\0".join(["choices", str(CACHE_VERSION), cpu_id(), cpu_native.library_key(), torch.__version__,
+                     str(torch.get_num_threads())])
+    return cache_root() / f"choices-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def pick(times_us: dict[str, list[float]]) -> str:
+    """The candidate with the smallest sum over workloads of its time / the fastest time there (the
+    first listed among equals)."""
+    best = [min(ts) for ts in zip(*times_us.values())]
+    score = {k: sum(t / max(b, 1e-9) for t, b in zip(v, best)) for k, v in times_us.items()}
+    return min(score, key=lambda k: score[k])
+
+
+def measure(candidates: dict[str, list[Callable[[], object]]], passes: int = 5) -> dict[str, list[float]]:
+    """Microseconds per call of each candidate at each of its workloads (one callable per
+    workload, the same count for every candidate): the median of ``passes`` timed calls after a
+    warm-up call."""
+    return {k: [time_us([f], passes) for f in fns] for k, fns in candidates.items()}
+
+
+def timings(key: str, candidates: dict[str, list[Callable[[], object]]],
+            passes: int = 5) -> tuple[dict[str, list[float]], str]:
+    """``(times_us, how)`` of ``candidates`` (name -> one callable per workload, the same count for
+    each) under the cache entry ``key`` (say what was timed: the shapes and the dtype): cached
+    timings for exactly these names and workloads ("cached"), else two measurements, cached when
+    they agree within 1.5x ("measured"; else "measured, noisy (not cached)", the first one kept),
+    each the median of ``passes`` timed calls per workload.
+    Raises ValueError for no candidates or unequal workload counts."""
+    if not candidates or len({len(v) for v in candidates.values()}) != 1 or not next(iter(candidates.values())):
+        raise ValueError(f"measured choice {key!r}: need candidates with the same number (>= 1) of workloads, "
+                         f"got {({k: len(v) for k, v in candidates.items()})}")
+    path = cache_path()
+    times = read_cache(path).get(key)
+    if (isinstance(times, dict) and sorted(times) == sorted(candidates)
+            and all(isinstance(v, list) and len(v) == len(candidates[k])
+                    and all(isinstance(t, (int, float)) and t >= 0 for t in v) for k, v in times.items())):
+        return {k: times[k] for k in candidates}, "cached"
+    first, second = measure(candidates, passes), measure(candidates, passes)
+    if not consistent(first, second):
+        return first, "measured, noisy (not cached)"
+    times = {k: [min(a, b) for a, b in zip(first[k], second[k])] for k in candidates}
+    cache = read_cache(path)  # another process may have written meanwhile
+    cache[key] = times
+    write_cache(path, cache)
+    return times, "measured"
+
+
+def fastest(key: str, candidates: dict[str, list[Callable[[], object]]], passes: int = 5) -> Choice:
+    """The measured choice among ``candidates`` (every candidate must give the same result): the
+    :func:`pick` of their :func:`timings` under ``key``. Raises ValueError as :func:`timings`."""
+    times, how = timings(key, candidates, passes)
+    return Choice(pick(times), how, times)

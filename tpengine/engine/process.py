@@ -1,0 +1,68 @@
+"""Process set-up before a rank builds its model: intra-op threads, malloc behaviour, the CPU C
+kernels' build and the shared-memory collectives. Process-wide settings, made once by
+:class:`tpengine.engine.llm_engine.LLMEngine`, never per step."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from tpengine.config import EngineConfig
+from tpengine.distributed import TPInfo
+from tpengine.model.plan import ShardPlan
+from tpengine.utils import GIB
+
+
+def keep_freed_memory() -> bool:
+    """CPU: make glibc malloc keep freed memory for reuse instead of handing it back to the OS.
+
+    Every step allocates activations of the same few sizes (tens of MB in a prefill); by default
+    glibc serves blocks above 128 KiB-32 MiB with a fresh ``mmap`` and unmaps them when freed, so
+    every step page-faults all its activation memory again (elementwise ops on a 50 MB tensor ran
+    several times slower than with reused memory). ``M_MMAP_MAX=0`` serves everything from the
+    heap and a 1 GiB ``M_TRIM_THRESHOLD`` keeps it there. Process-wide; a no-op (False) without
+    glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-4, 0)) and bool(libc.mallopt(-1, GIB))  # M_MMAP_MAX, M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
+def release_free_memory() -> None:
+    """Give the pages of freed heap memory back to the OS (glibc ``malloc_trim``), e.g. after
+    loading, whose staging buffers and replaced weight layouts leave holes. No-op without glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def setup_process(config: EngineConfig, tp: TPInfo, plan: ShardPlan) -> None:
+    """Collective on the CPU (every rank calls it, after :func:`tpengine.distributed.init_distributed`).
+
+    CPU: intra-op threads (``config.threads``, default cores // tp), malloc that keeps freed
+    memory, the C kernels built now for a bfloat16 model with ``config.cpu_kernels`` (so the
+    build is not timed inside the first step), and the all-reduce/gather switched to shared
+    memory when every rank is on this host (:func:`tpengine.backends.cpu.shm.init_shm`, sized for
+    the largest activation a step sends: ``max_num_batched_tokens x hidden`` or the LM head's
+    ``max_num_seqs x local vocab``, at most 64 MiB).
+    """
+    if tp.device.type != "cpu":
+        return
+    from tpengine.backends.cpu import cpu_native
+    from tpengine.backends.cpu.shm import init_shm
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(config.threads or max(1, (cores or 1) // tp.size))
+    keep_freed_memory()
+    dtype = config.torch_dtype(tp.device)
+    if dtype == torch.bfloat16 and config.cpu_kernels:
+        cpu_native.load()
+    elem = torch.empty(0, dtype=dtype).element_size()
+    rp = plan.ranks[tp.rank]
+    largest = max(config.max_num_batched_tokens * plan.hidden_size, config.max_num_seqs * rp.vocab_size)
+    init_shm(tp, min(largest * elem, 64 << 20), config.dist_timeout_s)

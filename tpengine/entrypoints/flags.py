@@ -1,0 +1,116 @@
+"""The command-line flags of the engine settings: one per :class:`tpengine.config.EngineConfig`
+field, named as vLLM names it (``max_num_seqs`` -> ``--max-num-seqs``; a bool field gets
+``--x/--no-x``), generated from the one table :data:`ENGINE_FLAGS`.
+
+A flag left out is None, so a config file's value (or the field's default) stands; ``--help``
+shows the field's default.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, fields
+from typing import Annotated, Any
+
+import typer
+
+from tpengine.backends import BACKENDS
+from tpengine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES, FIELD_TYPES, QUANTIZATIONS, EngineConfig
+
+#: Per EngineConfig field: (help, default shown in --help or None for the field's own default).
+ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {
+    "model": ("Hugging Face model folder, or a `tpengine-shard split` folder; MODEL-tpN is used instead when it "
+              "holds shards for this tp", None),
+    "dtype": (f"weights and KV cache: {', '.join(DTYPES)} (auto: bfloat16 on CUDA, float32 on CPU)", None),
+    "max_model_len": ("most tokens of one sequence (prompt + output)", "the model's max_position_embeddings"),
+    "block_size": ("tokens per KV-cache block", None),
+    "max_num_seqs": ("most sequences in one step", None),
+    "max_num_batched_tokens": ("most tokens computed in one step; a longer prompt is prefilled in chunks",
+                               f"{DEFAULT_MAX_NUM_BATCHED_TOKENS} with chunked prefill, else max(8192, max_model_len)"),
+    "enable_prefix_caching": ("share the KV cache of prompt prefixes between requests", None),
+    "enable_chunked_prefill": ("prefill a prompt longer than --max-num-batched-tokens in chunks, beside decodes",
+                               None),
+    "kv_cache_gb": ("CPU: GiB of KV cache per rank", None),
+    "num_kv_blocks": ("force the number of KV-cache blocks (for tests)",
+                      "from --kv-cache-gb (CPU) or --gpu-memory-utilization (CUDA)"),
+    "gpu_memory_utilization": ("CUDA: fraction of the free GPU memory after loading and warm-up given to the "
+                               "KV cache", None),
+    "attention_backend": (f"{', '.join(BACKENDS)} (auto: triton on CUDA, torch on CPU)", None),
+    "enforce_eager": ("CUDA: run decode steps eagerly, without CUDA graphs", None),
+    "kv_mirror": ("CPU, half precision: keep the running batch's KV contiguous across decode steps (faster "
+                  "decode; up to one more copy of the KV cache)", None),
+    "cpu_kernels": ("CPU, bfloat16: decode attention, add + RMSNorm, RoPE and SiLU*up through C kernels built at "
+                    "run time (torch ops without a C compiler or AVX512-BF16)", None),
+    "cpu_linear": ("CPU: the linear weights' layout per weight shape: auto (the faster of plain/MKL and "
+                   "oneDNN-packed, measured on this machine and cached), plain or packed", None),
+    "dist_timeout_s": ("seconds a collective waits for the other ranks before the job fails", None),
+    "threads": ("intra-op threads per rank", "cores / tp"),
+    "seed": ("seed of the sampler (a request's own seed takes precedence)", None),
+    "generation_config": ("sampling defaults: auto (the model folder's generation_config.json: temperature, "
+                          "top_p, top_k, min_p, repetition_penalty, max_new_tokens, do_sample), ignore "
+                          "(tpengine's built-in defaults) or a folder holding a generation_config.json; a "
+                          "request's fields, flags and the [sampling] table take precedence", None),
+    "quantization": (f"quantize the linear layers' weights at load (CPU): {', '.join(QUANTIZATIONS)} (int8: per "
+                     "output channel; int4: group 32, scale and zero), the embedding / LM head too (int8)",
+                     "none"),
+}
+
+
+def option(name: str, help: str, default: str | bool = True) -> Any:
+    """A command's own typer option ``name`` with ``help``; ``default``: True shows the parameter's
+    default in ``--help``, a string shows that text instead, False shows none."""
+    return typer.Option(name, help=help, show_default=default)
+
+
+def flag_name(field: str) -> str:
+    """The flag of an EngineConfig field: ``max_num_seqs`` -> ``--max-num-seqs``."""
+    return "--" + field.replace("_", "-")
+
+
+def _option(field: Any) -> tuple[type, Any]:
+    """(annotation type, typer.Option) of one EngineConfig field."""
+    help_text, shown = ENGINE_FLAGS[field.name]
+    kind = next(k for k in FIELD_TYPES[field.name] if k is not None)  # float before int for numbers
+    flag = flag_name(field.name)
+    if kind is bool:
+        decl = f"{flag}/--no-{flag[2:]}"
+        shown = shown or (flag[2:] if field.default else f"no-{flag[2:]}")
+    else:
+        decl = flag
+        shown = shown or str(field.default)
+    return kind, typer.Option(decl, help=help_text, show_default=shown, rich_help_panel="Engine settings")
+
+
+def engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator for a typer command ``command(..., engine: dict[str, Any])``: the command gets
+    one option per EngineConfig field (after its own), and is called with the values of those
+    options as ``engine`` (field name -> value, None where the flag was not given), ready for
+    ``load_config(path, **engine)``.
+
+    Raises:
+        KeyError: an EngineConfig field without a row in :data:`ENGINE_FLAGS` (at import).
+    """
+    sig = inspect.signature(command)
+    hints = typing.get_type_hints(command, include_extras=True)
+    own = [p.replace(annotation=hints[p.name]) for p in sig.parameters.values() if p.name != "engine"]
+    names = [f.name for f in fields(EngineConfig)]
+    added = []
+    for f in fields(EngineConfig):
+        assert f.default is not MISSING, f.name
+        kind, opt = _option(f)
+        added.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                       annotation=Annotated[kind | None, opt]))
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        engine = {n: kwargs.pop(n) for n in names}
+        return command(**kwargs, engine=engine)
+
+    params = own + added
+    wrapper.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    del wrapper.__wrapped__  # typer reads __signature__ / __annotations__, not the wrapped function's
+    return wrapper

@@ -1,0 +1,166 @@
+"""The OpenAI-compatible server over the same tensor-parallel ranks as the batch job.
+
+    tpengine serve --model DIR --host 127.0.0.1 --port 8000                  (tp=1)
+    torchrun --nproc_per_node=2 -m tpengine.entrypoints.serve --model DIR --port 8000
+
+Every rank builds the engine. Rank 0 runs the HTTP app (FastAPI on uvicorn) and, in a thread beside
+it, the engine loop (:class:`tpengine.server.engine_loop.EngineLoop`); the other ranks follow its
+broadcasts as in the batch job. SIGTERM or SIGINT: rank 0 stops accepting, lets in-flight requests
+finish for up to ``--drain-timeout-s`` seconds, aborts the rest and sends STOP; every rank exits 0.
+The other ranks ignore the signals (torchrun forwards them) and exit on STOP. If the engine fails
+(a dead rank, a failed step) the server answers 503 and every rank exits non-zero.
+Exit codes as the batch job's: 0, 2 a mistake found before the model loads (one ``error:`` line),
+1 a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from tpengine.config import EngineConfig, load_config
+from tpengine.entrypoints.flags import engine_options, option
+from tpengine.entrypoints.run import (
+    loading_line,
+    model_sampling_defaults,
+    rank_and_world,
+    resolve_model_dir,
+    sampling_defaults,
+)
+from tpengine.errors import UserError
+from tpengine.model.checkpoint import check_model_folder
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads so a port in use is found at once.
+
+    Raises:
+        UserError: the address cannot be bound (naming host, port and the reason).
+    """
+    try:
+        sock = socket.create_server((host, port), reuse_port=False)
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve_rank0(engine, sock: socket.socket, model_name: str, defaults: dict[str, Any], drain_s: float) -> int:
+    """Rank 0: the app and the engine loop until a signal or an engine failure. Returns the exit code."""
+    import uvicorn
+
+    from tpengine.server.app import ServerState, build_app
+    from tpengine.server.engine_loop import EngineLoop
+    from tpengine.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(model_name)
+    loop = EngineLoop(engine, on_step=metrics.observe_step)
+    metrics.set_queue(engine.stats())
+    state = ServerState(loop, engine.tokenizer, engine.vocab_size, engine.config.max_model_len, model_name,
+                        metrics, defaults, int(time.time()))
+    config = uvicorn.Config(build_app(state), log_level="warning", timeout_graceful_shutdown=drain_s + 3,
+                            lifespan="off")
+    server = uvicorn.Server(config)
+    loop.start()
+
+    async def watch() -> None:
+        """An engine that died: answer 503 a moment, then stop the server. A shutdown (SIGTERM):
+        after ``drain_s`` abort what is still running, so every open stream ends with its final
+        chunk and ``[DONE]`` before uvicorn's own deadline closes the connections."""
+        while not server.should_exit:
+            if loop.dead is not None:
+                await asyncio.sleep(1.0)
+                server.should_exit = True
+            await asyncio.sleep(0.25)
+        await asyncio.sleep(drain_s)
+        loop.abort_all()
+
+    async def main() -> None:
+        host, port = sock.getsockname()[:2]
+        print(f"tpengine: serving {model_name} on http://{host}:{port} (tp {engine.tp.size})", file=sys.stderr,
+              flush=True)
+        watcher = asyncio.ensure_future(watch())
+        await server.serve(sockets=[sock])
+        watcher.cancel()
+
+    # uvicorn handles SIGTERM / SIGINT while it serves (stop accepting, drain) and raises the signal
+    # again afterwards under the handlers it found: make those a no-op, so the drain ends in exit 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    asyncio.run(main())
+    if not loop.failed:
+        loop.stop(drain_s)  # in-flight requests were drained by uvicorn; abort what is left, STOP
+    return 1 if loop.failed else 0
+
+
+@app.command()
+@engine_options
+def main(
+    host: Annotated[str, option("--host", "address to listen on")] = "127.0.0.1",
+    port: Annotated[int, option("--port", "port to listen on")] = 8000,
+    config: Annotated[Path | None, option(
+        "--config", "TOML file: an [engine] table of engine settings and a [sampling] table of request "
+        "defaults (flags override it)", "none")] = None,
+    served_model_name: Annotated[str | None, option(
+        "--served-model-name", "the model name the API answers to and reports", "the model folder's name")] = None,
+    drain_timeout_s: Annotated[float, option(
+        "--drain-timeout-s", "on SIGTERM / SIGINT, seconds in-flight requests may take to finish before they "
+        "are aborted")] = 5.0,
+    *,
+    engine: dict[str, Any],
+) -> None:
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
+    from tpengine.engine.llm_engine import LLMEngine
+
+    rank, world = rank_and_world()
+    try:
+        cfg: EngineConfig = load_config(config, **engine)
+        model_name = served_model_name or Path(cfg.model).name
+        cfg = cfg.replace(model=resolve_model_dir(cfg.model, world))
+        check_model_folder(cfg.model)
+        model_defaults, defaults_line = model_sampling_defaults(cfg)
+        defaults = sampling_defaults(config, model_defaults)
+        if drain_timeout_s < 0:
+            raise UserError(f"--drain-timeout-s must be >= 0, got {drain_timeout_s}")
+        sock = bind(host, port) if rank == 0 else None
+    except (UserError, ValueError, OSError) as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    if rank == 0:
+        if defaults_line is not None:
+            print(defaults_line, file=sys.stderr, flush=True)
+        print(loading_line(cfg, world), file=sys.stderr, flush=True)
+    try:
+        llm = LLMEngine(cfg)
+    except (UserError, FileNotFoundError) as e:
+        print(f"[tpengine rank {rank}/{world}] failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        raise typer.Exit(2) from None
+    if llm.is_driver:
+        code = serve_rank0(llm, sock, model_name, defaults, drain_timeout_s)
+    else:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains and sends STOP
+            signal.signal(sig, lambda *_: None)
+        llm.generate([])
+        code = 0
+    if code == 0:
+        llm.shutdown()
+    print(f"[tpengine rank {rank}/{world}] server stopped (exit {code})", file=sys.stderr, flush=True)
+    if code:  # the engine failed: the other ranks may never answer, so do not wait on any collective
+        sys.stdout.flush()
+        os._exit(code)
+    raise typer.Exit(code)
+
+
+if __name__ == "__main__":
+    app()

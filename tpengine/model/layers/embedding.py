@@ -1,0 +1,214 @@
+"""Vocabulary-parallel embedding and LM head (Megatron-LM, Shoeybi et al. 2019).
+
+The vocabulary is padded to a multiple of tp (:class:`tpengine.model.plan.ShardPlan`); rank r holds
+rows ``[vocab_start, vocab_end)`` of the padded table, padding rows are zero. Under
+``--quantization`` either layer holds ``quant`` (a :class:`~tpengine.quant.weights.QuantizedWeight`
+of those rows) instead of ``weight``: the lookup dequantizes only the rows it reads, the LM head
+multiplies through the quantized kernel; a tied pair shares one ``quant``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpengine.backends.cpu import cpu_native
+from tpengine.backends.cpu.cpu_ops import ops
+from tpengine.backends.cpu.linear_layout import kernel_at
+from tpengine.backends.cpu.measured import Choice, fastest
+from tpengine.distributed import get_tp
+from tpengine.model.layers.comm import all_reduce, gather_to_driver
+from tpengine.model.layers.linear import _Packable, linear
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Masked lookup in this rank's vocabulary rows, summed over ranks.
+
+    ``weight [vocab_end - vocab_start, hidden]`` (or ``quant``, the same rows quantized); ids
+    ``[...]`` int64 -> ``[..., hidden]``. Ids outside this rank's range contribute zero; padded
+    ids embed to zero everywhere.
+    """
+
+    def __init__(self, vocab_start: int, vocab_end: int, vocab_size: int, hidden: int,
+                 dtype=None, device="meta"):
+        super().__init__()
+        self.vocab_start, self.vocab_end, self.vocab_size = vocab_start, vocab_end, vocab_size
+        self.weight = nn.Parameter(torch.empty(vocab_end - vocab_start, hidden, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.quant: nn.Module | None = None
+
+    def _lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(local_ids, self.weight) if self.quant is None else self.quant.rows(local_ids)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if get_tp().size == 1:
+            return self._lookup(ids)
+        mask = (ids >= self.vocab_start) & (ids < self.vocab_end)
+        out = self._lookup((ids - self.vocab_start) * mask)
+        out = out * mask.unsqueeze(-1).to(out.dtype)
+        return all_reduce(out)
+
+
+class ParallelLMHead(_Packable):
+    """This rank's vocabulary logits, gathered to rank 0 and cut to the real vocabulary.
+
+    ``weight [vocab_local, hidden]`` (the embedding shard's own Parameter when embeddings are
+    tied), or ``quant`` (quantized, the embedding's own ``quant`` when tied). Input
+    ``[..., hidden]`` -> on rank 0 ``[..., vocab_size]`` (padding columns dropped, so padded ids
+    can never be sampled); None on other ranks. ``row_max_block``: the greedy pick's block
+    (:func:`row_max`; set by the loader from :func:`choose_row_max_block` on CPU); ``native``: the
+    greedy pick may use the C kernels (``EngineConfig.cpu_kernels``, set by the surgery).
+    """
+
+    native = True
+
+    def __init__(self, vocab_start: int, vocab_end: int, vocab_size: int, hidden: int,
+                 dtype=None, device="meta"):
+        super().__init__()
+        self.vocab_start, self.vocab_end, self.vocab_size = vocab_start, vocab_end, vocab_size
+        self.weight = nn.Parameter(torch.empty(vocab_end - vocab_start, hidden, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.row_max_block = ROW_MAX_BLOCK
+        self.greedy_mm = False
+
+    @property
+    def shard_width(self) -> int:
+        """This rank's real vocabulary columns (its shard without the padding)."""
+        return min(self.vocab_end, self.vocab_size) - self.vocab_start
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's ``[B, vocab_local]`` logits. A tied head keeps the embedding's plain rows
+        (never a packed copy beside them); for one half-precision row on the CPU it reads them
+        with ``torch.mv``, which streams a plain row-major weight faster than ``F.linear``; a
+        float32 one takes the GEMM kernel at the rows it measured faster at (``kernels``).
+        A quantized head multiplies through its kernel."""
+        if self.quant is not None:
+            return self.quant(hidden)
+        if self.kernels and kernel_at(self.kernels, hidden.numel() // hidden.shape[-1]) != "plain":
+            return linear(hidden, self.weight, None, None, None, self.kernels)  # measured: the loader's choose_head
+        if (self.packed is None and hidden.dim() == 2 and hidden.shape[0] == 1 and hidden.device.type == "cpu"
+                and hidden.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == hidden.dtype):
+            return torch.mv(self.weight, hidden[0]).unsqueeze(0)
+        return linear(hidden, self.weight, None, self.packed)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = gather_to_driver(self._logits(hidden), dim=-1)
+        return None if logits is None else logits[..., : self.vocab_size]
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Greedy sampling without gathering the logits: every rank takes the maximum of its
+        vocabulary shard (padding excluded), rank 0 keeps the best shard's. ``hidden [B, hidden]``
+        -> on rank 0 int64 token ids ``[B]``, the first index among equal maxima exactly like
+        ``torch.argmax`` over the whole vocabulary; None on other ranks. With ``greedy_mm`` (set by
+        the loader where :func:`choose_greedy_path` measured it faster: a plain half-precision
+        CPU head) a batch of rows computes the transposed logits ``weight @ hidden.T`` -- the
+        weight, row-major, is then the GEMM's left operand and is not rearranged per call -- and
+        takes each column's maximum (:func:`col_max`); the logits' rounding may differ from
+        ``F.linear``'s in the last bit."""
+        width = self.vocab_size - self.vocab_start
+        if self.greedy_mm and hidden.dim() == 2 and hidden.shape[0] > 1:  # measured faster here (greedy_path)
+            value, index = col_max(torch.mm(self.weight, hidden.t())[:width], self.row_max_block, self.native)
+        else:
+            value, index = row_max(self._logits(hidden)[..., :width], self.row_max_block, self.native)
+        if get_tp().size == 1:
+            return index
+        mine = torch.stack([value.double(), (index + self.vocab_start).double()], dim=-1)  # exact
+        every = gather_to_driver(mine, dim=-1)  # [B, 2 * tp]: (value, id) per rank in rank order
+        if every is None:
+            return None
+        best = every[:, 0::2].argmax(dim=-1, keepdim=True)  # first maximum: the lowest rank on ties
+        return every[:, 1::2].gather(1, best).squeeze(1).long()
+
+
+#: The block :func:`row_max` uses where none was measured (off the CPU, or before
+#: :func:`choose_row_max_block`).
+ROW_MAX_BLOCK = 512
+#: The blocks :func:`choose_row_max_block` times (0: torch's ``max``).
+ROW_MAX_CANDIDATES = (0, 256, 512, 1024, 2048, 4096)
+#: Rows the choice is timed at: one decoding sequence, a full decode batch.
+ROW_MAX_ROWS = (1, 64)
+
+
+def _native_argmax(x: torch.Tensor, native: bool) -> bool:
+    """Whether the C argmax kernel (tpengine/backends/cpu/csrc/cpu_argmax.c) takes ``x``: 2-D float32 or
+    bfloat16 on CPU with contiguous rows, the kernels on and loadable."""
+    return (native and x.dim() == 2 and x.numel() > 0 and x.dtype in (torch.float32, torch.bfloat16)
+            and x.device.type == "cpu" and x.stride(1) == 1 and cpu_native.usable(x, float32=True))
+
+
+def row_max(x: torch.Tensor, block: int = ROW_MAX_BLOCK, native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.max(dim=-1)`` of a ``[B, V]`` tensor -- the maximum and the *first* index holding it,
+    NaN counting as the largest -- in two passes that vectorise: the maximum of every
+    ``block``-column block (``amax``), the first block holding the row's maximum, then the first
+    maximum inside that block (on CPU ``max(dim=-1)`` tracks an index per element and is several
+    times slower; figures in docs/notes/kernels.md). Uses ``max`` itself for ``block`` 0, off the
+    CPU, for a non-contiguous x, or for V not a multiple of ``block`` (or equal to it); the block
+    is measured per machine (:func:`choose_row_max_block`). With ``native`` (and a float32 or
+    bfloat16 ``x`` with contiguous rows) one pass of the C kernel ``tpengine.row_argmax`` instead,
+    ``block`` unused. Returns ``(values [B] in x.dtype, indices [B] int64)``, the same either way."""
+    b, v = x.shape
+    if _native_argmax(x, native):
+        index = torch.empty(b, dtype=torch.int64)
+        ops.row_argmax(x, index)
+        return x[torch.arange(b), index], index
+    if not block or v % block or v == block or not x.is_contiguous() or x.device.type != "cpu":
+        return x.max(dim=-1)
+    blocks = x.view(b, v // block, block)
+    block_max = blocks.amax(dim=-1)  # [B, V / block]
+    rows = torch.arange(b, device=x.device)
+    first = block_max.float().argmax(dim=-1)  # first block holding the maximum (float: exact, faster)
+    inside = blocks[rows, first].float().argmax(dim=-1)  # first maximum inside it
+    return block_max[rows, first], first * block + inside
+
+
+def col_max(x: torch.Tensor, block: int = ROW_MAX_BLOCK, native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`row_max` of ``x.T`` for a ``[V, B]`` tensor: per column the maximum and the *first*
+    row index holding it (NaN the largest), by the same two passes over ``block``-row blocks
+    (``amax`` over each block's rows, the first block holding the column's maximum, the first
+    maximum inside it); ``x.max(dim=0)`` for ``block`` 0, off the CPU, a non-contiguous x, or V
+    not a multiple of ``block`` (or equal to it); with ``native``, the C kernel ``tpengine.col_argmax``
+    (one pass over the rows, as :func:`row_max`). Returns ``(values [B] in x.dtype, indices [B]
+    int64)``, the same either way."""
+    v, b = x.shape
+    if _native_argmax(x, native):
+        index = torch.empty(b, dtype=torch.int64)
+        ops.col_argmax(x, index)
+        return x[index, torch.arange(b)], index
+    if not block or v % block or v == block or not x.is_contiguous() or x.device.type != "cpu":
+        return x.max(dim=0)
+    blocks = x.view(v // block, block, b)
+    block_max = blocks.amax(dim=1)  # [V / block, B]
+    cols = torch.arange(b, device=x.device)
+    first = block_max.float().argmax(dim=0)  # first block holding each column's maximum
+    inside = blocks[first, :, cols].float().argmax(dim=1)  # [B, block] -> first maximum inside it
+    return block_max[first, cols], first * block + inside
+
+
+def choose_greedy_path(head: "ParallelLMHead", rows: tuple[int, ...] = (8, 64)) -> Choice:
+    """Whether a plain half-precision CPU ``head`` picks greedy tokens faster through the
+    transposed logits (``"mm"``: ``weight @ hidden.T`` and :func:`col_max`) than through
+    ``F.linear`` and :func:`row_max` (``"linear"``), timed on its own weight at ``rows`` rows with
+    its ``row_max_block`` (:func:`tpengine.backends.cpu.measured.fastest`: once per machine, cached).
+    ``Choice.name`` is "mm" or "linear"."""
+    g = torch.Generator().manual_seed(0)
+    w, width, block = head.weight, head.shard_width, head.row_max_block
+    xs = [torch.randn(r, w.shape[1], generator=g).to(w.dtype) for r in rows]
+    native = head.native
+    candidates = {"linear": [lambda x=x: row_max(F.linear(x, w)[:, :width], block, native) for x in xs],
+                  "mm": [lambda x=x: col_max(torch.mm(w, x.t())[:width], block, native) for x in xs]}
+    return fastest(f"greedy head {w.shape[0]}x{w.shape[1]} {str(w.dtype).removeprefix('torch.')} block {block} "
+                   f"rows {'/'.join(map(str, rows))}", candidates)
+
+
+def choose_row_max_block(width: int, dtype: torch.dtype) -> Choice:
+    """The fastest :func:`row_max` block on this machine for ``[rows, width]`` logits in ``dtype``
+    at each of :data:`ROW_MAX_ROWS` rows, among the :data:`ROW_MAX_CANDIDATES` that divide
+    ``width`` (:func:`tpengine.backends.cpu.measured.fastest`: timed once per machine and cached).
+    Every candidate gives the same values and indices. ``Choice.name`` is the block as a string."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(r, width, generator=g).to(dtype) for r in ROW_MAX_ROWS]
+    blocks = [c for c in ROW_MAX_CANDIDATES if c == 0 or (width % c == 0 and width != c)]
+    candidates = {str(c): [lambda x=x, c=c: row_max(x, c) for x in xs] for c in blocks}
+    return fastest(f"row_max {width} {str(dtype).removeprefix('torch.')} rows {'/'.join(map(str, ROW_MAX_ROWS))}",
+                   candidates)

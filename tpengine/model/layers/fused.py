@@ -1,0 +1,156 @@
+"""The decoder layers tpengine runs for the Llama-style families (Llama, Mistral, Qwen2, Qwen3),
+built in their final tensor-parallel form by :func:`tpengine.model.surgery.build_model` and filled by
+the loader straight from ShardPlan slices.
+
+* q/k/v run as one column-parallel GEMM and gate/up as another
+  (:class:`tpengine.model.layers.linear.MergedColumnParallelLinear`: each part's rows are that
+  checkpoint tensor's ShardPlan slice, so the partition math stays in the plan);
+* RoPE runs once over the query and key heads together (they are adjacent in the fused output),
+  with HF's formula ``x * cos + rotate_half(x) * sin``;
+* attention takes the step's packed ``[T, H, D]`` tokens straight from the GEMM output, with no
+  transposes, and runs paged attention over the KV cache (:mod:`tpengine.model.layers.attention`).
+
+HF's RMSNorm (eight tensor ops) becomes :class:`RMSNorm` (``F.rms_norm``: one op in float32, four
+in half precision), and the decoder stack's forward becomes :func:`decoder_forward`. The
+forwards mirror the HF ones they replace (same operations in the same order on each element), so
+results match HF's bit for bit in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpengine.backends.cpu import cpu_fused
+from tpengine.context import Context
+from tpengine.model.layers.attention import paged_attention, paged_decode
+from tpengine.model.layers.comm import all_reduce_add_rms_norm
+from tpengine.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+
+
+class FusedAttention(nn.Module):
+    """One decoder layer's tensor-parallel attention (Llama, Mistral, Qwen2, Qwen3): a
+    column-parallel q/k/v GEMM (:class:`MergedColumnParallelLinear`, parts ``q_proj``,
+    ``k_proj``, ``v_proj``), optional per-head ``q_norm``/``k_norm`` (Qwen3), RoPE, paged
+    attention over this rank's heads, and the row-parallel ``o_proj``.
+
+    Args:
+        hidden: model width; rp: this rank's :class:`~tpengine.model.plan.RankPlan`; head_dim;
+        qkv_bias / o_bias: whether those projections have biases; scaling: softmax scale;
+        layer_idx: the layer's index (its KV cache); qk_norm_eps: eps of q_norm/k_norm, or None
+        when the model has none; dtype; device: where the small ``tp_q_to_kv`` map lives
+        (parameters start on meta, the loader fills them).
+
+    ``forward(hidden_states [T, hidden], position_embeddings=(cos, sin) [T, D], ctx)`` ->
+    ``[T, hidden]``.
+    """
+
+    native = True  # CPU bfloat16 C kernels where they apply (EngineConfig.cpu_kernels)
+
+    def __init__(self, hidden: int, rp, head_dim: int, qkv_bias: bool, o_bias: bool, scaling: float,
+                 layer_idx: int, qk_norm_eps: float | None, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        hq, hkv = rp.num_q_heads, rp.num_kv_heads
+        self.qkv_proj = MergedColumnParallelLinear(hidden, [hq * head_dim, hkv * head_dim, hkv * head_dim],
+                                                   ["q_proj", "k_proj", "v_proj"], qkv_bias, dtype)
+        self.o_proj = RowParallelLinear(hq * head_dim, hidden, o_bias, dtype)
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm, self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype), RMSNorm(head_dim, qk_norm_eps, dtype)
+        self.layer_idx, self.head_dim, self.scaling = layer_idx, head_dim, scaling
+        self.num_heads, self.num_key_value_heads = hq, hkv
+        self.tp_q_to_kv = torch.tensor(rp.q_to_kv, dtype=torch.int64, device=device)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                ctx: Context, reduce: bool = True) -> torch.Tensor:
+        """``reduce`` False: ``o_proj``'s partial sum, not all-reduced (:meth:`RowParallelLinear.forward`)."""
+        hq, hkv = self.num_heads, self.num_key_value_heads
+        qkv = self.qkv_proj(hidden_states).unflatten(-1, (hq + 2 * hkv, self.head_dim))  # [T, H, D]
+        qk, v = qkv[..., : hq + hkv, :], qkv[..., hq + hkv :, :]
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[..., :hq, :]), self.k_norm(qk[..., hq:, :])), dim=-2)
+        out = paged_decode(self, qk[..., :hq, :], qk[..., hq:, :], v, *position_embeddings, self.scaling, ctx)
+        if out is not None:  # CPU decode: RoPE, KV store and attention in one C call
+            return self.o_proj(out.flatten(-2), reduce)
+        qk = cpu_fused.rope_(qk, *position_embeddings, self.native)  # CPU bfloat16: one C kernel, in place
+        q, k = qk[..., :hq, :], qk[..., hq:, :]
+        out = paged_attention(self, q, k, v, self.scaling, ctx)
+        return self.o_proj(out.flatten(-2), reduce)
+
+
+class FusedMLP(nn.Module):
+    """One decoder layer's tensor-parallel gated MLP ``down(act(gate(x)) * up(x))``: a
+    column-parallel gate/up GEMM (parts ``gate_proj``, ``up_proj``, ``intermediate`` local
+    columns each) and the row-parallel ``down_proj``. ``act_fn`` is the HF model's activation.
+    ``[..., hidden]`` -> ``[..., hidden]``."""
+
+    native = True
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, down_bias: bool, act_fn: nn.Module,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate],
+                                                       ["gate_proj", "up_proj"], bias, dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, down_bias, dtype)
+        self.act_fn, self.intermediate = act_fn, intermediate
+        self.silu = isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """``reduce`` False: ``down_proj``'s partial sum, not all-reduced."""
+        gate_up = self.gate_up_proj(x)
+        if self.silu:  # CPU bfloat16: one C kernel
+            return self.down_proj(cpu_fused.silu_mul(gate_up, self.intermediate, self.native), reduce)
+        h = self.act_fn(gate_up[..., : self.intermediate])
+        return self.down_proj(h.mul_(gate_up[..., self.intermediate :]), reduce)
+
+
+class RMSNorm(nn.Module):
+    """HF Llama-style RMSNorm, ``weight * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(dtype)``, through
+    ``F.rms_norm`` (bit-identical to HF's eight ops in float32 and bfloat16). ``weight [size]``
+    starts on meta; ``[..., size]`` -> ``[..., size]``."""
+
+    native = True
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device="meta"), requires_grad=False)
+        self.eps, self.shape = eps, (size,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.add_forward(x, None)[1]
+
+    def add_forward(self, h: torch.Tensor, x: torch.Tensor | None,
+                    reduce: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h + x, self(h + x))`` (``h`` itself when ``x`` is None): the residual add before the
+        norm, fused with it by a C kernel on CPU (tpengine.backends.cpu.cpu_fused). ``reduce``: ``x`` is a
+        row-parallel layer's partial sum, all-reduced first (fused with the add and the norm where
+        the shared-memory comm can: :func:`tpengine.model.layers.comm.all_reduce_add_rms_norm`)."""
+        if reduce and x is not None:
+            return all_reduce_add_rms_norm(x, h, self.weight, self.eps, self.native)
+        return cpu_fused.add_rms_norm(h, x, self.weight, self.eps, self.native)
+
+
+def decoder_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
+    """The forward of tpengine's decoder stack (installed on HF's ``LlamaModel`` and its
+    Mistral/Qwen2/Qwen3 twins by :func:`tpengine.model.surgery.build_model`): HF's computation
+    (embedding, RoPE tables, then per layer ``h = h + attn(norm1(h))`` and
+    ``h = h + mlp(norm2(h))``, final norm) over one engine step's tokens, without HF's mask
+    building, cache and per-layer wrappers. Each residual add runs inside the next norm's
+    :meth:`RMSNorm.add_forward` (the same ops in the same order, or one C kernel on CPU in bfloat16).
+    With ``reduce_in_norm`` (set by :func:`tpengine.model.surgery.build_model` at tp > 1 when no
+    row-parallel layer has a bias) the blocks return their row-parallel partial sums and that norm
+    all-reduces them too (one C call over the shared-memory comm on CPU).
+
+    Shapes: ``input_ids``, ``positions [N]`` int64 (the step's sequences packed back to back,
+    described by ``ctx``) -> ``[N, hidden]``.
+    """
+    h = self.embed_tokens(input_ids)
+    position_embeddings = tuple(t[0] for t in self.rotary_emb(h, positions[None]))  # cos, sin [N, D]
+    delta = None  # each block's output, added to the residual stream by the next norm (fused on CPU bf16)
+    fuse = getattr(self, "reduce_in_norm", False)  # tp > 1: the blocks' all-reduces run in the next norm
+    for layer in self.layers[: self.config.num_hidden_layers]:
+        h, x = layer.input_layernorm.add_forward(h, delta, fuse)
+        delta = layer.self_attn(x, position_embeddings, ctx, not fuse)
+        h, x = layer.post_attention_layernorm.add_forward(h, delta, fuse)
+        delta = layer.mlp(x, not fuse)
+    return self.norm.add_forward(h, delta, fuse)[1]

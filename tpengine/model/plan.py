@@ -1,0 +1,283 @@
+"""ShardPlan: the one source of partition truth for tensor parallelism.
+
+Pure partition math for one Hugging Face decoder config and one TP size. Both the offline shard
+tool (`tpengine-shard split`) and the runtime loader slice weights only through
+:meth:`ShardPlan.shard`, so offline and online sharding cannot drift apart.
+
+Layout (see docs/design.md):
+
+* query heads: contiguous ranges whose sizes differ by at most one (9 heads at tp=2 -> 5 + 4);
+* KV heads: each rank holds exactly the KV heads its query heads use (query head ``h`` uses KV
+  head ``h // (num_heads // num_kv_heads)``); a KV head whose query heads straddle two ranks, or
+  ``num_kv_heads < tp``, is held by both. With even splits this is Megatron-LM's layout
+  (Shoeybi et al., 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
+  Model Parallelism");
+* MLP intermediate: contiguous, as even as possible;
+* vocabulary: padded up to a multiple of tp and split evenly; padded rows are zero.
+
+This module must not import torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from tpengine.errors import UserError
+from tpengine.utils import cdiv
+
+# Partition kinds of a weight. The name -> kind table lives in tpengine/model/surgery.py.
+Q, K, V = "q", "k", "v"  # column-parallel by query heads / KV heads
+COLUMN = "column"  # column-parallel by MLP intermediate (gate_proj, up_proj)
+ROW_HEADS = "row_heads"  # row-parallel by query heads (o_proj)
+ROW = "row"  # row-parallel by MLP intermediate (down_proj)
+VOCAB = "vocab"  # rows split by padded vocabulary (embed_tokens, lm_head)
+REPLICATED = "replicated"  # norms and anything else held whole
+KINDS = (Q, K, V, COLUMN, ROW_HEADS, ROW, VOCAB, REPLICATED)
+
+
+def split_even(n: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``range(n)`` into ``parts`` contiguous ``[start, end)`` ranges whose sizes differ by
+    at most one, larger ones first (9 into 2 -> (0, 5), (5, 9))."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for r in range(parts):
+        size = base + (1 if r < extra else 0)
+        out.append((start, start + size))
+        start += size
+    return out
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank holds. All ranges are half-open ``[start, end)`` in global indices.
+
+    ``q_to_kv[i]`` is the local KV head index used by local query head ``i``.
+    ``vocab`` is a range in the padded vocabulary; rows ``>= vocab_size`` are padding.
+    """
+
+    rank: int
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    q_to_kv: tuple[int, ...]
+    intermediate: tuple[int, int]
+    vocab: tuple[int, int]
+
+    @property
+    def num_q_heads(self) -> int:
+        return self.q_heads[1] - self.q_heads[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.intermediate[1] - self.intermediate[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab[1] - self.vocab[0]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Partition of one decoder model over ``tp_size`` ranks.
+
+    Build with :meth:`build`; serialise with :meth:`to_dict` / :meth:`from_dict` (the shard
+    manifest stores it). ``ranks[r]`` is rank ``r``'s :class:`RankPlan`.
+    """
+
+    tp_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    padded_vocab_size: int
+    ranks: tuple[RankPlan, ...]
+
+    @staticmethod
+    def dims(hf_config: Any) -> dict[str, int]:
+        """Read the partitioned dimensions from a transformers config (``head_dim`` explicit,
+        as in Qwen3, or ``hidden_size // num_attention_heads``).
+
+        Raises:
+            UserError: the config lacks one of them (a decoder of another family, e.g. GPT-2),
+                naming its ``model_type`` and the fields missing.
+        """
+        need = ("num_attention_heads", "hidden_size", "intermediate_size", "vocab_size")
+        missing = [f for f in need if getattr(hf_config, f, None) is None]
+        if missing:
+            raise UserError(f"model_type {getattr(hf_config, 'model_type', '?')!r}: the config has no "
+                            f"{', '.join(missing)}; tpengine runs Llama, Mistral, Qwen2 and Qwen3 decoders")
+        num_heads = int(hf_config.num_attention_heads)
+        num_kv = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        return dict(
+            num_heads=num_heads,
+            num_kv_heads=int(num_kv),
+            head_dim=int(head_dim),
+            hidden_size=int(hf_config.hidden_size),
+            intermediate_size=int(hf_config.intermediate_size),
+            vocab_size=int(hf_config.vocab_size),
+        )
+
+    @classmethod
+    def valid_tp_sizes(cls, hf_config: Any) -> list[int]:
+        """Every TP size this model can run at: ``1 .. num_attention_heads``."""
+        return list(range(1, cls.dims(hf_config)["num_heads"] + 1))
+
+    @classmethod
+    def build(cls, hf_config: Any, tp_size: int) -> ShardPlan:
+        """Partition ``hf_config`` over ``tp_size`` ranks.
+
+        Raises:
+            ValueError: ``tp_size`` not an integer.
+            tpengine.errors.UserError: ``tp_size`` outside ``1..num_attention_heads``, or
+                num_attention_heads not a multiple of num_key_value_heads; the message names the values.
+        """
+        d = cls.dims(hf_config)
+        nh, nkv = d["num_heads"], d["num_kv_heads"]
+        if not isinstance(tp_size, int) or isinstance(tp_size, bool):
+            raise ValueError(f"tp_size must be an integer, got {tp_size!r}")
+        if nkv < 1 or nh % nkv != 0:
+            raise UserError(
+                f"num_attention_heads={nh} is not a multiple of num_key_value_heads={nkv}; "
+                "grouped-query attention needs every KV head to serve the same number of query heads"
+            )
+        if not 1 <= tp_size <= nh:
+            raise UserError(
+                f"tp_size={tp_size} is invalid for this model: it has num_attention_heads={nh}, "
+                f"so tp_size must be between 1 and {nh}"
+            )
+        group = nh // nkv
+        padded_vocab = cdiv(d["vocab_size"], tp_size) * tp_size
+        per_rank_vocab = padded_vocab // tp_size
+        ranks = []
+        for r, ((q0, q1), (i0, i1)) in enumerate(
+            zip(split_even(nh, tp_size), split_even(d["intermediate_size"], tp_size))
+        ):
+            kv0, kv1 = q0 // group, (q1 - 1) // group + 1
+            q_to_kv = tuple(h // group - kv0 for h in range(q0, q1))
+            ranks.append(
+                RankPlan(
+                    rank=r,
+                    q_heads=(q0, q1),
+                    kv_heads=(kv0, kv1),
+                    q_to_kv=q_to_kv,
+                    intermediate=(i0, i1),
+                    vocab=(r * per_rank_vocab, (r + 1) * per_rank_vocab),
+                )
+            )
+        return cls(tp_size=tp_size, padded_vocab_size=padded_vocab, ranks=tuple(ranks), **d)
+
+    # ------------------------------------------------------------------ slicing
+    def slice_spec(self, kind: str, is_bias: bool, rank: int) -> tuple[int, int, int] | None:
+        """Where rank ``rank``'s shard of a ``kind`` tensor lies: ``(dim, start, end)`` in the
+        full tensor, or None when it is held whole (replicated, and row-parallel biases, which
+        are added once after the all-reduce). Vocabulary ranges may run past ``vocab_size``
+        into padding.
+
+        Raises:
+            ValueError: unknown ``kind`` or ``rank`` outside ``0..tp_size-1``.
+        """
+        if kind not in KINDS:
+            raise ValueError(f"unknown partition kind {kind!r}; valid kinds: {', '.join(KINDS)}")
+        if not 0 <= rank < self.tp_size:
+            raise ValueError(f"rank={rank} is outside 0..{self.tp_size - 1} for tp_size={self.tp_size}")
+        rp, hd = self.ranks[rank], self.head_dim
+        if kind == Q:
+            return (0, rp.q_heads[0] * hd, rp.q_heads[1] * hd)
+        if kind in (K, V):
+            return (0, rp.kv_heads[0] * hd, rp.kv_heads[1] * hd)
+        if kind == COLUMN:
+            return (0, *rp.intermediate)
+        if kind == VOCAB:
+            return (0, *rp.vocab)
+        if is_bias or kind == REPLICATED:
+            return None
+        if kind == ROW_HEADS:
+            return (1, rp.q_heads[0] * hd, rp.q_heads[1] * hd)
+        return (1, *rp.intermediate)  # ROW
+
+    def shard_shape(self, kind: str, is_bias: bool, shape: tuple[int, ...], rank: int) -> tuple[int, ...]:
+        """The shape of rank ``rank``'s shard of a full ``kind`` tensor of ``shape`` (what
+        :meth:`shard` returns, without reading it)."""
+        spec = self.slice_spec(kind, is_bias, rank)
+        if spec is None:
+            return tuple(shape)
+        dim, start, end = spec
+        out = list(shape)
+        out[dim] = end - start
+        return tuple(out)
+
+    def shard(self, kind: str, is_bias: bool, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        """Return rank ``rank``'s shard of the full ``tensor`` (a new contiguous tensor).
+
+        Shapes: q/k/v/column weights ``[out, in] -> [out_local, in]``; row weights
+        ``[out, in] -> [out, in_local]``; vocab ``[vocab_size, hidden] -> [padded/tp, hidden]``
+        with zero rows for padding ids. Replicated tensors and row biases come back whole.
+
+        Raises:
+            ValueError: unknown kind/rank, or a tensor whose size along the split dimension does
+                not match the plan.
+        """
+        spec = self.slice_spec(kind, is_bias, rank)
+        if spec is None:
+            return tensor.contiguous().clone()
+        dim, start, end = spec
+        full = self.full_size(kind)
+        if tensor.dim() <= dim or tensor.shape[dim] != full:
+            raise ValueError(
+                f"cannot shard a {kind} {'bias' if is_bias else 'weight'} of shape {tuple(tensor.shape)}: "
+                f"expected size {full} along dim {dim} for this plan"
+            )
+        piece = tensor.narrow(dim, start, max(0, min(end, full) - start)) if start < full else None
+        if kind == VOCAB and end > full:
+            shape = list(tensor.shape)
+            shape[dim] = end - start
+            out = torch.zeros(shape, dtype=tensor.dtype)
+            if piece is not None:
+                out.narrow(dim, 0, piece.shape[dim]).copy_(piece)
+            return out
+        return piece.contiguous().clone()
+
+    def full_size(self, kind: str) -> int:
+        """The unsplit size of a ``kind`` weight along the dimension the plan splits (vocabulary:
+        the real ``vocab_size``, not the padded one). Raises KeyError for REPLICATED."""
+        hd = self.head_dim
+        return {
+            VOCAB: self.vocab_size,
+            Q: self.num_heads * hd,
+            K: self.num_kv_heads * hd,
+            V: self.num_kv_heads * hd,
+            ROW_HEADS: self.num_heads * hd,
+            COLUMN: self.intermediate_size,
+            ROW: self.intermediate_size,
+        }[kind]
+
+    # ------------------------------------------------------------- serialise
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (lists for tuples); inverse of :meth:`from_dict`."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ShardPlan:
+        """Rebuild a plan stored by :meth:`to_dict` (e.g. from a shard manifest)."""
+        d = dict(d)
+        ranks = tuple(
+            RankPlan(
+                rank=r["rank"],
+                q_heads=tuple(r["q_heads"]),
+                kv_heads=tuple(r["kv_heads"]),
+                q_to_kv=tuple(r["q_to_kv"]),
+                intermediate=tuple(r["intermediate"]),
+                vocab=tuple(r["vocab"]),
+            )
+            for r in d.pop("ranks")
+        )
+        return cls(ranks=ranks, **d)

@@ -1,0 +1,72 @@
+"""A shard folder written by ``tpengine-shard split``, checked against the launch before loading:
+its manifest's tp size, config and plan, and this rank's file (:func:`check_manifest`), and the
+files each rank reads (:func:`rank_files`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tpengine.distributed import TPInfo
+from tpengine.errors import UserError
+from tpengine.model.checkpoint import MANIFEST, checkpoint_files, rank_file_name, read_manifest, sha256_file
+from tpengine.model.plan import ShardPlan
+
+# config fields a shard folder must agree on with the config it is launched with
+CHECKED_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                  "num_key_value_heads", "vocab_size", "head_dim", "tie_word_embeddings")
+
+
+class CheckpointMismatchError(UserError):
+    """Shards made for another TP size or config, or files that do not match the manifest."""
+
+
+def check_manifest(model_dir: Path, hf_config, tp: TPInfo) -> ShardPlan:
+    """Check a shard folder against the launch (world size, config, this rank's file size, or its
+    sha256 for a manifest without sizes) before any weight is read or collective runs; return
+    its plan. (``tpengine-shard verify`` re-hashes every file; a header that does not fit the
+    file is caught when it is read.)
+
+    Raises:
+        CheckpointMismatchError: naming the shard tp and the launch tp, or the config field and
+            both values, or the file whose hash differs — and the command that re-shards (C19).
+    """
+    manifest = read_manifest(model_dir)  # UserError: unreadable or truncated, naming the file
+    fix = (f"re-shard with: tpengine-shard split <full HF model folder> --tp {tp.size} "
+           f"--out <new folder>")
+    if manifest["tp_size"] != tp.size:
+        raise CheckpointMismatchError(
+            f"shard folder {str(model_dir)!r} was made for tp={manifest['tp_size']} but this launch "
+            f"has tp={tp.size} (world size); {fix}, or launch with --nproc_per_node={manifest['tp_size']}")
+    stored = manifest["config"]
+    for field in CHECKED_FIELDS:
+        mine = getattr(hf_config, field, None)
+        if field in stored and mine is not None and stored[field] != mine:
+            raise CheckpointMismatchError(
+                f"shard folder {str(model_dir)!r} was made for {field}={stored[field]} but the model "
+                f"config has {field}={mine}; {fix}")
+    plan = ShardPlan.from_dict(manifest["plan"])
+    if plan != ShardPlan.build(hf_config, tp.size):
+        raise CheckpointMismatchError(f"the plan in {MANIFEST} differs from this config's plan; {fix}")
+    name = rank_file_name(tp.rank, tp.size)
+    entry = next((f for f in manifest["shard_files"] if f["name"] == name), None)
+    path = model_dir / name
+    if entry is None or not path.is_file():
+        raise CheckpointMismatchError(f"rank {tp.rank}: shard file {str(path)!r} is missing; {fix}")
+    if "bytes" in entry:  # a size check costs nothing; `tpengine-shard verify` re-hashes the files
+        if path.stat().st_size != entry["bytes"]:
+            raise CheckpointMismatchError(
+                f"rank {tp.rank}: {str(path)!r} has {path.stat().st_size} bytes, not the {entry['bytes']} recorded "
+                f"in {MANIFEST} (corrupt or truncated); {fix}")
+    elif sha256_file(path) != entry["sha256"]:  # a manifest from before sizes were recorded
+        raise CheckpointMismatchError(
+            f"rank {tp.rank}: {str(path)!r} does not match the sha256 in {MANIFEST} (corrupt or "
+            f"truncated); {fix}")
+    return plan
+
+
+def rank_files(model_dir: Path, sharded: bool, tp: TPInfo) -> list[Path]:
+    """The safetensors files this rank reads: its own ``rank-RR-of-NN.safetensors`` in a shard
+    folder, else every file of the full checkpoint (see :func:`tpengine.model.checkpoint.checkpoint_files`)."""
+    if sharded:
+        return [model_dir / rank_file_name(tp.rank, tp.size)]
+    return [model_dir / f for f in checkpoint_files(model_dir)]

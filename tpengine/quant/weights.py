@@ -1,0 +1,350 @@
+"""Weight-only quantized storage: W8A16 (int8) and W4A16 (int4) of the parallel linears, the
+vocabulary-parallel embedding and the LM head.
+
+The loader quantizes each column/row-parallel linear's weight, and the embedding's and LM head's
+vocabulary rows, as soon as this rank's float slice of it is in
+(:func:`tpengine.quant.apply.quantize_linear`), and
+drops the float weight: only the weight being converted is ever held in both forms. Activations
+stay in the model dtype (float32, bfloat16 or float16). Every :class:`QuantizedWeight` multiplies
+(``forward``) and hands out dequantized rows (``rows``, the embedding lookup: the same stored
+values the matmul reads, so a tied embedding and LM head share ONE quantized table).
+
+* int8, per output channel: symmetric, ``scale = absmax(row) / 127``, ``q = round(w / scale)`` in
+  ``[-127, 127]``; ``y = (x @ q.T) * scale`` through ``torch._weight_int8pack_mm``.
+* int8, grouped (``group_size`` g consecutive input columns of a row share a scale, as GGUF's
+  Q8_0 with g = 32): ``w = q * scale``. torch has no grouped int8 kernel, so the byte is split in
+  two nibbles, ``q = lo + 16 * (hi - 8)`` (``lo = q & 15``, ``hi = (q >> 4) + 8``, both 0..15), and
+  ``y`` is the sum of two int4 products: ``lo`` with scale ``s`` and zero ``8 s``, ``hi`` with
+  scale ``16 s`` and zero 0 (exact: ``(lo - 8) s + 8 s + (hi - 8) 16 s = q s``).
+* int4: asymmetric, group-wise along the input dimension (``group_size`` consecutive input columns
+  of one output row share a scale and a zero; 32 for ``--quantization int4``, 64, 128, 256
+  possible), in the "mid" convention of torch's CPU kernel and gpt-fast's ``quantize.py``
+  (``get_group_qparams``): ``scale = (max - min) / 15``, ``zero = min + 8 * scale``,
+  ``q = round((w - zero) / scale + 8)`` in ``[0, 15]``, ``w ~ (q - 8) * scale + zero``; through
+  ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on the layout of
+  ``_convert_weight_to_int4pack_for_cpu`` (rows are read back out of that layout for a lookup,
+  see :func:`int4_pack_layout`).
+
+Under ``--quantization int8`` and ``int4`` the embedding / LM head is int8 per output channel
+(``QuantScheme.vocab``; a scheme built directly may choose another, e.g. int4 with group
+:data:`INT4_VOCAB_GROUP_SIZE`, or None to keep them in float). Not int4 under ``int4``: the
+tied SmolLM2 table has outlier columns, and an int4 head cost +6% perplexity against +0.2% for
+int8 (docs/notes/quantized-head.md).
+
+Tensor parallelism: quantization is a function of one output row (int8) or one group (grouped
+int8, int4) only, so a rank's quantized slice is bit for bit the same slice of the tp=1
+quantized weight:
+
+* a column split (and the vocabulary split) takes whole output rows, with their scales (and
+  zeros); vocabulary padding rows are zero, and quantize to zero with scale (and zero) 0, as a
+  stored folder (:mod:`tpengine.quant.checkpoint`) holds them;
+* a row split cuts the input dimension: for grouped schemes every rank's input range must start
+  on a group boundary (:func:`check_quantization` refuses a tp where it does not); for int8 per
+  channel the per-row ``absmax`` is of the FULL row, the max over the ranks of their slices'
+  absmax (the loader passes an all-reduce MAX), never of the rank's slice alone.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpengine.backends.cpu import cpu_native, cpu_qgemv
+from tpengine.backends.cpu.cpu_qgemv import int4_layout_ok
+from tpengine.config import QUANTIZATIONS  # the values of EngineConfig.quantization besides None
+from tpengine.quant.arith import (  # noqa: F401 (the arithmetic; re-exported for callers and tests)
+    INT4_ROW_MULTIPLE,
+    Int4PackLayout,
+    _group_dequant,
+    _int4_mm,
+    _int4_pack,
+    _int4_values,
+    dequantize_int4,
+    dequantize_int8,
+    int4_pack_layout,
+    quantize_int4,
+    quantize_int8,
+)
+from tpengine.quant.tp import check_quantization  # noqa: F401 (re-exported)
+
+__all__ = ["QUANTIZATIONS", "Int4Weight", "Int8Weight", "QuantScheme", "QuantizedWeight",
+           "check_quantization"]
+#: Group size of ``--quantization int4`` (input columns per scale/zero).
+INT4_GROUP_SIZE = 32
+#: Group size of the embedding / LM head under ``--quantization int4`` (see docs/design.md).
+INT4_VOCAB_GROUP_SIZE = 32
+#: Group sizes torch's CPU int4 kernel takes (and so grouped int8, made of two int4 products).
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """One weight-only scheme: ``name`` "int8" (``group_size`` None: per output channel, or input
+    columns per scale) or "int4" (``group_size`` input columns per scale and zero; ``zero_codes``:
+    the zero stored as an int8 code, :class:`~tpengine.quant.coded.Int4CodedWeight`, else as
+    a float, :class:`Int4Weight`);
+    ``vocab``, the scheme of the vocabulary-parallel embedding and LM head (None: they stay in float)."""
+
+    name: str
+    group_size: int | None = None
+    vocab: QuantScheme | None = None
+    zero_codes: bool = False
+
+    @classmethod
+    def of(cls, name: str, group_size: int | None = None) -> QuantScheme:
+        """The scheme named ``name`` (one of :data:`QUANTIZATIONS`), as ``--quantization``
+        stores it: int8 per output channel (or ``group_size``), its ``vocab`` int8 per channel;
+        int4 with coded zeros, ``group_size`` default :data:`INT4_GROUP_SIZE`, its ``vocab`` the
+        same int4 at :data:`INT4_VOCAB_GROUP_SIZE` (see the module docstring).
+
+        Raises:
+            ValueError: an unknown name or a group size not in :data:`INT4_GROUP_SIZES`.
+        """
+        if name not in QUANTIZATIONS:
+            raise ValueError(f"invalid quantization {name!r}: must be one of {', '.join(QUANTIZATIONS)}")
+        sizes = ", ".join(map(str, INT4_GROUP_SIZES))
+        if name == "int8":
+            if group_size is not None and group_size not in INT4_GROUP_SIZES:
+                raise ValueError(f"invalid int8 group size {group_size!r}: must be unset (per output channel) "
+                                 f"or one of {sizes}")
+            return cls("int8", group_size, cls("int8", None))
+        group = INT4_GROUP_SIZE if group_size is None else group_size
+        if group not in INT4_GROUP_SIZES:
+            raise ValueError(f"invalid int4 group size {group!r}: must be one of {sizes}")
+        return cls("int4", group, cls("int4", INT4_VOCAB_GROUP_SIZE, zero_codes=True), zero_codes=True)
+
+
+# ------------------------------------------------------------------------------- storage
+class QuantizedWeight(nn.Module):
+    """A quantized weight ``[out_features, in_features]`` (a linear's, or the vocabulary rows of
+    an embedding / LM head): ``forward(x [..., in]) -> [..., out]`` in ``x``'s dtype (the model
+    dtype its scales are stored in); ``rows(ids [...]) -> [..., in]``, the dequantized rows
+    ``ids`` in that dtype (an embedding lookup); ``dequantize()``, the whole float32 weight;
+    ``nbytes``, the bytes held. Built by :func:`tpengine.quant.apply.quantize_weight`; CPU only."""
+
+    out_features: int
+    in_features: int
+    #: Up to this many rows ``forward`` runs tpengine's kernels (:mod:`tpengine.backends.cpu.cpu_qgemv`),
+    #: above it torch's; set per weight shape by measurement (:func:`tpengine.backends.cpu.cpu_qgemv.choose`).
+    gemv_rows = 0
+    #: From this many rows on ``forward`` dequantizes the weight into a scratch float tensor and runs
+    #: one GEMM (prefill); 0: never. Set by the same measurement.
+    dequant_rows = 0
+
+    def _many(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` of a contiguous ``x [rows, in]`` above ``gemv_rows``: torch's kernel, or the
+        dequantize-then-GEMM path from ``dequant_rows`` rows on."""
+        raise NotImplementedError
+
+    @property
+    def native_ok(self) -> bool:
+        """Whether tpengine's C kernels can take this weight (the library loads, and for int4
+        torch packed it in the layout they read)."""
+        return False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        raise NotImplementedError
+
+    def _rows_f32(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def prepare_rows(self) -> None:
+        """Do now (at load) what the first :meth:`rows` would (learn int4's packed layout)."""
+
+    def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``forward`` for a contiguous ``x [rows, in]`` with the per-call checks of tpengine's
+        kernel done once (the decode program's hot path); the same results as ``forward``."""
+        return self.forward
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        return self._rows_f32(flat).to(self.dtype).reshape(*ids.shape, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return self._rows_f32(torch.arange(self.out_features))
+
+    def zero_rows_from(self, start: int) -> None:
+        """Set the scales (and zeros) of output rows ``start..`` to zero, in place: vocabulary
+        padding rows (their values are 0 already) as a stored folder holds them."""
+        for name, b in self.named_buffers():
+            if "scales" in name:
+                (b[start:] if b.dim() == 1 else b[:, start:]).zero_()
+
+
+class Int8Weight(QuantizedWeight):
+    """W8A16, ``w = q * scale`` of ``q int8 [out, in]`` and ``scales``.
+
+    Per output channel (``group_size`` None or ``in``; ``scales [out]`` or ``[out, 1]``): buffers
+    ``qweight``, ``scales [out]``; ``y = (x @ qweight.T) * scales`` (``torch._weight_int8pack_mm``).
+    Grouped (``scales [out, in / group_size]``, ``group_size`` one of :data:`INT4_GROUP_SIZES`):
+    the two nibbles of ``q`` as two int4 weights (module docstring), buffers ``packed_lo``,
+    ``packed_hi`` and ``scales_and_zeros_lo``/``_hi [in / group_size, out_padded, 2]``.
+
+    Raises:
+        ValueError: ``q`` not int8 2-D, ``scales`` of another shape, or a group size that does
+            not divide ``in`` or is not one of :data:`INT4_GROUP_SIZES`.
+    """
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, group_size: int | None = None):
+        super().__init__()
+        if q.dtype != torch.int8 or q.dim() != 2:
+            raise ValueError(f"Int8Weight: q must be a 2-D int8 tensor, not {q.dtype} of shape {list(q.shape)}")
+        self.out_features, self.in_features = out, k = q.shape
+        self.group_size = None if group_size in (None, k) else group_size
+        g = self.group_size
+        if g is None:
+            if scales.numel() != out or scales.shape[0] != out:
+                raise ValueError(f"Int8Weight: per-channel scales must be [{out}] or [{out}, 1], "
+                                 f"not {list(scales.shape)}")
+            self.register_buffer("qweight", q.contiguous())
+            self.register_buffer("scales", scales.reshape(out).contiguous())
+            return
+        if g not in INT4_GROUP_SIZES or k % g:
+            raise ValueError(f"Int8Weight: group size {g} must divide the {k} input columns and be one of "
+                             f"{', '.join(map(str, INT4_GROUP_SIZES))}")
+        if tuple(scales.shape) != (out, k // g):
+            raise ValueError(f"Int8Weight: scales must be [{out}, {k // g}] for group size {g}, "
+                             f"not {list(scales.shape)}")
+        qi = q.int()
+        s = scales.t()  # [groups, out]
+        lo = torch.stack([s, 8 * s], dim=-1)
+        hi = torch.stack([16 * s, torch.zeros_like(s)], dim=-1)
+        for name, values, sz in (("lo", qi & 15, lo), ("hi", (qi >> 4) + 8, hi)):
+            packed, sz = _int4_pack(values, sz)
+            self.register_buffer(f"packed_{name}", packed)
+            self.register_buffer(f"scales_and_zeros_{name}", sz)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return (self.scales if self.group_size is None else self.scales_and_zeros_lo).dtype
+
+    @functools.cached_property
+    def _layout(self) -> Int4PackLayout:
+        return int4_pack_layout(self.packed_lo.shape[0])
+
+    def prepare_rows(self) -> None:
+        if self.group_size is not None:
+            self._layout  # noqa: B018
+
+    @functools.cached_property
+    def native_ok(self) -> bool:
+        return cpu_native.load() is not None and (self.group_size is None or int4_layout_ok(self._layout))
+
+    def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        if self.group_size is not None:
+            return self.forward
+        if not self.gemv_rows:
+            return self._many
+        native, limit, many = cpu_qgemv.bind_int8(self.qweight, self.scales), self.gemv_rows, self._many
+        return lambda x: native(x) if x.shape[0] <= limit else many(x)
+
+    def _many(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group_size is None:
+            if self.dequant_rows and x.shape[0] >= self.dequant_rows:
+                return F.linear(x, self.qweight.to(x.dtype) * self.scales[:, None])
+            return torch._weight_int8pack_mm(x, self.qweight, self.scales)
+        g, n = self.group_size, self.out_features
+        return _int4_mm(x, self.packed_lo, g, self.scales_and_zeros_lo, n) + _int4_mm(
+            x, self.packed_hi, g, self.scales_and_zeros_hi, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        if x2.shape[0] > self.gemv_rows:
+            y = self._many(x2)
+        elif self.group_size is None:
+            y = cpu_qgemv.int8(x2, self.qweight, self.scales)
+        else:
+            g, n = self.group_size, self.out_features
+            y = cpu_qgemv.int4(x2, self.packed_lo, self.scales_and_zeros_lo, g, n) + cpu_qgemv.int4(
+                x2, self.packed_hi, self.scales_and_zeros_hi, g, n)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _rows_f32(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group_size is None:
+            return self.qweight[ids].float() * self.scales[ids].float()[:, None]
+        k = self.in_features
+        lo = _int4_values(self.packed_lo, self._layout, ids, k)
+        hi = _int4_values(self.packed_hi, self._layout, ids, k)
+        return _group_dequant(lo + 16 * (hi - 8), self.scales_and_zeros_lo[:, ids, 0].t(), None)
+
+
+class Int4Weight(QuantizedWeight):
+    """W4A16: ``packed`` (``_convert_weight_to_int4pack_for_cpu`` of the 0..15 values, two per
+    byte), ``scales_and_zeros [in / group_size, out_padded, 2]``; ``y = x @ ((q - 8) * scale + zero).T``.
+    The kernel takes output rows in multiples of :data:`INT4_ROW_MULTIPLE`: other counts are
+    padded with zero rows (scale 0), and the padding is cut off the output. ``rows`` reads the
+    values back out of the packed layout (:func:`int4_pack_layout`)."""
+
+    def __init__(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.group_size = group_size
+        packed, sz = _int4_pack(q, scales_and_zeros)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", sz)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales_and_zeros.dtype
+
+    @functools.cached_property
+    def _layout(self) -> Int4PackLayout:
+        return int4_pack_layout(self.packed.shape[0])
+
+    def prepare_rows(self) -> None:
+        self._layout  # noqa: B018
+
+    @functools.cached_property
+    def native_ok(self) -> bool:
+        return cpu_native.load() is not None and int4_layout_ok(self._layout)
+
+    # What the kernels read. tpengine's C kernels: the scales (here scales_and_zeros) and the zero
+    # codes (None here); torch's kernel: scales_and_zeros. Int4CodedWeight overrides all three.
+    def _kernel_scales(self) -> torch.Tensor:
+        return self.scales_and_zeros
+
+    def _kernel_codes(self) -> torch.Tensor | None:
+        return None
+
+    def _torch_sz(self) -> torch.Tensor:
+        return self.scales_and_zeros
+
+    def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        if not self.gemv_rows:
+            return self._many
+        native = cpu_qgemv.bind_int4(self.packed, self._kernel_scales(), self.group_size, self.out_features,
+                                     self._kernel_codes())
+        limit, many = self.gemv_rows, self._many
+        return lambda x: native(x) if x.shape[0] <= limit else many(x)
+
+    def _many(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.out_features
+        if self.dequant_rows and x.shape[0] >= self.dequant_rows:  # [in, n_pad] scratch
+            wt = cpu_qgemv.dequant_int4(self.packed, self._kernel_scales(), self.group_size, self._kernel_codes())
+            return x @ (wt if wt.shape[1] == n else wt[:, :n])
+        return _int4_mm(x, self.packed, self.group_size, self._torch_sz(), n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        if x2.shape[0] > self.gemv_rows:
+            y = self._many(x2)
+        else:
+            y = cpu_qgemv.int4(x2, self.packed, self._kernel_scales(), self.group_size, self.out_features,
+                               self._kernel_codes())
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _rows_f32(self, ids: torch.Tensor) -> torch.Tensor:
+        q = _int4_values(self.packed, self._layout, ids, self.in_features)
+        sz = self.scales_and_zeros[:, ids].transpose(0, 1)  # [M, groups, 2]
+        return _group_dequant(q - 8, sz[..., 0], sz[..., 1])
+
