@@ -54,10 +54,12 @@ demo: setup model
 	  --prompts examples/prompts.jsonl --config configs/smollm2-135m.toml
 
 # Throughput/latency (HF, tp 1 and 2; float32, bfloat16, int8 and int4 weights), then prefix caching and
-# chunked prefill; prints the machine (CPU model, AMX / AVX512-BF16 / AVX-512, torch) and the wall time
+# chunked prefill; prints the machine (CPU model, AMX / AVX512-BF16 / AVX-512, torch) and the wall time;
+# draws docs/bench.png (output tok/s and TPOT per system and dtype: README, Performance)
 bench: setup model
 	@start=$$(date +%s); $(PY) -m benchmarks.machine && \
 	$(PY) -m benchmarks.bench --out bench-results.json && \
+	$(PY) -m benchmarks.chart --results bench-results.json --out docs/bench.png && \
 	$(PY) -m benchmarks.prefix_cache --out bench-prefix.json $(BENCH_PREFIX_ARGS) && \
 	$(PY) -m benchmarks.chunked_prefill --out bench-chunked.json $(BENCH_CHUNKED_ARGS) && \
 	echo "make bench: $$(( $$(date +%s) - start )) s in all"
