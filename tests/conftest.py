@@ -93,3 +93,20 @@ def smollm2_dir() -> Path:
     if not (SMOLLM2_DIR / "config.json").is_file():
         pytest.fail(f"{SMOLLM2_DIR} is missing: run `make model` first")
     return SMOLLM2_DIR
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """After the run: how many tests were skipped, grouped by reason, most first -- on a machine
+    without a CPU feature (AVX2 only: no C kernels; no AMX; no GPU) the skips say which paths it did
+    not test (docs/notes/avx2.md)."""
+    counts: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        counts[reason] = counts.get(reason, 0) + 1
+    if not counts:
+        return
+    terminalreporter.write_sep("=", f"{sum(counts.values())} skipped, by reason")
+    for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        terminalreporter.write_line(f"{n:5d}  {reason}")

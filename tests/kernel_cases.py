@@ -92,19 +92,19 @@ def _none_slots(n):
     return torch.full((n,), -1)
 
 
-def cpu_store(k, v, kc, vc, slots, native=True):
-    be = CPUAttentionBackend(native=native, kv_mirror=False)
+def cpu_store(k, v, kc, vc, slots, cpu_kernels=True):
+    be = CPUAttentionBackend(cpu_kernels=cpu_kernels, kv_mirror=False)
     be.store_kvcache(k, v, kc, vc, be.prepare(False, slots, None, None, None, torch.zeros(0, dtype=torch.int64)))
 
 
-def cpu_prefill(q, k, v, kc, vc, cu_q, cu_k, bt, qkv, scale, native=True):
-    be = CPUAttentionBackend(native=native)
+def cpu_prefill(q, k, v, kc, vc, cu_q, cu_k, bt, qkv, scale, cpu_kernels=True):
+    be = CPUAttentionBackend(cpu_kernels=cpu_kernels)
     attn = be.prepare(True, _none_slots(q.shape[0]), bt, cu_q, cu_k, None)
     return be.prefill_attention(q, k, v, kc, vc, qkv, scale, attn)
 
 
-def cpu_decode(q, kc, vc, bt, ctx, qkv, scale, native=True):
-    be = CPUAttentionBackend(native=native)
+def cpu_decode(q, kc, vc, bt, ctx, qkv, scale, cpu_kernels=True):
+    be = CPUAttentionBackend(cpu_kernels=cpu_kernels)
     attn = be.prepare(False, _none_slots(q.shape[0]), bt, None, None, ctx)
     return be.decode_attention(q, kc, vc, qkv, scale, attn, None)
 

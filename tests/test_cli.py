@@ -228,7 +228,7 @@ def test_peak_rss_functions():
 
 
 def test_resolve_model_dir(tmp_path):
-    from tpengine.entrypoints.run import resolve_model_dir
+    from tpengine.entrypoints.setup import resolve_model_dir
 
     base = tmp_path / "m"
     (tmp_path / "m-tp2").mkdir()
@@ -239,7 +239,7 @@ def test_resolve_model_dir(tmp_path):
 
 
 def test_sampling_defaults_precedence(tmp_path):
-    from tpengine.entrypoints.run import sampling_defaults
+    from tpengine.entrypoints.setup import sampling_defaults
     from tpengine.errors import UserError
 
     cfg = tmp_path / "c.toml"

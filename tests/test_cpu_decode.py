@@ -5,7 +5,7 @@ portable code paths, padding rows, masked tails holding NaN/inf, and its errors.
 import pytest
 import torch
 
-from tpengine.backends.cpu import cpu_decode, cpu_native
+from tpengine.backends.cpu import cpu_decode, cpu_library
 from tpengine.backends.cpu.attention import CPUAttentionBackend, key_mask
 
 BF16 = torch.bfloat16
@@ -13,8 +13,8 @@ BF16 = torch.bfloat16
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
-    if cpu_native.load() is None:
-        pytest.skip(f"C kernels unavailable here: {cpu_native.unavailable_reason()}")
+    if cpu_library.load() is None:
+        pytest.skip(f"needs the CPU C kernels: {cpu_library.unavailable_reason()}")
 
 
 def bmm_path(q, k, v, lens, scale):
@@ -87,7 +87,7 @@ def test_errors():
 
 
 def test_backend_decode_uses_the_kernel_and_matches_bmm(monkeypatch):
-    """The CPU backend's decode attention over a paged cache: with the kernel on (``native``) and
+    """The CPU backend's decode attention over a paged cache: with the kernel on (``cpu_kernels``) and
     off (torch.bmm, or SDPA for a few sequences) the results agree to a bfloat16 ulp."""
     gen = torch.Generator().manual_seed(2)
     bs, hkv, d, lens = 16, 2, 64, [37, 5, 64, 20, 1]
@@ -99,8 +99,8 @@ def test_backend_decode_uses_the_kernel_and_matches_bmm(monkeypatch):
     calls = []
     monkeypatch.setattr(cpu_decode, "decode_attention",
                         lambda *a, f=cpu_decode.decode_attention: calls.append(1) or f(*a))
-    def decode(native, sdpa_rows=None):
-        be = CPUAttentionBackend(native=native)
+    def decode(cpu_kernels, sdpa_rows=None):
+        be = CPUAttentionBackend(cpu_kernels=cpu_kernels)
         if sdpa_rows is not None:
             be.sdpa_rows = sdpa_rows
         attn = be.prepare(False, torch.full((len(lens),), -1), tables, None, None, ctx)

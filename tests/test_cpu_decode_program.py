@@ -9,13 +9,15 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
-from tpengine.backends.cpu import cpu_native
+from tpengine.backends.cpu import cpu_library
 from tpengine.backends.cpu import decode_program as cpu_decode_program
 from tpengine.config import EngineConfig
 from tpengine.engine.llm_engine import LLMEngine
 from tpengine.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="CPU C kernels unavailable here")
+# the program's tests; its declining (no program without the C kernels) runs on every machine
+needs_kernels = pytest.mark.skipif(cpu_library.load() is None,
+                                   reason=f"needs the CPU C kernels: {cpu_library.unavailable_reason()}")
 # head size 32 (the paged C kernel takes multiples of 32), widths multiples of 16
 SHAPE = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96}
 BASE = {"max_model_len": 128, "kv_cache_gb": 0.05}
@@ -38,7 +40,6 @@ class Counting:
 
     def __init__(self, program):
         self.program, self.calls = program, 0
-        self.takes = program.takes
 
     def __call__(self, *args):
         self.calls += 1
@@ -52,6 +53,7 @@ def run(engine: LLMEngine, prompts: list[list[int]]) -> list[tuple]:
              [sorted((k, v.logprob) for k, v in pos.items()) for pos in o.outputs[0].logprobs]) for o in outs]
 
 
+@needs_kernels
 @pytest.mark.parametrize("arch, dtype, quantization", [
     ("llama", "float32", None), ("llama", "bfloat16", None), ("llama", "float32", "int8"),
     ("llama", "bfloat16", "int8"), ("llama", "bfloat16", "int4"), ("qwen2", "float32", None),
@@ -61,15 +63,15 @@ def test_program_equals_the_model_forward(request, arch, dtype, quantization):
     engine = LLMEngine(EngineConfig(model=str(model), dtype=dtype, quantization=quantization,
                                     enable_prefix_caching=False, **BASE))
     runner = engine.runner
-    assert runner.decode_program is not None
+    assert runner.backend.program is not None
     g = torch.Generator().manual_seed(1)
     batches = [[torch.randint(3, 1001, (n,), generator=g).tolist() for n in lens]
                for lens in ([7], [3, 17, 40], [5 + i for i in range(11)])]  # 1, 3 and 11 rows a step
-    counting = Counting(runner.decode_program)
-    runner.decode_program = counting
+    counting = Counting(runner.backend.program)
+    runner.backend.program = counting
     with_program = [run(engine, b) for b in batches]
     assert counting.calls == 3 * 9  # every decode step (10 tokens: 1 from the prefill, 9 decodes a batch)
-    runner.decode_program = None
+    runner.backend.program = None
     assert [run(engine, b) for b in batches] == with_program
 
 
@@ -77,10 +79,12 @@ def test_program_declines_what_it_does_not_cover(tmp_path):
     """q/k norms (Qwen3), head size 16, C kernels off: no program; those models keep the forward."""
     qwen3 = make_tiny_model(tmp_path, "qwen3", name="qwen3", head_dim=32, intermediate_size=96)
     small_heads = make_tiny_model(tmp_path, name="d16")  # hidden 64 / 4 heads
-    for model, native in ((qwen3, True), (small_heads, True)):
-        engine = LLMEngine(EngineConfig(model=str(model), cpu_kernels=native, **BASE))
-        assert engine.runner.decode_program is None
+    for model, cpu_kernels in ((qwen3, True), (small_heads, True)):
+        engine = LLMEngine(EngineConfig(model=str(model), cpu_kernels=cpu_kernels, **BASE))
+        assert engine.runner.backend.program is None
     llama = make_tiny_model(tmp_path, name="llama", **SHAPE)
     engine = LLMEngine(EngineConfig(model=str(llama), cpu_kernels=False, **BASE))
-    assert engine.runner.decode_program is None
-    assert cpu_decode_program.build(engine.runner.model, 1, native=False) is None
+    assert engine.runner.backend.program is None
+    assert cpu_decode_program.build(engine.runner.model.model, 1, cpu_kernels=False) is None
+    if cpu_library.load() is None:  # no C kernels on this machine: no program even where cpu_kernels is on
+        assert LLMEngine(EngineConfig(model=str(llama), **BASE)).runner.backend.program is None

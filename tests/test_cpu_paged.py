@@ -10,9 +10,11 @@ import torch
 from kernel_cases import CONFIGS, DECODE_LENS, _cache, _gen, _slot
 
 from tpengine.backends import reference as ref
-from tpengine.backends.cpu import cpu_native, cpu_paged
+from tpengine.backends.cpu import cpu_library, cpu_paged
 
-pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="CPU C kernels unavailable here")
+# the kernel's tests; paged_index and choose_amx (None without AMX) run on every machine
+needs_kernels = pytest.mark.skipif(cpu_library.load() is None,
+                                   reason=f"needs the CPU C kernels: {cpu_library.unavailable_reason()}")
 
 
 def rope(x, cos, sin):
@@ -40,6 +42,7 @@ def views(qkv, hq, hkv):
     return qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("d, bs, q_to_kv", CONFIGS)
 def test_paged_decode_equals_rope_store_and_reference_attention(d, bs, q_to_kv, dtype):
@@ -63,6 +66,7 @@ def test_paged_decode_equals_rope_store_and_reference_attention(d, bs, q_to_kv, 
     assert torch.equal(out[DECODE_LENS.index(0)], torch.zeros(hq, d, dtype=dtype))  # padding row
 
 
+@needs_kernels
 def test_paged_decode_without_rope_and_bfloat16_matches_the_torch_decode_path():
     """bfloat16 without RoPE against the CPU backend's own C decode path (the arithmetic it
     replaces): bf16-rounded scores and probabilities, float32 accumulation."""
@@ -76,6 +80,7 @@ def test_paged_decode_without_rope_and_bfloat16_matches_the_torch_decode_path():
     assert (out.float() - want.float()).abs().max().item() <= 2 ** -7 * want.float().abs().max().item()
 
 
+@needs_kernels
 def test_paged_decode_bad_indices_raise_before_anything_is_written():
     qkv, cos, sin, kc, vc, bt, slots, lens, qkv_map = case(64, 16, [0, 1], torch.float32)
     q, k, v = views(qkv, 2, 2)
@@ -104,6 +109,7 @@ def test_paged_decode_bad_indices_raise_before_anything_is_written():
                          cpu_paged.paged_index(slots, bt, lens))
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_decode_steps_take_the_paged_kernel_once_per_layer(tmp_path, monkeypatch, dtype):
     """In the engine every decode step calls the paged kernel once per layer (2 layers x 5 decode
@@ -120,16 +126,17 @@ def test_engine_decode_steps_take_the_paged_kernel_once_per_layer(tmp_path, monk
     monkeypatch.setattr(cpu_paged, "decode", lambda *a: calls.append(a[0].shape) or real(*a))
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     tokens = {}
-    for native in (True, False):
-        eng = LLMEngine(EngineConfig(model=str(model), dtype=dtype, cpu_kernels=native, num_kv_blocks=16,
+    for cpu_kernels in (True, False):
+        eng = LLMEngine(EngineConfig(model=str(model), dtype=dtype, cpu_kernels=cpu_kernels, num_kv_blocks=16,
                                      max_model_len=64))
-        tokens[native] = eng.generate([("a", [5, 6, 7, 8, 9], params)])[0].token_ids
+        tokens[cpu_kernels] = eng.generate([("a", [5, 6, 7, 8, 9], params)])[0].token_ids
         eng.shutdown()
-        if native:
+        if cpu_kernels:
             assert calls == [(1, 4, 32)] * (2 * 5)  # [B, Hq, D] of the tiny Llama
     assert len(calls) == 10 and tokens[True] == tokens[False] and len(tokens[True]) == 6
 
 
+@needs_kernels
 def test_paged_decode_refuses_a_bad_head_map():
     qkv, cos, sin, kc, vc, bt, slots, lens, _ = case(64, 16, [0, 1], torch.float32)
     q, k, v = views(qkv, 2, 2)
@@ -153,6 +160,7 @@ def test_paged_index_is_checked_once_for_the_step():
 AMX = cpu_paged.set_amx(0)
 
 
+@needs_kernels
 @pytest.mark.skipif(not AMX, reason="the paged kernel's AMX path needs AMX-BF16 (Sapphire Rapids or later)")
 @pytest.mark.parametrize("d, bs, q_to_kv", [c for c in CONFIGS if c.values[1] % 16 == 0 and c.values[0] <= 128])
 def test_paged_decode_amx_path_equals_the_reference_and_the_avx512_path(d, bs, q_to_kv):
@@ -186,6 +194,7 @@ def test_paged_decode_amx_path_equals_the_reference_and_the_avx512_path(d, bs, q
 MANY_LENS = DECODE_LENS * 3 + [1000, 1, 129]  # 24 sequences (one work item each); 1000: past the fetch-ahead budget
 
 
+@needs_kernels
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("path", ["f32", "bf16", "bf16-amx"])
 def test_paged_decode_of_many_sequences_claims_every_item_once(path, threads):
@@ -194,7 +203,7 @@ def test_paged_decode_of_many_sequences_claims_every_item_once(path, threads):
     attention for every sequence, whatever the thread count, lengths (a long one, padding rows)
     and path."""
     if path == "bf16-amx" and not AMX:
-        pytest.skip("the paged kernel's AMX path needs AMX-BF16")
+        pytest.skip("the paged kernel's AMX path needs AMX-BF16 (Sapphire Rapids or later)")
     dtype = torch.float32 if path == "f32" else torch.bfloat16
     q_to_kv = [0, 0, 0, 1, 1, 1, 2, 2, 2]
     qkv, cos, sin, kc, vc, bt, slots, lens, qkv_map = case(64, 16, q_to_kv, dtype, seed=3, lens=MANY_LENS)

@@ -112,7 +112,7 @@ def jobs_for(models, smollm2_prompts, tp: int) -> list[dict]:
         for mirror in (True, False):  # torch ops only (the C kernels' paged decode keeps no mirror)
             jobs.append({"key": f"llama/bf16-mirror-{mirror}", "requests": reqs,
                          "config": cfg(models["llama"], dtype="bfloat16", kv_mirror=mirror, cpu_kernels=False)})
-        jobs.append({"key": "llama/bf16-native", "requests": reqs,  # the C kernels: paged decode, fused ops
+        jobs.append({"key": "llama/bf16-cpu_kernels", "requests": reqs,  # the C kernels: paged decode, fused ops
                      "config": cfg(models["llama"], dtype="bfloat16")})
     if tp <= 2:  # the bfloat16 CPU path (matmul prefill attention, decode KV mirror)
         bf16 = [[f"s{i}", p, {**GREEDY, "max_tokens": 32}] for i, p in enumerate(smollm2_prompts)]
@@ -169,14 +169,14 @@ def test_kv_mirror_does_not_change_tokens(engine_results):
 
 
 def test_cpu_kernels_do_not_change_tokens(engine_results):
-    """bfloat16 on CPU with the C kernels (tpengine/backends/cpu/cpu_native.py: paged decode attention, add +
+    """bfloat16 on CPU with the C kernels (tpengine/backends/cpu/cpu_library.py: paged decode attention, add +
     RMSNorm, RoPE, SiLU*up) and with torch ops only: the same greedy tokens for 5 sequences of a
     tiny Llama, a batch shrinking 5 -> 1."""
-    from tpengine.backends.cpu import cpu_native
+    from tpengine.backends.cpu import cpu_library
 
-    if cpu_native.load() is None:
-        pytest.skip(f"C kernels unavailable here: {cpu_native.unavailable_reason()}")
-    kernel, bmm = (by_id(engine_results[1][k]) for k in ("llama/bf16-native", "llama/bf16-mirror-True"))
+    if cpu_library.load() is None:
+        pytest.skip(f"needs the CPU C kernels: {cpu_library.unavailable_reason()}")
+    kernel, bmm = (by_id(engine_results[1][k]) for k in ("llama/bf16-cpu_kernels", "llama/bf16-mirror-True"))
     assert {k: v["token_ids"] for k, v in kernel.items()} == {k: v["token_ids"] for k, v in bmm.items()}
     assert [len(kernel[f"p{i}"]["token_ids"]) for i in range(5)] == [20, 26, 32, 38, 44]
 

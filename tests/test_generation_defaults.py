@@ -17,7 +17,7 @@ from tpengine.entrypoints.generation_defaults import (
     generation_defaults,
     read_generation_defaults,
 )
-from tpengine.entrypoints.run import model_sampling_defaults, sampling_defaults
+from tpengine.entrypoints.setup import model_sampling_defaults, sampling_defaults
 from tpengine.errors import UserError
 from tpengine.frontend.requests import parse_lines
 

@@ -28,23 +28,24 @@ from tpengine.backends.cuda.attention import TritonAttentionBackend
 
 
 def test_get_backend():
-    cpu = get_backend("auto", "cpu", native=False, kv_mirror=True)
-    assert isinstance(cpu, CPUAttentionBackend) and (cpu.native, cpu.kv_mirror, cpu.paged) == (False, True, False)
-    assert get_backend("auto", "cpu", native=True, kv_mirror=True).paged  # the C kernels' paged decode
+    cpu = get_backend("auto", "cpu", cpu_kernels=False, kv_mirror=True)
+    assert isinstance(cpu, CPUAttentionBackend) and (cpu.cpu_kernels, cpu.kv_mirror, cpu.paged) == (False, True, False)
+    assert get_backend("auto", "cpu", cpu_kernels=True, kv_mirror=True).paged  # the C kernels' paged decode
     assert not cpu.graph_safe and cpu.name == "torch"
-    assert isinstance(get_backend("auto", torch.device("cuda"), native=True, kv_mirror=True), TritonAttentionBackend)
-    assert isinstance(get_backend("torch", "cuda", native=True, kv_mirror=False), CPUAttentionBackend)
-    tb = get_backend("triton", "cpu", native=True, kv_mirror=True)
+    assert isinstance(get_backend("auto", torch.device("cuda"), cpu_kernels=True, kv_mirror=True),
+                      TritonAttentionBackend)
+    assert isinstance(get_backend("torch", "cuda", cpu_kernels=True, kv_mirror=False), CPUAttentionBackend)
+    tb = get_backend("triton", "cpu", cpu_kernels=True, kv_mirror=True)
     assert isinstance(tb, TritonAttentionBackend) and tb.graph_safe and tb.name == "triton"
-    assert get_backend("torch", "cpu", native=True, kv_mirror=True) is not get_backend("torch", "cpu", native=True,
-                                                                                       kv_mirror=True)
+    assert get_backend("torch", "cpu", cpu_kernels=True, kv_mirror=True) is not get_backend(
+        "torch", "cpu", cpu_kernels=True, kv_mirror=True)
     for obj in (cpu, tb):
         for f in ("prepare", "bind_layer", "store_kvcache", "prefill_attention", "decode_attention"):
             assert callable(getattr(obj, f))
     for f in ("store_kvcache", "prefill_attention", "decode_attention"):
         assert callable(getattr(ref, f)) and callable(getattr(tri, f))
     with pytest.raises(ValueError, match=r"^unknown attention backend 'flash'; expected one of auto, torch, triton$"):
-        get_backend("flash", "cpu", native=True, kv_mirror=True)
+        get_backend("flash", "cpu", cpu_kernels=True, kv_mirror=True)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -110,7 +111,7 @@ def test_reference_errors(impl):
 
 @pytest.mark.parametrize("store", [pytest.param(ref.store_kvcache, id="oracle"),
                                    pytest.param(cpu_store, id="cpu-C"),
-                                   pytest.param(lambda *a: cpu_store(*a, native=False), id="cpu-torch")])
+                                   pytest.param(lambda *a: cpu_store(*a, cpu_kernels=False), id="cpu-torch")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_store_slot_out_of_range(store, dtype):
     """A slot past the cache (or below -1) is an IndexError naming it and the valid range, raised
@@ -127,28 +128,28 @@ def test_store_slot_out_of_range(store, dtype):
 
 
 @pytest.mark.parametrize("q_to_kv", [[0, 0, 0, 1, 1, 1], [0, 1, 1, 0]], ids=["gqa3", "uneven"])
-@pytest.mark.parametrize("native", (True, False), ids=["C-softmax", "torch-softmax"])
-def test_cpu_prefill_half_batched(q_to_kv, native):
+@pytest.mark.parametrize("cpu_kernels", (True, False), ids=["C-softmax", "torch-softmax"])
+def test_cpu_prefill_half_batched(q_to_kv, cpu_kernels):
     """Same-length prompts in bfloat16 take the CPU backend's matmul path (HF eager's arithmetic):
     equal to the float32 oracle within bfloat16 rounding, and causal (a changed last key leaves
     earlier rows)."""
     d, bs, lens = 64, 16, [(20, 20)] * 3
     case = list(_prefill_case(d, bs, q_to_kv, lens, seed=7))
     half = [t.bfloat16() if t.is_floating_point() else t for t in case]
-    out = cpu_prefill(*half, d**-0.5, native=native)
+    out = cpu_prefill(*half, d**-0.5, cpu_kernels=cpu_kernels)
     assert out.dtype == torch.bfloat16 and out.shape == case[0].shape
     want = ref.prefill_attention(*[t.float() if t.is_floating_point() else t for t in half], d**-0.5)
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
     half[1] = half[1].clone()
     half[1][19] += 1.0  # sequence 0's last key: only its last query sees it
-    changed = (cpu_prefill(*half, d**-0.5, native=native) != out).any(dim=(1, 2)).nonzero().flatten().tolist()
+    changed = (cpu_prefill(*half, d**-0.5, cpu_kernels=cpu_kernels) != out).any(dim=(1, 2)).nonzero().flatten().tolist()
     assert changed == [19]
 
 
 def test_mixed_step_decodes_take_the_decode_path():
     """The leading one-token sequences of a prefill step are batched through the decode path."""
     q, k, v, kc, vc, cu_q, cu_k, bt, qkv = _prefill_case(64, 16, [0, 1, 1, 1], MIXED_LENS)
-    be = CPUAttentionBackend(native=True)
+    be = CPUAttentionBackend(cpu_kernels=True)
     attn = be.prepare(True, torch.full((q.shape[0],), -1), bt, cu_q, cu_k, None)
     assert attn.decodes.context_lens.tolist() == [33, 16, 70]
     assert (attn.decodes.min_ctx, attn.decodes.max_ctx, attn.decodes.is_prefill) == (16, 70, False)
@@ -157,26 +158,27 @@ def test_mixed_step_decodes_take_the_decode_path():
 
 
 def test_prepare_is_per_step_and_per_backend(monkeypatch):
-    """Two CPU backends in one process with different native/kv_mirror settings, their steps
+    """Two CPU backends in one process with different cpu_kernels/kv_mirror settings, their steps
     interleaved: each step's metadata comes from its own backend's prepare, one backend's prefill
-    does not break the other's mirror continuity, and the native=False one makes no C call."""
-    from tpengine.backends.cpu import cpu_native
+    does not break the other's mirror continuity, and the cpu_kernels=False one makes no C call."""
+    from tpengine.backends.cpu import cpu_library
     from tpengine.backends.cpu.kv_mirror import KVMirror
 
-    if cpu_native.load() is None:
-        pytest.skip(f"C kernels unavailable here: {cpu_native.unavailable_reason()}")
-    calls, real = [], cpu_native.load()
+    if cpu_library.load() is None:
+        pytest.skip(f"needs the CPU C kernels: {cpu_library.unavailable_reason()}")
+    calls, real = [], cpu_library.load()
 
     class Counting:
         def __getattr__(self, name):
             return lambda *a: calls.append(name) or getattr(real, name)(*a)
 
-    monkeypatch.setattr(cpu_native, "_lib", Counting())
+    monkeypatch.setattr(cpu_library, "_lib", Counting())
     g, bs, hkv, d = _gen(9), 16, 2, 64
     kc, vc = (torch.randn(16, bs, hkv, d, generator=g).bfloat16() for _ in "kv")
     bt = torch.arange(8).view(2, 4)
     qkv = torch.tensor([0, 0, 1, 1])
-    plain, fast = CPUAttentionBackend(native=False, kv_mirror=False), CPUAttentionBackend(native=True, kv_mirror=True)
+    plain = CPUAttentionBackend(cpu_kernels=False, kv_mirror=False)
+    fast = CPUAttentionBackend(cpu_kernels=True, kv_mirror=True)
     mirror_plain, mirror_fast = KVMirror(), KVMirror()
     one = torch.tensor([0, 1])
     for step in range(4):
@@ -189,7 +191,7 @@ def test_prepare_is_per_step_and_per_backend(monkeypatch):
         assert (a_fast.min_ctx, a_fast.max_ctx) == (a_plain.min_ctx, a_plain.max_ctx) == (10 + step, 30 + step)
         n = len(calls)
         got_plain = plain.decode_attention(q, kc, vc, qkv, d**-0.5, a_plain, mirror_plain)
-        assert len(calls) == n  # native=False: torch only
+        assert len(calls) == n  # cpu_kernels=False: torch only
         got_fast = fast.decode_attention(q, kc, vc, qkv, d**-0.5, a_fast, mirror_fast)
         assert "tpe_decode_scores" in calls[n:]
         torch.testing.assert_close(got_plain.float(), got_fast.float(), rtol=2e-2, atol=2e-2)  # SDPA vs C

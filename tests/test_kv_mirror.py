@@ -129,11 +129,15 @@ def test_mirror_not_used(why):
 
 
 def test_bind_layer_gives_each_layer_its_own_mirror():
-    """``bind_layer`` attaches a mirror per module (None with mirrors off)."""
-    a, b = torch.nn.Module(), torch.nn.Module()
+    """``bind_layer`` keeps a mirror per layer index in the backend (None with mirrors off)."""
+    from types import SimpleNamespace
+
+    a, b = SimpleNamespace(layer_idx=0), SimpleNamespace(layer_idx=1)
     be = CPUAttentionBackend()
     be.bind_layer(a)
     be.bind_layer(b)
-    assert isinstance(a.kv_mirror, KVMirror) and isinstance(b.kv_mirror, KVMirror) and a.kv_mirror is not b.kv_mirror
-    CPUAttentionBackend(kv_mirror=False).bind_layer(a)
-    assert a.kv_mirror is None
+    ma, mb = be.layer_state(a), be.layer_state(b)
+    assert isinstance(ma, KVMirror) and isinstance(mb, KVMirror) and ma is not mb
+    off = CPUAttentionBackend(kv_mirror=False)
+    off.bind_layer(a)
+    assert off.layer_state(a) is None

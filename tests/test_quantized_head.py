@@ -191,20 +191,21 @@ def test_loader_quantizes_vocab_layers(tmp_path, tied):
             (QuantScheme("int4", 32, QuantScheme("int4", 32)), 1008 * 64 // 2 + 1008 * 2 * 2 * 4, "int4"),
             (QuantScheme("int4", 32, QuantScheme("int8", 32)), 1008 * 64 + 2 * (2 * 1008 * 2 * 4), "int4"),
             (QuantScheme("int4", 32, None), 1001 * 64 * 4, "int4")):
-        model, _, hf = load(path, scheme)
+        loaded = load(path, scheme)
+        model, hf = loaded.module, loaded.hf_config
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
         kind = linears or scheme
         lin = (linear_bytes(hf, 1, per_row=4) if kind == "int8" else linear_bytes(hf, 0.5, per_group=4 + 1)
                if kind == "int4" and scheme == "int4" else linear_bytes(hf, 0.5, per_group=2 * 4))
         if isinstance(scheme, QuantScheme) and scheme.vocab is None:
             assert embed.quant is None and head.quant is None and embed.weight is not None
-            assert model.weight_bytes == norms + lin + tables * table
+            assert loaded.weight_bytes == norms + lin + tables * table
             continue
         assert embed.weight is None and head.weight is None
         assert not [n for n, p in model.named_parameters() if p.shape[0] == 1001]  # no float vocabulary rows
         assert (embed.quant is head.quant) == tied
         bufs = lambda m: {b.data_ptr() for b in m.buffers()}  # noqa: E731
         assert (bufs(embed.quant) == bufs(head.quant)) == tied
-        assert model.weight_bytes == norms + lin + tables * table, scheme
+        assert loaded.weight_bytes == norms + lin + tables * table, scheme
         ids = torch.tensor([5, 1000])
         assert torch.equal(embed(ids), embed.quant.dequantize()[ids])

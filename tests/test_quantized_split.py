@@ -173,9 +173,9 @@ def test_split_manifest_and_names(folders):
 @pytest.mark.parametrize("q", ["int8", "int4"])
 def test_split_tp1_equals_on_the_fly(folders, q):
     """The tp=1 split's quantized storage equals --quantization's on-the-fly result bit for bit."""
-    fly, _, _ = load_model(folders["qwen3"], TPInfo(0, 1, 0, CPU), quantization=q)
-    disk, _, _ = load_model(folders[f"split/{q}/1"], TPInfo(0, 1, 0, CPU))
-    a, b = quant_buffers(fly), quant_buffers(disk)
+    fly = load_model(folders["qwen3"], TPInfo(0, 1, 0, CPU), quantization=q)
+    disk = load_model(folders[f"split/{q}/1"], TPInfo(0, 1, 0, CPU))
+    a, b = quant_buffers(fly.module), quant_buffers(disk.module)
     # 8 linear modules and 2 vocabulary layers, 2 buffers each (int8) or 3 (int4: packed, scales, zero codes)
     assert sorted(a) == sorted(b) and len(a) == (20 if q == "int8" else 30)
     parts = ("qweight", "scales") if q == "int8" else ("packed", "scales", "zero_codes")
@@ -183,16 +183,16 @@ def test_split_tp1_equals_on_the_fly(folders, q):
         f"{m}.quant.{p}" for m in ("model.embed_tokens", "lm_head") for p in parts}
     assert all(torch.equal(a[n], b[n]) and a[n].dtype == b[n].dtype for n in a)
     assert disk.weight_bytes == fly.weight_bytes
-    assert all(m.weight is None for m in disk.modules() if isinstance(m, (*QUANTIZED_LAYERS, *VOCAB_LAYERS)))
+    assert all(m.weight is None for m in disk.module.modules() if isinstance(m, (*QUANTIZED_LAYERS, *VOCAB_LAYERS)))
 
 
 def test_split_tp2_equals_on_the_fly(folders):
     """Each rank of the tp=2 int4 split holds --quantization int4's tp=2 storage bit for bit, the
     vocabulary's padding row (rank 1) included (int4 needs no all-reduce: loaded rank by rank)."""
     for rank in (0, 1):
-        fly, _, _ = load_model(folders["qwen3"], TPInfo(rank, 2, rank, CPU), quantization="int4")
-        disk, _, _ = load_model(folders["split/int4/2"], TPInfo(rank, 2, rank, CPU))
-        a, b = quant_buffers(fly), quant_buffers(disk)
+        fly = load_model(folders["qwen3"], TPInfo(rank, 2, rank, CPU), quantization="int4")
+        disk = load_model(folders["split/int4/2"], TPInfo(rank, 2, rank, CPU))
+        a, b = quant_buffers(fly.module), quant_buffers(disk.module)
         assert sorted(a) == sorted(b) and len(a) == 30
         assert all(torch.equal(a[n], b[n]) and a[n].dtype == b[n].dtype for n in a)
         assert disk.weight_bytes == fly.weight_bytes
@@ -205,9 +205,9 @@ def test_split_tp2_equals_on_the_fly(folders):
 def test_full_folder_sliced_equals_split(folders, q):
     """A full quantized folder sliced on the fly at tp=2 gives each rank the storage of the tp=2 split."""
     for rank in (0, 1):
-        full, _, _ = load_model(folders[f"full/{q}"], TPInfo(rank, 2, rank, CPU))
-        split, _, _ = load_model(folders[f"split/{q}/2"], TPInfo(rank, 2, rank, CPU))
-        a, b = quant_buffers(full), quant_buffers(split)
+        full = load_model(folders[f"full/{q}"], TPInfo(rank, 2, rank, CPU))
+        split = load_model(folders[f"split/{q}/2"], TPInfo(rank, 2, rank, CPU))
+        a, b = quant_buffers(full.module), quant_buffers(split.module)
         assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
         assert full.weight_bytes == split.weight_bytes
 
@@ -219,8 +219,8 @@ def test_grouped_int8_vocab_folder(folders, tmp_path):
     q8 = QuantEntry("int8", 32)
     full = write_full_quantized(folders["qwen3"], tmp_path / "full-q8", lambda n: INT4F, vocab=q8)
     assert {read_table(full)[n] for n in VOCAB} == {q8}
-    one, _, _ = load_model(full, TPInfo(0, 1, 0, CPU))
-    emb = one.get_input_embeddings().quant
+    one = load_model(full, TPInfo(0, 1, 0, CPU))
+    emb = one.module.get_input_embeddings().quant
     assert isinstance(emb, Int8Weight) and emb.group_size == 32 and emb.out_features == 1001
     w = load_file(folders["qwen3"] / "model.safetensors")["model.embed_tokens.weight"]
     q, scales = quantize_int8(w, torch.float32, group_size=32)
@@ -232,9 +232,9 @@ def test_grouped_int8_vocab_folder(folders, tmp_path):
     assert r.stdout.splitlines()[1] == ("quantized: int4, group size 32: 14 weights; int8, group size 32: 2 weights "
                                         "(the rest float32)")
     for rank in (0, 1):
-        sliced, _, _ = load_model(full, TPInfo(rank, 2, rank, CPU))
-        split, _, _ = load_model(tmp_path / "split-q8", TPInfo(rank, 2, rank, CPU))
-        a, b = quant_buffers(sliced), quant_buffers(split)
+        sliced = load_model(full, TPInfo(rank, 2, rank, CPU))
+        split = load_model(tmp_path / "split-q8", TPInfo(rank, 2, rank, CPU))
+        a, b = quant_buffers(sliced.module), quant_buffers(split.module)
         assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
         assert "model.embed_tokens.quant.packed_lo" in a and sliced.weight_bytes == split.weight_bytes
         assert sum(line.split()[:1] == [str(rank)] and str(split.weight_bytes) in line.split()
@@ -305,13 +305,13 @@ def test_tied_llama_split_int4(tmp_path):
     assert "lm_head.weight" not in weights and len(weights) == 15
     assert not any(n.startswith("lm_head.") for n in m["tensors"]["1"])
     for tp, rank in ((1, 0), (2, 0), (2, 1)):
-        model, _, _ = load_model(tmp_path / f"t{tp}", TPInfo(rank, tp, rank, CPU))
-        fly, _, _ = load_model(src, TPInfo(rank, tp, rank, CPU), quantization="int4")
-        for mod in (model, fly):
+        model = load_model(tmp_path / f"t{tp}", TPInfo(rank, tp, rank, CPU))
+        fly = load_model(src, TPInfo(rank, tp, rank, CPU), quantization="int4")
+        for mod in (model.module, fly.module):
             head, emb = mod.get_output_embeddings(), mod.get_input_embeddings()
             assert head.quant is emb.quant and emb.weight is None and head.weight is None
             assert sum(isinstance(q, QuantizedWeight) for q in mod.modules()) == 9  # 8 linear modules, 1 table
-        a, b = quant_buffers(fly), quant_buffers(model)
+        a, b = quant_buffers(fly.module), quant_buffers(model.module)
         assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) and a[n].dtype == b[n].dtype for n in a)
         assert model.weight_bytes == fly.weight_bytes
     g = torch.Generator().manual_seed(4)

@@ -89,7 +89,7 @@ def test_info_quantized(folders):
     lines = r.stdout.splitlines()
     assert lines[1] == "quantized: int4, group size 32, int8 zero codes: 16 weights (the rest float32)"
     for rank in (0, 1):  # the weight bytes each rank loads, the quantized vocabulary (rank 1: its padding row) in
-        loaded, _, _ = load_model(folders["split/int4/2"], TPInfo(rank, 2, rank, CPU))
+        loaded = load_model(folders["split/int4/2"], TPInfo(rank, 2, rank, CPU))
         assert sum(line.split()[:1] == [str(rank)] and str(loaded.weight_bytes) in line.split() for line in lines) == 1
     r = cli("info", folders["full/mixed"])
     assert r.exit_code == 0 and ("quantized: int4, group size 32, int8 zero codes: 8 weights; int8, per output "

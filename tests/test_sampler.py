@@ -118,16 +118,16 @@ def test_sampling_keys_are_sampling_params_fields():
                              "logprobs", "prompt_logprobs")
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_row_max_equals_torch_max_with_ties_infinities_and_nan(native):
+@pytest.mark.parametrize("cpu_kernels", [False, True])
+def test_row_max_equals_torch_max_with_ties_infinities_and_nan(cpu_kernels):
     """The LM head's greedy pick (tpengine.model.layers.embedding.row_max) is ``max(dim=-1)`` exactly:
     same values, and the first index among equal maxima, also across blocks -- by torch ops per
-    block, and (``native``) by the C kernel tpengine/backends/cpu/csrc/cpu_argmax.c."""
-    from tpengine.backends.cpu import cpu_native
+    block, and (``cpu_kernels``) by the C kernel tpengine/backends/cpu/csrc/cpu_argmax.c."""
+    from tpengine.backends.cpu import cpu_library
     from tpengine.model.layers.embedding import ROW_MAX_BLOCK, ROW_MAX_CANDIDATES, row_max
 
-    if native and cpu_native.load() is None:
-        pytest.skip(f"CPU C kernels unavailable: {cpu_native.unavailable_reason()}")
+    if cpu_kernels and cpu_library.load() is None:
+        pytest.skip(f"needs the CPU C kernels: {cpu_library.unavailable_reason()}")
 
     g = torch.Generator().manual_seed(5)
     v = 96 * ROW_MAX_BLOCK  # SmolLM2's 49152 columns: the blocked path
@@ -143,27 +143,29 @@ def test_row_max_equals_torch_max_with_ties_infinities_and_nan(native):
         x[7] = torch.randn(v, generator=g).to(dtype).round()  # many ties at small integers
         want_v, want_i = x.max(dim=-1)
         for block in ROW_MAX_CANDIDATES:  # every block the per-machine measurement may pick
-            got_v, got_i = row_max(x, block, native)
+            got_v, got_i = row_max(x, block, cpu_kernels)
             assert torch.equal(got_i, want_i), (dtype, block, got_i, want_i)
             assert torch.equal(got_v.isnan(), want_v.isnan())
             assert torch.equal(got_v.nan_to_num(), want_v.nan_to_num())
             assert got_i[1] == 7 and got_i[2] == ROW_MAX_BLOCK + 3 and got_i[3] == 0 and got_i[4] == v - 1
             assert got_i[6] == 100
-        assert torch.equal(row_max(x[:, : v - 1], native=native)[1], x[:, : v - 1].max(dim=-1).indices)  # fallbacks
-        assert torch.equal(row_max(x[:, :1000], native=native)[1], x[:, :1000].max(dim=-1).indices)
-        assert torch.equal(row_max(x[:3, :19], native=native)[1], x[:3, :19].max(dim=-1).indices)  # < 64 columns
+        assert torch.equal(row_max(x[:, : v - 1], cpu_kernels=cpu_kernels)[1],
+                           x[:, : v - 1].max(dim=-1).indices)  # fallbacks
+        assert torch.equal(row_max(x[:, :1000], cpu_kernels=cpu_kernels)[1], x[:, :1000].max(dim=-1).indices)
+        assert torch.equal(row_max(x[:3, :19], cpu_kernels=cpu_kernels)[1],
+                           x[:3, :19].max(dim=-1).indices)  # < 64 columns
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_col_max_equals_torch_max_over_rows_with_ties_infinities_and_nan(native):
+@pytest.mark.parametrize("cpu_kernels", [False, True])
+def test_col_max_equals_torch_max_over_rows_with_ties_infinities_and_nan(cpu_kernels):
     """The transposed greedy pick (tpengine.model.layers.embedding.col_max) is ``max(dim=0)`` exactly, for
-    every block the measurement may pick (and the C kernel, ``native``): the first row among equal
+    every block the measurement may pick (and the C kernel, ``cpu_kernels``): the first row among equal
     maxima, NaN the largest; also across the kernel's per-thread row ranges and past 64 columns."""
-    from tpengine.backends.cpu import cpu_native
+    from tpengine.backends.cpu import cpu_library
     from tpengine.model.layers.embedding import ROW_MAX_BLOCK, ROW_MAX_CANDIDATES, col_max
 
-    if native and cpu_native.load() is None:
-        pytest.skip(f"CPU C kernels unavailable: {cpu_native.unavailable_reason()}")
+    if cpu_kernels and cpu_library.load() is None:
+        pytest.skip(f"needs the CPU C kernels: {cpu_library.unavailable_reason()}")
 
     g = torch.Generator().manual_seed(6)
     v = 96 * ROW_MAX_BLOCK
@@ -179,16 +181,16 @@ def test_col_max_equals_torch_max_over_rows_with_ties_infinities_and_nan(native)
         x[:, 7] = torch.randn(v, generator=g).to(dtype).round()
         want_v, want_i = x.max(dim=0)
         for block in ROW_MAX_CANDIDATES:
-            got_v, got_i = col_max(x, block, native)
+            got_v, got_i = col_max(x, block, cpu_kernels)
             assert torch.equal(got_i, want_i), (dtype, block, got_i, want_i)
             assert torch.equal(got_v.isnan(), want_v.isnan())
             assert torch.equal(got_v.nan_to_num(), want_v.nan_to_num())
-        assert torch.equal(col_max(x[: v - 5], 512, native)[1], x[: v - 5].max(dim=0)[1])  # not a multiple: max
+        assert torch.equal(col_max(x[: v - 5], 512, cpu_kernels)[1], x[: v - 5].max(dim=0)[1])  # not a multiple: max
         wide = x.repeat(1, 9)[:, :70]  # 70 columns (two passes, of 64 and 6), rows 81 elements apart
         wide[:, 69] = -1.0
         wide[[v // 2 - 1, v // 2], 69] = 60.0  # a tie across the 2 threads' row ranges: the first wins
-        assert torch.equal(col_max(wide, 512, native)[1], wide.max(dim=0)[1])
-        assert col_max(wide, 512, native)[1][69] == v // 2 - 1
+        assert torch.equal(col_max(wide, 512, cpu_kernels)[1], wide.max(dim=0)[1])
+        assert col_max(wide, 512, cpu_kernels)[1][69] == v // 2 - 1
 
 
 def test_greedy_through_the_transposed_logits_picks_the_argmax(tmp_path, monkeypatch):

@@ -21,7 +21,7 @@ from tpengine.model.layers.linear import ColumnParallelLinear, MergedColumnParal
 BLOCK = 16
 
 
-def audit(model, weight_bytes: int):
+def audit(model, weight_bytes: int, profile):
     """Per rank: (linear name, local out, local in) for every parallel linear (each part of a merged
     q/k/v or gate/up layer under its checkpoint leaf name), the count of plain nn.Linear left
     inside decoder layers, q_norm/k_norm weights if any, whether the LM head shares the
@@ -43,7 +43,7 @@ def audit(model, weight_bytes: int):
                                                            ColumnParallelLinear))]
     return {"linears": rows, "plain_linear": plain, "norms": norms, "tied_storage": tied, "weight_bytes": weight_bytes,
             "unpacked": sum(m.weight is not None for m in layers),
-            "plain_chosen": sum(model.linear_layouts[(m.out_features, m.in_features)].layout == "plain"
+            "plain_chosen": sum(profile.linear_layouts[(m.out_features, m.in_features)].layout == "plain"
                                 for m in layers),
             "packed_and_plain": sum(m.weight is not None and m.packed is not None for m in layers)}
 
@@ -70,9 +70,9 @@ def main():
         logits = runner.execute(prefill_plan(ids))
         audits = [None] * tp.size
         if tp.size > 1:
-            torch.distributed.all_gather_object(audits, audit(runner.model, runner.weight_bytes))
+            torch.distributed.all_gather_object(audits, audit(runner.model, runner.weight_bytes, runner.profile))
         else:
-            audits = [audit(runner.model, runner.weight_bytes)]
+            audits = [audit(runner.model, runner.weight_bytes, runner.profile)]
         if tp.is_driver:
             results[job["key"]] = {"logits": logits[None], "audits": audits}
         del runner

@@ -15,13 +15,13 @@ BACKENDS = ("auto", "torch", "triton")
 CPU_LINEAR_CHOICES = ("auto", "plain", "packed")
 
 
-def get_backend(name: str, device, *, native: bool, kv_mirror: bool):
+def get_backend(name: str, device, *, cpu_kernels: bool, kv_mirror: bool):
     """A new attention backend for ``name`` on ``device`` (a ``torch.device`` or a string).
 
     ``"auto"``: Triton on CUDA devices, the CPU backend otherwise; ``"torch"``:
-    :class:`tpengine.backends.cpu.attention.CPUAttentionBackend` (``native``: use the C kernels,
+    :class:`tpengine.backends.cpu.attention.CPUAttentionBackend` (``cpu_kernels``: use the C kernels,
     ``EngineConfig.cpu_kernels``; ``kv_mirror``: keep decode contexts across steps,
-    ``EngineConfig.kv_mirror``; with ``native``, decode steps take the paged C kernel, which keeps
+    ``EngineConfig.kv_mirror``; with ``cpu_kernels``, decode steps take the paged C kernel, which keeps
     no mirror); ``"triton"``:
     :class:`tpengine.backends.cuda.attention.TritonAttentionBackend` (on CPU tensors that works
     only with ``TRITON_INTERPRET=1`` set before triton is imported; the two flags do not apply).
@@ -37,7 +37,7 @@ def get_backend(name: str, device, *, native: bool, kv_mirror: bool):
     if name == "torch":
         from tpengine.backends.cpu.attention import CPUAttentionBackend
 
-        return CPUAttentionBackend(native=native, kv_mirror=kv_mirror, paged=native)
+        return CPUAttentionBackend(cpu_kernels=cpu_kernels, kv_mirror=kv_mirror, paged=cpu_kernels)
     from tpengine.backends.cuda.attention import TritonAttentionBackend
 
     return TritonAttentionBackend()

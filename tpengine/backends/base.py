@@ -1,5 +1,6 @@
-"""The attention backend interface: what :func:`tpengine.model.layers.attention.paged_attention` and the model
-runner call, implemented by :class:`tpengine.backends.cpu.attention.CPUAttentionBackend` (torch + C
+"""The attention backend interface: what the model's attention layers
+(:class:`tpengine.model.layers.fused.FusedAttention`, one call :meth:`AttentionBackend.forward` per layer)
+and the model runner call, implemented by :class:`tpengine.backends.cpu.attention.CPUAttentionBackend` (torch + C
 kernels) and :class:`tpengine.backends.cuda.attention.TritonAttentionBackend` (CUDA).
 
 One backend object per engine (:func:`tpengine.backends.get_backend`). Per step the model runner
@@ -36,8 +37,54 @@ class AttentionBackend:
         raise NotImplementedError
 
     def bind_layer(self, module: torch.nn.Module) -> None:
-        """Called by the model runner after it sets ``module.k_cache``/``module.v_cache``: attach any
-        per-layer state the backend keeps (the CPU backend's KV mirror)."""
+        """Called by :meth:`bind_model` for each attention layer once its ``k_cache``/``v_cache`` are
+        set: keep any per-layer state the backend needs (the CPU backend's KV mirror), in the backend,
+        keyed by ``module.layer_idx``."""
+
+    def bind_model(self, stack: torch.nn.Module, tp_size: int) -> None:
+        """Called once by the model runner after the KV cache is bound to every layer of the decoder
+        ``stack``: :meth:`bind_layer` for each, and whatever the backend runs the stack with (the CPU
+        backend's decode program and measured kernel paths)."""
+        for layer in stack.layers[: stack.config.num_hidden_layers]:
+            self.bind_layer(layer.self_attn)
+
+    def describe(self) -> str | None:
+        """A line about what :meth:`bind_model` measured and chose on this machine, or None."""
+        return None
+
+    def stack_forward(self, stack: torch.nn.Module, ctx: Any):
+        """What runs the decoder ``stack`` for the step ``ctx``: ``run(input_ids [N], positions [N],
+        ctx) -> [N, hidden]``, the stack's own forward unless the backend has a bound plan of it for
+        this kind of step (the CPU decode program)."""
+        return stack
+
+    def cache_changed(self) -> None:
+        """The model runner wrote the KV cache outside a step (copy-on-write block copies): drop any
+        state that mirrors it."""
+
+    def forward(self, qk: torch.Tensor, v: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                layer: torch.nn.Module, ctx: Any) -> torch.Tensor:
+        """One layer's attention in one step: RoPE (``rope = (cos, sin)``, ``[T, D]`` each) on the query
+        and key heads ``qk [T, Hq + Hkv, D]`` (may be a view into the fused q/k/v output; may be
+        rotated in place), the store of the keys and ``v [T, Hkv, D]`` into ``layer``'s
+        ``k_cache``/``v_cache`` at the step's slot mapping, then prefill or decode attention over them
+        -> ``[T, Hq, D]``. ``layer`` holds ``num_heads``, ``tp_q_to_kv`` (``[Hq]`` int64, from the
+        ShardPlan: uneven and replicated KV heads work), ``scaling`` and ``ops`` (its fused ops, which
+        apply RoPE). A backend with a faster path for some steps (the CPU decode kernel: RoPE, store
+        and attention in one C call) takes it inside this method."""
+        hq, attn = layer.num_heads, ctx.attn
+        qk = layer.ops.rope_(qk, *rope)
+        q, k = qk[..., :hq, :], qk[..., hq:, :]
+        self.store_kvcache(k, v, layer.k_cache, layer.v_cache, attn)
+        if ctx.is_prefill:
+            return self.prefill_attention(q, k, v, layer.k_cache, layer.v_cache, layer.tp_q_to_kv, layer.scaling,
+                                          attn)
+        return self.decode_attention(q, layer.k_cache, layer.v_cache, layer.tp_q_to_kv, layer.scaling, attn,
+                                     self.layer_state(layer))
+
+    def layer_state(self, layer: torch.nn.Module) -> Any:
+        """The per-layer state :meth:`bind_layer` keeps for ``layer`` (None by default)."""
+        return None
 
     def store_kvcache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       attn: Any) -> None:
@@ -52,14 +99,5 @@ class AttentionBackend:
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor,
                          scale: float, attn: Any, mirror: Any = None) -> torch.Tensor:
         """``q [B, Hq, D]`` -> ``[B, Hq, D]`` over the cached keys; ``mirror``: the layer's per-layer state
-        from :meth:`bind_layer` (``module.kv_mirror``), or None."""
+        (:meth:`layer_state`), or None."""
         raise NotImplementedError
-
-    def paged_decode(self, module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     cos: torch.Tensor, sin: torch.Tensor, scale: float, attn: Any) -> torch.Tensor | None:
-        """A decode step's whole attention for one layer in one call, where the backend has one:
-        RoPE (``cos``, ``sin [B, D]``) on ``q [B, Hq, D]`` and ``k [B, Hkv, D]``, the store of ``k``/``v``
-        into ``module``'s caches, and attention over them -> ``[B, Hq, D]``; None (the default) when
-        it does not take this step or layer, and the caller runs RoPE, :meth:`store_kvcache` and
-        :meth:`decode_attention` instead."""
-        return None

@@ -30,7 +30,7 @@ from tpengine.engine.sequence import Sequence
 from tpengine.engine.stats import EngineStats
 from tpengine.engine.step import StepKind, StepPlan, broadcast_plan, build_plan
 from tpengine.errors import UserError
-from tpengine.model.plan import ShardPlan
+from tpengine.model.spec import ModelSpec
 from tpengine.model.surgery import check_model_limits
 from tpengine.sampling_params import SEED_END, SamplingParams
 
@@ -66,17 +66,21 @@ class LLMEngine:
     ``params.needs_logits``, no prompt logprobs rows) takes the argmax on each rank's vocabulary shard
     (no logits gathered, no Sampler call); other steps gather the logits to rank 0 and sample there.
 
+    The model folder is read once (:class:`tpengine.model.spec.ModelSpec`): its config before the
+    process groups start (the ``max_model_len`` default and ``check_model_limits`` need it), its
+    ``ShardPlan`` (or a shard folder's manifest check) once the tp size is known; the process
+    set-up and the :class:`ModelRunner` (the loader) take that spec (``self.spec``).
+
     Raises:
         tpengine.model.shard_folder.CheckpointMismatchError, FileNotFoundError: bad model folder.
-        tpengine.errors.UserError: ``max_model_len`` beyond the model's limit, or a model feature
-            tpengine does not support (from ``check_model_limits``).
+        tpengine.errors.UserError: not a model folder (no folder, no or a broken ``config.json``),
+            ``max_model_len`` beyond the model's limit, or a model feature tpengine does not support
+            (from ``check_model_limits``), a tp size the model cannot split over.
     """
 
     def __init__(self, config: EngineConfig, tokenizer=None):
-        from transformers import AutoConfig
-
         started = time.perf_counter()
-        hf_config = AutoConfig.from_pretrained(config.model)
+        hf_config = ModelSpec.read_config(config.model)  # UserError: not a model folder
         if config.max_model_len is None:  # as vLLM: the model's own context length
             try:
                 config = config.replace(max_model_len=int(getattr(hf_config, "max_position_embeddings", 2048)))
@@ -86,8 +90,10 @@ class LLMEngine:
         check_model_limits(hf_config, config.max_model_len)  # UserError: settings this model cannot honour
         self.config = config
         self.tp: TPInfo = init_distributed(config.dist_timeout_s)
-        setup_process(config, self.tp, ShardPlan.build(hf_config, self.tp.size))
-        self.runner = ModelRunner(config, self.tp)
+        # the model this launch runs, read once: a shard folder checked against the launch, or the plan built
+        self.spec = ModelSpec.from_config(config.model, hf_config, self.tp)
+        setup_process(config, self.tp, self.spec.shard_plan)
+        self.runner = ModelRunner(config, self.tp, self.spec)
         if not self.is_driver:
             return
         from transformers import AutoTokenizer
@@ -105,7 +111,7 @@ class LLMEngine:
     @property
     def vocab_size(self) -> int:
         """The model's vocabulary size (ids ``>= vocab_size`` are invalid)."""
-        return self.runner.plan.vocab_size
+        return self.runner.shard_plan.vocab_size
 
     @property
     def is_driver(self) -> bool:

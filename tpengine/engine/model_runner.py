@@ -11,8 +11,6 @@ import sys
 import torch
 
 from tpengine.backends import get_backend
-from tpengine.backends.cpu import cpu_paged, cpu_qgemv, linear_layout
-from tpengine.backends.cpu import decode_program as cpu_decode_program
 from tpengine.backends.cuda.graphs import CUDAGraphRunner
 from tpengine.config import EngineConfig
 from tpengine.context import Context
@@ -21,7 +19,8 @@ from tpengine.engine.memory import lazy_zeros
 from tpengine.engine.process import release_free_memory
 from tpengine.engine.step import StepKind, StepPlan
 from tpengine.errors import UserError
-from tpengine.model.loader import load_model
+from tpengine.model.loader import ExecutionProfile, load_model
+from tpengine.model.spec import ModelSpec
 from tpengine.utils import GIB, cdiv
 
 
@@ -41,35 +40,31 @@ class ModelRunner:
             max_model_len needs.
     """
 
-    def __init__(self, config: EngineConfig, tp: TPInfo):
+    def __init__(self, config: EngineConfig, tp: TPInfo, spec: ModelSpec | None = None):
         self.config, self.tp = config, tp
         self.dtype = config.torch_dtype(tp.device)
-        self.model, self.plan, self.hf_config = load_model(config.model, tp, self.dtype, native=config.cpu_kernels,
-                                                             quantization=config.quantization,
-                                                             cpu_linear=config.cpu_linear)
+        loaded = load_model(spec or config.model, tp, self.dtype, cpu_kernels=config.cpu_kernels,
+                            quantization=config.quantization, cpu_linear=config.cpu_linear)
         release_free_memory()  # loading's staging buffers and replaced weight layouts
-        self.weight_bytes: int = self.model.weight_bytes
-        self.backend = get_backend(config.attention_backend, tp.device, native=config.cpu_kernels,
+        self.model, self.shard_plan, self.hf_config = loaded.module, loaded.shard_plan, loaded.hf_config
+        self.weight_bytes: int = loaded.weight_bytes
+        self.profile: ExecutionProfile = loaded.profile
+        self.backend = get_backend(config.attention_backend, tp.device, cpu_kernels=config.cpu_kernels,
                                    kv_mirror=config.kv_mirror)
-        self.attn_modules = [m for m in self.model.modules() if hasattr(m, "tp_q_to_kv")]
-        if tp.rank == 0 and self.model.linear_layouts:
-            line = linear_layout.summary(self.model.linear_layouts, self.dtype)
-            if self.model.quant_kernels:  # quantized weights: which kernel each shape takes at few rows
-                line += "; quantized weights: " + cpu_qgemv.summary(self.model.quant_kernels)
-            head = getattr(self.model, "head_layout", None)
-            if head is not None and head.times_us:
-                line += "; tied LM head " + head.describe(tuple(self.model.lm_head.weight.shape))
-            if self.model.row_max_choice is not None:
-                line += "; greedy row max block " + self.model.row_max_choice.describe()
-            if getattr(self.model, "greedy_choice", None) is not None:
-                line += "; greedy logits " + self.model.greedy_choice.describe()
-            print(line, file=sys.stderr, flush=True)
+        stack = self.model.model
+        self.attn_modules = [layer.self_attn for layer in stack.layers[: stack.config.num_hidden_layers]]
+        if tp.rank == 0:
+            line = self.profile.describe(self.dtype, tuple(self.model.lm_head.weight.shape)
+                                         if self.model.lm_head.weight is not None else None)
+            if line is not None:
+                print(line, file=sys.stderr, flush=True)
         self.graphs: CUDAGraphRunner | None = None
         if tp.device.type == "cuda" and config.num_kv_blocks is None:
             self._warmup()
         self.num_blocks = all_reduce_min(self._blocks_from_budget())
-        rp = self.plan.ranks[tp.rank]
-        shape = (2, len(self.attn_modules), self.num_blocks, config.block_size, rp.num_kv_heads, self.plan.head_dim)
+        rp = self.shard_plan.ranks[tp.rank]
+        shape = (2, len(self.attn_modules), self.num_blocks, config.block_size, rp.num_kv_heads,
+                 self.shard_plan.head_dim)
         # CPU: pages are zeroed by the kernel as blocks are first written, not all up front
         try:
             self.kv_cache = (lazy_zeros(shape, self.dtype) if tp.device.type == "cpu" else
@@ -80,24 +75,15 @@ class ModelRunner:
                             "--num-kv-blocks") from None
         for i, m in enumerate(self.attn_modules):
             m.k_cache, m.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-            self.backend.bind_layer(m)  # the layer's backend state (CPU: its KV mirror)
-        # CPU decode steps: the same kernels as the model's forward, bound once (cpu_decode_program)
-        self.decode_program = (cpu_decode_program.build(self.model, tp.size, config.cpu_kernels)
-                               if tp.device.type == "cpu" else None)
-        # bfloat16: the paged kernel's AVX-512 or AMX path, the faster on this machine (measured, cached)
-        self.paged_choice = None
-        if (tp.device.type == "cpu" and config.cpu_kernels and self.dtype == torch.bfloat16 and self.attn_modules
-                and cpu_paged.available(self.dtype, self.attn_modules[0].head_dim, True)):
-            m = self.attn_modules[0]
-            self.paged_choice = cpu_paged.choose_amx(m.tp_q_to_kv, m.num_key_value_heads, m.head_dim,
-                                                     config.block_size)
-            if tp.rank == 0 and self.paged_choice is not None:
-                print("tpengine: paged decode attention " + self.paged_choice.describe(), file=sys.stderr,
-                      flush=True)
+        # the backend's per-layer state and its ways of running the stack (CPU: the decode program)
+        self.backend.bind_model(stack, tp.size)
+        line = self.backend.describe()
+        if tp.rank == 0 and line is not None:
+            print("tpengine: " + line, file=sys.stderr, flush=True)
         if tp.device.type == "cuda" and not config.enforce_eager and self.backend.graph_safe:
             max_blocks = cdiv(config.max_model_len, config.block_size)
             self.graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs, max_blocks,
-                                          self.plan.hidden_size, self.dtype, tp.device)
+                                          self.shard_plan.hidden_size, self.dtype, tp.device)
             self.graphs.capture()
 
     def ready_line(self, seconds: float) -> str:
@@ -112,8 +98,8 @@ class ModelRunner:
         """CUDA: one eager prefill as large as the scheduler may build (max_num_batched_tokens tokens
         in sequences of max_model_len, at most max_num_seqs), storing nothing (slot -1) into a
         one-block stand-in cache, so the KV budget can leave room for its activation peak."""
-        c, rp, dev = self.config, self.plan.ranks[self.tp.rank], self.tp.device
-        stand_in = torch.zeros(1, c.block_size, rp.num_kv_heads, self.plan.head_dim, dtype=self.dtype,
+        c, rp, dev = self.config, self.shard_plan.ranks[self.tp.rank], self.tp.device
+        stand_in = torch.zeros(1, c.block_size, rp.num_kv_heads, self.shard_plan.head_dim, dtype=self.dtype,
                                device=dev)
         for m in self.attn_modules:
             m.k_cache = m.v_cache = stand_in
@@ -132,8 +118,8 @@ class ModelRunner:
     def _blocks_from_budget(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        rp, c = self.plan.ranks[self.tp.rank], self.config
-        per_block = (2 * len(self.attn_modules) * c.block_size * rp.num_kv_heads * self.plan.head_dim
+        rp, c = self.shard_plan.ranks[self.tp.rank], self.config
+        per_block = (2 * len(self.attn_modules) * c.block_size * rp.num_kv_heads * self.shard_plan.head_dim
                      * torch.empty(0, dtype=self.dtype).element_size())
         if self.tp.device.type == "cuda":
             stats = torch.cuda.memory_stats(self.tp.device)  # warm-up peak above what stays allocated
@@ -157,8 +143,7 @@ class ModelRunner:
         cache changed outside a step (CPU: the KV mirrors are rebuilt)."""
         src, dst = copies[:, 0].to(self.tp.device), copies[:, 1].to(self.tp.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-        if hasattr(self.backend, "continuity"):
-            self.backend.continuity.prefill()
+        self.backend.cache_changed()
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
@@ -174,9 +159,7 @@ class ModelRunner:
         to = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
         ctx = Context.build(self.backend, plan.kind == StepKind.PREFILL, to(plan.slot_mapping), to(plan.block_tables),
                             to(plan.cu_seqlens_q), to(plan.cu_seqlens_k), to(plan.context_lens))
-        forward = self.model.model  # [N] ids, positions -> [N, hidden]
-        if self.decode_program is not None and self.decode_program.takes(ctx):
-            forward = self.decode_program
+        forward = self.backend.stack_forward(self.model.model, ctx)  # [N] ids, positions -> [N, hidden]
         hidden = forward(to(plan.input_ids), to(plan.positions), ctx)
         rows = plan.sample_idx if not plan.prompt_idx.numel() else torch.cat([plan.sample_idx, plan.prompt_idx])
         return self._head(hidden.index_select(0, to(rows)), plan)

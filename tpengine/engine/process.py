@@ -53,7 +53,7 @@ def setup_process(config: EngineConfig, tp: TPInfo, plan: ShardPlan) -> None:
     """
     if tp.device.type != "cpu":
         return
-    from tpengine.backends.cpu import cpu_native
+    from tpengine.backends.cpu import cpu_library
     from tpengine.backends.cpu.shm import init_shm
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -61,7 +61,7 @@ def setup_process(config: EngineConfig, tp: TPInfo, plan: ShardPlan) -> None:
     keep_freed_memory()
     dtype = config.torch_dtype(tp.device)
     if dtype == torch.bfloat16 and config.cpu_kernels:
-        cpu_native.load()
+        cpu_library.load()
     elem = torch.empty(0, dtype=dtype).element_size()
     rp = plan.ranks[tp.rank]
     largest = max(config.max_num_batched_tokens * plan.hidden_size, config.max_num_seqs * rp.vocab_size)

@@ -16,14 +16,12 @@ checks that raise run on every rank before any collective, so every rank raises 
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from tpengine.config import DEFAULT_MODEL_DIR, load_config
-from tpengine.entrypoints.generation_defaults import defaults_line, generation_defaults
+from tpengine.config import DEFAULT_MODEL_DIR
 from tpengine.entrypoints.outputs import RequestOutput
+from tpengine.entrypoints.setup import build_engine, rank_and_world, read_launch
 from tpengine.errors import UserError
 from tpengine.sampling_params import SamplingParams
 
@@ -63,21 +61,16 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL_DIR, *, tensor_parallel_size: int | None = None,
                  **engine_settings: Any) -> None:
         from tpengine.engine.llm_engine import LLMEngine
-        from tpengine.entrypoints.run import resolve_model_dir
-        from tpengine.model.checkpoint import check_model_folder
 
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        rank, world_size = rank_and_world()
         if tensor_parallel_size is not None and tensor_parallel_size != world_size:
             raise UserError(f"tensor_parallel_size={tensor_parallel_size!r} but the world size is {world_size}: "
                             f"tp is the number of torchrun ranks (launch with torchrun --nproc_per_node="
                             f"{tensor_parallel_size}), or leave tensor_parallel_size unset")
-        config = load_config(None, model=resolve_model_dir(model, world_size), **engine_settings)
-        check_model_folder(config.model)
-        path, self._sampling_defaults = generation_defaults(config.generation_config, config.model)
-        line = defaults_line(path, self._sampling_defaults)
-        if line is not None and int(os.environ.get("RANK", "0")) == 0:
-            print(line, file=sys.stderr, flush=True)
-        self.llm_engine: LLMEngine | None = LLMEngine(config)
+        launch = read_launch(None, {**engine_settings, "model": model}, world_size)
+        self._sampling_defaults = launch.sampling
+        self.llm_engine: LLMEngine | None = build_engine(launch.config, rank, world_size, launch.defaults_line,
+                                                         announce_loading=False)
         self._next_id = 0  # request ids "0", "1", ...: the same on every rank
 
     # ------------------------------------------------------------------ public API

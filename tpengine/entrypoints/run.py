@@ -31,56 +31,16 @@ from typing import Annotated, Any, TextIO
 import typer
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from tpengine.config import EngineConfig, load_config, read_config_file
+from tpengine.config import EngineConfig
 from tpengine.engine.memory import gather_peak_rss
 from tpengine.entrypoints.flags import engine_options, option
-from tpengine.entrypoints.generation_defaults import defaults_line, generation_defaults, merge_defaults
+from tpengine.entrypoints.setup import build_engine, check_model, failure_line, rank_and_world, read_launch
 from tpengine.errors import UserError
 from tpengine.frontend.job import drive
 from tpengine.frontend.progress import ProgressReporter
 from tpengine.frontend.request_file import RequestFile
 from tpengine.frontend.requests import RequestError
 from tpengine.frontend.writer import OutputWriter, read_done
-from tpengine.model.checkpoint import check_model_folder
-from tpengine.sampling_params import SamplingParams
-
-
-def resolve_model_dir(model: str, world_size: int) -> str:
-    """``{model}-tp{world_size}`` when it holds pre-split shards (``manifest.json``), else ``model``."""
-    shards = Path(f"{str(model).rstrip('/')}-tp{world_size}")
-    return str(shards) if (shards / "manifest.json").is_file() else str(model)
-
-
-def sampling_defaults(config_path: str | os.PathLike | None, model_defaults: dict[str, Any] | None = None,
-                      **cli: Any) -> dict[str, Any]:
-    """SamplingParams defaults: non-None ``cli`` over the config file's ``[sampling]`` table over
-    ``model_defaults`` (the model's generation_config.json:
-    :func:`tpengine.entrypoints.generation_defaults.generation_defaults`).
-
-    Raises:
-        UserError: the config file's own faults (:func:`tpengine.config.read_config_file`: a missing
-            file, an unknown table or key, ...) or an invalid value (naming both).
-    """
-    table: dict[str, Any] = {}
-    if config_path is not None:
-        try:
-            table = read_config_file(config_path)["sampling"]
-        except FileNotFoundError as e:
-            raise UserError(str(e)) from None
-    values = merge_defaults(model_defaults or {}, table, cli)
-    try:
-        SamplingParams(**values)
-    except (TypeError, ValueError) as e:
-        raise UserError(f"invalid sampling default: {e}") from e
-    return values
-
-
-def model_sampling_defaults(cfg: EngineConfig) -> tuple[dict[str, Any], str | None]:
-    """(the SamplingParams defaults ``cfg.generation_config`` takes from the model folder
-    ``cfg.model``, the line rank 0 prints about them or None). Raises UserError for a bad
-    ``--generation-config`` or generation_config.json."""
-    path, values = generation_defaults(cfg.generation_config, cfg.model)
-    return values, defaults_line(path, values)
 
 
 @dataclass
@@ -169,13 +129,12 @@ def prepare(prompts: Path, out: Path | None, config: Path | None, resume: bool, 
     if summary_json is not None:
         _check_out_path("--summary-json", summary_json, {**inputs, "--out": out})
     try:
-        cfg = load_config(config, **engine_cli)
-    except (OSError, ValueError) as e:
+        launch = read_launch(config, engine_cli, world_size, sampling_cli, check_folder=False)
+    except UserError:
+        raise
+    except (OSError, ValueError) as e:  # a missing config file, an invalid setting value
         raise UserError(str(e)) from e
-    model_name = Path(cfg.model).name
-    cfg = cfg.replace(model=resolve_model_dir(cfg.model, world_size))
-    model_defaults, line = model_sampling_defaults(cfg)
-    defaults = sampling_defaults(config, model_defaults, **sampling_cli)
+    cfg, defaults = launch.config, launch.sampling
     try:
         requests = RequestFile(prompts, defaults)  # every line validated, one at a time; none kept
         errors = requests.errors
@@ -186,10 +145,8 @@ def prepare(prompts: Path, out: Path | None, config: Path | None, resume: bool, 
         raise UserError(f"{lines}\n{len({e.line for e in errors})} invalid line(s) in {prompts}; "
                          "fix them, or pass --skip-invalid to run the rest")
     if requests:  # a job without valid requests loads no model
-        if not Path(cfg.model).exists():
-            raise UserError(f"model folder {cfg.model!r} does not exist (run `make model`, or pass --model)")
-        check_model_folder(cfg.model)
-    job = PreparedJob(cfg, requests, errors, model_name, defaults_line=line)
+        check_model(cfg.model, missing_hint="run `make model`, or pass --model")
+    job = PreparedJob(cfg, requests, errors, launch.model_name, defaults_line=launch.defaults_line)
     if rank == 0:  # the summary file first: a --summary-json that cannot be written leaves --out untouched
         new_summary = summary_json is not None and not summary_json.exists()
         job.summary_file = _open_summary(summary_json) if summary_json is not None else None
@@ -207,19 +164,6 @@ def prepare(prompts: Path, out: Path | None, config: Path | None, resume: bool, 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
 
-def rank_and_world() -> tuple[int, int]:
-    """(rank, world size) from torchrun's environment; (0, 1) without it."""
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def loading_line(cfg: EngineConfig, world: int) -> str:
-    """The line rank 0 prints before the model loads (the ready line follows when it has)."""
-    import torch
-
-    dtype = str(cfg.torch_dtype("cuda" if torch.cuda.is_available() else "cpu")).removeprefix("torch.")
-    return f"tpengine: loading {cfg.model} (tp {world}, dtype {dtype}) ..."
-
-
 @record
 def run_engine(job: PreparedJob) -> int:
     """Every rank: build the engine and run; rank 0 drives and writes through ``job.writer``
@@ -230,20 +174,14 @@ def run_engine(job: PreparedJob) -> int:
     ``max_model_len`` too large), which is not recorded as a failure's traceback. Any other
     failure propagates (exit 1; torchrun's summary names the rank and, through ``@record``, the
     exception)."""
-    from tpengine.engine.llm_engine import LLMEngine
-
     rank, world = rank_and_world()
-    if rank == 0:
-        if job.defaults_line is not None:
-            print(job.defaults_line, file=sys.stderr, flush=True)
-        print(loading_line(job.config, world), file=sys.stderr, flush=True)
     try:
         try:
-            engine = LLMEngine(job.config)
+            engine = build_engine(job.config, rank, world, job.defaults_line)
         except FileNotFoundError as e:  # a file the model folder lacks: the user's to fix
             raise UserError(str(e)) from e
     except UserError as e:  # bad settings or model folder: one line, no traceback
-        print(f"[tpengine rank {rank}/{world}] failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        print(failure_line(rank, world, e), file=sys.stderr, flush=True)
         job.close()
         return 2
     if engine.is_driver:
@@ -314,7 +252,7 @@ def main(
     try:
         code = run_engine(job)
     except Exception as e:
-        print(f"[tpengine rank {rank}/{world}] failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        print(failure_line(rank, world, e), file=sys.stderr, flush=True)
         raise
     finally:
         job.close()

@@ -26,17 +26,9 @@ from typing import Annotated, Any
 
 import typer
 
-from tpengine.config import EngineConfig, load_config
 from tpengine.entrypoints.flags import engine_options, option
-from tpengine.entrypoints.run import (
-    loading_line,
-    model_sampling_defaults,
-    rank_and_world,
-    resolve_model_dir,
-    sampling_defaults,
-)
+from tpengine.entrypoints.setup import build_engine, failure_line, rank_and_world, read_launch
 from tpengine.errors import UserError
-from tpengine.model.checkpoint import check_model_folder
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
@@ -120,16 +112,10 @@ def main(
     engine: dict[str, Any],
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
-    from tpengine.engine.llm_engine import LLMEngine
-
     rank, world = rank_and_world()
     try:
-        cfg: EngineConfig = load_config(config, **engine)
-        model_name = served_model_name or Path(cfg.model).name
-        cfg = cfg.replace(model=resolve_model_dir(cfg.model, world))
-        check_model_folder(cfg.model)
-        model_defaults, defaults_line = model_sampling_defaults(cfg)
-        defaults = sampling_defaults(config, model_defaults)
+        launch = read_launch(config, engine, world)
+        model_name = served_model_name or launch.model_name
         if drain_timeout_s < 0:
             raise UserError(f"--drain-timeout-s must be >= 0, got {drain_timeout_s}")
         sock = bind(host, port) if rank == 0 else None
@@ -137,17 +123,13 @@ def main(
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
-    if rank == 0:
-        if defaults_line is not None:
-            print(defaults_line, file=sys.stderr, flush=True)
-        print(loading_line(cfg, world), file=sys.stderr, flush=True)
     try:
-        llm = LLMEngine(cfg)
+        llm = build_engine(launch.config, rank, world, launch.defaults_line)
     except (UserError, FileNotFoundError) as e:
-        print(f"[tpengine rank {rank}/{world}] failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        print(failure_line(rank, world, e), file=sys.stderr, flush=True)
         raise typer.Exit(2) from None
     if llm.is_driver:
-        code = serve_rank0(llm, sock, model_name, defaults, drain_timeout_s)
+        code = serve_rank0(llm, sock, model_name, launch.sampling, drain_timeout_s)
     else:
         for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains and sends STOP
             signal.signal(sig, lambda *_: None)

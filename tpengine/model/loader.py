@@ -15,16 +15,16 @@ embeddings share storage.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoConfig
 
-from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_qgemv
+from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_qgemv, linear_layout
 from tpengine.backends.cpu.linear_layout import choose_head, choose_layouts
 from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
-from tpengine.model.checkpoint import check_model_folder, is_shard_folder
 from tpengine.model.layers.embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -33,7 +33,8 @@ from tpengine.model.layers.embedding import (
 )
 from tpengine.model.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from tpengine.model.plan import ShardPlan
-from tpengine.model.shard_folder import CheckpointMismatchError, check_manifest, rank_files  # noqa: F401 (re-exported)
+from tpengine.model.shard_folder import CheckpointMismatchError, rank_files  # noqa: F401 (re-exported)
+from tpengine.model.spec import ModelSpec
 from tpengine.model.surgery import build_model, checkpoint_targets, kind_of
 from tpengine.model.tensor_file import TensorInfo, read_header, read_rows
 from tpengine.quant.apply import quantize_linear
@@ -46,6 +47,8 @@ QUANTIZED_LAYERS = (ColumnParallelLinear, MergedColumnParallelLinear, RowParalle
 VOCAB_LAYERS = (VocabParallelEmbedding, ParallelLMHead)
 # the layers that can hold a weight a quantized folder stores quantized
 STORED_QUANT_LAYERS = QUANTIZED_LAYERS + VOCAB_LAYERS
+# the layers whose plain weight may take oneDNN's layout or tpengine's GEMV / GEMM kernels
+PACKABLE_LAYERS = QUANTIZED_LAYERS + (ParallelLMHead,)
 def _materialize(module: torch.nn.Module, attr: str, dtype: torch.dtype, device: torch.device,
                  staging: _Staging | None = None) -> torch.Tensor:
     """The real storage of ``module.<attr>``, allocated (uninitialised) on first use: from
@@ -174,7 +177,7 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
         m, VOCAB_LAYERS) else None
     quantizes = lambda m: quant is not None and scheme(m) is not None  # noqa: E731
     wants = pack if callable(pack) else (lambda m: pack)  # noqa: E731
-    packs = lambda m: (hasattr(m, "pack") and not (tie and m is head) and not quantizes(m)  # noqa: E731
+    packs = lambda m: (isinstance(m, PACKABLE_LAYERS) and not (tie and m is head) and not quantizes(m)  # noqa: E731
                        and id(m) not in qstored and wants(m))
     staging = _Staging() if (pack is not False or quant is not None) and device.type == "cpu" else None
     for path in files:
@@ -228,25 +231,25 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
     if tie:
         emb = model.get_input_embeddings()
         head.weight = emb.weight
-        if getattr(emb, "quant", None) is not None:  # a stored quantized tied embedding: one storage for both
+        if emb.quant is not None:  # a stored quantized tied embedding: one storage for both
             head.quant = emb.quant
     missing = sorted(set(wanted) - done)
     if missing or unexpected:
         raise RuntimeError(f"rank {rank}: weights never loaded {missing}, unexpected {sorted(unexpected)}")
     return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-        getattr(m, "packed_bytes", 0) for m in model.modules()) + sum(
+        m.packed_bytes for m in model.modules() if isinstance(m, PACKABLE_LAYERS)) + sum(
         m.nbytes for m in model.modules() if isinstance(m, QuantizedWeight))
 
 
-def _choose_layouts(model: torch.nn.Module, tie: bool, dtype: torch.dtype, setting: str, native: bool):
+def _choose_layouts(model: torch.nn.Module, tie: bool, dtype: torch.dtype, setting: str, cpu_kernels: bool):
     """The measured or forced layout (:func:`tpengine.backends.cpu.linear_layout.choose_layouts`) of every
     packable weight shape of ``model`` (still on meta), counting the layers of each shape."""
     head = model.get_output_embeddings()
     shapes: dict[tuple[int, int], int] = {}
     for m in model.modules():
-        if hasattr(m, "pack") and m.weight is not None and not (tie and m is head):
+        if isinstance(m, PACKABLE_LAYERS) and m.weight is not None and not (tie and m is head):
             shapes[tuple(m.weight.shape)] = shapes.get(tuple(m.weight.shape), 0) + 1
-    return choose_layouts(shapes, dtype, setting, native)
+    return choose_layouts(shapes, dtype, setting, cpu_kernels)
 
 
 def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
@@ -255,22 +258,77 @@ def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.float32, pack: bool | None = None,
-               native: bool = True, quantization: str | QuantScheme | None = None, cpu_linear: str = "auto"):
-    """Build and load this rank's model from ``model_dir`` (shard folder or full HF folder).
+@dataclass(frozen=True)
+class ExecutionProfile:
+    """What loading measured and chose on this machine for this rank's weights (CPU; all empty
+    elsewhere): ``linear_layouts`` (weight shape -> :class:`~tpengine.backends.cpu.linear_layout.LayoutChoice`),
+    ``head_layout`` (a tied LM head's paths per row bucket, or None), ``quant_kernels`` (quantized
+    weight group -> :func:`tpengine.backends.cpu.cpu_qgemv.choose`'s entry), ``row_max_choice`` (the
+    greedy pick's block) and ``greedy_choice`` (a half-precision head's greedy path)."""
 
-    Returns ``(model, plan, hf_config)``; ``model`` is the HF causal LM rebuilt by
-    :func:`tpengine.model.surgery.build_model`, on ``tp.device`` in ``dtype``, its decoder stack's
+    linear_layouts: dict = field(default_factory=dict)
+    head_layout: Any = None
+    quant_kernels: dict = field(default_factory=dict)
+    row_max_choice: Any = None
+    greedy_choice: Any = None
+
+    def describe(self, dtype: torch.dtype, head_shape: tuple[int, ...] | None) -> str | None:
+        """The one line rank 0 logs about these choices, or None when nothing was measured."""
+        if not self.linear_layouts:
+            return None
+        line = linear_layout.summary(self.linear_layouts, dtype)
+        if self.quant_kernels:  # quantized weights: which kernel each shape takes at few rows
+            line += "; quantized weights: " + cpu_qgemv.summary(self.quant_kernels)
+        if self.head_layout is not None and self.head_layout.times_us and head_shape is not None:
+            line += "; tied LM head " + self.head_layout.describe(head_shape)
+        if self.row_max_choice is not None:
+            line += "; greedy row max block " + self.row_max_choice.describe()
+        if self.greedy_choice is not None:
+            line += "; greedy logits " + self.greedy_choice.describe()
+        return line
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """This rank's loaded model: ``module`` (the HF causal LM rebuilt by
+    :func:`tpengine.model.surgery.build_model`, its decoder stack
+    :class:`~tpengine.model.layers.fused.DecoderStack`), the :class:`~tpengine.model.spec.ModelSpec` it
+    came from (``shard_plan``, ``hf_config``), ``weight_bytes`` (bytes of weights this rank holds) and the
+    :class:`ExecutionProfile` measured while loading."""
+
+    module: torch.nn.Module
+    spec: ModelSpec
+    weight_bytes: int
+    profile: ExecutionProfile
+
+    @property
+    def shard_plan(self) -> ShardPlan:
+        """The launch's :class:`~tpengine.model.plan.ShardPlan`."""
+        return self.spec.shard_plan
+
+    @property
+    def hf_config(self):
+        """The model's ``transformers`` config."""
+        return self.spec.hf_config
+
+
+def load_model(model: ModelSpec | str | Path, tp: TPInfo, dtype: torch.dtype = torch.float32,
+               pack: bool | None = None, cpu_kernels: bool = True, quantization: str | QuantScheme | None = None,
+               cpu_linear: str = "auto") -> LoadedModel:
+    """Build and load this rank's model from ``model`` (a :class:`~tpengine.model.spec.ModelSpec`,
+    or a shard folder or full HF folder, read with :meth:`ModelSpec.read`).
+
+    Returns a :class:`LoadedModel`, its ``module`` on ``tp.device`` in ``dtype``, the decoder stack's
     forward taking ``(input_ids [N], positions [N], ctx)``. ``pack`` (default: on the CPU) lets
     linear weights take oneDNN's layout instead of the plain one, per weight shape as
     ``cpu_linear`` says ("auto": measured, :mod:`tpengine.backends.cpu.linear_layout`; "plain";
-    "packed"; the choices are ``model.linear_layouts``); ``native`` lets the fused
-    ops use the CPU C kernels. ``quantization`` ("int8", "int4" or None) stores the
+    "packed"; the choices are in ``profile.linear_layouts``); ``cpu_kernels`` lets the layers use the CPU
+    C kernels (``EngineConfig.cpu_kernels``). ``quantization`` ("int8", "int4" or None) stores the
     column/row-parallel linears' weights quantized (:mod:`tpengine.quant.weights`; at tp > 1
     int8 all-reduces each row-parallel weight's row absmax while loading, so every rank loads
     the same files in the same order). A quantized folder (:mod:`tpengine.quant.checkpoint`)
     needs no ``quantization``: its weights are loaded as stored (``quantization``, if given,
-    must say the same). ``model.weight_bytes`` is the bytes of weights this rank holds.
+    must say the same).
 
     Raises:
         CheckpointMismatchError: a shard folder for another tp/config or with a bad hash.
@@ -282,16 +340,13 @@ def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.flo
         FileNotFoundError: a checkpoint file the folder or its index names is missing.
         RuntimeError: a weight assigned twice or never, or anything left on meta.
     """
-    model_dir = Path(model_dir)
-    check_model_folder(model_dir)  # UserError: no folder, no or a broken config.json or manifest.json
-    hf_config = AutoConfig.from_pretrained(model_dir)
-    sharded = is_shard_folder(model_dir)
-    plan = check_manifest(model_dir, hf_config, tp) if sharded else ShardPlan.build(hf_config, tp.size)
+    spec = model if isinstance(model, ModelSpec) else ModelSpec.read(model, tp)
+    model_dir, hf_config, plan, sharded = spec.folder, spec.hf_config, spec.shard_plan, spec.sharded
     tie = bool(getattr(hf_config, "tie_word_embeddings", False))
-    model = build_model(hf_config, plan, tp.rank, dtype, tp.device, native)
+    module = build_model(hf_config, plan, tp.rank, dtype, tp.device, cpu_kernels)
     table = read_table(model_dir)  # UserError: a broken quantization.json or manifest table
     if table is not None:
-        linears = [n for n in checkpoint_targets(model, tie) if is_linear_weight(n, 2)]
+        linears = [n for n in checkpoint_targets(module, tie) if is_linear_weight(n, 2)]
         check_stored_quantization(model_dir, table, quantization, linears, hf_config, tp)
         quantization = None  # the folder's weights are used as stored
     quant = QuantScheme.of(quantization) if isinstance(quantization, str) else quantization
@@ -300,49 +355,52 @@ def load_model(model_dir: str | Path, tp: TPInfo, dtype: torch.dtype = torch.flo
             raise UserError(f"--quantization {quant.name} runs on the CPU only in this version, not on {tp.device}")
         check_quantization(hf_config, tp.size, quant)
     pack = tp.device.type == "cpu" if pack is None else pack
-    model.linear_layouts = {}
-    if pack:
-        model.linear_layouts = _choose_layouts(model, tie, dtype, cpu_linear, native)
-        pack = lambda m: model.linear_layouts[tuple(m.weight.shape)].layout == "packed"  # noqa: E731
-    model.weight_bytes = load_weights(model, rank_files(model_dir, sharded, tp), None if sharded else plan, tp.rank,
-                                      tie, dtype, tp.device, pack, quant,
-                                      _all_reduce_max if tp.size > 1 else None, table)
-    head = getattr(model, "lm_head", None)
-    for m in model.modules():  # plain weights measured faster through the GEMV / GEMM kernels at some rows
-        choice = model.linear_layouts.get(tuple(m.weight.shape)) if getattr(m, "weight", None) is not None else None
-        if not hasattr(m, "pack") or choice is None or (tie and m is head):
+    layouts = _choose_layouts(module, tie, dtype, cpu_linear, cpu_kernels) if pack else {}
+    packs = (lambda m: layouts[tuple(m.weight.shape)].layout == "packed") if pack else False  # noqa: E731
+    weight_bytes = load_weights(module, rank_files(model_dir, sharded, tp), None if sharded else plan, tp.rank,
+                                tie, dtype, tp.device, packs, quant, _all_reduce_max if tp.size > 1 else None, table)
+    head = module.get_output_embeddings()
+    for m in module.modules():  # plain weights measured faster through the GEMV / GEMM kernels at some rows
+        if not isinstance(m, PACKABLE_LAYERS) or m.weight is None or (tie and m is head):
+            continue
+        choice = layouts.get(tuple(m.weight.shape))
+        if choice is None:
             continue
         takes = {"plain": True, "gemv": cpu_gemv.available(m.weight), "gemm": cpu_gemm.available(m.weight)}
         if choice.kernels and all(takes[k] for k in choice.kernels):
             m.kernels = choice.kernels
-    model.head_layout = None
+    head_layout = None
     if pack and tie and isinstance(head, ParallelLMHead) and head.weight is not None and head.quant is None:
-        model.head_layout = choose_head(head.weight, cpu_linear, native)  # the tied head stays plain
-        head.kernels = model.head_layout.kernels
-    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+        head_layout = choose_head(head.weight, cpu_linear, cpu_kernels)  # the tied head stays plain
+        head.kernels = head_layout.kernels
+    left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"rank {tp.rank}: still on the meta device after loading: {left}")
-    model.quant_kernels = _choose_quant_kernels(model, native, tp.rank)
-    model.row_max_choice = model.greedy_choice = None
+    quant_kernels = _choose_quant_kernels(module, cpu_kernels, tp.rank)
+    row_max_choice = greedy_choice = None
     if tp.device.type == "cpu" and isinstance(head, ParallelLMHead):  # the greedy pick's block, measured
-        model.row_max_choice = choose_row_max_block(head.shard_width, dtype)
-        head.row_max_block = int(model.row_max_choice.name)
-        if (native and head.quant is None and head.packed is None and head.weight is not None
+        row_max_choice = choose_row_max_block(head.shard_width, dtype)
+        head.row_max_block = int(row_max_choice.name)
+        if (cpu_kernels and head.quant is None and head.packed is None and head.weight is not None
                 and dtype in (torch.bfloat16, torch.float16)):  # float32 keeps F.linear: HF's arithmetic
-            model.greedy_choice = choose_greedy_path(head)
-            head.greedy_mm = model.greedy_choice.name == "mm"
-    return model, plan, hf_config
+            greedy_choice = choose_greedy_path(head)
+            head.greedy_mm = greedy_choice.name == "mm"
+    for m in module.modules():  # every linear's implementation, bound now that its weight and choices are final
+        if isinstance(m, PACKABLE_LAYERS):
+            m.bind()
+    return LoadedModel(module, spec, weight_bytes,
+                       ExecutionProfile(layouts, head_layout, quant_kernels, row_max_choice, greedy_choice))
 
 
-def _choose_quant_kernels(model: torch.nn.Module, native: bool, rank: int) -> dict[str, dict]:
+def _choose_quant_kernels(model: torch.nn.Module, cpu_kernels: bool, rank: int) -> dict[str, dict]:
     """Measure tpengine's int8/int4 kernels against torch's per quantized weight shape
     (:func:`tpengine.backends.cpu.cpu_qgemv.choose`) and set each weight's ``gemv_rows``; {} without
-    ``native`` or quantized weights. Each rank measures its own shapes (no collective: ranks may
+    ``cpu_kernels`` or quantized weights. Each rank measures its own shapes (no collective: ranks may
     hold different shapes, and either kernel computes the same products; the timings are cached
     per rank, so every later load makes the same choice)."""
     groups: dict[str, list] = {}
     for m in model.modules():
-        if isinstance(m, QuantizedWeight) and native and m.native_ok:
+        if isinstance(m, QuantizedWeight) and cpu_kernels and m.kernels_take:
             kind = type(m).__name__.removesuffix("Weight").lower()
             group = f"g{m.group_size}" if m.group_size else "per channel"
             groups.setdefault(f"{kind} {group} {m.in_features}->{m.out_features}", []).append(m)

@@ -10,7 +10,6 @@ tpengine's tensor-parallel one (fused q/k/v and gate/up layers from the start);
 from __future__ import annotations
 
 import copy
-import types
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +78,7 @@ def _unsupported(what: str, found: str, known: tuple[str, ...], hf_config) -> Us
 
 
 def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, device: torch.device,
-                native: bool = True) -> nn.Module:
+                cpu_kernels: bool = True) -> nn.Module:
     """This rank's tensor-parallel model in its final form, weights still on meta.
 
     Builds HF's model for ``hf_config`` on the meta device, then swaps, by name, each decoder
@@ -87,31 +86,33 @@ def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, dev
     column-parallel q/k/v GEMM, row-parallel ``o_proj``), its ``mlp`` for a
     :class:`~tpengine.model.layers.fused.FusedMLP` (one gate/up GEMM, row-parallel ``down_proj``), every
     RMSNorm for :class:`~tpengine.model.layers.fused.RMSNorm`, ``embed_tokens``/``lm_head`` for the
-    vocabulary-parallel layers, and the decoder stack's forward for
-    :func:`~tpengine.model.layers.fused.decoder_forward`; every size comes from ``plan.ranks[rank]``.
+    vocabulary-parallel layers, and HF's decoder stack for a
+    :class:`~tpengine.model.layers.fused.DecoderStack` holding them; every size comes from ``plan.ranks[rank]``.
     RoPE tables and the per-layer ``tp_q_to_kv`` maps are real tensors on ``device``; the
     loader (:func:`tpengine.model.loader.load_model`) fills every parameter through
-    :func:`checkpoint_targets`. Tied embeddings share one Parameter. ``native``: the fused ops
-    may use the CPU C kernels (``EngineConfig.cpu_kernels``), set on every layer here, once.
+    :func:`checkpoint_targets`. Tied embeddings share one Parameter. Every layer gets the one
+    :class:`~tpengine.backends.cpu.cpu_fused.FusedOps` of the model (``cpu_kernels``: the CPU C kernels
+    where they take the tensors, ``EngineConfig.cpu_kernels``).
 
     Raises:
         UserError: an architecture other than Llama, Mistral, Qwen2 or Qwen3 (naming it).
         ValueError: an
             ``nn.Linear``/``nn.Embedding`` left that the layer table does not cover.
     """
-    from tpengine.model.layers.fused import FusedAttention, FusedMLP, RMSNorm, decoder_forward
+    from tpengine.backends.cpu.cpu_fused import FusedOps
+    from tpengine.model.layers.fused import DecoderStack, FusedAttention, FusedMLP, RMSNorm
 
     model = build_meta_model(hf_config, dtype)
     stack = getattr(model, "model", None)
     if type(stack).__name__ not in SUPPORTED_MODELS:
         found = type(model).__name__ if stack is None else type(stack).__name__
         raise _unsupported("decoder", found, SUPPORTED_MODELS, hf_config)
-    rp, hidden = plan.ranks[rank], plan.hidden_size
+    rp, hidden, ops = plan.ranks[rank], plan.hidden_size, FusedOps(cpu_kernels)
 
     def norm(m: nn.Module) -> nn.Module:
         if type(m).__name__ not in SUPPORTED_NORM:
             raise _unsupported("norm", type(m).__name__, SUPPORTED_NORM, hf_config)
-        return RMSNorm(m.weight.shape[0], m.variance_epsilon, dtype)
+        return RMSNorm(m.weight.shape[0], m.variance_epsilon, dtype, ops)
 
     for layer in stack.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -124,23 +125,20 @@ def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, dev
         q_norm = getattr(attn, "q_norm", None)
         layer.self_attn = FusedAttention(
             hidden, rp, plan.head_dim, attn.q_proj.bias is not None, attn.o_proj.bias is not None, attn.scaling,
-            attn.layer_idx, None if q_norm is None else q_norm.variance_epsilon, dtype, device)
+            attn.layer_idx, None if q_norm is None else q_norm.variance_epsilon, dtype, device, ops)
         layer.mlp = FusedMLP(hidden, rp.intermediate_size, mlp.gate_proj.bias is not None,
-                             mlp.down_proj.bias is not None, mlp.act_fn, dtype)
+                             mlp.down_proj.bias is not None, mlp.act_fn, dtype, ops)
         layer.input_layernorm = norm(layer.input_layernorm)
         layer.post_attention_layernorm = norm(layer.post_attention_layernorm)
-    stack.norm = norm(stack.norm)
-    stack.embed_tokens = VocabParallelEmbedding(*rp.vocab, plan.vocab_size, hidden, dtype=dtype)
-    model.lm_head = ParallelLMHead(*rp.vocab, plan.vocab_size, hidden, dtype=dtype)
+    reduce_in_norm = plan.tp_size > 1 and all(
+        layer.self_attn.o_proj.bias is None and layer.mlp.down_proj.bias is None for layer in stack.layers)
+    rotary = type(stack.rotary_emb)(config=stack.config).to(device)  # real tables; honours rope scaling
+    model.model = stack = DecoderStack(stack.config, VocabParallelEmbedding(*rp.vocab, plan.vocab_size, hidden,
+                                                                            dtype=dtype),
+                                       stack.layers, norm(stack.norm), rotary, reduce_in_norm)
+    model.lm_head = ParallelLMHead(*rp.vocab, plan.vocab_size, hidden, dtype=dtype, ops=ops)
     if getattr(hf_config, "tie_word_embeddings", False):
         model.lm_head.weight = stack.embed_tokens.weight
-    stack.rotary_emb = type(stack.rotary_emb)(config=stack.config).to(device)  # real tables; honours rope scaling
-    stack.forward = types.MethodType(decoder_forward, stack)
-    stack.reduce_in_norm = plan.tp_size > 1 and all(
-        layer.self_attn.o_proj.bias is None and layer.mlp.down_proj.bias is None for layer in stack.layers)
-    for m in model.modules():
-        if hasattr(m, "native"):
-            m.native = native
     left = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
     if left:
         raise ValueError(f"modules {left} are not covered by tpengine's layer table "

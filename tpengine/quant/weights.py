@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpengine.backends.cpu import cpu_native, cpu_qgemv
+from tpengine.backends.cpu import cpu_library, cpu_qgemv
 from tpengine.backends.cpu.cpu_qgemv import int4_layout_ok
 from tpengine.config import QUANTIZATIONS  # the values of EngineConfig.quantization besides None
 from tpengine.quant.arith import (  # noqa: F401 (the arithmetic; re-exported for callers and tests)
@@ -142,7 +142,7 @@ class QuantizedWeight(nn.Module):
         raise NotImplementedError
 
     @property
-    def native_ok(self) -> bool:
+    def kernels_take(self) -> bool:
         """Whether tpengine's C kernels can take this weight (the library loads, and for int4
         torch packed it in the layout they read)."""
         return False
@@ -237,16 +237,16 @@ class Int8Weight(QuantizedWeight):
             self._layout  # noqa: B018
 
     @functools.cached_property
-    def native_ok(self) -> bool:
-        return cpu_native.load() is not None and (self.group_size is None or int4_layout_ok(self._layout))
+    def kernels_take(self) -> bool:
+        return cpu_library.load() is not None and (self.group_size is None or int4_layout_ok(self._layout))
 
     def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
         if self.group_size is not None:
             return self.forward
         if not self.gemv_rows:
             return self._many
-        native, limit, many = cpu_qgemv.bind_int8(self.qweight, self.scales), self.gemv_rows, self._many
-        return lambda x: native(x) if x.shape[0] <= limit else many(x)
+        kernel, limit, many = cpu_qgemv.bind_int8(self.qweight, self.scales), self.gemv_rows, self._many
+        return lambda x: kernel(x) if x.shape[0] <= limit else many(x)
 
     def _many(self, x: torch.Tensor) -> torch.Tensor:
         if self.group_size is None:
@@ -305,8 +305,8 @@ class Int4Weight(QuantizedWeight):
         self._layout  # noqa: B018
 
     @functools.cached_property
-    def native_ok(self) -> bool:
-        return cpu_native.load() is not None and int4_layout_ok(self._layout)
+    def kernels_take(self) -> bool:
+        return cpu_library.load() is not None and int4_layout_ok(self._layout)
 
     # What the kernels read. tpengine's C kernels: the scales (here scales_and_zeros) and the zero
     # codes (None here); torch's kernel: scales_and_zeros. Int4CodedWeight overrides all three.
@@ -322,10 +322,10 @@ class Int4Weight(QuantizedWeight):
     def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
         if not self.gemv_rows:
             return self._many
-        native = cpu_qgemv.bind_int4(self.packed, self._kernel_scales(), self.group_size, self.out_features,
+        kernel = cpu_qgemv.bind_int4(self.packed, self._kernel_scales(), self.group_size, self.out_features,
                                      self._kernel_codes())
         limit, many = self.gemv_rows, self._many
-        return lambda x: native(x) if x.shape[0] <= limit else many(x)
+        return lambda x: kernel(x) if x.shape[0] <= limit else many(x)
 
     def _many(self, x: torch.Tensor) -> torch.Tensor:
         n = self.out_features

@@ -78,9 +78,9 @@ class CPUAttentionBackend(AttentionBackend):
     """Paged attention in torch (any device; the fast paths are for CPU).
 
     Args:
-        native: use the C kernels where they apply (``EngineConfig.cpu_kernels``).
+        cpu_kernels: use the C kernels where they apply (``EngineConfig.cpu_kernels``).
         kv_mirror: keep each layer's decode context across steps (``EngineConfig.kv_mirror``).
-        paged: with ``native``, decode steps run :meth:`paged_decode` (one C call per layer, no
+        paged: with ``cpu_kernels``, decode steps run the paged C kernel (one C call per layer, no
             mirror); the engine's backend has it on (:func:`tpengine.backends.get_backend`).
 
     ``prepare`` syncs with the host (slot bounds; prefill lengths; decode lengths and the mirror's
@@ -90,13 +90,16 @@ class CPUAttentionBackend(AttentionBackend):
     name = "torch"
     graph_safe = False
 
-    def __init__(self, *, native: bool = True, kv_mirror: bool = True, paged: bool = False):
-        self.native, self.kv_mirror, self.paged = native, kv_mirror, paged
+    def __init__(self, *, cpu_kernels: bool = True, kv_mirror: bool = True, paged: bool = False):
+        self.cpu_kernels, self.kv_mirror, self.paged = cpu_kernels, kv_mirror, paged
         self.sdpa_rows = SDPA_ROWS  # half-precision decode without the C kernel: SDPA up to B * Hkv rows
         self.continuity = mirrors.Continuity()  # the previous decode step, for the mirrors
+        self.mirrors: dict[int, mirrors.KVMirror | None] = {}  # layer index -> its KV mirror (bind_layer)
+        self.program = None  # the decode program (bind_model)
+        self.paged_choice = None  # the paged kernel's measured AVX-512 / AMX path (bind_model)
 
     def __repr__(self) -> str:
-        return f"CPUAttentionBackend(native={self.native}, kv_mirror={self.kv_mirror}, paged={self.paged})"
+        return f"CPUAttentionBackend(cpu_kernels={self.cpu_kernels}, kv_mirror={self.kv_mirror}, paged={self.paged})"
 
     def prepare(self, is_prefill, slot_mapping, block_tables, cu_seqlens_q=None, cu_seqlens_k=None,
                 context_lens=None) -> CPUAttentionMetadata:
@@ -116,7 +119,7 @@ class CPUAttentionBackend(AttentionBackend):
         else:
             if context_lens.numel():
                 m.min_ctx, m.max_ctx = (int(x) for x in torch.aminmax(context_lens))
-            m.paged = self.paged and self.native and slot_mapping.device.type == "cpu"
+            m.paged = self.paged and self.cpu_kernels and slot_mapping.device.type == "cpu"
             if m.paged:  # the layers' paged C kernel (cpu_paged) reads the cache itself: no mirror kept
                 self.continuity.prefill()
                 m.paged_index = cpu_paged.paged_index(slot_mapping, block_tables, context_lens)  # once for all layers
@@ -125,17 +128,55 @@ class CPUAttentionBackend(AttentionBackend):
         return m
 
     def bind_layer(self, module: torch.nn.Module) -> None:
-        """Give ``module`` its own :class:`~tpengine.backends.cpu.kv_mirror.KVMirror` (``module.kv_mirror``;
-        None with mirrors off)."""
-        module.kv_mirror = mirrors.KVMirror() if self.kv_mirror else None
+        """Keep a :class:`~tpengine.backends.cpu.kv_mirror.KVMirror` for layer ``module.layer_idx``
+        (none with mirrors off)."""
+        self.mirrors[module.layer_idx] = mirrors.KVMirror() if self.kv_mirror else None
 
-    def paged_decode(self, module, q, k, v, cos, sin, scale, attn: CPUAttentionMetadata):
-        """:meth:`AttentionBackend.paged_decode` through :func:`tpengine.backends.cpu.cpu_paged.decode`, for a
-        decode step with the C kernels on (``native``) and a float32 or bfloat16 layer it takes."""
-        if not attn.paged or not cpu_paged.available(q.dtype, q.shape[-1], self.native):
-            return None
-        return cpu_paged.decode(q, k, v, cos, sin, module.k_cache, module.v_cache, module.tp_q_to_kv, scale,
-                                attn.paged_index)
+    def layer_state(self, layer: torch.nn.Module) -> mirrors.KVMirror | None:
+        """The KV mirror of ``layer`` (:meth:`bind_layer`), or None."""
+        return self.mirrors.get(layer.layer_idx)
+
+    def bind_model(self, stack: torch.nn.Module, tp_size: int) -> None:
+        """:meth:`AttentionBackend.bind_model`; with the C kernels, also the decode program
+        (:mod:`tpengine.backends.cpu.decode_program`: the stack's forward with every kernel call bound
+        once, for decode steps) and, in bfloat16 on a CPU with AMX, the paged decode kernel's AVX-512
+        or AMX path, timed on this rank's head layout (:func:`tpengine.backends.cpu.cpu_paged.choose_amx`,
+        cached per machine)."""
+        from tpengine.backends.cpu import decode_program
+
+        super().bind_model(stack, tp_size)
+        if not self.cpu_kernels:
+            return
+        self.program = decode_program.build(stack, tp_size, self.cpu_kernels)
+        attn = stack.layers[0].self_attn
+        if attn.k_cache.dtype == torch.bfloat16 and cpu_paged.available(torch.bfloat16, attn.head_dim, True):
+            self.paged_choice = cpu_paged.choose_amx(attn.tp_q_to_kv, attn.num_key_value_heads, attn.head_dim,
+                                                     attn.k_cache.shape[1])
+
+    def describe(self) -> str | None:
+        """The paged decode kernel's measured path (:meth:`bind_model`), or None."""
+        return None if self.paged_choice is None else "paged decode attention " + self.paged_choice.describe()
+
+    def stack_forward(self, stack: torch.nn.Module, ctx):
+        """The decode program for a decode step prepared for the paged C kernel, else the stack."""
+        if self.program is not None and not ctx.is_prefill and ctx.attn.paged:
+            return self.program
+        return stack
+
+    def cache_changed(self) -> None:
+        """Block copies rewrote the cache: the mirrors start again at the next decode step."""
+        self.continuity.prefill()
+
+    def forward(self, qk, v, rope, layer, ctx) -> torch.Tensor:
+        """:meth:`AttentionBackend.forward`; a decode step prepared for the paged C kernel, on a layer of
+        a dtype and head size it takes, runs RoPE, the KV store and attention in one call
+        (:func:`tpengine.backends.cpu.cpu_paged.decode`)."""
+        attn = ctx.attn
+        if not ctx.is_prefill and attn.paged and cpu_paged.available(qk.dtype, qk.shape[-1], self.cpu_kernels):
+            hq = layer.num_heads
+            return cpu_paged.decode(qk[..., :hq, :], qk[..., hq:, :], v, *rope, layer.k_cache, layer.v_cache,
+                                    layer.tp_q_to_kv, layer.scaling, attn.paged_index)
+        return super().forward(qk, v, rope, layer, ctx)
 
     def store_kvcache(self, key, value, k_cache, v_cache, attn: CPUAttentionMetadata) -> None:
         """:func:`tpengine.backends.reference.store_kvcache` at ``attn.slot_mapping``. Raises ValueError
@@ -147,7 +188,7 @@ class CPUAttentionBackend(AttentionBackend):
         check_slots(slot_mapping, attn.slot_min, attn.slot_max, num_blocks * bs)
         if attn.slot_min >= 0 and k_cache.is_contiguous() and v_cache.is_contiguous():
             cpu_fused.copy_rows((key, value), (k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)), slot_mapping,
-                                native=self.native)
+                                cpu_kernels=self.cpu_kernels)
             return
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
@@ -172,7 +213,7 @@ class CPUAttentionBackend(AttentionBackend):
             b, n = len(lqs), lqs[0]
             qh, kh, vh = (x.unflatten(0, (b, n)).transpose(1, 2) for x in (q, heads(k), heads(v)))
             if q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and q.device.type == "cpu":
-                o = cpu_prefill.causal_matmul_attention(qh, kh, vh, scale, self.native)
+                o = cpu_prefill.causal_matmul_attention(qh, kh, vh, scale, self.cpu_kernels)
             else:
                 o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
             return o.transpose(1, 2).reshape(q.shape).contiguous()
@@ -207,7 +248,7 @@ class CPUAttentionBackend(AttentionBackend):
         read once whatever ``q_to_kv`` is), gathers every sequence's first ``max_ctx`` cached tokens
         into ``[B, Hkv, max_ctx, D]`` (half types: padded to the mirror's capacity, and kept across
         steps in ``mirror`` when mirrors are on and fit, :func:`tpengine.backends.cpu.kv_mirror.usable`)
-        and attends in one batched call: the C kernel (bfloat16, ``native``), SDPA for a few
+        and attends in one batched call: the C kernel (bfloat16, ``cpu_kernels``), SDPA for a few
         sequences, or half-precision matmuls with a float32 softmax (which CPU SDPA is several times
         slower than for one query token per sequence); float32 runs SDPA over whole blocks, masking
         positions ``>= context_lens[b]`` only when the lengths differ. Raises ValueError on shape
@@ -228,10 +269,10 @@ class CPUAttentionBackend(AttentionBackend):
             if mirror is not None and attn.mirror is not None and mirrors.usable(nb, attn.max_ctx, k_cache):
                 # [B, Hkv, capacity >= max_ctx, D], kept across the decode steps of one batch
                 kg, vg = mirror.decode_kv(k_cache, v_cache, m.index, block_tables, context_lens, attn.max_ctx,
-                                          attn.mirror, self.native)
+                                          attn.mirror, self.cpu_kernels)
             else:  # the same shapes, gathered for this step only
                 kg, vg = mirrors.gather(k_cache, v_cache, m.index, nb, attn.max_ctx)
-            if cpu_decode.available(q, g, d, self.native):  # the bmm branch's arithmetic in a C kernel
+            if cpu_decode.available(q, g, d, self.cpu_kernels):  # the bmm branch's arithmetic in a C kernel
                 out = cpu_decode.decode_attention(qg, kg, vg, context_lens, scale)
             else:
                 valid, bias = attn.get(("key-mask", kg.shape[2]), lambda: key_mask(context_lens, kg.shape[2]))

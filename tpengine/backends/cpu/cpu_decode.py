@@ -1,5 +1,5 @@
 """bfloat16 decode attention on CPU through a C kernel (``cpu_decode.c``, built by
-:mod:`tpengine.backends.cpu.cpu_native`).
+:mod:`tpengine.backends.cpu.cpu_library`).
 
 Why: one decode step attends one query token per sequence over contiguous ``[B * Hkv, L, D]``
 keys and values (see :mod:`tpengine.backends.cpu.kv_mirror`). ``torch.bmm`` does that as B * Hkv
@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import torch
 
-from tpengine.backends.cpu import cpu_native
+from tpengine.backends.cpu import cpu_library
 from tpengine.backends.cpu.cpu_ops import ops
 
 MAX_G, MAX_D = 8, 256  # the C code's stack buffers: query heads per KV head, head size
 
 
-def available(q: torch.Tensor, g: int, d: int, native: bool) -> bool:
-    """Whether :func:`decode_attention` can take this step: ``native`` (``EngineConfig.cpu_kernels``),
-    the C kernels are usable (:func:`tpengine.backends.cpu.cpu_native.usable`: a CPU bfloat16 query, the
+def available(q: torch.Tensor, g: int, d: int, cpu_kernels: bool) -> bool:
+    """Whether :func:`decode_attention` can take this step: ``cpu_kernels`` (``EngineConfig.cpu_kernels``),
+    the C kernels are usable (:func:`tpengine.backends.cpu.cpu_library.usable`: a CPU bfloat16 query, the
     library loads), ``g <= 8`` query heads per KV head and ``d <= 256``."""
-    return native and g <= MAX_G and d <= MAX_D and cpu_native.usable(q)
+    return cpu_kernels and g <= MAX_G and d <= MAX_D and cpu_library.usable(q)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_lens: torch.Tensor,
@@ -42,8 +42,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_
     a shape, dtype or layout mismatch or a length over ``L`` (checked in the C code, no extra
     pass); RuntimeError if the library is unavailable (check :func:`available` first).
     """
-    if cpu_native.load() is None:
-        raise RuntimeError(f"CPU C kernels unavailable: {cpu_native.unavailable_reason()}")
+    if cpu_library.load() is None:
+        raise RuntimeError(f"CPU C kernels unavailable: {cpu_library.unavailable_reason()}")
     b, hkv, g, d = q.shape
     if (k.shape != v.shape or k.shape[:2] != (b, hkv) or k.shape[3] != d or context_lens.shape != (b,)
             or g > MAX_G or d > MAX_D):

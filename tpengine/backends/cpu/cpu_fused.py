@@ -2,10 +2,10 @@
 residual add + RMSNorm, RoPE, SiLU(gate) * up, the prefill attention's scale + causal mask +
 softmax, and the KV cache's row copies.
 
-Every function takes ``native`` (``EngineConfig.cpu_kernels``, held by the layers as
-``self.native``): when it is set and the C kernels can take the tensors (bfloat16 on CPU, and for
+Every function takes ``cpu_kernels`` (``EngineConfig.cpu_kernels``, held by the layers as
+``self.cpu_kernels``): when it is set and the C kernels can take the tensors (bfloat16 on CPU, and for
 the residual add + RMSNorm and SiLU * up also float32; shapes they cover; the library loads:
-:mod:`tpengine.backends.cpu.cpu_native`), the op runs as one ``torch.ops.tpengine.*`` call
+:mod:`tpengine.backends.cpu.cpu_library`), the op runs as one ``torch.ops.tpengine.*`` call
 (:mod:`tpengine.backends.cpu.cpu_ops`, ``cpu_fused.c``), which keeps
 the torch chain's roundings op by op, up to the order of a float32 sum and the last bit of exp;
 otherwise it runs the torch chain (the same ops in the same order as HF's modules, bit-identical
@@ -20,8 +20,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from tpengine.backends.cpu import cpu_native
+from tpengine.backends.cpu import cpu_library
 from tpengine.backends.cpu.cpu_ops import index_error, ops
+from tpengine.comm import all_reduce
+from tpengine.distributed import activation_comm
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -31,13 +33,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def add_rms_norm(h: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 cpu_kernels: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``h2 = h + x`` (``h`` itself when ``x`` is None) and ``weight * rms_norm(h2)``, HF Llama's
     RMSNorm (float32 inside). Shapes: ``h``, ``x [..., n]``, ``weight [n]``. Returns ``(h2, normed)``;
     neither input is written. C kernel: bfloat16 or float32 on CPU, ``n % 16 == 0``."""
     n = h.shape[-1]
-    if (native and n and n % 16 == 0 and weight.shape == (n,) and (x is None or x.shape == h.shape)
-            and cpu_native.usable(h, weight, *(() if x is None else (x,)), float32=True)):
+    if (cpu_kernels and n and n % 16 == 0 and weight.shape == (n,) and (x is None or x.shape == h.shape)
+            and cpu_library.usable(h, weight, *(() if x is None else (x,)), float32=True)):
         h, weight = h.contiguous(), weight.contiguous()
         x = None if x is None else x.contiguous()  # kept alive across the call (a temporary's memory is freed)
         h2 = h if x is None else torch.empty_like(h)
@@ -51,15 +53,15 @@ def add_rms_norm(h: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, 
     return h, weight * F.rms_norm(h.float(), (n,), None, eps).to(h.dtype)
 
 
-def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: bool) -> torch.Tensor:
+def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cpu_kernels: bool) -> torch.Tensor:
     """HF's RoPE ``qk * cos + rotate_half(qk) * sin`` for every head. Shapes: ``qk [..., T, H, D]``
     (may be a view into a wider row, e.g. the fused q/k/v GEMM output), ``cos``/``sin [..., T, D]``
     (the same leading dims). Returns the result: ``qk`` itself, rotated in place, from the C kernel
     (bfloat16 on CPU, ``D % 32 == 0``, each token's heads packed, tokens evenly strided), else a new
     tensor from the torch ops."""
     d = qk.shape[-1]
-    if native and qk.dim() >= 3 and cos.shape == sin.shape == (*qk.shape[:-2], d) and d % 32 == 0 \
-            and cpu_native.usable(qk, cos, sin):
+    if cpu_kernels and qk.dim() >= 3 and cos.shape == sin.shape == (*qk.shape[:-2], d) and d % 32 == 0 \
+            and cpu_library.usable(qk, cos, sin):
         try:
             rows = qk.view(-1, *qk.shape[-2:])  # [T, H, D] over the same memory
         except RuntimeError:
@@ -73,12 +75,12 @@ def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: bool) 
     return qk * cos + rotate_half(qk) * sin
 
 
-def silu_mul(gate_up: torch.Tensor, inter: int, native: bool) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, inter: int, cpu_kernels: bool) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up [..., 2 * inter]`` (gate first) -> a new ``[..., inter]``
     tensor, computed as torch's ``F.silu(gate).mul_(up)`` (C kernel: bfloat16 or float32 on CPU,
     ``inter % 16 == 0``)."""
-    if (native and gate_up.shape[-1] == 2 * inter and inter > 0 and inter % 16 == 0
-            and cpu_native.usable(gate_up, float32=True)):
+    if (cpu_kernels and gate_up.shape[-1] == 2 * inter and inter > 0 and inter % 16 == 0
+            and cpu_library.usable(gate_up, float32=True)):
         gate_up = gate_up.contiguous()
         out = gate_up.new_empty(*gate_up.shape[:-1], inter)
         ops.silu_mul(gate_up, out)
@@ -93,7 +95,7 @@ def causal_bias(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
         torch.ones(n, n, dtype=torch.bool, device=device).triu_(1), float("-inf"))
 
 
-def causal_softmax_(s: torch.Tensor, scale: float, native: bool) -> torch.Tensor:
+def causal_softmax_(s: torch.Tensor, scale: float, cpu_kernels: bool) -> torch.Tensor:
     """``softmax(s * scale + causal mask, dim=-1)`` for square score blocks ``s [..., n, n]`` (query
     ``i`` sees keys ``j <= i``; masked keys get 0), as torch's ``s.mul_(scale).add_(mask)`` then
     ``torch.softmax`` (float32 inside for half types). ``s`` is overwritten; returns the result
@@ -102,8 +104,8 @@ def causal_softmax_(s: torch.Tensor, scale: float, native: bool) -> torch.Tensor
     n = s.shape[-1] if s.dim() else 0
     if s.dim() < 2 or s.shape[-2] != n:
         raise ValueError(f"causal_softmax_: s must be square score blocks [..., n, n]; got {tuple(s.shape)}")
-    if (native and s.dim() >= 2 and s.shape[-2] == n and 1 <= n <= 16384 and s.is_contiguous()
-            and cpu_native.usable(s)):
+    if (cpu_kernels and s.dim() >= 2 and s.shape[-2] == n and 1 <= n <= 16384 and s.is_contiguous()
+            and cpu_library.usable(s)):
         ops.causal_softmax_(s, scale)
         return s
     return torch.softmax(s.mul_(scale).add_(causal_bias(n, s.dtype, s.device)), dim=-1)  # (4x masked_fill_'s speed)
@@ -114,7 +116,7 @@ def _int64(index: torch.Tensor) -> torch.Tensor:
 
 
 def copy_rows(src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor],
-              dst_index: torch.Tensor, src_index: torch.Tensor | None = None, *, native: bool) -> None:
+              dst_index: torch.Tensor, src_index: torch.Tensor | None = None, *, cpu_kernels: bool) -> None:
     """``dst[j][dst_index[i]] = src[j][src_index[i] if src_index is not None else i]`` for j = 0, 1
     (keys and values), cast to the destination dtype: one C call (bfloat16 on CPU) instead of an
     ``index_copy_`` (+ ``index_select``) per tensor.
@@ -132,7 +134,7 @@ def copy_rows(src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, t
     if (m if src_index is None else src_index.shape[0]) != n:
         raise ValueError(f"copy_rows: {n} dst_index entries for {m} source rows"
                          + ("" if src_index is None else f" and {src_index.shape[0]} src_index entries"))
-    if native and n and da.dtype == torch.bfloat16 and cpu_native.usable(sa, sb, da, db):
+    if cpu_kernels and n and da.dtype == torch.bfloat16 and cpu_library.usable(sa, sb, da, db):
         ss = sa.stride()  # the C layout: rows of dst contiguous, src rows equally strided and each contiguous
         if (ss[1:] == da.stride()[1:] and sb.stride() == ss and da.is_contiguous() and db.is_contiguous()
                 and sa.shape[1:] == da.shape[1:] and sb.shape == sa.shape and db.shape == da.shape):
@@ -147,3 +149,45 @@ def copy_rows(src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, t
             if index is not None and index.numel() and ((index < 0) | (index >= rows)).any():
                 raise index_error(name, index, int(((index < 0) | (index >= rows)).nonzero()[0]), rows) from None
         raise
+
+
+class FusedOps:
+    """The fused element-wise ops of one model, bound once to its ``cpu_kernels`` setting
+    (``EngineConfig.cpu_kernels``): every layer of the model holds the same object
+    (:func:`tpengine.model.surgery.build_model`), so the layers' forwards never branch on a flag.
+    Each method is the module function of the same name (shapes and results there); with
+    ``cpu_kernels`` False, or tensors the C kernels do not take (any device but the CPU), it runs
+    the torch chain."""
+
+    def __init__(self, cpu_kernels: bool):
+        self.cpu_kernels = cpu_kernels
+
+    def __repr__(self) -> str:
+        return f"FusedOps(cpu_kernels={self.cpu_kernels})"
+
+    def add_rms_norm(self, h: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`add_rms_norm`."""
+        return add_rms_norm(h, x, weight, eps, self.cpu_kernels)
+
+    def all_reduce_add_rms_norm(self, t: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h + all_reduce(t), weight * rms_norm(h + all_reduce(t)))``: a row-parallel layer's partial
+        output ``t`` summed over the ranks, then :func:`add_rms_norm`. Through the shared-memory comm
+        in one C call where it takes the tensors (``ShmComm.all_reduce_add_rms_norm``: one pass over
+        the ranks' slots instead of a sum written and read again), else the two steps; the results
+        are the same. Shapes: ``t``, ``h [rows, n]``, ``weight [n]``. ``t`` may be written."""
+        comm = activation_comm()
+        if self.cpu_kernels and comm is not None:  # the shared-memory comm (tpengine.backends.cpu.shm)
+            out = comm.all_reduce_add_rms_norm(t, h, weight, eps)
+            if out is not None:
+                return out
+        return add_rms_norm(h, all_reduce(t), weight, eps, self.cpu_kernels)
+
+    def rope_(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """:func:`rope_`."""
+        return rope_(qk, cos, sin, self.cpu_kernels)
+
+    def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+        """:func:`silu_mul`."""
+        return silu_mul(gate_up, inter, self.cpu_kernels)

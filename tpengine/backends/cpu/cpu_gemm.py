@@ -1,5 +1,5 @@
 """float32 GEMM for a decode batch on a linear layer's plain ``[out, in]`` weight (``cpu_gemm.c``,
-built by :mod:`tpengine.backends.cpu.cpu_native`).
+built by :mod:`tpengine.backends.cpu.cpu_library`).
 
 MKL's sgemm packs the weight's panels on every call; at the 64 rows of a decode batch that pass
 over the weight costs as much as the arithmetic. This kernel reads the weight once in its own
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tpengine.backends.cpu import cpu_native
+from tpengine.backends.cpu import cpu_library
 
 #: Below this many rows a call is bound by the weight loads the kernel broadcasts (one FMA each),
 #: and the GEMV kernel or MKL takes them.
@@ -27,7 +27,7 @@ def available(weight: torch.Tensor) -> bool:
     """Whether :func:`gemm` takes this weight: a contiguous float32 CPU ``[n, k]`` tensor, and the
     library loads."""
     return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.is_contiguous() and cpu_native.load() is not None)
+            and weight.is_contiguous() and cpu_library.load() is not None)
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -48,7 +48,7 @@ def _run(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The C call for checked arguments: ``x [rows, k]`` contiguous float32 -> ``[rows, n]``."""
     (n, k), y = weight.shape, torch.empty(x.shape[0], weight.shape[0])
     panel = torch.empty(k * PANEL_ROWS)  # torch's CPU allocations are 64-byte aligned
-    cpu_native.load().tpe_gemm_f32(x.data_ptr(), x.shape[0], k, weight.data_ptr(), n, y.data_ptr(),
+    cpu_library.load().tpe_gemm_f32(x.data_ptr(), x.shape[0], k, weight.data_ptr(), n, y.data_ptr(),
                                    panel.data_ptr(), torch.get_num_threads())
     return y
 

@@ -1,5 +1,5 @@
 """bfloat16 and float32 matrix-vector products for the few rows of a decode step, on a linear
-layer's plain ``[out, in]`` weight (``cpu_gemv.c``, built by :mod:`tpengine.backends.cpu.cpu_native`).
+layer's plain ``[out, in]`` weight (``cpu_gemv.c``, built by :mod:`tpengine.backends.cpu.cpu_library`).
 Used for a weight shape when :mod:`tpengine.backends.cpu.linear_layout` measured it faster than
 ``F.linear`` and oneDNN's packed layout at those rows on this machine; the weight is the plain one
 either way, so no second copy exists."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tpengine.backends.cpu import cpu_native
+from tpengine.backends.cpu import cpu_library
 
 #: The most rows one call takes (the C code keeps 4 rows x 4 weight rows of accumulators).
 MAX_ROWS = 8
@@ -21,7 +21,7 @@ def available(weight: torch.Tensor) -> bool:
     (``k % 16 == 0``) CPU ``[n, k]`` tensor, and the library loads."""
     kernel = _KERNELS.get(weight.dtype)
     return (kernel is not None and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.shape[1] % kernel[1] == 0 and weight.is_contiguous() and cpu_native.load() is not None)
+            and weight.shape[1] % kernel[1] == 0 and weight.is_contiguous() and cpu_library.load() is not None)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -32,7 +32,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: a dtype, shape or row count it does not take.
     """
-    lib = cpu_native.load()
+    lib = cpu_library.load()
     n, k = weight.shape
     rows = x.numel() // k if x.shape[-1] == k else -1
     if lib is None or not available(weight) or x.dtype != weight.dtype or not 1 <= rows <= MAX_ROWS:
@@ -56,7 +56,7 @@ def bind(weight: torch.Tensor):
     """
     if not available(weight):
         raise ValueError(f"gemv: cannot take a {weight.dtype} weight {tuple(weight.shape)}")
-    fn, (n, k), wp, dtype = getattr(cpu_native.load(), _KERNELS[weight.dtype][0]), weight.shape, weight.data_ptr(), \
+    fn, (n, k), wp, dtype = getattr(cpu_library.load(), _KERNELS[weight.dtype][0]), weight.shape, weight.data_ptr(), \
         weight.dtype
 
     def run(x: torch.Tensor) -> torch.Tensor:

@@ -3,20 +3,20 @@ arguments checked at the boundary.
 
 Each op is declared with ``torch.library.Library("tpengine", "DEF")`` and gets a CPU implementation
 that checks shapes, dtypes and layout (ValueError naming the op, the argument and what is valid)
-and then calls the C function from :func:`tpengine.backends.cpu.cpu_native.load` through ctypes. Indices
+and then calls the C function from :func:`tpengine.backends.cpu.cpu_library.load` through ctypes. Indices
 are bounded inside the C code, before anything is written: an out-of-range ``copy_rows`` index
 raises IndexError naming the index, its value and the valid range. Outputs are passed in (mutated
 arguments, ``(a!)`` in the schema), so every op returns nothing. ``add_rms_norm`` and ``silu_mul``
 also take float32 tensors (``tpe_*_f32``). Callers are
 :mod:`tpengine.backends.cpu.cpu_fused` and :mod:`tpengine.backends.cpu.cpu_decode`; they decide whether the C
-kernels may run at all (:func:`tpengine.backends.cpu.cpu_native.usable`).
+kernels may run at all (:func:`tpengine.backends.cpu.cpu_library.usable`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from tpengine.backends.cpu import cpu_native
+from tpengine.backends.cpu import cpu_library
 
 BF16 = torch.bfloat16
 
@@ -37,9 +37,9 @@ SCHEMAS = {
 
 
 def _lib():
-    lib = cpu_native.load()
+    lib = cpu_library.load()
     if lib is None:
-        raise RuntimeError(f"CPU C kernels unavailable: {cpu_native.unavailable_reason()}")
+        raise RuntimeError(f"CPU C kernels unavailable: {cpu_library.unavailable_reason()}")
     return lib
 
 

@@ -1,5 +1,5 @@
 """Paged decode attention on CPU in one C call per layer (``cpu_paged.c``, built by
-:mod:`tpengine.backends.cpu.cpu_native`): RoPE on the new query and key heads, the new keys and values
+:mod:`tpengine.backends.cpu.cpu_library`): RoPE on the new query and key heads, the new keys and values
 stored at their slots, and attention over each sequence's cached keys read through its block
 table -- the store, gather, two products and softmax of the torch path
 (:mod:`tpengine.backends.cpu.attention`) without a contiguous copy of the context and without a
@@ -12,19 +12,19 @@ from dataclasses import dataclass
 
 import torch
 
-from tpengine.backends.cpu import cpu_native
+from tpengine.backends.cpu import cpu_library
 
 MAX_D = 256  # the C code keeps a query head in 16 vectors of 16 floats
 MAX_G = 16  # query heads per KV head
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def available(dtype: torch.dtype, head_dim: int, native: bool) -> bool:
-    """Whether :func:`decode` takes a layer of this dtype and head size: ``native``
+def available(dtype: torch.dtype, head_dim: int, cpu_kernels: bool) -> bool:
+    """Whether :func:`decode` takes a layer of this dtype and head size: ``cpu_kernels``
     (``EngineConfig.cpu_kernels``), float32 or bfloat16, ``head_dim % 32 == 0`` (RoPE rotates halves
     of whole 16-lane vectors) and ``<= 256``, and the C library loads."""
-    return (native and dtype in DTYPES and head_dim % 32 == 0 and head_dim <= MAX_D
-            and cpu_native.load() is not None)
+    return (cpu_kernels and dtype in DTYPES and head_dim % 32 == 0 and head_dim <= MAX_D
+            and cpu_library.load() is not None)
 
 
 @dataclass(frozen=True)
@@ -74,9 +74,9 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor 
         ValueError: a shape, dtype or layout mismatch.
         IndexError: a slot, length or block id out of range (checked before anything is written).
     """
-    lib = cpu_native.load()
+    lib = cpu_library.load()
     if lib is None:
-        raise RuntimeError(f"CPU C kernels unavailable: {cpu_native.unavailable_reason()}")
+        raise RuntimeError(f"CPU C kernels unavailable: {cpu_library.unavailable_reason()}")
     dtype, (b, hq, d) = q.dtype, q.shape
     nb, bs, hkv, _ = k_cache.shape
     if dtype not in DTYPES or d % 32 or d > MAX_D:
@@ -125,7 +125,7 @@ def set_amx(min_batch: int) -> bool:
     the kernel keeps its AVX-512 path whatever ``min_batch``. The path also needs a block size that
     is a multiple of 16 and a head size up to 128 (else the call takes the AVX-512 path). Both paths
     round as ``cpu_paged.c`` describes (the float32 sums run in other orders)."""
-    lib = cpu_native.load()
+    lib = cpu_library.load()
     return lib is not None and bool(lib.tpe_paged_set_amx(int(min_batch)))
 
 

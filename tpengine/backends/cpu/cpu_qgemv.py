@@ -1,5 +1,5 @@
 """int8 and int4 weight-only matrix-vector products for the few rows of a decode step
-(``cpu_qgemv.c``, built by :mod:`tpengine.backends.cpu.cpu_native`), on the storage
+(``cpu_qgemv.c``, built by :mod:`tpengine.backends.cpu.cpu_library`), on the storage
 :mod:`tpengine.quant.weights` already holds (int8 ``[out, in]`` with per-channel scales; torch's
 packed int4 layout with ``scales_and_zeros``, or scales and int8 zero codes), so no second copy of a weight exists.
 
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from tpengine.backends.cpu import cpu_native
-from tpengine.backends.cpu.cpu_native import cache_root, cpu_id
+from tpengine.backends.cpu import cpu_library
+from tpengine.backends.cpu.cpu_library import cache_root, cpu_id
 from tpengine.backends.cpu.measured import read_cache, time_us, write_cache
 
 #: The most rows one call takes.
@@ -57,9 +57,9 @@ def _rows(x: torch.Tensor, k: int, op: str) -> tuple[torch.Tensor, int]:
 
 
 def _lib():
-    lib = cpu_native.load()
+    lib = cpu_library.load()
     if lib is None:
-        raise RuntimeError(f"CPU C kernels unavailable: {cpu_native.unavailable_reason()}")
+        raise RuntimeError(f"CPU C kernels unavailable: {cpu_library.unavailable_reason()}")
     return lib
 
 
@@ -203,11 +203,11 @@ def dequant_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_siz
     return wt
 
 
-def gemv_rows(torch_us: list[float], native_us: list[float]) -> int:
-    """The largest of :data:`ROW_BUCKETS` up to which ``native_us`` (these kernels) beat
+def gemv_rows(torch_us: list[float], kernel_us: list[float]) -> int:
+    """The largest of :data:`ROW_BUCKETS` up to which ``kernel_us`` (these kernels) beat
     ``torch_us`` at every bucket (0: never)."""
     rows = 0
-    for n, t, c in zip(ROW_BUCKETS, torch_us, native_us):
+    for n, t, c in zip(ROW_BUCKETS, torch_us, kernel_us):
         if c >= t:
             break
         rows = n
@@ -216,9 +216,9 @@ def gemv_rows(torch_us: list[float], native_us: list[float]) -> int:
 
 def cache_path(dtype: torch.dtype) -> Path:
     """The timings file of :func:`choose` for this CPU (model and flags), build of the C kernels
-    (:func:`~tpengine.backends.cpu.cpu_native.library_key`), torch version, thread count and activation
+    (:func:`~tpengine.backends.cpu.cpu_library.library_key`), torch version, thread count and activation
     ``dtype`` (``$TPENGINE_CACHE_DIR``, as :mod:`tpengine.backends.cpu.linear_layout`)."""
-    key = "\0".join(["quant", str(CACHE_VERSION), cpu_id(), cpu_native.library_key(), torch.__version__,
+    key = "\0".join(["quant", str(CACHE_VERSION), cpu_id(), cpu_library.library_key(), torch.__version__,
                      str(torch.get_num_threads()), str(dtype)])
     return cache_root() / f"quant-kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 

@@ -28,33 +28,20 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_native, cpu_paged
-from tpengine.backends.cpu.linear_layout import ROW_BUCKETS, kernel_at
+from tpengine.backends.cpu import cpu_library, cpu_paged
+from tpengine.comm import all_reduce
 from tpengine.context import Context
-from tpengine.model.layers.comm import all_reduce, all_reduce_add_rms_norm
-from tpengine.model.layers.fused import FusedAttention, FusedMLP, RMSNorm
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _linear(m, row_parallel: bool, tp: int, reduce: bool = True) -> Fn:
-    """``x [rows, in]`` contiguous -> ``[rows, out]`` the way :func:`tpengine.model.layers.linear.linear`
-    runs layer ``m`` (then the all-reduce and bias of a row-parallel layer at tp > 1; ``reduce``
-    False: its partial sum, which the next norm all-reduces)."""
-    bias = m.bias
-    if m.quant is not None:
-        q = m.quant.bind()
-        f = q if bias is None or row_parallel else (lambda x: q(x) + bias)
-    elif m.packed is not None:
-        op, packed, b = torch.ops.mkldnn._linear_pointwise, m.packed, None if row_parallel else bias
-        f = lambda x: op(x, packed, b, "none", [], "")  # noqa: E731
-    elif m.kernels and bias is None:
-        f = _plain_kernels(m.weight, m.kernels)
-    else:
-        w, b = m.weight, None if row_parallel else bias
-        f = lambda x: F.linear(x, w, b)  # noqa: E731
+    """``x [rows, in]`` contiguous -> ``[rows, out]`` through layer ``m``'s own bound implementation
+    (``m.impl``, :func:`tpengine.backends.cpu.linear_layout.bind_linear`: the same callable its
+    forward runs), then, as the layer's forward does, the all-reduce and bias of a row-parallel
+    layer at tp > 1 (``reduce`` False: its partial sum, which the next norm all-reduces)."""
+    f, bias = m.impl or m.bind(), m.bias
     if not row_parallel or not reduce:
         return f
     if tp > 1:
@@ -66,35 +53,18 @@ def _linear(m, row_parallel: bool, tp: int, reduce: bool = True) -> Fn:
     return f
 
 
-def _plain_kernels(w: torch.Tensor, kernels: tuple[str, ...]) -> Fn:
-    """``x [rows, in] -> [rows, out]`` on the plain weight ``w`` as :func:`tpengine.model.layers.linear.linear`
-    runs it: per row count the path ``kernels`` names (:func:`tpengine.backends.cpu.linear_layout.kernel_at`)."""
-    paths = {"plain": lambda x: F.linear(x, w)}
-    if "gemv" in kernels:
-        paths["gemv"] = cpu_gemv.bind(w)
-    if "gemm" in kernels:
-        paths["gemm"] = cpu_gemm.bind(w)
-    by_rows = [paths[kernel_at(kernels, rows)] for rows in range(ROW_BUCKETS[-1] + 1)]
-    last = len(by_rows)
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        return (by_rows[rows] if rows < last else paths["plain"])(x)
-    return run
-
-
-def _norm(norm: RMSNorm, dtype: torch.dtype, reduce: bool = False):
+def _norm(norm, dtype: torch.dtype, reduce: bool = False):
     """``(h, x | None) -> (h + x, rms_norm(h + x))`` through the C kernel, as
     :func:`tpengine.backends.cpu.cpu_fused.add_rms_norm` calls it; ``reduce``: ``x`` is a row-parallel
-    partial sum, all-reduced first (:func:`tpengine.model.layers.comm.all_reduce_add_rms_norm`)."""
-    lib = cpu_native.load()
+    partial sum, all-reduced first (:func:`tpengine.comm.all_reduce_add_rms_norm`)."""
+    lib = cpu_library.load()
     fn = lib.tpe_add_rms_norm if dtype == torch.bfloat16 else lib.tpe_add_rms_norm_f32
-    w, n, eps = norm.weight.contiguous(), norm.weight.shape[0], float(norm.eps)
+    w, n, eps, ops = norm.weight.contiguous(), norm.weight.shape[0], float(norm.eps), norm.ops
     wp = w.data_ptr()
 
     def run(h: torch.Tensor, x: torch.Tensor | None):
         if reduce and x is not None:
-            return all_reduce_add_rms_norm(x, h, w, eps, True)
+            return ops.all_reduce_add_rms_norm(x, h, w, eps)
         y = torch.empty_like(h)
         if x is None:
             fn(h.data_ptr(), None, wp, None, y.data_ptr(), h.shape[0], n, eps, torch.get_num_threads())
@@ -105,8 +75,8 @@ def _norm(norm: RMSNorm, dtype: torch.dtype, reduce: bool = False):
     return run, w
 
 
-def _silu(mlp: FusedMLP, dtype: torch.dtype) -> Fn:
-    lib = cpu_native.load()
+def _silu(mlp, dtype: torch.dtype) -> Fn:
+    lib = cpu_library.load()
     fn = lib.tpe_silu_mul if dtype == torch.bfloat16 else lib.tpe_silu_mul_f32
     inter = mlp.intermediate
 
@@ -117,11 +87,11 @@ def _silu(mlp: FusedMLP, dtype: torch.dtype) -> Fn:
     return run
 
 
-def _attention(attn: FusedAttention, dtype: torch.dtype):
+def _attention(attn, dtype: torch.dtype):
     """``(qkv [B, (Hq + 2 Hkv) D] contiguous, step) -> [B, Hq D]``: RoPE, KV store and paged
     attention in one C call (:func:`tpengine.backends.cpu.cpu_paged.decode`'s, with its layout checks
     done here once)."""
-    lib = cpu_native.load()
+    lib = cpu_library.load()
     fn = lib.tpe_paged_decode_f32 if dtype == torch.float32 else lib.tpe_paged_decode_bf16
     hq, hkv, d, scale = attn.num_heads, attn.num_key_value_heads, attn.head_dim, float(attn.scaling)
     k_cache, v_cache, q_to_kv = attn.k_cache, attn.v_cache, attn.tp_q_to_kv
@@ -175,12 +145,6 @@ class CPUDecodeProgram:
         self.stack, self.layers, self.final_norm, self.dtype = stack, layers, final_norm, dtype
         self._keep = keep  # tensors whose pointers the closures hold (contiguous copies, if any)
 
-    @staticmethod
-    def takes(ctx: Context) -> bool:
-        """Whether ``ctx`` is a step this program runs: a decode step the CPU backend prepared for
-        its paged C kernel."""
-        return not ctx.is_prefill and bool(getattr(ctx.attn, "paged", False))
-
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
         stack = self.stack
         h = stack.embed_tokens(input_ids)
@@ -195,25 +159,23 @@ class CPUDecodeProgram:
         return self.final_norm(h, delta)[1]
 
 
-def build(model, tp: int, native: bool) -> CPUDecodeProgram | None:
-    """The decode program of a loaded CPU ``model`` (its KV caches bound), or None where it does
-    not apply: C kernels off or unavailable, a dtype other than float32/bfloat16, a head size the
-    paged kernel does not take, q/k norms (Qwen3), an activation other than SiLU, or widths not
-    multiples of 16."""
-    stack = model.model
+def build(stack, tp: int, cpu_kernels: bool) -> CPUDecodeProgram | None:
+    """The decode program of a loaded CPU decoder ``stack`` (:class:`~tpengine.model.layers.fused.DecoderStack`,
+    its KV caches bound), or None where it does not apply: C kernels off or unavailable, a dtype
+    other than float32/bfloat16, a head size the paged kernel does not take, q/k norms (Qwen3), an
+    activation other than SiLU, or widths not multiples of 16."""
     layers = list(stack.layers[: stack.config.num_hidden_layers])
     dtype = stack.norm.weight.dtype
-    if (not native or stack.norm.weight.device.type != "cpu" or cpu_native.load() is None
+    if (not cpu_kernels or stack.norm.weight.device.type != "cpu" or cpu_library.load() is None
             or dtype not in (torch.float32, torch.bfloat16) or not layers):
         return None
     keep, built = [], []
-    fuse = getattr(stack, "reduce_in_norm", False)  # as decoder_forward: the all-reduces run in the norms
+    fuse = stack.reduce_in_norm  # as the stack's forward: the all-reduces run in the norms
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if not (isinstance(attn, FusedAttention) and isinstance(mlp, FusedMLP) and attn.q_norm is None and mlp.silu
-                and cpu_paged.available(dtype, attn.head_dim, True) and mlp.intermediate % 16 == 0
-                and getattr(attn, "k_cache", None) is not None
-                and all(isinstance(n, RMSNorm) and n.weight.dtype == dtype and n.weight.shape[0] % 16 == 0
+        if not (attn.q_norm is None and mlp.silu and cpu_paged.available(dtype, attn.head_dim, True)
+                and mlp.intermediate % 16 == 0 and attn.k_cache is not None
+                and all(n.weight.dtype == dtype and n.weight.shape[0] % 16 == 0
                         for n in (layer.input_layernorm, layer.post_attention_layernorm))):
             return None
         (norm1, w1), (norm2, w2) = (_norm(layer.input_layernorm, dtype, fuse),

@@ -143,7 +143,7 @@ class KVMirror:
 
     def decode_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor,
                   block_tables: torch.Tensor, context_lens: torch.Tensor, max_ctx: int, step: MirrorStep,
-                  native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  cpu_kernels: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's keys and values for decode step ``step``: contiguous
         ``[B, Hkv, capacity(max_ctx), D]`` tensors, the same shapes :func:`gather` makes (positions at
         or past ``context_lens[b]`` hold stale finite values: mask them; a contiguous tensor keeps the
@@ -151,7 +151,7 @@ class KVMirror:
 
         ``index`` is the ``[B * Hkv * max_ctx]`` row index into the ``[slots * Hkv, D]`` cache view
         (see :mod:`tpengine.backends.cpu.attention`), used when the mirror is rebuilt. Caches are
-        ``[num_blocks, block_size, Hkv, D]`` and contiguous; ``native``: appends through the C
+        ``[num_blocks, block_size, Hkv, D]`` and contiguous; ``cpu_kernels``: appends through the C
         row copy (:func:`tpengine.backends.cpu.cpu_fused.copy_rows`).
         """
         _, bs, hkv, d = k_cache.shape
@@ -177,6 +177,6 @@ class KVMirror:
             self.stats["appends"] += 1
             slots, rows = _append_index(step, block_tables, context_lens, bs, hkv, self.k.shape[2])
             cpu_fused.copy_rows((k_cache.view(-1, d), v_cache.view(-1, d)), (self.k.view(-1, d), self.v.view(-1, d)),
-                                rows, slots, native=native)  # bfloat16 on CPU: one C call, else 4 torch ops
+                                rows, slots, cpu_kernels=cpu_kernels)  # bfloat16 on CPU: one C call, else 4 torch ops
         self.serial = step.serial
         return self.k, self.v

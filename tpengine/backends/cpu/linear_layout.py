@@ -26,6 +26,7 @@ dtype in ``$TPENGINE_CACHE_DIR`` (default ``~/.cache/tpengine``), so a machine m
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from tpengine.backends import CPU_LINEAR_CHOICES
-from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_native
-from tpengine.backends.cpu.cpu_native import cache_root, cpu_id
+from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_library
+from tpengine.backends.cpu.cpu_library import cache_root, cpu_id
 from tpengine.backends.cpu.measured import consistent, read_cache, time_us, write_cache
 
 LAYOUTS = ("plain", "packed")
@@ -167,8 +168,8 @@ def measure(shape: tuple[int, int], count: int, dtype: torch.dtype) -> dict[str,
 
 def cache_path(dtype: torch.dtype) -> Path:
     """The timings file for this CPU (model and flags), build of the C kernels
-    (:func:`~tpengine.backends.cpu.cpu_native.library_key`), torch version, thread count and ``dtype``."""
-    key = "\0".join([str(CACHE_VERSION), cpu_id(), cpu_native.library_key(), torch.__version__,
+    (:func:`~tpengine.backends.cpu.cpu_library.library_key`), torch version, thread count and ``dtype``."""
+    key = "\0".join([str(CACHE_VERSION), cpu_id(), cpu_library.library_key(), torch.__version__,
                      str(torch.get_num_threads()), str(dtype)])
     return cache_root() / f"linear-layouts-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
@@ -192,14 +193,14 @@ def _timed(cache: dict, key: str, needs: tuple[str, ...], measure_fn) -> tuple[d
     return both, "measured" if ok else "measured, noisy (not cached)", ok
 
 
-def choose_head(weight: torch.Tensor, setting: str = "auto", native: bool = True) -> LayoutChoice:
+def choose_head(weight: torch.Tensor, setting: str = "auto", cpu_kernels: bool = True) -> LayoutChoice:
     """The kernels of a tied LM head's loaded CPU ``weight [vocab_local, hidden]``, which stays plain
     (its rows are the embedding's too, so there is no packed copy): ``F.linear`` or the GEMM kernel
     per bucket (:func:`plain_kernels`), timed on this weight itself at :data:`ROW_BUCKETS` (cached
     like :func:`choose_layouts`).
-    ``setting`` other than "auto", ``native`` False, or a weight the GEMM does not take: plain
+    ``setting`` other than "auto", ``cpu_kernels`` False, or a weight the GEMM does not take: plain
     ``F.linear`` with no timings."""
-    if setting != "auto" or not native or not cpu_gemm.available(weight):
+    if setting != "auto" or not cpu_kernels or not cpu_gemm.available(weight):
         return LayoutChoice("plain", "default", {})
     path = cache_path(weight.dtype)
     cache = read_cache(path)
@@ -211,10 +212,10 @@ def choose_head(weight: torch.Tensor, setting: str = "auto", native: bool = True
 
 
 def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setting: str = "auto",
-                   native: bool = True) -> dict[tuple[int, int], LayoutChoice]:
+                   cpu_kernels: bool = True) -> dict[tuple[int, int], LayoutChoice]:
     """The layout of each weight shape ``(out, in)`` (``shapes`` maps it to how many layers of this
     rank have it) for CPU weights in ``dtype``: ``setting`` "plain" or "packed" forces it; "auto"
-    measures (:func:`measure`) or reads the cached timings (:func:`cache_path`). ``native`` False
+    measures (:func:`measure`) or reads the cached timings (:func:`cache_path`). ``cpu_kernels`` False
     (``EngineConfig.cpu_kernels`` off) leaves the GEMV and GEMM kernels out of the choice.
 
     Raises:
@@ -234,7 +235,7 @@ def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setti
         if times is None:
             chosen[shape] = LayoutChoice("packed", "default", {})
         else:
-            if not native:
+            if not cpu_kernels:
                 times = {k: v for k, v in times.items() if k not in ("gemv", "gemm")}
             layout = pick(times)
             chosen[shape] = LayoutChoice(layout, how, times, plain_kernels(times) if layout == "plain" else ())
@@ -248,3 +249,53 @@ def summary(chosen: dict[tuple[int, int], LayoutChoice], dtype: torch.dtype) -> 
     hows = sorted({c.how for c in chosen.values()})
     return (f"tpengine: CPU linear layouts ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, "
             f"{'/'.join(hows)}): " + "; ".join(c.describe(s) for s, c in sorted(chosen.items())))
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight [out, in]`` reordered for oneDNN's CPU matmul, or None where that is not available
+    (not a CPU float32/bfloat16 tensor, no oneDNN, no bfloat16 support in this CPU)."""
+    mkldnn = torch.ops.mkldnn
+    if (weight.device.type != "cpu" or not torch.backends.mkldnn.is_available()
+            or not hasattr(mkldnn, "_reorder_linear_weight") or not hasattr(mkldnn, "_linear_pointwise")):
+        return None
+    if weight.dtype == torch.bfloat16 and not mkldnn._is_mkldnn_bf16_supported():
+        return None
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return mkldnn._reorder_linear_weight(weight.detach())
+
+
+def bind_linear(weight: torch.Tensor | None, bias: torch.Tensor | None, packed: torch.Tensor | None = None,
+                quant=None, kernels: tuple[str, ...] = ()) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The one implementation a linear layer runs, bound once its weight is loaded:
+    ``run(x [rows, in] contiguous, the weight's dtype) -> x @ weight.T + bias [rows, out]``.
+
+    In order: a quantized weight (``quant``, :class:`~tpengine.quant.weights.QuantizedWeight`) runs
+    its kernel (``quant.bind()``); a ``packed`` weight (:func:`prepack`) runs oneDNN's matmul; a
+    plain weight without a bias whose ``kernels`` were measured (:func:`plain_kernels`) runs, per
+    row count, the path measured fastest at that row bucket (:func:`kernel_at`: tpengine's GEMV
+    kernel, :mod:`tpengine.backends.cpu.cpu_gemv`, its GEMM, :mod:`tpengine.backends.cpu.cpu_gemm`,
+    or ``F.linear``); anything else runs ``F.linear``. Every path computes the same product; the
+    choice is speed only.
+    """
+    if quant is not None:
+        q = quant.bind()
+        return q if bias is None else (lambda x: q(x) + bias)
+    if packed is not None:
+        op = torch.ops.mkldnn._linear_pointwise
+        return lambda x: op(x, packed, bias, "none", [], "")
+    if kernels and bias is None:
+        paths = {"plain": lambda x: F.linear(x, weight)}
+        if "gemv" in kernels:
+            paths["gemv"] = cpu_gemv.bind(weight)
+        if "gemm" in kernels:
+            paths["gemm"] = cpu_gemm.bind(weight)
+        plain = paths["plain"]
+        by_rows = [plain] + [paths[kernel_at(kernels, rows)] for rows in range(1, ROW_BUCKETS[-1] + 1)]
+        last = len(by_rows)
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            rows = x.shape[0]
+            return (by_rows[rows] if rows < last else plain)(x)
+        return run
+    return lambda x: F.linear(x, weight, bias)

@@ -27,8 +27,8 @@ from typing import Callable
 
 import torch
 
-from tpengine.backends.cpu import cpu_native
-from tpengine.backends.cpu.cpu_native import cache_root, cpu_id
+from tpengine.backends.cpu import cpu_library
+from tpengine.backends.cpu.cpu_library import cache_root, cpu_id
 
 CACHE_VERSION = 1
 
@@ -96,7 +96,7 @@ def write_cache(path: Path, data: dict) -> None:
 def cache_path() -> Path:
     """The timings file for this CPU (model and flags), build of the C kernels, torch version and
     thread count."""
-    key = "\0".join(["choices", str(CACHE_VERSION), cpu_id(), cpu_native.library_key(), torch.__version__,
+    key = "\0".join(["choices", str(CACHE_VERSION), cpu_id(), cpu_library.library_key(), torch.__version__,
                      str(torch.get_num_threads())])
     return cache_root() / f"choices-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 

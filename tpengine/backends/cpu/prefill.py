@@ -47,7 +47,7 @@ def gather_cache(cache: torch.Tensor, block_row: torch.Tensor, n: int) -> torch.
 
 
 def causal_matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                            native: bool) -> torch.Tensor:
+                            cpu_kernels: bool) -> torch.Tensor:
     """Causal attention of ``q [B, Hq, L, D]`` over ``k``/``v [B, Hkv, L, D]`` (``Hq = G * Hkv``,
     query head ``h`` reads KV head ``h // G``) -> ``[B, Hq, L, D]``, computed as HF's eager
     attention does for half types: matmuls in the input dtype, scores scaled and masked, softmax
@@ -56,5 +56,5 @@ def causal_matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     b, hkv, n, d = k.shape
     g = q.shape[1] // hkv
     s = torch.matmul(q.reshape(b, hkv, g * n, d), k.transpose(-1, -2))  # [B, Hkv, G*L, L]
-    p = cpu_fused.causal_softmax_(s.view(b, hkv, g, n, n), scale, native).view(b, hkv, g * n, n)
+    p = cpu_fused.causal_softmax_(s.view(b, hkv, g, n, n), scale, cpu_kernels).view(b, hkv, g * n, n)
     return torch.matmul(p, v).view(b, hkv * g, n, d)

@@ -29,7 +29,7 @@ import time
 import torch
 
 from tpengine import distributed as dist
-from tpengine.backends.cpu import cpu_fused, cpu_native
+from tpengine.backends.cpu import cpu_fused, cpu_library
 from tpengine.utils import cdiv
 
 HEADER = 4096  # flags and pids, one 64-byte line per rank (up to 64 ranks); cpu_shm.c has the same
@@ -59,7 +59,7 @@ class ShmComm:
         self.pids = header[:, 1].numpy()
         self.pids[rank] = os.getpid()
         self.gen = 0
-        lib = cpu_native.load()
+        lib = cpu_library.load()
         self._fast = lib.tpe_shm_all_reduce if lib is not None else None
         self._fused = lib.tpe_shm_all_reduce_add_rms_norm if lib is not None else None
         self._base = self.buf.data_ptr()

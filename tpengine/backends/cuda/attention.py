@@ -30,7 +30,7 @@ def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """Triton paged attention. ``native``/``kv_mirror`` are CPU options and do not apply here."""
+    """Triton paged attention. ``cpu_kernels``/``kv_mirror`` are CPU options and do not apply here."""
 
     name = "triton"
     graph_safe = True

@@ -13,13 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpengine.backends.cpu import cpu_native
+from tpengine.backends.cpu import cpu_library
+from tpengine.backends.cpu.cpu_fused import FusedOps
 from tpengine.backends.cpu.cpu_ops import ops
 from tpengine.backends.cpu.linear_layout import kernel_at
 from tpengine.backends.cpu.measured import Choice, fastest
+from tpengine.comm import all_reduce, gather_to_driver
 from tpengine.distributed import get_tp
-from tpengine.model.layers.comm import all_reduce, gather_to_driver
-from tpengine.model.layers.linear import _Packable, linear
+from tpengine.model.layers.linear import _Packable
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -57,18 +58,19 @@ class ParallelLMHead(_Packable):
     tied), or ``quant`` (quantized, the embedding's own ``quant`` when tied). Input
     ``[..., hidden]`` -> on rank 0 ``[..., vocab_size]`` (padding columns dropped, so padded ids
     can never be sampled); None on other ranks. ``row_max_block``: the greedy pick's block
-    (:func:`row_max`; set by the loader from :func:`choose_row_max_block` on CPU); ``native``: the
-    greedy pick may use the C kernels (``EngineConfig.cpu_kernels``, set by the surgery).
+    (:func:`row_max`; set by the loader from :func:`choose_row_max_block` on CPU); ``ops``: the
+    model's :class:`~tpengine.backends.cpu.cpu_fused.FusedOps` (the greedy pick takes the C argmax where
+    they use the C kernels; default: the C kernels where they take the tensors).
     """
 
-    native = True
-
-    def __init__(self, vocab_start: int, vocab_end: int, vocab_size: int, hidden: int,
-                 dtype=None, device="meta"):
+    def __init__(self, vocab_start: int, vocab_end: int, vocab_size: int, hidden: int, dtype=None, device="meta",
+                 ops: FusedOps | None = None):
         super().__init__()
+        self.ops = ops or FusedOps(True)
         self.vocab_start, self.vocab_end, self.vocab_size = vocab_start, vocab_end, vocab_size
         self.weight = nn.Parameter(torch.empty(vocab_end - vocab_start, hidden, dtype=dtype, device=device),
                                    requires_grad=False)
+        self.bias = None  # a vocabulary-parallel head has none
         self.row_max_block = ROW_MAX_BLOCK
         self.greedy_mm = False
 
@@ -77,20 +79,22 @@ class ParallelLMHead(_Packable):
         """This rank's real vocabulary columns (its shard without the padding)."""
         return min(self.vocab_end, self.vocab_size) - self.vocab_start
 
+    def bind(self):
+        """The head's implementation (:meth:`~tpengine.model.layers.linear._Packable.bind`: a quantized
+        head's kernel, a packed weight, or a tied head's paths per row bucket, measured by the loader's
+        ``choose_head``). A plain half-precision CPU head whose one-row path is ``F.linear`` reads
+        one row with ``torch.mv`` instead, which streams a plain row-major weight faster."""
+        impl = super().bind()
+        w = self.weight
+        if (self.quant is None and self.packed is None and w is not None and w.device.type == "cpu"
+                and w.dtype in (torch.bfloat16, torch.float16) and kernel_at(self.kernels, 1) == "plain"):
+            self.impl = lambda x: torch.mv(w, x[0]).unsqueeze(0) if x.shape[0] == 1 else impl(x)  # noqa: E731
+        return self.impl
+
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's ``[B, vocab_local]`` logits. A tied head keeps the embedding's plain rows
-        (never a packed copy beside them); for one half-precision row on the CPU it reads them
-        with ``torch.mv``, which streams a plain row-major weight faster than ``F.linear``; a
-        float32 one takes the GEMM kernel at the rows it measured faster at (``kernels``).
-        A quantized head multiplies through its kernel."""
-        if self.quant is not None:
-            return self.quant(hidden)
-        if self.kernels and kernel_at(self.kernels, hidden.numel() // hidden.shape[-1]) != "plain":
-            return linear(hidden, self.weight, None, None, None, self.kernels)  # measured: the loader's choose_head
-        if (self.packed is None and hidden.dim() == 2 and hidden.shape[0] == 1 and hidden.device.type == "cpu"
-                and hidden.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == hidden.dtype):
-            return torch.mv(self.weight, hidden[0]).unsqueeze(0)
-        return linear(hidden, self.weight, None, self.packed)
+        (never a packed copy beside them)."""
+        return self._rows(hidden)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = gather_to_driver(self._logits(hidden), dim=-1)
@@ -108,9 +112,9 @@ class ParallelLMHead(_Packable):
         ``F.linear``'s in the last bit."""
         width = self.vocab_size - self.vocab_start
         if self.greedy_mm and hidden.dim() == 2 and hidden.shape[0] > 1:  # measured faster here (greedy_path)
-            value, index = col_max(torch.mm(self.weight, hidden.t())[:width], self.row_max_block, self.native)
+            value, index = col_max(torch.mm(self.weight, hidden.t())[:width], self.row_max_block, self.ops.cpu_kernels)
         else:
-            value, index = row_max(self._logits(hidden)[..., :width], self.row_max_block, self.native)
+            value, index = row_max(self._logits(hidden)[..., :width], self.row_max_block, self.ops.cpu_kernels)
         if get_tp().size == 1:
             return index
         mine = torch.stack([value.double(), (index + self.vocab_start).double()], dim=-1)  # exact
@@ -130,25 +134,26 @@ ROW_MAX_CANDIDATES = (0, 256, 512, 1024, 2048, 4096)
 ROW_MAX_ROWS = (1, 64)
 
 
-def _native_argmax(x: torch.Tensor, native: bool) -> bool:
+def _argmax_kernel_takes(x: torch.Tensor, cpu_kernels: bool) -> bool:
     """Whether the C argmax kernel (tpengine/backends/cpu/csrc/cpu_argmax.c) takes ``x``: 2-D float32 or
     bfloat16 on CPU with contiguous rows, the kernels on and loadable."""
-    return (native and x.dim() == 2 and x.numel() > 0 and x.dtype in (torch.float32, torch.bfloat16)
-            and x.device.type == "cpu" and x.stride(1) == 1 and cpu_native.usable(x, float32=True))
+    return (cpu_kernels and x.dim() == 2 and x.numel() > 0 and x.dtype in (torch.float32, torch.bfloat16)
+            and x.device.type == "cpu" and x.stride(1) == 1 and cpu_library.usable(x, float32=True))
 
 
-def row_max(x: torch.Tensor, block: int = ROW_MAX_BLOCK, native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def row_max(x: torch.Tensor, block: int = ROW_MAX_BLOCK,
+            cpu_kernels: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``x.max(dim=-1)`` of a ``[B, V]`` tensor -- the maximum and the *first* index holding it,
     NaN counting as the largest -- in two passes that vectorise: the maximum of every
     ``block``-column block (``amax``), the first block holding the row's maximum, then the first
     maximum inside that block (on CPU ``max(dim=-1)`` tracks an index per element and is several
     times slower; figures in docs/notes/kernels.md). Uses ``max`` itself for ``block`` 0, off the
     CPU, for a non-contiguous x, or for V not a multiple of ``block`` (or equal to it); the block
-    is measured per machine (:func:`choose_row_max_block`). With ``native`` (and a float32 or
+    is measured per machine (:func:`choose_row_max_block`). With ``cpu_kernels`` (and a float32 or
     bfloat16 ``x`` with contiguous rows) one pass of the C kernel ``tpengine.row_argmax`` instead,
     ``block`` unused. Returns ``(values [B] in x.dtype, indices [B] int64)``, the same either way."""
     b, v = x.shape
-    if _native_argmax(x, native):
+    if _argmax_kernel_takes(x, cpu_kernels):
         index = torch.empty(b, dtype=torch.int64)
         ops.row_argmax(x, index)
         return x[torch.arange(b), index], index
@@ -162,16 +167,17 @@ def row_max(x: torch.Tensor, block: int = ROW_MAX_BLOCK, native: bool = False) -
     return block_max[rows, first], first * block + inside
 
 
-def col_max(x: torch.Tensor, block: int = ROW_MAX_BLOCK, native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def col_max(x: torch.Tensor, block: int = ROW_MAX_BLOCK,
+            cpu_kernels: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`row_max` of ``x.T`` for a ``[V, B]`` tensor: per column the maximum and the *first*
     row index holding it (NaN the largest), by the same two passes over ``block``-row blocks
     (``amax`` over each block's rows, the first block holding the column's maximum, the first
     maximum inside it); ``x.max(dim=0)`` for ``block`` 0, off the CPU, a non-contiguous x, or V
-    not a multiple of ``block`` (or equal to it); with ``native``, the C kernel ``tpengine.col_argmax``
+    not a multiple of ``block`` (or equal to it); with ``cpu_kernels``, the C kernel ``tpengine.col_argmax``
     (one pass over the rows, as :func:`row_max`). Returns ``(values [B] in x.dtype, indices [B]
     int64)``, the same either way."""
     v, b = x.shape
-    if _native_argmax(x, native):
+    if _argmax_kernel_takes(x, cpu_kernels):
         index = torch.empty(b, dtype=torch.int64)
         ops.col_argmax(x, index)
         return x[index, torch.arange(b)], index
@@ -194,9 +200,9 @@ def choose_greedy_path(head: "ParallelLMHead", rows: tuple[int, ...] = (8, 64)) 
     g = torch.Generator().manual_seed(0)
     w, width, block = head.weight, head.shard_width, head.row_max_block
     xs = [torch.randn(r, w.shape[1], generator=g).to(w.dtype) for r in rows]
-    native = head.native
-    candidates = {"linear": [lambda x=x: row_max(F.linear(x, w)[:, :width], block, native) for x in xs],
-                  "mm": [lambda x=x: col_max(torch.mm(w, x.t())[:width], block, native) for x in xs]}
+    cpu_kernels = head.ops.cpu_kernels
+    candidates = {"linear": [lambda x=x: row_max(F.linear(x, w)[:, :width], block, cpu_kernels) for x in xs],
+                  "mm": [lambda x=x: col_max(torch.mm(w, x.t())[:width], block, cpu_kernels) for x in xs]}
     return fastest(f"greedy head {w.shape[0]}x{w.shape[1]} {str(w.dtype).removeprefix('torch.')} block {block} "
                    f"rows {'/'.join(map(str, rows))}", candidates)
 

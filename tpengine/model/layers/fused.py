@@ -8,10 +8,11 @@ the loader straight from ShardPlan slices.
 * RoPE runs once over the query and key heads together (they are adjacent in the fused output),
   with HF's formula ``x * cos + rotate_half(x) * sin``;
 * attention takes the step's packed ``[T, H, D]`` tokens straight from the GEMM output, with no
-  transposes, and runs paged attention over the KV cache (:mod:`tpengine.model.layers.attention`).
+  transposes, and the step's attention backend runs RoPE, the KV store and paged attention over the
+  KV cache in one call (:meth:`tpengine.backends.base.AttentionBackend.forward`).
 
 HF's RMSNorm (eight tensor ops) becomes :class:`RMSNorm` (``F.rms_norm``: one op in float32, four
-in half precision), and the decoder stack's forward becomes :func:`decoder_forward`. The
+in half precision), and HF's decoder stack becomes :class:`DecoderStack`. The
 forwards mirror the HF ones they replace (same operations in the same order on each element), so
 results match HF's bit for bit in float32.
 """
@@ -21,10 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpengine.backends.cpu import cpu_fused
+from tpengine.backends.cpu.cpu_fused import FusedOps
 from tpengine.context import Context
-from tpengine.model.layers.attention import paged_attention, paged_decode
-from tpengine.model.layers.comm import all_reduce_add_rms_norm
 from tpengine.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -45,21 +44,24 @@ class FusedAttention(nn.Module):
     ``[T, hidden]``.
     """
 
-    native = True  # CPU bfloat16 C kernels where they apply (EngineConfig.cpu_kernels)
-
     def __init__(self, hidden: int, rp, head_dim: int, qkv_bias: bool, o_bias: bool, scaling: float,
-                 layer_idx: int, qk_norm_eps: float | None, dtype: torch.dtype, device: torch.device):
+                 layer_idx: int, qk_norm_eps: float | None, dtype: torch.dtype, device: torch.device,
+                 ops: FusedOps | None = None):
         super().__init__()
+        self.ops = ops = ops or FusedOps(True)
         hq, hkv = rp.num_q_heads, rp.num_kv_heads
         self.qkv_proj = MergedColumnParallelLinear(hidden, [hq * head_dim, hkv * head_dim, hkv * head_dim],
                                                    ["q_proj", "k_proj", "v_proj"], qkv_bias, dtype)
         self.o_proj = RowParallelLinear(hq * head_dim, hidden, o_bias, dtype)
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:
-            self.q_norm, self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype), RMSNorm(head_dim, qk_norm_eps, dtype)
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype, ops)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype, ops)
         self.layer_idx, self.head_dim, self.scaling = layer_idx, head_dim, scaling
         self.num_heads, self.num_key_value_heads = hq, hkv
         self.tp_q_to_kv = torch.tensor(rp.q_to_kv, dtype=torch.int64, device=device)
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D] views, set by the model runner
+        self.v_cache: torch.Tensor | None = None
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 ctx: Context, reduce: bool = True) -> torch.Tensor:
@@ -69,12 +71,7 @@ class FusedAttention(nn.Module):
         qk, v = qkv[..., : hq + hkv, :], qkv[..., hq + hkv :, :]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[..., :hq, :]), self.k_norm(qk[..., hq:, :])), dim=-2)
-        out = paged_decode(self, qk[..., :hq, :], qk[..., hq:, :], v, *position_embeddings, self.scaling, ctx)
-        if out is not None:  # CPU decode: RoPE, KV store and attention in one C call
-            return self.o_proj(out.flatten(-2), reduce)
-        qk = cpu_fused.rope_(qk, *position_embeddings, self.native)  # CPU bfloat16: one C kernel, in place
-        q, k = qk[..., :hq, :], qk[..., hq:, :]
-        out = paged_attention(self, q, k, v, self.scaling, ctx)
+        out = ctx.backend.forward(qk, v, position_embeddings, self, ctx)  # RoPE, KV store, paged attention
         return self.o_proj(out.flatten(-2), reduce)
 
 
@@ -84,11 +81,10 @@ class FusedMLP(nn.Module):
     columns each) and the row-parallel ``down_proj``. ``act_fn`` is the HF model's activation.
     ``[..., hidden]`` -> ``[..., hidden]``."""
 
-    native = True
-
     def __init__(self, hidden: int, intermediate: int, bias: bool, down_bias: bool, act_fn: nn.Module,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, ops: FusedOps | None = None):
         super().__init__()
+        self.ops = ops or FusedOps(True)
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate],
                                                        ["gate_proj", "up_proj"], bias, dtype)
         self.down_proj = RowParallelLinear(intermediate, hidden, down_bias, dtype)
@@ -99,7 +95,7 @@ class FusedMLP(nn.Module):
         """``reduce`` False: ``down_proj``'s partial sum, not all-reduced."""
         gate_up = self.gate_up_proj(x)
         if self.silu:  # CPU bfloat16: one C kernel
-            return self.down_proj(cpu_fused.silu_mul(gate_up, self.intermediate, self.native), reduce)
+            return self.down_proj(self.ops.silu_mul(gate_up, self.intermediate), reduce)
         h = self.act_fn(gate_up[..., : self.intermediate])
         return self.down_proj(h.mul_(gate_up[..., self.intermediate :]), reduce)
 
@@ -109,10 +105,9 @@ class RMSNorm(nn.Module):
     ``F.rms_norm`` (bit-identical to HF's eight ops in float32 and bfloat16). ``weight [size]``
     starts on meta; ``[..., size]`` -> ``[..., size]``."""
 
-    native = True
-
-    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, ops: FusedOps | None = None):
         super().__init__()
+        self.ops = ops or FusedOps(True)
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device="meta"), requires_grad=False)
         self.eps, self.shape = eps, (size,)
 
@@ -124,33 +119,44 @@ class RMSNorm(nn.Module):
         """``(h + x, self(h + x))`` (``h`` itself when ``x`` is None): the residual add before the
         norm, fused with it by a C kernel on CPU (tpengine.backends.cpu.cpu_fused). ``reduce``: ``x`` is a
         row-parallel layer's partial sum, all-reduced first (fused with the add and the norm where
-        the shared-memory comm can: :func:`tpengine.model.layers.comm.all_reduce_add_rms_norm`)."""
+        the shared-memory comm can: :meth:`tpengine.backends.cpu.cpu_fused.FusedOps.all_reduce_add_rms_norm`)."""
         if reduce and x is not None:
-            return all_reduce_add_rms_norm(x, h, self.weight, self.eps, self.native)
-        return cpu_fused.add_rms_norm(h, x, self.weight, self.eps, self.native)
+            return self.ops.all_reduce_add_rms_norm(x, h, self.weight, self.eps)
+        return self.ops.add_rms_norm(h, x, self.weight, self.eps)
 
 
-def decoder_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
-    """The forward of tpengine's decoder stack (installed on HF's ``LlamaModel`` and its
-    Mistral/Qwen2/Qwen3 twins by :func:`tpengine.model.surgery.build_model`): HF's computation
-    (embedding, RoPE tables, then per layer ``h = h + attn(norm1(h))`` and
-    ``h = h + mlp(norm2(h))``, final norm) over one engine step's tokens, without HF's mask
-    building, cache and per-layer wrappers. Each residual add runs inside the next norm's
-    :meth:`RMSNorm.add_forward` (the same ops in the same order, or one C kernel on CPU in bfloat16).
-    With ``reduce_in_norm`` (set by :func:`tpengine.model.surgery.build_model` at tp > 1 when no
-    row-parallel layer has a bias) the blocks return their row-parallel partial sums and that norm
-    all-reduces them too (one C call over the shared-memory comm on CPU).
+class DecoderStack(nn.Module):
+    """tpengine's decoder stack, in place of HF's ``LlamaModel`` (and its Mistral/Qwen2/Qwen3
+    twins; built by :func:`tpengine.model.surgery.build_model` from HF's own layers, so checkpoint
+    names stay ``model.layers.<i>...``): the embedding, the decoder layers, the final norm and HF's
+    rotary embedding (which honours the config's RoPE scaling).
+
+    The forward is HF's computation (embedding, RoPE tables, then per layer
+    ``h = h + attn(norm1(h))`` and ``h = h + mlp(norm2(h))``, final norm) over one engine step's
+    tokens, without HF's mask building, cache and per-layer wrappers. Each residual add runs inside
+    the next norm's :meth:`RMSNorm.add_forward` (the same ops in the same order, or one C kernel on
+    CPU). With ``reduce_in_norm`` (tp > 1 and no row-parallel layer has a bias) the blocks return
+    their row-parallel partial sums and that norm all-reduces them too (one C call over the
+    shared-memory comm on CPU).
 
     Shapes: ``input_ids``, ``positions [N]`` int64 (the step's sequences packed back to back,
     described by ``ctx``) -> ``[N, hidden]``.
     """
-    h = self.embed_tokens(input_ids)
-    position_embeddings = tuple(t[0] for t in self.rotary_emb(h, positions[None]))  # cos, sin [N, D]
-    delta = None  # each block's output, added to the residual stream by the next norm (fused on CPU bf16)
-    fuse = getattr(self, "reduce_in_norm", False)  # tp > 1: the blocks' all-reduces run in the next norm
-    for layer in self.layers[: self.config.num_hidden_layers]:
-        h, x = layer.input_layernorm.add_forward(h, delta, fuse)
-        delta = layer.self_attn(x, position_embeddings, ctx, not fuse)
-        h, x = layer.post_attention_layernorm.add_forward(h, delta, fuse)
-        delta = layer.mlp(x, not fuse)
-    return self.norm.add_forward(h, delta, fuse)[1]
+
+    def __init__(self, config, embed_tokens: nn.Module, layers: nn.ModuleList, norm: RMSNorm,
+                 rotary_emb: nn.Module, reduce_in_norm: bool):
+        super().__init__()
+        self.config, self.embed_tokens, self.layers, self.norm = config, embed_tokens, layers, norm
+        self.rotary_emb, self.reduce_in_norm = rotary_emb, reduce_in_norm
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        position_embeddings = tuple(t[0] for t in self.rotary_emb(h, positions[None]))  # cos, sin [N, D]
+        delta = None  # each block's output, added to the residual stream by the next norm (fused on CPU)
+        fuse = self.reduce_in_norm  # tp > 1: the blocks' all-reduces run in the next norm
+        for layer in self.layers[: self.config.num_hidden_layers]:
+            h, x = layer.input_layernorm.add_forward(h, delta, fuse)
+            delta = layer.self_attn(x, position_embeddings, ctx, not fuse)
+            h, x = layer.post_attention_layernorm.add_forward(h, delta, fuse)
+            delta = layer.mlp(x, not fuse)
+        return self.norm.add_forward(h, delta, fuse)[1]

@@ -3,56 +3,21 @@
 Weights are created empty (on ``device``, default meta) in their local shapes; the loader fills
 them from this rank's slice, cut by :class:`tpengine.model.plan.ShardPlan`.
 
-On CPU the loader may :meth:`pack` a layer once its weight is loaded: the weight is replaced by
-its oneDNN blocked layout, multiplied through oneDNN's matmul (PyTorch's float32 ``F.linear``
-goes through MKL's sgemm, which on non-Intel CPUs takes a narrower code path; a prepacked
-bfloat16 weight saves the per-call reorder). Measured figures: docs/notes/kernels.md.
+Each layer has one forward: ``x`` as ``[rows, in]`` rows through ``self.impl``, the implementation
+its weight takes, bound once it is loaded (:meth:`_Packable.bind`,
+:func:`tpengine.backends.cpu.linear_layout.bind_linear`: the quantized kernel, oneDNN's packed
+layout, tpengine's GEMV / GEMM kernels at the row counts measured faster on this machine, or
+``F.linear``). On CPU the loader may :meth:`pack` a layer once its weight is loaded: the weight is
+replaced by its oneDNN blocked layout (the measurements behind the choice: docs/notes/kernels.md).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tpengine.backends.cpu import cpu_gemm, cpu_gemv
-from tpengine.backends.cpu.linear_layout import kernel_at
-from tpengine.model.layers.comm import all_reduce
-
-
-def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight [out, in]`` reordered for oneDNN's CPU matmul, or None where that is not available
-    (not a CPU float32/bfloat16 tensor, no oneDNN, no bfloat16 support in this CPU)."""
-    mkldnn = torch.ops.mkldnn
-    if (weight.device.type != "cpu" or not torch.backends.mkldnn.is_available()
-            or not hasattr(mkldnn, "_reorder_linear_weight") or not hasattr(mkldnn, "_linear_pointwise")):
-        return None
-    if weight.dtype == torch.bfloat16 and not mkldnn._is_mkldnn_bf16_supported():
-        return None
-    if weight.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    return mkldnn._reorder_linear_weight(weight.detach())
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None = None,
-           quant: nn.Module | None = None, kernels: tuple[str, ...] = ()):
-    """``x @ weight.T + bias``, through oneDNN with the ``packed`` copy of ``weight`` when there is one,
-    through the ``quant`` kernel (:mod:`tpengine.quant.weights`) of a quantized weight, or,
-    without a bias, through the path ``kernels`` names for ``x``'s row count
-    (:func:`tpengine.backends.cpu.linear_layout.kernel_at`: :func:`tpengine.backends.cpu.cpu_gemv.gemv`,
-    :func:`tpengine.backends.cpu.cpu_gemm.gemm` or ``F.linear``)."""
-    if kernels and bias is None:
-        path = kernel_at(kernels, x.numel() // x.shape[-1])
-        if path == "gemv":
-            return cpu_gemv.gemv(x, weight)
-        if path == "gemm":
-            return cpu_gemm.gemm(x, weight)
-    if quant is not None:
-        y = quant(x)
-        return y + bias if bias is not None else y
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+from tpengine.backends.cpu.linear_layout import bind_linear, prepack
+from tpengine.comm import all_reduce
 
 
 class _Packable(nn.Module):
@@ -70,6 +35,21 @@ class _Packable(nn.Module):
     def __init__(self):
         super().__init__()
         self.quant: nn.Module | None = None
+        self.impl = None  # bound by bind(): [rows, in] -> [rows, out] (+ bias, but for a row-parallel layer)
+
+    def bind(self):
+        """Bind (again) the implementation the weight takes now (:func:`bind_linear`); the loader calls
+        it once every weight is in, and a forward before that binds on first use. Returns it."""
+        self.impl = bind_linear(self.weight, None if isinstance(self, RowParallelLinear) else self.bias,
+                                self.packed, self.quant, self.kernels)
+        return self.impl
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in] -> [..., out]`` through :attr:`impl` on ``x``'s rows."""
+        impl = self.impl or self.bind()
+        if x.dim() == 2 and x.is_contiguous():
+            return impl(x)
+        return impl(x.reshape(-1, x.shape[-1]).contiguous()).reshape(*x.shape[:-1], -1)
 
     def pack(self) -> bool:
         """Replace ``weight`` by its oneDNN-layout copy (:func:`prepack`) where that is available;
@@ -80,7 +60,7 @@ class _Packable(nn.Module):
         if packed is None:
             return False
         self.packed_bytes = self.weight.numel() * self.weight.element_size()
-        self.packed, self.weight = packed, None
+        self.packed, self.weight, self.impl = packed, None, None
         return True
 
 
@@ -100,7 +80,7 @@ class ColumnParallelLinear(_Packable):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed, self.quant, self.kernels)
+        return self._rows(x)
 
 
 class RowParallelLinear(_Packable):
@@ -120,12 +100,12 @@ class RowParallelLinear(_Packable):
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``reduce`` False: this rank's partial sum, not all-reduced (the caller reduces it, e.g. in
-        the next norm, :func:`tpengine.model.layers.comm.all_reduce_add_rms_norm`); only without a bias.
+        the next norm, :meth:`tpengine.backends.cpu.cpu_fused.FusedOps.all_reduce_add_rms_norm`); only without a bias.
 
         Raises:
             ValueError: ``reduce`` False on a layer with a bias (it is added after the sum).
         """
-        y = linear(x, self.weight, None, self.packed, self.quant, self.kernels)
+        y = self._rows(x)
         if not reduce:
             if self.bias is not None:
                 raise ValueError("RowParallelLinear: reduce=False needs a layer without bias (the bias is added "
@@ -162,4 +142,4 @@ class MergedColumnParallelLinear(_Packable):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` -> ``[..., sum(sizes)]``, the parts side by side in ``sizes`` order."""
-        return linear(x, self.weight, self.bias, self.packed, self.quant, self.kernels)
+        return self._rows(x)

@@ -10,7 +10,7 @@
  *
  * so they equal the torch ops up to the order of the float32 sum of squares and the last bit of
  * exp (torch uses SLEEF's; this a Cephes-style polynomial) before the bfloat16 rounding. Loaded
- * with cpu_decode.c by tpengine/backends/cpu/cpu_native.py, which registers them as torch ops and checks
+ * with cpu_decode.c by tpengine/backends/cpu/cpu_library.py, which registers them as torch ops and checks
  * shapes: row length % 16 == 0, head size % 32 == 0. Without AVX512-BF16 the library is
  * reported unavailable and these are never called (they are stubs then). */
 #include <math.h>

@@ -1,4 +1,4 @@
-"""Building and loading the CPU C kernels (tpengine/backends/cpu/cpu_native.py): a CPU with AVX512-BF16
+"""Building and loading the CPU C kernels (tpengine/backends/cpu/cpu_library.py): a CPU with AVX512-BF16
 and a C compiler must get them (so the kernel tests cannot skip silently where they should run),
 and a failing compiler leaves one clear line and the torch ops, never an error."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tpengine.backends.cpu import cpu_native
+from tpengine.backends.cpu import cpu_library
 
-PROBE = ("from tpengine.backends.cpu import cpu_native; lib = cpu_native.load(); "
+PROBE = ("from tpengine.backends.cpu import cpu_library; lib = cpu_library.load(); "
          "print('loaded' if lib is not None else 'unavailable')")
 
 
@@ -27,19 +27,33 @@ def probe(tmp_path, **env):
                           env={"PATH": "/usr/bin:/bin", "TPENGINE_CACHE_DIR": str(tmp_path), **env})
 
 
-supported = pytest.mark.skipif(not has_avx512_bf16() or not (shutil.which("cc") or shutil.which("gcc")),
-                               reason="needs a CPU with AVX512-BF16 and a C compiler")
+def compiler_targets_avx512_bf16() -> bool:
+    """Whether the compiler load() builds with ($CC, else cc or gcc) defines __AVX512BF16__ under
+    -march=native: False for a compiler too old for it, or one told -mno-avx512bf16 (docs/notes/avx2.md
+    runs the suite so, as an AVX2-only machine)."""
+    try:
+        cc = cpu_library._compiler()
+        res = subprocess.run([*cc, "-march=native", "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True,
+                             text=True, timeout=60)
+    except (RuntimeError, OSError, subprocess.SubprocessError):
+        return False
+    return res.returncode == 0 and "__AVX512BF16__" in res.stdout
+
+
+supported = pytest.mark.skipif(not has_avx512_bf16() or not (shutil.which("cc") or shutil.which("gcc"))
+                               or not compiler_targets_avx512_bf16(),
+                               reason="needs a CPU with AVX512-BF16 and a C compiler that targets it")
 
 
 @supported
 def test_builds_and_loads_where_supported(tmp_path):
-    assert cpu_native.load() is not None, cpu_native.unavailable_reason()
+    assert cpu_library.load() is not None, cpu_library.unavailable_reason()
     res = probe(tmp_path)  # a fresh process and an empty cache folder: compiles, then loads
     assert res.stdout.strip() == "loaded", res.stderr
     assert [p.name.startswith("cpu_kernels-") and p.suffix == ".so" for p in tmp_path.iterdir()] == [True]
     # the library's name carries its build key, which the cached timings' keys use
-    assert cpu_native.library_key() == cpu_native.build_key() and len(cpu_native.build_key()) == 16
-    assert cpu_native.build_key(["gcc", "-O2"]) != cpu_native.build_key(["gcc"])
+    assert cpu_library.library_key() == cpu_library.build_key() and len(cpu_library.build_key()) == 16
+    assert cpu_library.build_key(["gcc", "-O2"]) != cpu_library.build_key(["gcc"])
 
 
 def test_failing_compiler_falls_back_with_one_line(tmp_path):

@@ -200,7 +200,7 @@ def unavailable_reason() -> str | None:
 
 def usable(*tensors: torch.Tensor, float32: bool = False) -> bool:
     """Whether the C kernels may take these tensors: all bfloat16 (or, with ``float32``, all
-    float32) on CPU, and the library loads. (Whether to use them at all is the caller's ``native``
+    float32) on CPU, and the library loads. (Whether to use them at all is the caller's ``cpu_kernels``
     flag, from ``EngineConfig.cpu_kernels``.)"""
     dtype = tensors[0].dtype if tensors else torch.bfloat16
     ok = dtype == torch.bfloat16 or (float32 and dtype == torch.float32)

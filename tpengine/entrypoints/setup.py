@@ -1,0 +1,170 @@
+"""The one set-up path of every entry point: the batch job (:mod:`tpengine.entrypoints.run`), the
+server (:mod:`tpengine.entrypoints.serve`) and the Python API (:class:`tpengine.entrypoints.llm.LLM`).
+
+Each of them, in this order: takes rank and world size from torchrun's environment
+(:func:`rank_and_world`); turns the config file and its flags or keyword settings into one frozen
+:class:`tpengine.config.EngineConfig` whose ``model`` is the folder this launch loads (the
+``{model}-tp{N}`` shard folder when it holds pre-split shards: :func:`resolve_model_dir`); checks
+that folder (:func:`check_model`); merges the sampling defaults (the model's
+``generation_config.json`` under the ``[sampling]`` table under the flags:
+:func:`model_sampling_defaults`, :func:`sampling_defaults`) — all of it :func:`read_launch` —
+and then, on every rank, builds the :class:`tpengine.engine.llm_engine.LLMEngine`, rank 0 first
+printing the defaults line and the loading line (:func:`build_engine`). The entry points import
+from here and never from each other.
+
+Nothing here imports torch or the engine at import time, so ``tpengine run --help`` stays quick.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tpengine.config import EngineConfig, load_config, read_config_file
+from tpengine.entrypoints.generation_defaults import defaults_line, generation_defaults, merge_defaults
+from tpengine.errors import UserError
+from tpengine.model.checkpoint import check_model_folder
+from tpengine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tpengine.engine.llm_engine import LLMEngine
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment (``RANK``, ``WORLD_SIZE``); (0, 1) without it."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resolve_model_dir(model: str | os.PathLike, world_size: int) -> str:
+    """``{model}-tp{world_size}`` when it holds pre-split shards (``manifest.json``), else ``model``
+    (a trailing ``/`` of ``model`` is ignored for the shard folder's name)."""
+    shards = Path(f"{str(model).rstrip('/')}-tp{world_size}")
+    return str(shards) if (shards / "manifest.json").is_file() else str(model)
+
+
+def check_model(folder: str | os.PathLike, missing_hint: str | None = None) -> None:
+    """Check that ``folder`` is a model folder tpengine can read, before anything loads it
+    (:func:`tpengine.model.checkpoint.check_model_folder`). ``missing_hint``: said in brackets
+    after ``model folder '...' does not exist`` (the batch job's ``run `make model`, or pass --model``).
+
+    Raises:
+        UserError: one line naming the folder or file and what is wrong with it.
+    """
+    if missing_hint is not None and not Path(folder).exists():
+        raise UserError(f"model folder {str(folder)!r} does not exist ({missing_hint})")
+    check_model_folder(folder)
+
+
+def sampling_defaults(config_path: str | os.PathLike | None, model_defaults: dict[str, Any] | None = None,
+                      **cli: Any) -> dict[str, Any]:
+    """SamplingParams defaults: non-None ``cli`` over the config file's ``[sampling]`` table over
+    ``model_defaults`` (the model's generation_config.json:
+    :func:`tpengine.entrypoints.generation_defaults.generation_defaults`).
+
+    Raises:
+        UserError: the config file's own faults (:func:`tpengine.config.read_config_file`: a missing
+            file, an unknown table or key, ...) or an invalid value (naming both).
+    """
+    table: dict[str, Any] = {}
+    if config_path is not None:
+        try:
+            table = read_config_file(config_path)["sampling"]
+        except FileNotFoundError as e:
+            raise UserError(str(e)) from None
+    values = merge_defaults(model_defaults or {}, table, cli)
+    try:
+        SamplingParams(**values)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"invalid sampling default: {e}") from e
+    return values
+
+
+def model_sampling_defaults(cfg: EngineConfig) -> tuple[dict[str, Any], str | None]:
+    """(the SamplingParams defaults ``cfg.generation_config`` takes from the model folder
+    ``cfg.model``, the line rank 0 prints about them or None).
+
+    Raises:
+        UserError: a bad ``--generation-config`` or generation_config.json (naming the file, the key
+            and the value).
+    """
+    path, values = generation_defaults(cfg.generation_config, cfg.model)
+    return values, defaults_line(path, values)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What :func:`read_launch` settles before the model loads, the same on every rank.
+
+    ``config``: the engine settings, ``model`` the folder this launch loads; ``model_name``: the
+    model folder's name as given (without ``-tpN``: the name a run's records and the server
+    report); ``sampling``: the SamplingParams defaults (flags over ``[sampling]`` over the model's
+    generation_config.json); ``defaults_line``: what rank 0 prints about the model's defaults, or None.
+    """
+
+    config: EngineConfig
+    model_name: str
+    sampling: dict[str, Any]
+    defaults_line: str | None
+
+
+def read_launch(config_path: str | os.PathLike | None, engine_settings: dict[str, Any], world_size: int,
+                sampling_cli: dict[str, Any] | None = None, check_folder: bool = True) -> Launch:
+    """The settings of a launch of ``world_size`` ranks, in this order: the config file
+    ``config_path``'s ``[engine]`` table with the non-None ``engine_settings`` (flags, keyword
+    settings) over it (:func:`tpengine.config.load_config`), ``model`` replaced by the folder this
+    launch loads (:func:`resolve_model_dir`), that folder
+    checked (:func:`check_model`; the caller does it later when ``check_folder`` is False, as the
+    batch job does only once it knows a request needs the model), the sampling defaults
+    (:func:`model_sampling_defaults`, then :func:`sampling_defaults` with ``sampling_cli``).
+
+    Raises:
+        FileNotFoundError: ``config_path`` does not exist.
+        UserError: a bad config file, setting name, model folder, generation_config.json or
+            sampling default (one line naming the value).
+        ValueError: an invalid engine setting value.
+    """
+    cfg = load_config(config_path, **engine_settings)
+    model_name = Path(cfg.model).name
+    cfg = cfg.replace(model=resolve_model_dir(cfg.model, world_size))
+    if check_folder:
+        check_model(cfg.model)
+    model_defaults, line = model_sampling_defaults(cfg)
+    return Launch(cfg, model_name, sampling_defaults(config_path, model_defaults, **(sampling_cli or {})), line)
+
+
+def loading_line(cfg: EngineConfig, world: int) -> str:
+    """The line rank 0 prints before the model loads (the ready line follows when it has):
+    ``tpengine: loading DIR (tp N, dtype D) ...``."""
+    import torch
+
+    dtype = str(cfg.torch_dtype("cuda" if torch.cuda.is_available() else "cpu")).removeprefix("torch.")
+    return f"tpengine: loading {cfg.model} (tp {world}, dtype {dtype}) ..."
+
+
+def failure_line(rank: int, world: int, exc: BaseException) -> str:
+    """The line a rank prints when it fails: ``[tpengine rank R/W] failed: TYPE: MESSAGE``."""
+    return f"[tpengine rank {rank}/{world}] failed: {type(exc).__name__}: {exc}"
+
+
+def build_engine(cfg: EngineConfig, rank: int, world: int, defaults_line: str | None = None,
+                 announce_loading: bool = True) -> LLMEngine:
+    """Every rank: build the engine of ``cfg``; rank 0 first prints ``defaults_line`` (when not
+    None) and, with ``announce_loading``, :func:`loading_line` on stderr.
+
+    Raises:
+        tpengine.errors.UserError: the model folder does not fit the launch or the settings
+            (``CheckpointMismatchError``, an unsupported architecture, ``max_model_len`` beyond the
+            model's limit, a KV budget too small).
+        FileNotFoundError: a file the model folder lacks (a safetensors file, the tokenizer).
+    """
+    from tpengine.engine.llm_engine import LLMEngine
+
+    if rank == 0:
+        if defaults_line is not None:
+            print(defaults_line, file=sys.stderr, flush=True)
+        if announce_loading:
+            print(loading_line(cfg, world), file=sys.stderr, flush=True)
+    return LLMEngine(cfg)
