@@ -225,7 +225,7 @@ def main(
 
     from tpengine.config import DTYPES, QUANTIZATIONS
     from tpengine.model.plan import ShardPlan
-    from tpengine.quant.weights import QuantScheme, check_quantization
+    from tpengine.model.quant.weights import QuantScheme, check_quantization
 
     bad_dtypes = [d for d in dtypes if d not in DTYPES]
     if bad_dtypes:

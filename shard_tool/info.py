@@ -47,10 +47,10 @@ def weight_shapes(config: Any) -> dict[str, tuple[int, ...]]:
 def rank_bytes(plan: Any, shapes: dict[str, tuple[int, ...]], dtype: str, quantized: dict | None = None) -> list[int]:
     """Weight bytes each rank holds (shard shapes from ``plan.slice_spec``, vocab padding
     included), for tensors of ``shapes`` stored as ``dtype``; a weight in ``quantized`` (name ->
-    :class:`~tpengine.quant.checkpoint.QuantEntry`) as its quantized storage in memory: its
+    :class:`~tpengine.model.quant.checkpoint.QuantEntry`) as its quantized storage in memory: its
     qweight (int4: two values a byte, rows padded to the kernel's multiple of 16) and its
     scales (and zeros) in ``dtype``; grouped int8 (GGUF's Q8_0) as its two int4 halves (rows
-    padded, a scale and a zero for each half, :class:`~tpengine.quant.weights.Int8Weight`)."""
+    padded, a scale and a zero for each half, :class:`~tpengine.model.quant.weights.Int8Weight`)."""
     from tpengine.model.surgery import kind_of
 
     out = []
@@ -74,8 +74,8 @@ def rank_bytes(plan: Any, shapes: dict[str, tuple[int, ...]], dtype: str, quanti
 
 def _quant_bytes(plan: Any, kind: str, entry: Any, rank: int, scale_bytes: int) -> int:
     """Bytes rank ``rank`` holds of one quantized ``kind`` weight (see :func:`rank_bytes`)."""
-    from tpengine.quant.checkpoint import local_shapes, weight_shape
-    from tpengine.quant.weights import INT4_ROW_MULTIPLE
+    from tpengine.model.quant.arith import INT4_ROW_MULTIPLE
+    from tpengine.model.quant.checkpoint import local_shapes, weight_shape
 
     grouped8 = entry.scheme == "int8" and not entry.per_channel(weight_shape(plan, kind)[1])
     total = 0
@@ -121,7 +121,7 @@ def info(
             plan = ShardPlan.build(config, tp)  # ValueError names the head count and tp
         dtype = dtype or config_dtype(config)
         shapes = weight_shapes(config)
-        from tpengine.quant.checkpoint import describe_table, read_table
+        from tpengine.model.quant.checkpoint import describe_table, read_table
 
         quantized = read_table(model_dir)  # UserError: a broken quantization table
     console.print(

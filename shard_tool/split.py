@@ -3,7 +3,7 @@ per-rank safetensors.
 
 Every shard is cut by :meth:`tpengine.model.plan.ShardPlan.shard` with the kind from
 :func:`tpengine.model.surgery.kind_of`, and every stored part of a quantized weight by
-:func:`tpengine.quant.checkpoint.slice_part`; this module holds no partition math. Output
+:func:`tpengine.model.quant.checkpoint.slice_part`; this module holds no partition math. Output
 layout: see docs/design.md, "Per-rank checkpoint layout" and "Quantized weights".
 """
 
@@ -60,17 +60,17 @@ def _tied_skip(model_dir: Path, files: dict[str, list[str]], tied: bool) -> set[
 
 
 def quantize_entry(config: Any, tp_size: int, quantize: str | None, group_size: int | None):
-    """The :class:`~tpengine.quant.checkpoint.QuantEntry` pair ``(linears, embedding / LM head)``
+    """The :class:`~tpengine.model.quant.checkpoint.QuantEntry` pair ``(linears, embedding / LM head)``
     of ``split --quantize``, the same as ``--quantization`` makes (None without it): int8 per
     output channel, or int4 with ``group_size`` (default 32); the vocabulary layers int8 per
     output channel (``QuantScheme.vocab``).
 
     Raises:
         UserError: an unknown scheme or int4 group size, ``group_size`` with int8, or an int4
-            group the tp split would cut (:func:`tpengine.quant.weights.check_quantization`).
+            group the tp split would cut (:func:`tpengine.model.quant.weights.check_quantization`).
     """
-    from tpengine.quant.checkpoint import QuantEntry
-    from tpengine.quant.weights import QuantScheme, check_quantization
+    from tpengine.model.quant.checkpoint import QuantEntry
+    from tpengine.model.quant.weights import QuantScheme, check_quantization
 
     if quantize is None:
         if group_size is not None:
@@ -99,7 +99,7 @@ def split_model(
     the embedding's and an untied LM head's as int8 per output channel (``QuantScheme.vocab``),
     is written as its quantized parts ``P.qweight``, ``P.scales`` (and ``P.zeros``), quantized
     whole and then sliced, vocabulary padding rows all 0
-    (:func:`tpengine.quant.checkpoint.quantize_parts`: bit for bit what ``--quantization``
+    (:func:`tpengine.model.quant.checkpoint.quantize_parts`: bit for bit what ``--quantization``
     makes on the fly at float32 activations); the manifest's
     ``"quantization"`` lists them. A folder that is already quantized (``quantization.json``,
     e.g. from ``convert --keep-quant``) has its stored parts sliced as they are.
@@ -121,9 +121,9 @@ def split_model(
     import torch
 
     from tpengine.model.plan import ShardPlan
+    from tpengine.model.quant import checkpoint as QC
     from tpengine.model.surgery import kind_of
     from tpengine.model.tensor_file import TensorFileWriter, read_header, read_rows
-    from tpengine.quant import checkpoint as QC
 
     model_dir, out = Path(model_dir), Path(out)
     config = read_model_config(model_dir)  # UserError: no, a broken or an unreadable config.json
@@ -257,7 +257,7 @@ def split(
     n = len(m["tensors"]["0"])
     quant = ""
     if m.get("quantization"):
-        from tpengine.quant.checkpoint import describe_table, parse_table
+        from tpengine.model.quant.checkpoint import describe_table, parse_table
 
         quant = f", quantized {describe_table(parse_table(m['quantization'], 'manifest'))}"
     print(f"wrote {tp} rank files ({n} tensors each, {m['dtype']}{quant}) and manifest.json to {out}")

@@ -26,7 +26,7 @@ def verify_dir(shard_dir: Path) -> list[str]:
     config.json). A quantized folder's parts (``P.qweight``, ``P.scales``, ``P.zeros``) are
     checked against the manifest's ``"quantization"`` table: every listed weight stored as all
     its parts (no float ``P.weight``), each part of the format's dtype and of the shape the
-    plan and its scheme give the rank (:func:`tpengine.quant.checkpoint.local_shapes`), no part
+    plan and its scheme give the rank (:func:`tpengine.model.quant.checkpoint.local_shapes`), no part
     of an unlisted weight. Returns one message per problem (empty list: all good); each message
     starts with the file (and tensor) it concerns.
 
@@ -38,8 +38,8 @@ def verify_dir(shard_dir: Path) -> list[str]:
 
     from tpengine.errors import UserError
     from tpengine.model.plan import ShardPlan
+    from tpengine.model.quant import checkpoint as QC
     from tpengine.model.surgery import kind_of
-    from tpengine.quant import checkpoint as QC
 
     shard_dir = Path(shard_dir)
     m = read_manifest(shard_dir)  # UserError: missing, truncated, another format, a key missing
@@ -123,10 +123,10 @@ def _check_part(fname: str, n: str, shape: list[int], dt: str, entry: Any, part:
                 rank: int) -> list[str]:
     """Problems of the stored quantized part ``n`` (``shape``, safetensors dtype code ``dt``) of
     rank ``rank``'s file ``fname``: not in the quantization table, or of a dtype or shape other
-    than the format's and the plan's for ``entry`` (a :class:`~tpengine.quant.checkpoint.QuantEntry`)."""
+    than the format's and the plan's for ``entry`` (a :class:`~tpengine.model.quant.checkpoint.QuantEntry`)."""
     from tpengine.errors import UserError
+    from tpengine.model.quant import checkpoint as QC
     from tpengine.model.surgery import kind_of
-    from tpengine.quant import checkpoint as QC
 
     if entry is None:
         return [f"{fname}: tensor {n} is a quantized part, but the quantization table does not list "
@@ -158,7 +158,7 @@ def verify(shard_dir: Annotated[Path, typer.Argument(help="folder written by tpe
     n = sum(len(t) for t in m["tensors"].values())
     quant = ""
     if m.get("quantization") is not None:
-        from tpengine.quant.checkpoint import describe_table, parse_table
+        from tpengine.model.quant.checkpoint import describe_table, parse_table
 
         quant = f", quantized {describe_table(parse_table(m['quantization'], 'manifest.json'))}"
     print(

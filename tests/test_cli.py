@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import SMOLLM2_DIR, make_tiny_model
 
-from tpengine.engine.outputs import CompletionOutput, RequestOutput
+from tpengine.engine.outputs import CompletionOutput, EngineOutput
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -271,7 +271,7 @@ class FakeEngine:
         for n, (rid, ids, _params) in enumerate(batch):
             if n == self.crash_after:
                 raise RuntimeError("killed")
-            on_output(RequestOutput(rid, ids, [CompletionOutput(0, chr(ids[0]), ids[:1], "length")],
+            on_output(EngineOutput(rid, ids, [CompletionOutput(0, chr(ids[0]), ids[:1], "length")],
                                     ttft_s=0.25, latency_s=0.5))
 
 

@@ -232,8 +232,8 @@ GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
 def test_keep_quant_folder_runs_at_tp1_and_tp2(keep_quant_dir: Path, tmp_path: Path) -> None:
     """The imported GGUF weights through LLMEngine, float32 activations: tp=2 greedy tokens equal
     tp=1's, and the first 4 equal the plain float32 convert's (the weights dequantise to it exactly)."""
-    if importlib.util.find_spec("tpengine.quant.checkpoint") is None:
-        pytest.skip("the loader does not read quantized folders yet (tpengine.quant.checkpoint: branch qfiles)")
+    if importlib.util.find_spec("tpengine.model.quant.checkpoint") is None:
+        pytest.skip("the loader does not read quantized folders yet (tpengine.model.quant.checkpoint: branch qfiles)")
     from launch import run_engine_jobs
     from transformers import AutoTokenizer
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tpengine.backends.cpu import cpu_library, cpu_qgemv
-from tpengine.quant.apply import quantize_weight
-from tpengine.quant.arith import int4_pack_layout
-from tpengine.quant.weights import Int4Weight, Int8Weight, QuantScheme
+from tpengine.model.quant.apply import quantize_weight
+from tpengine.model.quant.arith import int4_pack_layout
+from tpengine.model.quant.weights import Int4Weight, Int8Weight, QuantScheme
 
 # the kernels' tests; the int4-with-codes storage and torch's kernel on it run on every machine
 needs_kernels = pytest.mark.skipif(cpu_library.load() is None,
@@ -145,7 +145,7 @@ def test_coded_int4_every_path_is_the_stored_weight(dtype):
     :func:`quantize_int4_coded` stores; tpengine's GEMV (8 rows), torch's kernel (its scales and zeros
     built per call) and dequantize + GEMM all give that weight's product; an all-zero group is stored
     as 0 (scale and code 0) and stays exactly 0; a group without 0 in its range is widened to take it in."""
-    from tpengine.quant.arith import dequantize_int4_coded, quantize_int4_coded
+    from tpengine.model.quant.arith import dequantize_int4_coded, quantize_int4_coded
 
     w = torch.randn(80, 128, generator=torch.Generator().manual_seed(7)) * 0.05
     w[3] = 0.0

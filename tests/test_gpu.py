@@ -155,9 +155,9 @@ def test_cuda_graphs_equal_eager(chat_prompts, n):
             if not eager:
                 replays, run = [], e.runner.graphs.run
 
-                def counted(plan, replays=replays, run=run):
-                    replays.append(plan.num_seqs)
-                    return run(plan)
+                def counted(input_ids, *tensors, replays=replays, run=run):
+                    replays.append(len(input_ids))
+                    return run(input_ids, *tensors)
 
                 e.runner.graphs.run = counted
             outs[eager] = generate(e, prompts, 32)

@@ -99,6 +99,17 @@ def test_inconsistent_timings_are_used_but_not_cached(tmp_path, monkeypatch):
     assert not L.consistent({"plain": [10]}, {"plain": [16]})
 
 
+@pytest.mark.parametrize("packable", [True, False])
+def test_an_unmeasured_shape_reports_the_layout_it_keeps(tmp_path, monkeypatch, packable):
+    # too big to measure (measure() is None): packed where oneDNN packs this dtype, else plain, as
+    # bind() leaves it (an AVX2-only CPU's oneDNN packs no bfloat16), so the log line is true
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(L, "measure", lambda *a: None)
+    monkeypatch.setattr(L, "prepack", lambda w: w if packable else None)
+    got = L.choose_layouts({(8, 32): 1}, torch.bfloat16)[(8, 32)]
+    assert (got.layout, got.how, got.times_us) == ("packed" if packable else "plain", "default", {})
+
+
 @needs_onednn
 @pytest.mark.parametrize("setting", ["plain", "packed"])
 def test_loaded_model_holds_each_weight_once_in_the_chosen_layout(tmp_path, setting):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tpengine.engine.outputs import CompletionOutput, RequestOutput
+from tpengine.engine.outputs import CompletionOutput, EngineOutput
 from tpengine.frontend.output import error_record, make_record, openai_error_record, simple_record
 from tpengine.frontend.progress import ProgressReporter, percentile
 from tpengine.frontend.requests import parse_lines
@@ -15,7 +15,7 @@ from tpengine.frontend.writer import OutputWriter, read_done
 
 
 def ok_out(rid="a", n=3):
-    return RequestOutput(rid, [1, 2], [CompletionOutput(0, "hé!", list(range(10, 10 + n)), "length")],
+    return EngineOutput(rid, [1, 2], [CompletionOutput(0, "hé!", list(range(10, 10 + n)), "length")],
                          ttft_s=0.1234567, latency_s=0.5, num_cached_tokens=1)
 
 
@@ -29,7 +29,7 @@ def test_simple_record_shape():
 
 
 def test_error_records():
-    out = RequestOutput("b", [1] * 200, error="prompt has 200 tokens, max_model_len is 128",
+    out = EngineOutput("b", [1] * 200, error="prompt has 200 tokens, max_model_len is 128",
                         error_field="prompt")
     assert simple_record(out) == {"id": "b", "error": {"message": out.error, "field": "prompt"}}
     assert error_record("c", "bad", None) == {"id": "c", "error": {"message": "bad"}}
@@ -63,7 +63,7 @@ def test_openai_batch_records():
     assert body["object"] == "text_completion" and body["model"] == "smollm2"
     assert body["choices"][0]["text"] == "hé!" and body["choices"][0]["finish_reason"] == "length"
     assert make_record(simple, ok_out("s"), model="m")["id"] == "s"
-    err = make_record(chat, RequestOutput("c1", [1], error="too long", error_field="messages"), "m")
+    err = make_record(chat, EngineOutput("c1", [1], error="too long", error_field="messages"), "m")
     assert err["response"] is None and err["error"]["message"] == "too long"
     assert err["error"]["param"] == "messages" and err["custom_id"] == "c1"
 
@@ -123,8 +123,8 @@ def test_progress_plain_lines_and_summary():
     buf = io.StringIO()
     pr = ProgressReporter(total=3, stream=buf, interval_s=0.0)
     pr.on_step({"num_running": 2, "num_waiting": 1})
-    pr.on_output(RequestOutput("a", [1, 2], [CompletionOutput(token_ids=[5, 6, 7])], ttft_s=0.1, latency_s=0.5))
-    pr.on_output(RequestOutput("b", [1], [CompletionOutput(token_ids=[5])], ttft_s=0.2, latency_s=0.2))
+    pr.on_output(EngineOutput("a", [1, 2], [CompletionOutput(token_ids=[5, 6, 7])], ttft_s=0.1, latency_s=0.5))
+    pr.on_output(EngineOutput("b", [1], [CompletionOutput(token_ids=[5])], ttft_s=0.2, latency_s=0.2))
     pr.add_errors(1)
     assert "running 2, waiting 1" in buf.getvalue() and "[tpengine] 3/3 requests" in buf.getvalue()
     s = pr.print_summary()
@@ -139,7 +139,7 @@ def test_progress_rich_bar_runs():
     buf = io.StringIO()
     pr = ProgressReporter(total=1, stream=buf, live=True)
     pr.on_step(type("S", (), {"num_running": 1, "num_waiting": 0})())
-    pr.on_output(RequestOutput("a", [1], [CompletionOutput(token_ids=[2, 3])], ttft_s=0.1, latency_s=0.2))
+    pr.on_output(EngineOutput("a", [1], [CompletionOutput(token_ids=[2, 3])], ttft_s=0.1, latency_s=0.2))
     pr.close()
     pr.close()
     assert "1/1" in buf.getvalue()

@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 linears (tpengine/quant/weights.py): the kernels against a reference
+"""Weight-only int8 / int4 linears (tpengine/model/quant/weights.py): the kernels against a reference
 dequantize, round-trip error bounds, tp-independent quantized slices, the group-boundary error,
 and greedy generation through the engine at tp 1 and 2 (SmolLM2 and a tiny Qwen3)."""
 
@@ -12,16 +12,16 @@ from launch import run_engine_jobs
 from tpengine.config import EngineConfig
 from tpengine.errors import UserError
 from tpengine.model.layers.linear import ColumnParallelLinear, RowParallelLinear
-from tpengine.quant.apply import quantize_linear
-from tpengine.quant.arith import dequantize_int4_coded, quantize_int4_coded
-from tpengine.quant.weights import (
-    QuantScheme,
-    check_quantization,
+from tpengine.model.quant.apply import quantize_linear
+from tpengine.model.quant.arith import (
     dequantize_int4,
+    dequantize_int4_coded,
     dequantize_int8,
     quantize_int4,
+    quantize_int4_coded,
     quantize_int8,
 )
+from tpengine.model.quant.weights import QuantScheme, check_quantization
 
 
 def weight(out: int, k: int, seed: int = 0) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The quantized embedding / LM head (tpengine/quant/weights.py, embedding.py, loader.py) and
+"""The quantized embedding / LM head (tpengine/model/quant/weights.py, embedding.py, loader.py) and
 grouped int8: rows read back out of the packed layouts equal the reference dequantize, the
 grouped int8 kernel against ``x @ dequant(w).T``, the lookup, the LM head and its greedy argmax
 on quantized rows, and a tied model holding ONE quantized table (exact weight bytes)."""
@@ -12,18 +12,16 @@ from conftest import make_tiny_model
 from tpengine.distributed import TPInfo
 from tpengine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpengine.model.loader import load_model
-from tpengine.quant.apply import quantize_linear, quantize_weight
-from tpengine.quant.weights import (
-    Int8Weight,
-    QuantScheme,
+from tpengine.model.quant.apply import quantize_linear, quantize_weight
+from tpengine.model.quant.arith import (
     _int4_values,
-    check_quantization,
     dequantize_int4,
     dequantize_int8,
     int4_pack_layout,
     quantize_int4,
     quantize_int8,
 )
+from tpengine.model.quant.weights import Int8Weight, QuantScheme, check_quantization
 
 SCHEMES = {"int8": QuantScheme("int8"), "int8-32": QuantScheme("int8", 32), "int4-32": QuantScheme("int4", 32),
            "int4-64": QuantScheme("int4", 64)}

@@ -1,4 +1,4 @@
-"""Quantized checkpoints on disk (tpengine/quant/checkpoint.py): ``tpengine-shard split --quantize``,
+"""Quantized checkpoints on disk (tpengine/model/quant/checkpoint.py): ``tpengine-shard split --quantize``,
 full folders with quantization.json, the loader reading both, verify and info, and their errors.
 
 The tiny Qwen3 (head_dim 32, intermediate 128) splits on 32-column groups at tp 1 and 2; its
@@ -27,8 +27,8 @@ from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
 from tpengine.model.loader import QUANTIZED_LAYERS, VOCAB_LAYERS, load_model
 from tpengine.model.plan import ShardPlan
-from tpengine.model.surgery import build_model, checkpoint_targets
-from tpengine.quant.checkpoint import (
+from tpengine.model.quant.arith import quantize_int8
+from tpengine.model.quant.checkpoint import (
     QuantEntry,
     is_linear_weight,
     is_vocab_weight,
@@ -41,7 +41,8 @@ from tpengine.quant.checkpoint import (
     unpack_nibbles,
     write_table,
 )
-from tpengine.quant.weights import Int8Weight, QuantizedWeight, quantize_int8
+from tpengine.model.quant.weights import Int8Weight, QuantizedWeight
+from tpengine.model.surgery import build_model, checkpoint_targets
 
 CPU = torch.device("cpu")
 #: --quantization int8 / int4's entries (int4: coded zeros; its table the same), and int4 with float zeros (GGUF Q4_1's)

@@ -21,7 +21,7 @@ from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
 from tpengine.model.checkpoint import sha256_file
 from tpengine.model.loader import load_model
-from tpengine.quant.checkpoint import (
+from tpengine.model.quant.checkpoint import (
     read_table,
     table_json,
     write_table,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from tpengine.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from tpengine.engine.outputs import CompletionOutput, EngineOutput, Logprob, PositionLogprobs
 from tpengine.frontend.output import openai_body, simple_record
 from tpengine.sampling_params import SamplingParams
 from tpengine.server.serving import Prepared, stream_events
@@ -24,7 +24,7 @@ PROMPT_LPS = [None, pos(3, "a", -4.0, (4, "b", -1.0))]
 
 
 def out_of(*samples, prompt_logprobs=None, finished=True):
-    return RequestOutput("r", [1, 3], list(samples), prompt_logprobs=prompt_logprobs, num_cached_tokens=0,
+    return EngineOutput("r", [1, 3], list(samples), prompt_logprobs=prompt_logprobs, num_cached_tokens=0,
                          ttft_s=0.5, latency_s=1.0, finished=finished)
 
 

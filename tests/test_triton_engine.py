@@ -99,10 +99,10 @@ def test_graph_runner_padding_in_engine(models, results):
         engine = LLMEngine(EngineConfig(**cfg(models["llama"], "triton", **extra)))
         try:
             r = engine.runner
-            r.graphs = CUDAGraphRunner(r.model, r.backend, engine.config.max_num_seqs, 4, r.plan.hidden_size,
+            r.graphs = CUDAGraphRunner(r.model, r.backend, engine.config.max_num_seqs, 4, r.shard_plan.hidden_size,
                                        r.dtype, r.tp.device, use_graphs=False)
             sizes, run = [], r.graphs.run
-            r.graphs.run = lambda plan, sizes=sizes, run=run: sizes.append(plan.num_seqs) or run(plan)
+            r.graphs.run = lambda ids, *t, sizes=sizes, run=run: sizes.append(len(ids)) or run(ids, *t)
             outs = engine.generate([(rid, ids, SamplingParams(**p)) for rid, ids, p in requests(max_tokens)])
         finally:
             engine.shutdown()

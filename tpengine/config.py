@@ -16,7 +16,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from tpengine.backends import BACKENDS, CPU_LINEAR_CHOICES  # names defined with the kernels
 from tpengine.errors import UserError
 from tpengine.sampling_params import SAMPLING_KEYS
 
@@ -30,7 +29,12 @@ WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: The values of ``EngineConfig.dtype``: "auto" (see :meth:`EngineConfig.torch_dtype`) or a name.
 DTYPES = ("auto", *WEIGHT_DTYPES)
-#: The values of ``EngineConfig.quantization`` besides None (see :mod:`tpengine.quant.weights`).
+#: The values of ``EngineConfig.attention_backend`` (:func:`tpengine.backends.get_backend`).
+BACKENDS = ("auto", "torch", "triton")
+#: The values of ``EngineConfig.cpu_linear``: "auto" measures and chooses the CPU weight layout per
+#: weight shape, the others force one (:mod:`tpengine.backends.cpu.linear_layout`).
+CPU_LINEAR_CHOICES = ("auto", "plain", "packed")
+#: The values of ``EngineConfig.quantization`` besides None (see :mod:`tpengine.model.quant.weights`).
 QUANTIZATIONS = ("int8", "int4")
 
 
@@ -80,7 +84,7 @@ class EngineConfig:
     generation_config: str = "auto"
     # weight-only quantization of the column/row-parallel linears and the embedding / LM head, at load (CPU):
     # "int8" (per output channel), "int4" (group 32, scale and zero; the embedding / LM head int8) or None;
-    # see tpengine/quant/weights.py
+    # see tpengine/model/quant/weights.py
     quantization: str | None = None
 
     def __post_init__(self) -> None:

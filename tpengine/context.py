@@ -1,8 +1,8 @@
 """The per-step context: what the attention layers need to know about the current step.
 
 The model runner builds one :class:`Context` per step and passes it explicitly down the forward
-(``model.model(input_ids, positions, ctx)`` -> every layer -> :func:`tpengine.model.layers.attention.paged_attention`);
-there is no global.
+(``model.model(input_ids, positions, ctx)`` -> every layer -> the attention backend's
+:meth:`tpengine.backends.base.AttentionBackend.forward`); there is no global.
 """
 
 from __future__ import annotations

@@ -8,11 +8,7 @@ without it work.
 
 from __future__ import annotations
 
-#: attention backend names (``EngineConfig.attention_backend``)
-BACKENDS = ("auto", "torch", "triton")
-#: CPU linear weight layouts (``EngineConfig.cpu_linear``): "auto" measures and chooses per weight
-#: shape, the others force one (:mod:`tpengine.backends.cpu.linear_layout`)
-CPU_LINEAR_CHOICES = ("auto", "plain", "packed")
+from tpengine.config import BACKENDS
 
 
 def get_backend(name: str, device, *, cpu_kernels: bool, kv_mirror: bool):

@@ -22,7 +22,7 @@ from tpengine.distributed import TPInfo, init_distributed
 from tpengine.engine.logprobs import add_sample_logprobs, collect_prompt_logprobs
 from tpengine.engine.model_runner import ModelRunner
 from tpengine.engine.output_processor import OutputProcessor, failed_output
-from tpengine.engine.outputs import RequestOutput
+from tpengine.engine.outputs import EngineOutput
 from tpengine.engine.process import setup_process
 from tpengine.engine.sampler import Sampler
 from tpengine.engine.scheduler import Scheduler
@@ -104,7 +104,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed, self.eos_token_ids)
         self._next_id = 0
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.is_stop_token)
-        self._pending: list[RequestOutput] = []
+        self._pending: list[EngineOutput] = []
         self._steps = self._prefill_steps = self._computed_tokens = self._output_tokens = 0
         print(self.runner.ready_line(time.perf_counter() - started), file=sys.stderr, flush=True)
 
@@ -134,7 +134,7 @@ class LLMEngine:
                 raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
             for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
                 if bad := [t for t in ids if t >= vocab]:
-                    self._pending.append(RequestOutput(request_id, list(prompt_token_ids), error=(
+                    self._pending.append(EngineOutput(request_id, list(prompt_token_ids), error=(
                         f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})"), error_field=name))
                     return
             self.outputs.add(seq, stream)
@@ -145,14 +145,14 @@ class LLMEngine:
                 raise
         except ValueError as e:
             field = "n" if str(e).startswith(f"request {request_id!r}: n=") else "prompt"
-            self._pending.append(RequestOutput(request_id, list(prompt_token_ids), error=str(e), error_field=field))
+            self._pending.append(EngineOutput(request_id, list(prompt_token_ids), error=str(e), error_field=field))
         except Exception as e:  # noqa: BLE001 -- one request's failure is its own error output
             self._pending.append(failed_output(request_id, list(prompt_token_ids), "scheduling", e))
 
     def has_unfinished(self) -> bool:
         return bool(self._pending) or self.scheduler.has_unfinished
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """Rank 0: schedule, broadcast, execute, sample, postprocess one step. Returns the
         requests finished in it (error outputs of rejected requests and aborted requests included),
         then the outputs so far of streaming requests that got a token (``finished`` False)."""
@@ -262,7 +262,7 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001
             failed.update({i: ("prompt logprobs", e) for i, s in enumerate(seqs) if s.prompt_logprobs is not None})
 
-    def _fail(self, seq: Sequence, stage: str, exc: Exception) -> RequestOutput:
+    def _fail(self, seq: Sequence, stage: str, exc: Exception) -> EngineOutput:
         """End ``seq``'s request (every sample's blocks freed) with the error output of ``exc`` raised
         while ``stage``."""
         for s in self.outputs.sequences(seq.request_id) or [seq]:
@@ -305,8 +305,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ SPMD API
     def generate(self, requests: Iterable[tuple[str, list[int], SamplingParams]],
-                 on_output: Callable[[RequestOutput], None] | None = None,
-                 on_step: Callable[[EngineStats], None] | None = None) -> list[RequestOutput]:
+                 on_output: Callable[[EngineOutput], None] | None = None,
+                 on_step: Callable[[EngineStats], None] | None = None) -> list[EngineOutput]:
         """Run ``requests`` to completion; every rank calls this. Other ranks ignore ``requests``,
         follow rank 0's broadcasts until STOP and return [].
 
@@ -320,7 +320,7 @@ class LLMEngine:
             return []
         source = iter(requests)
         lookahead = 2 * self.config.max_num_seqs
-        outputs: list[RequestOutput] = []
+        outputs: list[EngineOutput] = []
         while True:
             while source is not None and len(self.scheduler.waiting) + len(self._pending) < lookahead:
                 item = next(source, None)

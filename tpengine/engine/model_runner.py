@@ -153,8 +153,10 @@ class ModelRunner:
         (int64, without gathering the logits); None on other ranks."""
         if plan.block_copies is not None and plan.block_copies.numel():
             self.copy_blocks(plan.block_copies)
-        if self.graphs is not None and self.graphs.can_run(plan):  # CUDA decode: replay a graph
-            return self._head(self.graphs.run(plan), plan)
+        if (self.graphs is not None and plan.kind == StepKind.DECODE
+                and self.graphs.can_run(plan.num_seqs, plan.block_tables.shape[1])):  # CUDA decode: replay a graph
+            return self._head(self.graphs.run(plan.input_ids, plan.positions, plan.slot_mapping, plan.context_lens,
+                                              plan.block_tables), plan)
         dev = self.tp.device
         to = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
         ctx = Context.build(self.backend, plan.kind == StepKind.PREFILL, to(plan.slot_mapping), to(plan.block_tables),

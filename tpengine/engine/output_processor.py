@@ -1,5 +1,5 @@
 """Rank 0's per-request output state: each sample's detokenizer, whether the request streams, and
-the RequestOutputs built from its sequences (after vLLM's ``OutputProcessor``).
+the EngineOutputs built from its sequences (after vLLM's ``OutputProcessor``).
 
 A request with ``n`` samples is one :class:`RequestState` holding its ``n`` sequences (sample 0 is
 the request's first sequence; the others join when they fork from it, see
@@ -14,20 +14,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tpengine.engine.detokenizer import IncrementalDetokenizer
-from tpengine.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from tpengine.engine.outputs import CompletionOutput, EngineOutput, PositionLogprobs
 from tpengine.engine.sequence import Sequence
 
 
-def failed_output(request_id: str, prompt_token_ids: list[int], stage: str, exc: Exception) -> RequestOutput:
+def failed_output(request_id: str, prompt_token_ids: list[int], stage: str, exc: Exception) -> EngineOutput:
     """The error output of a request whose content raised ``exc`` while ``stage`` ("scheduling",
     "sampling", "detokenizing", ...): ``"<stage> failed: <Exception>: <message>"``."""
     return failed_request(request_id, f"{stage} failed: {type(exc).__name__}: {exc}", prompt_token_ids)
 
 
-def failed_request(request_id: str, message: str, prompt_token_ids: list[int] | None = None) -> RequestOutput:
+def failed_request(request_id: str, message: str, prompt_token_ids: list[int] | None = None) -> EngineOutput:
     """The error output of a failed request with ``message``; the one line also goes to stderr."""
     print(f"[tpengine] request {request_id!r}: {message}", file=sys.stderr, flush=True)
-    return RequestOutput(request_id, list(prompt_token_ids or []), error=message)
+    return EngineOutput(request_id, list(prompt_token_ids or []), error=message)
 
 
 @dataclass
@@ -114,7 +114,7 @@ class OutputProcessor:
         sample.emitted += sample.detok.append(token_id)
         return sample.detok.stopped
 
-    def finish_sample(self, seq: Sequence) -> RequestOutput | None:
+    def finish_sample(self, seq: Sequence) -> EngineOutput | None:
         """``seq`` finished: flush its detokenizer. Returns the request's final output once every
         sample finished (and stops tracking it), else None (also for a request already output)."""
         state = self.states.get(seq.request_id)
@@ -128,7 +128,7 @@ class OutputProcessor:
             sample.flush()
         return self._build(state, finished=True)
 
-    def stream_output(self, request_id: str) -> RequestOutput | None:
+    def stream_output(self, request_id: str) -> EngineOutput | None:
         """A live streaming request's output so far (``finished`` False: each sample's text that is
         safe to show and every token id generated), or None for one that does not stream."""
         state = self.states.get(request_id)
@@ -136,7 +136,7 @@ class OutputProcessor:
             return None
         return self._build(state, finished=False)
 
-    def output(self, request_id: str) -> RequestOutput:
+    def output(self, request_id: str) -> EngineOutput:
         """The final output of ``request_id`` now (its unfinished samples as they are: an aborted
         request); stops tracking it."""
         state = self.states.pop(request_id)
@@ -160,7 +160,7 @@ class OutputProcessor:
                         text = self._token_text[lp.token_id] = self.tokenizer.decode([lp.token_id])
                     lp.token = text
 
-    def _build(self, state: RequestState, finished: bool) -> RequestOutput:
+    def _build(self, state: RequestState, finished: bool) -> EngineOutput:
         first = state.samples[0].seq
         outputs = []
         for sample in state.samples:
@@ -175,7 +175,7 @@ class OutputProcessor:
         self._texts(prompt_logprobs)
         t0 = first.arrival_time
         ends = [s.seq.finish_time for s in state.samples if s.seq.finish_time is not None]
-        return RequestOutput(
+        return EngineOutput(
             request_id=first.request_id, prompt_token_ids=first.token_ids[: first.num_prompt_tokens],
             outputs=outputs, prompt_logprobs=prompt_logprobs, num_cached_tokens=first.num_prefix_cached_tokens or 0,
             ttft_s=None if first.first_token_time is None else first.first_token_time - t0,

@@ -1,4 +1,4 @@
-"""What the engine hands back for one request (rank 0 only): vLLM's ``RequestOutput`` with one
+"""What the engine hands back for one request (rank 0 only): vLLM's ``EngineOutput`` with one
 ``CompletionOutput`` per sample, and the logprobs of a position."""
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class CompletionOutput:
 
 
 @dataclass
-class RequestOutput:
+class EngineOutput:
     """One request: its samples in ``outputs`` (n of them; empty for an error).
 
     ``text``, ``token_ids`` and ``finish_reason`` are sample 0's (the only one when n is 1).

@@ -20,8 +20,8 @@ def keep_freed_memory() -> bool:
 
     Every step allocates activations of the same few sizes (tens of MB in a prefill); by default
     glibc serves blocks above 128 KiB-32 MiB with a fresh ``mmap`` and unmaps them when freed, so
-    every step page-faults all its activation memory again (elementwise ops on a 50 MB tensor ran
-    several times slower than with reused memory). ``M_MMAP_MAX=0`` serves everything from the
+    every step page-faults all its activation memory again (docs/notes/kernels.md has the
+    measurement). ``M_MMAP_MAX=0`` serves everything from the
     heap and a 1 GiB ``M_TRIM_THRESHOLD`` keeps it there. Process-wide; a no-op (False) without
     glibc.
     """

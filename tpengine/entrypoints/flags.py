@@ -17,8 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from tpengine.backends import BACKENDS
-from tpengine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES, FIELD_TYPES, QUANTIZATIONS, EngineConfig
+from tpengine.config import BACKENDS, DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES, FIELD_TYPES, QUANTIZATIONS, EngineConfig
 
 #: Per EngineConfig field: (help, default shown in --help or None for the field's own default).
 ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {

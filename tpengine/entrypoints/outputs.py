@@ -40,7 +40,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @classmethod
-    def from_engine(cls, out: engine_outputs.RequestOutput, prompt: str | None) -> RequestOutput:
+    def from_engine(cls, out: engine_outputs.EngineOutput, prompt: str | None) -> RequestOutput:
         """The vLLM-shaped output of the engine's ``out`` for ``prompt`` (the text, or None)."""
         completions = [] if out.error is not None else list(out.outputs)
         return cls(out.request_id, prompt, list(out.prompt_token_ids), completions, out.finished, out.error,

@@ -8,7 +8,7 @@ from typing import Any
 
 from tpengine.engine.memory import gather_peak_rss
 from tpengine.engine.output_processor import failed_output, failed_request
-from tpengine.engine.outputs import RequestOutput
+from tpengine.engine.outputs import EngineOutput
 from tpengine.frontend.output import error_record, make_record, openai_error_record
 from tpengine.frontend.progress import ProgressReporter
 from tpengine.frontend.requests import (
@@ -76,7 +76,7 @@ def drive(engine, requests: Iterable[ParsedRequest], errors: list[RequestError],
     progress = ProgressReporter(total=sum(rid not in done for rid in ids) + len(bad))
     running: dict[str, ParsedRequest] = {}  # taken by the engine, record not yet written
 
-    def on_output(o: RequestOutput) -> None:
+    def on_output(o: EngineOutput) -> None:
         req = running.pop(o.request_id, None)
         try:
             rec = make_record(req, o, model_name)
@@ -93,7 +93,7 @@ def drive(engine, requests: Iterable[ParsedRequest], errors: list[RequestError],
             try:
                 prompt = to_token_ids(r, tok, vocab)
             except RequestValidationError as e:
-                on_output(RequestOutput(r.id, [], error=str(e), error_field=e.field))
+                on_output(EngineOutput(r.id, [], error=str(e), error_field=e.field))
                 continue
             except Exception as e:  # noqa: BLE001 -- e.g. the chat template's raise_exception, a lone surrogate
                 on_output(failed_request(r.id, failure_message(r, e)))

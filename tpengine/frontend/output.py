@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tpengine.engine.outputs import RequestOutput
+from tpengine.engine.outputs import EngineOutput
 from tpengine.frontend.logprobs import chat_logprobs, completion_logprobs, openai_prompt_logprobs, simple_logprobs
 from tpengine.frontend.requests import ParsedRequest
 from tpengine.protocol.records import (
@@ -53,7 +53,7 @@ def _secs(x: float | None) -> float | None:
     return None if x is None else round(x, 6)
 
 
-def simple_record(out: RequestOutput) -> dict[str, Any]:
+def simple_record(out: EngineOutput) -> dict[str, Any]:
     """The simple-format record of a finished request (or its error record if ``out.error``): one
     sample's fields at the top, or ``outputs`` with n > 1 samples."""
     if out.error is not None:
@@ -86,7 +86,7 @@ def error_record(request_id: str, message: str, field: str | None = None, line: 
 
 
 def openai_record(
-    req: ParsedRequest, out: RequestOutput, model: str, created: int | None = None
+    req: ParsedRequest, out: EngineOutput, model: str, created: int | None = None
 ) -> dict[str, Any]:
     """The OpenAI Batch output line for ``req`` (format openai_chat / openai_completion).
 
@@ -101,7 +101,7 @@ def openai_record(
     return BatchOutputLine(id=f"batch_req_{n}", custom_id=req.id, response=response).model_dump()
 
 
-def usage_info(out: RequestOutput) -> UsageInfo:
+def usage_info(out: EngineOutput) -> UsageInfo:
     """OpenAI ``usage`` of ``out``: prompt, completion (every sample's) and total tokens, cached
     prompt tokens."""
     prompt, completion = len(out.prompt_token_ids), out.num_output_tokens
@@ -109,7 +109,7 @@ def usage_info(out: RequestOutput) -> UsageInfo:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
 
 
-def openai_body(out: RequestOutput, chat: bool, model: str, suffix: str,
+def openai_body(out: EngineOutput, chat: bool, model: str, suffix: str,
                 created: int | None = None) -> ChatCompletionResponse | CompletionResponse:
     """The OpenAI response body of finished ``out``: a ``chat.completion`` (id ``chatcmpl-<suffix>``)
     or a ``text_completion`` (id ``cmpl-<suffix>``), one choice per sample; ``model`` the served
@@ -137,7 +137,7 @@ def openai_error_record(
     return BatchOutputLine(id=f"batch_req_{line}", custom_id=custom_id, error=err).model_dump()
 
 
-def make_record(req: ParsedRequest | None, out: RequestOutput, model: str) -> dict[str, Any]:
+def make_record(req: ParsedRequest | None, out: EngineOutput, model: str) -> dict[str, Any]:
     """The record for ``out`` in the shape its request came in (simple when ``req`` is None);
     ``model``: the served model's name (OpenAI records)."""
     if req is None or req.format == "simple":

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from tpengine.engine.memory import format_peak_rss
-from tpengine.engine.outputs import RequestOutput
+from tpengine.engine.outputs import EngineOutput
 
 
 def percentile(xs: Sequence[float], q: float) -> float | None:
@@ -102,7 +102,7 @@ class ProgressReporter:
         self.errors += n
         self._refresh()
 
-    def on_output(self, out: RequestOutput) -> None:
+    def on_output(self, out: EngineOutput) -> None:
         """Count one finished request (ok, or an error record from the engine)."""
         self.running = max(0, self.running - 1)  # until the next step's stats arrive
         if out.error is not None:

@@ -5,7 +5,7 @@ Two sources: a shard folder written by ``tpengine-shard split`` (``manifest.json
 the fly through :class:`tpengine.model.plan.ShardPlan` tensor by tensor. Each tensor's bytes for this
 rank are read straight into the parameter of the final model that keeps them
 (:mod:`tpengine.model.tensor_file`), so loading never holds a weight twice and maps no file.
-Either may be quantized (:mod:`tpengine.quant.checkpoint`: a full folder's ``quantization.json``,
+Either may be quantized (:mod:`tpengine.model.quant.checkpoint`: a full folder's ``quantization.json``,
 a split folder's manifest): a stored weight's parts are read into its quantized storage, never
 through a float weight.
 Afterwards nothing is left on the meta device, every weight was assigned exactly once, and tied
@@ -33,14 +33,22 @@ from tpengine.model.layers.embedding import (
 )
 from tpengine.model.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from tpengine.model.plan import ShardPlan
+from tpengine.model.quant.apply import quantize_linear
+from tpengine.model.quant.checkpoint import (
+    PARTS,
+    QuantEntry,
+    is_linear_weight,
+    part_name,
+    part_of,
+    part_slice,
+    read_table,
+)
+from tpengine.model.quant.load import QuantParts, check_stored_quantization
+from tpengine.model.quant.weights import QuantizedWeight, QuantScheme, check_quantization
 from tpengine.model.shard_folder import CheckpointMismatchError, rank_files  # noqa: F401 (re-exported)
 from tpengine.model.spec import ModelSpec
 from tpengine.model.surgery import build_model, checkpoint_targets, kind_of
 from tpengine.model.tensor_file import TensorInfo, read_header, read_rows
-from tpengine.quant.apply import quantize_linear
-from tpengine.quant.checkpoint import PARTS, QuantEntry, is_linear_weight, part_name, part_of, part_slice, read_table
-from tpengine.quant.load import QuantParts, check_stored_quantization
-from tpengine.quant.weights import QuantizedWeight, QuantScheme, check_quantization
 
 # the linears --quantization stores quantized with its scheme, and the vocabulary layers (QuantScheme.vocab)
 QUANTIZED_LAYERS = (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear)
@@ -130,10 +138,10 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
     is replaced by its oneDNN layout as soon as all its parts are in (a tied LM head keeps the
     embedding's plain rows).
     With ``quant``, each column/row-parallel linear's weight is instead quantized as soon as
-    its parts are in (:func:`tpengine.quant.apply.quantize_linear`, ``reduce_max`` the
+    its parts are in (:func:`tpengine.model.quant.apply.quantize_linear`, ``reduce_max`` the
     all-reduce MAX of int8's row absmax; never packed), and its float weight dropped.
     ``stored`` (a quantized folder's table, weight name -> entry): each listed weight is read
-    from its stored parts (:mod:`tpengine.quant.checkpoint`; this rank's slice per the format's
+    from its stored parts (:mod:`tpengine.model.quant.checkpoint`; this rank's slice per the format's
     TP rules) into its quantized storage, scales and zeros cast to ``dtype``.
     Returns the bytes of weights held (quantized ones as stored: values, scales and zeros).
 
@@ -324,9 +332,9 @@ def load_model(model: ModelSpec | str | Path, tp: TPInfo, dtype: torch.dtype = t
     ``cpu_linear`` says ("auto": measured, :mod:`tpengine.backends.cpu.linear_layout`; "plain";
     "packed"; the choices are in ``profile.linear_layouts``); ``cpu_kernels`` lets the layers use the CPU
     C kernels (``EngineConfig.cpu_kernels``). ``quantization`` ("int8", "int4" or None) stores the
-    column/row-parallel linears' weights quantized (:mod:`tpengine.quant.weights`; at tp > 1
+    column/row-parallel linears' weights quantized (:mod:`tpengine.model.quant.weights`; at tp > 1
     int8 all-reduces each row-parallel weight's row absmax while loading, so every rank loads
-    the same files in the same order). A quantized folder (:mod:`tpengine.quant.checkpoint`)
+    the same files in the same order). A quantized folder (:mod:`tpengine.model.quant.checkpoint`)
     needs no ``quantization``: its weights are loaded as stored (``quantization``, if given,
     must say the same).
 
@@ -334,9 +342,9 @@ def load_model(model: ModelSpec | str | Path, tp: TPInfo, dtype: torch.dtype = t
         CheckpointMismatchError: a shard folder for another tp/config or with a bad hash.
         UserError: no folder, a missing or unreadable ``config.json`` or ``manifest.json``
             (:func:`tpengine.model.checkpoint.check_model_folder`); ``quantization`` off the CPU, or
-            an int4 group the tp split would cut (:func:`tpengine.quant.weights.check_quantization`);
+            an int4 group the tp split would cut (:func:`tpengine.model.quant.weights.check_quantization`);
             a quantized folder that ``quantization`` disagrees with, a broken ``quantization.json``
-            (:func:`check_stored_quantization`, :func:`tpengine.quant.checkpoint.read_table`).
+            (:func:`check_stored_quantization`, :func:`tpengine.model.quant.checkpoint.read_table`).
         FileNotFoundError: a checkpoint file the folder or its index names is missing.
         RuntimeError: a weight assigned twice or never, or anything left on meta.
     """

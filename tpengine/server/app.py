@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from tpengine.engine.outputs import RequestOutput
+from tpengine.engine.outputs import EngineOutput
 from tpengine.server.engine_loop import EngineDead, EngineLoop
 from tpengine.server.metrics import ServerMetrics
 from tpengine.server.serving import (
@@ -49,13 +49,13 @@ def problem_response(p: HTTPProblem) -> JSONResponse:
     return JSONResponse(p.body(), status_code=p.status)
 
 
-async def _outputs(queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+async def _outputs(queue: asyncio.Queue) -> AsyncIterator[EngineOutput]:
     """A request's engine outputs until its final one; an :class:`EngineDead` is raised as an HTTP 503.
     Outputs so far are cumulative, so when several are queued (the client reads slower than the
     engine steps) only the latest is yielded."""
     while True:
         item = await queue.get()
-        while not queue.empty() and not (isinstance(item, RequestOutput) and item.finished):
+        while not queue.empty() and not (isinstance(item, EngineOutput) and item.finished):
             item = queue.get_nowait()
         if isinstance(item, BaseException):
             raise HTTPProblem(503, str(item))
@@ -119,7 +119,7 @@ def build_app(state: ServerState) -> FastAPI:
                 state.loop.abort(p.request_id)
 
     async def _complete(request: Request, p: Prepared, queue: asyncio.Queue) -> Response:
-        async def final() -> RequestOutput:
+        async def final() -> EngineOutput:
             async for out in _outputs(queue):
                 if out.finished:
                     return out

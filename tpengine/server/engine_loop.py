@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from tpengine.engine.outputs import RequestOutput
+from tpengine.engine.outputs import EngineOutput
 from tpengine.engine.step import StepKind, StepPlan, broadcast_plan
 from tpengine.sampling_params import SamplingParams
 
@@ -25,7 +25,7 @@ class EngineDead(RuntimeError):
     """The engine loop has stopped (a failed step or rank, or shutdown); no request can run."""
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue, EngineOutput | BaseException]]) -> None:
     for q, item in items:
         q.put_nowait(item)
 
@@ -44,7 +44,7 @@ class EngineLoop:
     """
 
     def __init__(self, engine, heartbeat_s: float | None = None,
-                 on_step: Callable[[object, list[RequestOutput]], None] | None = None) -> None:
+                 on_step: Callable[[object, list[EngineOutput]], None] | None = None) -> None:
         self.engine = engine
         self.heartbeat_s = heartbeat_s or engine.config.dist_timeout_s / 4
         self.on_step = on_step
@@ -150,7 +150,7 @@ class EngineLoop:
         for rid in list(self._streams):
             self.engine.abort_request(rid)
 
-    def _deliver(self, outs: list[RequestOutput]) -> None:
+    def _deliver(self, outs: list[EngineOutput]) -> None:
         items = []
         for out in outs:
             q = self._streams.get(out.request_id)
@@ -161,7 +161,7 @@ class EngineLoop:
             items.append((q, out))
         self._send(items)
 
-    def _send(self, items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    def _send(self, items: list[tuple[asyncio.Queue, EngineOutput | BaseException]]) -> None:
         """Hand one step's outputs to the event loop in one call (not one per request)."""
         if items and self._event_loop is not None:
             self._event_loop.call_soon_threadsafe(_put_all, items)

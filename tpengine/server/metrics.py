@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tpengine.engine.outputs import RequestOutput
+from tpengine.engine.outputs import EngineOutput
 
 # vLLM's bucket bounds (seconds)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -54,7 +54,7 @@ class ServerMetrics:
         total = stats.num_total_blocks
         self.kv_usage.set((total - stats.num_free_blocks) / total if total else 0.0)
 
-    def observe_step(self, stats, outputs: list[RequestOutput]) -> None:
+    def observe_step(self, stats, outputs: list[EngineOutput]) -> None:
         self.set_queue(stats)
         for o in outputs:
             if not o.finished or o.error is not None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tpengine.engine.outputs import RequestOutput
+from tpengine.engine.outputs import EngineOutput
 from tpengine.frontend.logprobs import chat_logprobs, completion_logprobs
 from tpengine.frontend.output import openai_body, usage_info
 from tpengine.frontend.requests import (
@@ -112,12 +112,12 @@ def prepare_request(obj: Any, kind: str, tokenizer, vocab_size: int, max_model_l
     return Prepared(rid, chat, ids, params, bool(body.stream), bool(options.get("include_usage")), int(time.time()))
 
 
-def output_problem(out: RequestOutput) -> HTTPProblem:
+def output_problem(out: EngineOutput) -> HTTPProblem:
     """The HTTP error of an engine error output: 400 when a field is at fault, else 500."""
     return HTTPProblem(400 if out.error_field else 500, out.error or "failed", out.error_field)
 
 
-def response_body(p: Prepared, out: RequestOutput, model_name: str) -> dict[str, Any]:
+def response_body(p: Prepared, out: EngineOutput, model_name: str) -> dict[str, Any]:
     """The non-streamed response body of finished ``out``."""
     return openai_body(out, p.chat, model_name, p.request_id.split("-", 1)[1], p.created).model_dump()
 
@@ -127,7 +127,7 @@ def sse(obj: dict[str, Any] | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def stream_events(p: Prepared, outputs: AsyncIterator[RequestOutput], model_name: str) -> AsyncIterator[str]:
+async def stream_events(p: Prepared, outputs: AsyncIterator[EngineOutput], model_name: str) -> AsyncIterator[str]:
     """The SSE events of one streamed request, from its engine outputs (outputs so far, then the final
     one): per sample (``index`` i of n) its text deltas with, when asked, the logprobs of the tokens
     generated since its last chunk, then its finish reason; the usage chunk (every sample's tokens)

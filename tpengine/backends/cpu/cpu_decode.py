@@ -3,9 +3,8 @@
 
 Why: one decode step attends one query token per sequence over contiguous ``[B * Hkv, L, D]``
 keys and values (see :mod:`tpengine.backends.cpu.kv_mirror`). ``torch.bmm`` does that as B * Hkv
-matrices of ``G x D @ D x L`` (G query heads per KV head) and pays oneDNN's per-matrix overhead:
-at 64 sequences x 3 KV heads x ~200 tokens (SmolLM2-135M) it reads K and V at ~20 GB/s where a
-plain read streams at ~45 GB/s, and the two bmms were ~16 of a ~55 ms step. The kernel computes
+matrices of ``G x D @ D x L`` (G query heads per KV head) and pays oneDNN's per-matrix overhead,
+reading K and V well below the memory's streaming rate (docs/notes/kernels.md). The kernel computes
 the same two products with AVX512-BF16 dot products (``vdpbf16ps``), prefetching ahead across
 sequences, and reads only the visible keys of each sequence (not the mirror's masked tail). The
 float32 softmax between them stays ``torch.softmax``, so the arithmetic is the torch path's:

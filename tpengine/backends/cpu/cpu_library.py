@@ -6,7 +6,7 @@ The kernels are bfloat16 AVX512-BF16 code for the CPU path (decode attention in
 :mod:`tpengine.backends.cpu.cpu_fused`), called as torch ops (:mod:`tpengine.backends.cpu.cpu_ops`).
 They are built with ``cc -O3 -march=native -fopenmp -shared``
 (``$CC`` if set) into ``$TPENGINE_CACHE_DIR`` (default ``~/.cache/tpengine``), one library per
-source, compiler and CPU, written atomically so concurrent ranks may build at once (~1 s, once per
+source, compiler and CPU, written atomically so concurrent ranks may build at once (once per
 machine). OpenMP threads come from the libgomp torch has already loaded; each call passes
 ``torch.get_num_threads()``. When there is no compiler, the build fails, or the CPU lacks
 AVX512-BF16, :func:`load` returns None (with one line on stderr) and every caller keeps its torch

@@ -1,6 +1,6 @@
 """int8 and int4 weight-only matrix-vector products for the few rows of a decode step
 (``cpu_qgemv.c``, built by :mod:`tpengine.backends.cpu.cpu_library`), on the storage
-:mod:`tpengine.quant.weights` already holds (int8 ``[out, in]`` with per-channel scales; torch's
+:mod:`tpengine.model.quant.weights` already holds (int8 ``[out, in]`` with per-channel scales; torch's
 packed int4 layout with ``scales_and_zeros``, or scales and int8 zero codes), so no second copy of a weight exists.
 
 torch's CPU weight-only kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) are
@@ -37,7 +37,7 @@ _FLOAT = (torch.bfloat16, torch.float32)
 
 
 def int4_layout_ok(layout) -> bool:
-    """Whether a :class:`tpengine.quant.arith.Int4PackLayout` is the one ``cpu_qgemv.c``
+    """Whether a :class:`tpengine.model.quant.arith.Int4PackLayout` is the one ``cpu_qgemv.c``
     reads: 64-row blocks, row ``r`` at byte ``r % 32`` of each column in nibble ``4 * (r // 32)``;
     a last block of ``nb`` rows with rows ``2j`` and ``2j + 1`` in byte ``j`` (torch's AVX-512
     layout; its AVX2 one has 32-row blocks and is left to torch's kernel)."""
@@ -276,7 +276,7 @@ def _valid(times) -> bool:
 
 def choose(groups: dict[str, list], rank: int = 0) -> dict[str, dict]:
     """For each group of quantized weights of one shape and kind (``groups``: a key such as ``"int4
-    g32 576->3072"`` -> its :class:`~tpengine.quant.weights.QuantizedWeight` modules), time
+    g32 576->3072"`` -> its :class:`~tpengine.model.quant.weights.QuantizedWeight` modules), time
     torch's kernels and these (:func:`_measure`, on the modules themselves, rotating over all of them
     so the weights stream from memory) or read the timings this ``rank`` cached for that key
     (:func:`cache_path`: the first measurement on a machine is kept, so every later load chooses

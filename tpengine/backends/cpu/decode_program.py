@@ -2,10 +2,10 @@
 
 At batch 1 a decode step of a small model spends as long in Python between the kernels as in them:
 every layer goes through eight module calls, their attribute lookups, the argument checks of each
-C kernel and a torch-op dispatch per fused op (~200 us a layer on a 2-vCPU Sapphire Rapids,
-docs/notes/kernels.md). :class:`CPUDecodeProgram` runs the same kernels in the same order on the
-same tensors as :func:`tpengine.model.layers.fused.decoder_forward` does in a decode step with the CPU C
-kernels on -- so the results are bit for bit the same -- but with every per-weight and per-layer
+C kernel and a torch-op dispatch per fused op (measured in docs/notes/kernels.md).
+:class:`CPUDecodeProgram` runs the same kernels in the same order on the same tensors as the
+layers' own forward (:class:`tpengine.model.layers.fused.DecoderStack`) does in a decode step with
+the CPU C kernels on -- so the results are bit for bit the same -- but with every per-weight and per-layer
 check done once when it is built, and each layer's calls held as eight closures:
 
     h, x = norm1(h, delta)          residual add + RMSNorm (C)
@@ -18,9 +18,9 @@ Each linear's closure is the path its layer would take (:func:`tpengine.model.la
 the GEMV or GEMM kernel at the rows it was measured faster at, oneDNN's packed weight, MKL, or the
 quantized weight's kernel). The paged attention kernel still checks every index before it writes
 (an out-of-range slot or block id raises the checked path's exact error). Built by
-:func:`build` for the model runner, which uses it for CPU decode steps; a model it does not cover
-(Qwen3's q/k norms, a dtype or head size the C kernels do not take, C kernels off) gets None and
-keeps ``decoder_forward``.
+:func:`build` when the CPU attention backend binds the model, and run by the backend's
+``stack_forward`` for decode steps; a model it does not cover (Qwen3's q/k norms, a dtype or head
+size the C kernels do not take, C kernels off) gets None and keeps the stack's own forward.
 """
 
 from __future__ import annotations
@@ -138,8 +138,8 @@ class _Step:
 
 class CPUDecodeProgram:
     """The decoder stack's forward for CPU decode steps (module docstring). ``program(input_ids
-    [B], positions [B], ctx) -> [B, hidden]``, equal bit for bit to ``decoder_forward``; only
-    for steps :meth:`takes`."""
+    [B], positions [B], ctx) -> [B, hidden]``, equal bit for bit to the stack's own forward
+    (:class:`tpengine.model.layers.fused.DecoderStack`); only for decode steps."""
 
     def __init__(self, stack, layers: list[tuple], final_norm, dtype: torch.dtype, keep: list):
         self.stack, self.layers, self.final_norm, self.dtype = stack, layers, final_norm, dtype

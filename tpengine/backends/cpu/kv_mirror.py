@@ -2,8 +2,8 @@
 
 Decode attention on CPU is memory-bound: gathering every sequence's cached keys and values out of
 the paged cache into a contiguous ``[B, Hkv, L, D]`` tensor each step reads and writes the whole
-context once more than the attention matmuls themselves (at 64 sequences x 200 tokens x 30 layers
-the gathers were ~10-15 ms of a ~60 ms step). When consecutive decode steps run the same
+context once more than the attention matmuls themselves (a large part of a decode step:
+docs/notes/kernels.md). When consecutive decode steps run the same
 sequences, each layer's gathered tensors stay valid but for one new token per sequence, so this
 module keeps them (the *mirror*) and appends that token instead of gathering again.
 

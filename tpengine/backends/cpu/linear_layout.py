@@ -10,9 +10,8 @@ A CPU linear layer holds its weight in ONE of two layouts (never both: that woul
 * ``packed``: oneDNN's blocked layout (:func:`tpengine.model.layers.linear.prepack`), multiplied by
   ``torch.ops.mkldnn._linear_pointwise``.
 
-Which one is faster depends on the CPU, the dtype, the shape and the number of rows: on a 2-vCPU
-AMD EPYC the packed float32 path was ~2x faster, on an Intel Sapphire Rapids MKL's float32 sgemm
-wins at one row (docs/notes/kernels.md). So nothing is hard-coded: :func:`choose_layouts` times
+Which one is faster depends on the CPU, the dtype, the shape and the number of rows, and the
+order differs between CPU types (docs/notes/kernels.md). So nothing is hard-coded: :func:`choose_layouts` times
 both layouts for every distinct ``(out, in)`` shape of the model, at the row buckets
 :data:`ROW_BUCKETS`, over as many distinct weights of that shape as the model has (up to
 :data:`MEASURE_BYTES`), so the weights stream from memory as they do in a step rather than sitting
@@ -33,10 +32,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tpengine.backends import CPU_LINEAR_CHOICES
 from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_library
 from tpengine.backends.cpu.cpu_library import cache_root, cpu_id
 from tpengine.backends.cpu.measured import consistent, read_cache, time_us, write_cache
+from tpengine.config import CPU_LINEAR_CHOICES
 
 LAYOUTS = ("plain", "packed")
 #: Rows per call the choice is measured at: one decoding sequence, a small batch, a full decode batch.
@@ -143,8 +142,6 @@ def measure(shape: tuple[int, int], count: int, dtype: torch.dtype) -> dict[str,
     """Microseconds per call of each layout for a weight ``shape = (out, in)`` in ``dtype`` at each
     of :data:`ROW_BUCKETS` rows, rotating over ``min(count, MEASURE_BYTES // bytes)`` distinct
     synthetic weights. None where packing is unavailable or one weight exceeds :data:`MEASURE_BYTES`."""
-    from tpengine.model.layers.linear import prepack
-
     out, inp = shape
     nbytes = out * inp * torch.empty(0, dtype=dtype).element_size()
     if nbytes > MEASURE_BYTES:
@@ -232,8 +229,9 @@ def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setti
         key = f"{shape[0]}x{shape[1]}x{min(count, 1 << 20)}"
         times, how, fresh = _timed(cache, key, LAYOUTS, lambda: measure(shape, count, dtype))
         wrote |= fresh
-        if times is None:
-            chosen[shape] = LayoutChoice("packed", "default", {})
+        if times is None:  # too big to measure: packed where oneDNN can pack this dtype, else plain
+            packable = prepack(torch.zeros(1, 1, dtype=dtype)) is not None
+            chosen[shape] = LayoutChoice("packed" if packable else "plain", "default", {})
         else:
             if not cpu_kernels:
                 times = {k: v for k, v in times.items() if k not in ("gemv", "gemm")}
@@ -270,7 +268,7 @@ def bind_linear(weight: torch.Tensor | None, bias: torch.Tensor | None, packed: 
     """The one implementation a linear layer runs, bound once its weight is loaded:
     ``run(x [rows, in] contiguous, the weight's dtype) -> x @ weight.T + bias [rows, out]``.
 
-    In order: a quantized weight (``quant``, :class:`~tpengine.quant.weights.QuantizedWeight`) runs
+    In order: a quantized weight (``quant``, :class:`~tpengine.model.quant.weights.QuantizedWeight`) runs
     its kernel (``quant.bind()``); a ``packed`` weight (:func:`prepack`) runs oneDNN's matmul; a
     plain weight without a bias whose ``kernels`` were measured (:func:`plain_kernels`) runs, per
     row count, the path measured fastest at that row bucket (:func:`kernel_at`: tpengine's GEMV

@@ -5,10 +5,9 @@ NCCL on CUDA). On CPU, when every rank runs on this host, the model runner calls
 :func:`init_shm` once at start-up, which installs a :class:`ShmComm` on the process-group state
 (:func:`tpengine.distributed.install_activation_comm`): each rank copies its
 tensor into its slot of one shared-memory file, publishes a generation counter, and reads the
-other ranks' slots once their counters arrive. Gloo needs ~1 ms per all-reduce even for a
-64 x 576 tensor on this 2-core VM (thread wake-ups around its TCP transport); a decode step
-runs 2 all-reduces per layer, so that alone was ~70 ms per step at tp=2. Shared memory takes
-microseconds.
+other ranks' slots once their counters arrive. Gloo pays thread wake-ups around its TCP
+transport on every all-reduce, however small the tensor, and a decode step runs 2 all-reduces per
+layer; shared memory skips the transport (figures in docs/notes/kernels.md).
 
 Protocol (call ``g`` = this rank's g-th collective; all ranks make the same calls in the same
 order, as every rank runs the same step): wait until every rank has *started* call ``g - 1``

@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 
 from tpengine.context import Context
-from tpengine.engine.step import StepKind, StepPlan
 
 #: larger decode batches run eagerly
 MAX_GRAPH_BATCH = 512
@@ -89,21 +88,25 @@ class CUDAGraphRunner:
             self.graphs[bs] = graph
             torch.cuda.synchronize()
 
-    def can_run(self, plan: StepPlan) -> bool:
-        """A decode step that fits the largest bucket and the buffers' block-table width."""
-        return (plan.kind == StepKind.DECODE and 0 < plan.num_seqs <= self.batch_sizes[-1]
-                and plan.block_tables.shape[1] <= self.max_blocks)
+    def can_run(self, num_seqs: int, table_width: int) -> bool:
+        """Whether a decode step of ``num_seqs`` sequences whose block tables are ``table_width``
+        blocks wide fits the largest bucket and the buffers' block-table width."""
+        return 0 < num_seqs <= self.batch_sizes[-1] and table_width <= self.max_blocks
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """Run decode ``plan`` (``can_run`` true): fill the buffers, replay the smallest bucket
-        ``>= B``. Returns ``[B, hidden]``, a view of the static output valid until the next run."""
-        b, m = plan.num_seqs, plan.block_tables.shape[1]
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+            context_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """Run one decode step (``can_run`` true) of B sequences: ``input_ids``, ``positions``,
+        ``slot_mapping``, ``context_lens`` ``[B]`` and ``block_tables`` ``[B, M]`` (int32 / int64 on
+        the device, as a decode ``StepPlan`` holds them) are copied into the static buffers and the
+        smallest bucket ``>= B`` replays. Returns ``[B, hidden]``, a view of the static output valid
+        until the next run."""
+        b, m = block_tables.shape
         bs = next(s for s in self.batch_sizes if s >= b)
-        self.input_ids[:b].copy_(plan.input_ids, non_blocking=True)
-        self.positions[:b].copy_(plan.positions, non_blocking=True)
-        self.slot_mapping[:b].copy_(plan.slot_mapping, non_blocking=True)
-        self.context_lens[:b].copy_(plan.context_lens, non_blocking=True)
-        self.block_tables[:b, :m].copy_(plan.block_tables, non_blocking=True)
+        self.input_ids[:b].copy_(input_ids, non_blocking=True)
+        self.positions[:b].copy_(positions, non_blocking=True)
+        self.slot_mapping[:b].copy_(slot_mapping, non_blocking=True)
+        self.context_lens[:b].copy_(context_lens, non_blocking=True)
+        self.block_tables[:b, :m].copy_(block_tables, non_blocking=True)
         self.block_tables[:b, m:].fill_(-1)
         self.slot_mapping[b:bs].fill_(-1)  # padding rows: store nothing, attend to nothing
         self.context_lens[b:bs].zero_()

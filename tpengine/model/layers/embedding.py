@@ -2,7 +2,7 @@
 
 The vocabulary is padded to a multiple of tp (:class:`tpengine.model.plan.ShardPlan`); rank r holds
 rows ``[vocab_start, vocab_end)`` of the padded table, padding rows are zero. Under
-``--quantization`` either layer holds ``quant`` (a :class:`~tpengine.quant.weights.QuantizedWeight`
+``--quantization`` either layer holds ``quant`` (a :class:`~tpengine.model.quant.weights.QuantizedWeight`
 of those rows) instead of ``weight``: the lookup dequantizes only the rows it reads, the LM head
 multiplies through the quantized kernel; a tied pair shares one ``quant``.
 """

@@ -25,8 +25,8 @@ class _Packable(nn.Module):
     (see the module docstring): :meth:`pack` swaps it in, and ``weight`` becomes None, so the
     layer never holds its weight twice. ``in_features`` and ``out_features`` keep the shape.
     With ``--quantization``, ``quant`` holds the weight instead (a
-    :class:`~tpengine.quant.weights.QuantizedWeight`, set by
-    :func:`~tpengine.quant.apply.quantize_linear`; such a layer is not packed)."""
+    :class:`~tpengine.model.quant.weights.QuantizedWeight`, set by
+    :func:`~tpengine.model.quant.apply.quantize_linear`; such a layer is not packed)."""
 
     packed: torch.Tensor | None = None
     kernels: tuple[str, ...] = ()  # the plain weight's path per row bucket (set by the loader where measured)

@@ -1,7 +1,7 @@
 /* Fused bfloat16 element-wise kernels for the CPU decoder layer: residual add + RMSNorm, RoPE,
  * SiLU(gate) * up, the causal softmax of bfloat16 prefill attention (and exact row copies for
  * the KV cache). Each replaces a chain of torch ops that, in bfloat16 on CPU, costs one dispatch
- * (~5-10 us) and one pass over memory per op; each keeps the chain's roundings, op by op:
+ * and one pass over memory per op; each keeps the chain's roundings, op by op:
  *
  *   add_rms_norm: h' = bf16(h + x); y = bf16(w * bf16(h' * rsqrt(mean(h'^2) + eps)))   (fp32 inside)
  *   rope:         out = bf16(bf16(q * cos) + bf16(rotate_half(q) * sin))               (HF's formula)

@@ -3,7 +3,7 @@ vocabulary-parallel embedding and the LM head.
 
 The loader quantizes each column/row-parallel linear's weight, and the embedding's and LM head's
 vocabulary rows, as soon as this rank's float slice of it is in
-(:func:`tpengine.quant.apply.quantize_linear`), and
+(:func:`tpengine.model.quant.apply.quantize_linear`), and
 drops the float weight: only the weight being converted is ever held in both forms. Activations
 stay in the model dtype (float32, bfloat16 or float16). Every :class:`QuantizedWeight` multiplies
 (``forward``) and hands out dequantized rows (``rows``, the embedding lookup: the same stored
@@ -37,7 +37,7 @@ quantized weight:
 
 * a column split (and the vocabulary split) takes whole output rows, with their scales (and
   zeros); vocabulary padding rows are zero, and quantize to zero with scale (and zero) 0, as a
-  stored folder (:mod:`tpengine.quant.checkpoint`) holds them;
+  stored folder (:mod:`tpengine.model.quant.checkpoint`) holds them;
 * a row split cuts the input dimension: for grouped schemes every rank's input range must start
   on a group boundary (:func:`check_quantization` refuses a tp where it does not); for int8 per
   channel the per-row ``absmax`` is of the FULL row, the max over the ranks of their slices'
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -57,22 +57,20 @@ from torch import nn
 from tpengine.backends.cpu import cpu_library, cpu_qgemv
 from tpengine.backends.cpu.cpu_qgemv import int4_layout_ok
 from tpengine.config import QUANTIZATIONS  # the values of EngineConfig.quantization besides None
-from tpengine.quant.arith import (  # noqa: F401 (the arithmetic; re-exported for callers and tests)
+from tpengine.errors import UserError
+from tpengine.model.quant.arith import (
     INT4_ROW_MULTIPLE,
     Int4PackLayout,
     _group_dequant,
     _int4_mm,
     _int4_pack,
     _int4_values,
-    dequantize_int4,
-    dequantize_int8,
+    _pad_out,
+    coded_zeros,
     int4_pack_layout,
-    quantize_int4,
-    quantize_int8,
 )
-from tpengine.quant.tp import check_quantization  # noqa: F401 (re-exported)
 
-__all__ = ["QUANTIZATIONS", "Int4Weight", "Int8Weight", "QuantScheme", "QuantizedWeight",
+__all__ = ["QUANTIZATIONS", "Int4CodedWeight", "Int4Weight", "Int8Weight", "QuantScheme", "QuantizedWeight",
            "check_quantization"]
 #: Group size of ``--quantization int4`` (input columns per scale/zero).
 INT4_GROUP_SIZE = 32
@@ -86,7 +84,7 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 class QuantScheme:
     """One weight-only scheme: ``name`` "int8" (``group_size`` None: per output channel, or input
     columns per scale) or "int4" (``group_size`` input columns per scale and zero; ``zero_codes``:
-    the zero stored as an int8 code, :class:`~tpengine.quant.coded.Int4CodedWeight`, else as
+    the zero stored as an int8 code, :class:`Int4CodedWeight`, else as
     a float, :class:`Int4Weight`);
     ``vocab``, the scheme of the vocabulary-parallel embedding and LM head (None: they stay in float)."""
 
@@ -125,7 +123,7 @@ class QuantizedWeight(nn.Module):
     an embedding / LM head): ``forward(x [..., in]) -> [..., out]`` in ``x``'s dtype (the model
     dtype its scales are stored in); ``rows(ids [...]) -> [..., in]``, the dequantized rows
     ``ids`` in that dtype (an embedding lookup); ``dequantize()``, the whole float32 weight;
-    ``nbytes``, the bytes held. Built by :func:`tpengine.quant.apply.quantize_weight`; CPU only."""
+    ``nbytes``, the bytes held. Built by :func:`tpengine.model.quant.apply.quantize_weight`; CPU only."""
 
     out_features: int
     in_features: int
@@ -348,3 +346,97 @@ class Int4Weight(QuantizedWeight):
         sz = self.scales_and_zeros[:, ids].transpose(0, 1)  # [M, groups, 2]
         return _group_dequant(q - 8, sz[..., 0], sz[..., 1])
 
+
+# ------------------------------------------------------------------ int4 with coded zeros
+# W4A16 with the zero of each group stored as an int8 code (``--quantization int4``'s storage):
+# :class:`Int4CodedWeight`, the arithmetic in :func:`tpengine.model.quant.arith.quantize_int4_coded`
+# (docs/design.md, "Quantized weights").
+
+
+class Int4CodedWeight(Int4Weight):
+    """W4A16 with int8 zero codes (:func:`~tpengine.model.quant.arith.quantize_int4_coded`): ``packed``
+    as :class:`Int4Weight`, ``scales [in / group_size, out_padded]`` and ``zero_codes`` int8 of the same
+    shape, ``y = x @ ((q - 8) * scale + code * scale / 16).T``. tpengine's kernels read the codes; torch's
+    kernel (more rows than ``gemv_rows`` and fewer than ``dequant_rows``, or no C kernels) gets a
+    transient ``scales_and_zeros`` built per call (its zeros rounded to the scales' dtype)."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zero_codes: torch.Tensor, group_size: int):
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = q.shape
+        self.group_size = group_size
+        pad = -q.shape[0] % INT4_ROW_MULTIPLE
+        packed, scales = _int4_pack(q, scales)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zero_codes", _pad_out(zero_codes, pad))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    def _kernel_scales(self) -> torch.Tensor:
+        return self.scales
+
+    def _kernel_codes(self) -> torch.Tensor:
+        return self.zero_codes
+
+    def _torch_sz(self) -> torch.Tensor:
+        return torch.stack([self.scales, coded_zeros(self.scales, self.zero_codes).to(self.scales.dtype)], dim=-1)
+
+    def _rows_f32(self, ids: torch.Tensor) -> torch.Tensor:
+        q = _int4_values(self.packed, self._layout, ids, self.in_features)
+        s = self.scales[:, ids]
+        return _group_dequant(q - 8, s.t(), coded_zeros(s, self.zero_codes[:, ids]).t())
+
+
+# ------------------------------------------------------------------ which tp sizes a scheme allows
+def _row_boundaries(plan: Any) -> dict[str, list[int]]:
+    """Leaf name of each row-parallel layer -> every rank's input start and end under ``plan``."""
+    hd = plan.head_dim
+    return {"self_attn.o_proj": sorted({b * hd for r in plan.ranks for b in r.q_heads}),
+            "mlp.down_proj": sorted({b for r in plan.ranks for b in r.intermediate})}
+
+
+def check_quantization(hf_config: Any, tp_size: int, scheme: QuantScheme) -> None:
+    """Refuse, before any weight is read, a grouped ``scheme`` (int4, grouped int8) whose groups
+    the tp split would cut: every linear's input size (hidden for q/k/v and gate/up; the heads'
+    and the intermediate size for o_proj and down_proj) must be a multiple of the group size,
+    and each rank's input range of o_proj and down_proj (from :class:`tpengine.model.plan.ShardPlan`)
+    must start on a group boundary; the hidden size must be a multiple of ``scheme.vocab``'s
+    group size (the embedding / LM head). Per-channel int8 always fits.
+
+    Raises:
+        UserError: naming the layer, the group size, this tp and the valid tp sizes.
+    """
+    from tpengine.model.plan import ShardPlan
+
+    d = ShardPlan.dims(hf_config)
+    gv = None if scheme.vocab is None else scheme.vocab.group_size
+    if gv is not None and d["hidden_size"] % gv:
+        raise UserError(f"--quantization {scheme.name}: the embedding / LM head ({scheme.vocab.name}, group size "
+                        f"{gv}) has {d['hidden_size']} input features, not a multiple of {gv}")
+    if scheme.group_size is None:
+        return
+    g = scheme.group_size
+    sizes = {"self_attn.q_proj/k_proj/v_proj, mlp.gate_proj/up_proj": d["hidden_size"],
+             "self_attn.o_proj": d["num_heads"] * d["head_dim"], "mlp.down_proj": d["intermediate_size"]}
+    for layer, n in sizes.items():
+        if n % g:
+            raise UserError(f"--quantization {scheme.name} (group size {g}): {layer} has {n} input features, "
+                            f"not a multiple of {g}; this model cannot be quantized with group size {g} at any tp")
+
+    def bad_layer(tp: int) -> tuple[str, int] | None:
+        for layer, bounds in _row_boundaries(ShardPlan.build(hf_config, tp)).items():
+            for b in bounds:
+                if b % g:
+                    return layer, b
+        return None
+
+    found = bad_layer(tp_size)
+    if found is None:
+        return
+    layer, b = found
+    valid = [t for t in ShardPlan.valid_tp_sizes(hf_config) if bad_layer(t) is None]
+    raise UserError(f"--quantization {scheme.name} (group size {g}) at tp={tp_size}: the row-parallel layer "
+                    f"{layer} splits its input at column {b}, not on a group boundary (a multiple of {g}); "
+                    f"valid tp sizes: {', '.join(map(str, valid))}")

@@ -1,6 +1,6 @@
 """The on-disk format of quantized checkpoints (docs/design.md, "Quantized weights"):
 ``quantization.json``, the stored parts of a quantized weight, how tensor parallelism slices
-them, and building the in-memory :class:`~tpengine.quant.weights.QuantizedWeight` from them.
+them, and building the in-memory :class:`~tpengine.model.quant.weights.QuantizedWeight` from them.
 
 A quantized 2-D weight ``P.weight [out, in]`` is stored instead as
 
@@ -10,7 +10,7 @@ A quantized 2-D weight ``P.weight [out, in]`` is stored instead as
   ``2j + 1`` in the high one, values 0..15), ``P.scales`` and ``P.zeros`` float32
   ``[out, in // g]``, ``w = (q - 8) * scale + zero``; with ``"zeros": "int8"`` in the table entry
   (``--quantization int4``'s coded zeros) ``P.zeros`` is int8 ``[out, in // g]`` codes and
-  ``zero = code * scale / 16`` (:func:`tpengine.quant.arith.quantize_int4_coded`).
+  ``zero = code * scale / 16`` (:func:`tpengine.model.quant.arith.quantize_int4_coded`).
 
 A full folder lists its quantized weights in ``quantization.json``; a split folder
 (``tpengine-shard split``) records the same object under the manifest's ``"quantization"`` key
@@ -58,7 +58,7 @@ class QuantEntry:
 
     @classmethod
     def of_scheme(cls, scheme) -> QuantEntry:
-        """The entry storing a :class:`~tpengine.quant.weights.QuantScheme`'s weights."""
+        """The entry storing a :class:`~tpengine.model.quant.weights.QuantScheme`'s weights."""
         return cls(scheme.name, scheme.group_size, scheme.zero_codes)
 
     def per_channel(self, in_full: int) -> bool:
@@ -288,14 +288,14 @@ def unpack_nibbles(b: torch.Tensor) -> torch.Tensor:
 
 def quantize_parts(w: torch.Tensor, entry: QuantEntry) -> dict[str, torch.Tensor]:
     """The stored parts of ``w [out, in]`` (the full weight) under ``entry``, with
-    :func:`tpengine.quant.weights.quantize_int8` / ``quantize_int4`` and float32 scales, so
+    :func:`tpengine.model.quant.arith.quantize_int8` / ``quantize_int4`` and float32 scales, so
     they equal ``--quantization``'s on-the-fly result at float32 activations bit for bit.
 
     Raises:
         UserError: grouped int8 (``--quantization`` has per-channel int8 only), or ``in`` not
             a multiple of the group size.
     """
-    from tpengine.quant.arith import quantize_int4, quantize_int4_coded, quantize_int8
+    from tpengine.model.quant.arith import quantize_int4, quantize_int4_coded, quantize_int8
 
     out, k = w.shape
     if entry.scheme == "int8":
@@ -312,14 +312,13 @@ def quantize_parts(w: torch.Tensor, entry: QuantEntry) -> dict[str, torch.Tensor
 
 
 def build_weight(entry: QuantEntry, parts: dict[str, torch.Tensor]):
-    """The in-memory :class:`~tpengine.quant.weights.QuantizedWeight` of one layer's stored
+    """The in-memory :class:`~tpengine.model.quant.weights.QuantizedWeight` of one layer's stored
     parts (this rank's, merged parts stacked by rows; scales/zeros already in the activation
     dtype): int8 ``Int8Weight(qweight, scales [out])`` per output channel (one scale column),
     else ``Int8Weight(qweight, scales [out, in // g], group_size=g)``; int4 ``Int4Weight`` of the
     unpacked 0..15 values (transient) and ``[in // g, out, 2]`` scales and zeros, or with coded zeros
     ``Int4CodedWeight`` of them and ``[in // g, out]`` scales and codes."""
-    from tpengine.quant.coded import Int4CodedWeight
-    from tpengine.quant.weights import Int4Weight, Int8Weight
+    from tpengine.model.quant.weights import Int4CodedWeight, Int4Weight, Int8Weight
 
     if entry.scheme == "int8":
         q, s = parts["qweight"], parts["scales"]

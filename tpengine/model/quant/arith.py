@@ -1,8 +1,8 @@
-"""The weight-only quantization arithmetic of :mod:`tpengine.quant.weights`: int8 and int4
+"""The weight-only quantization arithmetic of :mod:`tpengine.model.quant.weights`: int8 and int4
 quantize / dequantize (the references the kernels are tested against), torch's CPU int4 kernel
 calls, and where ``_convert_weight_to_int4pack_for_cpu`` puts each value (so rows can be read
 back for an embedding lookup). The conventions are the module docstring of
-:mod:`tpengine.quant.weights`."""
+:mod:`tpengine.model.quant.weights`."""
 
 from __future__ import annotations
 

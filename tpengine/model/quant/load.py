@@ -1,4 +1,4 @@
-"""Loading a quantized folder's stored parts (:mod:`tpengine.quant.checkpoint`): the launch checks
+"""Loading a quantized folder's stored parts (:mod:`tpengine.model.quant.checkpoint`): the launch checks
 (:func:`check_stored_quantization`) and the per-layer buffers the loader reads the parts into
 (:class:`QuantParts`)."""
 
@@ -11,16 +11,16 @@ import torch
 from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
 from tpengine.model.layers.embedding import VocabParallelEmbedding
+from tpengine.model.quant.checkpoint import QuantEntry, build_weight, describe_table, part_dtype
+from tpengine.model.quant.weights import QuantScheme, check_quantization
 from tpengine.model.tensor_file import TensorInfo
-from tpengine.quant.checkpoint import QuantEntry, build_weight, describe_table, part_dtype
-from tpengine.quant.weights import QuantScheme, check_quantization
 
 
 class QuantParts:
     """This rank's stored parts of quantized layers while they load: part -> buffer ``[rows of the
     layer, stored columns]`` per layer (qweight in its stored dtype, scales/zeros in the
     activation dtype, coded zeros int8), allocated on a layer's first part; :meth:`finish` builds the layer's
-    :class:`~tpengine.quant.weights.QuantizedWeight` and frees them."""
+    :class:`~tpengine.model.quant.weights.QuantizedWeight` and frees them."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype

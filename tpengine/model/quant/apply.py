@@ -1,8 +1,8 @@
-"""Quantizing a loaded layer: a float weight into :mod:`tpengine.quant.weights` storage
+"""Quantizing a loaded layer: a float weight into :mod:`tpengine.model.quant.weights` storage
 (:func:`quantize_weight`), and a column/row-parallel linear, vocabulary-parallel embedding or LM
 head into its quantized form in place (:func:`quantize_linear`, called by the loader as soon as a
 rank's float slice of the weight is in; the tensor-parallel conventions are the module docstring
-of :mod:`tpengine.quant.weights`)."""
+of :mod:`tpengine.model.quant.weights`)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import torch
 from torch import nn
 
 from tpengine.errors import UserError
-from tpengine.quant.arith import quantize_int4, quantize_int4_coded, quantize_int8
-from tpengine.quant.coded import Int4CodedWeight
-from tpengine.quant.weights import Int4Weight, Int8Weight, QuantizedWeight, QuantScheme
+from tpengine.model.quant.arith import quantize_int4, quantize_int4_coded, quantize_int8
+from tpengine.model.quant.weights import Int4CodedWeight, Int4Weight, Int8Weight, QuantizedWeight, QuantScheme
 
 
 def quantize_weight(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype,
