@@ -62,8 +62,9 @@ def _tied_skip(model_dir: Path, files: dict[str, list[str]], tied: bool) -> set[
 def quantize_entry(config: Any, tp_size: int, quantize: str | None, group_size: int | None):
     """The :class:`~tpengine.model.quant.checkpoint.QuantEntry` pair ``(linears, embedding / LM head)``
     of ``split --quantize``, the same as ``--quantization`` makes (None without it): int8 per
-    output channel, or int4 with ``group_size`` (default 32); the vocabulary layers int8 per
-    output channel (``QuantScheme.vocab``).
+    output channel, or int4 with ``group_size`` (default 32); the vocabulary layers by the
+    scheme's ``vocab`` (``QuantScheme.vocab``: int8 per output channel under int8, int4 with
+    coded zeros at group 32 under int4).
 
     Raises:
         UserError: an unknown scheme or int4 group size, ``group_size`` with int8, or an int4
@@ -96,7 +97,7 @@ def split_model(
 
     With ``quantize`` ("int8" or "int4", ``group_size`` input columns per int4 scale, default
     32), every column/row-parallel linear's weight ``P.weight`` (cast to ``dtype`` first), and
-    the embedding's and an untied LM head's as int8 per output channel (``QuantScheme.vocab``),
+    the embedding's and an untied LM head's by the scheme's ``vocab`` (``QuantScheme.vocab``),
     is written as its quantized parts ``P.qweight``, ``P.scales`` (and ``P.zeros``), quantized
     whole and then sliced, vocabulary padding rows all 0
     (:func:`tpengine.model.quant.checkpoint.quantize_parts`: bit for bit what ``--quantization``
@@ -241,8 +242,8 @@ def split(
     force: Annotated[bool, typer.Option("--force", help="replace --out if it exists")] = False,
     quantize: Annotated[str | None, typer.Option(
         "--quantize", help="store the column/row-parallel linears' weights quantized: int8 (per output "
-        "channel) or int4 (group-wise scale and zero); the embedding / LM head int8 per output channel "
-        "under both")] = None,
+        "channel) or int4 (group-wise scale and coded zero); the embedding / LM head the same way "
+        "(int8 per output channel, int4 at group 32)")] = None,
     group_size: Annotated[int | None, typer.Option(
         "--group-size", help="int4: input columns per scale and zero, 32, 64, 128 or 256 (default 32)")] = None,
 ) -> None:

@@ -56,7 +56,8 @@ def _linear(m, row_parallel: bool, tp: int, reduce: bool = True) -> Fn:
 def _norm(norm, dtype: torch.dtype, reduce: bool = False):
     """``(h, x | None) -> (h + x, rms_norm(h + x))`` through the C kernel, as
     :func:`tpengine.backends.cpu.cpu_fused.add_rms_norm` calls it; ``reduce``: ``x`` is a row-parallel
-    partial sum, all-reduced first (:func:`tpengine.comm.all_reduce_add_rms_norm`)."""
+    partial sum, all-reduced first
+    (:meth:`tpengine.backends.cpu.cpu_fused.FusedOps.all_reduce_add_rms_norm`)."""
     lib = cpu_library.load()
     fn = lib.tpe_add_rms_norm if dtype == torch.bfloat16 else lib.tpe_add_rms_norm_f32
     w, n, eps, ops = norm.weight.contiguous(), norm.weight.shape[0], float(norm.eps), norm.ops

@@ -18,8 +18,8 @@ rounded up to :data:`CHUNK` tokens, so the extra memory is at most the running s
 cache (:func:`usable`; else it gathers as before); attention runs over the whole capacity with
 the tail masked.
 
-State is explicit: each attention layer owns one :class:`KVMirror` (made by the CPU backend's
-``bind_layer``, kept as ``module.kv_mirror``), and the CPU backend owns one :class:`Continuity`
+State is explicit and the backend's: the CPU backend keeps one :class:`KVMirror` per attention
+layer (made by its ``bind_layer``, keyed by the layer index), and one :class:`Continuity`
 that decides, in its per-step ``prepare``, whether a decode step continues the previous one; the
 answer travels with the step's metadata as a :class:`MirrorStep`.
 """

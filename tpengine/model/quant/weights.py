@@ -25,11 +25,11 @@ values the matmul reads, so a tied embedding and LM head share ONE quantized tab
   ``_convert_weight_to_int4pack_for_cpu`` (rows are read back out of that layout for a lookup,
   see :func:`int4_pack_layout`).
 
-Under ``--quantization int8`` and ``int4`` the embedding / LM head is int8 per output channel
-(``QuantScheme.vocab``; a scheme built directly may choose another, e.g. int4 with group
-:data:`INT4_VOCAB_GROUP_SIZE`, or None to keep them in float). Not int4 under ``int4``: the
-tied SmolLM2 table has outlier columns, and an int4 head cost +6% perplexity against +0.2% for
-int8 (docs/notes/quantized-head.md).
+Under ``--quantization int8`` the embedding / LM head is int8 per output channel; under
+``int4`` it is int4 with coded zeros at group :data:`INT4_VOCAB_GROUP_SIZE`, the linears' storage
+(``QuantScheme.vocab``; a scheme built directly may choose another, or None to keep them in
+float). The coded zeros are what keep an int4 table within the quality bar
+(docs/notes/quantized-head.md).
 
 Tensor parallelism: quantization is a function of one output row (int8) or one group (grouped
 int8, int4) only, so a rank's quantized slice is bit for bit the same slice of the tp=1
