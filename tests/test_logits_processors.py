@@ -158,7 +158,7 @@ def test_position_logprobs_exact():
 
 def _engine(vocab: int) -> LLMEngine:
     eng = object.__new__(LLMEngine)  # only the glue under test: no model, no ranks
-    eng.runner = SimpleNamespace(plan=SimpleNamespace(vocab_size=vocab))
+    eng.runner = SimpleNamespace(shard_plan=SimpleNamespace(vocab_size=vocab))
     eng.sampler = Sampler(eos_token_ids={0})
     return eng
 
