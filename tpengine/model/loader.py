@@ -45,7 +45,7 @@ from tpengine.model.quant.checkpoint import (
 )
 from tpengine.model.quant.load import QuantParts, check_stored_quantization
 from tpengine.model.quant.weights import QuantizedWeight, QuantScheme, check_quantization
-from tpengine.model.shard_folder import CheckpointMismatchError, rank_files  # noqa: F401 (re-exported)
+from tpengine.model.shard_folder import rank_files
 from tpengine.model.spec import ModelSpec
 from tpengine.model.surgery import build_model, checkpoint_targets, kind_of
 from tpengine.model.tensor_file import TensorInfo, read_header, read_rows
@@ -339,7 +339,7 @@ def load_model(model: ModelSpec | str | Path, tp: TPInfo, dtype: torch.dtype = t
     must say the same).
 
     Raises:
-        CheckpointMismatchError: a shard folder for another tp/config or with a bad hash.
+        tpengine.model.shard_folder.CheckpointMismatchError: a shard folder for another tp/config or with a bad hash.
         UserError: no folder, a missing or unreadable ``config.json`` or ``manifest.json``
             (:func:`tpengine.model.checkpoint.check_model_folder`); ``quantization`` off the CPU, or
             an int4 group the tp split would cut (:func:`tpengine.model.quant.weights.check_quantization`);
