@@ -57,6 +57,8 @@ VOCAB_LAYERS = (VocabParallelEmbedding, ParallelLMHead)
 STORED_QUANT_LAYERS = QUANTIZED_LAYERS + VOCAB_LAYERS
 # the layers whose plain weight may take oneDNN's layout or tpengine's GEMV / GEMM kernels
 PACKABLE_LAYERS = QUANTIZED_LAYERS + (ParallelLMHead,)
+
+
 def _materialize(module: torch.nn.Module, attr: str, dtype: torch.dtype, device: torch.device,
                  staging: _Staging | None = None) -> torch.Tensor:
     """The real storage of ``module.<attr>``, allocated (uninitialised) on first use: from
