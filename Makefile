@@ -15,7 +15,7 @@ GGUF_FILE = "$$($(PY) -c 'import importlib.util as u, pathlib; print(next(pathli
 BENCH_PREFIX_ARGS  ?= --num-prompts 16 --doc-len 512 --no-hf
 BENCH_CHUNKED_ARGS ?= --long-len 2048 --chunk 512,2048 --running-output-len 128
 
-.PHONY: setup model model-keepquant test lint demo bench bench-prefix bench-chunked bench-big-file bench-serve humaneval quality bench-scale shards clean
+.PHONY: setup model model-keepquant test lint demo bench bench-prefix bench-chunked bench-big-file bench-serve humaneval quality eval-harness bench-scale shards clean
 
 setup: .venv/.installed
 
@@ -88,6 +88,11 @@ humaneval: setup model
 quality: setup model
 	$(MAKE) -s model-keepquant || echo "make quality: no --keep-quant folder; the gguf row is skipped"
 	$(PY) -m benchmarks.quality --gguf-dir $(KEEPQUANT_DIR) --out quality.json
+
+# lm-eval through tpengine serve (tp 1 and 2) beside lm-eval's own hf backend, float32, on the small local
+# tasks of benchmarks/eval_tasks; lm-eval runs in its own venv under $TPENGINE_CACHE_DIR, installed on first use
+eval-harness: setup model
+	$(PY) -m benchmarks.eval_harness --out eval-harness.json
 
 # Random-weight TinyLlama-1.1B / Llama-2-7B shapes, built once under models/synth-<name>; add flags with
 # BENCH_SCALE_ARGS='--shapes tinyllama-1.1b --systems tp1,tp2' (python -m benchmarks.bench_scale --help)

@@ -74,7 +74,8 @@ def test_c09_invalid_and_overlong_requests_at_tp2(tiny, tok, tmp_path):
              {"id": "b", "prompt": text_of_tokens(tok, 200), "max_tokens": 8},
              {"id": "c", "prompt": text_of_tokens(tok, 120), "max_tokens": 50, "temperature": 0},
              {"id": "d", "prompt": "", "max_tokens": 8},
-             {"id": "e", "prompt": "x", "max_tokens": 0},
+             {"id": "e", "prompt": "x", "max_tokens": -1},
+             {"id": "e0", "prompt": "x y", "max_tokens": 0, "prompt_logprobs": 1},
              {"id": "f", "prompt": "x", "max_tokens": 1, "temperature": 0},
              {**a, "id": "a2"}]
     out = tmp_path / "out.jsonl"
@@ -82,13 +83,16 @@ def test_c09_invalid_and_overlong_requests_at_tp2(tiny, tok, tmp_path):
     prompts = write_jsonl(tmp_path / "in.jsonl", lines)
     cli(["--prompts", prompts, "--out", out, "--skip-invalid", *common], tp=2)
     r = records(out)
-    assert set(r) == {"a", "b", "c", "d", "e", "f", "a2"}
+    assert set(r) == {"a", "b", "c", "d", "e", "e0", "f", "a2"}
     assert "200" in r["b"]["error"]["message"] and "128" in r["b"]["error"]["message"]
     assert r["c"]["finish_reason"] == "length"
     usage = r["c"]["usage"]
     assert 1 <= usage["completion_tokens"] and usage["prompt_tokens"] + usage["completion_tokens"] <= 128
     assert r["d"]["error"] == {"message": "prompt: must be non-empty", "field": "prompt", "line": 4}
-    assert r["e"]["error"]["field"] == "max_tokens" and ">= 1" in r["e"]["error"]["message"]
+    assert r["e"]["error"]["field"] == "max_tokens" and ">= 0" in r["e"]["error"]["message"]
+    e0 = r["e0"]  # max_tokens 0: the prompt scored, nothing generated
+    assert (e0["text"], e0["token_ids"], e0["finish_reason"], e0["usage"]["completion_tokens"]) == ("", [], "length", 0)
+    assert e0["prompt_logprobs"][0] is None and len(e0["prompt_logprobs"]) == e0["usage"]["prompt_tokens"] >= 2
     assert r["f"]["usage"]["completion_tokens"] == 1 and r["f"]["finish_reason"] in ("length", "stop")
     assert r["a"]["token_ids"] == r["a2"]["token_ids"] and len(r["a"]["token_ids"]) == 8
     # "a" alone at tp=1 (exact mode) gives the same tokens
@@ -97,12 +101,13 @@ def test_c09_invalid_and_overlong_requests_at_tp2(tiny, tok, tmp_path):
 
 
 def test_invalid_file_exits_every_rank_before_loading(tiny, tmp_path):
-    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"prompt": "x", "max_tokens": 0}])
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"prompt": "x", "max_tokens": -1}])
     out = tmp_path / "out.jsonl"
     t0 = time.monotonic()
     p = cli(["--prompts", bad, "--out", out, "--model", tiny], tp=2, timeout=60, check=False)
     assert p.returncode != 0 and time.monotonic() - t0 < 60
-    assert p.stderr.count("line 2 (id '1'): field 'max_tokens': must be an integer >= 1, got 0") == 1
+    assert p.stderr.count("line 2 (id '1'): field 'max_tokens': must be an integer >= 0 (0: score the prompt only), "
+                          "got -1") == 1
     assert not out.exists()
 
 
@@ -247,8 +252,8 @@ def test_sampling_defaults_precedence(tmp_path):
     assert sampling_defaults(cfg) == {"temperature": 0.0, "max_tokens": 256}
     assert sampling_defaults(cfg, max_tokens=5, temperature=None) == {"temperature": 0.0, "max_tokens": 5}
     assert sampling_defaults(None, temperature=0.5) == {"temperature": 0.5}
-    with pytest.raises(UserError, match="max_tokens must be >= 1"):
-        sampling_defaults(cfg, max_tokens=0)
+    with pytest.raises(UserError, match=r"max_tokens must be >= 0 \(0: score the prompt only\), got -1"):
+        sampling_defaults(cfg, max_tokens=-1)
     cfg.write_text("[sampling]\ntemprature = 0.0\n")
     with pytest.raises(UserError, match=r"unknown \[sampling\] key\(s\) \['temprature'\]"):
         sampling_defaults(cfg)
@@ -332,7 +337,7 @@ def test_duplicate_custom_id_error_record():
 
 def test_skip_invalid_with_every_line_invalid_writes_errors_without_loading_at_tp2(tmp_path):
     prompts = tmp_path / "bad.jsonl"
-    prompts.write_text('{"id": "a", "prompt": ""}\n{not json\n{"id": "a", "prompt": "x", "max_tokens": 0}\n')
+    prompts.write_text('{"id": "a", "prompt": ""}\n{not json\n{"id": "a", "prompt": "x", "max_tokens": -1}\n')
     no_weights = tmp_path / "no-weights"  # loading this model would fail
     no_weights.mkdir()
     out = tmp_path / "out.jsonl"

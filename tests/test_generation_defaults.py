@@ -47,7 +47,7 @@ def test_read_generation_defaults(tmp_path):
     ({"repetition_penalty": 0}, "invalid repetition_penalty=0: repetition_penalty must be > 0, got 0"),
     ({"top_p": 1.5}, "invalid top_p=1.5: top_p must be in (0, 1], got 1.5"),
     ({"top_k": "50"}, 'invalid top_k="50": top_k must be an integer, got \'50\''),
-    ({"max_new_tokens": 0}, "invalid max_new_tokens=0: max_tokens must be >= 1, got 0"),
+    ({"max_new_tokens": -1}, "invalid max_new_tokens=-1: max_tokens must be >= 0 (0: score the prompt only), got -1"),
     ({"do_sample": "no"}, 'invalid do_sample="no": must be true or false'),
     ({"temperature": -1, "do_sample": True}, "invalid temperature=-1: temperature must be >= 0, got -1"),
 ])

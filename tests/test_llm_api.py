@@ -78,6 +78,16 @@ def test_token_id_prompts(model, llm):
     assert single.prompt_token_ids == [5, 6, 7] and single.outputs == outs[0].outputs
 
 
+def test_max_tokens_0_scores_the_prompt(llm):
+    """vLLM's prompt scoring through the Python API: nothing generated, the prompt logprobs those a
+    one-token request gets."""
+    (scored, ref) = llm.generate([[5, 6, 7, 8]] * 2, [SamplingParams(max_tokens=0, prompt_logprobs=2, n=2),
+                                                     SamplingParams(max_tokens=1, prompt_logprobs=2, temperature=0)])
+    assert [(o.index, o.text, o.token_ids, o.finish_reason) for o in scored.outputs] == [(0, "", [], "length"),
+                                                                                        (1, "", [], "length")]
+    assert scored.prompt_logprobs == ref.prompt_logprobs and len(scored.prompt_logprobs) == 4
+
+
 def test_list_of_sampling_params(llm):
     params = [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),

@@ -164,3 +164,34 @@ def test_position_logprobs_read_as_vllms_dict_of_token_id_to_logprob():
     assert pos[9].logprob == -3.0 and pos[5].decoded_token == "a" and pos[7].rank == 2
     same = PositionLogprobs(Logprob(5, -0.1, 1, "a"), [Logprob(5, -0.1, 1, "a")])
     assert dict(same) == {5: Logprob(5, -0.1, 1, "a")}  # the chosen token among the top: once
+
+
+def test_echo_and_several_prompts_in_one_completions_body():
+    """``echo``: the prompt's text first and its tokens' logprobs (first null, top trimmed to the
+    request's k) before the completion's, offsets over the whole text; several prompts: choice
+    index = prompt * n + sample, usage summed."""
+    from tpengine.engine.outputs import Logprob, PositionLogprobs
+    from tpengine.frontend.output import completion_body
+    from tpengine.frontend.requests import EchoPrompt
+
+    def pos(tid, text, lp, top):
+        return PositionLogprobs(Logprob(tid, lp, 2, text), [Logprob(t, x, r + 1, s) for r, (t, s, x) in enumerate(top)])
+
+    prompt_lp = [None, pos(8, " b", -1.5, [(9, " c", -0.5), (8, " b", -1.5)])]
+    gen = [pos(9, " c", -0.5, [(9, " c", -0.5), (8, " b", -1.5)])]
+    a = EngineOutput("a", [7, 8], [CompletionOutput(i, " c", [9], "length", gen) for i in range(2)],
+                     prompt_logprobs=prompt_lp)
+    b = EngineOutput("b", [7], [CompletionOutput(i, "", [], "length", []) for i in range(2)], num_cached_tokens=1)
+    echo_a, echo_b = EchoPrompt("a b", ["a", " b"], 1), EchoPrompt("a", ["a"], 1)
+    body = completion_body([a, b], [echo_a, echo_b], "m", "x", created=5).model_dump()
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "a b c"), (1, "a b c"), (2, "a"), (3, "a")]
+    assert body["choices"][0]["logprobs"] == {"text_offset": [0, 1, 3], "token_logprobs": [None, -1.5, -0.5],
+                                              "tokens": ["a", " b", " c"],
+                                              "top_logprobs": [None, {" c": -0.5, " b": -1.5},
+                                                               {" c": -0.5, " b": -1.5}]}
+    assert body["choices"][2]["logprobs"] == {"text_offset": [0], "token_logprobs": [None], "tokens": ["a"],
+                                              "top_logprobs": [None]}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 1}}
+    plain = completion_body([a], [None], "m", "x", created=5).model_dump()["choices"][0]
+    assert plain["text"] == " c" and plain["logprobs"]["tokens"] == [" c"] and plain["logprobs"]["text_offset"] == [0]

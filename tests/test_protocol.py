@@ -51,7 +51,7 @@ def test_unknown_field_names_the_valid_ones_own_first():
     assert errors_of(ChatMessage, {"role": "user", "content": "a", "x": 1}) == [
         ("x", "unknown field; valid: role, content, name")]
     valid = ", ".join(ChatCompletionRequest.valid_fields())
-    assert valid.startswith("messages, logprobs, top_logprobs, max_completion_tokens, model, user, stream")
+    assert valid.startswith("messages, logprobs, top_logprobs, echo, max_completion_tokens, model, user, stream")
     assert valid.endswith("add_generation_prompt, continue_final_message, chat_template_kwargs")
     assert "prompt" not in ChatCompletionRequest.valid_fields() and "echo" in valid
     assert errors_of(ChatCompletionRequest, {"messages": MSGS, "prompt": "x"}) == [
@@ -59,8 +59,8 @@ def test_unknown_field_names_the_valid_ones_own_first():
 
 
 def test_every_problem_of_a_line_at_once_cross_field_included():
-    assert errors_of(SimpleRequest, {"max_tokens": 0, "temperature": "hot", "stream": True}) == [
-        ("max_tokens", "must be an integer >= 1, got 0"),
+    assert errors_of(SimpleRequest, {"max_tokens": -1, "temperature": "hot", "stream": True}) == [
+        ("max_tokens", "must be an integer >= 0 (0: score the prompt only), got -1"),
         ("temperature", 'must be a number >= 0, got "hot"'),
         ("prompt", "exactly one of prompt, messages, prompt_token_ids is required"),
         ("stream", f"{STREAM_ERROR}, got true"),
@@ -71,9 +71,9 @@ def test_every_problem_of_a_line_at_once_cross_field_included():
 
 def test_strict_json_types():
     assert errors_of(SimpleRequest, {"prompt": "x", "max_tokens": "5"}) == [
-        ("max_tokens", 'must be an integer >= 1, got "5"')]
+        ("max_tokens", 'must be an integer >= 0 (0: score the prompt only), got "5"')]
     assert errors_of(SimpleRequest, {"prompt": "x", "max_tokens": 5.0}) == [
-        ("max_tokens", "must be an integer >= 1, got 5.0")]
+        ("max_tokens", "must be an integer >= 0 (0: score the prompt only), got 5.0")]
     assert errors_of(SimpleRequest, {"prompt": "x", "top_p": True}) == [
         ("top_p", "must be a number in (0, 1], got true")]
     assert errors_of(SimpleRequest, {"prompt": "x", "ignore_eos": 1}) == [
@@ -210,9 +210,9 @@ def test_chat_template_options():
 
 def test_max_tokens_and_max_completion_tokens_both_validated():
     assert errors_of(ChatCompletionRequest, {"messages": MSGS, "max_tokens": -5, "max_completion_tokens": 3}) == [
-        ("max_tokens", "must be an integer >= 1, got -5")]
-    assert errors_of(ChatCompletionRequest, {"messages": MSGS, "max_tokens": 3, "max_completion_tokens": 0}) == [
-        ("max_completion_tokens", "must be an integer >= 1, got 0")]
+        ("max_tokens", "must be an integer >= 0 (0: score the prompt only), got -5")]
+    assert errors_of(ChatCompletionRequest, {"messages": MSGS, "max_tokens": 3, "max_completion_tokens": -1}) == [
+        ("max_completion_tokens", "must be an integer >= 0 (0: score the prompt only), got -1")]
     both = ChatCompletionRequest.model_validate({"messages": MSGS, "max_tokens": 5, "max_completion_tokens": 3})
     assert both.sampling_kwargs() == {"max_tokens": 3}
     assert ChatCompletionRequest.model_validate({"messages": MSGS, "max_tokens": 5}).sampling_kwargs() == {
@@ -251,11 +251,21 @@ def test_text_parts_joined_with_newline():
     assert errors_of(ChatMessage, "hi") == [(None, 'must be an object with "role" and "content"')]
 
 
-def test_one_prompt_a_line():
-    assert errors_of(CompletionRequest, {"prompt": ["a", "b"]}) == [
-        ("prompt", "a batch line holds one prompt: a list of 2 prompts is not supported (send one line per prompt)")]
+def test_one_prompt_a_simple_line_and_four_forms_in_a_completions_body():
+    assert errors_of(SimpleRequest, {"prompt": ["a", "b"]}) == [
+        ("prompt", "a batch line holds one prompt (send one line per prompt, so that each gets its own record, id "
+                   "and --resume entry), got a list of 2 prompts")]
     assert CompletionRequest.model_validate({"prompt": ["a"]}).prompt_payload() == ("prompt", "a")
     assert CompletionRequest.model_validate({"prompt": [3, 4]}).prompt_payload() == ("token_ids", [3, 4])
+    assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompt_payloads() == [("prompt", "a"),
+                                                                                         ("prompt", "b")]
+    assert CompletionRequest.model_validate({"prompt": [[3], [4, 5]]}).prompt_payloads() == [
+        ("token_ids", [3]), ("token_ids", [4, 5])]
+    assert errors_of(CompletionRequest, {"prompt": [[3], []]}) == [
+        ("prompt", "must hold non-empty lists of token ids, got [] at index 1")]
+    assert errors_of(CompletionRequest, {"prompt": ["a", 3]}) == [
+        ("prompt", "must be a non-empty string, a list of non-empty strings, a list of integer token ids >= 0, or "
+                   'a list of such lists, got ["a", 3]')]
     assert CompletionRequest.model_validate({"prompt": "p"}).prompt_payload() == ("prompt", "p")
     assert errors_of(CompletionRequest, {"prompt": ""}) == [("prompt", "must be non-empty")]
     assert errors_of(CompletionRequest, {}) == [("prompt", "is required")]
@@ -284,7 +294,7 @@ def test_long_values_are_cut_in_messages():
 def test_json_schema_for_a_server():
     schema = ChatCompletionRequest.model_json_schema()
     assert schema["required"] == ["messages"] and schema["additionalProperties"] is False
-    assert schema["properties"]["max_tokens"]["anyOf"][0] == {"minimum": 1, "type": "integer"}
+    assert schema["properties"]["max_tokens"]["anyOf"][0] == {"minimum": 0, "type": "integer"}
 
 
 def test_record_models():
@@ -295,3 +305,22 @@ def test_record_models():
                                 "error": {"code": "invalid_request", "message": "m", "param": None, "line": None}}
     with pytest.raises(ValidationError):
         BatchOutputLine(id="x", custom_id="c", extra=1)
+
+
+def test_lenient_mode_drops_unknown_fields_at_any_depth_and_names_them():
+    """The server's mode (vLLM's): unknown fields are dropped and named; a known field with a bad
+    value is still an error; without the context the same body is refused."""
+    from tpengine.protocol.base import IGNORE_UNKNOWN
+
+    body = {"messages": [{"role": "user", "content": "hi", "refusal": None}], "parallel_tool_calls": False,
+            "reasoning_effort": "low", "max_tokens": 3}
+    found: set = set()
+    req = ChatCompletionRequest.model_validate(body, context={IGNORE_UNKNOWN: found})
+    assert req.max_tokens == 3 and req.messages[0].to_template() == {"role": "user", "content": "hi"}
+    assert found == {("ChatCompletionRequest", "parallel_tool_calls"), ("ChatCompletionRequest", "reasoning_effort"),
+                     ("ChatMessage", "refusal")}
+    assert sorted(f for f, _ in errors_of(ChatCompletionRequest, body)) == [
+        "messages[0].refusal", "parallel_tool_calls", "reasoning_effort"]
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({**body, "top_k": "ten"}, context={IGNORE_UNKNOWN: set()})
+    assert field_errors(e.value) == [("top_k", 'must be an integer >= -1 (0 or -1: disabled), got "ten"')]

@@ -54,9 +54,10 @@ def test_blank_lines_skipped_but_counted():
 
 @pytest.mark.parametrize("obj, field, msg", [
     ({"prompt": ""}, "prompt", "must be non-empty"),  # C09 "d"
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "must be an integer >= 1, got 0"),  # C09 "e"
-    ({"prompt": "x", "max_tokens": 2.5}, "max_tokens", "must be an integer >= 1"),
-    ({"prompt": "x", "max_tokens": True}, "max_tokens", "must be an integer >= 1, got true"),
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens", "must be an integer >= 0 (0: score the prompt only), got -1"),
+    # C09 "e"
+    ({"prompt": "x", "max_tokens": 2.5}, "max_tokens", "must be an integer >= 0"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens", "must be an integer >= 0 (0: score the prompt only), got true"),
     ({"prompt": "x", "temperature": -0.1}, "temperature", "must be a number >= 0, got -0.1"),
     ({"prompt": "x", "temperature": "hot"}, "temperature", "must be a number >= 0"),
     ('{"prompt": "x", "temperature": NaN}', "temperature", "must be a number >= 0, got NaN"),
@@ -177,9 +178,9 @@ def test_openai_batch_lines():
      "body.prompt", "unknown field"),
     (batch("c", "/v1/chat/completions", {"model": "m"}), "body.messages", "is required"),
     (batch("c", "/v1/completions", {"prompt": ""}), "body.prompt", "must be non-empty"),
-    (batch("c", "/v1/completions", {"prompt": "x", "max_tokens": 0}), "body.max_tokens", ">= 1"),
+    (batch("c", "/v1/completions", {"prompt": "x", "max_tokens": -1}), "body.max_tokens", ">= 0"),
     (batch("c", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                        "max_completion_tokens": -1}), "body.max_completion_tokens", ">= 1"),
+                                        "max_completion_tokens": -1}), "body.max_completion_tokens", ">= 0"),
     (batch("c", "/v1/completions", {"prompt": "x", "n": 0}), "body.n", "must be an integer >= 1, got 0"),
     (batch("c", "/v1/completions", {"prompt": "x", "logit_bias": {"x": 10}}), "body.logit_bias",
      'must have token-id keys (decimal integer strings such as "123"), got key "x"'),
@@ -200,7 +201,7 @@ def test_duplicate_custom_id():
 
 def test_parse_requests_file(tmp_path):
     p = tmp_path / "r.jsonl"
-    p.write_bytes(b'{"prompt": "caf\xc3\xa9"}\r\n\xff\xfe\n{"prompt": "x", "max_tokens": 0}\n')
+    p.write_bytes(b'{"prompt": "caf\xc3\xa9"}\r\n\xff\xfe\n{"prompt": "x", "max_tokens": -1}\n')
     reqs, errs = parse_requests(p, DEFAULTS)
     assert [r.payload for r in reqs] == ["café"]
     assert [(e.line, e.field) for e in errs] == [(2, None), (3, "max_tokens")]

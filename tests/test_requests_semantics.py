@@ -42,9 +42,13 @@ def test_vllm_semantics_through_parse_lines():
         (batch("f", CHAT, {"messages": MSGS, "top_logprobs": 1}), "body.top_logprobs",
          'needs "logprobs": true, got "logprobs": null'),
         (batch("d", CHAT, {"messages": MSGS, "max_tokens": -5, "max_completion_tokens": 3}), "body.max_tokens",
-         "must be an integer >= 1, got -5"),
+         "must be an integer >= 0 (0: score the prompt only), got -5"),
         (batch("e", "/v1/completions", {"prompt": ["a", "b"]}), "body.prompt",
-         "a batch line holds one prompt: a list of 2 prompts is not supported (send one line per prompt)"),
+         "a batch line holds one prompt (send one line per prompt, so that each gets its own record, id and "
+         "--resume entry), got a list of 2 prompts"),
+        (batch("g", "/v1/completions", {"prompt": [[1, 2], [3]]}), "body.prompt",
+         "a batch line holds one prompt (send one line per prompt, so that each gets its own record, id and "
+         "--resume entry), got a list of 2 prompts"),
     ]
     for obj, field, msg in cases:
         err = one_error(obj)
@@ -76,7 +80,7 @@ def test_iter_requests_streams_one_line_at_a_time():
 
 
 def test_parse_requests_reads_lines_like_parse_lines(tmp_path):
-    text = ('\ufeff{"prompt": "a"}\r\n\n{"prompt": "b", "max_tokens": 0}\n{"prompt": "c"\n'
+    text = ('\ufeff{"prompt": "a"}\r\n\n{"prompt": "b", "max_tokens": -1}\n{"prompt": "c"\n'
             '{"id": "z", "messages": [{"role": "user", "content": [{"type": "text", "text": "1"}, '
             '{"type": "text", "text": "2"}]}]}')  # no newline at the end
     p = tmp_path / "r.jsonl"
@@ -88,7 +92,7 @@ def test_parse_requests_reads_lines_like_parse_lines(tmp_path):
     assert [(r.id, r.line, r.payload) for r in reqs] == [
         ("0", 1, "a"), ("z", 5, [{"role": "user", "content": "1\n2"}])]
     assert [str(e) for e in errs] == [
-        "line 3 (id '2'): field 'max_tokens': must be an integer >= 1, got 0",
+        "line 3 (id '2'): field 'max_tokens': must be an integer >= 0 (0: score the prompt only), got -1",
         "line 4: invalid JSON: Expecting ',' delimiter at column 15"]
 
 

@@ -63,6 +63,8 @@ def _jobs(models) -> list[dict]:
                  for i, p in enumerate(prompts)]
         reqs.append(["sampled", prompts[1], {"temperature": 1.5, "seed": 11, "max_tokens": 8, "logprobs": 2,
                                              "ignore_eos": True}])
+        reqs += [[f"score{i}", p, {"max_tokens": 0, "prompt_logprobs": 3, "n": 2, "logprobs": 1, "temperature": 1.0}]
+                 for i, p in enumerate(prompts)]
         jobs.append({"key": name, "config": base, "requests": reqs})
     d, prompts, _ = models["qwen3"]
     base = {"model": str(d), "max_model_len": 256, "kv_cache_gb": 0.1}
@@ -183,6 +185,23 @@ def test_logprobs_and_prompt_logprobs_equal_hf(setup, hf, results, name, tp):
     for t, (lp, tok) in enumerate(zip(s["outputs"][0]["logprobs"], s["token_ids"])):
         _check_position(lp, want[len(prompts[1]) - 1 + t], tok, 2)
     assert len(s["token_ids"]) == 8
+
+
+@pytest.mark.parametrize("tp", (1, 2))
+@pytest.mark.parametrize("name", ["smollm2", "qwen3"])
+def test_max_tokens_0_scores_the_prompt_and_generates_nothing(setup, hf, results, name, tp):
+    """``max_tokens`` 0 (vLLM's echo scoring): n empty samples ending "length", logprobs [] when
+    asked, and the prompt logprobs of HF's float32 ``log_softmax``."""
+    _, prompts, _ = setup[name]
+    for i, p in enumerate(prompts):
+        o = results[tp][name][f"score{i}"]
+        assert [(s["index"], s["text"], s["token_ids"], s["finish_reason"], s["logprobs"])
+                for s in o["outputs"]] == [(0, "", [], "length", []), (1, "", [], "length", [])]
+        want = _hf_logprobs(hf[name], p)
+        pl = o["prompt_logprobs"]
+        assert len(pl) == len(p) and pl[0] is None
+        for j in range(1, len(p)):
+            _check_position(pl[j], want[j - 1], p[j], 3)
 
 
 @pytest.mark.parametrize("tp", (1, 2))

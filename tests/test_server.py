@@ -195,9 +195,13 @@ def test_disconnect_frees_blocks(server):
 
 
 @pytest.mark.parametrize(("body", "status", "param", "message"), [
-    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "max_tokens: must be an integer >= 1, got 0"),
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens",
+     "max_tokens: must be an integer >= 0 (0: score the prompt only), got -1"),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature", "temperature: must be a number >= 0, got \"hot\""),
-    ({"prompt": "x", "bogus": 1}, 400, "bogus", "bogus: unknown field; valid: "),
+    ({"prompt": "x", "bogus": 1, "echo": 1}, 400, "echo", "echo: must be true or false, got 1"),  # bogus: ignored
+    ({"prompt": "apple" + " apple" * 999, "max_tokens": 100}, 400, "max_tokens", "this model's maximum context "
+     "length (max_model_len) is 1024 tokens, but the request asks for 1100: 1000 in the prompt and 100 in the "
+     "completion (max_tokens); ask for at most 24 tokens, or shorten the prompt"),
     ({"prompt": "apple" + " apple" * 1099}, 400, "prompt", "the prompt has 1100 tokens, but max_model_len is 1024 "
      "(the prompt must be at most 1023 tokens to leave room for one output token)"),
     ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs",

@@ -47,8 +47,10 @@ class SamplingParams:
       request samples the same tokens whatever else is batched and at any tp; ``n > 1`` samples use
       seeds ``seed + i`` (mod 2**64), as vLLM's parallel sampling.
     * ``n``: independent samples of one prompt; its KV blocks are computed once and shared.
-    * ``max_tokens``: most generated tokens per sample (>= 1); None: until EOS, a stop, or
-      ``max_model_len``. ``min_tokens``: no EOS, stop token or stop string ends a sample before it
+    * ``max_tokens``: most generated tokens per sample (>= 0); None: until EOS, a stop, or
+      ``max_model_len``; 0: score the prompt only (vLLM's ``echo`` with ``max_tokens`` 0): the
+      prompt runs through prefill, its ``prompt_logprobs`` come back when asked, and every sample
+      is empty with finish reason "length". ``min_tokens``: no EOS, stop token or stop string ends a sample before it
       has this many tokens. ``stop``: strings that end generation (not in the text unless
       ``include_stop_str_in_output``); ``stop_token_ids``: extra ids that end generation (kept in
       token_ids, not in the text); ``ignore_eos``: never stop on EOS ids.
@@ -102,8 +104,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0 (0: score the prompt only), got {self.max_tokens}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -138,6 +140,11 @@ class SamplingParams:
                     raise ValueError(f"logit_bias[{k}] must be in [-100, 100], got {v}")
                 bias[k] = float(v)
             object.__setattr__(self, "logit_bias", bias or None)
+
+    @property
+    def prompt_only(self) -> bool:
+        """``max_tokens`` 0: the prompt is scored, nothing is generated."""
+        return self.max_tokens == 0
 
     @property
     def greedy(self) -> bool:

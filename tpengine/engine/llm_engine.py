@@ -124,10 +124,14 @@ class LLMEngine:
         KV cache, empty, ids outside the vocabulary, an id already running) becomes an error output
         of the next step, and so does any other exception its content raises here: no request ends
         the engine. ``stream``: :meth:`step` also returns this request's output so far (``finished``
-        False) after every step that gives it a token."""
+        False) after every step that gives it a token. ``params.max_tokens`` 0 (score the prompt):
+        the prompt runs through prefill and one greedy token, which the output leaves out."""
         vocab = self.vocab_size
         try:
             bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+            asked = params
+            if params.prompt_only:  # one greedy token through the prefill, dropped from the output
+                params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=params.prompt_logprobs)
             seq = Sequence(self._next_id, request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
             self._next_id += 1
             if bad:
@@ -137,7 +141,7 @@ class LLMEngine:
                     self._pending.append(EngineOutput(request_id, list(prompt_token_ids), error=(
                         f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})"), error_field=name))
                     return
-            self.outputs.add(seq, stream)
+            self.outputs.add(seq, stream, asked)
             try:
                 self.scheduler.add(seq)
             except BaseException:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from tpengine.engine.detokenizer import IncrementalDetokenizer
 from tpengine.engine.outputs import CompletionOutput, EngineOutput, PositionLogprobs
 from tpengine.engine.sequence import Sequence
+from tpengine.sampling_params import SamplingParams
 
 
 def failed_output(request_id: str, prompt_token_ids: list[int], stage: str, exc: Exception) -> EngineOutput:
@@ -48,10 +49,13 @@ class Sample:
 
 @dataclass
 class RequestState:
-    """One live request: its ``n`` samples (fewer until they fork) and whether it streams."""
+    """One live request: its ``n`` samples (fewer until they fork), whether it streams, and the
+    params it asked for when the engine runs it with others (``asked.max_tokens`` 0: a prompt
+    scored through one token that its output leaves out)."""
 
     n: int
     stream: bool
+    asked: SamplingParams | None = None
     samples: list[Sample] = field(default_factory=list)
 
     @property
@@ -80,15 +84,17 @@ class OutputProcessor:
         return Sample(seq, IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens,
                                                   p.include_stop_str_in_output, p.min_tokens))
 
-    def add(self, seq: Sequence, stream: bool = False) -> None:
-        """Start tracking request ``seq`` (sample 0 of its ``params.n``; its id must not be live).
+    def add(self, seq: Sequence, stream: bool = False, asked: SamplingParams | None = None) -> None:
+        """Start tracking request ``seq`` (sample 0 of its ``params.n``; its id must not be live);
+        ``asked``: the request's own params when they differ from ``seq.params`` (a prompt-only
+        request: its output holds ``asked.n`` empty samples, finish reason "length").
 
         Raises:
             ValueError: the request id is already live; an empty stop string.
         """
         if seq.request_id in self.states:
             raise ValueError(f"request id {seq.request_id!r} is already running")
-        state = RequestState(seq.params.n, stream)
+        state = RequestState(seq.params.n, stream, asked if asked is not seq.params else None)
         state.samples.append(self._sample(seq))
         self.states[seq.request_id] = state
 
@@ -163,7 +169,11 @@ class OutputProcessor:
     def _build(self, state: RequestState, finished: bool) -> EngineOutput:
         first = state.samples[0].seq
         outputs = []
-        for sample in state.samples:
+        if state.asked is not None and state.asked.prompt_only:
+            lp = None if state.asked.logprobs is None else []
+            outputs = [CompletionOutput(i, "", [], "length" if finished else None, lp, None if lp is None else 0.0)
+                       for i in range(state.asked.n)]
+        for sample in state.samples if not outputs else ():
             seq = sample.seq
             text = sample.detok.text if finished else sample.emitted
             logprobs = None if seq.logprobs is None else list(seq.logprobs)

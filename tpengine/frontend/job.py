@@ -12,9 +12,11 @@ from tpengine.engine.outputs import EngineOutput
 from tpengine.frontend.output import error_record, make_record, openai_error_record
 from tpengine.frontend.progress import ProgressReporter
 from tpengine.frontend.requests import (
+    EchoPrompt,
     ParsedRequest,
     RequestError,
     RequestValidationError,
+    echo_prompt,
     failure_message,
     to_token_ids,
 )
@@ -75,11 +77,13 @@ def drive(engine, requests: Iterable[ParsedRequest], errors: list[RequestError],
     bad = [(n, rec) for n, rec in error_records(errors, ids) if n not in done_lines]
     progress = ProgressReporter(total=sum(rid not in done for rid in ids) + len(bad))
     running: dict[str, ParsedRequest] = {}  # taken by the engine, record not yet written
+    echoes: dict[str, EchoPrompt] = {}  # of the running requests that asked for echo
 
     def on_output(o: EngineOutput) -> None:
         req = running.pop(o.request_id, None)
+        echo = echoes.pop(o.request_id, None)
         try:
-            rec = make_record(req, o, model_name)
+            rec = make_record(req, o, model_name, echo)
         except Exception as e:  # noqa: BLE001 -- this request's record cannot be built: its error record
             o = failed_output(o.request_id, o.prompt_token_ids, "writing its record", e)
             rec = make_record(req, o, model_name)
@@ -92,6 +96,8 @@ def drive(engine, requests: Iterable[ParsedRequest], errors: list[RequestError],
                 continue
             try:
                 prompt = to_token_ids(r, tok, vocab)
+                if r.echo:
+                    echoes[r.id] = echo_prompt(r.kind, r.payload, prompt, r.params, tok)
             except RequestValidationError as e:
                 on_output(EngineOutput(r.id, [], error=str(e), error_field=e.field))
                 continue

@@ -70,6 +70,36 @@ def completion_logprobs(positions: Sequence[PositionLogprobs], text_offset: int 
     return out
 
 
+def echo_logprobs(tokens: Sequence[str], positions: Sequence[PositionLogprobs | None] | None, k: int,
+                  generated: Sequence[PositionLogprobs], text_offset: int) -> CompletionLogprobs:
+    """OpenAI's legacy completions ``logprobs`` of an echoed prompt and its completion (vLLM's
+    ``echo``): the prompt's tokens first, with the text of each (``tokens``), its logprob and its
+    ``k`` top tokens from ``positions`` (the engine's prompt logprobs; the first token and, without
+    them, every prompt token has ``null``), offsets from 0; then the ``generated`` positions as
+    :func:`completion_logprobs`, from ``text_offset`` (the length of the echoed text)."""
+    out = CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
+    offset = 0
+    for j, text in enumerate(tokens):
+        p = positions[j] if positions is not None and j < len(positions) else None
+        out.tokens.append(text)
+        out.text_offset.append(offset)
+        offset += len(text)
+        if p is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(_lp(p.chosen.logprob))
+        top = {_text(t): _lp(t.logprob) for t in p.top[:k]}
+        top.setdefault(text, _lp(p.chosen.logprob))
+        out.top_logprobs.append(top)
+    rest = completion_logprobs(generated, text_offset)
+    out.tokens += rest.tokens
+    out.text_offset += rest.text_offset
+    out.token_logprobs += rest.token_logprobs
+    out.top_logprobs += rest.top_logprobs
+    return out
+
+
 def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8", errors="surrogatepass"))
 

@@ -25,9 +25,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tpengine.engine.outputs import EngineOutput
-from tpengine.frontend.logprobs import chat_logprobs, completion_logprobs, openai_prompt_logprobs, simple_logprobs
-from tpengine.frontend.requests import ParsedRequest
+from tpengine.engine.outputs import CompletionOutput, EngineOutput, PositionLogprobs
+from tpengine.frontend.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    openai_prompt_logprobs,
+    simple_logprobs,
+)
+from tpengine.frontend.requests import EchoPrompt, ParsedRequest
 from tpengine.protocol.records import (
     BatchError,
     BatchOutputLine,
@@ -35,6 +41,7 @@ from tpengine.protocol.records import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatResponseMessage,
+    CompletionLogprobs,
     CompletionResponse,
     CompletionResponseChoice,
     Metrics,
@@ -86,47 +93,84 @@ def error_record(request_id: str, message: str, field: str | None = None, line: 
 
 
 def openai_record(
-    req: ParsedRequest, out: EngineOutput, model: str, created: int | None = None
+    req: ParsedRequest, out: EngineOutput, model: str, created: int | None = None, echo: EchoPrompt | None = None
 ) -> dict[str, Any]:
     """The OpenAI Batch output line for ``req`` (format openai_chat / openai_completion).
 
     ``model``: the served model's name (the body's ``model``, as vLLM, is the one that ran, not the
-    request's); ``created``: unix seconds (default now).
+    request's); ``created``: unix seconds (default now); ``echo``: the prompt a completions body's
+    ``echo`` puts first.
     """
     if out.error is not None:
         return openai_error_record(req.id, req.line, out.error, out.error_field, code="request_failed")
     n = req.line
-    body = openai_body(out, req.format == "openai_chat", model, str(n), created)
+    body = openai_body(out, req.format == "openai_chat", model, str(n), created, echo)
     response = BatchResponse(request_id=f"req_{n}", body=body)
     return BatchOutputLine(id=f"batch_req_{n}", custom_id=req.id, response=response).model_dump()
 
 
-def usage_info(out: EngineOutput) -> UsageInfo:
-    """OpenAI ``usage`` of ``out``: prompt, completion (every sample's) and total tokens, cached
-    prompt tokens."""
-    prompt, completion = len(out.prompt_token_ids), out.num_output_tokens
+def usage_info(*outs: EngineOutput) -> UsageInfo:
+    """OpenAI ``usage`` of one or more outputs (the prompts of one completions request): prompt,
+    completion (every sample's) and total tokens, cached prompt tokens."""
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(o.num_output_tokens for o in outs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outs)))
 
 
-def openai_body(out: EngineOutput, chat: bool, model: str, suffix: str,
-                created: int | None = None) -> ChatCompletionResponse | CompletionResponse:
-    """The OpenAI response body of finished ``out``: a ``chat.completion`` (id ``chatcmpl-<suffix>``)
-    or a ``text_completion`` (id ``cmpl-<suffix>``), one choice per sample; ``model`` the served
-    model's name; ``created`` unix seconds (default now). Shared by the batch job and the server."""
+def completion_text(o: CompletionOutput, echo: EchoPrompt | None, prompt_logprobs: list | None = None,
+                    text: str | None = None, positions: list[PositionLogprobs] | None = None,
+                    text_offset: int = 0) -> tuple[str, CompletionLogprobs | None]:
+    """The ``text`` and legacy ``logprobs`` of one ``text_completion`` choice: sample ``o`` (or, in a
+    stream, the delta ``text`` and its ``positions``, starting ``text_offset`` characters into the
+    completion), with ``echo``'s prompt first when given (its tokens' logprobs from the engine's
+    ``prompt_logprobs``); logprobs None when the request did not ask for them."""
+    text = o.text if text is None else text
+    positions = o.logprobs if positions is None else positions
+    if echo is None:
+        return text, None if positions is None else completion_logprobs(positions, text_offset)
+    lp = None if positions is None else echo_logprobs(echo.tokens or [], prompt_logprobs, echo.logprobs or 0,
+                                                      positions, len(echo.text) + text_offset)
+    return echo.text + text, lp
+
+
+def completion_choice(out: EngineOutput, o: CompletionOutput, index: int,
+                      echo: EchoPrompt | None) -> CompletionResponseChoice:
+    """Choice ``index`` of a ``text_completion`` body: sample ``o`` of ``out`` (:func:`completion_text`)
+    and vLLM's ``prompt_logprobs`` when the engine computed them."""
+    text, lp = completion_text(o, echo, out.prompt_logprobs)
+    return CompletionResponseChoice(index=index, text=text, finish_reason=o.finish_reason,
+                                    prompt_logprobs=openai_prompt_logprobs(out.prompt_logprobs), logprobs=lp)
+
+
+def completion_body(outs: list[EngineOutput], echos: list[EchoPrompt | None], model: str, suffix: str,
+                    created: int | None = None) -> CompletionResponse:
+    """The ``text_completion`` body (id ``cmpl-<suffix>``) of the finished outputs of one request's
+    prompts, in order: choice ``index`` = prompt * n + sample (OpenAI's and vLLM's order), each
+    prompt's ``echo`` before its samples; ``usage`` over every prompt."""
     created = int(time.time()) if created is None else created
-    usage = usage_info(out)
-    prompt_logprobs = openai_prompt_logprobs(out.prompt_logprobs)
-    if chat:
-        choices = [ChatCompletionResponseChoice(
-            index=o.index, message=ChatResponseMessage(content=o.text), finish_reason=o.finish_reason,
-            logprobs=None if o.logprobs is None else chat_logprobs(o.logprobs)) for o in out.outputs]
-        return ChatCompletionResponse(id=f"chatcmpl-{suffix}", created=created, model=model, choices=choices,
-                                      usage=usage, prompt_logprobs=prompt_logprobs)
-    comps = [CompletionResponseChoice(
-        index=o.index, text=o.text, finish_reason=o.finish_reason, prompt_logprobs=prompt_logprobs,
-        logprobs=None if o.logprobs is None else completion_logprobs(o.logprobs)) for o in out.outputs]
-    return CompletionResponse(id=f"cmpl-{suffix}", created=created, model=model, choices=comps, usage=usage)
+    choices = []
+    for i, (out, echo) in enumerate(zip(outs, echos, strict=True)):
+        n = len(out.outputs)
+        choices += [completion_choice(out, o, i * n + o.index, echo) for o in out.outputs]
+    return CompletionResponse(id=f"cmpl-{suffix}", created=created, model=model, choices=choices,
+                              usage=usage_info(*outs))
+
+
+def openai_body(out: EngineOutput, chat: bool, model: str, suffix: str, created: int | None = None,
+                echo: EchoPrompt | None = None) -> ChatCompletionResponse | CompletionResponse:
+    """The OpenAI response body of finished ``out``: a ``chat.completion`` (id ``chatcmpl-<suffix>``)
+    or a ``text_completion`` (id ``cmpl-<suffix>``, :func:`completion_body`; ``echo`` its echoed
+    prompt), one choice per sample; ``model`` the served model's name; ``created`` unix seconds
+    (default now). Shared by the batch job and the server."""
+    created = int(time.time()) if created is None else created
+    if not chat:
+        return completion_body([out], [echo], model, suffix, created)
+    choices = [ChatCompletionResponseChoice(
+        index=o.index, message=ChatResponseMessage(content=o.text), finish_reason=o.finish_reason,
+        logprobs=None if o.logprobs is None else chat_logprobs(o.logprobs)) for o in out.outputs]
+    return ChatCompletionResponse(id=f"chatcmpl-{suffix}", created=created, model=model, choices=choices,
+                                  usage=usage_info(out), prompt_logprobs=openai_prompt_logprobs(out.prompt_logprobs))
 
 
 def openai_error_record(
@@ -137,12 +181,13 @@ def openai_error_record(
     return BatchOutputLine(id=f"batch_req_{line}", custom_id=custom_id, error=err).model_dump()
 
 
-def make_record(req: ParsedRequest | None, out: EngineOutput, model: str) -> dict[str, Any]:
+def make_record(req: ParsedRequest | None, out: EngineOutput, model: str, echo: EchoPrompt | None = None
+                ) -> dict[str, Any]:
     """The record for ``out`` in the shape its request came in (simple when ``req`` is None);
-    ``model``: the served model's name (OpenAI records)."""
+    ``model``: the served model's name (OpenAI records); ``echo``: see :func:`openai_record`."""
     if req is None or req.format == "simple":
         return simple_record(out)
-    return openai_record(req, out, model)
+    return openai_record(req, out, model, echo=echo)
 
 
 def record_id(record: dict[str, Any]) -> str | None:

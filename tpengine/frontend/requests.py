@@ -53,7 +53,8 @@ class ParsedRequest:
     body's model name as given, else None (records name the served model, not this one);
     ``template_options``: for "messages", the ``apply_chat_template`` keyword arguments
     (``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``; see
-    :meth:`tpengine.protocol.messages.ChatTemplateFields.template_options`), None: the defaults.
+    :meth:`tpengine.protocol.messages.ChatTemplateFields.template_options`), None: the defaults;
+    ``echo``: a completions body's ``echo`` (its record starts with the prompt, :class:`EchoPrompt`).
     """
 
     id: str
@@ -64,6 +65,26 @@ class ParsedRequest:
     params: SamplingParams
     model: str | None = None
     template_options: dict[str, Any] | None = None
+    echo: bool = False
+
+
+@dataclass(frozen=True)
+class EchoPrompt:
+    """What a completions request's ``echo`` puts before its completion: the prompt's ``text`` (as
+    given, or the decoded ids of a token-id prompt, as vLLM) and, when logprobs are asked, the text
+    of each prompt token (``tokenizer.decode([id])``, as the engine names logprob tokens) and
+    ``logprobs``, the number of top tokens per position."""
+
+    text: str
+    tokens: list[str] | None = None
+    logprobs: int | None = None
+
+
+def echo_prompt(kind: str, payload: Any, ids: list[int], params: SamplingParams, tokenizer) -> EchoPrompt:
+    """The :class:`EchoPrompt` of a prompt of ``kind`` ("prompt" | "token_ids") tokenized to ``ids``."""
+    text = payload if kind == "prompt" else tokenizer.decode(ids)
+    tokens = None if params.logprobs is None else tokenizer.batch_decode([[t] for t in ids])
+    return EchoPrompt(text, tokens, params.logprobs)
 
 
 @dataclass
@@ -184,7 +205,8 @@ def _parse_line(
         except (TypeError, ValueError) as e:
             problems.append((None, f"invalid sampling parameters: {e}"))
         else:
-            req = ParsedRequest(rid, lineno, kind, fmt, payload, params, name, template_options(body, kind))
+            req = ParsedRequest(rid, lineno, kind, fmt, payload, params, name, template_options(body, kind),
+                                bool(getattr(body, "echo", False)))
     return lineno, req, [RequestError(lineno, rid, f, m, fmt) for f, m in problems]
 
 

@@ -1,11 +1,12 @@
-"""The base of every request model: unknown fields are errors naming the valid ones, every
-problem of an object is reported at once, and cross-field rules run even when a field is bad."""
+"""The base of every request model: unknown fields are errors naming the valid ones (or, in the
+server's lenient mode, dropped and named), every problem of an object is reported at once, and
+cross-field rules run even when a field is bad."""
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, model_validator
 from pydantic_core import InitErrorDetails
 
 from tpengine.protocol.fields import invalid
@@ -13,13 +14,20 @@ from tpengine.protocol.fields import invalid
 #: A problem found by a cross-field rule: (location inside the object, message).
 Problem = tuple[tuple[str | int, ...], str]
 
+#: The validation-context key of lenient mode: ``Model.model_validate(obj, context={IGNORE_UNKNOWN:
+#: ignored})`` with ``ignored`` a set drops every unknown field, at any depth, instead of refusing
+#: it, and adds ``(model class name, field name)`` to ``ignored`` (vLLM's server accepts and ignores
+#: fields it does not know; tpengine's server does the same, a batch file does not).
+IGNORE_UNKNOWN = "ignore_unknown"
+
 
 class ProtocolModel(BaseModel):
     """A JSON object of the protocol (``extra="forbid"``).
 
     Errors (pydantic ``ValidationError`` line errors, ``loc`` relative to the object):
 
-    * an unknown field: ``"unknown field; valid: <own fields first, then inherited>"``;
+    * an unknown field: ``"unknown field; valid: <own fields first, then inherited>"`` (none in
+      lenient mode, see :data:`IGNORE_UNKNOWN`);
     * a missing required field: ``MISSING.get(name, "is required")``;
     * a value that is not a JSON object: ``"must be <OBJECT>"``;
     * whatever :meth:`problems` returns for the raw object, together with the field errors
@@ -50,7 +58,11 @@ class ProtocolModel(BaseModel):
 
     @model_validator(mode="wrap")
     @classmethod
-    def _report_all(cls, data: Any, handler: Any) -> Any:
+    def _report_all(cls, data: Any, handler: Any, info: ValidationInfo) -> Any:
+        ignored = info.context.get(IGNORE_UNKNOWN) if isinstance(info.context, dict) else None
+        if ignored is not None and isinstance(data, dict) and any(k not in cls.model_fields for k in data):
+            ignored.update((cls.__name__, k) for k in data if k not in cls.model_fields)
+            data = {k: v for k, v in data.items() if k in cls.model_fields}
         try:
             model = handler(data)
             errors: list[dict[str, Any]] = []

@@ -108,7 +108,8 @@ def _non_empty(v: str) -> str | None:
 
 
 # --- sampling fields (vLLM's SamplingParams names and ranges) ---------------------------------
-MaxTokens = Annotated[int, Strict(), at.Ge(1), Valid("an integer >= 1")]
+#: ``max_tokens``: 0 scores the prompt without generating (with ``echo`` or ``prompt_logprobs``).
+MaxTokens = Annotated[int, Strict(), at.Ge(0), Valid("an integer >= 0 (0: score the prompt only)")]
 Temperature = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False), Valid("a number >= 0")]
 TopP = Annotated[float, Strict(), Field(gt=0, le=1, allow_inf_nan=False), Valid("a number in (0, 1]")]
 TopK = Annotated[int, Strict(), at.Ge(-1), Valid("an integer >= -1 (0 or -1: disabled)")]
@@ -149,23 +150,47 @@ TokenIds = Annotated[list[Annotated[int, Strict(), at.Ge(0)]], Strict(), at.MinL
 NonEmptyStr = Annotated[str, Strict(), Valid("a non-empty string", check=lambda v: None if v else _EMPTY_STR)]
 
 
+#: The message for several prompts in one batch line.
+PROMPT_LIST_ERROR = ("a batch line holds one prompt (send one line per prompt, so that each gets its own record, "
+                     "id and --resume entry)")
+
+
 def _one_prompt(v: str | list) -> str | None:
     if isinstance(v, str):
         return _non_empty(v)
     if not v:
         return "must be a non-empty string or a non-empty list, got []"
     if isinstance(v[0], str) and len(v) > 1:
-        return (f"a batch line holds one prompt: a list of {len(v)} prompts is not supported "
-                "(send one line per prompt)")
+        return f"{PROMPT_LIST_ERROR}, got a list of {len(v)} prompts"
     return None
 
 
-#: A completions prompt: a string, a list of token ids, or a list holding one string (OpenAI's
+#: A simple line's prompt: a string, a list of token ids, or a list holding one string (OpenAI's
 #: batched form with a single prompt). Several prompts in one line are refused by name.
 Prompt = Annotated[
     Annotated[str, Strict()] | list[Annotated[int, Strict(), at.Ge(0)]] | list[Annotated[str, Strict(), at.MinLen(1)]],
     Valid("a non-empty string (or a list of integer token ids >= 0, or a list holding one non-empty string)",
           check=_one_prompt),
+]
+
+
+def _prompts(v: str | list) -> str | None:
+    if isinstance(v, str):
+        return _non_empty(v)
+    if not v:
+        return "must be a non-empty string or a non-empty list, got []"
+    if isinstance(v[0], list) and (i := next((i for i, ids in enumerate(v) if not ids), None)) is not None:
+        return f"must hold non-empty lists of token ids, got [] at index {i}"
+    return None
+
+
+#: An OpenAI completions ``prompt``: a string, a list of strings, a list of token ids, or a list of
+#: token-id lists (OpenAI's four forms); each list entry is one prompt of its own.
+Prompts = Annotated[
+    Annotated[str, Strict()] | list[Annotated[int, Strict(), at.Ge(0)]]
+    | list[Annotated[str, Strict(), at.MinLen(1)]] | list[list[Annotated[int, Strict(), at.Ge(0)]]],
+    Valid("a non-empty string, a list of non-empty strings, a list of integer token ids >= 0, or a list of "
+          "such lists", check=_prompts),
 ]
 
 #: A simple line's ``id``: a non-empty string, or an integer (turned into its decimal string).

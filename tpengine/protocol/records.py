@@ -229,6 +229,22 @@ class ChatCompletionResponse(RecordModel):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class TokenizeResponse(RecordModel):
+    """vLLM's ``/tokenize`` response: the ``tokens``, their ``count``, the server's
+    ``max_model_len``, and each token's string when asked (``token_strs``, else null)."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(RecordModel):
+    """vLLM's ``/detokenize`` response: the text of the tokens (``prompt``)."""
+
+    prompt: str
+
+
 class BatchResponse(RecordModel):
     """The ``response`` of a Batch output line."""
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar
 
+import annotated_types as at
 from pydantic import Strict, ValidationInfo, field_validator
 
 from tpengine.protocol.base import Problem, ProtocolModel
 from tpengine.protocol.fields import (
+    PROMPT_LIST_ERROR,
     URL,
     ChatURL,
     CompletionURL,
@@ -24,6 +26,7 @@ from tpengine.protocol.fields import (
     NonEmptyStr,
     NumLogprobs,
     Prompt,
+    Prompts,
     RequestId,
     TokenIds,
     Valid,
@@ -43,12 +46,20 @@ _Str = Annotated[str, Strict(), Valid("a string")]
 _Object = Annotated[dict[str, Any], Strict(), Valid("an object")]
 
 
-def _prompt_payload(prompt: str | list) -> tuple[str, Any]:
+def _prompt_payloads(prompt: str | list) -> list[tuple[str, Any]]:
+    """The prompts of an OpenAI ``prompt`` value (see :data:`~tpengine.protocol.fields.Prompts`)."""
     if isinstance(prompt, str):
-        return PROMPT, prompt
-    if isinstance(prompt[0], str):  # OpenAI's list form holding one prompt
-        return PROMPT, prompt[0]
-    return TOKEN_IDS, list(prompt)
+        return [(PROMPT, prompt)]
+    if isinstance(prompt[0], str):  # OpenAI's list of strings
+        return [(PROMPT, p) for p in prompt]
+    if isinstance(prompt[0], list):  # a list of token-id lists
+        return [(TOKEN_IDS, list(p)) for p in prompt]
+    return [(TOKEN_IDS, list(prompt))]
+
+
+def _is_prompt_list(prompt: Any) -> bool:
+    """Whether an OpenAI ``prompt`` value holds more than one prompt."""
+    return isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))
 
 
 class SimpleRequest(SamplingFields, ChatTemplateFields):
@@ -106,7 +117,7 @@ class SimpleRequest(SamplingFields, ChatTemplateFields):
         if self.prompt_token_ids is not None:
             return TOKEN_IDS, list(self.prompt_token_ids)
         assert self.prompt is not None  # guaranteed by problems()
-        return _prompt_payload(self.prompt)
+        return _prompt_payloads(self.prompt)[0]
 
 
 class OpenAIBody(SamplingFields):
@@ -130,7 +141,6 @@ class OpenAIBody(SamplingFields):
     metadata: _Object | None = None
     store: Flag | None = None
     response_format: Annotated[dict[str, Any], Strict(), Neutral(({"type": "text"},))] | None = None
-    echo: Annotated[bool, Strict(), Neutral((False,))] | None = None
     best_of: Annotated[int, Strict(), Neutral((1,))] | None = None
     suffix: Annotated[str, Strict(), Neutral()] | None = None
 
@@ -152,6 +162,7 @@ class ChatCompletionRequest(OpenAIBody, ChatTemplateFields):
     messages: Messages
     logprobs: Flag | None = None
     top_logprobs: NumLogprobs | None = None
+    echo: Annotated[bool, Strict(), Neutral((False,))] | None = None
 
     @classmethod
     def problems(cls, data: dict[str, Any]) -> list[Problem]:
@@ -175,23 +186,71 @@ class ChatCompletionRequest(OpenAIBody, ChatTemplateFields):
 
 
 class CompletionRequest(OpenAIBody):
-    """An OpenAI ``/v1/completions`` body: ``prompt`` required (a string, a list of token ids, or a
-    list holding one string); ``logprobs`` an integer in [0, 20] (OpenAI's legacy completions
-    logprobs: the top that many per generated token)."""
+    """An OpenAI ``/v1/completions`` body: ``prompt`` required: a string, a list of strings, a list
+    of token ids or a list of token-id lists, each list entry a prompt of its own (a server answers
+    them in one response, choice ``index`` = prompt * n + sample; a batch line holds one prompt);
+    ``logprobs`` an integer in [0, 20] (OpenAI's legacy completions logprobs: the top that many per
+    generated token); ``echo``: the prompt comes back before the completion, its text and, with
+    ``logprobs``, its tokens' logprobs (the first ``null``). With ``max_tokens`` 0 and ``echo`` the
+    prompt is scored and nothing is generated (vLLM's semantics)."""
 
-    prompt: Prompt
+    prompt: Prompts
     logprobs: NumLogprobs | None = None
+    echo: Flag | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        """As :meth:`OpenAIBody.sampling_kwargs`, with ``logprobs``."""
+        """As :meth:`OpenAIBody.sampling_kwargs`, with ``logprobs``; ``echo`` with ``logprobs`` k
+        asks for the prompt's logprobs with at least k top tokens (``prompt_logprobs``)."""
         kw = super().sampling_kwargs()
         if self.logprobs is not None:
             kw["logprobs"] = self.logprobs
+            if self.echo:
+                kw["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
         return kw
 
     def prompt_payload(self) -> tuple[str, Any]:
-        """("prompt", str) | ("token_ids", list[int])."""
-        return _prompt_payload(self.prompt)
+        """("prompt", str) | ("token_ids", list[int]): the first prompt (a batch line's only one)."""
+        return _prompt_payloads(self.prompt)[0]
+
+    def prompt_payloads(self) -> list[tuple[str, Any]]:
+        """Every prompt, in order, as :meth:`prompt_payload` gives one."""
+        return _prompt_payloads(self.prompt)
+
+
+class TokenizeCompletionRequest(ProtocolModel):
+    """vLLM's ``/tokenize`` body for a prompt: ``prompt`` (a string), ``add_special_tokens``
+    (default true: the tokenizer's BOS and the like, as a completions prompt gets them),
+    ``return_token_strs`` (default false: also each token's string, ``convert_ids_to_tokens``)."""
+
+    model: _Str | None = None
+    prompt: _Str
+    add_special_tokens: Flag | None = None
+    return_token_strs: Flag | None = None
+
+
+class TokenizeChatRequest(ChatTemplateFields):
+    """vLLM's ``/tokenize`` body for a conversation: ``messages`` through the chat template with its
+    options (:class:`~tpengine.protocol.messages.ChatTemplateFields`), exactly as
+    ``/v1/chat/completions`` tokenizes them; ``return_token_strs`` as for a prompt;
+    ``add_special_tokens`` only false (the template writes the special tokens itself)."""
+
+    model: _Str | None = None
+    messages: Messages
+    add_special_tokens: Annotated[bool, Strict(), Neutral((False,), "only false: the chat template writes the "
+                                                             "special tokens itself")] | None = None
+    return_token_strs: Flag | None = None
+
+    @classmethod
+    def problems(cls, data: dict[str, Any]) -> list[Problem]:
+        return super().problems(data) + cls.template_problems(data, None)
+
+
+class DetokenizeRequest(ProtocolModel):
+    """vLLM's ``/detokenize`` body: ``tokens``, a list of token ids (``[]`` gives "")."""
+
+    model: _Str | None = None
+    tokens: Annotated[list[Annotated[int, Strict(), at.Ge(0)]], Strict(),
+                      Valid("a list of integer token ids >= 0")]
 
 
 #: The endpoint each Batch ``url`` names, and the request format of its output records.
@@ -224,9 +283,12 @@ class BatchRequestLine(ProtocolModel):
     @classmethod
     def problems(cls, data: dict[str, Any]) -> list[Problem]:
         body = data.get("body")
+        out: list[Problem] = []
         if isinstance(body, dict) and body.get("stream") is True:
-            return [(("body", "stream"), f"{STREAM_ERROR}, got true")]
-        return []
+            out.append((("body", "stream"), f"{STREAM_ERROR}, got true"))
+        if isinstance(body, dict) and data.get("url") == CompletionURL and _is_prompt_list(body.get("prompt")):
+            out.append((("body", "prompt"), f"{PROMPT_LIST_ERROR}, got a list of {len(body['prompt'])} prompts"))
+        return out
 
     @property
     def format(self) -> str:

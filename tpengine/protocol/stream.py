@@ -5,7 +5,7 @@ a stream ends with ``data: [DONE]\\n\\n``."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from tpengine.protocol.records import ChatLogprobs, CompletionLogprobs, RecordModel, UsageInfo
 
@@ -32,7 +32,10 @@ class CompletionStreamResponse(RecordModel):
 
 
 class DeltaMessage(RecordModel):
-    """The new part of the assistant message: ``role`` in the first chunk, then ``content``."""
+    """The new part of the assistant message: ``role`` only in a choice's first chunk, then
+    ``content`` (OpenAI's shape: a field that is not set is left out, not ``null``)."""
+
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("role", "content")
 
     role: Literal["assistant"] | None = None
     content: str | None = None

@@ -1,5 +1,7 @@
-"""The OpenAI-compatible HTTP app on rank 0 (FastAPI): ``/v1/completions``, ``/v1/chat/completions``
-(``stream`` true and false), ``/v1/models``, ``/health``, ``/metrics``.
+"""The OpenAI-compatible HTTP app on rank 0 (FastAPI): ``/v1/completions`` (one or more prompts,
+``echo``), ``/v1/chat/completions`` (``stream`` true and false), ``/v1/models`` and
+``/v1/models/{id}``, vLLM's ``/tokenize``, ``/detokenize`` and ``/version``, ``/health``,
+``/metrics``. Unknown body fields are ignored and logged once each, as vLLM does.
 
 Every request is answered on its own: a bad body is a 400 naming the field, an engine that is no
 longer running a 503, and a request's own failure its own error (HTTP error, or an error event in
@@ -18,16 +20,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from tpengine import __version__
 from tpengine.engine.outputs import EngineOutput
 from tpengine.server.engine_loop import EngineDead, EngineLoop
 from tpengine.server.metrics import ServerMetrics
 from tpengine.server.serving import (
     HTTPProblem,
     Prepared,
+    check_model,
+    detokenize_body,
     output_problem,
     prepare_request,
     response_body,
     stream_events,
+    tokenize_body,
 )
 
 
@@ -49,19 +55,27 @@ def problem_response(p: HTTPProblem) -> JSONResponse:
     return JSONResponse(p.body(), status_code=p.status)
 
 
-async def _outputs(queue: asyncio.Queue) -> AsyncIterator[EngineOutput]:
-    """A request's engine outputs until its final one; an :class:`EngineDead` is raised as an HTTP 503.
-    Outputs so far are cumulative, so when several are queued (the client reads slower than the
-    engine steps) only the latest is yielded."""
-    while True:
-        item = await queue.get()
-        while not queue.empty() and not (isinstance(item, EngineOutput) and item.finished):
-            item = queue.get_nowait()
-        if isinstance(item, BaseException):
-            raise HTTPProblem(503, str(item))
-        yield item
-        if item.finished:
-            return
+async def _outputs(queue: asyncio.Queue, request_ids: list[str]) -> AsyncIterator[EngineOutput]:
+    """The engine outputs of ``request_ids`` (one HTTP request's prompts, sharing ``queue``) until
+    each one's final output; an :class:`EngineDead` is raised as an HTTP 503. Outputs so far are
+    cumulative, so when several of one request are queued (the client reads slower than the engine
+    steps) only its latest is yielded."""
+    pending = set(request_ids)
+    while pending:
+        items = [await queue.get()]
+        while not queue.empty():
+            items.append(queue.get_nowait())
+        latest: dict[str, EngineOutput] = {}
+        for item in items:
+            if isinstance(item, BaseException):
+                raise HTTPProblem(503, str(item))
+            if not (item.request_id in latest and latest[item.request_id].finished):
+                latest[item.request_id] = item
+        for rid, out in latest.items():
+            if rid in pending:
+                yield out
+                if out.finished:
+                    pending.discard(rid)
 
 
 async def _disconnected(request: Request) -> None:
@@ -70,17 +84,21 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _parse_and_prepare(body: bytes, kind: str, state: ServerState) -> Prepared:
-    """The request body, decoded and prepared. Raises HTTPProblem (400: not JSON, or see
-    :func:`tpengine.server.serving.prepare_request`)."""
+def _json(body: bytes) -> Any:
+    """The request body as JSON. Raises HTTPProblem (400: not JSON)."""
     try:
-        obj = json.loads(body)
+        return json.loads(body)
     except ValueError as e:  # not JSON, invalid UTF-8, an integer of more than 4300 digits
         raise HTTPProblem(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
         raise HTTPProblem(400, "the request body is not valid JSON: nested too deeply") from None
-    return prepare_request(obj, kind, state.tokenizer, state.vocab_size, state.max_model_len, state.model_name,
-                           state.defaults)
+
+
+def _parse_and_prepare(body: bytes, kind: str, state: ServerState) -> Prepared:
+    """The request body, decoded and prepared. Raises HTTPProblem (400: not JSON, or see
+    :func:`tpengine.server.serving.prepare_request`)."""
+    return prepare_request(_json(body), kind, state.tokenizer, state.vocab_size, state.max_model_len,
+                           state.model_name, state.defaults)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -95,9 +113,14 @@ def build_app(state: ServerState) -> FastAPI:
             # parsing and tokenizing (a long prompt takes a while) run off the event loop, so other
             # clients' streams and /health go on meanwhile
             p = await asyncio.to_thread(_parse_and_prepare, body, kind, state)
+            queue: asyncio.Queue = asyncio.Queue()
+            ids = p.engine_ids()
             try:
-                queue = state.loop.submit(p.request_id, p.prompt_token_ids, p.params, p.stream)
+                for rid, prompt in zip(ids, p.prompt_ids):
+                    state.loop.submit(rid, prompt, p.params, p.stream, into=queue)
             except EngineDead as e:
+                for rid in ids:
+                    state.loop.abort(rid)
                 raise HTTPProblem(503, str(e)) from None
         except HTTPProblem as e:
             return problem_response(e)
@@ -108,7 +131,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def _stream(p: Prepared, queue: asyncio.Queue) -> AsyncIterator[str]:
         finished = False
         try:
-            async for event in stream_events(p, _outputs(queue), state.model_name):
+            async for event in stream_events(p, _outputs(queue, p.engine_ids()), state.model_name):
                 yield event
             finished = True
         except HTTPProblem as e:
@@ -116,30 +139,31 @@ def build_app(state: ServerState) -> FastAPI:
             finished = True
         finally:
             if not finished:  # the client went away (the response task was cancelled)
-                state.loop.abort(p.request_id)
+                for rid in p.engine_ids():
+                    state.loop.abort(rid)
 
     async def _complete(request: Request, p: Prepared, queue: asyncio.Queue) -> Response:
-        async def final() -> EngineOutput:
-            async for out in _outputs(queue):
-                if out.finished:
-                    return out
-            raise AssertionError("unreachable")
+        ids = p.engine_ids()
 
-        result = asyncio.ensure_future(final())
+        async def finals() -> dict[str, EngineOutput]:
+            return {out.request_id: out async for out in _outputs(queue, ids) if out.finished}
+
+        result = asyncio.ensure_future(finals())
         gone = asyncio.ensure_future(_disconnected(request))
         await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not result.done():  # the client went away: free its blocks now
             result.cancel()
-            state.loop.abort(p.request_id)
+            for rid in ids:
+                state.loop.abort(rid)
             return Response(status_code=499)
         gone.cancel()
         try:
-            out = result.result()
+            outs = [result.result()[rid] for rid in ids]
         except HTTPProblem as e:
             return problem_response(e)
-        if out.error is not None:
-            return problem_response(output_problem(out))
-        return JSONResponse(response_body(p, out, state.model_name))
+        if failed := next((o for o in outs if o.error is not None), None):
+            return problem_response(output_problem(failed))
+        return JSONResponse(response_body(p, outs, state.model_name))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -149,10 +173,44 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await handle(request, "chat")
 
+    def model_card() -> dict[str, Any]:
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tpengine",
+                "root": state.model_name, "parent": None, "max_model_len": state.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "tpengine", "max_model_len": state.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        try:
+            check_model(model_id, state.model_name)
+        except HTTPProblem as e:
+            return problem_response(e)
+        return JSONResponse(model_card())
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        try:
+            obj = _json(await request.body())
+            out = await asyncio.to_thread(tokenize_body, obj, state.tokenizer, state.vocab_size, state.max_model_len,
+                                          state.model_name)
+        except HTTPProblem as e:
+            return problem_response(e)
+        return JSONResponse(out)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        try:
+            obj = _json(await request.body())
+            out = await asyncio.to_thread(detokenize_body, obj, state.tokenizer, state.vocab_size, state.model_name)
+        except HTTPProblem as e:
+            return problem_response(e)
+        return JSONResponse(out)
 
     @app.get("/health")
     async def health() -> Response:

@@ -60,10 +60,11 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               stream: bool) -> asyncio.Queue:
-        """Queue a request (call from the event loop). Its outputs arrive in the returned queue:
-        with ``stream``, outputs so far (``finished`` False), then the final output; a
-        :class:`EngineDead` instead if the loop stops first.
+               stream: bool, into: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Queue a request (call from the event loop). Its outputs arrive in the returned queue
+        (``into``, when given: the prompts of one HTTP request share one queue): with ``stream``,
+        outputs so far (``finished`` False), then the final output; a :class:`EngineDead` instead if
+        the loop stops first.
 
         Raises:
             EngineDead: the loop is stopping or stopped.
@@ -71,7 +72,7 @@ class EngineLoop:
         if self.dead is not None or self._stop_at is not None:
             raise EngineDead(f"the engine is not running ({self.dead or 'shutting down'})")
         self._event_loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+        q: asyncio.Queue = asyncio.Queue() if into is None else into
         self._streams[request_id] = q
         self._commands.put(("add", request_id, prompt_token_ids, params, stream))
         return q

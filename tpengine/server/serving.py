@@ -4,6 +4,7 @@ tokenizing code as the batch job), and turn the engine's outputs into a response
 from __future__ import annotations
 
 import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -13,18 +14,23 @@ from typing import Any
 from pydantic import ValidationError
 
 from tpengine.engine.outputs import EngineOutput
-from tpengine.frontend.logprobs import chat_logprobs, completion_logprobs
-from tpengine.frontend.output import openai_body, usage_info
+from tpengine.frontend.logprobs import chat_logprobs
+from tpengine.frontend.output import completion_body, completion_text, openai_body, usage_info
 from tpengine.frontend.requests import (
+    EchoPrompt,
     ParsedRequest,
     RequestValidationError,
+    echo_prompt,
     failure_message,
     make_params,
     template_options,
     to_token_ids,
 )
 from tpengine.protocol import ChatCompletionRequest, CompletionRequest
+from tpengine.protocol.base import IGNORE_UNKNOWN, ProtocolModel
 from tpengine.protocol.errors import field_errors
+from tpengine.protocol.records import DetokenizeResponse, TokenizeResponse
+from tpengine.protocol.requests import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from tpengine.protocol.stream import (
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
@@ -56,60 +62,168 @@ class HTTPProblem(Exception):
 
 @dataclass
 class Prepared:
-    """A request ready for the engine: its id, format, prompt ids, params and streaming options."""
+    """A request ready for the engine: its id, format, params, streaming options, and its prompts
+    (one for chat; one or more for completions, each an engine request of its own: ``prompt_ids``,
+    and ``echoes`` when the body asked for ``echo``)."""
 
     request_id: str
     chat: bool
-    prompt_token_ids: list[int]
+    prompt_ids: list[list[int]]
     params: SamplingParams
     stream: bool
     include_usage: bool
     created: int
+    echoes: list[EchoPrompt | None]
+
+    def engine_ids(self) -> list[str]:
+        """The engine request id of each prompt: the request's own id, with ``-<prompt>`` when
+        there are several."""
+        if len(self.prompt_ids) == 1:
+            return [self.request_id]
+        return [f"{self.request_id}-{i}" for i in range(len(self.prompt_ids))]
+
+
+def validate_body(model: type[ProtocolModel], obj: Any) -> Any:
+    """``obj`` validated as ``model`` in lenient mode: unknown fields (at any depth) are dropped and
+    logged once per field name for this process, as vLLM's server does; a known field with a bad
+    value stays an error.
+
+    Raises:
+        HTTPProblem: 400 for a body that is not a JSON object or not valid, naming the field.
+    """
+    if not isinstance(obj, dict):
+        raise HTTPProblem(400, "the request body must be a JSON object")
+    found: set[tuple[str, str]] = set()
+    try:
+        body = model.model_validate(obj, context={IGNORE_UNKNOWN: found})
+    except ValidationError as e:
+        errs = field_errors(e)
+        raise HTTPProblem(400, "; ".join((f"{f}: " if f else "") + m for f, m in errs), errs[0][0]) from None
+    finally:
+        log_ignored(found, _LOGGED)
+    return body
+
+
+_LOGGED: set[tuple[str, str]] = set()  # (model, field) names the server has said it ignores
+
+
+def log_ignored(found: set[tuple[str, str]], logged: set[tuple[str, str]]) -> None:
+    """Say on stderr, once per (model, field) in ``logged``, that an unknown field was ignored."""
+    for where, name in sorted(found - logged):
+        logged.add((where, name))
+        print(f"[tpengine rank 0] ignoring the unknown field {name!r} of {where} (tpengine does not use it; "
+              "vLLM ignores it too); said once per field", file=sys.stderr, flush=True)
+
+
+def check_model(asked: str | None, model_name: str) -> None:
+    """A body's ``model``, when given, must be the served one. Raises HTTPProblem (404)."""
+    if asked is not None and asked != model_name:
+        raise HTTPProblem(404, f"The model `{asked}` does not exist; this server serves `{model_name}`", "model")
+
+
+def check_length(n_prompt: int, max_tokens: int | None, max_model_len: int, field: str, tokens_field: str) -> None:
+    """vLLM's length rule: a prompt that leaves no room for one output token, or, when the body sets
+    ``max_tokens``, prompt + ``max_tokens`` beyond ``max_model_len``, is a 400 naming the numbers.
+
+    Raises:
+        HTTPProblem: 400 with ``param`` ``field`` (the prompt) or ``tokens_field``.
+    """
+    if n_prompt >= max_model_len:
+        raise HTTPProblem(400, f"the prompt has {n_prompt} tokens, but max_model_len is {max_model_len} (the "
+                          f"prompt must be at most {max_model_len - 1} tokens to leave room for one output "
+                          "token)", field)
+    if max_tokens is not None and n_prompt + max_tokens > max_model_len:
+        raise HTTPProblem(400, f"this model's maximum context length (max_model_len) is {max_model_len} tokens, "
+                          f"but the request asks for {n_prompt + max_tokens}: {n_prompt} in the prompt and "
+                          f"{max_tokens} in the completion ({tokens_field}); ask for at most "
+                          f"{max_model_len - n_prompt} tokens, or shorten the prompt", tokens_field)
 
 
 def prepare_request(obj: Any, kind: str, tokenizer, vocab_size: int, max_model_len: int, model_name: str,
                     defaults: Mapping[str, Any]) -> Prepared:
-    """Validate an OpenAI request body (``kind`` "chat" or "completion") and tokenize it.
+    """Validate an OpenAI request body (``kind`` "chat" or "completion", :func:`validate_body`) and
+    tokenize its prompt(s).
 
     Raises:
         HTTPProblem: 400 for a body that is not valid (naming the field, as the batch job does), a
-            prompt the tokenizer or chat template refuses, or one too long for ``max_model_len``;
+            prompt the tokenizer or chat template refuses, or one too long (:func:`check_length`);
             404 for a ``model`` other than ``model_name``.
     """
     chat = kind == "chat"
-    if not isinstance(obj, dict):
-        raise HTTPProblem(400, "the request body must be a JSON object")
-    try:
-        body = (ChatCompletionRequest if chat else CompletionRequest).model_validate(obj)
-    except ValidationError as e:
-        errs = field_errors(e)
-        raise HTTPProblem(400, "; ".join((f"{f}: " if f else "") + m for f, m in errs), errs[0][0]) from None
-    if body.model is not None and body.model != model_name:
-        raise HTTPProblem(404, f"The model `{body.model}` does not exist; this server serves `{model_name}`", "model")
+    body = validate_body(ChatCompletionRequest if chat else CompletionRequest, obj)
+    check_model(body.model, model_name)
     if body.stream and body.prompt_logprobs is not None:  # vLLM refuses it too
         raise HTTPProblem(400, "prompt_logprobs are not available when stream is true; ask without streaming",
                           "prompt_logprobs")
     fmt = FORMATS[kind]
-    payload_kind, payload = body.prompt_payload()
     try:
         params = make_params(fmt, defaults, body.sampling_kwargs())
     except (TypeError, ValueError) as e:
         raise HTTPProblem(400, f"invalid sampling parameters: {e}") from None
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    req = ParsedRequest(rid, 0, payload_kind, fmt, payload, params, body.model, template_options(body, payload_kind))
     field = "messages" if chat else "prompt"
-    try:
-        ids = to_token_ids(req, tokenizer, vocab_size)
-    except RequestValidationError as e:
-        raise HTTPProblem(400, str(e), (e.field or field).removeprefix("body.")) from None
-    except Exception as e:  # noqa: BLE001 -- the template's raise_exception, a lone surrogate: this request's
-        raise HTTPProblem(400, failure_message(req, e), field) from None
-    if len(ids) >= max_model_len:
-        raise HTTPProblem(400, f"the prompt has {len(ids)} tokens, but max_model_len is {max_model_len} (the "
-                          f"prompt must be at most {max_model_len - 1} tokens to leave room for one output "
-                          "token)", field)
+    tokens_field = next((k for k in ("max_completion_tokens", "max_tokens") if getattr(body, k) is not None),
+                        "max_tokens")
+    echo = bool(getattr(body, "echo", False))
+    payloads = [body.prompt_payload()] if chat else body.prompt_payloads()
+    prompt_ids, echoes = [], []
+    for payload_kind, payload in payloads:
+        req = ParsedRequest(rid, 0, payload_kind, fmt, payload, params, body.model,
+                            template_options(body, payload_kind), echo)
+        try:
+            ids = to_token_ids(req, tokenizer, vocab_size)
+        except RequestValidationError as e:
+            raise HTTPProblem(400, str(e), (e.field or field).removeprefix("body.")) from None
+        except Exception as e:  # noqa: BLE001 -- the template's raise_exception, a lone surrogate: this request's
+            raise HTTPProblem(400, failure_message(req, e), field) from None
+        check_length(len(ids), getattr(body, tokens_field), max_model_len, field, tokens_field)
+        prompt_ids.append(ids)
+        echoes.append(echo_prompt(payload_kind, payload, ids, params, tokenizer) if echo else None)
     options = body.stream_options or {}
-    return Prepared(rid, chat, ids, params, bool(body.stream), bool(options.get("include_usage")), int(time.time()))
+    return Prepared(rid, chat, prompt_ids, params, bool(body.stream), bool(options.get("include_usage")),
+                    int(time.time()), echoes)
+
+
+def tokenize_body(obj: Any, tokenizer, vocab_size: int, max_model_len: int, model_name: str) -> dict[str, Any]:
+    """vLLM's ``/tokenize``: a ``prompt`` or ``messages`` body (lenient, :func:`validate_body`),
+    tokenized exactly as the completions or chat endpoint tokenizes it (``add_special_tokens``
+    false leaves the tokenizer's special tokens off a prompt).
+
+    Raises:
+        HTTPProblem: 400 for an invalid body or a conversation the chat template refuses; 404 for
+            another ``model``.
+    """
+    chat = isinstance(obj, dict) and "messages" in obj
+    body = validate_body(TokenizeChatRequest if chat else TokenizeCompletionRequest, obj)
+    check_model(body.model, model_name)
+    if chat:
+        req = ParsedRequest("tokenize", 0, "messages", "openai_chat", [m.to_template() for m in body.messages],
+                            SamplingParams(), body.model, body.template_options())
+        try:
+            ids = to_token_ids(req, tokenizer, vocab_size)
+        except RequestValidationError as e:
+            raise HTTPProblem(400, str(e), "messages") from None
+        except Exception as e:  # noqa: BLE001 -- the template's raise_exception: this request's
+            raise HTTPProblem(400, failure_message(req, e), "messages") from None
+    else:
+        add = body.add_special_tokens is not False
+        ids = list(tokenizer(body.prompt, add_special_tokens=add)["input_ids"]) if body.prompt else []
+    strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs).model_dump()
+
+
+def detokenize_body(obj: Any, tokenizer, vocab_size: int, model_name: str) -> dict[str, Any]:
+    """vLLM's ``/detokenize``: the text of ``tokens`` (``tokenizer.decode``, special tokens kept).
+
+    Raises:
+        HTTPProblem: 400 for an invalid body or a token id outside the vocabulary; 404 for another
+            ``model``.
+    """
+    body = validate_body(DetokenizeRequest, obj)
+    check_model(body.model, model_name)
+    if (bad := next((t for t in body.tokens if t >= vocab_size), None)) is not None:
+        raise HTTPProblem(400, f"token id {bad} is out of range: vocab size is {vocab_size}", "tokens")
+    return DetokenizeResponse(prompt=tokenizer.decode(body.tokens)).model_dump()
 
 
 def output_problem(out: EngineOutput) -> HTTPProblem:
@@ -117,9 +231,12 @@ def output_problem(out: EngineOutput) -> HTTPProblem:
     return HTTPProblem(400 if out.error_field else 500, out.error or "failed", out.error_field)
 
 
-def response_body(p: Prepared, out: EngineOutput, model_name: str) -> dict[str, Any]:
-    """The non-streamed response body of finished ``out``."""
-    return openai_body(out, p.chat, model_name, p.request_id.split("-", 1)[1], p.created).model_dump()
+def response_body(p: Prepared, outs: list[EngineOutput], model_name: str) -> dict[str, Any]:
+    """The non-streamed response body of the finished outputs of ``p``'s prompts (in order)."""
+    suffix = p.request_id.split("-", 1)[1]
+    if p.chat:
+        return openai_body(outs[0], True, model_name, suffix, p.created).model_dump()
+    return completion_body(outs, p.echoes, model_name, suffix, p.created).model_dump()
 
 
 def sse(obj: dict[str, Any] | str) -> str:
@@ -128,46 +245,59 @@ def sse(obj: dict[str, Any] | str) -> str:
 
 
 async def stream_events(p: Prepared, outputs: AsyncIterator[EngineOutput], model_name: str) -> AsyncIterator[str]:
-    """The SSE events of one streamed request, from its engine outputs (outputs so far, then the final
-    one): per sample (``index`` i of n) its text deltas with, when asked, the logprobs of the tokens
-    generated since its last chunk, then its finish reason; the usage chunk (every sample's tokens)
-    with ``include_usage``; ``[DONE]``. An error output becomes an error event (OpenAI's error
-    object) before ``[DONE]``."""
+    """The SSE events of one streamed request, from the engine outputs of its prompts (outputs so
+    far, then each prompt's final one, prompts interleaved): per choice (``index`` = prompt * n +
+    sample) its text deltas with, when asked, the logprobs of the tokens generated since its last
+    chunk, then its finish reason; a chat choice's first chunk carries only ``role`` (OpenAI's
+    shape); a completions choice with ``echo`` starts with its prompt. Then the usage chunk (every
+    prompt's and sample's tokens) with ``include_usage``; ``[DONE]``. An error output becomes an
+    error event (OpenAI's error object) before ``[DONE]``."""
     n = p.params.n
-    sent_text, sent_tokens, done = [""] * n, [0] * n, [False] * n
+    prompt_of = {rid: i for i, rid in enumerate(p.engine_ids())}
+    choices = len(p.prompt_ids) * n
+    sent_text, sent_tokens, done, echoed = [""] * choices, [0] * choices, [False] * choices, [False] * choices
+    finals: dict[str, EngineOutput] = {}
     cls = ChatCompletionStreamResponse if p.chat else CompletionStreamResponse
 
-    def chunk(index: int, text: str | None, finish: str | None, positions: list | None = None,
-              role: bool = False) -> str:
-        if p.chat:
-            delta = DeltaMessage(role="assistant", content="") if role else DeltaMessage(content=text)
-            lp: Any = None if positions is None else chat_logprobs(positions)
-            choice: Any = ChatCompletionStreamChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)
-        else:
-            lp = None if positions is None else completion_logprobs(positions, len(sent_text[index]))
-            choice = CompletionStreamChoice(index=index, text=text or "", finish_reason=finish, logprobs=lp)
+    def event(choice: Any) -> str:
         return sse(cls(id=p.request_id, created=p.created, model=model_name, choices=[choice]).model_dump())
 
     if p.chat:
         for i in range(n):
-            yield chunk(i, None, None, role=True)
+            yield event(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
     async for out in outputs:
         if out.error is not None:
             yield sse(output_problem(out).body())
             break
+        prompt = prompt_of[out.request_id]
         for o in out.outputs:
-            i = o.index
+            i = prompt * n + o.index
             if done[i]:
                 continue
             finished = out.finished or o.finish_reason is not None
             delta = o.text[len(sent_text[i]):]
             positions = None if o.logprobs is None else o.logprobs[sent_tokens[i]:]
-            if delta or finished or positions:
-                yield chunk(i, delta, o.finish_reason if finished else None, positions)
+            echo = None if echoed[i] else p.echoes[prompt]
+            if delta or finished or positions or echo is not None:
+                reason = o.finish_reason if finished else None
+                if p.chat:
+                    lp: Any = None if positions is None else chat_logprobs(positions)
+                    yield event(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=delta),
+                                                           finish_reason=reason, logprobs=lp))
+                else:
+                    # offsets count from the start of the whole text: the echoed prompt, then the completion
+                    # (completion_text adds the prompt's length itself to the chunk that carries it)
+                    echoed_before = p.echoes[prompt] is not None and echo is None
+                    offset = len(sent_text[i]) + (len(p.echoes[prompt].text) if echoed_before else 0)
+                    text, lp = completion_text(o, echo, out.prompt_logprobs, delta, positions, offset)
+                    yield event(CompletionStreamChoice(index=i, text=text, finish_reason=reason, logprobs=lp))
+                echoed[i] = True
             sent_text[i], sent_tokens[i], done[i] = o.text, len(o.token_ids), finished
         if out.finished:
-            if p.include_usage:
-                yield sse(cls(id=p.request_id, created=p.created, model=model_name, choices=[],
-                              usage=usage_info(out)).model_dump())
-            break
+            finals[out.request_id] = out
+            if len(finals) == len(prompt_of):
+                if p.include_usage:
+                    yield sse(cls(id=p.request_id, created=p.created, model=model_name, choices=[],
+                                  usage=usage_info(*(finals[r] for r in p.engine_ids()))).model_dump())
+                break
     yield sse("[DONE]")
