@@ -183,7 +183,7 @@ def test_echo_and_several_prompts_in_one_completions_body():
                      prompt_logprobs=prompt_lp)
     b = EngineOutput("b", [7], [CompletionOutput(i, "", [], "length", []) for i in range(2)], num_cached_tokens=1)
     echo_a, echo_b = EchoPrompt("a b", ["a", " b"], 1), EchoPrompt("a", ["a"], 1)
-    body = completion_body([a, b], [echo_a, echo_b], "m", "x", created=5).model_dump()
+    body = completion_body([a, b], [echo_a, echo_b], "m", "x", created=5, n=2).model_dump()
     assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "a b c"), (1, "a b c"), (2, "a"), (3, "a")]
     assert body["choices"][0]["logprobs"] == {"text_offset": [0, 1, 3], "token_logprobs": [None, -1.5, -0.5],
                                               "tokens": ["a", " b", " c"],
@@ -193,5 +193,8 @@ def test_echo_and_several_prompts_in_one_completions_body():
                                               "top_logprobs": [None]}
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
                              "prompt_tokens_details": {"cached_tokens": 1}}
+    bos = completion_body([a], [EchoPrompt("b", ["<s>", " b"], 1)], "m", "x", created=5).model_dump()["choices"][0]
+    assert bos["logprobs"]["text_offset"] == [0, 3, 5]  # one running sum of token texts, as vLLM (a BOS included)
+    assert bos["text"] == "b c"
     plain = completion_body([a], [None], "m", "x", created=5).model_dump()["choices"][0]
     assert plain["text"] == " c" and plain["logprobs"]["tokens"] == [" c"] and plain["logprobs"]["text_offset"] == [0]

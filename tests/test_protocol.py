@@ -312,15 +312,16 @@ def test_lenient_mode_drops_unknown_fields_at_any_depth_and_names_them():
     value is still an error; without the context the same body is refused."""
     from tpengine.protocol.base import IGNORE_UNKNOWN
 
-    body = {"messages": [{"role": "user", "content": "hi", "refusal": None}], "parallel_tool_calls": False,
-            "reasoning_effort": "low", "max_tokens": 3}
+    body = {"messages": [{"role": "user", "content": "hi", "refusal": None},
+                         {"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}]}],
+            "parallel_tool_calls": False, "reasoning_effort": "low", "max_tokens": 3}
     found: set = set()
     req = ChatCompletionRequest.model_validate(body, context={IGNORE_UNKNOWN: found})
     assert req.max_tokens == 3 and req.messages[0].to_template() == {"role": "user", "content": "hi"}
     assert found == {("ChatCompletionRequest", "parallel_tool_calls"), ("ChatCompletionRequest", "reasoning_effort"),
-                     ("ChatMessage", "refusal")}
+                     ("ChatMessage", "refusal"), ("TextContentPart", "cache_control")}
     assert sorted(f for f, _ in errors_of(ChatCompletionRequest, body)) == [
-        "messages[0].refusal", "parallel_tool_calls", "reasoning_effort"]
+        "messages[0].refusal", "messages[1].content[0].cache_control", "parallel_tool_calls", "reasoning_effort"]
     with pytest.raises(ValidationError) as e:
         ChatCompletionRequest.model_validate({**body, "top_k": "ten"}, context={IGNORE_UNKNOWN: set()})
     assert field_errors(e.value) == [("top_k", 'must be an integer >= -1 (0 or -1: disabled), got "ten"')]

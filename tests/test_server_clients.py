@@ -15,7 +15,8 @@ import urllib.request
 import pytest
 import torch
 from conftest import SMOLLM2_DIR
-from test_server import Server
+from test_cli import cli
+from test_server import SETTINGS, Server
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.skipif(not (SMOLLM2_DIR / "config.json").is_file(), reason="needs make model")
@@ -196,6 +197,8 @@ def test_tokenize_detokenize_version_and_model_card(server, tok):
     assert status == 400 and err["error"]["message"] == "token id 1000000 is out of range: vocab size is 49152"
     status, err = post(server, "/tokenize", {"prompt": 3})
     assert status == 400 and err["error"]["message"] == "prompt: must be a string, got 3"
+    status, info = get(server, "/tokenizer_info")  # what lm-eval's remote tokenizer reads
+    assert status == 200 and (info["eos_token"], info["chat_template"]) == (tok.eos_token, tok.chat_template)
     from tpengine import __version__
 
     assert get(server, "/version") == (200, {"version": __version__})
@@ -272,3 +275,26 @@ def test_chunks_have_openai_shapes_and_role_only_first(server):
         # the SDK builds stream chunks without validating (OpenAI's own have a null finish_reason and
         # echo's null first logprob), so only the field names are checked here
         _keys_are_sdk_fields(chunk, Completion)
+
+
+def test_the_batch_jobs_openai_lines_echo_as_the_server_does(server, tmp_path):
+    """``echo`` (with ``max_tokens`` 0 too) in OpenAI Batch completions lines: the same choices as
+    the server's, text and logprobs."""
+    bodies = [{"prompt": PROMPTS[0], "echo": True, "max_tokens": 3, "logprobs": 1, "temperature": 0.0},
+              {"prompt": PROMPTS[1], "echo": True, "max_tokens": 0, "logprobs": 0}]
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/completions", "body": b}
+             for i, b in enumerate(bodies)]
+    prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cli(["--prompts", prompts, "--out", out, *SETTINGS], tp=2)
+    recs = {r["custom_id"]: r["response"]["body"] for r in map(json.loads, out.read_text().splitlines())}
+    for i, b in enumerate(bodies):
+        status, want = post(server, "/v1/completions", {"model": MODEL, **b})
+        assert status == 200
+        got = recs[f"e{i}"]
+        assert [c["text"] for c in got["choices"]] == [c["text"] for c in want["choices"]]
+        for g, w in zip(got["choices"], want["choices"]):
+            assert g["logprobs"]["tokens"] == w["logprobs"]["tokens"]
+            assert g["logprobs"]["token_logprobs"] == pytest.approx(w["logprobs"]["token_logprobs"], abs=TOL)
+        assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+    assert recs["e1"]["choices"][0]["text"] == PROMPTS[1] and recs["e1"]["usage"]["completion_tokens"] == 0

@@ -136,7 +136,7 @@ class LLMEngine:
             self._next_id += 1
             if bad:
                 raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-            for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            for name, ids in (("stop_token_ids", asked.stop_token_ids), ("logit_bias", asked.logit_bias or ())):
                 if bad := [t for t in ids if t >= vocab]:
                     self._pending.append(EngineOutput(request_id, list(prompt_token_ids), error=(
                         f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})"), error_field=name))

@@ -87,7 +87,8 @@ class OutputProcessor:
     def add(self, seq: Sequence, stream: bool = False, asked: SamplingParams | None = None) -> None:
         """Start tracking request ``seq`` (sample 0 of its ``params.n``; its id must not be live);
         ``asked``: the request's own params when they differ from ``seq.params`` (a prompt-only
-        request: its output holds ``asked.n`` empty samples, finish reason "length").
+        request: its output holds ``asked.n`` empty samples, finish reason "length", or "abort"
+        when it was aborted).
 
         Raises:
             ValueError: the request id is already live; an empty stop string.
@@ -171,7 +172,8 @@ class OutputProcessor:
         outputs = []
         if state.asked is not None and state.asked.prompt_only:
             lp = None if state.asked.logprobs is None else []
-            outputs = [CompletionOutput(i, "", [], "length" if finished else None, lp, None if lp is None else 0.0)
+            reason = None if not finished else "abort" if first.finish_reason == "abort" else "length"
+            outputs = [CompletionOutput(i, "", [], reason, lp, None if lp is None else 0.0)
                        for i in range(state.asked.n)]
         for sample in state.samples if not outputs else ():
             seq = sample.seq

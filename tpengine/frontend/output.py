@@ -130,7 +130,7 @@ def completion_text(o: CompletionOutput, echo: EchoPrompt | None, prompt_logprob
     if echo is None:
         return text, None if positions is None else completion_logprobs(positions, text_offset)
     lp = None if positions is None else echo_logprobs(echo.tokens or [], prompt_logprobs, echo.logprobs or 0,
-                                                      positions, len(echo.text) + text_offset)
+                                                      positions, echo.offset + text_offset)
     return echo.text + text, lp
 
 
@@ -144,14 +144,14 @@ def completion_choice(out: EngineOutput, o: CompletionOutput, index: int,
 
 
 def completion_body(outs: list[EngineOutput], echos: list[EchoPrompt | None], model: str, suffix: str,
-                    created: int | None = None) -> CompletionResponse:
+                    created: int | None = None, n: int = 1) -> CompletionResponse:
     """The ``text_completion`` body (id ``cmpl-<suffix>``) of the finished outputs of one request's
-    prompts, in order: choice ``index`` = prompt * n + sample (OpenAI's and vLLM's order), each
-    prompt's ``echo`` before its samples; ``usage`` over every prompt."""
+    prompts, in order, each asked for ``n`` samples: choice ``index`` = prompt * n + sample
+    (OpenAI's and vLLM's order), each prompt's ``echo`` before its samples; ``usage`` over every
+    prompt."""
     created = int(time.time()) if created is None else created
     choices = []
     for i, (out, echo) in enumerate(zip(outs, echos, strict=True)):
-        n = len(out.outputs)
         choices += [completion_choice(out, o, i * n + o.index, echo) for o in out.outputs]
     return CompletionResponse(id=f"cmpl-{suffix}", created=created, model=model, choices=choices,
                               usage=usage_info(*outs))

@@ -79,6 +79,12 @@ class EchoPrompt:
     tokens: list[str] | None = None
     logprobs: int | None = None
 
+    @property
+    def offset(self) -> int:
+        """The ``text_offset`` of the first generated token: the prompt tokens' texts summed, as
+        vLLM counts them (the prompt's length when they are not known)."""
+        return len(self.text) if self.tokens is None else sum(map(len, self.tokens))
+
 
 def echo_prompt(kind: str, payload: Any, ids: list[int], params: SamplingParams, tokenizer) -> EchoPrompt:
     """The :class:`EchoPrompt` of a prompt of ``kind`` ("prompt" | "token_ids") tokenized to ``ids``."""

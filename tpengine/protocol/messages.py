@@ -30,15 +30,15 @@ class _Content:
     """A string, or a list of text parts whose errors name the part (``content[1].type``)."""
 
     def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
-        def wrap(v: Any, inner: core_schema.ValidatorFunctionWrapHandler) -> Any:
-            if isinstance(v, list):
-                return _PARTS.validate_python(v)  # its errors keep their place in the list
+        def wrap(v: Any, inner: core_schema.ValidatorFunctionWrapHandler, info: core_schema.ValidationInfo) -> Any:
+            if isinstance(v, list):  # its errors keep their place in the list; lenient mode reaches the parts
+                return _PARTS.validate_python(v, context=info.context)
             try:
                 return inner(v)
             except ValidationError:
                 raise invalid(f"must be {_CONTENT_VALID}, got {as_json(v)}") from None
 
-        return core_schema.no_info_wrap_validator_function(wrap, handler(source))
+        return core_schema.with_info_wrap_validator_function(wrap, handler(source))
 
 
 Content = Annotated[Annotated[str, Strict()] | list[TextContentPart], _Content()]

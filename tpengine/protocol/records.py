@@ -47,9 +47,10 @@ class SimplePositionLogprobs(TokenLogprob):
 
 
 class CompletionLogprobs(RecordModel):
-    """OpenAI's legacy completions ``logprobs``: per generated token its text (``tokens``), logprob
-    (``token_logprobs``), ``{text: logprob}`` of the top tokens and the chosen one
-    (``top_logprobs``), and the character offset of its text in the completion (``text_offset``)."""
+    """OpenAI's legacy completions ``logprobs``: per token (the echoed prompt's, then the generated
+    ones) its text (``tokens``), logprob (``token_logprobs``; null for the first prompt token),
+    ``{text: logprob}`` of the top tokens and the chosen one (``top_logprobs``; null there too),
+    and the character offset of its text in the choice's text (``text_offset``)."""
 
     text_offset: list[int]
     token_logprobs: list[float | None]

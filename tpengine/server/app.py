@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP app on rank 0 (FastAPI): ``/v1/completions`` (one or more prompts,
 ``echo``), ``/v1/chat/completions`` (``stream`` true and false), ``/v1/models`` and
-``/v1/models/{id}``, vLLM's ``/tokenize``, ``/detokenize`` and ``/version``, ``/health``,
+``/v1/models/{id}``, vLLM's ``/tokenize``, ``/detokenize``, ``/tokenizer_info`` and ``/version``, ``/health``,
 ``/metrics``. Unknown body fields are ignored and logged once each, as vLLM does.
 
 Every request is answered on its own: a bad body is a 400 naming the field, an engine that is no
@@ -34,6 +34,7 @@ from tpengine.server.serving import (
     response_body,
     stream_events,
     tokenize_body,
+    tokenizer_info_body,
 )
 
 
@@ -137,8 +138,9 @@ def build_app(state: ServerState) -> FastAPI:
         except HTTPProblem as e:
             yield f"data: {json.dumps(e.body())}\n\ndata: [DONE]\n\n"
             finished = True
-        finally:
-            if not finished:  # the client went away (the response task was cancelled)
+        finally:  # the client went away (the response task was cancelled), or one prompt failed while
+            # its siblings run on: free every prompt's blocks (aborting a finished request is a no-op)
+            if not finished or len(p.prompt_ids) > 1:
                 for rid in p.engine_ids():
                     state.loop.abort(rid)
 
@@ -192,6 +194,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return tokenizer_info_body(state.tokenizer, state.max_model_len)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -111,8 +111,8 @@ def log_ignored(found: set[tuple[str, str]], logged: set[tuple[str, str]]) -> No
     """Say on stderr, once per (model, field) in ``logged``, that an unknown field was ignored."""
     for where, name in sorted(found - logged):
         logged.add((where, name))
-        print(f"[tpengine rank 0] ignoring the unknown field {name!r} of {where} (tpengine does not use it; "
-              "vLLM ignores it too); said once per field", file=sys.stderr, flush=True)
+        print(f"[tpengine rank 0] ignoring the unknown field {name!r} of {where} (tpengine does not use it); "
+              "said once per field", file=sys.stderr, flush=True)
 
 
 def check_model(asked: str | None, model_name: str) -> None:
@@ -172,13 +172,13 @@ def prepare_request(obj: Any, kind: str, tokenizer, vocab_size: int, max_model_l
                             template_options(body, payload_kind), echo)
         try:
             ids = to_token_ids(req, tokenizer, vocab_size)
+            echoes.append(echo_prompt(payload_kind, payload, ids, params, tokenizer) if echo else None)
         except RequestValidationError as e:
             raise HTTPProblem(400, str(e), (e.field or field).removeprefix("body.")) from None
         except Exception as e:  # noqa: BLE001 -- the template's raise_exception, a lone surrogate: this request's
             raise HTTPProblem(400, failure_message(req, e), field) from None
         check_length(len(ids), getattr(body, tokens_field), max_model_len, field, tokens_field)
         prompt_ids.append(ids)
-        echoes.append(echo_prompt(payload_kind, payload, ids, params, tokenizer) if echo else None)
     options = body.stream_options or {}
     return Prepared(rid, chat, prompt_ids, params, bool(body.stream), bool(options.get("include_usage")),
                     int(time.time()), echoes)
@@ -207,9 +207,25 @@ def tokenize_body(obj: Any, tokenizer, vocab_size: int, max_model_len: int, mode
             raise HTTPProblem(400, failure_message(req, e), "messages") from None
     else:
         add = body.add_special_tokens is not False
-        ids = list(tokenizer(body.prompt, add_special_tokens=add)["input_ids"]) if body.prompt else []
+        try:
+            ids = list(tokenizer(body.prompt, add_special_tokens=add)["input_ids"]) if body.prompt else []
+        except Exception as e:  # noqa: BLE001 -- e.g. a lone surrogate: this request's
+            req = ParsedRequest("tokenize", 0, "prompt", "openai_completion", body.prompt, SamplingParams())
+            raise HTTPProblem(400, failure_message(req, e), "prompt") from None
     strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs).model_dump()
+
+
+def tokenizer_info_body(tokenizer, max_model_len: int) -> dict[str, Any]:
+    """vLLM's ``/tokenizer_info`` (what lm-eval's remote tokenizer reads): the tokenizer's class, its
+    special tokens, its chat template and ``model_max_length`` (the server's ``max_model_len``)."""
+    def text(tok: Any) -> str | None:
+        return None if tok is None else str(tok)
+
+    return {"tokenizer_class": type(tokenizer).__name__, "eos_token": text(tokenizer.eos_token),
+            "bos_token": text(tokenizer.bos_token), "pad_token": text(tokenizer.pad_token),
+            "unk_token": text(tokenizer.unk_token), "chat_template": getattr(tokenizer, "chat_template", None),
+            "model_max_length": max_model_len, "vocab_size": len(tokenizer)}
 
 
 def detokenize_body(obj: Any, tokenizer, vocab_size: int, model_name: str) -> dict[str, Any]:
@@ -223,7 +239,11 @@ def detokenize_body(obj: Any, tokenizer, vocab_size: int, model_name: str) -> di
     check_model(body.model, model_name)
     if (bad := next((t for t in body.tokens if t >= vocab_size), None)) is not None:
         raise HTTPProblem(400, f"token id {bad} is out of range: vocab size is {vocab_size}", "tokens")
-    return DetokenizeResponse(prompt=tokenizer.decode(body.tokens)).model_dump()
+    try:
+        text = tokenizer.decode(body.tokens)
+    except Exception as e:  # noqa: BLE001 -- an id the tokenizer has no text for: this request's
+        raise HTTPProblem(400, f"detokenizing failed: {type(e).__name__}: {e}", "tokens") from None
+    return DetokenizeResponse(prompt=text).model_dump()
 
 
 def output_problem(out: EngineOutput) -> HTTPProblem:
@@ -236,7 +256,7 @@ def response_body(p: Prepared, outs: list[EngineOutput], model_name: str) -> dic
     suffix = p.request_id.split("-", 1)[1]
     if p.chat:
         return openai_body(outs[0], True, model_name, suffix, p.created).model_dump()
-    return completion_body(outs, p.echoes, model_name, suffix, p.created).model_dump()
+    return completion_body(outs, p.echoes, model_name, suffix, p.created, p.params.n).model_dump()
 
 
 def sse(obj: dict[str, Any] | str) -> str:
@@ -286,9 +306,9 @@ async def stream_events(p: Prepared, outputs: AsyncIterator[EngineOutput], model
                                                            finish_reason=reason, logprobs=lp))
                 else:
                     # offsets count from the start of the whole text: the echoed prompt, then the completion
-                    # (completion_text adds the prompt's length itself to the chunk that carries it)
+                    # (completion_text adds the prompt's offset itself to the chunk that carries it)
                     echoed_before = p.echoes[prompt] is not None and echo is None
-                    offset = len(sent_text[i]) + (len(p.echoes[prompt].text) if echoed_before else 0)
+                    offset = len(sent_text[i]) + (p.echoes[prompt].offset if echoed_before else 0)
                     text, lp = completion_text(o, echo, out.prompt_logprobs, delta, positions, offset)
                     yield event(CompletionStreamChoice(index=i, text=text, finish_reason=reason, logprobs=lp))
                 echoed[i] = True

@@ -22,7 +22,7 @@ import torch
 
 from tpengine.backends.cpu import cpu_library
 from tpengine.backends.cpu.cpu_library import cache_root, cpu_id
-from tpengine.backends.cpu.measured import read_cache, time_us, write_cache
+from tpengine.backends.cpu.measured import BUSY, Contention, read_cache, time_us, write_cache
 
 #: The most rows one call takes.
 MAX_ROWS = 8
@@ -32,7 +32,7 @@ ROW_BUCKETS = (1, 4, 8)
 #: :data:`PREFILL_WEIGHTS` weights of a shape (a prefill GEMM is bound by arithmetic, not by memory).
 PREFILL_BUCKETS = (64, 512)
 PREFILL_WEIGHTS = 4
-CACHE_VERSION = 2
+CACHE_VERSION = 3  # 3: caches from before the contention check are measured again
 _FLOAT = (torch.bfloat16, torch.float32)
 
 
@@ -283,7 +283,8 @@ def choose(groups: dict[str, list], rank: int = 0) -> dict[str, dict]:
     the same kernels and gives the same bits), and set each module's ``gemv_rows``
     (:func:`gemv_rows`) and ``dequant_rows`` (:func:`dequant_rows`). Returns ``{key: {"torch":
     [us...], "tpengine": [us...], ..., "gemv_rows": n, "dequant_rows": n, "how": "measured" |
-    "cached"}}``."""
+    "cached" | BUSY}}`` (:data:`~tpengine.backends.cpu.measured.BUSY`: timed while other processes held
+    the cores, so used for this load only, not cached)."""
     if not groups:
         return {}
     path = cache_path(next(iter(groups.values()))[0].dtype)
@@ -293,8 +294,11 @@ def choose(groups: dict[str, list], rank: int = 0) -> dict[str, dict]:
         ckey = f"{key} rank {rank}"
         times, how = cache.get(ckey), "cached"
         if not _valid(times):  # absent, or a file someone edited: measure again
-            times, how = _measure(mods), "measured"
-            new[ckey] = times
+            with Contention() as load:
+                times = _measure(mods)
+            how = BUSY if load.busy else "measured"
+            if not load.busy:  # timings taken while other processes held the cores are this run's only
+                new[ckey] = times
         rows, deq = gemv_rows(times["torch"], times["tpengine"]), dequant_rows(times)
         for m in mods:
             m.gemv_rows, m.dequant_rows = rows, deq

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_library
 from tpengine.backends.cpu.cpu_library import cache_root, cpu_id
-from tpengine.backends.cpu.measured import consistent, read_cache, time_us, write_cache
+from tpengine.backends.cpu.measured import BUSY, Contention, consistent, read_cache, time_us, write_cache
 from tpengine.config import CPU_LINEAR_CHOICES
 
 LAYOUTS = ("plain", "packed")
@@ -43,7 +43,7 @@ ROW_BUCKETS = (1, 8, 64)
 #: The most weight bytes (per shape and layout) one measurement allocates; larger single weights
 #: are not measured (they keep ``packed``, the layout that saves the per-call reorder).
 MEASURE_BYTES = 256 << 20
-CACHE_VERSION = 4
+CACHE_VERSION = 5  # 5: caches from before the contention check are measured again
 
 
 #: The plain layout's paths: ``F.linear``, and tpengine's kernels on the same plain weight.
@@ -174,20 +174,23 @@ def cache_path(dtype: torch.dtype) -> Path:
 def _timed(cache: dict, key: str, needs: tuple[str, ...], measure_fn) -> tuple[dict | None, str, bool]:
     """``(times, how, cached_now)``: ``cache[key]`` when it holds every path in ``needs`` at every
     bucket ("cached"), else ``measure_fn()`` run twice and the faster of each taken ("measured";
-    stored in ``cache`` when the two agree, "measured, noisy (not cached)" when they do not:
-    another process shared the cores). ``times`` None: not measurable."""
+    stored in ``cache`` when the two agree and the machine was not busy meanwhile; else "measured,
+    noisy (not cached)" or :data:`~tpengine.backends.cpu.measured.BUSY`: another process shared the
+    cores). ``times`` None: not measurable."""
     times = cache.get(key)
     if isinstance(times, dict) and all(len(times.get(k) or ()) == len(ROW_BUCKETS) for k in needs):
         return times, "cached", False
-    times = measure_fn()
-    again = None if times is None else measure_fn()
+    with Contention() as load:
+        times = measure_fn()
+        again = None if times is None else measure_fn()
     if times is None or again is None:
         return times, "measured", False
-    ok = consistent(times, again)
+    ok = consistent(times, again) and not load.busy
     if ok:
         cache[key] = times
     both = {k: [None if a is None else min(a, b) for a, b in zip(v, again[k])] for k, v in times.items()}
-    return both, "measured" if ok else "measured, noisy (not cached)", ok
+    how = "measured" if ok else BUSY if load.busy else "measured, noisy (not cached)"
+    return both, how, ok
 
 
 def choose_head(weight: torch.Tensor, setting: str = "auto", cpu_kernels: bool = True) -> LayoutChoice:

@@ -8,7 +8,8 @@ used by the linear layouts (:mod:`tpengine.backends.cpu.linear_layout`) and the 
 workload, takes the one with the smallest summed relative time (:func:`pick`, the linear layouts'
 rule), measures twice, and caches the timings under a key in ``choices-<hash>.json``, a file
 named by the CPU model and flags, the C kernels' build, the torch version and the thread count.
-Timings that disagree by over 1.5x (another process on the cores) are used for that run only.
+Timings that disagree by over 1.5x, or that were taken while other processes kept the cores busy
+(:class:`Contention`), are used for that run only and never cached.
 Its users: the greedy pick's block (:func:`tpengine.model.layers.embedding.choose_row_max_block`) and
 the HF baseline's attention in the benchmarks.
 """
@@ -30,13 +31,13 @@ import torch
 from tpengine.backends.cpu import cpu_library
 from tpengine.backends.cpu.cpu_library import cache_root, cpu_id
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: caches from before the contention check are measured again
 
 
 @dataclass(frozen=True)
 class Choice:
-    """``name``: the candidate chosen; ``how``: "measured", "cached" or "measured, noisy (not
-    cached)"; ``times_us``: each candidate's microseconds per call at each workload."""
+    """``name``: the candidate chosen; ``how``: "measured", "cached", "measured, noisy (not
+    cached)" or :data:`BUSY`; ``times_us``: each candidate's microseconds per call at each workload."""
 
     name: str
     how: str
@@ -62,12 +63,75 @@ def time_us(fns: list[Callable[[], object]], passes: int = 4) -> float:
     return statistics.median(times) * 1e6
 
 
+def _cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity; every CPU where that cannot be read)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def _cpu_busy_s(cpus: list[int] | None = None) -> float | None:
+    """Seconds of CPU time the CPUs ``cpus`` (default :func:`_cpus`) have spent busy since boot
+    (``/proc/stat``'s ``cpuN`` lines: user, nice, system, irq, softirq and steal, the hypervisor's
+    share), None where there is no ``/proc/stat``."""
+    want = set(_cpus() if cpus is None else cpus)
+    try:
+        with open("/proc/stat") as f:
+            lines = [ln.split() for ln in f if ln.startswith("cpu") and ln[3:4].isdigit()]
+    except OSError:
+        return None
+    ticks = 0
+    for fields in lines:
+        if int(fields[0][3:]) in want and len(fields) >= 9:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+            ticks += user + nice + system + irq + softirq + steal
+    return ticks / os.sysconf("SC_CLK_TCK") if lines else None
+
+
+class Contention:
+    """Whether other processes kept this process's CPUs busy while a measurement ran: a context
+    manager that, on exit, sets ``busy`` when the CPU time the rest of the machine spent on the
+    CPUs this process may use (their busy time from ``/proc/stat`` minus this process's own,
+    ``time.process_time``) exceeds what the ones its ``threads`` leave free could give, plus
+    ``slack`` cores, plus the uncertainty of ``/proc/stat``'s clock ticks (two ticks per CPU over
+    the window). ``others_cores``: that time over the window, in cores. Such timings are not this
+    machine's: a choice measured then is used for that run only. Windows shorter than ``min_s``
+    seconds, and machines without ``/proc/stat``, are never judged busy (the two-pass
+    :func:`consistent` check stays)."""
+
+    def __init__(self, threads: int | None = None, slack: float = 0.5, min_s: float = 0.1) -> None:
+        self.threads = torch.get_num_threads() if threads is None else threads
+        self.slack, self.min_s = slack, min_s
+        self.busy = False
+        self.others_cores = 0.0
+
+    def __enter__(self) -> Contention:
+        self._cpus = _cpus()
+        self._start = (time.perf_counter(), time.process_time(), _cpu_busy_s(self._cpus))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall0, own0, busy0 = self._start
+        busy = _cpu_busy_s(self._cpus)
+        wall, own = time.perf_counter() - wall0, time.process_time() - own0
+        if busy0 is None or busy is None or wall < self.min_s:
+            return
+        n = len(self._cpus)
+        self.others_cores = max(0.0, (busy - busy0) - own) / wall
+        ticks = 2 * n / os.sysconf("SC_CLK_TCK") / wall
+        self.busy = self.others_cores > max(0, n - self.threads) + self.slack + ticks
+
+
 def consistent(a: dict[str, list], b: dict[str, list], ratio: float = 1.5) -> bool:
     """Whether two measurements (name -> times per workload, None for one not timed) agree within
     ``ratio`` at every workload (a time-slice lost to another process makes one call several
     times slower)."""
     return all(x is None or y is None or max(x, y) <= ratio * min(x, y)
                for k in a for x, y in zip(a[k], b.get(k, a[k])))
+
+
+#: How a choice timed while the machine was busy (:class:`Contention`) is described.
+BUSY = "measured, machine busy (not cached)"
 
 
 def read_cache(path: Path) -> dict:
@@ -121,8 +185,9 @@ def timings(key: str, candidates: dict[str, list[Callable[[], object]]],
     """``(times_us, how)`` of ``candidates`` (name -> one callable per workload, the same count for
     each) under the cache entry ``key`` (say what was timed: the shapes and the dtype): cached
     timings for exactly these names and workloads ("cached"), else two measurements, cached when
-    they agree within 1.5x ("measured"; else "measured, noisy (not cached)", the first one kept),
-    each the median of ``passes`` timed calls per workload.
+    they agree within 1.5x and the machine was not busy meanwhile ("measured"; else "measured,
+    noisy (not cached)" or :data:`BUSY`, the first one kept), each the median of ``passes`` timed
+    calls per workload.
     Raises ValueError for no candidates or unequal workload counts."""
     if not candidates or len({len(v) for v in candidates.values()}) != 1 or not next(iter(candidates.values())):
         raise ValueError(f"measured choice {key!r}: need candidates with the same number (>= 1) of workloads, "
@@ -133,7 +198,10 @@ def timings(key: str, candidates: dict[str, list[Callable[[], object]]],
             and all(isinstance(v, list) and len(v) == len(candidates[k])
                     and all(isinstance(t, (int, float)) and t >= 0 for t in v) for k, v in times.items())):
         return {k: times[k] for k in candidates}, "cached"
-    first, second = measure(candidates, passes), measure(candidates, passes)
+    with Contention() as load:
+        first, second = measure(candidates, passes), measure(candidates, passes)
+    if load.busy:
+        return first, BUSY
     if not consistent(first, second):
         return first, "measured, noisy (not cached)"
     times = {k: [min(a, b) for a, b in zip(first[k], second[k])] for k in candidates}

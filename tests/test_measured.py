@@ -1,0 +1,76 @@
+"""Measured choices are never cached from a busy machine (:class:`tpengine.backends.cpu.measured.
+Contention`): other processes that keep the cores busy during a measurement are seen in
+``/proc/stat``, and a choice timed then is that run's only, in every cache that holds timings."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tpengine.backends.cpu import measured
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs Linux's /proc/stat")
+
+
+def test_spinning_processes_on_every_core_make_the_window_busy():
+    cores = len(os.sched_getaffinity(0))
+    spin = "import time\nt = time.monotonic() + 1.5\nwhile time.monotonic() < t: pass\n"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(cores)]
+    try:
+        time.sleep(0.3)  # every spinner running
+        with measured.Contention(threads=1) as load:
+            time.sleep(0.5)
+    finally:
+        for p in procs:
+            p.wait(10)
+    # `cores` spinners use about `cores` cores; this process (1 thread) leaves cores - 1 free
+    assert load.busy and load.others_cores > cores - 1 + 0.5, load.others_cores
+
+
+def test_only_this_process_busy_is_not_contention(monkeypatch):
+    """The machine's busy time equal to this process's own CPU time: nobody else ran."""
+    monkeypatch.setattr(measured, "_cpu_busy_s", lambda cpus=None: time.process_time())
+    with measured.Contention() as load:
+        t = time.perf_counter() + 0.15
+        while time.perf_counter() < t:
+            pass
+    assert not load.busy and load.others_cores < 0.01
+    with measured.Contention() as short:  # under min_s: not judged
+        pass
+    assert not short.busy
+
+
+def test_timings_from_a_busy_machine_are_used_but_not_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    busy = iter(range(0, 10 ** 6, 1000))  # 1000 CPU-seconds of other processes between two reads
+    monkeypatch.setattr(measured, "_cpu_busy_s", lambda cpus=None: float(next(busy)))
+
+    def slow():
+        time.sleep(0.06)
+
+    def fast():
+        time.sleep(0.01)
+
+    times, how = measured.timings("k", {"a": [slow], "b": [fast]}, passes=1)
+    assert how == measured.BUSY == "measured, machine busy (not cached)"
+    assert times["a"][0] > times["b"][0] and measured.read_cache(measured.cache_path()) == {}
+    monkeypatch.setattr(measured, "_cpu_busy_s", lambda cpus=None: time.process_time())  # quiet: cached
+    times, how = measured.timings("k", {"a": [slow], "b": [fast]}, passes=1)
+    assert how == "measured" and measured.read_cache(measured.cache_path())["k"] == times
+
+
+def test_linear_layouts_skip_the_cache_when_busy(monkeypatch, tmp_path):
+    from tpengine.backends.cpu import linear_layout
+
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    busy = iter(range(0, 10 ** 6, 1000))
+    monkeypatch.setattr(measured, "_cpu_busy_s", lambda cpus=None: float(next(busy)))
+    monkeypatch.setattr(linear_layout, "Contention", lambda: measured.Contention(min_s=0.0))
+    got = linear_layout.choose_layouts({(48, 32): 2}, torch.float32)
+    assert got[(48, 32)].how == measured.BUSY
+    assert measured.read_cache(linear_layout.cache_path(torch.float32)) == {}
