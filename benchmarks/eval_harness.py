@@ -37,7 +37,7 @@ LM_EVAL = "lm-eval[api]==0.4.13"
 #: (task, lm-eval model for the server, the server endpoint, batch size, chat template)
 RUNS = [("tpengine_capitals", "local-completions", "/v1/completions", 4, False),
         ("tpengine_arithmetic", "local-chat-completions", "/v1/chat/completions", 1, True)]
-METRICS = {"tpengine_capitals": ("acc,none", "acc_norm,none"), "tpengine_arithmetic": ("exact_match,first-number",)}
+METRICS = {"tpengine_capitals": ("acc,none", "acc_norm,none"), "tpengine_arithmetic": ("exact_match,last-number",)}
 
 #: Run inside lm-eval's venv: argv[1] = JSON of simple_evaluate's arguments; prints the results.
 RUNNER = """
