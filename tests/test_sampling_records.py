@@ -96,7 +96,7 @@ def test_chat_body_logprobs_and_prompt_logprobs():
 
 
 def events(chat, outs, n=1, include_usage=True):
-    p = Prepared("cmpl-x", chat, [1, 3], SamplingParams(n=n, logprobs=1), True, include_usage, 7)
+    p = Prepared("r", chat, [[1, 3]], SamplingParams(n=n, logprobs=1), True, include_usage, 7, [None])
 
     async def gen():
         for o in outs:
@@ -135,9 +135,9 @@ def test_chat_stream_role_chunk_per_sample_and_logprobs():
     assert [c["choices"][0]["index"] for c in chunks] == [0, 1, 0, 1]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunks[2]["choices"][0] == {
-        "index": 0, "delta": {"role": None, "content": "Hi"}, "finish_reason": "stop",
+        "index": 0, "delta": {"content": "Hi"}, "finish_reason": "stop",
         "logprobs": {"content": [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": [
             {"token": "Hi", "logprob": -0.5, "bytes": [72, 105]},
             {"token": "Yo", "logprob": -1.5, "bytes": [89, 111]}]}]}}
-    assert chunks[3]["choices"][0] == {"index": 1, "delta": {"role": None, "content": ""}, "finish_reason": "length",
+    assert chunks[3]["choices"][0] == {"index": 1, "delta": {"content": ""}, "finish_reason": "length",
                                        "logprobs": {"content": []}}
