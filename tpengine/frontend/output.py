@@ -134,15 +134,6 @@ def completion_text(o: CompletionOutput, echo: EchoPrompt | None, prompt_logprob
     return echo.text + text, lp
 
 
-def completion_choice(out: EngineOutput, o: CompletionOutput, index: int,
-                      echo: EchoPrompt | None) -> CompletionResponseChoice:
-    """Choice ``index`` of a ``text_completion`` body: sample ``o`` of ``out`` (:func:`completion_text`)
-    and vLLM's ``prompt_logprobs`` when the engine computed them."""
-    text, lp = completion_text(o, echo, out.prompt_logprobs)
-    return CompletionResponseChoice(index=index, text=text, finish_reason=o.finish_reason,
-                                    prompt_logprobs=openai_prompt_logprobs(out.prompt_logprobs), logprobs=lp)
-
-
 def completion_body(outs: list[EngineOutput], echos: list[EchoPrompt | None], model: str, suffix: str,
                     created: int | None = None, n: int = 1) -> CompletionResponse:
     """The ``text_completion`` body (id ``cmpl-<suffix>``) of the finished outputs of one request's
@@ -152,7 +143,11 @@ def completion_body(outs: list[EngineOutput], echos: list[EchoPrompt | None], mo
     created = int(time.time()) if created is None else created
     choices = []
     for i, (out, echo) in enumerate(zip(outs, echos, strict=True)):
-        choices += [completion_choice(out, o, i * n + o.index, echo) for o in out.outputs]
+        prompt_logprobs = openai_prompt_logprobs(out.prompt_logprobs)  # vLLM's, on every choice of the prompt
+        for o in out.outputs:
+            text, lp = completion_text(o, echo, out.prompt_logprobs)
+            choices.append(CompletionResponseChoice(index=i * n + o.index, text=text, finish_reason=o.finish_reason,
+                                                    prompt_logprobs=prompt_logprobs, logprobs=lp))
     return CompletionResponse(id=f"cmpl-{suffix}", created=created, model=model, choices=choices,
                               usage=usage_info(*outs))
 
