@@ -18,6 +18,7 @@ from typing import Any
 
 from tpengine.errors import UserError
 from tpengine.sampling_params import SAMPLING_KEYS
+from tpengine.structured.params import STRUCTURED_BACKENDS
 
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 #: Tokens per step with chunked prefill (the most a prefill or mixed step computes), chosen by the
@@ -86,6 +87,9 @@ class EngineConfig:
     # "int8" (per output channel), "int4" (group 32, scale and zero; the embedding / LM head int8) or None;
     # see tpengine/model/quant/weights.py
     quantization: str | None = None
+    # the grammar library of structured outputs (vLLM's structured_outputs_config.backend): "auto"
+    # (xgrammar, falling back to guidance for what it cannot compile), "xgrammar" or "guidance"
+    structured_outputs_backend: str = "auto"
 
     def __post_init__(self) -> None:
         def bad(name: str, valid: str) -> ValueError:
@@ -129,6 +133,8 @@ class EngineConfig:
             raise bad("quantization", f"one of {', '.join(QUANTIZATIONS)} or unset")
         if self.cpu_linear not in CPU_LINEAR_CHOICES:
             raise bad("cpu_linear", f"one of {', '.join(CPU_LINEAR_CHOICES)}")
+        if self.structured_outputs_backend not in STRUCTURED_BACKENDS:
+            raise bad("structured_outputs_backend", f"one of {', '.join(STRUCTURED_BACKENDS)}")
         if self.generation_config == "":
             raise bad("generation_config", "auto, ignore or a folder holding a generation_config.json")
 
@@ -162,7 +168,7 @@ def torch_dtype(name: str) -> Any:
 #: Accepted Python types per EngineConfig field (None: may be unset); ints are accepted where floats are.
 FIELD_TYPES: dict[str, tuple] = {
     "model": (str,), "dtype": (str,), "attention_backend": (str,), "generation_config": (str,), "cpu_linear": (str,),
-    "quantization": (str, None),
+    "quantization": (str, None), "structured_outputs_backend": (str,),
     "max_model_len": (int, None), "block_size": (int,), "max_num_seqs": (int,), "max_num_batched_tokens": (int, None),
     "num_kv_blocks": (int, None), "threads": (int, None), "seed": (int,),
     "kv_cache_gb": (float, int), "gpu_memory_utilization": (float, int), "dist_timeout_s": (float, int),

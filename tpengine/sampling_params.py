@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tpengine.structured.params import StructuredOutputsParams
+
 #: The sampling fields a request line (and the config file's ``[sampling]`` table) may set, in the
 #: order error messages list them; each is a :class:`SamplingParams` field of the same name.
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
@@ -60,6 +62,9 @@ class SamplingParams:
       first (such a request does not read the prefix cache: every position is computed).
     * ``logit_bias``: token id -> bias in [-100, 100] added to its logit; ``skip_special_tokens``:
       leave special tokens out of the text.
+    * ``structured_outputs``: a :class:`~tpengine.structured.StructuredOutputsParams` (a JSON schema,
+      regex, choice or grammar) the output must match: before anything else, every token the grammar
+      does not allow next gets -inf, and the sample ends ("stop") once the grammar is complete.
 
     Raises:
         ValueError: a value out of range or of the wrong type; the message names the field, the
@@ -85,6 +90,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -140,6 +146,9 @@ class SamplingParams:
                     raise ValueError(f"logit_bias[{k}] must be in [-100, 100], got {v}")
                 bias[k] = float(v)
             object.__setattr__(self, "logit_bias", bias or None)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @property
     def prompt_only(self) -> bool:
@@ -154,11 +163,11 @@ class SamplingParams:
     @property
     def needs_logits(self) -> bool:
         """Whether rank 0 needs this request's full logits row (anything beyond a plain argmax:
-        sampling, penalties, a bias, min_tokens or logprobs); False lets a step of such requests take
+        sampling, penalties, a bias, min_tokens, logprobs or a structured output); False lets a step of such requests take
         the argmax on each rank's vocabulary shard."""
         return (not self.greedy or self.logprobs is not None or self.logit_bias is not None
                 or self.min_tokens > 0 or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+                or self.frequency_penalty != 0.0 or self.structured_outputs is not None)
 
     def ids_to_check(self) -> tuple[int, ...]:
         """Token ids the request names (``stop_token_ids``, ``logit_bias`` keys), for the engine to

@@ -2,7 +2,7 @@
 
 usage: torchrun --nproc_per_node N tests/workers/engine_generate.py OUT.json JOBS.json
 JOBS.json: [{"key": str, "config": {EngineConfig fields}, "requests": [[id, prompt_ids, params]]}]
-params are SamplingParams keyword arguments. Output: {key: {"outputs": [...], "stats": {...},
+params are SamplingParams keyword arguments (``structured_outputs`` StructuredOutputsParams ones). Output: {key: {"outputs": [...], "stats": {...},
 "weight_bytes": [per rank]}}.
 A job may instead carry "waves": a list of request lists, each generate()d in turn.
 """
@@ -15,6 +15,7 @@ from tpengine.config import EngineConfig
 from tpengine.distributed import gather_control, get_tp, shutdown
 from tpengine.engine.llm_engine import LLMEngine
 from tpengine.sampling_params import SamplingParams
+from tpengine.structured import StructuredOutputsParams
 
 
 def as_record(o) -> dict:
@@ -26,6 +27,8 @@ def params(p: dict) -> SamplingParams:
     """SamplingParams from JSON kwargs (``logit_bias`` keys come as strings)."""
     if p.get("logit_bias") is not None:
         p = {**p, "logit_bias": {int(k): v for k, v in p["logit_bias"].items()}}
+    if p.get("structured_outputs") is not None:
+        p = {**p, "structured_outputs": StructuredOutputsParams(**p["structured_outputs"])}
     return SamplingParams(**p)
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -105,6 +107,8 @@ class LLMEngine:
         self._next_id = 0
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.is_stop_token)
         self._pending: list[EngineOutput] = []
+        self._structured = None  # the StructuredOutputManager, made by the first constrained request
+        self._compiling: list[tuple[Sequence, Future]] = []  # constrained requests waiting for their grammar
         self._steps = self._prefill_steps = self._computed_tokens = self._output_tokens = 0
         print(self.runner.ready_line(time.perf_counter() - started), file=sys.stderr, flush=True)
 
@@ -142,6 +146,9 @@ class LLMEngine:
                         f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})"), error_field=name))
                     return
             self.outputs.add(seq, stream, asked)
+            if params.structured_outputs is not None:  # scheduled once its grammar is compiled (_admit)
+                self._compiling.append((seq, self.structured.compile(params.structured_outputs)))
+                return
             try:
                 self.scheduler.add(seq)
             except BaseException:
@@ -153,13 +160,55 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 -- one request's failure is its own error output
             self._pending.append(failed_output(request_id, list(prompt_token_ids), "scheduling", e))
 
+    @property
+    def structured(self):
+        """Rank 0's :class:`tpengine.structured.StructuredOutputManager` (made on first use: the
+        grammar libraries read the tokenizer's vocabulary then)."""
+        if self._structured is None:
+            from tpengine.structured import StructuredOutputManager
+
+            self._structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                                       self.config.structured_outputs_backend)
+        return self._structured
+
+    def _admit(self) -> None:
+        """Schedule the constrained requests whose grammar is compiled; one whose grammar failed
+        becomes its error output (``error_field`` "structured_outputs"), an aborted one is dropped.
+        When nothing else can run, wait (at most 50 ms) for a compile to finish, so a loop calling
+        :meth:`step` does not spin."""
+        if not self._compiling:
+            return
+        if not self.scheduler.has_unfinished and not self._pending:
+            wait_futures([f for _, f in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
+        still = []
+        for seq, fut in self._compiling:
+            if seq.is_finished:  # aborted while compiling; its output was given then
+                continue
+            if not fut.done():
+                still.append((seq, fut))
+                continue
+            prompt = seq.token_ids[: seq.num_prompt_tokens]
+            try:
+                seq.grammar = fut.result()
+                seq.matcher = seq.grammar.matcher()
+                self.scheduler.add(seq)
+            except ValueError as e:  # GrammarError, or a prompt the scheduler refuses
+                self.outputs.drop(seq.request_id)
+                field = "prompt" if seq.grammar is not None else "structured_outputs"
+                self._pending.append(EngineOutput(seq.request_id, prompt, error=str(e), error_field=field))
+            except Exception as e:  # noqa: BLE001 -- one request's failure is its own error output
+                self.outputs.drop(seq.request_id)
+                self._pending.append(failed_output(seq.request_id, prompt, "compiling the grammar", e))
+        self._compiling = still
+
     def has_unfinished(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_unfinished
+        return bool(self._pending) or self.scheduler.has_unfinished or bool(self._compiling)
 
     def step(self) -> list[EngineOutput]:
         """Rank 0: schedule, broadcast, execute, sample, postprocess one step. Returns the
         requests finished in it (error outputs of rejected requests and aborted requests included),
         then the outputs so far of streaming requests that got a token (``finished`` False)."""
+        self._admit()
         done, self._pending = self._pending, []
         if not self.scheduler.has_unfinished:
             return done
@@ -168,8 +217,11 @@ class LLMEngine:
                           block_copies=self.scheduler.take_block_copies())
         plan.greedy = not plan.prompt_idx.numel() and not any(s.params.needs_logits for s in seqs)  # on-shard argmax
         plan = broadcast_plan(plan)
-        out = self.runner.execute(plan)
         sampled = [s.samples for s in seqs]  # False: a prefill chunk, nothing to sample
+        # the grammar bitmask of the constrained rows, filled on a worker thread while the forward runs
+        matchers = [s.matcher if ok else None for s, ok in zip(seqs, sampled)]
+        masks = self._structured.fill_async(matchers) if any(m is not None for m in matchers) else None
+        out = self.runner.execute(plan)
         self._steps += 1
         self._prefill_steps += is_prefill
         self._computed_tokens += int(plan.input_ids.numel())
@@ -184,11 +236,16 @@ class LLMEngine:
             b = len(seqs)
             self._prompt_logprobs(seqs, out[b:], failed)
             logits = out[:b] if len(batch) == b else out[:b].index_select(0, torch.tensor(rows, device=out.device))
+            if masks is not None:
+                logits = self._mask(logits, masks.result(), batch, rows, sampled, failed)
             tokens = self._sample(logits, batch, sampled, failed)
         stopped = []
         for i, (seq, tok, ok) in enumerate(zip(batch, tokens, sampled)):
+            if ok and i not in failed and seq.matcher is not None and not seq.matcher.accept(tok):
+                failed[i] = ("structured output", RuntimeError(f"the grammar does not allow the sampled token {tok}"))
             try:
-                stopped.append(i not in failed and ok and self.outputs.detokenize(seq, tok))
+                ended = seq.matcher is not None and seq.matcher.is_terminated  # the grammar is complete
+                stopped.append(i not in failed and ok and (self.outputs.detokenize(seq, tok) or ended))
             except Exception as e:  # noqa: BLE001 -- this request's own failure
                 failed[i] = ("detokenizing", e)
                 stopped.append(False)
@@ -221,6 +278,25 @@ class LLMEngine:
                 rows += [i] * len(children)
         return batch, rows
 
+    def _mask(self, logits: torch.Tensor, masks: torch.Tensor, batch: list[Sequence], rows: list[int],
+              sampled: list[bool], failed: dict[int, tuple[str, Exception]]) -> torch.Tensor:
+        """``logits`` with the grammar bitmask ``masks`` (int32 ``[len(seqs), words]``, row per scheduled
+        sequence) applied to ``logits [len(batch), V]`` (a new tensor when a row changes), whose row i is ``batch[i]``'s, from the
+        scheduled sequence ``rows[i]`` (a new sample of an n > 1 request starts where its parent is, so
+        it takes its parent's mask). Only the sampled rows of constrained sequences change; a failure
+        fails those rows' requests."""
+        hit = [i for i, seq in enumerate(batch) if sampled[i] and seq.matcher is not None]
+        if not hit:
+            return logits
+        try:
+            idx = torch.tensor(hit, device=logits.device)
+            sub = logits.index_select(0, idx)
+            self._structured.apply(sub, masks[[rows[i] for i in hit]])
+            return logits.index_copy(0, idx, sub)
+        except Exception as e:  # noqa: BLE001 -- the constrained requests' own failure
+            failed.update({i: ("structured output", e) for i in hit})
+            return logits
+
     def _new_sample(self, parent: Sequence, k: int) -> Sequence:
         """Sample ``k`` of ``parent``'s request: its prompt, its params with seed ``seed + k``
         (wrapping at 2**64, as vLLM's parallel sampling seeds its children) and no prompt logprobs
@@ -231,6 +307,8 @@ class LLMEngine:
                          replace(p, seed=seed, prompt_logprobs=None), arrival_time=parent.arrival_time)
         self._next_id += 1
         child.index = k
+        if parent.grammar is not None:  # its own matcher, at the grammar's start (no token sampled yet)
+            child.grammar, child.matcher = parent.grammar, parent.grammar.matcher()
         return child
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], sampled: list[bool],

@@ -53,6 +53,8 @@ class Sequence:
         index: the sample's index (0..n-1) among a request's ``n`` samples.
         logprobs: one :class:`~tpengine.engine.outputs.PositionLogprobs` per generated token when
             ``params.logprobs`` is set (else None); ``cumulative_logprob`` their chosen logprobs' sum.
+        grammar, matcher: with ``params.structured_outputs``, the compiled grammar and this sample's
+            matcher in it (:mod:`tpengine.structured`), None until the grammar is compiled.
         prompt_logprobs: with ``params.prompt_logprobs``, the entries for prompt positions
             1.. computed so far (position 0 has none), else None.
     """
@@ -83,6 +85,8 @@ class Sequence:
         self.finish_time: float | None = None
         self.generator: torch.Generator | None = None
         self.index = 0
+        self.grammar = None  # with params.structured_outputs: its compiled Grammar, then this sample's
+        self.matcher = None  # Matcher (tpengine.structured), set once the grammar is compiled
         self.logprobs: list[PositionLogprobs] | None = None if params.logprobs is None else []
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[PositionLogprobs] | None = None if params.prompt_logprobs is None else []

@@ -55,6 +55,9 @@ ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {
     "quantization": (f"quantize the linear layers' weights at load (CPU): {', '.join(QUANTIZATIONS)} (int8: per "
                      "output channel; int4: group 32, scale and zero), the embedding / LM head too (int8)",
                      "none"),
+    "structured_outputs_backend": ("structured outputs' grammar library (vLLM's structured_outputs_config."
+                                   "backend): auto (xgrammar, falling back to guidance for what it cannot "
+                                   "compile), xgrammar or guidance", None),
 }
 
 
