@@ -46,7 +46,8 @@ def test_unknown_field_names_the_valid_ones_own_first():
         ("bogus", "unknown field; valid: id, prompt, messages, prompt_token_ids, logprobs, stream, max_tokens, "
                   "temperature, top_p, top_k, min_p, seed, stop, ignore_eos, n, presence_penalty, frequency_penalty, "
                   "repetition_penalty, min_tokens, logit_bias, stop_token_ids, include_stop_str_in_output, "
-                  "skip_special_tokens, prompt_logprobs, add_generation_prompt, continue_final_message, "
+                  "skip_special_tokens, prompt_logprobs, response_format, structured_outputs, guided_json, "
+                  "guided_regex, guided_choice, guided_grammar, add_generation_prompt, continue_final_message, "
                   "chat_template_kwargs")]
     assert errors_of(ChatMessage, {"role": "user", "content": "a", "x": 1}) == [
         ("x", "unknown field; valid: role, content, name")]
@@ -88,8 +89,6 @@ def test_strict_json_types():
 
 
 @pytest.mark.parametrize("body, field, msg", [
-    ({"response_format": {"type": "json_object"}}, "response_format",
-     'not supported by tpengine; only {"type": "text"}, got {"type": "json_object"}'),
     ({"echo": 0}, "echo", "not supported by tpengine; only false, got 0"),
     ({"best_of": True}, "best_of", "not supported by tpengine; only 1, got true"),
     ({"best_of": 2}, "best_of", "not supported by tpengine; only 1, got 2"),

@@ -18,14 +18,16 @@ _EXPORTS = {
     "SamplingParams": "tpengine.sampling_params",
     "RequestOutput": "tpengine.entrypoints.outputs",
     "CompletionOutput": "tpengine.entrypoints.outputs",
+    "StructuredOutputsParams": "tpengine.structured.params",
 }
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 if TYPE_CHECKING:
     from tpengine.entrypoints.llm import LLM
     from tpengine.entrypoints.outputs import CompletionOutput, RequestOutput
     from tpengine.sampling_params import SamplingParams
+    from tpengine.structured.params import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
@@ -108,6 +109,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.is_stop_token)
         self._pending: list[EngineOutput] = []
         self._structured = None  # the StructuredOutputManager, made by the first constrained request
+        self._structured_lock = threading.Lock()
         self._compiling: list[tuple[Sequence, Future]] = []  # constrained requests waiting for their grammar
         self._steps = self._prefill_steps = self._computed_tokens = self._output_tokens = 0
         print(self.runner.ready_line(time.perf_counter() - started), file=sys.stderr, flush=True)
@@ -164,12 +166,13 @@ class LLMEngine:
     def structured(self):
         """Rank 0's :class:`tpengine.structured.StructuredOutputManager` (made on first use: the
         grammar libraries read the tokenizer's vocabulary then)."""
-        if self._structured is None:
-            from tpengine.structured import StructuredOutputManager
+        with self._structured_lock:  # the server's request threads ask for it too
+            if self._structured is None:
+                from tpengine.structured import StructuredOutputManager
 
-            self._structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                                       self.config.structured_outputs_backend)
-        return self._structured
+                self._structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                                           self.config.structured_outputs_backend)
+            return self._structured
 
     def _admit(self) -> None:
         """Schedule the constrained requests whose grammar is compiled; one whose grammar failed

@@ -59,7 +59,7 @@ def serve_rank0(engine, sock: socket.socket, model_name: str, defaults: dict[str
     loop = EngineLoop(engine, on_step=metrics.observe_step)
     metrics.set_queue(engine.stats())
     state = ServerState(loop, engine.tokenizer, engine.vocab_size, engine.config.max_model_len, model_name,
-                        metrics, defaults, int(time.time()))
+                        metrics, defaults, int(time.time()), check_grammar=lambda c: engine.structured.check(c))
     config = uvicorn.Config(build_app(state), log_level="warning", timeout_graceful_shutdown=drain_s + 3,
                             lifespan="off")
     server = uvicorn.Server(config)

@@ -140,7 +140,6 @@ class OpenAIBody(SamplingFields):
     stream_options: _Object | None = None
     metadata: _Object | None = None
     store: Flag | None = None
-    response_format: Annotated[dict[str, Any], Strict(), Neutral(({"type": "text"},))] | None = None
     best_of: Annotated[int, Strict(), Neutral((1,))] | None = None
     suffix: Annotated[str, Strict(), Neutral()] | None = None
 

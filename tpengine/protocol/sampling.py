@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from tpengine.protocol.base import Problem, ProtocolModel
+from tpengine.protocol.base import Problem
 from tpengine.protocol.fields import (
     Flag,
     LogitBias,
@@ -23,6 +23,7 @@ from tpengine.protocol.fields import (
     TopP,
     as_json,
 )
+from tpengine.protocol.structured import StructuredFields
 
 #: Fields copied to SamplingParams kwargs as they are (when given).
 _AS_IS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "n", "presence_penalty",
@@ -30,13 +31,15 @@ _AS_IS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignor
           "skip_special_tokens", "prompt_logprobs")
 
 
-class SamplingFields(ProtocolModel):
+class SamplingFields(StructuredFields):
     """``max_tokens`` (>= 1), ``temperature`` (>= 0; 0 greedy), ``top_p`` in (0, 1], ``top_k`` >= -1
     (0 or -1 disabled), ``min_p`` in [0, 1], ``seed`` in [-2**63, 2**64), ``stop`` (a string or a
     list), ``ignore_eos``, ``n`` (>= 1 samples), ``presence_penalty`` and ``frequency_penalty`` in
     [-2, 2], ``repetition_penalty`` > 0, ``min_tokens`` >= 0 (<= ``max_tokens``), ``logit_bias``
     (``{"<token id>": bias in [-100, 100]}``), ``stop_token_ids``, ``include_stop_str_in_output``,
-    ``skip_special_tokens``, ``prompt_logprobs`` in [0, 20]. ``null`` (or leaving a field out) means
+    ``skip_special_tokens``, ``prompt_logprobs`` in [0, 20]; at most one output constraint
+    (:class:`~tpengine.protocol.structured.StructuredFields`: ``response_format``,
+    ``structured_outputs``, ``guided_*``). ``null`` (or leaving a field out) means
     "not given". (``logprobs`` is each shape's own: an integer in the simple and completions
     shapes, a flag with ``top_logprobs`` in chat.)"""
 
@@ -65,17 +68,21 @@ class SamplingFields(ProtocolModel):
     @classmethod
     def problems(cls, data: dict[str, Any]) -> list[Problem]:
         """``min_tokens`` greater than the request's ``max_tokens`` (both given as integers)."""
+        out = cls.structured_problems(data)
         lo = data.get("min_tokens")
         hi = next((data[k] for k in reversed(cls.MAX_TOKENS_KEYS) if _int(data.get(k))), None)
         if _int(lo) and hi is not None and lo > hi:
             name = next(k for k in reversed(cls.MAX_TOKENS_KEYS) if _int(data.get(k)))
-            return [(("min_tokens",), f"must be <= {name} ({hi}), got {as_json(lo)}")]
-        return []
+            out.append((("min_tokens",), f"must be <= {name} ({hi}), got {as_json(lo)}"))
+        return out
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """:class:`tpengine.sampling_params.SamplingParams` kwargs for the fields given:
         ``top_k`` -1 becomes 0 (disabled), ``stop`` and ``stop_token_ids`` tuples, ``logit_bias``
-        keys ints."""
+        keys ints, the output constraint ``structured_outputs``.
+
+        Raises:
+            ValueError: a ``json`` constraint given as text that is not JSON."""
         kw: dict[str, Any] = {}
         for name in _AS_IS:
             v = getattr(self, name)
@@ -89,6 +96,8 @@ class SamplingFields(ProtocolModel):
             kw["stop_token_ids"] = tuple(self.stop_token_ids)
         if self.logit_bias is not None:
             kw["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if (constraint := self.structured_params()) is not None:
+            kw["structured_outputs"] = constraint
         return kw
 
 

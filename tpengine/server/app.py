@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,8 @@ class ServerState:
     metrics: ServerMetrics
     defaults: Mapping[str, Any] = field(default_factory=dict)  # SamplingParams defaults ([sampling] table)
     created: int = 0
+    # compiles a request's output constraint (the engine's grammar cache); raises ValueError when it cannot
+    check_grammar: Callable[[Any], None] | None = None
 
 
 def problem_response(p: HTTPProblem) -> JSONResponse:
@@ -98,8 +100,14 @@ def _json(body: bytes) -> Any:
 def _parse_and_prepare(body: bytes, kind: str, state: ServerState) -> Prepared:
     """The request body, decoded and prepared. Raises HTTPProblem (400: not JSON, or see
     :func:`tpengine.server.serving.prepare_request`)."""
-    return prepare_request(_json(body), kind, state.tokenizer, state.vocab_size, state.max_model_len,
-                           state.model_name, state.defaults)
+    p = prepare_request(_json(body), kind, state.tokenizer, state.vocab_size, state.max_model_len,
+                        state.model_name, state.defaults)
+    if p.params.structured_outputs is not None and state.check_grammar is not None:
+        try:  # a schema the grammar library refuses is this request's 400; compiled, it is cached for the engine
+            state.check_grammar(p.params.structured_outputs)
+        except ValueError as e:
+            raise HTTPProblem(400, str(e), p.structured_field) from None
+    return p
 
 
 def build_app(state: ServerState) -> FastAPI:

@@ -74,6 +74,7 @@ class Prepared:
     include_usage: bool
     created: int
     echoes: list[EchoPrompt | None]
+    structured_field: str | None = None  # the body field of its output constraint, if any
 
     def engine_ids(self) -> list[str]:
         """The engine request id of each prompt: the request's own id, with ``-<prompt>`` when
@@ -181,7 +182,7 @@ def prepare_request(obj: Any, kind: str, tokenizer, vocab_size: int, max_model_l
         prompt_ids.append(ids)
     options = body.stream_options or {}
     return Prepared(rid, chat, prompt_ids, params, bool(body.stream), bool(options.get("include_usage")),
-                    int(time.time()), echoes)
+                    int(time.time()), echoes, body.structured_field)
 
 
 def tokenize_body(obj: Any, tokenizer, vocab_size: int, max_model_len: int, model_name: str) -> dict[str, Any]:
