@@ -50,10 +50,11 @@ def test_unknown_field_names_the_valid_ones_own_first():
                   "guided_regex, guided_choice, guided_grammar, add_generation_prompt, continue_final_message, "
                   "chat_template_kwargs")]
     assert errors_of(ChatMessage, {"role": "user", "content": "a", "x": 1}) == [
-        ("x", "unknown field; valid: role, content, name")]
+        ("x", "unknown field; valid: role, content, name, tool_calls, tool_call_id")]
     valid = ", ".join(ChatCompletionRequest.valid_fields())
     assert valid.startswith("messages, logprobs, top_logprobs, echo, max_completion_tokens, model, user, stream")
-    assert valid.endswith("add_generation_prompt, continue_final_message, chat_template_kwargs")
+    assert valid.endswith("add_generation_prompt, continue_final_message, chat_template_kwargs, tools, tool_choice, "
+                          "parallel_tool_calls")
     assert "prompt" not in ChatCompletionRequest.valid_fields() and "echo" in valid
     assert errors_of(ChatCompletionRequest, {"messages": MSGS, "prompt": "x"}) == [
         ("prompt", f"unknown field; valid: {valid}")]
@@ -313,14 +314,14 @@ def test_lenient_mode_drops_unknown_fields_at_any_depth_and_names_them():
 
     body = {"messages": [{"role": "user", "content": "hi", "refusal": None},
                          {"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}]}],
-            "parallel_tool_calls": False, "reasoning_effort": "low", "max_tokens": 3}
+            "service_tier": "auto", "reasoning_effort": "low", "max_tokens": 3}
     found: set = set()
     req = ChatCompletionRequest.model_validate(body, context={IGNORE_UNKNOWN: found})
     assert req.max_tokens == 3 and req.messages[0].to_template() == {"role": "user", "content": "hi"}
-    assert found == {("ChatCompletionRequest", "parallel_tool_calls"), ("ChatCompletionRequest", "reasoning_effort"),
+    assert found == {("ChatCompletionRequest", "service_tier"), ("ChatCompletionRequest", "reasoning_effort"),
                      ("ChatMessage", "refusal"), ("TextContentPart", "cache_control")}
     assert sorted(f for f, _ in errors_of(ChatCompletionRequest, body)) == [
-        "messages[0].refusal", "messages[1].content[0].cache_control", "parallel_tool_calls", "reasoning_effort"]
+        "messages[0].refusal", "messages[1].content[0].cache_control", "reasoning_effort", "service_tier"]
     with pytest.raises(ValidationError) as e:
         ChatCompletionRequest.model_validate({**body, "top_k": "ten"}, context={IGNORE_UNKNOWN: set()})
     assert field_errors(e.value) == [("top_k", 'must be an integer >= -1 (0 or -1: disabled), got "ten"')]

@@ -47,7 +47,42 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_rank0(engine, sock: socket.socket, model_name: str, defaults: dict[str, Any], drain_s: float) -> int:
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a Jinja file's text, or the template itself when ``value`` holds Jinja
+    (``{{`` or ``{%``), as vLLM reads it; None: the tokenizer's own.
+
+    Raises:
+        UserError: no such file (and no Jinja in the value), or a file that cannot be read.
+    """
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--chat-template: cannot read {value}: {e}") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise UserError(f"--chat-template: no such file: {value} (give a Jinja template file, or the template text)")
+
+
+def check_tool_flags(enable_auto: bool, parser: str | None) -> None:
+    """``--enable-auto-tool-choice`` needs ``--tool-call-parser``, which must be a known parser.
+
+    Raises:
+        UserError: naming the flag and the valid parsers.
+    """
+    from tpengine.frontend.tool_parsers import TOOL_PARSERS
+
+    if parser is not None and parser not in TOOL_PARSERS:
+        raise UserError(f"--tool-call-parser: unknown parser {parser!r}; valid: {', '.join(TOOL_PARSERS)}")
+    if enable_auto and parser is None:
+        raise UserError(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(TOOL_PARSERS)})")
+
+
+def serve_rank0(engine, sock: socket.socket, model_name: str, defaults: dict[str, Any], drain_s: float,
+                tool_parser: str | None = None, enable_auto_tool_choice: bool = False) -> int:
     """Rank 0: the app and the engine loop until a signal or an engine failure. Returns the exit code."""
     import uvicorn
 
@@ -59,7 +94,8 @@ def serve_rank0(engine, sock: socket.socket, model_name: str, defaults: dict[str
     loop = EngineLoop(engine, on_step=metrics.observe_step)
     metrics.set_queue(engine.stats())
     state = ServerState(loop, engine.tokenizer, engine.vocab_size, engine.config.max_model_len, model_name,
-                        metrics, defaults, int(time.time()), check_grammar=lambda c: engine.structured.check(c))
+                        metrics, defaults, int(time.time()), check_grammar=lambda c: engine.structured.check(c),
+                        tool_parser=tool_parser, enable_auto_tool_choice=enable_auto_tool_choice)
     config = uvicorn.Config(build_app(state), log_level="warning", timeout_graceful_shutdown=drain_s + 3,
                             lifespan="off")
     server = uvicorn.Server(config)
@@ -108,6 +144,15 @@ def main(
     drain_timeout_s: Annotated[float, option(
         "--drain-timeout-s", "on SIGTERM / SIGINT, seconds in-flight requests may take to finish before they "
         "are aborted")] = 5.0,
+    chat_template: Annotated[str | None, option(
+        "--chat-template", "a Jinja chat template file (or the template text) used instead of the tokenizer's "
+        "own, e.g. one that renders tools", "the tokenizer's")] = None,
+    enable_auto_tool_choice: Annotated[bool, option(
+        "--enable-auto-tool-choice", 'let the model decide when to call tools (tool_choice "auto", the default '
+        "with tools); needs --tool-call-parser")] = False,
+    tool_call_parser: Annotated[str | None, option(
+        "--tool-call-parser", "how tool calls are read from the model's text: hermes (Hermes, Qwen2.5, Qwen3) or "
+        "llama3_json (Llama 3.1 / 3.2)", "none")] = None,
     *,
     engine: dict[str, Any],
 ) -> None:
@@ -118,6 +163,8 @@ def main(
         model_name = served_model_name or launch.model_name
         if drain_timeout_s < 0:
             raise UserError(f"--drain-timeout-s must be >= 0, got {drain_timeout_s}")
+        template = read_chat_template(chat_template)
+        check_tool_flags(enable_auto_tool_choice, tool_call_parser)
         sock = bind(host, port) if rank == 0 else None
     except (UserError, ValueError, OSError) as e:
         if rank == 0:
@@ -129,7 +176,10 @@ def main(
         print(failure_line(rank, world, e), file=sys.stderr, flush=True)
         raise typer.Exit(2) from None
     if llm.is_driver:
-        code = serve_rank0(llm, sock, model_name, launch.sampling, drain_timeout_s)
+        if template is not None:  # the chat endpoint, /tokenize and /tokenizer_info all read this one
+            llm.tokenizer.chat_template = template
+        code = serve_rank0(llm, sock, model_name, launch.sampling, drain_timeout_s, tool_call_parser,
+                           enable_auto_tool_choice)
     else:
         for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains and sends STOP
             signal.signal(sig, lambda *_: None)

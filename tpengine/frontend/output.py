@@ -34,6 +34,7 @@ from tpengine.frontend.logprobs import (
     simple_logprobs,
 )
 from tpengine.frontend.requests import EchoPrompt, ParsedRequest
+from tpengine.frontend.tools import ToolUse, new_call_id
 from tpengine.protocol.records import (
     BatchError,
     BatchOutputLine,
@@ -44,6 +45,7 @@ from tpengine.protocol.records import (
     CompletionLogprobs,
     CompletionResponse,
     CompletionResponseChoice,
+    FunctionCallOut,
     Metrics,
     PromptTokensDetails,
     SimpleError,
@@ -52,6 +54,7 @@ from tpengine.protocol.records import (
     SimpleRecord,
     SimpleSample,
     SimpleUsage,
+    ToolCallOut,
     UsageInfo,
 )
 
@@ -152,18 +155,34 @@ def completion_body(outs: list[EngineOutput], echos: list[EchoPrompt | None], mo
                               usage=usage_info(*outs))
 
 
+def chat_message(text: str, finish_reason: str | None, tools: ToolUse | None) -> tuple[ChatResponseMessage, str | None]:
+    """The assistant message of a finished sample's ``text`` and its finish reason: with ``tools``,
+    the calls read from the text (:meth:`ToolUse.extract`; then the reason is "tool_calls")."""
+    if tools is None:
+        return ChatResponseMessage(content=text), finish_reason
+    content, calls = tools.extract(text)
+    if not calls:
+        return ChatResponseMessage(content=text), finish_reason
+    out = [ToolCallOut(id=new_call_id(), function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]
+    return ChatResponseMessage(content=content, tool_calls=out), "tool_calls"
+
+
 def openai_body(out: EngineOutput, chat: bool, model: str, suffix: str, created: int | None = None,
-                echo: EchoPrompt | None = None) -> ChatCompletionResponse | CompletionResponse:
-    """The OpenAI response body of finished ``out``: a ``chat.completion`` (id ``chatcmpl-<suffix>``)
-    or a ``text_completion`` (id ``cmpl-<suffix>``, :func:`completion_body`; ``echo`` its echoed
-    prompt), one choice per sample; ``model`` the served model's name; ``created`` unix seconds
-    (default now). Shared by the batch job and the server."""
+                echo: EchoPrompt | None = None, tools: ToolUse | None = None
+                ) -> ChatCompletionResponse | CompletionResponse:
+    """The OpenAI response body of finished ``out``: a ``chat.completion`` (id ``chatcmpl-<suffix>``;
+    ``tools``: how its text becomes tool calls, :func:`chat_message`) or a ``text_completion`` (id
+    ``cmpl-<suffix>``, :func:`completion_body`; ``echo`` its echoed prompt), one choice per sample;
+    ``model`` the served model's name; ``created`` unix seconds (default now). Shared by the batch
+    job and the server."""
     created = int(time.time()) if created is None else created
     if not chat:
         return completion_body([out], [echo], model, suffix, created)
-    choices = [ChatCompletionResponseChoice(
-        index=o.index, message=ChatResponseMessage(content=o.text), finish_reason=o.finish_reason,
-        logprobs=None if o.logprobs is None else chat_logprobs(o.logprobs)) for o in out.outputs]
+    choices = []
+    for o in out.outputs:
+        message, reason = chat_message(o.text, o.finish_reason, tools)
+        choices.append(ChatCompletionResponseChoice(index=o.index, message=message, finish_reason=reason,
+                                                    logprobs=None if o.logprobs is None else chat_logprobs(o.logprobs)))
     return ChatCompletionResponse(id=f"chatcmpl-{suffix}", created=created, model=model, choices=choices,
                                   usage=usage_info(out), prompt_logprobs=openai_prompt_logprobs(out.prompt_logprobs))
 

@@ -8,8 +8,9 @@ import annotated_types as at
 from pydantic import GetCoreSchemaHandler, Strict, TypeAdapter, ValidationError
 from pydantic_core import core_schema
 
-from tpengine.protocol.base import ProtocolModel
+from tpengine.protocol.base import Problem, ProtocolModel
 from tpengine.protocol.fields import NonEmptyStr, Valid, as_json, invalid
+from tpengine.protocol.tools import ToolCall
 
 #: vLLM and llama.cpp join the text parts of one message with a newline.
 PART_SEPARATOR = "\n"
@@ -45,28 +46,48 @@ Content = Annotated[Annotated[str, Strict()] | list[TextContentPart], _Content()
 
 
 class ChatMessage(ProtocolModel):
-    """One chat message: ``role`` (a non-empty string: "system", "user", "assistant", ...),
-    ``content`` (a string or a list of text parts), optional ``name``."""
+    """One chat message: ``role`` (a non-empty string: "system", "user", "assistant", "tool", ...),
+    ``content`` (a string or a list of text parts; may be null or left out in an assistant message
+    with ``tool_calls``), optional ``name``; an assistant's ``tool_calls`` and a tool result's
+    ``tool_call_id`` (OpenAI's tool-calling history)."""
 
     MISSING: ClassVar[dict[str, str]] = {"role": "is required: must be a non-empty string",
                                          "content": f"is required: must be {_CONTENT_VALID}"}
     OBJECT: ClassVar[str] = 'an object with "role" and "content"'
 
     role: NonEmptyStr
-    content: Content
+    content: Content | None = None
     name: Annotated[str, Strict(), Valid("a string")] | None = None
+    tool_calls: Annotated[list[ToolCall], Strict(), Valid("a list of tool calls", nested=True)] | None = None
+    tool_call_id: Annotated[str, Strict(), Valid("a string")] | None = None
+
+    @classmethod
+    def problems(cls, data: dict[str, Any]) -> list[Problem]:
+        if data.get("content") is None and not (data.get("role") == "assistant" and data.get("tool_calls")):
+            return [(("content",), cls.MISSING["content"] if "content" not in data else
+                     f"must be {_CONTENT_VALID} (null only in an assistant message with tool_calls), got null")]
+        if data.get("tool_calls") is not None and data.get("role") != "assistant":
+            return [(("tool_calls",), f'belongs to an "assistant" message, got role {as_json(data.get("role"))}')]
+        return []
 
     def text(self) -> str:
-        """The content as one string: text parts joined with :data:`PART_SEPARATOR`."""
+        """The content as one string: text parts joined with :data:`PART_SEPARATOR` ("" for none)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return PART_SEPARATOR.join(p.text for p in self.content)
 
-    def to_template(self) -> dict[str, str]:
-        """The message as the chat template takes it: ``{"role", "content"[, "name"]}``."""
-        out = {"role": self.role, "content": self.text()}
+    def to_template(self) -> dict[str, Any]:
+        """The message as the chat template takes it: ``{"role", "content"[, "name"][, "tool_calls"]
+        [, "tool_call_id"]}`` (a call's arguments decoded, :meth:`ToolCall.to_template`)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.to_template() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 

@@ -203,9 +203,30 @@ class CompletionResponse(RecordModel):
     usage: UsageInfo
 
 
+class FunctionCallOut(RecordModel):
+    """A call's function: ``name`` and ``arguments`` (JSON text)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallOut(RecordModel):
+    """One call of the assistant (OpenAI's ``tool_calls`` item)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(RecordModel):
+    """The assistant's message: ``content`` (null when it only called tools), ``tool_calls`` (only
+    when it called some)."""
+
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("tool_calls",)
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatCompletionResponseChoice(RecordModel):

@@ -35,6 +35,7 @@ from tpengine.protocol.fields import (
 )
 from tpengine.protocol.messages import ChatTemplateFields, Messages
 from tpengine.protocol.sampling import SamplingFields
+from tpengine.protocol.tools import ToolFields
 
 #: The message for ``"stream": true`` in a batch job (vLLM's run-batch refuses it too).
 STREAM_ERROR = "streaming is not supported in a batch job (each request gets one complete record); use false or omit it"
@@ -151,12 +152,15 @@ class OpenAIBody(SamplingFields):
         return kw
 
 
-class ChatCompletionRequest(OpenAIBody, ChatTemplateFields):
+class ChatCompletionRequest(OpenAIBody, ChatTemplateFields, ToolFields):
     """An OpenAI ``/v1/chat/completions`` body: ``messages`` required; ``logprobs`` (a flag) with
     ``top_logprobs`` in [0, 20] (only with ``"logprobs": true``, as vLLM): each generated token's
     logprob and the ``top_logprobs`` most likely (``SamplingParams.logprobs`` = ``top_logprobs``,
     0 when absent); the chat-template options of
-    :class:`~tpengine.protocol.messages.ChatTemplateFields`."""
+    :class:`~tpengine.protocol.messages.ChatTemplateFields`; tool calling
+    (:class:`~tpengine.protocol.tools.ToolFields`: the tools go to the chat template; a
+    ``required`` or named ``tool_choice`` is enforced as an output constraint, so it cannot be given
+    with one)."""
 
     messages: Messages
     logprobs: Flag | None = None
@@ -165,7 +169,14 @@ class ChatCompletionRequest(OpenAIBody, ChatTemplateFields):
 
     @classmethod
     def problems(cls, data: dict[str, Any]) -> list[Problem]:
-        out = super().problems(data) + cls.template_problems(data, None)
+        out = super().problems(data) + cls.template_problems(data, None) + cls.tool_problems(data)
+        choice = data.get("tool_choice")
+        if data.get("tools") and choice is not None and choice not in ("none", "auto"):
+            if given := [k for k in cls.STRUCTURED_KEYS if data.get(k) is not None and k != "response_format"
+                         or k == "response_format" and isinstance(data.get(k), dict)
+                         and data[k].get("type") not in (None, "text")]:
+                out.append(((given[0],), f"cannot be given with tool_choice {as_json(choice)}, which constrains "
+                            "the output itself"))
         if data.get("top_logprobs") is not None and data.get("logprobs") is not True:
             out.append((("top_logprobs",), f'needs "logprobs": true, got "logprobs": '
                                            f'{as_json(data.get("logprobs"))}'))
@@ -182,6 +193,13 @@ class ChatCompletionRequest(OpenAIBody, ChatTemplateFields):
     def prompt_payload(self) -> tuple[str, Any]:
         """("messages", [{"role", "content"[, "name"]}, ...]); text parts joined with "\\n"."""
         return MESSAGES, [m.to_template() for m in self.messages]
+
+    def template_options(self) -> dict[str, Any]:
+        """As :meth:`ChatTemplateFields.template_options`, with ``tools`` (OpenAI's shape) when given."""
+        opts = super().template_options()
+        if self.tools:
+            opts["tools"] = [t.to_template() for t in self.tools]
+        return opts
 
 
 class CompletionRequest(OpenAIBody):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from tpengine.protocol.records import ChatLogprobs, CompletionLogprobs, RecordModel, UsageInfo
+from tpengine.protocol.records import ChatLogprobs, CompletionLogprobs, FunctionCallOut, RecordModel, UsageInfo
 
 
 class CompletionStreamChoice(RecordModel):
@@ -31,14 +31,26 @@ class CompletionStreamResponse(RecordModel):
     usage: UsageInfo | None = None
 
 
+class DeltaToolCall(RecordModel):
+    """A streamed call (OpenAI's ``delta.tool_calls`` item): tpengine sends each call whole, in one
+    chunk: ``index`` (its place among the message's calls), ``id``, ``type``, ``function`` with
+    ``name`` and all of ``arguments``."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class DeltaMessage(RecordModel):
     """The new part of the assistant message: ``role`` only in a choice's first chunk, then
     ``content`` (OpenAI's shape: a field that is not set is left out, not ``null``)."""
 
-    OMIT_NONE: ClassVar[tuple[str, ...]] = ("role", "content")
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("role", "content", "tool_calls")
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(RecordModel):

@@ -52,6 +52,8 @@ class ServerState:
     created: int = 0
     # compiles a request's output constraint (the engine's grammar cache); raises ValueError when it cannot
     check_grammar: Callable[[Any], None] | None = None
+    tool_parser: str | None = None  # --tool-call-parser
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
 
 
 def problem_response(p: HTTPProblem) -> JSONResponse:
@@ -101,7 +103,7 @@ def _parse_and_prepare(body: bytes, kind: str, state: ServerState) -> Prepared:
     """The request body, decoded and prepared. Raises HTTPProblem (400: not JSON, or see
     :func:`tpengine.server.serving.prepare_request`)."""
     p = prepare_request(_json(body), kind, state.tokenizer, state.vocab_size, state.max_model_len,
-                        state.model_name, state.defaults)
+                        state.model_name, state.defaults, state.tool_parser, state.enable_auto_tool_choice)
     if p.params.structured_outputs is not None and state.check_grammar is not None:
         try:  # a schema the grammar library refuses is this request's 400; compiled, it is cached for the engine
             state.check_grammar(p.params.structured_outputs)

@@ -8,7 +8,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -26,10 +26,11 @@ from tpengine.frontend.requests import (
     template_options,
     to_token_ids,
 )
+from tpengine.frontend.tools import ToolUse, new_call_id, tool_use
 from tpengine.protocol import ChatCompletionRequest, CompletionRequest
 from tpengine.protocol.base import IGNORE_UNKNOWN, ProtocolModel
 from tpengine.protocol.errors import field_errors
-from tpengine.protocol.records import DetokenizeResponse, TokenizeResponse
+from tpengine.protocol.records import DetokenizeResponse, FunctionCallOut, TokenizeResponse
 from tpengine.protocol.requests import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from tpengine.protocol.stream import (
     ChatCompletionStreamChoice,
@@ -37,6 +38,7 @@ from tpengine.protocol.stream import (
     CompletionStreamChoice,
     CompletionStreamResponse,
     DeltaMessage,
+    DeltaToolCall,
     ErrorInfo,
     ErrorResponse,
 )
@@ -75,6 +77,7 @@ class Prepared:
     created: int
     echoes: list[EchoPrompt | None]
     structured_field: str | None = None  # the body field of its output constraint, if any
+    tools: ToolUse | None = None  # how a chat output becomes tool calls, when the request has tools
 
     def engine_ids(self) -> list[str]:
         """The engine request id of each prompt: the request's own id, with ``-<prompt>`` when
@@ -141,14 +144,17 @@ def check_length(n_prompt: int, max_tokens: int | None, max_model_len: int, fiel
 
 
 def prepare_request(obj: Any, kind: str, tokenizer, vocab_size: int, max_model_len: int, model_name: str,
-                    defaults: Mapping[str, Any]) -> Prepared:
+                    defaults: Mapping[str, Any], tool_parser: str | None = None,
+                    enable_auto_tool_choice: bool = False) -> Prepared:
     """Validate an OpenAI request body (``kind`` "chat" or "completion", :func:`validate_body`) and
-    tokenize its prompt(s).
+    tokenize its prompt(s). A chat body's tools (:func:`tpengine.frontend.tools.tool_use`): "auto"
+    reads calls with ``tool_parser`` (needs ``enable_auto_tool_choice``); "required" and a named
+    choice add their output constraint to the params.
 
     Raises:
         HTTPProblem: 400 for a body that is not valid (naming the field, as the batch job does), a
-            prompt the tokenizer or chat template refuses, or one too long (:func:`check_length`);
-            404 for a ``model`` other than ``model_name``.
+            prompt the tokenizer or chat template refuses, or one too long (:func:`check_length`),
+            ``tool_choice`` "auto" without a parser; 404 for a ``model`` other than ``model_name``.
     """
     chat = kind == "chat"
     body = validate_body(ChatCompletionRequest if chat else CompletionRequest, obj)
@@ -161,6 +167,14 @@ def prepare_request(obj: Any, kind: str, tokenizer, vocab_size: int, max_model_l
         params = make_params(fmt, defaults, body.sampling_kwargs())
     except (TypeError, ValueError) as e:
         raise HTTPProblem(400, f"invalid sampling parameters: {e}") from None
+    tools, structured_field = None, body.structured_field
+    if chat:
+        try:
+            tools, constraint = tool_use(body, tool_parser, enable_auto_tool_choice)
+        except ValueError as e:
+            raise HTTPProblem(400, str(e), "tool_choice") from None
+        if constraint is not None:
+            params, structured_field = replace(params, structured_outputs=constraint), "tool_choice"
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     field = "messages" if chat else "prompt"
     tokens_field = next((k for k in ("max_completion_tokens", "max_tokens") if getattr(body, k) is not None),
@@ -182,7 +196,7 @@ def prepare_request(obj: Any, kind: str, tokenizer, vocab_size: int, max_model_l
         prompt_ids.append(ids)
     options = body.stream_options or {}
     return Prepared(rid, chat, prompt_ids, params, bool(body.stream), bool(options.get("include_usage")),
-                    int(time.time()), echoes, body.structured_field)
+                    int(time.time()), echoes, structured_field, tools)
 
 
 def tokenize_body(obj: Any, tokenizer, vocab_size: int, max_model_len: int, model_name: str) -> dict[str, Any]:
@@ -256,8 +270,27 @@ def response_body(p: Prepared, outs: list[EngineOutput], model_name: str) -> dic
     """The non-streamed response body of the finished outputs of ``p``'s prompts (in order)."""
     suffix = p.request_id.split("-", 1)[1]
     if p.chat:
-        return openai_body(outs[0], True, model_name, suffix, p.created).model_dump()
+        return openai_body(outs[0], True, model_name, suffix, p.created, tools=p.tools).model_dump()
     return completion_body(outs, p.echoes, model_name, suffix, p.created, p.params.n).model_dump()
+
+
+def _chat_delta(text: str, sent: str, finished: bool, reason: str | None, tools: ToolUse | None
+                ) -> tuple[str, list[DeltaToolCall] | None, str | None]:
+    """One chat choice's next (content delta, tool-call deltas, finish reason), given its text so
+    far and the content ``sent`` already. With ``tools``, text that may be a call is held back
+    until the output ends; then its calls go out whole, each in one delta, and the reason becomes
+    "tool_calls" (a held text that is no call goes out as content)."""
+    if tools is None:
+        return text[len(sent):], None, reason
+    if not finished:
+        visible = text[: tools.content_end(text)]
+        return visible[len(sent):], None, reason
+    content, calls = tools.extract(text)
+    if not calls:
+        return text[len(sent):], None, reason
+    deltas = [DeltaToolCall(index=j, id=new_call_id(), function=FunctionCallOut(name=c.name, arguments=c.arguments))
+              for j, c in enumerate(calls)]
+    return (content or "")[len(sent):], deltas, "tool_calls"
 
 
 def sse(obj: dict[str, Any] | str) -> str:
@@ -303,15 +336,20 @@ async def stream_events(p: Prepared, outputs: AsyncIterator[EngineOutput], model
                 reason = o.finish_reason if finished else None
                 if p.chat:
                     lp: Any = None if positions is None else chat_logprobs(positions)
-                    yield event(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=delta),
-                                                           finish_reason=reason, logprobs=lp))
-                else:
-                    # offsets count from the start of the whole text: the echoed prompt, then the completion
-                    # (completion_text adds the prompt's offset itself to the chunk that carries it)
-                    echoed_before = p.echoes[prompt] is not None and echo is None
-                    offset = len(sent_text[i]) + (p.echoes[prompt].offset if echoed_before else 0)
-                    text, lp = completion_text(o, echo, out.prompt_logprobs, delta, positions, offset)
-                    yield event(CompletionStreamChoice(index=i, text=text, finish_reason=reason, logprobs=lp))
+                    delta, calls, reason = _chat_delta(o.text, sent_text[i], finished, reason, p.tools)
+                    if delta or calls or finished or positions:
+                        yield event(ChatCompletionStreamChoice(
+                            index=i, delta=DeltaMessage(content=delta if delta or not calls else None,
+                                                        tool_calls=calls), finish_reason=reason, logprobs=lp))
+                    sent_text[i] += delta  # the content sent: text that may be a tool call is held back
+                    sent_tokens[i], done[i] = len(o.token_ids), finished
+                    continue
+                # offsets count from the start of the whole text: the echoed prompt, then the completion
+                # (completion_text adds the prompt's offset itself to the chunk that carries it)
+                echoed_before = p.echoes[prompt] is not None and echo is None
+                offset = len(sent_text[i]) + (p.echoes[prompt].offset if echoed_before else 0)
+                text, lp = completion_text(o, echo, out.prompt_logprobs, delta, positions, offset)
+                yield event(CompletionStreamChoice(index=i, text=text, finish_reason=reason, logprobs=lp))
                 echoed[i] = True
             sent_text[i], sent_tokens[i], done[i] = o.text, len(o.token_ids), finished
         if out.finished:

@@ -73,11 +73,12 @@ class StructuredOutputsParams:
 
     @property
     def spec(self) -> str:
-        """The constraint as one string: the schema's canonical JSON, the regex, the choices as a
+        """The constraint as one string: the schema's JSON (keys in the order given: a JSON
+        schema's property order is the order the output writes them), the regex, the choices as a
         JSON list, the grammar text ("" for json_object)."""
         kind = self.kind
         if kind == "json":
-            return json.dumps(self.json, sort_keys=True, separators=(",", ":"))
+            return json.dumps(self.json, separators=(",", ":"), ensure_ascii=False)
         if kind == "choice":
             return json.dumps(list(self.choice), ensure_ascii=False)
         if kind == "json_object":

@@ -1,0 +1,118 @@
+"""Tool calling in a chat request (OpenAI's shapes): ``tools``, ``tool_choice``,
+``parallel_tool_calls``, and the ``tool_calls`` of an assistant message in the history."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, ClassVar, Literal
+
+import annotated_types as at
+from pydantic import Strict
+
+from tpengine.protocol.base import Problem, ProtocolModel
+from tpengine.protocol.fields import Flag, NonEmptyStr, Valid, as_json
+
+_Str = Annotated[str, Strict(), Valid("a string")]
+_Function = Annotated[Literal["function"], Valid('"function"')]
+
+
+class FunctionDefinition(ProtocolModel):
+    """A function the model may call: ``name``, ``description``, ``parameters`` (a JSON schema of
+    its arguments; absent: none), ``strict`` (accepted; ``required`` and named choices always follow
+    the schema)."""
+
+    name: NonEmptyStr
+    description: _Str | None = None
+    parameters: Annotated[dict[str, Any], Strict(), Valid("a JSON schema (an object)")] | None = None
+    strict: Flag | None = None
+
+
+class Tool(ProtocolModel):
+    """``{"type": "function", "function": {...}}``."""
+
+    type: _Function
+    function: FunctionDefinition
+
+    def to_template(self) -> dict[str, Any]:
+        """The tool as chat templates read it (OpenAI's shape, unset fields left out)."""
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedFunction(ProtocolModel):
+    name: NonEmptyStr
+
+
+class NamedToolChoice(ProtocolModel):
+    """``{"type": "function", "function": {"name": ...}}``: the model must call this function."""
+
+    type: _Function
+    function: NamedFunction
+
+
+ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice,
+                       Valid('"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+                             nested=True)]
+
+
+class ToolCallFunction(ProtocolModel):
+    name: NonEmptyStr
+    arguments: _Str
+
+
+class ToolCall(ProtocolModel):
+    """A call in an assistant message of the history: ``id``, ``type`` "function", ``function``
+    ``{"name", "arguments"}`` (arguments as JSON text)."""
+
+    id: _Str | None = None
+    type: _Function | None = None
+    function: ToolCallFunction
+
+    def to_template(self) -> dict[str, Any]:
+        """The call as chat templates read it: ``arguments`` decoded to an object when it is JSON
+        (Qwen's and Llama's templates write ``arguments | tojson``), as vLLM passes it."""
+        try:
+            args: Any = json.loads(self.function.arguments)
+        except ValueError:
+            args = self.function.arguments
+        out: dict[str, Any] = {"type": "function", "function": {"name": self.function.name, "arguments": args}}
+        if self.id is not None:
+            out["id"] = self.id
+        return out
+
+
+class ToolFields(ProtocolModel):
+    """A chat request's tools: ``tools`` (a list of functions), ``tool_choice`` ("none", "auto" (the
+    default with tools), "required", or a named function, which must be one of ``tools``),
+    ``parallel_tool_calls`` (default true: several calls in one answer)."""
+
+    tools: Annotated[list[Tool], Strict(), at.MinLen(1), Valid("a non-empty list of tools", nested=True)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: Flag | None = None
+
+    TOOL_KEYS: ClassVar[tuple[str, ...]] = ("tools", "tool_choice", "parallel_tool_calls")
+
+    @classmethod
+    def tool_problems(cls, data: dict[str, Any]) -> list[Problem]:
+        """A required or named ``tool_choice`` without ``tools``; a named one that is not in them."""
+        choice, tools = data.get("tool_choice"), data.get("tools")
+        names = [t["function"].get("name") for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)] \
+            if isinstance(tools, list) else []
+        if choice is None or choice in ("none", "auto"):
+            return []
+        if not tools:
+            return [(("tool_choice",), f"needs tools to choose from, got tool_choice {as_json(choice)} and no tools")]
+        if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+            name = choice["function"].get("name")
+            if isinstance(name, str) and name not in names:
+                return [(("tool_choice", "function", "name"), f"names no tool of this request: got {as_json(name)}, "
+                         f"the tools are {', '.join(as_json(n) for n in names)}")]
+        return []
+
+    @property
+    def tool_mode(self) -> str:
+        """"none", "auto", "required" or "named" (``tool_choice`` with its default)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if self.tool_choice is None or self.tool_choice == "auto":
+            return "auto"
+        return "required" if self.tool_choice == "required" else "named"
