@@ -2,7 +2,8 @@
 
 usage: torchrun --nproc_per_node N tests/workers/engine_generate.py OUT.json JOBS.json
 JOBS.json: [{"key": str, "config": {EngineConfig fields}, "requests": [[id, prompt_ids, params]]}]
-params are SamplingParams keyword arguments (``structured_outputs`` StructuredOutputsParams ones). Output: {key: {"outputs": [...], "stats": {...},
+params are SamplingParams keyword arguments (``structured_outputs``: StructuredOutputsParams ones).
+Output: {key: {"outputs": [...], "stats": {...},
 "weight_bytes": [per rank]}}.
 A job may instead carry "waves": a list of request lists, each generate()d in turn.
 """

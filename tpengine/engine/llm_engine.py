@@ -12,9 +12,9 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
-from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -284,9 +284,9 @@ class LLMEngine:
     def _mask(self, logits: torch.Tensor, masks: torch.Tensor, batch: list[Sequence], rows: list[int],
               sampled: list[bool], failed: dict[int, tuple[str, Exception]]) -> torch.Tensor:
         """``logits`` with the grammar bitmask ``masks`` (int32 ``[len(seqs), words]``, row per scheduled
-        sequence) applied to ``logits [len(batch), V]`` (a new tensor when a row changes), whose row i is ``batch[i]``'s, from the
-        scheduled sequence ``rows[i]`` (a new sample of an n > 1 request starts where its parent is, so
-        it takes its parent's mask). Only the sampled rows of constrained sequences change; a failure
+        sequence) applied to ``logits [len(batch), V]`` (a new tensor when a row changes), whose row i
+        is ``batch[i]``'s, from the scheduled sequence ``rows[i]`` (a new sample of an n > 1 request
+        starts where its parent is, so it takes its parent's mask). Only the sampled rows of constrained sequences change; a failure
         fails those rows' requests."""
         hit = [i for i, seq in enumerate(batch) if sampled[i] and seq.matcher is not None]
         if not hit:

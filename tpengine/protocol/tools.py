@@ -95,8 +95,8 @@ class ToolFields(ProtocolModel):
     def tool_problems(cls, data: dict[str, Any]) -> list[Problem]:
         """A required or named ``tool_choice`` without ``tools``; a named one that is not in them."""
         choice, tools = data.get("tool_choice"), data.get("tools")
-        names = [t["function"].get("name") for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)] \
-            if isinstance(tools, list) else []
+        names = [t["function"].get("name") for t in tools if isinstance(t, dict)
+                 and isinstance(t.get("function"), dict)] if isinstance(tools, list) else []
         if choice is None or choice in ("none", "auto"):
             return []
         if not tools:
