@@ -185,6 +185,33 @@ class GuidanceBackend:
         return _GuidanceGrammar(self._tokenizer, g)
 
 
+#: JSON-schema keywords xgrammar compiles without enforcing them, by the type they constrain (vLLM's
+#: ``has_xgrammar_unsupported_json_features`` list); "auto" sends such a schema to guidance.
+_XGRAMMAR_IGNORES = {"number": ("multipleOf",), "integer": ("multipleOf",),
+                     "array": ("uniqueItems", "contains", "minContains", "maxContains"),
+                     "object": ("patternProperties", "propertyNames")}
+
+
+def xgrammar_unsupported(schema: Any) -> str | None:
+    """The first keyword of ``schema`` (at any depth) that xgrammar would not enforce, e.g.
+    "uniqueItems", or "maxLength with format" (xgrammar drops a string's length bounds when it has a
+    ``format``; llguidance keeps both); None when xgrammar enforces all of it."""
+    if isinstance(schema, list):
+        return next((r for s in schema if (r := xgrammar_unsupported(s)) is not None), None)
+    if not isinstance(schema, dict):
+        return None
+    kinds = schema.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    for kind in kinds:
+        for key in _XGRAMMAR_IGNORES.get(kind, ()):
+            if key in schema:
+                return key
+    if "format" in schema and ("maxLength" in schema or "minLength" in schema):
+        return f"{'maxLength' if 'maxLength' in schema else 'minLength'} with format"
+    return next((r for v in schema.values() if isinstance(v, (dict, list))
+                 and (r := xgrammar_unsupported(v)) is not None), None)
+
+
 def _choice_rule(head: str, choices: tuple[str, ...]) -> str:
     """One grammar rule matching exactly one of ``choices``; both libraries read JSON string escapes."""
     return head + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)

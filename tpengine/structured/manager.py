@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tpengine.structured.backends import BACKEND_CLASSES, Grammar, GrammarError, Matcher
+from tpengine.structured.backends import BACKEND_CLASSES, Grammar, GrammarError, Matcher, xgrammar_unsupported
 from tpengine.structured.params import STRUCTURED_BACKENDS, StructuredOutputsParams
 
 #: What each constraint kind is called in an error message.
@@ -31,9 +31,10 @@ class StructuredOutputManager:
         tokenizer: the model's HF tokenizer.
         vocab_size: the logits row width.
         stop_token_ids: the engine's EOS ids (allowed once a grammar is complete).
-        backend: one of :data:`~tpengine.structured.backends.STRUCTURED_BACKENDS`; "auto" (vLLM's
-            rule) tries xgrammar and falls back to guidance for what xgrammar cannot compile (a Lark
-            grammar, a schema feature it lacks).
+        backend: one of :data:`~tpengine.structured.params.STRUCTURED_BACKENDS`; "auto" (vLLM's
+            rule) takes xgrammar, and guidance for a schema using a keyword xgrammar does not enforce
+            (:func:`~tpengine.structured.backends.xgrammar_unsupported`) or for what xgrammar cannot
+            compile (a Lark grammar).
         cache_size: compiled grammars kept (least recently used dropped first).
 
     Raises:
@@ -64,6 +65,8 @@ class StructuredOutputManager:
 
     def _compile(self, p: StructuredOutputsParams) -> Grammar:
         names = ["xgrammar", "guidance"] if self.backend == "auto" else [self.backend]
+        if self.backend == "auto" and p.kind == "json" and xgrammar_unsupported(p.json) is not None:
+            names = ["guidance"]
         problems = []
         for name in names:
             try:
