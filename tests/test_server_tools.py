@@ -82,7 +82,8 @@ def test_sdk_parse_with_a_pydantic_model(smol):
         kind: Literal["capital", "other"]
 
     r = smol.client.chat.completions.parse(model=smol.model, messages=[
-        {"role": "user", "content": "Tell me about Paris as JSON."}], response_format=City, temperature=0, max_tokens=120)
+        {"role": "user", "content": "Tell me about Paris as JSON."}], response_format=City, temperature=0,
+        max_tokens=120)
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(r.choices[0].message.parsed, City)
     content, _, reason = _stream(smol.client, model=smol.model, messages=[
@@ -158,3 +159,39 @@ def test_errors_name_the_field_and_the_server_serves_on(smol, qwen3):
     for s in (smol, qwen3):
         r = s.client.chat.completions.create(model=s.model, messages=ASK, max_tokens=2)
         assert r.choices[0].finish_reason == "length"
+
+
+def test_the_batch_job_gives_the_servers_calls_and_errors(smol, tmp_path):
+    """OpenAI Batch chat lines with a schema, required and named tool choices: the same message as
+    the server's; a bad schema is that line's error record; "auto" (the batch job has no parser)
+    is refused naming the field."""
+    from test_cli import cli
+    from test_server import SETTINGS
+
+    from tpengine.frontend.requests import BATCH_AUTO_TOOLS
+
+    bodies = {"schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": TOOLS[0][
+                  "function"]["parameters"]}}},
+              "required": {"tools": TOOLS, "tool_choice": "required"},
+              "named": {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}},
+              "bad": {"guided_json": {"type": "bogus"}}}
+    lines = [{"custom_id": k, "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": ASK, "temperature": 0, "max_tokens": 60, **b}} for k, b in bodies.items()]
+    lines.append({"custom_id": "auto", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"messages": ASK, "tools": TOOLS}})
+    prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cli(["--prompts", prompts, "--out", out, "--skip-invalid", "--chat-template", TEMPLATE, *SETTINGS], tp=2)
+    recs = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    for k in ("schema", "required", "named"):
+        want = smol.client.chat.completions.create(model=smol.model, messages=ASK, temperature=0, max_tokens=60,
+                                                   **bodies[k]).choices[0]
+        got = recs[k]["response"]["body"]["choices"][0]
+        assert (got["finish_reason"], got["message"]["content"]) == (want.finish_reason, want.message.content), k
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in got["message"].get("tool_calls", [])] \
+            == [(c.function.name, c.function.arguments) for c in want.message.tool_calls or []], k
+    assert recs["required"]["response"]["body"]["choices"][0]["finish_reason"] == "tool_calls"
+    assert recs["bad"]["error"]["message"] == ('cannot compile the JSON schema: xgrammar: Unsupported type "bogus"; '
+                                               "guidance: Invalid type: bogus")
+    assert recs["auto"]["error"]["param"] == "body.tool_choice"
+    assert recs["auto"]["error"]["message"] == f"body.tool_choice: {BATCH_AUTO_TOOLS}"

@@ -97,7 +97,8 @@ def test_bad_constraints_name_the_problem_and_failures_are_cached(tok):
     fut = m.compile(bad)
     with pytest.raises(GrammarError) as e:
         fut.result()
-    assert str(e.value) == 'cannot compile the JSON schema: xgrammar: Unsupported type "bogus"; guidance: Invalid type: bogus'
+    assert str(e.value) == ('cannot compile the JSON schema: xgrammar: Unsupported type "bogus"; '
+                            "guidance: Invalid type: bogus")
     assert m.compile(S(json={"type": "bogus"})) is fut  # cached by the constraint, failures too
     with pytest.raises(GrammarError, match=r"^cannot compile the regex: xgrammar: Regex parsing error at position 3: "
                                            r"The parenthesis is not closed\."):
@@ -164,7 +165,8 @@ def test_request_form_errors_name_the_field():
     assert errors_of(SimpleRequest, {"prompt": "x", "response_format": {"type": "json_schema"}}) == [
         ("response_format.json_schema", 'is required with "type": "json_schema"')]
     assert errors_of(SimpleRequest, {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
-        "name": "p"}}}) == [("response_format.json_schema.schema", "is required: the JSON schema the output must follow")]
+        "name": "p"}}}) == [("response_format.json_schema.schema",
+                             "is required: the JSON schema the output must follow")]
     assert errors_of(SimpleRequest, {"prompt": "x", "guided_choice": []}) == [
         ("guided_choice", "must be a non-empty list of strings, got []")]
     assert errors_of(SimpleRequest, {"prompt": "x", "structured_outputs": {"json": {}, "whitespace_pattern": " "}}) == [
@@ -225,7 +227,8 @@ def test_hermes_parser():
     p = HermesToolParser()
     text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n' \
            '<tool_call>{"name": "now"}</tool_call>'
-    assert p.extract(text) == ("Let me look.\n", [ParsedCall("get_weather", '{"city": "Oslo"}'), ParsedCall("now", "{}")])
+    assert p.extract(text) == ("Let me look.\n", [ParsedCall("get_weather", '{"city": "Oslo"}'),
+                                                  ParsedCall("now", "{}")])
     assert p.extract('<tool_call>{"name": "now", "arguments": {}}') == (None, [ParsedCall("now", "{}")])  # unclosed
     malformed = 'ok <tool_call>{"name": now}</tool_call>'
     assert p.extract(malformed) == (malformed, [])

@@ -286,8 +286,8 @@ class LLMEngine:
         """``logits`` with the grammar bitmask ``masks`` (int32 ``[len(seqs), words]``, row per scheduled
         sequence) applied to ``logits [len(batch), V]`` (a new tensor when a row changes), whose row i
         is ``batch[i]``'s, from the scheduled sequence ``rows[i]`` (a new sample of an n > 1 request
-        starts where its parent is, so it takes its parent's mask). Only the sampled rows of constrained sequences change; a failure
-        fails those rows' requests."""
+        starts where its parent is, so it takes its parent's mask). Only the sampled rows of
+        constrained sequences change; a failure fails those rows' requests."""
         hit = [i for i, seq in enumerate(batch) if sampled[i] and seq.matcher is not None]
         if not hit:
             return logits

@@ -34,7 +34,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tpengine.config import EngineConfig
 from tpengine.engine.memory import gather_peak_rss
 from tpengine.entrypoints.flags import engine_options, option
-from tpengine.entrypoints.setup import build_engine, check_model, failure_line, rank_and_world, read_launch
+from tpengine.entrypoints.setup import (
+    build_engine,
+    check_model,
+    failure_line,
+    rank_and_world,
+    read_chat_template,
+    read_launch,
+)
 from tpengine.errors import UserError
 from tpengine.frontend.job import drive
 from tpengine.frontend.progress import ProgressReporter
@@ -52,7 +59,8 @@ class PreparedJob:
     without ``--out``) and None on other ranks; ``done`` is what ``--out`` already holds on rank 0
     with ``--resume`` (``read_done``: ids, invalid-line numbers), else empty sets;
     ``summary_file`` is rank 0's open ``--summary-json`` (None without it, and on other ranks);
-    ``defaults_line``: what rank 0 prints about sampling defaults taken from the model, or None.
+    ``defaults_line``: what rank 0 prints about sampling defaults taken from the model, or None;
+    ``chat_template``: ``--chat-template``'s template (None: the tokenizer's).
     """
 
     config: EngineConfig
@@ -63,6 +71,7 @@ class PreparedJob:
     done: tuple[set[str], set[int]] = field(default_factory=lambda: (set(), set()))
     summary_file: TextIO | None = None
     defaults_line: str | None = None
+    chat_template: str | None = None
 
     def close(self) -> None:
         """Close (and unlock) rank 0's files; idempotent."""
@@ -185,6 +194,8 @@ def run_engine(job: PreparedJob) -> int:
         job.close()
         return 2
     if engine.is_driver:
+        if job.chat_template is not None:  # messages lines are templated on rank 0, as the engine takes them
+            engine.tokenizer.chat_template = job.chat_template
         job.write_summary(drive(engine, job.requests, job.errors, job.writer, job.done, job.model_name))
     else:
         engine.generate([])
@@ -214,6 +225,9 @@ def main(
         "16 (completions); chat: the rest of the context")] = None,
     temperature: Annotated[float | None, option(
         "--temperature", "default temperature of a request that sets none (0 = greedy)", "1.0")] = None,
+    chat_template: Annotated[str | None, option(
+        "--chat-template", "a Jinja chat template file (or the template text) used instead of the tokenizer's "
+        "own, e.g. one that renders tools", "the tokenizer's")] = None,
     *,
     engine: dict[str, Any],
 ) -> None:
@@ -224,8 +238,10 @@ def main(
     or a setting the model cannot honour, 1 an internal failure."""
     rank, world = rank_and_world()
     try:
+        template = read_chat_template(chat_template)
         job = prepare(prompts, out, config, resume, skip_invalid,
                       {"max_tokens": max_tokens, "temperature": temperature}, engine, world, rank, summary_json)
+        job.chat_template = template
     except UserError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)

@@ -27,7 +27,7 @@ from typing import Annotated, Any
 import typer
 
 from tpengine.entrypoints.flags import engine_options, option
-from tpengine.entrypoints.setup import build_engine, failure_line, rank_and_world, read_launch
+from tpengine.entrypoints.setup import build_engine, failure_line, rank_and_world, read_chat_template, read_launch
 from tpengine.errors import UserError
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
@@ -45,26 +45,6 @@ def bind(host: str, port: int) -> socket.socket:
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     sock.set_inheritable(True)
     return sock
-
-
-def read_chat_template(value: str | None) -> str | None:
-    """``--chat-template``: a Jinja file's text, or the template itself when ``value`` holds Jinja
-    (``{{`` or ``{%``), as vLLM reads it; None: the tokenizer's own.
-
-    Raises:
-        UserError: no such file (and no Jinja in the value), or a file that cannot be read.
-    """
-    if value is None:
-        return None
-    path = Path(value)
-    if path.is_file():
-        try:
-            return path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"--chat-template: cannot read {value}: {e}") from None
-    if "{{" in value or "{%" in value:
-        return value
-    raise UserError(f"--chat-template: no such file: {value} (give a Jinja template file, or the template text)")
 
 
 def check_tool_flags(enable_auto: bool, parser: str | None) -> None:

@@ -135,6 +135,26 @@ def read_launch(config_path: str | os.PathLike | None, engine_settings: dict[str
     return Launch(cfg, model_name, sampling_defaults(config_path, model_defaults, **(sampling_cli or {})), line)
 
 
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a Jinja file's text, or the template itself when ``value`` holds Jinja
+    (``{{`` or ``{%``), as vLLM reads it; None: the tokenizer's own.
+
+    Raises:
+        UserError: no such file (and no Jinja in the value), or a file that cannot be read.
+    """
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--chat-template: cannot read {value}: {e}") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise UserError(f"--chat-template: no such file: {value} (give a Jinja template file, or the template text)")
+
+
 def loading_line(cfg: EngineConfig, world: int) -> str:
     """The line rank 0 prints before the model loads (the ready line follows when it has):
     ``tpengine: loading DIR (tp N, dtype D) ...``."""

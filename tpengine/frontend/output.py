@@ -107,7 +107,7 @@ def openai_record(
     if out.error is not None:
         return openai_error_record(req.id, req.line, out.error, out.error_field, code="request_failed")
     n = req.line
-    body = openai_body(out, req.format == "openai_chat", model, str(n), created, echo)
+    body = openai_body(out, req.format == "openai_chat", model, str(n), created, echo, req.tools)
     response = BatchResponse(request_id=f"req_{n}", body=body)
     return BatchOutputLine(id=f"batch_req_{n}", custom_id=req.id, response=response).model_dump()
 

@@ -27,6 +27,7 @@ the context limit, as OpenAI and vLLM), 16 for the others.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -35,10 +36,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from tpengine.frontend.tools import ToolUse, tool_use
 from tpengine.protocol.errors import field_errors
 from tpengine.protocol.requests import FORMAT_BY_URL, BatchRequestLine, SimpleRequest
 from tpengine.sampling_params import SamplingParams
 
+#: The error of a batch chat line with tools whose ``tool_choice`` is "auto" (also the default).
+BATCH_AUTO_TOOLS = ('tool_choice "auto" (the default with tools) needs a tool-call parser, which the batch job '
+                    'does not have; use "required", a named function ({"type": "function", "function": {"name": '
+                    '...}}) or "none"')
 #: ``max_tokens`` when neither the line nor the caller's defaults set it, by request format.
 DEFAULT_MAX_TOKENS: dict[str, int | None] = {"simple": 16, "openai_completion": 16, "openai_chat": None}
 
@@ -54,7 +60,9 @@ class ParsedRequest:
     ``template_options``: for "messages", the ``apply_chat_template`` keyword arguments
     (``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``; see
     :meth:`tpengine.protocol.messages.ChatTemplateFields.template_options`), None: the defaults;
-    ``echo``: a completions body's ``echo`` (its record starts with the prompt, :class:`EchoPrompt`).
+    ``echo``: a completions body's ``echo`` (its record starts with the prompt, :class:`EchoPrompt`);
+    ``tools``: a chat body's ``required`` or named ``tool_choice`` (its record's ``tool_calls``; the
+    constraint is in ``params``).
     """
 
     id: str
@@ -66,6 +74,7 @@ class ParsedRequest:
     model: str | None = None
     template_options: dict[str, Any] | None = None
     echo: bool = False
+    tools: ToolUse | None = None
 
 
 @dataclass(frozen=True)
@@ -206,13 +215,21 @@ def _parse_line(
     if not problems and model is not None:
         body, name = (model.body, model.body.model) if isinstance(model, BatchRequestLine) else (model, None)
         kind, payload = body.prompt_payload()
+        tools, constraint = None, None
+        if fmt == "openai_chat":
+            try:  # the batch job has no tool-call parser: "required" and named choices only
+                tools, constraint = tool_use(body, None, False)
+            except ValueError:
+                problems.append(("body.tool_choice", BATCH_AUTO_TOOLS))
         try:
             params = make_params(fmt, defaults, body.sampling_kwargs())
+            if constraint is not None:
+                params = dataclasses.replace(params, structured_outputs=constraint)
         except (TypeError, ValueError) as e:
             problems.append((None, f"invalid sampling parameters: {e}"))
-        else:
+        if not problems:
             req = ParsedRequest(rid, lineno, kind, fmt, payload, params, name, template_options(body, kind),
-                                bool(getattr(body, "echo", False)))
+                                bool(getattr(body, "echo", False)), tools)
     return lineno, req, [RequestError(lineno, rid, f, m, fmt) for f, m in problems]
 
 
