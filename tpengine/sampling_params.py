@@ -163,11 +163,12 @@ class SamplingParams:
     @property
     def needs_logits(self) -> bool:
         """Whether rank 0 needs this request's full logits row (anything beyond a plain argmax:
-        sampling, penalties, a bias, min_tokens, logprobs or a structured output); False lets a step
-        of such requests take the argmax on each rank's vocabulary shard."""
+        sampling, penalties, a bias, min_tokens or logprobs); False lets a step of such requests take
+        the argmax on each rank's vocabulary shard (a structured output's mask, broadcast, applied to
+        each shard first)."""
         return (not self.greedy or self.logprobs is not None or self.logit_bias is not None
                 or self.min_tokens > 0 or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0 or self.structured_outputs is not None)
+                or self.frequency_penalty != 0.0)
 
     def ids_to_check(self) -> tuple[int, ...]:
         """Token ids the request names (``stop_token_ids``, ``logit_bias`` keys), for the engine to

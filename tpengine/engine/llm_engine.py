@@ -219,12 +219,15 @@ class LLMEngine:
         plan = build_plan(seqs, is_prefill, self.config.block_size, self._steps,
                           block_copies=self.scheduler.take_block_copies())
         plan.greedy = not plan.prompt_idx.numel() and not any(s.params.needs_logits for s in seqs)  # on-shard argmax
-        plan = broadcast_plan(plan)
         sampled = [s.samples for s in seqs]  # False: a prefill chunk, nothing to sample
-        # the grammar bitmask of the constrained rows, filled on a worker thread while the forward runs
+        # the grammar bitmask of the constrained rows, filled on a worker thread while the forward runs;
+        # a greedy step's ranks mask their vocabulary shards with it (broadcast at the LM head), else
+        # rank 0 masks the gathered rows
         matchers = [s.matcher if ok else None for s, ok in zip(seqs, sampled)]
         masks = self._structured.fill_async(matchers) if any(m is not None for m in matchers) else None
-        out = self.runner.execute(plan)
+        plan.grammar_mask = plan.greedy and masks is not None
+        plan = broadcast_plan(plan)
+        out = self.runner.execute(plan, masks.result if plan.grammar_mask else None)
         self._steps += 1
         self._prefill_steps += is_prefill
         self._computed_tokens += int(plan.input_ids.numel())
@@ -239,7 +242,7 @@ class LLMEngine:
             b = len(seqs)
             self._prompt_logprobs(seqs, out[b:], failed)
             logits = out[:b] if len(batch) == b else out[:b].index_select(0, torch.tensor(rows, device=out.device))
-            if masks is not None:
+            if masks is not None:  # the gathered rows, masked on rank 0
                 logits = self._mask(logits, masks.result(), batch, rows, sampled, failed)
             tokens = self._sample(logits, batch, sampled, failed)
         stopped = []

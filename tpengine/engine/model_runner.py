@@ -7,6 +7,7 @@ on the positions to sample and its logits are gathered to rank 0.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -14,7 +15,7 @@ from tpengine.backends import get_backend
 from tpengine.backends.cuda.graphs import CUDAGraphRunner
 from tpengine.config import EngineConfig
 from tpengine.context import Context
-from tpengine.distributed import TPInfo, all_reduce_min
+from tpengine.distributed import TPInfo, all_reduce_min, broadcast_control
 from tpengine.engine.memory import lazy_zeros
 from tpengine.engine.process import release_free_memory
 from tpengine.engine.step import StepKind, StepPlan
@@ -146,17 +147,19 @@ class ModelRunner:
         self.backend.cache_changed()
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+    def execute(self, plan: StepPlan, grammar_mask: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
         """Run one PREFILL or DECODE step, after the plan's block copies. Returns float32 logits
         ``[B + P, vocab_size]`` on rank 0 (one row per sequence, at ``plan.sample_idx``, then one per
         ``plan.prompt_idx`` entry) or, for a ``plan.greedy`` step, the argmax token ids ``[B]``
-        (int64, without gathering the logits); None on other ranks."""
+        (int64, without gathering the logits); None on other ranks. ``grammar_mask`` (rank 0, for a
+        ``plan.grammar_mask`` step): returns the step's token bitmask (int32 ``[B, ceil(V / 32)]``),
+        called once the forward reaches the LM head."""
         if plan.block_copies is not None and plan.block_copies.numel():
             self.copy_blocks(plan.block_copies)
         if (self.graphs is not None and plan.kind == StepKind.DECODE
                 and self.graphs.can_run(plan.num_seqs, plan.block_tables.shape[1])):  # CUDA decode: replay a graph
             return self._head(self.graphs.run(plan.input_ids, plan.positions, plan.slot_mapping, plan.context_lens,
-                                              plan.block_tables), plan)
+                                              plan.block_tables), plan, grammar_mask)
         dev = self.tp.device
         to = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
         ctx = Context.build(self.backend, plan.kind == StepKind.PREFILL, to(plan.slot_mapping), to(plan.block_tables),
@@ -164,11 +167,18 @@ class ModelRunner:
         forward = self.backend.stack_forward(self.model.model, ctx)  # [N] ids, positions -> [N, hidden]
         hidden = forward(to(plan.input_ids), to(plan.positions), ctx)
         rows = plan.sample_idx if not plan.prompt_idx.numel() else torch.cat([plan.sample_idx, plan.prompt_idx])
-        return self._head(hidden.index_select(0, to(rows)), plan)
+        return self._head(hidden.index_select(0, to(rows)), plan, grammar_mask)
 
-    def _head(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:
-        """The LM head on ``[B, hidden]``: rank 0 gets float32 logits, or the argmax ids for a greedy plan."""
+    def _head(self, hidden: torch.Tensor, plan: StepPlan,
+              grammar_mask: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        """The LM head on ``[B, hidden]``: rank 0 gets float32 logits, or the argmax ids for a greedy
+        plan (a masked one's bitmask broadcast from rank 0 first, on the control group)."""
         if plan.greedy:
-            return self.model.lm_head.greedy(hidden)
+            mask = None
+            if plan.grammar_mask:
+                words = (self.shard_plan.vocab_size + 31) // 32
+                mask = grammar_mask() if self.tp.is_driver else torch.empty(plan.num_seqs, words, dtype=torch.int32)
+                mask = broadcast_control(mask).to(hidden.device)
+            return self.model.lm_head.greedy(hidden, mask)
         logits = self.model.lm_head(hidden)
         return None if logits is None else logits.float()

@@ -16,7 +16,7 @@ import torch
 from tpengine.distributed import broadcast_control, get_tp
 
 MAGIC = 0x7E57E9
-HEADER_LEN = 9  # magic, kind, num_tokens N, num_seqs B, max_blocks M, step index, greedy, P, C
+HEADER_LEN = 9  # magic, kind, num_tokens N, num_seqs B, max_blocks M, step index, greedy (2: masked), P, C
 
 #: The payload: StepPlan tensor fields in order, each with its length for (N, B, M, P, C) =
 #: (tokens, sequences, block-table width, prompt-logits rows, block copies). The one definition
@@ -68,6 +68,9 @@ class StepPlan:
       before the step runs (copy-on-write of a shared partial block when ``n > 1`` samples fork).
     * ``greedy``: every sequence samples greedily, so the ranks return the argmax token ids
       instead of gathering the logits.
+    * ``grammar_mask``: (with ``greedy``) some rows are constrained by a structured output: before the
+      LM head, rank 0 broadcasts the step's token bitmask and every rank masks its vocabulary shard
+      before its argmax.
     """
 
     kind: StepKind
@@ -83,6 +86,7 @@ class StepPlan:
     prompt_idx: torch.Tensor | None = None
     block_copies: torch.Tensor | None = None
     greedy: bool = False
+    grammar_mask: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in CONTROL_KINDS:
@@ -142,7 +146,8 @@ def pack(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.tensor([MAGIC, plan.kind, 0, 0, 0, plan.step, 0, 0, 0]), torch.empty(0, dtype=torch.int64)
     n, (b, m) = plan.input_ids.numel(), plan.block_tables.shape
     p, c = plan.prompt_idx.numel(), plan.block_copies.shape[0]
-    header = torch.tensor([MAGIC, int(plan.kind), n, b, m, plan.step, int(plan.greedy), p, c], dtype=torch.int64)
+    greedy = int(plan.greedy) + int(plan.greedy and plan.grammar_mask)
+    header = torch.tensor([MAGIC, int(plan.kind), n, b, m, plan.step, greedy, p, c], dtype=torch.int64)
     payload = torch.cat([getattr(plan, name).flatten() for name, _ in PAYLOAD_FIELDS])
     return header, payload
 
@@ -162,7 +167,7 @@ def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
     parts = dict(zip((name for name, _ in PAYLOAD_FIELDS), torch.split(payload, payload_sizes(n, b, m, p, c))))
     parts["block_tables"] = parts["block_tables"].view(b, m)
     parts["block_copies"] = parts["block_copies"].view(c, 2)
-    return StepPlan(kind=StepKind(kind), step=step, greedy=bool(greedy), **parts)
+    return StepPlan(kind=StepKind(kind), step=step, greedy=bool(greedy), grammar_mask=greedy == 2, **parts)
 
 
 def broadcast_plan(plan: StepPlan | None) -> StepPlan:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from tpengine.structured.backends import BACKEND_CLASSES, Grammar, GrammarError, Matcher, xgrammar_unsupported
+from tpengine.structured.bitmask import apply_bitmask
 from tpengine.structured.params import STRUCTURED_BACKENDS, StructuredOutputsParams
 
 #: What each constraint kind is called in an error message.
@@ -112,10 +113,8 @@ class StructuredOutputManager:
     @staticmethod
     def apply(logits: torch.Tensor, mask: torch.Tensor) -> None:
         """Set ``logits[i, t]`` to -inf where ``mask[i]`` does not allow ``t``, in place; ``logits``
-        float ``[R, V]``, ``mask`` int32 ``[R, ceil(V / 32)]``."""
-        bits = torch.arange(32, dtype=torch.int32)
-        allowed = ((mask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, : logits.shape[1]]
-        logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
+        float ``[R, V]``, ``mask`` int32 ``[R, ceil(V / 32)]`` (:func:`~tpengine.structured.bitmask.apply_bitmask`)."""
+        apply_bitmask(logits, mask)
 
     def close(self) -> None:
         """Stop the worker threads (compiles in flight finish)."""

@@ -21,6 +21,7 @@ from tpengine.backends.cpu.measured import Choice, fastest
 from tpengine.comm import all_reduce, gather_to_driver
 from tpengine.distributed import get_tp
 from tpengine.model.layers.linear import _Packable
+from tpengine.structured.bitmask import apply_bitmask
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -100,7 +101,7 @@ class ParallelLMHead(_Packable):
         logits = gather_to_driver(self._logits(hidden), dim=-1)
         return None if logits is None else logits[..., : self.vocab_size]
 
-    def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def greedy(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor | None:
         """Greedy sampling without gathering the logits: every rank takes the maximum of its
         vocabulary shard (padding excluded), rank 0 keeps the best shard's. ``hidden [B, hidden]``
         -> on rank 0 int64 token ids ``[B]``, the first index among equal maxima exactly like
@@ -109,9 +110,14 @@ class ParallelLMHead(_Packable):
         CPU head) a batch of rows computes the transposed logits ``weight @ hidden.T`` -- the
         weight, row-major, is then the GEMM's left operand and is not rearranged per call -- and
         takes each column's maximum (:func:`col_max`); the logits' rounding may differ from
-        ``F.linear``'s in the last bit."""
+        ``F.linear``'s in the last bit. ``mask``: a structured output's token bitmask (int32
+        ``[B, ceil(vocab_size / 32)]``, the same on every rank): each rank sets its shard's banned
+        tokens to -inf before its maximum."""
         width = self.vocab_size - self.vocab_start
-        if self.greedy_mm and hidden.dim() == 2 and hidden.shape[0] > 1:  # measured faster here (greedy_path)
+        if mask is not None:
+            logits = apply_bitmask(self._logits(hidden)[..., :width].float(), mask, self.vocab_start)
+            value, index = row_max(logits, self.row_max_block, self.ops.cpu_kernels)
+        elif self.greedy_mm and hidden.dim() == 2 and hidden.shape[0] > 1:  # measured faster here (greedy_path)
             value, index = col_max(torch.mm(self.weight, hidden.t())[:width], self.row_max_block, self.ops.cpu_kernels)
         else:
             value, index = row_max(self._logits(hidden)[..., :width], self.row_max_block, self.ops.cpu_kernels)
