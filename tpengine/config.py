@@ -35,6 +35,8 @@ BACKENDS = ("auto", "torch", "triton")
 #: The values of ``EngineConfig.cpu_linear``: "auto" measures and chooses the CPU weight layout per
 #: weight shape, the others force one (:mod:`tpengine.backends.cpu.linear_layout`).
 CPU_LINEAR_CHOICES = ("auto", "plain", "packed")
+#: The values of ``EngineConfig.reasoning_parser`` besides None (:mod:`tpengine.frontend.reasoning`).
+REASONING_PARSER_NAMES = ("qwen3", "deepseek_r1")
 #: The values of ``EngineConfig.quantization`` besides None (see :mod:`tpengine.model.quant.weights`).
 QUANTIZATIONS = ("int8", "int4")
 
@@ -90,6 +92,9 @@ class EngineConfig:
     # the grammar library of structured outputs (vLLM's structured_outputs_config.backend): "auto"
     # (xgrammar, falling back to guidance for what it cannot compile), "xgrammar" or "guidance"
     structured_outputs_backend: str = "auto"
+    # the thinking models' reasoning tags (vLLM's --reasoning-parser): "qwen3", "deepseek_r1" or None; a
+    # structured output then starts after </think>, and the chat API splits off reasoning_content
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, valid: str) -> ValueError:
@@ -135,6 +140,8 @@ class EngineConfig:
             raise bad("cpu_linear", f"one of {', '.join(CPU_LINEAR_CHOICES)}")
         if self.structured_outputs_backend not in STRUCTURED_BACKENDS:
             raise bad("structured_outputs_backend", f"one of {', '.join(STRUCTURED_BACKENDS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSER_NAMES:
+            raise bad("reasoning_parser", f"one of {', '.join(REASONING_PARSER_NAMES)} or unset")
         if self.generation_config == "":
             raise bad("generation_config", "auto, ignore or a folder holding a generation_config.json")
 
@@ -169,6 +176,7 @@ def torch_dtype(name: str) -> Any:
 FIELD_TYPES: dict[str, tuple] = {
     "model": (str,), "dtype": (str,), "attention_backend": (str,), "generation_config": (str,), "cpu_linear": (str,),
     "quantization": (str, None), "structured_outputs_backend": (str,),
+    "reasoning_parser": (str, None),
     "max_model_len": (int, None), "block_size": (int,), "max_num_seqs": (int,), "max_num_batched_tokens": (int, None),
     "num_kv_blocks": (int, None), "threads": (int, None), "seed": (int,),
     "kv_cache_gb": (float, int), "gpu_memory_utilization": (float, int), "dist_timeout_s": (float, int),

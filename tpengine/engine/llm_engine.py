@@ -58,6 +58,12 @@ def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
     return ids
 
 
+def _holds(ids: list[int], part: tuple[int, ...]) -> bool:
+    """Whether ``part`` occurs in ``ids`` as a contiguous run."""
+    n = len(part)
+    return any(tuple(ids[i:i + n]) == part for i in range(len(ids) - n + 1))
+
+
 class LLMEngine:
     """The engine on one rank.
 
@@ -107,6 +113,9 @@ class LLMEngine:
         self.sampler = Sampler(config.seed, self.eos_token_ids)
         self._next_id = 0
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.is_stop_token)
+        # a thinking model's end-of-thought ids: its structured outputs start after them
+        self._reasoning_end = tuple(self.tokenizer.encode("</think>", add_special_tokens=False)) \
+            if config.reasoning_parser else None
         self._pending: list[EngineOutput] = []
         self._structured = None  # the StructuredOutputManager, made by the first constrained request
         self._structured_lock = threading.Lock()
@@ -194,6 +203,8 @@ class LLMEngine:
             try:
                 seq.grammar = fut.result()
                 seq.matcher = seq.grammar.matcher()
+                if self._reasoning_end and not _holds(prompt, self._reasoning_end):  # still to think
+                    seq.reasoning_end = self._reasoning_end
                 self.scheduler.add(seq)
             except ValueError as e:  # GrammarError, or a prompt the scheduler refuses
                 self.outputs.drop(seq.request_id)
@@ -223,7 +234,7 @@ class LLMEngine:
         # the grammar bitmask of the constrained rows, filled on a worker thread while the forward runs;
         # a greedy step's ranks mask their vocabulary shards with it (broadcast at the LM head), else
         # rank 0 masks the gathered rows
-        matchers = [s.matcher if ok else None for s, ok in zip(seqs, sampled)]
+        matchers = [s.matcher if ok and s.reasoning_end is None else None for s, ok in zip(seqs, sampled)]
         masks = self._structured.fill_async(matchers) if any(m is not None for m in matchers) else None
         plan.grammar_mask = plan.greedy and masks is not None
         plan = broadcast_plan(plan)
@@ -247,10 +258,17 @@ class LLMEngine:
             tokens = self._sample(logits, batch, sampled, failed)
         stopped = []
         for i, (seq, tok, ok) in enumerate(zip(batch, tokens, sampled)):
-            if ok and i not in failed and seq.matcher is not None and not seq.matcher.accept(tok):
-                failed[i] = ("structured output", RuntimeError(f"the grammar does not allow the sampled token {tok}"))
+            if ok and i not in failed and seq.matcher is not None:
+                if seq.reasoning_end is not None:  # thinking: unconstrained until the thought ends
+                    end = seq.reasoning_end
+                    if (seq.token_ids[len(seq.token_ids) - len(end) + 1:] + [tok])[-len(end):] == list(end):
+                        seq.reasoning_end = None
+                elif not seq.matcher.accept(tok):
+                    failed[i] = ("structured output", RuntimeError(f"the grammar does not allow the sampled token "
+                                                                   f"{tok}"))
             try:
-                ended = seq.matcher is not None and seq.matcher.is_terminated  # the grammar is complete
+                # the grammar is complete: the sample ends
+                ended = seq.matcher is not None and seq.reasoning_end is None and seq.matcher.is_terminated
                 stopped.append(i not in failed and ok and (self.outputs.detokenize(seq, tok) or ended))
             except Exception as e:  # noqa: BLE001 -- this request's own failure
                 failed[i] = ("detokenizing", e)
@@ -315,6 +333,7 @@ class LLMEngine:
         child.index = k
         if parent.grammar is not None:  # its own matcher, at the grammar's start (no token sampled yet)
             child.grammar, child.matcher = parent.grammar, parent.grammar.matcher()
+            child.reasoning_end = parent.reasoning_end
         return child
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], sampled: list[bool],

@@ -55,6 +55,8 @@ class Sequence:
             ``params.logprobs`` is set (else None); ``cumulative_logprob`` their chosen logprobs' sum.
         grammar, matcher: with ``params.structured_outputs``, the compiled grammar and this sample's
             matcher in it (:mod:`tpengine.structured`), None until the grammar is compiled.
+        reasoning_end: with a reasoning parser, while the sample is still thinking: the token ids
+            that end its thought (``</think>``); the grammar applies only after them. None otherwise.
         prompt_logprobs: with ``params.prompt_logprobs``, the entries for prompt positions
             1.. computed so far (position 0 has none), else None.
     """
@@ -87,6 +89,7 @@ class Sequence:
         self.index = 0
         self.grammar = None  # with params.structured_outputs: its compiled Grammar, then this sample's
         self.matcher = None  # Matcher (tpengine.structured), set once the grammar is compiled
+        self.reasoning_end: tuple[int, ...] | None = None  # while thinking: the ids that end it (grammar waits)
         self.logprobs: list[PositionLogprobs] | None = None if params.logprobs is None else []
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[PositionLogprobs] | None = None if params.prompt_logprobs is None else []

@@ -58,6 +58,9 @@ ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {
     "structured_outputs_backend": ("structured outputs' grammar library (vLLM's structured_outputs_config."
                                    "backend): auto (xgrammar, falling back to guidance for what it cannot "
                                    "compile), xgrammar or guidance", None),
+    "reasoning_parser": ("a thinking model's reasoning tags: qwen3 or deepseek_r1 (<think>...</think>): a "
+                         "structured output starts after them; the chat API returns them as reasoning_content",
+                         "none"),
 }
 
 

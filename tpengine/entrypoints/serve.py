@@ -75,7 +75,8 @@ def serve_rank0(engine, sock: socket.socket, model_name: str, defaults: dict[str
     metrics.set_queue(engine.stats())
     state = ServerState(loop, engine.tokenizer, engine.vocab_size, engine.config.max_model_len, model_name,
                         metrics, defaults, int(time.time()), check_grammar=lambda c: engine.structured.check(c),
-                        tool_parser=tool_parser, enable_auto_tool_choice=enable_auto_tool_choice)
+                        tool_parser=tool_parser, enable_auto_tool_choice=enable_auto_tool_choice,
+                        reasoning_parser=engine.config.reasoning_parser)
     config = uvicorn.Config(build_app(state), log_level="warning", timeout_graceful_shutdown=drain_s + 3,
                             lifespan="off")
     server = uvicorn.Server(config)

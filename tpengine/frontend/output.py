@@ -33,6 +33,7 @@ from tpengine.frontend.logprobs import (
     openai_prompt_logprobs,
     simple_logprobs,
 )
+from tpengine.frontend.reasoning import ReasoningParser
 from tpengine.frontend.requests import EchoPrompt, ParsedRequest
 from tpengine.frontend.tools import ToolUse, new_call_id
 from tpengine.protocol.records import (
@@ -155,23 +156,32 @@ def completion_body(outs: list[EngineOutput], echos: list[EchoPrompt | None], mo
                               usage=usage_info(*outs))
 
 
-def chat_message(text: str, finish_reason: str | None, tools: ToolUse | None) -> tuple[ChatResponseMessage, str | None]:
-    """The assistant message of a finished sample's ``text`` and its finish reason: with ``tools``,
-    the calls read from the text (:meth:`ToolUse.extract`; then the reason is "tool_calls")."""
+def chat_message(text: str, finish_reason: str | None, tools: ToolUse | None,
+                 reasoning: ReasoningParser | None = None) -> tuple[ChatResponseMessage, str | None]:
+    """The assistant message of a finished sample's ``text`` and its finish reason: with
+    ``reasoning``, the thought split off into ``reasoning_content``; with ``tools``, the calls read
+    from the rest (:meth:`ToolUse.extract`; then the reason is "tool_calls")."""
+    thought = None
+    if reasoning is not None:
+        thought, text = reasoning.split(text)
+        text = text or ""
     if tools is None:
-        return ChatResponseMessage(content=text), finish_reason
+        return ChatResponseMessage(content=text if text or thought is None else None, reasoning_content=thought), \
+            finish_reason
     content, calls = tools.extract(text)
     if not calls:
-        return ChatResponseMessage(content=text), finish_reason
+        return ChatResponseMessage(content=text if text or thought is None else None, reasoning_content=thought), \
+            finish_reason
     out = [ToolCallOut(id=new_call_id(), function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]
-    return ChatResponseMessage(content=content, tool_calls=out), "tool_calls"
+    return ChatResponseMessage(content=content, reasoning_content=thought, tool_calls=out), "tool_calls"
 
 
 def openai_body(out: EngineOutput, chat: bool, model: str, suffix: str, created: int | None = None,
-                echo: EchoPrompt | None = None, tools: ToolUse | None = None
-                ) -> ChatCompletionResponse | CompletionResponse:
+                echo: EchoPrompt | None = None, tools: ToolUse | None = None,
+                reasoning: ReasoningParser | None = None) -> ChatCompletionResponse | CompletionResponse:
     """The OpenAI response body of finished ``out``: a ``chat.completion`` (id ``chatcmpl-<suffix>``;
-    ``tools``: how its text becomes tool calls, :func:`chat_message`) or a ``text_completion`` (id
+    ``tools``: how its text becomes tool calls, ``reasoning``: its thought's tags,
+    :func:`chat_message`) or a ``text_completion`` (id
     ``cmpl-<suffix>``, :func:`completion_body`; ``echo`` its echoed prompt), one choice per sample;
     ``model`` the served model's name; ``created`` unix seconds (default now). Shared by the batch
     job and the server."""
@@ -180,7 +190,7 @@ def openai_body(out: EngineOutput, chat: bool, model: str, suffix: str, created:
         return completion_body([out], [echo], model, suffix, created)
     choices = []
     for o in out.outputs:
-        message, reason = chat_message(o.text, o.finish_reason, tools)
+        message, reason = chat_message(o.text, o.finish_reason, tools, reasoning)
         choices.append(ChatCompletionResponseChoice(index=o.index, message=message, finish_reason=reason,
                                                     logprobs=None if o.logprobs is None else chat_logprobs(o.logprobs)))
     return ChatCompletionResponse(id=f"chatcmpl-{suffix}", created=created, model=model, choices=choices,

@@ -219,13 +219,15 @@ class ToolCallOut(RecordModel):
 
 
 class ChatResponseMessage(RecordModel):
-    """The assistant's message: ``content`` (null when it only called tools), ``tool_calls`` (only
-    when it called some)."""
+    """The assistant's message: ``content`` (null when it only called tools or only thought),
+    ``reasoning_content`` (a thinking model's thought, with a reasoning parser), ``tool_calls``
+    (only when it called some)."""
 
-    OMIT_NONE: ClassVar[tuple[str, ...]] = ("tool_calls",)
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("tool_calls", "reasoning_content")
 
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
 
 

@@ -46,10 +46,11 @@ class DeltaMessage(RecordModel):
     """The new part of the assistant message: ``role`` only in a choice's first chunk, then
     ``content`` (OpenAI's shape: a field that is not set is left out, not ``null``)."""
 
-    OMIT_NONE: ClassVar[tuple[str, ...]] = ("role", "content", "tool_calls")
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("role", "content", "reasoning_content", "tool_calls")
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -54,6 +54,7 @@ class ServerState:
     check_grammar: Callable[[Any], None] | None = None
     tool_parser: str | None = None  # --tool-call-parser
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
+    reasoning_parser: str | None = None  # the engine's --reasoning-parser
 
 
 def problem_response(p: HTTPProblem) -> JSONResponse:
@@ -103,7 +104,8 @@ def _parse_and_prepare(body: bytes, kind: str, state: ServerState) -> Prepared:
     """The request body, decoded and prepared. Raises HTTPProblem (400: not JSON, or see
     :func:`tpengine.server.serving.prepare_request`)."""
     p = prepare_request(_json(body), kind, state.tokenizer, state.vocab_size, state.max_model_len,
-                        state.model_name, state.defaults, state.tool_parser, state.enable_auto_tool_choice)
+                        state.model_name, state.defaults, state.tool_parser, state.enable_auto_tool_choice,
+                        state.reasoning_parser)
     if p.params.structured_outputs is not None and state.check_grammar is not None:
         try:  # a schema the grammar library refuses is this request's 400; compiled, it is cached for the engine
             state.check_grammar(p.params.structured_outputs)

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from tpengine.engine.outputs import EngineOutput
 from tpengine.frontend.logprobs import chat_logprobs
 from tpengine.frontend.output import completion_body, completion_text, openai_body, usage_info
+from tpengine.frontend.reasoning import END, REASONING_PARSERS, ReasoningParser
 from tpengine.frontend.requests import (
     EchoPrompt,
     ParsedRequest,
@@ -78,6 +79,7 @@ class Prepared:
     echoes: list[EchoPrompt | None]
     structured_field: str | None = None  # the body field of its output constraint, if any
     tools: ToolUse | None = None  # how a chat output becomes tool calls, when the request has tools
+    reasoning: ReasoningParser | None = None  # a chat output's thought tags, when the model still thinks
 
     def engine_ids(self) -> list[str]:
         """The engine request id of each prompt: the request's own id, with ``-<prompt>`` when
@@ -145,11 +147,12 @@ def check_length(n_prompt: int, max_tokens: int | None, max_model_len: int, fiel
 
 def prepare_request(obj: Any, kind: str, tokenizer, vocab_size: int, max_model_len: int, model_name: str,
                     defaults: Mapping[str, Any], tool_parser: str | None = None,
-                    enable_auto_tool_choice: bool = False) -> Prepared:
+                    enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None) -> Prepared:
     """Validate an OpenAI request body (``kind`` "chat" or "completion", :func:`validate_body`) and
     tokenize its prompt(s). A chat body's tools (:func:`tpengine.frontend.tools.tool_use`): "auto"
     reads calls with ``tool_parser`` (needs ``enable_auto_tool_choice``); "required" and a named
-    choice add their output constraint to the params.
+    choice add their output constraint to the params. ``reasoning_parser``: a chat output's thought
+    is split off (unless the prompt already ended it, as Qwen3's template does without thinking).
 
     Raises:
         HTTPProblem: 400 for a body that is not valid (naming the field, as the batch job does), a
@@ -194,9 +197,14 @@ def prepare_request(obj: Any, kind: str, tokenizer, vocab_size: int, max_model_l
             raise HTTPProblem(400, failure_message(req, e), field) from None
         check_length(len(ids), getattr(body, tokens_field), max_model_len, field, tokens_field)
         prompt_ids.append(ids)
+    reasoning = None
+    if chat and reasoning_parser is not None:
+        end = tuple(tokenizer.encode(END, add_special_tokens=False))
+        if not any(tuple(prompt_ids[0][i:i + len(end)]) == end for i in range(len(prompt_ids[0]) - len(end) + 1)):
+            reasoning = REASONING_PARSERS[reasoning_parser]()
     options = body.stream_options or {}
     return Prepared(rid, chat, prompt_ids, params, bool(body.stream), bool(options.get("include_usage")),
-                    int(time.time()), echoes, structured_field, tools)
+                    int(time.time()), echoes, structured_field, tools, reasoning)
 
 
 def tokenize_body(obj: Any, tokenizer, vocab_size: int, max_model_len: int, model_name: str) -> dict[str, Any]:
@@ -270,7 +278,8 @@ def response_body(p: Prepared, outs: list[EngineOutput], model_name: str) -> dic
     """The non-streamed response body of the finished outputs of ``p``'s prompts (in order)."""
     suffix = p.request_id.split("-", 1)[1]
     if p.chat:
-        return openai_body(outs[0], True, model_name, suffix, p.created, tools=p.tools).model_dump()
+        return openai_body(outs[0], True, model_name, suffix, p.created, tools=p.tools,
+                           reasoning=p.reasoning).model_dump()
     return completion_body(outs, p.echoes, model_name, suffix, p.created, p.params.n).model_dump()
 
 
@@ -310,6 +319,7 @@ async def stream_events(p: Prepared, outputs: AsyncIterator[EngineOutput], model
     prompt_of = {rid: i for i, rid in enumerate(p.engine_ids())}
     choices = len(p.prompt_ids) * n
     sent_text, sent_tokens, done, echoed = [""] * choices, [0] * choices, [False] * choices, [False] * choices
+    sent_thought = [""] * choices
     finals: dict[str, EngineOutput] = {}
     cls = ChatCompletionStreamResponse if p.chat else CompletionStreamResponse
 
@@ -336,11 +346,16 @@ async def stream_events(p: Prepared, outputs: AsyncIterator[EngineOutput], model
                 reason = o.finish_reason if finished else None
                 if p.chat:
                     lp: Any = None if positions is None else chat_logprobs(positions)
-                    delta, calls, reason = _chat_delta(o.text, sent_text[i], finished, reason, p.tools)
-                    if delta or calls or finished or positions:
+                    thought, text = (None, o.text) if p.reasoning is None else p.reasoning.split(o.text, finished)
+                    thought_delta = (thought or "")[len(sent_thought[i]):]
+                    delta, calls, reason = _chat_delta(text or "", sent_text[i], finished, reason, p.tools)
+                    if delta or thought_delta or calls or finished or positions:
                         yield event(ChatCompletionStreamChoice(
-                            index=i, delta=DeltaMessage(content=delta if delta or not calls else None,
-                                                        tool_calls=calls), finish_reason=reason, logprobs=lp))
+                            index=i, delta=DeltaMessage(
+                                content=delta if delta or not (calls or thought_delta) else None,
+                                reasoning_content=thought_delta or None, tool_calls=calls),
+                            finish_reason=reason, logprobs=lp))
+                    sent_thought[i] += thought_delta
                     sent_text[i] += delta  # the content sent: text that may be a tool call is held back
                     sent_tokens[i], done[i] = len(o.token_ids), finished
                     continue
