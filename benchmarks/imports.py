@@ -6,7 +6,8 @@ importing module's package to the imported one's. A package may import only the 
 :data:`MAY_IMPORT` lists for it, which also rules out any cycle between packages; the command prints
 every package's arrows and each forbidden one, and exits 1 if there is any.
 
-The packages, bottom up (docs/design.md, "The house"): ``core`` (the modules at the package root:
+The packages, bottom up (docs/design.md, "The house"): ``structured`` (structured outputs: the
+constraint, the grammar libraries, the bitmask; it imports no other layer), ``core`` (the modules at the package root:
 ``config``, ``errors``, ``utils``, ``sampling_params``, ``context``, ``distributed``, ``comm``),
 ``backends``, ``model`` (with ``model/quant``), ``engine``; ``protocol`` beside them (it knows
 nothing of the engine); ``frontend`` and ``server`` over the engine; ``entrypoints`` (and the
@@ -25,14 +26,15 @@ ROOT = Path(__file__).resolve().parent.parent / "tpengine"
 
 #: package -> the packages it may import (besides itself)
 MAY_IMPORT: dict[str, frozenset[str]] = {
-    "core": frozenset(),
-    "backends": frozenset({"core"}),
-    "model": frozenset({"core", "backends"}),
-    "engine": frozenset({"core", "backends", "model"}),
-    "protocol": frozenset({"core"}),
-    "frontend": frozenset({"core", "engine", "protocol"}),
-    "server": frozenset({"core", "engine", "protocol", "frontend"}),
-    "entrypoints": frozenset({"core", "backends", "model", "engine", "protocol", "frontend", "server"}),
+    "structured": frozenset(),  # structured outputs: below core (SamplingParams holds a StructuredOutputsParams)
+    "core": frozenset({"structured"}),
+    "backends": frozenset({"core", "structured"}),
+    "model": frozenset({"core", "backends", "structured"}),
+    "engine": frozenset({"core", "backends", "model", "structured"}),
+    "protocol": frozenset({"core", "structured"}),
+    "frontend": frozenset({"core", "engine", "protocol", "structured"}),
+    "server": frozenset({"core", "engine", "protocol", "frontend", "structured"}),
+    "entrypoints": frozenset({"core", "backends", "model", "engine", "protocol", "frontend", "server", "structured"}),
 }
 #: root modules that are launch shims of the entry points (``python -m tpengine.run``)
 ENTRY_SHIMS = ("run", "serve")
