@@ -33,9 +33,9 @@ from typing import Annotated
 import typer
 
 from benchmarks import emit
-from benchmarks.machine import machine_info, machine_line
 from benchmarks.bench_serve import ServerProcess, free_port, stats_ms
-from benchmarks.serve_client import RequestResult, one_request
+from benchmarks.machine import machine_info, machine_line
+from benchmarks.serve_client import RequestResult
 from benchmarks.structured_schemas import SCHEMAS
 from tpengine.config import DEFAULT_MODEL_DIR
 
