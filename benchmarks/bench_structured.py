@@ -154,7 +154,8 @@ def main(
     valid = 0
     for text, (_, schema) in zip(texts, pairs):
         try:
-            jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker()).validate(json.loads(text))
+            checker = jsonschema.FormatChecker()
+            jsonschema.Draft202012Validator(schema, format_checker=checker).validate(json.loads(text))
             valid += 1
         except (ValueError, jsonschema.ValidationError):
             pass
@@ -163,7 +164,8 @@ def main(
     result = {"machine": machine_info(), "tp": tp, "num_prompts": len(pairs), "engine_args": engine_args or [],
               "compile": compiled, "first_constrained_round": cold, "rounds": sides, "best": best,
               "ratio": round(ratio, 3), "valid": valid, "outputs": texts}
-    table = Table(title=f"structured outputs, {len(pairs)} concurrent requests, tp={tp}; {machine_line(result['machine'])}")
+    table = Table(title=f"structured outputs, {len(pairs)} concurrent requests, tp={tp}; "
+                        f"{machine_line(result['machine'])}")
     for col in ("side", "output tok/s", "TPOT p50 ms", "TTFT p50 ms", "tokens"):
         table.add_column(col)
     for name, s in [("constrained, first (cold compiles)", cold), *best.items()]:
