@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-import annotated_types as at
 from pydantic import Strict
 
 from tpengine.protocol.base import Problem, ProtocolModel
@@ -81,11 +80,11 @@ class ToolCall(ProtocolModel):
 
 
 class ToolFields(ProtocolModel):
-    """A chat request's tools: ``tools`` (a list of functions), ``tool_choice`` ("none", "auto" (the
+    """A chat request's tools: ``tools`` (a list of functions; ``[]`` is none), ``tool_choice`` ("none", "auto" (the
     default with tools), "required", or a named function, which must be one of ``tools``),
     ``parallel_tool_calls`` (default true: several calls in one answer)."""
 
-    tools: Annotated[list[Tool], Strict(), at.MinLen(1), Valid("a non-empty list of tools", nested=True)] | None = None
+    tools: Annotated[list[Tool], Strict(), Valid("a list of tools", nested=True)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: Flag | None = None
 
