@@ -26,8 +26,8 @@ def test_the_layers_have_no_cycle():
             seen[pkg] = 1 + max((depth(d, path + (pkg,)) for d in MAY_IMPORT[pkg]), default=0)
         return seen[pkg]
 
-    # the longest chain: core, backends, model, engine, frontend, server, entrypoints
-    assert {p: depth(p) for p in MAY_IMPORT}["entrypoints"] == 7
+    # the longest chain: structured, core, backends, model, engine, frontend, server, entrypoints
+    assert {p: depth(p) for p in MAY_IMPORT}["entrypoints"] == 8
 
 
 def test_a_forbidden_arrow_is_reported():
@@ -53,4 +53,4 @@ def test_importing_the_model_loads_no_engine_server_or_frontend():
 
 def test_the_protocol_knows_nothing_of_the_engine():
     loaded = _loaded_after("import tpengine.protocol.fields, tpengine.protocol.requests, tpengine.protocol.stream")
-    assert [m for m in loaded if package_of(m) not in ("protocol", "core", None)] == []
+    assert [m for m in loaded if package_of(m) not in ("protocol", "core", "structured", None)] == []

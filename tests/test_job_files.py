@@ -27,7 +27,8 @@ VALID_SETTINGS = ("attention_backend, block_size, cpu_kernels, cpu_linear, dist_
                   "enable_chunked_prefill, "
                   "enable_prefix_caching, enforce_eager, generation_config, gpu_memory_utilization, kv_cache_gb, "
                   "kv_mirror, max_model_len, max_num_batched_tokens, max_num_seqs, model, num_kv_blocks, quantization, "
-                  "seed, threads")
+                  "reasoning_parser, "
+                  "seed, structured_outputs_backend, threads")
 
 
 def run_cli(*args) -> tuple[int, str]:

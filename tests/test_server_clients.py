@@ -160,7 +160,7 @@ def test_prompt_lists_with_n_samples_streamed_and_not(server, tok):
 
 
 def test_unknown_fields_are_accepted_and_logged_once(server):
-    extra = {"parallel_tool_calls": False, "reasoning_effort": "low", "frobnicate": {"x": 1}}
+    extra = {"service_tier": "auto", "reasoning_effort": "low", "frobnicate": {"x": 1}}
     for _ in range(2):
         r = server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi",
                                                                            "refusal": None}],

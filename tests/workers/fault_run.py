@@ -16,13 +16,13 @@ def inject(rank: int, step: int) -> None:
     execute = ModelRunner.execute
     decode_steps = 0
 
-    def faulty(self, plan):
+    def faulty(self, plan, *args, **kwargs):
         nonlocal decode_steps
         if plan.kind == StepKind.DECODE:
             decode_steps += 1
             if (get_tp().rank, decode_steps) == (rank, step):
                 raise RuntimeError(f"injected fault on rank {rank} at decode step {step}")
-        return execute(self, plan)
+        return execute(self, plan, *args, **kwargs)
 
     ModelRunner.execute = faulty
 
