@@ -10,15 +10,9 @@ whose prompt already closed the thought: the engine then constrains the output f
 from __future__ import annotations
 
 from tpengine.config import REASONING_PARSER_NAMES
+from tpengine.frontend.tool_parsers import held_back
 
 START, END = "<think>", "</think>"
-
-
-def _held(text: str, marker: str) -> int:
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
 
 
 class ReasoningParser:
@@ -38,7 +32,7 @@ class ReasoningParser:
         body = lead[len(self.start):]
         i = body.find(self.end)
         if i < 0:
-            thought = body if finished else body[: len(body) - _held(body, self.end)]
+            thought = body if finished else body[: len(body) - held_back(body, self.end)]
             return thought.lstrip("\n") or None, None
         content = body[i + len(self.end):].lstrip("\n")
         return body[:i].lstrip("\n") or None, content or None

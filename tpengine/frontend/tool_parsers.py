@@ -40,8 +40,8 @@ def _call(obj: Any, args_keys: tuple[str, ...]) -> ParsedCall | None:
     return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _held(text: str, marker: str) -> int:
-    """How many characters at the end of ``text`` could be the start of ``marker``."""
+def held_back(text: str, marker: str) -> int:
+    """How many characters at the end of ``text`` could be the start of ``marker`` (a stream holds them)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:n]):
             return n
@@ -87,7 +87,7 @@ class HermesToolParser(ToolParser):
 
     def content_end(self, text: str) -> int:
         start = text.find(self.START)
-        return start if start >= 0 else len(text) - _held(text, self.START)
+        return start if start >= 0 else len(text) - held_back(text, self.START)
 
 
 class Llama3JsonToolParser(ToolParser):
