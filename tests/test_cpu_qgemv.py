@@ -124,9 +124,22 @@ def test_cached_choices_are_reused_and_bad_entries_measured_again(tmp_path, monk
     import json
 
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    # the timings are stubbed (two agreeing measurements), so the test does not depend on how busy
+    # the machine is; test_choose_sets_every_weight_of_a_shape times the real kernels
+    calls = []
+
+    def measure(mods):
+        calls.append(len(mods))
+        return {"torch": [10.0, 20.0, 30.0], "tpengine": [5.0, 25.0 if len(calls) % 2 else 21.0, 40.0],
+                "prefill_torch": [900.0, 7000.0], "prefill_dequant": [950.0, 1500.0]}
+    monkeypatch.setattr(cpu_qgemv, "_measure", measure)
+    monkeypatch.setattr(cpu_qgemv, "Contention", _Quiet)
     mods = [weight("int4", 32, (96, 64), torch.float32, seed=i) for i in range(2)]
     first = cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=1)
-    assert first["int4 g32 64->96"]["how"] == "measured"
+    assert first["int4 g32 64->96"]["how"] == "measured" and calls == [2, 2]
+    assert first["int4 g32 64->96"]["tpengine"] == [5.0, 21.0, 40.0]  # the faster of the two per bucket
+    assert (first["int4 g32 64->96"]["gemv_rows"], first["int4 g32 64->96"]["dequant_rows"]) == (1, 512)
+    assert {(m.gemv_rows, m.dequant_rows) for m in mods} == {(1, 512)}
     path = cpu_qgemv.cache_path(torch.float32)
     cached = json.loads(path.read_text())
     assert list(cached) == ["int4 g32 64->96 rank 1"]
@@ -137,6 +150,35 @@ def test_cached_choices_are_reused_and_bad_entries_measured_again(tmp_path, monk
     assert cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=1)["int4 g32 64->96"]["how"] == "cached"  # replaced
     path.write_text("not json")
     assert cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=1)["int4 g32 64->96"]["how"] == "measured"
+
+
+class _Quiet:
+    """A stand-in for :class:`~tpengine.backends.cpu.measured.Contention` on a quiet machine."""
+    busy = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_disagreeing_measurements_are_used_once_and_not_cached(tmp_path, monkeypatch):
+    """Two measurements more than 1.5x apart at a bucket (a time slice lost to another process): the
+    first one is used for this load and nothing is cached, so the next load measures again."""
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    slow = iter([{"torch": [10.0, 20.0, 30.0], "tpengine": [5.0, 10.0, 15.0]},
+                 {"torch": [10.0, 20.0, 30.0], "tpengine": [5.0, 31.0, 15.0]}])
+    monkeypatch.setattr(cpu_qgemv, "_measure", lambda mods: next(slow))
+    monkeypatch.setattr(cpu_qgemv, "Contention", _Quiet)
+
+    class Mod:
+        dtype, gemv_rows, dequant_rows = torch.float32, 0, 0
+    mods = [Mod(), Mod()]
+    got = cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=0)["int4 g32 64->96"]
+    assert got["how"] == "measured, noisy (not cached)" and got["tpengine"] == [5.0, 10.0, 15.0]
+    assert (got["gemv_rows"], got["dequant_rows"]) == (8, 0) and {m.gemv_rows for m in mods} == {8}
+    assert not cpu_qgemv.cache_path(torch.float32).exists()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

@@ -22,7 +22,7 @@ import torch
 
 from tpengine.backends.cpu import cpu_library
 from tpengine.backends.cpu.cpu_library import cache_root, cpu_id
-from tpengine.backends.cpu.measured import BUSY, Contention, read_cache, time_us, write_cache
+from tpengine.backends.cpu.measured import BUSY, NOISY, Contention, consistent, read_cache, time_us, write_cache
 
 #: The most rows one call takes.
 MAX_ROWS = 8
@@ -277,14 +277,16 @@ def _valid(times) -> bool:
 def choose(groups: dict[str, list], rank: int = 0) -> dict[str, dict]:
     """For each group of quantized weights of one shape and kind (``groups``: a key such as ``"int4
     g32 576->3072"`` -> its :class:`~tpengine.model.quant.weights.QuantizedWeight` modules), time
-    torch's kernels and these (:func:`_measure`, on the modules themselves, rotating over all of them
-    so the weights stream from memory) or read the timings this ``rank`` cached for that key
+    torch's kernels and these (:func:`_measure` twice, on the modules themselves, rotating over all of
+    them so the weights stream from memory; the faster of the two per bucket when they agree within
+    1.5x, :func:`~tpengine.backends.cpu.measured.consistent`) or read the timings this ``rank`` cached for that key
     (:func:`cache_path`: the first measurement on a machine is kept, so every later load chooses
     the same kernels and gives the same bits), and set each module's ``gemv_rows``
     (:func:`gemv_rows`) and ``dequant_rows`` (:func:`dequant_rows`). Returns ``{key: {"torch":
     [us...], "tpengine": [us...], ..., "gemv_rows": n, "dequant_rows": n, "how": "measured" |
-    "cached" | BUSY}}`` (:data:`~tpengine.backends.cpu.measured.BUSY`: timed while other processes held
-    the cores, so used for this load only, not cached)."""
+    "cached" | NOISY | BUSY}}`` (:data:`~tpengine.backends.cpu.measured.NOISY`: the two measurements
+    disagreed, :data:`~tpengine.backends.cpu.measured.BUSY`: timed while other processes held the
+    cores; either is used for this load only, not cached)."""
     if not groups:
         return {}
     path = cache_path(next(iter(groups.values()))[0].dtype)
@@ -294,10 +296,12 @@ def choose(groups: dict[str, list], rank: int = 0) -> dict[str, dict]:
         ckey = f"{key} rank {rank}"
         times, how = cache.get(ckey), "cached"
         if not _valid(times):  # absent, or a file someone edited: measure again
-            with Contention() as load:
-                times = _measure(mods)
-            how = BUSY if load.busy else "measured"
-            if not load.busy:  # timings taken while other processes held the cores are this run's only
+            with Contention() as load:  # twice, as the linear layouts: one lost time slice flips a choice
+                first, second = _measure(mods), _measure(mods)
+            agree = consistent(first, second)
+            times = {k: [min(a, b) for a, b in zip(first[k], second[k])] for k in first} if agree else first
+            how = BUSY if load.busy else "measured" if agree else NOISY
+            if how == "measured":  # timings from a busy or noisy machine are this run's only
                 new[ckey] = times
         rows, deq = gemv_rows(times["torch"], times["tpengine"]), dequant_rows(times)
         for m in mods:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_library
 from tpengine.backends.cpu.cpu_library import cache_root, cpu_id
-from tpengine.backends.cpu.measured import BUSY, Contention, consistent, read_cache, time_us, write_cache
+from tpengine.backends.cpu.measured import BUSY, NOISY, Contention, consistent, read_cache, time_us, write_cache
 from tpengine.config import CPU_LINEAR_CHOICES
 
 LAYOUTS = ("plain", "packed")
@@ -189,7 +189,7 @@ def _timed(cache: dict, key: str, needs: tuple[str, ...], measure_fn) -> tuple[d
     if ok:
         cache[key] = times
     both = {k: [None if a is None else min(a, b) for a, b in zip(v, again[k])] for k, v in times.items()}
-    how = "measured" if ok else BUSY if load.busy else "measured, noisy (not cached)"
+    how = "measured" if ok else BUSY if load.busy else NOISY
     return both, how, ok
 
 

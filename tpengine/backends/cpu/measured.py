@@ -133,6 +133,9 @@ def consistent(a: dict[str, list], b: dict[str, list], ratio: float = 1.5) -> bo
 #: How a choice timed while the machine was busy (:class:`Contention`) is described.
 BUSY = "measured, machine busy (not cached)"
 
+#: How a choice whose two measurements disagreed (:func:`consistent`) is described.
+NOISY = "measured, noisy (not cached)"
+
 
 def read_cache(path: Path) -> dict:
     """A timings file's JSON object; {} for a missing, unreadable or damaged file (then measured
@@ -203,7 +206,7 @@ def timings(key: str, candidates: dict[str, list[Callable[[], object]]],
     if load.busy:
         return first, BUSY
     if not consistent(first, second):
-        return first, "measured, noisy (not cached)"
+        return first, NOISY
     times = {k: [min(a, b) for a, b in zip(first[k], second[k])] for k in candidates}
     cache = read_cache(path)  # another process may have written meanwhile
     cache[key] = times
