@@ -15,7 +15,7 @@ GGUF_FILE = "$$($(PY) -c 'import importlib.util as u, pathlib; print(next(pathli
 BENCH_PREFIX_ARGS  ?= --num-prompts 16 --doc-len 512 --no-hf
 BENCH_CHUNKED_ARGS ?= --long-len 2048 --chunk 512,2048 --running-output-len 128
 
-.PHONY: setup model model-keepquant test lint demo bench bench-prefix bench-chunked bench-big-file bench-serve bench-structured humaneval quality eval-harness bench-scale shards clean
+.PHONY: setup model model-keepquant test lint demo bench bench-prefix bench-chunked bench-big-file bench-serve bench-structured bench-spec humaneval quality eval-harness bench-scale shards clean
 
 setup: .venv/.installed
 
@@ -83,6 +83,9 @@ bench-serve: setup model
 # JSON-schema requests vs the same unconstrained, 32 concurrent, tp=2; grammar compile times (python -m benchmarks.bench_structured --help)
 bench-structured: setup model
 	$(PY) -m benchmarks.bench_structured --out bench-structured.json
+
+bench-spec: setup model
+	$(PY) -m benchmarks.bench_spec --out bench-spec.json
 
 humaneval: setup model
 	$(PY) -m benchmarks.humaneval

@@ -68,14 +68,16 @@ class EngineSystem:
 
     def __init__(self, model: str, dtype: str, threads: int | None, max_num_seqs: int, max_model_len: int,
                  num_kv_blocks: int | None, max_num_batched_tokens: int = 0, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, quantization: str | None = None):
+                 enable_chunked_prefill: bool = True, quantization: str | None = None,
+                 speculative_config: str | None = None):
         from tpengine.config import EngineConfig
 
         self.base = EngineConfig(model=model, dtype=dtype, threads=threads, max_num_seqs=max_num_seqs,
                                  max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, dist_timeout_s=3600.0,
                                  max_num_batched_tokens=max_num_batched_tokens or max(8192, max_model_len),
                                  enable_prefix_caching=enable_prefix_caching,
-                                 enable_chunked_prefill=enable_chunked_prefill, quantization=quantization)
+                                 enable_chunked_prefill=enable_chunked_prefill, quantization=quantization,
+                                 speculative_config=speculative_config)
         self._build(self.base)
 
     def _build(self, cfg) -> None:
@@ -143,15 +145,22 @@ class EngineSystem:
         """The prefix-cache and step counters since ``before`` (an EngineStats taken after the reset)."""
         s = self.engine.stats()
         prompt, cached = s.prompt_tokens - before.prompt_tokens, s.cached_prompt_tokens - before.cached_prompt_tokens
-        return {"prompt_tokens": prompt, "cached_prompt_tokens": cached,
-                "prefix_cache_hit_rate": cached / prompt if prompt else 0.0, "steps": s.steps - before.steps,
-                "prefill_steps": s.prefill_steps - before.prefill_steps,
-                "computed_tokens": s.computed_tokens - before.computed_tokens}
+        out = {"prompt_tokens": prompt, "cached_prompt_tokens": cached,
+               "prefix_cache_hit_rate": cached / prompt if prompt else 0.0, "steps": s.steps - before.steps,
+               "prefill_steps": s.prefill_steps - before.prefill_steps,
+               "computed_tokens": s.computed_tokens - before.computed_tokens}
+        if s.speculative:
+            out.update({k: getattr(s, k) - getattr(before, k) for k in (
+                "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")})
+        return out
 
     def latency(self, prompt: list[int], n: int) -> dict:
         self.engine.reset_prefix_cache()  # no blocks cached by an earlier command
+        before = self.engine.stats() if self.tp.is_driver else None
         outs = self._run([prompt], n)
-        return {"ttft_s": outs[0].ttft_s, "latency_s": outs[0].latency_s} if outs else {}
+        if not outs:
+            return {}
+        return {"ttft_s": outs[0].ttft_s, "latency_s": outs[0].latency_s, "stats": self._stats_since(before)}
 
     def interference(self, running_prompts: list[list[int]], running_output_len: int, long_prompt: list[int],
                      start_after: int) -> dict:
@@ -250,7 +259,8 @@ def main(system: str = typer.Option(..., help="hf or engine"),
                                                          "max_model_len): every prompt in one step)"),
          enable_prefix_caching: bool = typer.Option(True, help="engine: automatic prefix caching"),
          chunked_prefill: bool = typer.Option(True, help="engine: enable_chunked_prefill"),
-         quantization: str = typer.Option("", help="engine: weight-only int8 or int4 (empty: float weights)")
+         quantization: str = typer.Option("", help="engine: weight-only int8 or int4 (empty: float weights)"),
+         speculative_config: str = typer.Option("", help="engine: vLLM's speculative-config JSON (empty: off)"),
          ) -> None:
     t0 = time.perf_counter()
     warm = WARMUP_PROMPTS
@@ -259,7 +269,8 @@ def main(system: str = typer.Option(..., help="hf or engine"),
         driver, sync = True, lambda c: c
     else:
         sysm = EngineSystem(model, dtype, threads or None, max_num_seqs, max_model_len, num_kv_blocks or None,
-                            max_num_batched_tokens, enable_prefix_caching, chunked_prefill, quantization or None)
+                            max_num_batched_tokens, enable_prefix_caching, chunked_prefill, quantization or None,
+                            speculative_config or None)
         driver = sysm.tp.is_driver
 
         def sync(c):

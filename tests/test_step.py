@@ -16,7 +16,7 @@ def test_pack_unpack_round_trip_and_payload_layout():
     assert plan.slot_mapping.tolist() == [12, 13, 14, 15, 4, 0, 1]
     header, payload = pack(plan)
     assert header.tolist()[2:] == [7, 2, 2, 5, 1, 0, 0]
-    assert payload_sizes(7, 2, 2) == [7, 7, 7, 4, 3, 3, 2, 2, 0, 0]
+    assert payload_sizes(7, 2, 2) == [7, 7, 7, 4, 3, 3, 2, 2, 0, 0, 0]
     assert payload.numel() == sum(payload_sizes(7, 2, 2)) == 3 * 7 + 2 * 2 + 2 * 3 + 2 * 2
     got = unpack(header, payload)
     assert (got.kind, got.step, got.greedy) == (StepKind.PREFILL, 5, True)

@@ -9,6 +9,7 @@ memory, world size) are not stored here.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import tomllib
@@ -39,6 +40,94 @@ CPU_LINEAR_CHOICES = ("auto", "plain", "packed")
 REASONING_PARSER_NAMES = ("qwen3", "deepseek_r1")
 #: The values of ``EngineConfig.quantization`` besides None (see :mod:`tpengine.model.quant.weights`).
 QUANTIZATIONS = ("int8", "int4")
+#: The proposers of speculative decoding (``SpeculativeConfig.method``, vLLM's names).
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's ``--speculative-config`` JSON names it
+    (:mod:`tpengine.engine.spec_decode`).
+
+    * ``method``: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of
+      the sequence's last n tokens) or "draft_model" (a smaller model with the same vocabulary,
+      ``model``); default "draft_model" when ``model`` is given.
+    * ``num_speculative_tokens``: k, the most tokens proposed per sequence and step (>= 1).
+    * ``prompt_lookup_min`` / ``prompt_lookup_max``: ngram's n range (vLLM's defaults: each the
+      other when only one is given, 5 when neither is).
+    * ``disable_by_batch_size``: propose only while at most this many sequences are decoding; unset:
+      the engine measures, per batch size, whether a speculative step emits tokens faster than a plain
+      one and chooses on the machine that runs.
+
+    Raises:
+        ValueError: an unknown key, a missing or out-of-range value, naming it and what is valid.
+    """
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    model: str | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, valid: str) -> ValueError:
+            return ValueError(f"invalid speculative_config {name}={getattr(self, name)!r}: must be {valid}")
+
+        def integer(name: str, lo: int, unset: bool) -> None:
+            v = getattr(self, name)
+            if (v is None and not unset) or v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
+                raise bad(name, f"an integer >= {lo}" + (" or unset" if unset else ""))
+
+        integer("num_speculative_tokens", 1, False)
+        if self.method not in SPECULATIVE_METHODS:
+            raise bad("method", f"one of {', '.join(SPECULATIVE_METHODS)}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            integer(name, 1, True)
+        if self.method == "ngram":
+            if self.model is not None:
+                raise bad("model", "unset with method ngram (the proposer reads the sequence itself)")
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            lo, hi = (5, 5) if lo is None and hi is None else (hi, hi) if lo is None else (lo, lo) if hi is None \
+                else (lo, hi)
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+            if lo > hi:
+                raise bad("prompt_lookup_min", f"<= prompt_lookup_max ({hi})")
+        else:
+            if not isinstance(self.model, str) or not self.model:
+                raise bad("model", "the draft model's folder (a string) with method draft_model")
+            if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+                raise ValueError("invalid speculative_config: prompt_lookup_min / prompt_lookup_max are ngram's; "
+                                 "method is draft_model")
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig:
+        """A config from vLLM's JSON text (``--speculative-config '{"method": "ngram", ...}'``), a
+        dict (``LLM(speculative_config=...)``, a TOML table) or a config.
+
+        Raises:
+            ValueError: not JSON, not an object, an unknown key (naming the valid ones), or a bad value.
+        """
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"invalid speculative_config {value!r}: not JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"invalid speculative_config {value!r}: must be a JSON object such as "
+                             '{"method": "ngram", "num_speculative_tokens": 4}')
+        known = [f.name for f in fields(cls)]
+        if unknown := sorted(set(value) - set(known)):
+            raise ValueError(f"invalid speculative_config: unknown key(s) {unknown}; valid: {', '.join(known)}")
+        value = dict(value)
+        if "method" not in value and value.get("model") is not None:
+            value["method"] = "draft_model"
+        if "num_speculative_tokens" not in value:
+            raise ValueError("invalid speculative_config: num_speculative_tokens is required")
+        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -95,6 +184,9 @@ class EngineConfig:
     # the thinking models' reasoning tags (vLLM's --reasoning-parser): "qwen3", "deepseek_r1" or None; a
     # structured output then starts after </think>, and the chat API splits off reasoning_content
     reasoning_parser: str | None = None
+    # speculative decoding (vLLM's --speculative-config): a SpeculativeConfig, given as its JSON text or a
+    # dict; None: off
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, valid: str) -> ValueError:
@@ -109,6 +201,8 @@ class EngineConfig:
                 raise ValueError(f"invalid {f.name}={value!r}: must be {names}")
             if isinstance(value, float) and not math.isfinite(value):
                 raise bad(f.name, "a finite number")
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.max_num_batched_tokens is None and self.enable_chunked_prefill:
             object.__setattr__(self, "max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
         if self.max_num_batched_tokens is None and self.max_model_len is not None:
@@ -176,7 +270,7 @@ def torch_dtype(name: str) -> Any:
 FIELD_TYPES: dict[str, tuple] = {
     "model": (str,), "dtype": (str,), "attention_backend": (str,), "generation_config": (str,), "cpu_linear": (str,),
     "quantization": (str, None), "structured_outputs_backend": (str,),
-    "reasoning_parser": (str, None),
+    "reasoning_parser": (str, None), "speculative_config": (str, dict, SpeculativeConfig, None),
     "max_model_len": (int, None), "block_size": (int,), "max_num_seqs": (int,), "max_num_batched_tokens": (int, None),
     "num_kv_blocks": (int, None), "threads": (int, None), "seed": (int,),
     "kv_cache_gb": (float, int), "gpu_memory_utilization": (float, int), "dist_timeout_s": (float, int),

@@ -159,19 +159,21 @@ class BlockManager:
         i = (seq.num_tokens - 1) // self.block_size
         return i if i < len(seq.block_table) and self.ref_count[seq.block_table[i]] > 1 else None
 
-    def _append_need(self, seq: Sequence) -> int:
-        need = max(0, self.blocks_needed(seq.num_tokens) - len(seq.block_table))
+    def _append_need(self, seq: Sequence, extra: int = 0) -> int:
+        need = max(0, self.blocks_needed(seq.num_tokens + extra) - len(seq.block_table))
         return need + (self._shared_write_block(seq) is not None)
 
-    def can_append(self, seq: Sequence) -> bool:
-        """True if ``may_append(seq)`` will succeed: no new block needed, or enough are free."""
-        return self._append_need(seq) <= len(self._free)
+    def can_append(self, seq: Sequence, extra: int = 0) -> bool:
+        """True if ``may_append(seq, extra)`` will succeed: no new block needed, or enough are free."""
+        return self._append_need(seq, extra) <= len(self._free)
 
-    def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Before a decode step that writes the K/V of position ``num_tokens - 1``: grow
-        ``seq.block_table`` so it covers ``num_tokens`` tokens (adds at most one block). If the block
-        written to is shared with a forked sample, ``seq`` gets its own copy first (copy-on-write, as
-        vLLM's v0 block manager): a new block replaces it in the table.
+    def may_append(self, seq: Sequence, extra: int = 0) -> list[tuple[int, int]]:
+        """Before a decode step that writes the K/V of positions ``num_tokens - 1`` to
+        ``num_tokens - 1 + extra`` (``extra``: the speculative tokens it verifies): grow
+        ``seq.block_table`` so it covers ``num_tokens + extra`` tokens. If the block written to first
+        is shared with a forked sample, ``seq`` gets its own copy first (copy-on-write, as vLLM's v0
+        block manager): a new block replaces it in the table (the later positions' blocks are its own:
+        a fork shares only blocks up to ``num_tokens``).
 
         Returns:
             the (source, destination) block copies the step must run before writing (0 or 1).
@@ -188,10 +190,23 @@ class BlockManager:
             self.ref_count[src] -= 1  # still >= 1: the other sharers keep it
             seq.block_table[i] = dst
             copies.append((src, dst))
-        need = max(0, self.blocks_needed(seq.num_tokens) - len(seq.block_table))
+        need = max(0, self.blocks_needed(seq.num_tokens + extra) - len(seq.block_table))
         if need:
             seq.block_table.extend(self._take(need, seq))
         return copies
+
+    def trim(self, seq: Sequence) -> int:
+        """After a speculative step: give back the blocks past the ones ``seq.num_tokens`` tokens
+        need (they held only rejected tokens' K/V, never registered in the prefix cache). Returns the
+        number of blocks freed."""
+        keep = self.blocks_needed(seq.num_tokens)
+        tail = seq.block_table[keep:]
+        for b in reversed(tail):
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self._free[b] = None
+        del seq.block_table[keep:]
+        return len(tail)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give ``child`` (a new sample of ``parent``'s prompt) ``parent``'s blocks, shared: each

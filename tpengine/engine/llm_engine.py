@@ -30,6 +30,7 @@ from tpengine.engine.process import setup_process
 from tpengine.engine.sampler import Sampler
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
+from tpengine.engine.spec_decode import SpecDecoder
 from tpengine.engine.stats import EngineStats
 from tpengine.engine.step import StepKind, StepPlan, broadcast_plan, build_plan
 from tpengine.errors import UserError
@@ -120,6 +121,8 @@ class LLMEngine:
         self._structured = None  # the StructuredOutputManager, made by the first constrained request
         self._structured_lock = threading.Lock()
         self._compiling: list[tuple[Sequence, Future]] = []  # constrained requests waiting for their grammar
+        self._spec = None if config.speculative_config is None else \
+            SpecDecoder(config.speculative_config, config.max_model_len)
         self._steps = self._prefill_steps = self._computed_tokens = self._output_tokens = 0
         print(self.runner.ready_line(time.perf_counter() - started), file=sys.stderr, flush=True)
 
@@ -149,6 +152,8 @@ class LLMEngine:
                 params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=params.prompt_logprobs)
             seq = Sequence(self._next_id, request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
             self._next_id += 1
+            if self._spec is not None:
+                seq.spec_draft_tokens = seq.spec_accepted_tokens = 0
             if bad:
                 raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
             for name, ids in (("stop_token_ids", asked.stop_token_ids), ("logit_bias", asked.logit_bias or ())):
@@ -227,7 +232,9 @@ class LLMEngine:
         if not self.scheduler.has_unfinished:
             return done
         seqs, is_prefill = self.scheduler.schedule()
-        plan = build_plan(seqs, is_prefill, self.config.block_size, self._steps,
+        started = time.perf_counter()
+        speculative = self._propose(seqs, is_prefill)  # some decodes verify proposed tokens too
+        plan = build_plan(seqs, is_prefill or speculative, self.config.block_size, self._steps,
                           block_copies=self.scheduler.take_block_copies())
         plan.greedy = not plan.prompt_idx.numel() and not any(s.params.needs_logits for s in seqs)  # on-shard argmax
         sampled = [s.samples for s in seqs]  # False: a prefill chunk, nothing to sample
@@ -244,18 +251,87 @@ class LLMEngine:
         self._computed_tokens += int(plan.input_ids.numel())
         batch, rows = self._fork(seqs, sampled)  # + the new samples of n > 1 requests, on their parent's row
         sampled += [True] * (len(batch) - len(seqs))
-        self._output_tokens += sum(sampled)
+        emitted = sum(sampled)
         failed: dict[int, tuple[str, Exception]] = {}
-        if plan.greedy:
+        b, p = len(seqs), int(plan.prompt_idx.numel())
+        if not plan.greedy:
+            self._prompt_logprobs(seqs, out[b:b + p], failed)
+        # the output row of scheduled sequence i's position j: a speculative one's first k positions are
+        # rows after the sampled and prompt rows (plan.spec_idx), its last one is row i
+        first_spec, at = [], b + p
+        for s in seqs:
+            first_spec.append(at)
+            at += len(s.proposal)
+        row = lambda i, j: first_spec[i] + j if j < len(seqs[i].proposal) else i  # noqa: E731
+        tokens = self._take(out, plan.greedy, batch, [row(r, 0) for r in rows], rows, sampled, failed, masks)
+        self._accept(batch, tokens, sampled, failed, done)
+        if speculative:  # position j of a sequence, while its position j - 1 took the proposed token
+            took = dict(zip(range(b), tokens))
+            live = [i for i in range(b) if seqs[i].proposal]
+            accepted = dict.fromkeys(live, 0)
+            for j in range(1, max(len(seqs[i].proposal) for i in live) + 1):
+                live = [i for i in live if j <= len(seqs[i].proposal) and not seqs[i].is_finished
+                        and took[i] == seqs[i].proposal[j - 1]]
+                if not live:
+                    break
+                sub, ok, sub_failed = [seqs[i] for i in live], [True] * len(live), {}
+                sub_tokens = self._take(out, plan.greedy, sub, [row(i, j) for i in live], live, ok, sub_failed, None)
+                self._accept(sub, sub_tokens, ok, sub_failed, done)
+                emitted += len(live)
+                for i, tok in zip(live, sub_tokens):
+                    took[i], accepted[i] = tok, j
+            for i, m in accepted.items():
+                self._spec.stats.add(len(seqs[i].proposal), m)
+                seqs[i].spec_draft_tokens += len(seqs[i].proposal)
+                seqs[i].spec_accepted_tokens += m
+                seqs[i].proposal = []
+                if not seqs[i].is_finished:  # the blocks of the rejected positions go back
+                    self.scheduler.block_manager.trim(seqs[i])
+        self._output_tokens += emitted
+        if self._spec is not None and not is_prefill:  # a decode step: how fast each kind emits tokens
+            self._spec.policy.record(b, speculative, time.perf_counter() - started, emitted)
+        for rid in dict.fromkeys(seq.request_id for seq, ok in zip(batch, sampled) if ok):
+            if (partial := self.outputs.stream_output(rid)) is not None:
+                done.append(partial)
+        return done
+
+    def _propose(self, seqs: list[Sequence], is_prefill: bool) -> bool:
+        """With speculative decoding, in a decode step the policy finds worth it: give each sequence
+        its proposal (as many as the step's token budget and free blocks allow). True if any got one."""
+        if self._spec is None or is_prefill or not seqs or not self._spec.policy.wants(len(seqs)):
+            return False
+        budget, any_ = self.scheduler.max_num_batched_tokens - len(seqs), False
+        for seq in seqs:
+            if budget <= 0:
+                break
+            proposal = self._spec.propose(seq, budget)
+            if proposal and self.scheduler.reserve_proposal(seq, proposal):
+                budget -= len(proposal)
+                any_ = True
+        return any_
+
+    def _take(self, out: torch.Tensor, greedy: bool, batch: list[Sequence], out_rows: list[int], rows: list[int],
+              sampled: list[bool], failed: dict[int, tuple[str, Exception]], masks) -> list[int]:
+        """One token per ``batch`` sequence from the step's result ``out``: its row ``out_rows[i]``'s
+        argmax id (a greedy step) or a sample from that row's logits, masked first by the grammar
+        ``masks`` (rows by scheduled sequence, ``rows[i]``)."""
+        if greedy:
             ids = out.tolist()
-            tokens = [ids[r] for r in rows]
+            return [ids[r] for r in out_rows]
+        if out_rows == list(range(len(out_rows))):
+            logits = out[:len(out_rows)]
         else:
-            b = len(seqs)
-            self._prompt_logprobs(seqs, out[b:], failed)
-            logits = out[:b] if len(batch) == b else out[:b].index_select(0, torch.tensor(rows, device=out.device))
-            if masks is not None:  # the gathered rows, masked on rank 0
-                logits = self._mask(logits, masks.result(), batch, rows, sampled, failed)
-            tokens = self._sample(logits, batch, sampled, failed)
+            logits = out.index_select(0, torch.tensor(out_rows, device=out.device))
+        if masks is not None:  # the gathered rows, masked on rank 0
+            logits = self._mask(logits, masks.result(), batch, rows, sampled, failed)
+        return self._sample(logits, batch, sampled, failed)
+
+    def _accept(self, batch: list[Sequence], tokens: list[int], sampled: list[bool],
+                failed: dict[int, tuple[str, Exception]], done: list[EngineOutput]) -> None:
+        """Take one token per ``batch`` sequence (``sampled`` False: a prefill chunk, none): the grammar
+        advances, the text grows and is checked for stop strings, the failed requests end with their
+        error output, and the scheduler appends the tokens and finishes what stops (outputs into
+        ``done``)."""
         stopped = []
         for i, (seq, tok, ok) in enumerate(zip(batch, tokens, sampled)):
             if ok and i not in failed and seq.matcher is not None:
@@ -282,10 +358,6 @@ class LLMEngine:
                     done.append(final)
             except Exception as e:  # noqa: BLE001
                 done.append(self._fail(seq, "detokenizing", e))
-        for rid in dict.fromkeys(seq.request_id for seq, ok in zip(batch, sampled) if ok):
-            if (partial := self.outputs.stream_output(rid)) is not None:
-                done.append(partial)
-        return done
 
     def _fork(self, seqs: list[Sequence], sampled: list[bool]) -> tuple[list[Sequence], list[int]]:
         """Start samples 1..n-1 of every ``n > 1`` request whose first token this step samples (they
@@ -331,6 +403,8 @@ class LLMEngine:
                          replace(p, seed=seed, prompt_logprobs=None), arrival_time=parent.arrival_time)
         self._next_id += 1
         child.index = k
+        if parent.spec_draft_tokens is not None:  # speculative decoding: its own counts, from 0
+            child.spec_draft_tokens = child.spec_accepted_tokens = 0
         if parent.grammar is not None:  # its own matcher, at the grammar's start (no token sampled yet)
             child.grammar, child.matcher = parent.grammar, parent.grammar.matcher()
             child.reasoning_end = parent.reasoning_end
@@ -408,7 +482,14 @@ class LLMEngine:
         return EngineStats(self._steps, self._prefill_steps, self._steps - self._prefill_steps,
                            s.prompt_tokens, self._output_tokens, s.num_preemptions, s.num_free_blocks,
                            s.num_total_blocks, s.num_running, s.num_waiting, s.cached_prompt_tokens,
-                           self._computed_tokens, s.num_cached_blocks)
+                           self._computed_tokens, s.num_cached_blocks, *self._spec_counters())
+
+    def _spec_counters(self) -> tuple:
+        """EngineStats' speculative fields: (on, drafts, draft tokens, accepted tokens, accepted per position)."""
+        if self._spec is None:
+            return (False, 0, 0, 0, ())
+        st = self._spec.stats
+        return (True, st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, tuple(st.accepted_per_pos))
 
     # ------------------------------------------------------------------ SPMD API
     def generate(self, requests: Iterable[tuple[str, list[int], SamplingParams]],

@@ -149,9 +149,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan, grammar_mask: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
         """Run one PREFILL or DECODE step, after the plan's block copies. Returns float32 logits
-        ``[B + P, vocab_size]`` on rank 0 (one row per sequence, at ``plan.sample_idx``, then one per
-        ``plan.prompt_idx`` entry) or, for a ``plan.greedy`` step, the argmax token ids ``[B]``
-        (int64, without gathering the logits); None on other ranks. ``grammar_mask`` (rank 0, for a
+        ``[B + P + S, vocab_size]`` on rank 0 (one row per sequence, at ``plan.sample_idx``, then one
+        per ``plan.prompt_idx`` entry, then one per ``plan.spec_idx`` entry) or, for a ``plan.greedy``
+        step, the argmax token ids ``[B + S]`` (int64, without gathering the logits); None on other ranks. ``grammar_mask`` (rank 0, for a
         ``plan.grammar_mask`` step): returns the step's token bitmask (int32 ``[B, ceil(V / 32)]``),
         called once the forward reaches the LM head."""
         if plan.block_copies is not None and plan.block_copies.numel():
@@ -166,7 +166,8 @@ class ModelRunner:
                             to(plan.cu_seqlens_q), to(plan.cu_seqlens_k), to(plan.context_lens))
         forward = self.backend.stack_forward(self.model.model, ctx)  # [N] ids, positions -> [N, hidden]
         hidden = forward(to(plan.input_ids), to(plan.positions), ctx)
-        rows = plan.sample_idx if not plan.prompt_idx.numel() else torch.cat([plan.sample_idx, plan.prompt_idx])
+        extra = [t for t in (plan.prompt_idx, plan.spec_idx) if t is not None and t.numel()]
+        rows = torch.cat([plan.sample_idx, *extra]) if extra else plan.sample_idx
         return self._head(hidden.index_select(0, to(rows)), plan, grammar_mask)
 
     def _head(self, hidden: torch.Tensor, plan: StepPlan,
@@ -179,6 +180,8 @@ class ModelRunner:
                 words = (self.shard_plan.vocab_size + 31) // 32
                 mask = grammar_mask() if self.tp.is_driver else torch.empty(plan.num_seqs, words, dtype=torch.int32)
                 mask = broadcast_control(mask).to(hidden.device)
+                if hidden.shape[0] > mask.shape[0]:  # speculative rows: never constrained (all bits set)
+                    mask = torch.cat([mask, mask.new_full((hidden.shape[0] - mask.shape[0], words), -1)])
             return self.model.lm_head.greedy(hidden, mask)
         logits = self.model.lm_head(hidden)
         return None if logits is None else logits.float()

@@ -93,6 +93,8 @@ class EngineOutput:
     num_cached_tokens: int = 0
     ttft_s: float | None = None
     latency_s: float | None = None
+    spec_num_draft_tokens: int | None = None
+    spec_num_accepted_tokens: int | None = None
     error: str | None = None
     error_field: str | None = None
     finished: bool = True

@@ -253,6 +253,18 @@ class Scheduler:
         self.running = kept
         return batch
 
+    def reserve_proposal(self, seq: Sequence, proposal: list[int]) -> bool:
+        """Let ``seq``, scheduled for a decode, verify ``proposal`` (speculative tokens) in the same
+        step: its table grows to cover them and they join ``num_new_tokens`` and ``seq.proposal``.
+        False (nothing changed) when the blocks for them are not free: a proposal never preempts."""
+        bm = self.block_manager
+        if not proposal or seq.num_new_tokens != 1 or not bm.can_append(seq, len(proposal)):
+            return False
+        self.block_copies += bm.may_append(seq, len(proposal))
+        seq.proposal = list(proposal)
+        seq.num_new_tokens = 1 + len(proposal)
+        return True
+
     def _preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.block_manager.deallocate(seq)

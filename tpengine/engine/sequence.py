@@ -59,6 +59,10 @@ class Sequence:
             that end its thought (``</think>``); the grammar applies only after them. None otherwise.
         prompt_logprobs: with ``params.prompt_logprobs``, the entries for prompt positions
             1.. computed so far (position 0 has none), else None.
+        proposal: the speculative tokens the current step verifies after the last token
+            (:mod:`tpengine.engine.spec_decode`; counted in ``num_new_tokens``), [] for none.
+        spec_draft_tokens, spec_accepted_tokens: with speculative decoding, the tokens proposed for
+            this sample and the accepted ones (0 until a proposal); None without it.
     """
 
     def __init__(
@@ -93,6 +97,9 @@ class Sequence:
         self.logprobs: list[PositionLogprobs] | None = None if params.logprobs is None else []
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[PositionLogprobs] | None = None if params.prompt_logprobs is None else []
+        self.proposal: list[int] = []
+        self.spec_draft_tokens: int | None = None  # with speculative decoding: tokens proposed for it
+        self.spec_accepted_tokens: int | None = None  # and accepted
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -31,7 +31,10 @@ class EngineStats:
     prefill step), tokens (``prompt_tokens`` of the requests scheduled, ``cached_prompt_tokens`` of
     them found in the prefix cache, ``computed_tokens`` run through the model, ``output_tokens``
     sampled), preemptions, and the KV-block (``num_cached_blocks``: free ones still holding a cached
-    prefix) and queue state now."""
+    prefix) and queue state now. With speculative decoding, vLLM's ``spec_decode_*`` counters:
+    ``spec_num_drafts`` (sequence-steps that verified proposals), ``spec_num_draft_tokens`` (tokens
+    proposed), ``spec_num_accepted_tokens`` (of those, accepted) and ``spec_accepted_per_pos``
+    (accepted at each proposal position); ``speculative`` False without it."""
 
     steps: int
     prefill_steps: int
@@ -46,8 +49,24 @@ class EngineStats:
     cached_prompt_tokens: int = 0
     computed_tokens: int = 0
     num_cached_blocks: int = 0
+    speculative: bool = False
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         """Cached prompt tokens / prompt tokens (0.0 before any prompt)."""
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed speculative tokens (None before any proposal)."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else None
+
+    @property
+    def spec_mean_acceptance_length(self) -> float | None:
+        """Tokens emitted per sequence-step that verified proposals, 1 + accepted / drafts (vLLM's mean
+        acceptance length; None before any proposal)."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else None

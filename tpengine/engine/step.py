@@ -16,30 +16,31 @@ import torch
 from tpengine.distributed import broadcast_control, get_tp
 
 MAGIC = 0x7E57E9
-HEADER_LEN = 9  # magic, kind, num_tokens N, num_seqs B, max_blocks M, step index, greedy (2: masked), P, C
+HEADER_LEN = 10  # magic, kind, num_tokens N, num_seqs B, max_blocks M, step index, greedy (2: masked), P, C, S
 
-#: The payload: StepPlan tensor fields in order, each with its length for (N, B, M, P, C) =
-#: (tokens, sequences, block-table width, prompt-logits rows, block copies). The one definition
-#: used by pack, unpack and broadcast_plan.
+#: The payload: StepPlan tensor fields in order, each with its length for (N, B, M, P, C, S) =
+#: (tokens, sequences, block-table width, prompt-logits rows, block copies, speculative rows). The
+#: one definition used by pack, unpack and broadcast_plan.
 PAYLOAD_FIELDS = (
-    ("input_ids", lambda n, b, m, p, c: n),
-    ("positions", lambda n, b, m, p, c: n),
-    ("slot_mapping", lambda n, b, m, p, c: n),
-    ("block_tables", lambda n, b, m, p, c: b * m),
-    ("cu_seqlens_q", lambda n, b, m, p, c: b + 1),
-    ("cu_seqlens_k", lambda n, b, m, p, c: b + 1),
-    ("context_lens", lambda n, b, m, p, c: b),
-    ("sample_idx", lambda n, b, m, p, c: b),
-    ("prompt_idx", lambda n, b, m, p, c: p),
-    ("block_copies", lambda n, b, m, p, c: 2 * c),
+    ("input_ids", lambda n, b, m, p, c, s: n),
+    ("positions", lambda n, b, m, p, c, s: n),
+    ("slot_mapping", lambda n, b, m, p, c, s: n),
+    ("block_tables", lambda n, b, m, p, c, s: b * m),
+    ("cu_seqlens_q", lambda n, b, m, p, c, s: b + 1),
+    ("cu_seqlens_k", lambda n, b, m, p, c, s: b + 1),
+    ("context_lens", lambda n, b, m, p, c, s: b),
+    ("sample_idx", lambda n, b, m, p, c, s: b),
+    ("prompt_idx", lambda n, b, m, p, c, s: p),
+    ("block_copies", lambda n, b, m, p, c, s: 2 * c),
+    ("spec_idx", lambda n, b, m, p, c, s: s),
 )
 
 
-def payload_sizes(n: int, b: int, m: int, p: int = 0, c: int = 0) -> list[int]:
+def payload_sizes(n: int, b: int, m: int, p: int = 0, c: int = 0, s: int = 0) -> list[int]:
     """Lengths of the :data:`PAYLOAD_FIELDS` for ``n`` tokens, ``b`` sequences, a block table ``m``
-    blocks wide, ``p`` prompt-logits rows and ``c`` block copies (their sum is the payload length:
-    ``3n + b*m + 2(b+1) + 2b + p + 2c``)."""
-    return [size(n, b, m, p, c) for _, size in PAYLOAD_FIELDS]
+    blocks wide, ``p`` prompt-logits rows, ``c`` block copies and ``s`` speculative rows (their sum
+    is the payload length: ``3n + b*m + 2(b+1) + 2b + p + 2c + s``)."""
+    return [size(n, b, m, p, c, s) for _, size in PAYLOAD_FIELDS]
 
 
 class StepKind(enum.IntEnum):
@@ -66,6 +67,10 @@ class StepPlan:
       logprobs); their rows follow the ``B`` sampled rows in :meth:`ModelRunner.execute`'s result.
     * ``block_copies``: ``[C, 2]`` (source, destination) physical blocks whose K/V every rank copies
       before the step runs (copy-on-write of a shared partial block when ``n > 1`` samples fork).
+    * ``spec_idx``: ``[S]`` more indices into the N tokens whose logits verify speculative tokens
+      (:mod:`tpengine.engine.spec_decode`): for a sequence that runs its last token and k proposed
+      ones, the first k of those k + 1 positions (its last one is its ``sample_idx``). Their rows
+      follow the ``B`` sampled and ``P`` prompt rows in :meth:`ModelRunner.execute`'s result.
     * ``greedy``: every sequence samples greedily, so the ranks return the argmax token ids
       instead of gathering the logits.
     * ``grammar_mask``: (with ``greedy``) some rows are constrained by a structured output: before the
@@ -85,6 +90,7 @@ class StepPlan:
     sample_idx: torch.Tensor | None = None
     prompt_idx: torch.Tensor | None = None
     block_copies: torch.Tensor | None = None
+    spec_idx: torch.Tensor | None = None
     greedy: bool = False
     grammar_mask: bool = False
 
@@ -94,6 +100,8 @@ class StepPlan:
                 self.prompt_idx = torch.empty(0, dtype=torch.int64)
             if self.block_copies is None:
                 self.block_copies = torch.empty(0, 2, dtype=torch.int64)
+            if self.spec_idx is None:
+                self.spec_idx = torch.empty(0, dtype=torch.int64)
 
     @property
     def is_prefill(self) -> bool:
@@ -112,16 +120,22 @@ def build_plan(seqs, is_prefill: bool, block_size: int, step: int, greedy: bool 
     prompt or one chunk of it after the cached prefix (a decode in a mixed step is a one-token
     prefill over its cache); the logits of each sequence's last token in the step are sampled. A
     sequence asking for prompt logprobs also gets the logits of its other prompt positions in the
-    step (``prompt_idx``: each position predicts the next prompt token). ``block_copies``: (source,
-    destination) blocks to copy before the step."""
-    ids, pos, slots, cu_q, cu_k, ctx, prompt_idx = [], [], [], [0], [0], [], []
+    step (``prompt_idx``: each position predicts the next prompt token). A decoding sequence with
+    speculative tokens (``s.proposal``, the scheduler counted them in ``num_new_tokens``) runs its last
+    token and them, and the first k of those positions' logits are wanted too (``spec_idx``).
+    ``block_copies``: (source, destination) blocks to copy before the step."""
+    ids, pos, slots, cu_q, cu_k, ctx, prompt_idx, spec_idx = [], [], [], [0], [0], [], [], []
     for s in seqs:
         start = s.num_cached_tokens
         end = start + s.num_new_tokens
         if s.prompt_logprobs is not None:  # position p's logits predict prompt token p + 1
             base, first = len(ids), max(start, len(s.prompt_logprobs))  # not those collected already
             prompt_idx.extend(base + p - start for p in range(first, min(end, s.num_prompt_tokens - 1)))
-        ids.extend(s.token_ids[start:end])
+        if s.proposal:
+            spec_idx.extend(range(len(ids), len(ids) + len(s.proposal)))
+            ids.extend(s.token_ids[start:] + s.proposal)
+        else:
+            ids.extend(s.token_ids[start:end])
         pos.extend(range(start, end))
         bt = s.block_table
         slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(start, end))
@@ -136,18 +150,19 @@ def build_plan(seqs, is_prefill: bool, block_size: int, step: int, greedy: bool 
         kind=StepKind.PREFILL if is_prefill else StepKind.DECODE, step=step,
         input_ids=t(ids), positions=t(pos), slot_mapping=t(slots), block_tables=tables,
         cu_seqlens_q=cu_q_t, cu_seqlens_k=t(cu_k), context_lens=t(ctx), sample_idx=cu_q_t[1:] - 1,
-        prompt_idx=t(prompt_idx), block_copies=t(list(block_copies)).view(-1, 2), greedy=greedy,
+        prompt_idx=t(prompt_idx), block_copies=t(list(block_copies)).view(-1, 2), spec_idx=t(spec_idx),
+        greedy=greedy,
     )
 
 
 def pack(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """``(header [HEADER_LEN], payload [sum(payload_sizes(N, B, M))])`` int64 tensors."""
     if plan.kind in CONTROL_KINDS:
-        return torch.tensor([MAGIC, plan.kind, 0, 0, 0, plan.step, 0, 0, 0]), torch.empty(0, dtype=torch.int64)
+        return torch.tensor([MAGIC, plan.kind, 0, 0, 0, plan.step, 0, 0, 0, 0]), torch.empty(0, dtype=torch.int64)
     n, (b, m) = plan.input_ids.numel(), plan.block_tables.shape
-    p, c = plan.prompt_idx.numel(), plan.block_copies.shape[0]
+    p, c, s = plan.prompt_idx.numel(), plan.block_copies.shape[0], plan.spec_idx.numel()
     greedy = int(plan.greedy) + int(plan.greedy and plan.grammar_mask)
-    header = torch.tensor([MAGIC, int(plan.kind), n, b, m, plan.step, greedy, p, c], dtype=torch.int64)
+    header = torch.tensor([MAGIC, int(plan.kind), n, b, m, plan.step, greedy, p, c, s], dtype=torch.int64)
     payload = torch.cat([getattr(plan, name).flatten() for name, _ in PAYLOAD_FIELDS])
     return header, payload
 
@@ -159,12 +174,12 @@ def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
         RuntimeError: a header without the magic number or with an unknown kind (ranks out of
             step with each other).
     """
-    magic, kind, n, b, m, step, greedy, p, c = (int(x) for x in header.tolist())
+    magic, kind, n, b, m, step, greedy, p, c, s = (int(x) for x in header.tolist())
     if magic != MAGIC or kind not in {k.value for k in StepKind}:
         raise RuntimeError(f"corrupt StepPlan header {header.tolist()}: ranks are out of lockstep")
     if kind in CONTROL_KINDS:
         return StepPlan(kind=StepKind(kind), step=step)
-    parts = dict(zip((name for name, _ in PAYLOAD_FIELDS), torch.split(payload, payload_sizes(n, b, m, p, c))))
+    parts = dict(zip((name for name, _ in PAYLOAD_FIELDS), torch.split(payload, payload_sizes(n, b, m, p, c, s))))
     parts["block_tables"] = parts["block_tables"].view(b, m)
     parts["block_copies"] = parts["block_copies"].view(c, 2)
     return StepPlan(kind=StepKind(kind), step=step, greedy=bool(greedy), grammar_mask=greedy == 2, **parts)
@@ -182,7 +197,7 @@ def broadcast_plan(plan: StepPlan | None) -> StepPlan:
             broadcast_control(payload)
         return plan
     header = broadcast_control(torch.empty(HEADER_LEN, dtype=torch.int64))
-    _, kind, n, b, m, _, _, p, c = header.tolist()
-    size = 0 if kind in CONTROL_KINDS else sum(payload_sizes(n, b, m, p, c))
+    _, kind, n, b, m, _, _, p, c, s = header.tolist()
+    size = 0 if kind in CONTROL_KINDS else sum(payload_sizes(n, b, m, p, c, s))
     payload = broadcast_control(torch.empty(size, dtype=torch.int64)) if size else torch.empty(0, dtype=torch.int64)
     return unpack(header, payload)

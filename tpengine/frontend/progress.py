@@ -60,6 +60,7 @@ class ProgressReporter:
         self.ttfts: list[float] = []
         self.tpots: list[float] = []
         self.running = self.waiting = 0
+        self.spec: dict[str, Any] | None = None  # with speculative decoding: the engine's spec_* counters
         self.peak_rss: list[int] | None = None  # bytes per rank, set at the end of the run
         self.start = time.monotonic()
         self._last_print = self.start
@@ -124,6 +125,12 @@ class ProgressReporter:
         self.running = _stat(stats, "num_running") or 0
         self.waiting = _stat(stats, "num_waiting") or 0
         self.sampled_tokens = _stat(stats, "output_tokens") or self.sampled_tokens
+        if _stat(stats, "speculative"):
+            drafts, proposed = _stat(stats, "spec_num_drafts") or 0, _stat(stats, "spec_num_draft_tokens") or 0
+            accepted = _stat(stats, "spec_num_accepted_tokens") or 0
+            self.spec = {"num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
+                         "acceptance_rate": accepted / proposed if proposed else None,
+                         "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
         self._refresh()
 
     def _line(self) -> str:
@@ -152,7 +159,10 @@ class ProgressReporter:
     def summary(self) -> dict[str, Any]:
         """The run's numbers: counts, tokens, prefix_cache_hit_rate (cached prompt tokens / prompt
         tokens of the finished requests), wall_s, output_tok_s, ttft/tpot p50/p90 (s),
-        peak_rss_bytes (per rank, in rank order; None when not reported)."""
+        peak_rss_bytes (per rank, in rank order; None when not reported); with speculative decoding,
+        ``spec_decode``: proposals (sequence-steps), proposed and accepted tokens, acceptance rate
+        (accepted / proposed) and mean acceptance length (tokens per sequence-step with a proposal)."""
+        extra = {} if self.spec is None else {"spec_decode": dict(self.spec)}
         return {
             "requests_ok": self.ok,
             "requests_error": self.errors,
@@ -167,6 +177,7 @@ class ProgressReporter:
             "tpot_p50_s": percentile(self.tpots, 50),
             "tpot_p90_s": percentile(self.tpots, 90),
             "peak_rss_bytes": self.peak_rss,
+            **extra,
         }
 
     def print_summary(self) -> dict[str, Any]:
@@ -190,6 +201,11 @@ class ProgressReporter:
         table.add_row("output tokens/s", f"{s['output_tok_s']:.1f}")
         table.add_row("TTFT p50 / p90", f"{ms(s['ttft_p50_s'])} / {ms(s['ttft_p90_s'])}")
         table.add_row("TPOT p50 / p90", f"{ms(s['tpot_p50_s'])} / {ms(s['tpot_p90_s'])}")
+        if (spec := s.get("spec_decode")) is not None:
+            rate, mean = spec["acceptance_rate"], spec["mean_acceptance_length"]
+            table.add_row("speculative decoding", "no proposal yet" if rate is None else
+                          f"{spec['num_accepted_tokens']} of {spec['num_draft_tokens']} proposed tokens accepted "
+                          f"({rate:.3f}), mean acceptance length {mean:.2f}")
         if s["peak_rss_bytes"]:
             table.add_row("peak memory per rank", format_peak_rss(s["peak_rss_bytes"]))
         Console(file=self.stream, width=80).print(table)

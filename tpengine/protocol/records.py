@@ -117,10 +117,16 @@ class UsageInfo(RecordModel):
 
 
 class Metrics(RecordModel):
-    """Seconds from arrival to the first token (``ttft_s``) and to the finish (``latency_s``)."""
+    """Seconds from arrival to the first token (``ttft_s``) and to the finish (``latency_s``); with
+    speculative decoding, the request's proposed tokens (``spec_num_draft_tokens``) and how many of them
+    were accepted (``spec_num_accepted_tokens``), left out without it."""
+
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("spec_num_draft_tokens", "spec_num_accepted_tokens")
 
     ttft_s: float | None = None
     latency_s: float | None = None
+    spec_num_draft_tokens: int | None = None
+    spec_num_accepted_tokens: int | None = None
 
 
 class SimpleRecord(RecordModel):

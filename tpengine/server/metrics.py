@@ -46,6 +46,31 @@ class ServerMetrics:
                               "the first, per request.", labels, buckets=TPOT_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("tpengine:e2e_request_latency_seconds", "Arrival to finish.", labels,
                              buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self._spec: dict | None = None  # vLLM's spec_decode_* counters, made at the first speculative stats
+        self._spec_seen: dict[str, int] = {}
+
+    def _observe_spec(self, stats) -> None:
+        """The spec_decode_* counters, advanced to the engine's cumulative counts in ``stats``."""
+        if self._spec is None:
+            labels, r = ["model_name"], self.registry
+            self._spec = {
+                "spec_num_drafts": Counter("tpengine:spec_decode_num_drafts", "Sequence-steps that verified "
+                                           "speculative tokens.", labels, registry=r).labels(self.model_name),
+                "spec_num_draft_tokens": Counter("tpengine:spec_decode_num_draft_tokens", "Speculative tokens "
+                                                 "proposed.", labels, registry=r).labels(self.model_name),
+                "spec_num_accepted_tokens": Counter("tpengine:spec_decode_num_accepted_tokens", "Speculative "
+                                                    "tokens accepted.", labels, registry=r).labels(self.model_name),
+                "per_pos": Counter("tpengine:spec_decode_num_accepted_tokens_per_pos", "Speculative tokens "
+                                   "accepted at each proposal position.", [*labels, "position"], registry=r),
+            }
+        for name in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens"):
+            now = getattr(stats, name)
+            self._spec[name].inc(max(0, now - self._spec_seen.get(name, 0)))
+            self._spec_seen[name] = now
+        for pos, now in enumerate(stats.spec_accepted_per_pos):
+            key = f"pos{pos}"
+            self._spec["per_pos"].labels(self.model_name, str(pos)).inc(max(0, now - self._spec_seen.get(key, 0)))
+            self._spec_seen[key] = now
 
     def set_queue(self, stats) -> None:
         """Gauges from an :class:`tpengine.engine.llm_engine.EngineStats`."""
@@ -56,6 +81,8 @@ class ServerMetrics:
 
     def observe_step(self, stats, outputs: list[EngineOutput]) -> None:
         self.set_queue(stats)
+        if getattr(stats, "speculative", False):
+            self._observe_spec(stats)
         for o in outputs:
             if not o.finished or o.error is not None:
                 continue

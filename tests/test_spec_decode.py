@@ -1,0 +1,177 @@
+"""Speculative decoding's parts (issue 39): the config as vLLM's JSON, the n-gram proposer, the policy
+that measures when it pays, the block bookkeeping of proposed positions, the plan's speculative rows,
+the counters in the run summary and /metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpengine.config import EngineConfig, SpeculativeConfig
+from tpengine.engine.block_manager import BlockManager
+from tpengine.engine.sequence import Sequence
+from tpengine.engine.spec_decode import NgramProposer, SpecDecoder, SpecPolicy
+from tpengine.engine.step import build_plan, pack, unpack
+from tpengine.sampling_params import SamplingParams
+
+
+def ngram(k=4, lo=None, hi=None) -> NgramProposer:
+    return NgramProposer(SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi))
+
+
+def test_config_parses_vllm_json_with_its_defaults():
+    cfg = EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
+    assert cfg.speculative_config == SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=3,
+                                                       prompt_lookup_max=3)
+    assert cfg.replace(seed=2).speculative_config == cfg.speculative_config  # a config stays a config
+    s = SpeculativeConfig.parse({"num_speculative_tokens": 2})
+    assert (s.method, s.prompt_lookup_min, s.prompt_lookup_max) == ("ngram", 5, 5)
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_min": 2}).prompt_lookup_max == 2
+    d = SpeculativeConfig.parse({"model": "draft", "num_speculative_tokens": 3})
+    assert (d.method, d.model) == ("draft_model", "draft")
+    assert EngineConfig().speculative_config is None
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{", "invalid speculative_config '{': not JSON (Expecting property name enclosed in double quotes: line 1 "
+          "column 2 (char 1))"),
+    ("[4]", 'invalid speculative_config [4]: must be a JSON object such as {"method": "ngram", '
+            '"num_speculative_tokens": 4}'),
+    ({"method": "ngram"}, "invalid speculative_config: num_speculative_tokens is required"),
+    ({"num_speculative_tokens": 0}, "invalid speculative_config num_speculative_tokens=0: must be an integer >= 1"),
+    ({"num_speculative_tokens": True}, "invalid speculative_config num_speculative_tokens=True: must be an "
+                                       "integer >= 1"),
+    ({"num_speculative_tokens": 2, "k": 1}, "invalid speculative_config: unknown key(s) ['k']; valid: "
+                                            "num_speculative_tokens, method, model, prompt_lookup_min, "
+                                            "prompt_lookup_max, disable_by_batch_size"),
+    ({"num_speculative_tokens": 2, "method": "eagle"}, "invalid speculative_config method='eagle': must be one "
+                                                       "of ngram, draft_model"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "invalid speculative_config prompt_lookup_min=4: must be <= prompt_lookup_max (2)"),
+    ({"num_speculative_tokens": 2, "method": "draft_model"}, "invalid speculative_config model=None: must be the "
+                                                             "draft model's folder (a string) with method draft_model"),
+    ({"num_speculative_tokens": 2, "method": "ngram", "model": "x"}, "invalid speculative_config model='x': must "
+                                                                     "be unset with method ngram (the proposer reads "
+                                                                     "the sequence itself)"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "invalid speculative_config disable_by_batch_size=0: "
+                                                                "must be an integer >= 1 or unset"),
+])
+def test_bad_configs_name_the_value(value, message):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(speculative_config=value)
+    assert str(e.value) == message
+
+
+def test_ngram_proposes_what_followed_the_longest_latest_match():
+    p = ngram(4, 2, 3)
+    assert p.propose([1, 2, 3, 4, 2, 3]) == [4, 2, 3]  # vLLM's docstring example: [2, 3] matches, 3 follow
+    assert p.propose([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]) == [7, 8, 5, 2]  # the latest "2 3" of three
+    assert p.propose([5, 1, 2, 3, 9, 0, 2, 3, 8, 1, 2, 3]) == [9, 0, 2, 3]  # "1 2 3" (n=3) beats a later "2 3"
+    assert p.propose([7, 1, 1, 1]) == [1]  # overlapping: "1 1" ends at 2, one token follows
+    assert p.propose([1, 2, 3, 4]) == [] and p.propose([1, 2]) == [] and p.propose([]) == []
+    assert p.propose([1, 2, 3, 1, 2], k=1) == [3] and p.propose([1, 2, 3, 1, 2], k=0) == []
+    assert ngram(2, 1, 1).propose([4, 5, 6, 4]) == [5, 6]  # n = 1 (k caps it)
+
+
+def test_room_keeps_proposals_inside_max_tokens_and_max_model_len():
+    spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1), max_model_len=20)
+    seq = Sequence(0, "r", [1, 2, 3, 1, 2], SamplingParams(max_tokens=10))
+    assert spec.room(seq) == 4 and spec.propose(seq, 8) == [3, 1, 2] and spec.propose(seq, 2) == [3, 1]
+    seq.token_ids += [3] * 7  # 7 generated: 10 - 7 - 1 = 2 more may be proposed (the step emits up to 3)
+    assert spec.room(seq) == 2
+    seq.params = SamplingParams(max_tokens=None)
+    seq.token_ids += [3] * 5  # 17 tokens: 20 - 17 - 1
+    assert spec.room(seq) == 2
+    seq.params = SamplingParams(prompt_logprobs=1)
+    assert spec.room(seq) == 0
+    seq.params, seq.matcher = SamplingParams(), object()  # a structured output: never proposed for
+    assert spec.room(seq) == 0
+
+
+def test_policy_fixed_and_measured():
+    fixed = SpecPolicy(disable_by_batch_size=4)
+    assert [fixed.wants(b) for b in (1, 4, 5)] == [True, True, False]
+    p = SpecPolicy()
+    assert [p.bucket(b) for b in (1, 2, 3, 4, 7, 8, 64)] == [1, 2, 2, 3, 3, 4, 7]
+    assert p.wants(1)  # nothing measured: speculate first
+    p.record(1, True, 0.05, 2)  # 25 ms per token
+    assert not p.wants(1)  # the plain step is not measured yet
+    p.record(1, False, 0.04, 1)  # 40 ms per token
+    picks = [p.wants(1) for _ in range(32)]
+    assert picks.count(False) == 2 and not picks[15] and not picks[31]  # every 16th step: the other one
+    p.record(2, True, 0.2, 2)
+    p.record(2, False, 0.05, 2)  # at 2 sequences plain is faster
+    assert [p.wants(3) for _ in range(16)].count(True) == 1
+    p.record(1, True, 0.0, 0)  # nothing emitted: ignored
+    assert p.seconds_per_token[(1, True)] == pytest.approx(0.025)
+    p.record(1, True, 0.1, 2)  # moving average: 0.025 + 0.2 * (0.05 - 0.025)
+    assert p.seconds_per_token[(1, True)] == pytest.approx(0.03)
+
+
+def test_blocks_for_proposed_positions_and_their_trim():
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    seq = Sequence(0, "r", list(range(6)), SamplingParams())
+    bm.allocate(seq)
+    assert len(seq.block_table) == 2
+    seq.num_cached_tokens = 5
+    assert bm.can_append(seq, 5) and not bm.can_append(seq, 4 * 8)
+    assert bm.may_append(seq, 5) == [] and len(seq.block_table) == 3  # positions 5..10
+    free = bm.num_free_blocks
+    seq.token_ids += [6, 7]  # two accepted: 8 tokens need 2 blocks
+    assert bm.trim(seq) == 1 and len(seq.block_table) == 2 and bm.num_free_blocks == free + 1
+    assert bm.trim(seq) == 0
+
+
+def test_forked_partial_block_is_copied_before_proposals_write_it():
+    bm = BlockManager(8, 4, enable_prefix_caching=False)
+    parent = Sequence(0, "r", list(range(6)), SamplingParams())
+    bm.allocate(parent)
+    child = Sequence(1, "r", list(range(6)), SamplingParams())
+    bm.fork(parent, child)
+    parent.token_ids.append(9)
+    copies = bm.may_append(parent, 3)  # writes positions 6..9: block 1 (shared) is copied, block 2 is new
+    assert copies == [(child.block_table[1], parent.block_table[1])] and len(parent.block_table) == 3
+    assert parent.block_table[0] == child.block_table[0] and parent.block_table[1] != child.block_table[1]
+
+
+def test_plan_carries_the_speculative_rows():
+    a = Sequence(0, "a", [5, 6, 7], SamplingParams())
+    b = Sequence(1, "b", [8, 9], SamplingParams())
+    for s, blocks in ((a, [3, 4, 2]), (b, [1])):
+        s.block_table, s.num_cached_tokens, s.num_new_tokens = blocks, s.num_tokens - 1, 1
+    a.proposal, a.num_new_tokens = [1, 2], 3
+    plan = build_plan([a, b], True, 2, step=7)
+    assert plan.input_ids.tolist() == [7, 1, 2, 9]
+    assert plan.positions.tolist() == [2, 3, 4, 1]
+    assert plan.slot_mapping.tolist() == [4 * 2 + 0, 4 * 2 + 1, 2 * 2 + 0, 1 * 2 + 1]
+    assert plan.sample_idx.tolist() == [2, 3] and plan.spec_idx.tolist() == [0, 1]
+    assert plan.context_lens.tolist() == [5, 2]
+    back = unpack(*pack(plan))
+    assert back.spec_idx.tolist() == [0, 1] and back.input_ids.tolist() == plan.input_ids.tolist()
+    assert torch.equal(back.block_tables, plan.block_tables)
+
+
+def test_summary_and_metrics_show_the_counters():
+    from tpengine.engine.stats import EngineStats
+    from tpengine.frontend.progress import ProgressReporter
+    from tpengine.server.metrics import ServerMetrics
+
+    stats = EngineStats(10, 1, 9, 100, 40, 0, 5, 8, 1, 0, speculative=True, spec_num_drafts=8,
+                        spec_num_draft_tokens=32, spec_num_accepted_tokens=12, spec_accepted_per_pos=(6, 3, 2, 1))
+    assert stats.spec_acceptance_rate == 0.375 and stats.spec_mean_acceptance_length == 2.5
+    progress = ProgressReporter(total=1, enabled=False)
+    progress.on_step(stats)
+    assert progress.summary()["spec_decode"] == {"num_drafts": 8, "num_draft_tokens": 32, "num_accepted_tokens": 12,
+                                                 "acceptance_rate": 0.375, "mean_acceptance_length": 2.5}
+    plain = ProgressReporter(total=1, enabled=False)
+    plain.on_step(EngineStats(1, 1, 0, 1, 1, 0, 5, 8, 0, 0))
+    assert "spec_decode" not in plain.summary()
+    m = ServerMetrics("m")
+    m.observe_step(stats, [])
+    m.observe_step(stats, [])  # cumulative counts: no double counting
+    text = m.render().decode()
+    assert 'tpengine:spec_decode_num_drafts_total{model_name="m"} 8.0' in text
+    assert 'tpengine:spec_decode_num_draft_tokens_total{model_name="m"} 32.0' in text
+    assert 'tpengine:spec_decode_num_accepted_tokens_total{model_name="m"} 12.0' in text
+    assert 'tpengine:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="3"} 1.0' in text
+    assert "spec_decode" not in ServerMetrics("m").render().decode()

@@ -1,0 +1,183 @@
+"""Speculative decoding (rank 0): propose tokens, verify them in one step, keep what the target agrees with.
+
+A batch-1 decode step reads every weight once for one token and is bound by memory bandwidth, so a step
+that runs a sequence's last token and k proposed ones costs little more than a plain one and yields up
+to k + 1 tokens (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding",
+arXiv:2211.17192; Chen et al. 2023, arXiv:2302.01318).
+
+* **Proposing.** :class:`NgramProposer` (prompt lookup, vLLM's ``ngram`` method): the tokens that
+  followed the latest earlier occurrence of the sequence's last n tokens, for the longest n in
+  ``[prompt_lookup_min, prompt_lookup_max]`` that occurs. Proposals are deterministic (a point-mass
+  draft distribution q).
+* **Verifying** (:meth:`tpengine.engine.llm_engine.LLMEngine.step`): the step computes the logits of
+  all k + 1 positions; rank 0 then takes the sequence's tokens one position at a time exactly as a
+  plain decode step would (logits processors, penalties, sampling with the request's own generator,
+  stop checks, logprobs), and moves to the next position only while the token it took equals the
+  proposed one. With a point-mass q, Leviathan et al.'s rule (accept the proposal d with probability
+  min(1, p(d) / q(d)) = p(d), else draw from the residual norm(max(0, p - q)), which is p without d)
+  is exactly this: draw x ~ p, accept iff x == d, else x is the draw from the residual. So the output
+  distribution is the target's, and since each position draws once from the request's generator as
+  a plain step does, greedy and seeded outputs are token for token those without speculation.
+* **KV of rejected positions** is left behind: ``num_cached_tokens`` counts only accepted tokens (so
+  prefix-cache hashes only cover them), the next step overwrites the first rejected slot, and the
+  blocks past the accepted tokens go back to the pool (:meth:`BlockManager.trim`).
+* **When it pays** (:class:`SpecPolicy`): per decode batch size, the seconds per emitted token of
+  speculative and of plain steps are measured as they run, and a step speculates when that has been
+  the faster; a fixed ``disable_by_batch_size`` replaces the measurement.
+
+Sequences with a structured output (a grammar matcher) or asking for prompt logprobs get no proposals.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tpengine.config import SpeculativeConfig
+from tpengine.engine.sequence import Sequence
+
+
+class NgramProposer:
+    """Prompt-lookup proposals over a sequence's prompt and output (vLLM's ``ngram`` method).
+
+    Args:
+        config: ``num_speculative_tokens`` (k), ``prompt_lookup_min`` / ``prompt_lookup_max`` (n range).
+
+    :meth:`propose` looks for the sequence's last n tokens earlier in it, for n from
+    ``prompt_lookup_max`` down to ``prompt_lookup_min``; the first n that occurs gives the proposal:
+    the up to k tokens that followed its latest occurrence. (vLLM takes the earliest occurrence of
+    the longest n; the latest is the more recent context, the one an edited copy of a text repeats.)
+    """
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, token_ids: list[int], k: int | None = None) -> list[int]:
+        """Up to ``k`` (default ``num_speculative_tokens``) token ids to follow ``token_ids``; [] when
+        the last ``prompt_lookup_min`` tokens occur nowhere earlier (or ``k`` < 1)."""
+        k = self.k if k is None else min(k, self.k)
+        total = len(token_ids)
+        if k < 1 or total <= self.min_n:
+            return []
+        ids = np.asarray(token_ids, dtype=np.int64)
+        before = ids[:-1]  # a match ends at e <= total - 2, so a token follows it
+        # match[e]: before[e - t .. e] equals the last t + 1 tokens, grown one t at a time while any match
+        match = before == ids[-1]
+        length, end = 0, -1
+        for t in range(min(self.max_n, total - 1)):
+            if t:
+                match[:t] = False
+                match[t:] &= before[: before.size - t] == ids[-1 - t]
+            hits = np.flatnonzero(match)
+            if not hits.size:
+                break
+            length, end = t + 1, int(hits[-1])
+        if length < self.min_n:
+            return []
+        return ids[end + 1: end + 1 + k].tolist()
+
+
+class SpecPolicy:
+    """Whether a decode step of ``b`` sequences should carry proposals, chosen on the running machine.
+
+    With ``disable_by_batch_size`` set: while ``b`` is at most that. Otherwise measured: decode batch
+    sizes fall in power-of-two buckets (1, 2-3, 4-7, ...); each keeps an exponential moving average
+    (weight :data:`ALPHA`) of the seconds per emitted token of its plain and of its speculative steps.
+    A bucket without both runs the one it lacks; then the faster one runs, and every
+    :data:`EXPLORE`-th step of the bucket runs the other, so a change (another workload's acceptance)
+    is seen.
+    """
+
+    #: Weight of the newest step in the moving averages.
+    ALPHA = 0.2
+    #: One step in this many runs the option that is not the faster, to keep its average current.
+    EXPLORE = 16
+
+    def __init__(self, disable_by_batch_size: int | None = None) -> None:
+        self.disable_by_batch_size = disable_by_batch_size
+        self.seconds_per_token: dict[tuple[int, bool], float] = {}  # (bucket, speculative) -> EMA
+        self.steps: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(b: int) -> int:
+        """The bucket of a decode batch of ``b`` >= 1 sequences: ``b.bit_length()``."""
+        return max(1, b).bit_length()
+
+    def wants(self, b: int) -> bool:
+        """Whether the next decode step of ``b`` sequences should carry proposals."""
+        if self.disable_by_batch_size is not None:
+            return b <= self.disable_by_batch_size
+        key = self.bucket(b)
+        spec, plain = self.seconds_per_token.get((key, True)), self.seconds_per_token.get((key, False))
+        if spec is None or plain is None:
+            return spec is None
+        n = self.steps[key] = self.steps.get(key, 0) + 1
+        faster = spec <= plain
+        return faster != (n % self.EXPLORE == 0)
+
+    def record(self, b: int, speculative: bool, seconds: float, tokens: int) -> None:
+        """A decode step of ``b`` sequences ran (``speculative``: with proposals) in ``seconds`` and
+        emitted ``tokens`` tokens."""
+        if tokens < 1 or seconds <= 0:
+            return
+        key = (self.bucket(b), speculative)
+        v = seconds / tokens
+        old = self.seconds_per_token.get(key)
+        self.seconds_per_token[key] = v if old is None else old + self.ALPHA * (v - old)
+
+
+class SpecDecodeStats:
+    """Counters of speculative decoding, by vLLM's ``spec_decode_*`` metric names: ``num_drafts``
+    (sequence-steps that carried proposals), ``num_draft_tokens`` (tokens proposed),
+    ``num_accepted_tokens`` (proposed tokens accepted) and ``accepted_per_pos`` (accepted at each
+    proposal position 0..k-1); :class:`~tpengine.engine.stats.EngineStats` carries them and their ratios."""
+
+    def __init__(self, k: int) -> None:
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * k
+
+    def add(self, proposed: int, accepted: int) -> None:
+        """One sequence-step that proposed ``proposed`` tokens, of which the first ``accepted`` were
+        taken."""
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        for j in range(accepted):
+            self.accepted_per_pos[j] += 1
+
+
+class SpecDecoder:
+    """Rank 0's speculative decoding: the proposer, the policy and the counters.
+
+    Args:
+        config: the launch's :class:`~tpengine.config.SpeculativeConfig` (method ``ngram``).
+        max_model_len: no proposal reaches past it.
+
+    Raises:
+        ValueError: a method this engine cannot run.
+    """
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        if config.method != "ngram":
+            raise ValueError(f"speculative_config method {config.method!r}: only ngram is built")
+        self.config = config
+        self.proposer = NgramProposer(config)
+        self.policy = SpecPolicy(config.disable_by_batch_size)
+        self.stats = SpecDecodeStats(config.num_speculative_tokens)
+        self.max_model_len = max_model_len
+
+    def room(self, seq: Sequence) -> int:
+        """The most tokens ``seq`` may propose now: k, less what would pass ``max_tokens`` (the step
+        emits up to proposals + 1 tokens) or ``max_model_len``; 0 for a sequence with a grammar or
+        prompt logprobs."""
+        if seq.matcher is not None or seq.params.prompt_logprobs is not None:
+            return 0
+        k = self.config.num_speculative_tokens
+        if seq.params.max_tokens is not None:
+            k = min(k, seq.params.max_tokens - seq.num_completion_tokens - 1)
+        return max(0, min(k, self.max_model_len - seq.num_tokens - 1))
+
+    def propose(self, seq: Sequence, limit: int) -> list[int]:
+        """The proposal for ``seq``, at most ``limit`` tokens (and :meth:`room`)."""
+        k = min(limit, self.room(seq))
+        return self.proposer.propose(seq.token_ids, k) if k > 0 else []
