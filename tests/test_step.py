@@ -15,7 +15,7 @@ def test_pack_unpack_round_trip_and_payload_layout():
     plan = build_plan([a, b], True, 4, step=5, greedy=True)
     assert plan.slot_mapping.tolist() == [12, 13, 14, 15, 4, 0, 1]
     header, payload = pack(plan)
-    assert header.tolist()[2:] == [7, 2, 2, 5, 1, 0, 0]
+    assert header.tolist()[2:] == [7, 2, 2, 5, 1, 0, 0, 0, 0]
     assert payload_sizes(7, 2, 2) == [7, 7, 7, 4, 3, 3, 2, 2, 0, 0, 0]
     assert payload.numel() == sum(payload_sizes(7, 2, 2)) == 3 * 7 + 2 * 2 + 2 * 3 + 2 * 2
     got = unpack(header, payload)
@@ -40,7 +40,7 @@ def test_prompt_logits_rows_and_block_copies_round_trip():
     plan = build_plan([a, b], True, 4, step=2, block_copies=[(3, 6), (0, 2)])
     assert plan.prompt_idx.tolist() == [0, 1, 2, 3]  # a's positions 0..3; b's position 1 is collected
     header, payload = pack(plan)
-    assert header.tolist()[2:] == [7, 2, 2, 2, 0, 4, 2]
+    assert header.tolist()[2:] == [7, 2, 2, 2, 0, 4, 2, 0, 0]
     assert payload.numel() == sum(payload_sizes(7, 2, 2, 4, 2)) == 3 * 7 + 2 * 2 + 2 * 3 + 2 * 2 + 4 + 4
     got = unpack(header, payload)
     assert got.block_copies.tolist() == [[3, 6], [0, 2]] and got.prompt_idx.tolist() == [0, 1, 2, 3]

@@ -104,6 +104,7 @@ class LLMEngine:
         self.spec = ModelSpec.from_config(config.model, hf_config, self.tp)
         setup_process(config, self.tp, self.spec.shard_plan)
         self.runner = ModelRunner(config, self.tp, self.spec)
+        self.draft_runner = self._draft_runner(config)  # speculative decoding's draft model, on every rank
         if not self.is_driver:
             return
         from transformers import AutoTokenizer
@@ -122,9 +123,34 @@ class LLMEngine:
         self._structured_lock = threading.Lock()
         self._compiling: list[tuple[Sequence, Future]] = []  # constrained requests waiting for their grammar
         self._spec = None if config.speculative_config is None else \
-            SpecDecoder(config.speculative_config, config.max_model_len)
+            SpecDecoder(config.speculative_config, config.max_model_len, config.block_size)
         self._steps = self._prefill_steps = self._computed_tokens = self._output_tokens = 0
         print(self.runner.ready_line(time.perf_counter() - started), file=sys.stderr, flush=True)
+
+    def _draft_runner(self, config: EngineConfig) -> ModelRunner | None:
+        """The draft model's runner (``speculative_config`` method ``draft_model``): this rank's shard
+        of it, with a KV cache of the target's block count (block tables address both). None without one.
+
+        Raises:
+            tpengine.errors.UserError: not a model folder, a vocabulary other than the target's (naming
+                both sizes), or a model that cannot split over this tp size or hold ``max_model_len``.
+        """
+        sc = config.speculative_config
+        if sc is None or sc.method != "draft_model":
+            return None
+        hf = ModelSpec.read_config(sc.model)
+        draft_spec = ModelSpec.from_config(sc.model, hf, self.tp)
+        mine, theirs = self.spec.shard_plan.vocab_size, draft_spec.shard_plan.vocab_size
+        if mine != theirs:
+            raise UserError(f"speculative_config model {sc.model}: its vocabulary has {theirs} tokens, the "
+                            f"model's {mine}; a draft model must share the model's vocabulary")
+        check_model_limits(hf, config.max_model_len)
+        draft = config.replace(model=sc.model, num_kv_blocks=self.runner.num_blocks, speculative_config=None)
+        return ModelRunner(draft, self.tp, draft_spec)
+
+    def _run_draft(self, plan: StepPlan) -> list[int]:
+        """Rank 0: broadcast a draft-model plan, run it, return its argmax ids."""
+        return self.draft_runner.execute(broadcast_plan(plan)).tolist()
 
     @property
     def vocab_size(self) -> int:
@@ -284,6 +310,8 @@ class LLMEngine:
                 self._spec.stats.add(len(seqs[i].proposal), m)
                 seqs[i].spec_draft_tokens += len(seqs[i].proposal)
                 seqs[i].spec_accepted_tokens += m
+                # the draft's K/V stays valid for the accepted tokens it was fed
+                seqs[i].num_draft_cached_tokens = min(seqs[i].num_draft_cached_tokens, seqs[i].num_cached_tokens)
                 seqs[i].proposal = []
                 if not seqs[i].is_finished:  # the blocks of the rejected positions go back
                     self.scheduler.block_manager.trim(seqs[i])
@@ -301,6 +329,11 @@ class LLMEngine:
         if self._spec is None or is_prefill or not seqs or not self._spec.policy.wants(len(seqs)):
             return False
         budget, any_ = self.scheduler.max_num_batched_tokens - len(seqs), False
+        if self._spec.uses_draft_model:
+            proposals = self._spec.draft(seqs, budget, self.scheduler, self._run_draft, self._steps)
+            for i, proposal in proposals.items():
+                any_ |= self.scheduler.reserve_proposal(seqs[i], proposal)  # blocks reserved: never fails
+            return any_
         for seq in seqs:
             if budget <= 0:
                 break
@@ -534,7 +567,7 @@ class LLMEngine:
             if plan.kind == StepKind.STOP:
                 return
             if plan.kind != StepKind.IDLE:
-                self.runner.execute(plan)
+                (self.draft_runner if plan.draft else self.runner).execute(plan)
 
     def shutdown(self) -> None:
         """Tear down the process groups (after :meth:`generate` returned on every rank)."""

@@ -253,14 +253,22 @@ class Scheduler:
         self.running = kept
         return batch
 
+    def reserve(self, seq: Sequence, extra: int) -> bool:
+        """Grow the block table of ``seq``, scheduled for a decode, to cover ``extra`` positions more
+        (speculative tokens, or the draft model's writes). False (nothing changed) when the blocks are
+        not free: speculation never preempts."""
+        bm = self.block_manager
+        if extra < 1 or seq.num_new_tokens != 1 or not bm.can_append(seq, extra):
+            return False
+        self.block_copies += bm.may_append(seq, extra)
+        return True
+
     def reserve_proposal(self, seq: Sequence, proposal: list[int]) -> bool:
         """Let ``seq``, scheduled for a decode, verify ``proposal`` (speculative tokens) in the same
-        step: its table grows to cover them and they join ``num_new_tokens`` and ``seq.proposal``.
-        False (nothing changed) when the blocks for them are not free: a proposal never preempts."""
-        bm = self.block_manager
-        if not proposal or seq.num_new_tokens != 1 or not bm.can_append(seq, len(proposal)):
+        step: its table grows to cover them (:meth:`reserve`) and they join ``num_new_tokens`` and
+        ``seq.proposal``. False (nothing changed) when the blocks for them are not free."""
+        if not proposal or not self.reserve(seq, len(proposal)):
             return False
-        self.block_copies += bm.may_append(seq, len(proposal))
         seq.proposal = list(proposal)
         seq.num_new_tokens = 1 + len(proposal)
         return True
@@ -268,6 +276,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.block_manager.deallocate(seq)
+        seq.num_draft_cached_tokens = 0  # its blocks are gone: the draft model computes it again
         seq.num_new_tokens = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

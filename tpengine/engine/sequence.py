@@ -63,6 +63,8 @@ class Sequence:
             (:mod:`tpengine.engine.spec_decode`; counted in ``num_new_tokens``), [] for none.
         spec_draft_tokens, spec_accepted_tokens: with speculative decoding, the tokens proposed for
             this sample and the accepted ones (0 until a proposal); None without it.
+        num_draft_cached_tokens: with a draft model, the tokens whose K/V the draft's cache holds
+            (it writes into the same blocks); 0 again after a preemption.
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class Sequence:
         self.proposal: list[int] = []
         self.spec_draft_tokens: int | None = None  # with speculative decoding: tokens proposed for it
         self.spec_accepted_tokens: int | None = None  # and accepted
+        self.num_draft_cached_tokens = 0  # with a draft model: its K/V holds the first this many tokens
 
     def __len__(self) -> int:
         return len(self.token_ids)

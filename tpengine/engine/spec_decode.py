@@ -7,8 +7,10 @@ arXiv:2211.17192; Chen et al. 2023, arXiv:2302.01318).
 
 * **Proposing.** :class:`NgramProposer` (prompt lookup, vLLM's ``ngram`` method): the tokens that
   followed the latest earlier occurrence of the sequence's last n tokens, for the longest n in
-  ``[prompt_lookup_min, prompt_lookup_max]`` that occurs. Proposals are deterministic (a point-mass
-  draft distribution q).
+  ``[prompt_lookup_min, prompt_lookup_max]`` that occurs; or a draft model (``draft_model``, a smaller
+  model with the same vocabulary, split over the same ranks with its own KV cache addressed by the
+  same block tables), run greedily k times (:meth:`SpecDecoder.draft`). Proposals are deterministic
+  (a point-mass draft distribution q).
 * **Verifying** (:meth:`tpengine.engine.llm_engine.LLMEngine.step`): the step computes the logits of
   all k + 1 positions; rank 0 then takes the sequence's tokens one position at a time exactly as a
   plain decode step would (logits processors, penalties, sampling with the request's own generator,
@@ -30,10 +32,13 @@ Sequences with a structured output (a grammar matcher) or asking for prompt logp
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from tpengine.config import SpeculativeConfig
 from tpengine.engine.sequence import Sequence
+from tpengine.engine.step import StepPlan, build_draft_plan
 
 
 class NgramProposer:
@@ -150,21 +155,22 @@ class SpecDecoder:
     """Rank 0's speculative decoding: the proposer, the policy and the counters.
 
     Args:
-        config: the launch's :class:`~tpengine.config.SpeculativeConfig` (method ``ngram``).
+        config: the launch's :class:`~tpengine.config.SpeculativeConfig`.
         max_model_len: no proposal reaches past it.
+        block_size: tokens per KV block (the draft model's steps use the sequences' block tables).
 
-    Raises:
-        ValueError: a method this engine cannot run.
+    With method ``draft_model`` every rank holds the draft model's runner (its own KV cache with the
+    target's block count, so a sequence's block table addresses both); :meth:`draft` runs it through
+    a callable that broadcasts a draft plan and returns the argmax ids.
     """
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config method {config.method!r}: only ngram is built")
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, block_size: int = 16) -> None:
         self.config = config
-        self.proposer = NgramProposer(config)
+        self.uses_draft_model = config.method == "draft_model"
+        self.proposer = None if self.uses_draft_model else NgramProposer(config)
         self.policy = SpecPolicy(config.disable_by_batch_size)
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
-        self.max_model_len = max_model_len
+        self.max_model_len, self.block_size = max_model_len, block_size
 
     def room(self, seq: Sequence) -> int:
         """The most tokens ``seq`` may propose now: k, less what would pass ``max_tokens`` (the step
@@ -178,6 +184,37 @@ class SpecDecoder:
         return max(0, min(k, self.max_model_len - seq.num_tokens - 1))
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
-        """The proposal for ``seq``, at most ``limit`` tokens (and :meth:`room`)."""
+        """The n-gram proposal for ``seq``, at most ``limit`` tokens (and :meth:`room`)."""
         k = min(limit, self.room(seq))
         return self.proposer.propose(seq.token_ids, k) if k > 0 else []
+
+    def draft(self, seqs: list[Sequence], budget: int, scheduler, run: Callable[[StepPlan], list[int]],
+              step: int) -> dict[int, list[int]]:
+        """Draft-model proposals for the decode batch ``seqs`` (index -> tokens), at most ``budget``
+        tokens in all. Each sequence's table first grows for k more positions (``scheduler.reserve``;
+        one that cannot grow gets none); then one draft step runs every sequence's tokens the draft
+        has not seen (``num_draft_cached_tokens`` on: usually its last one or two, its whole prompt
+        the first time) and takes its argmax, and k - 1 one-token steps feed each argmax back (greedy
+        draft: a point-mass proposal). The block copies the target step will run go with the first
+        draft step too. ``run``: broadcasts a draft plan and returns its argmax ids."""
+        want: list[tuple[int, int]] = []
+        for i, seq in enumerate(seqs):
+            k = min(budget, self.room(seq))
+            if k > 0 and scheduler.reserve(seq, k):
+                want.append((i, k))
+                budget -= k
+        if not want:
+            return {}
+        rows = [(seqs[i].token_ids[seqs[i].num_draft_cached_tokens:], seqs[i].num_draft_cached_tokens,
+                 seqs[i].block_table) for i, _ in want]
+        ids = run(build_draft_plan(rows, self.block_size, step, scheduler.block_copies))
+        proposals = {i: [tok] for (i, _), tok in zip(want, ids)}
+        for j in range(1, max(k for _, k in want)):
+            live = [i for i, k in want if k > j]
+            ids = run(build_draft_plan([([proposals[i][-1]], seqs[i].num_tokens - 1 + j, seqs[i].block_table)
+                                        for i in live], self.block_size, step))
+            for i, tok in zip(live, ids):
+                proposals[i].append(tok)
+        for i, k in want:  # fed: the tokens up to the last one, then the first k - 1 proposals
+            seqs[i].num_draft_cached_tokens = seqs[i].num_tokens + k - 1
+        return proposals

@@ -16,7 +16,7 @@ import torch
 from tpengine.distributed import broadcast_control, get_tp
 
 MAGIC = 0x7E57E9
-HEADER_LEN = 10  # magic, kind, num_tokens N, num_seqs B, max_blocks M, step index, greedy (2: masked), P, C, S
+HEADER_LEN = 11  # magic, kind, N tokens, B seqs, M max blocks, step index, greedy (2: masked), P, C, S, draft
 
 #: The payload: StepPlan tensor fields in order, each with its length for (N, B, M, P, C, S) =
 #: (tokens, sequences, block-table width, prompt-logits rows, block copies, speculative rows). The
@@ -71,6 +71,8 @@ class StepPlan:
       (:mod:`tpengine.engine.spec_decode`): for a sequence that runs its last token and k proposed
       ones, the first k of those k + 1 positions (its last one is its ``sample_idx``). Their rows
       follow the ``B`` sampled and ``P`` prompt rows in :meth:`ModelRunner.execute`'s result.
+    * ``draft``: the step runs the draft model of speculative decoding (its own runner and KV cache,
+      the same block tables), not the model.
     * ``greedy``: every sequence samples greedily, so the ranks return the argmax token ids
       instead of gathering the logits.
     * ``grammar_mask``: (with ``greedy``) some rows are constrained by a structured output: before the
@@ -93,6 +95,7 @@ class StepPlan:
     spec_idx: torch.Tensor | None = None
     greedy: bool = False
     grammar_mask: bool = False
+    draft: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in CONTROL_KINDS:
@@ -155,14 +158,46 @@ def build_plan(seqs, is_prefill: bool, block_size: int, step: int, greedy: bool 
     )
 
 
+def build_draft_plan(rows: list[tuple[list[int], int, list[int]]], block_size: int, step: int,
+                     block_copies: list[tuple[int, int]] = ()) -> StepPlan:
+    """Rank 0: a greedy step of the draft model over ``rows``, each ``(token ids, first position,
+    block table)``: the tokens run at consecutive positions from the first one over the cache
+    before it, and the last one's argmax is wanted. A DECODE when every row runs one token, else a
+    PREFILL. ``block_copies``: (source, destination) blocks the draft's cache copies first.
+
+    Raises:
+        ValueError: no rows, or a row without tokens.
+    """
+    if not rows or any(not ids for ids, _, _ in rows):
+        raise ValueError(f"a draft step needs rows with tokens, got {[len(ids) for ids, _, _ in rows]}")
+    ids, pos, slots, cu_q, cu_k = [], [], [], [0], [0]
+    for tokens, start, bt in rows:
+        end = start + len(tokens)
+        ids.extend(tokens)
+        pos.extend(range(start, end))
+        slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(start, end))
+        cu_q.append(cu_q[-1] + len(tokens))
+        cu_k.append(cu_k[-1] + end)
+    width = max(len(bt) for _, _, bt in rows)
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    cu_q_t, cu_k_t = t(cu_q), t(cu_k)
+    decode = all(len(tokens) == 1 for tokens, _, _ in rows)
+    return StepPlan(
+        kind=StepKind.DECODE if decode else StepKind.PREFILL, step=step, input_ids=t(ids), positions=t(pos),
+        slot_mapping=t(slots), block_tables=t([bt + [-1] * (width - len(bt)) for _, _, bt in rows]),
+        cu_seqlens_q=cu_q_t, cu_seqlens_k=cu_k_t, context_lens=cu_k_t[1:] - cu_k_t[:-1], sample_idx=cu_q_t[1:] - 1,
+        block_copies=t(list(block_copies)).view(-1, 2), greedy=True, draft=True)
+
+
 def pack(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """``(header [HEADER_LEN], payload [sum(payload_sizes(N, B, M))])`` int64 tensors."""
     if plan.kind in CONTROL_KINDS:
-        return torch.tensor([MAGIC, plan.kind, 0, 0, 0, plan.step, 0, 0, 0, 0]), torch.empty(0, dtype=torch.int64)
+        return torch.tensor([MAGIC, plan.kind, 0, 0, 0, plan.step, 0, 0, 0, 0, 0]), torch.empty(0, dtype=torch.int64)
     n, (b, m) = plan.input_ids.numel(), plan.block_tables.shape
     p, c, s = plan.prompt_idx.numel(), plan.block_copies.shape[0], plan.spec_idx.numel()
     greedy = int(plan.greedy) + int(plan.greedy and plan.grammar_mask)
-    header = torch.tensor([MAGIC, int(plan.kind), n, b, m, plan.step, greedy, p, c, s], dtype=torch.int64)
+    header = torch.tensor([MAGIC, int(plan.kind), n, b, m, plan.step, greedy, p, c, s, int(plan.draft)],
+                          dtype=torch.int64)
     payload = torch.cat([getattr(plan, name).flatten() for name, _ in PAYLOAD_FIELDS])
     return header, payload
 
@@ -174,7 +209,7 @@ def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
         RuntimeError: a header without the magic number or with an unknown kind (ranks out of
             step with each other).
     """
-    magic, kind, n, b, m, step, greedy, p, c, s = (int(x) for x in header.tolist())
+    magic, kind, n, b, m, step, greedy, p, c, s, draft = (int(x) for x in header.tolist())
     if magic != MAGIC or kind not in {k.value for k in StepKind}:
         raise RuntimeError(f"corrupt StepPlan header {header.tolist()}: ranks are out of lockstep")
     if kind in CONTROL_KINDS:
@@ -182,7 +217,8 @@ def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
     parts = dict(zip((name for name, _ in PAYLOAD_FIELDS), torch.split(payload, payload_sizes(n, b, m, p, c, s))))
     parts["block_tables"] = parts["block_tables"].view(b, m)
     parts["block_copies"] = parts["block_copies"].view(c, 2)
-    return StepPlan(kind=StepKind(kind), step=step, greedy=bool(greedy), grammar_mask=greedy == 2, **parts)
+    return StepPlan(kind=StepKind(kind), step=step, greedy=bool(greedy), grammar_mask=greedy == 2, draft=bool(draft),
+                    **parts)
 
 
 def broadcast_plan(plan: StepPlan | None) -> StepPlan:
@@ -197,7 +233,7 @@ def broadcast_plan(plan: StepPlan | None) -> StepPlan:
             broadcast_control(payload)
         return plan
     header = broadcast_control(torch.empty(HEADER_LEN, dtype=torch.int64))
-    _, kind, n, b, m, _, _, p, c, s = header.tolist()
+    _, kind, n, b, m, _, _, p, c, s, _ = header.tolist()
     size = 0 if kind in CONTROL_KINDS else sum(payload_sizes(n, b, m, p, c, s))
     payload = broadcast_control(torch.empty(size, dtype=torch.int64)) if size else torch.empty(0, dtype=torch.int64)
     return unpack(header, payload)
