@@ -95,6 +95,8 @@ def main(before: Annotated[Path, typer.Option(help="the old source tree (a check
          cache: Annotated[Path, typer.Option(help="parent of the two trees' TPENGINE_CACHE_DIR "
                                                   "(default: a fresh temporary folder)")] = None,
          out: Annotated[Path, typer.Option(help="write every call's results and the table as JSON here")] = None,
+         group: Annotated[list[str], typer.Option(help="run only the groups whose label contains this "
+                                                       "(repeat for several; default: all)")] = None,
          ) -> None:
     """Run each group of ``make bench`` rows in both trees in turn and print the before/after table."""
     trees = {"before": before.resolve(), "after": after.resolve()}
@@ -105,11 +107,14 @@ def main(before: Annotated[Path, typer.Option(help="the old source tree (a check
         turns = order(runs)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    groups = [(label, args) for label, args in GROUPS if not group or any(g in label for g in group)]
+    if not groups:
+        raise typer.BadParameter(f"--group {group}: no group matches; the groups: {[g for g, _ in GROUPS]}")
     cache = (cache or Path(tempfile.mkdtemp(prefix="tpengine-ab-"))).resolve()
     calls, results = [], {"before": [], "after": []}
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="tpengine-ab-") as tmp:
-        for label, args in GROUPS:
+        for label, args in groups:
             for i, name in enumerate(turns):
                 path = Path(tmp) / f"{len(calls)}.json"
                 env = {**os.environ, "PYTHONPATH": str(trees[name]), "TPENGINE_CACHE_DIR": str(cache / name)}

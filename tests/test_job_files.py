@@ -28,7 +28,7 @@ VALID_SETTINGS = ("attention_backend, block_size, cpu_kernels, cpu_linear, dist_
                   "enable_prefix_caching, enforce_eager, generation_config, gpu_memory_utilization, kv_cache_gb, "
                   "kv_mirror, max_model_len, max_num_batched_tokens, max_num_seqs, model, num_kv_blocks, quantization, "
                   "reasoning_parser, "
-                  "seed, structured_outputs_backend, threads")
+                  "seed, speculative_config, structured_outputs_backend, threads")
 
 
 def run_cli(*args) -> tuple[int, str]:
