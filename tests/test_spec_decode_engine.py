@@ -20,7 +20,7 @@ BASE = {"model": str(SMOLLM2_DIR), "dtype": "float32", "max_model_len": 512, "kv
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
         "disable_by_batch_size": 64}  # a fixed rule, so the test does not depend on this machine's timings
 #: chunks of 48 tokens beside the decodes, and a cache too small for every sequence at once (preemption)
-TIGHT = {"max_num_batched_tokens": 48, "num_kv_blocks": 40}
+TIGHT = {"max_num_batched_tokens": 48, "num_kv_blocks": 20}
 TEXT = ("def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
         "def fact(n):\n    out = 1\n    for i in range(2, n + 1):\n        out *= i\n    return out\n")
 
@@ -37,7 +37,7 @@ def _requests(tok) -> list:
         ["copy-seeded", copy, {"temperature": 0.8, "seed": 11, "presence_penalty": 0.3, "frequency_penalty": 0.2,
                                "logprobs": 2, "max_tokens": 48}],
         ["count", _chat(tok, "Count from 1 to 30, separated by commas."),
-         {"temperature": 0.0, "max_tokens": 80, "stop": ["17"], "min_tokens": 5}],
+         {"temperature": 0.0, "max_tokens": 80, "stop": ["12"], "min_tokens": 5}],
         ["n2", copy, {"temperature": 0.7, "top_p": 0.9, "seed": 5, "n": 2, "max_tokens": 32}],
         ["choice", _chat(tok, "Is the sea salty?"), {"temperature": 0.0, "max_tokens": 8,
                                                      "structured_outputs": {"choice": ["yes", "no"]}}],
@@ -86,7 +86,7 @@ def _same(got: dict, want: dict) -> None:
 def test_outputs_equal_those_without_speculation(results, tp):
     base = results[1]["base"][0]
     _same(results[tp]["spec"][0], base)
-    assert base["count"]["finish_reason"] == "stop" and "17" not in base["count"]["text"]
+    assert base["count"]["finish_reason"] == "stop" and base["count"]["text"].endswith("11. 11\n"), base["count"]["text"]
     assert len(base["eos"]["token_ids"]) == 40 and len(base["n2"]["outputs"]) == 2
     assert base["choice"]["text"] in ("yes", "no")
 
@@ -175,11 +175,12 @@ def test_draft_model_outputs_equal_those_without_speculation(results, draft_resu
     got, job = draft_results[tp][draft]
     _same(got, base)
     s = job["stats"]
-    rate = s["spec_num_accepted_tokens"] / s["spec_num_draft_tokens"]
-    if draft == "self":  # the draft is the model: nearly every proposal is what the model takes
-        assert rate > 0.9, s
+    rates = {rid: o["spec_num_accepted_tokens"] / o["spec_num_draft_tokens"] for rid, o in got.items()
+             if o["spec_num_draft_tokens"]}
+    if draft == "self":  # the draft is the model: a plain greedy request takes nearly every proposal
+        assert rates["copy"] > 0.9 and rates["count"] > 0.9, rates
     else:  # six layers of thirty: still right on the copied text
-        assert rate > 0, s
+        assert rates["copy"] > 0, rates
     assert s["num_free_blocks"] == job["start_free_blocks"]
     assert got["choice"]["spec_num_draft_tokens"] == 0
 
@@ -194,5 +195,5 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
     code, err = run_cli("--prompts", prompts, "--model", SMOLLM2_DIR, "--out", tmp_path / "o.jsonl",
                         "--speculative-config", json.dumps({"model": str(tiny), "num_speculative_tokens": 2}))
     assert code == 2, err
-    assert (f"error: speculative_config model {tiny}: its vocabulary has 1001 tokens, the model's 49152; a draft "
+    assert (f"failed: UserError: speculative_config model {tiny}: its vocabulary has 1001 tokens, the model's 49152; a draft "
             "model must share the model's vocabulary") in err

@@ -288,6 +288,8 @@ class LLMEngine:
         for s in seqs:
             first_spec.append(at)
             at += len(s.proposal)
+            if s.proposal:  # counted before the tokens go out: a request finished now reports them
+                s.spec_draft_tokens += len(s.proposal)
         row = lambda i, j: first_spec[i] + j if j < len(seqs[i].proposal) else i  # noqa: E731
         tokens = self._take(out, plan.greedy, batch, [row(r, 0) for r in rows], rows, sampled, failed, masks)
         self._accept(batch, tokens, sampled, failed, done)
@@ -301,6 +303,8 @@ class LLMEngine:
                 if not live:
                     break
                 sub, ok, sub_failed = [seqs[i] for i in live], [True] * len(live), {}
+                for seq in sub:  # its proposed token j - 1 was taken
+                    seq.spec_accepted_tokens += 1
                 sub_tokens = self._take(out, plan.greedy, sub, [row(i, j) for i in live], live, ok, sub_failed, None)
                 self._accept(sub, sub_tokens, ok, sub_failed, done)
                 emitted += len(live)
@@ -308,8 +312,6 @@ class LLMEngine:
                     took[i], accepted[i] = tok, j
             for i, m in accepted.items():
                 self._spec.stats.add(len(seqs[i].proposal), m)
-                seqs[i].spec_draft_tokens += len(seqs[i].proposal)
-                seqs[i].spec_accepted_tokens += m
                 # the draft's K/V stays valid for the accepted tokens it was fed
                 seqs[i].num_draft_cached_tokens = min(seqs[i].num_draft_cached_tokens, seqs[i].num_cached_tokens)
                 seqs[i].proposal = []
