@@ -97,15 +97,28 @@ def test_policy_fixed_and_measured():
     p.record(1, True, 0.05, 2)  # 25 ms per token
     assert not p.wants(1)  # the plain step is not measured yet
     p.record(1, False, 0.04, 1)  # 40 ms per token
-    picks = [p.wants(1) for _ in range(32)]
-    assert picks.count(False) == 2 and not picks[15] and not picks[31]  # every 16th step: the other one
-    p.record(2, True, 0.2, 2)
-    p.record(2, False, 0.05, 2)  # at 2 sequences plain is faster
-    assert [p.wants(3) for _ in range(16)].count(True) == 1
-    p.record(1, True, 0.0, 0)  # nothing emitted: ignored
-    assert p.seconds_per_token[(1, True)] == pytest.approx(0.025)
-    p.record(1, True, 0.1, 2)  # moving average: 0.025 + 0.2 * (0.05 - 0.025)
-    assert p.seconds_per_token[(1, True)] == pytest.approx(0.03)
+    picks = []
+    for _ in range(100):  # each step as fast as measured: plain runs while under 3 % of the time
+        picks.append(p.wants(1))
+        p.record(1, picks[-1], 0.05 if picks[-1] else 0.04, 2 if picks[-1] else 1)
+    # a plain step (40 ms) again once the plain time is under 3 % of the bucket's: every 27th step
+    assert [i for i, x in enumerate(picks) if not x] == [25, 52, 79]
+    assert p.seconds[(1, False)] == pytest.approx(0.16)
+    p.record(2, True, 2.0, 2)  # at 2 sequences a speculative step costs 20 plain ones
+    p.record(2, False, 0.05, 2)
+    picks = []
+    for _ in range(2000):
+        picks.append(p.wants(3))
+        p.record(3, picks[-1], 2.0 if picks[-1] else 0.05, 2)
+    # speculation retried once its 2 s are under 3 % of the time: every ~1 300 plain steps
+    assert [i for i, x in enumerate(picks) if x] == [1293]
+    assert p.seconds[(2, True)] <= p.EXPLORE_SHARE * (p.seconds[(2, True)] + p.seconds[(2, False)]) + 2.0
+    q = SpecPolicy()
+    q.record(1, True, 0.05, 2)
+    q.record(1, True, 0.0, 0)  # nothing emitted: ignored
+    assert q.seconds_per_token[(1, True)] == pytest.approx(0.025)
+    q.record(1, True, 0.1, 2)  # moving average: 0.025 + 0.2 * (0.05 - 0.025)
+    assert q.seconds_per_token[(1, True)] == pytest.approx(0.03)
 
 
 def test_blocks_for_proposed_positions_and_their_trim():

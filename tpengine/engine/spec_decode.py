@@ -87,21 +87,24 @@ class SpecPolicy:
 
     With ``disable_by_batch_size`` set: while ``b`` is at most that. Otherwise measured: decode batch
     sizes fall in power-of-two buckets (1, 2-3, 4-7, ...); each keeps an exponential moving average
-    (weight :data:`ALPHA`) of the seconds per emitted token of its plain and of its speculative steps.
-    A bucket without both runs the one it lacks; then the faster one runs, and every
-    :data:`EXPLORE`-th step of the bucket runs the other, so a change (another workload's acceptance)
-    is seen.
+    (weight :data:`ALPHA`) of the seconds per emitted token of its plain and of its speculative steps,
+    and the seconds it spent on each. A bucket without both runs the one it lacks; then the faster one
+    runs, and the slower one runs again (to keep its average current, so a change such as another
+    workload's acceptance is seen) while the time spent on it is under :data:`EXPLORE_SHARE` of the
+    bucket's time. Exploring is so bounded in time, not in steps: where a speculative step costs many
+    plain ones (a large batch verifying proposals), it is retried that much more rarely, and what
+    exploring loses stays under that share however slow the slower option is.
     """
 
     #: Weight of the newest step in the moving averages.
     ALPHA = 0.2
-    #: One step in this many runs the option that is not the faster, to keep its average current.
-    EXPLORE = 16
+    #: The most of a bucket's time spent running the option that is not the faster.
+    EXPLORE_SHARE = 0.03
 
     def __init__(self, disable_by_batch_size: int | None = None) -> None:
         self.disable_by_batch_size = disable_by_batch_size
         self.seconds_per_token: dict[tuple[int, bool], float] = {}  # (bucket, speculative) -> EMA
-        self.steps: dict[int, int] = {}
+        self.seconds: dict[tuple[int, bool], float] = {}  # (bucket, speculative) -> total seconds
 
     @staticmethod
     def bucket(b: int) -> int:
@@ -116,9 +119,9 @@ class SpecPolicy:
         spec, plain = self.seconds_per_token.get((key, True)), self.seconds_per_token.get((key, False))
         if spec is None or plain is None:
             return spec is None
-        n = self.steps[key] = self.steps.get(key, 0) + 1
-        faster = spec <= plain
-        return faster != (n % self.EXPLORE == 0)
+        slower = spec > plain
+        total = self.seconds[(key, True)] + self.seconds[(key, False)]
+        return slower if self.seconds[(key, slower)] < self.EXPLORE_SHARE * total else not slower
 
     def record(self, b: int, speculative: bool, seconds: float, tokens: int) -> None:
         """A decode step of ``b`` sequences ran (``speculative``: with proposals) in ``seconds`` and
@@ -129,6 +132,7 @@ class SpecPolicy:
         v = seconds / tokens
         old = self.seconds_per_token.get(key)
         self.seconds_per_token[key] = v if old is None else old + self.ALPHA * (v - old)
+        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
 
 
 class SpecDecodeStats:
