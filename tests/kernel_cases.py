@@ -43,6 +43,10 @@ PREFILL_LENS = [(1, 1), (15, 15), (17, 40), (16, 48), (2, 70)]
 # a mixed step (chunked prefill): decodes first (one new token over a cache), then chunks and prompts
 MIXED_LENS = [(1, 33), (1, 16), (1, 70), (17, 40), (2, 70), (15, 15)]
 
+# a speculative verification first (each sequence's last token and up to 15 proposed ones over its
+# cache: every token a decode row), then a 17-token chunk and a prompt, which keep the prefill path
+VERIFY_LENS = [(5, 40), (1, 33), (3, 70), (16, 48), (17, 40), (2, 2)]
+
 
 def _gen(seed):
     return torch.Generator().manual_seed(seed)

@@ -10,6 +10,7 @@ from kernel_cases import (  # sets TRITON_INTERPRET before triton is first impor
     IMPLS,
     MIXED_LENS,
     PREFILL_LENS,
+    VERIFY_LENS,
     _decode_case,
     _gen,
     _naive,
@@ -61,7 +62,7 @@ def test_reference_decode_matches_naive(d, bs, q_to_kv, impl):
         torch.testing.assert_close(out[b].double(), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("lens", [PREFILL_LENS, MIXED_LENS], ids=["prefill", "mixed"])
+@pytest.mark.parametrize("lens", [PREFILL_LENS, MIXED_LENS, VERIFY_LENS], ids=["prefill", "mixed", "verify"])
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("d,bs,q_to_kv", CONFIGS[1:2] + CONFIGS[4:5])
 def test_reference_prefill_matches_naive(d, bs, q_to_kv, impl, lens):
@@ -155,6 +156,12 @@ def test_mixed_step_decodes_take_the_decode_path():
     assert (attn.decodes.min_ctx, attn.decodes.max_ctx, attn.decodes.is_prefill) == (16, 70, False)
     one = _prefill_case(64, 16, [0, 1], [(1, 33), (17, 40)])
     assert be.prepare(True, torch.full((18,), -1), one[7], one[5], one[6], None).decodes is None  # one decode
+    # a verification: every token of the leading sequences is a decode row over its context so far
+    q, k, v, kc, vc, cu_q, cu_k, bt, qkv = _prefill_case(64, 16, [0, 1, 1, 1], VERIFY_LENS)
+    attn = be.prepare(True, torch.full((q.shape[0],), -1), bt, cu_q, cu_k, None)
+    assert attn.decode_seqs == 4 and attn.decodes.context_lens.tolist() == (
+        [36, 37, 38, 39, 40, 33, 68, 69, 70] + list(range(33, 49)))
+    assert torch.equal(attn.decodes.block_tables, bt[[0] * 5 + [1] + [2] * 3 + [3] * 16])
 
 
 def test_prepare_is_per_step_and_per_backend(monkeypatch):

@@ -9,7 +9,8 @@ and contract:
   half precision as HF's eager attention computes it (half-precision matmuls, float32 softmax,
   through :func:`tpengine.backends.cpu.cpu_fused.causal_softmax_`), else SDPA; other batches run SDPA
   per sequence (over a cached prefix as two flash calls merged by their log-sum-exp); the leading
-  one-token sequences of a mixed step (decodes beside a prefill chunk) run the decode path below;
+  sequences of a few tokens over a cached prefix (decodes beside a prefill chunk, speculative
+  verification) run each token as a row of the decode path below;
 * decode: the query heads are grouped by KV head, the context is gathered once per step into
   ``[B, Hkv, L, D]`` (or kept across steps by the layer's :class:`tpengine.backends.cpu.kv_mirror.KVMirror`)
   and attended in one batched call: the C kernel (:mod:`tpengine.backends.cpu.cpu_decode`), SDPA for a
@@ -44,6 +45,11 @@ __all__ = ["CPUAttentionBackend", "CPUAttentionMetadata"]
 #: measured per machine: the two paths round differently, and the C kernel (the bmm path's
 #: arithmetic) must give the tokens this path gives.
 SDPA_ROWS = 8
+#: A prefill step's sequences of at most this many new tokens over a cached prefix run each token as
+#: a decode row (the batched decode path) instead of a flash call per sequence. Not a timing: the
+#: rows of a sequence gather its context once each, so the bound keeps that copy within one
+#: block's worth of queries, which covers a speculative step's k + 1 positions.
+DECODE_ROWS_QUERY = 16
 
 
 def half_decode(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, valid: torch.Tensor, bias: torch.Tensor,
@@ -82,9 +88,11 @@ class CPUAttentionMetadata(StepIndex):
     ``min_ctx``/``max_ctx`` (host ints), ``paged`` (the layers run :mod:`tpengine.backends.cpu.cpu_paged`
     over ``paged_index``, checked here once for the step)
     and ``mirror`` (the step as the KV mirrors see it; None with mirrors off or ``paged``).
-    ``decodes``: in a mixed prefill step, the decode metadata of its leading
-    one-token sequences (decodes over their cache, run through the batched decode path; None
-    when there are fewer than two). ``derived``: values every layer shares that depend on the cache geometry
+    ``decodes``: in a prefill step, the decode metadata of its leading ``decode_seqs`` sequences of
+    at most :data:`DECODE_ROWS_QUERY` new tokens over a cached prefix (a mixed step's decodes, the
+    verification of speculative tokens): one decode row per token, of its sequence's block table and
+    a context up to and including it, run through the batched decode path (None when there are fewer
+    than two rows). ``derived``: values every layer shares that depend on the cache geometry
     (gather indices, key masks), computed by the first layer that needs them.
     """
 
@@ -99,6 +107,7 @@ class CPUAttentionMetadata(StepIndex):
     paged: bool = False
     paged_index: cpu_paged.PagedIndex | None = None
     decodes: CPUAttentionMetadata | None = None
+    decode_seqs: int = 0
     derived: dict = field(default_factory=dict)
 
     def get(self, key: tuple, compute):
@@ -144,12 +153,20 @@ class CPUAttentionBackend(AttentionBackend):
         if is_prefill:
             self.continuity.prefill()
             m.cu_q, _, m.seqlens_q, m.seqlens_k = prefill_lengths(cu_seqlens_q, cu_seqlens_k, slot_mapping.shape[0])
-            nd = next((b for b, (lq, lk) in enumerate(zip(m.seqlens_q, m.seqlens_k)) if lq != 1 or lk < 2),
-                      len(m.seqlens_q))
-            if nd >= 2 and block_tables is not None:  # a mixed step's decodes, batched as in a decode step
-                lens = torch.tensor(m.seqlens_k[:nd], device=slot_mapping.device)
-                m.decodes = CPUAttentionMetadata(False, slot_mapping[:nd], block_tables[:nd], None, None, lens,
-                                                 min_ctx=min(m.seqlens_k[:nd]), max_ctx=max(m.seqlens_k[:nd]))
+            # the leading sequences of a few new tokens over a cached prefix (a mixed step's decodes, a
+            # verification of speculative tokens): each token one decode row, batched as in a decode step
+            nd = next((b for b, (lq, lk) in enumerate(zip(m.seqlens_q, m.seqlens_k))
+                       if not 0 < lq <= DECODE_ROWS_QUERY or lk - lq < 1), len(m.seqlens_q))
+            rows = m.cu_q[nd]
+            if rows >= 2 and block_tables is not None:
+                lens = [lk - lq + j + 1 for lq, lk in zip(m.seqlens_q[:nd], m.seqlens_k[:nd]) for j in range(lq)]
+                dev = slot_mapping.device
+                seq_of_row = torch.repeat_interleave(torch.arange(nd, device=dev),
+                                                     torch.tensor(m.seqlens_q[:nd], device=dev))
+                tables = block_tables[:nd] if rows == nd else block_tables.index_select(0, seq_of_row)
+                m.decodes = CPUAttentionMetadata(False, slot_mapping[:rows], tables, None, None,
+                                                 torch.tensor(lens, device=dev), min_ctx=min(lens), max_ctx=max(lens))
+                m.decode_seqs = nd
         else:
             if context_lens.numel():
                 m.min_ctx, m.max_ctx = (int(x) for x in torch.aminmax(context_lens))
@@ -253,9 +270,9 @@ class CPUAttentionBackend(AttentionBackend):
             return o.transpose(1, 2).reshape(q.shape).contiguous()
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         nd = 0
-        if attn.decodes is not None:  # the leading one-token sequences: one batched decode call
-            nd = attn.decodes.context_lens.shape[0]
-            out[:nd] = self.decode_attention(q[:nd], k_cache, v_cache, q_to_kv, scale, attn.decodes)
+        if attn.decodes is not None:  # the leading few-token sequences: one batched decode call
+            nd, rows = attn.decode_seqs, attn.decodes.context_lens.shape[0]
+            out[:rows] = self.decode_attention(q[:rows], k_cache, v_cache, q_to_kv, scale, attn.decodes)
         for b, (lq, lk) in enumerate(zip(lqs, lks)):
             if lq == 0 or b < nd:
                 continue
