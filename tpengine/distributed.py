@@ -50,6 +50,10 @@ class _ProcessGroups:
 
 
 _STATE: _ProcessGroups | None = None
+# The rendezvous store of this process (torchrun's agent store, or the one rank 0 hosts), made by
+# the first init_distributed and kept for the process's life, and how many times init_distributed
+# made process groups on it: each time under a prefix of its own (see init_distributed).
+_STORE: dict[str, Any] = {"store": None, "inits": 0}
 
 
 def _pick_device(local_rank: int, device: str) -> torch.device:
@@ -89,7 +93,16 @@ def init_distributed(timeout_s: float = 60.0, device: str = "auto") -> TPInfo:
 
         timeout = timedelta(seconds=timeout_s)
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, rank=rank, world_size=size, timeout=timeout)
+        # A second engine in one process (LLM opened after another was closed) rendezvouses on the
+        # same store; the first one's keys (each rank's gloo address) are still there, so a rank
+        # could read a peer's old address and time out connecting to it. Every init therefore
+        # gets a fresh key prefix; every rank makes the same sequence of inits (SPMD), so the
+        # prefixes agree.
+        if _STORE["store"] is None:
+            _STORE["store"], _, _ = next(dist.rendezvous("env://", rank=rank, world_size=size, timeout=timeout))
+        _STORE["inits"] += 1
+        store = dist.PrefixStore(f"tpengine/init{_STORE['inits']}", _STORE["store"])
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size, timeout=timeout)
         control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     else:
         control = None
