@@ -237,8 +237,14 @@ def loading_line(cfg: EngineConfig, world: int) -> str:
 
 
 def failure_line(rank: int, world: int, exc: BaseException) -> str:
-    """The line a rank prints when it fails: ``[tpengine rank R/W] failed: TYPE: MESSAGE``."""
-    return f"[tpengine rank {rank}/{world}] failed: {type(exc).__name__}: {exc}"
+    """The line a rank prints when it fails: ``[tpengine rank R/W] failed: TYPE: MESSAGE``; when it
+    failed inside a collective (one timed out, a peer is gone), the rank first writes its forensics
+    report and the line says where (:func:`tpengine.forensics.collective_failure`: on rank 0, the
+    ranks that did not arrive, the step, the collective and the reports' folder)."""
+    from tpengine import forensics
+
+    what = forensics.collective_failure(exc)
+    return f"[tpengine rank {rank}/{world}] failed: {what or f'{type(exc).__name__}: {exc}'}"
 
 
 def build_engine(cfg: EngineConfig, rank: int, world: int, defaults_line: str | None = None,
