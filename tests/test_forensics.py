@@ -75,3 +75,35 @@ def test_usr1_report_then_a_stopped_rank_is_named(tiny, tmp_path):  # noqa: F811
     rank0 = (folder / "rank0.txt").read_text()
     assert "reason: failed in a collective" in rank0 and "Python stacks" in rank0
     assert (folder / "rank1.txt").read_text() == text  # the stopped rank wrote nothing more
+
+
+def test_ring_reports_and_the_failure_line_in_process(tmp_path, monkeypatch):
+    """The ring keeps the last steps and the innermost collective (``leave`` only on return), a
+    failure outside a collective is not the ring's, and rank 0's line names the ranks whose report
+    of a collective's failure is missing (a SIGUSR1 report does not count)."""
+    from tpengine import forensics
+
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    ring = forensics.Ring(size=4)
+    ring.job_id = "job"
+    monkeypatch.setattr(forensics, "RING", ring)
+    assert forensics.collective_failure(RuntimeError("not in a collective")) is None
+    for s in range(6):
+        forensics.step(s, "DECODE", 1, 1)
+    assert [r.step for r in ring.steps] == [2, 3, 4, 5]
+    outer = forensics.enter("the step plan's header broadcast (control group)")
+    forensics.leave(forensics.enter("all_reduce of the activations (default group)"))
+    assert outer is None and ring.current == "the step plan's header broadcast (control group)"
+    ring.rank, ring.world, ring.timeout_s = 0, 3, 0.4
+    folder = tmp_path / "forensics" / "job"
+    folder.mkdir(parents=True)
+    (folder / "rank1.txt").write_text("tpengine forensics: rank 1/3\nwritten: now, reason: SIGUSR1\n")
+    (folder / "rank2.txt").write_text(f"tpengine forensics: rank 2/3\nwritten: now, reason: {forensics.FAILED}: X\n")
+    line = forensics.collective_failure(RuntimeError("Timed out waiting 400ms"))
+    assert line.startswith("collective timed out: rank(s) 1 did not arrive; rank 0 at step 5 (DECODE, 1 tokens, "
+                           "1 seqs) in the step plan's header broadcast (control group) for ")
+    assert line.endswith(f"; reports in {folder} (RuntimeError: Timed out waiting 400ms)")
+    report = (folder / "rank0.txt").read_text()
+    assert f"reason: {forensics.FAILED}: RuntimeError: Timed out waiting 400ms" in report
+    assert "  5 DECODE 1 1 " in report and "  1 DECODE" not in report
+    assert "test_ring_reports_and_the_failure_line_in_process" in report  # this thread's stack

@@ -170,7 +170,11 @@ def main(
     else:
         for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains and sends STOP
             signal.signal(sig, lambda *_: None)
-        llm.generate([])
+        try:
+            llm.generate([])
+        except Exception as e:  # one line naming the rank (and, in a collective, its forensics report)
+            print(failure_line(rank, world, e), file=sys.stderr, flush=True)
+            raise
         code = 0
     if code == 0:
         llm.shutdown()
