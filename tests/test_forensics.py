@@ -107,3 +107,28 @@ def test_ring_reports_and_the_failure_line_in_process(tmp_path, monkeypatch):
     assert f"reason: {forensics.FAILED}: RuntimeError: Timed out waiting 400ms" in report
     assert "  5 DECODE 1 1 " in report and "  1 DECODE" not in report
     assert "test_ring_reports_and_the_failure_line_in_process" in report  # this thread's stack
+
+
+def test_usr1_writes_a_report_unless_the_program_has_its_own_handler(tmp_path, monkeypatch):
+    from tpengine import forensics
+
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    ring = forensics.Ring()
+    ring.job_id = "job"
+    monkeypatch.setattr(forensics, "RING", ring)
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        forensics.configure(0, 1, 5.0)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)  # the handler runs between bytecodes of the main thread
+        assert "reason: SIGUSR1 (the rank runs on)" in (tmp_path / "forensics" / "job" / "rank0.txt").read_text()
+
+        def own(*_):
+            pass
+
+        signal.signal(signal.SIGUSR1, own)
+        forensics.configure(0, 1, 5.0)
+        assert signal.getsignal(signal.SIGUSR1) is own
+    finally:
+        signal.signal(signal.SIGUSR1, before)

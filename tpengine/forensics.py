@@ -97,12 +97,18 @@ def folder() -> Path:
     return cache_dir() / "forensics" / RING.job_id
 
 
+def _on_usr1(signum, frame) -> None:
+    write_report("SIGUSR1 (the rank runs on)")
+
+
 def configure(rank: int, world: int, timeout_s: float) -> None:
     """At engine start-up on every rank: note the rank, world size and collective timeout, and
-    (from the main thread) make ``kill -USR1`` write a report without stopping the rank."""
+    (from the main thread) make ``kill -USR1`` write a report without stopping the rank, unless
+    the program set a SIGUSR1 handler of its own (the Python API inside someone's program)."""
     RING.rank, RING.world, RING.timeout_s = rank, world, timeout_s
-    if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1"):
-        signal.signal(signal.SIGUSR1, lambda *_: write_report("SIGUSR1 (the rank runs on)"))
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1") \
+            and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None, _on_usr1):
+        signal.signal(signal.SIGUSR1, _on_usr1)
 
 
 def where() -> str:
