@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tpengine import forensics
+
 
 @dataclass(frozen=True)
 class TPInfo:
@@ -50,6 +52,10 @@ class _ProcessGroups:
 
 
 _STATE: _ProcessGroups | None = None
+# The rendezvous store of this process (torchrun's agent store, or the one rank 0 hosts), made by
+# the first init_distributed and kept for the process's life, and how many times init_distributed
+# made process groups on it: each time under a prefix of its own (see init_distributed).
+_STORE: dict[str, Any] = {"store": None, "inits": 0}
 
 
 def _pick_device(local_rank: int, device: str) -> torch.device:
@@ -89,7 +95,16 @@ def init_distributed(timeout_s: float = 60.0, device: str = "auto") -> TPInfo:
 
         timeout = timedelta(seconds=timeout_s)
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, rank=rank, world_size=size, timeout=timeout)
+        # A second engine in one process (LLM opened after another was closed) rendezvouses on the
+        # same store; the first one's keys (each rank's gloo address) are still there, so a rank
+        # could read a peer's old address and time out connecting to it. Every init therefore
+        # gets a fresh key prefix; every rank makes the same sequence of inits (SPMD), so the
+        # prefixes agree.
+        if _STORE["store"] is None:
+            _STORE["store"], _, _ = next(dist.rendezvous("env://", rank=rank, world_size=size, timeout=timeout))
+        _STORE["inits"] += 1
+        store = dist.PrefixStore(f"tpengine/init{_STORE['inits']}", _STORE["store"])
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size, timeout=timeout)
         control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     else:
         control = None
@@ -130,7 +145,9 @@ def shutdown() -> None:
     no rank tears down a connection a peer still uses. Safe to call twice or at size 1."""
     global _STATE
     if dist.is_available() and dist.is_initialized():
+        prev = forensics.enter("the shutdown barrier (control group)")
         dist.barrier(group=_control_group())
+        forensics.leave(prev)
         dist.destroy_process_group()
     _STATE = None
 
@@ -143,7 +160,9 @@ def all_reduce(t: torch.Tensor) -> torch.Tensor:
     """Sum ``t`` in place over all ranks on the default group (torch.distributed, whatever
     comm is installed); no-op at size 1. Returns ``t``."""
     if get_tp().size > 1:
+        prev = forensics.enter("all_reduce of the activations (default group)")
         dist.all_reduce(t)
+        forensics.leave(prev)  # not on an exception: the report names this collective
     return t
 
 
@@ -158,14 +177,19 @@ def gather_to_driver(t: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         return t
     t = t.contiguous()
     parts = [torch.empty_like(t) for _ in range(tp.size)] if tp.is_driver else None
+    prev = forensics.enter("gather of the logits to rank 0 (default group)")
     dist.gather(t, parts, dst=0)
+    forensics.leave(prev)
     return torch.cat(parts, dim=dim) if tp.is_driver else None
 
 
-def broadcast_control(t: torch.Tensor) -> torch.Tensor:
-    """Broadcast CPU tensor ``t`` from rank 0 in place over the gloo control group."""
+def broadcast_control(t: torch.Tensor, what: str = "a broadcast from rank 0") -> torch.Tensor:
+    """Broadcast CPU tensor ``t`` from rank 0 in place over the gloo control group; ``what`` names
+    it in a forensics report (:mod:`tpengine.forensics`)."""
     if get_tp().size > 1:
+        prev = forensics.enter(f"{what} (control group)")
         dist.broadcast(t, src=0, group=_control_group())
+        forensics.leave(prev)
     return t
 
 
@@ -174,7 +198,9 @@ def all_reduce_min(value: int) -> int:
     if get_tp().size == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64)
+    prev = forensics.enter("all_reduce_min (control group)")
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_control_group())
+    forensics.leave(prev)
     return int(t.item())
 
 
@@ -186,7 +212,9 @@ def gather_control(value: int) -> list[int] | None:
         return [value]
     t = torch.tensor([value], dtype=torch.int64)
     parts = [torch.empty_like(t) for _ in range(tp.size)] if tp.is_driver else None
+    prev = forensics.enter("gather_control (control group)")
     dist.gather(t, parts, dst=0, group=_control_group())
+    forensics.leave(prev)
     return [int(p.item()) for p in parts] if tp.is_driver else None
 
 
@@ -201,5 +229,7 @@ def broadcast_object(obj: Any) -> Any:
     if get_tp().size == 1:
         return obj
     box = [obj if get_tp().is_driver else None]
+    prev = forensics.enter("broadcast_object (control group)")
     dist.broadcast_object_list(box, src=0, group=_control_group())
+    forensics.leave(prev)
     return box[0]

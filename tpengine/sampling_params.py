@@ -55,7 +55,8 @@ class SamplingParams:
       is empty with finish reason "length". ``min_tokens``: no EOS, stop token or stop string ends a sample before it
       has this many tokens. ``stop``: strings that end generation (not in the text unless
       ``include_stop_str_in_output``); ``stop_token_ids``: extra ids that end generation (kept in
-      token_ids, not in the text); ``ignore_eos``: never stop on EOS ids.
+      token_ids; as an EOS id, their text is in the output only with
+      ``include_stop_str_in_output``, vLLM's rule); ``ignore_eos``: never stop on EOS ids.
     * ``logprobs``: None, or k in [0, MAX_LOGPROBS]: each generated token's logprob plus the k
       most likely tokens' (from the full-vocabulary log-softmax of the raw logits, as vLLM's
       default ``raw_logprobs``). ``prompt_logprobs``: the same for every prompt position after the

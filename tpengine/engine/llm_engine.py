@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from tpengine import forensics
 from tpengine.config import EngineConfig
 from tpengine.distributed import TPInfo, init_distributed
 from tpengine.engine.logprobs import add_sample_logprobs, collect_prompt_logprobs
@@ -100,6 +101,7 @@ class LLMEngine:
         check_model_limits(hf_config, config.max_model_len)  # UserError: settings this model cannot honour
         self.config = config
         self.tp: TPInfo = init_distributed(config.dist_timeout_s)
+        forensics.configure(self.tp.rank, self.tp.size, config.dist_timeout_s)  # kill -USR1: a report
         # the model this launch runs, read once: a shard folder checked against the launch, or the plan built
         self.spec = ModelSpec.from_config(config.model, hf_config, self.tp)
         setup_process(config, self.tp, self.spec.shard_plan)

@@ -179,7 +179,7 @@ class ModelRunner:
             if plan.grammar_mask:
                 words = (self.shard_plan.vocab_size + 31) // 32
                 mask = grammar_mask() if self.tp.is_driver else torch.empty(plan.num_seqs, words, dtype=torch.int32)
-                mask = broadcast_control(mask).to(hidden.device)
+                mask = broadcast_control(mask, "the token bitmask broadcast").to(hidden.device)
                 if hidden.shape[0] > mask.shape[0]:  # speculative rows: never constrained (all bits set)
                     mask = torch.cat([mask, mask.new_full((hidden.shape[0] - mask.shape[0], words), -1)])
             return self.model.lm_head.greedy(hidden, mask)

@@ -70,7 +70,8 @@ class OutputProcessor:
     Args:
         tokenizer: a Hugging Face tokenizer (``decode``).
         is_stop_token: ``(seq, token_id) -> bool``: the token ends ``seq`` as EOS / a stop-token id
-            (such a token stays in ``token_ids`` and is never detokenized).
+            (such a token stays in ``token_ids``; its text joins the output only with
+            ``include_stop_str_in_output``, as in vLLM).
     """
 
     def __init__(self, tokenizer, is_stop_token: Callable[[Sequence, int], bool]) -> None:
@@ -82,7 +83,8 @@ class OutputProcessor:
     def _sample(self, seq: Sequence) -> Sample:
         p = seq.params
         return Sample(seq, IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens,
-                                                  p.include_stop_str_in_output, p.min_tokens))
+                                                  p.include_stop_str_in_output, p.min_tokens,
+                                                  prompt_token_ids=seq.prompt_token_ids))
 
     def add(self, seq: Sequence, stream: bool = False, asked: SamplingParams | None = None) -> None:
         """Start tracking request ``seq`` (sample 0 of its ``params.n``; its id must not be live);
@@ -115,9 +117,12 @@ class OutputProcessor:
 
     def detokenize(self, seq: Sequence, token_id: int) -> bool:
         """Feed ``token_id`` to ``seq``'s detokenizer; True when a stop string matched."""
-        if seq.is_finished or self.is_stop_token(seq, token_id):
+        if seq.is_finished:
             return False
         sample = self.states[seq.request_id].samples[seq.index]
+        if self.is_stop_token(seq, token_id):  # its text only with include_stop_str_in_output (vLLM)
+            sample.emitted += sample.detok.append_stop_token(token_id)
+            return False
         sample.emitted += sample.detok.append(token_id)
         return sample.detok.stopped
 

@@ -284,8 +284,8 @@ class Scheduler:
     # ---- results ----------------------------------------------------------------------------
     def is_stop_token(self, seq: Sequence, token_id: int) -> bool:
         """True if ``token_id`` ends ``seq`` with "stop": an EOS id (unless ``params.ignore_eos``)
-        or one of ``params.stop_token_ids``. Such a token is kept in ``token_ids`` but never
-        detokenized into the text."""
+        or one of ``params.stop_token_ids``. Such a token is kept in ``token_ids``; its text joins the
+        output only with ``params.include_stop_str_in_output`` (vLLM's rule)."""
         p = seq.params
         return (token_id in self.eos_token_ids and not p.ignore_eos) or token_id in p.stop_token_ids
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tpengine import forensics
 from tpengine.distributed import broadcast_control, get_tp
 
 MAGIC = 0x7E57E9
@@ -225,15 +226,24 @@ def broadcast_plan(plan: StepPlan | None) -> StepPlan:
     """Rank 0 passes its plan; other ranks pass None and receive it. Two broadcasts on the gloo
     control group (header, then payload), each bounded by the process-group timeout."""
     if plan is not None:
-        if get_tp().size == 1:
-            return plan
-        header, payload = pack(plan)
-        broadcast_control(header)
-        if payload.numel():
-            broadcast_control(payload)
+        if get_tp().size > 1:
+            header, payload = pack(plan)
+            broadcast_control(header, "the step plan's header broadcast")
+            if payload.numel():
+                broadcast_control(payload, "the step plan's payload broadcast")
+        _note(plan)
         return plan
-    header = broadcast_control(torch.empty(HEADER_LEN, dtype=torch.int64))
+    header = broadcast_control(torch.empty(HEADER_LEN, dtype=torch.int64), "the step plan's header broadcast")
     _, kind, n, b, m, _, _, p, c, s, _ = header.tolist()
     size = 0 if kind in CONTROL_KINDS else sum(payload_sizes(n, b, m, p, c, s))
-    payload = broadcast_control(torch.empty(size, dtype=torch.int64)) if size else torch.empty(0, dtype=torch.int64)
-    return unpack(header, payload)
+    payload = broadcast_control(torch.empty(size, dtype=torch.int64), "the step plan's payload broadcast") \
+        if size else torch.empty(0, dtype=torch.int64)
+    plan = unpack(header, payload)
+    _note(plan)
+    return plan
+
+
+def _note(plan: StepPlan) -> None:
+    """The plan in this rank's forensics ring (:mod:`tpengine.forensics`)."""
+    forensics.step(plan.step, plan.kind.name, 0 if plan.input_ids is None else plan.input_ids.numel(),
+                   0 if plan.context_lens is None else plan.context_lens.numel())

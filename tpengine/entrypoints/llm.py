@@ -21,7 +21,7 @@ from typing import Any
 
 from tpengine.config import DEFAULT_MODEL_DIR
 from tpengine.entrypoints.outputs import RequestOutput
-from tpengine.entrypoints.setup import build_engine, rank_and_world, read_launch
+from tpengine.entrypoints.setup import build_engine, read_launch, start_rank
 from tpengine.errors import UserError
 from tpengine.sampling_params import SamplingParams
 
@@ -62,7 +62,7 @@ class LLM:
                  **engine_settings: Any) -> None:
         from tpengine.engine.llm_engine import LLMEngine
 
-        rank, world_size = rank_and_world()
+        rank, world_size = start_rank()
         if tensor_parallel_size is not None and tensor_parallel_size != world_size:
             raise UserError(f"tensor_parallel_size={tensor_parallel_size!r} but the world size is {world_size}: "
                             f"tp is the number of torchrun ranks (launch with torchrun --nproc_per_node="

@@ -41,6 +41,7 @@ from tpengine.entrypoints.setup import (
     rank_and_world,
     read_chat_template,
     read_launch,
+    start_rank,
 )
 from tpengine.errors import UserError
 from tpengine.frontend.job import drive
@@ -236,7 +237,7 @@ def main(
     Exit codes: 0 the job ran (a request's own failure is its error record), 2 a mistake found
     before the model loads (arguments, settings, config or request file, model folder, --out),
     or a setting the model cannot honour, 1 an internal failure."""
-    rank, world = rank_and_world()
+    rank, world = start_rank()
     try:
         template = read_chat_template(chat_template)
         job = prepare(prompts, out, config, resume, skip_invalid,

@@ -27,7 +27,13 @@ from typing import Annotated, Any
 import typer
 
 from tpengine.entrypoints.flags import engine_options, option
-from tpengine.entrypoints.setup import build_engine, failure_line, rank_and_world, read_chat_template, read_launch
+from tpengine.entrypoints.setup import (
+    build_engine,
+    failure_line,
+    read_chat_template,
+    read_launch,
+    start_rank,
+)
 from tpengine.errors import UserError
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
@@ -138,7 +144,7 @@ def main(
     engine: dict[str, Any],
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
-    rank, world = rank_and_world()
+    rank, world = start_rank()
     try:
         launch = read_launch(config, engine, world)
         model_name = served_model_name or launch.model_name
@@ -164,7 +170,11 @@ def main(
     else:
         for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains and sends STOP
             signal.signal(sig, lambda *_: None)
-        llm.generate([])
+        try:
+            llm.generate([])
+        except Exception as e:  # one line naming the rank (and, in a collective, its forensics report)
+            print(failure_line(rank, world, e), file=sys.stderr, flush=True)
+            raise
         code = 0
     if code == 0:
         llm.shutdown()

@@ -10,15 +10,21 @@ that folder (:func:`check_model`); merges the sampling defaults (the model's
 :func:`model_sampling_defaults`, :func:`sampling_defaults`) — all of it :func:`read_launch` —
 and then, on every rank, builds the :class:`tpengine.engine.llm_engine.LLMEngine`, rank 0 first
 printing the defaults line and the loading line (:func:`build_engine`). The entry points import
-from here and never from each other.
+from here and never from each other. Under torchrun each of them first ties its rank's life to its
+launcher (:func:`die_with_launcher`, through :func:`start_rank`), so no rank outlives a killed
+``torchrun``.
 
 Nothing here imports torch or the engine at import time, so ``tpengine run --help`` stays quick.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +42,72 @@ if TYPE_CHECKING:
 def rank_and_world() -> tuple[int, int]:
     """(rank, world size) from torchrun's environment (``RANK``, ``WORLD_SIZE``); (0, 1) without it."""
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_GUARD: dict[str, int] = {}  # "launcher": the pid die_with_launcher watches, once it is set up
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a rank that ``torchrun`` (its elastic agent) started: the agent sets
+    ``TORCHELASTIC_RUN_ID`` in every worker's environment. A plain ``tpengine run`` (tp=1, started
+    by a shell) is not."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def die_with_launcher(poll_s: float = 0.5) -> bool:
+    """Under torchrun, make this rank end (SIGKILL) once its launcher dies; elsewhere do nothing.
+
+    torchrun starts each rank in a session of its own, so a ``kill -9`` of the launcher reaches no
+    rank, and a rank blocked in a collective would live on. Two guards, set up once per process:
+
+    - Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: the kernel kills this process when the thread
+      that started it (torchrun's agent, which starts its workers from its main thread) exits. Then
+      the parent pid is read again: a launcher that died before the ``prctl`` (a rank just started)
+      already re-parented this process, and it ends at once.
+    - a daemon thread that reads the parent pid every ``poll_s`` seconds and kills this process when
+      it changed, for platforms without ``prctl`` and launchers whose worker-starting thread is not
+      the launcher's life.
+
+    SIGKILL and not SIGTERM: a rank of the server ignores SIGTERM (rank 0 drains and stops it), and
+    a rank blocked in C code never runs a Python handler. Nothing is lost that was finished: rank 0
+    appends and flushes ``--out`` one record at a time, and ``--resume`` cuts a torn last line
+    (:func:`tpengine.frontend.writer.read_done`).
+
+    Returns True when the guard is in place (now or by an earlier call), False when this process
+    is not a torchrun rank (or its parent is already init, pid 1: nothing to watch).
+    """
+    if "launcher" in _GUARD:
+        return True
+    if not under_torchrun():
+        return False
+    launcher = os.getppid()
+    if launcher == 1:  # torchrun as a container's init, or already gone: nothing to watch
+        return False
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl: the watchdog alone
+            pass
+    if os.getppid() != launcher:  # the launcher died before the prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+    _GUARD["launcher"] = launcher
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="tpengine-launcher-watchdog", daemon=True).start()
+    return True
+
+
+def start_rank() -> tuple[int, int]:
+    """The first call of every entry point: :func:`die_with_launcher` (under torchrun), then
+    :func:`rank_and_world`'s (rank, world size)."""
+    die_with_launcher()
+    return rank_and_world()
 
 
 def resolve_model_dir(model: str | os.PathLike, world_size: int) -> str:
@@ -165,8 +237,14 @@ def loading_line(cfg: EngineConfig, world: int) -> str:
 
 
 def failure_line(rank: int, world: int, exc: BaseException) -> str:
-    """The line a rank prints when it fails: ``[tpengine rank R/W] failed: TYPE: MESSAGE``."""
-    return f"[tpengine rank {rank}/{world}] failed: {type(exc).__name__}: {exc}"
+    """The line a rank prints when it fails: ``[tpengine rank R/W] failed: TYPE: MESSAGE``; when it
+    failed inside a collective (one timed out, a peer is gone), the rank first writes its forensics
+    report and the line says where (:func:`tpengine.forensics.collective_failure`: on rank 0, the
+    ranks that did not arrive, the step, the collective and the reports' folder)."""
+    from tpengine import forensics
+
+    what = forensics.collective_failure(exc)
+    return f"[tpengine rank {rank}/{world}] failed: {what or f'{type(exc).__name__}: {exc}'}"
 
 
 def build_engine(cfg: EngineConfig, rank: int, world: int, defaults_line: str | None = None,

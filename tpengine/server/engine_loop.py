@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from tpengine import forensics
 from tpengine.engine.outputs import EngineOutput
 from tpengine.engine.step import StepKind, StepPlan, broadcast_plan
 from tpengine.sampling_params import SamplingParams
@@ -118,7 +119,10 @@ class EngineLoop:
             broadcast_plan(StepPlan(kind=StepKind.STOP, step=engine.stats().steps))
         except BaseException as e:  # a failed step or rank: every waiting request learns it
             self.dead, self.failed = e, True
-            print(f"[tpengine rank 0] engine loop failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            # inside a collective: the forensics report first, and the line names the missing ranks
+            what = forensics.collective_failure(e) if isinstance(e, Exception) else None
+            print(f"[tpengine rank 0] engine loop failed: {what or f'{type(e).__name__}: {e}'}", file=sys.stderr,
+                  flush=True)
             dead = EngineDead(f"the engine failed: {type(e).__name__}: {e}")
             self._send([(q, dead) for q in list(self._streams.values())])
             self._streams.clear()

@@ -20,6 +20,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from tpengine import forensics
 from tpengine.backends.cpu import cpu_library
 from tpengine.backends.cpu.cpu_ops import index_error, ops
 from tpengine.comm import all_reduce
@@ -179,7 +180,9 @@ class FusedOps:
         are the same. Shapes: ``t``, ``h [rows, n]``, ``weight [n]``. ``t`` may be written."""
         comm = activation_comm()
         if self.cpu_kernels and comm is not None:  # the shared-memory comm (tpengine.backends.cpu.shm)
+            prev = forensics.enter("all_reduce + RMSNorm of the activations (shared memory)")
             out = comm.all_reduce_add_rms_norm(t, h, weight, eps)
+            forensics.leave(prev)  # not on an exception: the report names this collective
             if out is not None:
                 return out
         return add_rms_norm(h, all_reduce(t), weight, eps, self.cpu_kernels)
