@@ -86,7 +86,8 @@ def _same(got: dict, want: dict) -> None:
 def test_outputs_equal_those_without_speculation(results, tp):
     base = results[1]["base"][0]
     _same(results[tp]["spec"][0], base)
-    assert base["count"]["finish_reason"] == "stop" and base["count"]["text"].endswith("11. 11\n"), base["count"]["text"]
+    count = base["count"]
+    assert count["finish_reason"] == "stop" and count["text"].endswith("11. 11\n"), count["text"]
     assert len(base["eos"]["token_ids"]) == 40 and len(base["n2"]["outputs"]) == 2
     assert base["choice"]["text"] in ("yes", "no")
 
@@ -195,5 +196,5 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
     code, err = run_cli("--prompts", prompts, "--model", SMOLLM2_DIR, "--out", tmp_path / "o.jsonl",
                         "--speculative-config", json.dumps({"model": str(tiny), "num_speculative_tokens": 2}))
     assert code == 2, err
-    assert (f"failed: UserError: speculative_config model {tiny}: its vocabulary has 1001 tokens, the model's 49152; a draft "
-            "model must share the model's vocabulary") in err
+    assert (f"failed: UserError: speculative_config model {tiny}: its vocabulary has 1001 tokens, the model's 49152; "
+            "a draft model must share the model's vocabulary") in err

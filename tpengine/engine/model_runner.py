@@ -151,9 +151,9 @@ class ModelRunner:
         """Run one PREFILL or DECODE step, after the plan's block copies. Returns float32 logits
         ``[B + P + S, vocab_size]`` on rank 0 (one row per sequence, at ``plan.sample_idx``, then one
         per ``plan.prompt_idx`` entry, then one per ``plan.spec_idx`` entry) or, for a ``plan.greedy``
-        step, the argmax token ids ``[B + S]`` (int64, without gathering the logits); None on other ranks. ``grammar_mask`` (rank 0, for a
-        ``plan.grammar_mask`` step): returns the step's token bitmask (int32 ``[B, ceil(V / 32)]``),
-        called once the forward reaches the LM head."""
+        step, the argmax token ids ``[B + S]`` (int64, without gathering the logits); None on other ranks.
+        ``grammar_mask`` (rank 0, for a ``plan.grammar_mask`` step): returns the step's token bitmask
+        (int32 ``[B, ceil(V / 32)]``), called once the forward reaches the LM head."""
         if plan.block_copies is not None and plan.block_copies.numel():
             self.copy_blocks(plan.block_copies)
         if (self.graphs is not None and plan.kind == StepKind.DECODE

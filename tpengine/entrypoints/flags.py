@@ -62,8 +62,8 @@ ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {
                          "structured output starts after them; the chat API returns them as reasoning_content",
                          "none"),
     "speculative_config": ("speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                           "\"prompt_lookup_max\": 4}' or '{\"model\": DRAFT_DIR, \"num_speculative_tokens\": 4}' (greedy "
-                           "and seeded outputs stay exactly those without it)", "none"),
+                           "\"prompt_lookup_max\": 4}' or '{\"model\": DRAFT_DIR, \"num_speculative_tokens\": 4}' "
+                           "(greedy and seeded outputs stay exactly those without it)", "none"),
 }
 
 

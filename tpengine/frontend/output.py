@@ -72,7 +72,8 @@ def simple_record(out: EngineOutput) -> dict[str, Any]:
     usage = SimpleUsage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=out.num_output_tokens,
                         prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
     metrics = Metrics(ttft_s=_secs(out.ttft_s), latency_s=_secs(out.latency_s),
-                      spec_num_draft_tokens=out.spec_num_draft_tokens, spec_num_accepted_tokens=out.spec_num_accepted_tokens)
+                      spec_num_draft_tokens=out.spec_num_draft_tokens,
+                      spec_num_accepted_tokens=out.spec_num_accepted_tokens)
     prompt_logprobs = simple_logprobs(out.prompt_logprobs)
     if len(out.outputs) > 1:
         samples = [SimpleSample(index=o.index, text=o.text, token_ids=list(o.token_ids), finish_reason=o.finish_reason,
