@@ -304,7 +304,8 @@ def test_cpu_kernels_switch_is_per_engine(tmp_path, monkeypatch):
         off.generate(req)
         assert calls == []
         on.generate(req)
-        assert "tpe_add_rms_norm" in calls and "tpe_decode_scores" in calls
+        assert "tpe_add_rms_norm" in calls  # the decode attention kernel only where this build has it
+        assert ("tpe_decode_scores" in calls) == cpu_library.has("tpe_decode_scores")
         calls.clear()
         off.generate(req)
         assert calls == []

@@ -14,8 +14,8 @@ from tpengine.model.quant.arith import int4_pack_layout
 from tpengine.model.quant.weights import Int4Weight, Int8Weight, QuantScheme
 
 # the kernels' tests; the int4-with-codes storage and torch's kernel on it run on every machine
-needs_kernels = pytest.mark.skipif(cpu_library.load() is None,
-                                   reason=f"needs the CPU C kernels: {cpu_library.unavailable_reason()}")
+needs_kernels = pytest.mark.skipif(cpu_library.missing(*cpu_qgemv.KERNELS) is not None,
+                                   reason=str(cpu_library.missing(*cpu_qgemv.KERNELS)))
 #: int4z: int4 with int8 zero codes (--quantization int4's); int4: float zeros (GGUF Q4_1's)
 SCHEMES = [("int8", None), ("int8", 32), ("int4", 32), ("int4", 128), ("int4z", 32), ("int4z", 128)]
 SHAPES = [(960, 256), (472, 256), (80, 128)]  # 472: 7 blocks of 64 and a last one of 24 (padded to 32)
@@ -200,7 +200,7 @@ def test_coded_int4_every_path_is_the_stored_weight(dtype):
     assert step == pytest.approx(2.0 / 15, rel=2 ** -7) and float((ref[5, :32] - w[5, :32]).abs().max()) <= step / 2
     assert q.nbytes == 80 * 128 // 2 + 4 * 80 * (dtype.itemsize + 1)  # half a byte a weight, a scale and a code a group
     paths = ((8, (8, 0)), (8, (0, 0)), (70, (0, 64)), (70, (0, 0)))
-    if cpu_library.load() is None:  # no C kernels here: torch's kernel only, not tpengine's GEMV or dequantization
+    if not cpu_qgemv.kernels_built():  # no C kernels here: torch's kernel only, not tpengine's GEMV or dequantization
         paths = tuple(p for p in paths if p[1] == (0, 0))
     for rows, (gemv, deq) in paths:
         x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(dtype)

@@ -56,11 +56,20 @@ def _rows(x: torch.Tensor, k: int, op: str) -> tuple[torch.Tensor, int]:
     return x.reshape(rows, k).contiguous(), rows
 
 
+#: the C functions (AVX512-BF16 builds only: cpu_library.has)
+KERNELS = ("tpe_qgemv_int8", "tpe_qgemv_int4", "tpe_dequant_int4")
+
+
+def kernels_built() -> bool:
+    """Whether the library loads and has :data:`KERNELS` (an AVX2 build leaves them out: the
+    quantized linears then keep torch's kernels). Never raises."""
+    return cpu_library.has(*KERNELS)
+
+
 def _lib():
-    lib = cpu_library.load()
-    if lib is None:
-        raise RuntimeError(f"CPU C kernels unavailable: {cpu_library.unavailable_reason()}")
-    return lib
+    if not kernels_built():
+        raise RuntimeError(f"CPU C qgemv kernels unavailable: {cpu_library.unavailable_reason() or cpu_library.isa()}")
+    return cpu_library.load()
 
 
 def _check(status: int, op: str) -> None:

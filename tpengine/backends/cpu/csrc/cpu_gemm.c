@@ -81,6 +81,4 @@ void tpe_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t 
     }
 }
 
-#else /* never called: tpe_fast() == 0 marks the library unavailable */
-void tpe_gemm_f32(void) {}
-#endif
+#endif /* no AVX-512 path: left out of the build; the callers keep torch (cpu_library.has) */

@@ -41,7 +41,7 @@
 #define MAX_G 16 /* query heads per KV head (the caller checks) */
 #define MAX_D 256
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#ifdef TPE_AVX512
 #include <immintrin.h>
 
 /* The most query heads on one KV head. */
@@ -622,8 +622,4 @@ static inline __m512 keep32(__m512 x) {
 PAGED_DECODE(tpe_paged_decode_f32, float, ld32, st32, keep32, 0)
 PAGED_DECODE(tpe_paged_decode_bf16, uint16_t, ld, st, rb, 1)
 
-#else /* never called: tpe_fast() == 0 marks the library unavailable */
-int64_t tpe_paged_decode_f32(void) { return -1; }
-int64_t tpe_paged_decode_bf16(void) { return -1; }
-int tpe_paged_set_amx(int on) { return 0; }
-#endif
+#endif /* no AVX-512 path: left out of the build; the callers keep torch (cpu_library.has) */

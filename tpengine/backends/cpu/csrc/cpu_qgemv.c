@@ -34,7 +34,7 @@
  * read one after another by each thread) streamed ~1.5x slower without it (docs/notes/kernels.md). */
 #define Q4_PREFETCH_BYTES 4096
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#ifdef TPE_AVX512
 #include <immintrin.h>
 
 #include "gemv.h"
@@ -361,8 +361,4 @@ void tpe_dequant_int4(const uint8_t *packed, const void *sz, const int8_t *zc, i
     }
 }
 
-#else /* never called: tpe_fast() == 0 marks the library unavailable */
-int64_t tpe_qgemv_int8(void) { return -1; }
-int64_t tpe_qgemv_int4(void) { return -1; }
-void tpe_dequant_int4(void) {}
-#endif
+#endif /* no AVX-512 path: left out of the build; the callers keep torch (cpu_library.has) */
