@@ -135,7 +135,7 @@ def copy_rows(src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, t
     if (m if src_index is None else src_index.shape[0]) != n:
         raise ValueError(f"copy_rows: {n} dst_index entries for {m} source rows"
                          + ("" if src_index is None else f" and {src_index.shape[0]} src_index entries"))
-    if cpu_kernels and n and da.dtype == torch.bfloat16 and cpu_library.usable(sa, sb, da, db, kernels=("tpe_copy_rows",)):
+    if cpu_kernels and n and da.dtype == torch.bfloat16 and cpu_library.usable(sa, sb, da, db):
         ss = sa.stride()  # the C layout: rows of dst contiguous, src rows equally strided and each contiguous
         if (ss[1:] == da.stride()[1:] and sb.stride() == ss and da.is_contiguous() and db.is_contiguous()
                 and sa.shape[1:] == da.shape[1:] and sb.shape == sa.shape and db.shape == da.shape):

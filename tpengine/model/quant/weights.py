@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpengine.backends.cpu import cpu_library, cpu_qgemv
+from tpengine.backends.cpu import cpu_qgemv
 from tpengine.backends.cpu.cpu_qgemv import int4_layout_ok
 from tpengine.config import QUANTIZATIONS  # the values of EngineConfig.quantization besides None
 from tpengine.errors import UserError
