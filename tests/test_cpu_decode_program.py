@@ -16,7 +16,7 @@ from tpengine.engine.llm_engine import LLMEngine
 from tpengine.sampling_params import SamplingParams
 
 # the program's tests; its declining (no program without the C kernels) runs on every machine
-#: the C kernels the decode program calls (AVX512-BF16 builds only: the paged kernel)
+#: the C kernels the decode program calls (AVX512-BF16 and AVX2 builds)
 PROGRAM_KERNELS = ("tpe_paged_decode_f32", "tpe_paged_decode_bf16", *cpu_decode_program.KERNELS)
 needs_kernels = pytest.mark.skipif(cpu_library.missing(*PROGRAM_KERNELS) is not None,
                                    reason=str(cpu_library.missing(*PROGRAM_KERNELS)))

@@ -22,7 +22,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 def available(dtype: torch.dtype, head_dim: int, cpu_kernels: bool) -> bool:
     """Whether :func:`decode` takes a layer of this dtype and head size: ``cpu_kernels``
     (``EngineConfig.cpu_kernels``), float32 or bfloat16, ``head_dim % 32 == 0`` (RoPE rotates halves
-    of whole 16-lane vectors) and ``<= 256``, and the C library has the kernel (AVX-512 builds only:
+    of whole 16-lane vectors) and ``<= 256``, and the C library has the kernel (AVX512-BF16 and AVX2 builds:
     :func:`cpu_library.has`)."""
     return (cpu_kernels and dtype in DTYPES and head_dim % 32 == 0 and head_dim <= MAX_D
             and cpu_library.has("tpe_paged_decode_f32", "tpe_paged_decode_bf16"))
