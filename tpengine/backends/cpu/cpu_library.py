@@ -100,7 +100,7 @@ def flags() -> tuple[str, ...]:
 
 
 def cpu_id() -> str:
-    """The CPU's model and feature flags (part of the cache key: the build uses -march=native)."""
+    """The CPU's model and feature flags (part of the cache key: a native build, and every timing, depend on it)."""
     try:
         info = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
