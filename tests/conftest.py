@@ -97,7 +97,7 @@ def smollm2_dir() -> Path:
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """After the run: how many tests were skipped, grouped by reason, most first -- on a machine
-    without a CPU feature (AVX2 only: no C kernels; no AMX; no GPU) the skips say which paths it did
+    without a CPU feature (AVX2 only: no AVX-512-only kernels; no AMX; no GPU) the skips say which paths it did
     not test (docs/notes/avx2.md)."""
     counts: dict[str, int] = {}
     for report in terminalreporter.stats.get("skipped", []):

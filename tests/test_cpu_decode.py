@@ -13,8 +13,8 @@ BF16 = torch.bfloat16
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
-    if cpu_library.load() is None:
-        pytest.skip(f"needs the CPU C kernels: {cpu_library.unavailable_reason()}")
+    if cpu_library.missing(*cpu_decode.KERNELS):
+        pytest.skip(cpu_library.missing(*cpu_decode.KERNELS))
 
 
 def bmm_path(q, k, v, lens, scale):

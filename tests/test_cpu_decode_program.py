@@ -16,8 +16,10 @@ from tpengine.engine.llm_engine import LLMEngine
 from tpengine.sampling_params import SamplingParams
 
 # the program's tests; its declining (no program without the C kernels) runs on every machine
-needs_kernels = pytest.mark.skipif(cpu_library.load() is None,
-                                   reason=f"needs the CPU C kernels: {cpu_library.unavailable_reason()}")
+#: the C kernels the decode program calls (AVX512-BF16 and AVX2 builds)
+PROGRAM_KERNELS = ("tpe_paged_decode_f32", "tpe_paged_decode_bf16", *cpu_decode_program.KERNELS)
+needs_kernels = pytest.mark.skipif(cpu_library.missing(*PROGRAM_KERNELS) is not None,
+                                   reason=str(cpu_library.missing(*PROGRAM_KERNELS)))
 # head size 32 (the paged C kernel takes multiples of 32), widths multiples of 16
 SHAPE = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96}
 BASE = {"max_model_len": 128, "kv_cache_gb": 0.05}
@@ -86,5 +88,5 @@ def test_program_declines_what_it_does_not_cover(tmp_path):
     engine = LLMEngine(EngineConfig(model=str(llama), cpu_kernels=False, **BASE))
     assert engine.runner.backend.program is None
     assert cpu_decode_program.build(engine.runner.model.model, 1, cpu_kernels=False) is None
-    if cpu_library.load() is None:  # no C kernels on this machine: no program even where cpu_kernels is on
+    if not cpu_library.has(*PROGRAM_KERNELS):  # no C kernels on this machine: no program even where cpu_kernels is on
         assert LLMEngine(EngineConfig(model=str(llama), **BASE)).runner.backend.program is None

@@ -1,11 +1,13 @@
-"""Building and loading the CPU C kernels (tpengine/backends/cpu/cpu_library.py): a CPU with AVX512-BF16
-and a C compiler must get them (so the kernel tests cannot skip silently where they should run),
+"""Building and loading the CPU C kernels (tpengine/backends/cpu/cpu_library.py): an x86-64 CPU and a
+C compiler must get them (so the kernel tests cannot skip silently where they should run), built
+for the vector path the compiler targets (AVX512-BF16, AVX2 + FMA, or portable C; ``TPENGINE_ISA``),
 and a failing compiler leaves one clear line and the torch ops, never an error."""
 
+import os
+import platform
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,34 +17,71 @@ PROBE = ("from tpengine.backends.cpu import cpu_library; lib = cpu_library.load(
          "print('loaded' if lib is not None else 'unavailable')")
 
 
-def has_avx512_bf16() -> bool:
-    try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
 def probe(tmp_path, **env):
     return subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300,
                           env={"PATH": "/usr/bin:/bin", "TPENGINE_CACHE_DIR": str(tmp_path), **env})
 
 
-def compiler_targets_avx512_bf16() -> bool:
-    """Whether the compiler load() builds with ($CC, else cc or gcc) defines __AVX512BF16__ under
-    -march=native: False for a compiler too old for it, or one told -mno-avx512bf16 (docs/notes/avx2.md
-    runs the suite so, as an AVX2-only machine)."""
+def compiler_macros() -> str:
+    """The target macros of the compiler load() builds with ($CC, else cc or gcc) under the build's
+    -march (``$TPENGINE_ISA``): "" when it cannot say."""
     try:
         cc = cpu_library._compiler()
-        res = subprocess.run([*cc, "-march=native", "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True,
+        res = subprocess.run([*cc, cpu_library.march(), "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True,
                              text=True, timeout=60)
     except (RuntimeError, OSError, subprocess.SubprocessError):
-        return False
-    return res.returncode == 0 and "__AVX512BF16__" in res.stdout
+        return ""
+    return res.stdout if res.returncode == 0 else ""
 
 
-supported = pytest.mark.skipif(not has_avx512_bf16() or not (shutil.which("cc") or shutil.which("gcc"))
-                               or not compiler_targets_avx512_bf16(),
-                               reason="needs a CPU with AVX512-BF16 and a C compiler that targets it")
+def expected_isa(macros: str) -> str:
+    """What tpe_isa() names for these macros (csrc/bf16.h, cpu_decode.c)."""
+    has = lambda m: f"#define {m} " in macros  # noqa: E731
+    if has("__AVX512BF16__") and has("__AVX512F__"):
+        return "avx512bf16+amx" if has("__AMX_TILE__") and has("__AMX_BF16__") else "avx512bf16"
+    return "avx2" if has("__AVX2__") and has("__FMA__") else "generic"
+
+
+supported = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64")
+                               or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")),
+                               reason="needs an x86-64 CPU and a C compiler")
+
+
+@supported
+def test_isa_names_the_path_built():
+    """isa() is the path the compiler's target macros select, every kernel with an AVX2 path is in an
+    AVX2 build, and the AVX-512-only ones are in an AVX-512 build only (their callers keep torch)."""
+    assert cpu_library.isa() == expected_isa(compiler_macros()), cpu_library.unavailable_reason()
+    vector = ("tpe_add_rms_norm", "tpe_add_rms_norm_f32", "tpe_rope", "tpe_silu_mul", "tpe_silu_mul_f32",
+              "tpe_causal_softmax", "tpe_gemv_bf16", "tpe_gemv_f32", "tpe_shm_all_reduce",
+              "tpe_shm_all_reduce_add_rms_norm", "tpe_qgemv_int8", "tpe_paged_decode_f32", "tpe_paged_decode_bf16",
+              "tpe_gemm_f32")
+    portable = ("tpe_copy_rows", "tpe_row_argmax_f32", "tpe_row_argmax_bf16", "tpe_col_argmax_f32",
+                "tpe_col_argmax_bf16")
+    avx512 = ("tpe_paged_set_amx", "tpe_qgemv_int4", "tpe_dequant_int4", "tpe_decode_scores", "tpe_decode_pv")
+    assert cpu_library.has(*portable)
+    assert cpu_library.has(*vector) == (cpu_library.isa() != "generic")
+    assert cpu_library.has(*avx512) == cpu_library.isa().startswith("avx512")
+    if not cpu_library.has(*avx512):
+        assert cpu_library.missing("tpe_qgemv_int4") == (f"this build ({cpu_library.isa()}) has no tpe_qgemv_int4: "
+                                                         "no path for its target")
+
+
+def test_isa_setting_is_part_of_the_build_key(monkeypatch):
+    monkeypatch.delenv("TPENGINE_ISA", raising=False)
+    native = cpu_library.build_key(["gcc"])
+    assert cpu_library.flags() == ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+    monkeypatch.setenv("TPENGINE_ISA", "AVX2")
+    assert cpu_library.march() == "-march=x86-64-v3" and cpu_library.build_key(["gcc"]) != native
+    monkeypatch.setenv("TPENGINE_ISA", "native")
+    assert cpu_library.build_key(["gcc"]) == native
+
+
+def test_unknown_isa_falls_back_with_one_line(tmp_path):
+    res = probe(tmp_path, TPENGINE_ISA="avx9")
+    assert res.returncode == 0 and res.stdout.strip() == "unavailable"
+    assert res.stderr == ("tpengine: CPU C kernels unavailable, using torch ops: TPENGINE_ISA='avx9': expected one "
+                          "of native, avx2\n")
 
 
 @supported

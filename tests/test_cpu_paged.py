@@ -13,8 +13,8 @@ from tpengine.backends import reference as ref
 from tpengine.backends.cpu import cpu_library, cpu_paged
 
 # the kernel's tests; paged_index and choose_amx (None without AMX) run on every machine
-needs_kernels = pytest.mark.skipif(cpu_library.load() is None,
-                                   reason=f"needs the CPU C kernels: {cpu_library.unavailable_reason()}")
+needs_kernels = pytest.mark.skipif(cpu_library.missing("tpe_paged_decode_f32", "tpe_paged_decode_bf16") is not None,
+                                   reason=str(cpu_library.missing("tpe_paged_decode_f32", "tpe_paged_decode_bf16")))
 
 
 def rope(x, cos, sin):

@@ -14,8 +14,10 @@ from tpengine.model.quant.arith import int4_pack_layout
 from tpengine.model.quant.weights import Int4Weight, Int8Weight, QuantScheme
 
 # the kernels' tests; the int4-with-codes storage and torch's kernel on it run on every machine
-needs_kernels = pytest.mark.skipif(cpu_library.load() is None,
-                                   reason=f"needs the CPU C kernels: {cpu_library.unavailable_reason()}")
+needs_kernels = pytest.mark.skipif(cpu_library.missing(*cpu_qgemv.KERNELS) is not None,
+                                   reason=str(cpu_library.missing(*cpu_qgemv.KERNELS)))
+needs_int4 = pytest.mark.skipif(cpu_library.missing(*cpu_qgemv.INT4_KERNELS) is not None,
+                                reason=str(cpu_library.missing(*cpu_qgemv.INT4_KERNELS)))
 #: int4z: int4 with int8 zero codes (--quantization int4's); int4: float zeros (GGUF Q4_1's)
 SCHEMES = [("int8", None), ("int8", 32), ("int4", 32), ("int4", 128), ("int4z", 32), ("int4z", 128)]
 SHAPES = [(960, 256), (472, 256), (80, 128)]  # 472: 7 blocks of 64 and a last one of 24 (padded to 32)
@@ -33,11 +35,14 @@ def bound(x, q):
     return x.double().abs() @ q.dequantize().double().abs().T
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name, group", SCHEMES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_few_rows_equal_the_dequantized_product(name, group, shape, dtype):
+    # int8 per channel: the int8 kernel; grouped int8 (two int4 products) and int4: the int4 ones
+    why = cpu_library.missing(*(cpu_qgemv.INT8_KERNELS if name == "int8" and group is None else cpu_qgemv.INT4_KERNELS))
+    if why:
+        pytest.skip(why)
     q = weight(name, group, shape, dtype)
     assert q.kernels_take
     for rows in (1, 2, 3, 5, 8):
@@ -54,7 +59,7 @@ def test_few_rows_equal_the_dequantized_product(name, group, shape, dtype):
             assert torch.equal(q.bind()(x.contiguous()), got)  # the decode program's bound call
 
 
-@needs_kernels
+@needs_int4
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("name", ["int4", "int4z"])
@@ -200,7 +205,7 @@ def test_coded_int4_every_path_is_the_stored_weight(dtype):
     assert step == pytest.approx(2.0 / 15, rel=2 ** -7) and float((ref[5, :32] - w[5, :32]).abs().max()) <= step / 2
     assert q.nbytes == 80 * 128 // 2 + 4 * 80 * (dtype.itemsize + 1)  # half a byte a weight, a scale and a code a group
     paths = ((8, (8, 0)), (8, (0, 0)), (70, (0, 64)), (70, (0, 0)))
-    if cpu_library.load() is None:  # no C kernels here: torch's kernel only, not tpengine's GEMV or dequantization
+    if not cpu_qgemv.kernels_built(int4=True):  # no int4 C kernels: torch's kernel only, no GEMV or dequantization
         paths = tuple(p for p in paths if p[1] == (0, 0))
     for rows, (gemv, deq) in paths:
         x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(dtype)

@@ -171,8 +171,8 @@ def test_prepare_is_per_step_and_per_backend(monkeypatch):
     from tpengine.backends.cpu import cpu_library
     from tpengine.backends.cpu.kv_mirror import KVMirror
 
-    if cpu_library.load() is None:
-        pytest.skip(f"needs the CPU C kernels: {cpu_library.unavailable_reason()}")
+    if cpu_library.missing("tpe_decode_scores"):
+        pytest.skip(cpu_library.missing("tpe_decode_scores"))
     calls, real = [], cpu_library.load()
 
     class Counting:

@@ -13,8 +13,8 @@ import torch
 from tpengine.backends.cpu import cpu_fused, cpu_library, shm
 
 # the C all-reduce's tests; the row-parallel partial sum runs on every machine
-needs_kernels = pytest.mark.skipif(cpu_library.load() is None,
-                                   reason=f"needs the CPU C kernels: {cpu_library.unavailable_reason()}")
+needs_kernels = pytest.mark.skipif(cpu_library.missing("tpe_shm_all_reduce") is not None,
+                                   reason=str(cpu_library.missing("tpe_shm_all_reduce")))
 
 SLOT = 1 << 17
 

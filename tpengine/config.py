@@ -161,7 +161,8 @@ class EngineConfig:
     # costs up to one more copy of the KV cache, never more: see tpengine/backends/cpu/kv_mirror.py)
     kv_mirror: bool = True
     # CPU, bfloat16: decode attention, residual add + RMSNorm, RoPE and SiLU*up through C kernels built at
-    # run time (tpengine/backends/cpu/cpu_library.py; torch ops when there is no C compiler or no AVX512-BF16);
+    # run time (tpengine/backends/cpu/cpu_library.py: AVX512-BF16 or AVX2 paths; torch ops when there is no C
+    # compiler, and for a kernel the build has no path for);
     # false: always torch ops
     cpu_kernels: bool = True
     # CPU: the layout of the linear weights, per weight shape: "auto" (the faster of plain/MKL and

@@ -42,7 +42,7 @@ ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {
     "kv_mirror": ("CPU, half precision: keep the running batch's KV contiguous across decode steps (faster "
                   "decode; up to one more copy of the KV cache)", None),
     "cpu_kernels": ("CPU, bfloat16: decode attention, add + RMSNorm, RoPE and SiLU*up through C kernels built at "
-                    "run time (torch ops without a C compiler or AVX512-BF16)", None),
+                    "run time (torch ops without a C compiler)", None),
     "cpu_linear": ("CPU: the linear weights' layout per weight shape: auto (the faster of plain/MKL and "
                    "oneDNN-packed, measured on this machine and cached), plain or packed", None),
     "dist_timeout_s": ("seconds a collective waits for the other ranks before the job fails", None),

@@ -21,13 +21,15 @@ from tpengine.backends.cpu import cpu_library
 from tpengine.backends.cpu.cpu_ops import ops
 
 MAX_G, MAX_D = 8, 256  # the C code's stack buffers: query heads per KV head, head size
+#: the C functions (AVX512-BF16 builds only; elsewhere torch.bmm is faster: cpu_decode.c)
+KERNELS = ("tpe_decode_scores", "tpe_decode_pv")
 
 
 def available(q: torch.Tensor, g: int, d: int, cpu_kernels: bool) -> bool:
     """Whether :func:`decode_attention` can take this step: ``cpu_kernels`` (``EngineConfig.cpu_kernels``),
     the C kernels are usable (:func:`tpengine.backends.cpu.cpu_library.usable`: a CPU bfloat16 query, the
-    library loads), ``g <= 8`` query heads per KV head and ``d <= 256``."""
-    return cpu_kernels and g <= MAX_G and d <= MAX_D and cpu_library.usable(q)
+    library has :data:`KERNELS`), ``g <= 8`` query heads per KV head and ``d <= 256``."""
+    return cpu_kernels and g <= MAX_G and d <= MAX_D and cpu_library.usable(q, kernels=KERNELS)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_lens: torch.Tensor,
@@ -41,8 +43,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_
     a shape, dtype or layout mismatch or a length over ``L`` (checked in the C code, no extra
     pass); RuntimeError if the library is unavailable (check :func:`available` first).
     """
-    if cpu_library.load() is None:
-        raise RuntimeError(f"CPU C kernels unavailable: {cpu_library.unavailable_reason()}")
+    if not cpu_library.has(*KERNELS):
+        raise RuntimeError(f"CPU C decode kernels unavailable: {cpu_library.unavailable_reason() or cpu_library.isa()}")
     b, hkv, g, d = q.shape
     if (k.shape != v.shape or k.shape[:2] != (b, hkv) or k.shape[3] != d or context_lens.shape != (b,)
             or g > MAX_G or d > MAX_D):

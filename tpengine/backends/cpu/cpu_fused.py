@@ -40,7 +40,8 @@ def add_rms_norm(h: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, 
     neither input is written. C kernel: bfloat16 or float32 on CPU, ``n % 16 == 0``."""
     n = h.shape[-1]
     if (cpu_kernels and n and n % 16 == 0 and weight.shape == (n,) and (x is None or x.shape == h.shape)
-            and cpu_library.usable(h, weight, *(() if x is None else (x,)), float32=True)):
+            and cpu_library.usable(h, weight, *(() if x is None else (x,)), float32=True,
+                                   kernels=("tpe_add_rms_norm", "tpe_add_rms_norm_f32"))):
         h, weight = h.contiguous(), weight.contiguous()
         x = None if x is None else x.contiguous()  # kept alive across the call (a temporary's memory is freed)
         h2 = h if x is None else torch.empty_like(h)
@@ -62,7 +63,7 @@ def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cpu_kernels: b
     tensor from the torch ops."""
     d = qk.shape[-1]
     if cpu_kernels and qk.dim() >= 3 and cos.shape == sin.shape == (*qk.shape[:-2], d) and d % 32 == 0 \
-            and cpu_library.usable(qk, cos, sin):
+            and cpu_library.usable(qk, cos, sin, kernels=("tpe_rope",)):
         try:
             rows = qk.view(-1, *qk.shape[-2:])  # [T, H, D] over the same memory
         except RuntimeError:
@@ -81,7 +82,7 @@ def silu_mul(gate_up: torch.Tensor, inter: int, cpu_kernels: bool) -> torch.Tens
     tensor, computed as torch's ``F.silu(gate).mul_(up)`` (C kernel: bfloat16 or float32 on CPU,
     ``inter % 16 == 0``)."""
     if (cpu_kernels and gate_up.shape[-1] == 2 * inter and inter > 0 and inter % 16 == 0
-            and cpu_library.usable(gate_up, float32=True)):
+            and cpu_library.usable(gate_up, float32=True, kernels=("tpe_silu_mul", "tpe_silu_mul_f32"))):
         gate_up = gate_up.contiguous()
         out = gate_up.new_empty(*gate_up.shape[:-1], inter)
         ops.silu_mul(gate_up, out)
@@ -106,7 +107,7 @@ def causal_softmax_(s: torch.Tensor, scale: float, cpu_kernels: bool) -> torch.T
     if s.dim() < 2 or s.shape[-2] != n:
         raise ValueError(f"causal_softmax_: s must be square score blocks [..., n, n]; got {tuple(s.shape)}")
     if (cpu_kernels and s.dim() >= 2 and s.shape[-2] == n and 1 <= n <= 16384 and s.is_contiguous()
-            and cpu_library.usable(s)):
+            and cpu_library.usable(s, kernels=("tpe_causal_softmax",))):
         ops.causal_softmax_(s, scale)
         return s
     return torch.softmax(s.mul_(scale).add_(causal_bias(n, s.dtype, s.device)), dim=-1)  # (4x masked_fill_'s speed)

@@ -25,9 +25,9 @@ PANEL_ROWS = 64
 
 def available(weight: torch.Tensor) -> bool:
     """Whether :func:`gemm` takes this weight: a contiguous float32 CPU ``[n, k]`` tensor, and the
-    library loads."""
+    library has the kernel (AVX-512F and AVX2 builds: :func:`cpu_library.has`)."""
     return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.is_contiguous() and cpu_library.load() is not None)
+            and weight.is_contiguous() and cpu_library.has("tpe_gemm_f32"))
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

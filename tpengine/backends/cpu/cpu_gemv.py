@@ -18,10 +18,10 @@ _KERNELS = {torch.bfloat16: ("tpe_gemv_bf16", 32), torch.float32: ("tpe_gemv_f32
 
 def available(weight: torch.Tensor) -> bool:
     """Whether :func:`gemv` takes this weight: a contiguous bfloat16 (``k % 32 == 0``) or float32
-    (``k % 16 == 0``) CPU ``[n, k]`` tensor, and the library loads."""
+    (``k % 16 == 0``) CPU ``[n, k]`` tensor, and the library has the kernel (:func:`cpu_library.has`)."""
     kernel = _KERNELS.get(weight.dtype)
     return (kernel is not None and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.shape[1] % kernel[1] == 0 and weight.is_contiguous() and cpu_library.load() is not None)
+            and weight.shape[1] % kernel[1] == 0 and weight.is_contiguous() and cpu_library.has(kernel[0]))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,22 @@
-"""Build and load tpengine's CPU C kernels (``cpu_decode.c``, ``cpu_fused.c``; both include ``bf16.h``)
-at run time.
+"""Build and load tpengine's CPU C kernels (the sources in ``csrc/``; they include ``bf16.h`` and
+``gemv.h``) at run time.
 
-The kernels are bfloat16 AVX512-BF16 code for the CPU path (decode attention in
-:mod:`tpengine.backends.cpu.cpu_decode`; residual add + RMSNorm, RoPE and SiLU * up in
-:mod:`tpengine.backends.cpu.cpu_fused`), called as torch ops (:mod:`tpengine.backends.cpu.cpu_ops`).
-They are built with ``cc -O3 -march=native -fopenmp -shared``
-(``$CC`` if set) into ``$TPENGINE_CACHE_DIR`` (default ``~/.cache/tpengine``), one library per
-source, compiler and CPU, written atomically so concurrent ranks may build at once (once per
-machine). OpenMP threads come from the libgomp torch has already loaded; each call passes
-``torch.get_num_threads()``. When there is no compiler, the build fails, or the CPU lacks
-AVX512-BF16, :func:`load` returns None (with one line on stderr) and every caller keeps its torch
-ops: the kernels only ever make the CPU bfloat16 path faster, never required.
+The kernels are the CPU path's fused element-wise ops, GEMV / GEMM, paged decode attention,
+quantized GEMV, argmax and the shared-memory all-reduce, called as torch ops
+(:mod:`tpengine.backends.cpu.cpu_ops`) or through ctypes. They are built with
+``cc -O3 -march=native -fopenmp -shared`` (``$CC`` if set; ``-march=x86-64-v3`` under
+``TPENGINE_ISA=avx2``, see :func:`march`) into ``$TPENGINE_CACHE_DIR`` (default
+``~/.cache/tpengine``), one library per source, compiler, flags and CPU, written atomically so
+concurrent ranks may build at once (once per machine). OpenMP threads come from the libgomp torch
+has already loaded; each call passes ``torch.get_num_threads()``.
+
+Each kernel has vector paths chosen at build time from the compiler's target macros (``bf16.h``):
+AVX-512 with AVX512-BF16 (AMX tiles in the paged kernel where the compiler targets them, still
+checked at run time), else AVX2 + FMA. :func:`isa` names the path built. A kernel with no path for
+the build's target is left out of the library: :func:`has` is False for it and its callers keep
+their torch ops -- the one rule every caller follows (:func:`usable` takes the kernel names). When
+there is no compiler or the build fails, :func:`load` returns None (with one line on stderr) and
+every caller keeps its torch ops: the kernels only ever make the CPU path faster, never required.
 """
 
 from __future__ import annotations
@@ -33,10 +39,16 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / n for n in ("cpu_decode.c", "cp
                                                          "cpu_argmax.c"))
 #: included by the sources: part of the cache key
 HEADERS = (Path(__file__).parent / "csrc" / "bf16.h", Path(__file__).parent / "csrc" / "gemv.h")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # and march()'s -march
+#: ``TPENGINE_ISA`` -> the ``-march`` the kernels are built with. "avx2" builds the AVX2 + FMA paths
+#: on any x86-64-v3 CPU (an AVX-512 machine too, to run and measure them); torch is capped the same
+#: way with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``.
+ISAS = {"native": "-march=native", "avx2": "-march=x86-64-v3"}
 
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None  # why the library is unavailable, once a load was tried
+_have: frozenset[str] = frozenset()  # the C functions the loaded library exports
+_isa: str | None = None  # its tpe_isa()
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 #: C functions that return an int64: those that check their indices -1 or the position of the first bad
@@ -46,7 +58,7 @@ RETURNS_INDEX = ("tpe_copy_rows", "tpe_decode_scores", "tpe_decode_pv", "tpe_pag
                  "tpe_shm_all_reduce_add_rms_norm")
 _PAGED = [_P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _F32, _P,
           _I64, _I32]
-SIGNATURES = {  # C function -> argument types (all return void but tpe_fast and RETURNS_INDEX)
+SIGNATURES = {  # C function -> argument types (all return void but tpe_paged_set_amx and RETURNS_INDEX)
     "tpe_decode_scores": [_P, _P, _P, _P, _I64, _I64, _I32, _I64, _I32, _F32, _I32],
     "tpe_decode_pv": [_P, _P, _P, _P, _I64, _I64, _I32, _I64, _I32, _I32],
     "tpe_add_rms_norm": [_P, _P, _P, _P, _P, _I64, _I64, _F32, _I32],
@@ -72,8 +84,23 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_fast and
 }
 
 
+def march() -> str:
+    """The ``-march`` flag of the build: ``-march=native`` unless ``$TPENGINE_ISA`` names another
+    entry of :data:`ISAS` ("avx2": ``-march=x86-64-v3``). Raises RuntimeError for an unknown name."""
+    name = os.environ.get("TPENGINE_ISA", "").strip().lower() or "native"
+    if name not in ISAS:
+        raise RuntimeError(f"TPENGINE_ISA={name!r}: expected one of {', '.join(ISAS)}")
+    return ISAS[name]
+
+
+def flags() -> tuple[str, ...]:
+    """The compiler flags of the build (:data:`FLAGS` with :func:`march`'s). Raises RuntimeError
+    for an unknown ``$TPENGINE_ISA``."""
+    return (FLAGS[0], march(), *FLAGS[1:])
+
+
 def cpu_id() -> str:
-    """The CPU's model and feature flags (part of the cache key: the build uses -march=native)."""
+    """The CPU's model and feature flags (part of the cache key: a native build, and every timing, depend on it)."""
     try:
         info = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -110,11 +137,12 @@ def _usable_folder(folder: Path, private: bool) -> bool:
 
 def build_key(cc: list[str] | None = None) -> str:
     """The 16 hex digits naming a build: a hash of the sources, the headers, the compiler command
-    and flags, the machine and the CPU (:func:`cpu_id`). Part of the name of the built library, and
-    of the key of every timing measured on it (a changed kernel is measured again). Raises
-    RuntimeError when no compiler is found (``cc`` None: :func:`_compiler`'s)."""
+    and flags (``-march`` included: ``$TPENGINE_ISA``), the machine and the CPU (:func:`cpu_id`).
+    Part of the name of the built library, and of the key of every timing measured on it (a changed
+    kernel is measured again). Raises RuntimeError when no compiler is found (``cc`` None:
+    :func:`_compiler`'s) or ``$TPENGINE_ISA`` is unknown."""
     cc = _compiler() if cc is None else cc
-    parts = [p.read_bytes() for p in SOURCES + HEADERS] + [" ".join(cc + list(FLAGS)).encode(),
+    parts = [p.read_bytes() for p in SOURCES + HEADERS] + [" ".join(cc + list(flags())).encode(),
                                                            platform.machine().encode(), cpu_id().encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
@@ -135,7 +163,7 @@ def _build(rebuild: bool = False) -> Path:
             continue
         tmp = folder / f".cpu_kernels-{key}-{os.getpid()}.so"
         try:
-            res = subprocess.run([*cc, *FLAGS, *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True,
+            res = subprocess.run([*cc, *flags(), *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True,
                                  timeout=120)
             if res.returncode != 0:
                 raise RuntimeError(f"{' '.join(cc)} failed (exit {res.returncode}): {res.stderr.strip()[-500:]}")
@@ -149,18 +177,18 @@ def _build(rebuild: bool = False) -> Path:
     raise RuntimeError(f"no writable cache folder ({root}, or a private one in the temp folder)")
 
 
-def _open(path: Path) -> ctypes.CDLL:
-    """Load the library and declare its functions. Raises OSError, AttributeError, RuntimeError."""
+def _open(path: Path) -> tuple[ctypes.CDLL, frozenset[str], str]:
+    """Load the library and declare the functions it exports (a build leaves out the kernels with
+    no path for its target); return it, their names and its ``tpe_isa()``. Raises OSError,
+    AttributeError (no ``tpe_isa``: not a library of these sources)."""
     lib = ctypes.CDLL(str(path))
-    lib.tpe_fast.restype = _I32
-    for name, args in SIGNATURES.items():
-        getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
-    for name in RETURNS_INDEX:
-        getattr(lib, name).restype = _I64
-    lib.tpe_paged_set_amx.restype = _I32
-    if not lib.tpe_fast():
-        raise RuntimeError("the CPU or compiler lacks AVX512-BF16")
-    return lib
+    lib.tpe_isa.restype, lib.tpe_isa.argtypes = ctypes.c_char_p, []
+    have = frozenset(name for name in SIGNATURES if hasattr(lib, name))
+    for name in have:
+        fn = getattr(lib, name)
+        fn.argtypes = SIGNATURES[name]
+        fn.restype = _I64 if name in RETURNS_INDEX else _I32 if name == "tpe_paged_set_amx" else None
+    return lib, have, lib.tpe_isa().decode()
 
 
 def load() -> ctypes.CDLL | None:
@@ -168,13 +196,14 @@ def load() -> ctypes.CDLL | None:
     not load, e.g. a truncated file); None when unavailable (see :func:`unavailable_reason`, also
     printed once to stderr, with the rank under torchrun). Never raises. Call it before the first
     step, so the build is not timed as part of one."""
-    global _lib, _reason
+    global _lib, _reason, _have, _isa
     if _lib is None and _reason is None:
         try:
             try:
-                _lib = _open(_build())
+                lib, have, name = _open(_build())
             except OSError:
-                _lib = _open(_build(rebuild=True))
+                lib, have, name = _open(_build(rebuild=True))
+            _lib, _have, _isa = lib, have, name
         except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as e:
             _reason = str(e)
             rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
@@ -198,10 +227,36 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
-def usable(*tensors: torch.Tensor, float32: bool = False) -> bool:
+def isa() -> str | None:
+    """The vector path the loaded library was built with (C ``tpe_isa()``): "avx512bf16" (or
+    "avx512bf16+amx": the paged kernel's AMX tiles compiled in, used only where the CPU and OS
+    allow), "avx2" (AVX2 + FMA), or "generic" (portable C only); None when :func:`load` gives None.
+    Never raises."""
+    return _isa if load() is not None else None
+
+
+def has(*names: str) -> bool:
+    """Whether the library loads and exports every named C function (e.g. ``"tpe_gemv_bf16"``, a key
+    of :data:`SIGNATURES`): a kernel with no path for the build's target (:func:`isa`) is left out,
+    and its callers keep their torch ops. Never raises."""
+    return load() is not None and all(n in _have for n in names)
+
+
+def missing(*names: str) -> str | None:
+    """None when :func:`has` the named C functions, else why not (a skip reason, an error's text):
+    the library is unavailable and why, or which of them this build (:func:`isa`) left out.
+    Never raises."""
+    if load() is None:
+        return f"needs the CPU C kernels: {_reason}"
+    absent = [n for n in names if n not in _have]
+    return f"this build ({_isa}) has no {', '.join(absent)}: no path for its target" if absent else None
+
+
+def usable(*tensors: torch.Tensor, float32: bool = False, kernels: tuple[str, ...] = ()) -> bool:
     """Whether the C kernels may take these tensors: all bfloat16 (or, with ``float32``, all
-    float32) on CPU, and the library loads. (Whether to use them at all is the caller's ``cpu_kernels``
-    flag, from ``EngineConfig.cpu_kernels``.)"""
+    float32) on CPU, the library loads and exports every function in ``kernels`` (:func:`has`).
+    (Whether to use them at all is the caller's ``cpu_kernels`` flag, from
+    ``EngineConfig.cpu_kernels``.)"""
     dtype = tensors[0].dtype if tensors else torch.bfloat16
     ok = dtype == torch.bfloat16 or (float32 and dtype == torch.float32)
-    return ok and all(t.dtype == dtype and t.is_cpu for t in tensors) and (_lib is not None or load() is not None)
+    return ok and all(t.dtype == dtype and t.is_cpu for t in tensors) and has(*kernels)

@@ -36,11 +36,13 @@ SCHEMAS = {
 }
 
 
-def _lib():
-    lib = cpu_library.load()
-    if lib is None:
-        raise RuntimeError(f"CPU C kernels unavailable: {cpu_library.unavailable_reason()}")
-    return lib
+def _fn(name: str):
+    """The C function ``name`` of the loaded library. Raises RuntimeError when the library is
+    unavailable or this build left the kernel out (:func:`tpengine.backends.cpu.cpu_library.missing`)."""
+    why = cpu_library.missing(name)
+    if why:
+        raise RuntimeError(f"CPU C kernel {name} unavailable: {why}")
+    return getattr(cpu_library.load(), name)
 
 
 def _need(ok: bool, op: str, what) -> None:
@@ -88,7 +90,7 @@ def _add_rms_norm(h, x, weight, h_out, y, eps):
           and (x is None or x.shape == h.shape == h_out.shape), "add_rms_norm",
           lambda: f"need h, x, h_out, y [..., n] with n % 16 == 0 and weight [n]; got h {tuple(h.shape)}, weight "
           f"{tuple(weight.shape)}, y {tuple(y.shape)}")
-    fn = _lib().tpe_add_rms_norm if dtype == BF16 else _lib().tpe_add_rms_norm_f32
+    fn = _fn("tpe_add_rms_norm") if dtype == BF16 else _fn("tpe_add_rms_norm_f32")
     fn(h.data_ptr(), None if x is None else x.data_ptr(), weight.data_ptr(),
        None if x is None else h_out.data_ptr(), y.data_ptr(), h.numel() // n, n, eps, torch.get_num_threads())
 
@@ -102,7 +104,7 @@ def _rope(qk, cos, sin):
           lambda: f"qk must be bfloat16 [T, H, D] with D % 32 == 0, each row's heads packed and rows apart; got "
           f"{qk.dtype} {tuple(qk.shape)} strides {tuple(qk.stride())}")
     _need(cos.shape == sin.shape == (t, d), "rope_", lambda: f"cos/sin must be [{t}, {d}]; got {tuple(cos.shape)}")
-    _lib().tpe_rope(qk.data_ptr(), qk.stride(0), heads, d, cos.data_ptr(), sin.data_ptr(), t,
+    _fn("tpe_rope")(qk.data_ptr(), qk.stride(0), heads, d, cos.data_ptr(), sin.data_ptr(), t,
                     torch.get_num_threads())
 
 
@@ -112,7 +114,7 @@ def _silu_mul(gate_up, out):
     _need(inter > 0 and inter % 16 == 0 and gate_up.shape == (*out.shape[:-1], 2 * inter), "silu_mul",
           lambda: f"need gate_up [..., 2 * inter] and out [..., inter], inter % 16 == 0; got {tuple(gate_up.shape)}, "
           f"{tuple(out.shape)}")
-    fn = _lib().tpe_silu_mul if dtype == BF16 else _lib().tpe_silu_mul_f32
+    fn = _fn("tpe_silu_mul") if dtype == BF16 else _fn("tpe_silu_mul_f32")
     fn(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter, torch.get_num_threads())
 
 
@@ -121,7 +123,7 @@ def _causal_softmax(s, scale):
     n = s.shape[-1] if s.dim() else 0
     _need(s.dim() >= 2 and s.shape[-2] == n and 1 <= n <= 16384, "causal_softmax_",
           lambda: f"s must be [..., n, n] with 1 <= n <= 16384; got {tuple(s.shape)}")
-    _lib().tpe_causal_softmax(s.data_ptr(), s.numel() // (n * n), n, scale, torch.get_num_threads())
+    _fn("tpe_causal_softmax")(s.data_ptr(), s.numel() // (n * n), n, scale, torch.get_num_threads())
 
 
 def _copy_rows(src_a, src_b, src_index, dst_a, dst_b, dst_index):
@@ -136,7 +138,7 @@ def _copy_rows(src_a, src_b, src_index, dst_a, dst_b, dst_index):
             and (m == n if src_index is None else (src_index.dtype == torch.int64 and src_index.is_contiguous()
                                                    and src_index.shape == (n,)))):
         _copy_rows_explain(src_a, src_b, src_index, dst_a, dst_b, dst_index)
-    bad = _lib().tpe_copy_rows(src_a.data_ptr(), src_b.data_ptr(), ss[0] * 2,
+    bad = _fn("tpe_copy_rows")(src_a.data_ptr(), src_b.data_ptr(), ss[0] * 2,
                                None if src_index is None else src_index.data_ptr(), m, dst_a.data_ptr(),
                                dst_b.data_ptr(), dst_index.data_ptr(), da_shape[0], n, ds[0] * 2,
                                torch.get_num_threads())
@@ -182,7 +184,7 @@ def _decode_scores(q, k, lens, scores, scale):
     cap = k.shape[2]
     _need(k.shape[3] == d and scores.shape == (b, hkv, g, cap), "decode_scores",
           lambda: f"need k [..., {d}] and scores [{b}, {hkv}, {g}, {cap}]; got {tuple(k.shape)}, {tuple(scores.shape)}")
-    bad = _lib().tpe_decode_scores(q.data_ptr(), k.data_ptr(), lens.data_ptr(), scores.data_ptr(), b * hkv, hkv, g,
+    bad = _fn("tpe_decode_scores")(q.data_ptr(), k.data_ptr(), lens.data_ptr(), scores.data_ptr(), b * hkv, hkv, g,
                                    cap, d, scale, torch.get_num_threads())
     if bad >= 0:
         raise _len_error(lens, bad, cap)
@@ -195,7 +197,7 @@ def _decode_pv(p, v, lens, out):
     _need(v.shape[2] == cap and out.shape == (b, hkv, g, d), "decode_pv",
           lambda: f"need v [{b}, {hkv}, {cap}, D] and out [{b}, {hkv}, {g}, D]; got {tuple(v.shape)}, "
                   f"{tuple(out.shape)}")
-    bad = _lib().tpe_decode_pv(p.data_ptr(), v.data_ptr(), lens.data_ptr(), out.data_ptr(), b * hkv, hkv, g, cap, d,
+    bad = _fn("tpe_decode_pv")(p.data_ptr(), v.data_ptr(), lens.data_ptr(), out.data_ptr(), b * hkv, hkv, g, cap, d,
                                torch.get_num_threads())
     if bad >= 0:
         raise _len_error(lens, bad, cap)
@@ -208,8 +210,7 @@ def _argmax(op: str, x: torch.Tensor, index: torch.Tensor, along_rows: bool) -> 
           f"{x.dtype} {tuple(x.shape)} strides {tuple(x.stride())} on {x.device}")
     rows, cols = x.shape
     _index(op, "index", index, rows if along_rows else cols)
-    lib = _lib()
-    fn = getattr(lib, f"tpe_{'row' if along_rows else 'col'}_argmax_{'bf16' if x.dtype == BF16 else 'f32'}")
+    fn = _fn(f"tpe_{'row' if along_rows else 'col'}_argmax_{'bf16' if x.dtype == BF16 else 'f32'}")
     fn(x.data_ptr(), rows, cols, x.stride(0), index.data_ptr(), torch.get_num_threads())
 
 

@@ -22,9 +22,10 @@ DTYPES = (torch.float32, torch.bfloat16)
 def available(dtype: torch.dtype, head_dim: int, cpu_kernels: bool) -> bool:
     """Whether :func:`decode` takes a layer of this dtype and head size: ``cpu_kernels``
     (``EngineConfig.cpu_kernels``), float32 or bfloat16, ``head_dim % 32 == 0`` (RoPE rotates halves
-    of whole 16-lane vectors) and ``<= 256``, and the C library loads."""
+    of whole 16-lane vectors) and ``<= 256``, and the C library has the kernel (AVX512-BF16 and AVX2 builds:
+    :func:`cpu_library.has`)."""
     return (cpu_kernels and dtype in DTYPES and head_dim % 32 == 0 and head_dim <= MAX_D
-            and cpu_library.load() is not None)
+            and cpu_library.has("tpe_paged_decode_f32", "tpe_paged_decode_bf16"))
 
 
 @dataclass(frozen=True)
@@ -125,8 +126,7 @@ def set_amx(min_batch: int) -> bool:
     the kernel keeps its AVX-512 path whatever ``min_batch``. The path also needs a block size that
     is a multiple of 16 and a head size up to 128 (else the call takes the AVX-512 path). Both paths
     round as ``cpu_paged.c`` describes (the float32 sums run in other orders)."""
-    lib = cpu_library.load()
-    return lib is not None and bool(lib.tpe_paged_set_amx(int(min_batch)))
+    return cpu_library.has("tpe_paged_set_amx") and bool(cpu_library.load().tpe_paged_set_amx(int(min_batch)))
 
 
 def choose_amx(q_to_kv: torch.Tensor, hkv: int, head_dim: int, block_size: int,

@@ -56,11 +56,23 @@ def _rows(x: torch.Tensor, k: int, op: str) -> tuple[torch.Tensor, int]:
     return x.reshape(rows, k).contiguous(), rows
 
 
-def _lib():
-    lib = cpu_library.load()
-    if lib is None:
-        raise RuntimeError(f"CPU C kernels unavailable: {cpu_library.unavailable_reason()}")
-    return lib
+#: the C functions of the int8 kernel (AVX512-BF16 and AVX2 builds) and of the int4 ones (AVX512-BF16
+#: builds only; cpu_library.has)
+INT8_KERNELS, INT4_KERNELS = ("tpe_qgemv_int8",), ("tpe_qgemv_int4", "tpe_dequant_int4")
+KERNELS = INT8_KERNELS + INT4_KERNELS
+
+
+def kernels_built(int4: bool) -> bool:
+    """Whether the library loads and has the int8 (``int4`` False) or the int4 kernels (an AVX2 build
+    has no int4 ones: those weights keep torch's kernel). Never raises."""
+    return cpu_library.has(*(INT4_KERNELS if int4 else INT8_KERNELS))
+
+
+def _lib(int4: bool):
+    why = cpu_library.missing(*(INT4_KERNELS if int4 else INT8_KERNELS))
+    if why:
+        raise RuntimeError(f"CPU C qgemv kernels unavailable: {why}")
+    return cpu_library.load()
 
 
 def _check(status: int, op: str) -> None:
@@ -82,7 +94,7 @@ def int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.
         raise ValueError(f"qgemv int8: need a contiguous int8 [n, {k}] weight and [n] scales in {x.dtype}; got "
                          f"{qweight.dtype} {tuple(qweight.shape)}, scales {scales.dtype} {tuple(scales.shape)}")
     y = torch.empty(rows, n, dtype=x.dtype)
-    _check(_lib().tpe_qgemv_int8(x2.data_ptr(), rows, k, qweight.data_ptr(), scales.contiguous().data_ptr(), n,
+    _check(_lib(False).tpe_qgemv_int8(x2.data_ptr(), rows, k, qweight.data_ptr(), scales.contiguous().data_ptr(), n,
                                  y.data_ptr(), int(x.dtype == torch.bfloat16), torch.get_num_threads()), "int8")
     return y.reshape(*x.shape[:-1], n)
 
@@ -134,9 +146,10 @@ def int4(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, 
                          f"{packed.dtype} {tuple(packed.shape)}, scales {scales_and_zeros.dtype} "
                          f"{tuple(scales_and_zeros.shape)}, group size {group_size}, out_features {out_features}")
     y = torch.empty(rows, out_features, dtype=x.dtype)
-    _check(_lib().tpe_qgemv_int4(x2.data_ptr(), rows, k, packed.data_ptr(), scales_and_zeros.contiguous().data_ptr(),
-                                 _ptr(zero_codes), group_size, out_features, n_pad, y.data_ptr(),
-                                 int(x.dtype == torch.bfloat16), torch.get_num_threads()), "int4")
+    fn = _lib(True).tpe_qgemv_int4
+    _check(fn(x2.data_ptr(), rows, k, packed.data_ptr(), scales_and_zeros.contiguous().data_ptr(), _ptr(zero_codes),
+              group_size, out_features, n_pad, y.data_ptr(), int(x.dtype == torch.bfloat16), torch.get_num_threads()),
+           "int4")
     return y.reshape(*x.shape[:-1], out_features)
 
 
@@ -149,7 +162,7 @@ def bind_int8(qweight: torch.Tensor, scales: torch.Tensor):
     """
     n, k = qweight.shape
     int8(torch.zeros(1, k, dtype=scales.dtype), qweight, scales)  # the checks, once
-    fn, qp, sp, dtype, bf = _lib().tpe_qgemv_int8, qweight.data_ptr(), scales.data_ptr(), scales.dtype, \
+    fn, qp, sp, dtype, bf = _lib(False).tpe_qgemv_int8, qweight.data_ptr(), scales.data_ptr(), scales.dtype, \
         int(scales.dtype == torch.bfloat16)
 
     def run(x: torch.Tensor) -> torch.Tensor:
@@ -170,7 +183,7 @@ def bind_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: 
     groups, n_pad = _int4_scales(scales_and_zeros, zero_codes, "qgemv int4")
     k, dtype = groups * group_size, scales_and_zeros.dtype
     int4(torch.zeros(1, k, dtype=dtype), packed, scales_and_zeros, group_size, out_features, zero_codes)  # checks, once
-    fn, pp, sp, zp = _lib().tpe_qgemv_int4, packed.data_ptr(), scales_and_zeros.data_ptr(), _ptr(zero_codes)
+    fn, pp, sp, zp = _lib(True).tpe_qgemv_int4, packed.data_ptr(), scales_and_zeros.data_ptr(), _ptr(zero_codes)
     bf = int(dtype == torch.bfloat16)
 
     def run(x: torch.Tensor) -> torch.Tensor:
@@ -198,8 +211,9 @@ def dequant_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_siz
                          f"[{groups}, n_pad % 16 == 0]; got {packed.dtype} {tuple(packed.shape)}, {dtype} "
                          f"{tuple(scales_and_zeros.shape)}")
     wt = torch.empty(k, n_pad, dtype=dtype)
-    _lib().tpe_dequant_int4(packed.data_ptr(), scales_and_zeros.contiguous().data_ptr(), _ptr(zero_codes), group_size,
-                            k, n_pad, wt.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads())
+    _lib(True).tpe_dequant_int4(packed.data_ptr(), scales_and_zeros.contiguous().data_ptr(), _ptr(zero_codes),
+                                group_size, k, n_pad, wt.data_ptr(), int(dtype == torch.bfloat16),
+                                torch.get_num_threads())
     return wt
 
 

@@ -35,6 +35,9 @@ from tpengine.context import Context
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
+#: the C functions the program calls besides the linears' and the paged kernel's (checked per layer)
+KERNELS = ("tpe_add_rms_norm", "tpe_add_rms_norm_f32", "tpe_silu_mul", "tpe_silu_mul_f32")
+
 
 def _linear(m, row_parallel: bool, tp: int, reduce: bool = True) -> Fn:
     """``x [rows, in]`` contiguous -> ``[rows, out]`` through layer ``m``'s own bound implementation
@@ -167,7 +170,7 @@ def build(stack, tp: int, cpu_kernels: bool) -> CPUDecodeProgram | None:
     activation other than SiLU, or widths not multiples of 16."""
     layers = list(stack.layers[: stack.config.num_hidden_layers])
     dtype = stack.norm.weight.dtype
-    if (not cpu_kernels or stack.norm.weight.device.type != "cpu" or cpu_library.load() is None
+    if (not cpu_kernels or stack.norm.weight.device.type != "cpu" or not cpu_library.has(*KERNELS)
             or dtype not in (torch.float32, torch.bfloat16) or not layers):
         return None
     keep, built = [], []

@@ -58,7 +58,7 @@ class ShmComm:
         self.pids = header[:, 1].numpy()
         self.pids[rank] = os.getpid()
         self.gen = 0
-        lib = cpu_library.load()
+        lib = cpu_library.load() if cpu_library.has("tpe_shm_all_reduce", "tpe_shm_all_reduce_add_rms_norm") else None
         self._fast = lib.tpe_shm_all_reduce if lib is not None else None
         self._fused = lib.tpe_shm_all_reduce_add_rms_norm if lib is not None else None
         self._base = self.buf.data_ptr()

@@ -142,9 +142,11 @@ ROW_MAX_ROWS = (1, 64)
 
 def _argmax_kernel_takes(x: torch.Tensor, cpu_kernels: bool) -> bool:
     """Whether the C argmax kernel (tpengine/backends/cpu/csrc/cpu_argmax.c) takes ``x``: 2-D float32 or
-    bfloat16 on CPU with contiguous rows, the kernels on and loadable."""
+    bfloat16 on CPU with contiguous rows, the kernels on and built (every build has them)."""
+    name = "bf16" if x.dtype == torch.bfloat16 else "f32"
     return (cpu_kernels and x.dim() == 2 and x.numel() > 0 and x.dtype in (torch.float32, torch.bfloat16)
-            and x.device.type == "cpu" and x.stride(1) == 1 and cpu_library.usable(x, float32=True))
+            and x.device.type == "cpu" and x.stride(1) == 1
+            and cpu_library.usable(x, float32=True, kernels=(f"tpe_row_argmax_{name}", f"tpe_col_argmax_{name}")))
 
 
 def row_max(x: torch.Tensor, block: int = ROW_MAX_BLOCK,

@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpengine.backends.cpu import cpu_library, cpu_qgemv
+from tpengine.backends.cpu import cpu_qgemv
 from tpengine.backends.cpu.cpu_qgemv import int4_layout_ok
 from tpengine.config import QUANTIZATIONS  # the values of EngineConfig.quantization besides None
 from tpengine.errors import UserError
@@ -236,7 +236,8 @@ class Int8Weight(QuantizedWeight):
 
     @functools.cached_property
     def kernels_take(self) -> bool:
-        return cpu_library.load() is not None and (self.group_size is None or int4_layout_ok(self._layout))
+        return (cpu_qgemv.kernels_built(int4=self.group_size is not None)
+                and (self.group_size is None or int4_layout_ok(self._layout)))
 
     def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
         if self.group_size is not None:
@@ -304,7 +305,7 @@ class Int4Weight(QuantizedWeight):
 
     @functools.cached_property
     def kernels_take(self) -> bool:
-        return cpu_library.load() is not None and int4_layout_ok(self._layout)
+        return cpu_qgemv.kernels_built(int4=True) and int4_layout_ok(self._layout)
 
     # What the kernels read. tpengine's C kernels: the scales (here scales_and_zeros) and the zero
     # codes (None here); torch's kernel: scales_and_zeros. Int4CodedWeight overrides all three.

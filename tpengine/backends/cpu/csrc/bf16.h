@@ -15,7 +15,19 @@ static inline uint16_t f2bf(float f) { /* round to nearest even; NaN stays NaN *
     return (uint16_t)(u >> 16);
 }
 
+/* The vector path each kernel compiles, from the compiler's target macros (-march=native, or
+ * -march=x86-64-v3 under TPENGINE_ISA=avx2; cpu_library.py): TPE_AVX512 (AVX-512F + AVX512-BF16,
+ * 16 float32 lanes) or else TPE_AVX2 (AVX2 + FMA, 8 lanes; bfloat16 is widened to float32 in registers
+ * and rounded back to nearest even, the same arithmetic as the AVX-512 path up to the order of
+ * sums). A kernel with neither path is left out of the build, and Python sees it missing
+ * (cpu_library.has). tpe_isa() (cpu_decode.c) names the path. */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define TPE_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TPE_AVX2 1
+#endif
+
+#ifdef TPE_AVX512
 #include <immintrin.h>
 
 static inline __m512 ld(const uint16_t *p) { /* 16 bfloat16 -> float32 */
@@ -51,6 +63,71 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
     return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#ifdef TPE_AVX2
+#include <immintrin.h>
+
+static inline __m256 ld8(const uint16_t *p) { /* 8 bfloat16 -> float32 */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline __m256i rne8(__m256 x) { /* float32 -> bfloat16 bits (low half of each lane), to nearest even */
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)); /* NaN: quiet */
+    return _mm256_blendv_epi8(r, q, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+
+static inline void st8(uint16_t *p, __m256 x) { /* 8 float32 -> bfloat16, rounded to nearest even */
+    const __m256i r = rne8(x); /* each lane in 0..0xffff: the unsigned saturating pack keeps it */
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+/* bfloat16(x) back as float32, 8 lanes */
+static inline __m256 rb8(__m256 x) { return _mm256_castsi256_ps(_mm256_slli_epi32(rne8(x), 16)); }
+
+/* The sum of the 8 lanes: (l0 + l4) + (l2 + l6) ... pairwise, one fixed order. */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* _mm512_reduce_add_ps of the 16 lanes lo[0..7], hi[0..7] (GCC's association: halves, quarters,
+ * pairs), so a sum kept as two 8-lane halves of the AVX-512 path's 16 lanes equals its sum bit for bit. */
+static inline float hsum16(__m256 lo, __m256 hi) { return hsum8(_mm256_add_ps(hi, lo)); }
+
+static inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* exp(x), float32, 8 lanes: exp16's reduction and polynomial; 2^n (n in [-150, 150]) is applied as
+ * two factors 2^(n/2) and 2^(n - n/2), each a normal float32, so the product overflows to inf and
+ * underflows to 0 as scalef does. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.f)), _mm256_set1_ps(104.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    p = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23)));
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23)));
 }
 #endif
 #endif

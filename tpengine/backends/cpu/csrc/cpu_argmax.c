@@ -17,7 +17,7 @@
 
 #include "bf16.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#ifdef TPE_AVX512
 #include <immintrin.h>
 
 static inline __m512 ld_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
@@ -155,9 +155,57 @@ COL_RANGE(col_range_bf16, uint16_t, ld_bf16)
 COL_ARGMAX(tpe_col_argmax_f32, col_range_f32, float)
 COL_ARGMAX(tpe_col_argmax_bf16, col_range_bf16, uint16_t)
 
-#else /* never called: tpe_fast() == 0 marks the library unavailable */
-void tpe_row_argmax_f32(void) {}
-void tpe_row_argmax_bf16(void) {}
-void tpe_col_argmax_f32(void) {}
-void tpe_col_argmax_bf16(void) {}
+#else
+/* Every other build: portable C, one element at a time in the same order (the first NaN, else the
+ * first maximum); the column argmax keeps one running maximum per column over the rows in order (a
+ * loop the compiler vectorizes), the columns split between the threads. */
+static inline float ld_f32(const float *p) { return *p; }
+static inline float ld_bf16(const uint16_t *p) { return bf2f(*p); }
+
+#define ROW_ARGMAX(NAME, T, LD)                                                                                        \
+    void NAME(const T *x, int64_t rows, int64_t cols, int64_t ld, int64_t *idx, int nthreads) {                        \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (rows > 1 && rows * cols >= 65536)")       \
+        for (int64_t r = 0; r < rows; r++) {                                                                           \
+            const T *p = x + r * ld;                                                                                   \
+            float best = LD(p);                                                                                        \
+            int64_t at = 0;                                                                                            \
+            if (best == best)                                                                                          \
+                for (int64_t c = 1; c < cols; c++) {                                                                   \
+                    const float v = LD(p + c);                                                                         \
+                    if (v != v) { at = c; break; }                                                                     \
+                    if (v > best) best = v, at = c;                                                                    \
+                }                                                                                                      \
+            idx[r] = at;                                                                                               \
+        }                                                                                                              \
+    }
+
+#define COL_BLOCK 256 /* columns per block: its running maxima stay in L1 */
+#define COL_ARGMAX(NAME, T, LD)                                                                                        \
+    void NAME(const T *x, int64_t rows, int64_t cols, int64_t ld, int64_t *idx, int nthreads) {                        \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (rows * cols >= 65536)")                   \
+        for (int64_t c0 = 0; c0 < cols; c0 += COL_BLOCK) {                                                             \
+            const int64_t nc = cols - c0 < COL_BLOCK ? cols - c0 : COL_BLOCK;                                          \
+            float mx[COL_BLOCK];                                                                                       \
+            int64_t ix[COL_BLOCK];                                                                                     \
+            unsigned char nan[COL_BLOCK];                                                                              \
+            for (int64_t c = 0; c < nc; c++) {                                                                         \
+                mx[c] = LD(x + c0 + c), ix[c] = 0;                                                                     \
+                nan[c] = mx[c] != mx[c];                                                                               \
+            }                                                                                                          \
+            for (int64_t r = 1; r < rows; r++)                                                                         \
+                for (int64_t c = 0; c < nc; c++) {                                                                     \
+                    const float v = LD(x + r * ld + c0 + c);                                                           \
+                    const int up = !nan[c] && (v > mx[c] || v != v);                                                   \
+                    nan[c] |= v != v;                                                                                  \
+                    mx[c] = up ? v : mx[c];                                                                            \
+                    ix[c] = up ? r : ix[c];                                                                            \
+                }                                                                                                      \
+            for (int64_t c = 0; c < nc; c++) idx[c0 + c] = ix[c];                                                      \
+        }                                                                                                              \
+    }
+
+ROW_ARGMAX(tpe_row_argmax_f32, float, ld_f32)
+ROW_ARGMAX(tpe_row_argmax_bf16, uint16_t, ld_bf16)
+COL_ARGMAX(tpe_col_argmax_f32, float, ld_f32)
+COL_ARGMAX(tpe_col_argmax_bf16, uint16_t, ld_bf16)
 #endif

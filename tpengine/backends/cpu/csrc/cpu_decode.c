@@ -19,7 +19,7 @@
 
 static inline int visible(int64_t len) { return len > 0 ? (int)len : 1; }
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#ifdef TPE_AVX512
 #include <immintrin.h>
 #define TPE_FAST 1
 
@@ -116,15 +116,22 @@ static void pv_row_fast(const uint16_t *pn, const uint16_t *vn, const uint16_t *
 }
 #endif
 
-/* 1 when the AVX512-BF16 path was compiled in (the only one faster than torch.bmm). */
-int tpe_fast(void) {
-#ifdef TPE_FAST
-    return 1;
+/* The vector path the library was built with (bf16.h; cpu_library.isa()): "avx512bf16" (with "+amx"
+ * when the paged kernel's AMX tiles were compiled in; they still check the CPU and OS at run time,
+ * tpe_paged_set_amx), "avx2" (AVX2 + FMA), or "generic" (portable C only: most kernels left out). */
+const char *tpe_isa(void) {
+#if defined(TPE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    return "avx512bf16+amx";
+#elif defined(TPE_AVX512)
+    return "avx512bf16";
+#elif defined(TPE_AVX2)
+    return "avx2";
 #else
-    return 0;
+    return "generic";
 #endif
 }
 
+#ifdef TPE_FAST /* only the AVX512-BF16 path beats torch.bmm: without it both are left out (cpu_library.has) */
 /* The first b with lens[b] outside [0, cap], or -1: checked before any key is read. */
 static int64_t bad_len(const int64_t *lens, int64_t n_rows, int64_t hkv, int64_t cap) {
     for (int64_t b = 0; b < n_rows / hkv; b++)
@@ -194,3 +201,4 @@ int64_t tpe_decode_pv(const uint16_t *p, const uint16_t *v, const int64_t *lens,
     }
     return -1;
 }
+#endif

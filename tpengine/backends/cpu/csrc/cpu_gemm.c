@@ -81,6 +81,74 @@ void tpe_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t 
     }
 }
 
-#else /* never called: tpe_fast() == 0 marks the library unavailable */
-void tpe_gemm_f32(void) {}
-#endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* AVX2 + FMA: the same panel (64 rows of x per pass, [k][64]) and the same outer products, 8 rows of x
+ * per vector: each output is the same single FMA chain over k in order, so the results equal the
+ * AVX-512 path's bit for bit. NR x MV8 accumulators, about 12 of AVX2's 16 registers. */
+#define TPE_GEMM_M 64
+
+#define TPE_GEMM_BLOCK8(NR, MV)                                                                                   \
+    static void gemm_block_##NR##_##MV(const float *restrict xt, const float *restrict w, int64_t k, float *y,    \
+                                       int64_t ldy, int64_t n0, int nr, int rows, int prefetch) {                 \
+        __m256 acc[NR][MV];                                                                                       \
+        const float *wr[NR];                                                                                      \
+        for (int r = 0; r < NR; r++) {                                                                            \
+            wr[r] = w + (n0 + (r < nr ? r : nr - 1)) * k;                                                         \
+            for (int j = 0; j < MV; j++) acc[r][j] = _mm256_setzero_ps();                                         \
+        }                                                                                                         \
+        for (int64_t i = 0; i < k; i++) {                                                                         \
+            if (prefetch && (i & 15) == 0)                                                                        \
+                for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(wr[r] + NR * k + i), _MM_HINT_T0);       \
+            __m256 xv[MV];                                                                                        \
+            for (int j = 0; j < MV; j++) xv[j] = _mm256_load_ps(xt + i * TPE_GEMM_M + 8 * j);                     \
+            for (int r = 0; r < NR; r++) {                                                                        \
+                const __m256 b = _mm256_set1_ps(wr[r][i]);                                                        \
+                for (int j = 0; j < MV; j++) acc[r][j] = _mm256_fmadd_ps(b, xv[j], acc[r][j]);                    \
+            }                                                                                                     \
+        }                                                                                                         \
+        float out[NR][8 * MV] __attribute__((aligned(32)));                                                       \
+        for (int r = 0; r < NR; r++)                                                                              \
+            for (int j = 0; j < MV; j++) _mm256_store_ps(out[r] + 8 * j, acc[r][j]);                              \
+        for (int m = 0; m < rows; m++)                                                                            \
+            for (int r = 0; r < nr; r++) y[m * ldy + n0 + r] = out[r][m];                                         \
+    }
+
+TPE_GEMM_BLOCK8(12, 1)
+TPE_GEMM_BLOCK8(6, 2)
+TPE_GEMM_BLOCK8(4, 3)
+TPE_GEMM_BLOCK8(3, 4)
+TPE_GEMM_BLOCK8(2, 5)
+TPE_GEMM_BLOCK8(2, 6)
+TPE_GEMM_BLOCK8(1, 7)
+TPE_GEMM_BLOCK8(1, 8)
+
+typedef void (*gemm_block_fn)(const float *, const float *, int64_t, float *, int64_t, int64_t, int, int, int);
+
+void tpe_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n, float *y, float *xt,
+                  int nthreads) {
+    static const int block_rows[9] = {0, 12, 6, 4, 3, 2, 2, 1, 1};
+    static const gemm_block_fn blocks[9] = {0, gemm_block_12_1, gemm_block_6_2, gemm_block_4_3, gemm_block_3_4,
+                                            gemm_block_2_5, gemm_block_2_6, gemm_block_1_7, gemm_block_1_8};
+    for (int64_t m0 = 0; m0 < m; m0 += TPE_GEMM_M) {
+        const int rows = m - m0 < TPE_GEMM_M ? (int)(m - m0) : TPE_GEMM_M, mv = (rows + 7) / 8;
+        const int nr = block_rows[mv];
+        const gemm_block_fn block = blocks[mv];
+        const int64_t nblocks = (n + nr - 1) / nr;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)
+        {
+#pragma omp for schedule(static)
+            for (int64_t i0 = 0; i0 < k; i0 += 16) { /* the panel: xt[i][r] = x[m0 + r][i], zero past the rows */
+                const int64_t i1 = i0 + 16 < k ? i0 + 16 : k;
+                for (int r = 0; r < 8 * mv; r++)
+                    for (int64_t i = i0; i < i1; i++) xt[i * TPE_GEMM_M + r] = r < rows ? x[(m0 + r) * k + i] : 0.f;
+            }
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < nblocks; b++) {
+                const int64_t n0 = b * nr;
+                block(xt, w, k, y + m0 * n, n, n0, n - n0 < nr ? (int)(n - n0) : nr, rows, n0 + 2 * nr <= n);
+            }
+        }
+    }
+}
+#endif /* neither path: left out of the build; the callers keep torch (cpu_library.has) */

@@ -41,9 +41,7 @@
 #define MAX_G 16 /* query heads per KV head (the caller checks) */
 #define MAX_D 256
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-
+#if defined(TPE_AVX512) || defined(TPE_AVX2)
 /* The most query heads on one KV head. */
 static int64_t max_group(const int64_t *q_to_kv, int64_t hq, int64_t hkv) {
     int64_t gmax = 0;
@@ -70,6 +68,11 @@ static int64_t check(const int64_t *slots, const int64_t *block_tables, int64_t 
             if ((uint64_t)block_tables[b * max_blocks + j] >= (uint64_t)num_blocks) return 2 * B + b;
     return -1;
 }
+
+#endif
+
+#ifdef TPE_AVX512
+#include <immintrin.h>
 
 /* Prefetch the cache lines of one row of n bytes: the K/V rows of a sequence sit in blocks anywhere
  * in the cache, at a stride of all KV heads, which the hardware prefetcher does not follow. */
@@ -622,8 +625,130 @@ static inline __m512 keep32(__m512 x) {
 PAGED_DECODE(tpe_paged_decode_f32, float, ld32, st32, keep32, 0)
 PAGED_DECODE(tpe_paged_decode_bf16, uint16_t, ld, st, rb, 1)
 
-#else /* never called: tpe_fast() == 0 marks the library unavailable */
-int64_t tpe_paged_decode_f32(void) { return -1; }
-int64_t tpe_paged_decode_bf16(void) { return -1; }
-int tpe_paged_set_amx(int on) { return 0; }
-#endif
+#elif defined(TPE_AVX2)
+/* AVX2 + FMA: the same steps and the same roundings, op by op, in a plainer form -- 8 lanes, one work
+ * item per (sequence, KV head) (dynamic schedule), each key and value row read once for the KV head's
+ * query heads, no prefetching ahead and no AMX. The dot products are float32 FMAs over the widened
+ * elements (bfloat16: products exact, as vdpbf16ps's; the float32 sums in another order), each
+ * reduced across its 8 lanes; then, as above, bf16(dot) * scale (float32: dot * scale), the
+ * softmax with exp8, p rounded to the dtype, sum_t p[t] * v[t] in float32, rounded to the dtype. */
+
+/* float32 "rounding": none, but an opaque barrier against contracting a product and the sum after
+ * it into one fused multiply-add (torch rounds the product first), as keep32 above. */
+static inline __m256 keep8(__m256 x) {
+    __asm__("" : "+x"(x));
+    return x;
+}
+static inline float rnd_bf(float x) { return bf2f(f2bf(x)); }
+static inline float rnd_f32(float x) { return x; }
+
+#define PAGED_DECODE8(NAME, T, LD, ST, RND, RNDS)                                                                    \
+    int64_t NAME(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v, int64_t v_stride, const T *cos_t,     \
+                 const T *sin_t, const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,             \
+                 const int64_t *lens, T *k_cache, T *v_cache, int64_t num_blocks, int64_t bs,                       \
+                 const int64_t *q_to_kv, int64_t hq, int64_t hkv, int64_t d, float scale, T *out, int64_t B,        \
+                 int nthreads) {                                                                                    \
+        const int64_t gmax = max_group(q_to_kv, hq, hkv);                                                          \
+        const int64_t bad = check(slots, block_tables, max_blocks, lens, B, num_blocks, bs, q_to_kv, hq, hkv, gmax); \
+        if (bad >= 0) return bad;                                                                                   \
+        const int64_t half = d / 2, row = hkv * d, nv = d / 8;                                                      \
+        const __m256 neg = _mm256_set1_ps(-0.f);                                                                    \
+        for (int64_t b = 0; b < B; b++) {                                                                          \
+            if (cos_t) { /* RoPE in place on the query heads, then the key heads */                              \
+                const T *c = cos_t + b * d, *s = sin_t + b * d;                                                     \
+                for (int64_t h = 0; h < hq + hkv; h++) {                                                            \
+                    T *x = h < hq ? q + b * q_stride + h * d : k + b * k_stride + (h - hq) * d;                     \
+                    for (int64_t i = 0; i < half; i += 8) {                                                         \
+                        const __m256 x1 = LD(x + i), x2 = LD(x + half + i);                                         \
+                        const __m256 lo = _mm256_add_ps(RND(_mm256_mul_ps(x1, LD(c + i))),                          \
+                                                        RND(_mm256_mul_ps(_mm256_xor_ps(x2, neg), LD(s + i))));     \
+                        const __m256 hi = _mm256_add_ps(RND(_mm256_mul_ps(x2, LD(c + half + i))),                   \
+                                                        RND(_mm256_mul_ps(x1, LD(s + half + i))));                  \
+                        ST(x + i, lo);                                                                              \
+                        ST(x + half + i, hi);                                                                       \
+                    }                                                                                               \
+                }                                                                                                   \
+            }                                                                                                       \
+            if (slots[b] >= 0) {                                                                                    \
+                memcpy(k_cache + slots[b] * row, k + b * k_stride, (size_t)row * sizeof(T));                       \
+                memcpy(v_cache + slots[b] * row, v + b * v_stride, (size_t)row * sizeof(T));                       \
+            }                                                                                                       \
+        }                                                                                                           \
+        int64_t work = 0;                                                                                           \
+        for (int64_t b = 0; b < B; b++) work += lens[b];                                                            \
+        _Pragma("omp parallel num_threads(nthreads) if (work * hq * d >= 32768)") {                               \
+            float *sc = NULL; /* the scores, then the probabilities: [g, lp] */                                     \
+            int64_t cap = 0;                                                                                        \
+            _Pragma("omp for schedule(dynamic, 1)")                                                                 \
+            for (int64_t it = 0; it < B * hkv; it++) {                                                              \
+                const int64_t b = it / hkv, kv = it % hkv, L = lens[b], lp = (L + 7) / 8 * 8;                       \
+                int64_t heads[MAX_G], g = 0;                                                                        \
+                for (int64_t h = 0; h < hq && g < MAX_G; h++)                                                       \
+                    if (q_to_kv[h] == kv) heads[g++] = h;                                                           \
+                if (g == 0) continue;                                                                               \
+                if (L == 0) {                                                                                       \
+                    for (int64_t j = 0; j < g; j++) memset(out + (b * hq + heads[j]) * d, 0, (size_t)d * sizeof(T)); \
+                    continue;                                                                                       \
+                }                                                                                                   \
+                if (g * lp > cap) {                                                                                 \
+                    free(sc);                                                                                       \
+                    cap = g * lp + 256;                                                                             \
+                    sc = (float *)malloc((size_t)cap * sizeof(float));                                              \
+                }                                                                                                   \
+                const int64_t *bt = block_tables + b * max_blocks;                                                  \
+                __m256 qv[MAX_G][MAX_D / 8], acc[MAX_G][MAX_D / 8];                                                 \
+                for (int64_t j = 0; j < g; j++)                                                                     \
+                    for (int64_t i = 0; i < nv; i++) qv[j][i] = LD(q + b * q_stride + heads[j] * d + i * 8);        \
+                float mx[MAX_G];                                                                                    \
+                for (int64_t j = 0; j < g; j++) mx[j] = -INFINITY;                                                  \
+                for (int64_t t = 0, kb = 0, ko = 0; t < L; t++) { /* scores: each key row read once */              \
+                    const T *kp = k_cache + (bt[kb] * bs + ko) * row + kv * d;                                      \
+                    if (++ko == bs) ko = 0, kb++;                                                                   \
+                    __m256 kr[MAX_D / 8];                                                                           \
+                    for (int64_t i = 0; i < nv; i++) kr[i] = LD(kp + i * 8);                                        \
+                    for (int64_t j = 0; j < g; j++) {                                                               \
+                        __m256 a = _mm256_mul_ps(qv[j][0], kr[0]);                                                  \
+                        for (int64_t i = 1; i < nv; i++) a = _mm256_fmadd_ps(qv[j][i], kr[i], a);                   \
+                        const float sv = RNDS(hsum8(a)) * scale;                                                    \
+                        sc[j * lp + t] = sv;                                                                        \
+                        mx[j] = sv > mx[j] ? sv : mx[j];                                                            \
+                    }                                                                                               \
+                }                                                                                                   \
+                for (int64_t j = 0; j < g; j++) { /* softmax, then p rounded as the dtype rounds it */             \
+                    float *sj = sc + j * lp;                                                                        \
+                    for (int64_t t = L; t < lp; t++) sj[t] = -INFINITY; /* exp: 0 */                                \
+                    const __m256 vmax = _mm256_set1_ps(mx[j]);                                                      \
+                    __m256 sum = _mm256_setzero_ps();                                                               \
+                    for (int64_t t = 0; t < lp; t += 8) {                                                           \
+                        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), vmax));                        \
+                        _mm256_storeu_ps(sj + t, e);                                                                \
+                        sum = _mm256_add_ps(sum, e);                                                                \
+                    }                                                                                               \
+                    const __m256 inv = _mm256_set1_ps(1.f / hsum8(sum));                                            \
+                    for (int64_t t = 0; t < lp; t += 8)                                                             \
+                        _mm256_storeu_ps(sj + t, RND(_mm256_mul_ps(_mm256_loadu_ps(sj + t), inv)));                 \
+                    for (int64_t i = 0; i < nv; i++) acc[j][i] = _mm256_setzero_ps();                               \
+                }                                                                                                   \
+                for (int64_t u = 0, vb = 0, vo = 0; u < L; u++) { /* P.V: each value row read once */              \
+                    const T *vp = v_cache + (bt[vb] * bs + vo) * row + kv * d;                                      \
+                    if (++vo == bs) vo = 0, vb++;                                                                   \
+                    __m256 vr[MAX_D / 8];                                                                           \
+                    for (int64_t i = 0; i < nv; i++) vr[i] = LD(vp + i * 8);                                        \
+                    for (int64_t j = 0; j < g; j++) {                                                               \
+                        const __m256 pu = _mm256_set1_ps(sc[j * lp + u]);                                           \
+                        for (int64_t i = 0; i < nv; i++) acc[j][i] = _mm256_fmadd_ps(pu, vr[i], acc[j][i]);         \
+                    }                                                                                               \
+                }                                                                                                   \
+                for (int64_t j = 0; j < g; j++)                                                                     \
+                    for (int64_t i = 0; i < nv; i++) ST(out + (b * hq + heads[j]) * d + i * 8, acc[j][i]);          \
+            }                                                                                                       \
+            free(sc);                                                                                               \
+        }                                                                                                           \
+        return -1;                                                                                                  \
+    }
+
+static inline void st8_f32(float *p, __m256 x) { _mm256_storeu_ps(p, x); }
+
+PAGED_DECODE8(tpe_paged_decode_f32, float, _mm256_loadu_ps, st8_f32, keep8, rnd_f32)
+PAGED_DECODE8(tpe_paged_decode_bf16, uint16_t, ld8, st8, rb8, rnd_bf)
+#endif /* neither path: left out of the build; the callers keep torch (cpu_library.has) */

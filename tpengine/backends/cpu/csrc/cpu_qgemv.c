@@ -20,7 +20,8 @@
  * once for all rows of x, the output blocks split between the threads. The int8 kernel, which walks
  * weight rows a group at a time, prefetches the next group's rows as it reads a group (without it
  * the hardware prefetcher ramps up on each short row and a full model's int8 weights, read from
- * memory, streamed at about half the rate). Python side:
+ * memory, streamed at about half the rate). The int8 kernel has AVX-512 and AVX2 paths (bf16.h); the
+ * int4 ones AVX-512 only (an AVX2 build leaves them out and those weights keep torch's kernel). Python side:
  * tpengine/backends/cpu/cpu_qgemv.py, which checks the layout torch produced before using these. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -34,7 +35,7 @@
  * read one after another by each thread) streamed ~1.5x slower without it (docs/notes/kernels.md). */
 #define Q4_PREFETCH_BYTES 4096
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(TPE_AVX512) || defined(TPE_AVX2)
 #include <immintrin.h>
 
 #include "gemv.h"
@@ -56,14 +57,23 @@ static void to_f32(const void *x, int64_t rows, int64_t k, int is_bf16, float *x
 }
 
 /* ------------------------------------------------------------------------------------- int8 */
+static inline float same_i8(float f) { return f; }
+#ifdef TPE_AVX512
 static inline __m512 ld_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 static inline __m512 mac_i8(__m512 acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
-static inline float same_i8(float f) { return f; }
 
 /* float32 x against int8 rows: the unscaled sums (the scale is applied per output row after) */
 TPE_GEMV_FAMILY(q8, int8_t, float, float, 16, __m512, ld_i8, _mm512_loadu_ps, mac_i8, same_i8)
+#else /* AVX2: 8 lanes (the int4 kernels below are AVX-512 only) */
+static inline __m256 ld_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline __m256 mac_i8(__m256 acc, __m256 x, __m256 w) { return _mm256_fmadd_ps(x, w, acc); }
+
+TPE_GEMV_FAMILY(q8, int8_t, float, float, 8, __m256, ld_i8, _mm256_loadu_ps, mac_i8, same_i8)
+#endif
 
 /* x [rows, k], q [n, k] int8, scales [n], y [rows, n]; returns 0, or -1 for rows outside 1..8. */
 int64_t tpe_qgemv_int8(const void *x, int64_t rows, int64_t k, const int8_t *q, const void *scales, int64_t n,
@@ -89,7 +99,9 @@ int64_t tpe_qgemv_int8(const void *x, int64_t rows, int64_t k, const int8_t *q, 
     return 0;
 }
 
-/* ------------------------------------------------------------------------------------- int4 */
+#endif
+
+#ifdef TPE_AVX512 /* ------------------------------------------------------------------ int4 */
 /* scale and zero of element idx = g * n_pad + o: from scales_and_zeros [groups, n_pad, 2] (zc NULL), or
  * from scales [groups, n_pad] and the int8 zero codes zc [groups, n_pad] (zero = c * s / 16). */
 static inline void q4_sz(const void *sz, const int8_t *zc, int64_t idx, int is_bf16, float *s, float *z) {
@@ -361,8 +373,4 @@ void tpe_dequant_int4(const uint8_t *packed, const void *sz, const int8_t *zc, i
     }
 }
 
-#else /* never called: tpe_fast() == 0 marks the library unavailable */
-int64_t tpe_qgemv_int8(void) { return -1; }
-int64_t tpe_qgemv_int4(void) { return -1; }
-void tpe_dequant_int4(void) {}
-#endif
+#endif /* no AVX-512 path: left out of the build; the callers keep torch (cpu_library.has) */

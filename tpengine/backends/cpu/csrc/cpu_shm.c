@@ -49,9 +49,6 @@ static int wait_all(char *base, int64_t size, int64_t gen, int64_t max_ns) {
     }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-
 /* Steps 1-4 of call gen (header comment): 0 when every rank's slot is published, else 1 or 2 as
  * tpe_shm_all_reduce returns. */
 static int64_t publish(char *base, int64_t slot_bytes, int64_t size, int64_t rank, int64_t gen, const void *t,
@@ -63,6 +60,22 @@ static int64_t publish(char *base, int64_t slot_bytes, int64_t size, int64_t ran
     if (!wait_all(base, size, gen, max_ns)) return 2;
     return 0;
 }
+
+/* Element i of the rank-order sum of the slots, each sum rounded to the dtype: the scalar form of
+ * the vector sums below, for the tail of a tensor whose size is not a multiple of the lanes. */
+static inline void sum_tail(const char *slots, int64_t slot_bytes, int64_t size, void *t, int64_t i, int64_t bf16) {
+    if (bf16) {
+        float acc = bf2f(((const uint16_t *)slots)[i]);
+        for (int64_t r = 1; r < size; r++) acc = bf2f(f2bf(acc + bf2f(((const uint16_t *)(slots + r * slot_bytes))[i])));
+        ((uint16_t *)t)[i] = f2bf(acc);
+    } else {
+        float acc = ((const float *)slots)[i];
+        for (int64_t r = 1; r < size; r++) acc += ((const float *)(slots + r * slot_bytes))[i];
+        ((float *)t)[i] = acc;
+    }
+}
+
+#ifdef TPE_AVX512
 
 /* 16 elements at i of the rank-order sum of the slots, each sum rounded to bfloat16 (as torch.add). */
 static inline __m512 sum_bf16(const char *slots, int64_t slot_bytes, int64_t size, int64_t i) {
@@ -86,20 +99,11 @@ int64_t tpe_shm_all_reduce(char *base, int64_t slot_bytes, int64_t size, int64_t
     if (bf16) {
         uint16_t *o = (uint16_t *)t;
         for (; i + 16 <= n; i += 16) st(o + i, sum_bf16(slots, slot_bytes, size, i));
-        for (; i < n; i++) {
-            float acc = bf2f(((const uint16_t *)slots)[i]);
-            for (int64_t r = 1; r < size; r++) acc = bf2f(f2bf(acc + bf2f(((const uint16_t *)(slots + r * slot_bytes))[i])));
-            o[i] = f2bf(acc);
-        }
     } else {
         float *o = (float *)t;
         for (; i + 16 <= n; i += 16) _mm512_storeu_ps(o + i, sum_f32(slots, slot_bytes, size, i));
-        for (; i < n; i++) {
-            float acc = ((const float *)slots)[i];
-            for (int64_t r = 1; r < size; r++) acc += ((const float *)(slots + r * slot_bytes))[i];
-            o[i] = acc;
-        }
     }
+    for (; i < n; i++) sum_tail(slots, slot_bytes, size, t, i, bf16);
     return 0;
 }
 
@@ -142,7 +146,67 @@ int64_t tpe_shm_all_reduce_add_rms_norm(char *base, int64_t slot_bytes, int64_t 
     return 0;
 }
 
-#else /* never called: tpe_fast() == 0 marks the library unavailable */
-int64_t tpe_shm_all_reduce(void) { return 1; }
-int64_t tpe_shm_all_reduce_add_rms_norm(void) { return 1; }
-#endif
+#elif defined(TPE_AVX2)
+/* The same, 8 lanes at a time: the same rank-order sums (element-wise, so bit for bit the AVX-512
+ * path's), and the fused norm with cpu_fused.c's AVX2 tpe_add_rms_norm loop (the same sum of squares). */
+static inline __m256 sum_bf16(const char *slots, int64_t slot_bytes, int64_t size, int64_t i) {
+    __m256 acc = ld8((const uint16_t *)slots + i);
+    for (int64_t r = 1; r < size; r++) acc = rb8(_mm256_add_ps(acc, ld8((const uint16_t *)(slots + r * slot_bytes) + i)));
+    return acc;
+}
+
+static inline __m256 sum_f32(const char *slots, int64_t slot_bytes, int64_t size, int64_t i) {
+    __m256 acc = _mm256_loadu_ps((const float *)slots + i);
+    for (int64_t r = 1; r < size; r++) acc = _mm256_add_ps(acc, _mm256_loadu_ps((const float *)(slots + r * slot_bytes) + i));
+    return acc;
+}
+
+int64_t tpe_shm_all_reduce(char *base, int64_t slot_bytes, int64_t size, int64_t rank, int64_t gen, void *t,
+                           int64_t n, int64_t bf16, int64_t max_ns) {
+    const int64_t rc = publish(base, slot_bytes, size, rank, gen, t, n * (bf16 ? 2 : 4), max_ns);
+    if (rc) return rc;
+    const char *slots = base + HEADER + (gen % 2) * size * slot_bytes;
+    int64_t i = 0;
+    if (bf16)
+        for (; i + 8 <= n; i += 8) st8((uint16_t *)t + i, sum_bf16(slots, slot_bytes, size, i));
+    else
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps((float *)t + i, sum_f32(slots, slot_bytes, size, i));
+    for (; i < n; i++) sum_tail(slots, slot_bytes, size, t, i, bf16);
+    return 0;
+}
+
+int64_t tpe_shm_all_reduce_add_rms_norm(char *base, int64_t slot_bytes, int64_t size, int64_t rank, int64_t gen,
+                                        const void *t, int64_t rows, int64_t n, int64_t bf16, int64_t max_ns,
+                                        const void *h, const void *w, void *h_out, void *y, float eps, int nthreads) {
+    const int64_t rc = publish(base, slot_bytes, size, rank, gen, t, rows * n * (bf16 ? 2 : 4), max_ns);
+    if (rc) return rc;
+    const char *slots = base + HEADER + (gen % 2) * size * slot_bytes;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * n >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        __m256 ss[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        if (bf16) {
+            const uint16_t *hr = (const uint16_t *)h + r * n, *wr = (const uint16_t *)w;
+            uint16_t *hor = (uint16_t *)h_out + r * n, *yr = (uint16_t *)y + r * n;
+            for (int64_t i = 0; i < n; i += 8) {
+                const __m256 v = rb8(_mm256_add_ps(ld8(hr + i), sum_bf16(slots, slot_bytes, size, r * n + i)));
+                st8(hor + i, v);
+                ss[(i / 8) & 1] = _mm256_fmadd_ps(v, v, ss[(i / 8) & 1]);
+            }
+            const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum16(ss[0], ss[1]) / (float)n + eps));
+            for (int64_t i = 0; i < n; i += 8) st8(yr + i, _mm256_mul_ps(ld8(wr + i), rb8(_mm256_mul_ps(ld8(hor + i), inv))));
+        } else {
+            const float *hr = (const float *)h + r * n, *wr = (const float *)w;
+            float *hor = (float *)h_out + r * n, *yr = (float *)y + r * n;
+            for (int64_t i = 0; i < n; i += 8) {
+                const __m256 v = _mm256_add_ps(_mm256_loadu_ps(hr + i), sum_f32(slots, slot_bytes, size, r * n + i));
+                _mm256_storeu_ps(hor + i, v);
+                ss[(i / 8) & 1] = _mm256_fmadd_ps(v, v, ss[(i / 8) & 1]);
+            }
+            const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum16(ss[0], ss[1]) / (float)n + eps));
+            for (int64_t i = 0; i < n; i += 8)
+                _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_loadu_ps(wr + i), _mm256_mul_ps(_mm256_loadu_ps(hor + i), inv)));
+        }
+    }
+    return 0;
+}
+#endif /* neither path: left out of the build; shm.py keeps its Python all-reduce (cpu_library.has) */

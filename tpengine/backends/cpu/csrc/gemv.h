@@ -5,19 +5,40 @@
  * prefetched once per cache line while a group is read. Instantiated per element type with:
  *   TW, TX, TY  the weight, x and y element types;   STEP  elements of k per step (one vector);
  *   VEC         the vector type WLOAD and XLOAD give; WLOAD(p), XLOAD(p): one step's vector;
- *   MAC(acc, xv, wv): acc + xv * wv in float32;       OUT(f): the float32 sum stored as TY. */
+ *   MAC(acc, xv, wv): acc + xv * wv in float32;       OUT(f): the float32 sum stored as TY.
+ * The accumulators are TPE_ACC vectors: 16 float32 lanes on the AVX-512 path, 8 on AVX2 (bf16.h's
+ * TPE_AVX512 / TPE_AVX2; include bf16.h first), where the row counts pair with fewer weight rows so
+ * that the accumulators stay in AVX2's 16 registers. */
 #ifndef TPE_GEMV_H
 #define TPE_GEMV_H
 #include <immintrin.h>
 #include <stdint.h>
 
+#ifdef TPE_AVX512
+#define TPE_ACC __m512
+#define TPE_ACC_ZERO _mm512_setzero_ps
+#define TPE_ACC_SUM _mm512_reduce_add_ps
+#define TPE_J1 4 /* weight rows per group at 1, 2, 4 and 8 rows of x */
+#define TPE_J2 4
+#define TPE_J4 4
+#define TPE_J8 2
+#else
+#define TPE_ACC __m256
+#define TPE_ACC_ZERO _mm256_setzero_ps
+#define TPE_ACC_SUM hsum8
+#define TPE_J1 4
+#define TPE_J2 4
+#define TPE_J4 2
+#define TPE_J8 1
+#endif
+
 #define TPE_GEMV_ROWS(NAME, R, J, TW, TX, TY, STEP, VEC, WLOAD, XLOAD, MAC, OUT)                              \
     static void NAME(const TX *x, int64_t k, const TW *w, int64_t o0, int64_t o1, TY *y, int64_t n) {         \
         int64_t o = o0;                                                                                       \
         for (; o + J <= o1; o += J) {                                                                         \
-            __m512 acc[R][J];                                                                                 \
+            TPE_ACC acc[R][J];                                                                                     \
             for (int r = 0; r < R; r++)                                                                       \
-                for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();                                  \
+                for (int j = 0; j < J; j++) acc[r][j] = TPE_ACC_ZERO();                                      \
             for (int64_t i = 0; i < k; i += STEP) {                                                           \
                 VEC wv[J];                                                                                    \
                 if (((i * (int64_t)sizeof(TW)) & 63) == 0)                                                    \
@@ -29,26 +50,26 @@
                 }                                                                                             \
             }                                                                                                 \
             for (int r = 0; r < R; r++)                                                                       \
-                for (int j = 0; j < J; j++) y[r * n + o + j] = OUT(_mm512_reduce_add_ps(acc[r][j]));          \
+                for (int j = 0; j < J; j++) y[r * n + o + j] = OUT(TPE_ACC_SUM(acc[r][j]));                   \
         }                                                                                                     \
         for (; o < o1; o++) {                                                                                 \
-            __m512 acc[R];                                                                                    \
-            for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                         \
+            TPE_ACC acc[R];                                                                                   \
+            for (int r = 0; r < R; r++) acc[r] = TPE_ACC_ZERO();                                              \
             for (int64_t i = 0; i < k; i += STEP) {                                                           \
                 const VEC wv = WLOAD(w + o * k + i);                                                          \
                 for (int r = 0; r < R; r++) acc[r] = MAC(acc[r], XLOAD(x + r * k + i), wv);                   \
             }                                                                                                 \
-            for (int r = 0; r < R; r++) y[r * n + o] = OUT(_mm512_reduce_add_ps(acc[r]));                     \
+            for (int r = 0; r < R; r++) y[r * n + o] = OUT(TPE_ACC_SUM(acc[r]));                              \
         }                                                                                                     \
     }
 
-/* The four row counts one call is split into (8 rows against 2 weight rows, else 4, 2, 1 against 4),
+/* The four row counts one call is split into (AVX-512: 8 rows against 2 weight rows, else 4, 2, 1 against 4),
  * all named PREFIX_R, and the call over output rows o0..o1 for `rows` rows of x. */
 #define TPE_GEMV_FAMILY(PREFIX, TW, TX, TY, STEP, VEC, WLOAD, XLOAD, MAC, OUT)                                \
-    TPE_GEMV_ROWS(PREFIX##_1, 1, 4, TW, TX, TY, STEP, VEC, WLOAD, XLOAD, MAC, OUT)                            \
-    TPE_GEMV_ROWS(PREFIX##_2, 2, 4, TW, TX, TY, STEP, VEC, WLOAD, XLOAD, MAC, OUT)                            \
-    TPE_GEMV_ROWS(PREFIX##_4, 4, 4, TW, TX, TY, STEP, VEC, WLOAD, XLOAD, MAC, OUT)                            \
-    TPE_GEMV_ROWS(PREFIX##_8, 8, 2, TW, TX, TY, STEP, VEC, WLOAD, XLOAD, MAC, OUT)                            \
+    TPE_GEMV_ROWS(PREFIX##_1, 1, TPE_J1, TW, TX, TY, STEP, VEC, WLOAD, XLOAD, MAC, OUT)                            \
+    TPE_GEMV_ROWS(PREFIX##_2, 2, TPE_J2, TW, TX, TY, STEP, VEC, WLOAD, XLOAD, MAC, OUT)                            \
+    TPE_GEMV_ROWS(PREFIX##_4, 4, TPE_J4, TW, TX, TY, STEP, VEC, WLOAD, XLOAD, MAC, OUT)                            \
+    TPE_GEMV_ROWS(PREFIX##_8, 8, TPE_J8, TW, TX, TY, STEP, VEC, WLOAD, XLOAD, MAC, OUT)                            \
     static void PREFIX##_rows(const TX *x, int64_t rows, int64_t k, const TW *w, int64_t o0, int64_t o1, TY *y, \
                               int64_t n) {                                                                    \
         int64_t r = 0;                                                                                        \

@@ -1,0 +1,54 @@
+"""The C kernels' AVX2 + FMA build, on a machine that would build another (issue 35): the kernel
+checks of the other test files, run again in a fresh process under ``TPENGINE_ISA=avx2`` (the
+library built with ``-march=x86-64-v3``), so a CI run on an AVX-512 machine covers both paths. The
+files run are the kernel-level ones (the fused ops, argmax, GEMV, GEMM, int8 GEMV, paged decode attention,
+the shared-memory all-reduce); kernels the AVX2 build leaves out skip there with that reason.
+Skipped where the CPU cannot run AVX2 + FMA code, there is no C compiler, or this run is itself the
+AVX2 build."""
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+#: the kernel checks re-run under the AVX2 build (the engine-level tests and the shared-memory all-reduce's
+#: late-peer cases stay with the main run: they test no arithmetic)
+CHECKS = ("tests/test_cpu_fused.py", "tests/test_cpu_library.py::test_isa_names_the_path_built",
+          "tests/test_shm.py::test_all_reduce_equals_torch_sums[3--1-10000000]",
+          "tests/test_linear_layout.py::test_gemv_equals_float32_matmul_rounded_once",
+          "tests/test_linear_layout.py::test_float32_gemv_equals_matmul",
+          "tests/test_linear_layout.py::test_float32_gemm_equals_matmul_and_each_row_is_batch_independent",
+          "tests/test_cpu_qgemv.py::test_few_rows_equal_the_dequantized_product",
+          "tests/test_cpu_paged.py::test_paged_decode_equals_rope_store_and_reference_attention",
+          "tests/test_cpu_paged.py::test_paged_decode_bad_indices_raise_before_anything_is_written",
+          "tests/test_sampler.py::test_row_max_equals_torch_max_with_ties_infinities_and_nan",
+          "tests/test_sampler.py::test_col_max_equals_torch_max_over_rows_with_ties_infinities_and_nan")
+
+
+def cpu_runs_avx2() -> bool:
+    try:
+        flags = set(" ".join(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                             if line.startswith("flags")).split())
+    except OSError:
+        return False
+    return {"avx2", "fma", "f16c", "bmi2"} <= flags  # (x86-64-v3's vector part)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not cpu_runs_avx2(),
+                    reason="the AVX2 build needs an x86-64 CPU with AVX2 + FMA")
+@pytest.mark.skipif(not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+@pytest.mark.skipif(os.environ.get("TPENGINE_ISA", "").lower() == "avx2", reason="this run is the AVX2 build")
+def test_kernel_checks_pass_on_the_avx2_build(tmp_path):
+    env = {**os.environ, "TPENGINE_ISA": "avx2", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env.pop("PYTEST_ADDOPTS", None)
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not per_engine",
+                          *CHECKS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    tail = res.stdout[-4000:] + res.stderr[-2000:]
+    assert res.returncode == 0, tail
+    assert " passed" in res.stdout and " failed" not in res.stdout, tail
