@@ -122,6 +122,7 @@ class Tree:
 
     def __init__(self, root: int) -> None:
         self.root = root
+        self.others_gone: float | None = None  # set by wait_gone
         self.seen: dict[int, tuple[int, str]] = {}  # pid -> (start ticks, role)
         self.poll()
 
@@ -162,12 +163,16 @@ class Tree:
         self.poll()
         return next((pid for pid, (_, r) in self.seen.items() if r == role and self.alive(pid)), None)
 
-    def wait_gone(self, deadline: float, step: float = 0.1) -> float | None:
+    def wait_gone(self, deadline: float, step: float = 0.1, but: tuple[int, ...] = ()) -> float | None:
         """Poll until no process of the tree runs or ``deadline`` (monotonic): when the last one ended,
-        None if some still run."""
+        None if some still run. ``others_gone`` becomes when every process but the pids ``but`` ended."""
+        self.others_gone = None
         while True:
             self.poll()
-            if not self.live():
+            live = self.live()
+            if self.others_gone is None and all(pid in but for _, pid, _ in live):
+                self.others_gone = time.monotonic()
+            if not live:
                 return time.monotonic()
             if time.monotonic() >= deadline:
                 return None
@@ -404,14 +409,17 @@ def victim_pid(tree: Tree, victim: str, proc: subprocess.Popen, timeout: float =
     return pid
 
 
-def finish_processes(t: Trial, tree: Tree, proc: subprocess.Popen, since: float, window: float) -> None:
+def finish_processes(t: Trial, tree: Tree, proc: subprocess.Popen, since: float, window: float,
+                     victim: int | None = None) -> None:
     """Wait for the tree to end within ``window`` s of ``since``; record the time and any leftover (then
-    reaped), and reap the launcher."""
-    ended = tree.wait_gone(since + window)
+    reaped), and reap the launcher. With a ``victim`` left, say when every other rank had ended."""
+    ended = tree.wait_gone(since + window, but=(proc.pid,) if victim is None else (proc.pid, victim))
     t.ended_s = None if ended is None else round(ended - since, 2)
     t.leftover = tree.reap()
     if t.leftover:
-        t.detail.append(f"left {window:.0f} s after the fault: {', '.join(t.leftover)}")
+        others = "" if tree.others_gone is None else \
+            f" (every other rank had ended {tree.others_gone - since:.2f} s after the fault)"
+        t.detail.append(f"left {window:.0f} s after the fault: {', '.join(t.leftover)}{others}")
     try:
         proc.wait(30)
     except subprocess.TimeoutExpired:
@@ -445,7 +453,7 @@ def job_trial(t: Trial, s: Setup, rng: random.Random) -> None:
                 t.detail.append(f"the job exited {rc} after its launcher was resumed")
         except subprocess.TimeoutExpired:
             t.detail.append("the job did not finish after its launcher was resumed")
-    finish_processes(t, tree, proc, fault, s.window_s)
+    finish_processes(t, tree, proc, fault, s.window_s, victim=pid)
     ok, why, got = check_out(out, final=False)
     t.detail.append(f"{len(got)} of {len(s.ids)} records before --resume")
     t.out_ok = ok and not (t.action == "stop" and t.victim == "launcher" and "torn" in why)
@@ -539,7 +547,7 @@ def server_trial(t: Trial, s: Setup, rng: random.Random) -> None:
                 send(rpid, signal.SIGTERM)
         finish_processes(t, tree, proc, stop_at, s.window_s)
     else:
-        finish_processes(t, tree, proc, fault, s.window_s)
+        finish_processes(t, tree, proc, fault, s.window_s, victim=pid)
     answered_before = clients.answered
     ended = clients.stop(timeout=10)
     if not ended:
