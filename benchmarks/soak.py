@@ -5,8 +5,9 @@ grew, leaked or was lost.
     python -m benchmarks.soak --minutes 1 --model <folder> --out soak.json
 
 Load: between 2 and ``--max-clients`` (100) concurrent clients (one ``aiohttp`` session, as
-``benchmarks.serve_client``), their number following a seeded random walk that is re-drawn every
-few seconds. Each client sends one request after another, each of a kind drawn by ``--seed``:
+``benchmarks.serve_client``), their number sweeping from 2 to the most and back (in log space, a
+period of half the run, 30 s to 5 min), each level jittered by a seeded draw and held 3-10 s. Each
+client sends one request after another, each of a kind drawn by ``--seed``:
 
 - ``stream``: a streamed completion (``stream_options.include_usage``), read to ``[DONE]``;
 - ``chat_stream``: a streamed chat completion, read to ``[DONE]``;
@@ -15,7 +16,7 @@ few seconds. Each client sends one request after another, each of a kind drawn b
 - ``logprobs``: a completion with ``logprobs`` 3 (``top_logprobs`` expected);
 - ``prefix``: one of a few long shared documents plus a question (the prefix cache's case), chat;
 - ``chat``: a plain chat completion;
-- ``bad``: an invalid request (``max_tokens`` 0, ``temperature`` -1, an unknown ``n`` type, an empty
+- ``bad``: an invalid request (```max_tokens`` -1, ``temperature`` -1, an unknown ``n`` type, an empty
   prompt): a 400 is expected.
 
 Checks, each a row of the table (the run fails, exit 1, if one fails):
@@ -63,7 +64,7 @@ KINDS = ("stream", "chat_stream", "disconnect", "n", "logprobs", "prefix", "chat
 WEIGHTS = (4, 2, 1, 1, 1, 2, 2, 1)
 TOPICS = ("rivers", "volcanoes", "the moon", "bread", "chess", "trains", "bees", "glaciers")
 #: a few long documents that many prompts begin with: the prefix cache's blocks are shared and freed
-DOCS = [" ".join(f"Fact {i} about {t}: it is a subject of study with a long history." for i in range(24))
+DOCS = [" ".join(f"Fact {i} about {t}: it is a subject of study with a long history." for i in range(16))
         for t in TOPICS[:3]]
 
 
@@ -129,7 +130,8 @@ def request_for(kind: str, rng: random.Random, model: str) -> tuple[str, dict]:
     if kind == "chat":
         return "/v1/chat/completions", {"model": model, "max_tokens": max_tokens,
                                         "messages": [{"role": "user", "content": f"Name a fact about {topic}."}]}
-    bad = rng.choice([{"max_tokens": 0}, {"temperature": -1.0}, {"n": "two"}, {"prompt": ""}])
+    # (max_tokens 0 is valid: it scores the prompt, vLLM's semantics)
+    bad = rng.choice([{"max_tokens": -1}, {"temperature": -1.0}, {"n": "two"}, {"prompt": ""}])
     return "/v1/completions", {"model": model, "prompt": "Hello", "max_tokens": 8, **bad}
 
 
@@ -147,7 +149,7 @@ async def one(session, base: str, kind: str, body: dict, path: str, tally: Tally
                 if resp.status == 400:
                     tally.expected_400 += 1
                 else:
-                    tally.fail(kind, f"expected a 400, got {resp.status}: {text[:200]}")
+                    tally.fail(kind, f"expected a 400 for {json.dumps(body)}, got {resp.status}: {text[:200]}")
                 return
             if resp.status != 200:
                 tally.fail(kind, f"HTTP {resp.status}: {(await resp.text())[:200]}")
@@ -228,13 +230,16 @@ async def load(base: str, model: str, seconds: float, max_clients: int, seed: in
             nonlocal target
             t0 = time.monotonic()
             next_change = 0.0
+            # a sweep between 2 and max_clients in log space (a period of a half run, 30 s to 5 min), each
+            # level jittered by up to 30 % and held 3-10 s; now and then a jump to an extreme
+            period = max(30.0, min(300.0, seconds / 2))
             while (now := time.monotonic()) < stop:
                 if now - t0 >= next_change:
-                    # a random walk in log space between 2 and max_clients, re-drawn every 3-10 s
-                    step = math.exp(rng.uniform(-1.2, 1.2))
-                    target = max(2, min(max_clients, round(target * step) or 2))
+                    phase = 0.5 - 0.5 * math.cos(2 * math.pi * (now - t0) / period)
+                    level = math.exp(math.log(2) + phase * (math.log(max_clients) - math.log(2)))
+                    target = max(2, min(max_clients, round(level * rng.uniform(0.7, 1.3))))
                     if rng.random() < 0.1:
-                        target = rng.choice([2, max_clients])  # now and then the extremes
+                        target = rng.choice([2, max_clients])
                     concurrency.append((round(now - t0, 1), target))
                     next_change = now - t0 + rng.uniform(3, 10)
                 on_tick(now - t0)
