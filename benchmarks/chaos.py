@@ -9,8 +9,9 @@ or that the server ends and serves again after a restart.
 Each trial draws (seeded) a target (the batch job ``torchrun --nproc_per_node=2 -m tpengine.run`` or
 the server ``torchrun --nproc_per_node=2 -m tpengine.serve`` under a few concurrent streaming and
 non-streaming clients), an action (``kill``: SIGKILL; ``stop``: SIGSTOP), a victim (rank 0, rank 1 or
-the launcher, torchrun) and a time. The twelve combinations are drawn in shuffled rounds, so 12 trials
-cover every one. A trial passes when:
+the launcher, torchrun) and a time (a job's: one in three during start-up, the others while records are
+written, as timed on a clean run made first; a server's: 0.5-4 s into its load). The twelve combinations
+are drawn in shuffled rounds, so 12 trials cover every one. A trial passes when:
 
 - processes: every process of the launched tree (torchrun and every descendant ever seen) is gone
   within ``--dist-timeout-s`` + 10 s of the fault. A stopped launcher is a pause, not a fault: it is
@@ -363,6 +364,7 @@ class Setup:
     clients: int
     max_tokens: int
     launch_timeout_s: float = 300.0
+    first_record_s: float | None = None  # when the clean job wrote its first record
 
     @property
     def window_s(self) -> float:
@@ -433,7 +435,12 @@ def job_trial(t: Trial, s: Setup, rng: random.Random) -> None:
     proc = launch(job_cmd(s, out), log)
     t0 = time.monotonic()
     tree = Tree(proc.pid)
-    at = rng.uniform(0.5, max(1.0, 0.9 * s.job_s))
+    # a third of the faults during start-up (before the clean job's first record), the rest while it writes
+    first = s.first_record_s or s.job_s
+    if rng.random() < 1 / 3:
+        at = rng.uniform(0.5, max(1.0, first))
+    else:
+        at = rng.uniform(first, max(first + 0.5, 0.95 * s.job_s))
     pid = victim_pid(tree, t.victim, proc) if wait_until(t0 + at, tree, proc) else None
     if pid is None or proc.poll() is not None:
         t.detail.append("the job ended before the fault")
@@ -631,18 +638,24 @@ def main(
         warm = Setup(**{**asdict(s), "dist_timeout_s": max(60.0, dist_timeout_s)})
         subprocess.run(job_cmd(warm, tmp / "warm.jsonl"), cwd=REPO_ROOT, env=subprocess_env(),
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        # then a clean run: it must pass, and its wall time bounds when the job's faults land
+        # then a clean run: it must pass, and its times (first record, end) say when the job's faults land
+        clean_out, clean_log = tmp / "clean.jsonl", tmp / "clean.log"
         t0 = time.monotonic()
-        clean = subprocess.run(job_cmd(s, tmp / "clean.jsonl"), cwd=REPO_ROOT, env=subprocess_env(),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        clean = launch(job_cmd(s, clean_out), clean_log)
+        while clean.poll() is None and s.first_record_s is None:
+            if clean_out.exists() and b"\n" in clean_out.read_bytes():
+                s.first_record_s = time.monotonic() - t0
+            time.sleep(0.05)
+        clean.wait()
         s.job_s = time.monotonic() - t0
-        ok, why, got = check_out(tmp / "clean.jsonl", final=True)
+        ok, why, got = check_out(clean_out, final=True)
         if clean.returncode != 0 or not ok or got != set(ids):
             console.print(f"[red]the clean job failed (exit {clean.returncode}, {why}):[/]")
-            console.print(clean.stderr[-3000:], markup=False, highlight=False)
+            console.print(clean_log.read_text()[-3000:], markup=False, highlight=False)
             raise typer.Exit(1)
-        console.print(f"clean job: {len(ids)} requests in {s.job_s:.1f} s "
-                      f"(faults land in 0.5 .. {0.9 * s.job_s:.1f} s)")
+        s.first_record_s = s.first_record_s or s.job_s
+        console.print(f"clean job: {len(ids)} requests in {s.job_s:.1f} s, the first record after "
+                      f"{s.first_record_s:.1f} s")
         rng = random.Random(seed)
         results = []
         draws = draw(trials, rng)
