@@ -15,7 +15,7 @@ GGUF_FILE = "$$($(PY) -c 'import importlib.util as u, pathlib; print(next(pathli
 BENCH_PREFIX_ARGS  ?= --num-prompts 16 --doc-len 512 --no-hf
 BENCH_CHUNKED_ARGS ?= --long-len 2048 --chunk 512,2048 --running-output-len 128
 
-.PHONY: setup model model-keepquant test lint demo bench bench-prefix bench-chunked bench-big-file bench-serve bench-structured bench-spec humaneval quality eval-harness bench-scale shards clean
+.PHONY: setup model model-keepquant test lint demo bench bench-prefix bench-chunked bench-big-file bench-serve bench-structured bench-spec humaneval quality eval-harness bench-scale chaos soak shards clean
 
 setup: .venv/.installed
 
@@ -105,6 +105,16 @@ eval-harness: setup model
 # BENCH_SCALE_ARGS='--shapes tinyllama-1.1b --systems tp1,tp2' (python -m benchmarks.bench_scale --help)
 bench-scale: setup model
 	$(PY) -m benchmarks.bench_scale --out bench-scale.json $(BENCH_SCALE_ARGS)
+
+# Kill (SIGKILL) or stop (SIGSTOP) a rank or torchrun of a tp=2 job or server at random times: nothing left,
+# --out whole, --resume completes, a restart serves (python -m benchmarks.chaos --help); not part of make test
+chaos: setup model
+	$(PY) -m benchmarks.chaos --out chaos.json $(CHAOS_ARGS)
+
+# The tp=2 server for 10 minutes under a mixed load of 2-100 clients: RSS flat, KV drained, no request lost,
+# latency percentiles (python -m benchmarks.soak --help); not part of make test
+soak: setup model
+	$(PY) -m benchmarks.soak --out soak.json $(SOAK_ARGS)
 
 clean:
 	rm -rf .venv models .pytest_cache
