@@ -162,6 +162,14 @@ def test_mixed_step_decodes_take_the_decode_path():
     assert attn.decode_seqs == 4 and attn.decodes.context_lens.tolist() == (
         [36, 37, 38, 39, 40, 33, 68, 69, 70] + list(range(33, 49)))
     assert torch.equal(attn.decodes.block_tables, bt[[0] * 5 + [1] + [2] * 3 + [3] * 16])
+    assert not attn.paged  # a chunk and a prompt follow
+    # a step of decode rows only takes the paged C kernel, its index one row per token
+    q, k, v, kc, vc, cu_q, cu_k, bt, qkv = _prefill_case(64, 16, [0, 1, 1, 1], VERIFY_LENS[:3])
+    attn = CPUAttentionBackend(cpu_kernels=True, paged=True).prepare(True, torch.arange(q.shape[0]), bt, cu_q, cu_k,
+                                                                     None)
+    assert attn.paged and attn.paged_index.context_lens.tolist() == [36, 37, 38, 39, 40, 33, 68, 69, 70]
+    assert torch.equal(attn.paged_index.block_tables, bt[[0] * 5 + [1] + [2] * 3])
+    assert attn.paged_index.slot_mapping.tolist() == list(range(9))
 
 
 def test_prepare_is_per_step_and_per_backend(monkeypatch):

@@ -86,7 +86,8 @@ class CPUAttentionMetadata(StepIndex):
     ``slot_min``/``slot_max``: bounds of ``slot_mapping`` (host ints; 0/-1 for no tokens);
     prefill: ``cu_q`` (host offsets), ``seqlens_q``/``seqlens_k`` (host lengths); decode:
     ``min_ctx``/``max_ctx`` (host ints), ``paged`` (the layers run :mod:`tpengine.backends.cpu.cpu_paged`
-    over ``paged_index``, checked here once for the step)
+    over ``paged_index``, checked here once for the step; also a prefill step whose every token is a
+    decode row, below)
     and ``mirror`` (the step as the KV mirrors see it; None with mirrors off or ``paged``).
     ``decodes``: in a prefill step, the decode metadata of its leading ``decode_seqs`` sequences of
     at most :data:`DECODE_ROWS_QUERY` new tokens over a cached prefix (a mixed step's decodes, the
@@ -157,16 +158,23 @@ class CPUAttentionBackend(AttentionBackend):
             # verification of speculative tokens): each token one decode row, batched as in a decode step
             nd = next((b for b, (lq, lk) in enumerate(zip(m.seqlens_q, m.seqlens_k))
                        if not 0 < lq <= DECODE_ROWS_QUERY or lk - lq < 1), len(m.seqlens_q))
-            rows = m.cu_q[nd]
-            if rows >= 2 and block_tables is not None:
+            rows, every = m.cu_q[nd], nd == len(m.seqlens_q)
+            if rows and block_tables is not None and (rows >= 2 or every):
                 lens = [lk - lq + j + 1 for lq, lk in zip(m.seqlens_q[:nd], m.seqlens_k[:nd]) for j in range(lq)]
                 dev = slot_mapping.device
                 seq_of_row = torch.repeat_interleave(torch.arange(nd, device=dev),
                                                      torch.tensor(m.seqlens_q[:nd], device=dev))
                 tables = block_tables[:nd] if rows == nd else block_tables.index_select(0, seq_of_row)
-                m.decodes = CPUAttentionMetadata(False, slot_mapping[:rows], tables, None, None,
-                                                 torch.tensor(lens, device=dev), min_ctx=min(lens), max_ctx=max(lens))
-                m.decode_seqs = nd
+                lens_t = torch.tensor(lens, device=dev)
+                if rows >= 2:
+                    m.decodes = CPUAttentionMetadata(False, slot_mapping[:rows], tables, None, None, lens_t,
+                                                     min_ctx=min(lens), max_ctx=max(lens))
+                    m.decode_seqs = nd
+                if every and self.paged and self.cpu_kernels and dev.type == "cpu":
+                    # every token of the step is a decode row: the layers' paged C kernel runs them as it
+                    # runs a decode step's (RoPE and the store of all rows first, then attention)
+                    m.paged = True
+                    m.paged_index = cpu_paged.paged_index(slot_mapping, tables, lens_t)
         else:
             if context_lens.numel():
                 m.min_ctx, m.max_ctx = (int(x) for x in torch.aminmax(context_lens))
@@ -219,11 +227,12 @@ class CPUAttentionBackend(AttentionBackend):
         self.continuity.prefill()
 
     def forward(self, qk, v, rope, layer, ctx) -> torch.Tensor:
-        """:meth:`AttentionBackend.forward`; a decode step prepared for the paged C kernel, on a layer of
-        a dtype and head size it takes, runs RoPE, the KV store and attention in one call
+        """:meth:`AttentionBackend.forward`; a step prepared for the paged C kernel (a decode step, or a
+        prefill step whose every token is a decode row: a speculative verification), on a layer of a
+        dtype and head size it takes, runs RoPE, the KV store and attention in one call
         (:func:`tpengine.backends.cpu.cpu_paged.decode`)."""
         attn = ctx.attn
-        if not ctx.is_prefill and attn.paged and cpu_paged.available(qk.dtype, qk.shape[-1], self.cpu_kernels):
+        if attn.paged and cpu_paged.available(qk.dtype, qk.shape[-1], self.cpu_kernels):
             hq = layer.num_heads
             return cpu_paged.decode(qk[..., :hq, :], qk[..., hq:, :], v, *rope, layer.k_cache, layer.v_cache,
                                     layer.tp_q_to_kv, layer.scaling, attn.paged_index)
