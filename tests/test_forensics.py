@@ -1,7 +1,7 @@
 """Hang forensics (issue 38 D) on a tp=2 job with --dist-timeout-s 5: ``kill -USR1`` on a rank writes
-its report and the job runs on; a SIGSTOPped rank makes rank 0 fail within 15 s with one line that
-names that rank, the step and the collective and the reports' folder, where the live rank's report
-(its ring of steps and Python stacks) is."""
+its report and the job runs on; a SIGSTOPped rank makes rank 0 fail with one line that names that
+rank, the step and the collective and the reports' folder, where the live rank's report (its ring of
+steps and Python stacks) is, and end the stopped rank: the whole job is over within 15 s."""
 
 from __future__ import annotations
 
@@ -57,8 +57,10 @@ def test_usr1_report_then_a_stopped_rank_is_named(tiny, tmp_path):  # noqa: F811
 
         os.kill(ranks[1], signal.SIGSTOP)
         stopped = time.monotonic()
-        wait_for(lambda: not alive(ranks[0]), 15, "rank 0 to end")
-        assert time.monotonic() - stopped < 15
+        # rank 0 names rank 1 and ends it (a stopped rank ignores the launcher's SIGTERM): the whole job
+        # is over within 15 s
+        proc.wait(15)
+        assert time.monotonic() - stopped < 15 and not alive(ranks[0]) and not alive(ranks[1])
     finally:
         for pid in ranks.values():  # a stopped rank would keep torchrun waiting (30 s) before its SIGKILL
             if alive(pid):
@@ -69,7 +71,8 @@ def test_usr1_report_then_a_stopped_rank_is_named(tiny, tmp_path):  # noqa: F811
     assert len(lines) == 1, log.read_text()[-3000:]
     line = lines[0]
     folder = usr1.parent
-    assert "collective timed out: rank(s) 1 did not arrive; rank 0 at step " in line
+    assert (f"collective timed out: rank(s) 1 did not arrive (ended here: rank 1 pid {ranks[1]}); rank 0 at step "
+            in line)
     assert any(f" in {c}" in line for c in ("all_reduce", "gather", "the step plan", "the token bitmask"))
     assert f"reports in {folder}" in line
     rank0 = (folder / "rank0.txt").read_text()

@@ -14,7 +14,8 @@ pid, reason, the step and the collective), the ring, and every thread's Python s
 (``faulthandler``). ``<cache>`` is ``$TPENGINE_CACHE_DIR`` (default ``~/.cache/tpengine``); the job
 id is torchrun's run id (the same on every rank), else ``pid<pid>``. When a rank fails inside a
 collective, :func:`collective_failure` writes its report and, on rank 0, waits a little for the
-other ranks' reports and names the ranks without one (those that did not arrive). ``kill -USR1``
+other ranks' reports and names the ranks without one (those that did not arrive), and ends those
+that run on its host (:func:`end_local_ranks`: a stopped rank would outlive the job). ``kill -USR1``
 writes the same report and the rank runs on (:func:`configure` installs the handler; it runs when
 the rank's main thread next runs Python, at the latest when the collective it waits in returns or
 times out). docs/notes/readme-details.md says how to read a report.
@@ -190,4 +191,49 @@ def collective_failure(exc: BaseException) -> str | None:
     while (absent := missing()) and time.monotonic() < deadline:
         time.sleep(0.1)
     who = f"rank(s) {', '.join(map(str, absent))} did not arrive" if absent else "every rank reported"
+    killed = end_local_ranks(absent)
+    if killed:
+        who += f" (ended here: {', '.join(f'rank {r} pid {pid}' for r, pid in killed.items())})"
     return f"collective timed out: {who}; rank 0 at {here}; {where_to} {cause}"
+
+
+def local_ranks() -> dict[int, int]:
+    """``rank -> pid`` of this job's other ranks on this host: the processes whose parent is this
+    rank's parent (torchrun starts every local rank as a child of its agent) and whose environment
+    holds this job's ``TORCHELASTIC_RUN_ID``. Empty outside torchrun or without ``/proc`` (not
+    Linux); never raises."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not job or not os.path.isdir("/proc"):
+        return {}
+    parent, found = os.getppid(), {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as fh:  # "pid (comm) state ppid ...": comm may hold spaces
+                if int(fh.read().rsplit(")", 1)[1].split()[1]) != parent:
+                    continue
+            with open(f"/proc/{entry.name}/environ", "rb") as fh:
+                env = dict(x.split(b"=", 1) for x in fh.read().split(b"\0") if b"=" in x)
+        except (OSError, ValueError, IndexError):
+            continue
+        if env.get(b"TORCHELASTIC_RUN_ID") == job.encode() and env.get(b"RANK", b"").isdigit():
+            found[int(env[b"RANK"])] = int(entry.name)
+    return found
+
+
+def end_local_ranks(ranks: list[int]) -> dict[int, int]:
+    """SIGKILL those of ``ranks`` that run on this host (:func:`local_ranks`): a rank that did not
+    arrive at a collective within its timeout is stopped or hung, the job is over, and a stopped
+    process would not act on the launcher's SIGTERM (torchrun waits 30 s before its SIGKILL), so
+    it would outlive the job. Returns ``rank -> pid`` of those signalled; never raises."""
+    local = local_ranks() if ranks else {}
+    killed = {}
+    for r in ranks:
+        if r in local:
+            try:
+                os.kill(local[r], signal.SIGKILL)
+                killed[r] = local[r]
+            except OSError:
+                pass
+    return killed
