@@ -14,8 +14,9 @@ pid, reason, the step and the collective), the ring, and every thread's Python s
 (``faulthandler``). ``<cache>`` is ``$TPENGINE_CACHE_DIR`` (default ``~/.cache/tpengine``); the job
 id is torchrun's run id (the same on every rank), else ``pid<pid>``. When a rank fails inside a
 collective, :func:`collective_failure` writes its report and, on rank 0, waits a little for the
-other ranks' reports and names the ranks without one (those that did not arrive), and ends those
-that run on its host (:func:`end_local_ranks`: a stopped rank would outlive the job). ``kill -USR1``
+other ranks' reports and names the ranks without one (those that did not arrive); every failing rank
+ends those of them that are stopped on its host (:func:`end_local_ranks`: they would outlive the
+job). ``kill -USR1``
 writes the same report and the rank runs on (:func:`configure` installs the handler; it runs when
 the rank's main thread next runs Python, at the latest when the collective it waits in returns or
 times out). docs/notes/readme-details.md says how to read a report.
@@ -157,22 +158,26 @@ def write_report(reason: str) -> Path | None:
 
 def collective_failure(exc: BaseException) -> str | None:
     """Called with the exception that ends a rank. When the rank was inside a collective: write its
-    report and return what its one error line says, else None (not a collective's failure).
+    report and return what its one error line says, else None (not a collective's failure; the
+    stopped ranks of the job on this host are still ended, :func:`end_local_ranks`).
 
-    Rank 0 then waits up to ``min(3, timeout / 2)`` s for every other rank's report of this job
-    (a live rank times out at about the same moment) and names the ranks without one: ``collective
-    timed out: rank(s) K did not arrive; rank 0 at step S (...) in C for T s; reports in DIR
-    (TYPE: MESSAGE)``. Other ranks return ``rank R at step ... ; report in DIR (...)``.
+    Every rank then waits up to ``min(3, timeout / 2)`` s for the other ranks' reports of this job (a
+    live rank times out at about the same moment) and SIGKILLs those without one that run on its host
+    and are stopped (:func:`end_local_ranks`). Rank 0 names the ranks without one: ``collective timed out: rank(s) K
+    did not arrive (ended here: rank K pid P); rank 0 at step S (...) in C for T s; reports in DIR
+    (TYPE: MESSAGE)``. Other ranks return ``collective failed: rank R at step ...; reports in DIR (...)``.
     """
-    if RING.current is None:
+    if RING.current is None:  # not a collective's failure; a stopped peer would still outlive the job
+        end_local_ranks(None)
         return None
     written = write_report(f"{FAILED}: {type(exc).__name__}: {exc}")
     here = where()
     cause = f"({type(exc).__name__}: {exc})"
     where_to = f"reports in {folder()}" if written else "no report written"
-    if RING.rank != 0:
-        return f"collective failed: rank {RING.rank} at {here}; {where_to} {cause}"
-    others = [r for r in range(1, RING.world)]
+    # every rank waits up to min(3, timeout / 2) s for the others' reports (a live rank times out at
+    # about the same moment) and ends the stopped ones on its host without one, which would outlive the
+    # job (rank 0 may be the one stopped, so not only rank 0 does this)
+    others = [r for r in range(RING.world) if r != RING.rank]
     deadline = time.monotonic() + min(3.0, RING.timeout_s / 2)
 
     def missing() -> list[int]:  # ranks without a report of a collective's failure (not a SIGUSR1 one)
@@ -190,18 +195,19 @@ def collective_failure(exc: BaseException) -> str | None:
 
     while (absent := missing()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    who = f"rank(s) {', '.join(map(str, absent))} did not arrive" if absent else "every rank reported"
     killed = end_local_ranks(absent)
-    if killed:
-        who += f" (ended here: {', '.join(f'rank {r} pid {pid}' for r, pid in killed.items())})"
-    return f"collective timed out: {who}; rank 0 at {here}; {where_to} {cause}"
+    ended = f" (ended here: {', '.join(f'rank {r} pid {pid}' for r, pid in killed.items())})" if killed else ""
+    if RING.rank != 0:
+        return f"collective failed: rank {RING.rank} at {here}{ended}; {where_to} {cause}"
+    who = f"rank(s) {', '.join(map(str, absent))} did not arrive" if absent else "every rank reported"
+    return f"collective timed out: {who}{ended}; rank 0 at {here}; {where_to} {cause}"
 
 
-def local_ranks() -> dict[int, int]:
-    """``rank -> pid`` of this job's other ranks on this host: the processes whose parent is this
-    rank's parent (torchrun starts every local rank as a child of its agent) and whose environment
-    holds this job's ``TORCHELASTIC_RUN_ID``. Empty outside torchrun or without ``/proc`` (not
-    Linux); never raises."""
+def local_ranks() -> dict[int, tuple[int, str]]:
+    """``rank -> (pid, state)`` of this job's other ranks on this host: the processes whose parent is
+    this rank's parent (torchrun starts every local rank as a child of its agent) and whose
+    environment holds this job's ``TORCHELASTIC_RUN_ID``; ``state`` is ``/proc``'s one-letter state
+    ("T": stopped). Empty outside torchrun or without ``/proc`` (not Linux); never raises."""
     job = os.environ.get("TORCHELASTIC_RUN_ID")
     if not job or not os.path.isdir("/proc"):
         return {}
@@ -211,29 +217,31 @@ def local_ranks() -> dict[int, int]:
             continue
         try:
             with open(f"/proc/{entry.name}/stat") as fh:  # "pid (comm) state ppid ...": comm may hold spaces
-                if int(fh.read().rsplit(")", 1)[1].split()[1]) != parent:
-                    continue
+                state, ppid = fh.read().rsplit(")", 1)[1].split()[:2]
+            if int(ppid) != parent:
+                continue
             with open(f"/proc/{entry.name}/environ", "rb") as fh:
                 env = dict(x.split(b"=", 1) for x in fh.read().split(b"\0") if b"=" in x)
         except (OSError, ValueError, IndexError):
             continue
         if env.get(b"TORCHELASTIC_RUN_ID") == job.encode() and env.get(b"RANK", b"").isdigit():
-            found[int(env[b"RANK"])] = int(entry.name)
+            found[int(env[b"RANK"])] = (int(entry.name), state)
     return found
 
 
-def end_local_ranks(ranks: list[int]) -> dict[int, int]:
-    """SIGKILL those of ``ranks`` that run on this host (:func:`local_ranks`): a rank that did not
-    arrive at a collective within its timeout is stopped or hung, the job is over, and a stopped
-    process would not act on the launcher's SIGTERM (torchrun waits 30 s before its SIGKILL), so
-    it would outlive the job. Returns ``rank -> pid`` of those signalled; never raises."""
-    local = local_ranks() if ranks else {}
+def end_local_ranks(ranks: list[int] | None) -> dict[int, int]:
+    """SIGKILL those of ``ranks`` (None: every other rank) that run on this host (:func:`local_ranks`) and are stopped
+    (SIGSTOP, a debugger): such a rank cannot act on the launcher's SIGTERM, so torchrun would wait
+    its 30 s grace before ending it, and it would outlive the job. A rank that runs is left to end
+    itself or to the launcher (it may be writing its own failure line). Returns ``rank -> pid`` of
+    those signalled; never raises."""
+    local = local_ranks() if ranks is None or ranks else {}
     killed = {}
-    for r in ranks:
-        if r in local:
+    for r in local if ranks is None else ranks:
+        if r in local and local[r][1] in ("T", "t"):
             try:
-                os.kill(local[r], signal.SIGKILL)
-                killed[r] = local[r]
+                os.kill(local[r][0], signal.SIGKILL)
+                killed[r] = local[r][0]
             except OSError:
                 pass
     return killed
