@@ -45,9 +45,10 @@ def decode(tok, ids, skip=True):
     return tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
 
 
-def run(tok, ids, stop=(), skip=True):
-    """Feed ids one by one like the engine does; return (deltas, detokenizer)."""
-    d = IncrementalDetokenizer(tok, stop=stop, skip_special_tokens=skip)
+def run(tok, ids, stop=(), skip=True, **kw):
+    """Feed ids one by one like the engine does; return (deltas, detokenizer). ``kw``: more
+    :class:`IncrementalDetokenizer` arguments (``prompt_token_ids``, ``include_stop_str_in_output``)."""
+    d = IncrementalDetokenizer(tok, stop=stop, skip_special_tokens=skip, **kw)
     deltas = []
     for i in ids:
         deltas.append(d.append(i))

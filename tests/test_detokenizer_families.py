@@ -12,6 +12,7 @@ import random
 import zlib
 
 import pytest
+from test_detokenizer import run
 
 from tpengine.engine.detokenizer import IncrementalDetokenizer
 
@@ -104,16 +105,6 @@ def expected(tok, prompt, out, skip):
     return decode(tok, prompt + out, skip)[len(decode(tok, prompt, skip)):]
 
 
-def run(tok, prompt, out, skip, **kw):
-    d = IncrementalDetokenizer(tok, skip_special_tokens=skip, prompt_token_ids=prompt, **kw)
-    deltas = []
-    for i in out:
-        deltas.append(d.append(i))
-        if d.stopped:
-            break
-    else:
-        deltas.append(d.finish())
-    return deltas, d
 
 
 def random_ids(tok, rng, n):
@@ -145,7 +136,7 @@ def test_random_prompts_and_outputs_equal_the_full_decode(family, skip):
     for trial in range(60):
         prompt = random_ids(tok, rng, rng.randint(0, 30))
         out = random_ids(tok, rng, rng.randint(1, 25))
-        deltas, d = run(tok, prompt, out, skip)
+        deltas, d = run(tok, out, skip=skip, prompt_token_ids=prompt)
         assert "".join(deltas) == d.text
         if not decode(tok, prompt + out, skip).startswith(decode(tok, prompt, skip)):
             # the output rewrote the prompt's own text: a run of byte-fallback tokens at the prompt's
@@ -163,7 +154,7 @@ def test_the_first_output_word_keeps_its_space_after_a_prompt(family, skip):
     k = next(k for k in range(len(ids)) if "P" in decode(tok, ids[: k + 1], True))  # the token of "P"
     prompt, out = ids[:k], ids[k:]
     assert prompt[0] == tok.bos_token_id and decode(tok, prompt, True).rstrip() == "The capital of France is"
-    text = "".join(run(tok, prompt, out, skip)[0])
+    text = "".join(run(tok, out, skip=skip, prompt_token_ids=prompt)[0])
     assert text == expected(tok, prompt, out, skip)
     assert decode(tok, prompt, skip) + text == decode(tok, ids, skip)
     assert text.startswith(" Paris.") or decode(tok, prompt, True).endswith(" "), (name, text)
@@ -178,7 +169,7 @@ def test_stop_strings_after_a_prompt(family):
         cut = full.find(stop)
         assert cut >= 0, (name, full, stop)
         for include in (False, True):
-            deltas, d = run(tok, prompt, out, True, stop=[stop], include_stop_str_in_output=include)
+            deltas, d = run(tok, out, stop=[stop], prompt_token_ids=prompt, include_stop_str_in_output=include)
             want = full[: cut + len(stop)] if include else full[:cut]
             assert d.stopped and d.text == want == "".join(deltas), (name, stop, include)
 
