@@ -170,7 +170,11 @@ class EngineConfig:
     # "plain" or "packed"
     cpu_linear: str = "auto"
     dist_timeout_s: float = 60.0
-    threads: int | None = None  # intra-op threads per rank; default cores // tp
+    # the launch's parallel layout (vLLM's names): world size = data_parallel_size x tensor_parallel_size;
+    # tensor_parallel_size unset: world size / data_parallel_size (see parallel_sizes)
+    tensor_parallel_size: int | None = None
+    data_parallel_size: int = 1
+    threads: int | None = None  # intra-op threads per rank; default cores // ranks on this host
     seed: int = 0
     # sampling defaults: "auto" (the model's generation_config.json), "ignore" (tpengine's built-in
     # ones) or a folder holding a generation_config.json (see tpengine/entrypoints/generation_defaults.py)
@@ -227,6 +231,10 @@ class EngineConfig:
             raise bad("gpu_memory_utilization", "in (0, 1]")
         if self.dist_timeout_s <= 0:
             raise bad("dist_timeout_s", "> 0 seconds")
+        if self.tensor_parallel_size is not None and self.tensor_parallel_size < 1:
+            raise bad("tensor_parallel_size", "an integer >= 1 or unset")
+        if self.data_parallel_size < 1:
+            raise bad("data_parallel_size", "an integer >= 1")
         if self.threads is not None and self.threads < 1:
             raise bad("threads", "an integer >= 1 or unset")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -249,9 +257,36 @@ class EngineConfig:
             return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
         return torch_dtype(self.dtype)
 
+    def parallel_sizes(self, world_size: int) -> tuple[int, int]:
+        """``(data_parallel_size, tensor_parallel_size)`` of a launch of ``world_size`` ranks
+        (:func:`parallel_sizes`).
+
+        Raises:
+            UserError: ``world_size`` is not ``data_parallel_size x tensor_parallel_size``.
+        """
+        return parallel_sizes(world_size, self.data_parallel_size, self.tensor_parallel_size)
+
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def parallel_sizes(world_size: int, dp: int = 1, tp: int | None = None) -> tuple[int, int]:
+    """``(dp, tp)`` of a launch of ``world_size`` ranks as ``dp`` data-parallel replicas of ``tp``
+    tensor-parallel ranks each; ``tp`` None: ``world_size / dp``.
+
+    Raises:
+        UserError: ``world_size`` is not ``dp x tp``, naming the three numbers and what would be valid.
+    """
+    if tp is None and world_size % dp == 0:
+        return dp, world_size // dp
+    if tp is not None and dp * tp == world_size:
+        return dp, tp
+    given = f"data_parallel_size={dp}" + ("" if tp is None else f" x tensor_parallel_size={tp}")
+    valid = ", ".join(f"{d} x {world_size // d}" for d in range(1, world_size + 1) if world_size % d == 0)
+    raise UserError(f"{given} does not fit the world size {world_size} (torchrun's --nnodes x --nproc_per_node): "
+                    f"it must be data_parallel_size x tensor_parallel_size ({valid}), or launch "
+                    f"{dp * (tp or 1)} rank(s) for these sizes")
 
 
 def torch_dtype(name: str) -> Any:
@@ -274,6 +309,7 @@ FIELD_TYPES: dict[str, tuple] = {
     "reasoning_parser": (str, None), "speculative_config": (str, dict, SpeculativeConfig, None),
     "max_model_len": (int, None), "block_size": (int,), "max_num_seqs": (int,), "max_num_batched_tokens": (int, None),
     "num_kv_blocks": (int, None), "threads": (int, None), "seed": (int,),
+    "tensor_parallel_size": (int, None), "data_parallel_size": (int,),
     "kv_cache_gb": (float, int), "gpu_memory_utilization": (float, int), "dist_timeout_s": (float, int),
     "enforce_eager": (bool,), "kv_mirror": (bool,), "cpu_kernels": (bool,),
     "enable_prefix_caching": (bool,), "enable_chunked_prefill": (bool,),

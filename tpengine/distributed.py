@@ -1,16 +1,22 @@
 """Process groups and the few collectives tpengine uses.
 
 ``init_distributed`` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-MASTER_PORT). Activations travel on the default group (NCCL on CUDA, gloo on CPU), or through
-shared memory when :func:`tpengine.backends.cpu.shm.init_shm` installed a :class:`tpengine.backends.cpu.shm.ShmComm` at
-start-up (:func:`activation_comm`); the control plane (StepPlan broadcasts, block-count
-agreement, the end-of-run memory report) always travels on a separate gloo group. Every group
-has the configured timeout, so no rank waits forever in a collective. With world size 1 and no
-torchrun environment, no process group is created and every collective is a no-op.
+MASTER_PORT). The world is ``dp_size`` data-parallel replicas of ``size`` ranks each (world size =
+dp_size x size); replica ``d`` is the TP group of the consecutive global ranks ``d*size ..
+d*size + size - 1``, so a TP group stays on one host where it can. Within a TP group, activations
+travel on its data group (NCCL on CUDA, gloo on CPU), or through shared memory when
+:func:`tpengine.backends.cpu.shm.init_shm` installed a :class:`tpengine.backends.cpu.shm.ShmComm` at
+start-up (:func:`activation_comm`); its control plane (StepPlan broadcasts, block-count agreement)
+always travels on a gloo group. The replicas' drivers (TP rank 0 of each) share one more gloo
+group, the data-parallel group (:func:`dp_broadcast_object`, :func:`dp_gather_object`), and the
+whole world one gloo group for what every rank takes part in (the end-of-run memory report, the
+``LLM`` API's outputs, the shutdown barrier). Every group has the configured timeout, so no rank
+waits forever in a collective. With world size 1 and no torchrun environment, no process group is
+created and every collective is a no-op.
 
-The process-wide state (this rank's :class:`TPInfo`, the control group, the installed
-activation comm) is one :class:`_ProcessGroups` object, set by :func:`init_distributed` and
-cleared by :func:`shutdown`; nothing changes it per step.
+The process-wide state (this rank's :class:`TPInfo`, the groups, the installed activation comm) is
+one :class:`_ProcessGroups` object, set by :func:`init_distributed` and cleared by
+:func:`shutdown`; nothing changes it per step.
 """
 
 from __future__ import annotations
@@ -28,26 +34,52 @@ from tpengine import forensics
 
 @dataclass(frozen=True)
 class TPInfo:
-    """This process's place in the tensor-parallel group: ``rank`` in ``0..size-1``."""
+    """This process's place in the launch: ``rank`` in ``0..size-1`` within its tensor-parallel
+    group (its replica), which is replica ``dp_rank`` of ``dp_size``; ``local_rank`` torchrun's
+    (the CUDA device)."""
 
     rank: int
     size: int
     local_rank: int
     device: torch.device
+    dp_rank: int = 0
+    dp_size: int = 1
 
     @property
     def is_driver(self) -> bool:
+        """TP rank 0: the replica's driver (its scheduler, sampler and detokenizer)."""
         return self.rank == 0
+
+    @property
+    def global_rank(self) -> int:
+        """The rank in the world (torchrun's RANK): ``dp_rank * size + rank``."""
+        return self.dp_rank * self.size + self.rank
+
+    @property
+    def world_size(self) -> int:
+        """``dp_size * size``."""
+        return self.dp_size * self.size
+
+    @property
+    def is_front(self) -> bool:
+        """Global rank 0: the launch's front (the request file, the HTTP server, the ``LLM`` calls)."""
+        return self.global_rank == 0
 
 
 @dataclass
 class _ProcessGroups:
-    """What :func:`init_distributed` set up: ``tp``; ``control``, the gloo group of the control
-    plane (None: the default group is gloo already); ``comm``, the activation collectives
-    installed once at start-up (None: torch.distributed's)."""
+    """What :func:`init_distributed` set up: ``tp``; ``data``, the TP group's activation group (None:
+    the default group, the world, when there is one replica); ``control``, the TP group's gloo group
+    of the control plane (None: ``data``, which is gloo already); ``world``, a gloo group of every rank
+    (None: the default group, gloo already); ``dp``, the gloo group of the replicas' drivers (None
+    with one replica, and on the other ranks); ``comm``, the activation collectives installed once at
+    start-up (None: torch.distributed's)."""
 
     tp: TPInfo
+    data: Any = None
     control: Any = None
+    world: Any = None
+    dp: Any = None
     comm: Any = None
 
 
@@ -67,25 +99,32 @@ def _pick_device(local_rank: int, device: str) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init_distributed(timeout_s: float = 60.0, device: str = "auto") -> TPInfo:
+def init_distributed(timeout_s: float = 60.0, device: str = "auto", tp_size: int | None = None,
+                     dp_size: int = 1) -> TPInfo:
     """Initialise (once) from torchrun's environment and return this rank's :class:`TPInfo`.
 
     ``timeout_s`` bounds every collective on every group. ``device``: "auto" (CUDA if
-    available), "cpu" or "cuda".
+    available), "cpu" or "cuda". ``dp_size`` replicas of ``tp_size`` ranks (default: the world
+    size / ``dp_size``).
 
     Raises:
         RuntimeError: inconsistent environment (e.g. WORLD_SIZE > 1 without MASTER_ADDR).
+        tpengine.errors.UserError: a world size that is not ``dp_size x tp_size``.
     """
     global _STATE
     if _STATE is not None:
         return _STATE.tp
-    size = int(os.environ.get("WORLD_SIZE", "1"))
+    from tpengine.config import parallel_sizes
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    dp_size, tp_size = parallel_sizes(world, dp_size, tp_size)
     dev = _pick_device(local_rank, device)
-    if size > 1:
+    data = control = world_group = dp_group = None
+    if world > 1:
         if "MASTER_ADDR" not in os.environ:
-            raise RuntimeError(f"WORLD_SIZE={size} but MASTER_ADDR is unset; launch with torchrun")
+            raise RuntimeError(f"WORLD_SIZE={world} but MASTER_ADDR is unset; launch with torchrun")
         # torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when it
         # is first imported (transformers imports it while loading a model). Imported after
         # init_process_group, it would keep the default group alive past destroy_process_group;
@@ -101,14 +140,27 @@ def init_distributed(timeout_s: float = 60.0, device: str = "auto") -> TPInfo:
         # gets a fresh key prefix; every rank makes the same sequence of inits (SPMD), so the
         # prefixes agree.
         if _STORE["store"] is None:
-            _STORE["store"], _, _ = next(dist.rendezvous("env://", rank=rank, world_size=size, timeout=timeout))
+            _STORE["store"], _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timeout))
         _STORE["inits"] += 1
         store = dist.PrefixStore(f"tpengine/init{_STORE['inits']}", _STORE["store"])
-        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size, timeout=timeout)
-        control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
-    else:
-        control = None
-    _STATE = _ProcessGroups(TPInfo(rank=rank, size=size, local_rank=local_rank, device=dev), control)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        if backend != "gloo":
+            world_group = dist.new_group(backend="gloo", timeout=timeout)
+        if dp_size > 1:
+            # every rank creates every group, in the same order (torch.distributed's rule)
+            for d in range(dp_size):
+                ranks = list(range(d * tp_size, (d + 1) * tp_size))
+                g = dist.new_group(ranks, timeout=timeout, backend=backend)
+                c = dist.new_group(ranks, timeout=timeout, backend="gloo") if backend != "gloo" else g
+                if rank in ranks:
+                    data, control = g, c
+            g = dist.new_group(list(range(0, world, tp_size)), timeout=timeout, backend="gloo")
+            dp_group = g if rank % tp_size == 0 else None
+        elif backend != "gloo":
+            control = world_group
+    info = TPInfo(rank=rank % tp_size, size=tp_size, local_rank=local_rank, device=dev, dp_rank=rank // tp_size,
+                  dp_size=dp_size)
+    _STATE = _ProcessGroups(info, data, control, world_group, dp_group)
     return _STATE.tp
 
 
@@ -145,30 +197,40 @@ def shutdown() -> None:
     no rank tears down a connection a peer still uses. Safe to call twice or at size 1."""
     global _STATE
     if dist.is_available() and dist.is_initialized():
-        prev = forensics.enter("the shutdown barrier (control group)")
-        dist.barrier(group=_control_group())
+        prev = forensics.enter("the shutdown barrier (world)")
+        dist.barrier(group=_world_group())
         forensics.leave(prev)
         dist.destroy_process_group()
     _STATE = None
 
 
+def _data_group():
+    return _STATE.data if _STATE is not None else None
+
+
 def _control_group():
-    return _STATE.control if _STATE is not None else None
+    if _STATE is None:
+        return None
+    return _STATE.control if _STATE.control is not None else _STATE.data
+
+
+def _world_group():
+    return _STATE.world if _STATE is not None else None
 
 
 def all_reduce(t: torch.Tensor) -> torch.Tensor:
-    """Sum ``t`` in place over all ranks on the default group (torch.distributed, whatever
+    """Sum ``t`` in place over the TP group's ranks on its data group (torch.distributed, whatever
     comm is installed); no-op at size 1. Returns ``t``."""
     if get_tp().size > 1:
-        prev = forensics.enter("all_reduce of the activations (default group)")
-        dist.all_reduce(t)
+        prev = forensics.enter("all_reduce of the activations (TP data group)")
+        dist.all_reduce(t, group=_data_group())
         forensics.leave(prev)  # not on an exception: the report names this collective
     return t
 
 
 def gather_to_driver(t: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
-    """Concatenate every rank's ``t`` (same shape on all ranks) along ``dim`` on rank 0, on the
-    default group (torch.distributed, whatever comm is installed).
+    """Concatenate every TP rank's ``t`` (same shape on all ranks) along ``dim`` on TP rank 0, on
+    the TP data group (torch.distributed, whatever comm is installed).
 
     Returns the concatenation on rank 0 and None elsewhere; ``t`` itself at size 1.
     """
@@ -177,24 +239,24 @@ def gather_to_driver(t: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         return t
     t = t.contiguous()
     parts = [torch.empty_like(t) for _ in range(tp.size)] if tp.is_driver else None
-    prev = forensics.enter("gather of the logits to rank 0 (default group)")
-    dist.gather(t, parts, dst=0)
+    prev = forensics.enter("gather of the logits to rank 0 (TP data group)")
+    dist.gather(t, parts, group=_data_group(), group_dst=0)
     forensics.leave(prev)
     return torch.cat(parts, dim=dim) if tp.is_driver else None
 
 
 def broadcast_control(t: torch.Tensor, what: str = "a broadcast from rank 0") -> torch.Tensor:
-    """Broadcast CPU tensor ``t`` from rank 0 in place over the gloo control group; ``what`` names
-    it in a forensics report (:mod:`tpengine.forensics`)."""
+    """Broadcast CPU tensor ``t`` from TP rank 0 in place over the TP group's gloo control group;
+    ``what`` names it in a forensics report (:mod:`tpengine.forensics`)."""
     if get_tp().size > 1:
         prev = forensics.enter(f"{what} (control group)")
-        dist.broadcast(t, src=0, group=_control_group())
+        dist.broadcast(t, group=_control_group(), group_src=0)
         forensics.leave(prev)
     return t
 
 
 def all_reduce_min(value: int) -> int:
-    """The minimum of ``value`` over all ranks (control group); ``value`` at size 1."""
+    """The minimum of ``value`` over the TP group's ranks (control group); ``value`` at size 1."""
     if get_tp().size == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64)
@@ -204,32 +266,69 @@ def all_reduce_min(value: int) -> int:
     return int(t.item())
 
 
-def gather_control(value: int) -> list[int] | None:
-    """Every rank's integer ``value``, in rank order, on rank 0 (None on the others): one gather
-    on the gloo control group, bounded by the group timeout. ``[value]`` at size 1."""
+def gather_control(value: int, world: bool = False) -> list[int] | None:
+    """Every rank's integer ``value``, in rank order, on rank 0 (None on the others): one gather on
+    the TP group's gloo control group, or with ``world`` on the world's gloo group (global ranks),
+    bounded by the group timeout. ``[value]`` at size 1."""
     tp = get_tp()
-    if tp.size == 1:
+    n, me, group = (tp.world_size, tp.global_rank, _world_group()) if world else (tp.size, tp.rank, _control_group())
+    if n == 1:
         return [value]
     t = torch.tensor([value], dtype=torch.int64)
-    parts = [torch.empty_like(t) for _ in range(tp.size)] if tp.is_driver else None
-    prev = forensics.enter("gather_control (control group)")
-    dist.gather(t, parts, dst=0, group=_control_group())
+    parts = [torch.empty_like(t) for _ in range(n)] if me == 0 else None
+    prev = forensics.enter(f"gather_control ({'world' if world else 'control group'})")
+    dist.gather(t, parts, group=group, group_dst=0)
     forensics.leave(prev)
-    return [int(p.item()) for p in parts] if tp.is_driver else None
+    return [int(p.item()) for p in parts] if me == 0 else None
 
 
-def broadcast_object(obj: Any) -> Any:
-    """Rank 0's ``obj`` (any picklable object) on every rank: one ``broadcast_object_list`` on the
-    gloo control group, bounded by the group timeout (other ranks pass anything, e.g. None, and get
-    rank 0's copy). ``obj`` itself at size 1.
+def broadcast_object(obj: Any, world: bool = False) -> Any:
+    """TP rank 0's ``obj`` (any picklable object) on every rank of the TP group, or with ``world``
+    global rank 0's on every rank: one ``broadcast_object_list`` on that gloo group, bounded by the
+    group timeout (other ranks pass anything, e.g. None, and get rank 0's copy). ``obj`` itself at
+    size 1.
 
     Raises:
         RuntimeError: (torch.distributed's) a rank did not join within the group timeout.
     """
-    if get_tp().size == 1:
+    tp = get_tp()
+    n, me, group = (tp.world_size, tp.global_rank, _world_group()) if world else (tp.size, tp.rank, _control_group())
+    if n == 1:
         return obj
-    box = [obj if get_tp().is_driver else None]
-    prev = forensics.enter("broadcast_object (control group)")
-    dist.broadcast_object_list(box, src=0, group=_control_group())
+    box = [obj if me == 0 else None]
+    prev = forensics.enter(f"broadcast_object ({'world' if world else 'control group'})")
+    dist.broadcast_object_list(box, group=group, group_src=0)
     forensics.leave(prev)
     return box[0]
+
+
+def dp_broadcast_object(obj: Any) -> Any:
+    """Replica 0's driver's ``obj`` on every replica's driver (the data-parallel gloo group; call it
+    on the drivers only, :attr:`TPInfo.is_driver`), bounded by the group timeout. ``obj`` itself with
+    one replica.
+
+    Raises:
+        RuntimeError: (torch.distributed's) a driver did not join within the group timeout.
+    """
+    tp = get_tp()
+    if tp.dp_size == 1:
+        return obj
+    box = [obj if tp.dp_rank == 0 else None]
+    prev = forensics.enter("broadcast_object (data-parallel group)")
+    dist.broadcast_object_list(box, group=_STATE.dp, group_src=0)
+    forensics.leave(prev)
+    return box[0]
+
+
+def dp_gather_object(obj: Any) -> list[Any] | None:
+    """Every replica driver's ``obj``, in replica order, on replica 0's driver (None on the others):
+    one ``gather_object`` on the data-parallel gloo group (drivers only), bounded by the group
+    timeout. ``[obj]`` with one replica."""
+    tp = get_tp()
+    if tp.dp_size == 1:
+        return [obj]
+    out = [None] * tp.dp_size if tp.dp_rank == 0 else None
+    prev = forensics.enter("gather_object (data-parallel group)")
+    dist.gather_object(obj, out, group=_STATE.dp, group_dst=0)
+    forensics.leave(prev)
+    return out

@@ -100,8 +100,9 @@ class LLMEngine:
                                 "pass --max-model-len to choose it)") from None
         check_model_limits(hf_config, config.max_model_len)  # UserError: settings this model cannot honour
         self.config = config
-        self.tp: TPInfo = init_distributed(config.dist_timeout_s)
-        forensics.configure(self.tp.rank, self.tp.size, config.dist_timeout_s)  # kill -USR1: a report
+        self.tp: TPInfo = init_distributed(config.dist_timeout_s, tp_size=config.tensor_parallel_size,
+                                           dp_size=config.data_parallel_size)
+        forensics.configure(self.tp.global_rank, self.tp.world_size, config.dist_timeout_s)  # kill -USR1: a report
         # the model this launch runs, read once: a shard folder checked against the launch, or the plan built
         self.spec = ModelSpec.from_config(config.model, hf_config, self.tp)
         setup_process(config, self.tp, self.spec.shard_plan)
@@ -247,6 +248,10 @@ class LLMEngine:
                 self.outputs.drop(seq.request_id)
                 self._pending.append(failed_output(seq.request_id, prompt, "compiling the grammar", e))
         self._compiling = still
+
+    def num_waiting(self) -> int:
+        """Rank 0: requests not yet scheduled (waiting, or outputs not yet handed back)."""
+        return len(self.scheduler.waiting) + len(self._pending)
 
     def has_unfinished(self) -> bool:
         return bool(self._pending) or self.scheduler.has_unfinished or bool(self._compiling)
@@ -507,6 +512,10 @@ class LLMEngine:
         raises within ``dist_timeout_s``)."""
         broadcast_plan(StepPlan(kind=StepKind.IDLE, step=self._steps))
 
+    def stop_workers(self) -> None:
+        """Rank 0: broadcast STOP, so the other ranks of this TP group leave :meth:`generate`."""
+        broadcast_plan(StepPlan(kind=StepKind.STOP, step=self._steps))
+
     def reset_prefix_cache(self) -> int:
         """Rank 0: forget every cached prefix, so later requests compute their prompts again (as
         vLLM's ``LLM.reset_prefix_cache``; e.g. between benchmark rounds). Returns the number of
@@ -520,6 +529,10 @@ class LLMEngine:
                            s.prompt_tokens, self._output_tokens, s.num_preemptions, s.num_free_blocks,
                            s.num_total_blocks, s.num_running, s.num_waiting, s.cached_prompt_tokens,
                            self._computed_tokens, s.num_cached_blocks, *self._spec_counters())
+
+    def replica_stats(self) -> list[EngineStats]:
+        """The stats of each data-parallel replica: this engine's alone (rank 0)."""
+        return [self.stats()]
 
     def _spec_counters(self) -> tuple:
         """EngineStats' speculative fields: (on, drafts, draft tokens, accepted tokens, accepted per position)."""
@@ -547,7 +560,7 @@ class LLMEngine:
         lookahead = 2 * self.config.max_num_seqs
         outputs: list[EngineOutput] = []
         while True:
-            while source is not None and len(self.scheduler.waiting) + len(self._pending) < lookahead:
+            while source is not None and self.num_waiting() < lookahead:
                 item = next(source, None)
                 if item is None:
                     source = None
@@ -562,7 +575,7 @@ class LLMEngine:
                     outputs.append(out)
             if on_step:
                 on_step(self.stats())
-        broadcast_plan(StepPlan(kind=StepKind.STOP, step=self._steps))
+        self.stop_workers()
         return outputs
 
     def _follow(self) -> None:

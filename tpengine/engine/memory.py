@@ -28,10 +28,10 @@ def peak_rss_bytes() -> int:
 
 
 def gather_peak_rss() -> list[int] | None:
-    """Collective (every rank calls it): every rank's :func:`peak_rss_bytes`, in rank order, on
-    rank 0; None on the other ranks. One gather on the gloo control group, bounded by the
-    process-group timeout (``dist_timeout_s``); ``[peak_rss_bytes()]`` at size 1."""
-    return gather_control(peak_rss_bytes())
+    """Collective (every rank of the launch calls it): every rank's :func:`peak_rss_bytes`, in global
+    rank order, on global rank 0; None on the other ranks. One gather on the world's gloo group,
+    bounded by the process-group timeout (``dist_timeout_s``); ``[peak_rss_bytes()]`` at size 1."""
+    return gather_control(peak_rss_bytes(), world=True)
 
 
 def format_peak_rss(peaks: list[int]) -> str:

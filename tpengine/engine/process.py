@@ -44,7 +44,7 @@ def release_free_memory() -> None:
 def setup_process(config: EngineConfig, tp: TPInfo, plan: ShardPlan) -> None:
     """Collective on the CPU (every rank calls it, after :func:`tpengine.distributed.init_distributed`).
 
-    CPU: intra-op threads (``config.threads``, default cores // tp), malloc that keeps freed
+    CPU: intra-op threads (``config.threads``, default cores // the ranks on this host), malloc that keeps freed
     memory, the C kernels built now for a bfloat16 model with ``config.cpu_kernels`` (so the
     build is not timed inside the first step), and the all-reduce/gather switched to shared
     memory when every rank is on this host (:func:`tpengine.backends.cpu.shm.init_shm`, sized for
@@ -57,7 +57,9 @@ def setup_process(config: EngineConfig, tp: TPInfo, plan: ShardPlan) -> None:
     from tpengine.backends.cpu.shm import init_shm
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(config.threads or max(1, (cores or 1) // tp.size))
+    # the ranks on this host share its cores (a data-parallel launch runs several TP groups on one host)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", tp.size))
+    torch.set_num_threads(config.threads or max(1, (cores or 1) // local))
     keep_freed_memory()
     dtype = config.torch_dtype(tp.device)
     if dtype == torch.bfloat16 and config.cpu_kernels:

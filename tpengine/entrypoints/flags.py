@@ -46,7 +46,11 @@ ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {
     "cpu_linear": ("CPU: the linear weights' layout per weight shape: auto (the faster of plain/MKL and "
                    "oneDNN-packed, measured on this machine and cached), plain or packed", None),
     "dist_timeout_s": ("seconds a collective waits for the other ranks before the job fails", None),
-    "threads": ("intra-op threads per rank", "cores / tp"),
+    "tensor_parallel_size": ("ranks per model replica (tensor parallelism); the world size is data_parallel_size x "
+                             "tensor_parallel_size", "the world size / --data-parallel-size"),
+    "data_parallel_size": ("model replicas (data parallelism), each a TP group of consecutive ranks with its own "
+                           "scheduler and KV cache; requests are routed between them", None),
+    "threads": ("intra-op threads per rank", "cores / ranks on this host"),
     "seed": ("seed of the sampler (a request's own seed takes precedence)", None),
     "generation_config": ("sampling defaults: auto (the model folder's generation_config.json: temperature, "
                           "top_p, top_k, min_p, repetition_penalty, max_new_tokens, do_sample), ignore "

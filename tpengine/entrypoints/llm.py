@@ -10,7 +10,9 @@
 At tp=1 it runs in the calling process. Under ``torchrun --nproc_per_node=N script.py`` every rank
 runs the same script, builds the same ``LLM`` and makes the same calls (vLLM's
 ``external_launcher``): rank 0 tokenizes and runs the engine, the other ranks follow its step
-broadcasts, and then rank 0 broadcasts the outputs, so every rank returns the same list. Input
+broadcasts, and then rank 0 broadcasts the outputs, so every rank returns the same list. With
+``data_parallel_size=D`` the world is D replicas: rank 0 routes the prompts between them
+(:mod:`tpengine.engine.data_parallel`) and still broadcasts every output to every rank. Input
 checks that raise run on every rank before any collective, so every rank raises alike.
 """
 
@@ -40,8 +42,12 @@ class LLM:
         model: a Hugging Face model folder (Llama, Mistral, Qwen2, Qwen3). Under torchrun at world
             size N, ``{model}-tpN`` is used instead when it holds pre-split shards
             (``tpengine-shard``), as ``tpengine run`` does.
-        tensor_parallel_size: optional, for code written for vLLM: must equal the world size
-            (torchrun's ``WORLD_SIZE``, 1 without torchrun); tp is always the world size.
+        tensor_parallel_size: ranks per model replica; default the world size (torchrun's
+            ``WORLD_SIZE``, 1 without torchrun) / ``data_parallel_size``.
+        data_parallel_size: (an engine setting) model replicas, each a TP group of consecutive
+            ranks with its own scheduler and KV cache; the prompts are routed between them, and every
+            rank still gets every output, in prompt order. World size = data_parallel_size x
+            tensor_parallel_size.
         **engine_settings: :class:`tpengine.config.EngineConfig` fields (``dtype``,
             ``max_model_len``, ``kv_cache_gb``, ``max_num_seqs``, ``seed``, ``generation_config``,
             ...); None means unset. ``generation_config`` (vLLM's): "auto" (default: the model's
@@ -52,8 +58,8 @@ class LLM:
         llm_engine: the :class:`tpengine.engine.llm_engine.LLMEngine` (None after :meth:`shutdown`).
 
     Raises:
-        UserError: an unknown engine setting (naming it and the valid ones), a
-            ``tensor_parallel_size`` other than the world size, a model folder that does not exist
+        UserError: an unknown engine setting (naming it and the valid ones), a world size that is
+            not ``data_parallel_size x tensor_parallel_size``, a model folder that does not exist
             or is not a model folder, ``max_model_len`` beyond the model's limit.
         ValueError: an invalid setting value (naming the field, the value and what is valid).
     """
@@ -63,11 +69,8 @@ class LLM:
         from tpengine.engine.llm_engine import LLMEngine
 
         rank, world_size = start_rank()
-        if tensor_parallel_size is not None and tensor_parallel_size != world_size:
-            raise UserError(f"tensor_parallel_size={tensor_parallel_size!r} but the world size is {world_size}: "
-                            f"tp is the number of torchrun ranks (launch with torchrun --nproc_per_node="
-                            f"{tensor_parallel_size}), or leave tensor_parallel_size unset")
-        launch = read_launch(None, {**engine_settings, "model": model}, world_size)
+        launch = read_launch(None, {**engine_settings, "model": model, "tensor_parallel_size": tensor_parallel_size},
+                             world_size)
         self._sampling_defaults = launch.sampling
         self.llm_engine: LLMEngine | None = build_engine(launch.config, rank, world_size, launch.defaults_line,
                                                          announce_loading=False)
@@ -168,14 +171,14 @@ class LLM:
         ids = [str(self._next_id + i) for i in range(len(items))]
         self._next_id += len(items)
         if not engine.is_driver:
-            engine.generate([])  # follow rank 0's steps until its STOP
-            return broadcast_object(None)
+            engine.generate([])  # follow rank 0's steps (or the front's ticks) until its STOP
+            return broadcast_object(None, world=True)
         texts = {rid: item[2] for rid, item in zip(ids, items)}
         results: dict[str, RequestOutput] = {}
         feed = self._feed(ids, items, params, template_options, results)
         for out in engine.generate(feed):
             results[out.request_id] = RequestOutput.from_engine(out, texts[out.request_id])
-        return broadcast_object([results[rid] for rid in ids])
+        return broadcast_object([results[rid] for rid in ids], world=True)
 
     def _feed(self, ids: list[str], items: list[PromptItem], params: list[SamplingParams],
               template_options: dict[str, Any] | None, results: dict[str, RequestOutput]

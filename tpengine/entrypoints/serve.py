@@ -77,7 +77,7 @@ def serve_rank0(engine, sock: socket.socket, model_name: str, defaults: dict[str
     from tpengine.server.metrics import ServerMetrics
 
     metrics = ServerMetrics(model_name)
-    loop = EngineLoop(engine, on_step=metrics.observe_step)
+    loop = EngineLoop(engine, on_step=lambda stats, outs: metrics.observe_step(stats, outs, engine.replica_stats()))
     metrics.set_queue(engine.stats())
     state = ServerState(loop, engine.tokenizer, engine.vocab_size, engine.config.max_model_len, model_name,
                         metrics, defaults, int(time.time()), check_grammar=lambda c: engine.structured.check(c),
@@ -102,8 +102,8 @@ def serve_rank0(engine, sock: socket.socket, model_name: str, defaults: dict[str
 
     async def main() -> None:
         host, port = sock.getsockname()[:2]
-        print(f"tpengine: serving {model_name} on http://{host}:{port} (tp {engine.tp.size})", file=sys.stderr,
-              flush=True)
+        layout = f"dp {engine.tp.dp_size} x tp {engine.tp.size}" if engine.tp.dp_size > 1 else f"tp {engine.tp.size}"
+        print(f"tpengine: serving {model_name} on http://{host}:{port} ({layout})", file=sys.stderr, flush=True)
         watcher = asyncio.ensure_future(watch())
         await server.serve(sockets=[sock])
         watcher.cancel()

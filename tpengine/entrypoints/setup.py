@@ -36,6 +36,7 @@ from tpengine.model.checkpoint import check_model_folder
 from tpengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from tpengine.engine.data_parallel import DataParallelEngine
     from tpengine.engine.llm_engine import LLMEngine
 
 
@@ -186,8 +187,9 @@ def read_launch(config_path: str | os.PathLike | None, engine_settings: dict[str
                 sampling_cli: dict[str, Any] | None = None, check_folder: bool = True) -> Launch:
     """The settings of a launch of ``world_size`` ranks, in this order: the config file
     ``config_path``'s ``[engine]`` table with the non-None ``engine_settings`` (flags, keyword
-    settings) over it (:func:`tpengine.config.load_config`), ``model`` replaced by the folder this
-    launch loads (:func:`resolve_model_dir`), that folder
+    settings) over it (:func:`tpengine.config.load_config`), the parallel layout
+    (``tensor_parallel_size`` set: :meth:`tpengine.config.EngineConfig.parallel_sizes`), ``model``
+    replaced by the folder this launch loads (:func:`resolve_model_dir` for the TP size), that folder
     checked (:func:`check_model`; the caller does it later when ``check_folder`` is False, as the
     batch job does only once it knows a request needs the model), the sampling defaults
     (:func:`model_sampling_defaults`, then :func:`sampling_defaults` with ``sampling_cli``).
@@ -195,12 +197,14 @@ def read_launch(config_path: str | os.PathLike | None, engine_settings: dict[str
     Raises:
         FileNotFoundError: ``config_path`` does not exist.
         UserError: a bad config file, setting name, model folder, generation_config.json or
-            sampling default (one line naming the value).
+            sampling default, or a world size that is not data_parallel_size x tensor_parallel_size
+            (one line naming the value).
         ValueError: an invalid engine setting value.
     """
     cfg = load_config(config_path, **engine_settings)
+    dp, tp = cfg.parallel_sizes(world_size)  # UserError: the world is not dp x tp
     model_name = Path(cfg.model).name
-    cfg = cfg.replace(model=resolve_model_dir(cfg.model, world_size))
+    cfg = cfg.replace(model=resolve_model_dir(cfg.model, tp), tensor_parallel_size=tp)
     if check_folder:
         check_model(cfg.model)
     model_defaults, line = model_sampling_defaults(cfg)
@@ -229,11 +233,12 @@ def read_chat_template(value: str | None) -> str | None:
 
 def loading_line(cfg: EngineConfig, world: int) -> str:
     """The line rank 0 prints before the model loads (the ready line follows when it has):
-    ``tpengine: loading DIR (tp N, dtype D) ...``."""
+    ``tpengine: loading DIR (tp N, dtype D) ...``, or ``(dp D x tp N, ...)`` with several replicas."""
     import torch
 
+    dp, tp = cfg.parallel_sizes(world)
     dtype = str(cfg.torch_dtype("cuda" if torch.cuda.is_available() else "cpu")).removeprefix("torch.")
-    return f"tpengine: loading {cfg.model} (tp {world}, dtype {dtype}) ..."
+    return f"tpengine: loading {cfg.model} ({f'dp {dp} x ' if dp > 1 else ''}tp {tp}, dtype {dtype}) ..."
 
 
 def failure_line(rank: int, world: int, exc: BaseException) -> str:
@@ -248,9 +253,12 @@ def failure_line(rank: int, world: int, exc: BaseException) -> str:
 
 
 def build_engine(cfg: EngineConfig, rank: int, world: int, defaults_line: str | None = None,
-                 announce_loading: bool = True) -> LLMEngine:
+                 announce_loading: bool = True) -> LLMEngine | DataParallelEngine:
     """Every rank: build the engine of ``cfg``; rank 0 first prints ``defaults_line`` (when not
-    None) and, with ``announce_loading``, :func:`loading_line` on stderr.
+    None) and, with ``announce_loading``, :func:`loading_line` on stderr. With several data-parallel
+    replicas, each replica's driver gets a :class:`tpengine.engine.data_parallel.DataParallelEngine`
+    over its replica's engine (the front's routes the requests; the others follow its ticks); a TP
+    worker gets its plain engine. Either way ``engine.is_driver`` says whether this rank is the front.
 
     Raises:
         tpengine.errors.UserError: the model folder does not fit the launch or the settings
@@ -258,6 +266,7 @@ def build_engine(cfg: EngineConfig, rank: int, world: int, defaults_line: str | 
             model's limit, a KV budget too small).
         FileNotFoundError: a file the model folder lacks (a safetensors file, the tokenizer).
     """
+    from tpengine.engine.data_parallel import DataParallelEngine
     from tpengine.engine.llm_engine import LLMEngine
 
     if rank == 0:
@@ -265,4 +274,5 @@ def build_engine(cfg: EngineConfig, rank: int, world: int, defaults_line: str | 
             print(defaults_line, file=sys.stderr, flush=True)
         if announce_loading:
             print(loading_line(cfg, world), file=sys.stderr, flush=True)
-    return LLMEngine(cfg)
+    engine = LLMEngine(cfg)
+    return DataParallelEngine(engine) if engine.tp.dp_size > 1 and engine.tp.is_driver else engine

@@ -18,7 +18,6 @@ from collections.abc import Callable
 
 from tpengine import forensics
 from tpengine.engine.outputs import EngineOutput
-from tpengine.engine.step import StepKind, StepPlan, broadcast_plan
 from tpengine.sampling_params import SamplingParams
 
 
@@ -116,7 +115,7 @@ class EngineLoop:
                 elif time.monotonic() - last >= self.heartbeat_s:
                     engine.heartbeat()
                     last = time.monotonic()
-            broadcast_plan(StepPlan(kind=StepKind.STOP, step=engine.stats().steps))
+            engine.stop_workers()
         except BaseException as e:  # a failed step or rank: every waiting request learns it
             self.dead, self.failed = e, True
             # inside a collective: the forensics report first, and the line names the missing ranks

@@ -19,8 +19,10 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 class ServerMetrics:
     """The metrics of one server, in their own registry.
 
-    ``observe_step(stats, outputs)`` runs in the engine loop after every step (queue sizes, KV-cache
-    usage, tokens, finished requests' latencies); ``set_queue(stats)`` refreshes the gauges alone.
+    ``observe_step(stats, outputs, replicas)`` runs in the engine loop after every step (queue sizes,
+    KV-cache usage, tokens, finished requests' latencies); ``set_queue(stats)`` refreshes the gauges
+    alone. The gauges count every data-parallel replica; with several, ``tpengine:replica_*`` gauges
+    (a ``replica`` label) give each one's.
     """
 
     def __init__(self, model_name: str) -> None:
@@ -46,6 +48,7 @@ class ServerMetrics:
                               "the first, per request.", labels, buckets=TPOT_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("tpengine:e2e_request_latency_seconds", "Arrival to finish.", labels,
                              buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self._replica: dict | None = None  # the per-replica gauges, made at the first stats of several replicas
         self._spec: dict | None = None  # vLLM's spec_decode_* counters, made at the first speculative stats
         self._spec_seen: dict[str, int] = {}
 
@@ -79,8 +82,31 @@ class ServerMetrics:
         total = stats.num_total_blocks
         self.kv_usage.set((total - stats.num_free_blocks) / total if total else 0.0)
 
-    def observe_step(self, stats, outputs: list[EngineOutput]) -> None:
+    def _observe_replicas(self, replicas: list) -> None:
+        """The ``tpengine:replica_*`` gauges from each replica's stats (index = replica)."""
+        if self._replica is None:
+            labels, r = ["model_name", "replica"], self.registry
+            self._replica = {
+                "running": Gauge("tpengine:replica_num_requests_running", "Requests in a replica's running "
+                                 "batch.", labels, registry=r),
+                "waiting": Gauge("tpengine:replica_num_requests_waiting", "Requests waiting in a replica.",
+                                 labels, registry=r),
+                "kv": Gauge("tpengine:replica_kv_cache_usage_perc", "Fraction of a replica's KV-cache blocks in use.",
+                            labels, registry=r),
+            }
+        for d, st in enumerate(replicas):
+            self._replica["running"].labels(self.model_name, str(d)).set(st.num_running)
+            self._replica["waiting"].labels(self.model_name, str(d)).set(st.num_waiting)
+            total = st.num_total_blocks
+            used = (total - st.num_free_blocks) / total if total else 0.0
+            self._replica["kv"].labels(self.model_name, str(d)).set(used)
+
+    def observe_step(self, stats, outputs: list[EngineOutput], replicas: list | None = None) -> None:
+        """After a step: the gauges from ``stats`` (and, with several, each of ``replicas``' stats), the
+        counters and histograms from the finished ``outputs``."""
         self.set_queue(stats)
+        if replicas is not None and len(replicas) > 1:
+            self._observe_replicas(replicas)
         if getattr(stats, "speculative", False):
             self._observe_spec(stats)
         for o in outputs:

@@ -168,9 +168,11 @@ class ShmComm:
 
 
 def shm_supported(tp: dist.TPInfo) -> bool:
-    """CPU, more than one rank, all on this host (torchrun's LOCAL_WORLD_SIZE), x86-64."""
+    """CPU, more than one rank, the whole TP group on this host, x86-64: torchrun's LOCAL_WORLD_SIZE
+    ranks on this host are whole TP groups of consecutive ranks (one, or several replicas' of a
+    data-parallel launch)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-    return (tp.device.type == "cpu" and 1 < tp.size <= HEADER // 64 and local == tp.size
+    return (tp.device.type == "cpu" and 1 < tp.size <= HEADER // 64 and local >= tp.size and local % tp.size == 0
             and platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm"))
 
 
