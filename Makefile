@@ -15,7 +15,7 @@ GGUF_FILE = "$$($(PY) -c 'import importlib.util as u, pathlib; print(next(pathli
 BENCH_PREFIX_ARGS  ?= --num-prompts 16 --doc-len 512 --no-hf
 BENCH_CHUNKED_ARGS ?= --long-len 2048 --chunk 512,2048 --running-output-len 128
 
-.PHONY: setup model model-keepquant test lint demo bench bench-prefix bench-chunked bench-big-file bench-serve bench-structured bench-spec humaneval quality eval-harness bench-scale chaos soak shards clean
+.PHONY: setup model model-keepquant test lint demo bench bench-prefix bench-chunked bench-big-file bench-serve bench-structured bench-spec bench-dp humaneval quality eval-harness bench-scale chaos soak shards clean
 
 setup: .venv/.installed
 
@@ -86,6 +86,10 @@ bench-structured: setup model
 
 bench-spec: setup model
 	$(PY) -m benchmarks.bench_spec --out bench-spec.json
+
+# Data parallel vs tensor parallel on the same cores: D=2 x T=1, D=1 x T=2, D=1 x T=1 (python -m benchmarks.bench_dp --help)
+bench-dp: setup model
+	$(PY) -m benchmarks.bench_dp --out bench-dp.json
 
 humaneval: setup model
 	$(PY) -m benchmarks.humaneval

@@ -23,12 +23,12 @@ from tpengine.entrypoints.cli import app
 from tpengine.errors import UserError
 from tpengine.frontend.writer import OutputWriter
 
-VALID_SETTINGS = ("attention_backend, block_size, cpu_kernels, cpu_linear, dist_timeout_s, dtype, "
+VALID_SETTINGS = ("attention_backend, block_size, cpu_kernels, cpu_linear, data_parallel_size, dist_timeout_s, dtype, "
                   "enable_chunked_prefill, "
                   "enable_prefix_caching, enforce_eager, generation_config, gpu_memory_utilization, kv_cache_gb, "
                   "kv_mirror, max_model_len, max_num_batched_tokens, max_num_seqs, model, num_kv_blocks, quantization, "
                   "reasoning_parser, "
-                  "seed, speculative_config, structured_outputs_backend, threads")
+                  "seed, speculative_config, structured_outputs_backend, tensor_parallel_size, threads")
 
 
 def run_cli(*args) -> tuple[int, str]:

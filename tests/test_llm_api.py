@@ -155,15 +155,16 @@ def test_engine_settings_are_checked(model):
         LLM(str(model), max_num_seq=4, foo=1)
     assert str(e.value) == (
         "unknown engine setting(s) ['foo', 'max_num_seq']; valid: attention_backend, block_size, cpu_kernels, "
-        "cpu_linear, dist_timeout_s, dtype, enable_chunked_prefill, enable_prefix_caching, enforce_eager, "
-        "generation_config, "
+        "cpu_linear, data_parallel_size, dist_timeout_s, dtype, enable_chunked_prefill, enable_prefix_caching, "
+        "enforce_eager, generation_config, "
         "gpu_memory_utilization, kv_cache_gb, kv_mirror, max_model_len, max_num_batched_tokens, max_num_seqs, "
         "model, num_kv_blocks, quantization, reasoning_parser, seed, speculative_config, structured_outputs_backend, "
-        "threads")
+        "tensor_parallel_size, threads")
     with pytest.raises(UserError) as e:
         LLM(str(model), tensor_parallel_size=2)
-    assert str(e.value) == ("tensor_parallel_size=2 but the world size is 1: tp is the number of torchrun ranks "
-                            "(launch with torchrun --nproc_per_node=2), or leave tensor_parallel_size unset")
+    assert str(e.value) == ("data_parallel_size=1 x tensor_parallel_size=2 does not fit the world size 1 (torchrun's "
+                            "--nnodes x --nproc_per_node): it must be data_parallel_size x tensor_parallel_size "
+                            "(1 x 1), or launch 2 rank(s) for these sizes")
     with pytest.raises(ValueError) as e:
         LLM(str(model), block_size=0)
     assert str(e.value) == "invalid block_size=0: must be an integer >= 1"

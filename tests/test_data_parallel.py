@@ -1,0 +1,244 @@
+"""Data parallelism x tensor parallelism (issue 40): ``--data-parallel-size D`` replicas of
+``--tensor-parallel-size T`` ranks in one launch. Greedy float32 records at D=2 x T=1, D=1 x T=2 and
+D=2 x T=2 (4 processes) equal D=1 x T=1's id for id, through the batch job, the ``LLM`` API and the
+server; across two launches as two nodes; a killed rank of one replica ends the job and ``--resume``
+completes every id once; the router's choices; the layout's one error."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+
+import pytest
+from conftest import make_tiny_model
+from launch import torchrun
+from test_cli import ENV, REPO, TORCHRUN, cli, records, write_jsonl
+from test_orphans import rank_pids
+from test_server import free_port
+
+from tpengine.config import EngineConfig, parallel_sizes
+from tpengine.engine.data_parallel import Router, merge_stats, request_cost
+from tpengine.engine.stats import EngineStats
+from tpengine.errors import UserError
+from tpengine.sampling_params import SamplingParams
+
+SETTINGS = ["--max-model-len", "128", "--num-kv-blocks", "256", "--block-size", "4", "--max-num-seqs", "4",
+            "--dtype", "float32"]
+
+
+def make_prompts(n: int = 12, seed: int = 0) -> list[dict]:
+    """``n`` token-id prompts, every other one opening with the same 12-token document (prefix caching
+    and the router's prefix key), with 1-12 output tokens each."""
+    rng = random.Random(seed)
+    doc = [rng.randrange(3, 1000) for _ in range(12)]
+    return [{"ids": (doc if i % 2 else []) + [rng.randrange(3, 1000) for _ in range(rng.randrange(3, 20))],
+             "max_tokens": rng.randrange(1, 13)} for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """The tiny model, the prompts as a request file, and the reference records (tp=1, one replica)."""
+    tmp = tmp_path_factory.mktemp("dp")
+    model = make_tiny_model(tmp, name="tiny", hidden_size=96, num_attention_heads=6)
+    prompts = make_prompts()
+    lines = write_jsonl(tmp / "in.jsonl", [
+        {"id": f"r{i}", "prompt_token_ids": p["ids"], "max_tokens": p["max_tokens"], "temperature": 0,
+         "ignore_eos": True} for i, p in enumerate(prompts)])
+    ref = tmp / "ref.jsonl"
+    cli(["--prompts", lines, "--model", model, "--out", ref, *SETTINGS])
+    return {"model": model, "prompts": prompts, "lines": lines, "ref": records(ref), "tmp": tmp}
+
+
+def tokens(recs: dict) -> dict[str, list[int]]:
+    return {rid: r["token_ids"] for rid, r in recs.items()}
+
+
+# ---------------------------------------------------------------- the layout and the router
+def test_parallel_sizes_and_the_one_error():
+    assert parallel_sizes(4) == (1, 4)
+    assert parallel_sizes(4, 2) == (2, 2)
+    assert parallel_sizes(4, 2, 2) == (2, 2)
+    assert parallel_sizes(2, 2) == (2, 1)
+    assert EngineConfig(data_parallel_size=2).parallel_sizes(4) == (2, 2)
+    with pytest.raises(UserError) as e:
+        parallel_sizes(2, 3)
+    assert str(e.value) == ("data_parallel_size=3 does not fit the world size 2 (torchrun's --nnodes x "
+                            "--nproc_per_node): it must be data_parallel_size x tensor_parallel_size (1 x 2, 2 x 1), "
+                            "or launch 3 rank(s) for these sizes")
+    with pytest.raises(UserError) as e:
+        parallel_sizes(4, 1, 2)
+    assert str(e.value).startswith("data_parallel_size=1 x tensor_parallel_size=2 does not fit the world size 4 ")
+    assert str(e.value).endswith("(1 x 4, 2 x 2, 4 x 1), or launch 2 rank(s) for these sizes")
+    with pytest.raises(ValueError, match=r"^invalid data_parallel_size=0: must be an integer >= 1$"):
+        EngineConfig(data_parallel_size=0)
+    with pytest.raises(ValueError, match=r"^invalid tensor_parallel_size=0: must be an integer >= 1 or unset$"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+def test_a_launch_whose_world_is_not_dp_x_tp_exits_2_before_loading(setup):
+    r = cli(["--prompts", setup["lines"], "--model", setup["model"], "--data-parallel-size", "2"], check=False)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        "error: data_parallel_size=2 does not fit the world size 1 (torchrun's --nnodes x --nproc_per_node): it must "
+        "be data_parallel_size x tensor_parallel_size (1 x 1), or launch 2 rank(s) for these sizes")
+
+
+def test_router_balances_outstanding_tokens_and_keeps_prefixes_together():
+    greedy = SamplingParams(max_tokens=10)
+    r = Router(2, block_size=4, max_model_len=100)
+    assert request_cost(5, greedy, 100) == 15
+    assert request_cost(5, SamplingParams(max_tokens=None, n=2), 100) == 5 + 2 * 95
+    # no shared prefix: the least loaded replica (the lower index on a tie)
+    assert [r.route(f"a{i}", [i, 1, 2], greedy) for i in range(4)] == [0, 1, 0, 1]
+    assert r.load == [26, 26]
+    r.finish("a0")
+    assert r.load == [13, 26] and r.replica_of("a0") is None and r.replica_of("a1") == 1
+    assert r.route("a2", [9], greedy) == 0  # a live id goes to its replica (whose engine refuses a duplicate)
+    # a prompt whose first block a replica has seen goes there while its load stays within 2x the least + its cost
+    doc = [7, 7, 7, 7]
+    r = Router(2, block_size=4, max_model_len=100)
+    picks = [r.route(f"d{i}", doc + [i], greedy) for i in range(6)]
+    assert picks == [0, 0, 1, 1, 0, 1], picks  # cost 15 each: 0, 0 (15 <= 2*0+15), 1 (30 > 15), 1, 0, 1
+    assert r.holders[hash(tuple(doc))] == [0, 1]
+    r.finish("d0"), r.finish("d1"), r.finish("d4")  # replica 0 idle, replica 1 holds 3 requests
+    assert r.route("x", [1, 2, 3, 4, 5], greedy) == 0
+
+
+def test_merge_stats_sums_the_replicas():
+    a = EngineStats(3, 1, 2, 10, 5, 0, 4, 8, 1, 2, cached_prompt_tokens=4, speculative=True,
+                    spec_accepted_per_pos=(3, 1))
+    b = EngineStats(2, 1, 1, 6, 2, 1, 6, 8, 0, 0, spec_accepted_per_pos=(2,))
+    m = merge_stats([a, b])
+    assert (m.steps, m.prompt_tokens, m.output_tokens, m.num_free_blocks, m.num_total_blocks, m.num_waiting) == \
+        (5, 16, 7, 10, 16, 2)
+    assert m.speculative and m.spec_accepted_per_pos == (5, 1) and m.prefix_cache_hit_rate == 0.25
+
+
+# ---------------------------------------------------------------- the batch job
+def test_job_records_equal_one_replica_at_every_layout(setup, tmp_path):
+    """D=2 x T=1, D=1 x T=2 and D=2 x T=2 (4 processes): the records equal D=1 x T=1's id for id; the
+    summary lists every rank's memory, and the loading line names the layout."""
+    ref = tokens(setup["ref"])
+    common = ["--prompts", setup["lines"], "--model", setup["model"], *SETTINGS]
+    for nproc, flags, layout in (
+            (2, ["--data-parallel-size", "2"], "dp 2 x tp 1"), (2, ["--tensor-parallel-size", "2"], "tp 2"),
+            (4, ["--data-parallel-size", "2", "--tensor-parallel-size", "2", "--threads", "1"], "dp 2 x tp 2")):
+        out, summary = tmp_path / f"out-{nproc}-{flags[0]}.jsonl", tmp_path / f"summary-{nproc}-{flags[0]}.json"
+        r = cli([*common, *flags, "--out", out, "--summary-json", summary], tp=nproc)
+        assert tokens(records(out)) == ref, flags
+        assert len(json.loads(summary.read_text())["peak_rss_bytes"]) == nproc
+        assert f"({layout}, dtype float32) ..." in r.stderr, r.stderr[-2000:]
+
+
+def test_killed_rank_of_one_replica_ends_the_job_and_resume_completes(setup, tmp_path):
+    n = 12
+    lines = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": f"k{i}", "prompt_token_ids": [5, 6, 7, 10 + i], "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+        for i in range(n)])
+    common = ["--prompts", lines, "--model", setup["model"], *SETTINGS, "--max-num-seqs", "1", "--dist-timeout-s", "10"]
+    ref_out, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
+    cli([*common, "--out", ref_out])
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "tpengine.run", *map(str, common),
+           "--data-parallel-size", "2", "--out", str(out)]
+    log = tmp_path / "job.log"
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    try:
+        deadline = time.monotonic() + 120
+        while not (out.exists() and out.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.02)
+        os.kill(rank_pids(proc.pid)[1], signal.SIGKILL)  # replica 1's only rank
+        assert proc.wait(30) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # torchrun ends the other ranks as soon as one dies (rank 0 may not get to print its line first)
+    assert "exitcode  : -9" in log.read_text(), log.read_text()[-3000:]
+    assert 2 <= out.read_text().count("\n") < n
+    cli([*common, "--data-parallel-size", "2", "--out", out, "--resume"], tp=2)
+    assert tokens(records(out)) == tokens(records(ref_out))
+
+
+def test_two_nodes_data_parallel_and_tensor_parallel(setup, tmp_path):
+    """Two launches on 127.0.0.1 as two nodes (``--nnodes 2 --nproc_per_node 1``): D=2 x T=1 and D=1 x T=2."""
+    ref = tokens(setup["ref"])
+    for flags in (["--data-parallel-size", "2"], ["--tensor-parallel-size", "2"]):
+        port, out = free_port(), tmp_path / f"out{flags[0]}.jsonl"
+        args = ["-m", "tpengine.run", "--prompts", str(setup["lines"]), "--model", str(setup["model"]), *SETTINGS,
+                *flags, "--out", str(out)]
+        procs = [subprocess.Popen([TORCHRUN, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
+                                   "--master_addr=127.0.0.1", f"--master_port={port}", *args],
+                                  cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for node in (0, 1)]
+        for p in procs:
+            _, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-3000:]
+        assert tokens(records(out)) == ref, flags
+
+
+# ---------------------------------------------------------------- the LLM API
+def test_llm_outputs_on_every_rank_in_prompt_order(setup, tmp_path):
+    """Under torchrun at world size 2: LLM(data_parallel_size=2), closed, then LLM(data_parallel_size=1)
+    (tp=2) in the same processes; every rank gets every output, in prompt order, equal to tp=1's."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(setup["prompts"]))
+    torchrun("dp_llm.py", 2, [str(setup["model"]), str(prompts), str(tmp_path), "2", "1"])
+    ref = [setup["ref"][f"r{i}"]["token_ids"] for i in range(len(setup["prompts"]))]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got == {"2": ref, "1": ref}, rank
+
+
+# ---------------------------------------------------------------- the server
+def test_server_routes_between_replicas(setup, tmp_path):
+    """``--data-parallel-size 2`` at world size 2: concurrent completions equal the batch job's texts;
+    /metrics has each replica's gauges and the totals, back to 0 after; SIGTERM stops every rank with 0."""
+    port = free_port()
+    log = tmp_path / "server.log"
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "tpengine.serve", "--port", str(port), "--model",
+           str(setup["model"]), *SETTINGS, "--data-parallel-size", "2"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.3)
+        texts: dict[str, str] = {}
+
+        def complete(i: int, p: dict) -> None:
+            body = {"model": "tiny", "prompt": p["ids"], "max_tokens": p["max_tokens"], "temperature": 0.0,
+                    "ignore_eos": True}
+            req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            texts[f"r{i}"] = json.loads(urllib.request.urlopen(req, timeout=120).read())["choices"][0]["text"]
+
+        threads = [threading.Thread(target=complete, args=(i, p)) for i, p in enumerate(setup["prompts"])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert texts == {rid: r["text"] for rid, r in setup["ref"].items()}
+        metrics = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+        for d in (0, 1):
+            assert f'tpengine:replica_num_requests_running{{model_name="tiny",replica="{d}"}} 0.0' in metrics
+            assert f'tpengine:replica_kv_cache_usage_perc{{model_name="tiny",replica="{d}"}}' in metrics
+        assert 'tpengine:num_requests_running{model_name="tiny"} 0.0' in metrics
+        assert "(dp 2 x tp 1)" in log.read_text()
+        os.kill(rank_pids(proc.pid)[0], signal.SIGTERM)  # as a process manager stops a server
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert all(f"[tpengine rank {r}/2] server stopped (exit 0)" in text for r in (0, 1))
