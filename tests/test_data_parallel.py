@@ -122,12 +122,12 @@ def test_merge_stats_sums_the_replicas():
 
 # ---------------------------------------------------------------- the batch job
 def test_job_records_equal_one_replica_at_every_layout(setup, tmp_path):
-    """D=2 x T=1, D=1 x T=2 and D=2 x T=2 (4 processes): the records equal D=1 x T=1's id for id; the
-    summary lists every rank's memory, and the loading line names the layout."""
+    """D=2 x T=1 and D=2 x T=2 (4 processes; D=1 x T=2: test_two_nodes_...): the records equal D=1 x T=1's
+    id for id; the summary lists every rank's memory, and the loading line names the layout."""
     ref = tokens(setup["ref"])
     common = ["--prompts", setup["lines"], "--model", setup["model"], *SETTINGS]
     for nproc, flags, layout in (
-            (2, ["--data-parallel-size", "2"], "dp 2 x tp 1"), (2, ["--tensor-parallel-size", "2"], "tp 2"),
+            (2, ["--data-parallel-size", "2"], "dp 2 x tp 1"),
             (4, ["--data-parallel-size", "2", "--tensor-parallel-size", "2", "--threads", "1"], "dp 2 x tp 2")):
         out, summary = tmp_path / f"out-{nproc}-{flags[0]}.jsonl", tmp_path / f"summary-{nproc}-{flags[0]}.json"
         r = cli([*common, *flags, "--out", out, "--summary-json", summary], tp=nproc)
@@ -137,9 +137,9 @@ def test_job_records_equal_one_replica_at_every_layout(setup, tmp_path):
 
 
 def test_killed_rank_of_one_replica_ends_the_job_and_resume_completes(setup, tmp_path):
-    n = 12
+    n = 8
     lines = write_jsonl(tmp_path / "in.jsonl", [
-        {"id": f"k{i}", "prompt_token_ids": [5, 6, 7, 10 + i], "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+        {"id": f"k{i}", "prompt_token_ids": [5, 6, 7, 10 + i], "max_tokens": 48, "temperature": 0, "ignore_eos": True}
         for i in range(n)])
     common = ["--prompts", lines, "--model", setup["model"], *SETTINGS, "--max-num-seqs", "1", "--dist-timeout-s", "10"]
     ref_out, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"

@@ -13,7 +13,7 @@ bounded by ``dist_timeout_s`` and a dead replica fails the next tick, as a dead 
 step of one TP group):
 
 1. the front broadcasts a :class:`Tick`: per replica the requests routed to it and the aborts since
-   the last tick, and whether to stop;
+   the last tick, whether idle replicas send a heartbeat, and whether to stop;
 2. every driver applies its commands and runs one step of its replica (or, idle, an IDLE heartbeat
    to its TP group when one is due), in parallel with the others;
 3. the front gathers each driver's :class:`Report`: the step's outputs and the replica's stats.
@@ -45,24 +45,20 @@ BALANCE_FACTOR = 2
 class Tick:
     """One tick's commands, broadcast by the front: ``commands[d]`` for replica ``d``, each
     ``("add", request_id, prompt_token_ids, params, stream)`` or ``("abort", request_id)``;
-    ``heartbeat``: every idle replica broadcasts IDLE to its TP group; ``reset_prefix_cache``: every
-    replica forgets its cached prefixes before its step; ``stop``: the drivers stop (no step, no
-    report)."""
+    ``heartbeat``: every idle replica broadcasts IDLE to its TP group; ``stop``: the drivers stop (no
+    step, no report)."""
 
     commands: list[list[tuple]]
     heartbeat: bool = False
-    reset_prefix_cache: bool = False
     stop: bool = False
 
 
 @dataclass
 class Report:
-    """One driver's answer to a tick: ``outputs`` of its step, its replica's ``stats`` after it, and
-    ``dropped`` (the prefix-cache blocks a reset dropped)."""
+    """One driver's answer to a tick: ``outputs`` of its step and its replica's ``stats`` after it."""
 
     outputs: list[EngineOutput]
     stats: EngineStats
-    dropped: int = 0
 
 
 def request_cost(prompt_len: int, params: SamplingParams, max_model_len: int) -> int:
@@ -150,14 +146,13 @@ class _Replica:
     engine: object
     last_broadcast: float = field(default_factory=time.monotonic)
 
-    def apply(self, tick: Tick, dp_rank: int) -> int:
-        """Apply ``tick``'s commands for replica ``dp_rank``; returns the cached blocks a reset dropped."""
+    def apply(self, tick: Tick, dp_rank: int) -> None:
+        """Apply ``tick``'s commands for replica ``dp_rank``."""
         for cmd in tick.commands[dp_rank]:
             if cmd[0] == "add":
                 self.engine.add_request(cmd[1], cmd[2], cmd[3], stream=cmd[4])
             else:
                 self.engine.abort_request(cmd[1])
-        return self.engine.reset_prefix_cache() if tick.reset_prefix_cache else 0
 
     def run(self, heartbeat: bool) -> list[EngineOutput]:
         """One step when anything is unfinished; else an IDLE heartbeat to the TP group when asked or
@@ -197,8 +192,6 @@ class DataParallelEngine:
         if self.is_driver:
             self.router = Router(self.tp.dp_size, self.config.block_size, self.config.max_model_len)
             self._outbox: list[list[tuple]] = [[] for _ in range(self.tp.dp_size)]
-            self._reset = False
-            self._dropped = 0
 
     @property
     def is_driver(self) -> bool:
@@ -256,12 +249,6 @@ class DataParallelEngine:
         """A tick in which every idle replica broadcasts IDLE to its TP group (the server's heartbeat)."""
         self._tick(heartbeat=True)
 
-    def reset_prefix_cache(self) -> int:
-        """Every replica forgets its cached prefixes (one tick). Returns the blocks dropped in all."""
-        self._reset = True
-        self._tick()
-        return self._dropped
-
     def stop_workers(self) -> None:
         """Stop every replica: the other drivers leave :meth:`generate` and stop their TP groups, and
         replica 0's TP workers stop."""
@@ -269,17 +256,15 @@ class DataParallelEngine:
         self.engine.stop_workers()
 
     def _tick(self, heartbeat: bool = False) -> list[EngineOutput]:
-        tick = Tick(self._outbox, heartbeat=heartbeat, reset_prefix_cache=self._reset)
-        self._outbox, self._reset = [[] for _ in range(self.tp.dp_size)], False
+        tick = Tick(self._outbox, heartbeat=heartbeat)
+        self._outbox = [[] for _ in range(self.tp.dp_size)]
         dp_broadcast_object(tick)
-        dropped = self._replica.apply(tick, 0)
+        self._replica.apply(tick, 0)
         outs = self._replica.run(heartbeat)
         reports = dp_gather_object(Report([], self.engine.stats()))
         for d, rep in enumerate(reports[1:], start=1):
             outs += rep.outputs
-            dropped += rep.dropped
             self._stats[d] = rep.stats
-        self._dropped = dropped
         for o in outs:
             if o.finished:
                 self.router.finish(o.request_id)
@@ -341,9 +326,9 @@ class DataParallelEngine:
             tick = dp_broadcast_object(None)
             if tick.stop:
                 break
-            dropped = self._replica.apply(tick, self.tp.dp_rank)
+            self._replica.apply(tick, self.tp.dp_rank)
             outs = self._replica.run(tick.heartbeat)
-            dp_gather_object(Report(outs, self.engine.stats(), dropped))
+            dp_gather_object(Report(outs, self.engine.stats()))
         self.engine.stop_workers()
 
     def shutdown(self) -> None:

@@ -36,7 +36,8 @@ def check_manifest(model_dir: Path, hf_config, tp: TPInfo) -> ShardPlan:
     if manifest["tp_size"] != tp.size:
         raise CheckpointMismatchError(
             f"shard folder {str(model_dir)!r} was made for tp={manifest['tp_size']} but this launch "
-            f"has tp={tp.size} (world size); {fix}, or launch with --nproc_per_node={manifest['tp_size']}")
+            f"has tp={tp.size} (world size / data_parallel_size); {fix}, or launch with "
+            f"--tensor-parallel-size {manifest['tp_size']} (world size = data_parallel_size x tensor_parallel_size)")
     stored = manifest["config"]
     for field in CHECKED_FIELDS:
         mine = getattr(hf_config, field, None)
