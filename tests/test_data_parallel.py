@@ -196,32 +196,43 @@ def test_llm_outputs_on_every_rank_in_prompt_order(setup, tmp_path):
 
 
 # ---------------------------------------------------------------- the server
-def test_server_routes_between_replicas(setup, tmp_path):
-    """``--data-parallel-size 2`` at world size 2: concurrent completions equal the batch job's texts;
-    /metrics has each replica's gauges and the totals, back to 0 after; SIGTERM stops every rank with 0."""
+def start_server(setup, tmp_path, *extra: str) -> tuple[subprocess.Popen, str, object]:
+    """``torchrun --nproc_per_node 2 -m tpengine.serve --data-parallel-size 2`` on the tiny model, once
+    /health answers: (launcher, base URL, log path)."""
     port = free_port()
     log = tmp_path / "server.log"
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "tpengine.serve", "--port", str(port), "--model",
-           str(setup["model"]), *SETTINGS, "--data-parallel-size", "2"]
+           str(setup["model"]), *SETTINGS, "--data-parallel-size", "2", *extra]
     proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        try:
+            if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                return proc, url, log
+        except OSError:
+            time.sleep(0.3)
+
+
+def post(url: str, body: dict, timeout: float = 120):
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=timeout)
+
+
+def test_server_routes_between_replicas(setup, tmp_path):
+    """``--data-parallel-size 2`` at world size 2: concurrent completions equal the batch job's texts;
+    /metrics has each replica's gauges and the totals, back to 0 after; SIGTERM with a stream in flight on
+    each replica (``--drain-timeout-s 0``) aborts both, each ending properly, and every rank exits 0."""
+    proc, url, log = start_server(setup, tmp_path, "--drain-timeout-s", "0")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            try:
-                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                time.sleep(0.3)
         texts: dict[str, str] = {}
 
         def complete(i: int, p: dict) -> None:
             body = {"model": "tiny", "prompt": p["ids"], "max_tokens": p["max_tokens"], "temperature": 0.0,
                     "ignore_eos": True}
-            req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-            texts[f"r{i}"] = json.loads(urllib.request.urlopen(req, timeout=120).read())["choices"][0]["text"]
+            texts[f"r{i}"] = json.loads(post(url, body).read())["choices"][0]["text"]
 
         threads = [threading.Thread(target=complete, args=(i, p)) for i, p in enumerate(setup["prompts"])]
         for t in threads:
@@ -235,10 +246,40 @@ def test_server_routes_between_replicas(setup, tmp_path):
             assert f'tpengine:replica_kv_cache_usage_perc{{model_name="tiny",replica="{d}"}}' in metrics
         assert 'tpengine:num_requests_running{model_name="tiny"} 0.0' in metrics
         assert "(dp 2 x tp 1)" in log.read_text()
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 120, "temperature": 0.0, "ignore_eos": True,
+                "stream": True}
+        streams = [post(url, body), post(url, {**body, "prompt": [8, 9, 10]})]  # the least loaded: one each
+        for st in streams:
+            st.readline()
         os.kill(rank_pids(proc.pid)[0], signal.SIGTERM)  # as a process manager stops a server
+        for st in streams:
+            events = [json.loads(line[6:]) for line in st if line.startswith(b"data: {")]
+            assert events[-1]["choices"][0]["finish_reason"] == "abort", events[-1]
         assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
     text = log.read_text()
     assert all(f"[tpengine rank {r}/2] server stopped (exit 0)" in text for r in (0, 1))
+
+
+def test_server_whose_replica_rank_dies_answers_503_and_exits_non_zero(setup, tmp_path):
+    """A stream on each replica; replica 1's rank killed: both streams end with a 503 error event and
+    [DONE], /health is 503 (or the server is gone), and the launch exits non-zero."""
+    proc, url, log = start_server(setup, tmp_path, "--dist-timeout-s", "10")
+    try:
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 120, "temperature": 0.0, "ignore_eos": True,
+                "stream": True}
+        streams = [post(url, body), post(url, {**body, "prompt": [8, 9, 10]})]  # the least loaded: one each
+        for s in streams:
+            s.readline()
+        os.kill(rank_pids(proc.pid)[1], signal.SIGKILL)
+        for s in streams:
+            events = [line.decode() for line in s if line.startswith(b"data: ")]
+            errors = [json.loads(e[6:])["error"] for e in events if '"error"' in e]
+            assert events[-1] == "data: [DONE]\n" and [e["code"] for e in errors] == [503], events[-3:]
+        assert proc.wait(30) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "[tpengine rank 0] engine loop failed: " in log.read_text(), log.read_text()[-3000:]
