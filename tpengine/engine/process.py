@@ -32,6 +32,24 @@ def keep_freed_memory() -> bool:
         return False
 
 
+#: entries each of oneDNN's primitive cache and ideep's (torch's oneDNN wrapper) may hold: :func:`bound_onednn_caches`
+ONEDNN_CACHE_CAPACITY = 256
+
+
+def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
+    """CPU: bound the caches oneDNN and ideep keep of the packed linears' matmul primitives
+    (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, ``LRU_CACHE_CAPACITY``; each 1024 by default), unless the
+    user set them. Both are keyed by the input's row count, so a server whose steps run ever new
+    token counts (prefills, mixed steps, every decode batch size) fills them, each entry with its
+    JIT code and scratch memory: ~0.9 MiB per entry on SmolLM2's shapes, ~1.8 GiB for 4 shapes x
+    600 row counts at the defaults, ~0.33 GiB at 256 (docs/notes/benchmarks.md, "Soak"). 256 covers
+    the 64 decode batch sizes of ``max_num_seqs`` x 4 weight shapes; a primitive made again costs
+    ~1.5 ms. Read by oneDNN and ideep at their first use: set before the model loads (a process that
+    already ran a oneDNN matmul keeps its capacity)."""
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(name, str(capacity))
+
+
 def release_free_memory() -> None:
     """Give the pages of freed heap memory back to the OS (glibc ``malloc_trim``), e.g. after
     loading, whose staging buffers and replaced weight layouts leave holes. No-op without glibc."""
@@ -44,9 +62,10 @@ def release_free_memory() -> None:
 def setup_process(config: EngineConfig, tp: TPInfo, plan: ShardPlan) -> None:
     """Collective on the CPU (every rank calls it, after :func:`tpengine.distributed.init_distributed`).
 
-    CPU: intra-op threads (``config.threads``, default cores // the ranks on this host), malloc that keeps freed
-    memory, the C kernels built now for a bfloat16 model with ``config.cpu_kernels`` (so the
-    build is not timed inside the first step), and the all-reduce/gather switched to shared
+    CPU: intra-op threads (``config.threads``, default cores // the ranks on this host), malloc that
+    keeps freed memory, oneDNN's primitive caches bounded (:func:`bound_onednn_caches`), the C kernels
+    built now for a bfloat16 model with ``config.cpu_kernels`` (so the build is not timed inside the
+    first step), and the all-reduce/gather switched to shared
     memory when every rank is on this host (:func:`tpengine.backends.cpu.shm.init_shm`, sized for
     the largest activation a step sends: ``max_num_batched_tokens x hidden`` or the LM head's
     ``max_num_seqs x local vocab``, at most 64 MiB).
@@ -61,6 +80,7 @@ def setup_process(config: EngineConfig, tp: TPInfo, plan: ShardPlan) -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", tp.size))
     torch.set_num_threads(config.threads or max(1, (cores or 1) // local))
     keep_freed_memory()
+    bound_onednn_caches()
     dtype = config.torch_dtype(tp.device)
     if dtype == torch.bfloat16 and config.cpu_kernels:
         cpu_library.load()
