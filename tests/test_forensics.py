@@ -135,3 +135,30 @@ def test_usr1_writes_a_report_unless_the_program_has_its_own_handler(tmp_path, m
         assert signal.getsignal(signal.SIGUSR1) is own
     finally:
         signal.signal(signal.SIGUSR1, before)
+
+
+def test_a_lower_rank_stopped_after_the_last_collective_is_ended_at_exit():
+    """Rank 1 exits after a clean run while rank 0 of its job (same parent, same TORCHELASTIC_RUN_ID) is
+    stopped: rank 1 waits the collective timeout (1 s) for it, then SIGKILLs it (chaos: a SIGSTOP after
+    the job's last collective would keep torchrun waiting forever). A running rank 0 is waited for and
+    never killed."""
+    import sys
+
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": f"forensics-exit-{os.getpid()}"}
+    exiting = ("import time; from tpengine import forensics; forensics.RING.rank, forensics.RING.timeout_s = 1, 1.0; "
+               "t = time.monotonic(); print(forensics.end_stopped_lower_ranks(), round(time.monotonic() - t, 1))")
+    for stop in (True, False):
+        rank0 = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"], env={**env, "RANK": "0"})
+        try:
+            if stop:
+                os.kill(rank0.pid, signal.SIGSTOP)
+            out = subprocess.run([sys.executable, "-c", exiting], env={**env, "RANK": "1"}, capture_output=True,
+                                 text=True, timeout=60, check=True).stdout.split()
+            if stop:
+                assert rank0.wait(5) == -signal.SIGKILL
+                assert out[0] == "{0:" and out[1] == f"{rank0.pid}}}" and float(out[2]) >= 1.0, out
+            else:
+                assert rank0.poll() is None and out[:1] == ["{}"] and float(out[1]) >= 1.0, out
+        finally:
+            rank0.kill()
+            rank0.wait()

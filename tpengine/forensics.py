@@ -27,6 +27,7 @@ attribute writes and a clock read.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 import signal
@@ -245,3 +246,28 @@ def end_local_ranks(ranks: list[int] | None) -> dict[int, int]:
             except OSError:
                 pass
     return killed
+
+
+def end_stopped_lower_ranks(poll_s: float = 0.1) -> dict[int, int]:
+    """At this rank's exit after a clean run: wait up to the collective timeout for this job's
+    lower-numbered ranks on this host (:func:`local_ranks`) to exit, then SIGKILL those of them that
+    are stopped (:func:`end_local_ranks`). A rank stopped (SIGSTOP) after the job's last collective
+    fails no collective, so no peer would end it, and torchrun would wait for it forever; a rank that
+    runs is never killed. Only lower ranks are waited for, so two exiting ranks never wait for each
+    other; rank 0, the last to finish its work (the records, the summary), is the one waited for.
+    Returns ``rank -> pid`` of those signalled; never raises."""
+    deadline = time.monotonic() + RING.timeout_s
+    while (lower := [r for r in local_ranks() if r < RING.rank]) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    return end_local_ranks(lower) if lower else {}
+
+
+_EXIT_GUARD: dict[str, bool] = {}
+
+
+def end_stopped_lower_ranks_at_exit() -> None:
+    """Register :func:`end_stopped_lower_ranks` to run when this process exits (once per process),
+    under torchrun only (the entry points' clean shutdown calls this)."""
+    if "set" not in _EXIT_GUARD and os.environ.get("TORCHELASTIC_RUN_ID"):
+        _EXIT_GUARD["set"] = True
+        atexit.register(end_stopped_lower_ranks)
