@@ -16,7 +16,9 @@ from launch import run_engine_jobs
 
 pytestmark = pytest.mark.skipif(not (SMOLLM2_DIR / "config.json").is_file(), reason="needs make model")
 
-BASE = {"model": str(SMOLLM2_DIR), "dtype": "float32", "max_model_len": 512, "kv_cache_gb": 0.2}
+# cpu_linear "plain": every output is compared with one under the same layout, so the layouts' measurement
+# (test_engine's subject, at every load of a busy machine) is spared
+BASE = {"model": str(SMOLLM2_DIR), "dtype": "float32", "max_model_len": 512, "kv_cache_gb": 0.2, "cpu_linear": "plain"}
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
         "disable_by_batch_size": 64}  # a fixed rule, so the test does not depend on this machine's timings
 #: chunks of 48 tokens beside the decodes, and a cache too small for every sequence at once (preemption)
@@ -48,12 +50,23 @@ def _requests(tok) -> list:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def launches(tmp_path_factory):
+    """One launch per tp (1, 2) for the n-gram jobs (:func:`results`) and the draft-model ones
+    (:func:`draft_results`): SmolLM2 with itself as draft (the mechanism's cost at its best: every
+    proposal right) and with a truncated copy (its first 6 layers and its head: a weak draft)."""
+    import sys
+
+    from launch import REPO
     from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks.truncate_model import truncate
 
     tok = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
     tmp = tmp_path_factory.mktemp("spec")
+    weak = truncate(SMOLLM2_DIR, 6, tmp / "smollm2-6l")
     reqs = _requests(tok)
+    draft_reqs = [r for r in reqs if r[0] != "shared"]
     out = {}
     for tp in (1, 2):
         jobs = [{"key": "spec", "config": {**BASE, "speculative_config": SPEC}, "requests": reqs},
@@ -61,9 +74,17 @@ def results(tmp_path_factory):
         if tp == 1:
             jobs += [{"key": "base", "config": BASE, "requests": reqs},
                      {"key": "tight-base", "config": {**BASE, **TIGHT}, "requests": reqs}]
+        jobs += [{"key": f"draft/{name}", "requests": draft_reqs, "config": {**BASE, "speculative_config": {
+            "model": str(model), "num_speculative_tokens": 3, "disable_by_batch_size": 64}}}
+            for name, model in (("self", SMOLLM2_DIR), ("weak", weak))]
         res = run_engine_jobs(tmp, tp, jobs)
         out[tp] = {k: ({o["request_id"]: o for o in v["outputs"]}, v) for k, v in res.items()}
     return out
+
+
+@pytest.fixture(scope="module")
+def results(launches):
+    return {tp: {k: v for k, v in r.items() if not k.startswith("draft/")} for tp, r in launches.items()}
 
 
 def _same(got: dict, want: dict) -> None:
@@ -145,28 +166,9 @@ def test_batch_job_takes_the_flag_and_reports(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def draft_results(tmp_path_factory):
-    """SmolLM2 with itself as draft (the mechanism's cost at its best: every proposal right) and with
-    a truncated copy (its first 6 layers and its head: a weak draft), at tp 1 and 2."""
-    import sys
-
-    from launch import REPO
-    from transformers import AutoTokenizer
-
-    sys.path.insert(0, str(REPO))
-    from benchmarks.truncate_model import truncate
-
-    tmp = tmp_path_factory.mktemp("draft")
-    weak = truncate(SMOLLM2_DIR, 6, tmp / "smollm2-6l")
-    reqs = [r for r in _requests(AutoTokenizer.from_pretrained(SMOLLM2_DIR)) if r[0] != "shared"]
-    out = {}
-    for tp in (1, 2):
-        jobs = [{"key": name, "requests": reqs, "config": {**BASE, "speculative_config": {
-            "model": str(model), "num_speculative_tokens": 3, "disable_by_batch_size": 64}}}
-            for name, model in (("self", SMOLLM2_DIR), ("weak", weak))]
-        res = run_engine_jobs(tmp, tp, jobs)
-        out[tp] = {k: ({o["request_id"]: o for o in v["outputs"]}, v) for k, v in res.items()}
-    return out
+def draft_results(launches):
+    return {tp: {k.removeprefix("draft/"): v for k, v in r.items() if k.startswith("draft/")}
+            for tp, r in launches.items()}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
