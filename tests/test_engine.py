@@ -114,6 +114,8 @@ def jobs_for(models, smollm2_prompts, tp: int) -> list[dict]:
                          "config": cfg(models["llama"], dtype="bfloat16", kv_mirror=mirror, cpu_kernels=False)})
         jobs.append({"key": "llama/bf16-cpu_kernels", "requests": reqs,  # the C kernels: paged decode, fused ops
                      "config": cfg(models["llama"], dtype="bfloat16")})
+    if tp == 2:  # C13, C14, C12 (b) at tp=2 (test_c13_c14_c12_on_two_ranks)
+        jobs += c13_c14_c12_jobs(models["llama"])
     if tp <= 2:  # the bfloat16 CPU path (matmul prefill attention, decode KV mirror)
         bf16 = [[f"s{i}", p, {**GREEDY, "max_tokens": 32}] for i, p in enumerate(smollm2_prompts)]
         jobs.append({"key": "smollm2/bf16", "requests": bf16,
@@ -127,11 +129,16 @@ def engine_results(models, smollm2_prompts, tmp_path_factory):
     return {tp: run_engine_jobs(tmp, tp, jobs_for(models, smollm2_prompts, tp)) for tp in (1, 2, 3)}
 
 
+@pytest.fixture(scope="module")
+def tiny_hf(models):
+    """HF greedy of each tiny model, computed once for every tp."""
+    return {name: hf_greedy(d, tiny_prompts(1001, TINY_LENGTHS), 24) for name, d in models.items()}
+
+
 @pytest.mark.parametrize("tp", (1, 2, 3))
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_tiny_greedy_equals_hf(models, engine_results, name, tp):
-    prompts = tiny_prompts(1001, TINY_LENGTHS)
-    ref = hf_greedy(models[name], prompts, 24)
+def test_tiny_greedy_equals_hf(tiny_hf, engine_results, name, tp):
+    ref = tiny_hf[name]
     got = by_id(engine_results[tp][f"{name}/together"])
     for i, want in enumerate(ref):
         assert got[f"p{i}"]["token_ids"] == want, f"prompt {i}"
@@ -181,20 +188,28 @@ def test_cpu_kernels_do_not_change_tokens(engine_results):
     assert [len(kernel[f"p{i}"]["token_ids"]) for i in range(5)] == [20, 26, 32, 38, 44]
 
 
-@pytest.mark.parametrize("tp", (1, 2))
-def test_smollm2_bfloat16_tracks_hf(smollm2_prompts, engine_results, tp):
-    """bfloat16 on CPU: rounding differs from HF's (fused GEMMs, float32 softmax, the all-reduce
-    at tp=2, the linear paths measured fastest on this machine), so greedy paths may part after a
-    while, but every prompt's first 4 tokens equal HF bfloat16 eager greedy's -- or, where one
-    differs, HF's logit of the engine's token is within 2 bfloat16 ulps of its best (a near-tie
-    that another rounding flips: e.g. 25.75 against 25.875) -- and the bulk of the 16 x 32
-    positions agree."""
+@pytest.fixture(scope="module")
+def smollm2_hf_bf16(smollm2_prompts):
+    """HF's bfloat16 eager model and its greedy continuations (32 tokens) of the chat prompts, once for
+    every tp."""
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(SMOLLM2_DIR, dtype=torch.bfloat16, attn_implementation="eager").eval()
     with torch.inference_mode():
         ref = [m.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)[0, len(p):].tolist()
                for p in smollm2_prompts]
+    return m, ref
+
+
+@pytest.mark.parametrize("tp", (1, 2))
+def test_smollm2_bfloat16_tracks_hf(smollm2_prompts, smollm2_hf_bf16, engine_results, tp):
+    """bfloat16 on CPU: rounding differs from HF's (fused GEMMs, float32 softmax, the all-reduce
+    at tp=2, the linear paths measured fastest on this machine), so greedy paths may part after a
+    while, but every prompt's first 4 tokens equal HF bfloat16 eager greedy's -- or, where one
+    differs, HF's logit of the engine's token is within 2 bfloat16 ulps of its best (a near-tie
+    that another rounding flips: e.g. 25.75 against 25.875) -- and the bulk of the 16 x 32
+    positions agree."""
+    m, ref = smollm2_hf_bf16
     got = by_id(engine_results[tp]["smollm2/bf16"])
     same = 0
     for i, want in enumerate(ref):
@@ -226,10 +241,8 @@ def test_c17_batch_composition_does_not_change_tokens(engine_results, tp):
     assert r["llama/join"]["stats"]["prefill_steps"] >= 2  # P3 was prefilled while others decoded
 
 
-def test_c13_c14_c12_on_two_ranks(models, tmp_path):
-    """One tp=2 launch: C13 preemption under TP, C14 no block leak after 200 mixed requests,
-    C12 several EOS ids from generation_config.json."""
-    d = models["llama"]
+def c13_c14_c12_jobs(d) -> list[dict]:
+    """The tp=2 jobs of :func:`test_c13_c14_c12_on_two_ranks`, run in :func:`engine_results`' tp=2 launch."""
     six = tiny_prompts(1001, (6, 6, 6, 6))
     c13 = [[f"q{i}", p, {**GREEDY, "max_tokens": 12, "ignore_eos": True}] for i, p in enumerate(six)]
     small = cfg(d, block_size=4, num_kv_blocks=8, max_num_seqs=4)
@@ -259,7 +272,15 @@ def test_c13_c14_c12_on_two_ranks(models, tmp_path):
             {"key": "c14", "config": c14, "waves": waves},
             {"key": "c14-cached", "config": {**c14, "enable_prefix_caching": True}, "waves": waves},
             {"key": "c12-probe", "config": cfg(d), "requests": [["x", probe, {**GREEDY, "max_tokens": 8}]]}]
-    r = run_engine_jobs(tmp_path, 2, jobs, tag="a")
+    return jobs
+
+
+def test_c13_c14_c12_on_two_ranks(models, engine_results, tmp_path):
+    """Two tp=2 launches (the first: engine_results' tp=2 one): C13 preemption under TP, C14 no block
+    leak after 200 mixed requests, C12 several EOS ids from generation_config.json."""
+    d = models["llama"]
+    probe = tiny_prompts(1001, (9,))[0]
+    r = engine_results[2]
 
     small_out, alone_out = by_id(r["c13-small"]), by_id(r["c13-alone"])
     assert r["c13-small"]["stats"]["num_preemptions"] > 0
