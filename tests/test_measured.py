@@ -111,3 +111,42 @@ def test_qgemv_measure_times_the_rival_first_and_gives_torch_up_past_4x(monkeypa
     assert asked == [None, g * 10, None, g * 30, None, g * 50, None, g * 70, None, g * 90]
     assert times == {"torch": [20.0, 40.0, 60.0], "tpengine": [10.0, 30.0, 50.0],
                      "prefill_torch": [80.0, 100.0], "prefill_dequant": [70.0, 90.0]}
+
+
+def test_a_busy_first_measurement_is_not_taken_twice(monkeypatch, tmp_path):
+    """A first measurement taken while the machine was busy is that run's only (BUSY, not cached), so no
+    second one is taken: measured.timings, the linear layouts and the quantized kernels each measure once;
+    on a quiet machine twice (the agreement check)."""
+    from tpengine.backends.cpu import cpu_qgemv, linear_layout
+
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+
+    class Busy:
+        busy = True
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class Quiet(Busy):
+        busy = False
+
+    for contention, runs in ((Busy, 1), (Quiet, 2)):
+        for mod in (measured, linear_layout, cpu_qgemv):
+            monkeypatch.setattr(mod, "Contention", contention)
+        calls = []
+        times, how = measured.timings(f"k{runs}", {"a": [lambda: calls.append("a")]}, passes=1)
+        assert len(calls) == 2 * runs and (how == measured.BUSY) == (runs == 1)
+        n = []
+        got = linear_layout._timed({}, f"k{runs}", ("plain",), lambda: n.append(1) or {"plain": [1.0, 2.0, 3.0]})
+        assert len(n) == runs and (got[1] == measured.BUSY) == (runs == 1)
+        m = []
+        monkeypatch.setattr(cpu_qgemv, "_measure", lambda mods: m.append(1) or {
+            "torch": [10.0, 20.0, 30.0], "tpengine": [5.0, 10.0, 15.0]})
+
+        class Mod:
+            dtype, gemv_rows, dequant_rows = torch.float32, 0, 0
+        c = cpu_qgemv.choose({f"int4 g32 64->{96 * runs}": [Mod()]}, rank=0)[f"int4 g32 64->{96 * runs}"]
+        assert len(m) == runs and c["how"] == (measured.BUSY if runs == 1 else "measured") and c["gemv_rows"] == 8

@@ -302,8 +302,9 @@ def choose(groups: dict[str, list], rank: int = 0) -> dict[str, dict]:
     """For each group of quantized weights of one shape and kind (``groups``: a key such as ``"int4
     g32 576->3072"`` -> its :class:`~tpengine.model.quant.weights.QuantizedWeight` modules), time
     torch's kernels and these (:func:`_measure` twice, on the modules themselves, rotating over all of
-    them so the weights stream from memory; the faster of the two per bucket when they agree within
-    1.5x, :func:`~tpengine.backends.cpu.measured.consistent`) or read the timings this ``rank`` cached for that key
+    them so the weights stream from memory; no second after a busy first; the faster of the two per
+    bucket when they agree within 1.5x, :func:`~tpengine.backends.cpu.measured.consistent`) or read the
+    timings this ``rank`` cached for that key
     (:func:`cache_path`: the first measurement on a machine is kept, so every later load chooses
     the same kernels and gives the same bits), and set each module's ``gemv_rows``
     (:func:`gemv_rows`) and ``dequant_rows`` (:func:`dequant_rows`). Returns ``{key: {"torch":
@@ -321,10 +322,15 @@ def choose(groups: dict[str, list], rank: int = 0) -> dict[str, dict]:
         times, how = cache.get(ckey), "cached"
         if not _valid(times):  # absent, or a file someone edited: measure again
             with Contention() as load:  # twice, as the linear layouts: one lost time slice flips a choice
-                first, second = _measure(mods), _measure(mods)
-            agree = consistent(first, second)
-            times = {k: [min(a, b) for a, b in zip(first[k], second[k])] for k in first} if agree else first
-            how = BUSY if load.busy else "measured" if agree else NOISY
+                first = _measure(mods)
+            if load.busy:  # timings from a busy machine are this load's only: a second could not cache them
+                times, how = first, BUSY
+            else:
+                with Contention() as load:
+                    second = _measure(mods)
+                agree = consistent(first, second)
+                times = {k: [min(a, b) for a, b in zip(first[k], second[k])] for k in first} if agree else first
+                how = BUSY if load.busy else "measured" if agree else NOISY
             if how == "measured":  # timings from a busy or noisy machine are this run's only
                 new[ckey] = times
         rows, deq = gemv_rows(times["torch"], times["tpengine"]), dequant_rows(times)
