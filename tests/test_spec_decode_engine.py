@@ -17,7 +17,7 @@ from launch import run_engine_jobs
 pytestmark = pytest.mark.skipif(not (SMOLLM2_DIR / "config.json").is_file(), reason="needs make model")
 
 # cpu_linear "plain": every output is compared with one under the same layout, so the layouts' measurement
-# (test_engine's subject, at every load of a busy machine) is spared
+# (test_engine's subject, taken at every load of a busy machine) is spared; so in the batch-job runs
 BASE = {"model": str(SMOLLM2_DIR), "dtype": "float32", "max_model_len": 512, "kv_cache_gb": 0.2, "cpu_linear": "plain"}
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
         "disable_by_batch_size": 64}  # a fixed rule, so the test does not depend on this machine's timings
@@ -50,23 +50,12 @@ def _requests(tok) -> list:
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    """One launch per tp (1, 2) for the n-gram jobs (:func:`results`) and the draft-model ones
-    (:func:`draft_results`): SmolLM2 with itself as draft (the mechanism's cost at its best: every
-    proposal right) and with a truncated copy (its first 6 layers and its head: a weak draft)."""
-    import sys
-
-    from launch import REPO
+def results(tmp_path_factory):
     from transformers import AutoTokenizer
-
-    sys.path.insert(0, str(REPO))
-    from benchmarks.truncate_model import truncate
 
     tok = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
     tmp = tmp_path_factory.mktemp("spec")
-    weak = truncate(SMOLLM2_DIR, 6, tmp / "smollm2-6l")
     reqs = _requests(tok)
-    draft_reqs = [r for r in reqs if r[0] != "shared"]
     out = {}
     for tp in (1, 2):
         jobs = [{"key": "spec", "config": {**BASE, "speculative_config": SPEC}, "requests": reqs},
@@ -74,17 +63,9 @@ def launches(tmp_path_factory):
         if tp == 1:
             jobs += [{"key": "base", "config": BASE, "requests": reqs},
                      {"key": "tight-base", "config": {**BASE, **TIGHT}, "requests": reqs}]
-        jobs += [{"key": f"draft/{name}", "requests": draft_reqs, "config": {**BASE, "speculative_config": {
-            "model": str(model), "num_speculative_tokens": 3, "disable_by_batch_size": 64}}}
-            for name, model in (("self", SMOLLM2_DIR), ("weak", weak))]
         res = run_engine_jobs(tmp, tp, jobs)
         out[tp] = {k: ({o["request_id"]: o for o in v["outputs"]}, v) for k, v in res.items()}
     return out
-
-
-@pytest.fixture(scope="module")
-def results(launches):
-    return {tp: {k: v for k, v in r.items() if not k.startswith("draft/")} for tp, r in launches.items()}
 
 
 def _same(got: dict, want: dict) -> None:
@@ -150,9 +131,9 @@ def test_batch_job_takes_the_flag_and_reports(tmp_path):
          "max_tokens": 24, "temperature": 0.0}])
     out, summary = tmp_path / "o.jsonl", tmp_path / "s.json"
     code, err = run_cli("--prompts", prompts, "--model", SMOLLM2_DIR, "--dtype", "float32", "--out", out,
-                        "--summary-json", summary, "--max-model-len", 256, "--speculative-config",
-                        json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-                                    "disable_by_batch_size": 8}))
+                        "--summary-json", summary, "--max-model-len", 256, "--cpu-linear", "plain",
+                        "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3,
+                                                            "prompt_lookup_max": 3, "disable_by_batch_size": 8}))
     assert code == 0, err
     record = json.loads(out.read_text())
     spec = json.loads(summary.read_text())["spec_decode"]
@@ -166,9 +147,28 @@ def test_batch_job_takes_the_flag_and_reports(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def draft_results(launches):
-    return {tp: {k.removeprefix("draft/"): v for k, v in r.items() if k.startswith("draft/")}
-            for tp, r in launches.items()}
+def draft_results(tmp_path_factory):
+    """SmolLM2 with itself as draft (the mechanism's cost at its best: every proposal right) and with
+    a truncated copy (its first 6 layers and its head: a weak draft), at tp 1 and 2."""
+    import sys
+
+    from launch import REPO
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks.truncate_model import truncate
+
+    tmp = tmp_path_factory.mktemp("draft")
+    weak = truncate(SMOLLM2_DIR, 6, tmp / "smollm2-6l")
+    reqs = [r for r in _requests(AutoTokenizer.from_pretrained(SMOLLM2_DIR)) if r[0] != "shared"]
+    out = {}
+    for tp in (1, 2):
+        jobs = [{"key": name, "requests": reqs, "config": {**BASE, "speculative_config": {
+            "model": str(model), "num_speculative_tokens": 3, "disable_by_batch_size": 64}}}
+            for name, model in (("self", SMOLLM2_DIR), ("weak", weak))]
+        res = run_engine_jobs(tmp, tp, jobs)
+        out[tp] = {k: ({o["request_id"]: o for o in v["outputs"]}, v) for k, v in res.items()}
+    return out
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -195,8 +195,8 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
 
     tiny = make_tiny_model(tmp_path, vocab_size=1001)
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "hi", "max_tokens": 2}])
-    code, err = run_cli("--prompts", prompts, "--model", SMOLLM2_DIR, "--out", tmp_path / "o.jsonl",
-                        "--speculative-config", json.dumps({"model": str(tiny), "num_speculative_tokens": 2}))
+    code, err = run_cli("--prompts", prompts, "--model", SMOLLM2_DIR, "--out", tmp_path / "o.jsonl", "--cpu-linear",
+                        "plain", "--speculative-config", json.dumps({"model": str(tiny), "num_speculative_tokens": 2}))
     assert code == 2, err
     assert (f"failed: UserError: speculative_config model {tiny}: its vocabulary has 1001 tokens, the model's 49152; "
             "a draft model must share the model's vocabulary") in err
