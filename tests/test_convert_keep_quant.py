@@ -239,7 +239,9 @@ def test_keep_quant_folder_runs_at_tp1_and_tp2(keep_quant_dir: Path, tmp_path: P
 
     tok = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
     ids = tok("The capital of France is")["input_ids"]
-    base = {"dtype": "float32", "max_model_len": 128, "kv_cache_gb": 0.05}
+    # cpu_linear "plain": the folder's linears are all int4, so the float layouts' measurement would choose
+    # for no weight; the float reference's plain layout equals HF (test_engine, each layout)
+    base = {"dtype": "float32", "max_model_len": 128, "kv_cache_gb": 0.05, "cpu_linear": "plain"}
     job = {"key": "gguf", "requests": [["france", ids, GREEDY]], "config": {"model": str(keep_quant_dir), **base}}
     ref = {"key": "float", "requests": [["france", ids, GREEDY]], "config": {"model": str(SMOLLM2_DIR), **base}}
     one = run_engine_jobs(tmp_path, 1, [job, ref])

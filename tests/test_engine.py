@@ -127,11 +127,16 @@ def engine_results(models, smollm2_prompts, tmp_path_factory):
     return {tp: run_engine_jobs(tmp, tp, jobs_for(models, smollm2_prompts, tp)) for tp in (1, 2, 3)}
 
 
+@pytest.fixture(scope="module")
+def tiny_hf(models):
+    """HF greedy of each tiny model, computed once for every tp."""
+    return {name: hf_greedy(d, tiny_prompts(1001, TINY_LENGTHS), 24) for name, d in models.items()}
+
+
 @pytest.mark.parametrize("tp", (1, 2, 3))
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_tiny_greedy_equals_hf(models, engine_results, name, tp):
-    prompts = tiny_prompts(1001, TINY_LENGTHS)
-    ref = hf_greedy(models[name], prompts, 24)
+def test_tiny_greedy_equals_hf(tiny_hf, engine_results, name, tp):
+    ref = tiny_hf[name]
     got = by_id(engine_results[tp][f"{name}/together"])
     for i, want in enumerate(ref):
         assert got[f"p{i}"]["token_ids"] == want, f"prompt {i}"
@@ -181,20 +186,28 @@ def test_cpu_kernels_do_not_change_tokens(engine_results):
     assert [len(kernel[f"p{i}"]["token_ids"]) for i in range(5)] == [20, 26, 32, 38, 44]
 
 
-@pytest.mark.parametrize("tp", (1, 2))
-def test_smollm2_bfloat16_tracks_hf(smollm2_prompts, engine_results, tp):
-    """bfloat16 on CPU: rounding differs from HF's (fused GEMMs, float32 softmax, the all-reduce
-    at tp=2, the linear paths measured fastest on this machine), so greedy paths may part after a
-    while, but every prompt's first 4 tokens equal HF bfloat16 eager greedy's -- or, where one
-    differs, HF's logit of the engine's token is within 2 bfloat16 ulps of its best (a near-tie
-    that another rounding flips: e.g. 25.75 against 25.875) -- and the bulk of the 16 x 32
-    positions agree."""
+@pytest.fixture(scope="module")
+def smollm2_hf_bf16(smollm2_prompts):
+    """HF's bfloat16 eager model and its greedy continuations (32 tokens) of the chat prompts, once for
+    every tp."""
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(SMOLLM2_DIR, dtype=torch.bfloat16, attn_implementation="eager").eval()
     with torch.inference_mode():
         ref = [m.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)[0, len(p):].tolist()
                for p in smollm2_prompts]
+    return m, ref
+
+
+@pytest.mark.parametrize("tp", (1, 2))
+def test_smollm2_bfloat16_tracks_hf(smollm2_prompts, smollm2_hf_bf16, engine_results, tp):
+    """bfloat16 on CPU: rounding differs from HF's (fused GEMMs, float32 softmax, the all-reduce
+    at tp=2, the linear paths measured fastest on this machine), so greedy paths may part after a
+    while, but every prompt's first 4 tokens equal HF bfloat16 eager greedy's -- or, where one
+    differs, HF's logit of the engine's token is within 2 bfloat16 ulps of its best (a near-tie
+    that another rounding flips: e.g. 25.75 against 25.875) -- and the bulk of the 16 x 32
+    positions agree."""
+    m, ref = smollm2_hf_bf16
     got = by_id(engine_results[tp]["smollm2/bf16"])
     same = 0
     for i, want in enumerate(ref):

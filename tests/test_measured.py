@@ -74,3 +74,79 @@ def test_linear_layouts_skip_the_cache_when_busy(monkeypatch, tmp_path):
     got = linear_layout.choose_layouts({(48, 32): 2}, torch.float32)
     assert got[(48, 32)].how == measured.BUSY
     assert measured.read_cache(linear_layout.cache_path(torch.float32)) == {}
+
+
+def test_time_us_gives_up_after_the_warm_up_pass():
+    """``give_up_us``: a warm-up pass slower than it is the timing (no timed pass runs); a faster one,
+    or none given, is followed by the ``passes`` timed passes."""
+    calls = []
+    fns = [lambda i=i: calls.append(i) for i in range(3)]
+    assert measured.time_us(fns, passes=2, give_up_us=0.0) > 0 and calls == [0, 1, 2]
+    calls.clear()
+    measured.time_us(fns, passes=2, give_up_us=1e12)
+    assert calls == [0, 1, 2] * 3
+    calls.clear()
+    measured.time_us(fns, passes=2)
+    assert calls == [0, 1, 2] * 3
+
+
+def test_qgemv_measure_times_the_rival_first_and_gives_torch_up_past_4x(monkeypatch):
+    """cpu_qgemv._measure times these kernels (decode rows) and dequantize + GEMM (prefill rows)
+    before torch's kernel at each bucket, and hands time_us GIVE_UP times their time as torch's
+    ``give_up_us``; every path keeps one timing per bucket."""
+    from tpengine.backends.cpu import cpu_qgemv
+
+    asked = []
+
+    def fake_time_us(fns, passes=4, give_up_us=None):
+        asked.append(give_up_us)
+        return 10.0 * len(asked)
+    monkeypatch.setattr(cpu_qgemv, "time_us", fake_time_us)
+
+    class Int4Weight:
+        in_features, dtype, group_size, gemv_rows, dequant_rows = 64, torch.float32, 32, 0, 0
+    times = cpu_qgemv._measure([Int4Weight(), Int4Weight()])
+    g = cpu_qgemv.GIVE_UP
+    assert g == 4.0
+    assert asked == [None, g * 10, None, g * 30, None, g * 50, None, g * 70, None, g * 90]
+    assert times == {"torch": [20.0, 40.0, 60.0], "tpengine": [10.0, 30.0, 50.0],
+                     "prefill_torch": [80.0, 100.0], "prefill_dequant": [70.0, 90.0]}
+
+
+def test_a_busy_first_measurement_is_not_taken_twice(monkeypatch, tmp_path):
+    """A first measurement taken while the machine was busy is that run's only (BUSY, not cached), so no
+    second one is taken: measured.timings, the linear layouts and the quantized kernels each measure once;
+    on a quiet machine twice (the agreement check)."""
+    from tpengine.backends.cpu import cpu_qgemv, linear_layout
+
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+
+    class Busy:
+        busy = True
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class Quiet(Busy):
+        busy = False
+
+    for contention, runs in ((Busy, 1), (Quiet, 2)):
+        for mod in (measured, linear_layout, cpu_qgemv):
+            monkeypatch.setattr(mod, "Contention", contention)
+        calls = []
+        times, how = measured.timings(f"k{runs}", {"a": [lambda: calls.append("a")]}, passes=1)
+        assert len(calls) == 2 * runs and (how == measured.BUSY) == (runs == 1)
+        n = []
+        got = linear_layout._timed({}, f"k{runs}", ("plain",), lambda: n.append(1) or {"plain": [1.0, 2.0, 3.0]})
+        assert len(n) == runs and (got[1] == measured.BUSY) == (runs == 1)
+        m = []
+        monkeypatch.setattr(cpu_qgemv, "_measure", lambda mods: m.append(1) or {
+            "torch": [10.0, 20.0, 30.0], "tpengine": [5.0, 10.0, 15.0]})
+
+        class Mod:
+            dtype, gemv_rows, dequant_rows = torch.float32, 0, 0
+        c = cpu_qgemv.choose({f"int4 g32 64->{96 * runs}": [Mod()]}, rank=0)[f"int4 g32 64->{96 * runs}"]
+        assert len(m) == runs and c["how"] == (measured.BUSY if runs == 1 else "measured") and c["gemv_rows"] == 8

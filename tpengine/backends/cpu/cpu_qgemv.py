@@ -32,6 +32,11 @@ ROW_BUCKETS = (1, 4, 8)
 #: :data:`PREFILL_WEIGHTS` weights of a shape (a prefill GEMM is bound by arithmetic, not by memory).
 PREFILL_BUCKETS = (64, 512)
 PREFILL_WEIGHTS = 4
+#: torch's kernel is timed no further at a bucket where its warm-up call already took this many times
+#: the time of the path it is weighed against (:func:`~tpengine.backends.cpu.measured.time_us`'s
+#: ``give_up_us``): one call ranks it, where its full timing cost minutes a load (torch's int4 GEMM, 512
+#: rows of SmolLM2's LM head: about a minute a call on 2 busy cores).
+GIVE_UP = 4.0
 CACHE_VERSION = 3  # 3: caches from before the contention check are measured again
 _FLOAT = (torch.bfloat16, torch.float32)
 
@@ -240,17 +245,21 @@ def cache_path(dtype: torch.dtype) -> Path:
 def _measure(mods: list) -> dict[str, list[float]]:
     """Microseconds per call of torch's kernel and these at :data:`ROW_BUCKETS` rows (rotating over
     ``mods``), and where the kind has a dequantize-then-GEMM path (int4, int8 per channel) of
-    torch's kernel and that path at :data:`PREFILL_BUCKETS` rows (on at most :data:`PREFILL_WEIGHTS`)."""
+    torch's kernel and that path at :data:`PREFILL_BUCKETS` rows (on at most :data:`PREFILL_WEIGHTS`).
+    At each bucket the path torch's kernel is weighed against is timed first, and torch's is timed no
+    further than its warm-up call where that took over :data:`GIVE_UP` times as long (that call's time
+    is its timing: only the faster path at each bucket decides :func:`gemv_rows` and :func:`dequant_rows`)."""
     times: dict[str, list[float]] = {"torch": [], "tpengine": []}
     for m in mods:
         m.gemv_rows, m.dequant_rows = 0, 0
     for rows in ROW_BUCKETS:
         x = torch.full((rows, mods[0].in_features), 0.01, dtype=mods[0].dtype)
-        for path, use in (("torch", 0), ("tpengine", MAX_ROWS)):
+        for path, use in (("tpengine", MAX_ROWS), ("torch", 0)):  # torch's given up past GIVE_UP x ours
             def call(m, use=use):
                 m.gemv_rows = use
                 return m(x)
-            times[path].append(time_us([lambda m=m: call(m) for m in mods]))
+            give_up = GIVE_UP * times["tpengine"][-1] if path == "torch" else None
+            times[path].append(time_us([lambda m=m: call(m) for m in mods], give_up_us=give_up))
     if getattr(mods[0], "group_size", None) is None or type(mods[0]).__name__.startswith("Int4"):
         times["prefill_torch"], times["prefill_dequant"] = [], []
         few = mods[:PREFILL_WEIGHTS]
@@ -258,12 +267,13 @@ def _measure(mods: list) -> dict[str, list[float]]:
             m.gemv_rows = 0
         for n in PREFILL_BUCKETS:
             x = torch.full((n, mods[0].in_features), 0.01, dtype=mods[0].dtype)
-            for path, use in (("prefill_torch", 0), ("prefill_dequant", 1)):
+            for path, use in (("prefill_dequant", 1), ("prefill_torch", 0)):
                 def run(m, use=use):
                     m.dequant_rows = use
                     return m(x)
-                times[path].append(time_us([lambda m=m: run(m) for m in few], passes=2))
-    return times
+                give_up = GIVE_UP * times["prefill_dequant"][-1] if path == "prefill_torch" else None
+                times[path].append(time_us([lambda m=m: run(m) for m in few], passes=2, give_up_us=give_up))
+    return {k: times[k] for k in ("torch", "tpengine", "prefill_torch", "prefill_dequant") if k in times}
 
 
 def dequant_rows(times: dict[str, list[float]]) -> int:
@@ -292,8 +302,9 @@ def choose(groups: dict[str, list], rank: int = 0) -> dict[str, dict]:
     """For each group of quantized weights of one shape and kind (``groups``: a key such as ``"int4
     g32 576->3072"`` -> its :class:`~tpengine.model.quant.weights.QuantizedWeight` modules), time
     torch's kernels and these (:func:`_measure` twice, on the modules themselves, rotating over all of
-    them so the weights stream from memory; the faster of the two per bucket when they agree within
-    1.5x, :func:`~tpengine.backends.cpu.measured.consistent`) or read the timings this ``rank`` cached for that key
+    them so the weights stream from memory; no second after a busy first; the faster of the two per
+    bucket when they agree within 1.5x, :func:`~tpengine.backends.cpu.measured.consistent`) or read the
+    timings this ``rank`` cached for that key
     (:func:`cache_path`: the first measurement on a machine is kept, so every later load chooses
     the same kernels and gives the same bits), and set each module's ``gemv_rows``
     (:func:`gemv_rows`) and ``dequant_rows`` (:func:`dequant_rows`). Returns ``{key: {"torch":
@@ -311,10 +322,15 @@ def choose(groups: dict[str, list], rank: int = 0) -> dict[str, dict]:
         times, how = cache.get(ckey), "cached"
         if not _valid(times):  # absent, or a file someone edited: measure again
             with Contention() as load:  # twice, as the linear layouts: one lost time slice flips a choice
-                first, second = _measure(mods), _measure(mods)
-            agree = consistent(first, second)
-            times = {k: [min(a, b) for a, b in zip(first[k], second[k])] for k in first} if agree else first
-            how = BUSY if load.busy else "measured" if agree else NOISY
+                first = _measure(mods)
+            if load.busy:  # timings from a busy machine are this load's only: a second could not cache them
+                times, how = first, BUSY
+            else:
+                with Contention() as load:
+                    second = _measure(mods)
+                agree = consistent(first, second)
+                times = {k: [min(a, b) for a, b in zip(first[k], second[k])] for k in first} if agree else first
+                how = BUSY if load.busy else "measured" if agree else NOISY
             if how == "measured":  # timings from a busy or noisy machine are this run's only
                 new[ckey] = times
         rows, deq = gemv_rows(times["torch"], times["tpengine"]), dequant_rows(times)

@@ -176,12 +176,15 @@ def _timed(cache: dict, key: str, needs: tuple[str, ...], measure_fn) -> tuple[d
     bucket ("cached"), else ``measure_fn()`` run twice and the faster of each taken ("measured";
     stored in ``cache`` when the two agree and the machine was not busy meanwhile; else "measured,
     noisy (not cached)" or :data:`~tpengine.backends.cpu.measured.BUSY`: another process shared the
-    cores). ``times`` None: not measurable."""
+    cores; then, when the first measurement was, no second is taken). ``times`` None: not measurable."""
     times = cache.get(key)
     if isinstance(times, dict) and all(len(times.get(k) or ()) == len(ROW_BUCKETS) for k in needs):
         return times, "cached", False
     with Contention() as load:
         times = measure_fn()
+    if times is not None and load.busy:  # this run's only: a second measurement could not cache it
+        return times, BUSY, False
+    with Contention() as load:
         again = None if times is None else measure_fn()
     if times is None or again is None:
         return times, "measured", False

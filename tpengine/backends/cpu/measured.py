@@ -49,11 +49,19 @@ class Choice:
         return f"{self.name} ({self.how}: {times})"
 
 
-def time_us(fns: list[Callable[[], object]], passes: int = 4) -> float:
+def time_us(fns: list[Callable[[], object]], passes: int = 4, give_up_us: float | None = None) -> float:
     """Microseconds per call over ``fns``: each call timed alone, in ``passes`` passes after a
-    warm-up pass, and the median taken (so a call that another process preempted does not count)."""
+    warm-up pass, and the median taken (so a call that another process preempted does not count).
+    ``give_up_us``: when the warm-up pass's median call already took longer, that median is returned
+    and no timed pass runs (a candidate far slower than its rival is ranked by one call: torch's int4
+    GEMM at 512 rows of SmolLM2's LM head takes a minute a call on 2 cores)."""
+    warm = []
     for f in fns:
+        start = time.perf_counter()
         f()
+        warm.append(time.perf_counter() - start)
+    if give_up_us is not None and statistics.median(warm) * 1e6 > give_up_us:
+        return statistics.median(warm) * 1e6
     times = []
     for _ in range(passes):
         for f in fns:
@@ -189,8 +197,8 @@ def timings(key: str, candidates: dict[str, list[Callable[[], object]]],
     each) under the cache entry ``key`` (say what was timed: the shapes and the dtype): cached
     timings for exactly these names and workloads ("cached"), else two measurements, cached when
     they agree within 1.5x and the machine was not busy meanwhile ("measured"; else "measured,
-    noisy (not cached)" or :data:`BUSY`, the first one kept), each the median of ``passes`` timed
-    calls per workload.
+    noisy (not cached)" or :data:`BUSY`, the first one kept; no second one after a busy first), each
+    the median of ``passes`` timed calls per workload.
     Raises ValueError for no candidates or unequal workload counts."""
     if not candidates or len({len(v) for v in candidates.values()}) != 1 or not next(iter(candidates.values())):
         raise ValueError(f"measured choice {key!r}: need candidates with the same number (>= 1) of workloads, "
@@ -201,8 +209,12 @@ def timings(key: str, candidates: dict[str, list[Callable[[], object]]],
             and all(isinstance(v, list) and len(v) == len(candidates[k])
                     and all(isinstance(t, (int, float)) and t >= 0 for t in v) for k, v in times.items())):
         return {k: times[k] for k in candidates}, "cached"
+    with Contention() as load:  # a busy first measurement is this run's only: no second one could cache it
+        first = measure(candidates, passes)
+    if load.busy:
+        return first, BUSY
     with Contention() as load:
-        first, second = measure(candidates, passes), measure(candidates, passes)
+        second = measure(candidates, passes)
     if load.busy:
         return first, BUSY
     if not consistent(first, second):
