@@ -137,28 +137,35 @@ def test_usr1_writes_a_report_unless_the_program_has_its_own_handler(tmp_path, m
         signal.signal(signal.SIGUSR1, before)
 
 
-def test_a_lower_rank_stopped_after_the_last_collective_is_ended_at_exit():
-    """Rank 1 exits after a clean run while rank 0 of its job (same parent, same TORCHELASTIC_RUN_ID) is
-    stopped: rank 1 waits the collective timeout (1 s) for it, then SIGKILLs it (chaos: a SIGSTOP after
-    the job's last collective would keep torchrun waiting forever). A running rank 0 is waited for and
-    never killed."""
+def test_a_rank_stopped_after_the_last_collective_is_ended_at_exit():
+    """A rank exits after a clean run while another rank of its job (same parent, same
+    TORCHELASTIC_RUN_ID) is stopped: it waits the collective timeout (1 s) for that one, then SIGKILLs
+    it (chaos: a SIGSTOP after the job's last collective would keep torchrun waiting forever). A rank
+    that runs is waited for and never killed; one that is exiting itself (named tpengine-exit) is not
+    waited for, and is ended at once when it is stopped."""
     import sys
 
     env = {**os.environ, "TORCHELASTIC_RUN_ID": f"forensics-exit-{os.getpid()}"}
-    exiting = ("import time; from tpengine import forensics; forensics.RING.rank, forensics.RING.timeout_s = 1, 1.0; "
-               "t = time.monotonic(); print(forensics.end_stopped_lower_ranks(), round(time.monotonic() - t, 1))")
-    for stop in (True, False):
-        rank0 = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"], env={**env, "RANK": "0"})
+    exiting = ("import time; from tpengine import forensics; forensics.RING.rank, forensics.RING.timeout_s = 0, 1.0; "
+               "t = time.monotonic(); print(forensics.end_stopped_ranks(), round(time.monotonic() - t, 1))")
+    for other in ("stopped", "running", "exiting", "exiting stopped"):
+        code = ("from tpengine import forensics; forensics._set_name(forensics.EXITING); import time; time.sleep(3)"
+                if other.startswith("exiting") else "import time; time.sleep(3)")
+        peer = subprocess.Popen([sys.executable, "-c", code], env={**env, "RANK": "1"})
         try:
-            if stop:
-                os.kill(rank0.pid, signal.SIGSTOP)
-            out = subprocess.run([sys.executable, "-c", exiting], env={**env, "RANK": "1"}, capture_output=True,
+            time.sleep(0.5)  # started (and named)
+            if other.endswith("stopped"):
+                os.kill(peer.pid, signal.SIGSTOP)
+            out = subprocess.run([sys.executable, "-c", exiting], env={**env, "RANK": "0"}, capture_output=True,
                                  text=True, timeout=60, check=True).stdout.split()
-            if stop:
-                assert rank0.wait(5) == -signal.SIGKILL
-                assert out[0] == "{0:" and out[1] == f"{rank0.pid}}}" and float(out[2]) >= 1.0, out
+            if other.endswith("stopped"):
+                assert peer.wait(5) == -signal.SIGKILL
+                assert out[:2] == ["{1:", f"{peer.pid}}}"], out
+                assert float(out[2]) >= 1.0 if other == "stopped" else float(out[2]) < 0.5, out
+            elif other == "running":
+                assert peer.poll() is None and out[0] == "{}" and float(out[1]) >= 1.0, out
             else:
-                assert rank0.poll() is None and out[:1] == ["{}"] and float(out[1]) >= 1.0, out
+                assert peer.poll() is None and out[0] == "{}" and float(out[1]) < 0.5, out
         finally:
-            rank0.kill()
-            rank0.wait()
+            peer.kill()
+            peer.wait()

@@ -194,16 +194,16 @@ def activation_comm() -> Any:
 
 def shutdown() -> None:
     """Wait for every rank (bounded by the group timeout), then destroy the process groups, so
-    no rank tears down a connection a peer still uses; and, at this process's exit, end a lower
-    rank of this host that was stopped after this barrier
-    (:func:`tpengine.forensics.end_stopped_lower_ranks_at_exit`). Safe to call twice or at size 1."""
+    no rank tears down a connection a peer still uses; and, at this process's exit, end a rank
+    of this host that was stopped after this barrier
+    (:func:`tpengine.forensics.end_stopped_ranks_at_exit`). Safe to call twice or at size 1."""
     global _STATE
     if dist.is_available() and dist.is_initialized():
         prev = forensics.enter("the shutdown barrier (world)")
         dist.barrier(group=_world_group())
         forensics.leave(prev)
         dist.destroy_process_group()
-        forensics.end_stopped_lower_ranks_at_exit()
+        forensics.end_stopped_ranks_at_exit()
     _STATE = None
 
 

@@ -205,10 +205,11 @@ def collective_failure(exc: BaseException) -> str | None:
 
 
 def local_ranks() -> dict[int, tuple[int, str]]:
-    """``rank -> (pid, state)`` of this job's other ranks on this host: the processes whose parent is
-    this rank's parent (torchrun starts every local rank as a child of its agent) and whose
+    """``rank -> (pid, state, name)`` of this job's other ranks on this host: the processes whose parent
+    is this rank's parent (torchrun starts every local rank as a child of its agent) and whose
     environment holds this job's ``TORCHELASTIC_RUN_ID``; ``state`` is ``/proc``'s one-letter state
-    ("T": stopped). Empty outside torchrun or without ``/proc`` (not Linux); never raises."""
+    ("T": stopped), ``name`` its ``comm`` (:data:`EXITING` once it is in :func:`end_stopped_ranks`).
+    Empty outside torchrun or without ``/proc`` (not Linux); never raises."""
     job = os.environ.get("TORCHELASTIC_RUN_ID")
     if not job or not os.path.isdir("/proc"):
         return {}
@@ -218,7 +219,9 @@ def local_ranks() -> dict[int, tuple[int, str]]:
             continue
         try:
             with open(f"/proc/{entry.name}/stat") as fh:  # "pid (comm) state ppid ...": comm may hold spaces
-                state, ppid = fh.read().rsplit(")", 1)[1].split()[:2]
+                head, tail = fh.read().rsplit(")", 1)
+            state, ppid = tail.split()[:2]
+            name = head.split("(", 1)[1]
             if int(ppid) != parent:
                 continue
             with open(f"/proc/{entry.name}/environ", "rb") as fh:
@@ -226,7 +229,7 @@ def local_ranks() -> dict[int, tuple[int, str]]:
         except (OSError, ValueError, IndexError):
             continue
         if env.get(b"TORCHELASTIC_RUN_ID") == job.encode() and env.get(b"RANK", b"").isdigit():
-            found[int(env[b"RANK"])] = (int(entry.name), state)
+            found[int(env[b"RANK"])] = (int(entry.name), state, name)
     return found
 
 
@@ -248,26 +251,41 @@ def end_local_ranks(ranks: list[int] | None) -> dict[int, int]:
     return killed
 
 
-def end_stopped_lower_ranks(poll_s: float = 0.1) -> dict[int, int]:
-    """At this rank's exit after a clean run: wait up to the collective timeout for this job's
-    lower-numbered ranks on this host (:func:`local_ranks`) to exit, then SIGKILL those of them that
-    are stopped (:func:`end_local_ranks`). A rank stopped (SIGSTOP) after the job's last collective
-    fails no collective, so no peer would end it, and torchrun would wait for it forever; a rank that
-    runs is never killed. Only lower ranks are waited for, so two exiting ranks never wait for each
-    other; rank 0, the last to finish its work (the records, the summary), is the one waited for.
+#: The process name (``comm``) of a rank in :func:`end_stopped_ranks`: it has left its last collective.
+EXITING = "tpengine-exit"
+
+
+def end_stopped_ranks(poll_s: float = 0.01) -> dict[int, int]:
+    """At this rank's exit after a clean run: name this process :data:`EXITING`, wait up to the
+    collective timeout for this job's other ranks on this host (:func:`local_ranks`) to exit or to reach
+    this point themselves, then SIGKILL every one of them that is stopped (:func:`end_local_ranks`). A
+    rank stopped (SIGSTOP) after the job's last collective fails no collective, so no peer would end it,
+    and torchrun would wait for it forever; a rank that runs is never killed, and exiting ranks never
+    wait for each other (each is :data:`EXITING`; one stopped while it waits here is ended at once).
     Returns ``rank -> pid`` of those signalled; never raises."""
+    _set_name(EXITING)
     deadline = time.monotonic() + RING.timeout_s
-    while (lower := [r for r in local_ranks() if r < RING.rank]) and time.monotonic() < deadline:
+    while any(name != EXITING for _, _, name in local_ranks().values()) and time.monotonic() < deadline:
         time.sleep(poll_s)
-    return end_local_ranks(lower) if lower else {}
+    return end_local_ranks(None)
+
+
+def _set_name(name: str) -> None:
+    """This process's ``comm`` (Linux ``prctl(PR_SET_NAME)``, 15 bytes); nothing elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 _EXIT_GUARD: dict[str, bool] = {}
 
 
-def end_stopped_lower_ranks_at_exit() -> None:
-    """Register :func:`end_stopped_lower_ranks` to run when this process exits (once per process),
-    under torchrun only (the entry points' clean shutdown calls this)."""
+def end_stopped_ranks_at_exit() -> None:
+    """Register :func:`end_stopped_ranks` to run when this process exits (once per process), under
+    torchrun only (the entry points' clean shutdown calls this)."""
     if "set" not in _EXIT_GUARD and os.environ.get("TORCHELASTIC_RUN_ID"):
         _EXIT_GUARD["set"] = True
-        atexit.register(end_stopped_lower_ranks)
+        atexit.register(end_stopped_ranks)

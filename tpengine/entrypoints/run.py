@@ -37,6 +37,7 @@ from tpengine.entrypoints.flags import engine_options, option
 from tpengine.entrypoints.setup import (
     build_engine,
     check_model,
+    end_rank,
     failure_line,
     rank_and_world,
     read_chat_template,
@@ -273,6 +274,7 @@ def main(
         raise
     finally:
         job.close()
+    end_rank(code)
     raise typer.Exit(code)
 
 

@@ -29,6 +29,7 @@ import typer
 from tpengine.entrypoints.flags import engine_options, option
 from tpengine.entrypoints.setup import (
     build_engine,
+    end_rank,
     failure_line,
     read_chat_template,
     read_launch,
@@ -182,6 +183,7 @@ def main(
     if code:  # the engine failed: the other ranks may never answer, so do not wait on any collective
         sys.stdout.flush()
         os._exit(code)
+    end_rank(code)
     raise typer.Exit(code)
 
 

@@ -104,6 +104,25 @@ def die_with_launcher(poll_s: float = 0.5) -> bool:
     return True
 
 
+def end_rank(code: int) -> None:
+    """The last call of the batch job and the server on a rank that ran: after a clean run (``code``
+    0) under torchrun, end the
+    stopped ranks of this job on this host (:func:`tpengine.forensics.end_stopped_ranks`: a rank stopped
+    after the job's last collective fails no collective, so nothing else would end it), flush stdout and
+    stderr, and leave with ``os._exit(code)``: the interpreter's teardown with torch and gloo loaded
+    takes seconds, and a rank stopped in that window, with its peers gone, would outlive the job.
+    Otherwise it returns (the caller exits as usual; after a failure torchrun ends the other ranks).
+    Every record and file was written and closed before this."""
+    if code != 0 or not under_torchrun():
+        return
+    from tpengine import forensics
+
+    forensics.end_stopped_ranks()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def start_rank() -> tuple[int, int]:
     """The first call of every entry point: :func:`die_with_launcher` (under torchrun), then
     :func:`rank_and_world`'s (rank, world size)."""
