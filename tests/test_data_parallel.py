@@ -185,7 +185,8 @@ def test_two_nodes_data_parallel_and_tensor_parallel(setup, tmp_path):
 # ---------------------------------------------------------------- the LLM API
 def test_llm_outputs_on_every_rank_in_prompt_order(setup, tmp_path):
     """Under torchrun at world size 2: LLM(data_parallel_size=2), closed, then LLM(data_parallel_size=1)
-    (tp=2) in the same processes; every rank gets every output, in prompt order, equal to tp=1's."""
+    (tp=2) in the same processes; at world size 4: D=2 x T=2, then D=4 x T=1. Every rank gets every
+    output, in prompt order, equal to tp=1's."""
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(setup["prompts"]))
     torchrun("dp_llm.py", 2, [str(setup["model"]), str(prompts), str(tmp_path), "2", "1"])
@@ -193,6 +194,10 @@ def test_llm_outputs_on_every_rank_in_prompt_order(setup, tmp_path):
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got == {"2": ref, "1": ref}, rank
+    # world size 4: D=2 x T=2, then D=4 x T=1
+    torchrun("dp_llm.py", 4, [str(setup["model"]), str(prompts), str(tmp_path), "2", "4"], env={"OMP_NUM_THREADS": "1"})
+    for rank in range(4):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"2": ref, "4": ref}, rank
 
 
 # ---------------------------------------------------------------- the server
