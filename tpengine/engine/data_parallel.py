@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 
 from tpengine.distributed import dp_broadcast_object, dp_gather_object
+from tpengine.engine.llm_engine import run_requests
 from tpengine.engine.outputs import EngineOutput
 from tpengine.engine.stats import EngineStats
 from tpengine.sampling_params import SamplingParams
@@ -283,7 +284,7 @@ class DataParallelEngine:
         return EngineStats(**{**{f.name: getattr(total, f.name) for f in fields(EngineStats)},
                               "num_waiting": total.num_waiting + queued})
 
-    def _num_waiting(self) -> int:
+    def num_waiting(self) -> int:
         """Requests waiting in every replica: replica 0's now, the others' as of the last tick, and those
         routed since."""
         others = sum(s.num_waiting for s in self._stats[1:] if s is not None)
@@ -298,27 +299,7 @@ class DataParallelEngine:
         if not self.is_driver:
             self._follow()
             return []
-        source = iter(requests)
-        lookahead = 2 * self.config.max_num_seqs * self.tp.dp_size
-        outputs: list[EngineOutput] = []
-        while True:
-            while source is not None and self._num_waiting() < lookahead:
-                item = next(source, None)
-                if item is None:
-                    source = None
-                    break
-                self.add_request(*item)
-            if not self.has_unfinished():
-                break
-            for out in self.step():
-                if on_output:
-                    on_output(out)
-                else:
-                    outputs.append(out)
-            if on_step:
-                on_step(self.stats())
-        self.stop_workers()
-        return outputs
+        return run_requests(self, requests, 2 * self.config.max_num_seqs * self.tp.dp_size, on_output, on_step)
 
     def _follow(self) -> None:
         """Another replica's driver: apply each tick, run its step, report; stop on the front's STOP."""

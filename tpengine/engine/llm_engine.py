@@ -66,6 +66,36 @@ def _holds(ids: list[int], part: tuple[int, ...]) -> bool:
     return any(tuple(ids[i:i + n]) == part for i in range(len(ids) - n + 1))
 
 
+def run_requests(engine, requests: Iterable[tuple[str, list[int], SamplingParams]], lookahead: int,
+                 on_output: Callable[[EngineOutput], None] | None,
+                 on_step: Callable[[EngineStats], None] | None) -> list[EngineOutput]:
+    """The driver's loop of ``generate`` for ``engine`` (an :class:`LLMEngine`, or a
+    :class:`tpengine.engine.data_parallel.DataParallelEngine`: the same driver interface): take
+    ``requests`` lazily while fewer than ``lookahead`` wait (``engine.num_waiting()``), step until nothing
+    is unfinished, hand each output to ``on_output`` (or return them all) and the stats after each step
+    to ``on_step``, then stop the workers."""
+    source = iter(requests)
+    outputs: list[EngineOutput] = []
+    while True:
+        while source is not None and engine.num_waiting() < lookahead:
+            item = next(source, None)
+            if item is None:
+                source = None
+                break
+            engine.add_request(*item)
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            if on_output:
+                on_output(out)
+            else:
+                outputs.append(out)
+        if on_step:
+            on_step(engine.stats())
+    engine.stop_workers()
+    return outputs
+
+
 class LLMEngine:
     """The engine on one rank.
 
@@ -556,27 +586,7 @@ class LLMEngine:
         if not self.is_driver:
             self._follow()
             return []
-        source = iter(requests)
-        lookahead = 2 * self.config.max_num_seqs
-        outputs: list[EngineOutput] = []
-        while True:
-            while source is not None and self.num_waiting() < lookahead:
-                item = next(source, None)
-                if item is None:
-                    source = None
-                    break
-                self.add_request(*item)
-            if not self.has_unfinished():
-                break
-            for out in self.step():
-                if on_output:
-                    on_output(out)
-                else:
-                    outputs.append(out)
-            if on_step:
-                on_step(self.stats())
-        self.stop_workers()
-        return outputs
+        return run_requests(self, requests, 2 * self.config.max_num_seqs, on_output, on_step)
 
     def _follow(self) -> None:
         while True:
