@@ -211,10 +211,6 @@ class DataParallelEngine:
     def structured(self):
         return self.engine.structured
 
-    @property
-    def runner(self):
-        return self.engine.runner
-
     # ------------------------------------------------------------------ the front
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     stream: bool = False) -> None:
