@@ -42,6 +42,7 @@ from tpengine.entrypoints.setup import (
     rank_and_world,
     read_chat_template,
     read_launch,
+    settings_mistake_exit,
     start_rank,
 )
 from tpengine.errors import UserError
@@ -245,9 +246,7 @@ def main(
                       {"max_tokens": max_tokens, "temperature": temperature}, engine, world, rank, summary_json)
         job.chat_template = template
     except UserError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(2) from None
+        raise typer.Exit(settings_mistake_exit(rank, e, engine)) from None
     if not job.requests:  # nothing for the model: every rank decides this alike, before any collective
         if rank == 0:
             try:

@@ -33,6 +33,7 @@ from tpengine.entrypoints.setup import (
     failure_line,
     read_chat_template,
     read_launch,
+    settings_mistake_exit,
     start_rank,
 )
 from tpengine.errors import UserError
@@ -155,9 +156,7 @@ def main(
         check_tool_flags(enable_auto_tool_choice, tool_call_parser)
         sock = bind(host, port) if rank == 0 else None
     except (UserError, ValueError, OSError) as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(2) from None
+        raise typer.Exit(settings_mistake_exit(rank, e, engine)) from None
     try:
         llm = build_engine(launch.config, rank, world, launch.defaults_line)
     except (UserError, FileNotFoundError) as e:

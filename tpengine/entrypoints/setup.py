@@ -123,6 +123,25 @@ def end_rank(code: int) -> None:
     os._exit(code)
 
 
+def settings_mistake_exit(rank: int, error: BaseException, engine: dict[str, Any] | None = None) -> int:
+    """Report a mistake found before the model loads (arguments, settings, request file) and return
+    the exit code, 2. Every rank reads the same inputs and finds the same mistake; rank 0 says it
+    (``error: ...`` on stderr) and returns at once. Another rank under torchrun first waits, for up to
+    ``dist_timeout_s`` (``engine``'s, else :class:`tpengine.config.EngineConfig`'s default): if it
+    returned first, torchrun would end rank 0 (SIGTERM) before it wrote its line. Once rank 0 exits,
+    torchrun ends the waiting rank; if the wait runs out, rank 0 did not find this mistake (e.g. a
+    different file on another node) and this rank says it itself, naming its rank."""
+    if rank == 0 or not under_torchrun():
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    wait_s = (engine or {}).get("dist_timeout_s")
+    if not isinstance(wait_s, (int, float)) or isinstance(wait_s, bool) or wait_s <= 0:
+        wait_s = EngineConfig.dist_timeout_s
+    time.sleep(wait_s)
+    print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
+    return 2
+
+
 def start_rank() -> tuple[int, int]:
     """The first call of every entry point: :func:`die_with_launcher` (under torchrun), then
     :func:`rank_and_world`'s (rank, world size)."""
