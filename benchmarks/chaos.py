@@ -143,6 +143,12 @@ class Tree:
                     rank = proc_rank(pid) if ppid == self.root else None
                     self.seen[pid] = (start, f"rank{rank}" if rank is not None else "child")
                     changed = True
+        # a rank caught between the launcher's fork and its exec still has the launcher's environment
+        # (no RANK): look again until it has one, or it would never be found as a rank
+        for pid, (start, role) in list(self.seen.items()):
+            if role == "child" and pid in stats and stats[pid][1] == self.root and stats[pid][2] == start:
+                if (rank := proc_rank(pid)) is not None:
+                    self.seen[pid] = (start, f"rank{rank}")
 
     def state(self, pid: int) -> str | None:
         """``pid``'s state letter while it is the process seen (not a zombie), else None."""

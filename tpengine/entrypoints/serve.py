@@ -111,9 +111,14 @@ def serve_rank0(engine, sock: socket.socket, model_name: str, defaults: dict[str
         watcher.cancel()
 
     # uvicorn handles SIGTERM / SIGINT while it serves (stop accepting, drain) and raises the signal
-    # again afterwards under the handlers it found: make those a no-op, so the drain ends in exit 0
+    # again afterwards under the handlers it found. Those set should_exit: a signal that comes before
+    # uvicorn's handlers are in place stops the server as soon as it has started (it was lost when
+    # they were a no-op), and the one raised again after the drain changes nothing, so it ends in exit 0
+    def stop_serving(*_: Any) -> None:
+        server.should_exit = True
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
+        signal.signal(sig, stop_serving)
     asyncio.run(main())
     if not loop.failed:
         loop.stop(drain_s)  # in-flight requests were drained by uvicorn; abort what is left, STOP
