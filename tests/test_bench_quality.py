@@ -57,11 +57,12 @@ def test_greedy_agreement_counts_tokens_up_to_the_first_divergence():
 
 
 def test_ppl_verdict_thresholds():
-    assert qm.PPL_THRESHOLDS == {"int8": 0.01, "int4": 0.05, "gguf": 0.05}
+    assert qm.PPL_THRESHOLDS == {"int8": 0.005, "int4": 0.03, "gguf": 0.05}
     assert qm.relative_change(101.0, 100.0) == pytest.approx(0.01)
-    assert qm.ppl_verdict("int8", 0.0099) is True and qm.ppl_verdict("int8", 0.0101) is False
-    assert qm.ppl_verdict("int8", -0.0101) is False  # |change|: lower by more than 1 % is a change too
-    assert qm.ppl_verdict("int4", 0.049) is True and qm.ppl_verdict("int4", 0.051) is False
+    assert qm.ppl_verdict("int8", 0.0049) is True and qm.ppl_verdict("int8", 0.0051) is False
+    assert qm.ppl_verdict("int8", -0.0051) is False  # |change|: lower by more than 0.5 % is a change too
+    assert qm.ppl_verdict("int4", 0.029) is True and qm.ppl_verdict("int4", 0.031) is False
+    assert qm.ppl_verdict("gguf", 0.049) is True and qm.ppl_verdict("gguf", 0.051) is False
     assert qm.ppl_verdict("bf16", 0.5) is None
 
 

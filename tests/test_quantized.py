@@ -241,3 +241,32 @@ def test_weight_bytes(runs):
     # 0.2971 of bf16's (float zeros made 0.3125; the int8 table of earlier versions 0.3525)
     assert (n // 2 + (n // 32) * 3) / (2 * n) == 0.296875
     assert one["smollm2/bfloat16/int4"][0] == 79917696 and round(79917696 / bf16, 4) == 0.2971
+
+
+def test_int4_search_never_loses_to_min_max_and_keeps_exact_grids():
+    """``quantize_int4_coded``'s error search: per group, the weighted squared error (weights
+    ``rms + |w|``) is never above the min/max grid's, overall the RMS error falls by over 5% on
+    Gaussian and heavy-tailed weights, and a group that already lies on a 16-level grid (a GGUF Q4_1
+    block, as SmolLM2's linears) is stored exactly either way (to float32 rounding)."""
+    g = torch.Generator().manual_seed(5)
+    gauss = torch.randn(96, 256, generator=g) * 0.02
+    heavy = gauss / (torch.rand(96, 256, generator=g) + 0.05)  # a few large values per group
+    for w in (gauss.bfloat16(), heavy.bfloat16()):
+        x = w.float().reshape(96, 8, 32)
+        wt = x.pow(2).mean(-1, keepdim=True).sqrt() + x.abs()
+        errs, rms = [], []
+        for search in (False, True):
+            deq = dequantize_int4_coded(*quantize_int4_coded(w, 32, torch.bfloat16, search=search), 32)
+            e = deq.reshape(96, 8, 32) - x
+            errs.append((wt * e * e).sum(-1))
+            rms.append(e.pow(2).mean().sqrt().item())
+        assert bool((errs[1] <= errs[0] * (1 + 1e-6)).all())
+        assert rms[1] < 0.95 * rms[0], rms
+    levels = torch.randint(0, 16, (64, 8, 32), generator=g).float()
+    levels[..., 0], levels[..., 1] = 0, 15  # each block spans its grid
+    d = torch.randint(1, 64, (64, 8, 1), generator=g).float() / 4096
+    m = -torch.randint(1, 15 * 16, (64, 8, 1), generator=g).float() / 16 * d  # in sixteenths of d, in the codes
+    q41 = (levels * d + m).reshape(64, 256)
+    for search in (False, True):
+        deq = dequantize_int4_coded(*quantize_int4_coded(q41, 32, torch.float32, search=search), 32)
+        assert (deq - q41).abs().max().item() < 1e-7

@@ -99,7 +99,7 @@ def coded_zeros(scales: torch.Tensor, zero_codes: torch.Tensor) -> torch.Tensor:
     return (zero_codes.float() * scales.float()) * (1.0 / ZERO_CODE_STEP)
 
 
-def quantize_int4_coded(w: torch.Tensor, group_size: int, dtype: torch.dtype):
+def quantize_int4_coded(w: torch.Tensor, group_size: int, dtype: torch.dtype, search: bool = True):
     """Group-wise int4 of ``w [out, in]`` with the zero stored as an int8 code (a byte a group
     instead of a float: 4.75 bits a weight at group 32 and bfloat16 scales, against 5):
     ``(q int32 [out, in] in 0..15, scales [in / g, out] in dtype, zero_codes int8 [in / g, out])``,
@@ -110,7 +110,9 @@ def quantize_int4_coded(w: torch.Tensor, group_size: int, dtype: torch.dtype):
     zero falls outside the codes' range (``|zero| >= 8 * scale``: it does not contain 0) first has
     its range widened to take in 0 (min ``<= 0 <=`` max), which brings the zero into the range; an
     all-zero group is stored as a vocabulary padding row is, all 0: values, scale and code. Then
-    ``q = round((w - zero) / scale + 8)`` clamped to ``[0, 15]``. (The coded zero lets the grid sit
+    ``q = round((w - zero) / scale + 8)`` clamped to ``[0, 15]``; with ``search`` (the default), each group
+    whose min/max grid does not hold it exactly first gets the scale and zero code of least error among
+    that grid and 21 others (:func:`_search_int4_coded`, llama.cpp's Q4_K search). (The coded zero lets the grid sit
     anywhere between two steps, unlike an integer zero point ``(q - z) * scale``: SmolLM2's weights
     came from GGUF Q4_1 grids, and an integer zero point cost them +20% perplexity where this code
     costs nothing measurable; docs/notes/quantized-head.md.)
@@ -130,11 +132,82 @@ def quantize_int4_coded(w: torch.Tensor, group_size: int, dtype: torch.dtype):
     mn, mx = torch.where(wide, mn.clamp(max=0), mn), torch.where(wide, mx.clamp(min=0), mx)
     s = torch.where(wide, scale_of(mx, mn), s)
     empty = (mx == 0) & (mn == 0)
-    codes = torch.round((mn + 8 * s) / s * ZERO_CODE_STEP).clamp_(-128, 127).masked_fill_(empty, 0).to(torch.int8)
+    codes = torch.round((mn + 8 * s) / s * ZERO_CODE_STEP).clamp_(-128, 127).masked_fill_(empty, 0)
+    if search:
+        s, codes = _search_int4_coded(g, s, codes, empty, dtype)
+    codes = codes.to(torch.int8)
     zeros = coded_zeros(s, codes)
     q = torch.round((g - zeros[..., None]) / s[..., None] + 8).clamp_(0, 15).masked_fill_(empty[..., None], 0)
     s = s.masked_fill(empty, 0)
     return q.reshape(out, k).to(torch.int32), s.to(dtype).t().contiguous(), codes.t().contiguous()
+
+
+#: The error search of :func:`_search_int4_coded`: grids of 15 + (RMIN + RDELTA * i) steps across a group's
+#: range, i = 0..NSTEP (llama.cpp's ``make_qkx2_quants`` for Q4_K: -1, 0.1, 20).
+SEARCH_RMIN, SEARCH_RDELTA, SEARCH_NSTEP = -1.0, 0.1, 20
+#: Groups searched at once (memory: groups x (NSTEP + 1) x group size float32 values, a few at a time).
+SEARCH_CHUNK = 8192
+
+
+def _coded_fit(g: torch.Tensor, s: torch.Tensor, b: torch.Tensor, wt: torch.Tensor, dtype: torch.dtype):
+    """Store the grid ``w ~ l * s + b`` as :func:`quantize_int4_coded` does (``s`` rounded to ``dtype``,
+    ``zero = b + 8 s`` as a code) and quantize ``g [..., n]`` on it: ``(s float32, codes, weighted squared
+    error [...])``; a grid with ``s <= 0`` (or not finite) has error ``inf``."""
+    ok = torch.isfinite(s) & torch.isfinite(b) & (s > 0)
+    s = torch.where(ok, s, torch.ones_like(s)).to(dtype).float()
+    ok &= s > 0
+    s = torch.where(ok, s, torch.ones_like(s))
+    codes = torch.round((b + 8 * s) / s * ZERO_CODE_STEP).nan_to_num_(0).clamp_(-128, 127)
+    zeros = coded_zeros(s, codes)
+    q = torch.round((g - zeros[..., None]) / s[..., None] + 8).clamp_(0, 15)
+    err = (wt * ((q - 8) * s[..., None] + zeros[..., None] - g) ** 2).sum(-1)
+    return s, codes, torch.where(ok, err, torch.full_like(err, float("inf")))
+
+
+def _search_int4_coded(g: torch.Tensor, s: torch.Tensor, codes: torch.Tensor, empty: torch.Tensor,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each group of ``g [out, groups, n]`` whose min/max grid (``s`` float32, ``codes`` [out, groups])
+    does not hold it exactly, the scale and zero code of least weighted squared error among that grid and
+    ``SEARCH_NSTEP + 1`` others: a grid of ``15 + SEARCH_RMIN + SEARCH_RDELTA * i`` steps across the
+    group's range (widened to hold 0), each group's values rounded onto it, and then the scale and
+    offset that fit those levels best (weighted least squares, the offset kept <= 0, as the codes
+    need), stored as :func:`quantize_int4_coded` stores them. The weights are ``rms(group) + |w|``.
+    Returns the chosen ``(s, codes)``, the same shapes.
+
+    Source: llama.cpp's ``make_qkx2_quants`` (ggml-quants.c; the Q4_K quantizer, Kawrakow 2023), here for
+    the coded zero's grid ``(q - 8) * s + zero``."""
+    shape = s.shape
+    gf, s, codes, empty = g.reshape(-1, g.shape[-1]), s.reshape(-1).clone(), codes.reshape(-1).clone(), empty.reshape(-1)
+    for lo in range(0, gf.shape[0], SEARCH_CHUNK):
+        x = gf[lo:lo + SEARCH_CHUNK]
+        wt = x.pow(2).mean(-1, keepdim=True).sqrt() + x.abs()
+        z0 = coded_zeros(s[lo:lo + SEARCH_CHUNK], codes[lo:lo + SEARCH_CHUNK])
+        _, _, best = _coded_fit(x, s[lo:lo + SEARCH_CHUNK], z0 - 8 * s[lo:lo + SEARCH_CHUNK], wt, dtype)
+        todo = (best > 0) & ~empty[lo:lo + SEARCH_CHUNK]
+        if not todo.any():
+            continue
+        idx = todo.nonzero().squeeze(1)
+        x, wt, best = x[idx], wt[idx], best[idx]
+        mn, mx = x.amin(-1).clamp(max=0), x.amax(-1).clamp(min=0)
+        rng = (mx - mn).clamp(min=1e-30)
+        sw, sx = wt.sum(-1), (wt * x).sum(-1)
+        best_s, best_c = s[lo + idx], codes[lo + idx]
+        for i in range(SEARCH_NSTEP + 1):
+            iscale = (15 + SEARCH_RMIN + SEARCH_RDELTA * i) / rng
+            lv = torch.round(iscale[:, None] * (x - mn[:, None])).clamp_(0, 15)
+            sl, sl2, sxl = (wt * lv).sum(-1), (wt * lv * lv).sum(-1), (wt * x * lv).sum(-1)
+            det = sw * sl2 - sl * sl
+            fs = (sw * sxl - sx * sl) / det
+            fb = (sl2 * sx - sl * sxl) / det
+            pos = fb > 0  # the levels start above 0: the grid must still hold 0 (the codes' range)
+            fs = torch.where(pos, sxl / sl2, fs)
+            fb = torch.where(pos, torch.zeros_like(fb), fb)
+            cs, cc, err = _coded_fit(x, fs, fb, wt, dtype)
+            better = err < best
+            best = torch.where(better, err, best)
+            best_s, best_c = torch.where(better, cs, best_s), torch.where(better, cc, best_c)
+        s[lo + idx], codes[lo + idx] = best_s, best_c
+    return s.reshape(shape), codes.reshape(shape)
 
 
 def dequantize_int4_coded(q: torch.Tensor, scales: torch.Tensor, zero_codes: torch.Tensor,
