@@ -1,5 +1,8 @@
 """Benchmarks and evaluations of tpengine; not part of the installed package.
 
+``TPENGINE_ISA=avx2`` runs every benchmark, its workers and Hugging Face's included, as the AVX2 + FMA
+machine class (:data:`tpengine.TORCH_ISA_CAPS`).
+
 Run from the repository root: ``python -m benchmarks.bench`` (``make bench``), ``python -m
 benchmarks.humaneval`` (``make humaneval``), ``python -m benchmarks.bench_scale`` (``make
 bench-scale``). Their worker subprocesses get the repository root on ``PYTHONPATH``
@@ -12,14 +15,18 @@ import json
 import os
 from pathlib import Path
 
+from tpengine import isa_env  # first: with TPENGINE_ISA it caps torch before any benchmark imports it
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
     """``os.environ`` plus the repository root prepended to ``PYTHONPATH``, offline HF and
-    ``TOKENIZERS_PARALLELISM=false``, updated by ``extra``: the environment of every worker."""
+    ``TOKENIZERS_PARALLELISM=false``, and torch capped as ``TPENGINE_ISA`` says
+    (:func:`tpengine.isa_env`: every worker, HF's included, runs as the same machine class), updated
+    by ``extra``: the environment of every worker."""
     path = os.environ.get("PYTHONPATH", "")
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+    env = {**isa_env(), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), path) if p)}
     env.update(extra)
     return env

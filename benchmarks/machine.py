@@ -61,14 +61,19 @@ def machine_info() -> dict:
         pass
     return {"cpu": model or platform.processor() or platform.machine(), "cpu_flags": cpu_flags(flags),
             "cores": cpu_cores(), "memory_gib": mem, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "isa": isa if (isa := os.environ.get("TPENGINE_ISA", "").strip().lower()) not in ("", "native") else None,
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version()}
 
 
 def machine_line(info: dict) -> str:
-    """One line naming the machine of :func:`machine_info`: CPU model, flags, cores, torch."""
+    """One line naming the machine of :func:`machine_info`: CPU model, flags, cores, torch (and, when
+    ``TPENGINE_ISA`` ran it as another class, that: the kernels' ISA and torch's capability)."""
     flags = flags_text(info["cpu_flags"]) if "cpu_flags" in info else "flags unknown"
-    return f"{info['cpu']} ({flags}), {info['cores']} cores, torch {info['torch']}"
+    line = f"{info['cpu']} ({flags}), {info['cores']} cores, torch {info['torch']}"
+    if info.get("isa"):
+        line += f", run as {info['isa']} (TPENGINE_ISA; torch capability {info.get('cpu_capability')})"
+    return line
 
 
 if __name__ == "__main__":  # python -m benchmarks.machine: the line (make bench prints it first)

@@ -52,3 +52,28 @@ def test_kernel_checks_pass_on_the_avx2_build(tmp_path):
     tail = res.stdout[-4000:] + res.stderr[-2000:]
     assert res.returncode == 0, tail
     assert " passed" in res.stdout and " failed" not in res.stdout, tail
+
+
+def test_tpengine_isa_caps_torch_too():
+    """``TPENGINE_ISA=avx2`` caps torch as well as the kernels (issue 35, item 7): ``isa_env`` adds the three
+    variables torch reads, keeps any the environment sets, adds nothing for "native" or without it; and a
+    process that imports tpengine before torch runs torch's AVX2 kernels (its capability), which the
+    benchmarks' machine line names."""
+    from tpengine import TORCH_ISA_CAPS, isa_env
+
+    caps = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    assert TORCH_ISA_CAPS == {"avx2": caps}
+    assert isa_env({"TPENGINE_ISA": " AVX2 ", "X": "1"}) == {"TPENGINE_ISA": " AVX2 ", "X": "1", **caps}
+    assert isa_env({"TPENGINE_ISA": "avx2", "ATEN_CPU_CAPABILITY": "default"})["ATEN_CPU_CAPABILITY"] == "default"
+    assert isa_env({"TPENGINE_ISA": "native"}) == {"TPENGINE_ISA": "native"} and isa_env({}) == {}
+    if platform.machine() not in ("x86_64", "AMD64") or not cpu_runs_avx2():
+        return
+    env = {k: v for k, v in os.environ.items() if k not in caps}
+    env.update(TPENGINE_ISA="avx2", PYTHONPATH=str(ROOT))
+    code = ("import tpengine, torch; from benchmarks.machine import machine_info, machine_line; "
+            "print(torch.backends.cpu.get_cpu_capability()); print(machine_line(machine_info()))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    capability, line = res.stdout.splitlines()
+    assert capability == "AVX2"
+    assert line.endswith(", run as avx2 (TPENGINE_ISA; torch capability AVX2)"), line

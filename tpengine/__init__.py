@@ -8,9 +8,33 @@ The Python API (after vLLM's): ``from tpengine import LLM, SamplingParams`` (see
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+#: ``TPENGINE_ISA`` -> the variables that cap torch to that instruction set: with ``TPENGINE_ISA=avx2``
+#: an AVX-512 machine runs as the AVX2 + FMA class, its C kernels built for x86-64-v3
+#: (:func:`tpengine.backends.cpu.cpu_library.march`) and torch's ATen, oneDNN and MKL kernels capped
+#: alike. torch reads these when it loads, so they are set here, before tpengine imports it, where
+#: the environment does not set them already (a process that imported torch before tpengine keeps
+#: its own: set them yourself there, or use :func:`isa_env` for a child process).
+TORCH_ISA_CAPS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                           "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+
+
+def isa_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default ``os.environ``), copied, with :data:`TORCH_ISA_CAPS` of its ``TPENGINE_ISA``
+    added where it does not set them (nothing added without ``TPENGINE_ISA`` or for "native")."""
+    out = dict(os.environ if env is None else env)
+    for key, value in TORCH_ISA_CAPS.get(out.get("TPENGINE_ISA", "").strip().lower(), {}).items():
+        out.setdefault(key, value)
+    return out
+
+
+for _key, _value in isa_env().items():
+    if _key not in os.environ:
+        os.environ[_key] = _value
 
 #: Public name -> the module that defines it.
 _EXPORTS = {
