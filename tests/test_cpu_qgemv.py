@@ -201,8 +201,9 @@ def test_coded_int4_every_path_is_the_stored_weight(dtype):
     ref = dequantize_int4_coded(*quantize_int4_coded(w, 32, dtype), 32)
     assert torch.equal(q.dequantize(), ref) and not ref[3].any()
     assert not q.scales[:, 3].any() and not q.zero_codes[:, 3].any()
-    step = float(q.scales[0, 5])
-    assert step == pytest.approx(2.0 / 15, rel=2 ** -7) and float((ref[5, :32] - w[5, :32]).abs().max()) <= step / 2
+    step = float(q.scales[0, 5])  # min/max: 2 / 15; the error search may narrow or widen it a little
+    assert step == pytest.approx(2.0 / 15, rel=0.05) and float((ref[5, :32] - w[5, :32]).abs().max()) <= step / 2
+    assert float(quantize_int4_coded(w, 32, dtype, search=False)[1][0, 5]) == pytest.approx(2.0 / 15, rel=2 ** -7)
     assert q.nbytes == 80 * 128 // 2 + 4 * 80 * (dtype.itemsize + 1)  # half a byte a weight, a scale and a code a group
     paths = ((8, (8, 0)), (8, (0, 0)), (70, (0, 64)), (70, (0, 0)))
     if not cpu_qgemv.kernels_built(int4=True):  # no int4 C kernels: torch's kernel only, no GEMV or dequantization

@@ -110,9 +110,10 @@ def quantize_int4_coded(w: torch.Tensor, group_size: int, dtype: torch.dtype, se
     zero falls outside the codes' range (``|zero| >= 8 * scale``: it does not contain 0) first has
     its range widened to take in 0 (min ``<= 0 <=`` max), which brings the zero into the range; an
     all-zero group is stored as a vocabulary padding row is, all 0: values, scale and code. Then
-    ``q = round((w - zero) / scale + 8)`` clamped to ``[0, 15]``; with ``search`` (the default), each group
-    whose min/max grid does not hold it exactly first gets the scale and zero code of least error among
-    that grid and 21 others (:func:`_search_int4_coded`, llama.cpp's Q4_K search). (The coded zero lets the grid sit
+    ``q = round((w - zero) / scale + 8)`` clamped to ``[0, 15]``; with ``search`` (the default), each
+    group whose min/max grid does not hold it (to ``dtype``'s rounding) first gets the scale and zero
+    code of least error among that grid and 21 others (:func:`_search_int4_coded`, llama.cpp's Q4_K
+    search). (The coded zero lets the grid sit
     anywhere between two steps, unlike an integer zero point ``(q - z) * scale``: SmolLM2's weights
     came from GGUF Q4_1 grids, and an integer zero point cost them +20% perplexity where this code
     costs nothing measurable; docs/notes/quantized-head.md.)
@@ -145,8 +146,12 @@ def quantize_int4_coded(w: torch.Tensor, group_size: int, dtype: torch.dtype, se
 #: The error search of :func:`_search_int4_coded`: grids of 15 + (RMIN + RDELTA * i) steps across a group's
 #: range, i = 0..NSTEP (llama.cpp's ``make_qkx2_quants`` for Q4_K: -1, 0.1, 20).
 SEARCH_RMIN, SEARCH_RDELTA, SEARCH_NSTEP = -1.0, 0.1, 20
-#: Groups searched at once (memory: groups x (NSTEP + 1) x group size float32 values, a few at a time).
-SEARCH_CHUNK = 8192
+#: A group whose min/max grid holds it to within the stored dtype's rounding (weighted squared error at
+#: most this many eps^2 of its weighted sum of squares: a GGUF Q4_1 block in bfloat16, as SmolLM2's
+#: linears are, sits at ~1 eps^2; 4-bit rounding costs ~250 eps^2 of bfloat16) is not searched.
+SEARCH_EXACT = 16
+#: Groups searched at once (memory: a few tensors of groups x (NSTEP + 1) x group size float32 values).
+SEARCH_CHUNK = 4096
 
 
 def _coded_fit(g: torch.Tensor, s: torch.Tensor, b: torch.Tensor, wt: torch.Tensor, dtype: torch.dtype):
@@ -167,47 +172,55 @@ def _coded_fit(g: torch.Tensor, s: torch.Tensor, b: torch.Tensor, wt: torch.Tens
 def _search_int4_coded(g: torch.Tensor, s: torch.Tensor, codes: torch.Tensor, empty: torch.Tensor,
                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """For each group of ``g [out, groups, n]`` whose min/max grid (``s`` float32, ``codes`` [out, groups])
-    does not hold it exactly, the scale and zero code of least weighted squared error among that grid and
+    does not hold it to within ``dtype``'s rounding (:data:`SEARCH_EXACT`), the scale and zero code of
+    least weighted squared error among that grid and
     ``SEARCH_NSTEP + 1`` others: a grid of ``15 + SEARCH_RMIN + SEARCH_RDELTA * i`` steps across the
     group's range (widened to hold 0), each group's values rounded onto it, and then the scale and
     offset that fit those levels best (weighted least squares, the offset kept <= 0, as the codes
     need), stored as :func:`quantize_int4_coded` stores them. The weights are ``rms(group) + |w|``.
-    Returns the chosen ``(s, codes)``, the same shapes.
+    Each candidate is scored in closed form from the sums of its levels (``sum w (s l + b - x)^2`` with
+    the stored ``s`` and ``b``); the best one replaces the min/max grid only if its error, the values
+    quantized on it as they will be, is lower. Returns the chosen ``(s, codes)``, the same shapes.
 
     Source: llama.cpp's ``make_qkx2_quants`` (ggml-quants.c; the Q4_K quantizer, Kawrakow 2023), here for
     the coded zero's grid ``(q - 8) * s + zero``."""
-    shape = s.shape
-    gf, empty = g.reshape(-1, g.shape[-1]), empty.reshape(-1)
+    shape, n = s.shape, g.shape[-1]
+    gf, empty = g.reshape(-1, n), empty.reshape(-1)
     s, codes = s.reshape(-1).clone(), codes.reshape(-1).clone()
+    steps = 15 + SEARCH_RMIN + SEARCH_RDELTA * torch.arange(SEARCH_NSTEP + 1, dtype=torch.float32)  # [C]
     for lo in range(0, gf.shape[0], SEARCH_CHUNK):
-        x = gf[lo:lo + SEARCH_CHUNK]
+        part = slice(lo, lo + SEARCH_CHUNK)
+        x = gf[part]
         wt = x.pow(2).mean(-1, keepdim=True).sqrt() + x.abs()
-        z0 = coded_zeros(s[lo:lo + SEARCH_CHUNK], codes[lo:lo + SEARCH_CHUNK])
-        _, _, best = _coded_fit(x, s[lo:lo + SEARCH_CHUNK], z0 - 8 * s[lo:lo + SEARCH_CHUNK], wt, dtype)
-        todo = (best > 0) & ~empty[lo:lo + SEARCH_CHUNK]
-        if not todo.any():
+        _, _, base = _coded_fit(x, s[part], coded_zeros(s[part], codes[part]) - 8 * s[part], wt, dtype)
+        exact = base <= SEARCH_EXACT * torch.finfo(dtype).eps ** 2 * (wt * x * x).sum(-1)
+        todo = (~exact & ~empty[part]).nonzero().squeeze(1)
+        if todo.numel() == 0:
             continue
-        idx = todo.nonzero().squeeze(1)
-        x, wt, best = x[idx], wt[idx], best[idx]
+        x, wt, base = x[todo], wt[todo], base[todo]
         mn, mx = x.amin(-1).clamp(max=0), x.amax(-1).clamp(min=0)
-        rng = (mx - mn).clamp(min=1e-30)
-        sw, sx = wt.sum(-1), (wt * x).sum(-1)
-        best_s, best_c = s[lo + idx], codes[lo + idx]
-        for i in range(SEARCH_NSTEP + 1):
-            iscale = (15 + SEARCH_RMIN + SEARCH_RDELTA * i) / rng
-            lv = torch.round(iscale[:, None] * (x - mn[:, None])).clamp_(0, 15)
-            sl, sl2, sxl = (wt * lv).sum(-1), (wt * lv * lv).sum(-1), (wt * x * lv).sum(-1)
-            det = sw * sl2 - sl * sl
-            fs = (sw * sxl - sx * sl) / det
-            fb = (sl2 * sx - sl * sxl) / det
-            pos = fb > 0  # the levels start above 0: the grid must still hold 0 (the codes' range)
-            fs = torch.where(pos, sxl / sl2, fs)
-            fb = torch.where(pos, torch.zeros_like(fb), fb)
-            cs, cc, err = _coded_fit(x, fs, fb, wt, dtype)
-            better = err < best
-            best = torch.where(better, err, best)
-            best_s, best_c = torch.where(better, cs, best_s), torch.where(better, cc, best_c)
-        s[lo + idx], codes[lo + idx] = best_s, best_c
+        iscale = steps / (mx - mn).clamp(min=1e-30)[:, None]  # [m, C]
+        lv = torch.round((x - mn[:, None])[:, None, :] * iscale[..., None]).clamp_(0, 15)  # [m, C, n]
+        wl = lv * wt[:, None, :]
+        sl, sl2, sxl = wl.sum(-1), (wl * lv).sum(-1), (wl * x[:, None, :]).sum(-1)  # [m, C]
+        wx = wt * x
+        sw, sx, sx2 = wt.sum(-1, keepdim=True), wx.sum(-1, keepdim=True), (wx * x).sum(-1, keepdim=True)
+        det = sw * sl2 - sl * sl
+        fs, fb = (sw * sxl - sx * sl) / det, (sl2 * sx - sl * sxl) / det
+        pos = fb > 0  # the levels start above 0: the grid must still hold 0 (the codes' range)
+        fs, fb = torch.where(pos, sxl / sl2, fs), torch.where(pos, torch.zeros_like(fb), fb)
+        ok = torch.isfinite(fs) & torch.isfinite(fb) & (fs > 0)
+        cs = torch.where(ok, fs, torch.ones_like(fs)).to(dtype).float()  # the grid as stored
+        ok &= cs > 0
+        cs = torch.where(ok, cs, torch.ones_like(cs))
+        cc = torch.round((fb + 8 * cs) / cs * ZERO_CODE_STEP).nan_to_num_(0).clamp_(-128, 127)
+        cb = coded_zeros(cs, cc) - 8 * cs
+        est = cs * cs * sl2 + 2 * cs * cb * sl + cb * cb * sw - 2 * cs * sxl - 2 * cb * sx + sx2
+        pick = torch.where(ok, est, torch.full_like(est, float("inf"))).argmin(-1, keepdim=True)
+        cs, cc = cs.gather(1, pick).squeeze(1), cc.gather(1, pick).squeeze(1)
+        _, _, err = _coded_fit(x, cs, coded_zeros(cs, cc) - 8 * cs, wt, dtype)
+        better = err < base
+        s[lo + todo[better]], codes[lo + todo[better]] = cs[better], cc[better]
     return s.reshape(shape), codes.reshape(shape)
 
 
