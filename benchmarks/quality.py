@@ -3,6 +3,7 @@
     python -m benchmarks.quality --out quality.json
     python -m benchmarks.quality --gguf-dir models/smollm2-135m-q4    (a tpengine-shard convert --keep-quant folder)
     python -m benchmarks.quality --limit 8 --max-tokens 16             (a quick look)
+    python -m benchmarks.quality --configs int4                         (bf16 and int4 only)
 
 Weight configs, each one engine (:class:`tpengine.engine.llm_engine.LLMEngine`, tp=1, bfloat16
 activations, every request of the config submitted at once): ``bf16`` (the float model folder
@@ -160,6 +161,8 @@ def main(
     limit: Annotated[int, typer.Option(help="first N problems only (0 = all 164)")] = 0,
     threads: Annotated[int, typer.Option(help="intra-op threads (0 = every core)")] = 0,
     out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
+    configs: Annotated[str, typer.Option(help="the float folder's configs to run, comma-separated (bf16 always "
+                                              "runs: the reference)")] = ",".join(FLOAT_CONFIGS),
 ) -> None:
     """Perplexity and greedy agreement of bf16, int8, int4 (and GGUF) weights on HumanEval; prints a table."""
     from rich.console import Console
@@ -170,6 +173,10 @@ def main(
     if max_tokens < 1 or limit < 0 or threads < 0:
         raise typer.BadParameter(f"--max-tokens must be >= 1 (got {max_tokens}), --limit and --threads >= 0 "
                                  f"(got {limit}, {threads})")
+    chosen = {"bf16", *filter(None, (c.strip() for c in configs.split(",")))}
+    if chosen - set(FLOAT_CONFIGS):
+        raise typer.BadParameter(f"--configs {configs!r}: unknown {', '.join(sorted(chosen - set(FLOAT_CONFIGS)))}; "
+                                 f"valid: {', '.join(FLOAT_CONFIGS)}")
     console = Console(width=max(Console().width, 120), stderr=False)
     machine = machine_info()
     console.print(f"machine: {machine_line(machine)}")
@@ -180,14 +187,14 @@ def main(
     prompts = [tokenizer(p["prompt"])["input_ids"] for p in problems]
     longest = max(max(len(ids) for ids, _ in scoring) + 1, max(map(len, prompts)) + max_tokens)
     max_model_len = -(-longest // 16) * 16
-    configs: dict[str, tuple[str, str | None]] = {k: (model, q) for k, q in FLOAT_CONFIGS.items()}
+    runs_of: dict[str, tuple[str, str | None]] = {k: (model, q) for k, q in FLOAT_CONFIGS.items() if k in chosen}
     if gguf_dir is not None:
         if (gguf_dir / "config.json").is_file():
-            configs["gguf"] = (str(gguf_dir), None)
+            runs_of["gguf"] = (str(gguf_dir), None)
         else:
             console.print(f"gguf: skipped: {gguf_dir} is not a model folder (no config.json)")
     runs = {}
-    for name, (folder, quant) in configs.items():
+    for name, (folder, quant) in runs_of.items():
         console.print(f"{name}: {folder}{f' --quantization {quant}' if quant else ''}, {len(problems)} scoring + "
                       f"{len(prompts)} greedy requests")
         try:
