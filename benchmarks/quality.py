@@ -147,7 +147,7 @@ def render_table(result: dict):
         verdict = {None: "-", True: "[green]pass[/]", False: "[red]FAIL[/]"}[r["ppl_pass"]]
         table.add_row(name, f"{r['weight_bytes'] / 2**20:.1f}", str(r["solution_tokens"]), f"{r['perplexity']:.4f}",
                       "-" if name == "bf16" else f"{r['ppl_change']:+.2%}",
-                      "-" if r["threshold"] is None else f"{r['threshold']:.0%}", verdict,
+                      "-" if r["threshold"] is None else f"{r['threshold'] * 100:g}%", verdict,
                       f"{r['prefix_agreement']:.1%}", f"{r['exact_match']:.1%}", f"{r['wall_s']:.1f}")
     return table
 
