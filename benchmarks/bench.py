@@ -63,13 +63,17 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 class Worker:
     """A running :mod:`benchmarks.bench_worker` (one process, or a torchrun group at tp > 1)."""
 
-    def __init__(self, name: str, args: list[str], tp: int, log: Path):
+    def __init__(self, name: str, args: list[str], tp: int, log: Path, module: str = "benchmarks.bench_worker",
+                 env: dict[str, str] | None = None):
+        """Start ``python -m module args`` (at tp > 1 under torchrun), stderr to ``log``, in ``env``
+        (default :func:`benchmarks.subprocess_env`); ``module`` speaks :mod:`benchmarks.bench_worker`'s
+        protocol (:mod:`benchmarks.peer_worker` does too)."""
         self.name, self.log_path = name, log
-        base = [sys.executable, "-m", "benchmarks.bench_worker"]
+        base = [sys.executable, "-m", module]
         if tp > 1:
             base = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={tp}",
-                    "-m", "benchmarks.bench_worker"]
-        env = subprocess_env()
+                    "-m", module]
+        env = env if env is not None else subprocess_env()
         self.log = open(log, "w")
         self.proc = subprocess.Popen(base + args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      text=True, env=env, bufsize=1)
