@@ -177,7 +177,8 @@ def _search_int4_coded(g: torch.Tensor, s: torch.Tensor, codes: torch.Tensor, em
     Source: llama.cpp's ``make_qkx2_quants`` (ggml-quants.c; the Q4_K quantizer, Kawrakow 2023), here for
     the coded zero's grid ``(q - 8) * s + zero``."""
     shape = s.shape
-    gf, s, codes, empty = g.reshape(-1, g.shape[-1]), s.reshape(-1).clone(), codes.reshape(-1).clone(), empty.reshape(-1)
+    gf, empty = g.reshape(-1, g.shape[-1]), empty.reshape(-1)
+    s, codes = s.reshape(-1).clone(), codes.reshape(-1).clone()
     for lo in range(0, gf.shape[0], SEARCH_CHUNK):
         x = gf[lo:lo + SEARCH_CHUNK]
         wt = x.pow(2).mean(-1, keepdim=True).sqrt() + x.abs()
