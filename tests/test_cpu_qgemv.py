@@ -10,7 +10,7 @@ import torch
 
 from tpengine.backends.cpu import cpu_library, cpu_qgemv
 from tpengine.model.quant.apply import quantize_weight
-from tpengine.model.quant.arith import int4_pack_layout
+from tpengine.model.quant.arith import _int4_values, int4_pack_layout
 from tpengine.model.quant.weights import Int4Weight, Int8Weight, QuantScheme
 
 # the kernels' tests; the int4-with-codes storage and torch's kernel on it run on every machine
@@ -20,7 +20,9 @@ needs_int4 = pytest.mark.skipif(cpu_library.missing(*cpu_qgemv.INT4_KERNELS) is 
                                 reason=str(cpu_library.missing(*cpu_qgemv.INT4_KERNELS)))
 #: int4z: int4 with int8 zero codes (--quantization int4's); int4: float zeros (GGUF Q4_1's)
 SCHEMES = [("int8", None), ("int8", 32), ("int4", 32), ("int4", 128), ("int4z", 32), ("int4z", 128)]
-SHAPES = [(960, 256), (472, 256), (80, 128)]  # 472: 7 blocks of 64 and a last one of 24 (padded to 32)
+#: 472: 7 blocks of 64 and a last one of 24 (padded to 32); in torch's AVX2 layout 15 blocks of 32 (the
+#: last one alone, not in a pair); 104 (padded to 112): one block of 64 and one of 48, or 3 of 32 and one of 16
+SHAPES = [(960, 256), (472, 256), (80, 128), (104, 128)]
 
 
 def weight(name, group, shape, dtype, seed=0):
@@ -80,6 +82,55 @@ def test_int4_dequantize_is_the_stored_weight_transposed(name, shape, dtype):
     q.gemv_rows, q.dequant_rows = 0, 64  # 70 rows: dequantize + one GEMM
     torch.testing.assert_close(q(x).float(), (x.float() @ want.T), rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
                                atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def pack_int4(q: torch.Tensor, block: int) -> torch.Tensor:
+    """``q [n_pad, k]`` (0..15) in torch's packed layout of ``block``-row blocks (64: its AVX-512
+    code's, 32: its AVX2 code's): column by column, row ``j`` of a block in the low nibble of byte ``j``
+    and row ``j + block / 2`` in its high one; a last block of ``nb`` rows with rows ``2j`` and
+    ``2j + 1`` in byte ``j``."""
+    n_pad, k = q.shape
+    full, parts = n_pad // block * block, []
+    for b in range(0, full, block):
+        blk = q[b:b + block].T  # [k, block]
+        parts.append(blk[:, : block // 2] | blk[:, block // 2:] << 4)
+    if full < n_pad:
+        tail = q[full:].T
+        parts.append(tail[:, 0::2] | tail[:, 1::2] << 4)
+    return torch.cat([p.reshape(-1) for p in parts]).to(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", ["int4", "int4z"])
+def test_int4_kernels_read_the_other_layout(name, shape, dtype, monkeypatch):
+    """An AVX2 build reads torch's packed int4 layout of either CPU capability: 64-row blocks (an AVX-512
+    CPU without AVX512-BF16 runs the AVX2 path on them) and 32-row ones (an AVX2 CPU's). The weight is
+    repacked in the layout torch does not pack here and read as if torch did: the GEMV at 1..8 rows
+    and the dequantization give the same results as on torch's own packing."""
+    here = cpu_qgemv.torch_int4_block()
+    other = {64: 32, 32: 64}[here]
+    if other not in cpu_qgemv.int4_blocks():
+        pytest.skip(f"this build ({cpu_library.isa()}) reads int4 blocks of "
+                    f"{', '.join(map(str, cpu_qgemv.int4_blocks())) or 'no'} rows")
+    q = weight(name, 32, shape, dtype)
+    scales, codes = (q.scales, q.zero_codes) if name == "int4z" else (q.scales_and_zeros, None)
+    n_pad, k = scales.shape[1], shape[1]
+    values = _int4_values(q.packed, int4_pack_layout(n_pad), torch.arange(n_pad), k)
+    assert torch.equal(pack_int4(values, here), q.packed.reshape(-1))  # the layout as torch packs it here
+    repacked = pack_int4(values, other).reshape(q.packed.shape)
+    mine = [cpu_qgemv.dequant_int4(q.packed, scales, 32, codes)]
+    xs = [torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype) for rows in range(1, 9)]
+    mine += [cpu_qgemv.int4(x, q.packed, scales, 32, shape[0], codes) for x in xs]
+    monkeypatch.setattr(cpu_qgemv, "torch_int4_block", lambda: other)
+    theirs = [cpu_qgemv.dequant_int4(repacked, scales, 32, codes)]
+    theirs += [cpu_qgemv.int4(x, repacked, scales, 32, shape[0], codes) for x in xs]
+    assert torch.equal(mine[0], theirs[0])  # element by element, the same arithmetic
+    want = q.dequantize().double()
+    for x, a, b in zip(xs, mine[1:], theirs[1:]):  # the sums in another order, well within the bound
+        tol = bound(x, q) * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -18)
+        assert ((b.double() - x.double() @ want.T).abs() <= tol + 1e-30).all(), x.shape[0]
+        assert ((a.double() - b.double()).abs() <= tol + 1e-30).all(), x.shape[0]
 
 
 @needs_kernels

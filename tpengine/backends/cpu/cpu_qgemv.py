@@ -15,6 +15,7 @@ weight and one float GEMM, where that measured faster.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch
 from tpengine.backends.cpu import cpu_library
 from tpengine.backends.cpu.cpu_library import cache_root, cpu_id
 from tpengine.backends.cpu.measured import BUSY, NOISY, Contention, consistent, read_cache, time_us, write_cache
+from tpengine.model.quant.arith import int4_pack_layout
 
 #: The most rows one call takes.
 MAX_ROWS = 8
@@ -41,15 +43,33 @@ CACHE_VERSION = 3  # 3: caches from before the contention check are measured aga
 _FLOAT = (torch.bfloat16, torch.float32)
 
 
+def int4_blocks() -> tuple[int, ...]:
+    """The rows per block of torch's packed int4 layouts the built int4 kernels read: 64 (the layout
+    torch packs where it runs its AVX-512 code) in every build, and 32 (its AVX2 code's) in an AVX2
+    build, which also runs on an AVX-512 CPU without AVX512-BF16 (torch packs 64 there); () without
+    the kernels. Never raises."""
+    if not kernels_built(int4=True):
+        return ()
+    return (64, 32) if cpu_library.isa() == "avx2" else (64,)
+
+
+@functools.lru_cache(maxsize=1)
+def torch_int4_block() -> int:
+    """The rows per block of the layout ``_convert_weight_to_int4pack_for_cpu`` packs on this machine
+    (its CPU capability: 64 with AVX512, 32 with AVX2), learnt from 96 rows (a full block and more)."""
+    return int4_pack_layout(96).block
+
+
 def int4_layout_ok(layout) -> bool:
-    """Whether a :class:`tpengine.model.quant.arith.Int4PackLayout` is the one ``cpu_qgemv.c``
-    reads: 64-row blocks, row ``r`` at byte ``r % 32`` of each column in nibble ``4 * (r // 32)``;
-    a last block of ``nb`` rows with rows ``2j`` and ``2j + 1`` in byte ``j`` (torch's AVX-512
-    layout; its AVX2 one has 32-row blocks and is left to torch's kernel)."""
+    """Whether a :class:`tpengine.model.quant.arith.Int4PackLayout` is one ``cpu_qgemv.c`` reads
+    (:func:`int4_blocks`): blocks of ``b`` = 64 or 32 rows, row ``r`` at byte ``r % (b / 2)`` of each
+    column in nibble ``4 * (r // (b / 2))``; a last block of ``nb`` rows with rows ``2j`` and ``2j + 1``
+    in byte ``j`` (torch's AVX-512 layout, 64-row blocks, and its AVX2 one, 32-row blocks)."""
+    half = layout.block // 2
     r = torch.arange(layout.block)
     t = torch.arange(layout.tail)
-    return (layout.block == 64 and torch.equal(layout.pos.long(), r % 32)
-            and torch.equal(layout.shift.long(), 4 * (r // 32)) and torch.equal(layout.tail_pos.long(), t // 2)
+    return (layout.block in int4_blocks() and torch.equal(layout.pos.long(), r % half)
+            and torch.equal(layout.shift.long(), 4 * (r // half)) and torch.equal(layout.tail_pos.long(), t // 2)
             and torch.equal(layout.tail_shift.long(), 4 * (t % 2)))
 
 
@@ -61,15 +81,14 @@ def _rows(x: torch.Tensor, k: int, op: str) -> tuple[torch.Tensor, int]:
     return x.reshape(rows, k).contiguous(), rows
 
 
-#: the C functions of the int8 kernel (AVX512-BF16 and AVX2 builds) and of the int4 ones (AVX512-BF16
-#: builds only; cpu_library.has)
+#: the C functions of the int8 kernel and of the int4 ones (AVX512-BF16 and AVX2 builds; cpu_library.has)
 INT8_KERNELS, INT4_KERNELS = ("tpe_qgemv_int8",), ("tpe_qgemv_int4", "tpe_dequant_int4")
 KERNELS = INT8_KERNELS + INT4_KERNELS
 
 
 def kernels_built(int4: bool) -> bool:
-    """Whether the library loads and has the int8 (``int4`` False) or the int4 kernels (an AVX2 build
-    has no int4 ones: those weights keep torch's kernel). Never raises."""
+    """Whether the library loads and has the int8 (``int4`` False) or the int4 kernels (a build with
+    neither an AVX512-BF16 nor an AVX2 path has neither: those weights keep torch's kernels). Never raises."""
     return cpu_library.has(*(INT4_KERNELS if int4 else INT8_KERNELS))
 
 
@@ -82,7 +101,21 @@ def _lib(int4: bool):
 
 def _check(status: int, op: str) -> None:
     if status != 0:  # the arguments were checked above: only a failed allocation gets here
-        raise RuntimeError(f"qgemv {op}: the C kernel failed (status {status}: out of memory)")
+        why = "out of memory" if status == -2 else "arguments it does not take"
+        raise RuntimeError(f"qgemv {op}: the C kernel failed (status {status}: {why})")
+
+
+def _block(op: str) -> int:
+    """:func:`torch_int4_block`, which the build's kernels must read (:func:`int4_blocks`).
+
+    Raises:
+        ValueError: they do not.
+    """
+    block = torch_int4_block()
+    if block not in int4_blocks():
+        raise ValueError(f"{op}: torch packs int4 in blocks of {block} rows here; this build "
+                         f"({cpu_library.isa()}) reads blocks of {', '.join(map(str, int4_blocks())) or 'no'} rows")
+    return block
 
 
 def int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -150,11 +183,11 @@ def int4(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, 
                          f"in {x.dtype}, group size % 16 == 0 and 0 < out_features <= n_pad; got packed "
                          f"{packed.dtype} {tuple(packed.shape)}, scales {scales_and_zeros.dtype} "
                          f"{tuple(scales_and_zeros.shape)}, group size {group_size}, out_features {out_features}")
+    fn, block = _lib(True).tpe_qgemv_int4, _block("qgemv int4")
     y = torch.empty(rows, out_features, dtype=x.dtype)
-    fn = _lib(True).tpe_qgemv_int4
     _check(fn(x2.data_ptr(), rows, k, packed.data_ptr(), scales_and_zeros.contiguous().data_ptr(), _ptr(zero_codes),
-              group_size, out_features, n_pad, y.data_ptr(), int(x.dtype == torch.bfloat16), torch.get_num_threads()),
-           "int4")
+              group_size, out_features, n_pad, block, y.data_ptr(), int(x.dtype == torch.bfloat16),
+              torch.get_num_threads()), "int4")
     return y.reshape(*x.shape[:-1], out_features)
 
 
@@ -189,11 +222,11 @@ def bind_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: 
     k, dtype = groups * group_size, scales_and_zeros.dtype
     int4(torch.zeros(1, k, dtype=dtype), packed, scales_and_zeros, group_size, out_features, zero_codes)  # checks, once
     fn, pp, sp, zp = _lib(True).tpe_qgemv_int4, packed.data_ptr(), scales_and_zeros.data_ptr(), _ptr(zero_codes)
-    bf = int(dtype == torch.bfloat16)
+    bf, block = int(dtype == torch.bfloat16), _block("qgemv int4")
 
     def run(x: torch.Tensor) -> torch.Tensor:
         y = torch.empty(x.shape[0], out_features, dtype=dtype)
-        _check(fn(x.data_ptr(), x.shape[0], k, pp, sp, zp, group_size, out_features, n_pad, y.data_ptr(), bf,
+        _check(fn(x.data_ptr(), x.shape[0], k, pp, sp, zp, group_size, out_features, n_pad, block, y.data_ptr(), bf,
                   torch.get_num_threads()), "int4")
         return y
     return run
@@ -215,10 +248,10 @@ def dequant_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_siz
         raise ValueError(f"dequant int4: need uint8 packed [{n_pad}, {k // 2}] and bfloat16/float32 scales "
                          f"[{groups}, n_pad % 16 == 0]; got {packed.dtype} {tuple(packed.shape)}, {dtype} "
                          f"{tuple(scales_and_zeros.shape)}")
+    fn, block = _lib(True).tpe_dequant_int4, _block("dequant int4")
     wt = torch.empty(k, n_pad, dtype=dtype)
-    _lib(True).tpe_dequant_int4(packed.data_ptr(), scales_and_zeros.contiguous().data_ptr(), _ptr(zero_codes),
-                                group_size, k, n_pad, wt.data_ptr(), int(dtype == torch.bfloat16),
-                                torch.get_num_threads())
+    _check(fn(packed.data_ptr(), scales_and_zeros.contiguous().data_ptr(), _ptr(zero_codes), group_size, k, n_pad,
+              block, wt.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads()), "dequant int4")
     return wt
 
 

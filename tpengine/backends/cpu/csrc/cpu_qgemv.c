@@ -3,10 +3,11 @@
  *
  *   int8, per output channel: q int8 [n, k] row-major, scales [n]; y[r, o] = s[o] * sum_i x[r, i] q[o, i]
  *     (what torch._weight_int8pack_mm computes, up to the order of the float32 sum);
- *   int4, group-wise: torch's _convert_weight_to_int4pack_for_cpu layout of the 0..15 values
- *     (AVX-512 build: blocks of 64 output rows; in a block, column i takes 32 bytes, byte j holding
- *     row j in its low nibble and row j + 32 in its high one; a last block of nb < 64 rows takes
- *     nb / 2 bytes a column, byte j holding rows 2j and 2j + 1), scales_and_zeros [groups, n_pad, 2];
+ *   int4, group-wise: torch's _convert_weight_to_int4pack_for_cpu layout of the 0..15 values, blocks
+ *     of `block` output rows (64 where torch runs its AVX-512 code, 32 where it runs its AVX2 code);
+ *     in a block, column i takes block / 2 bytes, byte j holding row j in its low nibble and row
+ *     j + block / 2 in its high one; a last block of nb < block rows takes nb / 2 bytes a column,
+ *     byte j holding rows 2j and 2j + 1), scales_and_zeros [groups, n_pad, 2];
  *     y[r, o] = sum_i x[r, i] ((q[o, i] - 8) s[g, o] + z[g, o]), computed per group g as
  *     s * (sum_i x q - 8 sum_i x) + z * sum_i x (what torch._weight_int4pack_mm_for_cpu computes,
  *     up to the order of the float32 sums);
@@ -20,9 +21,11 @@
  * once for all rows of x, the output blocks split between the threads. The int8 kernel, which walks
  * weight rows a group at a time, prefetches the next group's rows as it reads a group (without it
  * the hardware prefetcher ramps up on each short row and a full model's int8 weights, read from
- * memory, streamed at about half the rate). The int8 kernel has AVX-512 and AVX2 paths (bf16.h); the
- * int4 ones AVX-512 only (an AVX2 build leaves them out and those weights keep torch's kernel). Python side:
- * tpengine/backends/cpu/cpu_qgemv.py, which checks the layout torch produced before using these. */
+ * memory, streamed at about half the rate). Both have AVX-512 and AVX2 paths (bf16.h); the int4
+ * AVX-512 path reads 64-row blocks (the layout torch packs on an AVX512 CPU), the AVX2 path both
+ * (an AVX2 CPU's torch packs 32-row blocks; one with AVX-512F but not AVX512-BF16 runs this AVX2
+ * path on torch's 64-row blocks). Python side: tpengine/backends/cpu/cpu_qgemv.py, which checks the
+ * layout torch produced before using these. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -66,7 +69,7 @@ static inline __m512 mac_i8(__m512 acc, __m512 x, __m512 w) { return _mm512_fmad
 
 /* float32 x against int8 rows: the unscaled sums (the scale is applied per output row after) */
 TPE_GEMV_FAMILY(q8, int8_t, float, float, 16, __m512, ld_i8, _mm512_loadu_ps, mac_i8, same_i8)
-#else /* AVX2: 8 lanes (the int4 kernels below are AVX-512 only) */
+#else /* AVX2: 8 lanes */
 static inline __m256 ld_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
@@ -99,9 +102,7 @@ int64_t tpe_qgemv_int8(const void *x, int64_t rows, int64_t k, const int8_t *q, 
     return 0;
 }
 
-#endif
-
-#ifdef TPE_AVX512 /* ------------------------------------------------------------------ int4 */
+/* ------------------------------------------------------------------------------ int4, shared */
 /* scale and zero of element idx = g * n_pad + o: from scales_and_zeros [groups, n_pad, 2] (zc NULL), or
  * from scales [groups, n_pad] and the int8 zero codes zc [groups, n_pad] (zero = c * s / 16). */
 static inline void q4_sz(const void *sz, const int8_t *zc, int64_t idx, int is_bf16, float *s, float *z) {
@@ -113,6 +114,56 @@ static inline void q4_sz(const void *sz, const int8_t *zc, int64_t idx, int is_b
         *z = ldf(sz, 2 * idx + 1, is_bf16);
     }
 }
+
+/* Prefetch the scales (and codes) of the 64 outputs idx..idx + 63 (the next block's, in this group):
+ * one strided line set a group, which the hardware prefetcher does not follow. */
+static inline void q4_prefetch_sz(const void *sz, const int8_t *zc, int64_t idx, int is_bf16) {
+    const int64_t es = is_bf16 ? 2 : 4, sbytes = (zc ? 64 : 128) * es;
+    const char *s = (const char *)sz + (zc ? idx : 2 * idx) * es;
+    for (int64_t b = 0; b < sbytes; b += 64) _mm_prefetch(s + b, _MM_HINT_T0);
+    if (zc) _mm_prefetch((const char *)(zc + idx), _MM_HINT_T0);
+}
+
+/* The last block of nb < block rows (rows 2j and 2j + 1 in byte j of each column's nb / 2 bytes), scalar. */
+static void q4_tail(const float *x, const float *xs, int64_t rows, int64_t k, int64_t gs, const uint8_t *blk,
+                    int64_t nb, const void *sz, const int8_t *zc, int64_t n_pad, int64_t o0, int is_bf16, float *out,
+                    int64_t ldo) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < nb; j++) {
+            float total = 0.f;
+            for (int64_t g = 0; g < k / gs; g++) {
+                float acc = 0.f;
+                for (int64_t i = g * gs; i < (g + 1) * gs; i++) {
+                    const uint8_t b = blk[i * (nb / 2) + j / 2];
+                    acc += x[r * k + i] * (float)((j & 1) ? b >> 4 : b & 15);
+                }
+                const float xsum = xs[r * (k / gs) + g];
+                float sc, ze;
+                q4_sz(sz, zc, g * n_pad + o0 + j, is_bf16, &sc, &ze);
+                total += sc * acc + (ze - 8.f * sc) * xsum;
+            }
+            out[r * ldo + j] = total;
+        }
+}
+
+/* The last block's dequantization (dequant_int4 below), scalar. */
+static void q4_tail_dequant(const uint8_t *blk, int64_t nb, const void *sz, const int8_t *zc, int64_t gs, int64_t k,
+                            int64_t n_pad, int64_t o0, void *wt, int is_bf16) {
+    for (int64_t g = 0; g < k / gs; g++)
+        for (int64_t j = 0; j < nb; j++) {
+            float s, z;
+            q4_sz(sz, zc, g * n_pad + o0 + j, is_bf16, &s, &z);
+            z -= 8.f * s;
+            for (int64_t i = g * gs; i < (g + 1) * gs; i++) {
+                const uint8_t v = blk[i * (nb / 2) + j / 2];
+                stf(wt, i * n_pad + o0 + j, (float)((j & 1) ? v >> 4 : v & 15) * s + z, is_bf16);
+            }
+        }
+}
+
+#ifdef TPE_AVX512 /* ------------------------------------------------------------- int4, 16 lanes */
+/* The packed layouts read: torch's AVX-512 one (64-row blocks). */
+static inline int q4_reads(int64_t block) { return block == 64; }
 
 /* The scales and zeros of the 16 outputs idx..idx + 15 (idx = g * n_pad + o), as q4_sz computes them
  * one by one (the same float32 values): scales_and_zeros pairs de-interleaved, or scales and codes. */
@@ -139,12 +190,7 @@ static inline void q4_sz16(const void *sz, const int8_t *zc, int64_t idx, int is
  * xs[r * xstride]: row r's sum of x over the group). */
 static inline void q4_fold(int R, __m512 (*res)[4], __m512 (*acc)[4], const void *sz, const int8_t *zc, int64_t idx,
                            int is_bf16, const float *xs, int64_t xstride, float off) {
-    /* the next block's scales (and codes) of this group: one strided line set a group, which the
-     * hardware prefetcher does not follow */
-    const int64_t es = is_bf16 ? 2 : 4, sbytes = (zc ? 64 : 128) * es;
-    const char *snext = (const char *)sz + (zc ? idx + 64 : 2 * (idx + 64)) * es;
-    for (int64_t b = 0; b < sbytes; b += 64) _mm_prefetch(snext + b, _MM_HINT_T0);
-    if (zc) _mm_prefetch((const char *)(zc + idx + 64), _MM_HINT_T0);
+    q4_prefetch_sz(sz, zc, idx + 64, is_bf16); /* the next block's, this group */
     for (int v = 0; v < 4; v++) {
         __m512 sv, zv;
         q4_sz16(sz, zc, idx + 16 * v, is_bf16, &sv, &zv);
@@ -249,36 +295,227 @@ Q4_ROWS(4)
 Q4B_ROWS(1)
 Q4B_ROWS(2)
 
-/* The last block of nb < 64 rows (rows 2j and 2j + 1 in byte j of each column's nb / 2 bytes). */
-static void q4_tail(const float *x, const float *xs, int64_t rows, int64_t k, int64_t gs, const uint8_t *blk,
-                    int64_t nb, const void *sz, const int8_t *zc, int64_t n_pad, int64_t o0, int is_bf16, float *out, int64_t ldo) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = 0; j < nb; j++) {
-            float total = 0.f;
-            for (int64_t g = 0; g < k / gs; g++) {
-                float acc = 0.f;
-                for (int64_t i = g * gs; i < (g + 1) * gs; i++) {
-                    const uint8_t b = blk[i * (nb / 2) + j / 2];
-                    acc += x[r * k + i] * (float)((j & 1) ? b >> 4 : b & 15);
-                }
-                const float xsum = xs[r * (k / gs) + g];
-                float sc, ze;
-                q4_sz(sz, zc, g * n_pad + o0 + j, is_bf16, &sc, &ze);
-                total += sc * acc + (ze - 8.f * sc) * xsum;
-            }
-            out[r * ldo + j] = total;
-        }
+/* One full 64-row block at o0 (w == 64), every row of x: out[r * ldo + 0..63]. */
+static void q4_unit(const void *x, const float *xf, const float *xs, int64_t rows, int64_t k, int64_t gs,
+                    const uint8_t *packed, int64_t block, int64_t o0, int64_t w, const void *sz, const int8_t *zc,
+                    int64_t n_pad, int is_bf16, float *out, int64_t ldo) {
+    (void)block, (void)w;
+    const uint8_t *blk = packed + o0 * k / 2;
+    const int64_t groups = k / gs;
+    int64_t r = 0;
+    if (is_bf16 && rows < 4) { /* more rows: the float kernel's FMAs, on two ports, are faster */
+        const uint16_t *xb = (const uint16_t *)x;
+        for (; r + 2 <= rows; r += 2)
+            q4b_block_2(xb + r * k, xs + r * groups, k, gs, blk, sz, zc, n_pad, o0, out + r * ldo, ldo);
+        for (; r < rows; r++)
+            q4b_block_1(xb + r * k, xs + r * groups, k, gs, blk, sz, zc, n_pad, o0, out + r * ldo, ldo);
+    }
+    for (; r + 4 <= rows; r += 4)
+        q4_block_4(xf + r * k, xs + r * groups, k, gs, blk, sz, zc, n_pad, o0, is_bf16, out + r * ldo, ldo);
+    for (; r + 2 <= rows; r += 2)
+        q4_block_2(xf + r * k, xs + r * groups, k, gs, blk, sz, zc, n_pad, o0, is_bf16, out + r * ldo, ldo);
+    for (; r < rows; r++)
+        q4_block_1(xf + r * k, xs + r * groups, k, gs, blk, sz, zc, n_pad, o0, is_bf16, out + r * ldo, ldo);
 }
 
-/* x [rows, k]; packed: the int4 layout above for n_pad rows (a multiple of 16); sz [k / gs, n_pad, 2], or
- * scales [k / gs, n_pad] with the zero codes zc [k / gs, n_pad] (zc not NULL);
- * y [rows, n] (the first n <= n_pad rows). Returns 0, or -1 for bad arguments (rows outside 1..8,
- * k or gs not multiples of 16, k % gs, n > n_pad, n_pad % 16). */
+/* wt[i, o0 + 0..63] of one full 64-row block (tpe_dequant_int4). */
+static void q4_unit_dequant(const uint8_t *packed, int64_t block, int64_t o0, int64_t w, const void *sz,
+                            const int8_t *zc, int64_t gs, int64_t k, int64_t n_pad, void *wt, int is_bf16) {
+    (void)block, (void)w;
+    const uint8_t *blk = packed + o0 * k / 2;
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    float s[64], z[64];
+    for (int64_t g = 0; g < k / gs; g++) {
+        for (int64_t j = 0; j < 64; j++) {
+            q4_sz(sz, zc, g * n_pad + o0 + j, is_bf16, s + j, z + j);
+            z[j] -= 8.f * s[j];
+        }
+        for (int64_t i = g * gs; i < (g + 1) * gs; i++) {
+            const __m128i b0 = _mm_loadu_si128((const __m128i *)(blk + i * 32));
+            const __m128i b1 = _mm_loadu_si128((const __m128i *)(blk + i * 32 + 16));
+            const __m128i nib[4] = {_mm_and_si128(b0, m4), _mm_and_si128(b1, m4),
+                                    _mm_and_si128(_mm_srli_epi16(b0, 4), m4), _mm_and_si128(_mm_srli_epi16(b1, 4), m4)};
+            for (int v = 0; v < 4; v++) {
+                const __m512 q = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib[v])),
+                                                 _mm512_loadu_ps(s + 16 * v), _mm512_loadu_ps(z + 16 * v));
+                if (is_bf16)
+                    st((uint16_t *)wt + i * n_pad + o0 + 16 * v, q);
+                else
+                    _mm512_storeu_ps((float *)wt + i * n_pad + o0 + 16 * v, q);
+            }
+        }
+    }
+}
+
+#else /* TPE_AVX2 ---------------------------------------------------------------- int4, 8 lanes */
+/* The packed layouts read: torch's AVX-512 one (64-row blocks) and its AVX2 one (32-row blocks). */
+static inline int q4_reads(int64_t block) { return block == 64 || block == 32; }
+
+/* The scales and zeros of the 8 outputs idx..idx + 7, as q4_sz computes them one by one. */
+static inline void q4_sz8(const void *sz, const int8_t *zc, int64_t idx, int is_bf16, __m256 *s, __m256 *z) {
+    if (zc) {
+        *s = is_bf16 ? ld8((const uint16_t *)sz + idx) : _mm256_loadu_ps((const float *)sz + idx);
+        const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(zc + idx))));
+        *z = _mm256_mul_ps(_mm256_mul_ps(c, *s), _mm256_set1_ps(0.0625f));
+    } else if (is_bf16) { /* 8 (scale, zero) bf16 pairs: one 32-bit lane each */
+        const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)sz + 2 * idx));
+        *s = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        *z = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+    } else { /* s0 z0 .. s3 z3, s4 z4 .. s7 z7: the even (odd) lanes of each 128-bit half, then the 64-bit pairs in order */
+        const float *f = (const float *)sz + 2 * idx;
+        const __m256 a = _mm256_loadu_ps(f), b = _mm256_loadu_ps(f + 8);
+        *s = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0))),
+                                                    _MM_SHUFFLE(3, 1, 2, 0)));
+        *z = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1))),
+                                                    _MM_SHUFFLE(3, 1, 2, 0)));
+    }
+}
+
+/* A unit of 64 outputs (32: a last lone 32-row block) read as nc chunks of 8 bytes a column, each
+ * widened to 8 int32 lanes: chunk c of column i is the 8 bytes at p[c] + i * cs, their low nibbles
+ * the unit's outputs lo[c]..lo[c] + 7 and their high ones hi[c]..hi[c] + 7. One 64-row block: the
+ * column's 32 bytes, lo = 0, 8, 16, 24, hi = lo + 32; two 32-row blocks A, B: 16 bytes of each,
+ * lo = 0, 8 (A), 32, 40 (B), hi = lo + 16. pf: the nf byte streams, prefetched ahead. */
+typedef struct {
+    const uint8_t *p[4], *pf[2];
+    int64_t cs;
+    int lo[4], hi[4], nc, nf;
+} q4_unit_t;
+
+static q4_unit_t q4_unit_at(const uint8_t *packed, int64_t k, int64_t block, int64_t o0, int64_t w) {
+    q4_unit_t u = {.cs = block / 2, .nc = (int)(w / 16)};
+    const uint8_t *blk = packed + o0 * k / 2;
+    for (int c = 0; c < u.nc; c++) {
+        if (block == 64) {
+            u.p[c] = blk + 8 * c, u.lo[c] = 8 * c, u.hi[c] = 32 + 8 * c;
+        } else {
+            u.p[c] = blk + (c / 2) * 16 * k + 8 * (c % 2), u.lo[c] = 32 * (c / 2) + 8 * (c % 2), u.hi[c] = u.lo[c] + 16;
+        }
+    }
+    u.pf[0] = blk, u.pf[1] = u.nc > 2 ? u.p[2] : blk, u.nf = block == 32 && u.nc > 2 ? 2 : 1;
+    return u;
+}
+
+/* Rows r0..r0 + R - 1 of x against one unit: out[r * ldo + 0..16 nc - 1] = the unit's outputs. Each
+ * group is read in passes of NC chunks, 2 NC accumulators a row (R * NC <= 4: the accumulators, x and
+ * the widened bytes stay in the 16 registers), and a pass folds its sums into out, s * (acc - 8 xsum)
+ * + z * xsum, the float AVX-512 path's fold. Widening the bytes costs more than the FMAs at one row,
+ * so more rows a pass share it: 1 row reads 4 chunks a pass, 2 rows 2, 3 and 4 rows 1 (8 accumulators,
+ * enough to cover the FMA latency on both pipes; each faster than the other splits measured,
+ * docs/notes/avx2.md). The bytes are prefetched a page ahead, as in the AVX-512 path. */
+#define Q4A_ROWS(R, NC)                                                                                        \
+    static void q4a_rows_##R##_##NC(const float *x, const float *xs, int64_t k, int64_t gs, const q4_unit_t *u, \
+                                    const void *sz, const int8_t *zc, int64_t n_pad, int64_t o0, int is_bf16,  \
+                                    float *out, int64_t ldo) {                                                 \
+        const __m256i m4 = _mm256_set1_epi32(15);                                                             \
+        const int64_t groups = k / gs, cs = u->cs;                                                            \
+        for (int r = 0; r < R; r++) memset(out + r * ldo, 0, sizeof(float) * 16 * u->nc);                    \
+        for (int64_t g = 0; g < groups; g++) {                                                                \
+            q4_prefetch_sz(sz, zc, g * n_pad + o0 + 64, is_bf16); /* the next unit's, this group */           \
+            for (int c0 = 0; c0 < u->nc; c0 += NC) {                                                          \
+                __m256 acc[R][NC][2];                                                                         \
+                for (int r = 0; r < R; r++)                                                                   \
+                    for (int c = 0; c < NC; c++) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();           \
+                for (int64_t i = g * gs; i < (g + 1) * gs; i++) {                                             \
+                    if (c0 == 0 && !((i * cs) & 63))                                                          \
+                        for (int f = 0; f < u->nf; f++)                                                       \
+                            _mm_prefetch((const char *)(u->pf[f] + i * cs + Q4_PREFETCH_BYTES), _MM_HINT_T0);  \
+                    __m256 xv[R];                                                                             \
+                    for (int r = 0; r < R; r++) xv[r] = _mm256_set1_ps(x[r * k + i]);                         \
+                    for (int c = 0; c < NC; c++) {                                                            \
+                        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u->p[c0 + c] + i * cs))); \
+                        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, m4));                        \
+                        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));                        \
+                        for (int r = 0; r < R; r++) {                                                         \
+                            acc[r][c][0] = _mm256_fmadd_ps(xv[r], lo, acc[r][c][0]);                          \
+                            acc[r][c][1] = _mm256_fmadd_ps(xv[r], hi, acc[r][c][1]);                          \
+                        }                                                                                     \
+                    }                                                                                         \
+                }                                                                                             \
+                for (int c = 0; c < NC; c++)                                                                  \
+                    for (int h = 0; h < 2; h++) {                                                             \
+                        const int off = h ? u->hi[c0 + c] : u->lo[c0 + c];                                   \
+                        __m256 sv, zv;                                                                        \
+                        q4_sz8(sz, zc, g * n_pad + o0 + off, is_bf16, &sv, &zv);                              \
+                        for (int r = 0; r < R; r++) {                                                         \
+                            const float xsum = xs[r * groups + g];                                            \
+                            const __m256 t = _mm256_fmadd_ps(_mm256_set1_ps(-8.f * xsum), sv,                 \
+                                                             _mm256_mul_ps(_mm256_set1_ps(xsum), zv));        \
+                            float *o = out + r * ldo + off;                                                   \
+                            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_fmadd_ps(sv, acc[r][c][h], t))); \
+                        }                                                                                     \
+                    }                                                                                         \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+
+Q4A_ROWS(1, 4)
+Q4A_ROWS(1, 2)
+Q4A_ROWS(2, 2)
+Q4A_ROWS(3, 1)
+Q4A_ROWS(4, 1)
+
+/* One unit at o0 (w outputs: 64, or 32 for a lone 32-row block), every row of x (bfloat16 x is read
+ * from xf, widened): out[r * ldo + 0..w - 1]. */
+static void q4_unit(const void *x, const float *xf, const float *xs, int64_t rows, int64_t k, int64_t gs,
+                    const uint8_t *packed, int64_t block, int64_t o0, int64_t w, const void *sz, const int8_t *zc,
+                    int64_t n_pad, int is_bf16, float *out, int64_t ldo) {
+    (void)x;
+    const q4_unit_t u = q4_unit_at(packed, k, block, o0, w);
+    const int64_t groups = k / gs;
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4)
+        q4a_rows_4_1(xf + r * k, xs + r * groups, k, gs, &u, sz, zc, n_pad, o0, is_bf16, out + r * ldo, ldo);
+    if (rows - r == 3)
+        q4a_rows_3_1(xf + r * k, xs + r * groups, k, gs, &u, sz, zc, n_pad, o0, is_bf16, out + r * ldo, ldo);
+    else if (rows - r == 2)
+        q4a_rows_2_2(xf + r * k, xs + r * groups, k, gs, &u, sz, zc, n_pad, o0, is_bf16, out + r * ldo, ldo);
+    else if (rows - r == 1)
+        (u.nc == 4 ? q4a_rows_1_4 : q4a_rows_1_2)(xf + r * k, xs + r * groups, k, gs, &u, sz, zc, n_pad, o0, is_bf16,
+                                                  out + r * ldo, ldo);
+}
+
+/* wt[i, o0 + 0..w - 1] of one unit (tpe_dequant_int4): each widened chunk, q * s + (z - 8 s) in one FMA. */
+static void q4_unit_dequant(const uint8_t *packed, int64_t block, int64_t o0, int64_t w, const void *sz,
+                            const int8_t *zc, int64_t gs, int64_t k, int64_t n_pad, void *wt, int is_bf16) {
+    const q4_unit_t u = q4_unit_at(packed, k, block, o0, w);
+    const __m256i m4 = _mm256_set1_epi32(15);
+    float s[64], z[64];
+    for (int64_t g = 0; g < k / gs; g++) {
+        for (int64_t j = 0; j < w; j++) {
+            q4_sz(sz, zc, g * n_pad + o0 + j, is_bf16, s + j, z + j);
+            z[j] -= 8.f * s[j];
+        }
+        for (int64_t i = g * gs; i < (g + 1) * gs; i++)
+            for (int c = 0; c < u.nc; c++) {
+                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u.p[c] + i * u.cs)));
+                const __m256 nib[2] = {_mm256_cvtepi32_ps(_mm256_and_si256(v, m4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4))};
+                for (int h = 0; h < 2; h++) {
+                    const int off = h ? u.hi[c] : u.lo[c];
+                    const __m256 q = _mm256_fmadd_ps(nib[h], _mm256_loadu_ps(s + off), _mm256_loadu_ps(z + off));
+                    if (is_bf16)
+                        st8((uint16_t *)wt + i * n_pad + o0 + off, q);
+                    else
+                        _mm256_storeu_ps((float *)wt + i * n_pad + o0 + off, q);
+                }
+            }
+    }
+}
+#endif
+
+/* x [rows, k]; packed: the int4 layout above for n_pad rows (a multiple of 16) in blocks of `block`
+ * rows (one this build reads: q4_reads); sz [k / gs, n_pad, 2], or scales [k / gs, n_pad] with the
+ * zero codes zc [k / gs, n_pad] (zc not NULL); y [rows, n] (the first n <= n_pad rows). The full
+ * blocks are read as units of 64 outputs (two 32-row blocks, or a last lone one), the rows of the
+ * last, shorter block scalar. Returns 0, or -1 for bad arguments (rows outside 1..8, k or gs not
+ * multiples of 16, k % gs, n > n_pad, n_pad % 16, a block this build does not read). */
 int64_t tpe_qgemv_int4(const void *x, int64_t rows, int64_t k, const uint8_t *packed, const void *sz,
-                       const int8_t *zc, int64_t gs,
-                       int64_t n, int64_t n_pad, void *y, int is_bf16, int nthreads) {
-    if (rows < 1 || rows > QMAX_ROWS || k % 16 || gs % 16 || gs <= 0 || k % gs || n > n_pad || n_pad % 16) return -1;
-    const int64_t groups = k / gs, full = n_pad / 64, nblocks = full + (n_pad % 64 != 0);
+                       const int8_t *zc, int64_t gs, int64_t n, int64_t n_pad, int64_t block, void *y, int is_bf16,
+                       int nthreads) {
+    if (rows < 1 || rows > QMAX_ROWS || k % 16 || gs % 16 || gs <= 0 || k % gs || n > n_pad || n_pad % 16 ||
+        !q4_reads(block))
+        return -1;
+    const int64_t groups = k / gs, full = n_pad / block * block, units = (full + 63) / 64;
     float *xf = malloc(sizeof(float) * rows * k), *xs = malloc(sizeof(float) * rows * groups);
     float *out = malloc(sizeof(float) * rows * n_pad);
     if (!xf || !xs || !out) {
@@ -295,34 +532,14 @@ int64_t tpe_qgemv_int4(const void *x, int64_t rows, int64_t k, const uint8_t *pa
             xs[r * groups + g] = t;
         }
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n_pad * k >= 65536)
-    for (int64_t b = 0; b < nblocks; b++) {
-        const uint8_t *blk = packed + b * 64 * k / 2;
-        const int64_t o0 = b * 64;
-        if (b == full) {
-            q4_tail(xf, xs, rows, k, gs, blk, n_pad - o0, sz, zc, n_pad, o0, is_bf16, out + o0, n_pad);
-        } else {
-            int64_t r = 0;
-            if (is_bf16 && rows < 4) { /* more rows: the float kernel's FMAs, on two ports, are faster */
-                const uint16_t *xb = (const uint16_t *)x;
-                for (; r + 2 <= rows; r += 2)
-                    q4b_block_2(xb + r * k, xs + r * groups, k, gs, blk, sz, zc, n_pad, o0, out + r * n_pad + o0,
-                                n_pad);
-                for (; r < rows; r++)
-                    q4b_block_1(xb + r * k, xs + r * groups, k, gs, blk, sz, zc, n_pad, o0, out + r * n_pad + o0,
-                                n_pad);
-            }
-            for (; r + 4 <= rows; r += 4)
-                q4_block_4(xf + r * k, xs + r * groups, k, gs, blk, sz, zc, n_pad, o0, is_bf16,
-                           out + r * n_pad + o0, n_pad);
-            for (; r + 2 <= rows; r += 2)
-                q4_block_2(xf + r * k, xs + r * groups, k, gs, blk, sz, zc, n_pad, o0, is_bf16,
-                           out + r * n_pad + o0, n_pad);
-            for (; r < rows; r++)
-                q4_block_1(xf + r * k, xs + r * groups, k, gs, blk, sz, zc, n_pad, o0, is_bf16,
-                           out + r * n_pad + o0, n_pad);
-        }
+    for (int64_t b = 0; b < units + (full < n_pad); b++) {
+        const int64_t o0 = b < units ? b * 64 : full, w = b < units ? (full - o0 < 64 ? full - o0 : 64) : n_pad - full;
+        if (b < units)
+            q4_unit(x, xf, xs, rows, k, gs, packed, block, o0, w, sz, zc, n_pad, is_bf16, out + o0, n_pad);
+        else
+            q4_tail(xf, xs, rows, k, gs, packed + o0 * k / 2, w, sz, zc, n_pad, o0, is_bf16, out + o0, n_pad);
         for (int64_t r = 0; r < rows; r++)
-            for (int64_t o = o0; o < o0 + 64 && o < n; o++) stf(y, r * n + o, out[r * n_pad + o], is_bf16);
+            for (int64_t o = o0; o < o0 + w && o < n; o++) stf(y, r * n + o, out[r * n_pad + o], is_bf16);
     }
     free(xf);
     free(xs);
@@ -332,45 +549,23 @@ int64_t tpe_qgemv_int4(const void *x, int64_t rows, int64_t k, const uint8_t *pa
 
 /* ------------------------------------------------------------------------ int4 -> float, transposed */
 /* wt [k, n_pad] (bf16 or f32): wt[i, o] = (q[o, i] - 8) * s[g, o] + z[g, o], the int4 weight of the
- * layout above dequantized and transposed (each column of a packed block gives 64 consecutive
- * outputs), for a prefill's GEMM: x @ wt. The last block (nb < 64 rows) is read scalar. */
-void tpe_dequant_int4(const uint8_t *packed, const void *sz, const int8_t *zc, int64_t gs, int64_t k, int64_t n_pad, void *wt,
-                      int is_bf16, int nthreads) {
-    const int64_t full = n_pad / 64, nblocks = full + (n_pad % 64 != 0), groups = k / gs;
+ * layout above dequantized and transposed (each column of a unit gives its consecutive outputs), for a
+ * prefill's GEMM: x @ wt, computed q * s + (z - 8 s). The last, shorter block is read scalar.
+ * Returns 0, or -1 for bad arguments (gs not a positive multiple of 16, k % gs, n_pad % 16, a block
+ * this build does not read). */
+int64_t tpe_dequant_int4(const uint8_t *packed, const void *sz, const int8_t *zc, int64_t gs, int64_t k,
+                         int64_t n_pad, int64_t block, void *wt, int is_bf16, int nthreads) {
+    if (gs % 16 || gs <= 0 || k % gs || n_pad % 16 || !q4_reads(block)) return -1;
+    const int64_t full = n_pad / block * block, units = (full + 63) / 64;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n_pad * k >= 65536)
-    for (int64_t b = 0; b < nblocks; b++) {
-        const uint8_t *blk = packed + b * 64 * k / 2;
-        const int64_t o0 = b * 64, nb = b == full ? n_pad - o0 : 64;
-        float s[64], z[64];
-        for (int64_t g = 0; g < groups; g++) {
-            for (int64_t j = 0; j < nb; j++) {
-                q4_sz(sz, zc, g * n_pad + o0 + j, is_bf16, s + j, z + j);
-                z[j] -= 8.f * s[j];
-            }
-            for (int64_t i = g * gs; i < (g + 1) * gs; i++) {
-                if (nb < 64) {
-                    for (int64_t j = 0; j < nb; j++) {
-                        const uint8_t v = blk[i * (nb / 2) + j / 2];
-                        stf(wt, i * n_pad + o0 + j, (float)((j & 1) ? v >> 4 : v & 15) * s[j] + z[j], is_bf16);
-                    }
-                    continue;
-                }
-                const __m128i m4 = _mm_set1_epi8(0x0f);
-                const __m128i b0 = _mm_loadu_si128((const __m128i *)(blk + i * 32));
-                const __m128i b1 = _mm_loadu_si128((const __m128i *)(blk + i * 32 + 16));
-                const __m128i nib[4] = {_mm_and_si128(b0, m4), _mm_and_si128(b1, m4),
-                                        _mm_and_si128(_mm_srli_epi16(b0, 4), m4), _mm_and_si128(_mm_srli_epi16(b1, 4), m4)};
-                for (int v = 0; v < 4; v++) {
-                    const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib[v])),
-                                                     _mm512_loadu_ps(s + 16 * v), _mm512_loadu_ps(z + 16 * v));
-                    if (is_bf16)
-                        st((uint16_t *)wt + i * n_pad + o0 + 16 * v, w);
-                    else
-                        _mm512_storeu_ps((float *)wt + i * n_pad + o0 + 16 * v, w);
-                }
-            }
-        }
+    for (int64_t b = 0; b < units + (full < n_pad); b++) {
+        const int64_t o0 = b < units ? b * 64 : full, w = b < units ? (full - o0 < 64 ? full - o0 : 64) : n_pad - full;
+        if (b < units)
+            q4_unit_dequant(packed, block, o0, w, sz, zc, gs, k, n_pad, wt, is_bf16);
+        else
+            q4_tail_dequant(packed + o0 * k / 2, w, sz, zc, gs, k, n_pad, o0, wt, is_bf16);
     }
+    return 0;
 }
 
-#endif /* no AVX-512 path: left out of the build; the callers keep torch (cpu_library.has) */
+#endif /* neither AVX-512 nor AVX2: left out of the build; the callers keep torch (cpu_library.has) */
