@@ -113,6 +113,27 @@ def test_qgemv_measure_times_the_rival_first_and_gives_torch_up_past_4x(monkeypa
                      "prefill_torch": [80.0, 100.0], "prefill_dequant": [70.0, 90.0]}
 
 
+def test_qgemv_measure_runs_torch_no_more_at_prefill_rows_past_a_loss_by_over_4x(monkeypatch):
+    """Once torch's kernel lost by over GIVE_UP at a prefill bucket (64 rows), it is not run at the larger
+    one (512 rows: a call of torch's AVX2 bfloat16 int4 GEMM took minutes there); its time is the lost one
+    times 512 / 64, so dequantize + GEMM is chosen from 64 rows."""
+    from tpengine.backends.cpu import cpu_qgemv
+
+    asked = []
+
+    def fake_time_us(fns, passes=4, give_up_us=None):
+        asked.append(give_up_us)
+        return {7: 10.0, 8: 50.0, 9: 20.0}.get(len(asked), 1.0)  # 64 rows: dequant 10 us, torch 50 us
+    monkeypatch.setattr(cpu_qgemv, "time_us", fake_time_us)
+
+    class Int4Weight:
+        in_features, dtype, group_size, gemv_rows, dequant_rows = 64, torch.float32, 32, 0, 0
+    times = cpu_qgemv._measure([Int4Weight()])
+    assert len(asked) == 3 * 2 + 3  # decode: 3 buckets x 2 paths; prefill: both at 64 rows, dequant at 512
+    assert times["prefill_dequant"] == [10.0, 20.0] and times["prefill_torch"] == [50.0, 400.0]
+    assert cpu_qgemv.dequant_rows(times) == 64
+
+
 def test_a_busy_first_measurement_is_not_taken_twice(monkeypatch, tmp_path):
     """A first measurement taken while the machine was busy is that run's only (BUSY, not cached), so no
     second one is taken: measured.timings, the linear layouts and the quantized kernels each measure once;

@@ -281,7 +281,9 @@ def _measure(mods: list) -> dict[str, list[float]]:
     torch's kernel and that path at :data:`PREFILL_BUCKETS` rows (on at most :data:`PREFILL_WEIGHTS`).
     At each bucket the path torch's kernel is weighed against is timed first, and torch's is timed no
     further than its warm-up call where that took over :data:`GIVE_UP` times as long (that call's time
-    is its timing: only the faster path at each bucket decides :func:`gemv_rows` and :func:`dequant_rows`)."""
+    is its timing: only the faster path at each bucket decides :func:`gemv_rows` and :func:`dequant_rows`);
+    at the prefill buckets past one where torch's kernel lost so, it is not run at all (its time there:
+    the one it lost with, times the ratio of the rows)."""
     times: dict[str, list[float]] = {"torch": [], "tpengine": []}
     for m in mods:
         m.gemv_rows, m.dequant_rows = 0, 0
@@ -298,14 +300,24 @@ def _measure(mods: list) -> dict[str, list[float]]:
         few = mods[:PREFILL_WEIGHTS]
         for m in few:
             m.gemv_rows = 0
+        lost_at = None  # the bucket where torch's kernel lost by over GIVE_UP
         for n in PREFILL_BUCKETS:
             x = torch.full((n, mods[0].in_features), 0.01, dtype=mods[0].dtype)
             for path, use in (("prefill_dequant", 1), ("prefill_torch", 0)):
+                if path == "prefill_torch" and lost_at is not None:
+                    # a GEMM's time grows at least with its rows: torch's kernel, which lost by over GIVE_UP
+                    # at fewer rows, is not run here (a call could take minutes: its AVX2 build's bfloat16
+                    # int4 GEMM), its time taken as the rows' share of that one
+                    times[path].append(times[path][-1] * n / lost_at)
+                    continue
+
                 def run(m, use=use):
                     m.dequant_rows = use
                     return m(x)
                 give_up = GIVE_UP * times["prefill_dequant"][-1] if path == "prefill_torch" else None
                 times[path].append(time_us([lambda m=m: run(m) for m in few], passes=2, give_up_us=give_up))
+            if lost_at is None and times["prefill_torch"][-1] > GIVE_UP * times["prefill_dequant"][-1]:
+                lost_at = n
     return {k: times[k] for k in ("torch", "tpengine", "prefill_torch", "prefill_dequant") if k in times}
 
 
