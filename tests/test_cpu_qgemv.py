@@ -109,6 +109,7 @@ def test_int4_kernels_read_the_other_layout(name, shape, dtype, monkeypatch):
     repacked in the layout torch does not pack here and read as if torch did: the GEMV at 1..8 rows
     and the dequantization give the same results as on torch's own packing."""
     here = cpu_qgemv.torch_int4_block()
+    assert here == int4_pack_layout(96).block  # the backend's probe agrees with the full layout's
     other = {64: 32, 32: 64}[here]
     if other not in cpu_qgemv.int4_blocks():
         pytest.skip(f"this build ({cpu_library.isa()}) reads int4 blocks of "

@@ -24,7 +24,6 @@ import torch
 from tpengine.backends.cpu import cpu_library
 from tpengine.backends.cpu.cpu_library import cache_root, cpu_id
 from tpengine.backends.cpu.measured import BUSY, NOISY, Contention, consistent, read_cache, time_us, write_cache
-from tpengine.model.quant.arith import int4_pack_layout
 
 #: The most rows one call takes.
 MAX_ROWS = 8
@@ -56,8 +55,13 @@ def int4_blocks() -> tuple[int, ...]:
 @functools.lru_cache(maxsize=1)
 def torch_int4_block() -> int:
     """The rows per block of the layout ``_convert_weight_to_int4pack_for_cpu`` packs on this machine
-    (its CPU capability: 64 with AVX512, 32 with AVX2), learnt from 96 rows (a full block and more)."""
-    return int4_pack_layout(96).block
+    (its CPU capability: 64 with AVX512, 32 with AVX2; the whole layout is
+    :func:`tpengine.model.quant.arith.int4_pack_layout`'s to learn), from 64 rows of two columns, all
+    0 then all 15: a block of ``b`` rows puts its first column's ``b / 2`` bytes before its second's,
+    so the first non-zero byte is byte ``b / 2``."""
+    probe = torch.tensor([[0, 15]] * 64, dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1).reshape(-1)
+    return 2 * int(packed.nonzero()[0])
 
 
 def int4_layout_ok(layout) -> bool:
