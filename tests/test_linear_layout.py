@@ -47,13 +47,14 @@ def test_forced_settings_and_bad_setting():
 @needs_onednn
 def test_measure_times_every_path_at_every_bucket():
     t = L.measure((48, 32), 3, torch.bfloat16)
-    if prepack(torch.zeros(2, 2, dtype=torch.bfloat16)) is None:  # oneDNN without bfloat16 here (AVX2 only)
-        assert t is None  # not measurable: no packed layout to time
-    else:
-        assert set(t) == ({"plain", "packed", "gemv"} if cpu_gemv_ok else {"plain", "packed"})  # (no GEMM: bf16)
-        assert all(len(t[k]) == 3 and min(t[k]) > 0 for k in ("plain", "packed"))
-        if cpu_gemv_ok:  # the GEMV takes up to 8 rows: timed at 1 and 8, not at 64
-            assert t["gemv"][0] > 0 and t["gemv"][1] > 0 and t["gemv"][2] is None
+    # oneDNN without bfloat16 here (AVX2 only): no packed layout to time, the plain one's paths still are
+    packed = set() if prepack(torch.zeros(2, 2, dtype=torch.bfloat16)) is None else {"packed"}
+    # (no GEMM in bfloat16; the widened float32 GEMM from 2 rows)
+    assert set(t) == {"plain", "widen"} | packed | ({"gemv"} if cpu_gemv_ok else set())
+    assert all(len(t[k]) == 3 and min(t[k]) > 0 for k in {"plain"} | packed)
+    assert t["widen"][0] is None and t["widen"][1] > 0 and t["widen"][2] > 0
+    if cpu_gemv_ok:  # the GEMV takes up to 8 rows: timed at 1 and 8, not at 64
+        assert t["gemv"][0] > 0 and t["gemv"][1] > 0 and t["gemv"][2] is None
     t = L.measure((48, 32), 3, torch.float32)  # float32 adds the GEMM, which takes from 17 rows: 64 only
     assert set(t) == {"plain", "packed"} | ({"gemv"} if cpu_gemv_ok else set()) | ({"gemm"} if cpu_gemm_ok else set())
     if cpu_gemm_ok:  # (an AVX-512 build's: cpu_library.has)
@@ -149,6 +150,74 @@ def test_kernel_at_maps_a_row_count_to_its_bucket():
     assert got == {1: "plain", 2: "gemv", 8: "gemv", 9: "plain", 16: "plain", 17: "gemm", 64: "gemm", 65: "plain",
                    512: "plain"}
     assert L.kernel_at((), 1) == "plain"
+    # the widened GEMM measured fastest at the last bucket keeps a prefill's rows past it
+    kernels = ("gemv", "widen", "widen")
+    assert [L.kernel_at(kernels, rows) for rows in (1, 2, 8, 9, 64, 65, 4096)] == ["gemv"] + ["widen"] * 6
+    assert [L.kernel_at(("gemv", "widen", "plain"), rows) for rows in (8, 64, 65)] == ["widen", "plain", "plain"]
+
+
+def test_a_dtype_onednn_cannot_pack_gets_its_plain_paths_measured(tmp_path, monkeypatch):
+    """An AVX2-only CPU's oneDNN packs no bfloat16: the plain layout's paths are still timed and chosen
+    per bucket (before, such a shape kept ``F.linear`` at every row count, unmeasured)."""
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(L, "prepack", lambda w: None)
+    fake = {"plain": [20, 700, 5800], "gemv": [30, 290, None], "widen": [None, 780, 1780]}
+    monkeypatch.setattr(L, "plain_timings", lambda *a, **k: {k: list(v) for k, v in fake.items()})
+    got = L.choose_layouts({(3072, 576): 1}, torch.bfloat16)[(3072, 576)]
+    assert (got.layout, got.how, got.kernels) == ("plain", "measured", ("plain", "gemv", "widen"))
+    again = L.choose_layouts({(3072, 576): 1}, torch.bfloat16)[(3072, 576)]  # cached without a packed time
+    assert (again.how, again.kernels) == ("cached", ("plain", "gemv", "widen"))
+    assert L.pick(fake) == "plain"
+    # torch ops only (cpu_kernels False): the widened GEMM is torch's and stays; the GEMV is left out
+    assert L.choose_layouts({(3072, 576): 1}, torch.bfloat16, cpu_kernels=False)[(3072, 576)].kernels == (
+        "plain", "plain", "widen")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [2, 64, 300])
+def test_widened_linear_is_the_float32_product_rounded_once(monkeypatch, dtype, rows):
+    """cpu_widen.linear: x @ w.T of half-precision operands in float32, rounded once to x's dtype --
+    also when the weight is widened in slabs (a small SCRATCH_BYTES: 7 slabs of 16 rows and one of 8)."""
+    from tpengine.backends.cpu import cpu_widen
+
+    g = torch.Generator().manual_seed(rows)
+    w, x = (torch.randn(120, 96, generator=g).to(dtype), torch.randn(rows, 96, generator=g).to(dtype))
+    want = (x.double() @ w.double().t()).to(dtype)
+    got = cpu_widen.linear(x, w)
+    assert got.dtype == dtype and got.shape == (rows, 120)
+    # float32 sums of exact products: at most one ulp of the half-precision output from the exact result
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10,
+                               atol=1e-3)
+    monkeypatch.setattr(cpu_widen, "SCRATCH_BYTES", 16 * 96 * 4)
+    torch.testing.assert_close(cpu_widen.linear(x, w).float(), got.float(), rtol=2 ** -7, atol=1e-3)
+    assert cpu_widen.linear(x.view(1, rows, 96), w).shape == (1, rows, 120)
+    with pytest.raises(ValueError) as e:
+        cpu_widen.linear(x, w.float())
+    assert str(e.value) == ("widened linear: x [..., 96] on the CPU and a bfloat16/float16 CPU weight [out, in]; "
+                            f"got x {dtype} ({rows}, 96) on cpu, weight torch.float32 (120, 96)")
+
+
+def test_bound_linear_runs_the_widened_gemm_with_its_bias_and_keeps_f_linear_for_the_kernels():
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(40, 32, generator=g).to(torch.bfloat16), torch.randn(40, generator=g).to(torch.bfloat16)
+    run = L.bind_linear(w, b, kernels=("gemv", "gemv", "widen"))
+    for rows in (1, 8, 9, 64, 65, 200):
+        x = torch.randn(rows, 32, generator=g).to(torch.bfloat16)
+        if rows <= 8:  # the GEMV takes no bias: F.linear, exactly
+            assert torch.equal(run(x), torch.nn.functional.linear(x, w, b)), rows
+        else:
+            want = ((x.double() @ w.double().t()).to(torch.bfloat16) + b).float()
+            torch.testing.assert_close(run(x).float(), want, rtol=2 ** -7, atol=1e-2)
+
+
+def test_half_gemm_choice_names_the_faster_and_float32_needs_none(tmp_path, monkeypatch):
+    from tpengine.backends.cpu import cpu_widen
+
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    assert cpu_widen.gemm_dtype(torch.float32) == torch.float32
+    c = cpu_widen.gemm_choice(torch.bfloat16)
+    assert set(c.times_us) == {"half", "float32"} and c.name == min(c.times_us, key=lambda k: c.times_us[k][0])
+    assert cpu_widen.gemm_dtype(torch.bfloat16) == (torch.float32 if c.name == "float32" else torch.bfloat16)
 
 
 @needs_kernels

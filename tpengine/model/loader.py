@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_qgemv, linear_layout
+from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_qgemv, cpu_widen, linear_layout
 from tpengine.backends.cpu.linear_layout import choose_head, choose_layouts
 from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
@@ -376,7 +376,8 @@ def load_model(model: ModelSpec | str | Path, tp: TPInfo, dtype: torch.dtype = t
         choice = layouts.get(tuple(m.weight.shape))
         if choice is None:
             continue
-        takes = {"plain": True, "gemv": cpu_gemv.available(m.weight), "gemm": cpu_gemm.available(m.weight)}
+        takes = {"plain": True, "gemv": cpu_gemv.available(m.weight), "gemm": cpu_gemm.available(m.weight),
+                 "widen": cpu_widen.available(m.weight)}
         if choice.kernels and all(takes[k] for k in choice.kernels):
             m.kernels = choice.kernels
     head_layout = None

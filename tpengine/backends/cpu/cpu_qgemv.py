@@ -10,7 +10,8 @@ these kernels are faster is measured per weight shape on the machine that runs
 machine (cached like the linear layouts); a weight uses them up to the largest bucket where they
 were faster at every bucket up to it (``QuantizedWeight.gemv_rows``), and for more rows torch's
 kernel, or from ``dequant_rows`` rows on (prefill) a dequantized scratch copy of one layer's
-weight and one float GEMM, where that measured faster.
+weight and one float GEMM, where that measured faster (in float32 where this machine's
+half-precision GEMM measured slower than the widened one: :func:`tpengine.backends.cpu.cpu_widen.gemm_dtype`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tpengine.backends.cpu import cpu_library
+from tpengine.backends.cpu import cpu_library, cpu_widen
 from tpengine.backends.cpu.cpu_library import cache_root, cpu_id
 from tpengine.backends.cpu.measured import BUSY, NOISY, Contention, consistent, read_cache, time_us, write_cache
 
@@ -38,7 +39,7 @@ PREFILL_WEIGHTS = 4
 #: ``give_up_us``): one call ranks it, where its full timing cost minutes a load (torch's int4 GEMM, 512
 #: rows of SmolLM2's LM head: about a minute a call on 2 busy cores).
 GIVE_UP = 4.0
-CACHE_VERSION = 3  # 3: caches from before the contention check are measured again
+CACHE_VERSION = 4  # 4: the dequantize-then-GEMM path widened to float32 where measured faster (cpu_widen)
 _FLOAT = (torch.bfloat16, torch.float32)
 
 
@@ -291,6 +292,7 @@ def _measure(mods: list) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {"torch": [], "tpengine": []}
     for m in mods:
         m.gemv_rows, m.dequant_rows = 0, 0
+        m.dequant_dtype = cpu_widen.gemm_dtype(m.dtype)
     for rows in ROW_BUCKETS:
         x = torch.full((rows, mods[0].in_features), 0.01, dtype=mods[0].dtype)
         for path, use in (("tpengine", MAX_ROWS), ("torch", 0)):  # torch's given up past GIVE_UP x ours
@@ -384,8 +386,9 @@ def choose(groups: dict[str, list], rank: int = 0) -> dict[str, dict]:
                 new[ckey] = times
         rows, deq = gemv_rows(times["torch"], times["tpengine"]), dequant_rows(times)
         for m in mods:
-            m.gemv_rows, m.dequant_rows = rows, deq
-        chosen[key] = {**times, "gemv_rows": rows, "dequant_rows": deq, "how": how}
+            m.gemv_rows, m.dequant_rows, m.dequant_dtype = rows, deq, cpu_widen.gemm_dtype(m.dtype)
+        chosen[key] = {**times, "gemv_rows": rows, "dequant_rows": deq, "how": how,
+                       "dequant_dtype": str(mods[0].dequant_dtype).removeprefix("torch.")}
     if new:  # merged into what is there now (another rank may have written meanwhile); first one kept
         write_cache(path, {**new, **{k: v for k, v in read_cache(path).items() if _valid(v)}})
     return chosen
@@ -393,7 +396,7 @@ def choose(groups: dict[str, list], rank: int = 0) -> dict[str, dict]:
 
 def summary(chosen: dict[str, dict]) -> str:
     """``"int4 g32 576->3072 tpengine up to 8 rows (torch 120/200/300 us, tpengine 60/90/150 us at
-    1/4/8 rows), dequantize + GEMM from 64 rows (torch 900/7000 us, dequantized 300/1500 us at
+    1/4/8 rows), dequantize (bfloat16) + GEMM from 64 rows (torch 900/7000 us, dequantized 300/1500 us at
     64/512 rows)"`` for each key, ``"; "``-separated."""
     def us(v):
         return "/".join(f"{t:.0f}" for t in v)
@@ -402,7 +405,8 @@ def summary(chosen: dict[str, dict]) -> str:
         s = (f"{k} {'tpengine up to ' + str(c['gemv_rows']) + ' rows' if c['gemv_rows'] else 'torch'} "
              f"(torch {us(c['torch'])} us, tpengine {us(c['tpengine'])} us at {'/'.join(map(str, ROW_BUCKETS))} rows)")
         if "prefill_torch" in c:
-            s += (f", {'dequantize + GEMM from ' + str(c['dequant_rows']) + ' rows' if c['dequant_rows'] else 'torch'}"
+            deq = f"dequantize ({c.get('dequant_dtype', '')}) + GEMM from {c['dequant_rows']} rows"
+            s += (f", {deq if c['dequant_rows'] else 'torch'}"
                   f" (torch {us(c['prefill_torch'])} us, dequantized {us(c['prefill_dequant'])} us at "
                   f"{'/'.join(map(str, PREFILL_BUCKETS))} rows)")
         return s

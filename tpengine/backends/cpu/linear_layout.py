@@ -4,9 +4,10 @@ A CPU linear layer holds its weight in ONE of two layouts (never both: that woul
 
 * ``plain``: the row-major ``[out, in]`` tensor, multiplied by ``F.linear`` (MKL's sgemm in float32,
   torch's oneDNN/cpublas GEMM in half precision);
-  or, at up to a few rows, tpengine's own GEMV kernel (:mod:`tpengine.backends.cpu.cpu_gemv`), and for a
-  float32 weight at a decode batch's rows tpengine's GEMM (:mod:`tpengine.backends.cpu.cpu_gemm`), where
-  they measured faster;
+  or, at up to a few rows, tpengine's own GEMV kernel (:mod:`tpengine.backends.cpu.cpu_gemv`), for a
+  float32 weight at a decode batch's rows tpengine's GEMM (:mod:`tpengine.backends.cpu.cpu_gemm`), and
+  for a half-precision weight torch's float32 GEMM on the weight widened slab by slab
+  (:mod:`tpengine.backends.cpu.cpu_widen`: CPUs without a bfloat16 GEMM), where they measured faster;
 * ``packed``: oneDNN's blocked layout (:func:`tpengine.model.layers.linear.prepack`), multiplied by
   ``torch.ops.mkldnn._linear_pointwise``.
 
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_library
+from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_library, cpu_widen
 from tpengine.backends.cpu.cpu_library import cache_root, cpu_id
 from tpengine.backends.cpu.measured import BUSY, NOISY, Contention, consistent, read_cache, time_us, write_cache
 from tpengine.config import CPU_LINEAR_CHOICES
@@ -43,11 +44,11 @@ ROW_BUCKETS = (1, 8, 64)
 #: The most weight bytes (per shape and layout) one measurement allocates; larger single weights
 #: are not measured (they keep ``packed``, the layout that saves the per-call reorder).
 MEASURE_BYTES = 256 << 20
-CACHE_VERSION = 5  # 5: caches from before the contention check are measured again
+CACHE_VERSION = 6  # 6: the widened path of half-precision weights, and weights oneDNN cannot pack, are timed
 
 
 #: The plain layout's paths: ``F.linear``, and tpengine's kernels on the same plain weight.
-PLAIN_PATHS = ("plain", "gemv", "gemm")
+PLAIN_PATHS = ("plain", "gemv", "gemm", "widen")
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,8 @@ class LayoutChoice:
 def plain_kernels(times_us: dict[str, list]) -> tuple[str, ...]:
     """The plain layout's path at each of :data:`ROW_BUCKETS`: the fastest of ``F.linear`` ("plain")
     and the kernels timed there ("gemv" up to :data:`tpengine.backends.cpu.cpu_gemv.MAX_ROWS` rows, "gemm"
-    from :data:`tpengine.backends.cpu.cpu_gemm.MIN_ROWS`; None where a kernel does not take the bucket's
-    rows); a tie keeps ``F.linear``."""
+    from :data:`tpengine.backends.cpu.cpu_gemm.MIN_ROWS`, "widen" for a half-precision weight; None where
+    a kernel does not take the bucket's rows); a tie keeps ``F.linear``."""
     out = []
     for i, p in enumerate(times_us["plain"]):
         best, name = p, "plain"
@@ -95,12 +96,13 @@ def plain_kernels(times_us: dict[str, list]) -> tuple[str, ...]:
 
 def kernel_at(kernels: tuple[str, ...], rows: int) -> str:
     """The path of :func:`plain_kernels` for a call of ``rows`` rows: that of the first bucket of at
-    least ``rows`` rows; "plain" (``F.linear``) past the last bucket, with no ``kernels``, and for
-    the GEMM below :data:`tpengine.backends.cpu.cpu_gemm.MIN_ROWS` rows."""
+    least ``rows`` rows; "plain" (``F.linear``) with no ``kernels`` and for the GEMM below
+    :data:`tpengine.backends.cpu.cpu_gemm.MIN_ROWS` rows; past the last bucket (a prefill's rows)
+    "widen" where the last bucket's path is (the widening pass weighs less as rows grow), else "plain"."""
     for n, k in zip(ROW_BUCKETS, kernels):
         if rows <= n:
             return "plain" if k == "gemm" and rows < cpu_gemm.MIN_ROWS else k
-    return "plain"
+    return "widen" if kernels and kernels[-1] == "widen" else "plain"
 
 
 def plain_times(times_us: dict[str, list]) -> list[float]:
@@ -112,14 +114,16 @@ def pick(times_us: dict[str, list]) -> str:
     """The layout whose summed time relative to the faster layout, over the buckets, is smallest
     (``{"plain": [t1, t8, t64], "packed": [...], "gemv": [t1, t8, None], "gemm": [None, None, t64]}``,
     the plain layout timed on its fastest path per bucket, :func:`plain_times`); a tie keeps
-    ``packed``."""
+    ``packed``; "plain" where ``packed`` was not timed (oneDNN cannot pack the dtype here)."""
+    if "packed" not in times_us:
+        return "plain"
     layouts = {"plain": plain_times(times_us), "packed": times_us["packed"]}
     best = [min(ts) for ts in zip(*layouts.values())]
     score = {k: sum(t / b for t, b in zip(v, best)) for k, v in layouts.items()}
     return min(sorted(score), key=lambda k: (score[k], k != "packed"))
 
 
-def plain_timings(weights: list[torch.Tensor], dtype: torch.dtype, kernels: tuple[str, ...] = ("gemv", "gemm")
+def plain_timings(weights: list[torch.Tensor], dtype: torch.dtype, kernels: tuple[str, ...] = ("gemv", "gemm", "widen")
                   ) -> dict[str, list]:
     """Microseconds per call at each of :data:`ROW_BUCKETS` rows of ``F.linear`` ("plain") and of
     each of tpengine's ``kernels`` that takes these weights (None at a bucket outside the
@@ -128,11 +132,12 @@ def plain_timings(weights: list[torch.Tensor], dtype: torch.dtype, kernels: tupl
     xs = [torch.full((rows, inp), 0.5, dtype=dtype) for rows in ROW_BUCKETS]
     times: dict[str, list] = {"plain": [time_us([lambda w=w: F.linear(x, w) for w in weights]) for x in xs]}
     paths = {"gemv": (cpu_gemv, lambda rows: rows <= cpu_gemv.MAX_ROWS),
-             "gemm": (cpu_gemm, lambda rows: rows >= cpu_gemm.MIN_ROWS)}
+             "gemm": (cpu_gemm, lambda rows: rows >= cpu_gemm.MIN_ROWS),
+             "widen": (cpu_widen, lambda rows: rows > 1)}
     for name in kernels:
         mod, takes = paths[name]
         if mod.available(weights[0]):
-            fn = getattr(mod, name)
+            fn = {"gemv": cpu_gemv.gemv, "gemm": cpu_gemm.gemm, "widen": cpu_widen.linear}[name]
             times[name] = [time_us([lambda w=w: fn(x, w) for w in weights]) if takes(x.shape[0]) else None
                            for x in xs]
     return times
@@ -141,16 +146,17 @@ def plain_timings(weights: list[torch.Tensor], dtype: torch.dtype, kernels: tupl
 def measure(shape: tuple[int, int], count: int, dtype: torch.dtype) -> dict[str, list[float]] | None:
     """Microseconds per call of each layout for a weight ``shape = (out, in)`` in ``dtype`` at each
     of :data:`ROW_BUCKETS` rows, rotating over ``min(count, MEASURE_BYTES // bytes)`` distinct
-    synthetic weights. None where packing is unavailable or one weight exceeds :data:`MEASURE_BYTES`."""
+    synthetic weights; the plain layout's paths only where oneDNN cannot pack ``dtype`` here. None
+    where one weight exceeds :data:`MEASURE_BYTES`."""
     out, inp = shape
     nbytes = out * inp * torch.empty(0, dtype=dtype).element_size()
     if nbytes > MEASURE_BYTES:
         return None
     n = max(1, min(count, MEASURE_BYTES // nbytes))
     plain = [torch.full((out, inp), 0.01 * (i + 1), dtype=dtype) for i in range(n)]
-    if prepack(plain[0]) is None:
-        return None
     times = plain_timings(plain, dtype)
+    if prepack(plain[0]) is None:
+        return times
     times["packed"] = []
     packed = []
     for i in range(n):  # replace as we go: never both layouts of all the synthetic weights
@@ -198,17 +204,20 @@ def _timed(cache: dict, key: str, needs: tuple[str, ...], measure_fn) -> tuple[d
 
 def choose_head(weight: torch.Tensor, setting: str = "auto", cpu_kernels: bool = True) -> LayoutChoice:
     """The kernels of a tied LM head's loaded CPU ``weight [vocab_local, hidden]``, which stays plain
-    (its rows are the embedding's too, so there is no packed copy): ``F.linear`` or the GEMM kernel
-    per bucket (:func:`plain_kernels`), timed on this weight itself at :data:`ROW_BUCKETS` (cached
-    like :func:`choose_layouts`).
-    ``setting`` other than "auto", ``cpu_kernels`` False, or a weight the GEMM does not take: plain
+    (its rows are the embedding's too, so there is no packed copy): ``F.linear`` or, per bucket
+    (:func:`plain_kernels`), the GEMM kernel for a float32 weight, the GEMV kernel and the widened
+    float32 GEMM for a half-precision one (a float32 head keeps HF's arithmetic at one row), timed on
+    this weight itself at :data:`ROW_BUCKETS` (cached like :func:`choose_layouts`).
+    ``setting`` other than "auto", ``cpu_kernels`` False, or a weight none of them takes: plain
     ``F.linear`` with no timings."""
-    if setting != "auto" or not cpu_kernels or not cpu_gemm.available(weight):
+    kernels = tuple(k for k, mod in (("gemv", cpu_gemv), ("widen", cpu_widen)) if mod.available(weight)) or (
+        ("gemm",) if cpu_gemm.available(weight) else ())
+    if setting != "auto" or not cpu_kernels or not kernels:
         return LayoutChoice("plain", "default", {})
     path = cache_path(weight.dtype)
     cache = read_cache(path)
     key = f"head {weight.shape[0]}x{weight.shape[1]}"
-    times, how, wrote = _timed(cache, key, ("plain", "gemm"), lambda: plain_timings([weight], weight.dtype, ("gemm",)))
+    times, how, wrote = _timed(cache, key, ("plain", *kernels), lambda: plain_timings([weight], weight.dtype, kernels))
     if wrote:
         write_cache(path, cache)
     return LayoutChoice("plain", how, times, plain_kernels(times))
@@ -231,12 +240,13 @@ def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setti
     path = cache_path(dtype)
     cache = read_cache(path)
     chosen, wrote = {}, False
+    packable = prepack(torch.zeros(1, 1, dtype=dtype)) is not None
     for shape, count in sorted(shapes.items()):
         key = f"{shape[0]}x{shape[1]}x{min(count, 1 << 20)}"
-        times, how, fresh = _timed(cache, key, LAYOUTS, lambda: measure(shape, count, dtype))
+        needs = LAYOUTS if packable else ("plain",)
+        times, how, fresh = _timed(cache, key, needs, lambda: measure(shape, count, dtype))
         wrote |= fresh
         if times is None:  # too big to measure: packed where oneDNN can pack this dtype, else plain
-            packable = prepack(torch.zeros(1, 1, dtype=dtype)) is not None
             chosen[shape] = LayoutChoice("packed" if packable else "plain", "default", {})
         else:
             if not cpu_kernels:
@@ -276,11 +286,12 @@ def bind_linear(weight: torch.Tensor | None, bias: torch.Tensor | None, packed: 
 
     In order: a quantized weight (``quant``, :class:`~tpengine.model.quant.weights.QuantizedWeight`) runs
     its kernel (``quant.bind()``); a ``packed`` weight (:func:`prepack`) runs oneDNN's matmul; a
-    plain weight without a bias whose ``kernels`` were measured (:func:`plain_kernels`) runs, per
-    row count, the path measured fastest at that row bucket (:func:`kernel_at`: tpengine's GEMV
-    kernel, :mod:`tpengine.backends.cpu.cpu_gemv`, its GEMM, :mod:`tpengine.backends.cpu.cpu_gemm`,
-    or ``F.linear``); anything else runs ``F.linear``. Every path computes the same product; the
-    choice is speed only.
+    plain weight whose ``kernels`` were measured (:func:`plain_kernels`) runs, per row count, the path
+    measured fastest at that row bucket (:func:`kernel_at`: tpengine's GEMV kernel,
+    :mod:`tpengine.backends.cpu.cpu_gemv`, its GEMM, :mod:`tpengine.backends.cpu.cpu_gemm`, the widened
+    GEMM, :mod:`tpengine.backends.cpu.cpu_widen`, or ``F.linear``; with a bias ``F.linear`` in place of
+    the GEMV and GEMM kernels, the bias added after the widened GEMM); anything else runs ``F.linear``.
+    Every path computes the same product; the choice is speed only.
     """
     if quant is not None:
         q = quant.bind()
@@ -288,18 +299,18 @@ def bind_linear(weight: torch.Tensor | None, bias: torch.Tensor | None, packed: 
     if packed is not None:
         op = torch.ops.mkldnn._linear_pointwise
         return lambda x: op(x, packed, bias, "none", [], "")
-    if kernels and bias is None:
-        paths = {"plain": lambda x: F.linear(x, weight)}
-        if "gemv" in kernels:
-            paths["gemv"] = cpu_gemv.bind(weight)
-        if "gemm" in kernels:
-            paths["gemm"] = cpu_gemm.bind(weight)
-        plain = paths["plain"]
-        by_rows = [plain] + [paths[kernel_at(kernels, rows)] for rows in range(1, ROW_BUCKETS[-1] + 1)]
-        last = len(by_rows)
+    if bias is not None:  # the GEMV and GEMM kernels take no bias
+        kernels = tuple("plain" if k in ("gemv", "gemm") else k for k in kernels)
+    if any(k != "plain" for k in kernels):
+        binds = {"gemv": cpu_gemv.bind, "gemm": cpu_gemm.bind, "widen": cpu_widen.bind}
+        paths = {"plain": lambda x: F.linear(x, weight, bias)}
+        for k in set(kernels) - {"plain"}:
+            paths[k] = binds[k](weight) if bias is None else (lambda x, f=binds[k](weight): f(x) + bias)
+        by_rows = [paths["plain"]] + [paths[kernel_at(kernels, rows)] for rows in range(1, ROW_BUCKETS[-1] + 1)]
+        last, past = len(by_rows), paths[kernel_at(kernels, ROW_BUCKETS[-1] + 1)]
 
         def run(x: torch.Tensor) -> torch.Tensor:
             rows = x.shape[0]
-            return (by_rows[rows] if rows < last else plain)(x)
+            return (by_rows[rows] if rows < last else past)(x)
         return run
     return lambda x: F.linear(x, weight, bias)

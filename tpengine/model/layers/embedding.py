@@ -201,17 +201,20 @@ def col_max(x: torch.Tensor, block: int = ROW_MAX_BLOCK,
 
 def choose_greedy_path(head: "ParallelLMHead", rows: tuple[int, ...] = (8, 64)) -> Choice:
     """Whether a plain half-precision CPU ``head`` picks greedy tokens faster through the
-    transposed logits (``"mm"``: ``weight @ hidden.T`` and :func:`col_max`) than through
-    ``F.linear`` and :func:`row_max` (``"linear"``), timed on its own weight at ``rows`` rows with
+    transposed logits (``"mm"``: ``weight @ hidden.T`` and :func:`col_max`) than through its bound
+    linear path (:meth:`ParallelLMHead.bind`: the paths ``choose_head`` measured) and :func:`row_max`
+    (``"linear"``), timed on its own weight at ``rows`` rows with
     its ``row_max_block`` (:func:`tpengine.backends.cpu.measured.fastest`: once per machine, cached).
     ``Choice.name`` is "mm" or "linear"."""
     g = torch.Generator().manual_seed(0)
     w, width, block = head.weight, head.shard_width, head.row_max_block
     xs = [torch.randn(r, w.shape[1], generator=g).to(w.dtype) for r in rows]
     cpu_kernels = head.ops.cpu_kernels
-    candidates = {"linear": [lambda x=x: row_max(F.linear(x, w)[:, :width], block, cpu_kernels) for x in xs],
+    linear = head.bind()
+    candidates = {"linear": [lambda x=x: row_max(linear(x)[:, :width], block, cpu_kernels) for x in xs],
                   "mm": [lambda x=x: col_max(torch.mm(w, x.t())[:width], block, cpu_kernels) for x in xs]}
     return fastest(f"greedy head {w.shape[0]}x{w.shape[1]} {str(w.dtype).removeprefix('torch.')} block {block} "
+                   f"linear {'/'.join(head.kernels) or 'plain'} "
                    f"rows {'/'.join(map(str, rows))}", candidates)
 
 

@@ -133,6 +133,10 @@ class QuantizedWeight(nn.Module):
     #: From this many rows on ``forward`` dequantizes the weight into a scratch float tensor and runs
     #: one GEMM (prefill); 0: never. Set by the same measurement.
     dequant_rows = 0
+    #: The dtype of that scratch weight and its GEMM (the output rounded back to ``x``'s dtype); None:
+    #: ``x``'s dtype. float32 where this machine's half-precision GEMM measured slower than the widened
+    #: one (:func:`tpengine.backends.cpu.cpu_widen.gemm_dtype`); set with ``dequant_rows``.
+    dequant_dtype: torch.dtype | None = None
 
     def _many(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` of a contiguous ``x [rows, in]`` above ``gemv_rows``: torch's kernel, or the
@@ -250,7 +254,8 @@ class Int8Weight(QuantizedWeight):
     def _many(self, x: torch.Tensor) -> torch.Tensor:
         if self.group_size is None:
             if self.dequant_rows and x.shape[0] >= self.dequant_rows:
-                return F.linear(x, self.qweight.to(x.dtype) * self.scales[:, None])
+                dt = self.dequant_dtype or x.dtype
+                return F.linear(x.to(dt), self.qweight.to(dt) * self.scales.to(dt)[:, None]).to(x.dtype)
             return torch._weight_int8pack_mm(x, self.qweight, self.scales)
         g, n = self.group_size, self.out_features
         return _int4_mm(x, self.packed_lo, g, self.scales_and_zeros_lo, n) + _int4_mm(
@@ -329,8 +334,10 @@ class Int4Weight(QuantizedWeight):
     def _many(self, x: torch.Tensor) -> torch.Tensor:
         n = self.out_features
         if self.dequant_rows and x.shape[0] >= self.dequant_rows:  # [in, n_pad] scratch
-            wt = cpu_qgemv.dequant_int4(self.packed, self._kernel_scales(), self.group_size, self._kernel_codes())
-            return x @ (wt if wt.shape[1] == n else wt[:, :n])
+            dt = self.dequant_dtype or x.dtype
+            wt = cpu_qgemv.dequant_int4(self.packed, self._kernel_scales().to(dt), self.group_size,
+                                        self._kernel_codes())
+            return (x.to(dt) @ (wt if wt.shape[1] == n else wt[:, :n])).to(x.dtype)
         return _int4_mm(x, self.packed, self.group_size, self._torch_sz(), n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
