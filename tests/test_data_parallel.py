@@ -201,13 +201,13 @@ def test_llm_outputs_on_every_rank_in_prompt_order(setup, tmp_path):
 
 
 # ---------------------------------------------------------------- the server
-def start_server(setup, tmp_path, *extra: str) -> tuple[subprocess.Popen, str, object]:
-    """``torchrun --nproc_per_node 2 -m tpengine.serve --data-parallel-size 2`` on the tiny model, once
-    /health answers: (launcher, base URL, log path)."""
+def start_server(setup, tmp_path, *extra: str, nproc: int = 2, dp: int = 2) -> tuple[subprocess.Popen, str, object]:
+    """``torchrun --nproc_per_node {nproc} -m tpengine.serve --data-parallel-size {dp}`` on the tiny model,
+    once /health answers: (launcher, base URL, log path)."""
     port = free_port()
     log = tmp_path / "server.log"
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "tpengine.serve", "--port", str(port), "--model",
-           str(setup["model"]), *SETTINGS, "--data-parallel-size", "2", *extra]
+    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "tpengine.serve", "--port", str(port),
+           "--model", str(setup["model"]), *SETTINGS, "--data-parallel-size", str(dp), *extra]
     proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -226,25 +226,50 @@ def post(url: str, body: dict, timeout: float = 120):
     return urllib.request.urlopen(req, timeout=timeout)
 
 
+def complete_all(setup, url: str) -> dict[str, str]:
+    """Every prompt of ``setup`` as a concurrent greedy completion: {id: text}."""
+    texts: dict[str, str] = {}
+
+    def complete(i: int, p: dict) -> None:
+        body = {"model": "tiny", "prompt": p["ids"], "max_tokens": p["max_tokens"], "temperature": 0.0,
+                "ignore_eos": True}
+        texts[f"r{i}"] = json.loads(post(url, body).read())["choices"][0]["text"]
+
+    threads = [threading.Thread(target=complete, args=(i, p)) for i, p in enumerate(setup["prompts"])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return texts
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_server_at_tp2_equals_one_replica(setup, tmp_path, dp):
+    """D=1 x T=2 and D=2 x T=2 (4 processes): concurrent completions equal the batch job's texts at
+    D=1 x T=1, the metrics count every one, and SIGTERM stops every rank with exit 0."""
+    nproc = 2 * dp
+    proc, url, log = start_server(setup, tmp_path, "--tensor-parallel-size", "2", "--threads", "1", nproc=nproc, dp=dp)
+    try:
+        assert complete_all(setup, url) == {rid: r["text"] for rid, r in setup["ref"].items()}
+        metrics = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+        assert 'tpengine:request_success_total{finished_reason="length",model_name="tiny"} 12.0' in metrics, metrics
+        assert f"(dp {dp} x tp 2" in log.read_text() if dp > 1 else "(tp 2" in log.read_text()
+        os.kill(rank_pids(proc.pid)[0], signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert all(f"[tpengine rank {r}/{nproc}] server stopped (exit 0)" in text for r in range(nproc)), text[-3000:]
+
+
 def test_server_routes_between_replicas(setup, tmp_path):
     """``--data-parallel-size 2`` at world size 2: concurrent completions equal the batch job's texts;
     /metrics has each replica's gauges and the totals, back to 0 after; SIGTERM with a stream in flight on
     each replica (``--drain-timeout-s 0``) aborts both, each ending properly, and every rank exits 0."""
     proc, url, log = start_server(setup, tmp_path, "--drain-timeout-s", "0")
     try:
-        texts: dict[str, str] = {}
-
-        def complete(i: int, p: dict) -> None:
-            body = {"model": "tiny", "prompt": p["ids"], "max_tokens": p["max_tokens"], "temperature": 0.0,
-                    "ignore_eos": True}
-            texts[f"r{i}"] = json.loads(post(url, body).read())["choices"][0]["text"]
-
-        threads = [threading.Thread(target=complete, args=(i, p)) for i, p in enumerate(setup["prompts"])]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert texts == {rid: r["text"] for rid, r in setup["ref"].items()}
+        assert complete_all(setup, url) == {rid: r["text"] for rid, r in setup["ref"].items()}
         metrics = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
         for d in (0, 1):
             assert f'tpengine:replica_num_requests_running{{model_name="tiny",replica="{d}"}} 0.0' in metrics
