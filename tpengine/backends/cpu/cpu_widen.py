@@ -17,6 +17,8 @@ fact to pick its scratch dtype (:func:`gemm_dtype`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -88,9 +90,15 @@ def gemm_choice(dtype: torch.dtype) -> Choice:
 
 
 def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a dequantize-then-GEMM path should dequantize into for ``dtype`` activations:
-    float32 where :func:`gemm_choice` measured the widened product faster (or ``dtype`` is float32),
-    else ``dtype``."""
+    """The dtype a product of ``dtype`` operands should be computed in on this machine (a
+    dequantize-then-GEMM path's scratch weight, the prefill attention's matmuls): float32 where
+    :func:`gemm_choice` measured the widened product faster (or ``dtype`` is float32), else ``dtype``.
+    Read once per process and thread count."""
     if dtype not in _HALF:
         return dtype
+    return _gemm_dtype(dtype, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=None)
+def _gemm_dtype(dtype: torch.dtype, threads: int) -> torch.dtype:
     return torch.float32 if gemm_choice(dtype).name == "float32" else dtype

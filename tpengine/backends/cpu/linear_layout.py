@@ -205,13 +205,13 @@ def _timed(cache: dict, key: str, needs: tuple[str, ...], measure_fn) -> tuple[d
 def choose_head(weight: torch.Tensor, setting: str = "auto", cpu_kernels: bool = True) -> LayoutChoice:
     """The kernels of a tied LM head's loaded CPU ``weight [vocab_local, hidden]``, which stays plain
     (its rows are the embedding's too, so there is no packed copy): ``F.linear`` or, per bucket
-    (:func:`plain_kernels`), the GEMM kernel for a float32 weight, the GEMV kernel and the widened
-    float32 GEMM for a half-precision one (a float32 head keeps HF's arithmetic at one row), timed on
-    this weight itself at :data:`ROW_BUCKETS` (cached like :func:`choose_layouts`).
+    (:func:`plain_kernels`), the GEMV kernel, and the GEMM kernel for a float32 weight or the widened
+    float32 GEMM for a half-precision one, timed on this weight itself at :data:`ROW_BUCKETS` (cached
+    like :func:`choose_layouts`).
     ``setting`` other than "auto", ``cpu_kernels`` False, or a weight none of them takes: plain
     ``F.linear`` with no timings."""
-    kernels = tuple(k for k, mod in (("gemv", cpu_gemv), ("widen", cpu_widen)) if mod.available(weight)) or (
-        ("gemm",) if cpu_gemm.available(weight) else ())
+    kernels = tuple(k for k, mod in (("gemv", cpu_gemv), ("gemm", cpu_gemm), ("widen", cpu_widen))
+                    if mod.available(weight))
     if setting != "auto" or not cpu_kernels or not kernels:
         return LayoutChoice("plain", "default", {})
     path = cache_path(weight.dtype)

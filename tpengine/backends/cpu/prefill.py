@@ -52,7 +52,8 @@ def causal_matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     query head ``h`` reads KV head ``h // G``) -> ``[B, Hq, L, D]``, computed as HF's eager
     attention does for half types: matmuls in the input dtype, scores scaled and masked, softmax
     accumulated in float32 (CPU softmax upcasts half inputs internally). On CPU in bfloat16 this is
-    faster than SDPA's flash kernel for short prompts."""
+    faster than SDPA's flash kernel for short prompts where the CPU has a fast bfloat16 GEMM (the
+    caller checks :func:`tpengine.backends.cpu.cpu_widen.gemm_dtype`; on an AVX2-only CPU it is not)."""
     b, hkv, n, d = k.shape
     g = q.shape[1] // hkv
     s = torch.matmul(q.reshape(b, hkv, g * n, d), k.transpose(-1, -2))  # [B, Hkv, G*L, L]
