@@ -235,13 +235,15 @@ def ensure_peer(peer: Peer, echo: Callable[[str], None], cache: Path | None = No
                 if not todo or todo == last:  # done, or pip installed what does not satisfy them
                     break
                 last = todo
-                f.write(f"$ {' '.join(install_command(todo, partial))}\n")
-                f.flush()
-                env = os.environ.copy()
+                cmd, env = install_command(todo, partial), os.environ.copy()
                 if build_options(peer) and todo == [peer.requirement]:
+                    # built for a machine class: never pip's cached wheel (built with other options)
                     env["CMAKE_ARGS"] = build_options(peer)
+                    cmd.insert(cmd.index("--target"), "--no-cache-dir")
                     f.write(f"CMAKE_ARGS={env['CMAKE_ARGS']}\n")
-                run(install_command(todo, partial), stdout=f, stderr=subprocess.STDOUT, check=True, env=env)
+                f.write(f"$ {' '.join(cmd)}\n")
+                f.flush()
+                run(cmd, stdout=f, stderr=subprocess.STDOUT, check=True, env=env)
                 here, venv = _version_in([str(partial)]), _version_in(sys.path)
                 requires = [r for d in importlib.metadata.distributions(path=[str(partial)])
                             for r in (d.requires or [])]

@@ -50,6 +50,7 @@ def test_the_avx2_class_gets_its_own_llama_cpp_build_and_ct2_isa(tmp_path, monke
 
     def fake_pip(cmd, stdout, stderr, check, env):
         calls.append(env.get("CMAKE_ARGS"))
+        assert "--no-cache-dir" in cmd  # pip's cached wheel is the native build
         target = Path(cmd[cmd.index("--target") + 1])
         (target / "llama_cpp").mkdir(parents=True, exist_ok=True)
 
