@@ -131,13 +131,12 @@ def plain_timings(weights: list[torch.Tensor], dtype: torch.dtype, kernels: tupl
     inp = weights[0].shape[1]
     xs = [torch.full((rows, inp), 0.5, dtype=dtype) for rows in ROW_BUCKETS]
     times: dict[str, list] = {"plain": [time_us([lambda w=w: F.linear(x, w) for w in weights]) for x in xs]}
-    paths = {"gemv": (cpu_gemv, lambda rows: rows <= cpu_gemv.MAX_ROWS),
-             "gemm": (cpu_gemm, lambda rows: rows >= cpu_gemm.MIN_ROWS),
-             "widen": (cpu_widen, lambda rows: rows > 1)}
+    paths = {"gemv": (cpu_gemv, cpu_gemv.gemv, lambda rows: rows <= cpu_gemv.MAX_ROWS),
+             "gemm": (cpu_gemm, cpu_gemm.gemm, lambda rows: rows >= cpu_gemm.MIN_ROWS),
+             "widen": (cpu_widen, cpu_widen.linear, lambda rows: rows > 1)}
     for name in kernels:
-        mod, takes = paths[name]
+        mod, fn, takes = paths[name]
         if mod.available(weights[0]):
-            fn = {"gemv": cpu_gemv.gemv, "gemm": cpu_gemm.gemm, "widen": cpu_widen.linear}[name]
             times[name] = [time_us([lambda w=w: fn(x, w) for w in weights]) if takes(x.shape[0]) else None
                            for x in xs]
     return times
