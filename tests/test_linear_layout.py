@@ -146,9 +146,10 @@ def test_plain_kernels_and_pick_count_the_fastest_plain_path_per_bucket():
 def test_kernel_at_maps_a_row_count_to_its_bucket():
     kernels = ("plain", "gemv", "gemm")
     got = {rows: L.kernel_at(kernels, rows) for rows in (1, 2, 8, 9, 16, 17, 64, 65, 512)}
-    # 9..16 rows fall in the 64-row bucket but are below the GEMM's MIN_ROWS; past 64, F.linear
-    assert got == {1: "plain", 2: "gemv", 8: "gemv", 9: "plain", 16: "plain", 17: "gemm", 64: "gemm", 65: "plain",
-                   512: "plain"}
+    # 9..16 rows fall in the 64-row bucket but are below the GEMM's MIN_ROWS; past 64, the GEMM still
+    assert got == {1: "plain", 2: "gemv", 8: "gemv", 9: "plain", 16: "plain", 17: "gemm", 64: "gemm", 65: "gemm",
+                   512: "gemm"}
+    assert [L.kernel_at(("plain", "gemv", "plain"), rows) for rows in (8, 64, 65)] == ["gemv", "plain", "plain"]
     assert L.kernel_at((), 1) == "plain"
     # the widened GEMM measured fastest at the last bucket keeps a prefill's rows past it
     kernels = ("gemv", "widen", "widen")
@@ -299,10 +300,32 @@ def test_float32_gemm_equals_matmul_and_each_row_is_batch_independent(rows, n, k
     for lo, hi in ((0, 1), (rows // 2, rows), (rows - 1, rows)):
         assert torch.equal(cpu_gemm.gemm(x[lo:hi], w), got[lo:hi])
     assert torch.equal(cpu_gemm.gemm(x.view(1, rows, k), w), got.view(1, rows, n))  # leading dims
-    with pytest.raises(ValueError, match=rf"gemm: float32 x \[\.\.\., {k}\] on the CPU and a contiguous float32 "
-                                         rf"weight \[n, k\]; got x torch\.bfloat16 \({rows}, {k}\) on cpu"):
+    kinds = "float32/bfloat16" if cpu_library.has("tpe_gemm_bf16") else "float32"
+    with pytest.raises(ValueError, match=rf"gemm: x \[\.\.\., {k}\] on the CPU and a contiguous weight \[n, k\] of "
+                                         rf"its dtype \({kinds} in this build\); got x torch\.bfloat16 \({rows}, "
+                                         rf"{k}\) on cpu, weight torch\.float32 \({n}, {k}\)"):
         cpu_gemm.gemm(x.bfloat16(), w)
-    assert cpu_gemm.available(w) and not cpu_gemm.available(w.bfloat16()) and not cpu_gemm.available(w.t())
+    assert cpu_gemm.available(w) and not cpu_gemm.available(w.t())
+    assert cpu_gemm.available(w.bfloat16()) == cpu_library.has("tpe_gemm_bf16") == (cpu_library.isa() == "avx2")
+
+
+@pytest.mark.skipif(not cpu_library.has("tpe_gemm_bf16"), reason=str(cpu_library.missing("tpe_gemm_bf16")))
+@pytest.mark.parametrize("rows,n,k", [(64, 75, 80), (17, 30, 48), (130, 7, 33), (40, 24, 576), (1, 5, 3)])
+def test_bfloat16_gemm_is_the_float32_gemm_of_the_widened_operands_rounded_once(rows, n, k):
+    """The AVX2 build's bfloat16 GEMM (cpu_gemm.c: each block of 6 weight rows widened to float32,
+    then the float32 micro-kernel) equals the float32 GEMM of the widened x and weight rounded once
+    to bfloat16, bit for bit, for every tail (weight rows not a multiple of 6, x rows not a multiple
+    of 16 or past 64, odd k); a row's output does not depend on the rows around it."""
+    g = torch.Generator().manual_seed(rows * n)
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    got = cpu_gemm.gemm(x, w)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    assert torch.equal(got, cpu_gemm.gemm(x.float(), w.float()).bfloat16())
+    for lo, hi in ((0, 1), (rows // 2, rows), (rows - 1, rows)):
+        assert torch.equal(cpu_gemm.gemm(x[lo:hi], w), got[lo:hi])
+    with pytest.raises(ValueError, match=r"got x torch\.float32 .* weight torch\.bfloat16"):
+        cpu_gemm.gemm(x.float(), w)
 
 
 @needs_kernels

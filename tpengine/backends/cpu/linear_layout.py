@@ -4,10 +4,11 @@ A CPU linear layer holds its weight in ONE of two layouts (never both: that woul
 
 * ``plain``: the row-major ``[out, in]`` tensor, multiplied by ``F.linear`` (MKL's sgemm in float32,
   torch's oneDNN/cpublas GEMM in half precision);
-  or, at up to a few rows, tpengine's own GEMV kernel (:mod:`tpengine.backends.cpu.cpu_gemv`), for a
-  float32 weight at a decode batch's rows tpengine's GEMM (:mod:`tpengine.backends.cpu.cpu_gemm`), and
-  for a half-precision weight torch's float32 GEMM on the weight widened slab by slab
-  (:mod:`tpengine.backends.cpu.cpu_widen`: CPUs without a bfloat16 GEMM), where they measured faster;
+  or, at up to a few rows, tpengine's own GEMV kernel (:mod:`tpengine.backends.cpu.cpu_gemv`), at a
+  decode batch's rows tpengine's GEMM (:mod:`tpengine.backends.cpu.cpu_gemm`: float32, and bfloat16
+  widened block by block on AVX2 builds), and for a half-precision weight torch's float32 GEMM on the
+  weight widened slab by slab (:mod:`tpengine.backends.cpu.cpu_widen`: CPUs without a bfloat16 GEMM),
+  where they measured faster;
 * ``packed``: oneDNN's blocked layout (:func:`tpengine.model.layers.linear.prepack`), multiplied by
   ``torch.ops.mkldnn._linear_pointwise``.
 
@@ -44,7 +45,7 @@ ROW_BUCKETS = (1, 8, 64)
 #: The most weight bytes (per shape and layout) one measurement allocates; larger single weights
 #: are not measured (they keep ``packed``, the layout that saves the per-call reorder).
 MEASURE_BYTES = 256 << 20
-CACHE_VERSION = 6  # 6: the widened path of half-precision weights, and weights oneDNN cannot pack, are timed
+CACHE_VERSION = 7  # 7: the GEMM kernel takes bfloat16 weights (AVX2 builds)
 
 
 #: The plain layout's paths: ``F.linear``, and tpengine's kernels on the same plain weight.
@@ -81,7 +82,8 @@ class LayoutChoice:
 def plain_kernels(times_us: dict[str, list]) -> tuple[str, ...]:
     """The plain layout's path at each of :data:`ROW_BUCKETS`: the fastest of ``F.linear`` ("plain")
     and the kernels timed there ("gemv" up to :data:`tpengine.backends.cpu.cpu_gemv.MAX_ROWS` rows, "gemm"
-    from :data:`tpengine.backends.cpu.cpu_gemm.MIN_ROWS`, "widen" for a half-precision weight; None where
+    from :data:`tpengine.backends.cpu.cpu_gemm.MIN_ROWS` (float32; bfloat16 on AVX2 builds), "widen" for
+    a half-precision weight; None where
     a kernel does not take the bucket's rows); a tie keeps ``F.linear``."""
     out = []
     for i, p in enumerate(times_us["plain"]):
@@ -97,12 +99,14 @@ def plain_kernels(times_us: dict[str, list]) -> tuple[str, ...]:
 def kernel_at(kernels: tuple[str, ...], rows: int) -> str:
     """The path of :func:`plain_kernels` for a call of ``rows`` rows: that of the first bucket of at
     least ``rows`` rows; "plain" (``F.linear``) with no ``kernels`` and for the GEMM below
-    :data:`tpengine.backends.cpu.cpu_gemm.MIN_ROWS` rows; past the last bucket (a prefill's rows)
-    "widen" where the last bucket's path is (the widening pass weighs less as rows grow), else "plain"."""
+    :data:`tpengine.backends.cpu.cpu_gemm.MIN_ROWS` rows; past the last bucket (a prefill's rows) the
+    last bucket's path where it is the GEMM (it runs any rows as passes of 64, at the rate it was
+    timed at; docs/notes/avx2.md has it beside ``F.linear`` at 256 and 1024 rows) or the widened
+    GEMM (its widening pass weighs less as rows grow), else "plain"."""
     for n, k in zip(ROW_BUCKETS, kernels):
         if rows <= n:
             return "plain" if k == "gemm" and rows < cpu_gemm.MIN_ROWS else k
-    return "widen" if kernels and kernels[-1] == "widen" else "plain"
+    return kernels[-1] if kernels and kernels[-1] in ("gemm", "widen") else "plain"
 
 
 def plain_times(times_us: dict[str, list]) -> list[float]:

@@ -83,70 +83,149 @@ void tpe_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t 
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-/* AVX2 + FMA: the same panel (64 rows of x per pass, [k][64]) and the same outer products, 8 rows of x
- * per vector: each output is the same single FMA chain over k in order, so the results equal the
- * AVX-512 path's bit for bit. NR x MV8 accumulators, about 12 of AVX2's 16 registers. */
+#include <omp.h>
+/* AVX2 + FMA: the same outer products, 8 rows of x per vector, each output the same single FMA chain over k
+ * in order, so the results equal the AVX-512 path's bit for bit. The panel is split into 4 passes of 16
+ * rows, [pass][k][16], and a block of NR = 6 weight rows runs every pass while its rows are in L1:
+ * 6 x 2 accumulators (12 of AVX2's 16 registers), 2 vector loads of the panel and 6 broadcasts per 12
+ * FMAs, so the panel (streamed from L2 once per pass) and the broadcasts stay below the FMA rate, and
+ * every weight element is read from memory once per 64 rows of x.
+ *
+ * tpe_gemm_bf16 takes a bfloat16 weight (and x, y) on CPUs without a bfloat16 GEMM: each block's 6
+ * weight rows are widened to float32 once into the thread's scratch (exact), then run the same
+ * micro-kernel; the products are float32's, each output rounded once to bfloat16 (nearest even). */
+#include "bf16.h"
 #define TPE_GEMM_M 64
+#define TPE_GEMM_PASS 16
+#define TPE_GEMM_NR 6
 
-#define TPE_GEMM_BLOCK8(NR, MV)                                                                                   \
-    static void gemm_block_##NR##_##MV(const float *restrict xt, const float *restrict w, int64_t k, float *y,    \
-                                       int64_t ldy, int64_t n0, int nr, int rows, int prefetch) {                 \
-        __m256 acc[NR][MV];                                                                                       \
-        const float *wr[NR];                                                                                      \
-        for (int r = 0; r < NR; r++) {                                                                            \
-            wr[r] = w + (n0 + (r < nr ? r : nr - 1)) * k;                                                         \
-            for (int j = 0; j < MV; j++) acc[r][j] = _mm256_setzero_ps();                                         \
-        }                                                                                                         \
-        for (int64_t i = 0; i < k; i++) {                                                                         \
-            if (prefetch && (i & 15) == 0)                                                                        \
-                for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(wr[r] + NR * k + i), _MM_HINT_T0);       \
-            __m256 xv[MV];                                                                                        \
-            for (int j = 0; j < MV; j++) xv[j] = _mm256_load_ps(xt + i * TPE_GEMM_M + 8 * j);                     \
-            for (int r = 0; r < NR; r++) {                                                                        \
-                const __m256 b = _mm256_set1_ps(wr[r][i]);                                                        \
-                for (int j = 0; j < MV; j++) acc[r][j] = _mm256_fmadd_ps(b, xv[j], acc[r][j]);                    \
-            }                                                                                                     \
-        }                                                                                                         \
-        float out[NR][8 * MV] __attribute__((aligned(32)));                                                       \
-        for (int r = 0; r < NR; r++)                                                                              \
-            for (int j = 0; j < MV; j++) _mm256_store_ps(out[r] + 8 * j, acc[r][j]);                              \
-        for (int m = 0; m < rows; m++)                                                                            \
-            for (int r = 0; r < nr; r++) y[m * ldy + n0 + r] = out[r][m];                                         \
+/* out[r][8 j + lane] = sum_k w[r][k] * xt[k][8 j + lane] for the 6 rows w[r] (ldw apart), 16 (MV = 2) or 8
+ * (MV = 1) rows of x. The accumulators are named variables, not an array: GCC keeps an array of vectors in
+ * memory and stores all of it every iteration. */
+#define TPE_ACC2(r) __m256 a##r##0 = _mm256_setzero_ps(), a##r##1 = _mm256_setzero_ps();
+#define TPE_FMA2(r)                                                                                               \
+    {                                                                                                             \
+        const __m256 b = _mm256_broadcast_ss(w + r * ldw + i);                                                    \
+        a##r##0 = _mm256_fmadd_ps(b, x0, a##r##0);                                                                \
+        a##r##1 = _mm256_fmadd_ps(b, x1, a##r##1);                                                                \
     }
+#define TPE_OUT2(r) _mm256_store_ps(out[r], a##r##0), _mm256_store_ps(out[r] + 8, a##r##1);
+static void gemm_pass_2(const float *restrict xt, const float *restrict w, int64_t ldw, int64_t k,
+                        float out[TPE_GEMM_NR][TPE_GEMM_PASS]) {
+    TPE_ACC2(0) TPE_ACC2(1) TPE_ACC2(2) TPE_ACC2(3) TPE_ACC2(4) TPE_ACC2(5)
+    for (int64_t i = 0; i < k; i++) {
+        const __m256 x0 = _mm256_load_ps(xt + i * TPE_GEMM_PASS), x1 = _mm256_load_ps(xt + i * TPE_GEMM_PASS + 8);
+        TPE_FMA2(0) TPE_FMA2(1) TPE_FMA2(2) TPE_FMA2(3) TPE_FMA2(4) TPE_FMA2(5)
+    }
+    TPE_OUT2(0) TPE_OUT2(1) TPE_OUT2(2) TPE_OUT2(3) TPE_OUT2(4) TPE_OUT2(5)
+}
 
-TPE_GEMM_BLOCK8(12, 1)
-TPE_GEMM_BLOCK8(6, 2)
-TPE_GEMM_BLOCK8(4, 3)
-TPE_GEMM_BLOCK8(3, 4)
-TPE_GEMM_BLOCK8(2, 5)
-TPE_GEMM_BLOCK8(2, 6)
-TPE_GEMM_BLOCK8(1, 7)
-TPE_GEMM_BLOCK8(1, 8)
+#define TPE_ACC1(r) __m256 a##r##0 = _mm256_setzero_ps();
+#define TPE_FMA1(r) a##r##0 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + r * ldw + i), x0, a##r##0);
+#define TPE_OUT1(r) _mm256_store_ps(out[r], a##r##0);
+static void gemm_pass_1(const float *restrict xt, const float *restrict w, int64_t ldw, int64_t k,
+                        float out[TPE_GEMM_NR][TPE_GEMM_PASS]) {
+    TPE_ACC1(0) TPE_ACC1(1) TPE_ACC1(2) TPE_ACC1(3) TPE_ACC1(4) TPE_ACC1(5)
+    for (int64_t i = 0; i < k; i++) {
+        const __m256 x0 = _mm256_load_ps(xt + i * TPE_GEMM_PASS);
+        TPE_FMA1(0) TPE_FMA1(1) TPE_FMA1(2) TPE_FMA1(3) TPE_FMA1(4) TPE_FMA1(5)
+    }
+    TPE_OUT1(0) TPE_OUT1(1) TPE_OUT1(2) TPE_OUT1(3) TPE_OUT1(4) TPE_OUT1(5)
+}
 
-typedef void (*gemm_block_fn)(const float *, const float *, int64_t, float *, int64_t, int64_t, int, int, int);
+/* The panel of rows m0.. (at most 64): xt[p][i][r] = x[m0 + 16 p + r][i], zero past the rows; run by every thread
+ * of the team (omp for). X is float or uint16_t (bfloat16, widened exactly). */
+#define TPE_GEMM_PANEL(X, CVT)                                                                                    \
+    static void panel_##X(const X *x, int64_t k, int rows, float *xt) {                                           \
+        const int passes = (rows + TPE_GEMM_PASS - 1) / TPE_GEMM_PASS;                                           \
+        _Pragma("omp for schedule(static)") for (int64_t i0 = 0; i0 < k; i0 += 16) {                              \
+            const int64_t i1 = i0 + 16 < k ? i0 + 16 : k;                                                        \
+            for (int p = 0; p < passes; p++)                                                                      \
+                for (int64_t i = i0; i < i1; i++)                                                                 \
+                    for (int r = 0; r < TPE_GEMM_PASS; r++) {                                                     \
+                        const int row = TPE_GEMM_PASS * p + r;                                                    \
+                        xt[(p * k + i) * TPE_GEMM_PASS + r] = row < rows ? CVT(x[row * k + i]) : 0.f;             \
+                    }                                                                                             \
+        }                                                                                                         \
+    }
+#define TPE_ID(v) (v)
+TPE_GEMM_PANEL(float, TPE_ID)
+TPE_GEMM_PANEL(uint16_t, bf2f)
 
-void tpe_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n, float *y, float *xt,
+/* One block of nr (<= 6) weight rows n0.. (float32 rows w at stride k) against every pass of the panel,
+ * y[m][n0 + r] for the rows of x; Y float (stored) or uint16_t (rounded to bfloat16). */
+#define TPE_GEMM_STORE(Y, CVT)                                                                                    \
+    static void block_##Y(const float *xt, const float *w, int64_t k, Y *y, int64_t ldy, int64_t n0, int nr,      \
+                          int rows) {                                                                             \
+        float out[TPE_GEMM_NR][TPE_GEMM_PASS] __attribute__((aligned(32)));                                       \
+        for (int p = 0; p * TPE_GEMM_PASS < rows; p++) {                                                          \
+            const int left = rows - p * TPE_GEMM_PASS, n = left < TPE_GEMM_PASS ? left : TPE_GEMM_PASS;           \
+            if (n > 8) gemm_pass_2(xt + p * k * TPE_GEMM_PASS, w, k, k, out);                                     \
+            else gemm_pass_1(xt + p * k * TPE_GEMM_PASS, w, k, k, out);                                           \
+            for (int m = 0; m < n; m++)                                                                           \
+                for (int r = 0; r < nr; r++) y[(p * TPE_GEMM_PASS + m) * ldy + n0 + r] = CVT(out[r][m]);          \
+        }                                                                                                         \
+    }
+TPE_GEMM_STORE(float, TPE_ID)
+TPE_GEMM_STORE(uint16_t, f2bf)
+
+/* x [m, k], w [n, k], y [m, n], all contiguous float32; scratch: k * 64 floats, 32-byte aligned. */
+void tpe_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n, float *y, float *scratch,
                   int nthreads) {
-    static const int block_rows[9] = {0, 12, 6, 4, 3, 2, 2, 1, 1};
-    static const gemm_block_fn blocks[9] = {0, gemm_block_12_1, gemm_block_6_2, gemm_block_4_3, gemm_block_3_4,
-                                            gemm_block_2_5, gemm_block_2_6, gemm_block_1_7, gemm_block_1_8};
+    const int64_t nblocks = (n + TPE_GEMM_NR - 1) / TPE_GEMM_NR;
     for (int64_t m0 = 0; m0 < m; m0 += TPE_GEMM_M) {
-        const int rows = m - m0 < TPE_GEMM_M ? (int)(m - m0) : TPE_GEMM_M, mv = (rows + 7) / 8;
-        const int nr = block_rows[mv];
-        const gemm_block_fn block = blocks[mv];
-        const int64_t nblocks = (n + nr - 1) / nr;
+        const int rows = m - m0 < TPE_GEMM_M ? (int)(m - m0) : TPE_GEMM_M;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)
         {
-#pragma omp for schedule(static)
-            for (int64_t i0 = 0; i0 < k; i0 += 16) { /* the panel: xt[i][r] = x[m0 + r][i], zero past the rows */
-                const int64_t i1 = i0 + 16 < k ? i0 + 16 : k;
-                for (int r = 0; r < 8 * mv; r++)
-                    for (int64_t i = i0; i < i1; i++) xt[i * TPE_GEMM_M + r] = r < rows ? x[(m0 + r) * k + i] : 0.f;
-            }
+            panel_float(x + m0 * k, k, rows, scratch);
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < nblocks; b++) {
-                const int64_t n0 = b * nr;
-                block(xt, w, k, y + m0 * n, n, n0, n - n0 < nr ? (int)(n - n0) : nr, rows, n0 + 2 * nr <= n);
+                const int64_t n0 = b * TPE_GEMM_NR;
+                const int nr = n - n0 < TPE_GEMM_NR ? (int)(n - n0) : TPE_GEMM_NR;
+                if (n0 + 2 * TPE_GEMM_NR <= n) /* the next block's rows, once per cache line, ahead of their use */
+                    for (int r = 0; r < TPE_GEMM_NR; r++)
+                        for (int64_t i = 0; i < k; i += 16)
+                            _mm_prefetch((const char *)(w + (n0 + TPE_GEMM_NR + r) * k + i), _MM_HINT_T1);
+                if (nr == TPE_GEMM_NR) {
+                    block_float(scratch, w + n0 * k, k, y + m0 * n, n, n0, nr, rows);
+                } else { /* fewer rows than a block: the last row stands in for the missing ones (not stored) */
+                    float *rowbuf = __builtin_alloca(sizeof(float) * TPE_GEMM_NR * k + 32);
+                    float *wb = (float *)(((uintptr_t)rowbuf + 31) & ~(uintptr_t)31);
+                    for (int r = 0; r < TPE_GEMM_NR; r++)
+                        for (int64_t i = 0; i < k; i++) wb[r * k + i] = w[(n0 + (r < nr ? r : nr - 1)) * k + i];
+                    block_float(scratch, wb, k, y + m0 * n, n, n0, nr, rows);
+                }
+            }
+        }
+    }
+}
+
+/* x [m, k], w [n, k], y [m, n], all contiguous bfloat16; scratch: k * (64 + 6 * nthreads) floats, 32-byte
+ * aligned (the panel, then each thread's 6 widened weight rows). */
+void tpe_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, uint16_t *y,
+                   float *scratch, int nthreads) {
+    const int64_t nblocks = (n + TPE_GEMM_NR - 1) / TPE_GEMM_NR;
+    for (int64_t m0 = 0; m0 < m; m0 += TPE_GEMM_M) {
+        const int rows = m - m0 < TPE_GEMM_M ? (int)(m - m0) : TPE_GEMM_M;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)
+        {
+            float *wb = scratch + k * (TPE_GEMM_M + TPE_GEMM_NR * (int64_t)omp_get_thread_num());
+            panel_uint16_t(x + m0 * k, k, rows, scratch);
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < nblocks; b++) {
+                const int64_t n0 = b * TPE_GEMM_NR;
+                const int nr = n - n0 < TPE_GEMM_NR ? (int)(n - n0) : TPE_GEMM_NR;
+                for (int r = 0; r < TPE_GEMM_NR; r++) { /* widen the block's rows (the last one for missing rows) */
+                    const uint16_t *src = w + (n0 + (r < nr ? r : nr - 1)) * k;
+                    int64_t i = 0;
+                    for (; i + 8 <= k; i += 8) _mm256_storeu_ps(wb + r * k + i, ld8(src + i));
+                    for (; i < k; i++) wb[r * k + i] = bf2f(src[i]);
+                }
+                if (n0 + 2 * TPE_GEMM_NR <= n)
+                    for (int r = 0; r < TPE_GEMM_NR; r++)
+                        for (int64_t i = 0; i < k; i += 32)
+                            _mm_prefetch((const char *)(w + (n0 + TPE_GEMM_NR + r) * k + i), _MM_HINT_T1);
+                block_uint16_t(scratch, wb, k, y + m0 * n, n, n0, nr, rows);
             }
         }
     }
