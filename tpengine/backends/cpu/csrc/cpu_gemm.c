@@ -101,7 +101,12 @@ void tpe_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t 
 
 /* out[r][8 j + lane] = sum_k w[r][k] * xt[k][8 j + lane] for the 6 rows w[r] (ldw apart), 16 (MV = 2) or 8
  * (MV = 1) rows of x. The accumulators are named variables, not an array: GCC keeps an array of vectors in
- * memory and stores all of it every iteration. */
+ * memory and stores all of it every iteration. pf (unless NULL): 6 rows of es-byte elements, pfld bytes
+ * apart (the next block's weight rows), prefetched a cache line at a time along with the loop: six short
+ * streams the hardware prefetcher does not follow, fetched while this block computes. */
+#define TPE_PREFETCH                                                                                              \
+    if (pf && ((i * es) & 63) == 0)                                                                               \
+        for (int r = 0; r < TPE_GEMM_NR; r++) _mm_prefetch(pf + r * pfld + i * es, _MM_HINT_T0);
 #define TPE_ACC2(r) __m256 a##r##0 = _mm256_setzero_ps(), a##r##1 = _mm256_setzero_ps();
 #define TPE_FMA2(r)                                                                                               \
     {                                                                                                             \
@@ -111,9 +116,10 @@ void tpe_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t 
     }
 #define TPE_OUT2(r) _mm256_store_ps(out[r], a##r##0), _mm256_store_ps(out[r] + 8, a##r##1);
 static void gemm_pass_2(const float *restrict xt, const float *restrict w, int64_t ldw, int64_t k,
-                        float out[TPE_GEMM_NR][TPE_GEMM_PASS]) {
+                        float out[TPE_GEMM_NR][TPE_GEMM_PASS], const char *pf, int64_t pfld, int es) {
     TPE_ACC2(0) TPE_ACC2(1) TPE_ACC2(2) TPE_ACC2(3) TPE_ACC2(4) TPE_ACC2(5)
     for (int64_t i = 0; i < k; i++) {
+        TPE_PREFETCH
         const __m256 x0 = _mm256_load_ps(xt + i * TPE_GEMM_PASS), x1 = _mm256_load_ps(xt + i * TPE_GEMM_PASS + 8);
         TPE_FMA2(0) TPE_FMA2(1) TPE_FMA2(2) TPE_FMA2(3) TPE_FMA2(4) TPE_FMA2(5)
     }
@@ -124,9 +130,10 @@ static void gemm_pass_2(const float *restrict xt, const float *restrict w, int64
 #define TPE_FMA1(r) a##r##0 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + r * ldw + i), x0, a##r##0);
 #define TPE_OUT1(r) _mm256_store_ps(out[r], a##r##0);
 static void gemm_pass_1(const float *restrict xt, const float *restrict w, int64_t ldw, int64_t k,
-                        float out[TPE_GEMM_NR][TPE_GEMM_PASS]) {
+                        float out[TPE_GEMM_NR][TPE_GEMM_PASS], const char *pf, int64_t pfld, int es) {
     TPE_ACC1(0) TPE_ACC1(1) TPE_ACC1(2) TPE_ACC1(3) TPE_ACC1(4) TPE_ACC1(5)
     for (int64_t i = 0; i < k; i++) {
+        TPE_PREFETCH
         const __m256 x0 = _mm256_load_ps(xt + i * TPE_GEMM_PASS);
         TPE_FMA1(0) TPE_FMA1(1) TPE_FMA1(2) TPE_FMA1(3) TPE_FMA1(4) TPE_FMA1(5)
     }
@@ -153,15 +160,17 @@ TPE_GEMM_PANEL(float, TPE_ID)
 TPE_GEMM_PANEL(uint16_t, bf2f)
 
 /* One block of nr (<= 6) weight rows n0.. (float32 rows w at stride k) against every pass of the panel,
- * y[m][n0 + r] for the rows of x; Y float (stored) or uint16_t (rounded to bfloat16). */
+ * y[m][n0 + r] for the rows of x; Y float (stored) or uint16_t (rounded to bfloat16). The first pass
+ * prefetches pf (see gemm_pass_2). */
 #define TPE_GEMM_STORE(Y, CVT)                                                                                    \
     static void block_##Y(const float *xt, const float *w, int64_t k, Y *y, int64_t ldy, int64_t n0, int nr,      \
-                          int rows) {                                                                             \
+                          int rows, const char *pf, int64_t pfld, int es) {                                       \
         float out[TPE_GEMM_NR][TPE_GEMM_PASS] __attribute__((aligned(32)));                                       \
         for (int p = 0; p * TPE_GEMM_PASS < rows; p++) {                                                          \
             const int left = rows - p * TPE_GEMM_PASS, n = left < TPE_GEMM_PASS ? left : TPE_GEMM_PASS;           \
-            if (n > 8) gemm_pass_2(xt + p * k * TPE_GEMM_PASS, w, k, k, out);                                     \
-            else gemm_pass_1(xt + p * k * TPE_GEMM_PASS, w, k, k, out);                                           \
+            const char *f = p == 0 ? pf : NULL;                                                                   \
+            if (n > 8) gemm_pass_2(xt + p * k * TPE_GEMM_PASS, w, k, k, out, f, pfld, es);                        \
+            else gemm_pass_1(xt + p * k * TPE_GEMM_PASS, w, k, k, out, f, pfld, es);                              \
             for (int m = 0; m < n; m++)                                                                           \
                 for (int r = 0; r < nr; r++) y[(p * TPE_GEMM_PASS + m) * ldy + n0 + r] = CVT(out[r][m]);          \
         }                                                                                                         \
@@ -182,18 +191,15 @@ void tpe_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t 
             for (int64_t b = 0; b < nblocks; b++) {
                 const int64_t n0 = b * TPE_GEMM_NR;
                 const int nr = n - n0 < TPE_GEMM_NR ? (int)(n - n0) : TPE_GEMM_NR;
-                if (n0 + 2 * TPE_GEMM_NR <= n) /* the next block's rows, once per cache line, ahead of their use */
-                    for (int r = 0; r < TPE_GEMM_NR; r++)
-                        for (int64_t i = 0; i < k; i += 16)
-                            _mm_prefetch((const char *)(w + (n0 + TPE_GEMM_NR + r) * k + i), _MM_HINT_T1);
+                const char *pf = n0 + 2 * TPE_GEMM_NR <= n ? (const char *)(w + (n0 + TPE_GEMM_NR) * k) : NULL;
                 if (nr == TPE_GEMM_NR) {
-                    block_float(scratch, w + n0 * k, k, y + m0 * n, n, n0, nr, rows);
+                    block_float(scratch, w + n0 * k, k, y + m0 * n, n, n0, nr, rows, pf, k * 4, 4);
                 } else { /* fewer rows than a block: the last row stands in for the missing ones (not stored) */
                     float *rowbuf = __builtin_alloca(sizeof(float) * TPE_GEMM_NR * k + 32);
                     float *wb = (float *)(((uintptr_t)rowbuf + 31) & ~(uintptr_t)31);
                     for (int r = 0; r < TPE_GEMM_NR; r++)
                         for (int64_t i = 0; i < k; i++) wb[r * k + i] = w[(n0 + (r < nr ? r : nr - 1)) * k + i];
-                    block_float(scratch, wb, k, y + m0 * n, n, n0, nr, rows);
+                    block_float(scratch, wb, k, y + m0 * n, n, n0, nr, rows, NULL, 0, 4);
                 }
             }
         }
@@ -221,11 +227,8 @@ void tpe_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, i
                     for (; i + 8 <= k; i += 8) _mm256_storeu_ps(wb + r * k + i, ld8(src + i));
                     for (; i < k; i++) wb[r * k + i] = bf2f(src[i]);
                 }
-                if (n0 + 2 * TPE_GEMM_NR <= n)
-                    for (int r = 0; r < TPE_GEMM_NR; r++)
-                        for (int64_t i = 0; i < k; i += 32)
-                            _mm_prefetch((const char *)(w + (n0 + TPE_GEMM_NR + r) * k + i), _MM_HINT_T1);
-                block_uint16_t(scratch, wb, k, y + m0 * n, n, n0, nr, rows);
+                const char *pf = n0 + 2 * TPE_GEMM_NR <= n ? (const char *)(w + (n0 + TPE_GEMM_NR) * k) : NULL;
+                block_uint16_t(scratch, wb, k, y + m0 * n, n, n0, nr, rows, pf, k * 2, 2);
             }
         }
     }
