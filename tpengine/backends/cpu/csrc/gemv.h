@@ -64,9 +64,12 @@
     }
 
 /* The four row counts one call is split into (AVX-512: 8 rows against 2 weight rows, else 4, 2, 1 against 4),
- * all named PREFIX_R, and the call over output rows o0..o1 for `rows` rows of x. */
+ * all named PREFIX_R, and the call over output rows o0..o1 for `rows` rows of x. TPE_GEMV_FAMILY_J takes
+ * the weight rows per group at one row of x, J1, where a type reads better with another than TPE_J1. */
 #define TPE_GEMV_FAMILY(PREFIX, TW, TX, TY, STEP, VEC, WLOAD, XLOAD, MAC, OUT)                                \
-    TPE_GEMV_ROWS(PREFIX##_1, 1, TPE_J1, TW, TX, TY, STEP, VEC, WLOAD, XLOAD, MAC, OUT)                            \
+    TPE_GEMV_FAMILY_J(PREFIX, TPE_J1, TW, TX, TY, STEP, VEC, WLOAD, XLOAD, MAC, OUT)
+#define TPE_GEMV_FAMILY_J(PREFIX, J1, TW, TX, TY, STEP, VEC, WLOAD, XLOAD, MAC, OUT)                          \
+    TPE_GEMV_ROWS(PREFIX##_1, 1, J1, TW, TX, TY, STEP, VEC, WLOAD, XLOAD, MAC, OUT)                                \
     TPE_GEMV_ROWS(PREFIX##_2, 2, TPE_J2, TW, TX, TY, STEP, VEC, WLOAD, XLOAD, MAC, OUT)                            \
     TPE_GEMV_ROWS(PREFIX##_4, 4, TPE_J4, TW, TX, TY, STEP, VEC, WLOAD, XLOAD, MAC, OUT)                            \
     TPE_GEMV_ROWS(PREFIX##_8, 8, TPE_J8, TW, TX, TY, STEP, VEC, WLOAD, XLOAD, MAC, OUT)                            \
