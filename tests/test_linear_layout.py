@@ -285,11 +285,13 @@ def test_a_changed_kernel_build_is_measured_again(tmp_path, monkeypatch):
 
 
 @needs_gemm
-@pytest.mark.parametrize("rows,n,k", [(64, 75, 80), (17, 30, 48), (130, 7, 33), (40, 24, 576), (1, 5, 3)])
+@pytest.mark.parametrize("rows,n,k", [(64, 75, 80), (17, 30, 48), (130, 7, 33), (40, 24, 576), (1, 5, 3),
+                                    (70, 1001, 96)])
 def test_float32_gemm_equals_matmul_and_each_row_is_batch_independent(rows, n, k):
     """The float32 GEMM (cpu_gemm.c: one FMA chain over k per output) equals a float64 product within
     float32 sum error for every tail (weight rows not a multiple of the block, x rows not a multiple
-    of 16 or past 64, odd k), and a row's output does not depend on the rows around it."""
+    of 16 or past 64, odd k; the last, 1001 x 96, split between threads), and a row's output does not
+    depend on the rows around it."""
     g = torch.Generator().manual_seed(rows + n)
     w = torch.randn(n, k, generator=g) * 0.1
     x = torch.randn(rows, k, generator=g)
@@ -310,7 +312,8 @@ def test_float32_gemm_equals_matmul_and_each_row_is_batch_independent(rows, n, k
 
 
 @pytest.mark.skipif(not cpu_library.has("tpe_gemm_bf16"), reason=str(cpu_library.missing("tpe_gemm_bf16")))
-@pytest.mark.parametrize("rows,n,k", [(64, 75, 80), (17, 30, 48), (130, 7, 33), (40, 24, 576), (1, 5, 3)])
+@pytest.mark.parametrize("rows,n,k", [(64, 75, 80), (17, 30, 48), (130, 7, 33), (40, 24, 576), (1, 5, 3),
+                                    (70, 1001, 96)])
 def test_bfloat16_gemm_is_the_float32_gemm_of_the_widened_operands_rounded_once(rows, n, k):
     """The AVX2 build's bfloat16 GEMM (cpu_gemm.c: each block of 6 weight rows widened to float32,
     then the float32 micro-kernel) equals the float32 GEMM of the widened x and weight rounded once

@@ -25,8 +25,9 @@ from tpengine.backends.cpu import cpu_library
 MIN_ROWS = 17
 #: Rows of x per pass over the weight (the C code's TPE_GEMM_M); the panel holds ``in x PANEL_ROWS``.
 PANEL_ROWS = 64
-#: Weight rows a thread widens at a time for a bfloat16 weight (the AVX2 code's TPE_GEMM_NR): its
-#: scratch holds ``in x WIDEN_ROWS`` float32 per thread after the panel.
+#: Weight rows a thread widens at a time for a bfloat16 weight (the AVX2 code's TPE_GEMM_NR; and a
+#: last, shorter block's rows in float32): the scratch holds ``in x WIDEN_ROWS`` float32 per thread
+#: after the panel.
 WIDEN_ROWS = 6
 #: The C function for each weight dtype.
 KERNELS = {torch.float32: "tpe_gemm_f32", torch.bfloat16: "tpe_gemm_bf16"}
@@ -59,9 +60,7 @@ def _run(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The C call for checked arguments: ``x [rows, k]`` contiguous, the weight's dtype -> ``[rows, n]``."""
     (n, k), threads = weight.shape, torch.get_num_threads()
     y = torch.empty(x.shape[0], n, dtype=weight.dtype)
-    half = weight.dtype != torch.float32
-    # torch's CPU allocations are 64-byte aligned
-    scratch = torch.empty(k * (PANEL_ROWS + (WIDEN_ROWS * threads if half else 0)))
+    scratch = torch.empty(k * (PANEL_ROWS + WIDEN_ROWS * threads))  # torch's CPU allocations are 64-byte aligned
     getattr(cpu_library.load(), KERNELS[weight.dtype])(x.data_ptr(), x.shape[0], k, weight.data_ptr(), n,
                                                        y.data_ptr(), scratch.data_ptr(), threads)
     return y

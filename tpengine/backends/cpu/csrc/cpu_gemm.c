@@ -178,7 +178,8 @@ TPE_GEMM_PANEL(uint16_t, bf2f)
 TPE_GEMM_STORE(float, TPE_ID)
 TPE_GEMM_STORE(uint16_t, f2bf)
 
-/* x [m, k], w [n, k], y [m, n], all contiguous float32; scratch: k * 64 floats, 32-byte aligned. */
+/* x [m, k], w [n, k], y [m, n], all contiguous float32; scratch: k * (64 + 6 * nthreads) floats, 32-byte
+ * aligned (the panel, then each thread's rows for a last block of fewer than 6). */
 void tpe_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n, float *y, float *scratch,
                   int nthreads) {
     const int64_t nblocks = (n + TPE_GEMM_NR - 1) / TPE_GEMM_NR;
@@ -194,9 +195,9 @@ void tpe_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t 
                 const char *pf = n0 + 2 * TPE_GEMM_NR <= n ? (const char *)(w + (n0 + TPE_GEMM_NR) * k) : NULL;
                 if (nr == TPE_GEMM_NR) {
                     block_float(scratch, w + n0 * k, k, y + m0 * n, n, n0, nr, rows, pf, k * 4, 4);
-                } else { /* fewer rows than a block: the last row stands in for the missing ones (not stored) */
-                    float *rowbuf = __builtin_alloca(sizeof(float) * TPE_GEMM_NR * k + 32);
-                    float *wb = (float *)(((uintptr_t)rowbuf + 31) & ~(uintptr_t)31);
+                } else { /* fewer rows than a block: the last row stands in for the missing ones (not stored),
+                          * copied with them into the thread's rows of the scratch */
+                    float *wb = scratch + k * (TPE_GEMM_M + TPE_GEMM_NR * (int64_t)omp_get_thread_num());
                     for (int r = 0; r < TPE_GEMM_NR; r++)
                         for (int64_t i = 0; i < k; i++) wb[r * k + i] = w[(n0 + (r < nr ? r : nr - 1)) * k + i];
                     block_float(scratch, wb, k, y + m0 * n, n, n0, nr, rows, NULL, 0, 4);
