@@ -13,6 +13,7 @@
  * count: a row's result does not depend on the batch it is in. The blocks of weight rows are split
  * between the threads. */
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -178,60 +179,46 @@ TPE_GEMM_PANEL(uint16_t, bf2f)
 TPE_GEMM_STORE(float, TPE_ID)
 TPE_GEMM_STORE(uint16_t, f2bf)
 
-/* x [m, k], w [n, k], y [m, n], all contiguous float32; scratch: k * (64 + 6 * nthreads) floats, 32-byte
- * aligned (the panel, then each thread's rows for a last block of fewer than 6). */
-void tpe_gemm_f32(const float *x, int64_t m, int64_t k, const float *w, int64_t n, float *y, float *scratch,
-                  int nthreads) {
-    const int64_t nblocks = (n + TPE_GEMM_NR - 1) / TPE_GEMM_NR;
-    for (int64_t m0 = 0; m0 < m; m0 += TPE_GEMM_M) {
-        const int rows = m - m0 < TPE_GEMM_M ? (int)(m - m0) : TPE_GEMM_M;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)
-        {
-            panel_float(x + m0 * k, k, rows, scratch);
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < nblocks; b++) {
-                const int64_t n0 = b * TPE_GEMM_NR;
-                const int nr = n - n0 < TPE_GEMM_NR ? (int)(n - n0) : TPE_GEMM_NR;
-                const char *pf = n0 + 2 * TPE_GEMM_NR <= n ? (const char *)(w + (n0 + TPE_GEMM_NR) * k) : NULL;
-                if (nr == TPE_GEMM_NR) {
-                    block_float(scratch, w + n0 * k, k, y + m0 * n, n, n0, nr, rows, pf, k * 4, 4);
-                } else { /* fewer rows than a block: the last row stands in for the missing ones (not stored),
-                          * copied with them into the thread's rows of the scratch */
-                    float *wb = scratch + k * (TPE_GEMM_M + TPE_GEMM_NR * (int64_t)omp_get_thread_num());
-                    for (int r = 0; r < TPE_GEMM_NR; r++)
-                        for (int64_t i = 0; i < k; i++) wb[r * k + i] = w[(n0 + (r < nr ? r : nr - 1)) * k + i];
-                    block_float(scratch, wb, k, y + m0 * n, n, n0, nr, rows, NULL, 0, 4);
-                }
-            }
-        }
+/* The float32 rows of weight block n0 (nr <= 6 rows, the last standing in for missing ones) for the
+ * micro-kernel: a full float32 block is read in place; otherwise the rows are copied (float32) or widened
+ * (bfloat16, exact) into the thread's rows of the scratch, wb. */
+static const float *rows_float(const float *w, int64_t k, int64_t n0, int nr, float *wb) {
+    if (nr == TPE_GEMM_NR) return w + n0 * k;
+    for (int r = 0; r < TPE_GEMM_NR; r++) memcpy(wb + r * k, w + (n0 + (r < nr ? r : nr - 1)) * k, sizeof(float) * k);
+    return wb;
+}
+static const float *rows_uint16_t(const uint16_t *w, int64_t k, int64_t n0, int nr, float *wb) {
+    for (int r = 0; r < TPE_GEMM_NR; r++) {
+        const uint16_t *src = w + (n0 + (r < nr ? r : nr - 1)) * k;
+        int64_t i = 0;
+        for (; i + 8 <= k; i += 8) _mm256_storeu_ps(wb + r * k + i, ld8(src + i));
+        for (; i < k; i++) wb[r * k + i] = bf2f(src[i]);
     }
+    return wb;
 }
 
-/* x [m, k], w [n, k], y [m, n], all contiguous bfloat16; scratch: k * (64 + 6 * nthreads) floats, 32-byte
- * aligned (the panel, then each thread's 6 widened weight rows). */
-void tpe_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, uint16_t *y,
-                   float *scratch, int nthreads) {
-    const int64_t nblocks = (n + TPE_GEMM_NR - 1) / TPE_GEMM_NR;
-    for (int64_t m0 = 0; m0 < m; m0 += TPE_GEMM_M) {
-        const int rows = m - m0 < TPE_GEMM_M ? (int)(m - m0) : TPE_GEMM_M;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)
-        {
-            float *wb = scratch + k * (TPE_GEMM_M + TPE_GEMM_NR * (int64_t)omp_get_thread_num());
-            panel_uint16_t(x + m0 * k, k, rows, scratch);
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < nblocks; b++) {
-                const int64_t n0 = b * TPE_GEMM_NR;
-                const int nr = n - n0 < TPE_GEMM_NR ? (int)(n - n0) : TPE_GEMM_NR;
-                for (int r = 0; r < TPE_GEMM_NR; r++) { /* widen the block's rows (the last one for missing rows) */
-                    const uint16_t *src = w + (n0 + (r < nr ? r : nr - 1)) * k;
-                    int64_t i = 0;
-                    for (; i + 8 <= k; i += 8) _mm256_storeu_ps(wb + r * k + i, ld8(src + i));
-                    for (; i < k; i++) wb[r * k + i] = bf2f(src[i]);
-                }
-                const char *pf = n0 + 2 * TPE_GEMM_NR <= n ? (const char *)(w + (n0 + TPE_GEMM_NR) * k) : NULL;
-                block_uint16_t(scratch, wb, k, y + m0 * n, n, n0, nr, rows, pf, k * 2, 2);
-            }
-        }
+/* x [m, k], w [n, k], y [m, n], all contiguous T (float32, or bfloat16 as uint16_t); scratch: k * (64 + 6 *
+ * nthreads) floats, 32-byte aligned (the panel, then each thread's 6 weight rows where a block is copied or
+ * widened). Passes of 64 rows of x; in each, the panel, then the weight blocks split between the threads,
+ * the next block's rows prefetched along the first pass of this one (a short last block prefetches none). */
+#define TPE_GEMM_CALL(NAME, T)                                                                                    \
+    void NAME(const T *x, int64_t m, int64_t k, const T *w, int64_t n, T *y, float *scratch, int nthreads) {     \
+        const int64_t nblocks = (n + TPE_GEMM_NR - 1) / TPE_GEMM_NR;                                              \
+        for (int64_t m0 = 0; m0 < m; m0 += TPE_GEMM_M) {                                                          \
+            const int rows = m - m0 < TPE_GEMM_M ? (int)(m - m0) : TPE_GEMM_M;                                    \
+            _Pragma("omp parallel num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)") {                   \
+                float *wb = scratch + k * (TPE_GEMM_M + TPE_GEMM_NR * (int64_t)omp_get_thread_num());             \
+                panel_##T(x + m0 * k, k, rows, scratch);                                                          \
+                _Pragma("omp for schedule(static)") for (int64_t b = 0; b < nblocks; b++) {                       \
+                    const int64_t n0 = b * TPE_GEMM_NR;                                                           \
+                    const int nr = n - n0 < TPE_GEMM_NR ? (int)(n - n0) : TPE_GEMM_NR;                            \
+                    const char *pf = n0 + 2 * TPE_GEMM_NR <= n ? (const char *)(w + (n0 + TPE_GEMM_NR) * k) : NULL; \
+                    block_##T(scratch, rows_##T(w, k, n0, nr, wb), k, y + m0 * n, n, n0, nr, rows, pf,            \
+                              k * (int64_t)sizeof(T), (int)sizeof(T));                                             \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
     }
-}
+TPE_GEMM_CALL(tpe_gemm_f32, float)
+TPE_GEMM_CALL(tpe_gemm_bf16, uint16_t)
 #endif /* neither path: left out of the build; the callers keep torch (cpu_library.has) */
