@@ -127,6 +127,24 @@ def test_int4_gemv_reads_x_rounded_to_int16_per_group_in_an_avx2_build(dtype):
         assert not got.isnan().any() and q(nan)[1].isnan().all() and not q(nan)[0].isnan().any()
 
 
+@needs_int4
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_avx2_int4_gemv_row_does_not_depend_on_the_rows_beside_it(shape, dtype):
+    """An AVX2 build's int4 GEMV sums each row's integer products exactly (its integer kernel at 1 or 2
+    rows, its float one at 3 or 4 rows a pass: int16 x 0..15 products, exact in float32 16 at a time),
+    so a row of 1..8 gives the same bits alone and in any batch."""
+    if not cpu_qgemv.int4_rounds_x():
+        pytest.skip(f"this build ({cpu_library.isa()}) multiplies float x (its bfloat16 kernel at 1-3 rows)")
+    for name in ("int4", "int4z"):
+        q = weight(name, 32, shape, dtype)
+        q.gemv_rows = 8
+        x = torch.randn(8, shape[1], generator=torch.Generator().manual_seed(3)).to(dtype)
+        alone = torch.cat([q(x[r:r + 1]) for r in range(8)])
+        for rows in range(2, 9):
+            assert torch.equal(q(x[:rows]), alone[:rows]), (name, rows)
+
+
 def pack_int4(q: torch.Tensor, block: int) -> torch.Tensor:
     """``q [n_pad, k]`` (0..15) in torch's packed layout of ``block``-row blocks (64: its AVX-512
     code's, 32: its AVX2 code's): column by column, row ``j`` of a block in the low nibble of byte ``j``
