@@ -19,6 +19,7 @@ from benchmarks.peer_worker import WARMUP_PROMPTS, check_ids
 
 def test_peer_folders_and_install_command(tmp_path, monkeypatch):
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TPENGINE_ISA", raising=False)  # the native build's folders (TPENGINE_ISA=avx2 adds "-avx2")
     assert bp.peer_dir(bp.CT2) == tmp_path / "peers" / "ctranslate2-4.8.5"
     assert bp.peer_dir(bp.LLAMA_CPP) == tmp_path / "peers" / f"llama-cpp-python-{bp.LLAMA_CPP.version}"
     assert bp.LLAMA_CPP.version.startswith("0.3.")

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: late-peer cases stay with the main run: they test no arithmetic)
 CHECKS = ("tests/test_cpu_fused.py", "tests/test_cpu_library.py::test_isa_names_the_path_built",
           "tests/test_shm.py::test_all_reduce_equals_torch_sums[3--1-10000000]",
+          "tests/test_linear_layout.py::test_measure_times_every_path_at_every_bucket",
           "tests/test_linear_layout.py::test_gemv_equals_float32_matmul_rounded_once",
           "tests/test_linear_layout.py::test_float32_gemv_equals_matmul",
           "tests/test_linear_layout.py::test_float32_gemm_equals_matmul_and_each_row_is_batch_independent",

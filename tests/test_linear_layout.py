@@ -49,12 +49,16 @@ def test_measure_times_every_path_at_every_bucket():
     t = L.measure((48, 32), 3, torch.bfloat16)
     # oneDNN without bfloat16 here (AVX2 only): no packed layout to time, the plain one's paths still are
     packed = set() if prepack(torch.zeros(2, 2, dtype=torch.bfloat16)) is None else {"packed"}
-    # (no GEMM in bfloat16; the widened float32 GEMM from 2 rows)
-    assert set(t) == {"plain", "widen"} | packed | ({"gemv"} if cpu_gemv_ok else set())
+    # the widened float32 GEMM from 2 rows; the bfloat16 GEMM (an AVX2 build's) from 17 rows: 64 only
+    bf16_gemm = cpu_library.has(cpu_gemm.KERNELS[torch.bfloat16])
+    assert set(t) == {"plain", "widen"} | packed | ({"gemv"} if cpu_gemv_ok else set()) | (
+        {"gemm"} if bf16_gemm else set())
     assert all(len(t[k]) == 3 and min(t[k]) > 0 for k in {"plain"} | packed)
     assert t["widen"][0] is None and t["widen"][1] > 0 and t["widen"][2] > 0
     if cpu_gemv_ok:  # the GEMV takes up to 8 rows: timed at 1 and 8, not at 64
         assert t["gemv"][0] > 0 and t["gemv"][1] > 0 and t["gemv"][2] is None
+    if bf16_gemm:
+        assert t["gemm"][:2] == [None, None] and t["gemm"][2] > 0
     t = L.measure((48, 32), 3, torch.float32)  # float32 adds the GEMM, which takes from 17 rows: 64 only
     assert set(t) == {"plain", "packed"} | ({"gemv"} if cpu_gemv_ok else set()) | ({"gemm"} if cpu_gemm_ok else set())
     if cpu_gemm_ok:  # (an AVX-512 build's: cpu_library.has)
