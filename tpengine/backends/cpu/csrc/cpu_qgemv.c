@@ -122,27 +122,35 @@ static void q4_prepare_x(float *xf, int64_t rows, int64_t k, int64_t gs, int16_t
     for (int64_t r = 0; r < rows; r++)
         for (int64_t g = 0; g < k / gs; g++) {
             float *v = xf + r * k + g * gs;
-#ifdef TPE_AVX2
-            float amax = 0.f;
-            int finite = 1;
-            for (int64_t i = 0; i < gs; i++) {
-                amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
-                finite &= isfinite(v[i]) != 0;
+#ifdef TPE_AVX2 /* 8 lanes at a time (gs % 16 == 0); a scalar loop of the same steps cost more than the GEMV */
+            const __m256 sign = _mm256_set1_ps(-0.f), zero = _mm256_setzero_ps();
+            __m256 vmax = zero, fin = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+            for (int64_t i = 0; i < gs; i += 8) {
+                const __m256 a = _mm256_loadu_ps(v + i);
+                vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, a));
+                fin = _mm256_and_ps(fin, _mm256_cmp_ps(_mm256_sub_ps(a, a), zero, _CMP_EQ_OQ)); /* NaN, inf: 0 */
             }
-            const float d = finite ? amax / 32767.f : NAN, id = d > 0.f ? 1.f / d : 0.f;
-            int16_t *q = xq + r * k + g * gs;
-            for (int64_t i = 0; i < gs; i++) { /* a NaN or infinity: d NaN, and the group's products with it */
-                const int t = finite ? _mm_cvtss_si32(_mm_set_ss(v[i] * id)) : 0; /* MXCSR: nearest, ties to even */
-                q[i] = (int16_t)(t > 32767 ? 32767 : t < -32767 ? -32767 : t);
-                v[i] = finite ? (float)q[i] * d : v[i];
-            }
+            const int finite = _mm256_movemask_ps(fin) == 0xff;
+            const float amax = hmax8(vmax), d = finite ? amax / 32767.f : NAN, id = d > 0.f ? 1.f / d : 0.f;
             xd[r * (k / gs) + g] = d;
+            __m256 sum = zero;
+            for (int64_t i = 0; i < gs; i += 8) { /* a NaN or infinity: d NaN, and the group's products with it */
+                const __m256 a = _mm256_loadu_ps(v + i);
+                /* MXCSR's rounding: to nearest, ties to even; |x / d| <= 32767 (+ an ulp), so the pack never saturates */
+                const __m256i t = finite ? _mm256_cvtps_epi32(_mm256_mul_ps(a, _mm256_set1_ps(id))) : _mm256_setzero_si256();
+                _mm_storeu_si128((__m128i *)(xq + r * k + g * gs + i),
+                                 _mm_packs_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)));
+                const __m256 xr = finite ? _mm256_mul_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(d)) : a;
+                _mm256_storeu_ps(v + i, xr);
+                sum = _mm256_add_ps(sum, xr);
+            }
+            xs[r * (k / gs) + g] = hsum8(sum);
 #else
             (void)xq, (void)xd;
-#endif
             float t = 0.f;
             for (int64_t i = 0; i < gs; i++) t += v[i];
             xs[r * (k / gs) + g] = t;
+#endif
         }
 }
 
@@ -441,7 +449,7 @@ static q4_unit_t q4_unit_at(const uint8_t *packed, int64_t k, int64_t block, int
     return u;
 }
 
-/* One row of x against one unit, in integers: x is rounded per group to int16 (q4_prepare_x), and a
+/* Rows of x against one unit, in integers: x is rounded per group to int16 (q4_prepare_x), and a
  * column pair (i, i + 1) of the unit's weight bytes is interleaved byte by byte, split into its low and
  * high nibbles (0..15) and widened to 16-bit words, so that vpmaddwd multiplies each output's two
  * values by x's int16 pair and adds them into int32: 8 products an instruction after 2 shared ones,
@@ -527,50 +535,44 @@ Q4I_ROWS(2, 1, 32x2, Q4_COL32X2)
 Q4I_ROWS(1, 2, 32, Q4_COL32)
 Q4I_ROWS(2, 1, 32, Q4_COL32)
 
-/* R rows of x (q4_prepare_x's int16 values) against one unit in float FMAs, NC chunks a pass (R * NC <=
- * 4): at 3 or more rows the integer kernel's per-row work (a vpmaddwd and an add a word pair) outweighs
- * what it saves in widening the weight, and this kernel, which widens each chunk's bytes once for all
- * R rows, is faster. It gives the integer kernel's bits: each product of an int16 and a 0..15 value is
- * an integer below 2^19, exact in float32, and 16 of them summed stay below 2^24, exact too, so the
- * float accumulators are converted to int32 every 16 columns and the group's integer sums folded as
- * there. */
-#define Q4F_ROWS(R, NC)                                                                                        \
-    static void q4f_rows_##R##_##NC(const int16_t *xq, const float *xd, const float *xs, int64_t k, int64_t gs, \
-                                    const q4_unit_t *u, const void *sz, const int8_t *zc, int64_t n_pad,       \
-                                    int64_t o0, int is_bf16, float *out, int64_t ldo) {                        \
+/* Rows r0..r0 + R - 1 of x (q4_prepare_x's rounded float values, xf) against one unit in float FMAs:
+ * out[r * ldo + 0..16 nc - 1] = the unit's outputs. At 3 or more rows the integer kernel's per-row work
+ * (a vpmaddwd and an add a word pair) outweighs what it saves in widening the weight, and this kernel,
+ * which widens each chunk's bytes once for all R rows, is faster (docs/notes/avx2.md); its sums are
+ * float32's, in another order than the integer kernel's exact ones (a row of a batch of 3 to 8 can
+ * differ from the same row alone in the last bits). Each group is read in passes of NC chunks, 2 NC
+ * accumulators a row (R * NC <= 4: the accumulators, x and the widened bytes stay in the 16
+ * registers), and a pass folds its sums into out, s * (acc - 8 xsum) + z * xsum, the float AVX-512
+ * path's fold; 3 and 4 rows take 1 chunk a pass (8 accumulators, enough to cover the FMA latency on
+ * both pipes). The bytes are prefetched a page ahead, as in the AVX-512 path. */
+#define Q4A_ROWS(R, NC)                                                                                        \
+    static void q4a_rows_##R##_##NC(const float *x, const float *xs, int64_t k, int64_t gs, const q4_unit_t *u, \
+                                    const void *sz, const int8_t *zc, int64_t n_pad, int64_t o0, int is_bf16,  \
+                                    float *out, int64_t ldo) {                                                 \
         const __m256i m4 = _mm256_set1_epi32(15);                                                             \
         const int64_t groups = k / gs, cs = u->cs;                                                            \
         for (int r = 0; r < R; r++) memset(out + r * ldo, 0, sizeof(float) * 16 * u->nc);                    \
         for (int64_t g = 0; g < groups; g++) {                                                                \
             q4_prefetch_sz(sz, zc, g * n_pad + o0 + 64, is_bf16); /* the next unit's, this group */           \
             for (int c0 = 0; c0 < u->nc; c0 += NC) {                                                          \
-                __m256i isum[R][NC][2];                                                                       \
+                __m256 acc[R][NC][2];                                                                         \
                 for (int r = 0; r < R; r++)                                                                   \
-                    for (int c = 0; c < NC; c++) isum[r][c][0] = isum[r][c][1] = _mm256_setzero_si256();      \
-                for (int64_t i0 = g * gs; i0 < (g + 1) * gs; i0 += 16) {                                      \
-                    __m256 acc[R][NC][2];                                                                     \
-                    for (int r = 0; r < R; r++)                                                               \
-                        for (int c = 0; c < NC; c++) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();       \
-                    for (int64_t i = i0; i < i0 + 16; i++) {                                                  \
-                        if (c0 == 0 && !((i * cs) & 63))                                                      \
-                            for (int f = 0; f < u->nf; f++)                                                   \
-                                _mm_prefetch((const char *)(u->pf[f] + i * cs + Q4_PREFETCH_BYTES), _MM_HINT_T0); \
-                        __m256 xv[R];                                                                         \
-                        for (int r = 0; r < R; r++) xv[r] = _mm256_set1_ps((float)xq[r * k + i]);             \
-                        for (int c = 0; c < NC; c++) {                                                        \
-                            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u->p[c0 + c] + i * cs))); \
-                            const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, m4));                    \
-                            const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));                    \
-                            for (int r = 0; r < R; r++) {                                                     \
-                                acc[r][c][0] = _mm256_fmadd_ps(xv[r], lo, acc[r][c][0]);                      \
-                                acc[r][c][1] = _mm256_fmadd_ps(xv[r], hi, acc[r][c][1]);                      \
-                            }                                                                                 \
+                    for (int c = 0; c < NC; c++) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();           \
+                for (int64_t i = g * gs; i < (g + 1) * gs; i++) {                                             \
+                    if (c0 == 0 && !((i * cs) & 63))                                                          \
+                        for (int f = 0; f < u->nf; f++)                                                       \
+                            _mm_prefetch((const char *)(u->pf[f] + i * cs + Q4_PREFETCH_BYTES), _MM_HINT_T0);  \
+                    __m256 xv[R];                                                                             \
+                    for (int r = 0; r < R; r++) xv[r] = _mm256_set1_ps(x[r * k + i]);                         \
+                    for (int c = 0; c < NC; c++) {                                                            \
+                        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u->p[c0 + c] + i * cs))); \
+                        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, m4));                        \
+                        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));                        \
+                        for (int r = 0; r < R; r++) {                                                         \
+                            acc[r][c][0] = _mm256_fmadd_ps(xv[r], lo, acc[r][c][0]);                          \
+                            acc[r][c][1] = _mm256_fmadd_ps(xv[r], hi, acc[r][c][1]);                          \
                         }                                                                                     \
                     }                                                                                         \
-                    for (int r = 0; r < R; r++)                                                               \
-                        for (int c = 0; c < NC; c++)                                                          \
-                            for (int h = 0; h < 2; h++)                                                       \
-                                isum[r][c][h] = _mm256_add_epi32(isum[r][c][h], _mm256_cvtps_epi32(acc[r][c][h])); \
                 }                                                                                             \
                 for (int c = 0; c < NC; c++)                                                                  \
                     for (int h = 0; h < 2; h++) {                                                             \
@@ -579,24 +581,22 @@ Q4I_ROWS(2, 1, 32, Q4_COL32)
                         q4_sz8(sz, zc, g * n_pad + o0 + off, is_bf16, &sv, &zv);                              \
                         for (int r = 0; r < R; r++) {                                                         \
                             const float xsum = xs[r * groups + g];                                            \
-                            const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(isum[r][c][h]), _mm256_set1_ps(xd[r * groups + g])); \
                             const __m256 t = _mm256_fmadd_ps(_mm256_set1_ps(-8.f * xsum), sv,                 \
                                                              _mm256_mul_ps(_mm256_set1_ps(xsum), zv));        \
                             float *o = out + r * ldo + off;                                                   \
-                            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_fmadd_ps(sv, dot, t))); \
+                            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_fmadd_ps(sv, acc[r][c][h], t))); \
                         }                                                                                     \
                     }                                                                                         \
             }                                                                                                 \
         }                                                                                                     \
     }
 
-Q4F_ROWS(3, 1)
-Q4F_ROWS(4, 1)
+Q4A_ROWS(3, 1)
+Q4A_ROWS(4, 1)
 
-/* One unit at o0 (w outputs: 64, or 32 for a lone 32-row block), every row of x (q4_prepare_x's int16
- * values): out[r * ldo + 0..w - 1]; 4 (or 3) rows a pass in the float kernel, the last 1 or 2 in the
- * integer one. A row's sums are exact integers and its fold the same in every kernel, so its result
- * does not depend on the rows beside it. */
+/* One unit at o0 (w outputs: 64, or 32 for a lone 32-row block), every row of x as q4_prepare_x
+ * rounded it: out[r * ldo + 0..w - 1]; 4 (or 3) rows a pass in the float kernel, the last 1 or 2 in the
+ * integer one (whose sums are exact: one row alone, or two, give the same bits). */
 static void q4_unit(const q4_x_t *X, int64_t rows, int64_t k, int64_t gs, const uint8_t *packed, int64_t block,
                     int64_t o0, int64_t w, const void *sz, const int8_t *zc, int64_t n_pad, int is_bf16, float *out,
                     int64_t ldo) {
@@ -608,8 +608,8 @@ static void q4_unit(const q4_x_t *X, int64_t rows, int64_t k, int64_t gs, const 
     const kern_t one = block == 64 ? q4i_rows_1_64 : u.nc == 4 ? q4i_rows_1_32x2 : q4i_rows_1_32;
     int64_t r = 0;
     for (; rows - r >= 3; r += rows - r == 3 ? 3 : 4)
-        (rows - r == 3 ? q4f_rows_3_1 : q4f_rows_4_1)(X->xq + r * k, X->xd + r * groups, X->xs + r * groups, k, gs, &u,
-                                                      sz, zc, n_pad, o0, is_bf16, out + r * ldo, ldo);
+        (rows - r == 3 ? q4a_rows_3_1 : q4a_rows_4_1)(X->xf + r * k, X->xs + r * groups, k, gs, &u, sz, zc, n_pad, o0,
+                                                      is_bf16, out + r * ldo, ldo);
     for (; r + 2 <= rows; r += 2)
         two(X->xq + r * k, X->xd + r * groups, X->xs + r * groups, k, gs, &u, sz, zc, n_pad, o0, is_bf16,
             out + r * ldo, ldo);
