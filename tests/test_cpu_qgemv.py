@@ -49,15 +49,13 @@ def test_few_rows_equal_the_dequantized_product(name, group, shape, dtype):
     assert q.kernels_take
     for rows in (1, 2, 3, 5, 8):
         x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
-        # the int4 kernel multiplies x as it reads it (an AVX2 build: rounded to int8 per group)
-        seen = x if name == "int8" and not group else cpu_qgemv.int4_x_as_read(x, group)
-        want = seen.double() @ q.dequantize().double().T
+        want = x.double() @ q.dequantize().double().T
         q.gemv_rows = 8
         got = q(x)
         assert got.dtype == dtype and got.shape == (rows, shape[0])
         # float32 sums; bfloat16: each output rounded once (grouped int8: two int4 products, each
         # rounded at its own magnitude, up to |x| @ |w|, then added)
-        tol = bound(seen, q) * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -18)
+        tol = bound(x, q) * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -18)
         assert ((got.double() - want).abs() <= tol + 1e-30).all(), (rows, (got.double() - want).abs().max())
         if q.gemv_rows and not (name == "int8" and group):
             assert torch.equal(q.bind()(x.contiguous()), got)  # the decode program's bound call
@@ -81,71 +79,9 @@ def test_int4_dequantize_is_the_stored_weight_transposed(name, shape, dtype):
     tol = (want.double().abs() * 2 ** -8 if dtype == torch.bfloat16 else 0) + want.abs().max().item() * 2 ** -21
     assert ((got - want.double()).abs() <= tol).all()
     x = torch.randn(70, shape[1], generator=torch.Generator().manual_seed(2)).to(dtype)
-    q.gemv_rows, q.dequant_rows = 0, 64  # 70 rows: dequantize + one GEMM, of x as the GEMV reads it
-    torch.testing.assert_close(q(x).float(), cpu_qgemv.int4_x_as_read(x, 32) @ want.T,
-                               rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+    q.gemv_rows, q.dequant_rows = 0, 64  # 70 rows: dequantize + one GEMM
+    torch.testing.assert_close(q(x).float(), (x.float() @ want.T), rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
                                atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
-
-
-@needs_int4
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_int4_gemv_reads_x_rounded_to_int16_per_group_in_an_avx2_build(dtype):
-    """An AVX2 build's int4 paths multiply x rounded per group to int16 (``d = amax / 32767``, ties to
-    even; :func:`~tpengine.backends.cpu.cpu_qgemv.int4_x_as_read`): with ``amax = 32767 / 1024``
-    (``d = 2^-10``) x is read as its nearest multiples of ``d``, so x and those give the same bits in
-    the GEMV; an AVX-512 build reads x itself (and the two differ). A group of zeros reads as zeros,
-    a NaN in x gives NaN in every output of its row, and the GEMV and torch's kernel (both paths of a
-    few rows) give the product of the same rounded x, in either build."""
-    q = weight("int4z", 32, (96, 96), dtype)
-    x = torch.zeros(2, 96)
-    x[:, :8] = torch.tensor([32767.0, 2.5, 3.5, -2.5, -0.5, 0.5, 1.49, -126.5]) / 1024  # group 0; group 1: 0
-    x[:, 64:68] = torch.tensor([-3.0, 0.75, 1.25, 0.25])  # group 2: amax 3, d = 3 / 32767
-    x[1, 70] = 1e-30  # tiny beside amax: rounds to 0
-    seen = cpu_qgemv.int4_x_as_read(x, 32)
-    if cpu_qgemv.int4_rounds_x():  # d = 2^-10: ties to even
-        assert (seen[0, :8] * 1024).tolist() == [32767.0, 2.0, 4.0, -2.0, -0.0, 0.0, 1.0, -126.0]
-        assert not seen[:, 32:64].any() and seen[1, 70] == 0
-        d = torch.tensor(3.0) / 32767
-        assert torch.equal(seen[0, 64:68], torch.round(x[0, 64:68] * (1 / d)) * d)
-    else:
-        assert torch.equal(seen, x)
-    first = torch.zeros_like(x)
-    first[:, :32] = x[:, :32]
-    if dtype == torch.float32:
-        q.gemv_rows = 8
-        assert torch.equal(q(first), q((first * 1024).round() / 1024)) == cpu_qgemv.int4_rounds_x()
-    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(5)).to(dtype)
-    seen = cpu_qgemv.int4_x_as_read(x, 32)
-    want = seen.double() @ q.dequantize().double().T
-    tol = bound(seen, q) * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -18)
-    for gemv in (8, 0):  # the GEMV, torch's kernel
-        q.gemv_rows = gemv
-        got = q(x)
-        assert ((got.double() - want).abs() <= tol + 1e-30).all(), gemv
-        nan = x.clone()
-        nan[1, 40] = float("nan")
-        assert not got.isnan().any() and q(nan)[1].isnan().all() and not q(nan)[0].isnan().any()
-
-
-@needs_int4
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("shape", SHAPES)
-def test_avx2_int4_gemv_row_alone_and_in_a_batch(shape, dtype):
-    """An AVX2 build's int4 GEMV: at 1 and 2 rows the integer kernel sums each row's products exactly,
-    so a row gives the same bits alone and beside another; at 3 to 8 rows the float kernel (faster
-    there) sums the same rounded x in float32, within float32's rounding of the same product."""
-    if not cpu_qgemv.int4_rounds_x():
-        pytest.skip(f"this build ({cpu_library.isa()}) multiplies float x (its bfloat16 kernel at 1-3 rows)")
-    for name in ("int4", "int4z"):
-        q = weight(name, 32, shape, dtype)
-        q.gemv_rows = 8
-        x = torch.randn(8, shape[1], generator=torch.Generator().manual_seed(3)).to(dtype)
-        alone = torch.cat([q(x[r:r + 1]) for r in range(8)])
-        assert torch.equal(q(x[:2]), alone[:2]) and torch.equal(q(x[5:7]), alone[5:7]), name
-        seen = cpu_qgemv.int4_x_as_read(x, 32)
-        tol = bound(seen, q) * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -18)
-        for rows in range(3, 9):
-            assert ((q(x[:rows]).double() - alone[:rows].double()).abs() <= 2 * tol[:rows] + 1e-30).all(), (name, rows)
 
 
 def pack_int4(q: torch.Tensor, block: int) -> torch.Tensor:
@@ -193,9 +129,8 @@ def test_int4_kernels_read_the_other_layout(name, shape, dtype, monkeypatch):
     assert torch.equal(mine[0], theirs[0])  # element by element, the same arithmetic
     want = q.dequantize().double()
     for x, a, b in zip(xs, mine[1:], theirs[1:]):  # the sums in another order, well within the bound
-        seen = cpu_qgemv.int4_x_as_read(x, 32)  # x as the kernel reads it
-        tol = bound(seen, q) * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -18)
-        assert ((b.double() - seen.double() @ want.T).abs() <= tol + 1e-30).all(), x.shape[0]
+        tol = bound(x, q) * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -18)
+        assert ((b.double() - x.double() @ want.T).abs() <= tol + 1e-30).all(), x.shape[0]
         assert ((a.double() - b.double()).abs() <= tol + 1e-30).all(), x.shape[0]
 
 
@@ -328,7 +263,6 @@ def test_coded_int4_every_path_is_the_stored_weight(dtype):
     for rows, (gemv, deq) in paths:
         x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(dtype)
         q.gemv_rows, q.dequant_rows = gemv, deq
-        seen = cpu_qgemv.int4_x_as_read(x, 32)  # every path's x (an AVX2 build rounds it, as its GEMV)
-        want = seen.double() @ ref.double().T
-        tol = bound(seen, q) * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -18)
+        want = x.double() @ ref.double().T
+        tol = bound(x, q) * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -18)
         assert ((q(x).double() - want).abs() <= tol + 1e-30).all(), (rows, gemv, deq)

@@ -53,40 +53,6 @@ def int4_blocks() -> tuple[int, ...]:
     return (64, 32) if cpu_library.isa() == "avx2" else (64,)
 
 
-#: the largest int16 an AVX2 build's int4 GEMV rounds x's group maximum to (:func:`int4_x_as_read`)
-INT4_X_LEVELS = 32767
-
-
-def int4_rounds_x() -> bool:
-    """Whether the built int4 GEMV rounds x to int16 per group before multiplying (an AVX2 build: its
-    integer kernel; :func:`int4_x_as_read`). Never raises."""
-    return kernels_built(int4=True) and cpu_library.isa() == "avx2"
-
-
-def int4_x_as_read(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``x [..., k]`` as the built int4 GEMV (:func:`int4`) multiplies it, float32: where
-    :func:`int4_rounds_x`, each row's groups of ``group_size`` values rounded to int16 with the group's
-    scale ``d = amax / 32767`` and back (``round_half_even(x * (1 / d)) * d``; 0 where ``amax`` is 0,
-    NaN for a group holding a NaN or an infinity), as ``cpu_qgemv.c``'s ``q4_prepare_x`` does; otherwise
-    ``x`` itself. The GEMV's result is the dequantized weight's product with this, up to float32 sums.
-
-    Raises:
-        ValueError: ``k`` is not a multiple of ``group_size``.
-    """
-    k = x.shape[-1]
-    if k % group_size:
-        raise ValueError(f"int4_x_as_read: k = {k} is not a multiple of the group size {group_size}")
-    xf = x.float()
-    if not int4_rounds_x():
-        return xf
-    g = xf.reshape(*x.shape[:-1], k // group_size, group_size)
-    finite = torch.isfinite(g).all(-1, keepdim=True)
-    d = g.abs().amax(-1, keepdim=True) / INT4_X_LEVELS
-    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    rounded = torch.round(g * inv).clamp(-INT4_X_LEVELS, INT4_X_LEVELS) * d
-    return torch.where(finite, rounded, g).reshape(x.shape)
-
-
 @functools.lru_cache(maxsize=1)
 def torch_int4_block() -> int:
     """The rows per block of the layout ``_convert_weight_to_int4pack_for_cpu`` packs on this machine
@@ -206,8 +172,7 @@ def int4(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, 
     :func:`int4_layout_ok` accepts: the caller checks), ``scales_and_zeros [k / group_size,
     n_pad, 2]`` in ``x``'s dtype, or ``scales [k / group_size, n_pad]`` with ``zero_codes`` (int8,
     same shape; ``zero = code * scale / 16``) -> ``[..., out_features]`` (the first
-    ``out_features <= n_pad``). An AVX2 build multiplies x rounded to int16 per group
-    (:func:`int4_x_as_read`).
+    ``out_features <= n_pad``).
 
     Raises:
         ValueError: a dtype, shape, group size or row count it does not take.

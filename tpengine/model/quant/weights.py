@@ -183,16 +183,6 @@ class QuantizedWeight(nn.Module):
                 (b[start:] if b.dim() == 1 else b[:, start:]).zero_()
 
 
-def _int4_x(x: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """``x [rows, in]`` as every path of an int4 weight multiplies it, in ``dtype``: where this build's
-    int4 GEMV rounds x to int16 per group (an AVX2 build, :func:`tpengine.backends.cpu.cpu_qgemv.int4_x_as_read`),
-    torch's kernel and the dequantized GEMM get the same rounded values, so a weight's product does not
-    depend on which path the measurement chose for a row count (nor tp=2's on tp=1's); otherwise ``x``."""
-    if not cpu_qgemv.int4_rounds_x():
-        return x.to(dtype)
-    return cpu_qgemv.int4_x_as_read(x, group_size).to(dtype)
-
-
 class Int8Weight(QuantizedWeight):
     """W8A16, ``w = q * scale`` of ``q int8 [out, in]`` and ``scales``.
 
@@ -268,7 +258,6 @@ class Int8Weight(QuantizedWeight):
                 return F.linear(x.to(dt), self.qweight.to(dt) * self.scales.to(dt)[:, None]).to(x.dtype)
             return torch._weight_int8pack_mm(x, self.qweight, self.scales)
         g, n = self.group_size, self.out_features
-        x = _int4_x(x, g, x.dtype)
         return _int4_mm(x, self.packed_lo, g, self.scales_and_zeros_lo, n) + _int4_mm(
             x, self.packed_hi, g, self.scales_and_zeros_hi, n)
 
@@ -348,8 +337,8 @@ class Int4Weight(QuantizedWeight):
             dt = self.dequant_dtype or x.dtype
             wt = cpu_qgemv.dequant_int4(self.packed, self._kernel_scales().to(dt), self.group_size,
                                         self._kernel_codes())
-            return (_int4_x(x, self.group_size, dt) @ (wt if wt.shape[1] == n else wt[:, :n])).to(x.dtype)
-        return _int4_mm(_int4_x(x, self.group_size, x.dtype), self.packed, self.group_size, self._torch_sz(), n)
+            return (x.to(dt) @ (wt if wt.shape[1] == n else wt[:, :n])).to(x.dtype)
+        return _int4_mm(x, self.packed, self.group_size, self._torch_sz(), n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).contiguous()

@@ -28,7 +28,6 @@
  * layout torch produced before using these. */
 #include <stdint.h>
 #include <stdlib.h>
-#include <math.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -104,56 +103,6 @@ int64_t tpe_qgemv_int8(const void *x, int64_t rows, int64_t k, const int8_t *q, 
 }
 
 /* ------------------------------------------------------------------------------ int4, shared */
-/* x as the int4 kernels read it (q4_prepare_x): x itself (bfloat16 or float32), xf [rows, k] its float32
- * values, xs [rows, groups] their sums per group; in an AVX2 build also xq [rows, k] int16 and xd [rows,
- * groups]: each group of x rounded to xq * xd (xd = the group's amax / 32767), and then xf and xs are
- * those rounded values and their sums. */
-typedef struct {
-    const void *x;
-    const float *xf, *xs, *xd;
-    const int16_t *xq;
-} q4_x_t;
-
-/* xs [rows, groups]: the sums of xf [rows, k] per group of gs. In an AVX2 build each group is first
- * rounded to int16, as llama.cpp's Q8 blocks are to int8: d = amax / 32767, xq = round-half-even(x * (1 / d)) (0 where
- * amax is 0), xd = d, and xf becomes xq * d, the values the integer kernel multiplies (the scalar last
- * block reads them too). tpengine.backends.cpu.cpu_qgemv.int4_x_as_read computes the same in torch. */
-static void q4_prepare_x(float *xf, int64_t rows, int64_t k, int64_t gs, int16_t *xq, float *xd, float *xs) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t g = 0; g < k / gs; g++) {
-            float *v = xf + r * k + g * gs;
-#ifdef TPE_AVX2 /* 8 lanes at a time (gs % 16 == 0); a scalar loop of the same steps cost more than the GEMV */
-            const __m256 sign = _mm256_set1_ps(-0.f), zero = _mm256_setzero_ps();
-            __m256 vmax = zero, fin = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-            for (int64_t i = 0; i < gs; i += 8) {
-                const __m256 a = _mm256_loadu_ps(v + i);
-                vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, a));
-                fin = _mm256_and_ps(fin, _mm256_cmp_ps(_mm256_sub_ps(a, a), zero, _CMP_EQ_OQ)); /* NaN, inf: 0 */
-            }
-            const int finite = _mm256_movemask_ps(fin) == 0xff;
-            const float amax = hmax8(vmax), d = finite ? amax / 32767.f : NAN, id = d > 0.f ? 1.f / d : 0.f;
-            xd[r * (k / gs) + g] = d;
-            __m256 sum = zero;
-            for (int64_t i = 0; i < gs; i += 8) { /* a NaN or infinity: d NaN, and the group's products with it */
-                const __m256 a = _mm256_loadu_ps(v + i);
-                /* MXCSR's rounding: to nearest, ties to even; |x / d| <= 32767 (+ an ulp), so the pack never saturates */
-                const __m256i t = finite ? _mm256_cvtps_epi32(_mm256_mul_ps(a, _mm256_set1_ps(id))) : _mm256_setzero_si256();
-                _mm_storeu_si128((__m128i *)(xq + r * k + g * gs + i),
-                                 _mm_packs_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)));
-                const __m256 xr = finite ? _mm256_mul_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(d)) : a;
-                _mm256_storeu_ps(v + i, xr);
-                sum = _mm256_add_ps(sum, xr);
-            }
-            xs[r * (k / gs) + g] = hsum8(sum);
-#else
-            (void)xq, (void)xd;
-            float t = 0.f;
-            for (int64_t i = 0; i < gs; i++) t += v[i];
-            xs[r * (k / gs) + g] = t;
-#endif
-        }
-}
-
 /* scale and zero of element idx = g * n_pad + o: from scales_and_zeros [groups, n_pad, 2] (zc NULL), or
  * from scales [groups, n_pad] and the int8 zero codes zc [groups, n_pad] (zero = c * s / 16). */
 static inline void q4_sz(const void *sz, const int8_t *zc, int64_t idx, int is_bf16, float *s, float *z) {
@@ -347,12 +296,10 @@ Q4B_ROWS(1)
 Q4B_ROWS(2)
 
 /* One full 64-row block at o0 (w == 64), every row of x: out[r * ldo + 0..63]. */
-static void q4_unit(const q4_x_t *X, int64_t rows, int64_t k, int64_t gs, const uint8_t *packed, int64_t block,
-                    int64_t o0, int64_t w, const void *sz, const int8_t *zc, int64_t n_pad, int is_bf16, float *out,
-                    int64_t ldo) {
+static void q4_unit(const void *x, const float *xf, const float *xs, int64_t rows, int64_t k, int64_t gs,
+                    const uint8_t *packed, int64_t block, int64_t o0, int64_t w, const void *sz, const int8_t *zc,
+                    int64_t n_pad, int is_bf16, float *out, int64_t ldo) {
     (void)block, (void)w;
-    const void *x = X->x;
-    const float *xf = X->xf, *xs = X->xs;
     const uint8_t *blk = packed + o0 * k / 2;
     const int64_t groups = k / gs;
     int64_t r = 0;
@@ -449,102 +396,13 @@ static q4_unit_t q4_unit_at(const uint8_t *packed, int64_t k, int64_t block, int
     return u;
 }
 
-/* Rows of x against one unit, in integers: x is rounded per group to int16 (q4_prepare_x), and a
- * column pair (i, i + 1) of the unit's weight bytes is interleaved byte by byte, split into its low and
- * high nibbles (0..15) and widened to 16-bit words, so that vpmaddwd multiplies each output's two
- * values by x's int16 pair and adds them into int32: 8 products an instruction after 2 shared ones,
- * where the float path widens 16 values in 5 and then multiplies them (llama.cpp's Q4 x Q8 dot takes
- * x to int8 for vpmaddubsw; int8 x moved SmolLM2's logits by up to 0.1 between tp=1 and tp=2, as the
- * float sums' last bits decide some of its roundings, where int16's step is 256 times finer). A
- * group's exact integer sum isum (at most 15 * 32767 * 256 < 2^31) is folded at its end:
- * s * (d * isum - 8 xsum) + z * xsum, xsum the sum of x's rounded values xq * d (d = the group's
- * amax / 32767): the weight's product with x so rounded. Positions: the column pair's bytes
- * unpacked, u0 holds byte positions 0..7 (low 128 bits) and 16..23, u1 8..15 and 24..31; widened,
- * acc[u][h][e] holds positions 8u + 4e + 0..3 and 16 + 8u + 4e + 0..3, and position segment s (8
- * bytes) is the unit's chunk s, its low nibbles rows lo[s].., its high ones hi[s]... COL: one
- * column's 32 bytes (a 64-row block; two 32-row blocks, the first in the low half; a lone one, the
- * high half zero). */
-#define Q4_COL64(u, i) _mm256_loadu_si256((const __m256i *)((u)->p[0] + (i) * 32))
-#define Q4_COL32X2(u, i) _mm256_loadu2_m128i((const __m128i *)((u)->p[2] + (i) * 16), (const __m128i *)((u)->p[0] + (i) * 16))
-#define Q4_COL32(u, i) _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128((const __m128i *)((u)->p[0] + (i) * 16)), 0)
-
-/* R rows of x against the unpacked halves v0..v0 + NV - 1 of one unit (R * NV * 4 accumulators: 1 row
- * takes both halves in one pass, 2 rows one half a pass, sharing the widened weight words). */
-#define Q4I_ROWS(R, NV, KIND, COL)                                                                             \
-    static void q4i_rows_##R##_##KIND(const int16_t *xq, const float *xd, const float *xs, int64_t k, int64_t gs, \
-                                      const q4_unit_t *u, const void *sz, const int8_t *zc, int64_t n_pad,     \
-                                      int64_t o0, int is_bf16, float *out, int64_t ldo) {                      \
-        const __m256i m4 = _mm256_set1_epi16(15), zero = _mm256_setzero_si256();                              \
-        const int64_t groups = k / gs, cs = u->cs;                                                            \
-        for (int r = 0; r < R; r++) memset(out + r * ldo, 0, sizeof(float) * 16 * u->nc);                    \
-        for (int64_t g = 0; g < groups; g++) {                                                                \
-            q4_prefetch_sz(sz, zc, g * n_pad + o0 + 64, is_bf16); /* the next unit's, this group */           \
-            for (int v0 = 0; v0 < 2; v0 += NV) {                                                              \
-                __m256i acc[R][NV][2][2];                                                                     \
-                for (int r = 0; r < R; r++)                                                                   \
-                    for (int v = 0; v < NV; v++) acc[r][v][0][0] = acc[r][v][0][1] = acc[r][v][1][0] = acc[r][v][1][1] = zero; \
-                for (int64_t i = g * gs; i < (g + 1) * gs; i += 2) {                                          \
-                    if (v0 == 0 && !((i * cs) & 63))                                                          \
-                        for (int f = 0; f < u->nf; f++)                                                       \
-                            _mm_prefetch((const char *)(u->pf[f] + i * cs + Q4_PREFETCH_BYTES), _MM_HINT_T0);  \
-                    const __m256i a = COL(u, i), b = COL(u, i + 1);                                           \
-                    __m256i wv[NV][2][2]; /* [half][nibble][e]: words of positions 8 v + 4 e + 0..3 (+ 16) */ \
-                    for (int v = 0; v < NV; v++) {                                                            \
-                        const __m256i uv = v0 + v ? _mm256_unpackhi_epi8(a, b) : _mm256_unpacklo_epi8(a, b);  \
-                        const __m256i w0 = _mm256_unpacklo_epi8(uv, zero), w1 = _mm256_unpackhi_epi8(uv, zero); \
-                        wv[v][0][0] = _mm256_and_si256(w0, m4), wv[v][1][0] = _mm256_srli_epi16(w0, 4);       \
-                        wv[v][0][1] = _mm256_and_si256(w1, m4), wv[v][1][1] = _mm256_srli_epi16(w1, 4);       \
-                    }                                                                                         \
-                    for (int r = 0; r < R; r++) {                                                             \
-                        int32_t pair;                                                                         \
-                        memcpy(&pair, xq + r * k + i, 4);                                                     \
-                        const __m256i xp = _mm256_set1_epi32(pair);                                           \
-                        for (int v = 0; v < NV; v++)                                                          \
-                            for (int h = 0; h < 2; h++)                                                       \
-                                for (int e = 0; e < 2; e++)                                                   \
-                                    acc[r][v][h][e] = _mm256_add_epi32(acc[r][v][h][e], _mm256_madd_epi16(wv[v][h][e], xp)); \
-                    }                                                                                         \
-                }                                                                                             \
-                for (int v = 0; v < NV; v++)                                                                  \
-                    for (int h = 0; h < 2; h++)                                                               \
-                        for (int half = 0; half < 2; half++) {                                                \
-                            const int s = v0 + v + 2 * half;                                                  \
-                            if (s >= u->nc) continue;                                                         \
-                            const int off = h ? u->hi[s] : u->lo[s];                                          \
-                            __m256 sv, zv;                                                                    \
-                            q4_sz8(sz, zc, g * n_pad + o0 + off, is_bf16, &sv, &zv);                          \
-                            for (int r = 0; r < R; r++) {                                                     \
-                                const float xsum = xs[r * groups + g];                                        \
-                                const __m256i isum = _mm256_permute2x128_si256(acc[r][v][h][0], acc[r][v][h][1], \
-                                                                               half ? 0x31 : 0x20);           \
-                                const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(xd[r * groups + g])); \
-                                const __m256 t = _mm256_fmadd_ps(_mm256_set1_ps(-8.f * xsum), sv,             \
-                                                                 _mm256_mul_ps(_mm256_set1_ps(xsum), zv));    \
-                                float *o = out + r * ldo + off;                                               \
-                                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_fmadd_ps(sv, dot, t))); \
-                            }                                                                                 \
-                        }                                                                                     \
-            }                                                                                                 \
-        }                                                                                                     \
-    }
-
-Q4I_ROWS(1, 2, 64, Q4_COL64)
-Q4I_ROWS(2, 1, 64, Q4_COL64)
-Q4I_ROWS(1, 2, 32x2, Q4_COL32X2)
-Q4I_ROWS(2, 1, 32x2, Q4_COL32X2)
-Q4I_ROWS(1, 2, 32, Q4_COL32)
-Q4I_ROWS(2, 1, 32, Q4_COL32)
-
-/* Rows r0..r0 + R - 1 of x (q4_prepare_x's rounded float values, xf) against one unit in float FMAs:
- * out[r * ldo + 0..16 nc - 1] = the unit's outputs. At 3 or more rows the integer kernel's per-row work
- * (a vpmaddwd and an add a word pair) outweighs what it saves in widening the weight, and this kernel,
- * which widens each chunk's bytes once for all R rows, is faster (docs/notes/avx2.md); its sums are
- * float32's, in another order than the integer kernel's exact ones (a row of a batch of 3 to 8 can
- * differ from the same row alone in the last bits). Each group is read in passes of NC chunks, 2 NC
- * accumulators a row (R * NC <= 4: the accumulators, x and the widened bytes stay in the 16
- * registers), and a pass folds its sums into out, s * (acc - 8 xsum) + z * xsum, the float AVX-512
- * path's fold; 3 and 4 rows take 1 chunk a pass (8 accumulators, enough to cover the FMA latency on
- * both pipes). The bytes are prefetched a page ahead, as in the AVX-512 path. */
+/* Rows r0..r0 + R - 1 of x against one unit: out[r * ldo + 0..16 nc - 1] = the unit's outputs. Each
+ * group is read in passes of NC chunks, 2 NC accumulators a row (R * NC <= 4: the accumulators, x and
+ * the widened bytes stay in the 16 registers), and a pass folds its sums into out, s * (acc - 8 xsum)
+ * + z * xsum, the float AVX-512 path's fold. Widening the bytes costs more than the FMAs at one row,
+ * so more rows a pass share it: 1 row reads 4 chunks a pass, 2 rows 2, 3 and 4 rows 1 (8 accumulators,
+ * enough to cover the FMA latency on both pipes; each faster than the other splits measured,
+ * docs/notes/avx2.md). The bytes are prefetched a page ahead, as in the AVX-512 path. */
 #define Q4A_ROWS(R, NC)                                                                                        \
     static void q4a_rows_##R##_##NC(const float *x, const float *xs, int64_t k, int64_t gs, const q4_unit_t *u, \
                                     const void *sz, const int8_t *zc, int64_t n_pad, int64_t o0, int is_bf16,  \
@@ -591,31 +449,30 @@ Q4I_ROWS(2, 1, 32, Q4_COL32)
         }                                                                                                     \
     }
 
+Q4A_ROWS(1, 4)
+Q4A_ROWS(1, 2)
+Q4A_ROWS(2, 2)
 Q4A_ROWS(3, 1)
 Q4A_ROWS(4, 1)
 
-/* One unit at o0 (w outputs: 64, or 32 for a lone 32-row block), every row of x as q4_prepare_x
- * rounded it: out[r * ldo + 0..w - 1]; 4 (or 3) rows a pass in the float kernel, the last 1 or 2 in the
- * integer one (whose sums are exact: one row alone, or two, give the same bits). */
-static void q4_unit(const q4_x_t *X, int64_t rows, int64_t k, int64_t gs, const uint8_t *packed, int64_t block,
-                    int64_t o0, int64_t w, const void *sz, const int8_t *zc, int64_t n_pad, int is_bf16, float *out,
-                    int64_t ldo) {
+/* One unit at o0 (w outputs: 64, or 32 for a lone 32-row block), every row of x (bfloat16 x is read
+ * from xf, widened): out[r * ldo + 0..w - 1]. */
+static void q4_unit(const void *x, const float *xf, const float *xs, int64_t rows, int64_t k, int64_t gs,
+                    const uint8_t *packed, int64_t block, int64_t o0, int64_t w, const void *sz, const int8_t *zc,
+                    int64_t n_pad, int is_bf16, float *out, int64_t ldo) {
+    (void)x;
     const q4_unit_t u = q4_unit_at(packed, k, block, o0, w);
     const int64_t groups = k / gs;
-    typedef void (*kern_t)(const int16_t *, const float *, const float *, int64_t, int64_t, const q4_unit_t *,
-                           const void *, const int8_t *, int64_t, int64_t, int, float *, int64_t);
-    const kern_t two = block == 64 ? q4i_rows_2_64 : u.nc == 4 ? q4i_rows_2_32x2 : q4i_rows_2_32;
-    const kern_t one = block == 64 ? q4i_rows_1_64 : u.nc == 4 ? q4i_rows_1_32x2 : q4i_rows_1_32;
     int64_t r = 0;
-    for (; rows - r >= 3; r += rows - r == 3 ? 3 : 4)
-        (rows - r == 3 ? q4a_rows_3_1 : q4a_rows_4_1)(X->xf + r * k, X->xs + r * groups, k, gs, &u, sz, zc, n_pad, o0,
-                                                      is_bf16, out + r * ldo, ldo);
-    for (; r + 2 <= rows; r += 2)
-        two(X->xq + r * k, X->xd + r * groups, X->xs + r * groups, k, gs, &u, sz, zc, n_pad, o0, is_bf16,
-            out + r * ldo, ldo);
-    if (r < rows)
-        one(X->xq + r * k, X->xd + r * groups, X->xs + r * groups, k, gs, &u, sz, zc, n_pad, o0, is_bf16,
-            out + r * ldo, ldo);
+    for (; r + 4 <= rows; r += 4)
+        q4a_rows_4_1(xf + r * k, xs + r * groups, k, gs, &u, sz, zc, n_pad, o0, is_bf16, out + r * ldo, ldo);
+    if (rows - r == 3)
+        q4a_rows_3_1(xf + r * k, xs + r * groups, k, gs, &u, sz, zc, n_pad, o0, is_bf16, out + r * ldo, ldo);
+    else if (rows - r == 2)
+        q4a_rows_2_2(xf + r * k, xs + r * groups, k, gs, &u, sz, zc, n_pad, o0, is_bf16, out + r * ldo, ldo);
+    else if (rows - r == 1)
+        (u.nc == 4 ? q4a_rows_1_4 : q4a_rows_1_2)(xf + r * k, xs + r * groups, k, gs, &u, sz, zc, n_pad, o0, is_bf16,
+                                                  out + r * ldo, ldo);
 }
 
 /* wt[i, o0 + 0..w - 1] of one unit (tpe_dequant_int4): each widened chunk, q * s + (z - 8 s) in one FMA. */
@@ -660,24 +517,25 @@ int64_t tpe_qgemv_int4(const void *x, int64_t rows, int64_t k, const uint8_t *pa
         return -1;
     const int64_t groups = k / gs, full = n_pad / block * block, units = (full + 63) / 64;
     float *xf = malloc(sizeof(float) * rows * k), *xs = malloc(sizeof(float) * rows * groups);
-    float *xd = malloc(sizeof(float) * rows * groups), *out = malloc(sizeof(float) * rows * n_pad);
-    int16_t *xq = malloc(sizeof(int16_t) * rows * k);
-    if (!xf || !xs || !xd || !out || !xq) {
+    float *out = malloc(sizeof(float) * rows * n_pad);
+    if (!xf || !xs || !out) {
         free(xf);
         free(xs);
-        free(xd);
         free(out);
-        free(xq);
         return -2;
     }
     to_f32(x, rows, k, is_bf16, xf);
-    q4_prepare_x(xf, rows, k, gs, xq, xd, xs);
-    const q4_x_t X = {.x = x, .xf = xf, .xs = xs, .xd = xd, .xq = xq};
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float t = 0.f;
+            for (int64_t i = g * gs; i < (g + 1) * gs; i++) t += xf[r * k + i];
+            xs[r * groups + g] = t;
+        }
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n_pad * k >= 65536)
     for (int64_t b = 0; b < units + (full < n_pad); b++) {
         const int64_t o0 = b < units ? b * 64 : full, w = b < units ? (full - o0 < 64 ? full - o0 : 64) : n_pad - full;
         if (b < units)
-            q4_unit(&X, rows, k, gs, packed, block, o0, w, sz, zc, n_pad, is_bf16, out + o0, n_pad);
+            q4_unit(x, xf, xs, rows, k, gs, packed, block, o0, w, sz, zc, n_pad, is_bf16, out + o0, n_pad);
         else
             q4_tail(xf, xs, rows, k, gs, packed + o0 * k / 2, w, sz, zc, n_pad, o0, is_bf16, out + o0, n_pad);
         for (int64_t r = 0; r < rows; r++)
@@ -685,9 +543,7 @@ int64_t tpe_qgemv_int4(const void *x, int64_t rows, int64_t k, const uint8_t *pa
     }
     free(xf);
     free(xs);
-    free(xd);
     free(out);
-    free(xq);
     return 0;
 }
 
