@@ -627,11 +627,12 @@ PAGED_DECODE(tpe_paged_decode_bf16, uint16_t, ld, st, rb, 1)
 
 #elif defined(TPE_AVX2)
 /* AVX2 + FMA: the same steps and the same roundings, op by op, in a plainer form -- 8 lanes, one work
- * item per (sequence, KV head) (dynamic schedule), each key and value row read once for the KV head's
- * query heads, no prefetching ahead and no AMX. The dot products are float32 FMAs over the widened
- * elements (bfloat16: products exact, as vdpbf16ps's; the float32 sums in another order), each
- * reduced across its 8 lanes; then, as above, bf16(dot) * scale (float32: dot * scale), the
- * softmax with exp8, p rounded to the dtype, sum_t p[t] * v[t] in float32, rounded to the dtype. */
+ * item per (sequence, KV head) (dynamic schedule), each key row read once for the KV head's query
+ * heads and each value row once a tile of 32 output lanes, no prefetching ahead and no AMX. The dot
+ * products are float32 FMAs over the widened elements (bfloat16: products exact, as vdpbf16ps's; the
+ * float32 sums in another order), 8 keys at a time, their 8-lane partial sums reduced together
+ * (sum8x8); then, as above, bf16(dot) * scale (float32: dot * scale), the softmax with exp8, p
+ * rounded to the dtype, sum_t p[t] * v[t] in float32, rounded to the dtype. */
 
 /* float32 "rounding": none, but an opaque barrier against contracting a product and the sum after
  * it into one fused multiply-add (torch rounds the product first), as keep32 above. */
@@ -639,10 +640,57 @@ static inline __m256 keep8(__m256 x) {
     __asm__("" : "+x"(x));
     return x;
 }
-static inline float rnd_bf(float x) { return bf2f(f2bf(x)); }
-static inline float rnd_f32(float x) { return x; }
 
-#define PAGED_DECODE8(NAME, T, LD, ST, RND, RNDS)                                                                    \
+/* Key or value rows prefetched this far ahead of the one being read: a sequence's rows sit in blocks
+ * anywhere in the cache, one KV head's d elements at a stride of all of them, which the hardware
+ * prefetcher does not follow. */
+#define PF_AHEAD 16
+/* Prefetch the d elements of KV head kv at the cursor (block pb, offset po of the block table bt),
+ * then advance it. */
+#define prefetch_rows(cache, bt, bs, row, kv, d, pb, po)                                                        \
+    do {                                                                                                         \
+        const char *p_ = (const char *)((cache) + ((bt)[*(pb)] * (bs) + *(po)) * (row) + (kv) * (d));           \
+        for (int64_t o_ = 0; o_ < (d) * (int64_t)sizeof(*(cache)); o_ += 64) _mm_prefetch(p_ + o_, _MM_HINT_T0); \
+        if (++*(po) == (bs)) *(po) = 0, ++*(pb);                                                                 \
+    } while (0)
+
+/* The 8 sums of a[0..7]'s lanes, lane kk = hsum8(a[kk]) bit for bit (the same association: halves,
+ * then (0 + 2) + (1 + 3)), by a transpose-and-add tree: 21 instructions for the 8 sums. */
+static inline __m256 sum8x8(const __m256 *a) {
+    __m256 v[4];
+    for (int kk = 0; kk < 4; kk++) /* [lo(a[kk]) + hi(a[kk]) | lo(a[kk + 4]) + hi(a[kk + 4])] */
+        v[kk] = _mm256_add_ps(_mm256_permute2f128_ps(a[kk], a[kk + 4], 0x20), _mm256_permute2f128_ps(a[kk], a[kk + 4], 0x31));
+    const __m256 p = _mm256_add_ps(_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
+    const __m256 q = _mm256_add_ps(_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
+    return _mm256_add_ps(_mm256_shuffle_ps(p, q, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(p, q, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+/* out[.., i0 * 8 .. (i0 + W) * 8) of the item's g heads: sum_u p[j][u] v[u] over the L value rows, W
+ * 8-lane columns at a time (the same FMA chain per lane as one column at a time). */
+#define PV_TILE8(T, LD, ST, W)                                                                                     \
+    do {                                                                                                            \
+        __m256 acc[MAX_G][W];                                                                                       \
+        for (int64_t j = 0; j < g; j++)                                                                             \
+            for (int w = 0; w < W; w++) acc[j][w] = _mm256_setzero_ps();                                            \
+        for (int64_t u = 0, vb = 0, vo = 0; u < L; u++) {                                                           \
+            const T *vp = v_cache + (bt[vb] * bs + vo) * row + kv * d + i0 * 8;                                     \
+            if (++vo == bs) vo = 0, vb++;                                                                           \
+            if (i0 == 0 && pt < L) {                                                                                \
+                prefetch_rows(v_cache, bt, bs, row, kv, d, &pb, &po);                                               \
+                pt++;                                                                                               \
+            }                                                                                                       \
+            __m256 vr[W];                                                                                           \
+            for (int w = 0; w < W; w++) vr[w] = LD(vp + w * 8);                                                     \
+            for (int64_t j = 0; j < g; j++) {                                                                       \
+                const __m256 pu = _mm256_set1_ps(sc[j * lp + u]);                                                   \
+                for (int w = 0; w < W; w++) acc[j][w] = _mm256_fmadd_ps(pu, vr[w], acc[j][w]);                      \
+            }                                                                                                       \
+        }                                                                                                           \
+        for (int64_t j = 0; j < g; j++)                                                                             \
+            for (int w = 0; w < W; w++) ST(out + (b * hq + heads[j]) * d + (i0 + w) * 8, acc[j][w]);                \
+    } while (0)
+
+#define PAGED_DECODE8(NAME, T, LD, ST, RND)                                                                          \
     int64_t NAME(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v, int64_t v_stride, const T *cos_t,     \
                  const T *sin_t, const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,             \
                  const int64_t *lens, T *k_cache, T *v_cache, int64_t num_blocks, int64_t bs,                       \
@@ -652,7 +700,8 @@ static inline float rnd_f32(float x) { return x; }
         const int64_t bad = check(slots, block_tables, max_blocks, lens, B, num_blocks, bs, q_to_kv, hq, hkv, gmax); \
         if (bad >= 0) return bad;                                                                                   \
         const int64_t half = d / 2, row = hkv * d, nv = d / 8;                                                      \
-        const __m256 neg = _mm256_set1_ps(-0.f);                                                                    \
+        const __m256 neg = _mm256_set1_ps(-0.f), ninf = _mm256_set1_ps(-INFINITY), vscale = _mm256_set1_ps(scale); \
+        const __m256 lane8 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);                                                \
         for (int64_t b = 0; b < B; b++) {                                                                          \
             if (cos_t) { /* RoPE in place on the query heads, then the key heads */                              \
                 const T *c = cos_t + b * d, *s = sin_t + b * d;                                                     \
@@ -696,28 +745,37 @@ static inline float rnd_f32(float x) { return x; }
                     sc = (float *)malloc((size_t)cap * sizeof(float));                                              \
                 }                                                                                                   \
                 const int64_t *bt = block_tables + b * max_blocks;                                                  \
-                __m256 qv[MAX_G][MAX_D / 8], acc[MAX_G][MAX_D / 8];                                                 \
+                __m256 qv[MAX_G][MAX_D / 8], part[MAX_G][8], vmx[MAX_G];                                            \
                 for (int64_t j = 0; j < g; j++)                                                                     \
                     for (int64_t i = 0; i < nv; i++) qv[j][i] = LD(q + b * q_stride + heads[j] * d + i * 8);        \
-                float mx[MAX_G];                                                                                    \
-                for (int64_t j = 0; j < g; j++) mx[j] = -INFINITY;                                                  \
-                for (int64_t t = 0, kb = 0, ko = 0; t < L; t++) { /* scores: each key row read once */              \
-                    const T *kp = k_cache + (bt[kb] * bs + ko) * row + kv * d;                                      \
-                    if (++ko == bs) ko = 0, kb++;                                                                   \
-                    __m256 kr[MAX_D / 8];                                                                           \
-                    for (int64_t i = 0; i < nv; i++) kr[i] = LD(kp + i * 8);                                        \
-                    for (int64_t j = 0; j < g; j++) {                                                               \
-                        __m256 a = _mm256_mul_ps(qv[j][0], kr[0]);                                                  \
-                        for (int64_t i = 1; i < nv; i++) a = _mm256_fmadd_ps(qv[j][i], kr[i], a);                   \
-                        const float sv = RNDS(hsum8(a)) * scale;                                                    \
-                        sc[j * lp + t] = sv;                                                                        \
-                        mx[j] = sv > mx[j] ? sv : mx[j];                                                            \
+                for (int64_t j = 0; j < g; j++) vmx[j] = ninf;                                                      \
+                int64_t pt = 0, pb = 0, po = 0; /* the prefetch cursor: PF_AHEAD key rows ahead */                \
+                for (; pt < L && pt < PF_AHEAD; pt++) prefetch_rows(k_cache, bt, bs, row, kv, d, &pb, &po);         \
+                for (int64_t t0 = 0, kb = 0, ko = 0; t0 < L; t0 += 8) { /* scores, 8 keys a step: each row read once */ \
+                    const int64_t nk = L - t0 < 8 ? L - t0 : 8;                                                     \
+                    for (int64_t e = 0; e < 8 && pt < L; e++, pt++) prefetch_rows(k_cache, bt, bs, row, kv, d, &pb, &po); \
+                    for (int64_t kk = 0; kk < 8; kk++) { /* the 8-lane partial dots; past L: zero rows' 0 */      \
+                        const T *kp = kk < nk ? k_cache + (bt[kb] * bs + ko) * row + kv * d : NULL;                 \
+                        if (kk < nk && ++ko == bs) ko = 0, kb++;                                                    \
+                        __m256 kr[MAX_D / 8];                                                                       \
+                        for (int64_t i = 0; i < nv; i++) kr[i] = kp ? LD(kp + i * 8) : _mm256_setzero_ps();        \
+                        for (int64_t j = 0; j < g; j++) {                                                           \
+                            __m256 a = _mm256_mul_ps(qv[j][0], kr[0]);                                              \
+                            for (int64_t i = 1; i < nv; i++) a = _mm256_fmadd_ps(qv[j][i], kr[i], a);               \
+                            part[j][kk] = a;                                                                        \
+                        }                                                                                           \
+                    }                                                                                               \
+                    const __m256 valid = _mm256_cmp_ps(_mm256_set1_ps((float)nk), lane8, _CMP_GT_OQ);             \
+                    for (int64_t j = 0; j < g; j++) { /* lane kk: key t0 + kk's dot, summed in hsum8's order */   \
+                        const __m256 sv = _mm256_mul_ps(RND(sum8x8(part[j])), vscale);                              \
+                        _mm256_storeu_ps(sc + j * lp + t0, sv);                                                     \
+                        vmx[j] = _mm256_max_ps(vmx[j], _mm256_blendv_ps(ninf, sv, valid));                          \
                     }                                                                                               \
                 }                                                                                                   \
                 for (int64_t j = 0; j < g; j++) { /* softmax, then p rounded as the dtype rounds it */             \
                     float *sj = sc + j * lp;                                                                        \
                     for (int64_t t = L; t < lp; t++) sj[t] = -INFINITY; /* exp: 0 */                                \
-                    const __m256 vmax = _mm256_set1_ps(mx[j]);                                                      \
+                    const __m256 vmax = _mm256_set1_ps(hmax8(vmx[j]));                                              \
                     __m256 sum = _mm256_setzero_ps();                                                               \
                     for (int64_t t = 0; t < lp; t += 8) {                                                           \
                         const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), vmax));                        \
@@ -727,20 +785,14 @@ static inline float rnd_f32(float x) { return x; }
                     const __m256 inv = _mm256_set1_ps(1.f / hsum8(sum));                                            \
                     for (int64_t t = 0; t < lp; t += 8)                                                             \
                         _mm256_storeu_ps(sj + t, RND(_mm256_mul_ps(_mm256_loadu_ps(sj + t), inv)));                 \
-                    for (int64_t i = 0; i < nv; i++) acc[j][i] = _mm256_setzero_ps();                               \
                 }                                                                                                   \
-                for (int64_t u = 0, vb = 0, vo = 0; u < L; u++) { /* P.V: each value row read once */              \
-                    const T *vp = v_cache + (bt[vb] * bs + vo) * row + kv * d;                                      \
-                    if (++vo == bs) vo = 0, vb++;                                                                   \
-                    __m256 vr[MAX_D / 8];                                                                           \
-                    for (int64_t i = 0; i < nv; i++) vr[i] = LD(vp + i * 8);                                        \
-                    for (int64_t j = 0; j < g; j++) {                                                               \
-                        const __m256 pu = _mm256_set1_ps(sc[j * lp + u]);                                           \
-                        for (int64_t i = 0; i < nv; i++) acc[j][i] = _mm256_fmadd_ps(pu, vr[i], acc[j][i]);         \
-                    }                                                                                               \
-                }                                                                                                   \
-                for (int64_t j = 0; j < g; j++)                                                                     \
-                    for (int64_t i = 0; i < nv; i++) ST(out + (b * hq + heads[j]) * d + i * 8, acc[j][i]);          \
+                pt = pb = po = 0; /* the value rows: the first PF_AHEAD now, the rest along the first tile */      \
+                for (; pt < L && pt < PF_AHEAD; pt++) prefetch_rows(v_cache, bt, bs, row, kv, d, &pb, &po);         \
+                /* P.V in tiles of 4 (then 1) 8-lane columns for all g heads, so that the accumulators stay in     \
+                 * registers (all of d at once for 3 heads would be 24): each value row read once a tile */       \
+                int64_t i0 = 0;                                                                                     \
+                for (; i0 + 4 <= nv; i0 += 4) PV_TILE8(T, LD, ST, 4);                                               \
+                for (; i0 < nv; i0++) PV_TILE8(T, LD, ST, 1);                                                       \
             }                                                                                                       \
             free(sc);                                                                                               \
         }                                                                                                           \
@@ -749,6 +801,6 @@ static inline float rnd_f32(float x) { return x; }
 
 static inline void st8_f32(float *p, __m256 x) { _mm256_storeu_ps(p, x); }
 
-PAGED_DECODE8(tpe_paged_decode_f32, float, _mm256_loadu_ps, st8_f32, keep8, rnd_f32)
-PAGED_DECODE8(tpe_paged_decode_bf16, uint16_t, ld8, st8, rb8, rnd_bf)
+PAGED_DECODE8(tpe_paged_decode_f32, float, _mm256_loadu_ps, st8_f32, keep8)
+PAGED_DECODE8(tpe_paged_decode_bf16, uint16_t, ld8, st8, rb8)
 #endif /* neither path: left out of the build; the callers keep torch (cpu_library.has) */
