@@ -666,7 +666,9 @@ static inline __m256 sum8x8(const __m256 *a) {
 }
 
 /* out[.., i0 * 8 .. (i0 + W) * 8) of the item's g heads: sum_u p[j][u] v[u] over the L value rows, W
- * 8-lane columns at a time (the same FMA chain per lane as one column at a time). */
+ * 8-lane columns at a time (the same FMA chain per lane as one column at a time). A statement inside
+ * PAGED_DECODE8's item loop: it reads that item's variables (g, L, bt, sc, lp, heads, ...) and, in the
+ * first tile (i0 == 0), moves the value-row prefetch cursor (pt, pb, po) along. */
 #define PV_TILE8(T, LD, ST, W)                                                                                     \
     do {                                                                                                            \
         __m256 acc[MAX_G][W];                                                                                       \
