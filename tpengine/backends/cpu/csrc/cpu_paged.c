@@ -628,7 +628,8 @@ PAGED_DECODE(tpe_paged_decode_bf16, uint16_t, ld, st, rb, 1)
 #elif defined(TPE_AVX2)
 /* AVX2 + FMA: the same steps and the same roundings, op by op, in a plainer form -- 8 lanes, one work
  * item per (sequence, KV head) (dynamic schedule), each key row read once for the KV head's query
- * heads and each value row once a tile of 32 output lanes, no prefetching ahead and no AMX. The dot
+ * heads and each value row once a tile of 32 output lanes, an item's own rows prefetched PF_AHEAD
+ * ahead (not the next item's, as above) and no AMX. The dot
  * products are float32 FMAs over the widened elements (bfloat16: products exact, as vdpbf16ps's; the
  * float32 sums in another order), 8 keys at a time, their 8-lane partial sums reduced together
  * (sum8x8); then, as above, bf16(dot) * scale (float32: dot * scale), the softmax with exp8, p
