@@ -55,7 +55,7 @@ def test_isa_names_the_path_built():
     vector = ("tpe_add_rms_norm", "tpe_add_rms_norm_f32", "tpe_rope", "tpe_silu_mul", "tpe_silu_mul_f32",
               "tpe_causal_softmax", "tpe_gemv_bf16", "tpe_gemv_f32", "tpe_shm_all_reduce",
               "tpe_shm_all_reduce_add_rms_norm", "tpe_qgemv_int8", "tpe_qgemv_int4", "tpe_dequant_int4",
-              "tpe_paged_decode_f32", "tpe_paged_decode_bf16", "tpe_gemm_f32")
+              "tpe_int4_rows", "tpe_paged_decode_f32", "tpe_paged_decode_bf16", "tpe_gemm_f32")
     portable = ("tpe_copy_rows", "tpe_row_argmax_f32", "tpe_row_argmax_bf16", "tpe_col_argmax_f32",
                 "tpe_col_argmax_bf16")
     avx512 = ("tpe_paged_set_amx", "tpe_decode_scores", "tpe_decode_pv")

@@ -1,5 +1,5 @@
 """tpengine's int8 / int4 weight-only kernels (tpengine/backends/cpu/csrc/cpu_qgemv.c): the few-row GEMVs and
-the int4 dequantization, against the dequantized reference, on the storage the quantized layers
+the int4 dequantization and row lookup, against the dequantized reference, on the storage the quantized layers
 hold, in float32 and bfloat16, including a last int4 block of fewer than 64 rows and rows padded
 to 16; the measured choice between them and torch's kernels."""
 
@@ -107,7 +107,7 @@ def test_int4_kernels_read_the_other_layout(name, shape, dtype, monkeypatch):
     """An AVX2 build reads torch's packed int4 layout of either CPU capability: 64-row blocks (an AVX-512
     CPU without AVX512-BF16 runs the AVX2 path on them) and 32-row ones (an AVX2 CPU's). The weight is
     repacked in the layout torch does not pack here and read as if torch did: the GEMV at 1..8 rows
-    and the dequantization give the same results as on torch's own packing."""
+    and the dequantization give the same results as on torch's own packing, the rows' lookup too."""
     here = cpu_qgemv.torch_int4_block()
     assert here == int4_pack_layout(96).block  # the backend's probe agrees with the full layout's
     other = {64: 32, 32: 64}[here]
@@ -123,15 +123,39 @@ def test_int4_kernels_read_the_other_layout(name, shape, dtype, monkeypatch):
     mine = [cpu_qgemv.dequant_int4(q.packed, scales, 32, codes)]
     xs = [torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype) for rows in range(1, 9)]
     mine += [cpu_qgemv.int4(x, q.packed, scales, 32, shape[0], codes) for x in xs]
+    rows = cpu_qgemv.int4_rows(q.packed, scales, 32, torch.arange(n_pad), codes)
     monkeypatch.setattr(cpu_qgemv, "torch_int4_block", lambda: other)
     theirs = [cpu_qgemv.dequant_int4(repacked, scales, 32, codes)]
     theirs += [cpu_qgemv.int4(x, repacked, scales, 32, shape[0], codes) for x in xs]
     assert torch.equal(mine[0], theirs[0])  # element by element, the same arithmetic
+    assert torch.equal(cpu_qgemv.int4_rows(repacked, scales, 32, torch.arange(n_pad), codes), rows)
     want = q.dequantize().double()
     for x, a, b in zip(xs, mine[1:], theirs[1:]):  # the sums in another order, well within the bound
         tol = bound(x, q) * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -18)
         assert ((b.double() - x.double() @ want.T).abs() <= tol + 1e-30).all(), x.shape[0]
         assert ((a.double() - b.double()).abs() <= tol + 1e-30).all(), x.shape[0]
+
+
+@needs_int4
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", ["int4", "int4z"])
+def test_int4_rows_are_the_torch_lookup_bit_for_bit(name, shape, dtype):
+    """An embedding lookup in an int4 vocabulary (``rows``): the C kernel gives, bit for bit, what the
+    torch ops give (the product rounded before the zero is added), for ids in every block, the last,
+    shorter block and the padding rows, in any shape of ids; an id outside the rows is refused by name."""
+    q = weight(name, 32, shape, dtype)
+    n_pad = q.packed.shape[0]
+    ids = torch.tensor([[0, 1, 31, 32], [33, 63, 64, shape[0] - 1], [n_pad - 1, n_pad - 2, shape[0] - 2, 5]])
+    want = q._rows_f32(ids.reshape(-1)).to(dtype).reshape(3, 4, shape[1])
+    assert q.kernels_take
+    got = q.rows(ids)
+    assert got.dtype == dtype and got.shape == (3, 4, shape[1]) and torch.equal(got, want)
+    assert torch.equal(q.rows(torch.arange(n_pad)), q._rows_f32(torch.arange(n_pad)).to(dtype))
+    scales, codes = (q.scales, q.zero_codes) if name == "int4z" else (q.scales_and_zeros, None)
+    with pytest.raises(IndexError) as e:
+        cpu_qgemv.int4_rows(q.packed, scales, 32, torch.tensor([3, n_pad]), codes)
+    assert str(e.value) == f"int4 rows: id {n_pad} is outside the weight's rows 0..{n_pad - 1}"
 
 
 @needs_kernels

@@ -30,6 +30,7 @@ CHECKS = ("tests/test_cpu_fused.py", "tests/test_cpu_library.py::test_isa_names_
           "tests/test_cpu_qgemv.py::test_few_rows_equal_the_dequantized_product",
           "tests/test_cpu_qgemv.py::test_int4_dequantize_is_the_stored_weight_transposed",
           "tests/test_cpu_qgemv.py::test_int4_kernels_read_the_other_layout",
+          "tests/test_cpu_qgemv.py::test_int4_rows_are_the_torch_lookup_bit_for_bit",
           "tests/test_cpu_paged.py::test_paged_decode_equals_rope_store_and_reference_attention",
           "tests/test_cpu_paged.py::test_paged_decode_bad_indices_raise_before_anything_is_written",
           "tests/test_sampler.py::test_row_max_equals_torch_max_with_ties_infinities_and_nan",

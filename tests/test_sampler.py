@@ -154,6 +154,18 @@ def test_row_max_equals_torch_max_with_ties_infinities_and_nan(cpu_kernels):
         assert torch.equal(row_max(x[:, :1000], cpu_kernels=cpu_kernels)[1], x[:, :1000].max(dim=-1).indices)
         assert torch.equal(row_max(x[:3, :19], cpu_kernels=cpu_kernels)[1],
                            x[:3, :19].max(dim=-1).indices)  # < 64 columns
+        # the vector kernels' last, partial stretch of columns (AVX2: 32 a step, the rest one at a time)
+        y = torch.randn(7, 1000, generator=g).to(dtype)
+        y[0, [5, 995]] = 60.0  # a tie across it: the first wins
+        y[1, 997] = 70.0  # the maximum in it
+        y[2, [996, 998]] = float("nan")  # the first NaN in it
+        y[3, [40, 993]] = float("nan")  # a NaN before it wins
+        y[4, [70, 33]] = float("nan")  # NaNs in two lanes: the first
+        y[5, :] = float("-inf")  # all equal: index 0
+        y[6, [0, 31, 32]] = 80.0  # the first column's lane wins the tie
+        want = y.max(dim=-1).indices
+        assert want.tolist() == [5, 997, 996, 40, 33, 0, 0]
+        assert torch.equal(row_max(y, cpu_kernels=cpu_kernels)[1], want)
 
 
 @pytest.mark.parametrize("cpu_kernels", [False, True])

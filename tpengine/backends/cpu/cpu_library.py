@@ -55,7 +55,7 @@ _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 #: one; tpe_shm_all_reduce how far it got (cpu_shm.c)
 RETURNS_INDEX = ("tpe_copy_rows", "tpe_decode_scores", "tpe_decode_pv", "tpe_paged_decode_f32",
                  "tpe_paged_decode_bf16", "tpe_qgemv_int8", "tpe_qgemv_int4", "tpe_dequant_int4",
-                 "tpe_shm_all_reduce", "tpe_shm_all_reduce_add_rms_norm")
+                 "tpe_int4_rows", "tpe_shm_all_reduce", "tpe_shm_all_reduce_add_rms_norm")
 _PAGED = [_P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _F32, _P,
           _I64, _I32]
 SIGNATURES = {  # C function -> argument types (all return void but tpe_paged_set_amx and RETURNS_INDEX)
@@ -79,6 +79,7 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_paged_se
     "tpe_qgemv_int8": [_P, _I64, _I64, _P, _P, _I64, _P, _I32, _I32],
     "tpe_qgemv_int4": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _I32, _I32],
     "tpe_dequant_int4": [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _I32, _I32],
+    "tpe_int4_rows": [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _I32, _I32],
     "tpe_shm_all_reduce": [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _I64],
     "tpe_shm_all_reduce_add_rms_norm": [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _F32,
                                         _I32],

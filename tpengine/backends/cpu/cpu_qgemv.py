@@ -87,7 +87,7 @@ def _rows(x: torch.Tensor, k: int, op: str) -> tuple[torch.Tensor, int]:
 
 
 #: the C functions of the int8 kernel and of the int4 ones (AVX512-BF16 and AVX2 builds; cpu_library.has)
-INT8_KERNELS, INT4_KERNELS = ("tpe_qgemv_int8",), ("tpe_qgemv_int4", "tpe_dequant_int4")
+INT8_KERNELS, INT4_KERNELS = ("tpe_qgemv_int8",), ("tpe_qgemv_int4", "tpe_dequant_int4", "tpe_int4_rows")
 KERNELS = INT8_KERNELS + INT4_KERNELS
 
 
@@ -258,6 +258,36 @@ def dequant_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_siz
     _check(fn(packed.data_ptr(), scales_and_zeros.contiguous().data_ptr(), _ptr(zero_codes), group_size, k, n_pad,
               block, wt.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads()), "dequant int4")
     return wt
+
+
+def int4_rows(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, ids: torch.Tensor,
+              zero_codes: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``ids`` (int64, any shape, each in ``0..n_pad - 1``) of an int4 weight in the layout
+    :func:`int4_layout_ok` accepts (scales as :func:`int4` takes them), dequantized: ``[*ids.shape, k]``
+    in the scales' dtype, ``(q - 8) * scale + zero`` with the product rounded to float32 before the sum,
+    bit for bit what :meth:`tpengine.model.quant.weights.QuantizedWeight.rows` computes in torch (an
+    embedding lookup in a quantized vocabulary).
+
+    Raises:
+        ValueError: a dtype or shape it does not take.
+        IndexError: an id outside ``0..n_pad - 1``, naming it.
+    """
+    groups, n_pad = _int4_scales(scales_and_zeros, zero_codes, "int4 rows")
+    k, dtype = groups * group_size, scales_and_zeros.dtype
+    if (dtype not in _FLOAT or group_size % 16 or packed.dtype != torch.uint8 or packed.numel() * 2 != n_pad * k
+            or not packed.is_contiguous() or n_pad % 16 or ids.dtype != torch.int64):
+        raise ValueError(f"int4 rows: need uint8 packed [{n_pad}, {k // 2}], bfloat16/float32 scales "
+                         f"[{groups}, n_pad % 16 == 0] and int64 ids; got {packed.dtype} {tuple(packed.shape)}, "
+                         f"{dtype} {tuple(scales_and_zeros.shape)}, ids {ids.dtype}")
+    flat = ids.reshape(-1).contiguous()
+    out = torch.empty(flat.numel(), k, dtype=dtype)
+    bad = _lib(True).tpe_int4_rows(packed.data_ptr(), scales_and_zeros.contiguous().data_ptr(), _ptr(zero_codes),
+                                   group_size, k, n_pad, _block("int4 rows"), flat.data_ptr(), flat.numel(),
+                                   out.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads())
+    if bad >= 0:
+        raise IndexError(f"int4 rows: id {int(flat[bad])} is outside the weight's rows 0..{n_pad - 1}")
+    _check(bad + 1, "int4 rows")
+    return out.reshape(*ids.shape, k)
 
 
 def gemv_rows(torch_us: list[float], kernel_us: list[float]) -> int:

@@ -349,6 +349,13 @@ class Int4Weight(QuantizedWeight):
                                self._kernel_codes())
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        # the C kernel where it reads the layout (at one token the torch ops of _rows_f32 took about as
+        # long as a layer's GEMVs: docs/notes/avx2.md)
+        if self.packed.device.type == "cpu" and ids.device.type == "cpu" and self.kernels_take:
+            return cpu_qgemv.int4_rows(self.packed, self._kernel_scales(), self.group_size, ids, self._kernel_codes())
+        return super().rows(ids)
+
     def _rows_f32(self, ids: torch.Tensor) -> torch.Tensor:
         q = _int4_values(self.packed, self._layout, ids, self.in_features)
         sz = self.scales_and_zeros[:, ids].transpose(0, 1)  # [M, groups, 2]

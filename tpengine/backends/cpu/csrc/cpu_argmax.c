@@ -1,8 +1,9 @@
 /* Greedy token selection on CPU: the index of each row's (tpe_row_argmax_*) or each column's
  * (tpe_col_argmax_*) maximum of a logits matrix, as torch's max(dim) picks it: the *first* index
  * holding the maximum, NaN counting as larger than everything (the first NaN wins). One pass over
- * the logits, 16 lanes at a time, each lane keeping its running maximum, its index and whether it
- * has seen a NaN; torch's blocked amax + argmax takes several passes and a strided reduction.
+ * the logits, 16 lanes at a time (AVX-512; the AVX2 row argmax 8), each lane keeping its running
+ * maximum, its index and whether it has seen a NaN; torch's blocked amax + argmax takes several
+ * passes and a strided reduction.
  *
  * Layout: x [rows, cols], rows ld elements apart (ld >= cols), float32 or bfloat16 (widened exactly
  * to float32); idx int64.
@@ -16,6 +17,14 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+
+/* Whether candidate (v, i, nan) beats the current (bv, bi, bnan) under torch's rule: NaN first,
+ * then the larger value, then the smaller index. */
+static inline int beats(float v, int64_t i, int isnan_, float bv, int64_t bi, int bnan) {
+    if (bnan) return isnan_ && i < bi;
+    if (isnan_) return 1;
+    return v > bv || (v == bv && i < bi);
+}
 
 #ifdef TPE_AVX512
 #include <immintrin.h>
@@ -33,14 +42,6 @@ static inline void take(__m512 x, __m512i at, __m512 *mx, __m512i *ix, __mmask16
     *mx = _mm512_mask_mov_ps(*mx, up, x);
     *ix = _mm512_mask_mov_epi32(*ix, up, at);
     *nan |= isnan;
-}
-
-/* Whether candidate (v, i, nan) beats the current (bv, bi, bnan) under torch's rule: NaN first,
- * then the larger value, then the smaller index. */
-static inline int beats(float v, int64_t i, int isnan_, float bv, int64_t bi, int bnan) {
-    if (bnan) return isnan_ && i < bi;
-    if (isnan_) return 1;
-    return v > bv || (v == bv && i < bi);
 }
 
 /* Each row in four interleaved lane sets (columns c + 16 k of every 64, k < 4: four independent
@@ -156,12 +157,79 @@ COL_ARGMAX(tpe_col_argmax_f32, col_range_f32, float)
 COL_ARGMAX(tpe_col_argmax_bf16, col_range_bf16, uint16_t)
 
 #else
-/* Every other build: portable C, one element at a time in the same order (the first NaN, else the
- * first maximum); the column argmax keeps one running maximum per column over the rows in order (a
- * loop the compiler vectorizes), the columns split between the threads. */
+/* Every other build: portable C for the column argmax, which keeps one running maximum per column over
+ * the rows in order (a loop the compiler vectorizes), the columns split between the threads; the row
+ * argmax in 8-lane vectors on AVX2 (below), else portable C, one element at a time in the same order
+ * (the first NaN, else the first maximum). */
 static inline float ld_f32(const float *p) { return *p; }
 static inline float ld_bf16(const uint16_t *p) { return bf2f(*p); }
 
+#ifdef TPE_AVX2
+#include <immintrin.h>
+
+static inline __m256 ld8_f32(const float *p) { return _mm256_loadu_ps(p); }
+
+/* One lane state step, as take() above with 8 lanes and every lane read: take x where it is larger
+ * than the running maximum or is the lane's first NaN (never after a NaN: the first NaN stays). */
+static inline void take8(__m256 x, __m256i at, __m256 *mx, __m256i *ix, __m256 *nan) {
+    const __m256 isnan = _mm256_andnot_ps(*nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    const __m256 up = _mm256_or_ps(_mm256_andnot_ps(*nan, _mm256_cmp_ps(x, *mx, _CMP_GT_OQ)), isnan);
+    *mx = _mm256_blendv_ps(*mx, x, up);
+    *ix = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(*ix), _mm256_castsi256_ps(at), up));
+    *nan = _mm256_or_ps(*nan, isnan);
+}
+
+/* Each row's first 32 * (cols / 32) columns in four interleaved lane sets (columns c + 8 k of every
+ * 32, k < 4: four independent chains of compares, each lane starting at its first column), reduced
+ * with beats(); then the last cols % 32 columns one at a time (later than every lane's: they win on
+ * a larger value or the first NaN only). */
+#define ROW_ARGMAX(NAME, T, LD, LD8)                                                                                   \
+    void NAME(const T *x, int64_t rows, int64_t cols, int64_t ld, int64_t *idx, int nthreads) {                        \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (rows > 1 && rows * cols >= 65536)")       \
+        for (int64_t r = 0; r < rows; r++) {                                                                           \
+            const T *p = x + r * ld;                                                                                   \
+            const int64_t vec = cols / 32 * 32;                                                                        \
+            float best = LD(p);                                                                                        \
+            int64_t at = 0, c = 1;                                                                                     \
+            int bnan = best != best;                                                                                   \
+            if (vec) {                                                                                                 \
+                const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                                        \
+                __m256 mx[4], nan[4];                                                                                  \
+                __m256i ix[4];                                                                                         \
+                for (int k = 0; k < 4; k++) {                                                                          \
+                    mx[k] = LD8(p + 8 * k);                                                                            \
+                    ix[k] = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * k));                                          \
+                    nan[k] = _mm256_cmp_ps(mx[k], mx[k], _CMP_UNORD_Q);                                                \
+                }                                                                                                      \
+                for (c = 32; c < vec; c += 32)                                                                         \
+                    for (int k = 0; k < 4; k++)                                                                        \
+                        take8(LD8(p + c + 8 * k), _mm256_add_epi32(lane, _mm256_set1_epi32((int)(c + 8 * k))), &mx[k], \
+                              &ix[k], &nan[k]);                                                                        \
+                float mv[32];                                                                                          \
+                int32_t iv[32];                                                                                        \
+                int nv = 0; /* bit l: lane l has seen a NaN */                                                         \
+                for (int k = 0; k < 4; k++) {                                                                          \
+                    _mm256_storeu_ps(mv + 8 * k, mx[k]);                                                               \
+                    _mm256_storeu_si256((__m256i *)(iv + 8 * k), ix[k]);                                               \
+                    nv |= _mm256_movemask_ps(nan[k]) << (8 * k);                                                       \
+                }                                                                                                      \
+                int b = 0;                                                                                             \
+                for (int l = 1; l < 32; l++)                                                                           \
+                    if (beats(mv[l], iv[l], (nv >> l) & 1, mv[b], iv[b], (nv >> b) & 1)) b = l;                        \
+                best = mv[b], at = iv[b], bnan = (nv >> b) & 1;                                                        \
+            }                                                                                                          \
+            for (; c < cols && !bnan; c++) {                                                                           \
+                const float v = LD(p + c);                                                                             \
+                if (v != v) at = c, bnan = 1;                                                                          \
+                else if (v > best) best = v, at = c;                                                                   \
+            }                                                                                                          \
+            idx[r] = at;                                                                                               \
+        }                                                                                                              \
+    }
+
+ROW_ARGMAX(tpe_row_argmax_f32, float, ld_f32, ld8_f32)
+ROW_ARGMAX(tpe_row_argmax_bf16, uint16_t, ld_bf16, ld8)
+#else
 #define ROW_ARGMAX(NAME, T, LD)                                                                                        \
     void NAME(const T *x, int64_t rows, int64_t cols, int64_t ld, int64_t *idx, int nthreads) {                        \
         _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (rows > 1 && rows * cols >= 65536)")       \
@@ -178,6 +246,10 @@ static inline float ld_bf16(const uint16_t *p) { return bf2f(*p); }
             idx[r] = at;                                                                                               \
         }                                                                                                              \
     }
+
+ROW_ARGMAX(tpe_row_argmax_f32, float, ld_f32)
+ROW_ARGMAX(tpe_row_argmax_bf16, uint16_t, ld_bf16)
+#endif
 
 #define COL_BLOCK 256 /* columns per block: its running maxima stay in L1 */
 #define COL_ARGMAX(NAME, T, LD)                                                                                        \
@@ -204,8 +276,6 @@ static inline float ld_bf16(const uint16_t *p) { return bf2f(*p); }
         }                                                                                                              \
     }
 
-ROW_ARGMAX(tpe_row_argmax_f32, float, ld_f32)
-ROW_ARGMAX(tpe_row_argmax_bf16, uint16_t, ld_bf16)
 COL_ARGMAX(tpe_col_argmax_f32, float, ld_f32)
 COL_ARGMAX(tpe_col_argmax_bf16, uint16_t, ld_bf16)
 #endif

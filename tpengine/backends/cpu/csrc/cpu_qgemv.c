@@ -568,4 +568,42 @@ int64_t tpe_dequant_int4(const uint8_t *packed, const void *sz, const int8_t *zc
     return 0;
 }
 
+/* ------------------------------------------------------------------------ int4 rows, as stored */
+/* out [m, k] (bf16 or f32): rows ids[0..m - 1] of an int4 weight of the layout above, dequantized --
+ * out[j, i] = (q[ids[j], i] - 8) * s + z, the product rounded to float32 before the sum (torch's
+ * order, which tpengine.model.quant.weights computes off this path): an embedding lookup in a
+ * quantized vocabulary. Every id is checked before anything is written. Returns -1 when done, the
+ * position j of the first id outside 0..n_pad - 1 (nothing written), or -2 for bad arguments (gs not
+ * a positive multiple of 16, k % gs, n_pad % 16, a block this build does not read). */
+int64_t tpe_int4_rows(const uint8_t *packed, const void *sz, const int8_t *zc, int64_t gs, int64_t k, int64_t n_pad,
+                      int64_t block, const int64_t *ids, int64_t m, void *out, int is_bf16, int nthreads) {
+    if (gs % 16 || gs <= 0 || k % gs || n_pad % 16 || !q4_reads(block)) return -2;
+    for (int64_t j = 0; j < m; j++)
+        if (ids[j] < 0 || ids[j] >= n_pad) return j;
+    const int64_t full = n_pad / block * block, half = block / 2, tail_half = (n_pad - full) / 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && m * k >= 65536)
+    for (int64_t j = 0; j < m; j++) {
+        const int64_t o = ids[j];
+        const uint8_t *col; /* the byte of row o in column 0; column i's is i * stride further */
+        int64_t stride;
+        int shift;
+        if (o < full) {
+            const int64_t r = o % block;
+            col = packed + (o - r) * k / 2 + r % half, stride = half, shift = r < half ? 0 : 4;
+        } else {
+            col = packed + full * k / 2 + (o - full) / 2, stride = tail_half, shift = (o - full) % 2 ? 4 : 0;
+        }
+        for (int64_t g = 0; g < k / gs; g++) {
+            float s, z;
+            q4_sz(sz, zc, g * n_pad + o, is_bf16, &s, &z);
+            for (int64_t i = g * gs; i < (g + 1) * gs; i++) {
+                float v = (float)(((col[i * stride] >> shift) & 15) - 8) * s;
+                __asm__("" : "+x"(v)); /* rounded: no fused multiply-add with the sum */
+                stf(out, j * k + i, v + z, is_bf16);
+            }
+        }
+    }
+    return -1;
+}
+
 #endif /* neither AVX-512 nor AVX2: left out of the build; the callers keep torch (cpu_library.has) */
