@@ -243,16 +243,37 @@ def test_row_max_block_is_measured_once_per_machine(tmp_path, monkeypatch):
     fake = {"0": [30.0, 900.0], "256": [20.0, 450.0], "512": [21.0, 400.0], "1024": [40.0, 420.0]}
     calls = []
     monkeypatch.setattr(measured, "measure", lambda c, *_: calls.append(sorted(c)) or {k: fake[k] for k in c})
-    first = choose_row_max_block(3072, torch.float32)  # 2048 and 4096 do not divide 3072
+    first, block = choose_row_max_block(3072, torch.float32)  # 2048 and 4096 do not divide 3072
     assert calls == [["0", "1024", "256", "512"]] * 2
-    assert (first.name, first.how) == ("512", "measured")  # 21/20 + 400/400 < 20/20 + 450/400
-    again = choose_row_max_block(3072, torch.float32)
+    assert (first.name, first.how, block) == ("512", "measured", 512)  # 21/20 + 400/400 < 20/20 + 450/400
+    again, _ = choose_row_max_block(3072, torch.float32)
     assert (again.name, again.how, len(calls)) == ("512", "cached", 2)
     assert again.describe() == "512 (cached: 0 30/900 us, 256 20/450 us, 512 21/400 us, 1024 40/420 us)"
     fake["2048"] = [50.0, 500.0]
     runs = iter([1.0, 2.0])  # the second measurement 2x the first: another process on the cores
     monkeypatch.setattr(measured, "measure",
                         lambda c, *_: (lambda f: {k: [t * f for t in fake[k]] for k in c})(next(runs)))
-    noisy = choose_row_max_block(6144, torch.float32)  # used for this load, not cached
+    noisy, _ = choose_row_max_block(6144, torch.float32)  # used for this load, not cached
     assert (noisy.name, noisy.how) == ("512", "measured, noisy (not cached)")
     assert "row_max 6144 float32 rows 1/64" not in measured.read_cache(measured.cache_path())
+
+
+def test_the_c_row_argmax_is_a_measured_candidate(tmp_path, monkeypatch):
+    """With the C kernels the row argmax is timed beside torch's blocked passes (the portable C loop can
+    lose to them): the head takes it only where it was faster, and keeps the fastest torch block."""
+    from tpengine.backends.cpu import cpu_library, measured
+    from tpengine.model.layers.embedding import ROW_MAX_KERNEL, choose_row_max_block
+
+    if not cpu_library.has("tpe_row_argmax_f32"):
+        pytest.skip(f"needs the C row argmax: {cpu_library.missing('tpe_row_argmax_f32')}")
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    fake = {"0": [30.0, 900.0], "256": [20.0, 450.0], "512": [21.0, 400.0], "1024": [40.0, 420.0],
+            ROW_MAX_KERNEL: [9.0, 300.0]}
+    monkeypatch.setattr(measured, "measure", lambda c, *_: {k: fake[k] for k in c})
+    fast, block = choose_row_max_block(3072, torch.float32, cpu_kernels=True)
+    assert (fast.name, block) == ("C", 512) and list(fast.times_us) == ["0", "256", "512", "1024", "C"]
+    fake[ROW_MAX_KERNEL] = [60.0, 2000.0]
+    slow, block = choose_row_max_block(3072, torch.bfloat16, cpu_kernels=True)
+    assert (slow.name, block) == ("512", 512)
+    assert list(choose_row_max_block(3072, torch.float16, cpu_kernels=True)[0].times_us) == ["0", "256", "512",
+                                                                                               "1024"]

@@ -26,6 +26,7 @@ from tpengine.backends.cpu.linear_layout import choose_head, choose_layouts
 from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
 from tpengine.model.layers.embedding import (
+    ROW_MAX_KERNEL,
     ParallelLMHead,
     VocabParallelEmbedding,
     choose_greedy_path,
@@ -274,7 +275,7 @@ class ExecutionProfile:
     elsewhere): ``linear_layouts`` (weight shape -> :class:`~tpengine.backends.cpu.linear_layout.LayoutChoice`),
     ``head_layout`` (a tied LM head's paths per row bucket, or None), ``quant_kernels`` (quantized
     weight group -> :func:`tpengine.backends.cpu.cpu_qgemv.choose`'s entry), ``row_max_choice`` (the
-    greedy pick's block) and ``greedy_choice`` (a half-precision head's greedy path)."""
+    greedy pick's: a torch block or the C row argmax) and ``greedy_choice`` (a half-precision head's greedy path)."""
 
     linear_layouts: dict = field(default_factory=dict)
     head_layout: Any = None
@@ -292,7 +293,7 @@ class ExecutionProfile:
         if self.head_layout is not None and self.head_layout.times_us and head_shape is not None:
             line += "; tied LM head " + self.head_layout.describe(head_shape)
         if self.row_max_choice is not None:
-            line += "; greedy row max block " + self.row_max_choice.describe()
+            line += "; greedy row max " + self.row_max_choice.describe()
         if self.greedy_choice is not None:
             line += "; greedy logits " + self.greedy_choice.describe()
         return line
@@ -390,8 +391,8 @@ def load_model(model: ModelSpec | str | Path, tp: TPInfo, dtype: torch.dtype = t
     quant_kernels = _choose_quant_kernels(module, cpu_kernels, tp.rank)
     row_max_choice = greedy_choice = None
     if tp.device.type == "cpu" and isinstance(head, ParallelLMHead):  # the greedy pick's block, measured
-        row_max_choice = choose_row_max_block(head.shard_width, dtype)
-        head.row_max_block = int(row_max_choice.name)
+        row_max_choice, head.row_max_block = choose_row_max_block(head.shard_width, dtype, cpu_kernels)
+        head.row_max_kernel = row_max_choice.name == ROW_MAX_KERNEL
         if (cpu_kernels and head.quant is None and head.packed is None and head.weight is not None
                 and dtype in (torch.bfloat16, torch.float16)):  # float32 keeps F.linear: HF's arithmetic
             greedy_choice = choose_greedy_path(head)

@@ -17,7 +17,7 @@ from tpengine.backends.cpu import cpu_library
 from tpengine.backends.cpu.cpu_fused import FusedOps
 from tpengine.backends.cpu.cpu_ops import ops
 from tpengine.backends.cpu.linear_layout import kernel_at
-from tpengine.backends.cpu.measured import Choice, fastest
+from tpengine.backends.cpu.measured import Choice, fastest, pick
 from tpengine.comm import all_reduce, gather_to_driver
 from tpengine.distributed import get_tp
 from tpengine.model.layers.linear import _Packable
@@ -58,10 +58,11 @@ class ParallelLMHead(_Packable):
     ``weight [vocab_local, hidden]`` (the embedding shard's own Parameter when embeddings are
     tied), or ``quant`` (quantized, the embedding's own ``quant`` when tied). Input
     ``[..., hidden]`` -> on rank 0 ``[..., vocab_size]`` (padding columns dropped, so padded ids
-    can never be sampled); None on other ranks. ``row_max_block``: the greedy pick's block
-    (:func:`row_max`; set by the loader from :func:`choose_row_max_block` on CPU); ``ops``: the
-    model's :class:`~tpengine.backends.cpu.cpu_fused.FusedOps` (the greedy pick takes the C argmax where
-    they use the C kernels; default: the C kernels where they take the tensors).
+    can never be sampled); None on other ranks. ``row_max_block`` and ``row_max_kernel``: the greedy
+    pick's torch block and whether it takes the C row argmax instead (:func:`row_max`; both set by the
+    loader from :func:`choose_row_max_block` on CPU; ``row_max_kernel`` None, before that: where the
+    ops use the C kernels); ``ops``: the model's :class:`~tpengine.backends.cpu.cpu_fused.FusedOps`
+    (default: the C kernels where they take the tensors).
     """
 
     def __init__(self, vocab_start: int, vocab_end: int, vocab_size: int, hidden: int, dtype=None, device="meta",
@@ -73,7 +74,13 @@ class ParallelLMHead(_Packable):
                                    requires_grad=False)
         self.bias = None  # a vocabulary-parallel head has none
         self.row_max_block = ROW_MAX_BLOCK
+        self.row_max_kernel: bool | None = None
         self.greedy_mm = False
+
+    @property
+    def row_max_c(self) -> bool:
+        """Whether the greedy pick over rows takes the C argmax (:attr:`row_max_kernel`, else the ops')."""
+        return self.ops.cpu_kernels if self.row_max_kernel is None else self.row_max_kernel
 
     @property
     def shard_width(self) -> int:
@@ -116,11 +123,11 @@ class ParallelLMHead(_Packable):
         width = self.vocab_size - self.vocab_start
         if mask is not None:
             logits = apply_bitmask(self._logits(hidden)[..., :width].float(), mask, self.vocab_start)
-            value, index = row_max(logits, self.row_max_block, self.ops.cpu_kernels)
+            value, index = row_max(logits, self.row_max_block, self.row_max_c)
         elif self.greedy_mm and hidden.dim() == 2 and hidden.shape[0] > 1:  # measured faster here (greedy_path)
             value, index = col_max(torch.mm(self.weight, hidden.t())[:width], self.row_max_block, self.ops.cpu_kernels)
         else:
-            value, index = row_max(self._logits(hidden)[..., :width], self.row_max_block, self.ops.cpu_kernels)
+            value, index = row_max(self._logits(hidden)[..., :width], self.row_max_block, self.row_max_c)
         if get_tp().size == 1:
             return index
         mine = torch.stack([value.double(), (index + self.vocab_start).double()], dim=-1)  # exact
@@ -138,6 +145,8 @@ ROW_MAX_BLOCK = 512
 ROW_MAX_CANDIDATES = (0, 256, 512, 1024, 2048, 4096)
 #: Rows the choice is timed at: one decoding sequence, a full decode batch.
 ROW_MAX_ROWS = (1, 64)
+#: :func:`choose_row_max_block`'s name for the C row argmax (tpengine/backends/cpu/csrc/cpu_argmax.c).
+ROW_MAX_KERNEL = "C"
 
 
 def _argmax_kernel_takes(x: torch.Tensor, cpu_kernels: bool) -> bool:
@@ -209,23 +218,29 @@ def choose_greedy_path(head: "ParallelLMHead", rows: tuple[int, ...] = (8, 64)) 
     g = torch.Generator().manual_seed(0)
     w, width, block = head.weight, head.shard_width, head.row_max_block
     xs = [torch.randn(r, w.shape[1], generator=g).to(w.dtype) for r in rows]
-    cpu_kernels = head.ops.cpu_kernels
+    cpu_kernels, rows_c = head.ops.cpu_kernels, head.row_max_c
     linear = head.bind()
-    candidates = {"linear": [lambda x=x: row_max(linear(x)[:, :width], block, cpu_kernels) for x in xs],
+    candidates = {"linear": [lambda x=x: row_max(linear(x)[:, :width], block, rows_c) for x in xs],
                   "mm": [lambda x=x: col_max(torch.mm(w, x.t())[:width], block, cpu_kernels) for x in xs]}
     return fastest(f"greedy head {w.shape[0]}x{w.shape[1]} {str(w.dtype).removeprefix('torch.')} block {block} "
                    f"linear {'/'.join(head.kernels) or 'plain'} "
                    f"rows {'/'.join(map(str, rows))}", candidates)
 
 
-def choose_row_max_block(width: int, dtype: torch.dtype) -> Choice:
-    """The fastest :func:`row_max` block on this machine for ``[rows, width]`` logits in ``dtype``
-    at each of :data:`ROW_MAX_ROWS` rows, among the :data:`ROW_MAX_CANDIDATES` that divide
-    ``width`` (:func:`tpengine.backends.cpu.measured.fastest`: timed once per machine and cached).
-    Every candidate gives the same values and indices. ``Choice.name`` is the block as a string."""
+def choose_row_max_block(width: int, dtype: torch.dtype, cpu_kernels: bool = False) -> tuple[Choice, int]:
+    """The fastest :func:`row_max` on this machine for ``[rows, width]`` logits in ``dtype`` at each
+    of :data:`ROW_MAX_ROWS` rows, among torch's blocked passes with the :data:`ROW_MAX_CANDIDATES`
+    that divide ``width`` and, with ``cpu_kernels`` where the build has it, the C row argmax
+    (:data:`ROW_MAX_KERNEL`) (:func:`tpengine.backends.cpu.measured.fastest`: timed once per machine
+    and cached). Every candidate gives the same values and indices. Returns the choice (``name``: a
+    block as a string, or :data:`ROW_MAX_KERNEL`) and the fastest torch block (the col max's, and the
+    row max's where the C kernel does not take a tensor)."""
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(r, width, generator=g).to(dtype) for r in ROW_MAX_ROWS]
     blocks = [c for c in ROW_MAX_CANDIDATES if c == 0 or (width % c == 0 and width != c)]
     candidates = {str(c): [lambda x=x, c=c: row_max(x, c) for x in xs] for c in blocks}
-    return fastest(f"row_max {width} {str(dtype).removeprefix('torch.')} rows {'/'.join(map(str, ROW_MAX_ROWS))}",
-                   candidates)
+    if cpu_kernels and _argmax_kernel_takes(xs[0], True):
+        candidates[ROW_MAX_KERNEL] = [lambda x=x: row_max(x, 0, True) for x in xs]
+    choice = fastest(f"row_max {width} {str(dtype).removeprefix('torch.')} rows {'/'.join(map(str, ROW_MAX_ROWS))}",
+                     candidates)
+    return choice, int(pick({k: v for k, v in choice.times_us.items() if k != ROW_MAX_KERNEL}))
