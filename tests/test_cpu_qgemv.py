@@ -152,6 +152,7 @@ def test_int4_rows_are_the_torch_lookup_bit_for_bit(name, shape, dtype):
     got = q.rows(ids)
     assert got.dtype == dtype and got.shape == (3, 4, shape[1]) and torch.equal(got, want)
     assert torch.equal(q.rows(torch.arange(n_pad)), q._rows_f32(torch.arange(n_pad)).to(dtype))
+    assert torch.equal(q.rows(ids.int()), want)  # int32 ids, as F.embedding takes them
     scales, codes = (q.scales, q.zero_codes) if name == "int4z" else (q.scales_and_zeros, None)
     with pytest.raises(IndexError) as e:
         cpu_qgemv.int4_rows(q.packed, scales, 32, torch.tensor([3, n_pad]), codes)

@@ -262,7 +262,7 @@ def dequant_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_siz
 
 def int4_rows(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, ids: torch.Tensor,
               zero_codes: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows ``ids`` (int64, any shape, each in ``0..n_pad - 1``) of an int4 weight in the layout
+    """Rows ``ids`` (integers, any shape, each in ``0..n_pad - 1``) of an int4 weight in the layout
     :func:`int4_layout_ok` accepts (scales as :func:`int4` takes them), dequantized: ``[*ids.shape, k]``
     in the scales' dtype, ``(q - 8) * scale + zero`` with the product rounded to float32 before the sum,
     bit for bit what :meth:`tpengine.model.quant.weights.QuantizedWeight.rows` computes in torch (an
@@ -275,11 +275,12 @@ def int4_rows(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: 
     groups, n_pad = _int4_scales(scales_and_zeros, zero_codes, "int4 rows")
     k, dtype = groups * group_size, scales_and_zeros.dtype
     if (dtype not in _FLOAT or group_size % 16 or packed.dtype != torch.uint8 or packed.numel() * 2 != n_pad * k
-            or not packed.is_contiguous() or n_pad % 16 or ids.dtype != torch.int64):
+            or not packed.is_contiguous() or n_pad % 16 or ids.is_floating_point() or ids.is_complex()
+            or ids.dtype == torch.bool):
         raise ValueError(f"int4 rows: need uint8 packed [{n_pad}, {k // 2}], bfloat16/float32 scales "
-                         f"[{groups}, n_pad % 16 == 0] and int64 ids; got {packed.dtype} {tuple(packed.shape)}, "
+                         f"[{groups}, n_pad % 16 == 0] and integer ids; got {packed.dtype} {tuple(packed.shape)}, "
                          f"{dtype} {tuple(scales_and_zeros.shape)}, ids {ids.dtype}")
-    flat = ids.reshape(-1).contiguous()
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(flat.numel(), k, dtype=dtype)
     bad = _lib(True).tpe_int4_rows(packed.data_ptr(), scales_and_zeros.contiguous().data_ptr(), _ptr(zero_codes),
                                    group_size, k, n_pad, _block("int4 rows"), flat.data_ptr(), flat.numel(),
