@@ -350,8 +350,8 @@ class Int4Weight(QuantizedWeight):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        # the C kernel where it reads the layout (at one token the torch ops of _rows_f32 took about as
-        # long as a layer's GEMVs: docs/notes/avx2.md)
+        # one C call where the build's kernels read the layout, in place of _rows_f32's ~20 torch ops
+        # (docs/notes/avx2.md); the same values bit for bit
         if self.packed.device.type == "cpu" and ids.device.type == "cpu" and self.kernels_take:
             return cpu_qgemv.int4_rows(self.packed, self._kernel_scales(), self.group_size, ids, self._kernel_codes())
         return super().rows(ids)

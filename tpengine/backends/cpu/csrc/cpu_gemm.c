@@ -180,7 +180,7 @@ TPE_GEMM_STORE(float, TPE_ID)
 
 /* ob[r][0..n - 1] = out[r][0..n - 1] rounded to bfloat16 (st8: nearest even, as f2bf), r < nr. Not inlined:
  * its constants would otherwise stay in registers across the micro-kernel the caller inlines, which then
- * spills its accumulators (twice as slow). */
+ * spills its accumulators (docs/notes/avx2.md). */
 static __attribute__((noinline)) void round_block(const float out[TPE_GEMM_NR][TPE_GEMM_PASS],
                                                   uint16_t ob[TPE_GEMM_NR][TPE_GEMM_PASS], int nr, int n) {
     for (int r = 0; r < nr; r++) {
@@ -189,8 +189,8 @@ static __attribute__((noinline)) void round_block(const float out[TPE_GEMM_NR][T
     }
 }
 
-/* block_float's bfloat16 twin: each pass's 6 x 16 outputs rounded to bfloat16 8 at a time, then stored
- * (rounded one by one, they took a fifth of the call at 64 rows). */
+/* block_float's bfloat16 twin: each pass's 6 x 16 outputs rounded to bfloat16 8 at a time (round_block),
+ * then stored. */
 static void block_uint16_t(const float *xt, const float *w, int64_t k, uint16_t *y, int64_t ldy, int64_t n0, int nr,
                            int rows, const char *pf, int64_t pfld, int es) {
     float out[TPE_GEMM_NR][TPE_GEMM_PASS] __attribute__((aligned(32)));
