@@ -160,24 +160,6 @@ static void gemm_pass_1(const float *restrict xt, const float *restrict w, int64
 TPE_GEMM_PANEL(float, TPE_ID)
 TPE_GEMM_PANEL(uint16_t, bf2f)
 
-/* One block of nr (<= 6) weight rows n0.. (float32 rows w at stride k) against every pass of the panel,
- * y[m][n0 + r] for the rows of x; Y float (stored) or uint16_t (rounded to bfloat16). The first pass
- * prefetches pf (see gemm_pass_2). */
-#define TPE_GEMM_STORE(Y, CVT)                                                                                    \
-    static void block_##Y(const float *xt, const float *w, int64_t k, Y *y, int64_t ldy, int64_t n0, int nr,      \
-                          int rows, const char *pf, int64_t pfld, int es) {                                       \
-        float out[TPE_GEMM_NR][TPE_GEMM_PASS] __attribute__((aligned(32)));                                       \
-        for (int p = 0; p * TPE_GEMM_PASS < rows; p++) {                                                          \
-            const int left = rows - p * TPE_GEMM_PASS, n = left < TPE_GEMM_PASS ? left : TPE_GEMM_PASS;           \
-            const char *f = p == 0 ? pf : NULL;                                                                   \
-            if (n > 8) gemm_pass_2(xt + p * k * TPE_GEMM_PASS, w, k, k, out, f, pfld, es);                        \
-            else gemm_pass_1(xt + p * k * TPE_GEMM_PASS, w, k, k, out, f, pfld, es);                              \
-            for (int m = 0; m < n; m++)                                                                           \
-                for (int r = 0; r < nr; r++) y[(p * TPE_GEMM_PASS + m) * ldy + n0 + r] = CVT(out[r][m]);          \
-        }                                                                                                         \
-    }
-TPE_GEMM_STORE(float, TPE_ID)
-
 /* ob[r][0..n - 1] = out[r][0..n - 1] rounded to bfloat16 (st8: nearest even, as f2bf), r < nr. Not inlined:
  * its constants would otherwise stay in registers across the micro-kernel the caller inlines, which then
  * spills its accumulators (docs/notes/avx2.md). */
@@ -189,22 +171,25 @@ static __attribute__((noinline)) void round_block(const float out[TPE_GEMM_NR][T
     }
 }
 
-/* block_float's bfloat16 twin: each pass's 6 x 16 outputs rounded to bfloat16 8 at a time (round_block),
- * then stored. */
-static void block_uint16_t(const float *xt, const float *w, int64_t k, uint16_t *y, int64_t ldy, int64_t n0, int nr,
-                           int rows, const char *pf, int64_t pfld, int es) {
-    float out[TPE_GEMM_NR][TPE_GEMM_PASS] __attribute__((aligned(32)));
-    uint16_t ob[TPE_GEMM_NR][TPE_GEMM_PASS];
-    for (int p = 0; p * TPE_GEMM_PASS < rows; p++) {
-        const int left = rows - p * TPE_GEMM_PASS, n = left < TPE_GEMM_PASS ? left : TPE_GEMM_PASS;
-        const char *f = p == 0 ? pf : NULL;
-        if (n > 8) gemm_pass_2(xt + p * k * TPE_GEMM_PASS, w, k, k, out, f, pfld, es);
-        else gemm_pass_1(xt + p * k * TPE_GEMM_PASS, w, k, k, out, f, pfld, es);
-        round_block(out, ob, nr, n);
-        for (int m = 0; m < n; m++)
-            for (int r = 0; r < nr; r++) y[(p * TPE_GEMM_PASS + m) * ldy + n0 + r] = ob[r][m];
+/* One block of nr (<= 6) weight rows n0.. (float32 rows w at stride k) against every pass of the panel,
+ * y[m][n0 + r] for the rows of x; Y float (each pass's outputs stored from out) or uint16_t (ROUND first
+ * rounds them to bfloat16 into ob, 8 at a time: round_block). The first pass prefetches pf (see gemm_pass_2). */
+#define TPE_GEMM_STORE(Y, RES, ROUND)                                                                             \
+    static void block_##Y(const float *xt, const float *w, int64_t k, Y *y, int64_t ldy, int64_t n0, int nr,      \
+                          int rows, const char *pf, int64_t pfld, int es) {                                       \
+        float out[TPE_GEMM_NR][TPE_GEMM_PASS] __attribute__((aligned(32)));                                       \
+        for (int p = 0; p * TPE_GEMM_PASS < rows; p++) {                                                          \
+            const int left = rows - p * TPE_GEMM_PASS, n = left < TPE_GEMM_PASS ? left : TPE_GEMM_PASS;           \
+            const char *f = p == 0 ? pf : NULL;                                                                   \
+            if (n > 8) gemm_pass_2(xt + p * k * TPE_GEMM_PASS, w, k, k, out, f, pfld, es);                        \
+            else gemm_pass_1(xt + p * k * TPE_GEMM_PASS, w, k, k, out, f, pfld, es);                              \
+            ROUND;                                                                                                \
+            for (int m = 0; m < n; m++)                                                                           \
+                for (int r = 0; r < nr; r++) y[(p * TPE_GEMM_PASS + m) * ldy + n0 + r] = RES[r][m];               \
+        }                                                                                                         \
     }
-}
+TPE_GEMM_STORE(float, out, (void)0)
+TPE_GEMM_STORE(uint16_t, ob, uint16_t ob[TPE_GEMM_NR][TPE_GEMM_PASS]; round_block(out, ob, nr, n))
 
 /* The float32 rows of weight block n0 (nr <= 6 rows, the last standing in for missing ones) for the
  * micro-kernel: a full float32 block is read in place; otherwise the rows are copied (float32) or widened
