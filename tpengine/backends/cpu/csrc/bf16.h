@@ -130,4 +130,115 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23)));
 }
 #endif
+
+/* The vector-width layer: `vf`, 16 float32 lanes, the width every kernel written once over it steps by.
+ * On the AVX-512 path a vf is one __m512 and each op below is the one intrinsic the per-ISA copies
+ * used; on the AVX2 path it is two __m256 halves (lanes 0-7, 8-15), each op applied to both. The
+ * element-wise ops round exactly as the 16-lane ones do (ld8 / st8 / rb8 / exp8 equal ld / st / rb /
+ * exp16 lane for lane), and vf_sum reduces the 16 lanes in _mm512_reduce_add_ps's order (hsum16), so
+ * a kernel written over vf computes on the AVX2 build, bit for bit, what it computes on the AVX-512
+ * build. Ops: vf_zero, vf_set1(f), vf_ldf / vf_stf (16 float32), vf_ldb / vf_stb (16 bfloat16, stored
+ * rounded to nearest even), vf_rb (rounded to bfloat16, back as float32), vf_add / vf_sub / vf_mul /
+ * vf_div / vf_max, vf_fmadd(a, b, c) = a * b + c (one rounding), vf_neg, vf_exp (exp16), vf_sum,
+ * vf_hmax; on partial vectors: vf_ldb_n / vf_stb_n (the first n < 16 lanes; the others load as 0, are
+ * not stored), vf_first(x, n, fill) (the lanes from n on replaced by fill), vf_nan (1 if a lane is
+ * NaN); vf_keep(x): x, behind an opaque barrier, so that the compiler cannot contract a float32
+ * product and the sum after it into one fused multiply-add where torch rounds the product first. */
+#if defined(TPE_AVX512)
+typedef __m512 vf;
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_set1(float f) { return _mm512_set1_ps(f); }
+static inline vf vf_ldf(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vf_stf(float *p, vf x) { _mm512_storeu_ps(p, x); }
+static inline vf vf_ldb(const uint16_t *p) { return ld(p); }
+static inline void vf_stb(uint16_t *p, vf x) { st(p, x); }
+static inline vf vf_rb(vf x) { return rb(x); }
+static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vf_neg(vf x) { return _mm512_xor_ps(x, _mm512_set1_ps(-0.f)); }
+static inline vf vf_exp(vf x) { return exp16(x); }
+static inline float vf_sum(vf x) { return _mm512_reduce_add_ps(x); }
+static inline float vf_hmax(vf x) { return _mm512_reduce_max_ps(x); }
+static inline __mmask16 vf_mask(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+static inline vf vf_ldb_n(const uint16_t *p, int64_t n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(vf_mask(n), p)), 16));
+}
+static inline void vf_stb_n(uint16_t *p, vf x, int64_t n) { _mm256_mask_storeu_epi16(p, vf_mask(n), _mm512_cvtepi32_epi16(rne(x))); }
+static inline vf vf_first(vf x, int64_t n, vf fill) { return _mm512_mask_blend_ps(vf_mask(n), fill, x); }
+static inline int vf_nan(vf x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) != 0; }
+static inline vf vf_keep(vf x) {
+    __asm__("" : "+v"(x));
+    return x;
+}
+#elif defined(TPE_AVX2)
+typedef struct { __m256 lo, hi; } vf;
+static inline vf vf_two(__m256 lo, __m256 hi) { vf r = {lo, hi}; return r; }
+static inline vf vf_zero(void) { return vf_two(_mm256_setzero_ps(), _mm256_setzero_ps()); }
+static inline vf vf_set1(float f) { return vf_two(_mm256_set1_ps(f), _mm256_set1_ps(f)); }
+static inline vf vf_ldf(const float *p) { return vf_two(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+static inline void vf_stf(float *p, vf x) { _mm256_storeu_ps(p, x.lo), _mm256_storeu_ps(p + 8, x.hi); }
+static inline vf vf_ldb(const uint16_t *p) { return vf_two(ld8(p), ld8(p + 8)); }
+static inline void vf_stb(uint16_t *p, vf x) { st8(p, x.lo), st8(p + 8, x.hi); }
+static inline vf vf_rb(vf x) { return vf_two(rb8(x.lo), rb8(x.hi)); }
+static inline vf vf_add(vf a, vf b) { return vf_two(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)); }
+static inline vf vf_sub(vf a, vf b) { return vf_two(_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)); }
+static inline vf vf_mul(vf a, vf b) { return vf_two(_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)); }
+static inline vf vf_div(vf a, vf b) { return vf_two(_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)); }
+static inline vf vf_max(vf a, vf b) { return vf_two(_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)); }
+static inline vf vf_fmadd(vf a, vf b, vf c) {
+    return vf_two(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
+}
+static inline vf vf_neg(vf x) { return vf_two(_mm256_xor_ps(x.lo, _mm256_set1_ps(-0.f)), _mm256_xor_ps(x.hi, _mm256_set1_ps(-0.f))); }
+static inline vf vf_exp(vf x) { return vf_two(exp8(x.lo), exp8(x.hi)); }
+static inline float vf_sum(vf x) { return hsum16(x.lo, x.hi); }
+static inline float vf_hmax(vf x) { return hmax8(_mm256_max_ps(x.lo, x.hi)); }
+/* AVX2 has no masked 16-bit loads or stores: the partial ones go through a 16-element copy. */
+static inline vf vf_ldb_n(const uint16_t *p, int64_t n) {
+    uint16_t t[16] = {0};
+    memcpy(t, p, (size_t)(n < 16 ? n : 16) * sizeof(uint16_t));
+    return vf_ldb(t);
+}
+static inline void vf_stb_n(uint16_t *p, vf x, int64_t n) {
+    uint16_t t[16];
+    vf_stb(t, x);
+    memcpy(p, t, (size_t)(n < 16 ? n : 16) * sizeof(uint16_t));
+}
+static inline vf vf_first(vf x, int64_t n, vf fill) {
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), nf = _mm256_set1_ps((float)(n < 16 ? n : 16));
+    return vf_two(_mm256_blendv_ps(fill.lo, x.lo, _mm256_cmp_ps(nf, lane, _CMP_GT_OQ)),
+                  _mm256_blendv_ps(fill.hi, x.hi, _mm256_cmp_ps(_mm256_sub_ps(nf, _mm256_set1_ps(8.f)), lane, _CMP_GT_OQ)));
+}
+static inline int vf_nan(vf x) {
+    return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(x.lo, x.lo, _CMP_UNORD_Q), _mm256_cmp_ps(x.hi, x.hi, _CMP_UNORD_Q))) != 0;
+}
+static inline vf vf_keep(vf x) {
+    __asm__("" : "+x"(x.lo), "+x"(x.hi));
+    return x;
+}
+#endif
+
+#if defined(TPE_AVX512) || defined(TPE_AVX2)
+/* RoPE (HF's formula) in place on one head x of 2 * half elements, cos / sin c, s [2 * half], half % 16
+ * == 0: x1, x2 = the halves; x1' = R(x1 c1) + R(-x2 s1), x2' = R(x2 c2) + R(x1 s2), each product
+ * rounded to the dtype (R), the sum rounded as it is stored. bfloat16 (tpe_rope, the paged kernel) and
+ * float32 (the paged kernel; R: vf_keep, float32 products not fused into the sum). */
+static inline void rope_head_bf16(uint16_t *x, const uint16_t *c, const uint16_t *s, int64_t half) {
+    for (int64_t i = 0; i < half; i += 16) {
+        const vf x1 = vf_ldb(x + i), x2 = vf_ldb(x + half + i);
+        vf_stb(x + i, vf_add(vf_rb(vf_mul(x1, vf_ldb(c + i))), vf_rb(vf_mul(vf_neg(x2), vf_ldb(s + i)))));
+        vf_stb(x + half + i, vf_add(vf_rb(vf_mul(x2, vf_ldb(c + half + i))), vf_rb(vf_mul(x1, vf_ldb(s + half + i)))));
+    }
+}
+static inline void rope_head_f32(float *x, const float *c, const float *s, int64_t half) {
+    for (int64_t i = 0; i < half; i += 16) {
+        const vf x1 = vf_ldf(x + i), x2 = vf_ldf(x + half + i);
+        vf_stf(x + i, vf_add(vf_keep(vf_mul(x1, vf_ldf(c + i))), vf_keep(vf_mul(vf_neg(x2), vf_ldf(s + i)))));
+        vf_stf(x + half + i, vf_add(vf_keep(vf_mul(x2, vf_ldf(c + half + i))), vf_keep(vf_mul(x1, vf_ldf(s + half + i)))));
+    }
+}
+#endif
 #endif
