@@ -143,7 +143,8 @@ static inline __m256 exp8(__m256 x) {
  * vf_hmax; on partial vectors: vf_ldb_n / vf_stb_n (the first n < 16 lanes; the others load as 0, are
  * not stored), vf_first(x, n, fill) (the lanes from n on replaced by fill), vf_nan (1 if a lane is
  * NaN); vf_keep(x): x, behind an opaque barrier, so that the compiler cannot contract a float32
- * product and the sum after it into one fused multiply-add where torch rounds the product first. */
+ * product and the sum after it into one fused multiply-add where torch rounds the product first;
+ * vf_same(x): x (a float32 kernel's "round to the dtype"). */
 #if defined(TPE_AVX512)
 typedef __m512 vf;
 static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
@@ -222,6 +223,8 @@ static inline vf vf_keep(vf x) {
 #endif
 
 #if defined(TPE_AVX512) || defined(TPE_AVX2)
+static inline vf vf_same(vf x) { return x; } /* float32's "rounding to the dtype" */
+
 /* RoPE (HF's formula) in place on one head x of 2 * half elements, cos / sin c, s [2 * half], half % 16
  * == 0: x1, x2 = the halves; x1' = R(x1 c1) + R(-x2 s1), x2' = R(x2 c2) + R(x1 s2), each product
  * rounded to the dtype (R), the sum rounded as it is stored. bfloat16 (tpe_rope, the paged kernel) and

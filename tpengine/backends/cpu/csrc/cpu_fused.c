@@ -46,8 +46,6 @@ int64_t tpe_copy_rows(const char *src_a, const char *src_b, int64_t src_stride, 
 /* Each kernel below is written once over bf16.h's vf (16 float32 lanes: one AVX-512 vector, or two
  * AVX2 halves), so both builds compute it bit for bit alike; the float32 twins of add_rms_norm and
  * silu_mul are the same macro with no bfloat16 rounding (R: vf_same). */
-static inline vf vf_same(vf x) { return x; }
-
 /* h, x, h_out, y: [rows, n]; w: [n]; x may be NULL (no residual add; h_out unused). The sum of squares
  * in 16 lanes, reduced by vf_sum; cpu_shm.c's fused all-reduce + norm runs the same loop, so TP's
  * fused norm equals this one bit for bit. LD / ST: 16 elements of T as float32 / rounded back; R: the

@@ -75,18 +75,21 @@ static inline void sum_tail(const char *slots, int64_t slot_bytes, int64_t size,
     }
 }
 
-#ifdef TPE_AVX512
+#if defined(TPE_AVX512) || defined(TPE_AVX2)
+/* Written once over bf16.h's vf (16 float32 lanes): the sums are element-wise, so the AVX-512 and AVX2
+ * builds compute them alike, and the fused norm runs cpu_fused.c's ADD_RMS_NORM loop (the same sum
+ * of squares, reduced by vf_sum). */
 
 /* 16 elements at i of the rank-order sum of the slots, each sum rounded to bfloat16 (as torch.add). */
-static inline __m512 sum_bf16(const char *slots, int64_t slot_bytes, int64_t size, int64_t i) {
-    __m512 acc = ld((const uint16_t *)slots + i);
-    for (int64_t r = 1; r < size; r++) acc = rb(_mm512_add_ps(acc, ld((const uint16_t *)(slots + r * slot_bytes) + i)));
+static inline vf sum_bf16(const char *slots, int64_t slot_bytes, int64_t size, int64_t i) {
+    vf acc = vf_ldb((const uint16_t *)slots + i);
+    for (int64_t r = 1; r < size; r++) acc = vf_rb(vf_add(acc, vf_ldb((const uint16_t *)(slots + r * slot_bytes) + i)));
     return acc;
 }
 
-static inline __m512 sum_f32(const char *slots, int64_t slot_bytes, int64_t size, int64_t i) {
-    __m512 acc = _mm512_loadu_ps((const float *)slots + i);
-    for (int64_t r = 1; r < size; r++) acc = _mm512_add_ps(acc, _mm512_loadu_ps((const float *)(slots + r * slot_bytes) + i));
+static inline vf sum_f32(const char *slots, int64_t slot_bytes, int64_t size, int64_t i) {
+    vf acc = vf_ldf((const float *)slots + i);
+    for (int64_t r = 1; r < size; r++) acc = vf_add(acc, vf_ldf((const float *)(slots + r * slot_bytes) + i));
     return acc;
 }
 
@@ -96,16 +99,29 @@ int64_t tpe_shm_all_reduce(char *base, int64_t slot_bytes, int64_t size, int64_t
     if (rc) return rc;
     const char *slots = base + HEADER + (gen % 2) * size * slot_bytes;
     int64_t i = 0;
-    if (bf16) {
-        uint16_t *o = (uint16_t *)t;
-        for (; i + 16 <= n; i += 16) st(o + i, sum_bf16(slots, slot_bytes, size, i));
-    } else {
-        float *o = (float *)t;
-        for (; i + 16 <= n; i += 16) _mm512_storeu_ps(o + i, sum_f32(slots, slot_bytes, size, i));
-    }
+    if (bf16)
+        for (; i + 16 <= n; i += 16) vf_stb((uint16_t *)t + i, sum_bf16(slots, slot_bytes, size, i));
+    else
+        for (; i + 16 <= n; i += 16) vf_stf((float *)t + i, sum_f32(slots, slot_bytes, size, i));
     for (; i < n; i++) sum_tail(slots, slot_bytes, size, t, i, bf16);
     return 0;
 }
+
+/* Row r of the fused norm below, for one dtype: LD / ST / R as in cpu_fused.c's ADD_RMS_NORM, SUM the
+ * slots' sum above. */
+#define NORM_ROW(T, LD, ST, R, SUM)                                                                             \
+    do {                                                                                                        \
+        const T *hr = (const T *)h + r * n, *wr = (const T *)w;                                                 \
+        T *hor = (T *)h_out + r * n, *yr = (T *)y + r * n;                                                      \
+        vf ss = vf_zero();                                                                                      \
+        for (int64_t i = 0; i < n; i += 16) {                                                                   \
+            const vf v = R(vf_add(LD(hr + i), SUM(slots, slot_bytes, size, r * n + i)));                        \
+            ST(hor + i, v);                                                                                     \
+            ss = vf_fmadd(v, v, ss);                                                                            \
+        }                                                                                                       \
+        const vf inv = vf_set1(1.0f / sqrtf(vf_sum(ss) / (float)n + eps));                                      \
+        for (int64_t i = 0; i < n; i += 16) ST(yr + i, vf_mul(LD(wr + i), R(vf_mul(LD(hor + i), inv))));        \
+    } while (0)
 
 /* The all-reduce of t [rows, n] fused with the residual add and RMSNorm after it: x = the rank-order sum
  * of the slots (as tpe_shm_all_reduce would leave in t; t itself is not written), then exactly
@@ -119,93 +135,10 @@ int64_t tpe_shm_all_reduce_add_rms_norm(char *base, int64_t slot_bytes, int64_t 
     const char *slots = base + HEADER + (gen % 2) * size * slot_bytes;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * n >= 65536)
     for (int64_t r = 0; r < rows; r++) {
-        __m512 ss = _mm512_setzero_ps();
-        if (bf16) {
-            const uint16_t *hr = (const uint16_t *)h + r * n, *wr = (const uint16_t *)w;
-            uint16_t *hor = (uint16_t *)h_out + r * n, *yr = (uint16_t *)y + r * n;
-            for (int64_t i = 0; i < n; i += 16) {
-                const __m512 v = rb(_mm512_add_ps(ld(hr + i), sum_bf16(slots, slot_bytes, size, r * n + i)));
-                st(hor + i, v);
-                ss = _mm512_fmadd_ps(v, v, ss);
-            }
-            const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)n + eps));
-            for (int64_t i = 0; i < n; i += 16) st(yr + i, _mm512_mul_ps(ld(wr + i), rb(_mm512_mul_ps(ld(hor + i), inv))));
-        } else {
-            const float *hr = (const float *)h + r * n, *wr = (const float *)w;
-            float *hor = (float *)h_out + r * n, *yr = (float *)y + r * n;
-            for (int64_t i = 0; i < n; i += 16) {
-                const __m512 v = _mm512_add_ps(_mm512_loadu_ps(hr + i), sum_f32(slots, slot_bytes, size, r * n + i));
-                _mm512_storeu_ps(hor + i, v);
-                ss = _mm512_fmadd_ps(v, v, ss);
-            }
-            const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)n + eps));
-            for (int64_t i = 0; i < n; i += 16)
-                _mm512_storeu_ps(yr + i, _mm512_mul_ps(_mm512_loadu_ps(wr + i), _mm512_mul_ps(_mm512_loadu_ps(hor + i), inv)));
-        }
-    }
-    return 0;
-}
-
-#elif defined(TPE_AVX2)
-/* The same, 8 lanes at a time: the same rank-order sums (element-wise, so bit for bit the AVX-512
- * path's), and the fused norm with cpu_fused.c's AVX2 tpe_add_rms_norm loop (the same sum of squares). */
-static inline __m256 sum_bf16(const char *slots, int64_t slot_bytes, int64_t size, int64_t i) {
-    __m256 acc = ld8((const uint16_t *)slots + i);
-    for (int64_t r = 1; r < size; r++) acc = rb8(_mm256_add_ps(acc, ld8((const uint16_t *)(slots + r * slot_bytes) + i)));
-    return acc;
-}
-
-static inline __m256 sum_f32(const char *slots, int64_t slot_bytes, int64_t size, int64_t i) {
-    __m256 acc = _mm256_loadu_ps((const float *)slots + i);
-    for (int64_t r = 1; r < size; r++) acc = _mm256_add_ps(acc, _mm256_loadu_ps((const float *)(slots + r * slot_bytes) + i));
-    return acc;
-}
-
-int64_t tpe_shm_all_reduce(char *base, int64_t slot_bytes, int64_t size, int64_t rank, int64_t gen, void *t,
-                           int64_t n, int64_t bf16, int64_t max_ns) {
-    const int64_t rc = publish(base, slot_bytes, size, rank, gen, t, n * (bf16 ? 2 : 4), max_ns);
-    if (rc) return rc;
-    const char *slots = base + HEADER + (gen % 2) * size * slot_bytes;
-    int64_t i = 0;
-    if (bf16)
-        for (; i + 8 <= n; i += 8) st8((uint16_t *)t + i, sum_bf16(slots, slot_bytes, size, i));
-    else
-        for (; i + 8 <= n; i += 8) _mm256_storeu_ps((float *)t + i, sum_f32(slots, slot_bytes, size, i));
-    for (; i < n; i++) sum_tail(slots, slot_bytes, size, t, i, bf16);
-    return 0;
-}
-
-int64_t tpe_shm_all_reduce_add_rms_norm(char *base, int64_t slot_bytes, int64_t size, int64_t rank, int64_t gen,
-                                        const void *t, int64_t rows, int64_t n, int64_t bf16, int64_t max_ns,
-                                        const void *h, const void *w, void *h_out, void *y, float eps, int nthreads) {
-    const int64_t rc = publish(base, slot_bytes, size, rank, gen, t, rows * n * (bf16 ? 2 : 4), max_ns);
-    if (rc) return rc;
-    const char *slots = base + HEADER + (gen % 2) * size * slot_bytes;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows * n >= 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        __m256 ss[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-        if (bf16) {
-            const uint16_t *hr = (const uint16_t *)h + r * n, *wr = (const uint16_t *)w;
-            uint16_t *hor = (uint16_t *)h_out + r * n, *yr = (uint16_t *)y + r * n;
-            for (int64_t i = 0; i < n; i += 8) {
-                const __m256 v = rb8(_mm256_add_ps(ld8(hr + i), sum_bf16(slots, slot_bytes, size, r * n + i)));
-                st8(hor + i, v);
-                ss[(i / 8) & 1] = _mm256_fmadd_ps(v, v, ss[(i / 8) & 1]);
-            }
-            const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum16(ss[0], ss[1]) / (float)n + eps));
-            for (int64_t i = 0; i < n; i += 8) st8(yr + i, _mm256_mul_ps(ld8(wr + i), rb8(_mm256_mul_ps(ld8(hor + i), inv))));
-        } else {
-            const float *hr = (const float *)h + r * n, *wr = (const float *)w;
-            float *hor = (float *)h_out + r * n, *yr = (float *)y + r * n;
-            for (int64_t i = 0; i < n; i += 8) {
-                const __m256 v = _mm256_add_ps(_mm256_loadu_ps(hr + i), sum_f32(slots, slot_bytes, size, r * n + i));
-                _mm256_storeu_ps(hor + i, v);
-                ss[(i / 8) & 1] = _mm256_fmadd_ps(v, v, ss[(i / 8) & 1]);
-            }
-            const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum16(ss[0], ss[1]) / (float)n + eps));
-            for (int64_t i = 0; i < n; i += 8)
-                _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_loadu_ps(wr + i), _mm256_mul_ps(_mm256_loadu_ps(hor + i), inv)));
-        }
+        if (bf16)
+            NORM_ROW(uint16_t, vf_ldb, vf_stb, vf_rb, sum_bf16);
+        else
+            NORM_ROW(float, vf_ldf, vf_stf, vf_same, sum_f32);
     }
     return 0;
 }
