@@ -58,7 +58,7 @@ def test_isa_names_the_path_built():
               "tpe_int4_rows", "tpe_paged_decode_f32", "tpe_paged_decode_bf16", "tpe_gemm_f32")
     portable = ("tpe_copy_rows", "tpe_row_argmax_f32", "tpe_row_argmax_bf16", "tpe_col_argmax_f32",
                 "tpe_col_argmax_bf16")
-    avx512 = ("tpe_paged_set_amx", "tpe_decode_scores", "tpe_decode_pv")
+    avx512 = ("tpe_paged_amx", "tpe_decode_scores", "tpe_decode_pv")
     assert cpu_library.has(*portable)
     assert cpu_library.has(*vector) == (cpu_library.isa() != "generic")
     assert cpu_library.has(*avx512) == cpu_library.isa().startswith("avx512")

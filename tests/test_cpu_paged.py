@@ -157,7 +157,7 @@ def test_paged_index_is_checked_once_for_the_step():
                             f"got [(torch.int64, (7,)), (torch.int64, {tuple(bt.shape)}), (torch.int64, (6,))]")
 
 
-AMX = cpu_paged.set_amx(0)
+AMX = cpu_paged.amx_available()
 
 
 @needs_kernels
@@ -176,13 +176,9 @@ def test_paged_decode_amx_path_equals_the_reference_and_the_avx512_path(d, bs, q
         kc0, vc0 = kc.clone(), vc.clone()
         ref.store_kvcache(k0, v0, kc0, vc0, slots)
         want = ref.decode_attention(q0.float(), kc0.float(), vc0.float(), bt, lens, qkv_map, d ** -0.5)
-        assert cpu_paged.set_amx(min_batch)
-        try:
-            q, k, v = views(qkv, hq, hkv)
-            out = cpu_paged.decode(q, k, v, cos, sin, kc, vc, qkv_map, d ** -0.5,
-                                   cpu_paged.paged_index(slots, bt, lens))
-        finally:
-            cpu_paged.set_amx(0)
+        q, k, v = views(qkv, hq, hkv)
+        out = cpu_paged.decode(q, k, v, cos, sin, kc, vc, qkv_map, d ** -0.5, cpu_paged.paged_index(slots, bt, lens),
+                               amx_min_batch=min_batch)
         assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
         assert torch.equal(out[DECODE_LENS.index(0)], torch.zeros(hq, d, dtype=torch.bfloat16))
@@ -214,27 +210,32 @@ def test_paged_decode_of_many_sequences_claims_every_item_once(path, threads):
     want = ref.decode_attention(q0.float(), kc0.float(), vc0.float(), bt, lens, qkv_map, 0.125)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    cpu_paged.set_amx(1 if path == "bf16-amx" else 0)
     try:
         q, k, v = views(qkv, 9, 3)
-        out = cpu_paged.decode(q, k, v, cos, sin, kc, vc, qkv_map, 0.125, cpu_paged.paged_index(slots, bt, lens))
+        out = cpu_paged.decode(q, k, v, cos, sin, kc, vc, qkv_map, 0.125, cpu_paged.paged_index(slots, bt, lens),
+                               amx_min_batch=1 if path == "bf16-amx" else 0)
     finally:
         torch.set_num_threads(before)
-        cpu_paged.set_amx(0)
     assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out.float(), want, **tol)
     assert (out[lens == 0] == 0).all() and int((lens == 0).sum()) == 3
 
 
-def test_choose_amx_measures_both_paths_and_leaves_the_choice_set():
+def test_choose_amx_measures_both_paths_and_names_the_batch_to_pass():
     choice = cpu_paged.choose_amx(torch.tensor([0, 0, 0, 1, 1, 1]), 2, 64, 16, batches=(1, 4), context=40, layers=2)
-    try:
-        if not AMX:
-            assert choice is None
-            return
-        assert set(choice.times_us) == {"avx512", "amx"} and all(len(t) == 2 for t in choice.times_us.values())
-        assert choice.name in ("avx512", "amx from B >= 1", "amx from B >= 4")
-        assert cpu_paged.choose_amx(torch.tensor([0, 0]), 1, 64, 8) is None  # block size not a multiple of 16
-    finally:
-        cpu_paged.set_amx(0)
+    if not AMX:
+        assert choice is None and cpu_paged.amx_min_batch(choice) == 0
+        return
+    assert set(choice.times_us) == {"avx512", "amx"} and all(len(t) == 2 for t in choice.times_us.values())
+    assert (choice.name, cpu_paged.amx_min_batch(choice)) in (("avx512", 0), ("amx from B >= 1", 1),
+                                                              ("amx from B >= 4", 4))
+    assert cpu_paged.choose_amx(torch.tensor([0, 0]), 1, 64, 8) is None  # block size not a multiple of 16
+
+
+def test_amx_min_batch_reads_the_batch_off_a_choice():
+    """The decode argument a measured choice names (given choices: no timing)."""
+    from tpengine.backends.cpu.measured import Choice
+
+    assert [cpu_paged.amx_min_batch(c) for c in (None, Choice("avx512", "cached"), Choice("amx from B >= 8", "cached"))
+            ] == [0, 0, 8]

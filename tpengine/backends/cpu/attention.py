@@ -141,6 +141,7 @@ class CPUAttentionBackend(AttentionBackend):
         self.mirrors: dict[int, mirrors.KVMirror | None] = {}  # layer index -> its KV mirror (bind_layer)
         self.program = None  # the decode program (bind_model)
         self.paged_choice = None  # the paged kernel's measured AVX-512 / AMX path (bind_model)
+        self.paged_amx_min = 0  # its amx_min_batch (cpu_paged.decode)
 
     def __repr__(self) -> str:
         return f"CPUAttentionBackend(cpu_kernels={self.cpu_kernels}, kv_mirror={self.kv_mirror}, paged={self.paged})"
@@ -206,11 +207,12 @@ class CPUAttentionBackend(AttentionBackend):
         super().bind_model(stack, tp_size)
         if not self.cpu_kernels:
             return
-        self.program = decode_program.build(stack, tp_size, self.cpu_kernels)
         attn = stack.layers[0].self_attn
         if attn.k_cache.dtype == torch.bfloat16 and cpu_paged.available(torch.bfloat16, attn.head_dim, True):
             self.paged_choice = cpu_paged.choose_amx(attn.tp_q_to_kv, attn.num_key_value_heads, attn.head_dim,
                                                      attn.k_cache.shape[1])
+        self.paged_amx_min = cpu_paged.amx_min_batch(self.paged_choice)
+        self.program = decode_program.build(stack, tp_size, self.cpu_kernels, self.paged_amx_min)
 
     def describe(self) -> str | None:
         """The paged decode kernel's measured path (:meth:`bind_model`), or None."""
@@ -235,7 +237,7 @@ class CPUAttentionBackend(AttentionBackend):
         if attn.paged and cpu_paged.available(qk.dtype, qk.shape[-1], self.cpu_kernels):
             hq = layer.num_heads
             return cpu_paged.decode(qk[..., :hq, :], qk[..., hq:, :], v, *rope, layer.k_cache, layer.v_cache,
-                                    layer.tp_q_to_kv, layer.scaling, attn.paged_index)
+                                    layer.tp_q_to_kv, layer.scaling, attn.paged_index, self.paged_amx_min)
         return super().forward(qk, v, rope, layer, ctx)
 
     def store_kvcache(self, key, value, k_cache, v_cache, attn: CPUAttentionMetadata) -> None:

@@ -57,8 +57,8 @@ RETURNS_INDEX = ("tpe_copy_rows", "tpe_decode_scores", "tpe_decode_pv", "tpe_pag
                  "tpe_paged_decode_bf16", "tpe_qgemv_int8", "tpe_qgemv_int4", "tpe_dequant_int4",
                  "tpe_int4_rows", "tpe_shm_all_reduce", "tpe_shm_all_reduce_add_rms_norm")
 _PAGED = [_P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _F32, _P,
-          _I64, _I32]
-SIGNATURES = {  # C function -> argument types (all return void but tpe_paged_set_amx and RETURNS_INDEX)
+          _I64, _I64, _I32]
+SIGNATURES = {  # C function -> argument types (all return void but tpe_paged_amx and RETURNS_INDEX)
     "tpe_decode_scores": [_P, _P, _P, _P, _I64, _I64, _I32, _I64, _I32, _F32, _I32],
     "tpe_decode_pv": [_P, _P, _P, _P, _I64, _I64, _I32, _I64, _I32, _I32],
     "tpe_add_rms_norm": [_P, _P, _P, _P, _P, _I64, _I64, _F32, _I32],
@@ -70,7 +70,7 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_paged_se
     "tpe_causal_softmax": [_P, _I64, _I64, _F32, _I32],
     "tpe_paged_decode_f32": _PAGED,
     "tpe_paged_decode_bf16": _PAGED,
-    "tpe_paged_set_amx": [_I32],
+    "tpe_paged_amx": [],
     **{f"tpe_{w}_argmax_{t}": [_P, _I64, _I64, _I64, _P, _I32] for w in ("row", "col") for t in ("f32", "bf16")},
     "tpe_gemv_bf16": [_P, _I64, _I64, _P, _I64, _P, _I32],
     "tpe_gemv_f32": [_P, _I64, _I64, _P, _I64, _P, _I32],
@@ -189,7 +189,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL, frozenset[str], str]:
     for name in have:
         fn = getattr(lib, name)
         fn.argtypes = SIGNATURES[name]
-        fn.restype = _I64 if name in RETURNS_INDEX else _I32 if name == "tpe_paged_set_amx" else None
+        fn.restype = _I64 if name in RETURNS_INDEX else _I32 if name == "tpe_paged_amx" else None
     return lib, have, lib.tpe_isa().decode()
 
 

@@ -63,13 +63,15 @@ def _rows(name: str, t: torch.Tensor, heads: int, d: int, dtype: torch.dtype) ->
 
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
            k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor, scale: float,
-           index: PagedIndex) -> torch.Tensor:
+           index: PagedIndex, amx_min_batch: int = 0) -> torch.Tensor:
     """One decode step of one layer. ``q [B, Hq, D]``, ``k``/``v [B, Hkv, D]`` (views into the q/k/v
     GEMM output are fine: any row stride; RoPE is applied to ``q`` and ``k`` IN PLACE when ``cos``,
     ``sin [B, D]`` are given), caches ``[num_blocks, block_size, Hkv, D]`` contiguous, ``q_to_kv
     [Hq]`` int64 contiguous, and the step's ``index`` (:func:`paged_index`, made once per step):
     ``slot_mapping [B]`` (-1: not stored), ``block_tables [B, max_blocks]``, ``context_lens [B]``
-    (the new token included; 0: a padding row, output zero). Returns ``[B, Hq, D]``.
+    (the new token included; 0: a padding row, output zero). ``amx_min_batch``: the fewest sequences
+    at which a bfloat16 step takes the kernel's AMX path (0: never; :func:`choose_amx` measures it;
+    where :func:`amx_available` is False the AVX-512 path runs whatever it is). Returns ``[B, Hq, D]``.
 
     Raises:
         ValueError: a shape, dtype or layout mismatch.
@@ -101,7 +103,7 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor 
     bad = fn(q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, None if cos is None else cos.data_ptr(),
              None if sin is None else sin.data_ptr(), idx[0].data_ptr(), idx[1].data_ptr(), idx[1].shape[1],
              idx[2].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), nb, bs, idx[3].data_ptr(), hq, hkv, d, scale,
-             out.data_ptr(), b, torch.get_num_threads())
+             out.data_ptr(), b, max(int(amx_min_batch), 0), torch.get_num_threads())
     if bad == 3 * b:
         raise ValueError(f"paged decode: q_to_kv {idx[3].tolist()} must map each of the {hq} query heads to a KV "
                          f"head in [0, {hkv}), at most {MAX_G} on one")
@@ -118,15 +120,20 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor 
 _decode = decode  # the measurement's own reference (not counted by a test that wraps decode)
 
 
-def set_amx(min_batch: int) -> bool:
-    """Let the bfloat16 kernel take its AMX path (``cpu_paged.c``: the scores of a block's 16 keys for
-    all of a KV head's query heads by tile multiplies) in steps of ``min_batch`` or more sequences
-    (0: never), for this process. Returns whether the path is available: the library built with AMX
-    (``-march=native`` on a CPU with AMX-BF16) and the OS lets the process use tile data; when not,
-    the kernel keeps its AVX-512 path whatever ``min_batch``. The path also needs a block size that
-    is a multiple of 16 and a head size up to 128 (else the call takes the AVX-512 path). Both paths
-    round as ``cpu_paged.c`` describes (the float32 sums run in other orders)."""
-    return cpu_library.has("tpe_paged_set_amx") and bool(cpu_library.load().tpe_paged_set_amx(int(min_batch)))
+def amx_available() -> bool:
+    """Whether the bfloat16 kernel's AMX path (``cpu_paged.c``: the scores of a block's 16 keys for
+    all of a KV head's query heads by tile multiplies) can run in this process: the library built
+    with AMX (``-march=native`` on a CPU with AMX-BF16) and the OS lets the process use tile data.
+    When not, :func:`decode` keeps its AVX-512 path whatever ``amx_min_batch``. The path also needs
+    a block size that is a multiple of 16 and a head size up to 128 (else the call takes the AVX-512
+    path). Both paths round as ``cpu_paged.c`` describes (the float32 sums run in other orders)."""
+    return cpu_library.has("tpe_paged_amx") and bool(cpu_library.load().tpe_paged_amx())
+
+
+def amx_min_batch(choice) -> int:
+    """The ``amx_min_batch`` for :func:`decode` that :func:`choose_amx`'s ``choice`` names
+    (``"amx from B >= 8"``: 8); 0 (never) for None or ``"avx512"``."""
+    return 0 if choice is None or choice.name == "avx512" else int(choice.name.rsplit(" ", 1)[1])
 
 
 def choose_amx(q_to_kv: torch.Tensor, hkv: int, head_dim: int, block_size: int,
@@ -137,13 +144,13 @@ def choose_amx(q_to_kv: torch.Tensor, hkv: int, head_dim: int, block_size: int,
     sequences of ``context`` keys over ``layers`` separate caches (so rows stream from memory as in
     a step), by :func:`tpengine.backends.cpu.measured.timings` (cached per machine); AMX is then taken
     from the smallest measured batch from which it is faster at every larger one (``"amx from B
-    >= 8"``), else never (``"avx512"``). Leaves that set (:func:`set_amx`). Returns a
+    >= 8"``), else never (``"avx512"``); :func:`amx_min_batch` reads the batch off it. Returns a
     :class:`~tpengine.backends.cpu.measured.Choice`, or None where the AMX path does not apply
     (unavailable, ``block_size % 16``, ``head_dim`` over 128 or not a multiple of 32); then the
     AVX-512 path stays."""
     from tpengine.backends.cpu.measured import Choice, timings
 
-    if block_size % 16 or head_dim % 32 or head_dim > 128 or not set_amx(0):
+    if block_size % 16 or head_dim % 32 or head_dim > 128 or not amx_available():
         return None
     g = torch.Generator().manual_seed(0)
     q_to_kv = q_to_kv.to(torch.int64).contiguous()
@@ -160,13 +167,13 @@ def choose_amx(q_to_kv: torch.Tensor, hkv: int, head_dim: int, block_size: int,
         q = torch.randn(b, hq, head_dim, generator=g).to(torch.bfloat16)
         kv = torch.randn(b, hkv, head_dim, generator=g).to(torch.bfloat16)
 
-        def step(caches=caches, index=index, q=q, kv=kv):
+        def step(min_batch: int, caches=caches, index=index, q=q, kv=kv):
             for kc, vc in caches:
-                _decode(q, kv, kv, None, None, kc, vc, q_to_kv, 0.125, index)
+                _decode(q, kv, kv, None, None, kc, vc, q_to_kv, 0.125, index, amx_min_batch=min_batch)
         calls.append(step)
 
     def path(min_batch: int):
-        return [lambda f=f: (set_amx(min_batch), f()) for f in calls]
+        return [lambda f=f: f(min_batch) for f in calls]
     key = (f"paged decode bf16 q_to_kv {q_to_kv.tolist()} hkv {hkv} d {head_dim} bs {block_size} ctx {context} "
            f"layers {layers} batches {'/'.join(map(str, batches))}")
     times, how = timings(key, {"avx512": path(0), "amx": path(1)})
@@ -175,5 +182,4 @@ def choose_amx(q_to_kv: torch.Tensor, hkv: int, head_dim: int, block_size: int,
         if times["amx"][i] >= times["avx512"][i]:
             break
         start = batches[i]
-    set_amx(start)
     return Choice(f"amx from B >= {start}" if start else "avx512", how, times)

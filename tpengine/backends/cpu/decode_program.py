@@ -91,10 +91,10 @@ def _silu(mlp, dtype: torch.dtype) -> Fn:
     return run
 
 
-def _attention(attn, dtype: torch.dtype):
+def _attention(attn, dtype: torch.dtype, amx_min_batch: int = 0):
     """``(qkv [B, (Hq + 2 Hkv) D] contiguous, step) -> [B, Hq D]``: RoPE, KV store and paged
     attention in one C call (:func:`tpengine.backends.cpu.cpu_paged.decode`'s, with its layout checks
-    done here once)."""
+    done here once; ``amx_min_batch`` its argument)."""
     lib = cpu_library.load()
     fn = lib.tpe_paged_decode_f32 if dtype == torch.float32 else lib.tpe_paged_decode_bf16
     hq, hkv, d, scale = attn.num_heads, attn.num_key_value_heads, attn.head_dim, float(attn.scaling)
@@ -116,7 +116,7 @@ def _attention(attn, dtype: torch.dtype):
         p = qkv.data_ptr()
         bad = fn(p, width, p + hq * d * es, width, p + (hq + hkv) * d * es, width, step.cos, step.sin, step.slots,
                  step.tables, step.max_blocks, step.lens, kp, vp, nb, bs, mp, hq, hkv, d, scale, out.data_ptr(), b,
-                 torch.get_num_threads())
+                 amx_min_batch, torch.get_num_threads())
         if bad >= 0:  # nothing was written: the checked path raises the exact error
             view = qkv.view(b, hq + 2 * hkv, d)
             cpu_paged.decode(view[:, :hq], view[:, hq:hq + hkv], view[:, hq + hkv:], step.cos_t, step.sin_t,
@@ -163,9 +163,9 @@ class CPUDecodeProgram:
         return self.final_norm(h, delta)[1]
 
 
-def build(stack, tp: int, cpu_kernels: bool) -> CPUDecodeProgram | None:
+def build(stack, tp: int, cpu_kernels: bool, amx_min_batch: int = 0) -> CPUDecodeProgram | None:
     """The decode program of a loaded CPU decoder ``stack`` (:class:`~tpengine.model.layers.fused.DecoderStack`,
-    its KV caches bound), or None where it does not apply: C kernels off or unavailable, a dtype
+    its KV caches bound; ``amx_min_batch``: :func:`tpengine.backends.cpu.cpu_paged.decode`'s), or None where it does not apply: C kernels off or unavailable, a dtype
     other than float32/bfloat16, a head size the paged kernel does not take, q/k norms (Qwen3), an
     activation other than SiLU, or widths not multiples of 16."""
     layers = list(stack.layers[: stack.config.num_hidden_layers])
@@ -185,7 +185,7 @@ def build(stack, tp: int, cpu_kernels: bool) -> CPUDecodeProgram | None:
         (norm1, w1), (norm2, w2) = (_norm(layer.input_layernorm, dtype, fuse),
                                     _norm(layer.post_attention_layernorm, dtype, fuse))
         keep += [w1, w2]
-        built.append((norm1, _linear(attn.qkv_proj, False, tp), _attention(attn, dtype),
+        built.append((norm1, _linear(attn.qkv_proj, False, tp), _attention(attn, dtype, amx_min_batch),
                       _linear(attn.o_proj, True, tp, not fuse), norm2, _linear(mlp.gate_up_proj, False, tp),
                       _silu(mlp, dtype), _linear(mlp.down_proj, True, tp, not fuse)))
     final, wf = _norm(stack.norm, dtype, fuse)

@@ -1,8 +1,9 @@
 /* Decode attention over contiguous bfloat16 K/V on CPU: the two matmuls of one query token per
  * sequence, as tpengine.backends.reference computes them with torch.bmm (scores rounded to
  * bfloat16, then scaled in float32; p @ V accumulated in float32, rounded to bfloat16), but
- * without oneDNN's per-matrix overhead: torch.bmm on [B*Hkv] matrices of 3 x 64 @ 64 x ~200
- * reads K at ~20 GB/s where a plain read streams at ~45 GB/s. Built and loaded at run time by
+ * without oneDNN's per-matrix overhead: torch.bmm on [B*Hkv] small matrices (a few query heads
+ * against a few hundred keys) reads K well below the rate a plain read streams at (figures:
+ * docs/notes/kernels.md, docs/notes/cpu-paths.md). Built and loaded at run time by
  * tpengine/backends/cpu/cpu_decode.py (cc -O3 -march=native -fopenmp); OpenMP threads come from the
  * libgomp torch has already loaded.
  *
@@ -25,8 +26,8 @@ static inline int visible(int64_t len) { return len > 0 ? (int)len : 1; }
 
 /* Prefetch the key/value row PF rows ahead, continuing into the next row of the batch once this
  * one's visible keys end: the hardware prefetcher restarts at every sequence (each skips its masked
- * tail), which halved the read rate at ~200 keys per sequence. 96 rows (12 KB) ahead measured best
- * of 16-96 at 1 and 2 threads. Prefetches never fault. */
+ * tail), which cuts the read rate at the short contexts of decode. 96 rows (12 KB) ahead: the best of
+ * the distances measured (docs/notes/kernels.md). Prefetches never fault. */
 #define PF 96
 static inline void prefetch_row(const uint16_t *cur, const uint16_t *next, int t, int L, int d) {
     const char *a = (const char *)(t + PF < L ? cur + (int64_t)(t + PF) * d : next + (int64_t)(t + PF - L) * d);
@@ -118,7 +119,7 @@ static void pv_row_fast(const uint16_t *pn, const uint16_t *vn, const uint16_t *
 
 /* The vector path the library was built with (bf16.h; cpu_library.isa()): "avx512bf16" (with "+amx"
  * when the paged kernel's AMX tiles were compiled in; they still check the CPU and OS at run time,
- * tpe_paged_set_amx), "avx2" (AVX2 + FMA), or "generic" (portable C only: most kernels left out). */
+ * tpe_paged_amx), "avx2" (AVX2 + FMA), or "generic" (portable C only: most kernels left out). */
 const char *tpe_isa(void) {
 #if defined(TPE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
     return "avx512bf16+amx";

@@ -32,8 +32,8 @@ static inline float same(float f) { return f; }
 
 TPE_GEMV_FAMILY(gemv_bf16, uint16_t, uint16_t, uint16_t, 8, __m256, ld8, ld8, mac_ps, f2bf)
 /* float32 at one row: 8 weight rows a group, so that each step reads 4 cache lines as the AVX-512 path's
- * 4 rows of 16 lanes do (more lines in flight: 12-17 % more GB/s than 4 rows on an AMD EPYC as the AVX2
- * class; bfloat16, whose widening costs more per byte, read no faster with 8: docs/notes/avx2.md). */
+ * 4 rows of 16 lanes do (more lines in flight, so more of the memory's bandwidth; bfloat16, whose
+ * widening costs more per byte, gained nothing from 8; figures: docs/notes/avx2.md). */
 TPE_GEMV_FAMILY_J(gemv_f32, 8, float, float, float, 8, __m256, _mm256_loadu_ps, _mm256_loadu_ps, mac_ps, same)
 #endif
 

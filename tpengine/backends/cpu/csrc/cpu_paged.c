@@ -20,7 +20,10 @@
  * k + b * k_stride, v + b * v_stride; cos, sin [B, D] (NULL: no RoPE); slots [B] (-1: not stored);
  * block_tables [B, max_blocks]; lens [B] (keys visible to the sequence, its new one included; 0
  * for a padding row, whose output is zero); caches [num_blocks, bs, Hkv, D]; q_to_kv [Hq];
- * out [B, Hq, D] contiguous. Needs D % 32 == 0 (RoPE rotates halves of whole 16-lane vectors).
+ * out [B, Hq, D] contiguous; amx_min_batch: the fewest sequences at which the bfloat16 kernel takes its
+ * AMX path (0: never; the caller's measured choice, tpengine/backends/cpu/cpu_paged.py choose_amx; where
+ * tpe_paged_amx() is 0 the AVX-512 path runs whatever it is). Needs D % 32 == 0 (RoPE rotates halves of
+ * whole 16-lane vectors).
  * Every slot, length and block id is checked before anything is written: returns -1, or the first
  * bad b (a slot), B + b (a length beyond the block table), 2B + b (a block id out of range) or 3B
  * (q_to_kv naming a KV head out of range, or more than MAX_G query heads on one KV head). Each KV
@@ -67,6 +70,36 @@ static int64_t check(const int64_t *slots, const int64_t *block_tables, int64_t 
         for (int64_t j = 0; j * bs < lens[b]; j++)
             if ((uint64_t)block_tables[b * max_blocks + j] >= (uint64_t)num_blocks) return 2 * B + b;
     return -1;
+}
+
+/* A step's first pass, the same on both paths (bf16.h's vf, rope_head_*): RoPE in place on each row
+ * b's query heads, then its key heads (cos_t, sin_t [B, d]; NULL: no RoPE), then its key and value
+ * rows stored at slots[b] of the caches (-1: not stored). */
+#define PAGED_PROLOGUE(NAME, T, ROPE)                                                                           \
+    static void NAME(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v, int64_t v_stride,            \
+                     const T *cos_t, const T *sin_t, const int64_t *slots, T *k_cache, T *v_cache, int64_t hq,  \
+                     int64_t hkv, int64_t d, int64_t B) {                                                      \
+        const int64_t row = hkv * d;                                                                            \
+        for (int64_t b = 0; b < B; b++) {                                                                       \
+            if (cos_t)                                                                                          \
+                for (int64_t h = 0; h < hq + hkv; h++)                                                          \
+                    ROPE(h < hq ? q + b * q_stride + h * d : k + b * k_stride + (h - hq) * d, cos_t + b * d,    \
+                         sin_t + b * d, d / 2);                                                                 \
+            if (slots[b] >= 0) {                                                                                \
+                memcpy(k_cache + slots[b] * row, k + b * k_stride, (size_t)row * sizeof(T));                   \
+                memcpy(v_cache + slots[b] * row, v + b * v_stride, (size_t)row * sizeof(T));                   \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+PAGED_PROLOGUE(prologue_f32, float, rope_head_f32)
+PAGED_PROLOGUE(prologue_bf16, uint16_t, rope_head_bf16)
+
+/* The query heads on KV head kv into heads (at most MAX_G: check() refused more); returns their count. */
+static inline int64_t kv_heads(const int64_t *q_to_kv, int64_t hq, int64_t kv, int64_t *heads) {
+    int64_t g = 0;
+    for (int64_t h = 0; h < hq && g < MAX_G; h++)
+        if (q_to_kv[h] == kv) heads[g++] = h;
+    return g;
 }
 
 #endif
@@ -378,56 +411,30 @@ static void amx_item(const uint16_t *q, const int64_t *heads, int64_t g, int64_t
                      uint16_t *out, int64_t pfn, ahead_t *ah) {}
 #endif
 
-/* The fewest sequences (B) at which the bfloat16 kernel takes its AMX path; 0: never (the default).
- * The caller's measured choice. */
-static int64_t paged_amx_min = 0;
-/* Set it; returns 1 if the AMX path is available (built with AMX, allowed by the OS), else 0 (and the
- * path stays off). */
-int tpe_paged_set_amx(int min_batch) {
-    paged_amx_min = HAVE_AMX && amx_ok() && min_batch > 0 ? min_batch : 0;
-    return HAVE_AMX && amx_ok();
-}
+/* 1 if the bfloat16 kernel's AMX path is available (built with AMX, allowed by the OS), else 0: then
+ * the kernel takes its AVX-512 path whatever its amx_min_batch. */
+int tpe_paged_amx(void) { return HAVE_AMX && amx_ok(); }
 
 /* One dtype's kernel. LD(p): 16 elements -> __m512; ST(p, x): store 16 rounded; RND(x): x rounded
  * to the dtype, back as float32; T: the element type; BF: 1 for bfloat16 (scores and the weighted
  * sum of values by vdpbf16ps, qk16_bf16 and pv_bf16), 0 for float32. */
-#define PAGED_DECODE(NAME, T, LD, ST, RND, BF)                                                                         \
+#define PAGED_DECODE(NAME, T, LD, ST, RND, BF, PRO)                                                                         \
     int64_t NAME(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v, int64_t v_stride, const T *cos_t,     \
                  const T *sin_t, const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,             \
                  const int64_t *lens, T *k_cache, T *v_cache, int64_t num_blocks, int64_t bs,                       \
                  const int64_t *q_to_kv, int64_t hq, int64_t hkv, int64_t d, float scale, T *out, int64_t B,        \
-                 int nthreads) {                                                                                    \
+                 int64_t amx_min_batch, int nthreads) {                                                             \
         const int64_t gmax = max_group(q_to_kv, hq, hkv); /* (the AMX path pads to it) */         \
         int64_t bad = check(slots, block_tables, max_blocks, lens, B, num_blocks, bs, q_to_kv, hq, hkv, gmax);                             \
         if (bad >= 0) return bad;                                                                                   \
-        const int64_t half = d / 2, row = hkv * d;                                                                  \
-        const __m512 neg = _mm512_set1_ps(-0.f);                                                                    \
-        for (int64_t b = 0; b < B; b++) {                                                                          \
-            if (cos_t) { /* RoPE in place on the query heads, then the key heads */                              \
-                const T *c = cos_t + b * d, *s = sin_t + b * d;                                                     \
-                for (int64_t h = 0; h < hq + hkv; h++) {                                                            \
-                    T *x = h < hq ? q + b * q_stride + h * d : k + b * k_stride + (h - hq) * d;                     \
-                    for (int64_t i = 0; i < half; i += 16) {                                                        \
-                        __m512 x1 = LD(x + i), x2 = LD(x + half + i);                                               \
-                        __m512 lo = _mm512_add_ps(RND(_mm512_mul_ps(x1, LD(c + i))),                                \
-                                                  RND(_mm512_mul_ps(_mm512_xor_ps(x2, neg), LD(s + i))));           \
-                        __m512 hi = _mm512_add_ps(RND(_mm512_mul_ps(x2, LD(c + half + i))),                         \
-                                                  RND(_mm512_mul_ps(x1, LD(s + half + i))));                        \
-                        ST(x + i, lo);                                                                              \
-                        ST(x + half + i, hi);                                                                       \
-                    }                                                                                               \
-                }                                                                                                   \
-            }                                                                                                       \
-            if (slots[b] >= 0) {                                                                                    \
-                memcpy(k_cache + slots[b] * row, k + b * k_stride, (size_t)row * sizeof(T));                       \
-                memcpy(v_cache + slots[b] * row, v + b * v_stride, (size_t)row * sizeof(T));                       \
-            }                                                                                                       \
-        }                                                                                                           \
+        const int64_t row = hkv * d;                                                                                  \
+        PRO(q, q_stride, k, k_stride, v, v_stride, cos_t, sin_t, slots, k_cache, v_cache, hq, hkv, d, B);             \
         int64_t work = 0;                                                                                           \
         /* many sequences: one item per sequence (its K/V rows read whole, every head); few: per (b, KV head) */    \
         const int whole = B >= 4 * nthreads;                                                                        \
         const int64_t np = gmax <= 4 ? 4 : gmax <= 8 ? 8 : 16;                                                      \
-        const int use_amx = BF && paged_amx_min && B >= paged_amx_min && bs % 16 == 0 && d <= 128;                                   \
+        const int use_amx = BF && HAVE_AMX && amx_min_batch > 0 && B >= amx_min_batch && bs % 16 == 0 && d <= 128 \
+                            && amx_ok();                                                                    \
         const int64_t items = whole ? B : B * hkv;                                                                  \
         int64_t claim = 0; /* the next item to take */                                                              \
         for (int64_t b = 0; b < B; b++) work += lens[b];                                                            \
@@ -458,9 +465,8 @@ int tpe_paged_set_amx(int min_batch) {
                 const int64_t L = lens[b];                                                                          \
                 /* whole rows (every KV head) are fetched with the first head: contiguous in a block */             \
                 const int64_t pfn = pre ? 0 : (whole && kv == 0 ? row : d) * (int64_t)sizeof(T);                    \
-                int64_t heads[MAX_G], g = 0;                                                                        \
-                for (int64_t h = 0; h < hq && g < MAX_G; h++)                                                       \
-                    if (q_to_kv[h] == kv) heads[g++] = h;                                                           \
+                int64_t heads[MAX_G];                                                                               \
+                const int64_t g = kv_heads(q_to_kv, hq, kv, heads);                                                 \
                 if (g == 0) continue;                                                                               \
                 if (L == 0) {                                                                                       \
                     for (int64_t j = 0; j < g; j++) memset(out + (b * hq + heads[j]) * d, 0, (size_t)d * sizeof(T)); \
@@ -622,8 +628,8 @@ static inline __m512 keep32(__m512 x) {
     return x;
 }
 
-PAGED_DECODE(tpe_paged_decode_f32, float, ld32, st32, keep32, 0)
-PAGED_DECODE(tpe_paged_decode_bf16, uint16_t, ld, st, rb, 1)
+PAGED_DECODE(tpe_paged_decode_f32, float, ld32, st32, keep32, 0, prologue_f32)
+PAGED_DECODE(tpe_paged_decode_bf16, uint16_t, ld, st, rb, 1, prologue_bf16)
 
 #elif defined(TPE_AVX2)
 /* AVX2 + FMA: the same steps and the same roundings, op by op, in a plainer form -- 8 lanes, one work
@@ -693,39 +699,20 @@ static inline __m256 sum8x8(const __m256 *a) {
             for (int w = 0; w < W; w++) ST(out + (b * hq + heads[j]) * d + (i0 + w) * 8, acc[j][w]);                \
     } while (0)
 
-#define PAGED_DECODE8(NAME, T, LD, ST, RND)                                                                          \
+#define PAGED_DECODE8(NAME, T, LD, ST, RND, PRO)                                                                          \
     int64_t NAME(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v, int64_t v_stride, const T *cos_t,     \
                  const T *sin_t, const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,             \
                  const int64_t *lens, T *k_cache, T *v_cache, int64_t num_blocks, int64_t bs,                       \
                  const int64_t *q_to_kv, int64_t hq, int64_t hkv, int64_t d, float scale, T *out, int64_t B,        \
-                 int nthreads) {                                                                                    \
+                 int64_t amx_min_batch, int nthreads) {                                                             \
         const int64_t gmax = max_group(q_to_kv, hq, hkv);                                                          \
         const int64_t bad = check(slots, block_tables, max_blocks, lens, B, num_blocks, bs, q_to_kv, hq, hkv, gmax); \
         if (bad >= 0) return bad;                                                                                   \
-        const int64_t half = d / 2, row = hkv * d, nv = d / 8;                                                      \
-        const __m256 neg = _mm256_set1_ps(-0.f), ninf = _mm256_set1_ps(-INFINITY), vscale = _mm256_set1_ps(scale); \
-        const __m256 lane8 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);                                                \
-        for (int64_t b = 0; b < B; b++) {                                                                          \
-            if (cos_t) { /* RoPE in place on the query heads, then the key heads */                              \
-                const T *c = cos_t + b * d, *s = sin_t + b * d;                                                     \
-                for (int64_t h = 0; h < hq + hkv; h++) {                                                            \
-                    T *x = h < hq ? q + b * q_stride + h * d : k + b * k_stride + (h - hq) * d;                     \
-                    for (int64_t i = 0; i < half; i += 8) {                                                         \
-                        const __m256 x1 = LD(x + i), x2 = LD(x + half + i);                                         \
-                        const __m256 lo = _mm256_add_ps(RND(_mm256_mul_ps(x1, LD(c + i))),                          \
-                                                        RND(_mm256_mul_ps(_mm256_xor_ps(x2, neg), LD(s + i))));     \
-                        const __m256 hi = _mm256_add_ps(RND(_mm256_mul_ps(x2, LD(c + half + i))),                   \
-                                                        RND(_mm256_mul_ps(x1, LD(s + half + i))));                  \
-                        ST(x + i, lo);                                                                              \
-                        ST(x + half + i, hi);                                                                       \
-                    }                                                                                               \
-                }                                                                                                   \
-            }                                                                                                       \
-            if (slots[b] >= 0) {                                                                                    \
-                memcpy(k_cache + slots[b] * row, k + b * k_stride, (size_t)row * sizeof(T));                       \
-                memcpy(v_cache + slots[b] * row, v + b * v_stride, (size_t)row * sizeof(T));                       \
-            }                                                                                                       \
-        }                                                                                                           \
+        const int64_t row = hkv * d, nv = d / 8;                                                                  \
+        (void)amx_min_batch; /* no AMX path here */                                                                 \
+        const __m256 ninf = _mm256_set1_ps(-INFINITY), vscale = _mm256_set1_ps(scale);                                \
+        const __m256 lane8 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);                                                  \
+        PRO(q, q_stride, k, k_stride, v, v_stride, cos_t, sin_t, slots, k_cache, v_cache, hq, hkv, d, B);             \
         int64_t work = 0;                                                                                           \
         for (int64_t b = 0; b < B; b++) work += lens[b];                                                            \
         _Pragma("omp parallel num_threads(nthreads) if (work * hq * d >= 32768)") {                               \
@@ -734,9 +721,8 @@ static inline __m256 sum8x8(const __m256 *a) {
             _Pragma("omp for schedule(dynamic, 1)")                                                                 \
             for (int64_t it = 0; it < B * hkv; it++) {                                                              \
                 const int64_t b = it / hkv, kv = it % hkv, L = lens[b], lp = (L + 7) / 8 * 8;                       \
-                int64_t heads[MAX_G], g = 0;                                                                        \
-                for (int64_t h = 0; h < hq && g < MAX_G; h++)                                                       \
-                    if (q_to_kv[h] == kv) heads[g++] = h;                                                           \
+                int64_t heads[MAX_G];                                                                               \
+                const int64_t g = kv_heads(q_to_kv, hq, kv, heads);                                                 \
                 if (g == 0) continue;                                                                               \
                 if (L == 0) {                                                                                       \
                     for (int64_t j = 0; j < g; j++) memset(out + (b * hq + heads[j]) * d, 0, (size_t)d * sizeof(T)); \
@@ -804,6 +790,6 @@ static inline __m256 sum8x8(const __m256 *a) {
 
 static inline void st8_f32(float *p, __m256 x) { _mm256_storeu_ps(p, x); }
 
-PAGED_DECODE8(tpe_paged_decode_f32, float, _mm256_loadu_ps, st8_f32, keep8)
-PAGED_DECODE8(tpe_paged_decode_bf16, uint16_t, ld8, st8, rb8)
+PAGED_DECODE8(tpe_paged_decode_f32, float, _mm256_loadu_ps, st8_f32, keep8, prologue_f32)
+PAGED_DECODE8(tpe_paged_decode_bf16, uint16_t, ld8, st8, rb8, prologue_bf16)
 #endif /* neither path: left out of the build; the callers keep torch (cpu_library.has) */

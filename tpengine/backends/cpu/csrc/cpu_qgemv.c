@@ -34,8 +34,9 @@
 
 #define QMAX_ROWS 8
 /* int4: how far ahead of the column being read its block's bytes are prefetched. One 4 KiB page: the
- * hardware prefetcher stops at page ends, and a model's weights read from memory (blocks of 64 rows
- * read one after another by each thread) streamed ~1.5x slower without it (docs/notes/kernels.md). */
+ * hardware prefetcher stops at page ends, so a model's weights read from memory (blocks of 64 rows
+ * read one after another by each thread) stream slower without it; larger distances gained nothing
+ * (figures: docs/notes/kernels.md, "Prefetching the int4 weights"). */
 #define Q4_PREFETCH_BYTES 4096
 
 #if defined(TPE_AVX512) || defined(TPE_AVX2)

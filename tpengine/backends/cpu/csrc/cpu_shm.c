@@ -37,7 +37,7 @@ static int wait_all(char *base, int64_t size, int64_t gen, int64_t max_ns) {
         int ok = 1;
         for (int64_t r = 0; r < size && ok; r++) ok = __atomic_load_n((int64_t *)(base + 64 * r), __ATOMIC_ACQUIRE) >= gen;
         if (ok) return 1;
-        if ((spins & 255) == 255) { /* every ~10 us: give the core back if another process wants it */
+        if ((spins & 255) == 255) { /* every 256 spins: give the core back if another process wants it */
             sched_yield();
             const int64_t t = now_ns();
             if (deadline < 0) deadline = t + max_ns;
