@@ -165,9 +165,10 @@ class CPUDecodeProgram:
 
 def build(stack, tp: int, cpu_kernels: bool, amx_min_batch: int = 0) -> CPUDecodeProgram | None:
     """The decode program of a loaded CPU decoder ``stack`` (:class:`~tpengine.model.layers.fused.DecoderStack`,
-    its KV caches bound; ``amx_min_batch``: :func:`tpengine.backends.cpu.cpu_paged.decode`'s), or None where it does not apply: C kernels off or unavailable, a dtype
-    other than float32/bfloat16, a head size the paged kernel does not take, q/k norms (Qwen3), an
-    activation other than SiLU, or widths not multiples of 16."""
+    its KV caches bound; ``amx_min_batch``: :func:`tpengine.backends.cpu.cpu_paged.decode`'s), or None
+    where it does not apply: C kernels off or unavailable, a dtype other than float32/bfloat16, a head
+    size the paged kernel does not take, q/k norms (Qwen3), an activation other than SiLU, or widths not
+    multiples of 16."""
     layers = list(stack.layers[: stack.config.num_hidden_layers])
     dtype = stack.norm.weight.dtype
     if (not cpu_kernels or stack.norm.weight.device.type != "cpu" or not cpu_library.has(*KERNELS)
