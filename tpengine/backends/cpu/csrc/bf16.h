@@ -197,16 +197,21 @@ static inline vf vf_neg(vf x) { return vf_two(_mm256_xor_ps(x.lo, _mm256_set1_ps
 static inline vf vf_exp(vf x) { return vf_two(exp8(x.lo), exp8(x.hi)); }
 static inline float vf_sum(vf x) { return hsum16(x.lo, x.hi); }
 static inline float vf_hmax(vf x) { return hmax8(_mm256_max_ps(x.lo, x.hi)); }
-/* AVX2 has no masked 16-bit loads or stores: the partial ones go through a 16-element copy. */
+/* AVX2 has no masked 16-bit loads or stores: a partial one (n < 16) goes through a 16-element copy. */
 static inline vf vf_ldb_n(const uint16_t *p, int64_t n) {
+    if (n >= 16) return vf_ldb(p);
     uint16_t t[16] = {0};
-    memcpy(t, p, (size_t)(n < 16 ? n : 16) * sizeof(uint16_t));
+    memcpy(t, p, (size_t)n * sizeof(uint16_t));
     return vf_ldb(t);
 }
 static inline void vf_stb_n(uint16_t *p, vf x, int64_t n) {
+    if (n >= 16) {
+        vf_stb(p, x);
+        return;
+    }
     uint16_t t[16];
     vf_stb(t, x);
-    memcpy(p, t, (size_t)(n < 16 ? n : 16) * sizeof(uint16_t));
+    memcpy(p, t, (size_t)n * sizeof(uint16_t));
 }
 static inline vf vf_first(vf x, int64_t n, vf fill) {
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), nf = _mm256_set1_ps((float)(n < 16 ? n : 16));
