@@ -619,17 +619,11 @@ int tpe_paged_amx(void) { return HAVE_AMX && amx_ok(); }
         return -1;                                                                                                  \
     }
 
-static inline __m512 ld32(const float *p) { return _mm512_loadu_ps(p); }
-static inline void st32(float *p, __m512 x) { _mm512_storeu_ps(p, x); }
-/* float32 "rounding": none, but an opaque barrier, so the compiler cannot contract a product and
- * the sum after it into one fused multiply-add (torch rounds the product first). */
-static inline __m512 keep32(__m512 x) {
-    __asm__("" : "+v"(x));
-    return x;
-}
-
-PAGED_DECODE(tpe_paged_decode_f32, float, ld32, st32, keep32, 0, prologue_f32)
-PAGED_DECODE(tpe_paged_decode_bf16, uint16_t, ld, st, rb, 1, prologue_bf16)
+/* bf16.h's vf is __m512 here; float32's "rounding" is vf_keep: none, but an opaque barrier, so the
+ * compiler cannot contract a product and the sum after it into one fused multiply-add (torch rounds
+ * the product first). */
+PAGED_DECODE(tpe_paged_decode_f32, float, vf_ldf, vf_stf, vf_keep, 0, prologue_f32)
+PAGED_DECODE(tpe_paged_decode_bf16, uint16_t, vf_ldb, vf_stb, vf_rb, 1, prologue_bf16)
 
 #elif defined(TPE_AVX2)
 /* AVX2 + FMA: the same steps and the same roundings, op by op, in a plainer form -- 8 lanes, one work
@@ -642,7 +636,7 @@ PAGED_DECODE(tpe_paged_decode_bf16, uint16_t, ld, st, rb, 1, prologue_bf16)
  * rounded to the dtype, sum_t p[t] * v[t] in float32, rounded to the dtype. */
 
 /* float32 "rounding": none, but an opaque barrier against contracting a product and the sum after
- * it into one fused multiply-add (torch rounds the product first), as keep32 above. */
+ * it into one fused multiply-add (torch rounds the product first), as bf16.h's vf_keep. */
 static inline __m256 keep8(__m256 x) {
     __asm__("" : "+x"(x));
     return x;
