@@ -79,7 +79,7 @@ static int64_t check(const int64_t *slots, const int64_t *block_tables, int64_t 
     static void NAME(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v, int64_t v_stride,            \
                      const T *cos_t, const T *sin_t, const int64_t *slots, T *k_cache, T *v_cache, int64_t hq,  \
                      int64_t hkv, int64_t d, int64_t B) {                                                      \
-        const int64_t row = hkv * d;                                                                            \
+        const int64_t row = hkv * d;                                                                               \
         for (int64_t b = 0; b < B; b++) {                                                                       \
             if (cos_t)                                                                                          \
                 for (int64_t h = 0; h < hq + hkv; h++)                                                          \
@@ -417,24 +417,25 @@ int tpe_paged_amx(void) { return HAVE_AMX && amx_ok(); }
 
 /* One dtype's kernel. LD(p): 16 elements -> __m512; ST(p, x): store 16 rounded; RND(x): x rounded
  * to the dtype, back as float32; T: the element type; BF: 1 for bfloat16 (scores and the weighted
- * sum of values by vdpbf16ps, qk16_bf16 and pv_bf16), 0 for float32. */
-#define PAGED_DECODE(NAME, T, LD, ST, RND, BF, PRO)                                                                         \
+ * sum of values by vdpbf16ps, qk16_bf16 and pv_bf16), 0 for float32; PRO: the dtype's prologue
+ * (prologue_f32 / prologue_bf16, shared with the AVX2 kernel). */
+#define PAGED_DECODE(NAME, T, LD, ST, RND, BF, PRO)                                                                \
     int64_t NAME(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v, int64_t v_stride, const T *cos_t,     \
                  const T *sin_t, const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,             \
                  const int64_t *lens, T *k_cache, T *v_cache, int64_t num_blocks, int64_t bs,                       \
                  const int64_t *q_to_kv, int64_t hq, int64_t hkv, int64_t d, float scale, T *out, int64_t B,        \
-                 int64_t amx_min_batch, int nthreads) {                                                             \
+                 int64_t amx_min_batch, int nthreads) {                                                            \
         const int64_t gmax = max_group(q_to_kv, hq, hkv); /* (the AMX path pads to it) */         \
         int64_t bad = check(slots, block_tables, max_blocks, lens, B, num_blocks, bs, q_to_kv, hq, hkv, gmax);                             \
         if (bad >= 0) return bad;                                                                                   \
-        const int64_t row = hkv * d;                                                                                  \
-        PRO(q, q_stride, k, k_stride, v, v_stride, cos_t, sin_t, slots, k_cache, v_cache, hq, hkv, d, B);             \
+        const int64_t row = hkv * d;                                                                               \
+        PRO(q, q_stride, k, k_stride, v, v_stride, cos_t, sin_t, slots, k_cache, v_cache, hq, hkv, d, B);          \
         int64_t work = 0;                                                                                           \
         /* many sequences: one item per sequence (its K/V rows read whole, every head); few: per (b, KV head) */    \
         const int whole = B >= 4 * nthreads;                                                                        \
         const int64_t np = gmax <= 4 ? 4 : gmax <= 8 ? 8 : 16;                                                      \
-        const int use_amx = BF && HAVE_AMX && amx_min_batch > 0 && B >= amx_min_batch && bs % 16 == 0 && d <= 128 \
-                            && amx_ok();                                                                    \
+        const int use_amx = BF && HAVE_AMX && amx_min_batch > 0 && B >= amx_min_batch && bs % 16 == 0 && d <= 128  \
+                            && amx_ok();                                                                           \
         const int64_t items = whole ? B : B * hkv;                                                                  \
         int64_t claim = 0; /* the next item to take */                                                              \
         for (int64_t b = 0; b < B; b++) work += lens[b];                                                            \
@@ -465,8 +466,8 @@ int tpe_paged_amx(void) { return HAVE_AMX && amx_ok(); }
                 const int64_t L = lens[b];                                                                          \
                 /* whole rows (every KV head) are fetched with the first head: contiguous in a block */             \
                 const int64_t pfn = pre ? 0 : (whole && kv == 0 ? row : d) * (int64_t)sizeof(T);                    \
-                int64_t heads[MAX_G];                                                                               \
-                const int64_t g = kv_heads(q_to_kv, hq, kv, heads);                                                 \
+                int64_t heads[MAX_G];                                                                              \
+                const int64_t g = kv_heads(q_to_kv, hq, kv, heads);                                                \
                 if (g == 0) continue;                                                                               \
                 if (L == 0) {                                                                                       \
                     for (int64_t j = 0; j < g; j++) memset(out + (b * hq + heads[j]) * d, 0, (size_t)d * sizeof(T)); \
@@ -633,7 +634,10 @@ PAGED_DECODE(tpe_paged_decode_bf16, uint16_t, vf_ldb, vf_stb, vf_rb, 1, prologue
  * products are float32 FMAs over the widened elements (bfloat16: products exact, as vdpbf16ps's; the
  * float32 sums in another order), 8 keys at a time, their 8-lane partial sums reduced together
  * (sum8x8); then, as above, bf16(dot) * scale (float32: dot * scale), the softmax with exp8, p
- * rounded to the dtype, sum_t p[t] * v[t] in float32, rounded to the dtype. */
+ * rounded to the dtype, sum_t p[t] * v[t] in float32, rounded to the dtype. The first pass (RoPE, the
+ * KV store: prologue_*) and the checks are the AVX-512 kernel's; the item loop is this ISA's own, as
+ * its float32 sums run in another order (8 lanes, sum8x8) and its tiles fit AVX2's 16 registers.
+ * amx_min_batch is taken and ignored (no AMX path here). */
 
 /* float32 "rounding": none, but an opaque barrier against contracting a product and the sum after
  * it into one fused multiply-add (torch rounds the product first), as bf16.h's vf_keep. */
@@ -698,15 +702,15 @@ static inline __m256 sum8x8(const __m256 *a) {
                  const T *sin_t, const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,             \
                  const int64_t *lens, T *k_cache, T *v_cache, int64_t num_blocks, int64_t bs,                       \
                  const int64_t *q_to_kv, int64_t hq, int64_t hkv, int64_t d, float scale, T *out, int64_t B,        \
-                 int64_t amx_min_batch, int nthreads) {                                                             \
+                 int64_t amx_min_batch, int nthreads) {                                                            \
         const int64_t gmax = max_group(q_to_kv, hq, hkv);                                                          \
         const int64_t bad = check(slots, block_tables, max_blocks, lens, B, num_blocks, bs, q_to_kv, hq, hkv, gmax); \
         if (bad >= 0) return bad;                                                                                   \
-        const int64_t row = hkv * d, nv = d / 8;                                                                  \
-        (void)amx_min_batch; /* no AMX path here */                                                                 \
-        const __m256 ninf = _mm256_set1_ps(-INFINITY), vscale = _mm256_set1_ps(scale);                                \
-        const __m256 lane8 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);                                                  \
-        PRO(q, q_stride, k, k_stride, v, v_stride, cos_t, sin_t, slots, k_cache, v_cache, hq, hkv, d, B);             \
+        const int64_t row = hkv * d, nv = d / 8;                                                                   \
+        (void)amx_min_batch; /* no AMX path here */                                                                \
+        const __m256 ninf = _mm256_set1_ps(-INFINITY), vscale = _mm256_set1_ps(scale);                             \
+        const __m256 lane8 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);                                               \
+        PRO(q, q_stride, k, k_stride, v, v_stride, cos_t, sin_t, slots, k_cache, v_cache, hq, hkv, d, B);          \
         int64_t work = 0;                                                                                           \
         for (int64_t b = 0; b < B; b++) work += lens[b];                                                            \
         _Pragma("omp parallel num_threads(nthreads) if (work * hq * d >= 32768)") {                               \
@@ -715,8 +719,8 @@ static inline __m256 sum8x8(const __m256 *a) {
             _Pragma("omp for schedule(dynamic, 1)")                                                                 \
             for (int64_t it = 0; it < B * hkv; it++) {                                                              \
                 const int64_t b = it / hkv, kv = it % hkv, L = lens[b], lp = (L + 7) / 8 * 8;                       \
-                int64_t heads[MAX_G];                                                                               \
-                const int64_t g = kv_heads(q_to_kv, hq, kv, heads);                                                 \
+                int64_t heads[MAX_G];                                                                              \
+                const int64_t g = kv_heads(q_to_kv, hq, kv, heads);                                                \
                 if (g == 0) continue;                                                                               \
                 if (L == 0) {                                                                                       \
                     for (int64_t j = 0; j < g; j++) memset(out + (b * hq + heads[j]) * d, 0, (size_t)d * sizeof(T)); \
