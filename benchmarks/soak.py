@@ -27,8 +27,8 @@ Checks, each a row of the table (the run fails, exit 1, if one fails):
   mapped whole at start-up and its pages become resident as blocks are first written (the free queue
   hands out every block in turn), up to ``--kv-cache-gb``: that is not growth. The first sweep is the
   working set's warm-up: the heap that the largest steps' activations leave (malloc keeps freed memory,
-  :func:`tpengine.engine.process.keep_freed_memory`) and oneDNN's primitive caches, keyed by row count
-  and bounded (:func:`tpengine.engine.process.bound_onednn_caches`); the second sweep repeats the load;
+  :func:`tpengine.backends.cpu.process.keep_freed_memory`) and oneDNN's primitive caches, keyed by row count
+  and bounded (:func:`tpengine.backends.cpu.process.bound_onednn_caches`); the second sweep repeats the load;
 - drained: once the load stops, ``/metrics`` shows ``tpengine:num_requests_running`` and
   ``num_requests_waiting`` 0 and ``tpengine:kv_cache_usage_perc`` 0 within 30 s;
 - no request lost: sent = answered (a 200 of the expected shape) + deliberately disconnected + expected

@@ -1,8 +1,9 @@
-"""Process set-up (tpengine/engine/process.py): oneDNN's primitive caches are bounded unless the user set them."""
+"""The CPU platform's process set-up (tpengine/backends/cpu/process.py): oneDNN's primitive caches are
+bounded unless the user set them."""
 
 import os
 
-from tpengine.engine import process
+from tpengine.backends.cpu import process
 
 
 def test_bound_onednn_caches_sets_both_capacities(monkeypatch):

@@ -1,5 +1,7 @@
-"""Paged-attention backends: the CPU one (torch + C kernels) and the Triton one (CUDA), both checked
-against the torch oracle :mod:`tpengine.backends.reference`.
+"""The device backends: each device's platform (:func:`get_platform`, the interface
+:class:`tpengine.backends.platform.Platform`: process set-up, the layers' ops, measuring and binding,
+the step runner) and the paged-attention backends: the CPU one (torch + C kernels) and the Triton one
+(CUDA), both checked against the torch oracle :mod:`tpengine.backends.reference`.
 
 :func:`get_backend` makes one backend object per engine (interface:
 :class:`tpengine.backends.base.AttentionBackend`). Triton is imported lazily, so CPU-only installs
@@ -37,3 +39,24 @@ def get_backend(name: str, device, *, cpu_kernels: bool, kv_mirror: bool):
     from tpengine.backends.cuda.attention import TritonAttentionBackend
 
     return TritonAttentionBackend()
+
+
+def get_platform(device):
+    """The device backend of ``device`` (a ``torch.device`` or a string): the ``Platform`` subclass
+    ``tpengine/backends/<device type>/platform.py`` defines as ``PLATFORM``, or the plain torch
+    :class:`tpengine.backends.platform.Platform` for a device without such a module. A new device adds
+    its package under ``backends/`` and nothing else."""
+    import importlib
+
+    import torch
+
+    from tpengine.backends.platform import Platform
+
+    kind = torch.device(device).type
+    try:
+        module = importlib.import_module(f"tpengine.backends.{kind}.platform")
+    except ModuleNotFoundError as e:
+        if e.name not in (f"tpengine.backends.{kind}", f"tpengine.backends.{kind}.platform"):
+            raise
+        return Platform()
+    return module.PLATFORM()

@@ -11,13 +11,11 @@ from collections.abc import Callable
 
 import torch
 
-from tpengine.backends import get_backend
-from tpengine.backends.cuda.graphs import CUDAGraphRunner
+from tpengine.backends import get_backend, get_platform
 from tpengine.config import EngineConfig
 from tpengine.context import Context
 from tpengine.distributed import TPInfo, all_reduce_min, broadcast_control
 from tpengine.engine.memory import lazy_zeros
-from tpengine.engine.process import release_free_memory
 from tpengine.engine.step import StepKind, StepPlan
 from tpengine.errors import UserError
 from tpengine.model.loader import ExecutionProfile, load_model
@@ -33,8 +31,11 @@ class ModelRunner:
     ``[num_blocks, block_size, kv_heads_local, head_dim]``. ``num_blocks`` comes from
     ``config.num_kv_blocks`` or ``config.kv_cache_gb`` (GiB per rank; on CUDA
     ``gpu_memory_utilization`` x free memory after a warm-up prefill, less its activation peak)
-    and is agreed by all ranks with all_reduce(MIN). On CUDA with the Triton backend and not
-    ``enforce_eager``, decode steps replay CUDA graphs (:mod:`tpengine.backends.cuda.graphs`).
+    and is agreed by all ranks with all_reduce(MIN). The device's platform
+    (:func:`tpengine.backends.get_platform`) loads and binds the model with it, measures the attention
+    backend's choices into the same profile, and may give a step runner that replays decode steps
+    (:meth:`tpengine.backends.platform.Platform.step_runner`: on CUDA with the Triton backend and not
+    ``enforce_eager``, CUDA graphs).
 
     Raises:
         tpengine.errors.UserError: the KV budget holds fewer blocks than one sequence of
@@ -44,9 +45,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPInfo, spec: ModelSpec | None = None):
         self.config, self.tp = config, tp
         self.dtype = config.torch_dtype(tp.device)
+        self.platform = get_platform(tp.device)
         loaded = load_model(spec or config.model, tp, self.dtype, cpu_kernels=config.cpu_kernels,
                             quantization=config.quantization, cpu_linear=config.cpu_linear)
-        release_free_memory()  # loading's staging buffers and replaced weight layouts
+        self.platform.release_free_memory()  # loading's staging buffers and replaced weight layouts
         self.model, self.shard_plan, self.hf_config = loaded.module, loaded.shard_plan, loaded.hf_config
         self.weight_bytes: int = loaded.weight_bytes
         self.profile: ExecutionProfile = loaded.profile
@@ -59,8 +61,8 @@ class ModelRunner:
                                          if self.model.lm_head.weight is not None else None)
             if line is not None:
                 print(line, file=sys.stderr, flush=True)
-        self.graphs: CUDAGraphRunner | None = None
-        if tp.device.type == "cuda" and config.num_kv_blocks is None:
+        self.graphs = None  # the platform's step runner (CUDA graphs), once the cache is bound
+        if self.platform.needs_warmup() and config.num_kv_blocks is None:
             self._warmup()
         self.num_blocks = all_reduce_min(self._blocks_from_budget())
         rp = self.shard_plan.ranks[tp.rank]
@@ -76,16 +78,15 @@ class ModelRunner:
                             "--num-kv-blocks") from None
         for i, m in enumerate(self.attn_modules):
             m.k_cache, m.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        # the backend's per-layer state and its ways of running the stack (CPU: the decode program)
+        # the platform's measured choices for the backend (CPU: the paged kernel's path), kept in the one
+        # profile, then the backend's per-layer state and its ways of running the stack (CPU: the decode program)
+        self.profile = self.platform.bind_attention(self.backend, stack, self.profile)
         self.backend.bind_model(stack, tp.size)
         line = self.backend.describe()
         if tp.rank == 0 and line is not None:
             print("tpengine: " + line, file=sys.stderr, flush=True)
-        if tp.device.type == "cuda" and not config.enforce_eager and self.backend.graph_safe:
-            max_blocks = cdiv(config.max_model_len, config.block_size)
-            self.graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs, max_blocks,
-                                          self.shard_plan.hidden_size, self.dtype, tp.device)
-            self.graphs.capture()
+        self.graphs = self.platform.step_runner(self.model, self.backend, config, self.shard_plan.hidden_size,
+                                                self.dtype, tp.device)
 
     def ready_line(self, seconds: float) -> str:
         """The one line rank 0 prints when the engine is ready: model, dtype, tp, this rank's weight
@@ -122,7 +123,7 @@ class ModelRunner:
         rp, c = self.shard_plan.ranks[self.tp.rank], self.config
         per_block = (2 * len(self.attn_modules) * c.block_size * rp.num_kv_heads * self.shard_plan.head_dim
                      * torch.empty(0, dtype=self.dtype).element_size())
-        if self.tp.device.type == "cuda":
+        if self.platform.needs_warmup():
             stats = torch.cuda.memory_stats(self.tp.device)  # warm-up peak above what stays allocated
             peak, now = stats.get("allocated_bytes.all.peak", 0), stats.get("allocated_bytes.all.current", 0)
             torch.cuda.empty_cache()

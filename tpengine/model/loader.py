@@ -15,23 +15,16 @@ embeddings share storage.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_qgemv, cpu_widen, linear_layout
-from tpengine.backends.cpu.linear_layout import choose_head, choose_layouts
+from tpengine.backends import get_platform
+from tpengine.backends.platform import ExecutionProfile
 from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
-from tpengine.model.layers.embedding import (
-    ROW_MAX_KERNEL,
-    ParallelLMHead,
-    VocabParallelEmbedding,
-    choose_greedy_path,
-    choose_row_max_block,
-)
+from tpengine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpengine.model.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from tpengine.model.plan import ShardPlan
 from tpengine.model.quant.apply import quantize_linear
@@ -56,7 +49,7 @@ QUANTIZED_LAYERS = (ColumnParallelLinear, MergedColumnParallelLinear, RowParalle
 VOCAB_LAYERS = (VocabParallelEmbedding, ParallelLMHead)
 # the layers that can hold a weight a quantized folder stores quantized
 STORED_QUANT_LAYERS = QUANTIZED_LAYERS + VOCAB_LAYERS
-# the layers whose plain weight may take oneDNN's layout or tpengine's GEMV / GEMM kernels
+# the layers whose plain weight may take its platform's layout or kernels (CPU: oneDNN's, the GEMV / GEMM)
 PACKABLE_LAYERS = QUANTIZED_LAYERS + (ParallelLMHead,)
 
 
@@ -130,33 +123,15 @@ def _fill(fd: int, info: TensorInfo, dest: torch.Tensor, spec: tuple[int, int, i
         dest.copy_(stage)
 
 
-def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | None, rank: int, tie: bool,
-                 dtype: torch.dtype, device: torch.device, pack, quant: QuantScheme | None = None,
-                 reduce_max=None, stored: dict[str, QuantEntry] | None = None) -> int:
-    """Fill every parameter of ``model`` (from :func:`tpengine.model.surgery.build_model`) from
-    ``files``: each checkpoint tensor's byte range for this rank (its ShardPlan slice, or the
-    whole tensor when ``plan`` is None: a rank file of a shard folder) is read straight into the
-    parameter that keeps it (cast to ``dtype``), so no weight is ever held twice and no file
-    stays mapped. With ``pack`` (CPU; a bool, or a predicate on the layer), each linear layer's weight
-    is replaced by its oneDNN layout as soon as all its parts are in (a tied LM head keeps the
-    embedding's plain rows).
-    With ``quant``, each column/row-parallel linear's weight is instead quantized as soon as
-    its parts are in (:func:`tpengine.model.quant.apply.quantize_linear`, ``reduce_max`` the
-    all-reduce MAX of int8's row absmax; never packed), and its float weight dropped.
-    ``stored`` (a quantized folder's table, weight name -> entry): each listed weight is read
-    from its stored parts (:mod:`tpengine.model.quant.checkpoint`; this rank's slice per the format's
-    TP rules) into its quantized storage, scales and zeros cast to ``dtype``.
-    Returns the bytes of weights held (quantized ones as stored: values, scales and zeros).
+def _wanted(targets: dict, stored: dict[str, QuantEntry]) -> dict[str, tuple]:
+    """Checkpoint name -> ``(target, part or None, entry or None)`` for every tensor to read: each
+    target's own name, or for a weight ``stored`` quantized the names of its stored parts.
 
     Raises:
-        RuntimeError: a weight that appears twice, is never loaded, or has no place in the model.
-        ValueError: a checkpoint tensor whose shape or dtype does not fit the plan or format.
-        UserError: a stored quantized weight of a layer that keeps float weights, or the parts
-            of one merged layer stored in different schemes.
+        UserError: a stored quantized weight of a layer that keeps float weights, or the parts of one
+            merged layer stored in different schemes.
     """
-    stored = stored or {}
-    targets = checkpoint_targets(model, tie)
-    wanted: dict[str, tuple] = {}  # checkpoint name -> (target, part or None, entry or None)
+    wanted: dict[str, tuple] = {}
     schemes: dict[int, set] = {}
     for name, t in targets.items():
         e = stored.get(name) if t.attr == "weight" else None
@@ -176,74 +151,149 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
             raise UserError(f"the parts {', '.join(parts)} of one merged layer are stored in different ways "
                             f"({', '.join(stored[n].describe() if n in stored else 'float' for n in parts)}); "
                             "tpengine needs them alike")
-    left: dict[int, int] = {}
-    for t, _, _ in wanted.values():
-        left[id(t.module)] = left.get(id(t.module), 0) + 1
+    return wanted
+
+
+class _Filler:
+    """One load's state: where each checkpoint tensor goes (:func:`_wanted`), how many tensors each
+    layer still waits for, and what is done with a layer once all its tensors are in (quantized,
+    packed into its platform's layout, or its stored quantized parts assembled)."""
+
+    def __init__(self, model: torch.nn.Module, wanted: dict[str, tuple], tie: bool, dtype: torch.dtype,
+                 device: torch.device, pack, prepack, quant: QuantScheme | None, reduce_max):
+        self.wanted, self.tie, self.dtype, self.device = wanted, tie, dtype, device
+        self.quant, self.reduce_max, self.prepack = quant, reduce_max, prepack
+        self.left: dict[int, int] = {}
+        for t, _, _ in wanted.values():
+            self.left[id(t.module)] = self.left.get(id(t.module), 0) + 1
+        self.head = model.get_output_embeddings()
+        self.qstored = {id(t.module): e for t, part, e in wanted.values() if part is not None}  # layer -> entry
+        self.qparts = QuantParts(dtype)
+        self.wants = pack if callable(pack) else (lambda m: pack)
+        self.staging = (_Staging() if ((pack is not False and prepack is not None) or quant is not None)
+                        and device.type == "cpu" else None)
+
+    def scheme(self, m: torch.nn.Module) -> QuantScheme | None:
+        """The scheme ``--quantization`` stores layer ``m`` in, or None (float)."""
+        if self.quant is None:
+            return None
+        if isinstance(m, QUANTIZED_LAYERS):
+            return self.quant
+        return self.quant.vocab if isinstance(m, VOCAB_LAYERS) else None
+
+    def packs(self, m: torch.nn.Module) -> bool:
+        """Whether layer ``m``'s weight takes its platform's layout once loaded."""
+        return (self.prepack is not None and isinstance(m, PACKABLE_LAYERS) and not (self.tie and m is self.head)
+                and self.scheme(m) is None and id(m) not in self.qstored and self.wants(m))
+
+    def dest(self, t, part, entry, info: TensorInfo, spec) -> torch.Tensor:
+        """The tensor checkpoint tensor ``info`` is read into (the target's rows are narrowed by the caller).
+
+        Raises:
+            ValueError: a stored quantized part that is not 2-D.
+        """
+        if part is None:
+            via = self.staging if t.attr == "weight" and (self.packs(t.module) or self.scheme(t.module)) else None
+            return _materialize(t.module, t.attr, self.dtype, self.device, via)
+        if len(info.shape) != 2:
+            raise ValueError(f"checkpoint tensor {info.name!r} has shape {list(info.shape)}; the "
+                             f"{entry.scheme} format stores {part} as a 2-D tensor")
+        cols = spec[2] - spec[1] if spec is not None and spec[0] == 1 else info.shape[1]
+        return self.qparts.dest(t.module, part, entry, info, cols)
+
+    def filled(self, m: torch.nn.Module, name: str) -> None:
+        """One more tensor of layer ``m`` is in (``name``); once all are: assemble, quantize or pack it."""
+        self.left[id(m)] -= 1
+        if self.left[id(m)]:
+            return
+        if id(m) in self.qstored:
+            self.qparts.finish(m, name, self.qstored[id(m)])
+        elif self.scheme(m) is not None:
+            quantize_linear(m, self.scheme(m), self.reduce_max)  # new tensors: the staging buffer is free
+        elif self.packs(m):
+            if not m.pack(self.prepack) and self.staging is not None:  # not packed: a weight of its own
+                m.weight.data = m.weight.data.clone()
+        else:
+            return
+        if self.staging is not None:
+            self.staging.give_back(m)
+
+
+def _slice_of(plan: ShardPlan | None, name: str, info: TensorInfo, part, entry, rank: int):
+    """``(spec, full)`` for :func:`_fill`: this rank's slice of checkpoint tensor ``name`` by ``plan``
+    (None, None: the whole tensor, a shard folder's rank file)."""
+    if plan is None:
+        return None, None
+    kind = kind_of(name, len(info.shape))
+    if part is not None:
+        return part_slice(plan, kind, entry, part, rank)
+    spec = plan.slice_spec(kind, name.endswith(".bias"), rank)
+    return spec, None if spec is None else plan.full_size(kind)
+
+
+def _read_file(path: Path, filler: _Filler, plan: ShardPlan | None, rank: int, done: set[str],
+               unexpected: list[str]) -> None:
+    """Read every tensor of checkpoint file ``path`` that this rank keeps into its place.
+
+    Raises:
+        RuntimeError: a tensor that appears twice.
+    """
+    infos = read_header(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for name, info in infos.items():
+            if filler.tie and (name == "lm_head.weight" or (part_of(name) or ("",))[0] == "lm_head.weight"):
+                continue
+            if name in done:
+                raise RuntimeError(f"weight {name!r} appears twice in the checkpoint")
+            if name not in filler.wanted:
+                unexpected.append(name)
+                continue
+            t, part, entry = filler.wanted[name]
+            spec, full = _slice_of(plan, name, info, part, entry, rank)
+            _fill(fd, info, filler.dest(t, part, entry, info, spec).narrow(0, t.start, t.rows), spec, full)
+            done.add(name)
+            filler.filled(t.module, name)
+    finally:
+        os.close(fd)
+
+
+def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | None, rank: int, tie: bool,
+                 dtype: torch.dtype, device: torch.device, pack, quant: QuantScheme | None = None,
+                 reduce_max=None, stored: dict[str, QuantEntry] | None = None, prepack=None) -> int:
+    """Fill every parameter of ``model`` (from :func:`tpengine.model.surgery.build_model`) from
+    ``files``: each checkpoint tensor's byte range for this rank (its ShardPlan slice, or the
+    whole tensor when ``plan`` is None: a rank file of a shard folder) is read straight into the
+    parameter that keeps it (cast to ``dtype``), so no weight is ever held twice and no file
+    stays mapped. With ``pack`` (a bool, or a predicate on the layer) and ``prepack`` (the platform's
+    layout, :meth:`tpengine.backends.platform.Platform.prepack`), each linear layer's weight
+    is replaced by that layout as soon as all its parts are in (a tied LM head keeps the
+    embedding's plain rows).
+    With ``quant``, each column/row-parallel linear's weight is instead quantized as soon as
+    its parts are in (:func:`tpengine.model.quant.apply.quantize_linear`, ``reduce_max`` the
+    all-reduce MAX of int8's row absmax; never packed), and its float weight dropped.
+    ``stored`` (a quantized folder's table, weight name -> entry): each listed weight is read
+    from its stored parts (:mod:`tpengine.model.quant.checkpoint`; this rank's slice per the format's
+    TP rules) into its quantized storage, scales and zeros cast to ``dtype``.
+    Returns the bytes of weights held (quantized ones as stored: values, scales and zeros).
+
+    Raises:
+        RuntimeError: a weight that appears twice, is never loaded, or has no place in the model.
+        ValueError: a checkpoint tensor whose shape or dtype does not fit the plan or format.
+        UserError: a stored quantized weight of a layer that keeps float weights, or the parts
+            of one merged layer stored in different schemes.
+    """
+    wanted = _wanted(checkpoint_targets(model, tie), stored or {})
+    filler = _Filler(model, wanted, tie, dtype, device, pack, prepack, quant, reduce_max)
     done: set[str] = set()
     unexpected: list[str] = []
-    head = model.get_output_embeddings()
-    qstored = {id(t.module): e for t, part, e in wanted.values() if part is not None}  # layer -> its entry
-    qparts = QuantParts(dtype)
-    scheme = lambda m: quant if isinstance(m, QUANTIZED_LAYERS) else quant.vocab if isinstance(  # noqa: E731
-        m, VOCAB_LAYERS) else None
-    quantizes = lambda m: quant is not None and scheme(m) is not None  # noqa: E731
-    wants = pack if callable(pack) else (lambda m: pack)  # noqa: E731
-    packs = lambda m: (isinstance(m, PACKABLE_LAYERS) and not (tie and m is head) and not quantizes(m)  # noqa: E731
-                       and id(m) not in qstored and wants(m))
-    staging = _Staging() if (pack is not False or quant is not None) and device.type == "cpu" else None
     for path in files:
-        infos = read_header(path)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            for name, info in infos.items():
-                if tie and (name == "lm_head.weight" or (part_of(name) or ("",))[0] == "lm_head.weight"):
-                    continue
-                if name in done:
-                    raise RuntimeError(f"weight {name!r} appears twice in the checkpoint")
-                if name not in wanted:
-                    unexpected.append(name)
-                    continue
-                t, part, entry = wanted[name]
-                spec, full = None, None
-                if plan is not None:
-                    kind = kind_of(name, len(info.shape))
-                    if part is None:
-                        spec = plan.slice_spec(kind, name.endswith(".bias"), rank)
-                        full = None if spec is None else plan.full_size(kind)
-                    else:
-                        spec, full = part_slice(plan, kind, entry, part, rank)
-                if part is None:
-                    via = staging if t.attr == "weight" and (packs(t.module) or quantizes(t.module)) else None
-                    dest = _materialize(t.module, t.attr, dtype, device, via)
-                else:
-                    if len(info.shape) != 2:
-                        raise ValueError(f"checkpoint tensor {info.name!r} has shape {list(info.shape)}; the "
-                                         f"{entry.scheme} format stores {part} as a 2-D tensor")
-                    cols = spec[2] - spec[1] if spec is not None and spec[0] == 1 else info.shape[1]
-                    dest = qparts.dest(t.module, part, entry, info, cols)
-                _fill(fd, info, dest.narrow(0, t.start, t.rows), spec, full)
-                done.add(name)
-                left[id(t.module)] -= 1
-                if left[id(t.module)]:
-                    continue
-                if id(t.module) in qstored:
-                    qparts.finish(t.module, name, qstored[id(t.module)])
-                elif quantizes(t.module):
-                    quantize_linear(t.module, scheme(t.module), reduce_max)  # new tensors: the staging buffer is free
-                    if staging is not None:
-                        staging.give_back(t.module)
-                elif packs(t.module):
-                    if not t.module.pack() and staging is not None:  # no oneDNN: keep the weight, in memory of its own
-                        t.module.weight.data = t.module.weight.data.clone()
-                    if staging is not None:
-                        staging.give_back(t.module)
-        finally:
-            os.close(fd)
+        _read_file(path, filler, plan, rank, done, unexpected)
     if tie:
         emb = model.get_input_embeddings()
-        head.weight = emb.weight
+        filler.head.weight = emb.weight
         if emb.quant is not None:  # a stored quantized tied embedding: one storage for both
-            head.quant = emb.quant
+            filler.head.quant = emb.quant
     missing = sorted(set(wanted) - done)
     if missing or unexpected:
         raise RuntimeError(f"rank {rank}: weights never loaded {missing}, unexpected {sorted(unexpected)}")
@@ -252,15 +302,15 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
         m.nbytes for m in model.modules() if isinstance(m, QuantizedWeight))
 
 
-def _choose_layouts(model: torch.nn.Module, tie: bool, dtype: torch.dtype, setting: str, cpu_kernels: bool):
-    """The measured or forced layout (:func:`tpengine.backends.cpu.linear_layout.choose_layouts`) of every
-    packable weight shape of ``model`` (still on meta), counting the layers of each shape."""
+def _weight_shapes(model: torch.nn.Module, tie: bool) -> dict[tuple[int, int], int]:
+    """Every packable weight shape of ``model`` (still on meta), with how many layers have it (a tied
+    head's weight is the embedding's and is left out)."""
     head = model.get_output_embeddings()
     shapes: dict[tuple[int, int], int] = {}
     for m in model.modules():
         if isinstance(m, PACKABLE_LAYERS) and m.weight is not None and not (tie and m is head):
             shapes[tuple(m.weight.shape)] = shapes.get(tuple(m.weight.shape), 0) + 1
-    return choose_layouts(shapes, dtype, setting, cpu_kernels)
+    return shapes
 
 
 def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
@@ -270,42 +320,12 @@ def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class ExecutionProfile:
-    """What loading measured and chose on this machine for this rank's weights (CPU; all empty
-    elsewhere): ``linear_layouts`` (weight shape -> :class:`~tpengine.backends.cpu.linear_layout.LayoutChoice`),
-    ``head_layout`` (a tied LM head's paths per row bucket, or None), ``quant_kernels`` (quantized
-    weight group -> :func:`tpengine.backends.cpu.cpu_qgemv.choose`'s entry), ``row_max_choice`` (the
-    greedy pick's: a torch block or the C row argmax) and ``greedy_choice`` (a half-precision head's greedy path)."""
-
-    linear_layouts: dict = field(default_factory=dict)
-    head_layout: Any = None
-    quant_kernels: dict = field(default_factory=dict)
-    row_max_choice: Any = None
-    greedy_choice: Any = None
-
-    def describe(self, dtype: torch.dtype, head_shape: tuple[int, ...] | None) -> str | None:
-        """The one line rank 0 logs about these choices, or None when nothing was measured."""
-        if not self.linear_layouts:
-            return None
-        line = linear_layout.summary(self.linear_layouts, dtype)
-        if self.quant_kernels:  # quantized weights: which kernel each shape takes at few rows
-            line += "; quantized weights: " + cpu_qgemv.summary(self.quant_kernels)
-        if self.head_layout is not None and self.head_layout.times_us and head_shape is not None:
-            line += "; tied LM head " + self.head_layout.describe(head_shape)
-        if self.row_max_choice is not None:
-            line += "; greedy row max " + self.row_max_choice.describe()
-        if self.greedy_choice is not None:
-            line += "; greedy logits " + self.greedy_choice.describe()
-        return line
-
-
-@dataclass(frozen=True)
 class LoadedModel:
     """This rank's loaded model: ``module`` (the HF causal LM rebuilt by
     :func:`tpengine.model.surgery.build_model`, its decoder stack
     :class:`~tpengine.model.layers.fused.DecoderStack`), the :class:`~tpengine.model.spec.ModelSpec` it
     came from (``shard_plan``, ``hf_config``), ``weight_bytes`` (bytes of weights this rank holds) and the
-    :class:`ExecutionProfile` measured while loading."""
+    :class:`~tpengine.backends.platform.ExecutionProfile` its platform measured when it bound the model."""
 
     module: torch.nn.Module
     spec: ModelSpec
@@ -330,11 +350,15 @@ def load_model(model: ModelSpec | str | Path, tp: TPInfo, dtype: torch.dtype = t
     or a shard folder or full HF folder, read with :meth:`ModelSpec.read`).
 
     Returns a :class:`LoadedModel`, its ``module`` on ``tp.device`` in ``dtype``, the decoder stack's
-    forward taking ``(input_ids [N], positions [N], ctx)``. ``pack`` (default: on the CPU) lets
-    linear weights take oneDNN's layout instead of the plain one, per weight shape as
-    ``cpu_linear`` says ("auto": measured, :mod:`tpengine.backends.cpu.linear_layout`; "plain";
-    "packed"; the choices are in ``profile.linear_layouts``); ``cpu_kernels`` lets the layers use the CPU
-    C kernels (``EngineConfig.cpu_kernels``). ``quantization`` ("int8", "int4" or None) stores the
+    forward taking ``(input_ids [N], positions [N], ctx)``. The steps: read the spec, build the model
+    (:func:`tpengine.model.surgery.build_model`), check its quantization (:func:`_quantization`), ask
+    ``tp.device``'s platform (:func:`tpengine.backends.get_platform`) for the weight layouts, load the
+    weights (:func:`load_weights`), then let the platform measure and bind every layer
+    (:meth:`tpengine.backends.platform.Platform.bind_model`: the ``profile``). ``pack`` (default True)
+    lets linear weights take the platform's layout (the CPU's oneDNN layout) instead of the plain one, per
+    weight shape as ``cpu_linear`` says ("auto": measured, :mod:`tpengine.backends.cpu.linear_layout`;
+    "plain"; "packed"; the CPU's choices are in ``profile.linear_layouts``); ``cpu_kernels`` lets the
+    layers use the CPU C kernels (``EngineConfig.cpu_kernels``). ``quantization`` ("int8", "int4" or None) stores the
     column/row-parallel linears' weights quantized (:mod:`tpengine.model.quant.weights`; at tp > 1
     int8 all-reduces each row-parallel weight's row absmax while loading, so every rank loads
     the same files in the same order). A quantized folder (:mod:`tpengine.model.quant.checkpoint`)
@@ -352,68 +376,41 @@ def load_model(model: ModelSpec | str | Path, tp: TPInfo, dtype: torch.dtype = t
         RuntimeError: a weight assigned twice or never, or anything left on meta.
     """
     spec = model if isinstance(model, ModelSpec) else ModelSpec.read(model, tp)
-    model_dir, hf_config, plan, sharded = spec.folder, spec.hf_config, spec.shard_plan, spec.sharded
-    tie = bool(getattr(hf_config, "tie_word_embeddings", False))
-    module = build_model(hf_config, plan, tp.rank, dtype, tp.device, cpu_kernels)
-    table = read_table(model_dir)  # UserError: a broken quantization.json or manifest table
+    hf_config, tie = spec.hf_config, bool(getattr(spec.hf_config, "tie_word_embeddings", False))
+    platform = get_platform(tp.device)
+    module = build_model(hf_config, spec.shard_plan, tp.rank, dtype, tp.device, cpu_kernels)
+    table, quant = _quantization(spec, module, tie, quantization, tp)
+    pack = True if pack is None else pack
+    layouts = platform.choose_layouts(_weight_shapes(module, tie), dtype, cpu_linear, cpu_kernels) if pack else {}
+    packs = (lambda m: layouts[tuple(m.weight.shape)].layout == "packed") if layouts else False  # noqa: E731
+    weight_bytes = load_weights(module, rank_files(spec.folder, spec.sharded, tp),
+                                None if spec.sharded else spec.shard_plan, tp.rank, tie, dtype, tp.device, packs,
+                                quant, _all_reduce_max if tp.size > 1 else None, table, platform.prepack)
+    left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"rank {tp.rank}: still on the meta device after loading: {left}")
+    profile = platform.bind_model(module, layouts, tie=tie, dtype=dtype, cpu_kernels=cpu_kernels,
+                                  cpu_linear=cpu_linear, rank=tp.rank, pack=bool(pack))
+    return LoadedModel(module, spec, weight_bytes, profile)
+
+
+def _quantization(spec: ModelSpec, module: torch.nn.Module, tie: bool, quantization: str | QuantScheme | None,
+                  tp: TPInfo) -> tuple[dict[str, QuantEntry] | None, QuantScheme | None]:
+    """``(table, scheme)``: a quantized folder's table of stored weights (its weights are used as stored,
+    so no scheme), or None and the scheme ``quantization`` asks for (None: float weights).
+
+    Raises:
+        UserError: a broken ``quantization.json`` or manifest table, a folder ``quantization`` disagrees
+            with, ``quantization`` off the CPU, or an int4 group the tp split would cut.
+    """
+    table = read_table(spec.folder)
     if table is not None:
         linears = [n for n in checkpoint_targets(module, tie) if is_linear_weight(n, 2)]
-        check_stored_quantization(model_dir, table, quantization, linears, hf_config, tp)
-        quantization = None  # the folder's weights are used as stored
+        check_stored_quantization(spec.folder, table, quantization, linears, spec.hf_config, tp)
+        return table, None
     quant = QuantScheme.of(quantization) if isinstance(quantization, str) else quantization
     if quant is not None:
         if tp.device.type != "cpu":
             raise UserError(f"--quantization {quant.name} runs on the CPU only in this version, not on {tp.device}")
-        check_quantization(hf_config, tp.size, quant)
-    pack = tp.device.type == "cpu" if pack is None else pack
-    layouts = _choose_layouts(module, tie, dtype, cpu_linear, cpu_kernels) if pack else {}
-    packs = (lambda m: layouts[tuple(m.weight.shape)].layout == "packed") if pack else False  # noqa: E731
-    weight_bytes = load_weights(module, rank_files(model_dir, sharded, tp), None if sharded else plan, tp.rank,
-                                tie, dtype, tp.device, packs, quant, _all_reduce_max if tp.size > 1 else None, table)
-    head = module.get_output_embeddings()
-    for m in module.modules():  # plain weights measured faster through the GEMV / GEMM kernels at some rows
-        if not isinstance(m, PACKABLE_LAYERS) or m.weight is None or (tie and m is head):
-            continue
-        choice = layouts.get(tuple(m.weight.shape))
-        if choice is None:
-            continue
-        takes = {"plain": True, "gemv": cpu_gemv.available(m.weight), "gemm": cpu_gemm.available(m.weight),
-                 "widen": cpu_widen.available(m.weight)}
-        if choice.kernels and all(takes[k] for k in choice.kernels):
-            m.kernels = choice.kernels
-    head_layout = None
-    if pack and tie and isinstance(head, ParallelLMHead) and head.weight is not None and head.quant is None:
-        head_layout = choose_head(head.weight, cpu_linear, cpu_kernels)  # the tied head stays plain
-        head.kernels = head_layout.kernels
-    left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
-    if left:
-        raise RuntimeError(f"rank {tp.rank}: still on the meta device after loading: {left}")
-    quant_kernels = _choose_quant_kernels(module, cpu_kernels, tp.rank)
-    row_max_choice = greedy_choice = None
-    if tp.device.type == "cpu" and isinstance(head, ParallelLMHead):  # the greedy pick's block, measured
-        row_max_choice, head.row_max_block = choose_row_max_block(head.shard_width, dtype, cpu_kernels)
-        head.row_max_kernel = row_max_choice.name == ROW_MAX_KERNEL
-        if (cpu_kernels and head.quant is None and head.packed is None and head.weight is not None
-                and dtype in (torch.bfloat16, torch.float16)):  # float32 keeps F.linear: HF's arithmetic
-            greedy_choice = choose_greedy_path(head)
-            head.greedy_mm = greedy_choice.name == "mm"
-    for m in module.modules():  # every linear's implementation, bound now that its weight and choices are final
-        if isinstance(m, PACKABLE_LAYERS):
-            m.bind()
-    return LoadedModel(module, spec, weight_bytes,
-                       ExecutionProfile(layouts, head_layout, quant_kernels, row_max_choice, greedy_choice))
-
-
-def _choose_quant_kernels(model: torch.nn.Module, cpu_kernels: bool, rank: int) -> dict[str, dict]:
-    """Measure tpengine's int8/int4 kernels against torch's per quantized weight shape
-    (:func:`tpengine.backends.cpu.cpu_qgemv.choose`) and set each weight's ``gemv_rows``; {} without
-    ``cpu_kernels`` or quantized weights. Each rank measures its own shapes (no collective: ranks may
-    hold different shapes, and either kernel computes the same products; the timings are cached
-    per rank, so every later load makes the same choice)."""
-    groups: dict[str, list] = {}
-    for m in model.modules():
-        if isinstance(m, QuantizedWeight) and cpu_kernels and m.kernels_take:
-            kind = type(m).__name__.removesuffix("Weight").lower()
-            group = f"g{m.group_size}" if m.group_size else "per channel"
-            groups.setdefault(f"{kind} {group} {m.in_features}->{m.out_features}", []).append(m)
-    return cpu_qgemv.choose(groups, rank) if groups else {}
+        check_quantization(spec.hf_config, tp.size, quant)
+    return None, quant

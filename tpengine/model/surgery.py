@@ -91,7 +91,8 @@ def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, dev
     RoPE tables and the per-layer ``tp_q_to_kv`` maps are real tensors on ``device``; the
     loader (:func:`tpengine.model.loader.load_model`) fills every parameter through
     :func:`checkpoint_targets`. Tied embeddings share one Parameter. Every layer gets the one
-    :class:`~tpengine.backends.cpu.cpu_fused.FusedOps` of the model (``cpu_kernels``: the CPU C kernels
+    element-wise ops object of the model, ``device``'s platform's
+    (:meth:`tpengine.backends.platform.Platform.fused_ops`; ``cpu_kernels``: on the CPU the C kernels
     where they take the tensors, ``EngineConfig.cpu_kernels``).
 
     Raises:
@@ -99,7 +100,7 @@ def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, dev
         ValueError: an
             ``nn.Linear``/``nn.Embedding`` left that the layer table does not cover.
     """
-    from tpengine.backends.cpu.cpu_fused import FusedOps
+    from tpengine.backends import get_platform
     from tpengine.model.layers.fused import DecoderStack, FusedAttention, FusedMLP, RMSNorm
 
     model = build_meta_model(hf_config, dtype)
@@ -107,7 +108,7 @@ def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, dev
     if type(stack).__name__ not in SUPPORTED_MODELS:
         found = type(model).__name__ if stack is None else type(stack).__name__
         raise _unsupported("decoder", found, SUPPORTED_MODELS, hf_config)
-    rp, hidden, ops = plan.ranks[rank], plan.hidden_size, FusedOps(cpu_kernels)
+    rp, hidden, ops = plan.ranks[rank], plan.hidden_size, get_platform(device).fused_ops(cpu_kernels)
 
     def norm(m: nn.Module) -> nn.Module:
         if type(m).__name__ not in SUPPORTED_NORM:

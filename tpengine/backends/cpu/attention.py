@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from tpengine.backends.base import AttentionBackend
 from tpengine.backends.checks import check_cache, check_decode, check_heads, check_slots, check_store, prefill_lengths
-from tpengine.backends.cpu import cpu_decode, cpu_fused, cpu_paged, cpu_widen
+from tpengine.backends.cpu import cpu_decode, cpu_fused, cpu_paged
 from tpengine.backends.cpu import kv_mirror as mirrors
 from tpengine.backends.cpu import prefill as cpu_prefill
 from tpengine.context import StepIndex
@@ -140,8 +140,10 @@ class CPUAttentionBackend(AttentionBackend):
         self.continuity = mirrors.Continuity()  # the previous decode step, for the mirrors
         self.mirrors: dict[int, mirrors.KVMirror | None] = {}  # layer index -> its KV mirror (bind_layer)
         self.program = None  # the decode program (bind_model)
-        self.paged_choice = None  # the paged kernel's measured AVX-512 / AMX path (bind_model)
-        self.paged_amx_min = 0  # its amx_min_batch (cpu_paged.decode)
+        # set by the CPU platform from its profile (CPUPlatform.bind_attention), never measured in a step:
+        self.paged_choice = None  # the paged kernel's measured AVX-512 / AMX path (its Choice)
+        self.paged_amx_min = 0  # its amx_min_batch (cpu_paged.decode): the AMX path from this many sequences
+        self.gemm_dtypes: dict = {}  # dtype -> the dtype its products run in here (the half GEMM choice)
 
     def __repr__(self) -> str:
         return f"CPUAttentionBackend(cpu_kernels={self.cpu_kernels}, kv_mirror={self.kv_mirror}, paged={self.paged})"
@@ -199,19 +201,14 @@ class CPUAttentionBackend(AttentionBackend):
     def bind_model(self, stack: torch.nn.Module, tp_size: int) -> None:
         """:meth:`AttentionBackend.bind_model`; with the C kernels, also the decode program
         (:mod:`tpengine.backends.cpu.decode_program`: the stack's forward with every kernel call bound
-        once, for decode steps) and, in bfloat16 on a CPU with AMX, the paged decode kernel's AVX-512
-        or AMX path, timed on this rank's head layout (:func:`tpengine.backends.cpu.cpu_paged.choose_amx`,
-        cached per machine)."""
+        once, for decode steps). The measured choices (the paged kernel's AMX path, the half GEMM
+        dtype) are the CPU platform's, set from its profile
+        (:meth:`tpengine.backends.cpu.platform.CPUPlatform.bind_attention`)."""
         from tpengine.backends.cpu import decode_program
 
         super().bind_model(stack, tp_size)
         if not self.cpu_kernels:
             return
-        attn = stack.layers[0].self_attn
-        if attn.k_cache.dtype == torch.bfloat16 and cpu_paged.available(torch.bfloat16, attn.head_dim, True):
-            self.paged_choice = cpu_paged.choose_amx(attn.tp_q_to_kv, attn.num_key_value_heads, attn.head_dim,
-                                                     attn.k_cache.shape[1])
-        self.paged_amx_min = cpu_paged.amx_min_batch(self.paged_choice)
         self.program = decode_program.build(stack, tp_size, self.cpu_kernels, self.paged_amx_min)
 
     def describe(self) -> str | None:
@@ -275,9 +272,9 @@ class CPUAttentionBackend(AttentionBackend):
             b, n = len(lqs), lqs[0]
             qh, kh, vh = (x.unflatten(0, (b, n)).transpose(1, 2) for x in (q, heads(k), heads(v)))
             # half-precision matmuls beat SDPA's flash kernel here only where this machine has a fast
-            # half-precision GEMM (cpu_widen.gemm_dtype: measured; not on AVX2-only CPUs)
+            # half-precision GEMM (the profile's half GEMM choice, measured at bind; not on AVX2-only CPUs)
             if (q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and q.device.type == "cpu"
-                    and cpu_widen.gemm_dtype(q.dtype) == q.dtype):
+                    and self.gemm_dtypes.get(q.dtype, q.dtype) == q.dtype):
                 o = cpu_prefill.causal_matmul_attention(qh, kh, vh, scale, self.cpu_kernels)
             else:
                 o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)

@@ -18,19 +18,14 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from tpengine import forensics
+from tpengine.backends import torch_ops
 from tpengine.backends.cpu import cpu_library
 from tpengine.backends.cpu.cpu_ops import index_error, ops
+from tpengine.backends.torch_ops import TorchOps, rotate_half  # noqa: F401  (rotate_half: re-exported)
 from tpengine.comm import all_reduce
 from tpengine.distributed import activation_comm
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` on the last dimension (HF's RoPE convention)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def add_rms_norm(h: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -48,11 +43,7 @@ def add_rms_norm(h: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, 
         y = torch.empty_like(h)
         ops.add_rms_norm(h, x, weight, None if x is None else h2, y, eps)
         return h2, y
-    if x is not None:
-        h = h + x
-    if h.dtype == torch.float32 and weight.dtype == torch.float32:
-        return h, F.rms_norm(h, (n,), weight, eps)
-    return h, weight * F.rms_norm(h.float(), (n,), None, eps).to(h.dtype)
+    return torch_ops.add_rms_norm(h, x, weight, eps)
 
 
 def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cpu_kernels: bool) -> torch.Tensor:
@@ -73,8 +64,7 @@ def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cpu_kernels: b
                 and (t <= 1 or rows.stride(0) >= heads * d)):
             ops.rope_(rows, cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous())
             return qk
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [..., T, 1, D]: every head
-    return qk * cos + rotate_half(qk) * sin
+    return torch_ops.rope(qk, cos, sin)
 
 
 def silu_mul(gate_up: torch.Tensor, inter: int, cpu_kernels: bool) -> torch.Tensor:
@@ -87,7 +77,7 @@ def silu_mul(gate_up: torch.Tensor, inter: int, cpu_kernels: bool) -> torch.Tens
         out = gate_up.new_empty(*gate_up.shape[:-1], inter)
         ops.silu_mul(gate_up, out)
         return out
-    return F.silu(gate_up[..., :inter]).mul_(gate_up[..., inter:])
+    return torch_ops.silu_mul(gate_up, inter)
 
 
 @functools.lru_cache(maxsize=8)
@@ -110,7 +100,8 @@ def causal_softmax_(s: torch.Tensor, scale: float, cpu_kernels: bool) -> torch.T
             and cpu_library.usable(s, kernels=("tpe_causal_softmax",))):
         ops.causal_softmax_(s, scale)
         return s
-    return torch.softmax(s.mul_(scale).add_(causal_bias(n, s.dtype, s.device)), dim=-1)  # (4x masked_fill_'s speed)
+    # adding a cached [n, n] mask is one pass over s; masked_fill_ would build a boolean mask per call
+    return torch.softmax(s.mul_(scale).add_(causal_bias(n, s.dtype, s.device)), dim=-1)
 
 
 def _int64(index: torch.Tensor) -> torch.Tensor:
@@ -153,7 +144,7 @@ def copy_rows(src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, t
         raise
 
 
-class FusedOps:
+class FusedOps(TorchOps):
     """The fused element-wise ops of one model, bound once to its ``cpu_kernels`` setting
     (``EngineConfig.cpu_kernels``): every layer of the model holds the same object
     (:func:`tpengine.model.surgery.build_model`), so the layers' forwards never branch on a flag.
@@ -162,7 +153,7 @@ class FusedOps:
     the torch chain."""
 
     def __init__(self, cpu_kernels: bool):
-        self.cpu_kernels = cpu_kernels
+        self.cpu_kernels = cpu_kernels  # shadows TorchOps's False
 
     def __repr__(self) -> str:
         return f"FusedOps(cpu_kernels={self.cpu_kernels})"

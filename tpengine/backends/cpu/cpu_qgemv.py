@@ -11,20 +11,18 @@ machine (cached like the linear layouts); a weight uses them up to the largest b
 were faster at every bucket up to it (``QuantizedWeight.gemv_rows``), and for more rows torch's
 kernel, or from ``dequant_rows`` rows on (prefill) a dequantized scratch copy of one layer's
 weight and one float GEMM, where that measured faster (in float32 where this machine's
-half-precision GEMM measured slower than the widened one: :func:`tpengine.backends.cpu.cpu_widen.gemm_dtype`).
+half-precision GEMM measured slower than the widened one: the profile's half GEMM dtype,
+:func:`tpengine.backends.cpu.cpu_widen.gemm_choice`).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-from pathlib import Path
 
 import torch
 
-from tpengine.backends.cpu import cpu_library, cpu_widen
-from tpengine.backends.cpu.cpu_library import cache_root, cpu_id
-from tpengine.backends.cpu.measured import BUSY, NOISY, Contention, consistent, read_cache, time_us, write_cache
+from tpengine.backends.cpu import cpu_library, measured
+from tpengine.backends.cpu.measured import time_us
 
 #: The most rows one call takes.
 MAX_ROWS = 8
@@ -39,7 +37,6 @@ PREFILL_WEIGHTS = 4
 #: ``give_up_us``): one call ranks it, where its full timing cost minutes a load (torch's int4 GEMM, 512
 #: rows of SmolLM2's LM head: about a minute a call on 2 busy cores).
 GIVE_UP = 4.0
-CACHE_VERSION = 4  # 4: the dequantize-then-GEMM path widened to float32 where measured faster (cpu_widen)
 _FLOAT = (torch.bfloat16, torch.float32)
 
 
@@ -302,16 +299,7 @@ def gemv_rows(torch_us: list[float], kernel_us: list[float]) -> int:
     return rows
 
 
-def cache_path(dtype: torch.dtype) -> Path:
-    """The timings file of :func:`choose` for this CPU (model and flags), build of the C kernels
-    (:func:`~tpengine.backends.cpu.cpu_library.library_key`), torch version, thread count and activation
-    ``dtype`` (``$TPENGINE_CACHE_DIR``, as :mod:`tpengine.backends.cpu.linear_layout`)."""
-    key = "\0".join(["quant", str(CACHE_VERSION), cpu_id(), cpu_library.library_key(), torch.__version__,
-                     str(torch.get_num_threads()), str(dtype)])
-    return cache_root() / f"quant-kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-
-
-def _measure(mods: list) -> dict[str, list[float]]:
+def _measure(mods: list, dequant_dtype: torch.dtype | None = None) -> dict[str, list[float]]:
     """Microseconds per call of torch's kernel and these at :data:`ROW_BUCKETS` rows (rotating over
     ``mods``), and where the kind has a dequantize-then-GEMM path (int4, int8 per channel) of
     torch's kernel and that path at :data:`PREFILL_BUCKETS` rows (on at most :data:`PREFILL_WEIGHTS`).
@@ -319,11 +307,12 @@ def _measure(mods: list) -> dict[str, list[float]]:
     further than its warm-up call where that took over :data:`GIVE_UP` times as long (that call's time
     is its timing: only the faster path at each bucket decides :func:`gemv_rows` and :func:`dequant_rows`);
     at the prefill buckets past one where torch's kernel lost so, it is not run at all (its time there:
-    the one it lost with, times the ratio of the rows)."""
+    the one it lost with, times the ratio of the rows). ``dequant_dtype``: the dequantized weight's
+    dtype (the profile's half GEMM dtype; None: the activations')."""
     times: dict[str, list[float]] = {"torch": [], "tpengine": []}
     for m in mods:
         m.gemv_rows, m.dequant_rows = 0, 0
-        m.dequant_dtype = cpu_widen.gemm_dtype(m.dtype)
+        m.dequant_dtype = dequant_dtype
     for rows in ROW_BUCKETS:
         x = torch.full((rows, mods[0].in_features), 0.01, dtype=mods[0].dtype)
         for path, use in (("tpengine", MAX_ROWS), ("torch", 0)):  # torch's given up past GIVE_UP x ours
@@ -332,7 +321,7 @@ def _measure(mods: list) -> dict[str, list[float]]:
                 return m(x)
             give_up = GIVE_UP * times["tpengine"][-1] if path == "torch" else None
             times[path].append(time_us([lambda m=m: call(m) for m in mods], give_up_us=give_up))
-    if getattr(mods[0], "group_size", None) is None or type(mods[0]).__name__.startswith("Int4"):
+    if _has_prefill_path(mods[0]):
         times["prefill_torch"], times["prefill_dequant"] = [], []
         few = mods[:PREFILL_WEIGHTS]
         for m in few:
@@ -380,48 +369,45 @@ def _valid(times) -> bool:
                     if k in times))
 
 
-def choose(groups: dict[str, list], rank: int = 0) -> dict[str, dict]:
+def _has_prefill_path(mod) -> bool:
+    """Whether ``mod``'s kind has the dequantize-then-GEMM path (int4, int8 per channel)."""
+    return getattr(mod, "group_size", None) is None or type(mod).__name__.startswith("Int4")
+
+
+def default_times(mod) -> dict[str, list[float]]:
+    """The choice a busy machine takes without cached timings (nothing measured): these kernels at
+    every decode bucket (torch's are written for many rows) and, where the kind has it, dequantize +
+    GEMM from the first prefill bucket (torch's int4 GEMM can take minutes a call there), as timings
+    that rank the paths so (1 us for the path taken, 2 us for the other)."""
+    times = {"torch": [2.0] * len(ROW_BUCKETS), "tpengine": [1.0] * len(ROW_BUCKETS)}
+    if _has_prefill_path(mod):
+        times["prefill_torch"], times["prefill_dequant"] = [2.0] * len(PREFILL_BUCKETS), [1.0] * len(PREFILL_BUCKETS)
+    return times
+
+
+def choose(groups: dict[str, list], rank: int = 0, dequant_dtype: torch.dtype | None = None) -> dict[str, dict]:
     """For each group of quantized weights of one shape and kind (``groups``: a key such as ``"int4
-    g32 576->3072"`` -> its :class:`~tpengine.model.quant.weights.QuantizedWeight` modules), time
-    torch's kernels and these (:func:`_measure` twice, on the modules themselves, rotating over all of
-    them so the weights stream from memory; no second after a busy first; the faster of the two per
-    bucket when they agree within 1.5x, :func:`~tpengine.backends.cpu.measured.consistent`) or read the
-    timings this ``rank`` cached for that key
-    (:func:`cache_path`: the first measurement on a machine is kept, so every later load chooses
-    the same kernels and gives the same bits), and set each module's ``gemv_rows``
-    (:func:`gemv_rows`) and ``dequant_rows`` (:func:`dequant_rows`). Returns ``{key: {"torch":
-    [us...], "tpengine": [us...], ..., "gemv_rows": n, "dequant_rows": n, "how": "measured" |
-    "cached" | NOISY | BUSY}}`` (:data:`~tpengine.backends.cpu.measured.NOISY`: the two measurements
-    disagreed, :data:`~tpengine.backends.cpu.measured.BUSY`: timed while other processes held the
-    cores; either is used for this load only, not cached)."""
-    if not groups:
-        return {}
-    path = cache_path(next(iter(groups.values()))[0].dtype)
-    cache = read_cache(path)
-    chosen, new = {}, {}
+    g32 576->3072"`` -> its :class:`~tpengine.model.quant.weights.QuantizedWeight` modules), the timings
+    of torch's kernels and these (:func:`_measure`, on the modules themselves, rotating over all of them
+    so the weights stream from memory) under :func:`tpengine.backends.cpu.measured.timed` (cached per
+    machine and ``rank``; on a busy machine without them :func:`default_times`), and set each module's
+    ``gemv_rows`` (:func:`gemv_rows`), ``dequant_rows`` (:func:`dequant_rows`) and ``dequant_dtype``
+    (``dequant_dtype``: the dtype the dequantized weight's GEMM runs in, the profile's half GEMM
+    dtype; None: the activations'). Returns ``{key: {"torch": [us...], "tpengine": [us...], ...,
+    "gemv_rows": n, "dequant_rows": n, "how": ..., "dequant_dtype": name}}``, ``how`` one of
+    :mod:`~tpengine.backends.cpu.measured`'s descriptions."""
+    chosen = {}
     for key, mods in sorted(groups.items()):
-        ckey = f"{key} rank {rank}"
-        times, how = cache.get(ckey), "cached"
-        if not _valid(times):  # absent, or a file someone edited: measure again
-            with Contention() as load:  # twice, as the linear layouts: one lost time slice flips a choice
-                first = _measure(mods)
-            if load.busy:  # timings from a busy machine are this load's only: a second could not cache them
-                times, how = first, BUSY
-            else:
-                with Contention() as load:
-                    second = _measure(mods)
-                agree = consistent(first, second)
-                times = {k: [min(a, b) for a, b in zip(first[k], second[k])] for k in first} if agree else first
-                how = BUSY if load.busy else "measured" if agree else NOISY
-            if how == "measured":  # timings from a busy or noisy machine are this run's only
-                new[ckey] = times
+        dtype = str(mods[0].dtype).removeprefix("torch.")
+        times, how = measured.timed(f"quant {dtype} {key} rank {rank}", lambda mods=mods: _measure(mods, dequant_dtype),
+                                    _valid)
+        if times is None:
+            times = default_times(mods[0])
         rows, deq = gemv_rows(times["torch"], times["tpengine"]), dequant_rows(times)
         for m in mods:
-            m.gemv_rows, m.dequant_rows, m.dequant_dtype = rows, deq, cpu_widen.gemm_dtype(m.dtype)
+            m.gemv_rows, m.dequant_rows, m.dequant_dtype = rows, deq, dequant_dtype
         chosen[key] = {**times, "gemv_rows": rows, "dequant_rows": deq, "how": how,
-                       "dequant_dtype": str(mods[0].dequant_dtype).removeprefix("torch.")}
-    if new:  # merged into what is there now (another rank may have written meanwhile); first one kept
-        write_cache(path, {**new, **{k: v for k, v in read_cache(path).items() if _valid(v)}})
+                       "dequant_dtype": str(dequant_dtype or mods[0].dtype).removeprefix("torch.")}
     return chosen
 
 

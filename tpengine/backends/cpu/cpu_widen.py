@@ -11,13 +11,12 @@ so the result is the half-precision GEMM's up to the order of the float32 sums.
 At a few rows the widening pass costs more than the product and tpengine's GEMV kernel (widening in
 registers, :mod:`tpengine.backends.cpu.cpu_gemv`) takes them; whether this path runs at a shape and
 row count is measured on the machine (:mod:`tpengine.backends.cpu.linear_layout`), never assumed
-from the CPU's flags. The dequantize-then-GEMM path of quantized weights uses the same measured
-fact to pick its scratch dtype (:func:`gemm_dtype`).
+from the CPU's flags. The dequantize-then-GEMM path of quantized weights and the prefill attention's
+matmuls follow the same measured fact (:func:`gemm_choice`, measured when the CPU platform binds the
+model and kept in its profile, never on first use inside a step).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -73,32 +72,39 @@ def bind(weight: torch.Tensor):
     return lambda x: _run(weight, x)
 
 
-#: The product :func:`gemm_dtype` times: a prefill chunk's rows through a square weight.
+#: The product :func:`gemm_choice` times: a prefill chunk's rows through a square weight.
 PROBE_SHAPE = (256, 1024, 1024)  # rows, in, out
+
+
+def default_gemm(dtype: torch.dtype) -> str:
+    """The half GEMM choice a busy machine takes without cached timings: ``"half"`` where oneDNN has a
+    GEMM of ``dtype`` on this CPU (``torch.ops.mkldnn._is_mkldnn_bf16_supported`` /
+    ``_is_mkldnn_fp16_supported``), else ``"float32"`` (torch's generic half-precision loop)."""
+    mkldnn = torch.ops.mkldnn
+    probe = "_is_mkldnn_bf16_supported" if dtype == torch.bfloat16 else "_is_mkldnn_fp16_supported"
+    try:
+        return "half" if torch.backends.mkldnn.is_available() and getattr(mkldnn, probe)() else "float32"
+    except (AttributeError, RuntimeError):
+        return "float32"
 
 
 def gemm_choice(dtype: torch.dtype) -> Choice:
     """Whether this machine multiplies ``dtype`` (bfloat16 or float16) activations by a weight of that
     dtype faster through torch's own GEMM (``"half"``) or widened to float32 (``"float32"``,
-    :func:`linear`), timed once on :data:`PROBE_SHAPE` (:func:`tpengine.backends.cpu.measured.fastest`:
-    cached per machine, kernel build, torch version and thread count)."""
+    :func:`linear`), timed on :data:`PROBE_SHAPE` (:func:`tpengine.backends.cpu.measured.fastest`: cached
+    per machine; on a busy machine without cached timings :func:`default_gemm`)."""
     rows, k, out = PROBE_SHAPE
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(rows, k, generator=g).to(dtype), torch.randn(out, k, generator=g).to(dtype)
     return fastest(f"half gemm {str(dtype).removeprefix('torch.')} {rows}x{k}x{out}",
-                   {"half": [lambda: F.linear(x, w)], "float32": [lambda: _run(w, x)]}, passes=3)
+                   {"half": [lambda: F.linear(x, w)], "float32": [lambda: _run(w, x)]}, passes=3,
+                   default=default_gemm(dtype))
 
 
-def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a product of ``dtype`` operands should be computed in on this machine (a
-    dequantize-then-GEMM path's scratch weight, the prefill attention's matmuls): float32 where
-    :func:`gemm_choice` measured the widened product faster (or ``dtype`` is float32), else ``dtype``.
-    Read once per process and thread count."""
-    if dtype not in _HALF:
+def gemm_dtype(dtype: torch.dtype, choice: Choice | None) -> torch.dtype:
+    """The dtype a product of ``dtype`` operands is computed in, by ``choice`` (:func:`gemm_choice`'s
+    for ``dtype``): float32 where it chose the widened product, else ``dtype`` (also for float32 and
+    for no choice)."""
+    if dtype not in _HALF or choice is None:
         return dtype
-    return _gemm_dtype(dtype, torch.get_num_threads())
-
-
-@functools.lru_cache(maxsize=None)
-def _gemm_dtype(dtype: torch.dtype, threads: int) -> torch.dtype:
-    return torch.float32 if gemm_choice(dtype).name == "float32" else dtype
+    return torch.float32 if choice.name == "float32" else dtype

@@ -18,25 +18,22 @@ both layouts for every distinct ``(out, in)`` shape of the model, at the row buc
 :data:`ROW_BUCKETS`, over as many distinct weights of that shape as the model has (up to
 :data:`MEASURE_BYTES`), so the weights stream from memory as they do in a step rather than sitting
 in a cache. A shape takes the layout with the smaller sum over the buckets of its time relative to
-the faster one. Each shape is measured twice; when the two disagree by more than 1.5x at some
-bucket (another process took the cores), the faster of each is used for this run and nothing is
-cached. Otherwise the timings are cached per CPU model and flags, torch version, thread count and
-dtype in ``$TPENGINE_CACHE_DIR`` (default ``~/.cache/tpengine``), so a machine measures once.
+the faster one (:func:`tpengine.backends.cpu.measured.pick`). The timings are taken, checked and
+cached by :func:`tpengine.backends.cpu.measured.timed` (twice on a quiet machine, cached per machine
+when they agree; a busy machine without cached timings takes the default layout, packed where oneDNN
+packs the dtype, unmeasured), so a machine measures once.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_library, cpu_widen
-from tpengine.backends.cpu.cpu_library import cache_root, cpu_id
-from tpengine.backends.cpu.measured import BUSY, NOISY, Contention, consistent, read_cache, time_us, write_cache
+from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_widen, measured
+from tpengine.backends.cpu.measured import time_us
 from tpengine.config import CPU_LINEAR_CHOICES
 
 LAYOUTS = ("plain", "packed")
@@ -45,7 +42,6 @@ ROW_BUCKETS = (1, 8, 64)
 #: The most weight bytes (per shape and layout) one measurement allocates; larger single weights
 #: are not measured (they keep ``packed``, the layout that saves the per-call reorder).
 MEASURE_BYTES = 256 << 20
-CACHE_VERSION = 7  # 7: the GEMM kernel takes bfloat16 weights (AVX2 builds)
 
 
 #: The plain layout's paths: ``F.linear``, and tpengine's kernels on the same plain weight.
@@ -55,7 +51,8 @@ PLAIN_PATHS = ("plain", "gemv", "gemm", "widen")
 @dataclass(frozen=True)
 class LayoutChoice:
     """The layout chosen for one weight shape: ``layout`` ("plain" or "packed"), ``how``
-    ("measured", "cached", "forced" or "default" for an unmeasured one), the microseconds per
+    ("measured", "cached", "forced", "default" for an unmeasurable one, or another of
+    :mod:`~tpengine.backends.cpu.measured`'s descriptions), the microseconds per
     call of each path at each of :data:`ROW_BUCKETS` (empty unless measured or cached), and for a
     plain weight ``kernels``, the path each bucket runs (:func:`plain_kernels`; empty: ``F.linear``
     throughout)."""
@@ -116,15 +113,13 @@ def plain_times(times_us: dict[str, list]) -> list[float]:
 
 def pick(times_us: dict[str, list]) -> str:
     """The layout whose summed time relative to the faster layout, over the buckets, is smallest
-    (``{"plain": [t1, t8, t64], "packed": [...], "gemv": [t1, t8, None], "gemm": [None, None, t64]}``,
-    the plain layout timed on its fastest path per bucket, :func:`plain_times`); a tie keeps
-    ``packed``; "plain" where ``packed`` was not timed (oneDNN cannot pack the dtype here)."""
+    (:func:`tpengine.backends.cpu.measured.pick` of ``{"plain": [t1, t8, t64], "packed": [...], "gemv":
+    [t1, t8, None], "gemm": [None, None, t64]}``, the plain layout timed on its fastest path per bucket,
+    :func:`plain_times`); a tie keeps ``packed``; "plain" where ``packed`` was not timed (oneDNN cannot
+    pack the dtype here)."""
     if "packed" not in times_us:
         return "plain"
-    layouts = {"plain": plain_times(times_us), "packed": times_us["packed"]}
-    best = [min(ts) for ts in zip(*layouts.values())]
-    score = {k: sum(t / b for t, b in zip(v, best)) for k, v in layouts.items()}
-    return min(sorted(score), key=lambda k: (score[k], k != "packed"))
+    return measured.pick({"packed": times_us["packed"], "plain": plain_times(times_us)})
 
 
 def plain_timings(weights: list[torch.Tensor], dtype: torch.dtype, kernels: tuple[str, ...] = ("gemv", "gemm", "widen")
@@ -172,37 +167,10 @@ def measure(shape: tuple[int, int], count: int, dtype: torch.dtype) -> dict[str,
     return times
 
 
-def cache_path(dtype: torch.dtype) -> Path:
-    """The timings file for this CPU (model and flags), build of the C kernels
-    (:func:`~tpengine.backends.cpu.cpu_library.library_key`), torch version, thread count and ``dtype``."""
-    key = "\0".join([str(CACHE_VERSION), cpu_id(), cpu_library.library_key(), torch.__version__,
-                     str(torch.get_num_threads()), str(dtype)])
-    return cache_root() / f"linear-layouts-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-
-
-def _timed(cache: dict, key: str, needs: tuple[str, ...], measure_fn) -> tuple[dict | None, str, bool]:
-    """``(times, how, cached_now)``: ``cache[key]`` when it holds every path in ``needs`` at every
-    bucket ("cached"), else ``measure_fn()`` run twice and the faster of each taken ("measured";
-    stored in ``cache`` when the two agree and the machine was not busy meanwhile; else "measured,
-    noisy (not cached)" or :data:`~tpengine.backends.cpu.measured.BUSY`: another process shared the
-    cores; then, when the first measurement was, no second is taken). ``times`` None: not measurable."""
-    times = cache.get(key)
-    if isinstance(times, dict) and all(len(times.get(k) or ()) == len(ROW_BUCKETS) for k in needs):
-        return times, "cached", False
-    with Contention() as load:
-        times = measure_fn()
-    if times is not None and load.busy:  # this run's only: a second measurement could not cache it
-        return times, BUSY, False
-    with Contention() as load:
-        again = None if times is None else measure_fn()
-    if times is None or again is None:
-        return times, "measured", False
-    ok = consistent(times, again) and not load.busy
-    if ok:
-        cache[key] = times
-    both = {k: [None if a is None else min(a, b) for a, b in zip(v, again[k])] for k, v in times.items()}
-    how = "measured" if ok else BUSY if load.busy else NOISY
-    return both, how, ok
+def _timed(key: str, needs: tuple[str, ...], measure_fn) -> tuple[dict | None, str]:
+    """:func:`tpengine.backends.cpu.measured.timed` of ``measure_fn`` under ``key``, cached timings
+    serving where they hold every path in ``needs`` at every bucket."""
+    return measured.timed(key, measure_fn, lambda t: all(len(t.get(k) or ()) == len(ROW_BUCKETS) for k in needs))
 
 
 def choose_head(weight: torch.Tensor, setting: str = "auto", cpu_kernels: bool = True) -> LayoutChoice:
@@ -217,12 +185,10 @@ def choose_head(weight: torch.Tensor, setting: str = "auto", cpu_kernels: bool =
                     if mod.available(weight))
     if setting != "auto" or not cpu_kernels or not kernels:
         return LayoutChoice("plain", "default", {})
-    path = cache_path(weight.dtype)
-    cache = read_cache(path)
-    key = f"head {weight.shape[0]}x{weight.shape[1]}"
-    times, how, wrote = _timed(cache, key, ("plain", *kernels), lambda: plain_timings([weight], weight.dtype, kernels))
-    if wrote:
-        write_cache(path, cache)
+    key = f"linear head {str(weight.dtype).removeprefix('torch.')} {weight.shape[0]}x{weight.shape[1]}"
+    times, how = _timed(key, ("plain", *kernels), lambda: plain_timings([weight], weight.dtype, kernels))
+    if times is None:  # a busy machine: F.linear, the path every weight has
+        return LayoutChoice("plain", how, {})
     return LayoutChoice("plain", how, times, plain_kernels(times))
 
 
@@ -230,7 +196,7 @@ def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setti
                    cpu_kernels: bool = True) -> dict[tuple[int, int], LayoutChoice]:
     """The layout of each weight shape ``(out, in)`` (``shapes`` maps it to how many layers of this
     rank have it) for CPU weights in ``dtype``: ``setting`` "plain" or "packed" forces it; "auto"
-    measures (:func:`measure`) or reads the cached timings (:func:`cache_path`). ``cpu_kernels`` False
+    measures (:func:`measure`) or reads the cached timings (:func:`_timed`). ``cpu_kernels`` False
     (``EngineConfig.cpu_kernels`` off) leaves the GEMV and GEMM kernels out of the choice.
 
     Raises:
@@ -240,24 +206,19 @@ def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setti
         raise ValueError(f"invalid cpu_linear={setting!r}: must be one of {', '.join(CPU_LINEAR_CHOICES)}")
     if setting != "auto":
         return {s: LayoutChoice(setting, "forced", {}) for s in shapes}
-    path = cache_path(dtype)
-    cache = read_cache(path)
-    chosen, wrote = {}, False
+    chosen = {}
     packable = prepack(torch.zeros(1, 1, dtype=dtype)) is not None
     for shape, count in sorted(shapes.items()):
-        key = f"{shape[0]}x{shape[1]}x{min(count, 1 << 20)}"
+        key = f"linear {str(dtype).removeprefix('torch.')} {shape[0]}x{shape[1]}x{min(count, 1 << 20)}"
         needs = LAYOUTS if packable else ("plain",)
-        times, how, fresh = _timed(cache, key, needs, lambda: measure(shape, count, dtype))
-        wrote |= fresh
-        if times is None:  # too big to measure: packed where oneDNN can pack this dtype, else plain
-            chosen[shape] = LayoutChoice("packed" if packable else "plain", "default", {})
+        times, how = _timed(key, needs, lambda: measure(shape, count, dtype))
+        if times is None:  # too big to measure, or a busy machine: packed where oneDNN packs this dtype
+            chosen[shape] = LayoutChoice("packed" if packable else "plain", how, {})
         else:
             if not cpu_kernels:
                 times = {k: v for k, v in times.items() if k not in ("gemv", "gemm")}
             layout = pick(times)
             chosen[shape] = LayoutChoice(layout, how, times, plain_kernels(times) if layout == "plain" else ())
-    if wrote:
-        write_cache(path, cache)
     return chosen
 
 
@@ -317,3 +278,18 @@ def bind_linear(weight: torch.Tensor | None, bias: torch.Tensor | None, packed: 
             return (by_rows[rows] if rows < last else past)(x)
         return run
     return lambda x: F.linear(x, weight, bias)
+
+
+def bind_layer(layer, head: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The CPU implementation of a linear ``layer`` (a :class:`~tpengine.model.layers.linear._Packable`)
+    from its fields now: :func:`bind_linear` of its ``weight``, ``impl_bias``, ``packed``, ``quant`` and
+    ``kernels``. A plain half-precision LM head (``head``) whose one-row path is
+    ``F.linear`` reads one row with ``torch.mv`` instead, which streams a plain row-major weight faster.
+    The caller binds it (``layer.bind(bind_layer(layer))``)."""
+    impl = bind_linear(layer.weight, layer.impl_bias, layer.packed, layer.quant, layer.kernels)
+    w = layer.weight
+    if (head and layer.quant is None and layer.packed is None and w is not None
+            and w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16)
+            and kernel_at(layer.kernels, 1) == "plain"):
+        return lambda x: torch.mv(w, x[0]).unsqueeze(0) if x.shape[0] == 1 else impl(x)
+    return impl

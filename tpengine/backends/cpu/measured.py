@@ -1,17 +1,25 @@
-"""Timing interchangeable implementations on the machine that runs, and caching the timings per
-machine (issue 17: no constant tuned on one CPU).
+"""The one way tpengine measures a choice on the machine that runs (issue 17: no constant tuned on
+one CPU): every measured decision of the CPU platform goes through :func:`timed` (linear layouts,
+the tied head, the quantized kernels, the greedy pick's block or C argmax, the greedy path, the half
+GEMM dtype, the paged kernel's AMX path).
 
-The shared pieces: :func:`time_us` (median per-call time), :func:`consistent` (two measurements
-agree), :func:`read_cache` / :func:`write_cache` (atomic JSON files in ``$TPENGINE_CACHE_DIR``),
-used by the linear layouts (:mod:`tpengine.backends.cpu.linear_layout`) and the weight-only kernels
-(:mod:`tpengine.backends.cpu.cpu_qgemv`). On top of them :func:`fastest` times every candidate at every
-workload, takes the one with the smallest summed relative time (:func:`pick`, the linear layouts'
-rule), measures twice, and caches the timings under a key in ``choices-<hash>.json``, a file
-named by the CPU model and flags, the C kernels' build, the torch version and the thread count.
-Timings that disagree by over 1.5x, or that were taken while other processes kept the cores busy
-(:class:`Contention`), are used for that run only and never cached.
-Its users: the greedy pick's block (:func:`tpengine.model.layers.embedding.choose_row_max_block`) and
-the HF baseline's attention in the benchmarks.
+The rule, per choice (a cache key saying what was timed):
+
+1. timings cached from a quiet machine are used ("cached");
+2. without them, the machine is checked for other processes first (:func:`probe_busy`, a short
+   ``/proc/stat`` window, :class:`Contention`); a busy machine measures nothing: the caller takes its
+   safe default, described as :data:`DEFAULT_BUSY` and not cached, so a start on a loaded machine is
+   not made slower still and the next quiet start measures;
+3. on a quiet machine the candidates are timed twice, each pass under :class:`Contention`; timings
+   whose passes agree within 1.5x (:func:`consistent`) and that no other process disturbed are
+   cached ("measured"); else they are used for this run only (:data:`NOISY`, :data:`BUSY`; no second
+   pass after a busy first).
+
+The cache is one file per machine (:func:`cache_path`: the CPU model and flags, the C kernels' build,
+the torch version and the thread count; one :data:`CACHE_VERSION`) in ``$TPENGINE_CACHE_DIR``. Each
+choice's line in the load's log comes from its caller's ``describe`` with the ``how`` given here.
+On top of :func:`timed`, :func:`fastest` times named candidates and takes the one with the smallest
+summed relative time (:func:`pick`).
 """
 
 from __future__ import annotations
@@ -31,20 +39,27 @@ import torch
 from tpengine.backends.cpu import cpu_library
 from tpengine.backends.cpu.cpu_library import cache_root, cpu_id
 
-CACHE_VERSION = 2  # 2: caches from before the contention check are measured again
+#: The one version of every cached timing (the file name holds it): raised when what a key's timings
+#: mean changes. 8: one file for every measured choice (the linear layouts' were version 7, the
+#: quantized kernels' 4, the others' 2).
+CACHE_VERSION = 8
 
 
 @dataclass(frozen=True)
 class Choice:
-    """``name``: the candidate chosen; ``how``: "measured", "cached", "measured, noisy (not
-    cached)" or :data:`BUSY`; ``times_us``: each candidate's microseconds per call at each workload."""
+    """``name``: the candidate chosen; ``how``: "measured", "cached", :data:`NOISY`, :data:`BUSY` or
+    :data:`DEFAULT_BUSY` (then ``times_us`` is empty); ``times_us``: each candidate's microseconds per
+    call at each workload."""
 
     name: str
     how: str
     times_us: dict[str, list[float]] = field(default_factory=dict)
 
     def describe(self) -> str:
-        """``"512 (measured: 512 20/410 us, max 31/890 us)"``."""
+        """``"512 (measured: 512 20/410 us, max 31/890 us)"``; ``"512 (default: machine busy, not
+        measured)"`` without timings."""
+        if not self.times_us:
+            return f"{self.name} ({self.how})"
         times = ", ".join(f"{k} {'/'.join(f'{t:.0f}' for t in v)} us" for k, v in self.times_us.items())
         return f"{self.name} ({self.how}: {times})"
 
@@ -144,6 +159,10 @@ BUSY = "measured, machine busy (not cached)"
 #: How a choice whose two measurements disagreed (:func:`consistent`) is described.
 NOISY = "measured, noisy (not cached)"
 
+#: How a choice is described that took its default because the machine was busy before any timings
+#: were cached (:func:`probe_busy`): nothing measured, nothing cached.
+DEFAULT_BUSY = "default: machine busy, not measured"
+
 
 def read_cache(path: Path) -> dict:
     """A timings file's JSON object; {} for a missing, unreadable or damaged file (then measured
@@ -191,43 +210,88 @@ def measure(candidates: dict[str, list[Callable[[], object]]], passes: int = 5) 
     return {k: [time_us([f], passes) for f in fns] for k, fns in candidates.items()}
 
 
-def timings(key: str, candidates: dict[str, list[Callable[[], object]]],
-            passes: int = 5) -> tuple[dict[str, list[float]], str]:
-    """``(times_us, how)`` of ``candidates`` (name -> one callable per workload, the same count for
-    each) under the cache entry ``key`` (say what was timed: the shapes and the dtype): cached
-    timings for exactly these names and workloads ("cached"), else two measurements, cached when
-    they agree within 1.5x and the machine was not busy meanwhile ("measured"; else "measured,
-    noisy (not cached)" or :data:`BUSY`, the first one kept; no second one after a busy first), each
-    the median of ``passes`` timed calls per workload.
-    Raises ValueError for no candidates or unequal workload counts."""
-    if not candidates or len({len(v) for v in candidates.values()}) != 1 or not next(iter(candidates.values())):
-        raise ValueError(f"measured choice {key!r}: need candidates with the same number (>= 1) of workloads, "
-                         f"got {({k: len(v) for k, v in candidates.items()})}")
+#: Seconds :func:`probe_busy` watches the machine for.
+PROBE_S = 0.2
+
+
+def probe_busy() -> bool:
+    """Whether other processes keep this process's CPUs busy now: a :data:`PROBE_S` window of
+    :class:`Contention` while this process sleeps (so every core it could use counts as free).
+    False where ``/proc/stat`` cannot be read."""
+    with Contention(min_s=0.0) as load:
+        time.sleep(PROBE_S)
+    return load.busy
+
+
+def _numbers(times: object) -> bool:
+    """Whether ``times`` is timings as :func:`timed` caches them: name -> a list of non-negative numbers
+    (or None where a path was not timed)."""
+    return isinstance(times, dict) and bool(times) and all(
+        isinstance(v, list) and all(t is None or (isinstance(t, (int, float)) and t >= 0) for t in v)
+        for v in times.values())
+
+
+def _faster(a: dict[str, list], b: dict[str, list]) -> dict[str, list]:
+    """The faster of two measurements per name and workload (None where a path was not timed)."""
+    return {k: [None if x is None or y is None else min(x, y) for x, y in zip(v, b[k])] for k, v in a.items()}
+
+
+def timed(key: str, measure_fn: Callable[[], dict[str, list] | None],
+          valid: Callable[[dict], bool] | None = None) -> tuple[dict[str, list] | None, str]:
+    """``(times, how)`` for the choice cached as ``key`` (say what is timed: the kind, shapes and dtype),
+    by the rule of this module: ``measure_fn()`` gives name -> microseconds per workload (None where a
+    path was not timed; a None result: nothing measurable). ``valid(times)``: whether cached timings
+    serve this call (default: any well-formed ones). Returns the cached timings ("cached"); None and
+    :data:`DEFAULT_BUSY` when the machine is busy before measuring (the caller takes its default); else
+    the measurement ("measured", cached; :data:`NOISY` or :data:`BUSY`, not cached)."""
     path = cache_path()
     times = read_cache(path).get(key)
-    if (isinstance(times, dict) and sorted(times) == sorted(candidates)
-            and all(isinstance(v, list) and len(v) == len(candidates[k])
-                    and all(isinstance(t, (int, float)) and t >= 0 for t in v) for k, v in times.items())):
-        return {k: times[k] for k in candidates}, "cached"
+    if _numbers(times) and (valid is None or valid(times)):
+        return times, "cached"
+    if probe_busy():
+        return None, DEFAULT_BUSY
     with Contention() as load:  # a busy first measurement is this run's only: no second one could cache it
-        first = measure(candidates, passes)
+        first = measure_fn()
+    if first is None:
+        return None, "default"  # nothing measurable: the caller's default, not for lack of a quiet machine
     if load.busy:
         return first, BUSY
     with Contention() as load:
-        second = measure(candidates, passes)
-    if load.busy:
+        second = measure_fn()
+    if load.busy or second is None:
         return first, BUSY
     if not consistent(first, second):
         return first, NOISY
-    times = {k: [min(a, b) for a, b in zip(first[k], second[k])] for k in candidates}
+    times = _faster(first, second)
     cache = read_cache(path)  # another process may have written meanwhile
     cache[key] = times
     write_cache(path, cache)
     return times, "measured"
 
 
-def fastest(key: str, candidates: dict[str, list[Callable[[], object]]], passes: int = 5) -> Choice:
+def timings(key: str, candidates: dict[str, list[Callable[[], object]]],
+            passes: int = 5) -> tuple[dict[str, list[float]] | None, str]:
+    """:func:`timed` of ``candidates`` (name -> one callable per workload, the same count for each),
+    each timed by :func:`measure` (the median of ``passes`` timed calls per workload); cached timings
+    serve only for exactly these names and workloads.
+    Raises ValueError for no candidates or unequal workload counts."""
+    if not candidates or len({len(v) for v in candidates.values()}) != 1 or not next(iter(candidates.values())):
+        raise ValueError(f"measured choice {key!r}: need candidates with the same number (>= 1) of workloads, "
+                         f"got {({k: len(v) for k, v in candidates.items()})}")
+
+    def valid(times: dict) -> bool:
+        return sorted(times) == sorted(candidates) and all(
+            len(v) == len(candidates[k]) and None not in v for k, v in times.items())
+    return timed(key, lambda: measure(candidates, passes), valid)
+
+
+def fastest(key: str, candidates: dict[str, list[Callable[[], object]]], passes: int = 5,
+            default: str | None = None) -> Choice:
     """The measured choice among ``candidates`` (every candidate must give the same result): the
-    :func:`pick` of their :func:`timings` under ``key``. Raises ValueError as :func:`timings`."""
+    :func:`pick` of their :func:`timings` under ``key``; on a busy machine without cached timings
+    ``default`` (the first candidate where None), described as :data:`DEFAULT_BUSY`. Raises
+    ValueError as :func:`timings`."""
     times, how = timings(key, candidates, passes)
+    if times is None:
+        return Choice(default if default is not None else next(iter(candidates)), how, {})
     return Choice(pick(times), how, times)

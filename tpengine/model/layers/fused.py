@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpengine.backends.cpu.cpu_fused import FusedOps
+from tpengine.backends.torch_ops import TorchOps
 from tpengine.context import Context
 from tpengine.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
@@ -46,9 +46,9 @@ class FusedAttention(nn.Module):
 
     def __init__(self, hidden: int, rp, head_dim: int, qkv_bias: bool, o_bias: bool, scaling: float,
                  layer_idx: int, qk_norm_eps: float | None, dtype: torch.dtype, device: torch.device,
-                 ops: FusedOps | None = None):
+                 ops: TorchOps | None = None):
         super().__init__()
-        self.ops = ops = ops or FusedOps(True)
+        self.ops = ops = ops or TorchOps()
         hq, hkv = rp.num_q_heads, rp.num_kv_heads
         self.qkv_proj = MergedColumnParallelLinear(hidden, [hq * head_dim, hkv * head_dim, hkv * head_dim],
                                                    ["q_proj", "k_proj", "v_proj"], qkv_bias, dtype)
@@ -82,9 +82,9 @@ class FusedMLP(nn.Module):
     ``[..., hidden]`` -> ``[..., hidden]``."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, down_bias: bool, act_fn: nn.Module,
-                 dtype: torch.dtype, ops: FusedOps | None = None):
+                 dtype: torch.dtype, ops: TorchOps | None = None):
         super().__init__()
-        self.ops = ops or FusedOps(True)
+        self.ops = ops or TorchOps()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate],
                                                        ["gate_proj", "up_proj"], bias, dtype)
         self.down_proj = RowParallelLinear(intermediate, hidden, down_bias, dtype)
@@ -105,9 +105,9 @@ class RMSNorm(nn.Module):
     ``F.rms_norm`` (bit-identical to HF's eight ops in float32 and bfloat16). ``weight [size]``
     starts on meta; ``[..., size]`` -> ``[..., size]``."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, ops: FusedOps | None = None):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, ops: TorchOps | None = None):
         super().__init__()
-        self.ops = ops or FusedOps(True)
+        self.ops = ops or TorchOps()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device="meta"), requires_grad=False)
         self.eps, self.shape = eps, (size,)
 
@@ -119,7 +119,7 @@ class RMSNorm(nn.Module):
         """``(h + x, self(h + x))`` (``h`` itself when ``x`` is None): the residual add before the
         norm, fused with it by a C kernel on CPU (tpengine.backends.cpu.cpu_fused). ``reduce``: ``x`` is a
         row-parallel layer's partial sum, all-reduced first (fused with the add and the norm where
-        the shared-memory comm can: :meth:`tpengine.backends.cpu.cpu_fused.FusedOps.all_reduce_add_rms_norm`)."""
+        the shared-memory comm can: :meth:`tpengine.backends.torch_ops.TorchOps.all_reduce_add_rms_norm`)."""
         if reduce and x is not None:
             return self.ops.all_reduce_add_rms_norm(x, h, self.weight, self.eps)
         return self.ops.add_rms_norm(h, x, self.weight, self.eps)

@@ -4,11 +4,12 @@ Weights are created empty (on ``device``, default meta) in their local shapes; t
 them from this rank's slice, cut by :class:`tpengine.model.plan.ShardPlan`.
 
 Each layer has one forward: ``x`` as ``[rows, in]`` rows through ``self.impl``, the implementation
-its weight takes, bound once it is loaded (:meth:`_Packable.bind`,
-:func:`tpengine.backends.cpu.linear_layout.bind_linear`: the quantized kernel, oneDNN's packed
-layout, tpengine's GEMV / GEMM kernels at the row counts measured faster on this machine, or
-``F.linear``). On CPU the loader may :meth:`pack` a layer once its weight is loaded: the weight is
-replaced by its oneDNN blocked layout (the measurements behind the choice: docs/notes/kernels.md).
+its device's platform bound once the weight is loaded (:meth:`_Packable.bind`,
+:meth:`tpengine.backends.platform.Platform.bind_model`: on the CPU the quantized kernel, oneDNN's
+packed layout, tpengine's GEMV / GEMM kernels at the row counts measured faster on this machine, or
+``F.linear``); unbound, the torch path (:func:`tpengine.backends.torch_ops.bind_linear`). The loader
+may :meth:`pack` a layer once its weight is loaded: the weight is replaced by the layout its platform
+made (the CPU's oneDNN blocked layout; the measurements behind the choice: docs/notes/kernels.md).
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpengine.backends.cpu.linear_layout import bind_linear, prepack
+from tpengine.backends import torch_ops
 from tpengine.comm import all_reduce
 
 
 class _Packable(nn.Module):
-    """A layer whose ``weight [out, in]`` may be replaced, once loaded, by its oneDNN layout
+    """A layer whose ``weight [out, in]`` may be replaced, once loaded, by its platform's layout
     (see the module docstring): :meth:`pack` swaps it in, and ``weight`` becomes None, so the
     layer never holds its weight twice. ``in_features`` and ``out_features`` keep the shape.
     With ``--quantization``, ``quant`` holds the weight instead (a
@@ -37,11 +38,18 @@ class _Packable(nn.Module):
         self.quant: nn.Module | None = None
         self.impl = None  # bound by bind(): [rows, in] -> [rows, out] (+ bias, but for a row-parallel layer)
 
-    def bind(self):
-        """Bind (again) the implementation the weight takes now (:func:`bind_linear`); the loader calls
-        it once every weight is in, and a forward before that binds on first use. Returns it."""
-        self.impl = bind_linear(self.weight, None if isinstance(self, RowParallelLinear) else self.bias,
-                                self.packed, self.quant, self.kernels)
+    @property
+    def impl_bias(self) -> torch.Tensor | None:
+        """The bias :attr:`impl` adds: the layer's own, but None for a row-parallel layer (its bias is
+        added once, after the all-reduce)."""
+        return None if isinstance(self, RowParallelLinear) else self.bias
+
+    def bind(self, impl=None):
+        """Bind ``impl`` (``[rows, in] -> [rows, out]`` plus :attr:`impl_bias`: what the platform chose
+        for this weight, :meth:`tpengine.backends.platform.Platform.bind_model`) or, without one, the
+        torch path (:func:`tpengine.backends.torch_ops.bind_linear`); a forward before any bind binds the
+        torch path on first use. Returns it."""
+        self.impl = impl if impl is not None else torch_ops.bind_linear(self.weight, self.impl_bias, self.quant)
         return self.impl
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,9 +59,11 @@ class _Packable(nn.Module):
             return impl(x)
         return impl(x.reshape(-1, x.shape[-1]).contiguous()).reshape(*x.shape[:-1], -1)
 
-    def pack(self) -> bool:
-        """Replace ``weight`` by its oneDNN-layout copy (:func:`prepack`) where that is available;
-        returns whether it did. During the reorder both layouts exist, for this one weight."""
+    def pack(self, prepack) -> bool:
+        """Replace ``weight`` by ``prepack(weight)``, its platform's layout
+        (:meth:`tpengine.backends.platform.Platform.prepack`), where that gives one; returns whether it
+        did. During the reorder both layouts exist, for this one weight; a packed layer runs only what
+        its platform binds."""
         if self.weight is None or self.weight.is_meta:
             return False
         packed = prepack(self.weight)
@@ -100,7 +110,7 @@ class RowParallelLinear(_Packable):
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``reduce`` False: this rank's partial sum, not all-reduced (the caller reduces it, e.g. in
-        the next norm, :meth:`tpengine.backends.cpu.cpu_fused.FusedOps.all_reduce_add_rms_norm`); only without a bias.
+        the next norm, :meth:`tpengine.backends.torch_ops.TorchOps.all_reduce_add_rms_norm`); only without a bias.
 
         Raises:
             ValueError: ``reduce`` False on a layer with a bias (it is added after the sum).

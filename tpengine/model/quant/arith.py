@@ -115,8 +115,8 @@ def quantize_int4_coded(w: torch.Tensor, group_size: int, dtype: torch.dtype, se
     code of least error among that grid and 21 others (:func:`_search_int4_coded`, llama.cpp's Q4_K
     search). (The coded zero lets the grid sit
     anywhere between two steps, unlike an integer zero point ``(q - z) * scale``: SmolLM2's weights
-    came from GGUF Q4_1 grids, and an integer zero point cost them +20% perplexity where this code
-    costs nothing measurable; docs/notes/quantized-head.md.)
+    came from GGUF Q4_1 grids, whose zeros an integer zero point cannot hold, so it loses perplexity
+    where this code keeps the grid; the figures are in docs/notes/quantized-head.md.)
 
     Raises:
         ValueError: ``in`` not a multiple of ``group_size``.

@@ -54,8 +54,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpengine.backends.cpu import cpu_qgemv
-from tpengine.backends.cpu.cpu_qgemv import int4_layout_ok
 from tpengine.config import QUANTIZATIONS  # the values of EngineConfig.quantization besides None
 from tpengine.errors import UserError
 from tpengine.model.quant.arith import (
@@ -127,8 +125,8 @@ class QuantizedWeight(nn.Module):
 
     out_features: int
     in_features: int
-    #: Up to this many rows ``forward`` runs tpengine's kernels (:mod:`tpengine.backends.cpu.cpu_qgemv`),
-    #: above it torch's; set per weight shape by measurement (:func:`tpengine.backends.cpu.cpu_qgemv.choose`).
+    #: Up to this many rows ``forward`` runs the device's kernels (:attr:`qkernels`), above it torch's;
+    #: set per weight shape by measurement (on the CPU :func:`tpengine.backends.cpu.cpu_qgemv.choose`).
     gemv_rows = 0
     #: From this many rows on ``forward`` dequantizes the weight into a scratch float tensor and runs
     #: one GEMM (prefill); 0: never. Set by the same measurement.
@@ -137,6 +135,8 @@ class QuantizedWeight(nn.Module):
     #: ``x``'s dtype. float32 where this machine's half-precision GEMM measured slower than the widened
     #: one (:func:`tpengine.backends.cpu.cpu_widen.gemm_dtype`); set with ``dequant_rows``.
     dequant_dtype: torch.dtype | None = None
+    #: The device's quantized kernels (:meth:`set_kernels`); None: torch's only.
+    qkernels: Any = None
 
     def _many(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` of a contiguous ``x [rows, in]`` above ``gemv_rows``: torch's kernel, or the
@@ -162,6 +162,15 @@ class QuantizedWeight(nn.Module):
 
     def prepare_rows(self) -> None:
         """Do now (at load) what the first :meth:`rows` would (learn int4's packed layout)."""
+
+    def set_kernels(self, kernels) -> None:
+        """Bind the device's quantized kernels (on the CPU the module
+        :mod:`tpengine.backends.cpu.cpu_qgemv`: ``kernels_built``, ``int4_layout_ok``, ``int8``,
+        ``bind_int8``, ``int4``, ``bind_int4``, ``dequant_int4``, ``int4_rows``), or None: torch's
+        kernels only. Set by the platform (:meth:`tpengine.backends.platform.Platform.bind_model`)
+        before :attr:`kernels_take` is read."""
+        self.qkernels = kernels
+        self.__dict__.pop("kernels_take", None)  # a cached answer for the kernels before
 
     def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """``forward`` for a contiguous ``x [rows, in]`` with the per-call checks of tpengine's
@@ -240,15 +249,16 @@ class Int8Weight(QuantizedWeight):
 
     @functools.cached_property
     def kernels_take(self) -> bool:
-        return (cpu_qgemv.kernels_built(int4=self.group_size is not None)
-                and (self.group_size is None or int4_layout_ok(self._layout)))
+        k = self.qkernels
+        return (k is not None and k.kernels_built(int4=self.group_size is not None)
+                and (self.group_size is None or k.int4_layout_ok(self._layout)))
 
     def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
         if self.group_size is not None:
             return self.forward
         if not self.gemv_rows:
             return self._many
-        kernel, limit, many = cpu_qgemv.bind_int8(self.qweight, self.scales), self.gemv_rows, self._many
+        kernel, limit, many = self.qkernels.bind_int8(self.qweight, self.scales), self.gemv_rows, self._many
         return lambda x: kernel(x) if x.shape[0] <= limit else many(x)
 
     def _many(self, x: torch.Tensor) -> torch.Tensor:
@@ -266,10 +276,10 @@ class Int8Weight(QuantizedWeight):
         if x2.shape[0] > self.gemv_rows:
             y = self._many(x2)
         elif self.group_size is None:
-            y = cpu_qgemv.int8(x2, self.qweight, self.scales)
+            y = self.qkernels.int8(x2, self.qweight, self.scales)
         else:
             g, n = self.group_size, self.out_features
-            y = cpu_qgemv.int4(x2, self.packed_lo, self.scales_and_zeros_lo, g, n) + cpu_qgemv.int4(
+            y = self.qkernels.int4(x2, self.packed_lo, self.scales_and_zeros_lo, g, n) + self.qkernels.int4(
                 x2, self.packed_hi, self.scales_and_zeros_hi, g, n)
         return y.reshape(*x.shape[:-1], self.out_features)
 
@@ -310,7 +320,8 @@ class Int4Weight(QuantizedWeight):
 
     @functools.cached_property
     def kernels_take(self) -> bool:
-        return cpu_qgemv.kernels_built(int4=True) and int4_layout_ok(self._layout)
+        k = self.qkernels
+        return k is not None and k.kernels_built(int4=True) and k.int4_layout_ok(self._layout)
 
     # What the kernels read. tpengine's C kernels: the scales (here scales_and_zeros) and the zero
     # codes (None here); torch's kernel: scales_and_zeros. Int4CodedWeight overrides all three.
@@ -326,7 +337,7 @@ class Int4Weight(QuantizedWeight):
     def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
         if not self.gemv_rows:
             return self._many
-        kernel = cpu_qgemv.bind_int4(self.packed, self._kernel_scales(), self.group_size, self.out_features,
+        kernel = self.qkernels.bind_int4(self.packed, self._kernel_scales(), self.group_size, self.out_features,
                                      self._kernel_codes())
         limit, many = self.gemv_rows, self._many
         return lambda x: kernel(x) if x.shape[0] <= limit else many(x)
@@ -335,7 +346,7 @@ class Int4Weight(QuantizedWeight):
         n = self.out_features
         if self.dequant_rows and x.shape[0] >= self.dequant_rows:  # [in, n_pad] scratch
             dt = self.dequant_dtype or x.dtype
-            wt = cpu_qgemv.dequant_int4(self.packed, self._kernel_scales().to(dt), self.group_size,
+            wt = self.qkernels.dequant_int4(self.packed, self._kernel_scales().to(dt), self.group_size,
                                         self._kernel_codes())
             return (x.to(dt) @ (wt if wt.shape[1] == n else wt[:, :n])).to(x.dtype)
         return _int4_mm(x, self.packed, self.group_size, self._torch_sz(), n)
@@ -345,7 +356,7 @@ class Int4Weight(QuantizedWeight):
         if x2.shape[0] > self.gemv_rows:
             y = self._many(x2)
         else:
-            y = cpu_qgemv.int4(x2, self.packed, self._kernel_scales(), self.group_size, self.out_features,
+            y = self.qkernels.int4(x2, self.packed, self._kernel_scales(), self.group_size, self.out_features,
                                self._kernel_codes())
         return y.reshape(*x.shape[:-1], self.out_features)
 
@@ -353,7 +364,8 @@ class Int4Weight(QuantizedWeight):
         # one C call where the build's kernels read the layout, in place of _rows_f32's ~20 torch ops
         # (docs/notes/avx2.md); the same values bit for bit
         if self.packed.device.type == "cpu" and ids.device.type == "cpu" and self.kernels_take:
-            return cpu_qgemv.int4_rows(self.packed, self._kernel_scales(), self.group_size, ids, self._kernel_codes())
+            return self.qkernels.int4_rows(self.packed, self._kernel_scales(), self.group_size, ids,
+                                           self._kernel_codes())
         return super().rows(ids)
 
     def _rows_f32(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,134 @@
+"""The CPU platform (:class:`tpengine.backends.platform.Platform`): the process set-up
+(:mod:`tpengine.backends.cpu.process`), the fused ops with their C kernels
+(:class:`~tpengine.backends.cpu.cpu_fused.FusedOps`), oneDNN's packed layout, and every measured
+choice of the CPU (:mod:`tpengine.backends.cpu.measured`), kept in one
+:class:`~tpengine.backends.cpu.profile.CPUProfile` and bound into the layers and the attention backend."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_qgemv, cpu_widen, greedy, linear_layout, process
+from tpengine.backends.cpu.cpu_fused import FusedOps
+from tpengine.backends.cpu.profile import CPUProfile
+from tpengine.backends.platform import Platform
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _linears(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers of ``module`` with a linear implementation to bind (``impl`` and ``pack``)."""
+    return [m for m in module.modules() if hasattr(m, "impl") and hasattr(m, "pack")]
+
+
+def _quantized(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The quantized weights of ``module`` (:class:`~tpengine.model.quant.weights.QuantizedWeight`)."""
+    return [m for m in module.modules() if hasattr(m, "set_kernels")]
+
+
+class CPUPlatform(Platform):
+    """The CPU: C kernels where they are built, oneDNN's layout where measured faster, shared memory."""
+
+    name = "cpu"
+
+    def setup_process(self, config, tp, plan) -> None:
+        """:func:`tpengine.backends.cpu.process.setup_process`."""
+        process.setup_process(config, tp, plan)
+
+    def release_free_memory(self) -> None:
+        """:func:`tpengine.backends.cpu.process.release_free_memory` (glibc's ``malloc_trim``)."""
+        process.release_free_memory()
+
+    def fused_ops(self, cpu_kernels: bool) -> FusedOps:
+        """:class:`~tpengine.backends.cpu.cpu_fused.FusedOps`: the C kernels where they take the tensors."""
+        return FusedOps(cpu_kernels)
+
+    def prepack(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """oneDNN's layout, :func:`tpengine.backends.cpu.linear_layout.prepack`."""
+        return linear_layout.prepack(weight)
+
+    def choose_layouts(self, shapes, dtype, setting, cpu_kernels):
+        """:func:`tpengine.backends.cpu.linear_layout.choose_layouts` (measured, cached or forced)."""
+        return linear_layout.choose_layouts(shapes, dtype, setting, cpu_kernels)
+
+    def bind_model(self, module: torch.nn.Module, layouts: dict, *, tie: bool, dtype: torch.dtype,
+                   cpu_kernels: bool, cpu_linear: str, rank: int, pack: bool = True) -> CPUProfile:
+        """Measure what the CPU chooses for the loaded ``module`` (each step through
+        :mod:`tpengine.backends.cpu.measured`), then bind it: the plain weights' kernels per row bucket
+        (``layouts``), a tied head's paths (``pack``: the layouts were chosen), the half GEMM dtype, the
+        quantized kernels, every linear's ``impl``, and the LM head's greedy pick. Returns the profile."""
+        head = module.get_output_embeddings()
+        plain_head = head is not None and getattr(head, "weight", None) is not None
+        _set_kernels(module, layouts, head if tie else None)
+        head_layout = None
+        if pack and tie and plain_head and head.quant is None:  # the tied head stays plain
+            head_layout = linear_layout.choose_head(head.weight, cpu_linear, cpu_kernels)
+            head.kernels = head_layout.kernels
+        gemm = {dtype: cpu_widen.gemm_choice(dtype)} if dtype in _HALF else {}  # measured here, not in a step
+        quant = _bind_quantized(module, cpu_kernels, rank, gemm.get(dtype), dtype)
+        for m in _linears(module):  # every linear, now that its weight and choices are final
+            m.bind(linear_layout.bind_layer(m, head=m is head))
+        row_max = greedy_choice = None
+        if head is not None and hasattr(head, "greedy_mm"):
+            row_max, greedy_choice = greedy.bind_head(head, dtype, cpu_kernels)
+        return CPUProfile(layouts, head_layout, quant, row_max, greedy_choice, gemm)
+
+    def bind_attention(self, backend, stack: torch.nn.Module, profile: CPUProfile) -> CPUProfile:
+        """Once the KV cache is bound, before ``backend.bind_model`` (its decode program takes them): the
+        paged decode kernel's AMX path for a bfloat16 cache on a CPU
+        with AMX (:func:`tpengine.backends.cpu.cpu_paged.choose_amx`, timed on this rank's head layout),
+        and the profile's choices set on the CPU attention ``backend`` (the half GEMM dtype, the AMX
+        path). Returns the profile with the paged choice."""
+        from tpengine.backends.cpu import cpu_paged
+        from tpengine.backends.cpu.attention import CPUAttentionBackend
+
+        if not isinstance(backend, CPUAttentionBackend):
+            return profile
+        attn = stack.layers[0].self_attn
+        choice = None
+        if (backend.cpu_kernels and attn.k_cache.dtype == torch.bfloat16
+                and cpu_paged.available(torch.bfloat16, attn.head_dim, True)):
+            choice = cpu_paged.choose_amx(attn.tp_q_to_kv, attn.num_key_value_heads, attn.head_dim,
+                                          attn.k_cache.shape[1])
+        profile = dataclasses.replace(profile, paged_choice=choice,
+                                      amx_min_batch=cpu_paged.amx_min_batch(choice))
+        backend.paged_choice, backend.paged_amx_min = choice, profile.amx_min_batch
+        backend.gemm_dtypes = profile.gemm_dtypes()
+        return profile
+
+
+def _set_kernels(module: torch.nn.Module, layouts: dict, tied_head) -> None:
+    """Each plain weight's path per row bucket from its shape's measured layout (``layouts``), where
+    every kernel named takes the weight; a tied head (``tied_head``) is chosen on its own."""
+    for m in _linears(module):
+        if m.weight is None or m is tied_head:
+            continue
+        choice = layouts.get(tuple(m.weight.shape))
+        if choice is None:
+            continue
+        takes = {"plain": True, "gemv": cpu_gemv.available(m.weight), "gemm": cpu_gemm.available(m.weight),
+                 "widen": cpu_widen.available(m.weight)}
+        if choice.kernels and all(takes[k] for k in choice.kernels):
+            m.kernels = choice.kernels
+
+
+def _bind_quantized(module: torch.nn.Module, cpu_kernels: bool, rank: int, gemm, dtype) -> dict[str, dict]:
+    """Give every quantized weight the C kernels (:mod:`tpengine.backends.cpu.cpu_qgemv`) and, with
+    ``cpu_kernels``, measure them against torch's per weight shape (:func:`cpu_qgemv.choose`: each
+    rank its own shapes, no collective; the timings are cached per rank, so every later load makes the
+    same choice); ``gemm``: the half GEMM choice their dequantize-then-GEMM path follows. {} without
+    ``cpu_kernels`` or quantized weights."""
+    groups: dict[str, list] = {}
+    for m in _quantized(module):
+        m.set_kernels(cpu_qgemv)
+        if cpu_kernels and m.kernels_take:
+            kind = type(m).__name__.removesuffix("Weight").lower()
+            group = f"g{m.group_size}" if m.group_size else "per channel"
+            groups.setdefault(f"{kind} {group} {m.in_features}->{m.out_features}", []).append(m)
+    deq = cpu_widen.gemm_dtype(dtype, gemm) if gemm is not None else None
+    return cpu_qgemv.choose(groups, rank, deq) if groups else {}
+
+
+PLATFORM = CPUPlatform

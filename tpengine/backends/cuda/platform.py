@@ -1,0 +1,37 @@
+"""The CUDA platform (:class:`tpengine.backends.platform.Platform`): the plain torch layers (the
+Triton attention backend does the device's own work), a KV budget taken after a warm-up prefill, and
+decode steps replayed from CUDA graphs (:class:`tpengine.backends.cuda.graphs.CUDAGraphRunner`)."""
+
+from __future__ import annotations
+
+import torch
+
+from tpengine.backends.platform import Platform
+from tpengine.utils import cdiv
+
+
+class CUDAPlatform(Platform):
+    """CUDA: no process set-up or measurement; :meth:`step_runner` captures the decode steps."""
+
+    name = "cuda"
+
+    def needs_warmup(self) -> bool:
+        """True: the KV cache takes ``gpu_memory_utilization`` of what a warm-up prefill leaves free."""
+        return True
+
+    def step_runner(self, model: torch.nn.Module, backend, config, hidden_size: int, dtype: torch.dtype,
+                    device: torch.device):
+        """A :class:`~tpengine.backends.cuda.graphs.CUDAGraphRunner` with every batch-size bucket up to
+        ``config.max_num_seqs`` captured, or None under ``config.enforce_eager`` or for an attention
+        backend whose decode syncs with the host (``backend.graph_safe`` False)."""
+        if config.enforce_eager or not backend.graph_safe:
+            return None
+        from tpengine.backends.cuda.graphs import CUDAGraphRunner
+
+        runner = CUDAGraphRunner(model, backend, config.max_num_seqs, cdiv(config.max_model_len, config.block_size),
+                                 hidden_size, dtype, device)
+        runner.capture()
+        return runner
+
+
+PLATFORM = CUDAPlatform
