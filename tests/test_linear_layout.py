@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
-from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_library
+from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_library, measured
 from tpengine.backends.cpu import linear_layout as L
 from tpengine.backends.cpu.linear_layout import prepack
 from tpengine.config import EngineConfig
@@ -21,6 +21,13 @@ cpu_gemm_ok = cpu_library.has("tpe_gemm_f32")
 needs_kernels = pytest.mark.skipif(not cpu_gemv_ok, reason=str(cpu_library.missing("tpe_gemv_bf16", "tpe_gemv_f32")))
 needs_gemm = pytest.mark.skipif(not cpu_gemm_ok, reason=str(cpu_library.missing("tpe_gemm_f32")))
 needs_onednn = pytest.mark.skipif(prepack(torch.zeros(2, 2)) is None, reason="no oneDNN packing in this torch")
+
+
+@pytest.fixture(autouse=True)
+def quiet_start(monkeypatch):
+    """The machine counts as quiet when a measurement starts (measured.probe_busy), whatever else runs
+    beside the tests: the choices here are made from given timings."""
+    monkeypatch.setattr(measured, "probe_busy", lambda: False)
 
 
 def test_pick_uses_the_summed_relative_time_and_keeps_packed_on_a_tie():
@@ -78,17 +85,18 @@ def test_auto_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     assert sorted(calls) == [((32, 64), 2, torch.float32)] * 2 + [((48, 32), 3, torch.float32)] * 2
     assert {k: (v.layout, v.how) for k, v in first.items()} == {(48, 32): ("plain", "measured"),
                                                                 (32, 64): ("packed", "measured")}
-    stored = json.loads(L.cache_path(torch.float32).read_text())
-    assert stored == {"48x32x3": fake[(48, 32)], "32x64x2": fake[(32, 64)]}
+    stored = json.loads(measured.cache_path().read_text())
+    assert stored == {"linear float32 48x32x3": fake[(48, 32)], "linear float32 32x64x2": fake[(32, 64)]}
     calls.clear()
     second = L.choose_layouts(shapes, torch.float32)
     assert calls == [] and {v.how for v in second.values()} == {"cached"}
     assert {k: v.layout for k, v in second.items()} == {k: v.layout for k, v in first.items()}
-    # another dtype is another machine setting: measured again, in its own file
+    # another dtype is another machine setting: measured again, under its own key
     L.choose_layouts({(48, 32): 3}, torch.bfloat16)
-    assert calls == [((48, 32), 3, torch.bfloat16)] * 2 and L.cache_path(torch.bfloat16) != L.cache_path(torch.float32)
+    assert calls == [((48, 32), 3, torch.bfloat16)] * 2 and "linear bfloat16 48x32x3" in json.loads(
+        measured.cache_path().read_text())
     # a damaged cache file is measured again, not trusted
-    L.cache_path(torch.float32).write_text("{not json")
+    measured.cache_path().write_text("{not json")
     calls.clear()
     L.choose_layouts(shapes, torch.float32)
     assert len(calls) == 4
@@ -100,9 +108,9 @@ def test_inconsistent_timings_are_used_but_not_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(L, "measure", lambda *a: next(runs))
     got = L.choose_layouts({(8, 32): 1}, torch.float32)[(8, 32)]
     assert got.how == "measured, noisy (not cached)" and got.times_us == {"plain": [10, 20, 30], "packed": [5, 10, 15]}
-    assert not L.cache_path(torch.float32).exists()
-    assert L.consistent({"plain": [10, None]}, {"plain": [15, 3]})
-    assert not L.consistent({"plain": [10]}, {"plain": [16]})
+    assert not measured.cache_path().exists()
+    assert measured.consistent({"plain": [10, None]}, {"plain": [15, 3]})
+    assert not measured.consistent({"plain": [10]}, {"plain": [16]})
 
 
 @pytest.mark.parametrize("packable", [True, False])
@@ -216,13 +224,20 @@ def test_bound_linear_runs_the_widened_gemm_with_its_bias_and_keeps_f_linear_for
 
 
 def test_half_gemm_choice_names_the_faster_and_float32_needs_none(tmp_path, monkeypatch):
+    """The half GEMM choice on given timings (which path is faster on this machine is a benchmark's
+    question): the faster one is named, and gemm_dtype follows it; float32 needs no choice."""
     from tpengine.backends.cpu import cpu_widen
 
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
-    assert cpu_widen.gemm_dtype(torch.float32) == torch.float32
-    c = cpu_widen.gemm_choice(torch.bfloat16)
-    assert set(c.times_us) == {"half", "float32"} and c.name == min(c.times_us, key=lambda k: c.times_us[k][0])
-    assert cpu_widen.gemm_dtype(torch.bfloat16) == (torch.float32 if c.name == "float32" else torch.bfloat16)
+    assert cpu_widen.gemm_dtype(torch.float32, None) == torch.float32
+    for fake, want in (({"half": [100.0], "float32": [300.0]}, "half"), ({"half": [900.0], "float32": [300.0]},
+                                                                          "float32")):
+        monkeypatch.setattr(measured, "measure", lambda c, *_, fake=fake: {k: fake[k] for k in c})
+        measured.cache_path().unlink(missing_ok=True)
+        c = cpu_widen.gemm_choice(torch.bfloat16)
+        assert (set(c.times_us), c.name, c.how) == ({"half", "float32"}, want, "measured")
+        assert cpu_widen.gemm_dtype(torch.bfloat16, c) == (torch.float32 if want == "float32" else torch.bfloat16)
+    assert cpu_widen.gemm_dtype(torch.bfloat16, None) == torch.bfloat16  # no choice: the dtype itself
 
 
 @needs_kernels
@@ -277,15 +292,13 @@ def test_linears_through_the_gemv_match_f_linear(tmp_path):
 def test_a_changed_kernel_build_is_measured_again(tmp_path, monkeypatch):
     """The timings name the C kernels' build: another build (a changed kernel source, compiler or
     flags) reads another file, so it is measured, not served the old kernel's timings."""
-    from tpengine.backends.cpu import cpu_library, cpu_qgemv
-
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_library, "library_key", lambda: "aaaa")
-    paths = (L.cache_path(torch.float32), cpu_qgemv.cache_path(torch.float32))
+    path = measured.cache_path()  # the one timings file: the linear layouts', the quantized kernels', ...
     monkeypatch.setattr(cpu_library, "library_key", lambda: "bbbb")
-    assert L.cache_path(torch.float32) != paths[0] and cpu_qgemv.cache_path(torch.float32) != paths[1]
+    assert measured.cache_path() != path
     monkeypatch.setattr(cpu_library, "library_key", lambda: "aaaa")
-    assert (L.cache_path(torch.float32), cpu_qgemv.cache_path(torch.float32)) == paths
+    assert measured.cache_path() == path
 
 
 @needs_gemm
@@ -354,7 +367,7 @@ def test_each_forced_float32_path_gives_hf_tokens(tmp_path, path):
     assert len(mods) == 2 * 4 + 1  # 2 layers x (qkv, o, gate_up, down) and the tied head
     for m in mods:
         m.kernels = kernels
-        m.bind()  # the layer's implementation, bound again with the forced paths
+        m.bind(L.bind_layer(m, head=m is model.lm_head))  # the layer's implementation, bound again
     runner = llm.llm_engine.runner
     if runner.backend.program is not None:  # rebuilt with the forced paths
         from tpengine.backends.cpu import decode_program as cpu_decode_program

@@ -1,6 +1,8 @@
 """Measured choices are never cached from a busy machine (:class:`tpengine.backends.cpu.measured.
 Contention`): other processes that keep the cores busy during a measurement are seen in
-``/proc/stat``, and a choice timed then is that run's only, in every cache that holds timings."""
+``/proc/stat``, and a choice timed then is that run's only, in every cache that holds timings. A start
+that finds the machine busy before measuring (:func:`~tpengine.backends.cpu.measured.probe_busy`) uses
+cached quiet timings or takes each choice's default, measuring nothing."""
 
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ def test_only_this_process_busy_is_not_contention(monkeypatch):
 
 def test_timings_from_a_busy_machine_are_used_but_not_cached(monkeypatch, tmp_path):
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(measured, "probe_busy", lambda: False)  # quiet when the measurement starts
     busy = iter(range(0, 10 ** 6, 1000))  # 1000 CPU-seconds of other processes between two reads
     monkeypatch.setattr(measured, "_cpu_busy_s", lambda cpus=None: float(next(busy)))
 
@@ -70,10 +73,52 @@ def test_linear_layouts_skip_the_cache_when_busy(monkeypatch, tmp_path):
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
     busy = iter(range(0, 10 ** 6, 1000))
     monkeypatch.setattr(measured, "_cpu_busy_s", lambda cpus=None: float(next(busy)))
-    monkeypatch.setattr(linear_layout, "Contention", lambda: measured.Contention(min_s=0.0))
+    monkeypatch.setattr(measured, "probe_busy", lambda: False)  # quiet when the measurement starts
+    real = measured.Contention
+    monkeypatch.setattr(measured, "Contention", lambda **kw: real(min_s=0.0))
     got = linear_layout.choose_layouts({(48, 32): 2}, torch.float32)
     assert got[(48, 32)].how == measured.BUSY
-    assert measured.read_cache(linear_layout.cache_path(torch.float32)) == {}
+    assert measured.read_cache(measured.cache_path()) == {}
+
+
+def test_a_busy_start_takes_each_default_and_measures_nothing(monkeypatch, tmp_path):
+    """Without cached timings a machine found busy before measuring (a fake contention source here) takes
+    each choice's default, described as such, measures nothing and caches nothing; timings cached from a
+    quiet start are used whatever the load."""
+    from tpengine.backends.cpu import cpu_qgemv, linear_layout
+
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(measured, "probe_busy", lambda: True)
+    ran = []
+    monkeypatch.setattr(measured, "measure", lambda c, *_: ran.append(sorted(c)) or {k: [1.0] for k in c})
+    got = measured.fastest("k", {"a": [lambda: None], "b": [lambda: None]}, default="b")
+    assert (got.name, got.how, got.times_us) == ("b", measured.DEFAULT_BUSY, {})
+    assert got.describe() == "b (default: machine busy, not measured)"
+    assert measured.fastest("k", {"a": [lambda: None], "b": [lambda: None]}).name == "a"  # no default: the first
+    monkeypatch.setattr(linear_layout, "measure", lambda *a: ran.append("layout") or {"plain": [1.0, 1.0, 1.0]})
+    layout = linear_layout.choose_layouts({(48, 32): 2}, torch.float32)[(48, 32)]
+    packable = linear_layout.prepack(torch.zeros(1, 1)) is not None
+    assert (layout.layout, layout.how, layout.kernels) == ("packed" if packable else "plain", measured.DEFAULT_BUSY, ())
+
+    class Int4Weight:
+        dtype, group_size, gemv_rows, dequant_rows = torch.float32, 32, 0, 0
+    monkeypatch.setattr(cpu_qgemv, "_measure", lambda mods, dt=None: ran.append("quant") or {})
+    q = cpu_qgemv.choose({"int4 g32 64->96": [Int4Weight()]})["int4 g32 64->96"]
+    assert (q["how"], q["gemv_rows"], q["dequant_rows"]) == (measured.DEFAULT_BUSY, 8, 64)
+    assert ran == [] and measured.read_cache(measured.cache_path()) == {}
+    measured.write_cache(measured.cache_path(), {"k": {"a": [2.0], "b": [1.0]}})  # a quiet start's timings
+    assert measured.fastest("k", {"a": [lambda: None], "b": [lambda: None]}, default="a").how == "cached"
+    assert measured.fastest("k", {"a": [lambda: None], "b": [lambda: None]}, default="a").name == "b"
+
+
+def test_one_cache_version_in_the_package():
+    """Every measured choice shares one timings file and one CACHE_VERSION (tpengine/backends/cpu/measured.py)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(measured.__file__).resolve().parents[2]
+    found = [p for p in root.rglob("*.py") if re.search(r"^CACHE_VERSION\b", p.read_text(), re.M)]
+    assert found == [pathlib.Path(measured.__file__).resolve()]
 
 
 def test_time_us_gives_up_after_the_warm_up_pass():
@@ -141,6 +186,7 @@ def test_a_busy_first_measurement_is_not_taken_twice(monkeypatch, tmp_path):
     from tpengine.backends.cpu import cpu_qgemv, linear_layout
 
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(measured, "probe_busy", lambda: False)  # quiet when each measurement starts
 
     class Busy:
         busy = True
@@ -155,16 +201,15 @@ def test_a_busy_first_measurement_is_not_taken_twice(monkeypatch, tmp_path):
         busy = False
 
     for contention, runs in ((Busy, 1), (Quiet, 2)):
-        for mod in (measured, linear_layout, cpu_qgemv):
-            monkeypatch.setattr(mod, "Contention", contention)
+        monkeypatch.setattr(measured, "Contention", contention)
         calls = []
         times, how = measured.timings(f"k{runs}", {"a": [lambda: calls.append("a")]}, passes=1)
         assert len(calls) == 2 * runs and (how == measured.BUSY) == (runs == 1)
         n = []
-        got = linear_layout._timed({}, f"k{runs}", ("plain",), lambda: n.append(1) or {"plain": [1.0, 2.0, 3.0]})
+        got = linear_layout._timed(f"layout k{runs}", ("plain",), lambda: n.append(1) or {"plain": [1.0, 2.0, 3.0]})
         assert len(n) == runs and (got[1] == measured.BUSY) == (runs == 1)
         m = []
-        monkeypatch.setattr(cpu_qgemv, "_measure", lambda mods: m.append(1) or {
+        monkeypatch.setattr(cpu_qgemv, "_measure", lambda mods, dt=None: m.append(1) or {
             "torch": [10.0, 20.0, 30.0], "tpengine": [5.0, 10.0, 15.0]})
 
         class Mod:
