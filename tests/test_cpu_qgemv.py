@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpengine.backends.cpu import cpu_library, cpu_qgemv
+from tpengine.backends.cpu import cpu_library, cpu_qgemv, measured
 from tpengine.model.quant.apply import quantize_weight
 from tpengine.model.quant.arith import _int4_values, int4_pack_layout
 from tpengine.model.quant.weights import Int4Weight, Int8Weight, QuantScheme
@@ -26,10 +26,19 @@ SHAPES = [(960, 256), (472, 256), (80, 128), (104, 128)]
 
 
 def weight(name, group, shape, dtype, seed=0):
+    """A quantized weight given the C kernels, as the CPU platform binds it."""
     w = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 0.05
-    if name == "int4z":
-        return quantize_weight(w, QuantScheme("int4", group, zero_codes=True), dtype)
-    return quantize_weight(w, QuantScheme(name, group), dtype)
+    scheme = QuantScheme("int4", group, zero_codes=True) if name == "int4z" else QuantScheme(name, group)
+    q = quantize_weight(w, scheme, dtype)
+    q.set_kernels(cpu_qgemv)
+    return q
+
+
+@pytest.fixture(autouse=True)
+def quiet_start(monkeypatch):
+    """The machine counts as quiet when a measurement starts (measured.probe_busy), whatever else runs
+    beside the tests."""
+    monkeypatch.setattr(measured, "probe_busy", lambda: False)
 
 
 def bound(x, q):
@@ -210,24 +219,24 @@ def test_cached_choices_are_reused_and_bad_entries_measured_again(tmp_path, monk
     # the machine is; test_choose_sets_every_weight_of_a_shape times the real kernels
     calls = []
 
-    def measure(mods):
+    def measure(mods, dequant_dtype=None):
         calls.append(len(mods))
         return {"torch": [10.0, 20.0, 30.0], "tpengine": [5.0, 25.0 if len(calls) % 2 else 21.0, 40.0],
                 "prefill_torch": [900.0, 7000.0], "prefill_dequant": [950.0, 1500.0]}
     monkeypatch.setattr(cpu_qgemv, "_measure", measure)
-    monkeypatch.setattr(cpu_qgemv, "Contention", _Quiet)
+    monkeypatch.setattr(measured, "Contention", _Quiet)
     mods = [weight("int4", 32, (96, 64), torch.float32, seed=i) for i in range(2)]
     first = cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=1)
     assert first["int4 g32 64->96"]["how"] == "measured" and calls == [2, 2]
     assert first["int4 g32 64->96"]["tpengine"] == [5.0, 21.0, 40.0]  # the faster of the two per bucket
     assert (first["int4 g32 64->96"]["gemv_rows"], first["int4 g32 64->96"]["dequant_rows"]) == (1, 512)
     assert {(m.gemv_rows, m.dequant_rows) for m in mods} == {(1, 512)}
-    path = cpu_qgemv.cache_path(torch.float32)
+    path = measured.cache_path()
     cached = json.loads(path.read_text())
-    assert list(cached) == ["int4 g32 64->96 rank 1"]
+    assert list(cached) == ["quant float32 int4 g32 64->96 rank 1"]
     again = cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=1)["int4 g32 64->96"]
     assert again["how"] == "cached" and again["torch"] == first["int4 g32 64->96"]["torch"]
-    path.write_text(json.dumps({"int4 g32 64->96 rank 1": {"torch": ["x", 1, 2], "tpengine": [1, 2, 3]}}))
+    path.write_text(json.dumps({"quant float32 int4 g32 64->96 rank 1": {"torch": ["x", 1, 2], "tpengine": [1, 2, 3]}}))
     assert cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=1)["int4 g32 64->96"]["how"] == "measured"
     assert cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=1)["int4 g32 64->96"]["how"] == "cached"  # replaced
     path.write_text("not json")
@@ -251,8 +260,8 @@ def test_disagreeing_measurements_are_used_once_and_not_cached(tmp_path, monkeyp
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
     slow = iter([{"torch": [10.0, 20.0, 30.0], "tpengine": [5.0, 10.0, 15.0]},
                  {"torch": [10.0, 20.0, 30.0], "tpengine": [5.0, 31.0, 15.0]}])
-    monkeypatch.setattr(cpu_qgemv, "_measure", lambda mods: next(slow))
-    monkeypatch.setattr(cpu_qgemv, "Contention", _Quiet)
+    monkeypatch.setattr(cpu_qgemv, "_measure", lambda mods, dt=None: next(slow))
+    monkeypatch.setattr(measured, "Contention", _Quiet)
 
     class Mod:
         dtype, gemv_rows, dequant_rows = torch.float32, 0, 0
@@ -260,7 +269,7 @@ def test_disagreeing_measurements_are_used_once_and_not_cached(tmp_path, monkeyp
     got = cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=0)["int4 g32 64->96"]
     assert got["how"] == "measured, noisy (not cached)" and got["tpengine"] == [5.0, 10.0, 15.0]
     assert (got["gemv_rows"], got["dequant_rows"]) == (8, 0) and {m.gemv_rows for m in mods} == {8}
-    assert not cpu_qgemv.cache_path(torch.float32).exists()
+    assert not measured.cache_path().exists()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -275,6 +284,7 @@ def test_coded_int4_every_path_is_the_stored_weight(dtype):
     w[3] = 0.0
     w[5, :32] = torch.linspace(1.0, 2.0, 32)  # no 0 in the range: widened to [0, 2]
     q = quantize_weight(w, QuantScheme("int4", 32, zero_codes=True), dtype)
+    q.set_kernels(cpu_qgemv)
     ref = dequantize_int4_coded(*quantize_int4_coded(w, 32, dtype), 32)
     assert torch.equal(q.dequantize(), ref) and not ref[3].any()
     assert not q.scales[:, 3].any() and not q.zero_codes[:, 3].any()

@@ -120,11 +120,11 @@ def test_sampling_keys_are_sampling_params_fields():
 
 @pytest.mark.parametrize("cpu_kernels", [False, True])
 def test_row_max_equals_torch_max_with_ties_infinities_and_nan(cpu_kernels):
-    """The LM head's greedy pick (tpengine.model.layers.embedding.row_max) is ``max(dim=-1)`` exactly:
+    """The LM head's greedy pick (tpengine.backends.cpu.greedy.row_max) is ``max(dim=-1)`` exactly:
     same values, and the first index among equal maxima, also across blocks -- by torch ops per
     block, and (``cpu_kernels``) by the C kernel tpengine/backends/cpu/csrc/cpu_argmax.c."""
     from tpengine.backends.cpu import cpu_library
-    from tpengine.model.layers.embedding import ROW_MAX_BLOCK, ROW_MAX_CANDIDATES, row_max
+    from tpengine.backends.cpu.greedy import ROW_MAX_BLOCK, ROW_MAX_CANDIDATES, row_max
 
     if cpu_kernels and cpu_library.load() is None:
         pytest.skip(f"needs the CPU C kernels: {cpu_library.unavailable_reason()}")
@@ -170,11 +170,11 @@ def test_row_max_equals_torch_max_with_ties_infinities_and_nan(cpu_kernels):
 
 @pytest.mark.parametrize("cpu_kernels", [False, True])
 def test_col_max_equals_torch_max_over_rows_with_ties_infinities_and_nan(cpu_kernels):
-    """The transposed greedy pick (tpengine.model.layers.embedding.col_max) is ``max(dim=0)`` exactly, for
+    """The transposed greedy pick (tpengine.backends.cpu.greedy.col_max) is ``max(dim=0)`` exactly, for
     every block the measurement may pick (and the C kernel, ``cpu_kernels``): the first row among equal
     maxima, NaN the largest; also across the kernel's per-thread row ranges and past 64 columns."""
     from tpengine.backends.cpu import cpu_library
-    from tpengine.model.layers.embedding import ROW_MAX_BLOCK, ROW_MAX_CANDIDATES, col_max
+    from tpengine.backends.cpu.greedy import ROW_MAX_BLOCK, ROW_MAX_CANDIDATES, col_max
 
     if cpu_kernels and cpu_library.load() is None:
         pytest.skip(f"needs the CPU C kernels: {cpu_library.unavailable_reason()}")
@@ -210,9 +210,11 @@ def test_greedy_through_the_transposed_logits_picks_the_argmax(tmp_path, monkeyp
     ``weight @ hidden.T`` over the real vocabulary (padding rows excluded), and the choice is timed
     once per machine, then cached."""
     from tpengine.backends.cpu import measured
-    from tpengine.model.layers.embedding import ParallelLMHead, choose_greedy_path
+    from tpengine.backends.cpu.greedy import choose_greedy_path
+    from tpengine.model.layers.embedding import ParallelLMHead
 
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(measured, "probe_busy", lambda: False)  # a quiet start: measured on given timings
     g = torch.Generator().manual_seed(7)
     head = ParallelLMHead(0, 1024, 1000, 64, dtype=torch.bfloat16, device="cpu")  # 24 padding rows
     head.weight.data.copy_(torch.randn(1024, 64, generator=g))
@@ -237,9 +239,10 @@ def test_row_max_block_is_measured_once_per_machine(tmp_path, monkeypatch):
     """The greedy pick's block is timed on this machine among the candidates that divide the
     shard's width (0: torch's max), then read back from the cache."""
     from tpengine.backends.cpu import measured
-    from tpengine.model.layers.embedding import choose_row_max_block
+    from tpengine.backends.cpu.greedy import choose_row_max_block
 
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(measured, "probe_busy", lambda: False)  # a quiet start: measured on given timings
     fake = {"0": [30.0, 900.0], "256": [20.0, 450.0], "512": [21.0, 400.0], "1024": [40.0, 420.0]}
     calls = []
     monkeypatch.setattr(measured, "measure", lambda c, *_: calls.append(sorted(c)) or {k: fake[k] for k in c})
@@ -262,11 +265,12 @@ def test_the_c_row_argmax_is_a_measured_candidate(tmp_path, monkeypatch):
     """With the C kernels the row argmax is timed beside torch's blocked passes (the portable C loop can
     lose to them): the head takes it only where it was faster, and keeps the fastest torch block."""
     from tpengine.backends.cpu import cpu_library, measured
-    from tpengine.model.layers.embedding import ROW_MAX_KERNEL, choose_row_max_block
+    from tpengine.backends.cpu.greedy import ROW_MAX_KERNEL, choose_row_max_block
 
     if not cpu_library.has("tpe_row_argmax_f32"):
         pytest.skip(f"needs the C row argmax: {cpu_library.missing('tpe_row_argmax_f32')}")
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(measured, "probe_busy", lambda: False)
     fake = {"0": [30.0, 900.0], "256": [20.0, 450.0], "512": [21.0, 400.0], "1024": [40.0, 420.0],
             ROW_MAX_KERNEL: [9.0, 300.0]}
     monkeypatch.setattr(measured, "measure", lambda c, *_: {k: fake[k] for k in c})
