@@ -221,12 +221,14 @@ def test_load_lines_and_summary_json(tiny, tmp_path):
                                 f"{cpu_library.unavailable_reason()}"), lines[1]
     layouts, _, row_max = lines[1].partition("; greedy row max ")
     shapes = [s.split(" ")[0] for s in layouts.split("): ", 1)[1].split("; ")]
-    assert re.fullmatch(r"tpengine: CPU linear layouts \(float32, \d+ threads, [a-z, ()/]+\): "
+    assert re.fullmatch(r"tpengine: CPU linear layouts \(float32, \d+ threads, [a-z, ()/:]+\): "
                         r"\d+->\d+ (plain|packed)[^;]*(; \d+->\d+ (plain|packed)[^;]*)*", layouts), lines[1]
     # the greedy pick, measured among the blocks dividing the 49152 columns (0: torch's max) and the C row
     # argmax (every build has one) (a measurement taken while the machine was busy, or noisy, says so and is
-    # not cached: measured.py)
-    assert re.fullmatch(r"(0|256|512|1024|2048|4096|C) \((measured|cached|measured, [a-z ]+ \(not cached\)): "
+    # not cached: measured.py; on a machine busy before any timings were cached, the default, unmeasured)
+    busy = (f"{'C' if cpu_library.load() else '512'} (default: machine busy, not measured)",)
+    assert row_max in busy or re.fullmatch(r"(0|256|512|1024|2048|4096|C) \((measured|cached|measured, [a-z ]+ "
+                                           r"\(not cached\)): "
                         r"0 \d+/\d+ us, 256 \d+/\d+ us, 512 \d+/\d+ us, 1024 \d+/\d+ us, 2048 \d+/\d+ us, "
                         r"4096 \d+/\d+ us" + (r", C \d+/\d+ us" if cpu_library.load() else "") + r"\)",
                         row_max), lines[1]
