@@ -53,6 +53,8 @@ class Platform:
 
     #: the ``torch.device`` type this platform runs ("cpu", "cuda"; "torch" for the base class)
     name = "torch"
+    #: whether it runs ``--quantization``'s weight-only int8 / int4 weights
+    quantized_weights = False
 
     def setup_process(self, config, tp, plan) -> None:
         """Process-wide settings before the model is built (every rank, once; collective where the

@@ -379,7 +379,7 @@ def load_model(model: ModelSpec | str | Path, tp: TPInfo, dtype: torch.dtype = t
     hf_config, tie = spec.hf_config, bool(getattr(spec.hf_config, "tie_word_embeddings", False))
     platform = get_platform(tp.device)
     module = build_model(hf_config, spec.shard_plan, tp.rank, dtype, tp.device, cpu_kernels)
-    table, quant = _quantization(spec, module, tie, quantization, tp)
+    table, quant = _quantization(spec, module, tie, quantization, tp, platform.quantized_weights)
     pack = True if pack is None else pack
     layouts = platform.choose_layouts(_weight_shapes(module, tie), dtype, cpu_linear, cpu_kernels) if pack else {}
     packs = (lambda m: layouts[tuple(m.weight.shape)].layout == "packed") if layouts else False  # noqa: E731
@@ -395,9 +395,10 @@ def load_model(model: ModelSpec | str | Path, tp: TPInfo, dtype: torch.dtype = t
 
 
 def _quantization(spec: ModelSpec, module: torch.nn.Module, tie: bool, quantization: str | QuantScheme | None,
-                  tp: TPInfo) -> tuple[dict[str, QuantEntry] | None, QuantScheme | None]:
+                  tp: TPInfo, supported: bool) -> tuple[dict[str, QuantEntry] | None, QuantScheme | None]:
     """``(table, scheme)``: a quantized folder's table of stored weights (its weights are used as stored,
-    so no scheme), or None and the scheme ``quantization`` asks for (None: float weights).
+    so no scheme), or None and the scheme ``quantization`` asks for (None: float weights); ``supported``:
+    whether the device's platform runs quantized weights.
 
     Raises:
         UserError: a broken ``quantization.json`` or manifest table, a folder ``quantization`` disagrees
@@ -410,7 +411,7 @@ def _quantization(spec: ModelSpec, module: torch.nn.Module, tie: bool, quantizat
         return table, None
     quant = QuantScheme.of(quantization) if isinstance(quantization, str) else quantization
     if quant is not None:
-        if tp.device.type != "cpu":
+        if not supported:
             raise UserError(f"--quantization {quant.name} runs on the CPU only in this version, not on {tp.device}")
         check_quantization(spec.hf_config, tp.size, quant)
     return None, quant

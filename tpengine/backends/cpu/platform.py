@@ -32,6 +32,7 @@ class CPUPlatform(Platform):
     """The CPU: C kernels where they are built, oneDNN's layout where measured faster, shared memory."""
 
     name = "cpu"
+    quantized_weights = True
 
     def setup_process(self, config, tp, plan) -> None:
         """:func:`tpengine.backends.cpu.process.setup_process`."""
