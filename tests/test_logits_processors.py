@@ -2,12 +2,9 @@
 hand-made rows: exact values, vLLM's order, batched equal to one-by-one, per-row failure isolation;
 the Sampler applying them; logprobs (chosen, rank, top-k) and the engine's prompt-logprobs glue."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from tpengine.engine.llm_engine import LLMEngine
 from tpengine.engine.logits_processors import (
     apply_logit_bias,
     apply_min_tokens,
@@ -17,6 +14,7 @@ from tpengine.engine.logits_processors import (
     token_counts,
 )
 from tpengine.engine.logprobs import collect_prompt_logprobs, position_logprobs
+from tpengine.engine.row_sampler import RowSampler
 from tpengine.engine.sampler import Sampler
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.step import build_plan
@@ -156,11 +154,8 @@ def test_position_logprobs_exact():
         position_logprobs(row, [0], [1, 1])
 
 
-def _engine(vocab: int) -> LLMEngine:
-    eng = object.__new__(LLMEngine)  # only the glue under test: no model, no ranks
-    eng.runner = SimpleNamespace(shard_plan=SimpleNamespace(vocab_size=vocab))
-    eng.sampler = Sampler(eos_token_ids={0})
-    return eng
+def _rows(vocab: int) -> RowSampler:
+    return RowSampler(Sampler(eos_token_ids={0}), vocab)  # only the glue under test: no model, no ranks
 
 
 def _running(seq: Sequence, cached: int, new: int, block_size: int = 4) -> Sequence:
@@ -185,10 +180,9 @@ def test_prompt_logprobs_rows_follow_build_plan():
     p = plan.prompt_idx.numel()
     g = torch.Generator().manual_seed(1)
     out = torch.randn(4 + p, v, generator=g)
-    eng = _engine(v)
     failed: dict = {}
     collect_prompt_logprobs(seqs, out[4:], v)
-    toks = eng._sample(out[:4], seqs, [s.samples for s in seqs], failed)
+    toks = _rows(v).sample(out[:4], seqs, [s.samples for s in seqs], failed)
     assert failed == {}
     assert [x.chosen.token_id for x in a.prompt_logprobs] == [6, 7, 8]  # positions 0..2 of the chunk
     assert [x.chosen.token_id for x in b.prompt_logprobs] == [12, 13]

@@ -12,6 +12,7 @@ from tpengine.engine.block_manager import BlockManager
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.spec_decode import NgramProposer, SpecDecoder, SpecPolicy
 from tpengine.engine.step import build_plan, pack, unpack
+from tpengine.engine.structured_output import StructuredState
 from tpengine.sampling_params import SamplingParams
 
 
@@ -84,7 +85,7 @@ def test_room_keeps_proposals_inside_max_tokens_and_max_model_len():
     assert spec.room(seq) == 2
     seq.params = SamplingParams(prompt_logprobs=1)
     assert spec.room(seq) == 0
-    seq.params, seq.matcher = SamplingParams(), object()  # a structured output: never proposed for
+    seq.params, seq.structured = SamplingParams(), StructuredState(object(), object())  # never proposed for
     assert spec.room(seq) == 0
 
 

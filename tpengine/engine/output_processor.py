@@ -197,12 +197,13 @@ class OutputProcessor:
             outputs=outputs, prompt_logprobs=prompt_logprobs, num_cached_tokens=first.num_prefix_cached_tokens or 0,
             ttft_s=None if first.first_token_time is None else first.first_token_time - t0,
             latency_s=(max(ends) if ends else time.monotonic()) - t0 if finished else None, finished=finished,
-            spec_num_draft_tokens=_total(state, "spec_draft_tokens"),
-            spec_num_accepted_tokens=_total(state, "spec_accepted_tokens"),
+            spec_num_draft_tokens=_total(state, "proposed"),
+            spec_num_accepted_tokens=_total(state, "accepted"),
         )
 
 
 def _total(state: RequestState, name: str) -> int | None:
-    """The sum of a speculative counter over the request's samples (None: no speculative decoding)."""
-    values = [getattr(s.seq, name) for s in state.samples]
-    return None if any(v is None for v in values) else sum(values)
+    """The sum of a speculative counter (a :class:`~tpengine.engine.spec_decode.SpecState` field)
+    over the request's samples (None: no speculative decoding)."""
+    specs = [s.seq.spec for s in state.samples]
+    return None if any(v is None for v in specs) else sum(getattr(v, name) for v in specs)

@@ -276,7 +276,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.block_manager.deallocate(seq)
-        seq.num_draft_cached_tokens = 0  # its blocks are gone: the draft model computes it again
+        if seq.spec is not None:  # its blocks are gone: the draft model computes it again
+            seq.spec.num_draft_cached_tokens = 0
         seq.num_new_tokens = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

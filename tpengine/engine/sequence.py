@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from tpengine.engine.outputs import PositionLogprobs
 from tpengine.sampling_params import SamplingParams
 from tpengine.utils import cdiv
+
+if TYPE_CHECKING:
+    from tpengine.engine.spec_decode import SpecState
+    from tpengine.engine.structured_output import StructuredState
 
 
 class SequenceStatus(enum.Enum):
@@ -53,18 +58,15 @@ class Sequence:
         index: the sample's index (0..n-1) among a request's ``n`` samples.
         logprobs: one :class:`~tpengine.engine.outputs.PositionLogprobs` per generated token when
             ``params.logprobs`` is set (else None); ``cumulative_logprob`` their chosen logprobs' sum.
-        grammar, matcher: with ``params.structured_outputs``, the compiled grammar and this sample's
-            matcher in it (:mod:`tpengine.structured`), None until the grammar is compiled.
-        reasoning_end: with a reasoning parser, while the sample is still thinking: the token ids
-            that end its thought (``</think>``); the grammar applies only after them. None otherwise.
+        structured: with ``params.structured_outputs``, its
+            :class:`~tpengine.engine.structured_output.StructuredState` (grammar, this sample's matcher,
+            the end of a thought still running), None until the grammar is compiled.
         prompt_logprobs: with ``params.prompt_logprobs``, the entries for prompt positions
             1.. computed so far (position 0 has none), else None.
         proposal: the speculative tokens the current step verifies after the last token
             (:mod:`tpengine.engine.spec_decode`; counted in ``num_new_tokens``), [] for none.
-        spec_draft_tokens, spec_accepted_tokens: with speculative decoding, the tokens proposed for
-            this sample and the accepted ones (0 until a proposal); None without it.
-        num_draft_cached_tokens: with a draft model, the tokens whose K/V the draft's cache holds
-            (it writes into the same blocks); 0 again after a preemption.
+        spec: with speculative decoding, its :class:`~tpengine.engine.spec_decode.SpecState` (tokens
+            proposed and accepted, the draft model's cached tokens); None without it.
     """
 
     def __init__(
@@ -93,16 +95,12 @@ class Sequence:
         self.finish_time: float | None = None
         self.generator: torch.Generator | None = None
         self.index = 0
-        self.grammar = None  # with params.structured_outputs: its compiled Grammar, then this sample's
-        self.matcher = None  # Matcher (tpengine.structured), set once the grammar is compiled
-        self.reasoning_end: tuple[int, ...] | None = None  # while thinking: the ids that end it (grammar waits)
+        self.structured: StructuredState | None = None  # set once its grammar is compiled
         self.logprobs: list[PositionLogprobs] | None = None if params.logprobs is None else []
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[PositionLogprobs] | None = None if params.prompt_logprobs is None else []
         self.proposal: list[int] = []
-        self.spec_draft_tokens: int | None = None  # with speculative decoding: tokens proposed for it
-        self.spec_accepted_tokens: int | None = None  # and accepted
-        self.num_draft_cached_tokens = 0  # with a draft model: its K/V holds the first this many tokens
+        self.spec: SpecState | None = None  # with speculative decoding: its counters
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -11,8 +11,9 @@ arXiv:2211.17192; Chen et al. 2023, arXiv:2302.01318).
   model with the same vocabulary, split over the same ranks with its own KV cache addressed by the
   same block tables), run greedily k times (:meth:`SpecDecoder.draft`). Proposals are deterministic
   (a point-mass draft distribution q).
-* **Verifying** (:meth:`tpengine.engine.llm_engine.LLMEngine.step`): the step computes the logits of
-  all k + 1 positions; rank 0 then takes the sequence's tokens one position at a time exactly as a
+* **Verifying** (:meth:`SpecDecoder.verify`, called by the engine's update,
+  :class:`tpengine.engine.update.StepUpdater`): the step computes the logits of all k + 1 positions;
+  rank 0 then takes the sequence's tokens one position at a time exactly as a
   plain decode step would (logits processors, penalties, sampling with the request's own generator,
   stop checks, logprobs), and moves to the next position only while the token it took equals the
   proposed one. With a point-mass q, Leviathan et al.'s rule (accept the proposal d with probability
@@ -33,12 +34,36 @@ Sequences with a structured output (a grammar matcher) or asking for prompt logp
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from tpengine.config import SpeculativeConfig
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.step import StepPlan, build_draft_plan
+
+
+@dataclass
+class SpecState:
+    """One sample's speculative decoding state (``Sequence.spec``): ``proposed`` and ``accepted``
+    count the tokens proposed for it and those accepted (its output's ``spec_num_*_tokens``);
+    ``num_draft_cached_tokens``: with a draft model, the tokens whose K/V the draft's cache holds (it
+    writes into the same blocks; 0 again after a preemption)."""
+
+    proposed: int = 0
+    accepted: int = 0
+    num_draft_cached_tokens: int = 0
+
+
+def output_rows(seqs: list[Sequence], first: int) -> Callable[[int, int], int]:
+    """The output row of scheduled sequence ``i``'s position ``j`` in a step's result: a sequence
+    with a proposal of k tokens has its first k positions in rows after the sampled and prompt rows
+    (``first`` on, in ``seqs`` order: ``StepPlan.spec_idx``) and its last one in row ``i``."""
+    starts, at = [], first
+    for s in seqs:
+        starts.append(at)
+        at += len(s.proposal)
+    return lambda i, j: starts[i] + j if j < len(seqs[i].proposal) else i
 
 
 class NgramProposer:
@@ -180,7 +205,7 @@ class SpecDecoder:
         """The most tokens ``seq`` may propose now: k, less what would pass ``max_tokens`` (the step
         emits up to proposals + 1 tokens) or ``max_model_len``; 0 for a sequence with a grammar or
         prompt logprobs."""
-        if seq.matcher is not None or seq.params.prompt_logprobs is not None:
+        if seq.structured is not None or seq.params.prompt_logprobs is not None:
             return 0
         k = self.config.num_speculative_tokens
         if seq.params.max_tokens is not None:
@@ -209,7 +234,7 @@ class SpecDecoder:
                 budget -= k
         if not want:
             return {}
-        rows = [(seqs[i].token_ids[seqs[i].num_draft_cached_tokens:], seqs[i].num_draft_cached_tokens,
+        rows = [(seqs[i].token_ids[seqs[i].spec.num_draft_cached_tokens:], seqs[i].spec.num_draft_cached_tokens,
                  seqs[i].block_table) for i, _ in want]
         ids = run(build_draft_plan(rows, self.block_size, step, scheduler.block_copies))
         proposals = {i: [tok] for (i, _), tok in zip(want, ids)}
@@ -220,5 +245,65 @@ class SpecDecoder:
             for i, tok in zip(live, ids):
                 proposals[i].append(tok)
         for i, k in want:  # fed: the tokens up to the last one, then the first k - 1 proposals
-            seqs[i].num_draft_cached_tokens = seqs[i].num_tokens + k - 1
+            seqs[i].spec.num_draft_cached_tokens = seqs[i].num_tokens + k - 1
         return proposals
+
+    def schedule(self, seqs: list[Sequence], scheduler, run: Callable[[StepPlan], list[int]], step: int) -> bool:
+        """Give each sequence of the decode batch ``seqs`` its proposal, when the policy finds a
+        speculative step worth it: as many tokens as the step's token budget
+        (``scheduler.max_num_batched_tokens``) and free blocks allow (``scheduler.reserve_proposal``).
+        ``run``: broadcasts a draft plan and returns its argmax ids (a draft model). True if any got one."""
+        if not seqs or not self.policy.wants(len(seqs)):
+            return False
+        budget, any_ = scheduler.max_num_batched_tokens - len(seqs), False
+        if self.uses_draft_model:
+            for i, proposal in self.draft(seqs, budget, scheduler, run, step).items():
+                any_ |= scheduler.reserve_proposal(seqs[i], proposal)  # blocks reserved: never fails
+            return any_
+        for seq in seqs:
+            if budget <= 0:
+                break
+            proposal = self.propose(seq, budget)
+            if proposal and scheduler.reserve_proposal(seq, proposal):
+                budget -= len(proposal)
+                any_ = True
+        return any_
+
+    @staticmethod
+    def count_proposed(seqs: list[Sequence]) -> None:
+        """Count this step's proposals in their samples' ``spec.proposed`` (before any token goes out:
+        a request that finishes in this step reports them)."""
+        for s in seqs:
+            if s.proposal:
+                s.spec.proposed += len(s.proposal)
+
+    def verify(self, seqs: list[Sequence], tokens: list[int], take: Callable[[list[int], int], list[int]],
+               trim: Callable[[Sequence], None]) -> int:
+        """Verify the proposals of the scheduled ``seqs``, whose last-token position took ``tokens``
+        (row i for ``seqs[i]``): for j = 1, 2, ..., the sequences whose position j - 1 took the proposed
+        token (and that have not finished) take position j through ``take(live, j)`` (indices into
+        ``seqs`` -> their tokens). Then each sequence's counters are added, its draft K/V is kept only
+        for accepted tokens, its proposal is cleared and, unless finished, the blocks of its rejected
+        positions go back (``trim``). Returns the tokens taken here (beyond ``tokens``)."""
+        took = dict(zip(range(len(seqs)), tokens))
+        live = [i for i in range(len(seqs)) if seqs[i].proposal]
+        accepted, emitted = dict.fromkeys(live, 0), 0
+        for j in range(1, max((len(seqs[i].proposal) for i in live), default=0) + 1):
+            live = [i for i in live if j <= len(seqs[i].proposal) and not seqs[i].is_finished
+                    and took[i] == seqs[i].proposal[j - 1]]
+            if not live:
+                break
+            for i in live:  # its proposed token j - 1 was taken
+                seqs[i].spec.accepted += 1
+            emitted += len(live)
+            for i, tok in zip(live, take(live, j)):
+                took[i], accepted[i] = tok, j
+        for i, m in accepted.items():
+            seq = seqs[i]
+            self.stats.add(len(seq.proposal), m)
+            # the draft's K/V stays valid for the accepted tokens it was fed
+            seq.spec.num_draft_cached_tokens = min(seq.spec.num_draft_cached_tokens, seq.num_cached_tokens)
+            seq.proposal = []
+            if not seq.is_finished:  # the blocks of the rejected positions go back
+                trim(seq)
+        return emitted
