@@ -58,6 +58,7 @@ class ServerState:
 
 
 def problem_response(p: HTTPProblem) -> JSONResponse:
+    """``p`` as its JSON error body with its HTTP status."""
     return JSONResponse(p.body(), status_code=p.status)
 
 
@@ -115,77 +116,106 @@ def _parse_and_prepare(body: bytes, kind: str, state: ServerState) -> Prepared:
 
 
 def build_app(state: ServerState) -> FastAPI:
-    """The app serving ``state``."""
+    """The app serving ``state``: the generation routes, the model list, the tokenizer routes and
+    the health and metrics routes."""
     app = FastAPI(title="tpengine", docs_url=None, redoc_url=None)
+    _add_generation_routes(app, state)
+    _add_model_routes(app, state)
+    _add_tokenizer_routes(app, state)
+    _add_health_routes(app, state)
+    return app
 
-    async def handle(request: Request, kind: str) -> Response:
-        if state.loop.dead is not None:
-            return problem_response(HTTPProblem(503, f"the engine is not running: {state.loop.dead}"))
-        try:
-            body = await request.body()
-            # parsing and tokenizing (a long prompt takes a while) run off the event loop, so other
-            # clients' streams and /health go on meanwhile
-            p = await asyncio.to_thread(_parse_and_prepare, body, kind, state)
-            queue: asyncio.Queue = asyncio.Queue()
-            ids = p.engine_ids()
-            try:
-                for rid, prompt in zip(ids, p.prompt_ids):
-                    state.loop.submit(rid, prompt, p.params, p.stream, into=queue)
-            except EngineDead as e:
-                for rid in ids:
-                    state.loop.abort(rid)
-                raise HTTPProblem(503, str(e)) from None
-        except HTTPProblem as e:
-            return problem_response(e)
-        if p.stream:
-            return StreamingResponse(_stream(p, queue), media_type="text/event-stream")
-        return await _complete(request, p, queue)
 
-    async def _stream(p: Prepared, queue: asyncio.Queue) -> AsyncIterator[str]:
-        finished = False
-        try:
-            async for event in stream_events(p, _outputs(queue, p.engine_ids()), state.model_name):
-                yield event
-            finished = True
-        except HTTPProblem as e:
-            yield f"data: {json.dumps(e.body())}\n\ndata: [DONE]\n\n"
-            finished = True
-        finally:  # the client went away (the response task was cancelled), or one prompt failed while
-            # its siblings run on: free every prompt's blocks (aborting a finished request is a no-op)
-            if not finished or len(p.prompt_ids) > 1:
-                for rid in p.engine_ids():
-                    state.loop.abort(rid)
+def _engine_dead(state: ServerState) -> Response | None:
+    """The 503 of an engine that is no longer running, else None."""
+    if state.loop.dead is not None:
+        return problem_response(HTTPProblem(503, f"the engine is not running: {state.loop.dead}"))
+    return None
 
-    async def _complete(request: Request, p: Prepared, queue: asyncio.Queue) -> Response:
+
+async def _generate(state: ServerState, request: Request, kind: str) -> Response:
+    """A completion (``kind`` "completion") or chat completion ("chat") request: its prompts go to
+    the engine, the answer streams (``stream``) or comes once every prompt finished."""
+    if (dead := _engine_dead(state)) is not None:
+        return dead
+    try:
+        body = await request.body()
+        # parsing and tokenizing (a long prompt takes a while) run off the event loop, so other
+        # clients' streams and /health go on meanwhile
+        p = await asyncio.to_thread(_parse_and_prepare, body, kind, state)
+        queue: asyncio.Queue = asyncio.Queue()
         ids = p.engine_ids()
-
-        async def finals() -> dict[str, EngineOutput]:
-            return {out.request_id: out async for out in _outputs(queue, ids) if out.finished}
-
-        result = asyncio.ensure_future(finals())
-        gone = asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not result.done():  # the client went away: free its blocks now
-            result.cancel()
+        try:
+            for rid, prompt in zip(ids, p.prompt_ids):
+                state.loop.submit(rid, prompt, p.params, p.stream, into=queue)
+        except EngineDead as e:
             for rid in ids:
                 state.loop.abort(rid)
-            return Response(status_code=499)
-        gone.cancel()
-        try:
-            outs = [result.result()[rid] for rid in ids]
-        except HTTPProblem as e:
-            return problem_response(e)
-        if failed := next((o for o in outs if o.error is not None), None):
-            return problem_response(output_problem(failed))
-        return JSONResponse(response_body(p, outs, state.model_name))
+            raise HTTPProblem(503, str(e)) from None
+    except HTTPProblem as e:
+        return problem_response(e)
+    if p.stream:
+        return StreamingResponse(_stream(state, p, queue), media_type="text/event-stream")
+    return await _complete(state, request, p, queue)
+
+
+async def _stream(state: ServerState, p: Prepared, queue: asyncio.Queue) -> AsyncIterator[str]:
+    """The server-sent events of a streaming request; a failure is an error event, then ``[DONE]``."""
+    finished = False
+    try:
+        async for event in stream_events(p, _outputs(queue, p.engine_ids()), state.model_name):
+            yield event
+        finished = True
+    except HTTPProblem as e:
+        yield f"data: {json.dumps(e.body())}\n\ndata: [DONE]\n\n"
+        finished = True
+    finally:  # the client went away (the response task was cancelled), or one prompt failed while
+        # its siblings run on: free every prompt's blocks (aborting a finished request is a no-op)
+        if not finished or len(p.prompt_ids) > 1:
+            for rid in p.engine_ids():
+                state.loop.abort(rid)
+
+
+async def _complete(state: ServerState, request: Request, p: Prepared, queue: asyncio.Queue) -> Response:
+    """The one response of a non-streaming request, once every prompt finished; 499 (and its
+    blocks freed) when the client goes away first, a request's own failure as its HTTP error."""
+    ids = p.engine_ids()
+
+    async def finals() -> dict[str, EngineOutput]:
+        return {out.request_id: out async for out in _outputs(queue, ids) if out.finished}
+
+    result = asyncio.ensure_future(finals())
+    gone = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if not result.done():  # the client went away: free its blocks now
+        result.cancel()
+        for rid in ids:
+            state.loop.abort(rid)
+        return Response(status_code=499)
+    gone.cancel()
+    try:
+        outs = [result.result()[rid] for rid in ids]
+    except HTTPProblem as e:
+        return problem_response(e)
+    if failed := next((o for o in outs if o.error is not None), None):
+        return problem_response(output_problem(failed))
+    return JSONResponse(response_body(p, outs, state.model_name))
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    """``/v1/completions`` and ``/v1/chat/completions``."""
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await handle(request, "completion")
+        return await _generate(state, request, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await handle(request, "chat")
+        return await _generate(state, request, "chat")
+
+
+def _add_model_routes(app: FastAPI, state: ServerState) -> None:
+    """``/v1/models``, ``/v1/models/{id}`` and ``/version``."""
 
     def model_card() -> dict[str, Any]:
         return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tpengine",
@@ -206,6 +236,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
+
+
+def _add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
+    """vLLM's ``/tokenizer_info``, ``/tokenize`` and ``/detokenize``."""
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:
@@ -230,14 +264,15 @@ def build_app(state: ServerState) -> FastAPI:
             return problem_response(e)
         return JSONResponse(out)
 
+
+def _add_health_routes(app: FastAPI, state: ServerState) -> None:
+    """``/health`` (503 once the engine is not running) and ``/metrics`` (Prometheus)."""
+
     @app.get("/health")
     async def health() -> Response:
-        if state.loop.dead is not None:
-            return problem_response(HTTPProblem(503, f"the engine is not running: {state.loop.dead}"))
-        return Response(status_code=200)
+        dead = _engine_dead(state)
+        return dead if dead is not None else Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    return app
