@@ -160,10 +160,12 @@ class EngineConfig:
     # CPU, half precision: keep the running batch's KV contiguous across decode steps (faster decode;
     # costs up to one more copy of the KV cache, never more: see tpengine/backends/cpu/kv_mirror.py)
     kv_mirror: bool = True
-    # CPU, bfloat16: decode attention, residual add + RMSNorm, RoPE and SiLU*up through C kernels built at
-    # run time (tpengine/backends/cpu/cpu_library.py: AVX512-BF16 or AVX2 paths; torch ops when there is no C
-    # compiler, and for a kernel the build has no path for);
-    # false: always torch ops
+    # CPU: run through C kernels built at run time where they take the tensors
+    # (tpengine/backends/cpu/cpu_library.py: AVX-512 with AVX512-BF16, else AVX2 + FMA): paged decode
+    # attention, GEMV of the linears and LM head, residual add + RMSNorm, SiLU*up and the LM head's
+    # argmax in bfloat16 and float32; GEMM in float32 (bfloat16 too on AVX2 builds); quantized GEMV
+    # (int8, int4); RoPE, causal softmax and KV writes in bfloat16; torch ops for the rest and without
+    # a C compiler. false: always torch ops
     cpu_kernels: bool = True
     # CPU: the layout of the linear weights, per weight shape: "auto" (the faster of plain/MKL and
     # oneDNN-packed, measured on this machine and cached; tpengine/backends/cpu/linear_layout.py),
@@ -180,8 +182,8 @@ class EngineConfig:
     # ones) or a folder holding a generation_config.json (see tpengine/entrypoints/generation_defaults.py)
     generation_config: str = "auto"
     # weight-only quantization of the column/row-parallel linears and the embedding / LM head, at load (CPU):
-    # "int8" (per output channel), "int4" (group 32, scale and zero; the embedding / LM head int8) or None;
-    # see tpengine/model/quant/weights.py
+    # "int8" (per output channel, the embedding / LM head too), "int4" (group 32, a scale and an int8 zero
+    # code per group; the embedding / LM head the same int4) or None; see tpengine/model/quant/weights.py
     quantization: str | None = None
     # the grammar library of structured outputs (vLLM's structured_outputs_config.backend): "auto"
     # (xgrammar, falling back to guidance for what it cannot compile), "xgrammar" or "guidance"

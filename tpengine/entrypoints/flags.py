@@ -41,8 +41,10 @@ ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {
     "enforce_eager": ("CUDA: run decode steps eagerly, without CUDA graphs", None),
     "kv_mirror": ("CPU, half precision: keep the running batch's KV contiguous across decode steps (faster "
                   "decode; up to one more copy of the KV cache)", None),
-    "cpu_kernels": ("CPU, bfloat16: decode attention, add + RMSNorm, RoPE and SiLU*up through C kernels built at "
-                    "run time (torch ops without a C compiler)", None),
+    "cpu_kernels": ("CPU: C kernels built at run time where they take the tensors (paged decode attention, GEMV, "
+                    "GEMM, quantized GEMV, add + RMSNorm, SiLU*up, RoPE, softmax, KV writes, the LM head's "
+                    "argmax; bfloat16 and float32 as each has them), else torch ops (all of them without a C "
+                    "compiler)", None),
     "cpu_linear": ("CPU: the linear weights' layout per weight shape: auto (the faster of plain/MKL and "
                    "oneDNN-packed, measured on this machine and cached), plain or packed", None),
     "dist_timeout_s": ("seconds a collective waits for the other ranks before the job fails", None),
@@ -57,7 +59,8 @@ ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {
                           "(tpengine's built-in defaults) or a folder holding a generation_config.json; a "
                           "request's fields, flags and the [sampling] table take precedence", None),
     "quantization": (f"quantize the linear layers' weights at load (CPU): {', '.join(QUANTIZATIONS)} (int8: per "
-                     "output channel; int4: group 32, scale and zero), the embedding / LM head too (int8)",
+                     "output channel; int4: group 32, a scale and an int8 zero code per group), the embedding / LM "
+                     "head too (the same scheme)",
                      "none"),
     "structured_outputs_backend": ("structured outputs' grammar library (vLLM's structured_outputs_config."
                                    "backend): auto (xgrammar, falling back to guidance for what it cannot "
