@@ -165,6 +165,7 @@ class LLMEngine:
         self._steps = self._prefill_steps = self._computed_tokens = self._output_tokens = 0
 
     def _grammar_manager(self):
+        """A new :class:`tpengine.structured.StructuredOutputManager` over this engine's tokenizer."""
         from tpengine.structured import StructuredOutputManager
 
         return StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids,
@@ -177,6 +178,7 @@ class LLMEngine:
 
     @property
     def is_driver(self) -> bool:
+        """Whether this rank is its TP group's rank 0 (owns requests, scheduler and sampler)."""
         return self.tp.is_driver
 
     @property
@@ -229,6 +231,7 @@ class LLMEngine:
         return len(self.scheduler.waiting) + len(self._pending)
 
     def has_unfinished(self) -> bool:
+        """Rank 0: whether any request is compiling its grammar, scheduled, or has an output to hand back."""
         return bool(self._pending) or self.scheduler.has_unfinished or bool(self.structured_outputs.compiling)
 
     def step(self) -> list[EngineOutput]:
@@ -343,6 +346,7 @@ class LLMEngine:
         return run_requests(self, requests, 2 * self.config.max_num_seqs, on_output, on_step)
 
     def _follow(self) -> None:
+        """Ranks 1..N-1: run each broadcast plan (the draft model's or the model's) until STOP."""
         while True:
             plan = broadcast_plan(None)
             if plan.kind == StepKind.STOP:
