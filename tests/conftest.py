@@ -7,13 +7,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+from launch import REPO
 
 # Without a GPU, Triton kernels run only under the interpreter, which must be switched on before
 # anything imports triton (transformers may); set it once for the whole session.
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-REPO = Path(__file__).resolve().parent.parent
 SMOLLM2_DIR = REPO / "models" / "smollm2-135m-instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -93,6 +93,16 @@ def smollm2_dir() -> Path:
     if not (SMOLLM2_DIR / "config.json").is_file():
         pytest.fail(f"{SMOLLM2_DIR} is missing: run `make model` first")
     return SMOLLM2_DIR
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> Path:
+    """The CLI tests' model, written once a session: tiny-llama (:func:`make_tiny_model`) with the
+    SmolLM2 tokenizer, its vocab (49152) sized to it, and max_position_embeddings 512. Skips without
+    the tokenizer (``make model``)."""
+    if not (SMOLLM2_DIR / "tokenizer.json").is_file():
+        pytest.skip("needs the SmolLM2 tokenizer (make model)")
+    return make_tiny_model(tmp_path_factory.mktemp("cli"), vocab_size=49152, max_position_embeddings=512)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -1,26 +1,99 @@
-"""Launch a worker script under torchrun (gloo, CPU) from a test."""
+"""The one way a test launches a process: the repository root, the launched processes' environment and
+the command line for a module or a worker script at one or several ranks (``torchrun --standalone``).
+
+Every test that starts ``tpengine.run``, ``tpengine.serve`` or a ``tests/workers`` script builds its
+command here (:func:`command`), runs it with :func:`run` (waits) or :func:`popen` (in the background),
+so the environment, the working directory and the timeouts are the same everywhere. The timeouts are
+bounds against a hang, sized for a loaded machine (a second copy of the suite beside this one on two
+cores), not expectations of speed.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+PY = sys.executable
+TORCHRUN = str(Path(PY).parent / "torchrun")
+WORKERS = REPO / "tests" / "workers"
+
+#: What every launched process sees besides the test's own environment: the hub offline (the tests
+#: never download) and no tokenizer thread pool (its fork warning and its threads).
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+#: :data:`ENV` for the CLI job and server (:func:`cli`, most background launches): one OpenMP thread
+#: per rank, as torchrun itself sets for several ranks, also at tp=1.
+CLI_ENV = {**ENV, "OMP_NUM_THREADS": "1"}
+
+#: The bound (seconds) on a launched job that loads a model and runs a few requests.
+JOB_TIMEOUT = 600
 
 
-def torchrun(script: str, nproc: int, args: list[str], timeout: float = 600, env: dict | None = None,
-             check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``tests/workers/<script>`` with ``torchrun --standalone --nproc_per_node nproc``."""
-    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(REPO / "tests" / "workers" / script), *args]
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full_env)
+def command(target: str | Path, args=(), nproc: int = 1, torchrun: bool | None = None) -> list[str]:
+    """The command line of ``target`` with ``args`` (each turned into a string).
+
+    ``target``: a module (``"tpengine.run"``) or a script's path (a worker: :data:`WORKERS`). At
+    ``nproc`` 1 a module runs as ``python -m`` and a script under ``torchrun`` (the workers read
+    torchrun's ``RANK``); ``torchrun`` forces one or the other. Several ranks always run under
+    ``torchrun --standalone --nproc_per_node nproc``.
+
+    Raises:
+        ValueError: ``nproc`` below 1, or several ranks without torchrun.
+    """
+    is_script = isinstance(target, Path) or str(target).endswith(".py")
+    if torchrun is None:
+        torchrun = nproc > 1 or is_script
+    if nproc < 1 or (nproc > 1 and not torchrun):
+        raise ValueError(f"command: nproc={nproc} with torchrun={torchrun}; valid: nproc >= 1, torchrun for nproc > 1")
+    what = [str(target)] if is_script else ["-m", str(target)]
+    head = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}"] if torchrun else [PY]
+    return [*head, *what, *map(str, args)]
+
+
+def node_command(target: str | Path, args, node_rank: int, port: int, nnodes: int = 2) -> list[str]:
+    """:func:`command` for node ``node_rank`` of ``nnodes`` single-rank torchrun nodes meeting at
+    ``127.0.0.1:port`` (a multi-node job on one machine)."""
+    what = [str(target)] if isinstance(target, Path) or str(target).endswith(".py") else ["-m", str(target)]
+    return [TORCHRUN, f"--nnodes={nnodes}", "--nproc_per_node=1", f"--node_rank={node_rank}",
+            "--master_addr=127.0.0.1", f"--master_port={port}", *what, *map(str, args)]
+
+
+def run(cmd: list[str], timeout: float = JOB_TIMEOUT, env: dict | None = None,
+        check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``cmd`` from :data:`REPO` with :data:`ENV` updated by ``env``, output captured as text;
+    with ``check`` assert exit 0 (the message: the end of stderr)."""
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**ENV, **(env or {})})
     if check:
         assert r.returncode == 0, r.stderr[-6000:]
     return r
+
+
+def popen(cmd: list[str], env: dict | None = None, **kwargs) -> subprocess.Popen:
+    """Start ``cmd`` in the background from :data:`REPO` with the environment ``env`` (default
+    :data:`CLI_ENV`; ``kwargs``: Popen's, e.g. ``stdout``, ``stderr``)."""
+    return subprocess.Popen(cmd, cwd=REPO, env=CLI_ENV if env is None else env, **kwargs)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a server or a rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli(args, tp: int = 1, timeout: float = JOB_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess:
+    """The main job ``tpengine.run`` with ``args`` at ``tp`` ranks (``python -m`` at 1) and :data:`CLI_ENV`."""
+    return run(command("tpengine.run", args, tp), timeout=timeout, env=CLI_ENV, check=check)
+
+
+def torchrun(script: str, nproc: int, args: list[str], timeout: float = JOB_TIMEOUT, env: dict | None = None,
+             check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``tests/workers/<script>`` under ``torchrun --standalone --nproc_per_node nproc``."""
+    return run(command(WORKERS / script, args, nproc), timeout=timeout, env=env, check=check)
 
 
 def run_engine_jobs(tmp_path: Path, nproc: int, jobs: list[dict], tag: str = "", env: dict | None = None) -> dict:

@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
-from launch import REPO, TORCHRUN
-
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+import launch
 
 
 def run(args: list[str], tp: int) -> subprocess.CompletedProcess:
     """``tpengine.entrypoints.run`` at tp=1 (python -m) or under torchrun."""
-    cmd = ([sys.executable, "-m", "tpengine.run"] if tp == 1 else
-           [TORCHRUN, "--standalone", f"--nproc_per_node={tp}", "-m", "tpengine.run"])
-    return subprocess.run(cmd + args, cwd=REPO, capture_output=True, text=True, timeout=180, env=ENV)
+    return launch.run(launch.command("tpengine.run", args, tp), check=False)
 
 
 def test_unsupported_architecture_is_one_line_exit_2(tmp_path):

@@ -5,33 +5,17 @@ after a kill, and the ids of ``--skip-invalid`` error records (with ``--resume``
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import SMOLLM2_DIR, make_tiny_model
+from conftest import SMOLLM2_DIR
+from launch import cli, command, popen
 
 from tpengine.engine.outputs import CompletionOutput, EngineOutput
-
-REPO = Path(__file__).resolve().parents[1]
-PY = sys.executable
-TORCHRUN = str(Path(PY).parent / "torchrun")
-ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-
-
-def cli(args, tp=1, timeout=180, check=True):
-    cmd = [PY, "-m", "tpengine.run"] if tp == 1 else [TORCHRUN, "--standalone", f"--nproc_per_node={tp}",
-                                                      "-m", "tpengine.run"]
-    p = subprocess.run(cmd + [str(a) for a in args], cwd=REPO, env=ENV, capture_output=True, text=True,
-                       check=False, timeout=timeout)
-    if check:
-        assert p.returncode == 0, p.stderr[-3000:]
-    return p
 
 
 def write_jsonl(path, objs):
@@ -44,14 +28,6 @@ def records(path):
     by_id = {r["id"]: r for r in recs}
     assert len(by_id) == len(recs), "an id was written twice"
     return by_id
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """tiny-llama with the SmolLM2 tokenizer (vocab sized to it) and max_position 512."""
-    if not (SMOLLM2_DIR / "tokenizer.json").is_file():
-        pytest.skip("needs the SmolLM2 tokenizer (make model)")
-    return make_tiny_model(tmp_path_factory.mktemp("cli"), vocab_size=49152, max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +168,8 @@ def test_resume_after_kill(tiny, tmp_path):
     cli([*common, "--out", ref_out])
     ref = records(ref_out)
     out = tmp_path / "out.jsonl"
-    proc = subprocess.Popen([PY, "-m", "tpengine.run", *map(str, common), "--out", str(out)], cwd=REPO,
-                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = popen(command("tpengine.run", [*common, "--out", out]), stdout=subprocess.DEVNULL,
+                 stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while not (out.exists() and out.read_text().count("\n") >= 2) and time.monotonic() < deadline:

@@ -1,17 +1,8 @@
 """Settings that fit the command line but not the model (its own length, the KV budget) are found
 after the job starts, and are still a user's mistake: one line, exit 2, no traceback."""
 
-import pytest
-from conftest import SMOLLM2_DIR, make_tiny_model
-from test_cli import cli, write_jsonl
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """tiny-llama with the SmolLM2 tokenizer and max_position 512."""
-    if not (SMOLLM2_DIR / "tokenizer.json").is_file():
-        pytest.skip("needs the SmolLM2 tokenizer (make model)")
-    return make_tiny_model(tmp_path_factory.mktemp("settings"), vocab_size=49152, max_position_embeddings=512)
+from launch import cli
+from test_cli import write_jsonl
 
 
 def test_settings_that_do_not_fit_the_model_are_one_line_and_exit_2(tiny, tmp_path):

@@ -17,10 +17,9 @@ import urllib.request
 
 import pytest
 from conftest import make_tiny_model
-from launch import torchrun
-from test_cli import ENV, REPO, TORCHRUN, cli, records, write_jsonl
+from launch import cli, command, free_port, node_command, popen, torchrun
+from test_cli import records, write_jsonl
 from test_orphans import rank_pids
-from test_server import free_port
 
 from tpengine.config import EngineConfig, parallel_sizes
 from tpengine.engine.data_parallel import Router, merge_stats, request_cost
@@ -144,10 +143,10 @@ def test_killed_rank_of_one_replica_ends_the_job_and_resume_completes(setup, tmp
     common = ["--prompts", lines, "--model", setup["model"], *SETTINGS, "--max-num-seqs", "1", "--dist-timeout-s", "10"]
     ref_out, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
     cli([*common, "--out", ref_out])
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "tpengine.run", *map(str, common),
+    cmd = [*command("tpengine.run", nproc=2), *map(str, common),
            "--data-parallel-size", "2", "--out", str(out)]
     log = tmp_path / "job.log"
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     try:
         deadline = time.monotonic() + 120
         while not (out.exists() and out.read_text().count("\n") >= 2) and time.monotonic() < deadline:
@@ -170,11 +169,9 @@ def test_two_nodes_data_parallel_and_tensor_parallel(setup, tmp_path):
     ref = tokens(setup["ref"])
     for flags in (["--data-parallel-size", "2"], ["--tensor-parallel-size", "2"]):
         port, out = free_port(), tmp_path / f"out{flags[0]}.jsonl"
-        args = ["-m", "tpengine.run", "--prompts", str(setup["lines"]), "--model", str(setup["model"]), *SETTINGS,
-                *flags, "--out", str(out)]
-        procs = [subprocess.Popen([TORCHRUN, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
-                                   "--master_addr=127.0.0.1", f"--master_port={port}", *args],
-                                  cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        args = ["--prompts", setup["lines"], "--model", setup["model"], *SETTINGS, *flags, "--out", out]
+        procs = [popen(node_command("tpengine.run", args, node, port), stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, text=True)
                  for node in (0, 1)]
         for p in procs:
             _, err = p.communicate(timeout=300)
@@ -206,9 +203,9 @@ def start_server(setup, tmp_path, *extra: str, nproc: int = 2, dp: int = 2) -> t
     once /health answers: (launcher, base URL, log path)."""
     port = free_port()
     log = tmp_path / "server.log"
-    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "tpengine.serve", "--port", str(port),
+    cmd = [*command("tpengine.serve", nproc=nproc, torchrun=True), "--port", str(port),
            "--model", str(setup["model"]), *SETTINGS, "--data-parallel-size", str(dp), *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:

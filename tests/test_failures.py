@@ -5,34 +5,26 @@ config -> clean failure before any collective), clean exit and an immediate seco
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+import launch
 import pytest
 from conftest import make_tiny_model
+from launch import WORKERS
 
 from shard_tool.split import split_model
 
-REPO = Path(__file__).resolve().parent.parent
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
-
-def run_job(nproc: int, model: Path, prompts: Path, out: Path, config: Path | None = None, timeout=120,
+def run_job(nproc: int, model: Path, prompts: Path, out: Path, config: Path | None = None,
             fault: str | None = None):
-    """The main job under torchrun; ``fault`` "RANK:STEP" runs it through tests/workers/fault_run.py,
-    which makes rank RANK raise at its STEP-th decode step."""
-    job = ["-m", "tpengine.run"] if fault is None else [str(REPO / "tests" / "workers" / "fault_run.py"), fault]
-    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *job,
-           "--prompts", str(prompts), "--out", str(out), "--model", str(model)]
-    if config:
-        cmd += ["--config", str(config)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    """The main job under torchrun -> (the finished process, its wall seconds); ``fault`` "RANK:STEP"
+    runs it through tests/workers/fault_run.py, which makes rank RANK raise at its STEP-th decode step."""
+    target, args = ("tpengine.run", []) if fault is None else (WORKERS / "fault_run.py", [fault])
+    args += ["--prompts", prompts, "--out", out, "--model", model, *(["--config", config] if config else [])]
     t0 = time.monotonic()
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    r = launch.run(launch.command(target, args, nproc, torchrun=True), check=False)
     return r, time.monotonic() - t0
 
 
@@ -115,10 +107,8 @@ def test_shutdown_releases_the_process_group(setup, tmp_path):
     though loading the model imported torch.distributed.nn, whose functions bind the default
     group as an argument default. A live group reached interpreter finalization and aborted a
     rank about once in ten runs ("terminate called without an active exception")."""
-    from launch import torchrun
-
     _, model, _, _, _ = setup
-    torchrun("shutdown_check.py", 2, [str(model), str(tmp_path / "r")])
+    launch.torchrun("shutdown_check.py", 2, [str(model), str(tmp_path / "r")])
     for rank in range(2):
         got = json.loads((tmp_path / f"r-{rank}.json").read_text())
         assert got["gathered"] == [0, 1]

@@ -11,7 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from test_cli import ENV, REPO, TORCHRUN, write_jsonl
+from launch import command, popen
+from test_cli import write_jsonl
 from test_orphans import SETTINGS, alive, rank_pids, tiny  # noqa: F401  (tiny: the module's model fixture)
 
 
@@ -32,10 +33,10 @@ def test_usr1_report_then_a_stopped_rank_is_named(tiny, tmp_path):  # noqa: F811
         {"id": f"r{i}", "prompt_token_ids": [5, 6, 7, 10 + i], "max_tokens": 48, "temperature": 0,
          "ignore_eos": True} for i in range(60)])
     out, log = tmp_path / "out.jsonl", tmp_path / "stderr.txt"
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "tpengine.run", "--prompts", str(prompts),
+    cmd = [*command("tpengine.run", nproc=2), "--prompts", str(prompts),
            "--model", str(tiny), *SETTINGS, "--dist-timeout-s", "5", "--out", str(out)]
     with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=err)
+        proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
     ranks: dict[int, int] = {}
     try:
         wait_for(lambda: out.exists() and out.read_text().count("\n") >= 2, 120, "the first records", proc)

@@ -11,7 +11,8 @@ import shutil
 import pytest
 import torch
 from conftest import SMOLLM2_DIR
-from test_cli import cli, records, write_jsonl
+from launch import cli
+from test_cli import records, write_jsonl
 
 PROMPTS = ["The capital of France is", "List three colors: red, red, red,", "Once upon a time, once upon a"]
 

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SMOLLM2_DIR, make_tiny_model
-from test_cli import cli, write_jsonl
+from launch import cli
+from test_cli import write_jsonl
 from typer.testing import CliRunner
 
 from tpengine.backends.cpu import cpu_library
@@ -196,13 +196,6 @@ def test_summary_json_of_a_job_without_requests(tmp_path):
     assert (code, err) == (0, f"no requests in {prompts}: nothing to do\n")
     s = json.loads(summary.read_text())
     assert (s["requests_ok"], s["requests_error"], s["output_tokens"], s["peak_rss_bytes"]) == (0, 0, 0, None)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    if not (SMOLLM2_DIR / "tokenizer.json").is_file():
-        pytest.skip("needs the SmolLM2 tokenizer (make model)")
-    return make_tiny_model(tmp_path_factory.mktemp("files"), vocab_size=49152, max_position_embeddings=512)
 
 
 def test_load_lines_and_summary_json(tiny, tmp_path):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from conftest import SMOLLM2_DIR, make_tiny_model
-from test_cli import cli
+from launch import cli
 
 GREEDY = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
 # Llama-2 / Mistral chat templates refuse two user turns in a row with exactly this call

@@ -4,19 +4,11 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 
 import torch
 from conftest import make_tiny_model
-from launch import REPO, TORCHRUN, torchrun
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from launch import ENV, WORKERS, free_port, node_command, popen, torchrun
 
 
 def test_two_nodes_equal_one_node(tmp_path):
@@ -27,11 +19,8 @@ def test_two_nodes_equal_one_node(tmp_path):
     torchrun("tp_logits.py", 2, [str(single), str(jobs)])
 
     port, multi = free_port(), tmp_path / "multi.pt"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    procs = [subprocess.Popen([TORCHRUN, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={n}",
-                               "--master_addr=127.0.0.1", f"--master_port={port}",
-                               str(REPO / "tests" / "workers" / "tp_logits.py"), str(multi), str(jobs)],
-                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [popen(node_command(WORKERS / "tp_logits.py", [multi, jobs], n, port), env=ENV,
+                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for n in (0, 1)]
     for p in procs:
         _, err = p.communicate(timeout=300)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 from conftest import make_tiny_model
-from test_cli import ENV, REPO, TORCHRUN, cli, records, write_jsonl
-from test_server import free_port
+from launch import cli, command, free_port, popen
+from test_cli import records, write_jsonl
 
 SETTINGS = ["--max-model-len", "128", "--kv-cache-gb", "0.01", "--max-num-seqs", "1"]
 
@@ -74,8 +74,8 @@ def test_killed_launcher_of_a_job_leaves_no_rank_and_resume_completes(tiny, tmp_
          "ignore_eos": True} for i in range(n)])
     out = tmp_path / "out.jsonl"
     common = ["--prompts", prompts, "--model", tiny, *SETTINGS]
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "tpengine.run", *map(str, common), "--out", str(out)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [*command("tpengine.run", nproc=2), *map(str, common), "--out", str(out)]
+    proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while not (out.exists() and out.read_text().count("\n") >= 2) and time.monotonic() < deadline:
@@ -99,10 +99,10 @@ def test_killed_launcher_of_a_job_leaves_no_rank_and_resume_completes(tiny, tmp_
 def test_killed_launcher_of_a_server_leaves_no_rank(tiny, tmp_path):
     port = free_port()
     log = tmp_path / "server.log"
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "tpengine.serve", "--port", str(port),
+    cmd = [*command("tpengine.serve", nproc=2), "--port", str(port),
            "--model", str(tiny), *SETTINGS]
     with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=err)
+        proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
     try:
         deadline = time.monotonic() + 120
         while True:

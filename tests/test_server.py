@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SMOLLM2_DIR
-from test_cli import ENV, REPO, TORCHRUN, cli
+from launch import cli, command, free_port, popen
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.skipif(not (SMOLLM2_DIR / "config.json").is_file(), reason="needs make model")
@@ -36,21 +35,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """``torchrun --nproc_per_node 2 -m tpengine.serve`` on a free port, its stderr collected."""
 
     def __init__(self, tmp: Path, tp: int = 2, extra: tuple[str, ...] = ()):
         self.port = free_port()
         self.log = tmp / f"server-{self.port}.log"
-        cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={tp}", "-m", "tpengine.serve", "--port", str(self.port),
+        cmd = [*command("tpengine.serve", nproc=tp, torchrun=True), "--port", str(self.port),
                *SETTINGS, *extra]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=open(self.log, "w"))
+        self.proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "w"))
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 import torch
 from conftest import SMOLLM2_DIR
-from test_cli import cli
+from launch import cli
 from test_server import SETTINGS, Server
 
 openai = pytest.importorskip("openai")

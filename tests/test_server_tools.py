@@ -165,7 +165,7 @@ def test_the_batch_job_gives_the_servers_calls_and_errors(smol, tmp_path):
     """OpenAI Batch chat lines with a schema, required and named tool choices: the same message as
     the server's; a bad schema is that line's error record; "auto" (the batch job has no parser)
     is refused naming the field."""
-    from test_cli import cli
+    from launch import cli
     from test_server import SETTINGS
 
     from tpengine.frontend.requests import BATCH_AUTO_TOOLS
