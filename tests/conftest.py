@@ -87,6 +87,24 @@ def make_tiny_model(
     return out
 
 
+class QuietContention:
+    """A stand-in for :class:`tpengine.backends.cpu.measured.Contention` that sees a quiet machine: for
+    tests of the choosing and caching around given timings, which must not depend on how busy the
+    machine is (a busy window's timings are never cached)."""
+
+    busy = False
+    others_cores = 0.0
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __enter__(self) -> QuietContention:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 @pytest.fixture
 def smollm2_dir() -> Path:
     """The converted SmolLM2-135M-Instruct folder (made by ``make model``)."""
@@ -103,6 +121,22 @@ def tiny(tmp_path_factory) -> Path:
     if not (SMOLLM2_DIR / "tokenizer.json").is_file():
         pytest.skip("needs the SmolLM2 tokenizer (make model)")
     return make_tiny_model(tmp_path_factory.mktemp("cli"), vocab_size=49152, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(tmp_path_factory):
+    """The OpenAI-compatible server at tp=2 on SmolLM2 in float32 (:data:`serving.SETTINGS`), started
+    once a session for ``test_server.py`` and ``test_server_clients.py`` (their tests leave it as they
+    found it: no request running, no KV block held) and stopped with SIGTERM at the session's end.
+    Skips without ``make model`` or the ``openai`` client."""
+    pytest.importorskip("openai")
+    if not (SMOLLM2_DIR / "config.json").is_file():
+        pytest.skip("needs make model")
+    from serving import Server
+
+    server = Server(tmp_path_factory.mktemp("smollm2-server"))
+    yield server
+    server.stop()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

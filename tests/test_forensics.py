@@ -150,11 +150,14 @@ def test_a_rank_stopped_after_the_last_collective_is_ended_at_exit():
     exiting = ("import time; from tpengine import forensics; forensics.RING.rank, forensics.RING.timeout_s = 0, 1.0; "
                "t = time.monotonic(); print(forensics.end_stopped_ranks(), round(time.monotonic() - t, 1))")
     for other in ("stopped", "running", "exiting", "exiting stopped"):
-        code = ("from tpengine import forensics; forensics._set_name(forensics.EXITING); import time; time.sleep(3)"
-                if other.startswith("exiting") else "import time; time.sleep(3)")
-        peer = subprocess.Popen([sys.executable, "-c", code], env={**env, "RANK": "1"})
+        # the peer says when it has started (and is named), then waits to be killed (finally)
+        name = "from tpengine import forensics; forensics._set_name(forensics.EXITING); "
+        code = (name if other.startswith("exiting") else "") + "import time; print('ready', flush=True); " \
+            "time.sleep(600)"
+        peer = subprocess.Popen([sys.executable, "-c", code], env={**env, "RANK": "1"}, stdout=subprocess.PIPE,
+                                text=True)
         try:
-            time.sleep(0.5)  # started (and named)
+            assert peer.stdout.readline() == "ready\n"
             if other.endswith("stopped"):
                 os.kill(peer.pid, signal.SIGSTOP)
             out = subprocess.run([sys.executable, "-c", exiting], env={**env, "RANK": "0"}, capture_output=True,

@@ -21,14 +21,16 @@ pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs 
 
 def test_spinning_processes_on_every_core_make_the_window_busy():
     cores = len(os.sched_getaffinity(0))
-    spin = "import time\nt = time.monotonic() + 1.5\nwhile time.monotonic() < t: pass\n"
-    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(cores)]
+    # each spinner says when it spins, and spins until it is killed (at most a minute)
+    spin = "import time\nprint('spinning', flush=True)\nt = time.monotonic() + 60\nwhile time.monotonic() < t: pass\n"
+    procs = [subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True) for _ in range(cores)]
     try:
-        time.sleep(0.3)  # every spinner running
+        assert [p.stdout.readline() for p in procs] == ["spinning\n"] * cores
         with measured.Contention(threads=1) as load:
             time.sleep(0.5)
     finally:
         for p in procs:
+            p.kill()
             p.wait(10)
     # `cores` spinners use about `cores` cores; this process (1 thread) leaves cores - 1 free
     assert load.busy and load.others_cores > cores - 1 + 0.5, load.others_cores

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import subprocess
 import threading
 import time
 import urllib.request
@@ -17,12 +15,12 @@ from pathlib import Path
 
 import pytest
 from conftest import SMOLLM2_DIR
-from launch import cli, command, free_port, popen
+from launch import cli
+from serving import SETTINGS, Server
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.skipif(not (SMOLLM2_DIR / "config.json").is_file(), reason="needs make model")
 
-SETTINGS = ["--model", str(SMOLLM2_DIR), "--max-model-len", "1024", "--kv-cache-gb", "0.25", "--dtype", "float32"]
 GREEDY = {"temperature": 0.0, "max_tokens": 24}
 COMPLETIONS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 CHATS = ["What is 2 + 2?", "Name three colors.", "Say hello in French."]
@@ -35,62 +33,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class Server:
-    """``torchrun --nproc_per_node 2 -m tpengine.serve`` on a free port, its stderr collected."""
-
-    def __init__(self, tmp: Path, tp: int = 2, extra: tuple[str, ...] = ()):
-        self.port = free_port()
-        self.log = tmp / f"server-{self.port}.log"
-        cmd = [*command("tpengine.serve", nproc=tp, torchrun=True), "--port", str(self.port),
-               *SETTINGS, *extra]
-        self.proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "w"))
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            try:
-                if urllib.request.urlopen(self.url + "/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                time.sleep(0.3)
-        else:
-            raise AssertionError("the server did not come up: " + self.log.read_text()[-3000:])
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-    def metrics(self) -> dict[str, float]:
-        text = urllib.request.urlopen(self.url + "/metrics", timeout=5).read().decode()
-        out = {}
-        for line in text.splitlines():
-            m = re.match(r"^(tpengine:\w+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
-            if m:
-                out[m.group(1)] = float(m.group(3))
-        return out
-
-    def rank_pids(self) -> dict[int, int]:
-        """rank -> pid of torchrun's workers."""
-        kids = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
-        ranks = {}
-        for pid in map(int, kids):
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            rank = next((int(e.split(b"=")[1]) for e in env if e.startswith(b"RANK=")), None)
-            if rank is not None:
-                ranks[rank] = pid
-        return ranks
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("server"))
-    yield s
-    s.stop()
+@pytest.fixture
+def server(smollm2_server):
+    """The session's tp=2 SmolLM2 server (conftest), shared with test_server_clients.py."""
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import SMOLLM2_DIR
 from launch import cli
-from test_server import SETTINGS, Server
+from serving import SETTINGS
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.skipif(not (SMOLLM2_DIR / "config.json").is_file(), reason="needs make model")
@@ -26,11 +26,10 @@ TOL = 1e-4
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("server-clients"))
-    yield s
-    s.stop()
+@pytest.fixture
+def server(smollm2_server):
+    """The session's tp=2 SmolLM2 server (conftest), shared with test_server.py."""
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")

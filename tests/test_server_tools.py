@@ -14,7 +14,7 @@ from typing import Literal
 import pytest
 from conftest import SMOLLM2_DIR, make_tiny_model
 from launch import REPO
-from test_server import Server
+from serving import Server
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -166,7 +166,7 @@ def test_the_batch_job_gives_the_servers_calls_and_errors(smol, tmp_path):
     the server's; a bad schema is that line's error record; "auto" (the batch job has no parser)
     is refused naming the field."""
     from launch import cli
-    from test_server import SETTINGS
+    from serving import SETTINGS
 
     from tpengine.frontend.requests import BATCH_AUTO_TOOLS
 

@@ -1,0 +1,71 @@
+"""The OpenAI-compatible server as the tests start it: ``torchrun -m tpengine.serve`` on a free port of
+127.0.0.1 (:class:`Server`), SmolLM2 in float32 by default (:data:`SETTINGS`)."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from conftest import SMOLLM2_DIR
+from launch import command, free_port, popen
+
+SETTINGS = ["--model", str(SMOLLM2_DIR), "--max-model-len", "1024", "--kv-cache-gb", "0.25", "--dtype", "float32"]
+#: The bound (seconds) on a server's start (torchrun, the ranks' imports, the load), sized for a loaded machine.
+START_TIMEOUT = 300
+
+
+class Server:
+    """``torchrun --nproc_per_node 2 -m tpengine.serve`` on a free port, its stderr collected."""
+
+    def __init__(self, tmp: Path, tp: int = 2, extra: tuple[str, ...] = ()):
+        self.port = free_port()
+        self.log = tmp / f"server-{self.port}.log"
+        cmd = [*command("tpengine.serve", nproc=tp, torchrun=True), "--port", str(self.port),
+               *SETTINGS, *extra]
+        self.proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "w"))
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                if urllib.request.urlopen(self.url + "/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.3)
+        else:
+            raise AssertionError("the server did not come up: " + self.log.read_text()[-3000:])
+        import openai
+
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(self.url + "/metrics", timeout=5).read().decode()
+        out = {}
+        for line in text.splitlines():
+            m = re.match(r"^(tpengine:\w+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
+            if m:
+                out[m.group(1)] = float(m.group(3))
+        return out
+
+    def rank_pids(self) -> dict[int, int]:
+        """rank -> pid of torchrun's workers."""
+        kids = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
+        ranks = {}
+        for pid in map(int, kids):
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = next((int(e.split(b"=")[1]) for e in env if e.startswith(b"RANK=")), None)
+            if rank is not None:
+                ranks[rank] = pid
+        return ranks
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
