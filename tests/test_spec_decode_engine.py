@@ -49,13 +49,34 @@ def _requests(tok) -> list:
     ]
 
 
+def _draft_jobs(tok, tmp) -> list[dict]:
+    """SmolLM2 with itself as draft (the mechanism's cost at its best: every proposal right) and with
+    a truncated copy (its first 6 layers and its head: a weak draft), written under ``tmp``."""
+    import sys
+
+    from launch import REPO
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks.truncate_model import truncate
+
+    weak = truncate(SMOLLM2_DIR, 6, tmp / "smollm2-6l")
+    reqs = [r for r in _requests(tok) if r[0] != "shared"]
+    return [{"key": name, "requests": reqs, "config": {**BASE, "speculative_config": {
+        "model": str(model), "num_speculative_tokens": 3, "disable_by_batch_size": 64}}}
+        for name, model in (("self", SMOLLM2_DIR), ("weak", weak))]
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    """Every engine run of this module, one launch per tp (1 and 2): n-gram speculation ("spec", and
+    "tight": chunked prefill and preemption), the draft models ("self", "weak": :func:`_draft_jobs`) and,
+    at tp 1, the same without speculation ("base", "tight-base"): tp -> key -> (outputs by id, job)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
     tmp = tmp_path_factory.mktemp("spec")
     reqs = _requests(tok)
+    drafts = _draft_jobs(tok, tmp)
     out = {}
     for tp in (1, 2):
         jobs = [{"key": "spec", "config": {**BASE, "speculative_config": SPEC}, "requests": reqs},
@@ -63,7 +84,7 @@ def results(tmp_path_factory):
         if tp == 1:
             jobs += [{"key": "base", "config": BASE, "requests": reqs},
                      {"key": "tight-base", "config": {**BASE, **TIGHT}, "requests": reqs}]
-        res = run_engine_jobs(tmp, tp, jobs)
+        res = run_engine_jobs(tmp, tp, jobs + drafts)
         out[tp] = {k: ({o["request_id"]: o for o in v["outputs"]}, v) for k, v in res.items()}
     return out
 
@@ -147,28 +168,9 @@ def test_batch_job_takes_the_flag_and_reports(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def draft_results(tmp_path_factory):
-    """SmolLM2 with itself as draft (the mechanism's cost at its best: every proposal right) and with
-    a truncated copy (its first 6 layers and its head: a weak draft), at tp 1 and 2."""
-    import sys
-
-    from launch import REPO
-    from transformers import AutoTokenizer
-
-    sys.path.insert(0, str(REPO))
-    from benchmarks.truncate_model import truncate
-
-    tmp = tmp_path_factory.mktemp("draft")
-    weak = truncate(SMOLLM2_DIR, 6, tmp / "smollm2-6l")
-    reqs = [r for r in _requests(AutoTokenizer.from_pretrained(SMOLLM2_DIR)) if r[0] != "shared"]
-    out = {}
-    for tp in (1, 2):
-        jobs = [{"key": name, "requests": reqs, "config": {**BASE, "speculative_config": {
-            "model": str(model), "num_speculative_tokens": 3, "disable_by_batch_size": 64}}}
-            for name, model in (("self", SMOLLM2_DIR), ("weak", weak))]
-        res = run_engine_jobs(tmp, tp, jobs)
-        out[tp] = {k: ({o["request_id"]: o for o in v["outputs"]}, v) for k, v in res.items()}
-    return out
+def draft_results(results):
+    """The draft-model runs ("self", "weak") at tp 1 and 2, made in :func:`results`' launches."""
+    return {tp: {k: results[tp][k] for k in ("self", "weak")} for tp in (1, 2)}
 
 
 @pytest.mark.parametrize("tp", [1, 2])

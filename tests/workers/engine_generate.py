@@ -4,13 +4,15 @@ usage: torchrun --nproc_per_node N tests/workers/engine_generate.py OUT.json JOB
 JOBS.json: [{"key": str, "config": {EngineConfig fields}, "requests": [[id, prompt_ids, params]]}]
 params are SamplingParams keyword arguments (``structured_outputs``: StructuredOutputsParams ones).
 Output: {key: {"outputs": [...], "stats": {...},
-"weight_bytes": [per rank]}}.
+"weight_bytes": [per rank], "load_s": seconds to build the engine, "run_s": seconds to generate}}
+(the seconds are for reading which job a slow run spends its time in, never asserted).
 A job may instead carry "waves": a list of request lists, each generate()d in turn.
 """
 
 import dataclasses
 import json
 import sys
+import time
 
 from tpengine.config import EngineConfig
 from tpengine.distributed import gather_control, get_tp, shutdown
@@ -37,7 +39,9 @@ def main():
     out_path, jobs_path = sys.argv[1], sys.argv[2]
     results = {}
     for job in json.load(open(jobs_path)):
+        start = time.monotonic()
         engine = LLMEngine(EngineConfig(**job["config"]))
+        loaded = time.monotonic()
         start_free = engine.stats().num_free_blocks if engine.is_driver else None
         weight_bytes = gather_control(engine.runner.weight_bytes)  # every rank's, on rank 0
         outs = []
@@ -50,6 +54,8 @@ def main():
                 "stats": dataclasses.asdict(engine.stats()),
                 "start_free_blocks": start_free,
                 "weight_bytes": weight_bytes,
+                "load_s": round(loaded - start, 2),
+                "run_s": round(time.monotonic() - loaded, 2),
             }
     if get_tp().is_driver:
         json.dump(results, open(out_path, "w"))
