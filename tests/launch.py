@@ -31,6 +31,9 @@ CLI_ENV = {**ENV, "OMP_NUM_THREADS": "1"}
 
 #: The bound (seconds) on a launched job that loads a model and runs a few requests.
 JOB_TIMEOUT = 600
+#: The bound (seconds) on a background job's or server's start: torchrun, each rank's imports, the load,
+#: the first records or the first ``/health`` answer.
+START_TIMEOUT = 300
 
 
 def command(target: str | Path, args=(), nproc: int = 1, torchrun: bool | None = None) -> list[str]:

@@ -11,11 +11,9 @@ import urllib.request
 from pathlib import Path
 
 from conftest import SMOLLM2_DIR
-from launch import command, free_port, popen
+from launch import START_TIMEOUT, command, free_port, popen
 
 SETTINGS = ["--model", str(SMOLLM2_DIR), "--max-model-len", "1024", "--kv-cache-gb", "0.25", "--dtype", "float32"]
-#: The bound (seconds) on a server's start (torchrun, the ranks' imports, the load), sized for a loaded machine.
-START_TIMEOUT = 300
 
 
 class Server:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SMOLLM2_DIR
-from launch import cli, command, popen
+from launch import START_TIMEOUT, cli, command, popen
 
 from tpengine.engine.outputs import CompletionOutput, EngineOutput
 
@@ -171,7 +171,7 @@ def test_resume_after_kill(tiny, tmp_path):
     proc = popen(command("tpengine.run", [*common, "--out", out]), stdout=subprocess.DEVNULL,
                  stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + START_TIMEOUT
         while not (out.exists() and out.read_text().count("\n") >= 2) and time.monotonic() < deadline:
             assert proc.poll() is None, "the run ended before it could be killed"
             time.sleep(0.02)

@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 from conftest import make_tiny_model
-from launch import cli, command, free_port, node_command, popen, torchrun
+from launch import START_TIMEOUT, cli, command, free_port, node_command, popen, torchrun
 from test_cli import records, write_jsonl
 from test_orphans import rank_pids
 
@@ -148,7 +148,7 @@ def test_killed_rank_of_one_replica_ends_the_job_and_resume_completes(setup, tmp
     log = tmp_path / "job.log"
     proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + START_TIMEOUT
         while not (out.exists() and out.read_text().count("\n") >= 2) and time.monotonic() < deadline:
             assert proc.poll() is None, log.read_text()[-3000:]
             time.sleep(0.02)
@@ -207,7 +207,7 @@ def start_server(setup, tmp_path, *extra: str, nproc: int = 2, dp: int = 2) -> t
            "--model", str(setup["model"]), *SETTINGS, "--data-parallel-size", str(dp), *extra]
     proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + START_TIMEOUT
     while True:
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         try:

@@ -17,6 +17,10 @@ from launch import WORKERS
 from shard_tool.split import split_model
 
 
+#: The collective timeout of this module's jobs, and the bound on a job that must fail quickly (well under it).
+DIST_TIMEOUT_S, QUICK_S = 300, 120
+
+
 def run_job(nproc: int, model: Path, prompts: Path, out: Path, config: Path | None = None,
             fault: str | None = None):
     """The main job under torchrun -> (the finished process, its wall seconds); ``fault`` "RANK:STEP"
@@ -36,7 +40,9 @@ def setup(tmp_path_factory):
     prompts.write_text("".join(json.dumps({"id": f"r{i}", "prompt_token_ids": [5, 6, 7, 10 + i],
                                            "max_tokens": 8, "temperature": 0}) + "\n" for i in range(4)))
     cfg = root / "engine.toml"
-    cfg.write_text("[engine]\nkv_cache_gb = 0.05\nmax_model_len = 128\n")
+    # a collective waits DIST_TIMEOUT_S: a job that ended only by that timeout would take longer than
+    # QUICK_S, which leaves a loaded machine (a second suite beside this one) room for torchrun and the imports
+    cfg.write_text(f"[engine]\nkv_cache_gb = 0.05\nmax_model_len = 128\ndist_timeout_s = {DIST_TIMEOUT_S}\n")
     shards = root / "tiny-tp2"
     split_model(model, 2, shards)
     return root, model, prompts, cfg, shards
@@ -60,7 +66,7 @@ def test_c07_rank1_raises_at_decode_step_3(setup):
     out = root / "fault.jsonl"
     r, elapsed = run_job(2, model, prompts, out, cfg, fault="1:3")
     assert r.returncode != 0
-    assert elapsed < 30
+    assert elapsed < QUICK_S
     assert "[tpengine rank 1/2] failed: RuntimeError: injected fault on rank 1 at decode step 3" in r.stderr
     assert not out.exists() or out.read_text() == ""  # nothing claims success
 
@@ -74,7 +80,7 @@ def test_c07_truncated_shard_on_rank1(setup, tmp_path):
     out = tmp_path / "out.jsonl"
     r, elapsed = run_job(2, broken, prompts, out, cfg)
     assert r.returncode != 0
-    assert elapsed < 30
+    assert elapsed < QUICK_S
     assert "[tpengine rank 1/2] failed: CheckpointMismatchError: rank 1:" in r.stderr
     assert "rank-01-of-02.safetensors" in r.stderr and "corrupt or truncated" in r.stderr
     assert not out.exists() or out.read_text() == ""
@@ -85,7 +91,7 @@ def test_c19_shards_for_tp2_launched_at_other_tp(setup, tmp_path, nproc):
     root, _, prompts, cfg, shards = setup
     r, elapsed = run_job(nproc, shards, prompts, tmp_path / "out.jsonl", cfg)
     assert r.returncode != 0
-    assert elapsed < 30  # torchrun + imports; the check itself runs before any collective
+    assert elapsed < QUICK_S  # torchrun + imports; the check itself runs before any collective
     assert f"was made for tp=2 but this launch has tp={nproc}" in r.stderr
     assert "tpengine-shard split" in r.stderr
 

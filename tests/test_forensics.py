@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from launch import command, popen
+from launch import START_TIMEOUT, command, popen
 from test_cli import write_jsonl
 from test_orphans import SETTINGS, alive, rank_pids, tiny  # noqa: F401  (tiny: the module's model fixture)
 
@@ -39,7 +39,7 @@ def test_usr1_report_then_a_stopped_rank_is_named(tiny, tmp_path):  # noqa: F811
         proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
     ranks: dict[int, int] = {}
     try:
-        wait_for(lambda: out.exists() and out.read_text().count("\n") >= 2, 120, "the first records", proc)
+        wait_for(lambda: out.exists() and out.read_text().count("\n") >= 2, START_TIMEOUT, "the first records", proc)
         ranks = rank_pids(proc.pid)
         assert sorted(ranks) == [0, 1]
         os.kill(ranks[1], signal.SIGUSR1)  # a report, and the rank runs on
@@ -124,9 +124,10 @@ def test_usr1_writes_a_report_unless_the_program_has_its_own_handler(tmp_path, m
     try:
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
         forensics.configure(0, 1, 5.0)
-        os.kill(os.getpid(), signal.SIGUSR1)
-        time.sleep(0.05)  # the handler runs between bytecodes of the main thread
-        assert "reason: SIGUSR1 (the rank runs on)" in (tmp_path / "forensics" / "job" / "rank0.txt").read_text()
+        os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs between bytecodes of the main thread
+        report = tmp_path / "forensics" / "job" / "rank0.txt"
+        wait_for(report.exists, 30, "the SIGUSR1 report")
+        assert "reason: SIGUSR1 (the rank runs on)" in report.read_text()
 
         def own(*_):
             pass

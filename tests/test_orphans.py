@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import make_tiny_model
-from launch import cli, command, free_port, popen
+from launch import START_TIMEOUT, cli, command, free_port, popen
 from test_cli import records, write_jsonl
 
 SETTINGS = ["--max-model-len", "128", "--kv-cache-gb", "0.01", "--max-num-seqs", "1"]
@@ -77,7 +77,7 @@ def test_killed_launcher_of_a_job_leaves_no_rank_and_resume_completes(tiny, tmp_
     cmd = [*command("tpengine.run", nproc=2), *map(str, common), "--out", str(out)]
     proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + START_TIMEOUT
         while not (out.exists() and out.read_text().count("\n") >= 2) and time.monotonic() < deadline:
             assert proc.poll() is None, "the job ended before its launcher could be killed"
             time.sleep(0.02)
@@ -104,7 +104,7 @@ def test_killed_launcher_of_a_server_leaves_no_rank(tiny, tmp_path):
     with open(log, "w") as err:
         proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + START_TIMEOUT
         while True:
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, "the server did not come up: " + log.read_text()[-3000:]
