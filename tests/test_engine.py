@@ -114,6 +114,8 @@ def jobs_for(models, smollm2_prompts, tp: int) -> list[dict]:
                          "config": cfg(models["llama"], dtype="bfloat16", kv_mirror=mirror, cpu_kernels=False)})
         jobs.append({"key": "llama/bf16-cpu_kernels", "requests": reqs,  # the C kernels: paged decode, fused ops
                      "config": cfg(models["llama"], dtype="bfloat16")})
+    if tp == 2:  # C13, C14, C12 (test_c13_c14_c12_on_two_ranks)
+        jobs += c13_c14_c12_jobs(models["llama"])
     if tp <= 2:  # the bfloat16 CPU path (matmul prefill attention, decode KV mirror)
         bf16 = [[f"s{i}", p, {**GREEDY, "max_tokens": 32}] for i, p in enumerate(smollm2_prompts)]
         jobs.append({"key": "smollm2/bf16", "requests": bf16,
@@ -239,10 +241,10 @@ def test_c17_batch_composition_does_not_change_tokens(engine_results, tp):
     assert r["llama/join"]["stats"]["prefill_steps"] >= 2  # P3 was prefilled while others decoded
 
 
-def test_c13_c14_c12_on_two_ranks(models, tmp_path):
-    """One tp=2 launch: C13 preemption under TP, C14 no block leak after 200 mixed requests,
-    C12 several EOS ids from generation_config.json."""
-    d = models["llama"]
+def c13_c14_c12_jobs(d) -> list[dict]:
+    """The tp=2 jobs of :func:`test_c13_c14_c12_on_two_ranks` on the tiny llama ``d``: C13 preemption
+    ("c13-small" against "c13-alone"), C14 200 mixed requests in waves ("c14", "c14-cached") and the
+    C12 probe ("c12-probe")."""
     six = tiny_prompts(1001, (6, 6, 6, 6))
     c13 = [[f"q{i}", p, {**GREEDY, "max_tokens": 12, "ignore_eos": True}] for i, p in enumerate(six)]
     small = cfg(d, block_size=4, num_kv_blocks=8, max_num_seqs=4)
@@ -272,7 +274,15 @@ def test_c13_c14_c12_on_two_ranks(models, tmp_path):
             {"key": "c14", "config": c14, "waves": waves},
             {"key": "c14-cached", "config": {**c14, "enable_prefix_caching": True}, "waves": waves},
             {"key": "c12-probe", "config": cfg(d), "requests": [["x", probe, {**GREEDY, "max_tokens": 8}]]}]
-    r = run_engine_jobs(tmp_path, 2, jobs, tag="a")
+    return jobs
+
+
+def test_c13_c14_c12_on_two_ranks(models, engine_results, tmp_path):
+    """At tp=2 (the jobs of :func:`c13_c14_c12_jobs`, run in engine_results' launch): C13 preemption under
+    TP, C14 no block leak after 200 mixed requests, C12 several EOS ids from generation_config.json."""
+    d = models["llama"]
+    probe = tiny_prompts(1001, (9,))[0]
+    r = engine_results[2]
 
     small_out, alone_out = by_id(r["c13-small"]), by_id(r["c13-alone"])
     assert r["c13-small"]["stats"]["num_preemptions"] > 0
