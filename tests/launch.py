@@ -29,8 +29,9 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 #: per rank, as torchrun itself sets for several ranks, also at tp=1.
 CLI_ENV = {**ENV, "OMP_NUM_THREADS": "1"}
 
-#: The bound (seconds) on a launched job that loads a model and runs a few requests.
-JOB_TIMEOUT = 600
+#: The bound (seconds) on a launched job that loads a model and runs its requests: test_engine's launches
+#: run a dozen engines each, and on a busy machine every load measures its choices again.
+JOB_TIMEOUT = 1200
 #: The bound (seconds) on a background job's or server's start: torchrun, each rank's imports, the load,
 #: the first records or the first ``/health`` answer.
 START_TIMEOUT = 300
