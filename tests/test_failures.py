@@ -16,7 +16,6 @@ from launch import WORKERS
 
 from shard_tool.split import split_model
 
-
 #: The collective timeout of this module's jobs, and the bound on a job that must fail quickly (well under it).
 DIST_TIMEOUT_S, QUICK_S = 300, 120
 
