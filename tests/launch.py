@@ -22,12 +22,20 @@ PY = sys.executable
 TORCHRUN = str(Path(PY).parent / "torchrun")
 WORKERS = REPO / "tests" / "workers"
 
-#: What every launched process sees besides the test's own environment: the hub offline (the tests
-#: never download) and no tokenizer thread pool (its fork warning and its threads).
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-#: :data:`ENV` for the CLI job and server (:func:`cli`, most background launches): one OpenMP thread
+#: What every launched process gets on top of the test's environment as it is at the launch (so a
+#: ``monkeypatch.setenv`` and conftest's ``TRITON_INTERPRET`` reach it): the hub offline (the tests never
+#: download) and no tokenizer thread pool (its fork warning and its threads).
+ENV_EXTRA = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+#: :data:`ENV_EXTRA` for the CLI job and server (:func:`cli`, the background launches): one OpenMP thread
 #: per rank, as torchrun itself sets for several ranks, also at tp=1.
-CLI_ENV = {**ENV, "OMP_NUM_THREADS": "1"}
+CLI_EXTRA = {**ENV_EXTRA, "OMP_NUM_THREADS": "1"}
+
+
+def environment(cli: bool = False, **extra: str) -> dict[str, str]:
+    """The environment of a launched process now: ``os.environ`` with :data:`ENV_EXTRA` (:data:`CLI_EXTRA`
+    with ``cli``) and ``extra``."""
+    return {**os.environ, **(CLI_EXTRA if cli else ENV_EXTRA), **extra}
+
 
 #: The bound (seconds) on a launched job that loads a model and runs its requests: test_engine's launches
 #: run a dozen engines each, and on a busy machine every load measures its choices again.
@@ -68,9 +76,10 @@ def node_command(target: str | Path, args, node_rank: int, port: int, nnodes: in
 
 def run(cmd: list[str], timeout: float = JOB_TIMEOUT, env: dict | None = None,
         check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``cmd`` from :data:`REPO` with :data:`ENV` updated by ``env``, output captured as text;
+    """Run ``cmd`` from :data:`REPO` with :func:`environment` updated by ``env``, output captured as text;
     with ``check`` assert exit 0 (the message: the end of stderr)."""
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**ENV, **(env or {})})
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                       env={**environment(), **(env or {})})
     if check:
         assert r.returncode == 0, r.stderr[-6000:]
     return r
@@ -78,8 +87,8 @@ def run(cmd: list[str], timeout: float = JOB_TIMEOUT, env: dict | None = None,
 
 def popen(cmd: list[str], env: dict | None = None, **kwargs) -> subprocess.Popen:
     """Start ``cmd`` in the background from :data:`REPO` with the environment ``env`` (default
-    :data:`CLI_ENV`; ``kwargs``: Popen's, e.g. ``stdout``, ``stderr``)."""
-    return subprocess.Popen(cmd, cwd=REPO, env=CLI_ENV if env is None else env, **kwargs)
+    ``environment(cli=True)``; ``kwargs``: Popen's, e.g. ``stdout``, ``stderr``)."""
+    return subprocess.Popen(cmd, cwd=REPO, env=environment(cli=True) if env is None else env, **kwargs)
 
 
 def free_port() -> int:
@@ -90,8 +99,8 @@ def free_port() -> int:
 
 
 def cli(args, tp: int = 1, timeout: float = JOB_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess:
-    """The main job ``tpengine.run`` with ``args`` at ``tp`` ranks (``python -m`` at 1) and :data:`CLI_ENV`."""
-    return run(command("tpengine.run", args, tp), timeout=timeout, env=CLI_ENV, check=check)
+    """The main job ``tpengine.run`` with ``args`` at ``tp`` ranks (``python -m`` at 1) and :data:`CLI_EXTRA`."""
+    return run(command("tpengine.run", args, tp), timeout=timeout, env=CLI_EXTRA, check=check)
 
 
 def torchrun(script: str, nproc: int, args: list[str], timeout: float = JOB_TIMEOUT, env: dict | None = None,

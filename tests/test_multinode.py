@@ -8,7 +8,7 @@ import subprocess
 
 import torch
 from conftest import make_tiny_model
-from launch import ENV, WORKERS, free_port, node_command, popen, torchrun
+from launch import WORKERS, environment, free_port, node_command, popen, torchrun
 
 
 def test_two_nodes_equal_one_node(tmp_path):
@@ -19,7 +19,7 @@ def test_two_nodes_equal_one_node(tmp_path):
     torchrun("tp_logits.py", 2, [str(single), str(jobs)])
 
     port, multi = free_port(), tmp_path / "multi.pt"
-    procs = [popen(node_command(WORKERS / "tp_logits.py", [multi, jobs], n, port), env=ENV,
+    procs = [popen(node_command(WORKERS / "tp_logits.py", [multi, jobs], n, port), env=environment(),
                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for n in (0, 1)]
     for p in procs:
