@@ -122,8 +122,12 @@ def test_engine_decode_steps_take_the_paged_kernel_once_per_layer(tmp_path, monk
 
     model = make_tiny_model(tmp_path, "llama", seed=5, head_dim=32)
     calls = []
-    real = cpu_paged.decode
-    monkeypatch.setattr(cpu_paged, "decode", lambda *a: calls.append(a[0].shape) or real(*a))
+    real = cpu_paged.bind  # each layer's bound call (the CPU backend's bind_model): count its [B, Hq, D]
+
+    def bind(k_cache, v_cache, q_to_kv, scale, *amx):
+        run = real(k_cache, v_cache, q_to_kv, scale, *amx)
+        return lambda qkv, *a: calls.append((qkv.shape[0], q_to_kv.shape[0], k_cache.shape[3])) or run(qkv, *a)
+    monkeypatch.setattr(cpu_paged, "bind", bind)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     tokens = {}
     for cpu_kernels in (True, False):

@@ -32,7 +32,8 @@ def test_get_backend():
     cpu = get_backend("auto", "cpu", cpu_kernels=False, kv_mirror=True)
     assert isinstance(cpu, CPUAttentionBackend) and (cpu.cpu_kernels, cpu.kv_mirror, cpu.paged) == (False, True, False)
     assert get_backend("auto", "cpu", cpu_kernels=True, kv_mirror=True).paged  # the C kernels' paged decode
-    assert not cpu.graph_safe and cpu.name == "torch"
+    assert not cpu.graph_safe and cpu.name == "cpu"
+    assert isinstance(get_backend("cpu", "cpu", cpu_kernels=True, kv_mirror=True), CPUAttentionBackend)
     assert isinstance(get_backend("auto", torch.device("cuda"), cpu_kernels=True, kv_mirror=True),
                       TritonAttentionBackend)
     assert isinstance(get_backend("torch", "cuda", cpu_kernels=True, kv_mirror=False), CPUAttentionBackend)
@@ -45,7 +46,8 @@ def test_get_backend():
             assert callable(getattr(obj, f))
     for f in ("store_kvcache", "prefill_attention", "decode_attention"):
         assert callable(getattr(ref, f)) and callable(getattr(tri, f))
-    with pytest.raises(ValueError, match=r"^unknown attention backend 'flash'; expected one of auto, torch, triton$"):
+    with pytest.raises(ValueError,
+                       match=r"^unknown attention backend 'flash'; expected one of auto, cpu, torch, triton$"):
         get_backend("flash", "cpu", cpu_kernels=True, kv_mirror=True)
 
 
@@ -162,12 +164,15 @@ def test_mixed_step_decodes_take_the_decode_path():
     assert attn.decode_seqs == 4 and attn.decodes.context_lens.tolist() == (
         [36, 37, 38, 39, 40, 33, 68, 69, 70] + list(range(33, 49)))
     assert torch.equal(attn.decodes.block_tables, bt[[0] * 5 + [1] + [2] * 3 + [3] * 16])
-    assert not attn.paged  # a chunk and a prompt follow
-    # a step of decode rows only takes the paged C kernel, its index one row per token
+    assert attn.path == "prefill"  # a chunk and a prompt follow
+    # a step of decode rows only takes the paged C kernel (once bind_model bound it for every layer), its
+    # index one row per token
     q, k, v, kc, vc, cu_q, cu_k, bt, qkv = _prefill_case(64, 16, [0, 1, 1, 1], VERIFY_LENS[:3])
-    attn = CPUAttentionBackend(cpu_kernels=True, paged=True).prepare(True, torch.arange(q.shape[0]), bt, cu_q, cu_k,
-                                                                     None)
-    assert attn.paged and attn.paged_index.context_lens.tolist() == [36, 37, 38, 39, 40, 33, 68, 69, 70]
+    paged = CPUAttentionBackend(cpu_kernels=True, paged=True)
+    assert paged.prepare(True, torch.arange(q.shape[0]), bt, cu_q, cu_k, None).path == "prefill"  # not bound
+    paged.paged_calls = {0: None}  # as bind_model leaves it for a model whose every layer the kernel takes
+    attn = paged.prepare(True, torch.arange(q.shape[0]), bt, cu_q, cu_k, None)
+    assert attn.path == "paged" and attn.paged_index.context_lens.tolist() == [36, 37, 38, 39, 40, 33, 68, 69, 70]
     assert torch.equal(attn.paged_index.block_tables, bt[[0] * 5 + [1] + [2] * 3])
     assert attn.paged_index.slot_mapping.tolist() == list(range(9))
 

@@ -32,7 +32,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: The values of ``EngineConfig.dtype``: "auto" (see :meth:`EngineConfig.torch_dtype`) or a name.
 DTYPES = ("auto", *WEIGHT_DTYPES)
 #: The values of ``EngineConfig.attention_backend`` (:func:`tpengine.backends.get_backend`).
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "cpu", "torch", "triton")  # "torch": the old name of "cpu", still accepted
 #: The values of ``EngineConfig.cpu_linear``: "auto" measures and chooses the CPU weight layout per
 #: weight shape, the others force one (:mod:`tpengine.backends.cpu.linear_layout`).
 CPU_LINEAR_CHOICES = ("auto", "plain", "packed")
@@ -155,10 +155,11 @@ class EngineConfig:
     kv_cache_gb: float = 1.0
     num_kv_blocks: int | None = None  # force the block count (tests); else from memory
     gpu_memory_utilization: float = 0.85
-    attention_backend: str = "auto"  # auto: triton on CUDA, torch reference on CPU
+    attention_backend: str = "auto"  # auto: triton on CUDA, cpu on CPU ("torch": the same as cpu)
     enforce_eager: bool = False  # GPU: disable CUDA graphs
-    # CPU, half precision: keep the running batch's KV contiguous across decode steps (faster decode;
-    # costs up to one more copy of the KV cache, never more: see tpengine/backends/cpu/kv_mirror.py)
+    # CPU, half precision, decode steps the paged C kernel does not take (cpu_kernels off, or its head
+    # sizes): keep the running batch's gathered KV across steps (costs up to one more copy of the KV
+    # cache, never more: see tpengine/backends/cpu/kv_mirror.py)
     kv_mirror: bool = True
     # CPU: run through C kernels built at run time where they take the tensors
     # (tpengine/backends/cpu/cpu_library.py: AVX-512 with AVX512-BF16, else AVX2 + FMA): paged decode

@@ -16,11 +16,11 @@ from tpengine.config import BACKENDS
 def get_backend(name: str, device, *, cpu_kernels: bool, kv_mirror: bool):
     """A new attention backend for ``name`` on ``device`` (a ``torch.device`` or a string).
 
-    ``"auto"``: Triton on CUDA devices, the CPU backend otherwise; ``"torch"``:
+    ``"auto"``: Triton on CUDA devices, the CPU backend otherwise; ``"cpu"`` (or its old name ``"torch"``):
     :class:`tpengine.backends.cpu.attention.CPUAttentionBackend` (``cpu_kernels``: use the C kernels,
     ``EngineConfig.cpu_kernels``; ``kv_mirror``: keep decode contexts across steps,
-    ``EngineConfig.kv_mirror``; with ``cpu_kernels``, decode steps take the paged C kernel, which keeps
-    no mirror); ``"triton"``:
+    ``EngineConfig.kv_mirror``; with ``cpu_kernels``, decode steps take the paged C kernel where the
+    model's layers take it, which keeps no mirror); ``"triton"``:
     :class:`tpengine.backends.cuda.attention.TritonAttentionBackend` (on CPU tensors that works
     only with ``TRITON_INTERPRET=1`` set before triton is imported; the two flags do not apply).
     Raises ValueError for any other name, naming the value and the allowed ones; ImportError if
@@ -31,8 +31,8 @@ def get_backend(name: str, device, *, cpu_kernels: bool, kv_mirror: bool):
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; expected one of {', '.join(BACKENDS)}")
     if name == "auto":
-        name = "triton" if torch.device(device).type == "cuda" else "torch"
-    if name == "torch":
+        name = "triton" if torch.device(device).type == "cuda" else "cpu"
+    if name in ("cpu", "torch"):
         from tpengine.backends.cpu.attention import CPUAttentionBackend
 
         return CPUAttentionBackend(cpu_kernels=cpu_kernels, kv_mirror=kv_mirror, paged=cpu_kernels)

@@ -21,7 +21,7 @@ class AttentionBackend:
     """Paged attention over ``[num_blocks, block_size, Hkv, D]`` KV caches (layout and semantics:
     :mod:`tpengine.backends.reference`, the oracle every backend is tested against).
 
-    Attributes: ``name`` ("torch" or "triton"); ``graph_safe``: its decode steps never sync with
+    Attributes: ``name`` ("cpu" or "triton"); ``graph_safe``: its decode steps never sync with
     the host, so they may be captured in CUDA graphs.
     """
 
@@ -43,8 +43,8 @@ class AttentionBackend:
 
     def bind_model(self, stack: torch.nn.Module, tp_size: int) -> None:
         """Called once by the model runner after the KV cache is bound to every layer of the decoder
-        ``stack``: :meth:`bind_layer` for each, and whatever the backend runs the stack with (the CPU
-        backend's decode program and measured kernel paths)."""
+        ``stack``: :meth:`bind_layer` for each, and whatever the backend binds into the layers (the CPU
+        backend's kernel calls and measured kernel paths)."""
         for layer in stack.layers[: stack.config.num_hidden_layers]:
             self.bind_layer(layer.self_attn)
 
@@ -52,35 +52,32 @@ class AttentionBackend:
         """A line about what :meth:`bind_model` measured and chose on this machine, or None."""
         return None
 
-    def stack_forward(self, stack: torch.nn.Module, ctx: Any):
-        """What runs the decoder ``stack`` for the step ``ctx``: ``run(input_ids [N], positions [N],
-        ctx) -> [N, hidden]``, the stack's own forward unless the backend has a bound plan of it for
-        this kind of step (the CPU decode program)."""
-        return stack
-
     def cache_changed(self) -> None:
         """The model runner wrote the KV cache outside a step (copy-on-write block copies): drop any
         state that mirrors it."""
 
-    def forward(self, qk: torch.Tensor, v: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                layer: torch.nn.Module, ctx: Any) -> torch.Tensor:
-        """One layer's attention in one step: RoPE (``rope = (cos, sin)``, ``[T, D]`` each) on the query
-        and key heads ``qk [T, Hq + Hkv, D]`` (may be a view into the fused q/k/v output; may be
-        rotated in place), the store of the keys and ``v [T, Hkv, D]`` into ``layer``'s
-        ``k_cache``/``v_cache`` at the step's slot mapping, then prefill or decode attention over them
-        -> ``[T, Hq, D]``. ``layer`` holds ``num_heads``, ``tp_q_to_kv`` (``[Hq]`` int64, from the
-        ShardPlan: uneven and replicated KV heads work), ``scaling`` and ``ops`` (its fused ops, which
-        apply RoPE). A backend with a faster path for some steps (the CPU decode kernel: RoPE, store
-        and attention in one C call) takes it inside this method."""
-        hq, attn = layer.num_heads, ctx.attn
+    def forward(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layer: torch.nn.Module,
+                ctx: Any) -> torch.Tensor:
+        """One layer's attention in one step: ``qkv [T, (Hq + 2 Hkv) D]`` is the fused q/k/v output (the
+        query heads, then the key heads, then the value heads; rows of unit stride, any row stride;
+        its q and k may be rotated in place); RoPE (``rope = (cos, sin)``, ``[T, D]`` each) on the query
+        and key heads, the store of the keys and values into ``layer``'s ``k_cache``/``v_cache`` at
+        the step's slot mapping, then prefill or decode attention over them -> ``[T, Hq D]``.
+        ``layer`` holds ``num_heads``, ``num_key_value_heads``, ``head_dim``, ``tp_q_to_kv`` (``[Hq]``
+        int64, from the ShardPlan: uneven and replicated KV heads work), ``scaling`` and ``ops`` (its
+        fused ops, which apply RoPE). A backend with a faster path for some steps (the CPU paged
+        kernel: RoPE, store and attention in one C call) takes it inside this method."""
+        hq, hkv, attn = layer.num_heads, layer.num_key_value_heads, ctx.attn
+        qk, v = qkv.view(qkv.shape[0], hq + 2 * hkv, layer.head_dim).split_with_sizes((hq + hkv, hkv), 1)
         qk = layer.ops.rope_(qk, *rope)
         q, k = qk[..., :hq, :], qk[..., hq:, :]
         self.store_kvcache(k, v, layer.k_cache, layer.v_cache, attn)
         if ctx.is_prefill:
-            return self.prefill_attention(q, k, v, layer.k_cache, layer.v_cache, layer.tp_q_to_kv, layer.scaling,
-                                          attn)
-        return self.decode_attention(q, layer.k_cache, layer.v_cache, layer.tp_q_to_kv, layer.scaling, attn,
-                                     self.layer_state(layer))
+            out = self.prefill_attention(q, k, v, layer.k_cache, layer.v_cache, layer.tp_q_to_kv, layer.scaling, attn)
+        else:
+            out = self.decode_attention(q, layer.k_cache, layer.v_cache, layer.tp_q_to_kv, layer.scaling, attn,
+                                        self.layer_state(layer))
+        return out.flatten(1)
 
     def layer_state(self, layer: torch.nn.Module) -> Any:
         """The per-layer state :meth:`bind_layer` keeps for ``layer`` (None by default)."""

@@ -79,7 +79,7 @@ class ModelRunner:
         for i, m in enumerate(self.attn_modules):
             m.k_cache, m.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         # the platform's measured choices for the backend (CPU: the paged kernel's path), kept in the one
-        # profile, then the backend's per-layer state and its ways of running the stack (CPU: the decode program)
+        # profile, then the backend's per-layer state and the kernel calls it binds into the layers
         self.profile = self.platform.bind_attention(self.backend, stack, self.profile)
         self.backend.bind_model(stack, tp.size)
         line = self.backend.describe()
@@ -165,8 +165,7 @@ class ModelRunner:
         to = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
         ctx = Context.build(self.backend, plan.kind == StepKind.PREFILL, to(plan.slot_mapping), to(plan.block_tables),
                             to(plan.cu_seqlens_q), to(plan.cu_seqlens_k), to(plan.context_lens))
-        forward = self.backend.stack_forward(self.model.model, ctx)  # [N] ids, positions -> [N, hidden]
-        hidden = forward(to(plan.input_ids), to(plan.positions), ctx)
+        hidden = self.model.model(to(plan.input_ids), to(plan.positions), ctx)  # [N, hidden]
         extra = [t for t in (plan.prompt_idx, plan.spec_idx) if t is not None and t.numel()]
         rows = torch.cat([plan.sample_idx, *extra]) if extra else plan.sample_idx
         return self._head(hidden.index_select(0, to(rows)), plan, grammar_mask)

@@ -37,10 +37,12 @@ ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {
                       "from --kv-cache-gb (CPU) or --gpu-memory-utilization (CUDA)"),
     "gpu_memory_utilization": ("CUDA: fraction of the free GPU memory after loading and warm-up given to the "
                                "KV cache", None),
-    "attention_backend": (f"{', '.join(BACKENDS)} (auto: triton on CUDA, torch on CPU)", None),
+    "attention_backend": (f"{', '.join(BACKENDS)} (auto: triton on CUDA, cpu on CPU; torch: the old name of cpu)",
+                          None),
     "enforce_eager": ("CUDA: run decode steps eagerly, without CUDA graphs", None),
-    "kv_mirror": ("CPU, half precision: keep the running batch's KV contiguous across decode steps (faster "
-                  "decode; up to one more copy of the KV cache)", None),
+    "kv_mirror": ("CPU, half precision, decode steps the paged C kernel does not take (--no-cpu-kernels, or its "
+                  "head sizes): keep the running batch's gathered KV across steps (up to one more copy of the KV "
+                  "cache)", None),
     "cpu_kernels": ("CPU: C kernels built at run time where they take the tensors (paged decode attention, GEMV, "
                     "GEMM, quantized GEMV, add + RMSNorm, SiLU*up, RoPE, softmax, KV writes, the LM head's "
                     "argmax; bfloat16 and float32 as each has them), else torch ops (all of them without a C "

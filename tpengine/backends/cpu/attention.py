@@ -1,23 +1,30 @@
-"""The CPU attention backend: paged attention in torch with the CPU fast paths, and the KV mirror.
+"""The CPU attention backend (``cpu``; ``torch`` is its old name): paged attention through the paged C
+kernel where the model's layers take it, else torch ops and the C decode kernel over a gathered
+context, with the oracle's layout and contract (:mod:`tpengine.backends.reference`).
 
-What it adds to the oracle's arithmetic (:mod:`tpengine.backends.reference`), with the same layout
-and contract:
+Three paths, chosen once per step by :meth:`CPUAttentionBackend.prepare` (``m.path``):
 
-* store: one ``index_copy_`` per cache, or in bfloat16 one C row copy for both
-  (:func:`tpengine.backends.cpu.cpu_fused.copy_rows`);
-* prefill: a batch of same-length prompts without a cached prefix runs as one batched call; in
-  half precision as HF's eager attention computes it (half-precision matmuls, float32 softmax,
-  through :func:`tpengine.backends.cpu.cpu_fused.causal_softmax_`), else SDPA; other batches run SDPA
-  per sequence (over a cached prefix as two flash calls merged by their log-sum-exp); the leading
-  sequences of a few tokens over a cached prefix (decodes beside a prefill chunk, speculative
-  verification) run each token as a row of the decode path below;
-* decode: the query heads are grouped by KV head, the context is gathered once per step into
-  ``[B, Hkv, L, D]`` (or kept across steps by the layer's :class:`tpengine.backends.cpu.kv_mirror.KVMirror`)
-  and attended in one batched call: the C kernel (:mod:`tpengine.backends.cpu.cpu_decode`), SDPA for a
-  few sequences, or half-precision bmm with a float32 softmax.
+* ``paged`` (:data:`PAGED`): a decode step, or a prefill step whose every token is a decode row (a
+  speculative verification), once :meth:`CPUAttentionBackend.bind_model` bound the paged C call of
+  every layer (:func:`tpengine.backends.cpu.cpu_paged.bind`): RoPE, the KV store and attention over
+  the cache through the block tables in one C call per layer;
+* ``gathered`` (:data:`GATHERED`): any other decode step (C kernels off, a head size the paged
+  kernel does not take): RoPE and the store (one ``index_copy_`` per cache, or in bfloat16 one C row
+  copy for both, :func:`tpengine.backends.cpu.cpu_fused.copy_rows`), then the query heads grouped by
+  KV head, the context gathered once per step into ``[B, Hkv, L, D]`` (or kept across steps by the
+  layer's :class:`tpengine.backends.cpu.kv_mirror.KVMirror`) and attended in one batched call: the C
+  decode kernel (:mod:`tpengine.backends.cpu.cpu_decode`), SDPA for a few sequences, or
+  half-precision bmm with a float32 softmax; float32 SDPA over whole blocks;
+* ``prefill`` (:data:`PREFILL`): RoPE and the store, then a batch of same-length prompts without a
+  cached prefix as one batched call (in half precision as HF's eager attention computes it --
+  half-precision matmuls, float32 softmax through
+  :func:`tpengine.backends.cpu.cpu_fused.causal_softmax_` -- where the machine's half GEMM is fast,
+  else SDPA); other batches SDPA per sequence (over a cached prefix as two flash calls merged by
+  their log-sum-exp); the leading sequences of a few tokens over a cached prefix (decodes beside a
+  prefill chunk, speculative verification) run each token as a row of the ``gathered`` decode.
 
 Per-step values (host copies of lengths and slot bounds, gather indices, key masks, the mirror's
-continuity decision) live on the step's :class:`CPUAttentionMetadata` from :meth:`CPUAttentionBackend.prepare`.
+continuity decision, the paged index) live on the step's :class:`CPUAttentionMetadata`.
 """
 
 from __future__ import annotations
@@ -83,18 +90,18 @@ def key_mask(context_lens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Te
 class CPUAttentionMetadata(StepIndex):
     """One step's attention metadata on the CPU backend (tensors as given to ``prepare``).
 
-    ``slot_min``/``slot_max``: bounds of ``slot_mapping`` (host ints; 0/-1 for no tokens);
-    prefill: ``cu_q`` (host offsets), ``seqlens_q``/``seqlens_k`` (host lengths); decode:
-    ``min_ctx``/``max_ctx`` (host ints), ``paged`` (the layers run :mod:`tpengine.backends.cpu.cpu_paged`
-    over ``paged_index``, checked here once for the step; also a prefill step whose every token is a
-    decode row, below)
-    and ``mirror`` (the step as the KV mirrors see it; None with mirrors off or ``paged``).
-    ``decodes``: in a prefill step, the decode metadata of its leading ``decode_seqs`` sequences of
-    at most :data:`DECODE_ROWS_QUERY` new tokens over a cached prefix (a mixed step's decodes, the
-    verification of speculative tokens): one decode row per token, of its sequence's block table and
-    a context up to and including it, run through the batched decode path (None when there are fewer
-    than two rows). ``derived``: values every layer shares that depend on the cache geometry
-    (gather indices, key masks), computed by the first layer that needs them.
+    ``path``: the step's path (:data:`PAGED`, :data:`GATHERED` or :data:`PREFILL`, chosen by
+    ``prepare``); ``slot_min``/``slot_max``: bounds of ``slot_mapping`` (host ints; 0/-1 for no
+    tokens); prefill: ``cu_q`` (host offsets), ``seqlens_q``/``seqlens_k`` (host lengths); decode:
+    ``min_ctx``/``max_ctx`` (host ints); ``PAGED``: ``paged_index`` (checked once for the step) and
+    ``rope`` (the step's RoPE tables as the paged calls take them, made by the first layer);
+    ``GATHERED``: ``mirror`` (the step as the KV mirrors see it; None with mirrors off).
+    ``decodes``: in a prefill step not on the ``PAGED`` path, the decode metadata of its leading
+    ``decode_seqs`` sequences of at most :data:`DECODE_ROWS_QUERY` new tokens over a cached prefix (a
+    mixed step's decodes, the verification of speculative tokens): one decode row per token, of its
+    sequence's block table and a context up to and including it, run through the ``GATHERED`` decode
+    (None when there are fewer than two rows). ``derived``: values every layer shares that depend on
+    the cache geometry (gather indices, key masks), computed by the first layer that needs them.
     """
 
     slot_min: int = 0
@@ -105,8 +112,9 @@ class CPUAttentionMetadata(StepIndex):
     min_ctx: int = 0
     max_ctx: int = 0
     mirror: mirrors.MirrorStep | None = None
-    paged: bool = False
+    path: str = ""
     paged_index: cpu_paged.PagedIndex | None = None
+    rope: cpu_paged.Rope | None = None
     decodes: CPUAttentionMetadata | None = None
     decode_seqs: int = 0
     derived: dict = field(default_factory=dict)
@@ -118,20 +126,35 @@ class CPUAttentionMetadata(StepIndex):
         return self.derived[key]
 
 
+#: The paths of one step, chosen once per step by :meth:`CPUAttentionBackend.prepare` (``m.path``):
+#: ``PAGED``: every layer runs RoPE, the KV store and attention over the paged cache in one C call
+#: (:func:`tpengine.backends.cpu.cpu_paged.bind`; a decode step, or a prefill step whose every token
+#: is a decode row); ``GATHERED``: a decode step that stores, then gathers each sequence's context
+#: (or keeps it in the layer's KV mirror) and attends in one batched call (:meth:`decode_attention`);
+#: ``PREFILL``: a prefill step (:meth:`prefill_attention`).
+PAGED, GATHERED, PREFILL = "paged", "gathered", "prefill"
+
+
 class CPUAttentionBackend(AttentionBackend):
-    """Paged attention in torch (any device; the fast paths are for CPU).
+    """The CPU attention backend: paged attention through the paged C kernel where the model takes
+    it, else torch ops (and the C decode kernel) over a gathered context; any device runs the
+    torch paths (they are the oracle's arithmetic, :mod:`tpengine.backends.reference`).
 
     Args:
         cpu_kernels: use the C kernels where they apply (``EngineConfig.cpu_kernels``).
-        kv_mirror: keep each layer's decode context across steps (``EngineConfig.kv_mirror``).
-        paged: with ``cpu_kernels``, decode steps run the paged C kernel (one C call per layer, no
-            mirror); the engine's backend has it on (:func:`tpengine.backends.get_backend`).
+        kv_mirror: keep each layer's gathered decode context across steps (``EngineConfig.kv_mirror``;
+            used by the ``GATHERED`` path only: C kernels off, or a head size the paged kernel does
+            not take).
+        paged: with ``cpu_kernels``, let decode steps take the paged C kernel; it is taken once
+            :meth:`bind_model` has bound it for every layer (the model's dtype and head size, and
+            this build, have the kernel). The engine's backend has it on
+            (:func:`tpengine.backends.get_backend`).
 
     ``prepare`` syncs with the host (slot bounds; prefill lengths; decode lengths and the mirror's
     continuity check), once per step, so the backend is not CUDA-graph safe.
     """
 
-    name = "torch"
+    name = "cpu"
     graph_safe = False
 
     def __init__(self, *, cpu_kernels: bool = True, kv_mirror: bool = True, paged: bool = False):
@@ -139,7 +162,7 @@ class CPUAttentionBackend(AttentionBackend):
         self.sdpa_rows = SDPA_ROWS  # half-precision decode without the C kernel: SDPA up to B * Hkv rows
         self.continuity = mirrors.Continuity()  # the previous decode step, for the mirrors
         self.mirrors: dict[int, mirrors.KVMirror | None] = {}  # layer index -> its KV mirror (bind_layer)
-        self.program = None  # the decode program (bind_model)
+        self.paged_calls: dict[int, object] = {}  # layer index -> its bound paged C call (bind_model)
         # set by the CPU platform from its profile (CPUPlatform.bind_attention), never measured in a step:
         self.paged_choice = None  # the paged kernel's measured AVX-512 / AMX path (its Choice)
         self.paged_amx_min = 0  # its amx_min_batch (cpu_paged.decode): the AMX path from this many sequences
@@ -150,44 +173,53 @@ class CPUAttentionBackend(AttentionBackend):
 
     def prepare(self, is_prefill, slot_mapping, block_tables, cu_seqlens_q=None, cu_seqlens_k=None,
                 context_lens=None) -> CPUAttentionMetadata:
-        """See :meth:`AttentionBackend.prepare`. Raises ValueError for malformed prefill offsets."""
+        """See :meth:`AttentionBackend.prepare`; the one place the step's path (``m.path``) is chosen.
+        Raises ValueError for malformed prefill offsets."""
         m = CPUAttentionMetadata(is_prefill, slot_mapping, block_tables, cu_seqlens_q, cu_seqlens_k, context_lens)
         if slot_mapping.numel():
             m.slot_min, m.slot_max = (int(x) for x in torch.aminmax(slot_mapping))
+        paged = bool(self.paged_calls) and slot_mapping.device.type == "cpu"  # bound for every layer (bind_model)
         if is_prefill:
-            self.continuity.prefill()
-            m.cu_q, _, m.seqlens_q, m.seqlens_k = prefill_lengths(cu_seqlens_q, cu_seqlens_k, slot_mapping.shape[0])
-            # the leading sequences of a few new tokens over a cached prefix (a mixed step's decodes, a
-            # verification of speculative tokens): each token one decode row, batched as in a decode step
-            nd = next((b for b, (lq, lk) in enumerate(zip(m.seqlens_q, m.seqlens_k))
-                       if not 0 < lq <= DECODE_ROWS_QUERY or lk - lq < 1), len(m.seqlens_q))
-            rows, every = m.cu_q[nd], nd == len(m.seqlens_q)
-            if rows and block_tables is not None and (rows >= 2 or every):
-                lens = [lk - lq + j + 1 for lq, lk in zip(m.seqlens_q[:nd], m.seqlens_k[:nd]) for j in range(lq)]
-                dev = slot_mapping.device
-                seq_of_row = torch.repeat_interleave(torch.arange(nd, device=dev),
-                                                     torch.tensor(m.seqlens_q[:nd], device=dev))
-                tables = block_tables[:nd] if rows == nd else block_tables.index_select(0, seq_of_row)
-                lens_t = torch.tensor(lens, device=dev)
-                if rows >= 2:
-                    m.decodes = CPUAttentionMetadata(False, slot_mapping[:rows], tables, None, None, lens_t,
-                                                     min_ctx=min(lens), max_ctx=max(lens))
-                    m.decode_seqs = nd
-                if every and self.paged and self.cpu_kernels and dev.type == "cpu":
-                    # every token of the step is a decode row: the layers' paged C kernel runs them as it
-                    # runs a decode step's (RoPE and the store of all rows first, then attention)
-                    m.paged = True
-                    m.paged_index = cpu_paged.paged_index(slot_mapping, tables, lens_t)
+            m.path = PREFILL
+            self._prepare_prefill(m, paged)
         else:
             if context_lens.numel():
                 m.min_ctx, m.max_ctx = (int(x) for x in torch.aminmax(context_lens))
-            m.paged = self.paged and self.cpu_kernels and slot_mapping.device.type == "cpu"
-            if m.paged:  # the layers' paged C kernel (cpu_paged) reads the cache itself: no mirror kept
+            if paged:  # the paged C kernel reads the cache itself: no mirror kept
+                m.path = PAGED
                 self.continuity.prefill()
                 m.paged_index = cpu_paged.paged_index(slot_mapping, block_tables, context_lens)  # once for all layers
-            elif self.kv_mirror:
-                m.mirror = self.continuity.decode(block_tables, context_lens)
+            else:
+                m.path = GATHERED
+                if self.kv_mirror:
+                    m.mirror = self.continuity.decode(block_tables, context_lens)
         return m
+
+    def _prepare_prefill(self, m: CPUAttentionMetadata, paged: bool) -> None:
+        """A prefill step's lengths, and its leading sequences of a few new tokens over a cached prefix
+        (a mixed step's decodes, a verification of speculative tokens): each token one decode row,
+        batched as in a decode step (``m.decodes``), or, when every token is one and ``paged``, the
+        ``PAGED`` path (RoPE and the store of all rows first, then attention, as in a decode step)."""
+        slot_mapping, block_tables = m.slot_mapping, m.block_tables
+        self.continuity.prefill()
+        m.cu_q, _, m.seqlens_q, m.seqlens_k = prefill_lengths(m.cu_seqlens_q, m.cu_seqlens_k, slot_mapping.shape[0])
+        nd = next((b for b, (lq, lk) in enumerate(zip(m.seqlens_q, m.seqlens_k))
+                   if not 0 < lq <= DECODE_ROWS_QUERY or lk - lq < 1), len(m.seqlens_q))
+        rows, every = m.cu_q[nd], nd == len(m.seqlens_q)
+        if not rows or block_tables is None or not (rows >= 2 or every):
+            return
+        lens = [lk - lq + j + 1 for lq, lk in zip(m.seqlens_q[:nd], m.seqlens_k[:nd]) for j in range(lq)]
+        dev = slot_mapping.device
+        seq_of_row = torch.repeat_interleave(torch.arange(nd, device=dev), torch.tensor(m.seqlens_q[:nd], device=dev))
+        tables = block_tables[:nd] if rows == nd else block_tables.index_select(0, seq_of_row)
+        lens_t = torch.tensor(lens, device=dev)
+        if every and paged:
+            m.path = PAGED
+            m.paged_index = cpu_paged.paged_index(slot_mapping, tables, lens_t)
+        elif rows >= 2:
+            m.decodes = CPUAttentionMetadata(False, slot_mapping[:rows], tables, None, None, lens_t,
+                                             min_ctx=min(lens), max_ctx=max(lens), path=GATHERED)
+            m.decode_seqs = nd
 
     def bind_layer(self, module: torch.nn.Module) -> None:
         """Keep a :class:`~tpengine.backends.cpu.kv_mirror.KVMirror` for layer ``module.layer_idx``
@@ -199,43 +231,44 @@ class CPUAttentionBackend(AttentionBackend):
         return self.mirrors.get(layer.layer_idx)
 
     def bind_model(self, stack: torch.nn.Module, tp_size: int) -> None:
-        """:meth:`AttentionBackend.bind_model`; with the C kernels, also the decode program
-        (:mod:`tpengine.backends.cpu.decode_program`: the stack's forward with every kernel call bound
-        once, for decode steps). The measured choices (the paged kernel's AMX path, the half GEMM
-        dtype) are the CPU platform's, set from its profile
+        """:meth:`AttentionBackend.bind_model`, and with the C kernels: each layer's norms and activation
+        bound to their kernels (:func:`tpengine.backends.cpu.layer_calls.bind_stack`: the model's one
+        forward runs them without per-call checks) and each layer's paged decode call where every layer
+        takes the kernel (:func:`tpengine.backends.cpu.cpu_paged.bind`, with the profile's
+        ``paged_amx_min``; else decode steps take the ``GATHERED`` path). The measured choices (the
+        paged kernel's AMX path, the half GEMM dtype) are the CPU platform's, set from its profile
         (:meth:`tpengine.backends.cpu.platform.CPUPlatform.bind_attention`)."""
-        from tpengine.backends.cpu import decode_program
+        from tpengine.backends.cpu import layer_calls
 
         super().bind_model(stack, tp_size)
-        if not self.cpu_kernels:
+        layer_calls.bind_stack(stack, self.cpu_kernels)
+        attns = [layer.self_attn for layer in stack.layers[: stack.config.num_hidden_layers]]
+        self.paged_calls = {}
+        if not (self.paged and self.cpu_kernels and attns and attns[0].k_cache.device.type == "cpu"
+                and all(cpu_paged.available(a.k_cache.dtype, a.head_dim, True) for a in attns)):
             return
-        self.program = decode_program.build(stack, tp_size, self.cpu_kernels, self.paged_amx_min)
+        self.paged_calls = {a.layer_idx: cpu_paged.bind(a.k_cache, a.v_cache, a.tp_q_to_kv, a.scaling,
+                                                        self.paged_amx_min) for a in attns}
 
     def describe(self) -> str | None:
         """The paged decode kernel's measured path (:meth:`bind_model`), or None."""
         return None if self.paged_choice is None else "paged decode attention " + self.paged_choice.describe()
 
-    def stack_forward(self, stack: torch.nn.Module, ctx):
-        """The decode program for a decode step prepared for the paged C kernel, else the stack."""
-        if self.program is not None and not ctx.is_prefill and ctx.attn.paged:
-            return self.program
-        return stack
-
     def cache_changed(self) -> None:
         """Block copies rewrote the cache: the mirrors start again at the next decode step."""
         self.continuity.prefill()
 
-    def forward(self, qk, v, rope, layer, ctx) -> torch.Tensor:
-        """:meth:`AttentionBackend.forward`; a step prepared for the paged C kernel (a decode step, or a
-        prefill step whose every token is a decode row: a speculative verification), on a layer of a
-        dtype and head size it takes, runs RoPE, the KV store and attention in one call
-        (:func:`tpengine.backends.cpu.cpu_paged.decode`)."""
+    def forward(self, qkv, rope, layer, ctx) -> torch.Tensor:
+        """:meth:`AttentionBackend.forward` on the step's path (:meth:`prepare`): ``PAGED`` runs the
+        layer's bound paged C call (RoPE, the KV store and attention in one call), the others the
+        torch paths."""
         attn = ctx.attn
-        if attn.paged and cpu_paged.available(qk.dtype, qk.shape[-1], self.cpu_kernels):
-            hq = layer.num_heads
-            return cpu_paged.decode(qk[..., :hq, :], qk[..., hq:, :], v, *rope, layer.k_cache, layer.v_cache,
-                                    layer.tp_q_to_kv, layer.scaling, attn.paged_index, self.paged_amx_min)
-        return super().forward(qk, v, rope, layer, ctx)
+        if attn.path == PAGED:
+            r = attn.rope
+            if r is None or r.key is not rope:  # the step's tables, made once for every layer
+                r = attn.rope = cpu_paged.Rope(rope, qkv.dtype)
+            return self.paged_calls[layer.layer_idx](qkv, r, attn.paged_index)
+        return super().forward(qkv, rope, layer, ctx)
 
     def store_kvcache(self, key, value, k_cache, v_cache, attn: CPUAttentionMetadata) -> None:
         """:func:`tpengine.backends.reference.store_kvcache` at ``attn.slot_mapping``. Raises ValueError

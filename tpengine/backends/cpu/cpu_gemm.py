@@ -68,8 +68,8 @@ def _run(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def bind(weight: torch.Tensor):
     """:func:`gemm` for this one weight with its checks done once: returns ``run(x [rows, k]
-    contiguous, the weight's dtype) -> [rows, n]`` (the caller guarantees the argument: the decode program,
-    :mod:`tpengine.backends.cpu.decode_program`).
+    contiguous, the weight's dtype) -> [rows, n]`` (the caller guarantees the argument: the layer's forward,
+    :func:`tpengine.backends.cpu.linear_layout.bind_linear`).
 
     Raises:
         ValueError: a weight :func:`available` refuses.

@@ -49,7 +49,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def bind(weight: torch.Tensor):
     """:func:`gemv` for this one weight with its checks done once: returns ``run(x [rows, k]
     contiguous, weight's dtype, 1 <= rows <= MAX_ROWS) -> [rows, n]`` (the caller guarantees
-    the arguments: the decode program, :mod:`tpengine.backends.cpu.decode_program`).
+    the arguments: the layer's forward, :func:`tpengine.backends.cpu.linear_layout.bind_linear`).
 
     Raises:
         ValueError: a weight :func:`available` refuses.

@@ -117,6 +117,73 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor 
     return out
 
 
+class Rope:
+    """One step's RoPE tables for :func:`bind`'s calls: ``cos``/``sin [B, D]`` made contiguous in
+    ``dtype`` once (every layer of the step shares them) and their pointers.
+
+    Raises:
+        ValueError: tables that are not ``[B, D]``.
+    """
+
+    __slots__ = ("key", "cos", "sin", "cos_p", "sin_p")
+
+    def __init__(self, rope: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype):
+        cos, sin = (t.to(dtype).contiguous() for t in rope)
+        if cos.dim() != 2 or cos.shape != sin.shape:
+            raise ValueError(f"paged decode: cos and sin must be [B, D]; got {tuple(cos.shape)}, {tuple(sin.shape)}")
+        self.key, self.cos, self.sin = rope, cos, sin
+        self.cos_p, self.sin_p = cos.data_ptr(), sin.data_ptr()
+
+
+def bind(k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor, scale: float, amx_min_batch: int = 0):
+    """:func:`decode` for one layer with everything but the step's tensors checked once: the caches
+    ``[num_blocks, block_size, Hkv, D]`` contiguous in one dtype, ``q_to_kv [Hq]`` int64. Returns
+    ``run(qkv [B, (Hq + 2 Hkv) D], rope: Rope, index: PagedIndex) -> [B, Hq D]`` (``qkv``: the q/k/v
+    GEMM's rows, query heads then key heads then value heads, unit stride, any row stride; RoPE
+    applied to its q and k in place), which checks only what varies per call (the rows' layout, B);
+    a slot, length or block id out of range raises :func:`decode`'s exact error (nothing is written).
+
+    Raises:
+        ValueError: a cache, dtype or head size :func:`decode` does not take.
+    """
+    lib = cpu_library.load()
+    nb, bs, hkv, d = k_cache.shape
+    dtype, hq = k_cache.dtype, q_to_kv.shape[0]
+    if (lib is None or dtype not in DTYPES or d % 32 or d > MAX_D or v_cache.shape != k_cache.shape
+            or v_cache.dtype != dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or q_to_kv.dtype != torch.int64 or not q_to_kv.is_contiguous()):
+        raise ValueError(f"paged decode: contiguous [blocks, block_size, Hkv, D] caches of float32 or bfloat16 with "
+                         f"D % 32 == 0 and <= {MAX_D}, int64 q_to_kv; got {dtype} {tuple(k_cache.shape)}, "
+                         f"{q_to_kv.dtype} q_to_kv")
+    fn = lib.tpe_paged_decode_f32 if dtype == torch.float32 else lib.tpe_paged_decode_bf16
+    kp, vp, mp, es, scale = k_cache.data_ptr(), v_cache.data_ptr(), q_to_kv.data_ptr(), k_cache.element_size(), \
+        float(scale)
+
+    width, amx = (hq + 2 * hkv) * d, max(int(amx_min_batch), 0)
+
+    def checked(qkv: torch.Tensor, rope: Rope, index: PagedIndex) -> torch.Tensor:
+        t = qkv.view(qkv.shape[0], hq + 2 * hkv, d)
+        return decode(t[:, :hq], t[:, hq:hq + hkv], t[:, hq + hkv:], rope.cos, rope.sin, k_cache, v_cache, q_to_kv,
+                      scale, index, amx).flatten(1)
+
+    def run(qkv: torch.Tensor, rope: Rope, index: PagedIndex) -> torch.Tensor:
+        b, rs = qkv.shape[0], qkv.stride(0)
+        if (qkv.dtype != dtype or qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1
+                or index.slot_mapping.shape[0] != b or rope.cos.shape[0] != b):
+            return checked(qkv, rope, index)  # (its errors name what is wrong)
+        out = torch.empty(b, hq * d, dtype=dtype)
+        p = qkv.data_ptr()
+        bad = fn(p, rs, p + hq * d * es, rs, p + (hq + hkv) * d * es, rs, rope.cos_p, rope.sin_p,
+                 index.slot_mapping.data_ptr(), index.block_tables.data_ptr(), index.block_tables.shape[1],
+                 index.context_lens.data_ptr(), kp, vp, nb, bs, mp, hq, hkv, d, scale, out.data_ptr(), b, amx,
+                 torch.get_num_threads())
+        if bad >= 0:  # nothing was written: the checked call raises the exact error
+            checked(qkv, rope, index)
+            raise RuntimeError(f"paged decode: the C kernel refused argument {bad}")
+        return out
+    return run
+
+
 _decode = decode  # the measurement's own reference (not counted by a test that wraps decode)
 
 

@@ -19,6 +19,8 @@ results match HF's bit for bit in float32.
 
 from __future__ import annotations
 
+from itertools import islice
+
 import torch
 from torch import nn
 
@@ -66,13 +68,15 @@ class FusedAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 ctx: Context, reduce: bool = True) -> torch.Tensor:
         """``reduce`` False: ``o_proj``'s partial sum, not all-reduced (:meth:`RowParallelLinear.forward`)."""
-        hq, hkv = self.num_heads, self.num_key_value_heads
-        qkv = self.qkv_proj(hidden_states).unflatten(-1, (hq + 2 * hkv, self.head_dim))  # [T, H, D]
-        qk, v = qkv[..., : hq + hkv, :], qkv[..., hq + hkv :, :]
+        # (sub-layers' forward called directly and the q/k/v rows handed on as they are: at batch 1
+        # the Python between the kernels is as costly as the kernels, docs/notes/kernels.md; no hooks)
+        qkv = self.qkv_proj.forward(hidden_states)  # [T, (Hq + 2 Hkv) D]
         if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qk[..., :hq, :]), self.k_norm(qk[..., hq:, :])), dim=-2)
-        out = ctx.backend.forward(qk, v, position_embeddings, self, ctx)  # RoPE, KV store, paged attention
-        return self.o_proj(out.flatten(-2), reduce)
+            hq, hkv = self.num_heads, self.num_key_value_heads
+            t = qkv.view(qkv.shape[0], hq + 2 * hkv, self.head_dim)
+            qkv = torch.cat((self.q_norm(t[:, :hq]), self.k_norm(t[:, hq:hq + hkv]), t[:, hq + hkv:]), dim=1).flatten(1)
+        out = ctx.backend.forward(qkv, position_embeddings, self, ctx)  # RoPE, KV store, paged attention
+        return self.o_proj.forward(out, reduce)
 
 
 class FusedMLP(nn.Module):
@@ -91,9 +95,16 @@ class FusedMLP(nn.Module):
         self.act_fn, self.intermediate = act_fn, intermediate
         self.silu = isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
 
+    #: ``gate_up -> act(gate) * up`` bound by the backend for this layer (its checks done once:
+    #: :func:`tpengine.backends.cpu.layer_calls.bind_stack`), or None: the generic op below
+    bound_act = None
+
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``reduce`` False: ``down_proj``'s partial sum, not all-reduced."""
-        gate_up = self.gate_up_proj(x)
+        gate_up = self.gate_up_proj.forward(x)  # (called directly, as in FusedAttention.forward)
+        act = self.bound_act
+        if act is not None:
+            return self.down_proj.forward(act(gate_up), reduce)
         if self.silu:  # CPU bfloat16: one C kernel
             return self.down_proj(self.ops.silu_mul(gate_up, self.intermediate), reduce)
         h = self.act_fn(gate_up[..., : self.intermediate])
@@ -111,6 +122,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device="meta"), requires_grad=False)
         self.eps, self.shape = eps, (size,)
 
+    #: ``(h, x, reduce) -> (h + x, self(h + x))`` bound by the backend for this layer (its checks done
+    #: once: :func:`tpengine.backends.cpu.layer_calls.bind_stack`), or None: :meth:`add_forward`'s ops
+    bound = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.add_forward(x, None)[1]
 
@@ -120,6 +135,9 @@ class RMSNorm(nn.Module):
         norm, fused with it by a C kernel on CPU (tpengine.backends.cpu.cpu_fused). ``reduce``: ``x`` is a
         row-parallel layer's partial sum, all-reduced first (fused with the add and the norm where
         the shared-memory comm can: :meth:`tpengine.backends.torch_ops.TorchOps.all_reduce_add_rms_norm`)."""
+        bound = self.bound
+        if bound is not None:
+            return bound(h, x, reduce)
         if reduce and x is not None:
             return self.ops.all_reduce_add_rms_norm(x, h, self.weight, self.eps)
         return self.ops.add_rms_norm(h, x, self.weight, self.eps)
@@ -154,9 +172,10 @@ class DecoderStack(nn.Module):
         position_embeddings = tuple(t[0] for t in self.rotary_emb(h, positions[None]))  # cos, sin [N, D]
         delta = None  # each block's output, added to the residual stream by the next norm (fused on CPU)
         fuse = self.reduce_in_norm  # tp > 1: the blocks' all-reduces run in the next norm
-        for layer in self.layers[: self.config.num_hidden_layers]:
+        # (islice: a ModuleList slice builds a new ModuleList each step; forwards called directly: no hooks)
+        for layer in islice(self.layers, self.config.num_hidden_layers):
             h, x = layer.input_layernorm.add_forward(h, delta, fuse)
-            delta = layer.self_attn(x, position_embeddings, ctx, not fuse)
+            delta = layer.self_attn.forward(x, position_embeddings, ctx, not fuse)
             h, x = layer.post_attention_layernorm.add_forward(h, delta, fuse)
-            delta = layer.mlp(x, not fuse)
+            delta = layer.mlp.forward(x, not fuse)
         return self.norm.add_forward(h, delta, fuse)[1]

@@ -174,7 +174,7 @@ class QuantizedWeight(nn.Module):
 
     def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """``forward`` for a contiguous ``x [rows, in]`` with the per-call checks of tpengine's
-        kernel done once (the decode program's hot path); the same results as ``forward``."""
+        kernel done once (the layer's bound ``impl``, its decode hot path); the same results as ``forward``."""
         return self.forward
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,97 @@
+"""The decoder layers' element-wise C kernels bound once per layer, so that the model's one forward
+(:class:`tpengine.model.layers.fused.DecoderStack`) runs lean on CPU.
+
+At batch 1 a decode step of a small model spends about as long in Python between the kernels as in
+them (docs/notes/kernels.md): each fused op's C-or-torch decision, its argument checks and a torch-op
+dispatch per call. :func:`bind_stack` does those checks once, when the CPU backend binds the model
+(:meth:`tpengine.backends.cpu.attention.CPUAttentionBackend.bind_model`), and sets on each layer a
+callable that calls the C function straight through ctypes:
+
+* ``RMSNorm.bound(h, x, reduce) -> (h + x, rms_norm(h + x))``: the ``tpe_add_rms_norm`` kernel
+  :func:`tpengine.backends.cpu.cpu_fused.add_rms_norm` runs (the same call, the same bits);
+* ``FusedMLP.bound_act(gate_up) -> silu(gate) * up``: :func:`~tpengine.backends.cpu.cpu_fused.silu_mul`'s kernel.
+
+Each bound callable checks only what may vary per call (rank 2, contiguous rows) and otherwise
+hands the call to the layer's generic op. A layer the kernels do not take keeps ``None`` (its
+forward runs the generic ops). The paged attention call is bound the same way
+(:func:`tpengine.backends.cpu.cpu_paged.bind`), by the backend itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpengine.backends.cpu import cpu_library
+
+#: the C functions bound here
+KERNELS = ("tpe_add_rms_norm", "tpe_add_rms_norm_f32", "tpe_silu_mul", "tpe_silu_mul_f32")
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def bind_norm(norm) -> object | None:
+    """``run(h [rows, n], x [rows, n] | None, reduce) -> (h + x, norm(h + x))`` for an RMSNorm layer
+    (``weight [n]`` float32 or bfloat16 on CPU, ``n % 16 == 0``), else None. ``reduce``: ``x`` is a
+    row-parallel partial sum, all-reduced first (the layer's ``ops.all_reduce_add_rms_norm``).
+    Inputs of another layout or dtype take the layer's generic op (``ops.add_rms_norm``)."""
+    w = norm.weight
+    n, dtype = w.shape[0], w.dtype
+    if not (w.device.type == "cpu" and dtype in DTYPES and w.dim() == 1 and n % 16 == 0 and w.is_contiguous()
+            and cpu_library.has(*KERNELS)):
+        return None
+    lib = cpu_library.load()
+    fn = lib.tpe_add_rms_norm if dtype == torch.bfloat16 else lib.tpe_add_rms_norm_f32
+    eps, ops, wp = float(norm.eps), norm.ops, w.data_ptr()
+
+    def run(h: torch.Tensor, x: torch.Tensor | None, reduce: bool = False):
+        if x is not None and reduce:
+            return ops.all_reduce_add_rms_norm(x, h, w, eps)
+        if (h.dtype != dtype or h.dim() != 2 or h.shape[1] != n or not h.is_contiguous()
+                or (x is not None and (x.dtype != dtype or x.shape != h.shape or not x.is_contiguous()))):
+            return ops.add_rms_norm(h, x, w, eps)
+        y = torch.empty_like(h)
+        if x is None:
+            fn(h.data_ptr(), None, wp, None, y.data_ptr(), h.shape[0], n, eps, torch.get_num_threads())
+            return h, y
+        h2 = torch.empty_like(h)
+        fn(h.data_ptr(), x.data_ptr(), wp, h2.data_ptr(), y.data_ptr(), h.shape[0], n, eps, torch.get_num_threads())
+        return h2, y
+    return run
+
+
+def bind_silu(mlp, dtype: torch.dtype) -> object | None:
+    """``run(gate_up [rows, 2 * inter]) -> silu(gate) * up [rows, inter]`` for a SiLU MLP of
+    ``dtype`` (float32 or bfloat16) with ``inter % 16 == 0``, else None; other inputs take the
+    layer's generic op (``ops.silu_mul``)."""
+    inter = mlp.intermediate
+    if not (mlp.silu and dtype in DTYPES and inter % 16 == 0 and inter > 0 and cpu_library.has(*KERNELS)):
+        return None
+    lib = cpu_library.load()
+    fn = lib.tpe_silu_mul if dtype == torch.bfloat16 else lib.tpe_silu_mul_f32
+    ops = mlp.ops
+
+    def run(gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.dtype != dtype or gate_up.dim() != 2 or gate_up.shape[1] != 2 * inter or not gate_up.is_contiguous():
+            return ops.silu_mul(gate_up, inter)
+        out = torch.empty(gate_up.shape[0], inter, dtype=dtype)
+        fn(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, torch.get_num_threads())
+        return out
+    return run
+
+
+def bind_stack(stack, cpu_kernels: bool) -> int:
+    """Bind every layer's norms and activation of the decoder ``stack`` (its weights loaded) with
+    ``cpu_kernels`` (``EngineConfig.cpu_kernels``; off, or a stack not on the CPU: every bound
+    callable is reset to None, so the layers run their generic ops). Returns how many callables
+    were bound."""
+    layers = list(stack.layers[: stack.config.num_hidden_layers])
+    norms = [stack.norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    cpu_kernels = cpu_kernels and stack.norm.weight.device.type == "cpu"  # (the CPU backend may run on CUDA)
+    count = 0
+    for norm in norms:
+        norm.bound = bind_norm(norm) if cpu_kernels else None
+        count += norm.bound is not None
+    for layer in layers:
+        mlp = layer.mlp
+        mlp.bound_act = bind_silu(mlp, stack.norm.weight.dtype) if cpu_kernels else None
+        count += mlp.bound_act is not None
+    return count
