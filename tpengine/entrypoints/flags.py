@@ -40,9 +40,8 @@ ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {
     "attention_backend": (f"{', '.join(BACKENDS)} (auto: triton on CUDA, cpu on CPU; torch: the old name of cpu)",
                           None),
     "enforce_eager": ("CUDA: run decode steps eagerly, without CUDA graphs", None),
-    "kv_mirror": ("CPU, half precision, decode steps the paged C kernel does not take (--no-cpu-kernels, or its "
-                  "head sizes): keep the running batch's gathered KV across steps (up to one more copy of the KV "
-                  "cache)", None),
+    "kv_mirror": ("CPU, half precision, decode off the paged C kernel: keep the batch's gathered KV across "
+                  "steps (up to one more copy of the KV cache)", None),
     "cpu_kernels": ("CPU: C kernels built at run time where they take the tensors (paged decode attention, GEMV, "
                     "GEMM, quantized GEMV, add + RMSNorm, SiLU*up, RoPE, softmax, KV writes, the LM head's "
                     "argmax; bfloat16 and float32 as each has them), else torch ops (all of them without a C "
