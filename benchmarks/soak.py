@@ -82,7 +82,7 @@ def metric(text: str, name: str) -> float | None:
 
 def kv_rss_kb(pid: int) -> tuple[int, int] | None:
     """(resident kB, size kB) of ``pid``'s KV cache: its largest shared anonymous mapping (``/dev/zero
-    (deleted)`` in ``/proc/<pid>/smaps``, :func:`tpengine.engine.memory.lazy_zeros`); None if it is gone."""
+    (deleted)`` in ``/proc/<pid>/smaps``, :func:`tpengine.backends.cpu.memory.lazy_zeros`); None if it is gone."""
     best, name, size = (0, 0), "", 0
     try:
         with open(f"/proc/{pid}/smaps") as fh:

@@ -18,8 +18,9 @@ What a platform owns, in the order a rank uses it:
   binding of every layer to it (the linears' ``impl``, the LM head's greedy pick);
 * :meth:`Platform.bind_attention`: once the KV cache is bound, the attention backend's measured
   choices (the CPU's paged kernel path), into the same profile;
-* :meth:`Platform.release_free_memory` after loading; :meth:`Platform.needs_warmup` (the KV budget
-  after a warm-up prefill); :meth:`Platform.step_runner` (what replays a decode step: CUDA graphs).
+* :meth:`Platform.release_free_memory` after loading; :meth:`Platform.kv_budget_bytes` (the KV
+  cache's budget: the setting, or what a warm-up prefill leaves free) and
+  :meth:`Platform.allocate_kv_cache`; :meth:`Platform.step_runner` (what replays a decode step: CUDA graphs).
 
 The attention backend is :func:`tpengine.backends.get_backend`'s (``EngineConfig.attention_backend``).
 """
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from tpengine.backends.torch_ops import TorchOps
+from tpengine.utils import GIB
 
 
 @dataclass(frozen=True)
@@ -97,10 +99,19 @@ class Platform:
         profile with those choices (this base: unchanged)."""
         return profile
 
-    def needs_warmup(self) -> bool:
-        """Whether the KV budget is what is free after a warm-up prefill (a device whose activations
-        share the cache's memory), not ``EngineConfig.kv_cache_gb``."""
-        return False
+    def kv_budget_bytes(self, config, device: torch.device, warmup) -> float:
+        """The bytes this rank's KV cache may take when ``config.num_kv_blocks`` is unset: here
+        ``config.kv_cache_gb`` GiB (``warmup``, a callable that runs one eager prefill as large as the
+        scheduler may build, is for a device whose activations share the cache's memory)."""
+        return config.kv_cache_gb * GIB
+
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The zero-filled KV cache tensor of ``shape`` (``[2, layers, blocks, block_size, kv_heads, head_dim]``).
+
+        Raises:
+            MemoryError, torch.OutOfMemoryError: it does not fit.
+        """
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     def step_runner(self, model: torch.nn.Module, backend, config, hidden_size: int, dtype: torch.dtype,
                     device: torch.device):

@@ -15,7 +15,6 @@ from tpengine.backends import get_backend, get_platform
 from tpengine.config import EngineConfig
 from tpengine.context import Context
 from tpengine.distributed import TPInfo, all_reduce_min, broadcast_control
-from tpengine.engine.memory import lazy_zeros
 from tpengine.engine.step import StepKind, StepPlan
 from tpengine.errors import UserError
 from tpengine.model.loader import ExecutionProfile, load_model
@@ -62,16 +61,12 @@ class ModelRunner:
             if line is not None:
                 print(line, file=sys.stderr, flush=True)
         self.graphs = None  # the platform's step runner (CUDA graphs), once the cache is bound
-        if self.platform.needs_warmup() and config.num_kv_blocks is None:
-            self._warmup()
         self.num_blocks = all_reduce_min(self._blocks_from_budget())
         rp = self.shard_plan.ranks[tp.rank]
         shape = (2, len(self.attn_modules), self.num_blocks, config.block_size, rp.num_kv_heads,
                  self.shard_plan.head_dim)
-        # CPU: pages are zeroed by the kernel as blocks are first written, not all up front
         try:
-            self.kv_cache = (lazy_zeros(shape, self.dtype) if tp.device.type == "cpu" else
-                             torch.zeros(shape, dtype=self.dtype, device=tp.device))
+            self.kv_cache = self.platform.allocate_kv_cache(shape, self.dtype, tp.device)
         except (MemoryError, torch.OutOfMemoryError) as e:  # the budget is the user's setting
             raise UserError(f"cannot allocate the KV cache ({self.num_blocks} blocks of {config.block_size} "
                             f"tokens) on rank {tp.rank}: {e}; lower --kv-cache-gb (now {config.kv_cache_gb}) or "
@@ -97,9 +92,10 @@ class ModelRunner:
                 f"blocks ({kv_gib:.2f} GiB/rank), {seconds:.1f} s")
 
     def _warmup(self) -> None:
-        """CUDA: one eager prefill as large as the scheduler may build (max_num_batched_tokens tokens
+        """One eager prefill as large as the scheduler may build (max_num_batched_tokens tokens
         in sequences of max_model_len, at most max_num_seqs), storing nothing (slot -1) into a
-        one-block stand-in cache, so the KV budget can leave room for its activation peak."""
+        one-block stand-in cache, so the KV budget can leave room for its activation peak (run by the
+        platform's :meth:`~tpengine.backends.platform.Platform.kv_budget_bytes` where the device needs it)."""
         c, rp, dev = self.config, self.shard_plan.ranks[self.tp.rank], self.tp.device
         stand_in = torch.zeros(1, c.block_size, rp.num_kv_heads, self.shard_plan.head_dim, dtype=self.dtype,
                                device=dev)
@@ -109,13 +105,11 @@ class ModelRunner:
         lens = [min(c.max_model_len, total - s) for s in range(0, total, c.max_model_len)]
         cu = torch.tensor([0, *lens]).cumsum(0)
         n = int(cu[-1])
-        torch.cuda.reset_peak_memory_stats(dev)
         self.execute(StepPlan(StepKind.PREFILL, input_ids=torch.zeros(n, dtype=torch.int64),
                               positions=torch.cat([torch.arange(x) for x in lens]),
                               slot_mapping=torch.full((n,), -1), block_tables=torch.full((len(lens), 1), -1),
                               cu_seqlens_q=cu, cu_seqlens_k=cu, context_lens=torch.tensor(lens),
                               sample_idx=cu[1:] - 1))
-        torch.cuda.synchronize(dev)
 
     def _blocks_from_budget(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -123,14 +117,7 @@ class ModelRunner:
         rp, c = self.shard_plan.ranks[self.tp.rank], self.config
         per_block = (2 * len(self.attn_modules) * c.block_size * rp.num_kv_heads * self.shard_plan.head_dim
                      * torch.empty(0, dtype=self.dtype).element_size())
-        if self.platform.needs_warmup():
-            stats = torch.cuda.memory_stats(self.tp.device)  # warm-up peak above what stays allocated
-            peak, now = stats.get("allocated_bytes.all.peak", 0), stats.get("allocated_bytes.all.current", 0)
-            torch.cuda.empty_cache()
-            free, _ = torch.cuda.mem_get_info(self.tp.device)
-            budget = free * c.gpu_memory_utilization - (peak - now)
-        else:
-            budget = c.kv_cache_gb * GIB
+        budget = self.platform.kv_budget_bytes(c, self.tp.device, self._warmup)
         blocks = int(budget // per_block)
         need = cdiv(c.max_model_len, c.block_size)
         if blocks < need:

@@ -12,6 +12,7 @@ import torch
 
 from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_qgemv, cpu_widen, greedy, linear_layout, process
 from tpengine.backends.cpu.cpu_fused import FusedOps
+from tpengine.backends.cpu.memory import lazy_zeros
 from tpengine.backends.cpu.profile import CPUProfile
 from tpengine.backends.platform import Platform
 
@@ -41,6 +42,15 @@ class CPUPlatform(Platform):
     def release_free_memory(self) -> None:
         """:func:`tpengine.backends.cpu.process.release_free_memory` (glibc's ``malloc_trim``)."""
         process.release_free_memory()
+
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The KV cache on an anonymous mapping (:func:`tpengine.backends.cpu.memory.lazy_zeros`): pages
+        are zeroed by the kernel as blocks are first written, not all up front.
+
+        Raises:
+            MemoryError: the mapping cannot be made.
+        """
+        return lazy_zeros(shape, dtype)
 
     def fused_ops(self, cpu_kernels: bool) -> FusedOps:
         """:class:`~tpengine.backends.cpu.cpu_fused.FusedOps`: the C kernels where they take the tensors."""

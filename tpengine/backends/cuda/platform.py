@@ -11,13 +11,22 @@ from tpengine.utils import cdiv
 
 
 class CUDAPlatform(Platform):
-    """CUDA: no process set-up or measurement; :meth:`step_runner` captures the decode steps."""
+    """CUDA: no process set-up or measurement; the KV budget after a warm-up prefill
+    (:meth:`kv_budget_bytes`); :meth:`step_runner` captures the decode steps."""
 
     name = "cuda"
 
-    def needs_warmup(self) -> bool:
-        """True: the KV cache takes ``gpu_memory_utilization`` of what a warm-up prefill leaves free."""
-        return True
+    def kv_budget_bytes(self, config, device: torch.device, warmup) -> float:
+        """``config.gpu_memory_utilization`` of the memory free after ``warmup()`` (one eager prefill as
+        large as the scheduler may build), less that prefill's activation peak above what stays allocated."""
+        torch.cuda.reset_peak_memory_stats(device)
+        warmup()
+        torch.cuda.synchronize(device)
+        stats = torch.cuda.memory_stats(device)
+        peak, now = stats.get("allocated_bytes.all.peak", 0), stats.get("allocated_bytes.all.current", 0)
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(device)
+        return free * config.gpu_memory_utilization - (peak - now)
 
     def step_runner(self, model: torch.nn.Module, backend, config, hidden_size: int, dtype: torch.dtype,
                     device: torch.device):
