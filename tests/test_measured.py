@@ -55,18 +55,20 @@ def test_timings_from_a_busy_machine_are_used_but_not_cached(monkeypatch, tmp_pa
     busy = iter(range(0, 10 ** 6, 1000))  # 1000 CPU-seconds of other processes between two reads
     monkeypatch.setattr(measured, "_cpu_busy_s", lambda cpus=None: float(next(busy)))
 
-    def slow():
-        time.sleep(0.06)
+    # given timings (us), not real ones: the rule is under test, not the clock
+    monkeypatch.setattr(measured, "measure", lambda candidates, passes=5: {"a": [60.0], "b": [10.0]})
+    real = measured.Contention
+    monkeypatch.setattr(measured, "Contention", lambda **kw: real(min_s=0.0))  # every window is judged
 
-    def fast():
-        time.sleep(0.01)
+    def never():
+        raise AssertionError("measure() is faked: no candidate runs")
 
-    times, how = measured.timings("k", {"a": [slow], "b": [fast]}, passes=1)
+    times, how = measured.timings("k", {"a": [never], "b": [never]}, passes=1)
     assert how == measured.BUSY == "measured, machine busy (not cached)"
-    assert times["a"][0] > times["b"][0] and measured.read_cache(measured.cache_path()) == {}
+    assert times == {"a": [60.0], "b": [10.0]} and measured.read_cache(measured.cache_path()) == {}
     monkeypatch.setattr(measured, "_cpu_busy_s", lambda cpus=None: time.process_time())  # quiet: cached
-    times, how = measured.timings("k", {"a": [slow], "b": [fast]}, passes=1)
-    assert how == "measured" and measured.read_cache(measured.cache_path())["k"] == times
+    times, how = measured.timings("k", {"a": [never], "b": [never]}, passes=1)
+    assert how == "measured" and measured.read_cache(measured.cache_path())["k"] == times == {"a": [60.0], "b": [10.0]}
 
 
 def test_linear_layouts_skip_the_cache_when_busy(monkeypatch, tmp_path):
