@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tpengine.backends.cpu import cpu_fused, cpu_library
-from tpengine.backends.cpu.cpu_fused import rotate_half
+from tpengine.backends.torch_ops import rotate_half
 
 BF16 = torch.bfloat16
 

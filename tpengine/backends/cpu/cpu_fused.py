@@ -23,7 +23,7 @@ from tpengine import forensics
 from tpengine.backends import torch_ops
 from tpengine.backends.cpu import cpu_library
 from tpengine.backends.cpu.cpu_ops import index_error, ops
-from tpengine.backends.torch_ops import TorchOps, rotate_half  # noqa: F401  (rotate_half: re-exported)
+from tpengine.backends.torch_ops import TorchOps
 from tpengine.comm import all_reduce
 from tpengine.distributed import activation_comm
 
