@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import QuietContention, make_tiny_model
 
 from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_library, measured
 from tpengine.backends.cpu import linear_layout as L
@@ -103,12 +103,21 @@ def test_auto_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
 
 
 def test_inconsistent_timings_are_used_but_not_cached(tmp_path, monkeypatch):
+    """Two quiet passes that choose differently: the first is used for this load, nothing cached; two
+    whose times are 4x apart at a bucket but choose alike: cached (the decision is what is kept)."""
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
-    runs = iter([{"plain": [10, 20, 30], "packed": [5, 10, 15]}, {"plain": [40, 20, 30], "packed": [5, 10, 15]}])
+    monkeypatch.setattr(measured, "Contention", QuietContention)
+    monkeypatch.setattr(measured, "probe_busy", lambda: False)
+    runs = iter([{"plain": [10, 20, 30], "packed": [5, 10, 15]}, {"plain": [4, 8, 12], "packed": [5, 10, 15]}])
     monkeypatch.setattr(L, "measure", lambda *a: next(runs))
     got = L.choose_layouts({(8, 32): 1}, torch.float32)[(8, 32)]
     assert got.how == "measured, noisy (not cached)" and got.times_us == {"plain": [10, 20, 30], "packed": [5, 10, 15]}
     assert not measured.cache_path().exists()
+    runs = iter([{"plain": [10, 20, 30], "packed": [5, 10, 15]}, {"plain": [40, 20, 30], "packed": [5, 10, 15]}])
+    got = L.choose_layouts({(8, 32): 1}, torch.float32)[(8, 32)]
+    assert (got.layout, got.how) == ("packed", "measured")
+    assert got.times_us == {"plain": [10, 20, 30], "packed": [5, 10, 15]}  # the faster of the two per bucket
+    assert "linear float32 8x32x1" in measured.read_cache(measured.cache_path())
     assert measured.consistent({"plain": [10, None]}, {"plain": [15, 3]})
     assert not measured.consistent({"plain": [10]}, {"plain": [16]})
 

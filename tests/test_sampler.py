@@ -253,10 +253,12 @@ def test_row_max_block_is_measured_once_per_machine(tmp_path, monkeypatch):
     assert (again.name, again.how, len(calls)) == ("512", "cached", 2)
     assert again.describe() == "512 (cached: 0 30/900 us, 256 20/450 us, 512 21/400 us, 1024 40/420 us)"
     fake["2048"] = [50.0, 500.0]
-    runs = iter([1.0, 2.0])  # the second measurement 2x the first: another process on the cores
-    monkeypatch.setattr(measured, "measure",
-                        lambda c, *_: (lambda f: {k: [t * f for t in fake[k]] for k in c})(next(runs)))
-    noisy, _ = choose_row_max_block(6144, torch.float32)  # used for this load, not cached
+    runs = iter([1.0, 2.0])  # the second measurement 2x the first at block 512: another process on the cores
+    def slowed(c, *_):
+        f = next(runs)
+        return {k: [t * (f if k == "512" else 1) for t in fake[k]] for k in c}
+    monkeypatch.setattr(measured, "measure", slowed)
+    noisy, _ = choose_row_max_block(6144, torch.float32)  # the passes choose differently: used, not cached
     assert (noisy.name, noisy.how) == ("512", "measured, noisy (not cached)")
     assert "row_max 6144 float32 rows 1/64" not in measured.read_cache(measured.cache_path())
 

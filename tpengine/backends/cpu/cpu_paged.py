@@ -243,12 +243,16 @@ def choose_amx(q_to_kv: torch.Tensor, hkv: int, head_dim: int, block_size: int,
         return [lambda f=f: f(min_batch) for f in calls]
     key = (f"paged decode bf16 q_to_kv {q_to_kv.tolist()} hkv {hkv} d {head_dim} bs {block_size} ctx {context} "
            f"layers {layers} batches {'/'.join(map(str, batches))}")
-    times, how = timings(key, {"avx512": path(0), "amx": path(1)})
+    def amx_from(times: dict[str, list[float]]) -> int:
+        """The first batch from which AMX wins at every larger one (0: none)."""
+        start = 0
+        for i in reversed(range(len(batches))):
+            if times["amx"][i] >= times["avx512"][i]:
+                break
+            start = batches[i]
+        return start
+    times, how = timings(key, {"avx512": path(0), "amx": path(1)}, decide=amx_from)
     if times is None:  # a busy machine without cached timings: the AVX-512 path, unmeasured
         return Choice("avx512", how, {})
-    start = 0  # the first batch from which AMX wins at every larger one
-    for i in reversed(range(len(batches))):
-        if times["amx"][i] >= times["avx512"][i]:
-            break
-        start = batches[i]
+    start = amx_from(times)
     return Choice(f"amx from B >= {start}" if start else "avx512", how, times)

@@ -359,6 +359,11 @@ def dequant_rows(times: dict[str, list[float]]) -> int:
     return rows
 
 
+def _decision(times: dict[str, list[float]]) -> tuple[int, int]:
+    """What :func:`choose` takes from a measurement: ``(gemv_rows, dequant_rows)``."""
+    return gemv_rows(times["torch"], times["tpengine"]), dequant_rows(times)
+
+
 def _valid(times) -> bool:
     """Whether cached ``times`` have the shape :func:`_measure` writes (numbers at every bucket)."""
     def numbers(v, n):
@@ -400,7 +405,7 @@ def choose(groups: dict[str, list], rank: int = 0, dequant_dtype: torch.dtype | 
     for key, mods in sorted(groups.items()):
         dtype = str(mods[0].dtype).removeprefix("torch.")
         times, how = measured.timed(f"quant {dtype} {key} rank {rank}", lambda mods=mods: _measure(mods, dequant_dtype),
-                                    _valid)
+                                    _valid, _decision)
         if times is None:
             times = default_times(mods[0])
         rows, deq = gemv_rows(times["torch"], times["tpengine"]), dequant_rows(times)

@@ -167,10 +167,18 @@ def measure(shape: tuple[int, int], count: int, dtype: torch.dtype) -> dict[str,
     return times
 
 
+def _decision(times_us: dict[str, list]) -> tuple[str, tuple[str, ...]]:
+    """What a layout or head choice takes from its timings: the layout (:func:`pick`) and the plain
+    layout's path per bucket (:func:`plain_kernels`)."""
+    return pick(times_us), plain_kernels(times_us)
+
+
 def _timed(key: str, needs: tuple[str, ...], measure_fn) -> tuple[dict | None, str]:
     """:func:`tpengine.backends.cpu.measured.timed` of ``measure_fn`` under ``key``, cached timings
-    serving where they hold every path in ``needs`` at every bucket."""
-    return measured.timed(key, measure_fn, lambda t: all(len(t.get(k) or ()) == len(ROW_BUCKETS) for k in needs))
+    serving where they hold every path in ``needs`` at every bucket; two passes agree where they
+    give the same :func:`_decision`."""
+    return measured.timed(key, measure_fn, lambda t: all(len(t.get(k) or ()) == len(ROW_BUCKETS) for k in needs),
+                          _decision)
 
 
 def choose_head(weight: torch.Tensor, setting: str = "auto", cpu_kernels: bool = True) -> LayoutChoice:

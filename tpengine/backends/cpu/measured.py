@@ -11,9 +11,12 @@ The rule, per choice (a cache key saying what was timed):
    safe default, described as :data:`DEFAULT_BUSY` and not cached, so a start on a loaded machine is
    not made slower still and the next quiet start measures;
 3. on a quiet machine the candidates are timed twice, each pass under :class:`Contention`; timings
-   whose passes agree within 1.5x (:func:`consistent`) and that no other process disturbed are
-   cached ("measured"); else they are used for this run only (:data:`NOISY`, :data:`BUSY`; no second
-   pass after a busy first).
+   whose passes agree (:func:`consistent`: within 1.5x at every workload, or, where the caller says
+   what it decides from them, the same decision from each pass) and that no other process disturbed
+   are cached ("measured"); else they are used for this run only (:data:`NOISY`, :data:`BUSY`; no
+   second pass after a busy first). A decision both quiet passes agree on is kept though its times
+   jitter (a memory-bound call on a shared machine moves 2x between passes): measuring it again at
+   every start would find the same decision and cost seconds each time.
 
 The cache is one file per machine (:func:`cache_path`: the CPU model and flags, the C kernels' build,
 the torch version and the thread count; one :data:`CACHE_VERSION`) in ``$TPENGINE_CACHE_DIR``. Each
@@ -237,11 +240,14 @@ def _faster(a: dict[str, list], b: dict[str, list]) -> dict[str, list]:
 
 
 def timed(key: str, measure_fn: Callable[[], dict[str, list] | None],
-          valid: Callable[[dict], bool] | None = None) -> tuple[dict[str, list] | None, str]:
+          valid: Callable[[dict], bool] | None = None,
+          decide: Callable[[dict], object] | None = None) -> tuple[dict[str, list] | None, str]:
     """``(times, how)`` for the choice cached as ``key`` (say what is timed: the kind, shapes and dtype),
     by the rule of this module: ``measure_fn()`` gives name -> microseconds per workload (None where a
     path was not timed; a None result: nothing measurable). ``valid(times)``: whether cached timings
-    serve this call (default: any well-formed ones). Returns the cached timings ("cached"); None and
+    serve this call (default: any well-formed ones). ``decide(times)``: what the caller takes from
+    the timings (compared with ``==``); two passes agree where their decisions are equal (default:
+    their times within :func:`consistent`'s ratio). Returns the cached timings ("cached"); None and
     :data:`DEFAULT_BUSY` when the machine is busy before measuring (the caller takes its default); else
     the measurement ("measured", cached; :data:`NOISY` or :data:`BUSY`, not cached)."""
     path = cache_path()
@@ -260,7 +266,7 @@ def timed(key: str, measure_fn: Callable[[], dict[str, list] | None],
         second = measure_fn()
     if load.busy or second is None:
         return first, BUSY
-    if not consistent(first, second):
+    if not (consistent(first, second) if decide is None else decide(first) == decide(second)):
         return first, NOISY
     times = _faster(first, second)
     cache = read_cache(path)  # another process may have written meanwhile
@@ -269,11 +275,12 @@ def timed(key: str, measure_fn: Callable[[], dict[str, list] | None],
     return times, "measured"
 
 
-def timings(key: str, candidates: dict[str, list[Callable[[], object]]],
-            passes: int = 5) -> tuple[dict[str, list[float]] | None, str]:
+def timings(key: str, candidates: dict[str, list[Callable[[], object]]], passes: int = 5,
+            decide: Callable[[dict], object] | None = None) -> tuple[dict[str, list[float]] | None, str]:
     """:func:`timed` of ``candidates`` (name -> one callable per workload, the same count for each),
     each timed by :func:`measure` (the median of ``passes`` timed calls per workload); cached timings
-    serve only for exactly these names and workloads.
+    serve only for exactly these names and workloads. ``decide``: what the caller takes from the
+    timings, for :func:`timed` (default :func:`pick`).
     Raises ValueError for no candidates or unequal workload counts."""
     if not candidates or len({len(v) for v in candidates.values()}) != 1 or not next(iter(candidates.values())):
         raise ValueError(f"measured choice {key!r}: need candidates with the same number (>= 1) of workloads, "
@@ -282,7 +289,7 @@ def timings(key: str, candidates: dict[str, list[Callable[[], object]]],
     def valid(times: dict) -> bool:
         return sorted(times) == sorted(candidates) and all(
             len(v) == len(candidates[k]) and None not in v for k, v in times.items())
-    return timed(key, lambda: measure(candidates, passes), valid)
+    return timed(key, lambda: measure(candidates, passes), valid, decide or pick)
 
 
 def fastest(key: str, candidates: dict[str, list[Callable[[], object]]], passes: int = 5,
