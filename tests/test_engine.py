@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 from conftest import SMOLLM2_DIR, make_tiny_model
+from hf_reference import greedy
 from launch import run_engine_jobs
 
 GREEDY = {"temperature": 0.0}
@@ -21,36 +22,6 @@ CHAT = [
     "How many days are in a leap year?", "Describe the color blue to someone.",
     "What is the boiling point of water?", "Suggest a name for a goldfish.",
 ]
-
-
-def hf_greedy(model_dir, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    """Hugging Face's own greedy continuation (full forward each token, HF attention, float32),
-    never stopping on EOS: the oracle for ``ignore_eos`` runs."""
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            past, cur, gen = None, ids, []
-            for _ in range(max_new):
-                r = m(cur, past_key_values=past, use_cache=True)
-                past, tok = r.past_key_values, int(r.logits[0, -1].argmax())
-                gen.append(tok)
-                cur = torch.tensor([[tok]])
-            outs.append(gen)
-    return outs
-
-
-def hf_generate(model_dir, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    """``transformers`` ``generate(do_sample=False)``: stops at the model's EOS ids."""
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        return [m.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False)[0, len(p):].tolist()
-                for p in prompts]
 
 
 def by_id(result: dict) -> dict[str, dict]:
@@ -131,8 +102,10 @@ def engine_results(models, smollm2_prompts, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_hf(models):
-    """HF greedy of each tiny model, computed once for every tp."""
-    return {name: hf_greedy(d, tiny_prompts(1001, TINY_LENGTHS), 24) for name, d in models.items()}
+    """HF greedy of each tiny model (eager attention, never stopping at EOS: the ``ignore_eos`` runs'
+    oracle), computed once for every tp."""
+    return {name: greedy(d, tiny_prompts(1001, TINY_LENGTHS), 24, stop_at_eos=False, attn="eager")
+            for name, d in models.items()}
 
 
 @pytest.mark.parametrize("tp", (1, 2, 3))
@@ -147,7 +120,8 @@ def test_tiny_greedy_equals_hf(tiny_hf, engine_results, name, tp):
 
 @pytest.fixture(scope="module")
 def smollm2_hf(smollm2_prompts):
-    return hf_generate(SMOLLM2_DIR, smollm2_prompts, 64)
+    """HF ``generate`` greedy of the 16 chat prompts, 64 tokens at most, stopping at EOS."""
+    return greedy(SMOLLM2_DIR, smollm2_prompts, 64)
 
 
 @pytest.mark.parametrize("tp", (1, 2, 3))

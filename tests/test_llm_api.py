@@ -11,8 +11,8 @@ import json
 
 import pytest
 from conftest import REPO, SMOLLM2_DIR, make_tiny_model
+from hf_reference import greedy
 from launch import torchrun
-from test_engine import hf_generate
 
 from tpengine import LLM, CompletionOutput, RequestOutput, SamplingParams
 from tpengine.errors import UserError
@@ -49,7 +49,7 @@ def template_ids(tok, conv, add_generation_prompt=True) -> list[int]:
 def check_greedy(model, outs, prompt_ids, max_new=12):
     """Each output's tokens are HF greedy ``generate``'s, its text their decoding."""
     assert [o.prompt_token_ids for o in outs] == prompt_ids
-    ref = hf_generate(model, prompt_ids, max_new)
+    ref = greedy(model, prompt_ids, max_new)
     assert [o.outputs[0].token_ids for o in outs] == ref
     for o, r in zip(outs, ref):
         (c,) = o.outputs

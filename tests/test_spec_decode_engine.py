@@ -16,9 +16,10 @@ from launch import run_engine_jobs
 
 pytestmark = pytest.mark.skipif(not (SMOLLM2_DIR / "config.json").is_file(), reason="needs make model")
 
-# cpu_linear "plain": every output is compared with one under the same layout, so the layouts' measurement
-# (test_engine's subject, taken at every load of a busy machine) is spared; so in the batch-job runs
-BASE = {"model": str(SMOLLM2_DIR), "dtype": "float32", "max_model_len": 512, "kv_cache_gb": 0.2, "cpu_linear": "plain"}
+# the measured linear layouts (cached per machine; a busy machine's default): float32 greedy tokens do not
+# depend on the layout (test_engine: each layout equals HF at every tp), and tp=2 runs are compared with
+# tp=1's whatever the layouts
+BASE = {"model": str(SMOLLM2_DIR), "dtype": "float32", "max_model_len": 512, "kv_cache_gb": 0.2}
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
         "disable_by_batch_size": 64}  # a fixed rule, so the test does not depend on this machine's timings
 #: chunks of 48 tokens beside the decodes, and a cache too small for every sequence at once (preemption)
@@ -152,7 +153,7 @@ def test_batch_job_takes_the_flag_and_reports(tmp_path):
          "max_tokens": 24, "temperature": 0.0}])
     out, summary = tmp_path / "o.jsonl", tmp_path / "s.json"
     code, err = run_cli("--prompts", prompts, "--model", SMOLLM2_DIR, "--dtype", "float32", "--out", out,
-                        "--summary-json", summary, "--max-model-len", 256, "--cpu-linear", "plain",
+                        "--summary-json", summary, "--max-model-len", 256,
                         "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3,
                                                             "prompt_lookup_max": 3, "disable_by_batch_size": 8}))
     assert code == 0, err
@@ -197,8 +198,8 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
 
     tiny = make_tiny_model(tmp_path, vocab_size=1001)
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "hi", "max_tokens": 2}])
-    code, err = run_cli("--prompts", prompts, "--model", SMOLLM2_DIR, "--out", tmp_path / "o.jsonl", "--cpu-linear",
-                        "plain", "--speculative-config", json.dumps({"model": str(tiny), "num_speculative_tokens": 2}))
+    code, err = run_cli("--prompts", prompts, "--model", SMOLLM2_DIR, "--out", tmp_path / "o.jsonl",
+                        "--speculative-config", json.dumps({"model": str(tiny), "num_speculative_tokens": 2}))
     assert code == 2, err
     assert (f"failed: UserError: speculative_config model {tiny}: its vocabulary has 1001 tokens, the model's 49152; "
             "a draft model must share the model's vocabulary") in err
