@@ -83,6 +83,29 @@ def test_sampled_distribution_respects_top_k():
     assert got <= allowed and len(got) > 1
 
 
+def test_unseeded_rows_draw_together_each_with_its_filters_and_a_failing_row_is_its_own():
+    """The unseeded rows of a step draw in one call: each keeps its own filters (top-k 2 draws only its
+    two best tokens, top-p 1e-6 only its best, temperature alone any of them, about as often as the
+    softmax says), and a row whose temperature overflows its logits is entered in ``errors`` while
+    the others (the seeded one too) are sampled."""
+    x = logits(4, seed=11)
+    s = Sampler(seed=3)
+    seqs = [mk(0, temperature=1.0, top_k=2), mk(1, temperature=1.0, top_p=1e-6), mk(2, temperature=1.0),
+            mk(3, temperature=1.0, seed=5)]
+    draws = [s.sample(x, seqs) for _ in range(3000)]
+    assert {d[0] for d in draws} == set(torch.topk(x[0], 2).indices.tolist())
+    assert {d[1] for d in draws} == {int(x[1].argmax())}
+    p = torch.softmax(x[2], -1)
+    top = int(p.argmax())
+    assert abs(sum(d[2] == top for d in draws) / 3000 - float(p[top])) < 0.04
+    assert len({d[3] for d in draws}) > 3
+    hot = x.clone()
+    hot[1] = 1e38
+    errors: dict[int, Exception] = {}
+    got = s.sample(hot[:3], [mk(0, temperature=1.0), mk(1, temperature=1e-30), mk(2, temperature=1.0, top_k=1)], errors)
+    assert list(errors) == [1] and got[2] == int(hot[2].argmax()) and got[1] == 0
+
+
 def test_padded_vocab_columns_never_sampled_c01():
     """The LM head cuts the padding columns before the Sampler sees the logits (sampling and
     the greedy argmax on the ranks): padded rows with large logits are never chosen."""

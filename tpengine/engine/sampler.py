@@ -2,8 +2,9 @@
 temperature, top-k, top-p, min-p, per-request seeds.
 
 The processors run batched over the rows that need them (:mod:`tpengine.engine.logits_processors`);
-sampled rows then draw one at a time with the row's own ``torch.Generator``, so a seeded request
-draws the same tokens whatever else is in the batch (case C17) and at any tp size.
+seeded rows then draw one at a time with the row's own ``torch.Generator``, so a seeded request
+draws the same tokens whatever else is in the batch (case C17) and at any tp size; the unseeded
+rows of a step draw together from the sampler's default generator, in one call.
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ class Sampler:
         repetition / presence / frequency penalties) on the rows that need it. Greedy rows
         (temperature 0) then take the argmax, all in one op. Other rows: logits / temperature,
         then top-k, top-p, min-p, then ``torch.multinomial`` with the sequence's own generator
-        (seeded from ``params.seed`` once per sequence, advanced only by its own draws) or this
-        sampler's default generator for unseeded requests.
+        (seeded from ``params.seed`` once per sequence, advanced only by its own draws), or, for the
+        unseeded rows, one call over them all with this sampler's default generator.
 
         Returns:
             ``len(seqs)`` token ids.
@@ -129,16 +130,43 @@ class Sampler:
             rows = torch.tensor(greedy, device=logits.device)
             for i, tok in zip(greedy, logits.index_select(0, rows).argmax(dim=-1).tolist()):
                 out[i] = tok
-        for i, seq in enumerate(seqs):
-            if seq.params.temperature == 0.0 or i in failed:
-                continue
+        sampled = [i for i, s in enumerate(seqs) if s.params.temperature != 0.0 and i not in failed]
+        shared = [i for i in sampled if seqs[i].params.seed is None]
+        if len(shared) > 1 and self._draw_together(logits, seqs, shared, out):
+            sampled = [i for i in sampled if seqs[i].params.seed is not None]
+        for i in sampled:
             try:
-                out[i] = self._sample_row(logits[i], seq)
+                out[i] = self._sample_row(logits[i], seqs[i])
             except Exception as e:  # noqa: BLE001 -- one request's failure, handed to the caller
                 if errors is None:
                     raise
                 errors[i] = e
         return out
+
+    def _draw_together(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], out: list[int]) -> bool:
+        """Sample the unseeded ``rows`` (two or more) in one ``torch.multinomial`` call from the default
+        generator (vLLM samples a batch so): each row's filters as :meth:`_sample_row` applies them (in
+        one op for rows with only a temperature), then one draw per row. Writes ``out[i]`` and returns
+        True; False (nothing drawn, ``out`` untouched) where a row's filtered probabilities are not a
+        distribution (a temperature that overflows its logits, say): the caller then samples each row
+        alone and reports the failing one."""
+        idx = torch.tensor(rows, device=logits.device)
+        temps = torch.tensor([seqs[i].params.temperature for i in rows], device=logits.device)
+        try:
+            scaled = logits.index_select(0, idx) / temps[:, None]
+            for j, i in enumerate(rows):
+                p = seqs[i].params
+                if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
+                    scaled[j] = apply_min_p(apply_top_p(apply_top_k(scaled[j], p.top_k), p.top_p), p.min_p)
+            probs = torch.softmax(scaled, dim=-1)
+        except Exception:  # noqa: BLE001 -- the rows alone find and report the failing one
+            return False
+        if not bool(torch.isfinite(probs).all()):
+            return False
+        draws = torch.multinomial(probs, 1, generator=self._default_generator(probs.device))[:, 0].tolist()
+        for i, tok in zip(rows, draws):
+            out[i] = tok
+        return True
 
     def _process(self, logits: torch.Tensor, seqs: list[Sequence],
                  errors: dict[int, Exception] | None) -> torch.Tensor:
