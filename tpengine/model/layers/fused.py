@@ -62,6 +62,8 @@ class FusedAttention(nn.Module):
         self.layer_idx, self.head_dim, self.scaling = layer_idx, head_dim, scaling
         self.num_heads, self.num_key_value_heads = hq, hkv
         self.tp_q_to_kv = torch.tensor(rp.q_to_kv, dtype=torch.int64, device=device)
+        # the projections' forwards as plain attributes: a submodule read goes through nn.Module.__getattr__
+        self.qkv_forward, self.o_forward = self.qkv_proj.forward, self.o_proj.forward
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D] views, set by the model runner
         self.v_cache: torch.Tensor | None = None
 
@@ -70,13 +72,13 @@ class FusedAttention(nn.Module):
         """``reduce`` False: ``o_proj``'s partial sum, not all-reduced (:meth:`RowParallelLinear.forward`)."""
         # (sub-layers' forward called directly and the q/k/v rows handed on as they are: at batch 1
         # the Python between the kernels is as costly as the kernels, docs/notes/kernels.md; no hooks)
-        qkv = self.qkv_proj.forward(hidden_states)  # [T, (Hq + 2 Hkv) D]
+        qkv = self.qkv_forward(hidden_states)  # [T, (Hq + 2 Hkv) D]
         if self.q_norm is not None:
             hq, hkv = self.num_heads, self.num_key_value_heads
             t = qkv.view(qkv.shape[0], hq + 2 * hkv, self.head_dim)
             qkv = torch.cat((self.q_norm(t[:, :hq]), self.k_norm(t[:, hq:hq + hkv]), t[:, hq + hkv:]), dim=1).flatten(1)
         out = ctx.backend.forward(qkv, position_embeddings, self, ctx)  # RoPE, KV store, paged attention
-        return self.o_proj.forward(out, reduce)
+        return self.o_forward(out, reduce)
 
 
 class FusedMLP(nn.Module):
@@ -94,6 +96,8 @@ class FusedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, down_bias, dtype)
         self.act_fn, self.intermediate = act_fn, intermediate
         self.silu = isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+        # (plain attributes, as FusedAttention's projections)
+        self.gate_up_forward, self.down_forward = self.gate_up_proj.forward, self.down_proj.forward
 
     #: ``gate_up -> act(gate) * up`` bound by the backend for this layer (its checks done once:
     #: :func:`tpengine.backends.cpu.layer_calls.bind_stack`), or None: the generic op below
@@ -101,10 +105,10 @@ class FusedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``reduce`` False: ``down_proj``'s partial sum, not all-reduced."""
-        gate_up = self.gate_up_proj.forward(x)  # (called directly, as in FusedAttention.forward)
+        gate_up = self.gate_up_forward(x)  # (called directly, as in FusedAttention.forward)
         act = self.bound_act
         if act is not None:
-            return self.down_proj.forward(act(gate_up), reduce)
+            return self.down_forward(act(gate_up), reduce)
         if self.silu:  # CPU bfloat16: one C kernel
             return self.down_proj(self.ops.silu_mul(gate_up, self.intermediate), reduce)
         h = self.act_fn(gate_up[..., : self.intermediate])
@@ -167,15 +171,29 @@ class DecoderStack(nn.Module):
         self.config, self.embed_tokens, self.layers, self.norm = config, embed_tokens, layers, norm
         self.rotary_emb, self.reduce_in_norm = rotary_emb, reduce_in_norm
 
+    def layer_calls(self) -> list[tuple]:
+        """Each decoder layer's four calls, ``(input_layernorm.add_forward, self_attn.forward,
+        post_attention_layernorm.add_forward, mlp.forward)``, looked up once: a submodule's attribute
+        goes through ``nn.Module.__getattr__`` at every access, which at batch 1 costs as much as a
+        small kernel (docs/notes/cpu-paths.md). The bound methods read the layers' bound kernels at
+        each call, so a later :meth:`tpengine.backends.platform.Platform.bind_model` needs no reset."""
+        calls = self.__dict__.get("_layer_calls")
+        if calls is None:
+            calls = [(layer.input_layernorm.add_forward, layer.self_attn.forward,
+                      layer.post_attention_layernorm.add_forward, layer.mlp.forward)
+                     for layer in islice(self.layers, self.config.num_hidden_layers)]
+            self.__dict__["_layer_calls"] = calls
+        return calls
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         position_embeddings = tuple(t[0] for t in self.rotary_emb(h, positions[None]))  # cos, sin [N, D]
         delta = None  # each block's output, added to the residual stream by the next norm (fused on CPU)
         fuse = self.reduce_in_norm  # tp > 1: the blocks' all-reduces run in the next norm
-        # (islice: a ModuleList slice builds a new ModuleList each step; forwards called directly: no hooks)
-        for layer in islice(self.layers, self.config.num_hidden_layers):
-            h, x = layer.input_layernorm.add_forward(h, delta, fuse)
-            delta = layer.self_attn.forward(x, position_embeddings, ctx, not fuse)
-            h, x = layer.post_attention_layernorm.add_forward(h, delta, fuse)
-            delta = layer.mlp.forward(x, not fuse)
+        keep = not fuse
+        for norm1, attn, norm2, mlp in self.layer_calls():  # (forwards called directly: no hooks)
+            h, x = norm1(h, delta, fuse)
+            delta = attn(x, position_embeddings, ctx, keep)
+            h, x = norm2(h, delta, fuse)
+            delta = mlp(x, keep)
         return self.norm.add_forward(h, delta, fuse)[1]
