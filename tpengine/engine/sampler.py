@@ -61,6 +61,11 @@ def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def _filtered(row: torch.Tensor, p) -> torch.Tensor:
+    """A 1-D row of temperature-scaled logits after ``p``'s top-k, top-p and min-p, in that order."""
+    return apply_min_p(apply_top_p(apply_top_k(row, p.top_k), p.top_p), p.min_p)
+
+
 class Sampler:
     """Picks one next token per sequence from its logits.
 
@@ -157,7 +162,7 @@ class Sampler:
             for j, i in enumerate(rows):
                 p = seqs[i].params
                 if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
-                    scaled[j] = apply_min_p(apply_top_p(apply_top_k(scaled[j], p.top_k), p.top_p), p.min_p)
+                    scaled[j] = _filtered(scaled[j], p)
             probs = torch.softmax(scaled, dim=-1)
         except Exception:  # noqa: BLE001 -- the rows alone find and report the failing one
             return False
@@ -188,11 +193,7 @@ class Sampler:
     def _sample_row(self, logits: torch.Tensor, seq: Sequence) -> int:
         """One token from a 1-D ``logits [V]`` row with ``seq``'s params and generator."""
         p = seq.params
-        row = logits / p.temperature
-        row = apply_top_k(row, p.top_k)
-        row = apply_top_p(row, p.top_p)
-        row = apply_min_p(row, p.min_p)
-        probs = torch.softmax(row, dim=-1)
+        probs = torch.softmax(_filtered(logits / p.temperature, p), dim=-1)
         if p.seed is None:
             gen = self._default_generator(probs.device)
         else:

@@ -408,7 +408,7 @@ def choose(groups: dict[str, list], rank: int = 0, dequant_dtype: torch.dtype | 
                                     _valid, _decision)
         if times is None:
             times = default_times(mods[0])
-        rows, deq = gemv_rows(times["torch"], times["tpengine"]), dequant_rows(times)
+        rows, deq = _decision(times)
         for m in mods:
             m.gemv_rows, m.dequant_rows, m.dequant_dtype = rows, deq, dequant_dtype
         chosen[key] = {**times, "gemv_rows": rows, "dequant_rows": deq, "how": how,
