@@ -151,7 +151,7 @@ SEARCH_RMIN, SEARCH_RDELTA, SEARCH_NSTEP = -1.0, 0.1, 20
 #: linears are, sits at ~1 eps^2; 4-bit rounding costs ~250 eps^2 of bfloat16) is not searched.
 SEARCH_EXACT = 16
 #: Groups searched at once (memory: a few tensors of groups x (NSTEP + 1) x group size float32 values).
-SEARCH_CHUNK = 4096
+SEARCH_CHUNK = 1024
 
 
 def _coded_fit(g: torch.Tensor, s: torch.Tensor, b: torch.Tensor, wt: torch.Tensor, dtype: torch.dtype):
@@ -200,9 +200,11 @@ def _search_int4_coded(g: torch.Tensor, s: torch.Tensor, codes: torch.Tensor, em
         x, wt, base = x[todo], wt[todo], base[todo]
         mn, mx = x.amin(-1).clamp(max=0), x.amax(-1).clamp(min=0)
         iscale = steps / (mx - mn).clamp(min=1e-30)[:, None]  # [m, C]
-        lv = torch.round((x - mn[:, None])[:, None, :] * iscale[..., None]).clamp_(0, 15)  # [m, C, n]
+        # [m, C, n] levels and their weighted sums (in place: these are the search's big tensors)
+        lv = torch.mul((x - mn[:, None])[:, None, :], iscale[..., None]).round_().clamp_(0, 15)
         wl = lv * wt[:, None, :]
-        sl, sl2, sxl = wl.sum(-1), (wl * lv).sum(-1), (wl * x[:, None, :]).sum(-1)  # [m, C]
+        sl, sl2 = wl.sum(-1), lv.mul_(wl).sum(-1)
+        sxl = wl.mul_(x[:, None, :]).sum(-1)  # [m, C]
         wx = wt * x
         sw, sx, sx2 = wt.sum(-1, keepdim=True), wx.sum(-1, keepdim=True), (wx * x).sum(-1, keepdim=True)
         det = sw * sl2 - sl * sl
