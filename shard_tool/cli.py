@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import typer
 
-from shard_tool import convert, info, split, verify
+from tpengine.startup import collector_paused
+
+with collector_paused():  # the start's imports (tpengine/startup.py)
+    from shard_tool import convert, info, split, verify
 
 app = typer.Typer(
     add_completion=False,

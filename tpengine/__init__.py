@@ -59,6 +59,9 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'tpengine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    from tpengine.startup import collector_paused
+
+    with collector_paused():  # importing the engine's modules (tpengine/startup.py)
+        value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -1,7 +1,10 @@
 """``python -m tpengine.run``, the form ``torchrun`` launches: the batch job of
 :mod:`tpengine.entrypoints.run` (the same command as ``tpengine run``)."""
 
-from tpengine.entrypoints.run import app
+from tpengine.startup import collector_paused
+
+with collector_paused():  # the start's imports (tpengine/startup.py)
+    from tpengine.entrypoints.run import app
 
 if __name__ == "__main__":
     app()

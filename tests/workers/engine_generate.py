@@ -14,11 +14,14 @@ import json
 import sys
 import time
 
-from tpengine.config import EngineConfig
-from tpengine.distributed import gather_control, get_tp, shutdown
-from tpengine.engine.llm_engine import LLMEngine
-from tpengine.sampling_params import SamplingParams
-from tpengine.structured import StructuredOutputsParams
+from tpengine.startup import collector_paused
+
+with collector_paused():  # the start's imports, as the entry points (tpengine/startup.py)
+    from tpengine.config import EngineConfig
+    from tpengine.distributed import gather_control, get_tp, shutdown
+    from tpengine.engine.llm_engine import LLMEngine
+    from tpengine.sampling_params import SamplingParams
+    from tpengine.structured import StructuredOutputsParams
 
 
 def as_record(o) -> dict:

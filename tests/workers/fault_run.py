@@ -7,9 +7,12 @@ rank R at decode step S")`` at its S-th decode step (1-based), then runs the mai
 
 import sys
 
-from tpengine.distributed import get_tp
-from tpengine.engine.model_runner import ModelRunner
-from tpengine.engine.step import StepKind
+from tpengine.startup import collector_paused
+
+with collector_paused():  # the start's imports, as the entry points (tpengine/startup.py)
+    from tpengine.distributed import get_tp
+    from tpengine.engine.model_runner import ModelRunner
+    from tpengine.engine.step import StepKind
 
 
 def inject(rank: int, step: int) -> None:

@@ -10,13 +10,16 @@ Rank 0 saves {key: {"logits": [1, T, vocab], "audits": [per rank]}} to OUT.pt.
 import json
 import sys
 
-import torch
+from tpengine.startup import collector_paused
 
-from tpengine.config import EngineConfig
-from tpengine.distributed import get_tp, init_distributed, shutdown
-from tpengine.engine.model_runner import ModelRunner
-from tpengine.engine.step import StepKind, StepPlan
-from tpengine.model.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+with collector_paused():  # the start's imports, as the entry points (tpengine/startup.py)
+    import torch
+
+    from tpengine.config import EngineConfig
+    from tpengine.distributed import get_tp, init_distributed, shutdown
+    from tpengine.engine.model_runner import ModelRunner
+    from tpengine.engine.step import StepKind, StepPlan
+    from tpengine.model.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 
 BLOCK = 16
 

@@ -38,6 +38,7 @@ from tpengine.errors import UserError
 from tpengine.model.spec import ModelSpec
 from tpengine.model.surgery import check_model_limits
 from tpengine.sampling_params import SamplingParams
+from tpengine.startup import collector_paused
 
 
 def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
@@ -119,6 +120,12 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, tokenizer=None):
+        with collector_paused():  # the set-up makes the process's long-lived objects (tpengine/startup.py)
+            self._set_up(config, tokenizer)
+
+    def _set_up(self, config: EngineConfig, tokenizer) -> None:
+        """Read the model folder, start the process groups, load this rank's slice and, on rank 0,
+        the tokenizer and the scheduler (the constructor's work; its errors are the constructor's)."""
         started = time.perf_counter()
         hf_config = ModelSpec.read_config(config.model)  # UserError: not a model folder
         if config.max_model_len is None:  # as vLLM: the model's own context length

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import typer
 
-from tpengine.entrypoints import run, serve
+from tpengine.startup import collector_paused
+
+with collector_paused():  # the start's imports (tpengine/startup.py)
+    from tpengine.entrypoints import run, serve
 
 app = typer.Typer(
     name="tpengine",
