@@ -220,3 +220,31 @@ def test_a_busy_first_measurement_is_not_taken_twice(monkeypatch, tmp_path):
             dtype, gemv_rows, dequant_rows = torch.float32, 0, 0
         c = cpu_qgemv.choose({f"int4 g32 64->{96 * runs}": [Mod()]}, rank=0)[f"int4 g32 64->{96 * runs}"]
         assert len(m) == runs and c["how"] == (measured.BUSY if runs == 1 else "measured") and c["gemv_rows"] == 8
+
+
+def test_a_busy_verdict_holds_for_the_loads_next_choices(monkeypatch):
+    """One busy probe (or a disturbed measurement pass) serves the choices after it for BUSY_HOLD_S:
+    they take their defaults without a probe window each; after the hold the machine is probed again."""
+    windows = []
+
+    class Busy:
+        def __init__(self, min_s=None):
+            self.busy = True
+
+        def __enter__(self):
+            windows.append(1)
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    clock = [1000.0]
+    monkeypatch.setattr(measured, "Contention", Busy)
+    monkeypatch.setattr(measured.time, "sleep", lambda s: None)
+    monkeypatch.setattr(measured.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(measured, "_busy_at", None)
+    assert measured.probe_busy() and len(windows) == 1
+    clock[0] += measured.BUSY_HOLD_S / 2
+    assert measured.probe_busy() and len(windows) == 1  # held: no second window
+    clock[0] += measured.BUSY_HOLD_S
+    assert measured.probe_busy() and len(windows) == 2  # the hold is over: probed again

@@ -9,7 +9,8 @@ The rule, per choice (a cache key saying what was timed):
 2. without them, the machine is checked for other processes first (:func:`probe_busy`, a short
    ``/proc/stat`` window, :class:`Contention`); a busy machine measures nothing: the caller takes its
    safe default, described as :data:`DEFAULT_BUSY` and not cached, so a start on a loaded machine is
-   not made slower still and the next quiet start measures;
+   not made slower still and the next quiet start measures (a busy verdict holds
+   :data:`BUSY_HOLD_S`: one probe serves the load's other choices);
 3. on a quiet machine the candidates are timed twice, each pass under :class:`Contention`; timings
    whose passes agree (:func:`consistent`: within 1.5x at every workload, or, where the caller says
    what it decides from them, the same decision from each pass) and that no other process disturbed
@@ -216,13 +217,32 @@ def measure(candidates: dict[str, list[Callable[[], object]]], passes: int = 5) 
 #: Seconds :func:`probe_busy` watches the machine for.
 PROBE_S = 0.2
 
+#: Seconds a busy verdict holds (:func:`probe_busy`, or a measurement pass found disturbed): the
+#: choices of one load that find no cached timings on a busy machine then wait for one probe, not
+#: one each (a SmolLM2 load has about ten such choices per rank).
+BUSY_HOLD_S = 10.0
+
+#: ``time.monotonic()`` of this process's last busy verdict (None: none yet).
+_busy_at: float | None = None
+
+
+def _saw_busy() -> None:
+    """Note a busy verdict now (:data:`BUSY_HOLD_S`)."""
+    global _busy_at
+    _busy_at = time.monotonic()
+
 
 def probe_busy() -> bool:
     """Whether other processes keep this process's CPUs busy now: a :data:`PROBE_S` window of
-    :class:`Contention` while this process sleeps (so every core it could use counts as free).
+    :class:`Contention` while this process sleeps (so every core it could use counts as free);
+    within :data:`BUSY_HOLD_S` of this process's last busy verdict, busy without a new window.
     False where ``/proc/stat`` cannot be read."""
+    if _busy_at is not None and time.monotonic() - _busy_at < BUSY_HOLD_S:
+        return True
     with Contention(min_s=0.0) as load:
         time.sleep(PROBE_S)
+    if load.busy:
+        _saw_busy()
     return load.busy
 
 
@@ -261,10 +281,13 @@ def timed(key: str, measure_fn: Callable[[], dict[str, list] | None],
     if first is None:
         return None, "default"  # nothing measurable: the caller's default, not for lack of a quiet machine
     if load.busy:
+        _saw_busy()
         return first, BUSY
     with Contention() as load:
         second = measure_fn()
     if load.busy or second is None:
+        if load.busy:
+            _saw_busy()
         return first, BUSY
     if not (consistent(first, second) if decide is None else decide(first) == decide(second)):
         return first, NOISY
