@@ -7,6 +7,7 @@ Cases C01 (vocab 1001), C03 (tied), C04 (biases), C05 (Qwen3 head_dim != hidden/
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -43,11 +44,18 @@ def tiny_models(tmp_path_factory):
 
 
 def hf_logits(model_dir: Path, ids: torch.Tensor) -> torch.Tensor:
+    """HF's float32 eager logits of ``ids [1, T]``, computed once per model and prompt (every tp and
+    source compares with the same reference)."""
+    return _hf_logits(model_dir, tuple(ids[0].tolist()))
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_logits(model_dir: Path, ids: tuple[int, ...]) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     with torch.inference_mode():
-        return m.eval()(ids).logits
+        return m.eval()(torch.tensor([ids])).logits
 
 
 def prompt_ids(vocab: int) -> torch.Tensor:
