@@ -112,6 +112,12 @@ class Worker:
         self.log.close()
 
 
+def dtype_systems(dtype: str, hf: bool, tps: list[int], quant_systems: list[str]) -> list[str]:
+    """One dtype group's systems in the order they run: HF (with ``hf``), tpengine at each of ``tps``
+    and, in the :data:`QUANT_DTYPE` group only, the quantized rows ``quant_systems``."""
+    return (["hf"] if hf else []) + [system_key(t) for t in tps] + (quant_systems if dtype == QUANT_DTYPE else [])
+
+
 def system_key(tp: int, quantization: str | None = None) -> str:
     """The key of tpengine at ``tp`` with ``quantization`` weights: "tp1", "tp2-int8", ..."""
     return f"tp{tp}" + (f"-{quantization}" if quantization else "")
@@ -269,8 +275,7 @@ def main(
     runs = {}
     with tempfile.TemporaryDirectory(prefix="tpengine-bench-") as logdir:
         for dt in dtypes:
-            systems = (["hf"] if hf else []) + [system_key(t) for t in tps] + (quant_systems if dt == QUANT_DTYPE
-                                                                                else [])
+            systems = dtype_systems(dt, hf, tps, quant_systems)
             console.print(f"[bold]{dt}[/]: starting {', '.join(systems)}")
             runs[dt] = run_dtype(dt, systems, model, cores, prompts, lat_prompt, output_len, latency_output_len,
                                  rounds, hf_batch_size or num_prompts, hf_attn, Path(logdir), console.print,

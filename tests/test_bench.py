@@ -79,20 +79,25 @@ def test_latency_only_rows_have_no_throughput_figures():
 
 
 def test_bench_quantized_rows(tmp_path):
-    """int8 and int4 rows at tp 1 and 2 in the bfloat16 group (none in float32), each with its
-    weight bytes per rank, TP efficiency against the same weights' tp=1, and TPOT / weight bytes
-    against the same tp's float weights; the output names the CPU and its flags."""
+    """int8 and int4 rows at tp 1 and 2 in the bfloat16 group (none in float32: ``dtype_systems``),
+    each with its weight bytes per rank, TP efficiency against the same weights' tp=1, and TPOT /
+    weight bytes against the same tp's float weights; the output names the CPU and its flags."""
+    from benchmarks.bench import dtype_systems
     from benchmarks.machine import CPU_FLAGS, read_cpuinfo
+
+    quant = ["tp1-int8", "tp2-int8"]
+    assert dtype_systems("float32", True, [1, 2], quant) == ["hf", "tp1", "tp2"]
+    assert dtype_systems("bfloat16", False, [1, 2], quant) == ["tp1", "tp2", "tp1-int8", "tp2-int8"]
 
     model = make_tiny_model(tmp_path, "llama", seed=0, intermediate_size=128)  # int4 groups of 32 at tp 2
     out = tmp_path / "bench.json"
     args = ["--model", str(model), "--num-prompts", "2", "--input-len", "5", "--output-len", "3",
-            "--latency-input-len", "6", "--latency-output-len", "3", "--dtype", "float32", "--dtype", "bfloat16",
+            "--latency-input-len", "6", "--latency-output-len", "3", "--dtype", "bfloat16",
             "--no-hf", "--rounds", "1", "--quantized-throughput", "--out", str(out)]
     r = CliRunner().invoke(app, args, terminal_width=200)
     assert r.exit_code == 0, r.output + repr(r.exception)
     res = json.loads(out.read_text())
-    assert set(res["results"]["float32"]) == {"tp1", "tp2"}
+    assert list(res["results"]) == ["bfloat16"]
     rows = res["results"]["bfloat16"]
     assert list(rows) == ["tp1", "tp2", "tp1-int8", "tp2-int8", "tp1-int4", "tp2-int4"]
     assert res["config"]["quantization"] == ["int8", "int4"] and res["config"]["rounds"] == 1
