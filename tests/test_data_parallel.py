@@ -240,6 +240,18 @@ def complete_all(setup, url: str) -> dict[str, str]:
     return texts
 
 
+def settled_metrics(url: str, wants: list[str], timeout: float = 60) -> str:
+    """``/metrics`` once it holds every line of ``wants``, or as it is after ``timeout`` seconds: the
+    engine loop updates the metrics after the step whose outputs answered the requests, so a client may
+    read them a moment before they settle (a loaded machine widens that moment)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+        if all(w in metrics for w in wants) or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("dp", [1, 2])
 def test_server_at_tp2_equals_one_replica(setup, tmp_path, dp):
     """D=1 x T=2 and D=2 x T=2 (4 processes): concurrent completions equal the batch job's texts at
@@ -248,8 +260,9 @@ def test_server_at_tp2_equals_one_replica(setup, tmp_path, dp):
     proc, url, log = start_server(setup, tmp_path, "--tensor-parallel-size", "2", "--threads", "1", nproc=nproc, dp=dp)
     try:
         assert complete_all(setup, url) == {rid: r["text"] for rid, r in setup["ref"].items()}
-        metrics = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
-        assert 'tpengine:request_success_total{finished_reason="length",model_name="tiny"} 12.0' in metrics, metrics
+        done = 'tpengine:request_success_total{finished_reason="length",model_name="tiny"} 12.0'
+        metrics = settled_metrics(url, [done])
+        assert done in metrics, metrics
         assert f"(dp {dp} x tp 2" in log.read_text() if dp > 1 else "(tp 2" in log.read_text()
         os.kill(rank_pids(proc.pid)[0], signal.SIGTERM)
         assert proc.wait(60) == 0
@@ -267,9 +280,10 @@ def test_server_routes_between_replicas(setup, tmp_path):
     proc, url, log = start_server(setup, tmp_path, "--drain-timeout-s", "0")
     try:
         assert complete_all(setup, url) == {rid: r["text"] for rid, r in setup["ref"].items()}
-        metrics = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+        idle = [f'tpengine:replica_num_requests_running{{model_name="tiny",replica="{d}"}} 0.0' for d in (0, 1)]
+        metrics = settled_metrics(url, [*idle, 'tpengine:num_requests_running{model_name="tiny"} 0.0'])
         for d in (0, 1):
-            assert f'tpengine:replica_num_requests_running{{model_name="tiny",replica="{d}"}} 0.0' in metrics
+            assert idle[d] in metrics, metrics
             assert f'tpengine:replica_kv_cache_usage_perc{{model_name="tiny",replica="{d}"}}' in metrics
         assert 'tpengine:num_requests_running{model_name="tiny"} 0.0' in metrics
         assert "(dp 2 x tp 1)" in log.read_text()

@@ -124,7 +124,7 @@ def test_disconnect_frees_blocks(server):
     m = server.metrics()
     assert m["tpengine:num_requests_running"] == 1 and m["tpengine:kv_cache_usage_perc"] > 0
     stream.close()  # the client goes away
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a bound, not an expectation: a loaded machine steps slowly
     while time.monotonic() < deadline:
         m = server.metrics()
         if m["tpengine:num_requests_running"] == 0:
