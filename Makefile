@@ -43,12 +43,9 @@ shards: model
 	test -f $(MODEL_DIR)-tp$(TP)/manifest.json || \
 	  .venv/bin/tpengine-shard split $(MODEL_DIR) --tp $(TP) --out $(MODEL_DIR)-tp$(TP)
 
-# The suite; prints its wall time at the end, passed or not (the issue's budget: 15 minutes on 2 cores).
-# Two pytest-xdist workers, each module on one of them (its module fixtures launch its engine jobs once):
-# a launch's imports and a tp=1 job keep one core busy, so a second module fills the other.
-TEST_WORKERS ?= 2
+# The suite; prints its wall time at the end, passed or not (the issue's budget: 15 minutes on 2 cores)
 test: setup model
-	@start=$$(date +%s); $(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=15; rc=$$?; \
+	@start=$$(date +%s); $(PY) -m pytest -q -x --durations=15; rc=$$?; \
 	echo "make test: $$(( $$(date +%s) - start )) s in all"; exit $$rc
 
 lint: setup
