@@ -1,10 +1,10 @@
 """A process's start without Python's cyclic garbage collector.
 
-Importing torch and transformers, building the model and loading its weights make a few million
-Python objects that live as long as the process; none of them is garbage. The cyclic collector
-still runs a pass every 700 new objects and a full pass each time the old objects grow by a quarter,
-over all of them: a fifth of an import of the engine's modules and a sixth of a one-prompt job's
-start went to those passes (docs/notes/test-suite.md, "The collector at start-up"). CPython's
+Importing torch and transformers, building the model and loading its weights make hundreds of
+thousands of tracked Python objects that live as long as the process; next to none of them is garbage.
+The cyclic collector still runs a pass every 700 new objects and a full pass each time the old objects
+grow by a quarter, over all of them: a fifth of an import of the engine's modules and a tenth of a
+one-prompt job's start went to those passes (docs/notes/test-suite.md, "The collector at start-up"). CPython's
 own advice for such a start is to turn the collector off while it runs (``gc.disable`` /
 ``gc.freeze``; Instagram's and other servers' practice).
 

@@ -285,9 +285,9 @@ def timed(key: str, measure_fn: Callable[[], dict[str, list] | None],
         return first, BUSY
     with Contention() as load:
         second = measure_fn()
+    if load.busy:
+        _saw_busy()
     if load.busy or second is None:
-        if load.busy:
-            _saw_busy()
         return first, BUSY
     if not (consistent(first, second) if decide is None else decide(first) == decide(second)):
         return first, NOISY
