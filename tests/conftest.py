@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 from launch import REPO
-
-# Without a GPU, Triton kernels run only under the interpreter, which must be switched on before
-# anything imports triton (transformers may); set it once for the whole session.
-if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SMOLLM2_DIR = REPO / "models" / "smollm2-135m-instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")

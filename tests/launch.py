@@ -10,12 +10,24 @@ cores), not expectations of speed.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
+
+import forkserver
+
+# Without a GPU, Triton kernels run only under the interpreter, which must be switched on before
+# anything imports triton (transformers may); set once for the whole session, before anything else
+# (conftest imports this module first) and so in every launched process's environment.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -29,6 +41,13 @@ ENV_EXTRA = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 #: :data:`ENV_EXTRA` for the CLI job and server (:func:`cli`, the background launches): one OpenMP thread
 #: per rank, as torchrun itself sets for several ranks, also at tp=1.
 CLI_EXTRA = {**ENV_EXTRA, "OMP_NUM_THREADS": "1"}
+#: The environment as the session started (before any test's ``monkeypatch``): the fork server's.
+SESSION_ENV = {**os.environ}
+#: The fork server (:mod:`forkserver`): its process and socket, started at the first launch that uses
+#: it; ``TPENGINE_TEST_FORKSERVER=off`` makes every launch real.
+_FORKSERVER: dict[str, object] = {}
+#: The bound (seconds) on the fork server's imports; past it, launches are real.
+FORKSERVER_START_TIMEOUT = 120
 
 
 def environment(cli: bool = False, **extra: str) -> dict[str, str]:
@@ -45,13 +64,47 @@ JOB_TIMEOUT = 1200
 START_TIMEOUT = 300
 
 
-def command(target: str | Path, args=(), nproc: int = 1, torchrun: bool | None = None) -> list[str]:
+def forkserver_running() -> bool:
+    """Start the fork server once a session (waits for its imports); whether it runs. Stopped when
+    the session ends (and by itself when this process does)."""
+    if os.environ.get(forkserver.SOCKET_ENV) == "off" or SESSION_ENV.get(forkserver.SOCKET_ENV) == "off":
+        return False
+    if "proc" not in _FORKSERVER:
+        folder = tempfile.mkdtemp(prefix="tpengine-forkserver-")
+        path = os.path.join(folder, "socket")
+        env = {k: v for k, v in {**SESSION_ENV, **ENV_EXTRA}.items() if k not in forkserver.RUNTIME_KEYS}
+        log = open(os.path.join(folder, "log"), "w")
+        proc = subprocess.Popen([PY, str(Path(forkserver.__file__)), "serve", path], cwd=REPO, env=env,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        _FORKSERVER.update(proc=proc, path=path, folder=folder)
+        atexit.register(_stop_forkserver)
+        deadline = time.monotonic() + FORKSERVER_START_TIMEOUT
+        while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if os.path.exists(path):
+            os.environ[forkserver.SOCKET_ENV] = path
+    return forkserver.SOCKET_ENV in os.environ and _FORKSERVER["proc"].poll() is None
+
+
+def _stop_forkserver() -> None:
+    proc = _FORKSERVER.get("proc")
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    if not os.environ.get("TPENGINE_TEST_FORKSERVER_KEEP"):
+        shutil.rmtree(_FORKSERVER.get("folder", ""), ignore_errors=True)
+
+
+def command(target: str | Path, args=(), nproc: int = 1, torchrun: bool | None = None,
+            real: bool = False) -> list[str]:
     """The command line of ``target`` with ``args`` (each turned into a string).
 
     ``target``: a module (``"tpengine.run"``) or a script's path (a worker: :data:`WORKERS`). At
     ``nproc`` 1 a module runs as ``python -m`` and a script under ``torchrun`` (the workers read
     torchrun's ``RANK``); ``torchrun`` forces one or the other. Several ranks always run under
-    ``torchrun --standalone --nproc_per_node nproc``.
+    ``torchrun --standalone --nproc_per_node nproc``. The command starts through the fork server
+    (:mod:`forkserver`: the same code, forked from a process that imported it once) unless ``real``:
+    tests of the launcher itself (killed launchers or ranks, torchrun's report) need torchrun.
 
     Raises:
         ValueError: ``nproc`` below 1, or several ranks without torchrun.
@@ -63,7 +116,10 @@ def command(target: str | Path, args=(), nproc: int = 1, torchrun: bool | None =
         raise ValueError(f"command: nproc={nproc} with torchrun={torchrun}; valid: nproc >= 1, torchrun for nproc > 1")
     what = [str(target)] if is_script else ["-m", str(target)]
     head = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}"] if torchrun else [PY]
-    return [*head, *what, *map(str, args)]
+    cmd = [*head, *what, *map(str, args)]
+    if real or not forkserver_running():
+        return cmd
+    return [PY, str(Path(forkserver.__file__)), "client", "--", *cmd]
 
 
 def node_command(target: str | Path, args, node_rank: int, port: int, nnodes: int = 2) -> list[str]:
@@ -98,15 +154,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cli(args, tp: int = 1, timeout: float = JOB_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess:
-    """The main job ``tpengine.run`` with ``args`` at ``tp`` ranks (``python -m`` at 1) and :data:`CLI_EXTRA`."""
-    return run(command("tpengine.run", args, tp), timeout=timeout, env=CLI_EXTRA, check=check)
+def cli(args, tp: int = 1, timeout: float = JOB_TIMEOUT, check: bool = True,
+        real: bool = False) -> subprocess.CompletedProcess:
+    """The main job ``tpengine.run`` with ``args`` at ``tp`` ranks (``python -m`` at 1) and :data:`CLI_EXTRA`
+    (``real``: :func:`command`'s)."""
+    return run(command("tpengine.run", args, tp, real=real), timeout=timeout, env=CLI_EXTRA, check=check)
 
 
 def torchrun(script: str, nproc: int, args: list[str], timeout: float = JOB_TIMEOUT, env: dict | None = None,
-             check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``tests/workers/<script>`` under ``torchrun --standalone --nproc_per_node nproc``."""
-    return run(command(WORKERS / script, args, nproc), timeout=timeout, env=env, check=check)
+             check: bool = True, real: bool = False) -> subprocess.CompletedProcess:
+    """Run ``tests/workers/<script>`` under ``torchrun --standalone --nproc_per_node nproc`` (``real``:
+    :func:`command`'s)."""
+    return run(command(WORKERS / script, args, nproc, real=real), timeout=timeout, env=env, check=check)
 
 
 def run_engine_jobs(tmp_path: Path, nproc: int, jobs: list[dict], tag: str = "", env: dict | None = None) -> dict:

@@ -17,12 +17,13 @@ SETTINGS = ["--model", str(SMOLLM2_DIR), "--max-model-len", "1024", "--kv-cache-
 
 
 class Server:
-    """``torchrun --nproc_per_node 2 -m tpengine.serve`` on a free port, its stderr collected."""
+    """``torchrun --nproc_per_node 2 -m tpengine.serve`` on a free port, its stderr collected (``real``:
+    :func:`launch.command`'s; :meth:`rank_pids` needs it)."""
 
-    def __init__(self, tmp: Path, tp: int = 2, extra: tuple[str, ...] = ()):
+    def __init__(self, tmp: Path, tp: int = 2, extra: tuple[str, ...] = (), real: bool = False):
         self.port = free_port()
         self.log = tmp / f"server-{self.port}.log"
-        cmd = [*command("tpengine.serve", nproc=tp, torchrun=True), "--port", str(self.port),
+        cmd = [*command("tpengine.serve", nproc=tp, torchrun=True, real=real), "--port", str(self.port),
                *SETTINGS, *extra]
         self.proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "w"))
         self.url = f"http://127.0.0.1:{self.port}"

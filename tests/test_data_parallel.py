@@ -143,7 +143,7 @@ def test_killed_rank_of_one_replica_ends_the_job_and_resume_completes(setup, tmp
     common = ["--prompts", lines, "--model", setup["model"], *SETTINGS, "--max-num-seqs", "1", "--dist-timeout-s", "10"]
     ref_out, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
     cli([*common, "--out", ref_out])
-    cmd = [*command("tpengine.run", nproc=2), *map(str, common),
+    cmd = [*command("tpengine.run", nproc=2, real=True), *map(str, common),  # torchrun's report is read
            "--data-parallel-size", "2", "--out", str(out)]
     log = tmp_path / "job.log"
     proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "w"))

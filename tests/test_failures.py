@@ -27,7 +27,7 @@ def run_job(nproc: int, model: Path, prompts: Path, out: Path, config: Path | No
     target, args = ("tpengine.run", []) if fault is None else (WORKERS / "fault_run.py", [fault])
     args += ["--prompts", prompts, "--out", out, "--model", model, *(["--config", config] if config else [])]
     t0 = time.monotonic()
-    r = launch.run(launch.command(target, args, nproc, torchrun=True), check=False)
+    r = launch.run(launch.command(target, args, nproc, torchrun=True, real=True), check=False)
     return r, time.monotonic() - t0
 
 
@@ -113,7 +113,7 @@ def test_shutdown_releases_the_process_group(setup, tmp_path):
     group as an argument default. A live group reached interpreter finalization and aborted a
     rank about once in ten runs ("terminate called without an active exception")."""
     _, model, _, _, _ = setup
-    launch.torchrun("shutdown_check.py", 2, [str(model), str(tmp_path / "r")])
+    launch.torchrun("shutdown_check.py", 2, [str(model), str(tmp_path / "r")], real=True)  # a process's threads
     for rank in range(2):
         got = json.loads((tmp_path / f"r-{rank}.json").read_text())
         assert got["gathered"] == [0, 1]

@@ -33,7 +33,7 @@ def test_usr1_report_then_a_stopped_rank_is_named(tiny, tmp_path):  # noqa: F811
         {"id": f"r{i}", "prompt_token_ids": [5, 6, 7, 10 + i], "max_tokens": 48, "temperature": 0,
          "ignore_eos": True} for i in range(60)])
     out, log = tmp_path / "out.jsonl", tmp_path / "stderr.txt"
-    cmd = [*command("tpengine.run", nproc=2), "--prompts", str(prompts),
+    cmd = [*command("tpengine.run", nproc=2, real=True), "--prompts", str(prompts),
            "--model", str(tiny), *SETTINGS, "--dist-timeout-s", "5", "--out", str(out)]
     with open(log, "w") as err:
         proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=err)

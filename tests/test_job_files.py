@@ -242,7 +242,7 @@ def test_second_job_on_a_locked_out_at_tp2(tiny, tmp_path):
     out.write_text('{"id": "old"}\n')
     t0 = time.monotonic()
     with OutputWriter(out, append=True):
-        p = cli(["--prompts", prompts, "--model", tiny, "--out", out], tp=2, timeout=60, check=False)
+        p = cli(["--prompts", prompts, "--model", tiny, "--out", out], tp=2, timeout=60, check=False, real=True)
     assert p.returncode != 0 and time.monotonic() - t0 < 60, p.stderr[-3000:]
     assert p.stderr.count(f"error: --out {str(out)!r} is locked by another job writing to it") == 1
     assert "exitcode  : 2" in p.stderr and "tpengine: loading" not in p.stderr

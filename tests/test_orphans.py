@@ -12,6 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import forkserver
 import pytest
 from conftest import make_tiny_model
 from launch import START_TIMEOUT, cli, command, free_port, popen
@@ -26,7 +27,11 @@ def tiny(tmp_path_factory):
 
 
 def rank_pids(launcher: int) -> dict[int, int]:
-    """rank -> pid of the launcher's children that carry torchrun's ``RANK``."""
+    """rank -> pid of the launcher's ranks: its children that carry torchrun's ``RANK``, or those the
+    fork server recorded for it (:func:`forkserver.ranks_file`)."""
+    record = Path(forkserver.ranks_file(launcher))
+    if os.environ.get(forkserver.SOCKET_ENV, "off") != "off" and record.is_file():
+        return {int(rank): pid for rank, pid in json.loads(record.read_text()).items()}
     ranks = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -74,7 +79,7 @@ def test_killed_launcher_of_a_job_leaves_no_rank_and_resume_completes(tiny, tmp_
          "ignore_eos": True} for i in range(n)])
     out = tmp_path / "out.jsonl"
     common = ["--prompts", prompts, "--model", tiny, *SETTINGS]
-    cmd = [*command("tpengine.run", nproc=2), *map(str, common), "--out", str(out)]
+    cmd = [*command("tpengine.run", nproc=2, real=True), *map(str, common), "--out", str(out)]
     proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + START_TIMEOUT
@@ -99,7 +104,7 @@ def test_killed_launcher_of_a_job_leaves_no_rank_and_resume_completes(tiny, tmp_
 def test_killed_launcher_of_a_server_leaves_no_rank(tiny, tmp_path):
     port = free_port()
     log = tmp_path / "server.log"
-    cmd = [*command("tpengine.serve", nproc=2), "--port", str(port),
+    cmd = [*command("tpengine.serve", nproc=2, real=True), "--port", str(port),
            "--model", str(tiny), *SETTINGS]
     with open(log, "w") as err:
         proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
