@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from tpengine import isa_env  # first: with TPENGINE_ISA it caps torch before any benchmark imports it
@@ -30,6 +31,14 @@ def subprocess_env(**extra: str) -> dict[str, str]:
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), path) if p)}
     env.update(extra)
     return env
+
+
+def launcher(tp: int, module: str) -> list[str]:
+    """The command prefix every benchmark starts a worker, job or server with: ``python -m module`` at
+    ``tp`` 1, ``torchrun --standalone --nproc_per_node tp -m module`` above (its arguments follow)."""
+    if tp == 1:
+        return [sys.executable, "-m", module]
+    return [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={tp}", "-m", module]
 
 
 def emit(console, table, result: dict, out: Path | None) -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Annotated
 import torch
 import typer
 
+import benchmarks
 from benchmarks import emit, subprocess_env
 from benchmarks.bench_report import render_table, summarize
 from benchmarks.bench_worker import MARK
@@ -69,10 +69,7 @@ class Worker:
         (default :func:`benchmarks.subprocess_env`); ``module`` speaks :mod:`benchmarks.bench_worker`'s
         protocol (:mod:`benchmarks.peer_worker` does too)."""
         self.name, self.log_path = name, log
-        base = [sys.executable, "-m", module]
-        if tp > 1:
-            base = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={tp}",
-                    "-m", module]
+        base = benchmarks.launcher(tp, module)
         env = env if env is not None else subprocess_env()
         self.log = open(log, "w")
         self.proc = subprocess.Popen(base + args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,

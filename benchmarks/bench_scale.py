@@ -32,6 +32,7 @@ from typing import Annotated
 
 import typer
 
+import benchmarks
 from benchmarks import emit, subprocess_env
 from benchmarks.bench import machine_info
 from benchmarks.bench_worker import MARK
@@ -111,9 +112,8 @@ def run_system(system: str, model: str, args: list[str], log: Path, timeout_s: f
     """Run one system's worker to the end; its ``@@bench`` record, or ``{"status": "failed",
     "reason"}`` with the log's tail when it exits without one."""
     ranks = SYSTEMS[system]
-    worker = ["-m", "benchmarks.scale_worker", "--system", "hf" if system == "hf" else "engine", "--model", model]
-    cmd = [sys.executable, *worker] if ranks == 1 else \
-        [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={ranks}", *worker]
+    cmd = [*benchmarks.launcher(ranks, "benchmarks.scale_worker"), "--system", "hf" if system == "hf" else "engine",
+           "--model", model]
     with open(log, "w") as err:
         try:
             proc = subprocess.run(cmd + args, stdout=subprocess.PIPE, stderr=err, text=True, env=subprocess_env(),

@@ -43,7 +43,6 @@ import shlex
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -52,22 +51,13 @@ from typing import Annotated
 import numpy as np
 import typer
 
+import benchmarks
 from benchmarks import emit, subprocess_env
 from benchmarks.bench import machine_info, random_prompts
 from benchmarks.serve_client import RequestResult, run_clients
 from tpengine.config import DEFAULT_MODEL_DIR
 
 app = typer.Typer(add_completion=False)
-
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-
-
-def launcher(tp: int, module: str) -> list[str]:
-    """The command prefix running ``python -m module`` at ``tp`` (torchrun at tp > 1)."""
-    if tp == 1:
-        return [sys.executable, "-m", module]
-    return [TORCHRUN, "--standalone", f"--nproc_per_node={tp}", "-m", module]
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -87,8 +77,8 @@ def run_offline(prompts: list[list[int]], output_len: int, tp: int, engine_args:
         for i, p in enumerate(prompts):
             fh.write(json.dumps({"id": f"r{i}", "prompt_token_ids": p, "max_tokens": output_len,
                                  "temperature": 0.0, "ignore_eos": True}) + "\n")
-    cmd = [*launcher(tp, "tpengine.run"), "--prompts", str(src), "--out", str(out), "--summary-json", str(summary),
-           *engine_args]
+    cmd = [*benchmarks.launcher(tp, "tpengine.run"), "--prompts", str(src), "--out", str(out),
+           "--summary-json", str(summary), *engine_args]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     job_s = time.perf_counter() - t0
@@ -109,7 +99,7 @@ class ServerProcess:
 
     def __init__(self, tp: int, port: int, engine_args: list[str], log: Path, timeout_s: float = 300.0):
         self.url, self.log_path, self.tp = f"http://127.0.0.1:{port}", log, tp
-        cmd = [*launcher(tp, "tpengine.serve"), "--host", "127.0.0.1", "--port", str(port), *engine_args]
+        cmd = [*benchmarks.launcher(tp, "tpengine.serve"), "--host", "127.0.0.1", "--port", str(port), *engine_args]
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=self.log,
                                      start_new_session=True)

@@ -151,8 +151,21 @@ def parse(cmd: list[str]) -> dict | None:
 
 
 def differences(env: dict[str, str], base: dict[str, str]) -> list[str]:
-    """The variables outside :data:`RUNTIME_KEYS` in which ``env`` and ``base`` differ."""
-    return sorted(k for k in set(env) | set(base) if k not in RUNTIME_KEYS and env.get(k) != base.get(k))
+    """The variables outside :data:`RUNTIME_KEYS` in which ``env`` and ``base`` differ. ``PYTHONPATH``
+    may differ by folders whose modules the server already finds (the repository root, which the
+    benchmarks add): a launch's own copy of tpengine elsewhere must import it for real."""
+    differ = [k for k in set(env) | set(base) if k not in RUNTIME_KEYS and env.get(k) != base.get(k)]
+    if "PYTHONPATH" in differ and all(os.path.abspath(p) in _known_paths() for p in _paths(env)):
+        differ.remove("PYTHONPATH")
+    return sorted(differ)
+
+
+def _paths(env: dict[str, str]) -> list[str]:
+    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+def _known_paths() -> set[str]:
+    return {os.path.abspath(p) for p in (os.getcwd(), *sys.path) if p}
 
 
 def serve(path: str) -> None:
@@ -344,15 +357,16 @@ def run_rank(job: dict, rank: int, port: int, run_id: str) -> None:
     gc.enable()
     code = 0
     try:
-        if "module" in job:
+        script = job.get("script")
+        sys.path[0] = job["cwd"] if script is None else os.path.dirname(os.path.abspath(script))
+        sys.path[1:1] = [p for p in _paths(env) if p not in sys.path]  # as PYTHONPATH at a start
+        if script is None:
             sys.modules.pop(job["module"], None)  # ``-m`` runs it as __main__ only (runpy's warning)
             sys.argv = ["-m", *job["args"]]
-            sys.path[0] = job["cwd"]
             runpy.run_module(job["module"], run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [job["script"], *job["args"]]
-            sys.path[0] = os.path.dirname(os.path.abspath(job["script"]))
-            runpy.run_path(job["script"], run_name="__main__")
+            sys.argv = [script, *job["args"]]
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         if e.code is None:
             code = 0

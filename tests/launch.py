@@ -117,7 +117,14 @@ def command(target: str | Path, args=(), nproc: int = 1, torchrun: bool | None =
     what = [str(target)] if is_script else ["-m", str(target)]
     head = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}"] if torchrun else [PY]
     cmd = [*head, *what, *map(str, args)]
-    if real or not forkserver_running():
+    return cmd if real else forked(cmd)
+
+
+def forked(cmd: list[str]) -> list[str]:
+    """``cmd`` (``python -m MOD ...`` or ``torchrun --standalone --nproc_per_node=N ...``, or a prefix
+    of one, its arguments to follow) started through the fork server: :mod:`forkserver`'s client
+    (``cmd`` itself where the server does not run)."""
+    if not forkserver_running():
         return cmd
     return [PY, str(Path(forkserver.__file__)), "client", "--", *cmd]
 

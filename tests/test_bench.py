@@ -6,10 +6,21 @@ from __future__ import annotations
 
 import json
 
+import launch
+import pytest
 from conftest import SMOLLM2_DIR, QuietContention, make_tiny_model
 from typer.testing import CliRunner
 
+import benchmarks
 from benchmarks.bench import app
+
+
+@pytest.fixture(autouse=True)
+def forked_workers(monkeypatch):
+    """The benchmarks' workers, jobs and servers start through the suite's fork server (what they run
+    is unchanged; these tests check the benchmarks' records, not their timings)."""
+    real = benchmarks.launcher
+    monkeypatch.setattr(benchmarks, "launcher", lambda tp, module: launch.forked(real(tp, module)))
 
 
 def test_bench_smoke(tmp_path):

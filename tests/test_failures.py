@@ -1,6 +1,7 @@
-"""Failure rules through the real main job under torchrun: C07 (one rank fails -> every rank
-exits non-zero quickly, naming the rank and the exception), C19 (shards for another tp or
-config -> clean failure before any collective), clean exit and an immediate second run."""
+"""Failure rules through the real main job at several ranks (torchrun's environment and its rule of
+ending the others once one fails, through the suite's fork server: tests/forkserver.py): C07 (one
+rank fails -> every rank exits non-zero quickly, naming the rank and the exception), C19 (shards for
+another tp or config -> clean failure before any collective), clean exit and an immediate second run."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def run_job(nproc: int, model: Path, prompts: Path, out: Path, config: Path | No
     target, args = ("tpengine.run", []) if fault is None else (WORKERS / "fault_run.py", [fault])
     args += ["--prompts", prompts, "--out", out, "--model", model, *(["--config", config] if config else [])]
     t0 = time.monotonic()
-    r = launch.run(launch.command(target, args, nproc, torchrun=True, real=True), check=False)
+    r = launch.run(launch.command(target, args, nproc, torchrun=True), check=False)
     return r, time.monotonic() - t0
 
 
