@@ -52,8 +52,8 @@ from typing import Annotated
 
 import typer
 
-from benchmarks import REPO_ROOT, emit, subprocess_env
-from benchmarks.bench_serve import TORCHRUN, free_port
+from benchmarks import REPO_ROOT, emit, launcher, subprocess_env
+from benchmarks.bench_serve import free_port
 from tpengine.config import DEFAULT_MODEL_DIR
 
 app = typer.Typer(add_completion=False)
@@ -379,14 +379,14 @@ class Setup:
 
 def job_cmd(s: Setup, out: Path, resume: bool = False) -> list[str]:
     """The tp=2 batch job on the trial prompts."""
-    return [TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "tpengine.run", "--prompts", str(s.prompts),
+    return [*launcher(2, "tpengine.run"), "--prompts", str(s.prompts),
             "--out", str(out), "--model", str(s.model), *s.engine_args, "--dist-timeout-s", str(s.dist_timeout_s),
             *(["--resume"] if resume else [])]
 
 
 def serve_cmd(s: Setup, port: int) -> list[str]:
     """The tp=2 server on 127.0.0.1:``port``."""
-    return [TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "tpengine.serve", "--host", "127.0.0.1",
+    return [*launcher(2, "tpengine.serve"), "--host", "127.0.0.1",
             "--port", str(port), "--model", str(s.model), *s.engine_args, "--dist-timeout-s", str(s.dist_timeout_s)]
 
 

@@ -59,8 +59,8 @@ from typing import Annotated
 import numpy as np
 import typer
 
-from benchmarks import REPO_ROOT, emit, subprocess_env
-from benchmarks.bench_serve import TORCHRUN, free_port
+from benchmarks import REPO_ROOT, emit, launcher, subprocess_env
+from benchmarks.bench_serve import free_port
 from benchmarks.chaos import Tree, default_model_dir, http_ok, send, served_name
 
 app = typer.Typer(add_completion=False)
@@ -331,7 +331,7 @@ def main(
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = tmp / "server.log"
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "tpengine.serve", "--host", "127.0.0.1",
+    cmd = [*launcher(2, "tpengine.serve"), "--host", "127.0.0.1",
            "--port", str(port), "--model", str(model), "--dist-timeout-s", str(dist_timeout_s),
            *engine_args.split()]
     with open(log, "w") as err:
