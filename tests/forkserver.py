@@ -344,7 +344,7 @@ def run_rank(job: dict, rank: int, port: int, run_id: str) -> None:
         n = job["nproc"]
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
                    GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(n),
-                   ROLE_NAME="default", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   ROLE_NAME="default", MASTER_ADDR="localhost", MASTER_PORT=str(port),
                    TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
         if n > 1:
             env.setdefault("OMP_NUM_THREADS", "1")

@@ -16,6 +16,23 @@ from launch import START_TIMEOUT, command, free_port, popen
 SETTINGS = ["--model", str(SMOLLM2_DIR), "--max-model-len", "1024", "--kv-cache-gb", "0.25", "--dtype", "float32"]
 
 
+#: Seconds the tests' clients keep an idle connection: below uvicorn's keep-alive (5 s), so a client never
+#: sends on a connection the server is closing (with the SDK's default 5 s and no retries, a request sent
+#: about 5 s after the last one could find it closed: "Server disconnected without sending a response").
+KEEPALIVE_S = 2.0
+
+
+def openai_client(url: str, timeout: float):
+    """The ``openai`` client of the server at ``url``: no retries (a test sees every error as it came)
+    and idle connections kept :data:`KEEPALIVE_S`."""
+    import httpx2
+    import openai
+
+    http = openai.DefaultHttpx2Client(limits=httpx2.Limits(max_connections=1000, max_keepalive_connections=100,
+                                                            keepalive_expiry=KEEPALIVE_S))
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=timeout, http_client=http)
+
+
 class Server:
     """``torchrun --nproc_per_node 2 -m tpengine.serve`` on a free port, its stderr collected (``real``:
     :func:`launch.command`'s; :meth:`rank_pids` needs it)."""
@@ -37,9 +54,7 @@ class Server:
                 time.sleep(0.3)
         else:
             raise AssertionError("the server did not come up: " + self.log.read_text()[-3000:])
-        import openai
-
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        self.client = openai_client(self.url, timeout=120)
 
     def metrics(self) -> dict[str, float]:
         text = urllib.request.urlopen(self.url + "/metrics", timeout=5).read().decode()
