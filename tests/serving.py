@@ -35,7 +35,7 @@ def openai_client(url: str, timeout: float):
 
 class Server:
     """``torchrun --nproc_per_node 2 -m tpengine.serve`` on a free port, its stderr collected (``real``:
-    :func:`launch.command`'s; :meth:`rank_pids` needs it)."""
+    :func:`launch.command`'s)."""
 
     def __init__(self, tmp: Path, tp: int = 2, extra: tuple[str, ...] = (), real: bool = False):
         self.port = free_port()
@@ -66,15 +66,10 @@ class Server:
         return out
 
     def rank_pids(self) -> dict[int, int]:
-        """rank -> pid of torchrun's workers."""
-        kids = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
-        ranks = {}
-        for pid in map(int, kids):
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            rank = next((int(e.split(b"=")[1]) for e in env if e.startswith(b"RANK=")), None)
-            if rank is not None:
-                ranks[rank] = pid
-        return ranks
+        """rank -> pid of the server's ranks (:func:`test_orphans.rank_pids`)."""
+        from test_orphans import rank_pids
+
+        return rank_pids(self.proc.pid)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -188,7 +188,7 @@ def test_sigterm_stops_every_rank_cleanly(tmp_path):
     long one is aborted when the drain timeout passes (its stream still ends properly), every rank
     exits 0 within 10 s."""
     # dist_timeout_s 10: 4 let a rank time out before the first step on a loaded machine (its peer slow to start)
-    s = Server(tmp_path, extra=("--drain-timeout-s", "3", "--dist-timeout-s", "10"), real=True)
+    s = Server(tmp_path, extra=("--drain-timeout-s", "3", "--dist-timeout-s", "10"))
     pids = s.rank_pids()
     before = {r: cpu_seconds(pid) for r, pid in pids.items()}
     time.sleep(12)  # > dist_timeout_s without a request (the idle wait itself is what is tested)
@@ -217,7 +217,7 @@ def test_sigterm_stops_every_rank_cleanly(tmp_path):
 
 
 def test_crashed_rank_is_a_503_and_every_rank_exits_non_zero(tmp_path):
-    s = Server(tmp_path, real=True)
+    s = Server(tmp_path)
     body = {"model": "smollm2-135m-instruct", "prompt": "Count: 1, 2, 3,", "max_tokens": 900, "temperature": 0.0,
             "ignore_eos": True, "stream": True}
     req = urllib.request.Request(s.url + "/v1/completions", data=json.dumps(body).encode(),

@@ -7,7 +7,8 @@ quantized GEMV, argmax and the shared-memory all-reduce, called as torch ops
 ``cc -O3 -march=native -fopenmp -shared`` (``$CC`` if set; ``-march=x86-64-v3`` under
 ``TPENGINE_ISA=avx2``, see :func:`march`) into ``$TPENGINE_CACHE_DIR`` (default
 ``~/.cache/tpengine``), one library per source, compiler, flags and CPU, written atomically so
-concurrent ranks may build at once (once per machine). OpenMP threads come from the libgomp torch
+concurrent ranks may build at once (once per machine); the sources compile side by side, one per
+CPU, and link once (:func:`_compile`). OpenMP threads come from the libgomp torch
 has already loaded; each call passes ``torch.get_num_threads()``.
 
 Each kernel has vector paths chosen at build time from the compiler's target macros (``bf16.h``):
@@ -30,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -149,6 +151,55 @@ def build_key(cc: list[str] | None = None) -> str:
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
+#: Seconds the build may take (its compiles and its link together).
+BUILD_TIMEOUT_S = 120
+
+
+def _compile(cc: list[str], objects: Path, out: Path) -> None:
+    """Build the library ``out`` from :data:`SOURCES`: each source compiled to an object file in the
+    new folder ``objects``, as many at once as this process has CPUs, then one link. The code is what
+    one ``cc FLAGS *.c -o out`` call makes (it too compiles each file on its own, one after another).
+    Raises RuntimeError with the compiler's exit status and message (the first that failed), or when
+    the build takes over :data:`BUILD_TIMEOUT_S`."""
+    objects.mkdir()
+    compile_flags = [f for f in flags() if f != "-shared"]
+    jobs = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
+    pending, running, objs = list(SOURCES), [], []
+
+    def check(proc: subprocess.Popen) -> None:
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cc)} failed (exit {proc.returncode}): {proc.stderr.read().strip()[-500:]}")
+
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                src = pending.pop(0)
+                objs.append(objects / f"{src.stem}.o")
+                running.append(subprocess.Popen([*cc, *compile_flags, "-c", str(src), "-o", str(objs[-1])],
+                                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            for proc in [p for p in running if p.poll() is not None]:
+                running.remove(proc)
+                check(proc)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{' '.join(cc)}: the build took over {BUILD_TIMEOUT_S} s")
+            if running:
+                time.sleep(0.01)
+        link = subprocess.Popen([*cc, *flags(), *map(str, objs), "-o", str(out)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        running.append(link)
+        try:
+            link.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{' '.join(cc)}: the build took over {BUILD_TIMEOUT_S} s") from None
+        running.remove(link)
+        check(link)
+    finally:
+        for proc in running:  # a failure or the deadline: no compiler outlives the build
+            proc.kill()
+            proc.wait()
+
+
 def _build(rebuild: bool = False) -> Path:
     """Compile the sources unless a build for them, this compiler and this CPU exists (``rebuild``:
     replace it); return the library's path. Tries ``$TPENGINE_CACHE_DIR`` (default
@@ -164,14 +215,13 @@ def _build(rebuild: bool = False) -> Path:
         if not _usable_folder(folder, private):
             continue
         tmp = folder / f".cpu_kernels-{key}-{os.getpid()}.so"
+        objects = folder / f".cpu_kernels-{key}-{os.getpid()}.o"
         try:
-            res = subprocess.run([*cc, *flags(), *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True,
-                                 timeout=120)
-            if res.returncode != 0:
-                raise RuntimeError(f"{' '.join(cc)} failed (exit {res.returncode}): {res.stderr.strip()[-500:]}")
+            _compile(cc, objects, tmp)
             os.replace(tmp, lib)  # atomic: a concurrent rank sees the whole file or none
             return lib
         finally:
+            shutil.rmtree(objects, ignore_errors=True)
             try:
                 tmp.unlink(missing_ok=True)
             except OSError:
