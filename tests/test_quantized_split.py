@@ -322,5 +322,8 @@ def test_tied_llama_split_int4(tmp_path):
                  {"key": "fly", "requests": reqs, "config": {"model": str(src), "quantization": "int4", **cfg}}]
             for tp in (1, 2)}
     one, two = (run_engine_jobs(tmp_path, tp, jobs[tp]) for tp in (1, 2))
-    assert greedy(one["k"]) == greedy(one["fly"]) and greedy(two["k"]) == greedy(two["fly"])
+    for res in (one, two):  # equal buffers; each load measures its own int4 kernel choice (a busy machine's
+        # is not cached), and two valid kernels round differently: tokens equal, logprobs within 1e-4
+        (k_ids, k_lp), (f_ids, f_lp) = greedy(res["k"])["a"], greedy(res["fly"])["a"]
+        assert k_ids == f_ids and torch.allclose(torch.tensor(k_lp), torch.tensor(f_lp), atol=1e-4, rtol=0)
     assert greedy(one["k"])["a"][0] == greedy(two["k"])["a"][0] and len(greedy(one["k"])["a"][0]) == 8
