@@ -40,7 +40,12 @@ class FusedAttention(nn.Module):
         qkv_bias / o_bias: whether those projections have biases; scaling: softmax scale;
         layer_idx: the layer's index (its KV cache); qk_norm_eps: eps of q_norm/k_norm, or None
         when the model has none; dtype; device: where the small ``tp_q_to_kv`` map lives
-        (parameters start on meta, the loader fills them).
+        (parameters start on meta, the loader fills them); sliding_window: ``w`` for a layer whose
+        query at position ``i`` sees only the keys at positions ``j`` with ``i - w < j <= i`` (HF's
+        ``sliding_window``), None for full causal attention; logit_soft_cap: ``c`` for a layer whose
+        scaled scores become ``tanh(s / c) * c`` before the mask and softmax (Gemma 2's
+        ``attn_logit_softcapping``), None for none. The attention backend reads both from the layer at
+        each call.
 
     ``forward(hidden_states [T, hidden], position_embeddings=(cos, sin) [T, D], ctx)`` ->
     ``[T, hidden]``.
@@ -48,8 +53,10 @@ class FusedAttention(nn.Module):
 
     def __init__(self, hidden: int, rp, head_dim: int, qkv_bias: bool, o_bias: bool, scaling: float,
                  layer_idx: int, qk_norm_eps: float | None, dtype: torch.dtype, device: torch.device,
-                 ops: TorchOps | None = None):
+                 ops: TorchOps | None = None, sliding_window: int | None = None,
+                 logit_soft_cap: float | None = None):
         super().__init__()
+        self.sliding_window, self.logit_soft_cap = sliding_window, logit_soft_cap
         self.ops = ops = ops or TorchOps()
         hq, hkv = rp.num_q_heads, rp.num_kv_heads
         self.qkv_proj = MergedColumnParallelLinear(hidden, [hq * head_dim, hkv * head_dim, hkv * head_dim],
