@@ -36,12 +36,18 @@ def weight_shapes(config: Any) -> dict[str, tuple[int, ...]]:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    from tpengine.model.families import fused_parts, unfuse
+
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    return {
-        n: tuple(t.shape)
-        for n, t in model.state_dict().items()
-        if not (tied and n.split(".")[-2:] == ["lm_head", "weight"])
-    }
+    fused = fused_parts(config)  # a fused tensor (Phi-3's qkv_proj) counts as its parts, as split writes them
+    out = {}
+    for n, t in model.state_dict().items():
+        if tied and n.split(".")[-2:] == ["lm_head", "weight"]:
+            continue
+        parts = unfuse(n, tuple(t.shape), fused)
+        for name, _, rows in parts or [(n, 0, t.shape[0] if t.dim() else 0)]:
+            out[name] = (rows, *t.shape[1:]) if parts else tuple(t.shape)
+    return out
 
 
 def rank_bytes(plan: Any, shapes: dict[str, tuple[int, ...]], dtype: str, quantized: dict | None = None) -> list[int]:
@@ -51,16 +57,16 @@ def rank_bytes(plan: Any, shapes: dict[str, tuple[int, ...]], dtype: str, quanti
     qweight (int4: two values a byte, rows padded to the kernel's multiple of 16) and its
     scales (and zeros) in ``dtype``; grouped int8 (GGUF's Q8_0) as its two int4 halves (rows
     padded, a scale and a zero for each half, :class:`~tpengine.model.quant.weights.Int8Weight`)."""
-    from tpengine.model.surgery import kind_of
+    from tpengine.model.surgery import kind_in
 
     out = []
     for r in range(plan.tp_size):
         total = 0
         for name, shape in shapes.items():
             if quantized and name in quantized:
-                total += _quant_bytes(plan, kind_of(name, len(shape)), quantized[name], r, DTYPE_BYTES[dtype])
+                total += _quant_bytes(plan, kind_in(plan, name, shape), quantized[name], r, DTYPE_BYTES[dtype])
                 continue
-            spec = plan.slice_spec(kind_of(name, len(shape)), name.endswith(".bias"), r)
+            spec = plan.slice_spec(kind_in(plan, name, shape), name.endswith(".bias"), r)
             local = list(shape)
             if spec is not None:
                 local[spec[0]] = spec[2] - spec[1]

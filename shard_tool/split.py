@@ -121,9 +121,10 @@ def split_model(
     """
     import torch
 
+    from tpengine.model.families import expand_fused, fused_parts
     from tpengine.model.plan import ShardPlan
     from tpengine.model.quant import checkpoint as QC
-    from tpengine.model.surgery import kind_of
+    from tpengine.model.surgery import kind_in
     from tpengine.model.tensor_file import TensorFileWriter, read_header, read_rows
 
     model_dir, out = Path(model_dir), Path(out)
@@ -133,6 +134,7 @@ def split_model(
     if out.exists() and not force:
         raise UserError(f"output folder {str(out)!r} already exists; remove it or pass --force")
     plan = ShardPlan.build(config, tp_size)
+    fused = fused_parts(config)  # a family's fused tensors (Phi-3's qkv_proj) are written as their parts
     entry, vocab_entry = quantize_entry(config, tp_size, quantize, group_size) or (None, None)
     stored = QC.read_table(model_dir) or {}  # an already quantized folder's weights
     if stored and entry is not None:
@@ -162,9 +164,9 @@ def split_model(
             rname = rank_file_name(r, tp_size)
             entries = []  # (source file, tensor info, kind, is_bias) in output order
             for fname in files:
-                for name, info in read_header(model_dir / fname).items():
+                for name, info in expand_fused(read_header(model_dir / fname), fused).items():
                     if name not in skip:
-                        entries.append((fname, info, kind_of(name, len(info.shape)), name.endswith(".bias")))
+                        entries.append((fname, info, kind_in(plan, name, info.shape), name.endswith(".bias")))
             declared = []  # (name, dtype, shape) of the rank file, in order
             for _, info, kind, bias in entries:
                 part = QC.part_of(info.name)

@@ -39,7 +39,7 @@ def verify_dir(shard_dir: Path) -> list[str]:
     from tpengine.errors import UserError
     from tpengine.model.plan import ShardPlan
     from tpengine.model.quant import checkpoint as QC
-    from tpengine.model.surgery import kind_of
+    from tpengine.model.surgery import kind_in
 
     shard_dir = Path(shard_dir)
     m = read_manifest(shard_dir)  # UserError: missing, truncated, another format, a key missing
@@ -105,7 +105,7 @@ def verify_dir(shard_dir: Path) -> list[str]:
             if code and dt in DTYPE_CODES.values() and dt != code:
                 errors.append(f"{fname}: tensor {n} has dtype {dt}, manifest says {m['dtype']}")
             try:
-                spec = plan.slice_spec(kind_of(n, len(shape)), n.endswith(".bias"), r)
+                spec = plan.slice_spec(kind_in(plan, n, shape), n.endswith(".bias"), r)
             except ValueError as e:
                 errors.append(f"{fname}: tensor {n}: {e}")
                 continue
@@ -126,13 +126,13 @@ def _check_part(fname: str, n: str, shape: list[int], dt: str, entry: Any, part:
     than the format's and the plan's for ``entry`` (a :class:`~tpengine.model.quant.checkpoint.QuantEntry`)."""
     from tpengine.errors import UserError
     from tpengine.model.quant import checkpoint as QC
-    from tpengine.model.surgery import kind_of
+    from tpengine.model.surgery import kind_in
 
     if entry is None:
         return [f"{fname}: tensor {n} is a quantized part, but the quantization table does not list "
                 f"{QC.part_of(n)[0]}"]
     try:
-        dtype, want = QC.local_shapes(plan, kind_of(n, len(shape)), entry, rank)[part]
+        dtype, want = QC.local_shapes(plan, kind_in(plan, n, shape), entry, rank)[part]
     except (UserError, ValueError, KeyError) as e:
         return [f"{fname}: tensor {n}: {e}"]
     errors = []

@@ -26,14 +26,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def add_rms_norm(h: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``h2 = h + x`` (``h`` itself when ``x`` is None) and ``weight * rms_norm(h2)``, HF Llama's RMSNorm
-    (float32 inside). Shapes: ``h``, ``x [..., n]``, ``weight [n]``. Returns ``(h2, normed)``; neither
-    input is written."""
+    """``h2 = h + x`` (``h`` itself when ``x`` is None) and ``weight * rms_norm(h2)`` (float32 inside).
+    A ``weight`` of ``h``'s dtype is HF Llama's RMSNorm (the normalized value rounded to that dtype, then
+    multiplied); a float32 ``weight`` beside half-precision ``h`` multiplies in float32 and rounds once,
+    as Gemma's and OLMo 2's norms do. Shapes: ``h``, ``x [..., n]``, ``weight [n]``. Returns
+    ``(h2, normed)``; neither input is written."""
     n = h.shape[-1]
     if x is not None:
         h = h + x
     if h.dtype == torch.float32 and weight.dtype == torch.float32:
         return h, F.rms_norm(h, (n,), weight, eps)
+    if weight.dtype == torch.float32:
+        return h, F.rms_norm(h.float(), (n,), weight, eps).to(h.dtype)
     return h, weight * F.rms_norm(h.float(), (n,), None, eps).to(h.dtype)
 
 

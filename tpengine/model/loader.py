@@ -24,6 +24,7 @@ from tpengine.backends import get_platform
 from tpengine.backends.platform import ExecutionProfile
 from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
+from tpengine.model.families import expand_fused, fused_parts
 from tpengine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpengine.model.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from tpengine.model.plan import ShardPlan
@@ -41,7 +42,7 @@ from tpengine.model.quant.load import QuantParts, check_stored_quantization
 from tpengine.model.quant.weights import QuantizedWeight, QuantScheme, check_quantization
 from tpengine.model.shard_folder import rank_files
 from tpengine.model.spec import ModelSpec
-from tpengine.model.surgery import build_model, checkpoint_targets, kind_of
+from tpengine.model.surgery import build_model, checkpoint_targets, kind_in
 from tpengine.model.tensor_file import TensorInfo, read_header, read_rows
 
 # the linears --quantization stores quantized with its scheme, and the vocabulary layers (QuantScheme.vocab)
@@ -58,8 +59,8 @@ def _materialize(module: torch.nn.Module, attr: str, dtype: torch.dtype, device:
     """The real storage of ``module.<attr>``, allocated (uninitialised) on first use: from
     ``staging`` for a weight that will be replaced by its packed layout, else its own memory."""
     p = getattr(module, attr)
-    if p.is_meta:
-        data = staging.take(module, p.shape, dtype) if staging is not None else torch.empty(p.shape, dtype=dtype,
+    if p.is_meta:  # (a parameter built in another dtype keeps it: a float32 norm weight in a bfloat16 model)
+        data = staging.take(module, p.shape, dtype) if staging is not None else torch.empty(p.shape, dtype=p.dtype,
                                                                                               device=device)
         p = torch.nn.Parameter(data, requires_grad=False)
         setattr(module, attr, p)
@@ -206,6 +207,8 @@ class _Filler:
         self.left[id(m)] -= 1
         if self.left[id(m)]:
             return
+        if hasattr(m, "loaded"):  # a layer that finishes its own weights (a norm's offset)
+            m.loaded()
         if id(m) in self.qstored:
             self.qparts.finish(m, name, self.qstored[id(m)])
         elif self.scheme(m) is not None:
@@ -224,7 +227,7 @@ def _slice_of(plan: ShardPlan | None, name: str, info: TensorInfo, part, entry, 
     (None, None: the whole tensor, a shard folder's rank file)."""
     if plan is None:
         return None, None
-    kind = kind_of(name, len(info.shape))
+    kind = kind_in(plan, name, info.shape)
     if part is not None:
         return part_slice(plan, kind, entry, part, rank)
     spec = plan.slice_spec(kind, name.endswith(".bias"), rank)
@@ -232,13 +235,14 @@ def _slice_of(plan: ShardPlan | None, name: str, info: TensorInfo, part, entry, 
 
 
 def _read_file(path: Path, filler: _Filler, plan: ShardPlan | None, rank: int, done: set[str],
-               unexpected: list[str]) -> None:
-    """Read every tensor of checkpoint file ``path`` that this rank keeps into its place.
+               unexpected: list[str], fused: dict | None = None) -> None:
+    """Read every tensor of checkpoint file ``path`` that this rank keeps into its place (a fused
+    tensor of ``fused``, :func:`tpengine.model.families.fused_parts`, as its parts).
 
     Raises:
         RuntimeError: a tensor that appears twice.
     """
-    infos = read_header(path)
+    infos = expand_fused(read_header(path), fused or {})
     fd = os.open(path, os.O_RDONLY)
     try:
         for name, info in infos.items():
@@ -260,7 +264,8 @@ def _read_file(path: Path, filler: _Filler, plan: ShardPlan | None, rank: int, d
 
 def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | None, rank: int, tie: bool,
                  dtype: torch.dtype, device: torch.device, pack, quant: QuantScheme | None = None,
-                 reduce_max=None, stored: dict[str, QuantEntry] | None = None, prepack=None) -> int:
+                 reduce_max=None, stored: dict[str, QuantEntry] | None = None, prepack=None,
+                 fused: dict | None = None) -> int:
     """Fill every parameter of ``model`` (from :func:`tpengine.model.surgery.build_model`) from
     ``files``: each checkpoint tensor's byte range for this rank (its ShardPlan slice, or the
     whole tensor when ``plan`` is None: a rank file of a shard folder) is read straight into the
@@ -274,7 +279,8 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
     all-reduce MAX of int8's row absmax; never packed), and its float weight dropped.
     ``stored`` (a quantized folder's table, weight name -> entry): each listed weight is read
     from its stored parts (:mod:`tpengine.model.quant.checkpoint`; this rank's slice per the format's
-    TP rules) into its quantized storage, scales and zeros cast to ``dtype``.
+    TP rules) into its quantized storage, scales and zeros cast to ``dtype``. ``fused``: the family's
+    fused checkpoint tensors (:func:`tpengine.model.families.fused_parts`), read as their parts.
     Returns the bytes of weights held (quantized ones as stored: values, scales and zeros).
 
     Raises:
@@ -288,7 +294,7 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
     done: set[str] = set()
     unexpected: list[str] = []
     for path in files:
-        _read_file(path, filler, plan, rank, done, unexpected)
+        _read_file(path, filler, plan, rank, done, unexpected, fused)
     if tie:
         emb = model.get_input_embeddings()
         filler.head.weight = emb.weight
@@ -385,7 +391,8 @@ def load_model(model: ModelSpec | str | Path, tp: TPInfo, dtype: torch.dtype = t
     packs = (lambda m: layouts[tuple(m.weight.shape)].layout == "packed") if layouts else False  # noqa: E731
     weight_bytes = load_weights(module, rank_files(spec.folder, spec.sharded, tp),
                                 None if spec.sharded else spec.shard_plan, tp.rank, tie, dtype, tp.device, packs,
-                                quant, _all_reduce_max if tp.size > 1 else None, table, platform.prepack)
+                                quant, _all_reduce_max if tp.size > 1 else None, table, platform.prepack,
+                                None if spec.sharded else fused_parts(hf_config))
     left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"rank {tp.rank}: still on the meta device after loading: {left}")

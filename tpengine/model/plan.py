@@ -110,10 +110,12 @@ class ShardPlan:
                 naming its ``model_type`` and the fields missing.
         """
         need = ("num_attention_heads", "hidden_size", "intermediate_size", "vocab_size")
+        from tpengine.model.families import supported_names
+
         missing = [f for f in need if getattr(hf_config, f, None) is None]
         if missing:
             raise UserError(f"model_type {getattr(hf_config, 'model_type', '?')!r}: the config has no "
-                            f"{', '.join(missing)}; tpengine runs Llama, Mistral, Qwen2 and Qwen3 decoders")
+                            f"{', '.join(missing)}; tpengine runs {supported_names()} decoders")
         num_heads = int(hf_config.num_attention_heads)
         num_kv = getattr(hf_config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads

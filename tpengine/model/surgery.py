@@ -10,6 +10,8 @@ tpengine's tensor-parallel one (fused q/k/v and gate/up layers from the start);
 from __future__ import annotations
 
 import copy
+import inspect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from tpengine.errors import UserError
+from tpengine.model import families as F
 from tpengine.model import plan as P
 from tpengine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 
@@ -35,11 +38,17 @@ LAYER_KINDS: dict[str, str] = {
 }
 
 
-def kind_of(param_name: str, ndim: int) -> str:
-    """Partition kind of checkpoint tensor ``param_name`` (e.g.
-    ``model.layers.0.self_attn.q_proj.weight``) with ``ndim`` dimensions.
+#: q/k norms over the whole projection (OLMo 2: ``[num_heads * head_dim]``) are split as the heads are
+PROJECTION_NORM_KINDS = {"q_norm": P.Q, "k_norm": P.K}
 
-    1-D tensors not in the table (norm weights, q_norm/k_norm) are replicated.
+
+def kind_of(param_name: str, ndim: int, numel: int | None = None, head_dim: int | None = None) -> str:
+    """Partition kind of checkpoint tensor ``param_name`` (e.g.
+    ``model.layers.0.self_attn.q_proj.weight``) with ``ndim`` dimensions (``numel`` elements, in a model
+    of ``head_dim``: what tells a per-head q/k norm from one over the whole projection).
+
+    1-D tensors not in the table (norm weights, per-head q_norm/k_norm) are replicated; a q_norm/k_norm
+    of more than ``head_dim`` elements is split as the query/key heads are.
 
     Raises:
         ValueError: a 2-D or larger tensor whose module is not in the table; it would otherwise
@@ -49,6 +58,8 @@ def kind_of(param_name: str, ndim: int) -> str:
     leaf = parts[-2] if len(parts) >= 2 else parts[-1]
     if leaf in LAYER_KINDS:
         return LAYER_KINDS[leaf]
+    if leaf in PROJECTION_NORM_KINDS and ndim == 1 and numel is not None and head_dim and numel != head_dim:
+        return PROJECTION_NORM_KINDS[leaf]
     if ndim <= 1:
         return P.REPLICATED
     raise ValueError(
@@ -57,11 +68,9 @@ def kind_of(param_name: str, ndim: int) -> str:
     )
 
 
-# HF classes whose forwards tpengine's layers reproduce exactly (tpengine.model.layers.fused)
-SUPPORTED_MODELS = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
-SUPPORTED_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
-SUPPORTED_MLP = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
-SUPPORTED_NORM = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+def kind_in(plan: P.ShardPlan, name: str, shape: tuple[int, ...]) -> str:
+    """:func:`kind_of` for checkpoint tensor ``name`` of ``shape`` under ``plan`` (its head size)."""
+    return kind_of(name, len(shape), math.prod(shape), plan.head_dim)
 
 
 def build_meta_model(hf_config, dtype: torch.dtype) -> nn.Module:
@@ -72,9 +81,25 @@ def build_meta_model(hf_config, dtype: torch.dtype) -> nn.Module:
     return model.eval()
 
 
-def _unsupported(what: str, found: str, known: tuple[str, ...], hf_config) -> UserError:
+def _unsupported(what: str, found: str, hf_config) -> UserError:
     return UserError(f"model_type {getattr(hf_config, 'model_type', '?')!r}: {what} {found!r} is not supported; "
-                      f"tpengine runs {', '.join(known)}")
+                     f"tpengine runs {F.supported_names()}")
+
+
+def _child(module: nn.Module, *names: str) -> nn.Module | None:
+    return next((getattr(module, n) for n in names if isinstance(getattr(module, n, None), nn.Module)), None)
+
+
+def _has_bias(module: nn.Module, *names: str) -> bool:
+    child = _child(module, *names)
+    return child is not None and getattr(child, "bias", None) is not None
+
+
+def _kv_share(plan: P.ShardPlan, rank: int) -> tuple[float, ...]:
+    """Each of ``rank``'s KV heads' share in a sum over every KV head once: ``1 / (ranks holding it)``."""
+    def holders(g: int) -> int:
+        return sum(rp.kv_heads[0] <= g < rp.kv_heads[1] for rp in plan.ranks)
+    return tuple(1.0 / holders(g) for g in range(*plan.ranks[rank].kv_heads))
 
 
 def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, device: torch.device,
@@ -88,56 +113,89 @@ def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, dev
     RMSNorm for :class:`~tpengine.model.layers.fused.RMSNorm`, ``embed_tokens``/``lm_head`` for the
     vocabulary-parallel layers, and HF's decoder stack for a
     :class:`~tpengine.model.layers.fused.DecoderStack` holding them; every size comes from ``plan.ranks[rank]``.
-    RoPE tables and the per-layer ``tp_q_to_kv`` maps are real tensors on ``device``; the
-    loader (:func:`tpengine.model.loader.load_model`) fills every parameter through
-    :func:`checkpoint_targets`. Tied embeddings share one Parameter. Every layer gets the one
+    What the family changes (:mod:`tpengine.model.families`: norm roles and form, scales, logit
+    transforms) comes from its row; the softmax scale, sliding window, logit soft cap, q/k norms and
+    RoPE tables from HF's own modules. RoPE tables and the per-layer ``tp_q_to_kv`` maps are real
+    tensors on ``device``; the loader (:func:`tpengine.model.loader.load_model`) fills every parameter
+    through :func:`checkpoint_targets`. Tied embeddings share one Parameter. Every layer gets the one
     element-wise ops object of the model, ``device``'s platform's
     (:meth:`tpengine.backends.platform.Platform.fused_ops`; ``cpu_kernels``: on the CPU the C kernels
     where they take the tensors, ``EngineConfig.cpu_kernels``).
 
     Raises:
-        UserError: an architecture other than Llama, Mistral, Qwen2 or Qwen3 (naming it).
-        ValueError: an
-            ``nn.Linear``/``nn.Embedding`` left that the layer table does not cover.
+        UserError: a model type or config feature tpengine does not run (naming it and the families
+            it runs: :func:`tpengine.model.families.check_config`).
+        ValueError: an ``nn.Linear``/``nn.Embedding`` left that the layer table does not cover.
     """
     from tpengine.backends import get_platform
     from tpengine.model.layers.fused import DecoderStack, FusedAttention, FusedMLP, RMSNorm
 
+    F.check_config(hf_config)
+    family = F.family_of(hf_config)
     model = build_meta_model(hf_config, dtype)
     stack = getattr(model, "model", None)
-    if type(stack).__name__ not in SUPPORTED_MODELS:
+    if type(stack).__name__ != family.decoder:
         found = type(model).__name__ if stack is None else type(stack).__name__
-        raise _unsupported("decoder", found, SUPPORTED_MODELS, hf_config)
+        raise _unsupported("decoder", found, hf_config)
     rp, hidden, ops = plan.ranks[rank], plan.hidden_size, get_platform(device).fused_ops(cpu_kernels)
+    config = stack.config
 
-    def norm(m: nn.Module) -> nn.Module:
-        if type(m).__name__ not in SUPPORTED_NORM:
-            raise _unsupported("norm", type(m).__name__, SUPPORTED_NORM, hf_config)
-        return RMSNorm(m.weight.shape[0], m.variance_epsilon, dtype, ops)
+    def norm(m: nn.Module | None, size: int | None = None) -> nn.Module | None:
+        if m is None:
+            return None
+        if not type(m).__name__.endswith("RMSNorm"):
+            raise _unsupported("norm", type(m).__name__, hf_config)
+        eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+        return RMSNorm(size or m.weight.shape[0], eps, dtype, ops, family.norm_float32, family.norm_offset)
 
+    roles = []
     for layer in stack.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if type(attn).__name__ not in SUPPORTED_ATTENTION:
-            raise _unsupported("attention", type(attn).__name__, SUPPORTED_ATTENTION, hf_config)
-        if type(mlp).__name__ not in SUPPORTED_MLP:
-            raise _unsupported("MLP", type(mlp).__name__, SUPPORTED_MLP, hf_config)
+        qkv = _child(attn, "q_proj", "qkv_proj")
+        up = _child(mlp, "gate_proj", "gate_up_proj")
+        act = getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))
+        if qkv is None or _child(attn, "o_proj") is None:
+            raise _unsupported("attention", type(attn).__name__, hf_config)
+        if up is None or _child(mlp, "down_proj") is None or act is None:
+            raise _unsupported("MLP", type(mlp).__name__, hf_config)
         if attn.head_dim != plan.head_dim:
             raise ValueError(f"attention head_dim {attn.head_dim} differs from the plan's {plan.head_dim}")
-        q_norm = getattr(attn, "q_norm", None)
+        qk_norms, spans = None, None
+        if getattr(attn, "q_norm", None) is not None:  # per head, or over this rank's part of the projection
+            if attn.q_norm.weight.shape[0] != plan.head_dim:
+                spans = (plan.num_heads * plan.head_dim, plan.num_kv_heads * plan.head_dim)
+            qk_norms = (norm(attn.q_norm, spans and rp.num_q_heads * plan.head_dim),
+                        norm(attn.k_norm, spans and rp.num_kv_heads * plan.head_dim))
+        window = getattr(attn, "sliding_window", getattr(config, "sliding_window", None))
         layer.self_attn = FusedAttention(
-            hidden, rp, plan.head_dim, attn.q_proj.bias is not None, attn.o_proj.bias is not None, attn.scaling,
-            attn.layer_idx, None if q_norm is None else q_norm.variance_epsilon, dtype, device, ops)
-        layer.mlp = FusedMLP(hidden, rp.intermediate_size, mlp.gate_proj.bias is not None,
-                             mlp.down_proj.bias is not None, mlp.act_fn, dtype, ops)
-        layer.input_layernorm = norm(layer.input_layernorm)
-        layer.post_attention_layernorm = norm(layer.post_attention_layernorm)
-    reduce_in_norm = plan.tp_size > 1 and all(
+            hidden, rp, plan.head_dim, _has_bias(attn, "q_proj", "qkv_proj"), _has_bias(attn, "o_proj"),
+            attn.scaling, attn.layer_idx, qk_norms, dtype, device, ops, sliding_window=window or None,
+            logit_soft_cap=getattr(attn, "attn_logit_softcapping", None), projection_sizes=spans,
+            kv_share=_kv_share(plan, rank) if plan.tp_size > 1 else None)
+        layer.mlp = FusedMLP(hidden, rp.intermediate_size, _has_bias(mlp, "gate_proj", "gate_up_proj"),
+                             _has_bias(mlp, "down_proj"), act, dtype, ops)
+        named = [None if n is None else getattr(layer, n, None) for n in family.norms]
+        if any(n is not None and m is None for n, m in zip(family.norms, named)):
+            raise _unsupported("decoder layer", type(layer).__name__, hf_config)
+        swapped = tuple(norm(m) for m in named)
+        for n, m in zip(family.norms, swapped):
+            if n is not None:
+                setattr(layer, n, m)
+        roles.append(swapped)
+    residual_scale = family.residual_scale(hf_config, dtype)
+    reduce_in_norm = plan.tp_size > 1 and residual_scale is None and all(
+        r[0] is not None and r[1] is None and r[2] is not None and r[3] is None for r in roles) and all(
         layer.self_attn.o_proj.bias is None and layer.mlp.down_proj.bias is None for layer in stack.layers)
-    rotary = type(stack.rotary_emb)(config=stack.config).to(device)  # real tables; honours rope scaling
-    model.model = stack = DecoderStack(stack.config, VocabParallelEmbedding(*rp.vocab, plan.vocab_size, hidden,
-                                                                            dtype=dtype),
-                                       stack.layers, norm(stack.norm), rotary, reduce_in_norm)
-    model.lm_head = ParallelLMHead(*rp.vocab, plan.vocab_size, hidden, dtype=dtype, ops=ops)
+    rotary = type(stack.rotary_emb)(config=config).to(device)  # real tables; honours rope scaling
+    rope_types = [None] * len(roles)
+    if "layer_type" in inspect.signature(rotary.forward).parameters:  # one table per layer type (Gemma 3)
+        rope_types = list(config.layer_types[: len(roles)])
+    embed = VocabParallelEmbedding(*rp.vocab, plan.vocab_size, hidden, dtype=dtype)
+    model.model = stack = DecoderStack(config, embed, stack.layers, norm(stack.norm), rotary, reduce_in_norm, roles,
+                                       family.embed_scale(hf_config, dtype), residual_scale, rope_types)
+    model.lm_head = ParallelLMHead(*rp.vocab, plan.vocab_size, hidden, dtype=dtype, ops=ops,
+                                   divisor=family.logits_divisor(hf_config, dtype),
+                                   soft_cap=family.logits_soft_cap(hf_config, dtype))
     if getattr(hf_config, "tie_word_embeddings", False):
         model.lm_head.weight = stack.embed_tokens.weight
     left = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
@@ -184,10 +242,13 @@ def check_model_limits(hf_config, max_model_len: int) -> None:
     """Refuse settings the model cannot honour, before any weight is read.
 
     Raises:
-        UserError: ``max_model_len`` above the model's ``max_position_embeddings``, or a model
+        UserError: a model type or feature tpengine does not run
+            (:func:`tpengine.model.families.check_config`), ``max_model_len`` above the model's
+            ``max_position_embeddings``, or a model
             whose sliding-window attention would start to matter below ``max_model_len``
             (tpengine's attention is full causal attention), naming both values.
     """
+    F.check_config(hf_config)
     limit = getattr(hf_config, "max_position_embeddings", None)
     if limit is not None and max_model_len > limit:
         raise UserError(f"max_model_len={max_model_len} is larger than the model's "

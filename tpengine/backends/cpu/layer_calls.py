@@ -84,7 +84,7 @@ def bind_stack(stack, cpu_kernels: bool) -> int:
     callable is reset to None, so the layers run their generic ops). Returns how many callables
     were bound."""
     layers = list(stack.layers[: stack.config.num_hidden_layers])
-    norms = [stack.norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    norms = stack.norms()
     cpu_kernels = cpu_kernels and stack.norm.weight.device.type == "cpu"  # (the CPU backend may run on CUDA)
     count = 0
     for norm in norms:

@@ -60,12 +60,18 @@ class ParallelLMHead(_Packable):
     ``row_max`` (``[B, V]`` logits -> each row's ``(value, first index)``), ``col_max`` (the same over
     the rows of ``[V, B]``) and ``greedy_mm`` (a batch takes the transposed logits, :meth:`greedy`).
     ``ops``: the model's element-wise ops (default :class:`~tpengine.backends.torch_ops.TorchOps`).
+    ``divisor`` (Granite's ``logits_scaling``): the logits are divided by it; ``soft_cap`` (Gemma 2's
+    ``final_logit_softcapping``): then become ``tanh(logits / c) * c``. Both are element-wise, so each rank
+    applies them to its own shard, before the gather or the greedy maximum (HF's arithmetic, in the
+    logits' dtype).
     """
 
     def __init__(self, vocab_start: int, vocab_end: int, vocab_size: int, hidden: int, dtype=None, device="meta",
-                 ops: TorchOps | None = None):
+                 ops: TorchOps | None = None, divisor: float | None = None, soft_cap: float | None = None):
         super().__init__()
         self.ops = ops or TorchOps()
+        self.divisor, self.soft_cap = divisor, soft_cap
+        self.transforms = divisor is not None or soft_cap is not None
         self.vocab_start, self.vocab_end, self.vocab_size = vocab_start, vocab_end, vocab_size
         self.weight = nn.Parameter(torch.empty(vocab_end - vocab_start, hidden, dtype=dtype, device=device),
                                    requires_grad=False)
@@ -82,7 +88,17 @@ class ParallelLMHead(_Packable):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's ``[B, vocab_local]`` logits. A tied head keeps the embedding's plain rows
         (never a packed copy beside them)."""
-        return self._rows(hidden)
+        logits = self._rows(hidden)
+        return self._transform(logits) if self.transforms else logits
+
+    def _transform(self, logits: torch.Tensor) -> torch.Tensor:
+        """The family's element-wise logit transforms (``divisor``, then ``soft_cap``), as HF's
+        causal-LM heads apply them."""
+        if self.divisor is not None:
+            logits = logits / self.divisor
+        if self.soft_cap is not None:
+            logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
+        return logits
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = gather_to_driver(self._logits(hidden), dim=-1)
@@ -105,7 +121,8 @@ class ParallelLMHead(_Packable):
             logits = apply_bitmask(self._logits(hidden)[..., :width].float(), mask, self.vocab_start)
             value, index = self.row_max(logits)
         elif self.greedy_mm and hidden.dim() == 2 and hidden.shape[0] > 1:  # bound where measured faster
-            value, index = self.col_max(torch.mm(self.weight, hidden.t())[:width])
+            logits_t = torch.mm(self.weight, hidden.t())[:width]
+            value, index = self.col_max(self._transform(logits_t) if self.transforms else logits_t)
         else:
             value, index = self.row_max(self._logits(hidden)[..., :width])
         if get_tp().size == 1:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from tpengine.backends.torch_ops import TorchOps
+from tpengine.comm import all_reduce
 from tpengine.context import Context
 from tpengine.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
@@ -40,7 +41,10 @@ class FusedAttention(nn.Module):
         qkv_bias / o_bias: whether those projections have biases; scaling: softmax scale;
         layer_idx: the layer's index (its KV cache); qk_norm_eps: eps of q_norm/k_norm, or None
         when the model has none; dtype; device: where the small ``tp_q_to_kv`` map lives
-        (parameters start on meta, the loader fills them); sliding_window: ``w`` for a layer whose
+        (parameters start on meta, the loader fills them); qk_norms: the (q_norm, k_norm) pair or None;
+        projection_sizes: ``(Hq D, Hkv D)`` of the whole model when those norms span the whole
+        projection (OLMo 2), None when they act per head; kv_share: under tp > 1, each local KV head's
+        share ``1 / holders`` in a whole-projection norm's sum; sliding_window: ``w`` for a layer whose
         query at position ``i`` sees only the keys at positions ``j`` with ``i - w < j <= i`` (HF's
         ``sliding_window``), None for full causal attention; logit_soft_cap: ``c`` for a layer whose
         scaled scores become ``tanh(s / c) * c`` before the mask and softmax (Gemma 2's
@@ -52,9 +56,10 @@ class FusedAttention(nn.Module):
     """
 
     def __init__(self, hidden: int, rp, head_dim: int, qkv_bias: bool, o_bias: bool, scaling: float,
-                 layer_idx: int, qk_norm_eps: float | None, dtype: torch.dtype, device: torch.device,
+                 layer_idx: int, qk_norms: tuple[RMSNorm, RMSNorm] | None, dtype: torch.dtype, device: torch.device,
                  ops: TorchOps | None = None, sliding_window: int | None = None,
-                 logit_soft_cap: float | None = None):
+                 logit_soft_cap: float | None = None, projection_sizes: tuple[int, int] | None = None,
+                 kv_share: tuple[float, ...] | None = None):
         super().__init__()
         self.sliding_window, self.logit_soft_cap = sliding_window, logit_soft_cap
         self.ops = ops = ops or TorchOps()
@@ -62,10 +67,13 @@ class FusedAttention(nn.Module):
         self.qkv_proj = MergedColumnParallelLinear(hidden, [hq * head_dim, hkv * head_dim, hkv * head_dim],
                                                    ["q_proj", "k_proj", "v_proj"], qkv_bias, dtype)
         self.o_proj = RowParallelLinear(hq * head_dim, hidden, o_bias, dtype)
-        self.q_norm = self.k_norm = None
-        if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype, ops)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype, ops)
+        self.q_norm, self.k_norm = qk_norms or (None, None)
+        # q/k norms over the whole projection (OLMo 2): their mean of squares spans the ranks' heads
+        self.projection_norms = projection_sizes is not None
+        self.kv_share = None
+        if self.projection_norms and kv_share is not None:  # each local KV head's weight in the k sum
+            self.kv_share = torch.tensor(kv_share, dtype=torch.float32, device=device).repeat_interleave(head_dim)
+            self.projection_sizes = torch.tensor(projection_sizes, dtype=torch.float32, device=device)
         self.layer_idx, self.head_dim, self.scaling = layer_idx, head_dim, scaling
         self.num_heads, self.num_key_value_heads = hq, hkv
         self.tp_q_to_kv = torch.tensor(rp.q_to_kv, dtype=torch.int64, device=device)
@@ -81,11 +89,32 @@ class FusedAttention(nn.Module):
         # the Python between the kernels is as costly as the kernels, docs/notes/kernels.md; no hooks)
         qkv = self.qkv_forward(hidden_states)  # [T, (Hq + 2 Hkv) D]
         if self.q_norm is not None:
-            hq, hkv = self.num_heads, self.num_key_value_heads
-            t = qkv.view(qkv.shape[0], hq + 2 * hkv, self.head_dim)
-            qkv = torch.cat((self.q_norm(t[:, :hq]), self.k_norm(t[:, hq:hq + hkv]), t[:, hq + hkv:]), dim=1).flatten(1)
+            qkv = self._qk_norm(qkv)
         out = ctx.backend.forward(qkv, position_embeddings, self, ctx)  # RoPE, KV store, paged attention
         return self.o_forward(out, reduce)
+
+    def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
+        """``qkv [T, (Hq + 2 Hkv) D]`` with its query and key parts normalized: per head (Qwen3, Gemma 3),
+        or over the whole projection (OLMo 2). Under tp > 1 a whole-projection norm's mean of squares
+        is the all-reduced sum of every rank's heads (each KV head counted once: a head held by several
+        ranks weighs ``1 / holders`` on each) over ``projection_sizes``."""
+        hq, hkv, d = self.num_heads, self.num_key_value_heads, self.head_dim
+        if not self.projection_norms:
+            t = qkv.view(qkv.shape[0], hq + 2 * hkv, d)
+            q, k = self.q_norm(t[:, :hq]), self.k_norm(t[:, hq:hq + hkv])
+            return torch.cat((q, k, t[:, hq + hkv:]), dim=1).flatten(1)
+        q, k, v = qkv[:, :hq * d], qkv[:, hq * d:(hq + hkv) * d], qkv[:, (hq + hkv) * d:]
+        if self.kv_share is None:  # tp = 1: HF's own arithmetic
+            return torch.cat((self.q_norm(q), self.k_norm(k), v), dim=1)
+        qf, kf = q.float(), k.float()
+        sums = torch.stack((qf.pow(2).sum(-1), kf.pow(2).mul(self.kv_share).sum(-1)), dim=-1)
+        sums = all_reduce(sums)  # [T, 2]: the whole projections' sums of squares
+        var = sums / self.projection_sizes
+        out = []
+        for x, norm, j in ((qf, self.q_norm, 0), (kf, self.k_norm, 1)):
+            y = x * torch.rsqrt(var[:, j:j + 1] + norm.eps)
+            out.append((norm.weight * y).to(qkv.dtype))
+        return torch.cat((*out, v), dim=1)
 
 
 class FusedMLP(nn.Module):
@@ -125,13 +154,25 @@ class FusedMLP(nn.Module):
 class RMSNorm(nn.Module):
     """HF Llama-style RMSNorm, ``weight * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(dtype)``, through
     ``F.rms_norm`` (bit-identical to HF's eight ops in float32 and bfloat16). ``weight [size]``
-    starts on meta; ``[..., size]`` -> ``[..., size]``."""
+    starts on meta; ``[..., size]`` -> ``[..., size]``.
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, ops: TorchOps | None = None):
+    ``float32_weight``: the weight is kept in float32 and multiplies before the one rounding to the
+    input's dtype (Gemma's and OLMo 2's norms); ``offset``: added to the checkpoint's weight once it is
+    loaded (:meth:`loaded`; Gemma's ``x * (1 + weight)``)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, ops: TorchOps | None = None,
+                 float32_weight: bool = False, offset: float = 0.0):
         super().__init__()
         self.ops = ops or TorchOps()
-        self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device="meta"), requires_grad=False)
-        self.eps, self.shape = eps, (size,)
+        wdtype = torch.float32 if float32_weight else dtype
+        self.weight = nn.Parameter(torch.empty(size, dtype=wdtype, device="meta"), requires_grad=False)
+        self.eps, self.shape, self.offset = eps, (size,), offset
+
+    def loaded(self) -> None:
+        """Called by the loader once the checkpoint's weight is in: add :attr:`offset` (exact as HF's
+        ``1.0 + weight.float()``: the weight is float32 where an offset is used)."""
+        if self.offset:
+            self.weight.data.add_(self.offset)
 
     #: ``(h, x, reduce) -> (h + x, self(h + x))`` bound by the backend for this layer (its checks done
     #: once: :func:`tpengine.backends.cpu.layer_calls.bind_stack`), or None: :meth:`add_forward`'s ops
@@ -154,53 +195,107 @@ class RMSNorm(nn.Module):
         return self.ops.add_rms_norm(h, x, self.weight, self.eps)
 
 
-class DecoderStack(nn.Module):
-    """tpengine's decoder stack, in place of HF's ``LlamaModel`` (and its Mistral/Qwen2/Qwen3
-    twins; built by :func:`tpengine.model.surgery.build_model` from HF's own layers, so checkpoint
-    names stay ``model.layers.<i>...``): the embedding, the decoder layers, the final norm and HF's
-    rotary embedding (which honours the config's RoPE scaling).
+def add_only(h: torch.Tensor, x: torch.Tensor | None, reduce: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The place of a missing pre-norm (OLMo 2): ``(h + x, h + x)`` (``h`` itself when ``x`` is None).
+    ``reduce`` is never set here (a stack with a missing norm does not all-reduce in its norms)."""
+    if x is not None:
+        h = h + x
+    return h, h
 
-    The forward is HF's computation (embedding, RoPE tables, then per layer
-    ``h = h + attn(norm1(h))`` and ``h = h + mlp(norm2(h))``, final norm) over one engine step's
-    tokens, without HF's mask building, cache and per-layer wrappers. Each residual add runs inside
-    the next norm's :meth:`RMSNorm.add_forward` (the same ops in the same order, or one C kernel on
-    CPU). With ``reduce_in_norm`` (tp > 1 and no row-parallel layer has a bias) the blocks return
+
+class Scaled:
+    """A sub-block's output scaled before the residual add, ``x * scale`` (Granite's
+    ``residual_multiplier``), after its post-norm when it has one: ``[..., n]`` -> ``[..., n]``."""
+
+    def __init__(self, scale: float, post=None):
+        self.scale, self.post = scale, post
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.post is not None:
+            x = self.post(x)
+        return x * self.scale
+
+
+class DecoderStack(nn.Module):
+    """tpengine's decoder stack, in place of HF's (``LlamaModel`` and the other families' twins,
+    :mod:`tpengine.model.families`; built by :func:`tpengine.model.surgery.build_model` from HF's own
+    layers, so checkpoint names stay ``model.layers.<i>...``): the embedding, the decoder layers, the
+    final norm and HF's rotary embedding (which honours the config's RoPE scaling; one table per layer
+    type where the model has several, as Gemma 3).
+
+    The forward is HF's computation over one engine step's tokens, without HF's mask building, cache
+    and per-layer wrappers: the embedding (times ``embed_scale`` where the family scales it), RoPE tables,
+    then per layer ``h = h + post_attn(attn(pre_attn(h)))`` and ``h = h + post_mlp(mlp(pre_mlp(h)))``,
+    where a missing pre-norm passes ``h`` through and a missing post-norm passes the output through (the
+    roles and their norms: :data:`tpengine.model.families.ROLES`; ``post_*`` also carries Granite's
+    residual scale), and the final norm. Each residual add runs inside the next pre-norm's
+    :meth:`RMSNorm.add_forward` (the same ops in the same order, or one C kernel on CPU). With
+    ``reduce_in_norm`` (tp > 1, every layer of the Llama form, no row-parallel bias) the blocks return
     their row-parallel partial sums and that norm all-reduces them too (one C call over the
     shared-memory comm on CPU).
+
+    ``roles``: per layer, the modules of its four :data:`~tpengine.model.families.ROLES` (None: no norm),
+    ``residual_scale``: Granite's multiplier or None, ``rope_types``: per layer, the rotary table's layer
+    type (None: the one table).
 
     Shapes: ``input_ids``, ``positions [N]`` int64 (the step's sequences packed back to back,
     described by ``ctx``) -> ``[N, hidden]``.
     """
 
     def __init__(self, config, embed_tokens: nn.Module, layers: nn.ModuleList, norm: RMSNorm,
-                 rotary_emb: nn.Module, reduce_in_norm: bool):
+                 rotary_emb: nn.Module, reduce_in_norm: bool, roles: list[tuple] | None = None,
+                 embed_scale: float | None = None, residual_scale: float | None = None,
+                 rope_types: list[str | None] | None = None):
         super().__init__()
         self.config, self.embed_tokens, self.layers, self.norm = config, embed_tokens, layers, norm
         self.rotary_emb, self.reduce_in_norm = rotary_emb, reduce_in_norm
+        n = config.num_hidden_layers
+        self.roles = roles or [(layer.input_layernorm, None, layer.post_attention_layernorm, None)
+                               for layer in islice(layers, n)]
+        self.embed_scale, self.residual_scale = embed_scale, residual_scale
+        self.rope_types = rope_types or [None] * n
 
     def layer_calls(self) -> list[tuple]:
-        """Each decoder layer's four calls, ``(input_layernorm.add_forward, self_attn.forward,
-        post_attention_layernorm.add_forward, mlp.forward)``, looked up once: a submodule's attribute
-        goes through ``nn.Module.__getattr__`` at every access, which at batch 1 costs as much as a
-        small kernel (docs/notes/cpu-paths.md). The bound methods read the layers' bound kernels at
-        each call, so a later :meth:`tpengine.backends.platform.Platform.bind_model` needs no reset."""
+        """Each decoder layer's calls, ``(pre_attn, attn, post_attn, pre_mlp, mlp, post_mlp, rope_type)``,
+        looked up once: ``pre_*`` a norm's :meth:`RMSNorm.add_forward` (or :func:`add_only`), ``post_*``
+        a callable on the sub-block's output or None, ``attn``/``mlp`` the blocks' forwards. A
+        submodule's attribute goes through ``nn.Module.__getattr__`` at every access, which at batch 1
+        costs as much as a small kernel (docs/notes/cpu-paths.md). The bound methods read the layers'
+        bound kernels at each call, so a later :meth:`tpengine.backends.platform.Platform.bind_model`
+        needs no reset."""
         calls = self.__dict__.get("_layer_calls")
         if calls is None:
-            calls = [(layer.input_layernorm.add_forward, layer.self_attn.forward,
-                      layer.post_attention_layernorm.add_forward, layer.mlp.forward)
-                     for layer in islice(self.layers, self.config.num_hidden_layers)]
+            calls = []
+            for layer, (pre_a, post_a, pre_m, post_m), rope in zip(self.layers, self.roles, self.rope_types):
+                posts = [None if p is None else p.forward for p in (post_a, post_m)]
+                if self.residual_scale is not None:
+                    posts = [Scaled(self.residual_scale, p) for p in posts]
+                calls.append((add_only if pre_a is None else pre_a.add_forward, layer.self_attn.forward, posts[0],
+                              add_only if pre_m is None else pre_m.add_forward, layer.mlp.forward, posts[1], rope))
             self.__dict__["_layer_calls"] = calls
         return calls
 
+    def norms(self) -> list[RMSNorm]:
+        """Every norm of the stack: the final one, then each layer's in role order (what a backend binds)."""
+        return [self.norm] + [n for roles in self.roles for n in roles if n is not None]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        position_embeddings = tuple(t[0] for t in self.rotary_emb(h, positions[None]))  # cos, sin [N, D]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        tables = {}
+        for kind in set(self.rope_types):  # cos, sin [N, D] per layer type
+            tables[kind] = tuple(t[0] for t in self.rotary_emb(h, positions[None], *(() if kind is None else (kind,))))
         delta = None  # each block's output, added to the residual stream by the next norm (fused on CPU)
         fuse = self.reduce_in_norm  # tp > 1: the blocks' all-reduces run in the next norm
         keep = not fuse
-        for norm1, attn, norm2, mlp in self.layer_calls():  # (forwards called directly: no hooks)
+        for norm1, attn, post1, norm2, mlp, post2, rope in self.layer_calls():  # (called directly: no hooks)
             h, x = norm1(h, delta, fuse)
-            delta = attn(x, position_embeddings, ctx, keep)
+            delta = attn(x, tables[rope], ctx, keep)
+            if post1 is not None:
+                delta = post1(delta)
             h, x = norm2(h, delta, fuse)
             delta = mlp(x, keep)
+            if post2 is not None:
+                delta = post2(delta)
         return self.norm.add_forward(h, delta, fuse)[1]

@@ -1,0 +1,202 @@
+"""The decoder families tpengine runs, as data: what each changes from Llama, in one table.
+
+Every family here is a Llama-style decoder (token embedding, N blocks of attention and a gated MLP on a
+residual stream, a final norm, a vocabulary head). What differs is declared in :class:`Family` and read
+by surgery (:func:`tpengine.model.surgery.build_model`), the ``ShardPlan``'s layer kinds and the
+loader; the layers' forwards read the values these give (a window, a cap, a scale, which norm sits where)
+and branch on no family name. HF's ``modeling_<family>.py`` is the oracle for each row (transformers
+5.x):
+
+* norm placement: Llama normalizes before each sub-block (``input_layernorm``, ``post_attention_layernorm``);
+  Gemma 2/3 also normalize each sub-block's output before the residual add
+  (``post_attention_layernorm``, ``pre_feedforward_layernorm``, ``post_feedforward_layernorm``); OLMo 2
+  normalizes only the outputs (``post_attention_layernorm``, ``post_feedforward_layernorm``);
+* norm form: Llama rounds the normalized value to the model's dtype, then multiplies by the weight;
+  Gemma and OLMo 2 multiply in float32 and round once, Gemma by ``1 + weight``
+  (:attr:`Family.norm_offset`, folded into the float32 weight at load);
+* scales: Gemma multiplies the embeddings by ``sqrt(hidden_size)`` rounded to the model's dtype, Granite by
+  ``embedding_multiplier`` and each sub-block's output by ``residual_multiplier`` and divides the logits by
+  ``logits_scaling``; Gemma 2 soft-caps the logits (``final_logit_softcapping``);
+* checkpoint tensors: Phi-3 stores q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``
+  (:func:`fused_parts` names their row ranges, so every reader sees the unfused names).
+
+The attention-side values (the softmax scale, the sliding window, the logit soft cap, q/k norms and
+their span, RoPE tables per layer type) are read from HF's own meta-device modules, which compute
+them from the config the same way for every family.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tpengine.errors import UserError
+
+#: a block's four norm roles, in order: before attention, after attention, before the MLP, after the MLP
+ROLES = ("pre_attn", "post_attn", "pre_mlp", "post_mlp")
+LLAMA_NORMS = ("input_layernorm", None, "post_attention_layernorm", None)
+SANDWICH_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm")
+POST_NORMS = (None, "post_attention_layernorm", None, "post_feedforward_layernorm")
+
+
+def _none(config: Any, dtype: torch.dtype) -> float | None:
+    return None
+
+
+def _gemma_embed_scale(config: Any, dtype: torch.dtype) -> float:
+    # HF keeps sqrt(hidden) in a float32 buffer and casts it to the weights' dtype before multiplying
+    return float(torch.tensor(config.hidden_size ** 0.5, dtype=torch.float32).to(dtype))
+
+
+def _attr(name: str) -> Callable[[Any, torch.dtype], float | None]:
+    def read(config: Any, dtype: torch.dtype) -> float | None:
+        value = getattr(config, name, None)
+        return None if value is None else float(value)
+    return read
+
+
+@dataclass(frozen=True)
+class Family:
+    """One decoder family's differences from Llama (see the module docstring).
+
+    ``name``: what README and errors call it; ``decoder``: HF's decoder-stack class (``model.model``);
+    ``norms``: the decoder layer's norm attribute for each of :data:`ROLES` (None: no norm there);
+    ``norm_offset``: a constant added to every norm weight (Gemma's ``1 + weight``); ``norm_float32``: the
+    norm multiplies by its weight in float32 and rounds once; ``embed_scale`` / ``residual_scale`` /
+    ``logits_divisor`` / ``logits_soft_cap``: ``(config, dtype) -> float | None``; ``fused``: a checkpoint
+    tensor that holds several of tpengine's parts -> the part names, in row order.
+    """
+
+    name: str
+    decoder: str
+    norms: tuple[str | None, str | None, str | None, str | None] = LLAMA_NORMS
+    norm_offset: float = 0.0
+    norm_float32: bool = False
+    embed_scale: Callable[[Any, torch.dtype], float | None] = _none
+    residual_scale: Callable[[Any, torch.dtype], float | None] = _none
+    logits_divisor: Callable[[Any, torch.dtype], float | None] = _none
+    logits_soft_cap: Callable[[Any, torch.dtype], float | None] = _none
+    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+GEMMA = dict(norms=SANDWICH_NORMS, norm_offset=1.0, norm_float32=True, embed_scale=_gemma_embed_scale)
+
+#: HF ``model_type`` -> its family. A new Llama-like family is a row here (and a test).
+FAMILIES: dict[str, Family] = {
+    "llama": Family("Llama", "LlamaModel"),
+    "mistral": Family("Mistral", "MistralModel"),
+    "qwen2": Family("Qwen2", "Qwen2Model"),
+    "qwen3": Family("Qwen3", "Qwen3Model"),
+    "gemma": Family("Gemma", "GemmaModel", norm_offset=1.0, norm_float32=True, embed_scale=_gemma_embed_scale),
+    "gemma2": Family("Gemma 2", "Gemma2Model", **GEMMA, logits_soft_cap=_attr("final_logit_softcapping")),
+    "gemma3_text": Family("Gemma 3", "Gemma3TextModel", **GEMMA, logits_soft_cap=_attr("final_logit_softcapping")),
+    "phi3": Family("Phi-3", "Phi3Model", fused={"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                                                "gate_up_proj": ("gate_proj", "up_proj")}),
+    "olmo2": Family("OLMo 2", "Olmo2Model", norms=POST_NORMS, norm_float32=True),
+    "granite": Family("Granite", "GraniteModel", embed_scale=_attr("embedding_multiplier"),
+                      residual_scale=_attr("residual_multiplier"), logits_divisor=_attr("logits_scaling")),
+}
+
+
+def family_of(hf_config: Any) -> Family:
+    """The :class:`Family` of ``hf_config`` (by its ``model_type``).
+
+    Raises:
+        UserError: a model type tpengine does not run, naming it and the ones it runs.
+    """
+    model_type = getattr(hf_config, "model_type", None)
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise UserError(f"model_type {model_type!r} is not supported; tpengine runs "
+                        f"{', '.join(sorted(FAMILIES))} ({supported_names()})")
+    return family
+
+
+def supported_names() -> str:
+    """The families' names, for messages: ``"Llama, Mistral, ..."``."""
+    return ", ".join(f.name for f in FAMILIES.values())
+
+
+def fused_parts(hf_config: Any) -> dict[str, list[tuple[str, int]]]:
+    """A fused checkpoint tensor's leaf name (``qkv_proj``) -> its parts as ``(leaf name, rows)`` in row
+    order, for ``hf_config``'s family (empty for most): what :func:`unfuse_name` and the readers split on."""
+    family = FAMILIES.get(getattr(hf_config, "model_type", None))
+    if family is None or not family.fused:
+        return {}
+    nh = int(hf_config.num_attention_heads)
+    nkv = int(getattr(hf_config, "num_key_value_heads", None) or nh)
+    hd = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // nh)
+    rows = {"q_proj": nh * hd, "k_proj": nkv * hd, "v_proj": nkv * hd,
+            "gate_proj": int(hf_config.intermediate_size), "up_proj": int(hf_config.intermediate_size)}
+    return {leaf: [(p, rows[p]) for p in parts] for leaf, parts in family.fused.items()}
+
+
+def unfuse(name: str, shape: tuple[int, ...], parts: dict[str, list[tuple[str, int]]]
+           ) -> list[tuple[str, int, int]] | None:
+    """The parts of checkpoint tensor ``name`` of ``shape`` when it is a fused one in ``parts``
+    (:func:`fused_parts`): ``[(part's checkpoint name, first row, rows), ...]``, e.g.
+    ``model.layers.0.self_attn.qkv_proj.weight`` -> ``...q_proj.weight`` rows ``0:Hq*D``, ...; None for
+    any other tensor.
+
+    Raises:
+        ValueError: a fused tensor whose first dimension is not the parts' total, naming both.
+    """
+    if not parts:
+        return None
+    bits = name.split(".")
+    if len(bits) < 2 or bits[-2] not in parts:
+        return None
+    layout = parts[bits[-2]]
+    total = sum(r for _, r in layout)
+    if not shape or shape[0] != total:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {list(shape)}; its parts "
+                         f"{', '.join(f'{p} ({r} rows)' for p, r in layout)} need {total} rows")
+    out, start = [], 0
+    for part, rows in layout:
+        out.append((".".join(bits[:-2] + [part, bits[-1]]), start, rows))
+        start += rows
+    return out
+
+
+def check_config(hf_config: Any) -> None:
+    """Refuse, before any weight is read, a config feature no layer of tpengine computes.
+
+    Raises:
+        UserError: the model type is not supported (:func:`family_of`), or a feature of it is not
+            (partial rotary embeddings), naming the field and its value.
+    """
+    family_of(hf_config)
+    partial = getattr(hf_config, "partial_rotary_factor", None)
+    if partial is not None and not math.isclose(float(partial), 1.0):
+        raise UserError(f"model_type {hf_config.model_type!r}: partial_rotary_factor={partial} (RoPE on part of "
+                        "each head) is not supported; tpengine rotates whole heads (partial_rotary_factor 1.0)")
+
+
+def expand_fused(infos: dict, parts: dict[str, list[tuple[str, int]]]) -> dict:
+    """A safetensors header's tensors (name -> :class:`tpengine.model.tensor_file.TensorInfo`, from
+    :func:`~tpengine.model.tensor_file.read_header`) with each fused tensor of ``parts``
+    (:func:`fused_parts`) replaced by its parts: each part is a range of whole rows, so it is itself a
+    contiguous tensor in the file (its own offset and size), read like any other. Order kept.
+
+    Raises:
+        ValueError: a fused tensor whose rows are not its parts' total (:func:`unfuse`).
+    """
+    if not parts:
+        return infos
+    from tpengine.model.tensor_file import TensorInfo
+
+    out = {}
+    for name, info in infos.items():
+        split = unfuse(name, info.shape, parts)
+        if split is None:
+            out[name] = info
+            continue
+        row = info.nbytes // info.shape[0]
+        for part, start, rows in split:
+            out[part] = TensorInfo(part, info.dtype, (rows, *info.shape[1:]), info.offset + start * row, rows * row)
+    return out
