@@ -193,6 +193,9 @@ def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, dev
     embed = VocabParallelEmbedding(*rp.vocab, plan.vocab_size, hidden, dtype=dtype)
     model.model = stack = DecoderStack(config, embed, stack.layers, norm(stack.norm), rotary, reduce_in_norm, roles,
                                        family.embed_scale(hf_config, dtype), residual_scale, rope_types)
+    if getattr(rotary, "rope_type", None) == "longrope":  # (Phi-3's long contexts: per sequence, DecoderStack._rope)
+        stack.longrope_bound = int(rotary.config.rope_parameters["original_max_position_embeddings"])
+        stack.longrope_past = torch.tensor([stack.longrope_bound], dtype=torch.int64, device=device)
     model.lm_head = ParallelLMHead(*rp.vocab, plan.vocab_size, hidden, dtype=dtype, ops=ops,
                                    divisor=family.logits_divisor(hf_config, dtype),
                                    soft_cap=family.logits_soft_cap(hf_config, dtype))

@@ -275,6 +275,37 @@ class DecoderStack(nn.Module):
             self.__dict__["_layer_calls"] = calls
         return calls
 
+    def _rope(self, h: torch.Tensor, positions: torch.Tensor, ctx: Context,
+              kind: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's ``(cos, sin)`` ``[N, D]`` for layers of rotary type ``kind`` (None: the one table).
+
+        LongRoPE (Phi-3's ``rope_type: longrope``): HF's rotary embedding switches a forward to the long
+        factors when its largest position reaches ``original_max_position_embeddings``; a step packs
+        several sequences, so each token takes the table its own sequence would get from HF alone: the
+        long one iff the sequence's length after this step exceeds that bound (a long prompt is then
+        rotated with the long factors throughout, as HF does; a chunked prefill decides per chunk).
+        Both tables come from HF's own module (positions clamped below the bound for the short one, one
+        position past it appended for the long one: each table entry depends only on its position)."""
+        extra = () if kind is None else (kind,)
+        bound = self.longrope_bound
+        if bound is None:
+            return tuple(t[0] for t in self.rotary_emb(h, positions[None], *extra))
+        short = self.rotary_emb(h, positions.clamp(max=bound - 1)[None], *extra)
+        past = torch.cat((positions, self.longrope_past))  # (a tensor made at build: no host copy per step)
+        long = self.rotary_emb(h, past[None], *extra)
+        if ctx.is_prefill:
+            cu_q, cu_k = ctx.cu_seqlens_q, ctx.cu_seqlens_k
+            lens = torch.repeat_interleave(cu_k[1:] - cu_k[:-1], cu_q[1:] - cu_q[:-1])
+        else:
+            lens = ctx.context_lens
+        use = (lens > bound)[:, None]
+        return tuple(torch.where(use, lt[0, :-1], st[0]) for st, lt in zip(short, long))
+
+    #: LongRoPE's ``original_max_position_embeddings`` (set by surgery), or None: one table per type;
+    #: ``longrope_past``: that bound as a ``[1]`` int64 tensor on the model's device
+    longrope_bound: int | None = None
+    longrope_past: torch.Tensor | None = None
+
     def norms(self) -> list[RMSNorm]:
         """Every norm of the stack: the final one, then each layer's in role order (what a backend binds)."""
         return [self.norm] + [n for roles in self.roles for n in roles if n is not None]
@@ -283,9 +314,7 @@ class DecoderStack(nn.Module):
         h = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        tables = {}
-        for kind in set(self.rope_types):  # cos, sin [N, D] per layer type
-            tables[kind] = tuple(t[0] for t in self.rotary_emb(h, positions[None], *(() if kind is None else (kind,))))
+        tables = {kind: self._rope(h, positions, ctx, kind) for kind in set(self.rope_types)}
         delta = None  # each block's output, added to the residual stream by the next norm (fused on CPU)
         fuse = self.reduce_in_norm  # tp > 1: the blocks' all-reduces run in the next norm
         keep = not fuse
