@@ -76,13 +76,16 @@ def _tokens(n, h, d, g):
     return torch.randn(h, n, d, generator=g).transpose(0, 1)
 
 
-def _naive(qv, keys, values, q_to_kv, scale):
-    """Dense attention of one query ``[Hq, D]`` over ``keys``/``values [L, Hkv, D]`` in float64."""
+def _naive(qv, keys, values, q_to_kv, scale, soft_cap=None):
+    """Dense attention of one query ``[Hq, D]`` over ``keys``/``values [L, Hkv, D]`` in float64 (scores
+    capped to ``tanh(s / soft_cap) * soft_cap`` when given)."""
     out = torch.zeros(qv.shape, dtype=torch.float64)
     if keys.shape[0] == 0:
         return out
     for h, kvh in enumerate(q_to_kv):
         s = keys[:, kvh].double() @ qv[h].double() * scale
+        if soft_cap is not None:
+            s = torch.tanh(s / soft_cap) * soft_cap
         out[h] = torch.softmax(s, 0) @ values[:, kvh].double()
     return out
 
@@ -101,16 +104,16 @@ def cpu_store(k, v, kc, vc, slots, cpu_kernels=True):
     be.store_kvcache(k, v, kc, vc, be.prepare(False, slots, None, None, None, torch.zeros(0, dtype=torch.int64)))
 
 
-def cpu_prefill(q, k, v, kc, vc, cu_q, cu_k, bt, qkv, scale, cpu_kernels=True):
+def cpu_prefill(q, k, v, kc, vc, cu_q, cu_k, bt, qkv, scale, cpu_kernels=True, sliding_window=None, soft_cap=None):
     be = CPUAttentionBackend(cpu_kernels=cpu_kernels)
     attn = be.prepare(True, _none_slots(q.shape[0]), bt, cu_q, cu_k, None)
-    return be.prefill_attention(q, k, v, kc, vc, qkv, scale, attn)
+    return be.prefill_attention(q, k, v, kc, vc, qkv, scale, attn, sliding_window, soft_cap)
 
 
-def cpu_decode(q, kc, vc, bt, ctx, qkv, scale, cpu_kernels=True):
+def cpu_decode(q, kc, vc, bt, ctx, qkv, scale, cpu_kernels=True, sliding_window=None, soft_cap=None):
     be = CPUAttentionBackend(cpu_kernels=cpu_kernels)
     attn = be.prepare(False, _none_slots(q.shape[0]), bt, None, None, ctx)
-    return be.decode_attention(q, kc, vc, qkv, scale, attn, None)
+    return be.decode_attention(q, kc, vc, qkv, scale, attn, None, sliding_window, soft_cap)
 
 
 ORACLE = (ref.store_kvcache, ref.prefill_attention, ref.decode_attention)
@@ -120,6 +123,22 @@ CPU = (cpu_store, cpu_prefill, cpu_decode)
 
 
 IMPLS = [pytest.param(ORACLE, id="oracle"), pytest.param(CPU, id="cpu-backend")]
+
+
+# (sliding_window, soft_cap): a window inside one block (7), one across blocks (33), a soft cap small
+# enough to bend the scores (2.0: tanh is far from linear at |s| ~ 2), and both at once
+WINDOW_CAP = [
+    pytest.param(7, None, id="window7"),
+    pytest.param(33, None, id="window33"),
+    pytest.param(None, 2.0, id="cap2"),
+    pytest.param(20, 2.0, id="window20-cap2"),
+]
+
+
+def _visible_slots(bt, b, pos, bs, window):
+    """The cache slots of the keys a query at ``pos`` of sequence ``b`` sees (the last ``window``)."""
+    lo = 0 if window is None else max(0, pos - window + 1)
+    return [_slot(bt, b, p, bs) for p in range(lo, pos + 1)]
 
 
 def _decode_case(d, bs, q_to_kv, seed=0):

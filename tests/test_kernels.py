@@ -11,12 +11,15 @@ from kernel_cases import (  # sets TRITON_INTERPRET before triton is first impor
     MIXED_LENS,
     PREFILL_LENS,
     VERIFY_LENS,
+    WINDOW_CAP,
     _decode_case,
     _gen,
     _naive,
     _none_slots,
     _prefill_case,
     _slot,
+    _visible_slots,
+    cpu_decode,
     cpu_prefill,
     cpu_store,
 )
@@ -77,6 +80,80 @@ def test_reference_prefill_matches_naive(d, bs, q_to_kv, impl, lens):
             slots = [_slot(bt, b, p, bs) for p in range(pos + 1)]
             want = _naive(q[cu_q[b] + i], flat_k[slots], flat_v[slots], q_to_kv, d**-0.5)
             torch.testing.assert_close(out[cu_q[b] + i].double(), want, atol=1e-5, rtol=1e-5)
+
+
+def _window_impls():
+    """The oracle and each CPU backend path with a window / cap: C kernels on (bfloat16 takes the C
+    decode kernel; float32 SDPA or explicit arithmetic) and off."""
+    return [pytest.param(ref.prefill_attention, ref.decode_attention, id="oracle"),
+            pytest.param(cpu_prefill, cpu_decode, id="cpu-backend"),
+            pytest.param(lambda *a, **kw: cpu_prefill(*a, cpu_kernels=False, **kw),
+                         lambda *a, **kw: cpu_decode(*a, cpu_kernels=False, **kw), id="cpu-torch")]
+
+
+@pytest.mark.parametrize("window,cap", WINDOW_CAP)
+@pytest.mark.parametrize("prefill,decode", _window_impls())
+def test_window_and_soft_cap_match_naive(prefill, decode, window, cap):
+    """A sliding window shorter than the contexts and a logit soft cap, float32: decode rows (padding
+    too), and prefill steps of prompts, chunks over a cached prefix, a mixed step's decodes and a
+    speculative verification's rows, each query against the naive attention over the keys it sees."""
+    d, bs, q_to_kv = 64, 16, [0, 0, 0, 1, 1, 1]
+    q, kc, vc, bt, ctx, qkv = _decode_case(d, bs, q_to_kv, seed=11)
+    out = decode(q, kc, vc, bt, ctx, qkv, d**-0.5, sliding_window=window, soft_cap=cap)
+    flat_k, flat_v = kc.flatten(0, 1), vc.flatten(0, 1)
+    for b, n in enumerate(DECODE_LENS):
+        slots = _visible_slots(bt, b, n - 1, bs, window) if n else []
+        want = _naive(q[b], flat_k[slots], flat_v[slots], q_to_kv, d**-0.5, cap)
+        torch.testing.assert_close(out[b].double(), want, atol=1e-5, rtol=1e-5)
+    for lens in (PREFILL_LENS + [(40, 40)], MIXED_LENS, VERIFY_LENS):
+        q, k, v, kc, vc, cu_q, cu_k, bt, qkv = _prefill_case(d, bs, q_to_kv, lens, seed=12)
+        out = prefill(q, k, v, kc, vc, cu_q, cu_k, bt, qkv, d**-0.5, sliding_window=window, soft_cap=cap)
+        flat_k, flat_v = kc.flatten(0, 1), vc.flatten(0, 1)
+        for b, (lq, lk) in enumerate(lens):
+            for i in range(lq):
+                slots = _visible_slots(bt, b, lk - lq + i, bs, window)
+                want = _naive(q[cu_q[b] + i], flat_k[slots], flat_v[slots], q_to_kv, d**-0.5, cap)
+                torch.testing.assert_close(out[cu_q[b] + i].double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window,cap", WINDOW_CAP[1:])
+@pytest.mark.parametrize("cpu_kernels", (True, False), ids=["C", "torch"])
+def test_window_and_soft_cap_bfloat16_and_batched_prompts(window, cap, cpu_kernels):
+    """bfloat16 through the CPU backend (the C decode kernel or the bmm path; same-length prompts as
+    one batched call; chunks over a prefix) against the float32 oracle of the same inputs, within
+    bfloat16 rounding; and the window reads no block before it (those block-table entries are -1)."""
+    d, bs, q_to_kv = 64, 16, [0, 0, 1, 1]
+    kw = dict(sliding_window=window, soft_cap=cap)
+    half = [t.bfloat16() if t.is_floating_point() else t for t in _decode_case(d, bs, q_to_kv, seed=13)]
+    q, kc, vc, bt, ctx, qkv = half
+    if window is not None:  # free the blocks wholly before each sequence's window
+        for b, n in enumerate(ctx.tolist()):
+            bt[b, : max(0, n - window) // bs] = -1
+    want = ref.decode_attention(q.float(), kc.float(), vc.float(), bt, ctx, qkv, d**-0.5, **kw)
+    got = cpu_decode(q, kc, vc, bt, ctx, qkv, d**-0.5, cpu_kernels=cpu_kernels, **kw)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    for lens in ([(24, 24)] * 3, [(17, 40), (2, 70), (1, 33), (30, 30)]):
+        half = [t.bfloat16() if t.is_floating_point() else t for t in _prefill_case(d, bs, q_to_kv, lens, seed=14)]
+        want = ref.prefill_attention(*[t.float() if t.is_floating_point() else t for t in half], d**-0.5, **kw)
+        got = cpu_prefill(*half, d**-0.5, cpu_kernels=cpu_kernels, **kw)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_window_and_cap_change_the_result_and_none_is_the_default():
+    """The window and the cap are not no-ops on these cases, and None for both is the plain call bit for bit."""
+    d, bs, q_to_kv = 64, 16, [0, 1]
+    case = _decode_case(d, bs, q_to_kv, seed=15)
+    plain = cpu_decode(*case, d**-0.5)
+    assert torch.equal(cpu_decode(*case, d**-0.5, sliding_window=None, soft_cap=None), plain)
+    for kw in (dict(sliding_window=7), dict(soft_cap=2.0)):
+        for f in (cpu_decode, ref.decode_attention):
+            diff = (f(*case, d**-0.5, **kw) - plain).abs().amax(dim=(1, 2))
+            assert (diff[torch.tensor(DECODE_LENS) > 7] > 1e-3).all()
+    with pytest.raises(ValueError, match="sliding_window must be None or an int >= 1; got 0"):
+        ref.decode_attention(*case, d**-0.5, sliding_window=0)
+    with pytest.raises(ValueError, match="logit_soft_cap must be None or a finite number > 0; got -1.0"):
+        ref.decode_attention(*case, d**-0.5, soft_cap=-1.0)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -64,19 +64,23 @@ class AttentionBackend:
         and key heads, the store of the keys and values into ``layer``'s ``k_cache``/``v_cache`` at
         the step's slot mapping, then prefill or decode attention over them -> ``[T, Hq D]``.
         ``layer`` holds ``num_heads``, ``num_key_value_heads``, ``head_dim``, ``tp_q_to_kv`` (``[Hq]``
-        int64, from the ShardPlan: uneven and replicated KV heads work), ``scaling`` and ``ops`` (its
-        fused ops, which apply RoPE). A backend with a faster path for some steps (the CPU paged
-        kernel: RoPE, store and attention in one C call) takes it inside this method."""
+        int64, from the ShardPlan: uneven and replicated KV heads work), ``scaling``, ``ops`` (its
+        fused ops, which apply RoPE), ``sliding_window`` and ``logit_soft_cap`` (None, or the layer's
+        window and attention-logit soft cap: :mod:`tpengine.backends.reference` has their semantics;
+        every path applies them). A backend with a faster path for some steps (the CPU paged kernel:
+        RoPE, store and attention in one C call) takes it inside this method."""
         hq, hkv, attn = layer.num_heads, layer.num_key_value_heads, ctx.attn
         qk, v = qkv.view(qkv.shape[0], hq + 2 * hkv, layer.head_dim).split_with_sizes((hq + hkv, hkv), 1)
         qk = layer.ops.rope_(qk, *rope)
         q, k = qk[..., :hq, :], qk[..., hq:, :]
         self.store_kvcache(k, v, layer.k_cache, layer.v_cache, attn)
+        window, cap = layer.sliding_window, layer.logit_soft_cap
         if ctx.is_prefill:
-            out = self.prefill_attention(q, k, v, layer.k_cache, layer.v_cache, layer.tp_q_to_kv, layer.scaling, attn)
+            out = self.prefill_attention(q, k, v, layer.k_cache, layer.v_cache, layer.tp_q_to_kv, layer.scaling, attn,
+                                         window, cap)
         else:
             out = self.decode_attention(q, layer.k_cache, layer.v_cache, layer.tp_q_to_kv, layer.scaling, attn,
-                                        self.layer_state(layer))
+                                        self.layer_state(layer), window, cap)
         return out.flatten(1)
 
     def layer_state(self, layer: torch.nn.Module) -> Any:
@@ -89,12 +93,15 @@ class AttentionBackend:
         raise NotImplementedError
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, q_to_kv: torch.Tensor, scale: float, attn: Any) -> torch.Tensor:
-        """``q [N, Hq, D]``, this step's ``k``/``v [N, Hkv, D]`` -> ``[N, Hq, D]`` (see the reference)."""
+                          v_cache: torch.Tensor, q_to_kv: torch.Tensor, scale: float, attn: Any,
+                          sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+        """``q [N, Hq, D]``, this step's ``k``/``v [N, Hkv, D]`` -> ``[N, Hq, D]``; ``sliding_window`` and
+        ``soft_cap``: the layer's (None: off; see the reference)."""
         raise NotImplementedError
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor,
-                         scale: float, attn: Any, mirror: Any = None) -> torch.Tensor:
+                         scale: float, attn: Any, mirror: Any = None, sliding_window: int | None = None,
+                         soft_cap: float | None = None) -> torch.Tensor:
         """``q [B, Hq, D]`` -> ``[B, Hq, D]`` over the cached keys; ``mirror``: the layer's per-layer state
-        (:meth:`layer_state`), or None."""
+        (:meth:`layer_state`), or None; ``sliding_window`` and ``soft_cap``: the layer's (None: off)."""
         raise NotImplementedError

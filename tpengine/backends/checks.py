@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_cache", "check_store", "check_heads", "check_slots", "prefill_lengths"]
+__all__ = ["check_cache", "check_store", "check_heads", "check_slots", "check_window_cap", "prefill_lengths",
+           "window_start"]
 
 
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
@@ -96,3 +97,19 @@ def check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             f"{tuple(block_tables.shape)}, {tuple(context_lens.shape)}"
         )
     return shape
+
+
+def check_window_cap(window: int | None, soft_cap: float | None) -> None:
+    """Validate a layer's sliding window (None, or an int ``w >= 1``: a query at position ``i`` sees the
+    keys at ``i - w < j <= i``) and attention-logit soft cap (None, or a finite ``c > 0``: scaled scores
+    become ``tanh(s / c) * c``). Raises ValueError naming the bad value."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1; got {window!r}")
+    if soft_cap is not None and not (isinstance(soft_cap, (int, float)) and 0 < float(soft_cap) < float("inf")):
+        raise ValueError(f"logit_soft_cap must be None or a finite number > 0; got {soft_cap!r}")
+
+
+def window_start(pos: int, window: int | None) -> int:
+    """The first key position a query at position ``pos`` sees: ``max(0, pos - window + 1)`` (0 without
+    a window)."""
+    return 0 if window is None else max(0, pos - window + 1)

@@ -23,6 +23,15 @@ Three paths, chosen once per step by :meth:`CPUAttentionBackend.prepare` (``m.pa
   their log-sum-exp); the leading sequences of a few tokens over a cached prefix (decodes beside a
   prefill chunk, speculative verification) run each token as a row of the ``gathered`` decode.
 
+A layer's sliding window and logit soft cap (``layer.sliding_window``, ``layer.logit_soft_cap``; the
+semantics: :mod:`tpengine.backends.reference`) apply on every path: the paged C kernel takes both (bound
+per layer by :meth:`CPUAttentionBackend.bind_model`; it reads only the blocks inside a sliding layer's
+window); the torch paths mask the keys outside the window (per step and window value, made once by the
+first layer that needs it) and, where there is a cap, which SDPA does not take, compute the scores
+explicitly (:func:`tpengine.backends.cpu.prefill.masked_attention`, :func:`half_decode`); a prefill over a
+cached prefix reads only the prefix blocks inside the window; the C decode kernel's scores are capped and
+masked in torch before its softmax. Layers with neither run exactly the code they ran without them.
+
 Per-step values (host copies of lengths and slot bounds, gather indices, key masks, the mirror's
 continuity decision, the paged index) live on the step's :class:`CPUAttentionMetadata`.
 """
@@ -36,7 +45,15 @@ import torch
 import torch.nn.functional as F
 
 from tpengine.backends.base import AttentionBackend
-from tpengine.backends.checks import check_cache, check_decode, check_heads, check_slots, check_store, prefill_lengths
+from tpengine.backends.checks import (
+    check_cache,
+    check_decode,
+    check_heads,
+    check_slots,
+    check_store,
+    prefill_lengths,
+    window_start,
+)
 from tpengine.backends.cpu import cpu_decode, cpu_fused, cpu_paged
 from tpengine.backends.cpu import kv_mirror as mirrors
 from tpengine.backends.cpu import prefill as cpu_prefill
@@ -60,27 +77,35 @@ DECODE_ROWS_QUERY = 16
 
 
 def half_decode(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, valid: torch.Tensor, bias: torch.Tensor,
-                scale: float, sdpa: bool) -> torch.Tensor:
-    """Half-precision decode attention without the C kernel: ``qg [B, Hkv, G, D]``, ``kg``/``vg``
-    ``[B, Hkv, L, D]`` contiguous, ``valid``/``bias`` from :func:`key_mask` -> ``[B, Hkv, G, D]``.
-    ``sdpa``: one ``scaled_dot_product_attention`` call; else as HF's eager attention computes it
-    (half-precision bmm, float32 softmax), the arithmetic of the C kernel
-    (:mod:`tpengine.backends.cpu.cpu_decode`)."""
-    if sdpa:
+                scale: float, sdpa: bool, soft_cap: float | None = None) -> torch.Tensor:
+    """Half-precision decode attention without the C kernel (and float32 decode with a logit soft cap):
+    ``qg [B, Hkv, G, D]``, ``kg``/``vg`` ``[B, Hkv, L, D]`` contiguous, ``valid``/``bias`` from
+    :func:`key_mask` -> ``[B, Hkv, G, D]``. ``sdpa``: one ``scaled_dot_product_attention`` call (never
+    with ``soft_cap``, which SDPA does not take); else as HF's eager attention computes it (bmm in the
+    input dtype, float32 scores -- capped to ``tanh(s / soft_cap) * soft_cap`` when given -- and softmax),
+    the arithmetic of the C kernel (:mod:`tpengine.backends.cpu.cpu_decode`)."""
+    if sdpa and soft_cap is None:
         return F.scaled_dot_product_attention(qg, kg, vg, attn_mask=valid, scale=scale)
     nb, hkv, g, d = qg.shape
     s = torch.bmm(qg.reshape(nb * hkv, g, d), kg.view(nb * hkv, -1, d).transpose(1, 2))
-    s = s.float().mul_(scale).view(nb, hkv, g, -1).add_(bias)
+    s = s.float().mul_(scale)
+    if soft_cap is not None:
+        s = s.div_(soft_cap).tanh_().mul_(soft_cap)
+    s = s.view(nb, hkv, g, -1).add_(bias)
     p = torch.softmax(s, dim=-1).to(qg.dtype).view(nb * hkv, g, -1)
     return torch.bmm(p, vg.view(nb * hkv, -1, d)).view(nb, hkv, g, d)
 
 
-def key_mask(context_lens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def key_mask(context_lens: torch.Tensor, n: int, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(valid, bias)``, ``[B, 1, 1, n]``: ``valid`` (bool) iff key position ``j`` is visible to
-    sequence ``b``, i.e. ``j < context_lens[b]`` (a batch-padding row, length 0, sees position 0
-    so its softmax stays finite; its output is zeroed after); ``bias`` the same as a float32
-    additive mask (0 or -inf)."""
-    valid = torch.arange(n, device=context_lens.device)[None, :] < context_lens[:, None]
+    sequence ``b``'s query (at position ``context_lens[b] - 1``), i.e. ``j < context_lens[b]`` and, with
+    a sliding ``window``, ``j >= context_lens[b] - window`` (a batch-padding row, length 0, sees
+    position 0 so its softmax stays finite; its output is zeroed after); ``bias`` the same as a
+    float32 additive mask (0 or -inf)."""
+    pos = torch.arange(n, device=context_lens.device)[None, :]
+    valid = pos < context_lens[:, None]
+    if window is not None:
+        valid &= pos >= context_lens[:, None] - window
     valid[:, 0] |= context_lens == 0
     valid = valid[:, None, None, :]
     return valid, torch.zeros(valid.shape, device=valid.device).masked_fill_(~valid, float("-inf"))
@@ -247,8 +272,10 @@ class CPUAttentionBackend(AttentionBackend):
         if not (self.paged and self.cpu_kernels and attns and attns[0].k_cache.device.type == "cpu"
                 and all(cpu_paged.available(a.k_cache.dtype, a.head_dim, True) for a in attns)):
             return
+        # each layer's window and cap bound with its scale (0: none; the kernel reads only a window's blocks)
         self.paged_calls = {a.layer_idx: cpu_paged.bind(a.k_cache, a.v_cache, a.tp_q_to_kv, a.scaling,
-                                                        self.paged_amx_min) for a in attns}
+                                                        self.paged_amx_min, a.sliding_window or 0,
+                                                        a.logit_soft_cap or 0.0) for a in attns}
 
     def describe(self) -> str | None:
         """The paged decode kernel's measured path (:meth:`bind_model`), or None."""
@@ -288,14 +315,18 @@ class CPUAttentionBackend(AttentionBackend):
         k_cache[blk, off] = key[keep].to(k_cache.dtype)
         v_cache[blk, off] = value[keep].to(v_cache.dtype)
 
-    def prefill_attention(self, q, k, v, k_cache, v_cache, q_to_kv, scale, attn: CPUAttentionMetadata):
-        """:func:`tpengine.backends.reference.prefill_attention` with the step's lengths from ``attn``."""
+    def prefill_attention(self, q, k, v, k_cache, v_cache, q_to_kv, scale, attn: CPUAttentionMetadata,
+                          sliding_window: int | None = None, soft_cap: float | None = None):
+        """:func:`tpengine.backends.reference.prefill_attention` with the step's lengths from ``attn``; a
+        layer with a ``sliding_window`` or ``soft_cap`` runs :func:`tpengine.backends.cpu.prefill.masked_attention`
+        (over the prefix blocks inside the window only) where the others run SDPA's causal and prefix calls."""
         _, _, hkv, d = check_cache(k_cache, v_cache)
         check_heads(q, q_to_kv, hkv, d)
         if k.shape != v.shape or k.shape[0] != q.shape[0] or tuple(k.shape[1:]) != (hkv, d):
             raise ValueError(f"k/v must be [{q.shape[0]}, {hkv}, {d}]; got {tuple(k.shape)}, {tuple(v.shape)}")
         cu_q, lqs, lks, block_tables = attn.cu_q, attn.seqlens_q, attn.seqlens_k, attn.block_tables
         gqa = _is_gqa(q_to_kv, hkv)
+        masked = sliding_window is not None or soft_cap is not None
 
         def heads(x):  # [..., Hkv, D] -> the KV head of every query head (unless SDPA's GQA does it)
             return x if gqa else x.index_select(-2, q_to_kv)
@@ -304,6 +335,9 @@ class CPUAttentionBackend(AttentionBackend):
             # no cached prefix and equal lengths (a batch of same-length prompts): one batched call
             b, n = len(lqs), lqs[0]
             qh, kh, vh = (x.unflatten(0, (b, n)).transpose(1, 2) for x in (q, heads(k), heads(v)))
+            if masked:
+                o = cpu_prefill.masked_attention(qh, kh, vh, scale, 0, sliding_window, soft_cap)
+                return o.transpose(1, 2).reshape(q.shape).contiguous()
             # half-precision matmuls beat SDPA's flash kernel here only where this machine has a fast
             # half-precision GEMM (the profile's half GEMM choice, measured at bind; not on AVX2-only CPUs)
             if (q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and q.device.type == "cpu"
@@ -316,7 +350,8 @@ class CPUAttentionBackend(AttentionBackend):
         nd = 0
         if attn.decodes is not None:  # the leading few-token sequences: one batched decode call
             nd, rows = attn.decode_seqs, attn.decodes.context_lens.shape[0]
-            out[:rows] = self.decode_attention(q[:rows], k_cache, v_cache, q_to_kv, scale, attn.decodes)
+            out[:rows] = self.decode_attention(q[:rows], k_cache, v_cache, q_to_kv, scale, attn.decodes, None,
+                                               sliding_window, soft_cap)
         for b, (lq, lk) in enumerate(zip(lqs, lks)):
             if lq == 0 or b < nd:
                 continue
@@ -324,7 +359,15 @@ class CPUAttentionBackend(AttentionBackend):
             # 4-D [1, H, L, D]: CPU SDPA's flash kernel (a 3-D call falls back to the math path)
             qh = q[s:e].transpose(0, 1)[None]  # [1, Hq, Lq, D]
             kh, vh = (heads(x[s:e]).transpose(0, 1)[None] for x in (k, v))  # [1, Hq or Hkv, Lq, D]
-            if p == 0:
+            if masked:  # the prefix from the first position the first query sees: the blocks before it unread
+                lo = window_start(p, sliding_window)
+                if p > lo and block_tables is None:
+                    raise ValueError(f"sequence {b} has a cached prefix ({p} tokens) but block_tables is None")
+                if p > lo:
+                    kh, vh = (torch.cat([heads(cpu_prefill.gather_cache(c, block_tables[b], p, lo).to(q.dtype))
+                                         .transpose(0, 1)[None], x], 2) for c, x in ((k_cache, kh), (v_cache, vh)))
+                o = cpu_prefill.masked_attention(qh, kh, vh, scale, p - lo, sliding_window, soft_cap)
+            elif p == 0:
                 o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
             else:
                 if block_tables is None:
@@ -336,7 +379,8 @@ class CPUAttentionBackend(AttentionBackend):
         return out
 
     def decode_attention(self, q, k_cache, v_cache, q_to_kv, scale, attn: CPUAttentionMetadata,
-                         mirror: mirrors.KVMirror | None = None) -> torch.Tensor:
+                         mirror: mirrors.KVMirror | None = None, sliding_window: int | None = None,
+                         soft_cap: float | None = None) -> torch.Tensor:
         """:func:`tpengine.backends.reference.decode_attention` with the step's lengths from ``attn``.
 
         Groups the query heads by their KV head (``[B, Hkv, G, D]``, so each KV head is gathered and
@@ -346,7 +390,10 @@ class CPUAttentionBackend(AttentionBackend):
         and attends in one batched call: the C kernel (bfloat16, ``cpu_kernels``), SDPA for a few
         sequences, or half-precision matmuls with a float32 softmax (which CPU SDPA is several times
         slower than for one query token per sequence); float32 runs SDPA over whole blocks, masking
-        positions ``>= context_lens[b]`` only when the lengths differ. Raises ValueError on shape
+        positions ``>= context_lens[b]`` only when the lengths differ. A layer with a ``sliding_window``
+        masks the keys before it too (one mask per step and window value, :func:`key_mask`), and one with
+        a ``soft_cap`` caps the scores: the C kernel's in torch before its softmax, else the bmm
+        arithmetic (:func:`half_decode`; float32 too, where SDPA takes no cap). Raises ValueError on shape
         mismatch or when ``max_ctx`` exceeds the block table's capacity."""
         block_tables, context_lens = attn.block_tables, attn.context_lens
         _, bs, hkv, d = check_decode(q, k_cache, v_cache, q_to_kv, block_tables, context_lens)
@@ -367,7 +414,15 @@ class CPUAttentionBackend(AttentionBackend):
                                           attn.mirror, self.cpu_kernels)
             else:  # the same shapes, gathered for this step only
                 kg, vg = mirrors.gather(k_cache, v_cache, m.index, nb, attn.max_ctx)
-            if cpu_decode.available(q, g, d, self.cpu_kernels):  # the bmm branch's arithmetic in a C kernel
+            if sliding_window is not None or soft_cap is not None:
+                n = kg.shape[2]
+                valid, bias = attn.get(("key-mask", n, sliding_window),
+                                       lambda: key_mask(context_lens, n, sliding_window))
+                if cpu_decode.available(q, g, d, self.cpu_kernels):
+                    out = cpu_decode.decode_attention(qg, kg, vg, context_lens, scale, soft_cap=soft_cap, bias=bias)
+                else:
+                    out = half_decode(qg, kg, vg, valid, bias, scale, nb * hkv <= self.sdpa_rows, soft_cap)
+            elif cpu_decode.available(q, g, d, self.cpu_kernels):  # the bmm branch's arithmetic in a C kernel
                 out = cpu_decode.decode_attention(qg, kg, vg, context_lens, scale)
             else:
                 valid, bias = attn.get(("key-mask", kg.shape[2]), lambda: key_mask(context_lens, kg.shape[2]))
@@ -380,8 +435,17 @@ class CPUAttentionBackend(AttentionBackend):
                 kv = kv[:, : attn.max_ctx]
                 return kv.transpose(1, 2).to(q.dtype)
 
-            out = F.scaled_dot_product_attention(qg, gather(k_cache), gather(v_cache), attn_mask=m.valid,
-                                                 scale=scale)
+            if sliding_window is not None or soft_cap is not None:
+                valid, bias = attn.get(("key-mask", attn.max_ctx, sliding_window),
+                                       lambda: key_mask(context_lens, attn.max_ctx, sliding_window))
+                kg, vg = gather(k_cache), gather(v_cache)
+                if soft_cap is None:
+                    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=valid, scale=scale)
+                else:
+                    out = half_decode(qg, kg.contiguous(), vg.contiguous(), valid, bias, scale, False, soft_cap)
+            else:
+                out = F.scaled_dot_product_attention(qg, gather(k_cache), gather(v_cache), attn_mask=m.valid,
+                                                     scale=scale)
         out = out.reshape(nb, hkv * g, d)
         if out_slots is not None:
             out = out.index_select(1, out_slots)

@@ -33,9 +33,13 @@ def available(q: torch.Tensor, g: int, d: int, cpu_kernels: bool) -> bool:
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_lens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, soft_cap: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(q @ k^T * scale, masked) @ v`` for one query token per sequence, bfloat16 on CPU,
-    through the ops ``torch.ops.tpengine.decode_scores`` and ``decode_pv``.
+    through the ops ``torch.ops.tpengine.decode_scores`` and ``decode_pv``. ``soft_cap`` ``c``: the
+    scaled scores become ``tanh(s / c) * c`` (in torch, between the two ops); ``bias``: a float32
+    additive mask broadcastable to ``[B, Hkv, G, L]`` (0 or -inf, e.g. a sliding window's,
+    :func:`tpengine.backends.cpu.attention.key_mask`) added before the softmax, which must mask the keys
+    from ``context_lens`` on too when ``soft_cap`` is given (the cap turns their -inf into ``-c``).
 
     Shapes: ``q [B, Hkv, G, D]``, ``k`` and ``v [B, Hkv, L, D]`` contiguous (``L`` >= every
     length), ``context_lens [B]`` int64: sequence ``b`` sees keys ``< context_lens[b]`` (a
@@ -60,6 +64,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_
     lens = context_lens.to(torch.int64).contiguous()
     scores = torch.empty(b, hkv, g, cap, dtype=torch.float32)
     ops.decode_scores(q, k, lens, scores, scale)
+    if soft_cap is not None:
+        scores.div_(soft_cap).tanh_().mul_(soft_cap)
+    if bias is not None:
+        scores.add_(bias)
     p = torch.softmax(scores, dim=-1).to(torch.bfloat16)
     out = torch.empty(b, hkv, g, d, dtype=torch.bfloat16)
     ops.decode_pv(p, v, lens, out)

@@ -1,7 +1,9 @@
 """The CPU backend's prefill attention arithmetic (:mod:`tpengine.backends.cpu.attention` picks the
 path): a cached prefix read through a block table, attention over a cached prefix plus new tokens
-as two flash calls merged by their log-sum-exp, and HF-eager-style causal attention in half
-precision for batches of equal-length prompts."""
+as two flash calls merged by their log-sum-exp, HF-eager-style causal attention in half
+precision for batches of equal-length prompts, and the attention of a layer with a sliding window or a
+logit soft cap (:func:`masked_attention`: SDPA under a window mask, or explicit arithmetic with the
+cap, which SDPA does not take)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch.nn.functional as F
 
 from tpengine.backends.cpu import cpu_fused
 
-__all__ = ["causal_matmul_attention", "gather_cache", "prefix_attention"]
+__all__ = ["causal_matmul_attention", "gather_cache", "masked_attention", "prefix_attention", "visible_keys"]
 
 
 def prefix_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kn: torch.Tensor, vn: torch.Tensor,
@@ -39,10 +41,11 @@ def prefix_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kn: to
     return o.to(q.dtype)
 
 
-def gather_cache(cache: torch.Tensor, block_row: torch.Tensor, n: int) -> torch.Tensor:
-    """Tokens ``0..n-1`` of one sequence from ``cache`` through its block-table row -> [n, Hkv, D]."""
+def gather_cache(cache: torch.Tensor, block_row: torch.Tensor, n: int, start: int = 0) -> torch.Tensor:
+    """Tokens ``start..n-1`` of one sequence from ``cache`` through its block-table row -> [n - start, Hkv, D]
+    (the blocks before ``start`` are not read)."""
     bs = cache.shape[1]
-    pos = torch.arange(n, device=cache.device)
+    pos = torch.arange(start, n, device=cache.device)
     return cache.reshape(-1, *cache.shape[2:]).index_select(0, block_row[pos // bs] * bs + pos % bs)
 
 
@@ -59,3 +62,36 @@ def causal_matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     s = torch.matmul(q.reshape(b, hkv, g * n, d), k.transpose(-1, -2))  # [B, Hkv, G*L, L]
     p = cpu_fused.causal_softmax_(s.view(b, hkv, g, n, n), scale, cpu_kernels).view(b, hkv, g * n, n)
     return torch.matmul(p, v).view(b, hkv * g, n, d)
+
+
+def visible_keys(lq: int, lk: int, q0: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """``[lq, lk]`` bool: key ``j`` (position ``j``) is visible to query ``i`` (position ``q0 + i``):
+    ``j <= q0 + i`` and, with a sliding ``window``, ``j > q0 + i - window``."""
+    q_pos = torch.arange(q0, q0 + lq, device=device)[:, None]
+    k_pos = torch.arange(lk, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q0: int,
+                     window: int | None, soft_cap: float | None) -> torch.Tensor:
+    """Attention of a layer with a sliding window and/or a logit soft cap: ``q [B, Hq, Lq, D]`` (query
+    ``i`` at key position ``q0 + i``) over ``k``/``v [B, H, Lk, D]`` (``H`` divides ``Hq``; query head
+    ``h`` reads KV head ``h // (Hq / H)``) -> ``[B, Hq, Lq, D]`` in ``q``'s dtype, with the mask of
+    :func:`visible_keys` (every query sees at least itself, so no row is empty).
+
+    Without a cap: one SDPA call under the boolean mask. With ``soft_cap`` ``c``: the scores as HF's eager
+    attention computes them (the product in the input dtype, then float32: scaled, ``tanh(s / c) * c``,
+    masked, softmax), the probabilities rounded to the input dtype for the product with ``v``."""
+    b, h, lk, d = k.shape
+    hq, lq = q.shape[1], q.shape[2]
+    mask = visible_keys(lq, lk, q0, window, q.device)
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=h != hq)
+    g = hq // h
+    s = torch.matmul(q.reshape(b, h, g * lq, d), k.transpose(-1, -2))  # [B, H, G*Lq, Lk]
+    s = s.float().mul_(scale).div_(soft_cap).tanh_().mul_(soft_cap).view(b, h, g, lq, lk)
+    p = torch.softmax(s.masked_fill_(~mask, float("-inf")), dim=-1).to(q.dtype).view(b, h, g * lq, lk)
+    return torch.matmul(p, v).view(b, hq, lq, d)
