@@ -38,6 +38,7 @@ MODELS = {
     "gemma-v1-tied": ("gemma", dict(tie_word_embeddings=True, random_biases=True)),
 }
 TP_SIZES = (1, 2, 3, 4)
+BF16_MODELS = ("gemma2-tied", "olmo2-projnorm", "phi3-fused", "granite-scaled")
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +114,9 @@ def tp_results(tiny_models, tmp_path_factory):
             split_model(d, tp, shard_dir)
             jobs += [{"key": f"{name}/full", "model_dir": str(d), "input_ids": ids},
                      {"key": f"{name}/shards", "model_dir": str(shard_dir), "input_ids": ids}]
+        if tp in (1, 2):  # bfloat16 weights and activations
+            jobs += [{"key": f"{name}/bfloat16", "model_dir": str(tiny_models[name]), "dtype": "bfloat16",
+                      "input_ids": prompt_ids(1001).tolist()} for name in BF16_MODELS]
         if tp in (2, 3):
             jobs.append({"key": "smollm2/full", "model_dir": str(SMOLLM2_DIR), "input_ids": smollm2_chat_ids()})
         if tp == 2:  # C03: reload the tied SmolLM2 from its per-rank shards
@@ -133,6 +137,28 @@ def test_tp_logits_equal_hf(tiny_models, tp_results, name, tp, source):
     got = tp_results[tp][f"{name}/{source}"]["logits"]
     assert got.shape == ref.shape == (1, 21, vocab)
     assert (got - ref).abs().max().item() < 1e-4
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_bf16_logits(model_dir: Path, ids: tuple[int, ...]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="eager")
+    with torch.inference_mode():
+        return m.eval()(torch.tensor([ids])).logits.float()
+
+
+@pytest.mark.parametrize("tp", (1, 2))
+@pytest.mark.parametrize("name", BF16_MODELS)
+def test_bfloat16_logits_within_tolerance(tiny_models, tp_results, name, tp):
+    """bfloat16 weights and activations (each family's norms in their own form): the logits within 2 %
+    of the largest of HF's own bfloat16 forward, its argmax at nearly every position."""
+    ids = prompt_ids(1001)
+    ref = _hf_bf16_logits(tiny_models[name], tuple(ids[0].tolist()))
+    got = tp_results[tp][f"{name}/bfloat16"]["logits"].float()
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max().item() < 0.02 * ref.abs().max().item()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)

@@ -67,7 +67,7 @@ def main():
     results = {}
     for job in json.load(open(jobs_path)):
         ids = torch.tensor(job["input_ids"])[0]
-        config = EngineConfig(model=job["model_dir"], dtype="float32", max_model_len=ids.numel() + 1,
+        config = EngineConfig(model=job["model_dir"], dtype=job.get("dtype", "float32"), max_model_len=ids.numel() + 1,
                               block_size=BLOCK, num_kv_blocks=-(-ids.numel() // BLOCK))
         runner = ModelRunner(config, tp)
         logits = runner.execute(prefill_plan(ids))
