@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import CONFIGS, DECODE_LENS, _cache, _gen, _slot
+from kernel_cases import CONFIGS, DECODE_LENS, WINDOW_CAP, _cache, _gen, _slot
 
 from tpengine.backends import reference as ref
 from tpengine.backends.cpu import cpu_library, cpu_paged
@@ -64,6 +64,72 @@ def test_paged_decode_equals_rope_store_and_reference_attention(d, bs, q_to_kv, 
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out.float(), want, **tol)
     assert torch.equal(out[DECODE_LENS.index(0)], torch.zeros(hq, d, dtype=dtype))  # padding row
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 4])  # 1: a work item per sequence; 4 (B < 4 x threads): per (sequence, KV head)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("window,cap", WINDOW_CAP)
+def test_paged_decode_with_window_and_soft_cap_equals_the_reference(window, cap, dtype, threads):
+    """A sliding window shorter than the contexts and a logit soft cap, through ``decode`` and a bound
+    call: the reference attention of each sequence (decode rows of several lengths, a padding row, and a
+    speculative verification's rows, each its own context length over one block table), with the
+    blocks wholly before every row's window freed (-1 in the table: never read or checked); a many-
+    sequence batch. float32 within 1e-5, bfloat16 within its rounding."""
+    d, bs, q_to_kv = 64, 16, [0, 0, 0, 1, 1, 1]
+    hq, hkv = len(q_to_kv), max(q_to_kv) + 1
+    verify = [36, 37, 38, 39, 40]  # one sequence's rows: its last token and four proposed ones
+    lens = DECODE_LENS + [1000, 129] + verify  # 1000: past the bfloat16 fetch-ahead budget
+    qkv, cos, sin, kc, vc, bt, slots, lens_t, qkv_map = case(d, bs, q_to_kv, dtype, seed=21, lens=lens)
+    v0 = len(lens) - len(verify)
+    bt[v0:] = bt[v0]  # the verification's rows share a table: their slots are consecutive positions
+    slots[v0:] = torch.tensor([_slot(bt, v0, n - 1, bs) for n in verify])
+    if window is not None:
+        low = min(verify) - window  # the blocks before the first verification row's window
+        bt[v0:, : max(low, 0) // bs] = -1
+        for b, n in enumerate(lens[:v0]):
+            bt[b, : max(n - window, 0) // bs] = -1
+    q0, k0, v0_ = (x.clone() for x in views(qkv, hq, hkv))
+    q0, k0 = rope(q0, cos, sin), rope(k0, cos, sin)
+    kc0, vc0 = kc.clone(), vc.clone()
+    ref.store_kvcache(k0, v0_, kc0, vc0, slots)
+    want = ref.decode_attention(q0.float(), kc0.float(), vc0.float(), bt, lens_t, qkv_map, d ** -0.5,
+                                sliding_window=window, soft_cap=cap)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        run = cpu_paged.bind(kc, vc, qkv_map, d ** -0.5, 0, window or 0, cap or 0.0)
+        out = run(qkv.flatten(1), cpu_paged.Rope((cos, sin), dtype), cpu_paged.paged_index(slots, bt, lens_t))
+    finally:
+        torch.set_num_threads(before)
+    out = out.view(len(lens), hq, d)
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), want, **tol)
+    assert torch.equal(out[DECODE_LENS.index(0)], torch.zeros(hq, d, dtype=dtype))  # padding row
+    if dtype == torch.float32 and threads == 1:  # decode() itself, RoPE already applied: the same result
+        q, k, v = (x.clone() for x in views(qkv, hq, hkv))
+        again = cpu_paged.decode(q, k, v, None, None, kc, vc, qkv_map, d ** -0.5,
+                                 cpu_paged.paged_index(torch.full_like(slots, -1), bt, lens_t),
+                                 sliding_window=window, soft_cap=cap)
+        assert torch.equal(again, out)
+
+
+@needs_kernels
+def test_paged_decode_window_and_cap_errors():
+    """A window or cap the kernel cannot take is refused by name; a block the window needs is still checked."""
+    qkv, cos, sin, kc, vc, bt, slots, lens, qkv_map = case(64, 16, [0, 1], torch.float32)
+    q, k, v = views(qkv, 2, 2)
+    index = cpu_paged.paged_index(slots, bt, lens)
+    with pytest.raises(ValueError, match=r"^sliding_window must be None or an int >= 1; got -3$"):
+        cpu_paged.decode(q, k, v, cos, sin, kc, vc, qkv_map, 0.125, index, sliding_window=-3)
+    with pytest.raises(ValueError, match=r"^logit_soft_cap must be None or a finite number > 0; got inf$"):
+        cpu_paged.bind(kc, vc, qkv_map, 0.125, 0, 0, float("inf"))
+    table = bt.clone()
+    table[5, 4] = -1  # sequence 5 (70 keys) needs its block 4 (keys 64..69) under a window of 7
+    with pytest.raises(IndexError, match=r"^paged decode: block_tables\[5\] = "):
+        cpu_paged.decode(q, k, v, cos, sin, kc, vc, qkv_map, 0.125, cpu_paged.paged_index(slots, table, lens),
+                         sliding_window=7)
 
 
 @needs_kernels

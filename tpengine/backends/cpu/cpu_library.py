@@ -59,7 +59,7 @@ RETURNS_INDEX = ("tpe_copy_rows", "tpe_decode_scores", "tpe_decode_pv", "tpe_pag
                  "tpe_paged_decode_bf16", "tpe_qgemv_int8", "tpe_qgemv_int4", "tpe_dequant_int4",
                  "tpe_int4_rows", "tpe_shm_all_reduce", "tpe_shm_all_reduce_add_rms_norm")
 _PAGED = [_P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _F32, _P,
-          _I64, _I64, _I32]
+          _I64, _I64, _I32, _I64, _F32]
 SIGNATURES = {  # C function -> argument types (all return void but tpe_paged_amx and RETURNS_INDEX)
     "tpe_decode_scores": [_P, _P, _P, _P, _I64, _I64, _I32, _I64, _I32, _F32, _I32],
     "tpe_decode_pv": [_P, _P, _P, _P, _I64, _I64, _I32, _I64, _I32, _I32],

@@ -3,7 +3,9 @@
 stored at their slots, and attention over each sequence's cached keys read through its block
 table -- the store, gather, two products and softmax of the torch path
 (:mod:`tpengine.backends.cpu.attention`) without a contiguous copy of the context and without a
-dispatch per op. float32 and bfloat16; the arithmetic is described in ``cpu_paged.c``.
+dispatch per op. float32 and bfloat16; the arithmetic is described in ``cpu_paged.c``. A layer's sliding
+window and attention-logit soft cap (:mod:`tpengine.backends.reference`) are arguments of the call: a
+sliding layer reads only the blocks inside each sequence's window.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tpengine.backends.checks import check_window_cap
 from tpengine.backends.cpu import cpu_library
 
 MAX_D = 256  # the C code keeps a query head in 16 vectors of 16 floats
@@ -63,7 +66,8 @@ def _rows(name: str, t: torch.Tensor, heads: int, d: int, dtype: torch.dtype) ->
 
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
            k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor, scale: float,
-           index: PagedIndex, amx_min_batch: int = 0) -> torch.Tensor:
+           index: PagedIndex, amx_min_batch: int = 0, sliding_window: int | None = None,
+           soft_cap: float | None = None) -> torch.Tensor:
     """One decode step of one layer. ``q [B, Hq, D]``, ``k``/``v [B, Hkv, D]`` (views into the q/k/v
     GEMM output are fine: any row stride; RoPE is applied to ``q`` and ``k`` IN PLACE when ``cos``,
     ``sin [B, D]`` are given), caches ``[num_blocks, block_size, Hkv, D]`` contiguous, ``q_to_kv
@@ -71,15 +75,19 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor 
     ``slot_mapping [B]`` (-1: not stored), ``block_tables [B, max_blocks]``, ``context_lens [B]``
     (the new token included; 0: a padding row, output zero). ``amx_min_batch``: the fewest sequences
     at which a bfloat16 step takes the kernel's AMX path (0: never; :func:`choose_amx` measures it;
-    where :func:`amx_available` is False the AVX-512 path runs whatever it is). Returns ``[B, Hq, D]``.
+    where :func:`amx_available` is False the AVX-512 path runs whatever it is). ``sliding_window`` ``w``:
+    each sequence attends only to its last ``w`` keys, and only their blocks are read and checked (the
+    entries before them may be -1; such a call takes the AVX-512 path, not AMX); ``soft_cap`` ``c``: the
+    scaled scores become ``tanh(s / c) * c``. Returns ``[B, Hq, D]``.
 
     Raises:
-        ValueError: a shape, dtype or layout mismatch.
+        ValueError: a shape, dtype or layout mismatch, or a bad window or cap.
         IndexError: a slot, length or block id out of range (checked before anything is written).
     """
     lib = cpu_library.load()
     if lib is None:
         raise RuntimeError(f"CPU C kernels unavailable: {cpu_library.unavailable_reason()}")
+    check_window_cap(sliding_window, soft_cap)
     dtype, (b, hq, d) = q.dtype, q.shape
     nb, bs, hkv, _ = k_cache.shape
     if dtype not in DTYPES or d % 32 or d > MAX_D:
@@ -103,7 +111,8 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor 
     bad = fn(q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, None if cos is None else cos.data_ptr(),
              None if sin is None else sin.data_ptr(), idx[0].data_ptr(), idx[1].data_ptr(), idx[1].shape[1],
              idx[2].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), nb, bs, idx[3].data_ptr(), hq, hkv, d, scale,
-             out.data_ptr(), b, max(int(amx_min_batch), 0), torch.get_num_threads())
+             out.data_ptr(), b, max(int(amx_min_batch), 0), torch.get_num_threads(), sliding_window or 0,
+             float(soft_cap or 0.0))
     if bad == 3 * b:
         raise ValueError(f"paged decode: q_to_kv {idx[3].tolist()} must map each of the {hq} query heads to a KV "
                          f"head in [0, {hkv}), at most {MAX_G} on one")
@@ -135,17 +144,21 @@ class Rope:
         self.cos_p, self.sin_p = cos.data_ptr(), sin.data_ptr()
 
 
-def bind(k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor, scale: float, amx_min_batch: int = 0):
+def bind(k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor, scale: float, amx_min_batch: int = 0,
+         sliding_window: int = 0, soft_cap: float = 0.0):
     """:func:`decode` for one layer with everything but the step's tensors checked once: the caches
-    ``[num_blocks, block_size, Hkv, D]`` contiguous in one dtype, ``q_to_kv [Hq]`` int64. Returns
+    ``[num_blocks, block_size, Hkv, D]`` contiguous in one dtype, ``q_to_kv [Hq]`` int64, the layer's
+    ``sliding_window`` and ``soft_cap`` (0: none; else as :func:`decode` takes them). Returns
     ``run(qkv [B, (Hq + 2 Hkv) D], rope: Rope, index: PagedIndex) -> [B, Hq D]`` (``qkv``: the q/k/v
     GEMM's rows, query heads then key heads then value heads, unit stride, any row stride; RoPE
     applied to its q and k in place), which checks only what varies per call (the rows' layout, B);
     a slot, length or block id out of range raises :func:`decode`'s exact error (nothing is written).
 
     Raises:
-        ValueError: a cache, dtype or head size :func:`decode` does not take.
+        ValueError: a cache, dtype or head size :func:`decode` does not take, or a bad window or cap.
     """
+    window, cap = sliding_window or None, soft_cap or None
+    check_window_cap(window, cap)
     lib = cpu_library.load()
     nb, bs, hkv, d = k_cache.shape
     dtype, hq = k_cache.dtype, q_to_kv.shape[0]
@@ -160,11 +173,12 @@ def bind(k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor, sc
         float(scale)
 
     width, amx = (hq + 2 * hkv) * d, max(int(amx_min_batch), 0)
+    window_arg, cap_arg = int(window or 0), float(cap or 0.0)
 
     def checked(qkv: torch.Tensor, rope: Rope, index: PagedIndex) -> torch.Tensor:
         t = qkv.view(qkv.shape[0], hq + 2 * hkv, d)
         return decode(t[:, :hq], t[:, hq:hq + hkv], t[:, hq + hkv:], rope.cos, rope.sin, k_cache, v_cache, q_to_kv,
-                      scale, index, amx).flatten(1)
+                      scale, index, amx, window, cap).flatten(1)
 
     def run(qkv: torch.Tensor, rope: Rope, index: PagedIndex) -> torch.Tensor:
         b, rs = qkv.shape[0], qkv.stride(0)
@@ -176,7 +190,7 @@ def bind(k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor, sc
         bad = fn(p, rs, p + hq * d * es, rs, p + (hq + hkv) * d * es, rs, rope.cos_p, rope.sin_p,
                  index.slot_mapping.data_ptr(), index.block_tables.data_ptr(), index.block_tables.shape[1],
                  index.context_lens.data_ptr(), kp, vp, nb, bs, mp, hq, hkv, d, scale, out.data_ptr(), b, amx,
-                 torch.get_num_threads())
+                 torch.get_num_threads(), window_arg, cap_arg)
         if bad >= 0:  # nothing was written: the checked call raises the exact error
             checked(qkv, rope, index)
             raise RuntimeError(f"paged decode: the C kernel refused argument {bad}")

@@ -2,6 +2,7 @@
  * Rounding is to nearest even, as torch rounds; a NaN stays a (quiet) NaN. */
 #ifndef TPE_BF16_H
 #define TPE_BF16_H
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -142,7 +143,7 @@ static inline __m256 exp8(__m256 x) {
  * vf_div / vf_max, vf_fmadd(a, b, c) = a * b + c (one rounding), vf_neg, vf_exp (exp16), vf_sum,
  * vf_hmax; on partial vectors: vf_ldb_n / vf_stb_n (the first n < 16 lanes; the others load as 0, are
  * not stored), vf_first(x, n, fill) (the lanes from n on replaced by fill), vf_nan (1 if a lane is
- * NaN); vf_keep(x): x, behind an opaque barrier, so that the compiler cannot contract a float32
+ * NaN), vf_abs, vf_select_lt(a, b, x, y) (x in the lanes where a < b, else y); vf_keep(x): x, behind an opaque barrier, so that the compiler cannot contract a float32
  * product and the sum after it into one fused multiply-add where torch rounds the product first;
  * vf_same(x): x (a float32 kernel's "round to the dtype"). */
 #if defined(TPE_AVX512)
@@ -170,6 +171,8 @@ static inline vf vf_ldb_n(const uint16_t *p, int64_t n) {
 }
 static inline void vf_stb_n(uint16_t *p, vf x, int64_t n) { _mm256_mask_storeu_epi16(p, vf_mask(n), _mm512_cvtepi32_epi16(rne(x))); }
 static inline vf vf_first(vf x, int64_t n, vf fill) { return _mm512_mask_blend_ps(vf_mask(n), fill, x); }
+static inline vf vf_abs(vf x) { return _mm512_abs_ps(x); }
+static inline vf vf_select_lt(vf a, vf b, vf x, vf y) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x); }
 static inline int vf_nan(vf x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) != 0; }
 static inline vf vf_keep(vf x) {
     __asm__("" : "+v"(x));
@@ -218,6 +221,14 @@ static inline vf vf_first(vf x, int64_t n, vf fill) {
     return vf_two(_mm256_blendv_ps(fill.lo, x.lo, _mm256_cmp_ps(nf, lane, _CMP_GT_OQ)),
                   _mm256_blendv_ps(fill.hi, x.hi, _mm256_cmp_ps(_mm256_sub_ps(nf, _mm256_set1_ps(8.f)), lane, _CMP_GT_OQ)));
 }
+static inline vf vf_abs(vf x) {
+    const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    return vf_two(_mm256_and_ps(x.lo, m), _mm256_and_ps(x.hi, m));
+}
+static inline vf vf_select_lt(vf a, vf b, vf x, vf y) {
+    return vf_two(_mm256_blendv_ps(y.lo, x.lo, _mm256_cmp_ps(a.lo, b.lo, _CMP_LT_OQ)),
+                  _mm256_blendv_ps(y.hi, x.hi, _mm256_cmp_ps(a.hi, b.hi, _CMP_LT_OQ)));
+}
 static inline int vf_nan(vf x) {
     return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(x.lo, x.lo, _CMP_UNORD_Q), _mm256_cmp_ps(x.hi, x.hi, _CMP_UNORD_Q))) != 0;
 }
@@ -241,6 +252,42 @@ static inline void rope_head_bf16(uint16_t *x, const uint16_t *c, const uint16_t
         vf_stb(x + half + i, vf_add(vf_rb(vf_mul(x2, vf_ldb(c + half + i))), vf_rb(vf_mul(x1, vf_ldb(s + half + i)))));
     }
 }
+/* tanh(x), float32, as Cephes' tanhf: x + x^3 P(x^2) for |x| < 0.625, else 1 - 2 / (exp(2|x|) + 1) with
+ * x's sign (exp by exp16 / exp8: 1 from |x| ~ 9 on, and for infinities). Within a few ulps of torch's tanh. */
+static inline vf vf_tanh(vf x) {
+    const vf a = vf_abs(x), z = vf_mul(x, x), one = vf_set1(1.f);
+    vf p = vf_set1(-5.70498872745E-3f);
+    p = vf_fmadd(p, z, vf_set1(2.06390887954E-2f));
+    p = vf_fmadd(p, z, vf_set1(-5.37397155531E-2f));
+    p = vf_fmadd(p, z, vf_set1(1.33314422036E-1f));
+    p = vf_fmadd(p, z, vf_set1(-3.33332819422E-1f));
+    const vf small = vf_fmadd(vf_mul(p, z), x, x);
+    const vf big = vf_sub(one, vf_div(vf_set1(2.f), vf_add(vf_exp(vf_add(a, a)), one)));
+    return vf_select_lt(a, vf_set1(0.625f), small, vf_select_lt(x, vf_zero(), vf_neg(big), big));
+}
+
+/* Attention-logit soft-capping of n float32 scores in place, s = tanh(s / cap) * cap (divide, tanh,
+ * multiply, as torch computes it; Gemma 2's attn_logit_softcapping); returns the largest capped score. */
+static inline float cap_scores(float *s, int64_t n, float cap) {
+    const vf c = vf_set1(cap);
+    vf mx = vf_set1(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+        const vf x = vf_mul(vf_tanh(vf_div(vf_ldf(s + t), c)), c);
+        vf_stf(s + t, x);
+        mx = vf_max(mx, x);
+    }
+    if (t < n) { /* the tail through a 16-float copy */
+        float tail[16] = {0};
+        memcpy(tail, s + t, (size_t)(n - t) * sizeof(float));
+        const vf x = vf_mul(vf_tanh(vf_div(vf_ldf(tail), c)), c);
+        vf_stf(tail, x);
+        memcpy(s + t, tail, (size_t)(n - t) * sizeof(float));
+        mx = vf_max(mx, vf_first(x, n - t, vf_set1(-INFINITY)));
+    }
+    return vf_hmax(mx);
+}
+
 static inline void rope_head_f32(float *x, const float *c, const float *s, int64_t half) {
     for (int64_t i = 0; i < half; i += 16) {
         const vf x1 = vf_ldf(x + i), x2 = vf_ldf(x + half + i);

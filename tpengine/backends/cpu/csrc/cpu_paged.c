@@ -22,8 +22,11 @@
  * for a padding row, whose output is zero); caches [num_blocks, bs, Hkv, D]; q_to_kv [Hq];
  * out [B, Hq, D] contiguous; amx_min_batch: the fewest sequences at which the bfloat16 kernel takes its
  * AMX path (0: never; the caller's measured choice, tpengine/backends/cpu/cpu_paged.py choose_amx; where
- * tpe_paged_amx() is 0 the AVX-512 path runs whatever it is). Needs D % 32 == 0 (RoPE rotates halves of
- * whole 16-lane vectors).
+ * tpe_paged_amx() is 0 the AVX-512 path runs whatever it is); window: the layer's sliding window w (0:
+ * none): a sequence of L keys attends only to its last w (positions L - w .. L - 1), and only their blocks
+ * are read (and checked: the entries before them may be anything, e.g. -1 for freed blocks; no AMX then);
+ * softcap: the layer's attention-logit soft cap c (0: none): the scaled scores s become tanh(s / c) * c
+ * (cap_scores, bf16.h) before the softmax. Needs D % 32 == 0 (RoPE rotates halves of whole 16-lane vectors).
  * Every slot, length and block id is checked before anything is written: returns -1, or the first
  * bad b (a slot), B + b (a length beyond the block table), 2B + b (a block id out of range) or 3B
  * (q_to_kv naming a KV head out of range, or more than MAX_G query heads on one KV head). Each KV
@@ -56,9 +59,12 @@ static int64_t max_group(const int64_t *q_to_kv, int64_t hq, int64_t hkv) {
     return gmax;
 }
 
+/* The first key position a sequence of L keys attends to under a sliding window (0: no window). */
+static inline int64_t win_lo(int64_t L, int64_t window) { return window > 0 && L > window ? L - window : 0; }
+
 static int64_t check(const int64_t *slots, const int64_t *block_tables, int64_t max_blocks, const int64_t *lens,
                      int64_t B, int64_t num_blocks, int64_t bs, const int64_t *q_to_kv, int64_t hq, int64_t hkv,
-                     int64_t gmax) {
+                     int64_t gmax, int64_t window) {
     if (gmax > MAX_G) return 3 * B;
     for (int64_t h = 0; h < hq; h++)
         if ((uint64_t)q_to_kv[h] >= (uint64_t)hkv) return 3 * B;
@@ -67,7 +73,7 @@ static int64_t check(const int64_t *slots, const int64_t *block_tables, int64_t 
     for (int64_t b = 0; b < B; b++)
         if (lens[b] < 0 || lens[b] > max_blocks * bs) return B + b;
     for (int64_t b = 0; b < B; b++)
-        for (int64_t j = 0; j * bs < lens[b]; j++)
+        for (int64_t j = win_lo(lens[b], window) / bs; j * bs < lens[b]; j++)
             if ((uint64_t)block_tables[b * max_blocks + j] >= (uint64_t)num_blocks) return 2 * B + b;
     return -1;
 }
@@ -317,7 +323,7 @@ static inline __m512 per_head(__m512 x, int64_t np, int is_max) {
 static void amx_item(const uint16_t *q, const int64_t *heads, int64_t g, int64_t np, int64_t d,
                      const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *bt, int64_t bs, int64_t row,
                      int64_t kv, int64_t L, float scale, float *sc, uint16_t *pbf, const uint16_t **vptr,
-                     uint16_t *out, int64_t pfn, ahead_t *ah) {
+                     uint16_t *out, int64_t pfn, ahead_t *ah, float softcap) {
     const int64_t nc = d / 32;
     uint32_t qt[4][16][16]; /* [chunk][pair][head]: the B tiles */
     for (int64_t c = 0; c < nc; c++)
@@ -366,11 +372,12 @@ static void amx_item(const uint16_t *q, const int64_t *heads, int64_t g, int64_t
     }
     /* softmax over keys, per head: lane l of a vector holds head l % np */
     const int64_t F = L * np;
-    const __m512 vscale = _mm512_set1_ps(scale);
+    const __m512 vscale = _mm512_set1_ps(scale), vcap = _mm512_set1_ps(softcap);
     __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
     for (int64_t i = 0; i < F; i += 16) {
         const __mmask16 m = first_lanes(F - i);
-        const __m512 v = _mm512_mul_ps(rb(_mm512_maskz_loadu_ps(m, sc + i)), vscale);
+        __m512 v = _mm512_mul_ps(rb(_mm512_maskz_loadu_ps(m, sc + i)), vscale);
+        if (softcap > 0) v = _mm512_mul_ps(vf_tanh(_mm512_div_ps(v, vcap)), vcap); /* as cap_scores */
         _mm512_mask_storeu_ps(sc + i, m, v);
         mx = _mm512_mask_max_ps(mx, m, mx, v);
     }
@@ -408,7 +415,7 @@ static void amx_release(void) {}
 static void amx_item(const uint16_t *q, const int64_t *heads, int64_t g, int64_t np, int64_t d,
                      const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *bt, int64_t bs, int64_t row,
                      int64_t kv, int64_t L, float scale, float *sc, uint16_t *pbf, const uint16_t **vptr,
-                     uint16_t *out, int64_t pfn, ahead_t *ah) {}
+                     uint16_t *out, int64_t pfn, ahead_t *ah, float softcap) {}
 #endif
 
 /* 1 if the bfloat16 kernel's AMX path is available (built with AMX, allowed by the OS), else 0: then
@@ -424,9 +431,9 @@ int tpe_paged_amx(void) { return HAVE_AMX && amx_ok(); }
                  const T *sin_t, const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,             \
                  const int64_t *lens, T *k_cache, T *v_cache, int64_t num_blocks, int64_t bs,                       \
                  const int64_t *q_to_kv, int64_t hq, int64_t hkv, int64_t d, float scale, T *out, int64_t B,        \
-                 int64_t amx_min_batch, int nthreads) {                                                            \
+                 int64_t amx_min_batch, int nthreads, int64_t window, float softcap) {                             \
         const int64_t gmax = max_group(q_to_kv, hq, hkv); /* (the AMX path pads to it) */         \
-        int64_t bad = check(slots, block_tables, max_blocks, lens, B, num_blocks, bs, q_to_kv, hq, hkv, gmax);                             \
+        int64_t bad = check(slots, block_tables, max_blocks, lens, B, num_blocks, bs, q_to_kv, hq, hkv, gmax, window); \
         if (bad >= 0) return bad;                                                                                   \
         const int64_t row = hkv * d;                                                                               \
         PRO(q, q_stride, k, k_stride, v, v_stride, cos_t, sin_t, slots, k_cache, v_cache, hq, hkv, d, B);          \
@@ -435,10 +442,10 @@ int tpe_paged_amx(void) { return HAVE_AMX && amx_ok(); }
         const int whole = B >= 4 * nthreads;                                                                        \
         const int64_t np = gmax <= 4 ? 4 : gmax <= 8 ? 8 : 16;                                                      \
         const int use_amx = BF && HAVE_AMX && amx_min_batch > 0 && B >= amx_min_batch && bs % 16 == 0 && d <= 128  \
-                            && amx_ok();                                                                           \
+                            && window == 0 && amx_ok(); /* its 16-key tiles start at a block's 16-key group */     \
         const int64_t items = whole ? B : B * hkv;                                                                  \
         int64_t claim = 0; /* the next item to take */                                                              \
-        for (int64_t b = 0; b < B; b++) work += lens[b];                                                            \
+        for (int64_t b = 0; b < B; b++) work += lens[b] - win_lo(lens[b], window);                                  \
         _Pragma("omp parallel num_threads(nthreads) if (work * hq * d >= 32768)") {                               \
             float *sc = NULL;                                                                                       \
             const T **vptr = NULL;                                                                                  \
@@ -454,16 +461,18 @@ int tpe_paged_amx(void) { return HAVE_AMX && amx_ok(); }
               ahead_t ah = {0};                                                                                     \
               if (BF && nx < items) { /* bfloat16 only: no gain measured in float32 */                              \
                   const int64_t bn = whole ? nx : nx / hkv, n = (whole ? row : d) * (int64_t)sizeof(T);             \
-                  const int64_t groups = (whole ? hkv : 1) * ((lens[b] + 15) / 16);                                 \
-                  if (groups > 0 && 2 * n * lens[bn] <= ahead_budget()) {                                           \
+                  const int64_t lon = win_lo(lens[bn], window), ln = lens[bn] - lon; /* its window */              \
+                  const int64_t groups = (whole ? hkv : 1) * ((lens[b] - win_lo(lens[b], window) + 15) / 16);       \
+                  if (groups > 0 && 2 * n * ln <= ahead_budget()) {                                                 \
                       ah.k = (const char *)(k_cache + (whole ? 0 : (nx % hkv) * d));                                \
                       ah.v = (const char *)(v_cache + (whole ? 0 : (nx % hkv) * d));                                \
-                      ah.bt = block_tables + bn * max_blocks, ah.bs = bs, ah.rowb = row * (int64_t)sizeof(T);       \
-                      ah.n = n, ah.left = lens[bn], ah.per = (lens[bn] + groups - 1) / groups;                      \
+                      ah.bt = block_tables + bn * max_blocks + lon / bs, ah.po = lon % bs, ah.bs = bs;              \
+                      ah.rowb = row * (int64_t)sizeof(T), ah.n = n, ah.left = ln, ah.per = (ln + groups - 1) / groups; \
                   }                                                                                                 \
               }                                                                                                     \
               for (int64_t kv = kv0; kv < (whole ? hkv : kv0 + 1); kv++) {                                          \
-                const int64_t L = lens[b];                                                                          \
+                /* the keys attended: lo .. lens[b] - 1, from offset o0 of the block-table entry bt[0] */          \
+                const int64_t lo = win_lo(lens[b], window), L = lens[b] - lo, o0 = lo % bs;                         \
                 /* whole rows (every KV head) are fetched with the first head: contiguous in a block */             \
                 const int64_t pfn = pre ? 0 : (whole && kv == 0 ? row : d) * (int64_t)sizeof(T);                    \
                 int64_t heads[MAX_G];                                                                              \
@@ -482,12 +491,12 @@ int tpe_paged_amx(void) { return HAVE_AMX && amx_ok(); }
                     free(pbf);                                                                                      \
                     pbf = BF ? (uint16_t *)malloc((size_t)cap * sizeof(uint16_t)) : NULL;                            \
                 }                                                                                                   \
-                const int64_t *bt = block_tables + b * max_blocks;                                                  \
+                const int64_t *bt = block_tables + b * max_blocks + lo / bs;                                        \
                 const int64_t nv = d / 16;                                                                          \
                 if (use_amx) {                                                                                      \
                     amx_item((const uint16_t *)(q + b * q_stride), heads, g, np, d, (const uint16_t *)k_cache,     \
                              (const uint16_t *)v_cache, bt, bs, row, kv, L, scale, sc, pbf,                         \
-                             (const uint16_t **)vptr, (uint16_t *)(out + b * hq * d), pfn, &ah);                         \
+                             (const uint16_t **)vptr, (uint16_t *)(out + b * hq * d), pfn, &ah, softcap);                \
                     continue;                                                                                       \
                 }                                                                                                   \
                 __m512 qv[MAX_G][MAX_D / 16];                                                                       \
@@ -500,8 +509,8 @@ int tpe_paged_amx(void) { return HAVE_AMX && amx_ok(); }
                 const __m512 vscale = _mm512_set1_ps(scale);                                                \
                 __m512 mxv[MAX_G];                                                                          \
                 for (int64_t j = 0; j < g; j++) mxv[j] = _mm512_set1_ps(-INFINITY);                        \
-                int64_t kb = 0, ko = 0; /* the next key's block-table index and offset in its block */      \
-                int64_t pt = 0, pb = 0, po = 0; /* the prefetch cursor, 16 keys ahead after the first group */ \
+                int64_t kb = 0, ko = o0; /* the next key's block-table index and offset in its block */     \
+                int64_t pt = 0, pb = 0, po = o0; /* the prefetch cursor, 16 keys ahead after the first group */ \
                 for (; pt < 16 && pt < L; pt++) {                                                       \
                     prefetch_row(k_cache + (bt[pb] * bs + po) * row + kv * d, pfn);      \
                     if (BF) prefetch_row(v_cache + (bt[pb] * bs + po) * row + kv * d, pfn);      \
@@ -550,7 +559,8 @@ int tpe_paged_amx(void) { return HAVE_AMX && amx_ok(); }
                         mxv[j] = _mm512_mask_max_ps(mxv[j], m, mxv[j], sv);                                         \
                     }                                                                                               \
                 }                                                                                                   \
-                for (int64_t j = 0; j < g; j++) mx[j] = _mm512_reduce_max_ps(mxv[j]);                       \
+                for (int64_t j = 0; j < g; j++)                                                                     \
+                    mx[j] = softcap > 0 ? cap_scores(sc + j * L, L, softcap) : _mm512_reduce_max_ps(mxv[j]);        \
                 for (int64_t j = 0; j < g; j++) { /* softmax, then p rounded as the dtype rounds it */             \
                     float *sj = sc + j * L;                                                                         \
                     __m512 sum = _mm512_setzero_ps();                                                               \
@@ -584,7 +594,7 @@ int tpe_paged_amx(void) { return HAVE_AMX && amx_ok(); }
                         if (L & 1) pj[L] = 0;                                                                       \
                     }                                                                                               \
                 }                                                                                                   \
-                for (int64_t u = 0, vb = 0, vo = 0; u < L; u++) { /* the value rows, walked once */                 \
+                for (int64_t u = 0, vb = 0, vo = o0; u < L; u++) { /* the value rows, walked once */                \
                     vptr[u] = v_cache + (bt[vb] * bs + vo) * row + kv * d;                                          \
                     if (++vo == bs) vo = 0, vb++;                                                                   \
                 }                                                                                                   \
@@ -672,14 +682,14 @@ static inline __m256 sum8x8(const __m256 *a) {
 
 /* out[.., i0 * 8 .. (i0 + W) * 8) of the item's g heads: sum_u p[j][u] v[u] over the L value rows, W
  * 8-lane columns at a time (the same FMA chain per lane as one column at a time). A statement inside
- * PAGED_DECODE8's item loop: it reads that item's variables (g, L, bt, sc, lp, heads, ...) and, in the
+ * PAGED_DECODE8's item loop: it reads that item's variables (g, L, bt, o0, sc, lp, heads, ...) and, in the
  * first tile (i0 == 0), moves the value-row prefetch cursor (pt, pb, po) along. */
 #define PV_TILE8(T, LD, ST, W)                                                                                     \
     do {                                                                                                            \
         __m256 acc[MAX_G][W];                                                                                       \
         for (int64_t j = 0; j < g; j++)                                                                             \
             for (int w = 0; w < W; w++) acc[j][w] = _mm256_setzero_ps();                                            \
-        for (int64_t u = 0, vb = 0, vo = 0; u < L; u++) {                                                           \
+        for (int64_t u = 0, vb = 0, vo = o0; u < L; u++) {                                                          \
             const T *vp = v_cache + (bt[vb] * bs + vo) * row + kv * d + i0 * 8;                                     \
             if (++vo == bs) vo = 0, vb++;                                                                           \
             if (i0 == 0 && pt < L) {                                                                                \
@@ -702,9 +712,10 @@ static inline __m256 sum8x8(const __m256 *a) {
                  const T *sin_t, const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,             \
                  const int64_t *lens, T *k_cache, T *v_cache, int64_t num_blocks, int64_t bs,                       \
                  const int64_t *q_to_kv, int64_t hq, int64_t hkv, int64_t d, float scale, T *out, int64_t B,        \
-                 int64_t amx_min_batch, int nthreads) {                                                            \
+                 int64_t amx_min_batch, int nthreads, int64_t window, float softcap) {                             \
         const int64_t gmax = max_group(q_to_kv, hq, hkv);                                                          \
-        const int64_t bad = check(slots, block_tables, max_blocks, lens, B, num_blocks, bs, q_to_kv, hq, hkv, gmax); \
+        const int64_t bad = check(slots, block_tables, max_blocks, lens, B, num_blocks, bs, q_to_kv, hq, hkv, gmax, \
+                                  window);                                                                          \
         if (bad >= 0) return bad;                                                                                   \
         const int64_t row = hkv * d, nv = d / 8;                                                                   \
         (void)amx_min_batch; /* no AMX path here */                                                                \
@@ -712,13 +723,15 @@ static inline __m256 sum8x8(const __m256 *a) {
         const __m256 lane8 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);                                               \
         PRO(q, q_stride, k, k_stride, v, v_stride, cos_t, sin_t, slots, k_cache, v_cache, hq, hkv, d, B);          \
         int64_t work = 0;                                                                                           \
-        for (int64_t b = 0; b < B; b++) work += lens[b];                                                            \
+        for (int64_t b = 0; b < B; b++) work += lens[b] - win_lo(lens[b], window);                                  \
         _Pragma("omp parallel num_threads(nthreads) if (work * hq * d >= 32768)") {                               \
             float *sc = NULL; /* the scores, then the probabilities: [g, lp] */                                     \
             int64_t cap = 0;                                                                                        \
             _Pragma("omp for schedule(dynamic, 1)")                                                                 \
             for (int64_t it = 0; it < B * hkv; it++) {                                                              \
-                const int64_t b = it / hkv, kv = it % hkv, L = lens[b], lp = (L + 7) / 8 * 8;                       \
+                /* the keys attended: lo .. lens[b] - 1, from offset o0 of the block-table entry bt[0] */          \
+                const int64_t b = it / hkv, kv = it % hkv, lo = win_lo(lens[b], window), o0 = lo % bs;              \
+                const int64_t L = lens[b] - lo, lp = (L + 7) / 8 * 8;                                               \
                 int64_t heads[MAX_G];                                                                              \
                 const int64_t g = kv_heads(q_to_kv, hq, kv, heads);                                                \
                 if (g == 0) continue;                                                                               \
@@ -731,14 +744,14 @@ static inline __m256 sum8x8(const __m256 *a) {
                     cap = g * lp + 256;                                                                             \
                     sc = (float *)malloc((size_t)cap * sizeof(float));                                              \
                 }                                                                                                   \
-                const int64_t *bt = block_tables + b * max_blocks;                                                  \
+                const int64_t *bt = block_tables + b * max_blocks + lo / bs;                                        \
                 __m256 qv[MAX_G][MAX_D / 8], part[MAX_G][8], vmx[MAX_G];                                            \
                 for (int64_t j = 0; j < g; j++)                                                                     \
                     for (int64_t i = 0; i < nv; i++) qv[j][i] = LD(q + b * q_stride + heads[j] * d + i * 8);        \
                 for (int64_t j = 0; j < g; j++) vmx[j] = ninf;                                                      \
-                int64_t pt = 0, pb = 0, po = 0; /* the prefetch cursor: PF_AHEAD key rows ahead */                \
+                int64_t pt = 0, pb = 0, po = o0; /* the prefetch cursor: PF_AHEAD key rows ahead */               \
                 for (; pt < L && pt < PF_AHEAD; pt++) prefetch_rows(k_cache, bt, bs, row, kv, d, &pb, &po);         \
-                for (int64_t t0 = 0, kb = 0, ko = 0; t0 < L; t0 += 8) { /* scores, 8 keys a step: each row read once */ \
+                for (int64_t t0 = 0, kb = 0, ko = o0; t0 < L; t0 += 8) { /* scores, 8 keys a step: each row read once */ \
                     const int64_t nk = L - t0 < 8 ? L - t0 : 8;                                                     \
                     for (int64_t e = 0; e < 8 && pt < L; e++, pt++) prefetch_rows(k_cache, bt, bs, row, kv, d, &pb, &po); \
                     for (int64_t kk = 0; kk < 8; kk++) { /* the 8-lane partial dots; past L: zero rows' 0 */      \
@@ -761,8 +774,9 @@ static inline __m256 sum8x8(const __m256 *a) {
                 }                                                                                                   \
                 for (int64_t j = 0; j < g; j++) { /* softmax, then p rounded as the dtype rounds it */             \
                     float *sj = sc + j * lp;                                                                        \
+                    const float mxj = softcap > 0 ? cap_scores(sj, L, softcap) : hmax8(vmx[j]);                     \
                     for (int64_t t = L; t < lp; t++) sj[t] = -INFINITY; /* exp: 0 */                                \
-                    const __m256 vmax = _mm256_set1_ps(hmax8(vmx[j]));                                              \
+                    const __m256 vmax = _mm256_set1_ps(mxj);                                                        \
                     __m256 sum = _mm256_setzero_ps();                                                               \
                     for (int64_t t = 0; t < lp; t += 8) {                                                           \
                         const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), vmax));                        \
@@ -773,7 +787,7 @@ static inline __m256 sum8x8(const __m256 *a) {
                     for (int64_t t = 0; t < lp; t += 8)                                                             \
                         _mm256_storeu_ps(sj + t, RND(_mm256_mul_ps(_mm256_loadu_ps(sj + t), inv)));                 \
                 }                                                                                                   \
-                pt = pb = po = 0; /* the value rows: the first PF_AHEAD now, the rest along the first tile */      \
+                pt = pb = 0, po = o0; /* the value rows: the first PF_AHEAD now, the rest along the first tile */  \
                 for (; pt < L && pt < PF_AHEAD; pt++) prefetch_rows(v_cache, bt, bs, row, kv, d, &pb, &po);         \
                 /* P.V in tiles of 4 (then 1) 8-lane columns for all g heads, so that the accumulators stay in     \
                  * registers (all of d at once for 3 heads would be 24): each value row read once a tile */       \
