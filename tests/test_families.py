@@ -143,15 +143,34 @@ def test_batch_job_tp3_equals_hf(models, hf, tmp_path):
         assert [got[f"p{i}"] for i in range(len(prompts()))] == hf[name]
 
 
-def test_llm_tp1_equals_hf(models, hf):
-    """``LLM`` in this process at tp 1 (Granite and Phi-3)."""
+# Gemma's own chat template (its tokenizer_config.json): no system role, alternating turns
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
+
+
+def test_llm_tp1_equals_hf(models, hf, tmp_path):
+    """``LLM`` in this process at tp 1 (Granite, Phi-3 and Gemma 2), and Gemma's own chat template: a
+    conversation it renders runs, one with a system message gets the template's own error as its output."""
     from tpengine import LLM, SamplingParams
 
     for name in ("granite", "phi3"):
-        llm = LLM(str(models[name]), dtype="float32", max_model_len=256, kv_cache_gb=0.05)
-        try:
+        with LLM(str(models[name]), dtype="float32", max_model_len=256, kv_cache_gb=0.05) as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
                                 SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))
-        finally:
-            llm.shutdown()
-        assert [list(o.outputs[0].token_ids) for o in outs] == hf[name]
+            assert [list(o.outputs[0].token_ids) for o in outs] == hf[name]
+    # a Gemma 2 of the SmolLM2 tokenizer's vocabulary, with Gemma's template
+    gemma2 = make_tiny_model(tmp_path, "gemma2", name="gemma2-chat", vocab_size=49152)
+    (gemma2 / "chat_template.jinja").write_text(GEMMA_TEMPLATE)
+    with LLM(str(gemma2), dtype="float32", max_model_len=256, kv_cache_gb=0.05) as llm:
+        ok, bad = llm.chat([[{"role": "user", "content": "Hi"}],
+                            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]],
+                           SamplingParams(max_tokens=2, temperature=0.0))
+        text = llm.llm_engine.tokenizer.decode(ok.prompt_token_ids)
+    assert ok.error is None and len(ok.outputs[0].token_ids) == 2
+    assert text.endswith("<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"), text
+    assert "System role not supported" in bad.error
