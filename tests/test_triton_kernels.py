@@ -12,6 +12,8 @@ from kernel_cases import (  # sets TRITON_INTERPRET before triton is first impor
     DEVICE,
     PREFILL_LENS,
     TOL,
+    VERIFY_LENS,
+    WINDOW_CAP,
     _decode_case,
     _gen,
     _prefill_case,
@@ -120,3 +122,34 @@ def test_triton_backend_object_equals_functions():
     assert attn.lengths is None
     want = tri.decode_attention(q[:2], kc, vc, bt, ctx, qkv, d**-0.5)
     assert torch.equal(be.decode_attention(q[:2], kc, vc, qkv, d**-0.5, attn), want)
+
+
+@pytest.mark.parametrize("window,cap", WINDOW_CAP)
+def test_triton_window_and_soft_cap(window, cap):
+    """A sliding window shorter than the contexts and a logit soft cap in both kernels, against the
+    oracle: decode rows (one split and split-K, whose splits before a window run nothing; a padding
+    row), and prefill steps (prompts longer than a query tile, chunks over a cached prefix, a
+    verification's few-token sequences), with the blocks wholly before every query's window freed
+    (-1 in the tables: never read); through the backend object as well."""
+    d, bs, q_to_kv = 64, 16, [0, 0, 1]
+    kw = dict(sliding_window=window, soft_cap=cap)
+    q, kc, vc, bt, ctx, qkv = _decode_case(d, bs, q_to_kv, seed=16)
+    if window is not None:
+        for b, n in enumerate(ctx.tolist()):
+            bt[b, : max(n - window, 0) // bs] = -1
+    want = ref.decode_attention(q, kc, vc, bt, ctx, qkv, d**-0.5, **kw)
+    for partition in (None, 16):
+        got = tri.decode_attention(*_to(DEVICE, q, kc, vc, bt, ctx, qkv), d**-0.5, partition_size=partition, **kw)
+        torch.testing.assert_close(got.cpu(), want, **TOL)
+    lens = [(70, 70), (17, 40), (2, 70)] + VERIFY_LENS[:2]
+    q, k, v, kc, vc, cu_q, cu_k, bt, qkv = _prefill_case(d, bs, q_to_kv, lens, seed=17)
+    if window is not None:
+        for b, (lq, lk) in enumerate(lens):
+            bt[b, : max(lk - lq - window + 1, 0) // bs] = -1
+    want = ref.prefill_attention(q, k, v, kc, vc, cu_q, cu_k, bt, qkv, d**-0.5, **kw)
+    args = _to(DEVICE, q, k, v, kc, vc, cu_q, cu_k, bt, qkv)
+    got = tri.prefill_attention(*args, d**-0.5, **kw)
+    torch.testing.assert_close(got.cpu(), want, **TOL)
+    be = TritonAttentionBackend()
+    attn = be.prepare(True, _to(DEVICE, torch.full((q.shape[0],), -1))[0], args[7], args[5], args[6], None)
+    assert torch.equal(be.prefill_attention(*args[:5], args[8], d**-0.5, attn, window, cap), got)

@@ -52,11 +52,17 @@ class TritonAttentionBackend(AttentionBackend):
         """:func:`tpengine.backends.cuda.triton_kernels.store_kvcache` at ``attn.slot_mapping``."""
         kernels.store_kvcache(key, value, k_cache, v_cache, attn.slot_mapping)
 
-    def prefill_attention(self, q, k, v, k_cache, v_cache, q_to_kv, scale, attn: TritonAttentionMetadata):
-        """:func:`tpengine.backends.cuda.triton_kernels.prefill_attention` with the step's lengths."""
+    def prefill_attention(self, q, k, v, k_cache, v_cache, q_to_kv, scale, attn: TritonAttentionMetadata,
+                          sliding_window=None, soft_cap=None):
+        """:func:`tpengine.backends.cuda.triton_kernels.prefill_attention` with the step's lengths and the
+        layer's window and cap."""
         return kernels.prefill_attention(q, k, v, k_cache, v_cache, attn.cu_seqlens_q, attn.cu_seqlens_k,
-                                         attn.block_tables, q_to_kv, scale, lengths=attn.lengths)
+                                         attn.block_tables, q_to_kv, scale, lengths=attn.lengths,
+                                         sliding_window=sliding_window, soft_cap=soft_cap)
 
-    def decode_attention(self, q, k_cache, v_cache, q_to_kv, scale, attn: TritonAttentionMetadata, mirror=None):
-        """:func:`tpengine.backends.cuda.triton_kernels.decode_attention` (``mirror`` is unused)."""
-        return kernels.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.context_lens, q_to_kv, scale)
+    def decode_attention(self, q, k_cache, v_cache, q_to_kv, scale, attn: TritonAttentionMetadata, mirror=None,
+                         sliding_window=None, soft_cap=None):
+        """:func:`tpengine.backends.cuda.triton_kernels.decode_attention` with the layer's window and cap
+        (``mirror`` is unused)."""
+        return kernels.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.context_lens, q_to_kv, scale,
+                                        sliding_window=sliding_window, soft_cap=soft_cap)

@@ -14,6 +14,13 @@ softmax"; tiling -- Dao et al. 2022, "FlashAttention"; context splits + a reduce
 Dao et al. 2023, "Flash-Decoding for long-context inference"; paged layout -- Kwon et al. 2023
 (vLLM). On CPU tensors the kernels run only under ``TRITON_INTERPRET=1`` (set before ``triton``
 is imported); use float32 there.
+
+A layer's sliding window ``w`` and logit soft cap ``c`` (the reference's semantics) are arguments of the
+attention calls: with a window, each program starts at the first key its queries see (the blocks before
+it are not read; a decode split wholly before it runs no iteration), and masks the keys before each
+query's window; with a cap, the scaled scores become ``tanh(s / c) * c`` (:func:`_soft_cap`). Both are
+constexpr-switched (``HAS_WINDOW``, ``HAS_CAP``), so a layer without them compiles and runs the kernels
+as before.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpengine.backends.checks import check_cache, check_heads, check_store, prefill_lengths
+from tpengine.backends.checks import check_cache, check_heads, check_store, check_window_cap, prefill_lengths
 
 __all__ = ["store_kvcache", "prefill_attention", "decode_attention"]
 
@@ -39,6 +46,22 @@ def _dot(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def _soft_cap(s, cap):
+    """``tanh(s / cap) * cap`` (divide, tanh, multiply), float32: Cephes' tanhf -- ``x + x^3 P(x^2)`` for
+    ``|x| < 0.625``, else ``1 - 2 / (exp(2|x|) + 1)`` with x's sign -- in ``tl.exp`` (libdevice's tanh does
+    not run under the interpreter)."""
+    x = s / cap
+    a = tl.abs(x)
+    z = x * x
+    p = ((((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z + 1.33314422036e-1) * z
+         - 3.33332819422e-1)
+    small = p * z * x + x
+    big = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
+    t = tl.where(a < 0.625, small, tl.where(x < 0, -big, big))
+    return t * cap
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,10 +112,11 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 
 @triton.jit
-def _decode_kernel(q, kc, vc, bt, ctx_lens, q_to_kv, out, part_acc, part_ml, scale, block_size,
+def _decode_kernel(q, kc, vc, bt, ctx_lens, q_to_kv, out, part_acc, part_ml, scale, block_size, window, soft_cap,
                    s_qb, s_qh, s_qd, s_cb, s_cs, s_ch, s_cd, s_vb, s_vs, s_vh, s_vd, s_bt, s_ob, s_oh, s_od,
                    HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PARTITION: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                   PARTITION: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                   HAS_CAP: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -100,6 +124,8 @@ def _decode_kernel(q, kc, vc, bt, ctx_lens, q_to_kv, out, part_acc, part_ml, sca
     ctx = tl.load(ctx_lens + b).to(tl.int32)
     start = sp * PARTITION
     end = tl.minimum(start + PARTITION, ctx)
+    if HAS_WINDOW:  # the last `window` keys only: a split wholly before them runs no iteration
+        start = tl.maximum(start, ctx - window)
     kvh = tl.load(q_to_kv + h)
     d = tl.arange(0, D_P2)
     dm = d < HEAD_DIM
@@ -116,6 +142,8 @@ def _decode_kernel(q, kc, vc, bt, ctx_lens, q_to_kv, out, part_acc, part_ml, sca
         k = tl.load(kc + blk[:, None] * s_cb + off[:, None] * s_cs + kvh * s_ch + d[None, :] * s_cd,
                     mask=km, other=0.0).to(tl.float32)
         s = tl.sum(k * qv[None, :], axis=1)
+        if HAS_CAP:
+            s = _soft_cap(s, soft_cap)
         s = tl.where(pm, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         alpha = tl.exp(m_i - m_new)
@@ -177,8 +205,10 @@ def decode_splits(capacity: int, head_dim: int, partition_size: int | None = Non
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, q_to_kv: torch.Tensor,
                      scale: float,
-                     partition_size: int | None = None) -> torch.Tensor:
-    """Triton version of :func:`tpengine.backends.reference.decode_attention` (same contract).
+                     partition_size: int | None = None, sliding_window: int | None = None,
+                     soft_cap: float | None = None) -> torch.Tensor:
+    """Triton version of :func:`tpengine.backends.reference.decode_attention` (same contract, the
+    ``sliding_window`` and ``soft_cap`` included).
 
     Grid ``(B, Hq, splits)``; each program streams ``partition_size`` tokens (default
     :data:`DECODE_PARTITION`, rounded up to the key tile) with an online softmax; with more
@@ -189,6 +219,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     end run no iterations and the reduce ignores them. Zero-length contexts give zeros. Raises
     ValueError on shape mismatch; ``context_lens`` beyond the table's capacity is NOT checked.
     """
+    check_window_cap(sliding_window, soft_cap)
     _, bs, hkv, d = check_cache(k_cache, v_cache)
     check_heads(q, q_to_kv, hkv, d)
     nb, hq = q.shape[0], q.shape[1]
@@ -211,8 +242,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_acc = part_ml = out  # unused
     _decode_kernel[(nb, hq, splits)](
         q, k_cache, v_cache, block_tables, context_lens, q_to_kv, out, part_acc, part_ml, float(scale), bs,
+        sliding_window or 0, float(soft_cap or 1.0),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
         HEAD_DIM=d, D_P2=d_p2, BLOCK_N=block_n, PARTITION=part, NUM_SPLITS=splits,
+        HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
     )
     if splits > 1:
         _decode_reduce_kernel[(nb, hq)](
@@ -228,11 +261,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @triton.jit
-def _prefill_kernel(q, k, v, kc, vc, out, cu_q, cu_k, bt, q_to_kv, scale, block_size,
+def _prefill_kernel(q, k, v, kc, vc, out, cu_q, cu_k, bt, q_to_kv, scale, block_size, window, soft_cap,
                     s_qn, s_qh, s_qd, s_kn, s_kh, s_kd, s_vn, s_vh, s_vd,
                     s_cb, s_cs, s_ch, s_cd, s_vcb, s_vcs, s_vch, s_vcd, s_bt, s_on, s_oh, s_od,
                     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     mb = tl.program_id(2)
@@ -252,8 +285,17 @@ def _prefill_kernel(q, k, v, kc, vc, out, cu_q, cu_k, bt, q_to_kv, scale, block_
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_P2], dtype=tl.float32)
+    # with a window, each phase starts at the first key the tile's first query sees (the blocks before it
+    # unread), and a key is visible to query i (position prefix + offs_m[i]) iff it is after
+    # prefix + offs_m[i] - window; a row may then see no key of a tile: its running max stays -inf, and
+    # the exponentials are taken against 0 instead (m_safe), not -inf - -inf
+    lo1 = 0
+    lo2 = 0
+    if HAS_WINDOW:
+        lo1 = tl.maximum(prefix + mb * BLOCK_M - window + 1, 0)
+        lo2 = tl.maximum(mb * BLOCK_M - window + 1, 0)
     # phase 1: the cached prefix (positions 0..prefix-1), visible to every query; paged reads
-    for n0 in range(0, prefix, BLOCK_N):
+    for n0 in range(lo1, prefix, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pm = pos < prefix
         blk = tl.load(bt + b * s_bt + pos // block_size, mask=pm, other=0)
@@ -264,29 +306,47 @@ def _prefill_kernel(q, k, v, kc, vc, out, cu_q, cu_k, bt, q_to_kv, scale, block_
         vt = tl.load(vc + blk[:, None] * s_vcb + off[:, None] * s_vcs + kvh * s_vch + d[None, :] * s_vcd,
                      mask=km, other=0.0).to(qt.dtype)
         s = _dot(qt, tl.trans(kt), IEEE) * scale
-        s = tl.where(pm[None, :], s, float("-inf"))
+        if HAS_CAP:
+            s = _soft_cap(s, soft_cap)
+        vis = pm[None, :]
+        if HAS_WINDOW:
+            vis = vis & (pos[None, :] > prefix + offs_m[:, None] - window)
+        s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_safe = m_new
+        if HAS_WINDOW:
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
         m_i = m_new
     # phase 2: the new tokens (dense k/v), causal: new key j visible to query i iff j <= i
     hi = tl.minimum(lq, (mb + 1) * BLOCK_M)
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(lo2, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pm = pos < lq
         km = pm[:, None] & dm[None, :]
         kt = tl.load(k + (q0 + pos)[:, None] * s_kn + kvh * s_kh + d[None, :] * s_kd, mask=km, other=0.0)
         vt = tl.load(v + (q0 + pos)[:, None] * s_vn + kvh * s_vh + d[None, :] * s_vd, mask=km, other=0.0)
         s = _dot(qt, tl.trans(kt.to(qt.dtype)), IEEE) * scale
-        s = tl.where(pm[None, :] & (pos[None, :] <= offs_m[:, None]), s, float("-inf"))
+        if HAS_CAP:
+            s = _soft_cap(s, soft_cap)
+        vis = pm[None, :] & (pos[None, :] <= offs_m[:, None])
+        if HAS_WINDOW:
+            vis = vis & (pos[None, :] > offs_m[:, None] - window)
+        s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_safe = m_new
+        if HAS_WINDOW:
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
         m_i = m_new
+    if HAS_WINDOW:  # the tile's padding rows past Lq may have seen no key at all
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     res = acc / l_i[:, None]
     tl.store(out + (q0 + offs_m)[:, None] * s_on + h * s_oh + d[None, :] * s_od, res.to(out.dtype.element_ty),
              mask=mm[:, None] & dm[None, :])
@@ -295,8 +355,10 @@ def _prefill_kernel(q, k, v, kc, vc, out, cu_q, cu_k, bt, q_to_kv, scale, block_
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                       block_tables: torch.Tensor | None, q_to_kv: torch.Tensor, scale: float,
-                      lengths: tuple | None = None) -> torch.Tensor:
-    """Triton version of :func:`tpengine.backends.reference.prefill_attention` (same contract).
+                      lengths: tuple | None = None, sliding_window: int | None = None,
+                      soft_cap: float | None = None) -> torch.Tensor:
+    """Triton version of :func:`tpengine.backends.reference.prefill_attention` (same contract, the
+    ``sliding_window`` and ``soft_cap`` included).
     ``lengths``: :func:`tpengine.backends.checks.prefill_lengths` of the offsets, if already known
     (the backend's ``prepare`` reads them once per step); else this call reads them (one host sync).
 
@@ -306,6 +368,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     ValueError on malformed lengths/shapes or a prefix without
     ``block_tables``.
     """
+    check_window_cap(sliding_window, soft_cap)
     _, bs, hkv, d = check_cache(k_cache, v_cache)
     check_heads(q, q_to_kv, hkv, d)
     if k.shape != v.shape or k.shape[0] != q.shape[0] or tuple(k.shape[1:]) != (hkv, d):
@@ -327,8 +390,10 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         block = 64
     _prefill_kernel[(len(lqs), q.shape[1], triton.cdiv(max_lq, block))](
         q, k, v, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, block_tables, q_to_kv, float(scale), bs,
+        sliding_window or 0, float(soft_cap or 1.0),
         *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
         *out.stride(),
         HEAD_DIM=d, D_P2=d_p2, BLOCK_M=block, BLOCK_N=block, IEEE=q.dtype == torch.float32,
+        HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
     )
     return out
