@@ -27,7 +27,9 @@ def test_the_routes_are_vllms():
     assert [(path, sorted(r.methods)) for path, r in app().items()] == [
         ("/v1/completions", ["POST"]), ("/v1/chat/completions", ["POST"]), ("/v1/models", ["GET"]),
         ("/v1/models/{model_id:path}", ["GET"]), ("/version", ["GET"]), ("/tokenizer_info", ["GET"]),
-        ("/tokenize", ["POST"]), ("/detokenize", ["POST"]), ("/health", ["GET"]), ("/metrics", ["GET"])]
+        ("/tokenize", ["POST"]), ("/detokenize", ["POST"]), ("/health", ["GET"]), ("/metrics", ["GET"]),
+        ("/v1/responses", ["POST"]), ("/v1/responses/{response_id}", ["GET"]), ("/v1/messages", ["POST"]),
+        ("/v1/messages/count_tokens", ["POST"])]
 
 
 def test_health_is_503_once_the_engine_is_not_running():

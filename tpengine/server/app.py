@@ -123,6 +123,12 @@ def build_app(state: ServerState) -> FastAPI:
     _add_model_routes(app, state)
     _add_tokenizer_routes(app, state)
     _add_health_routes(app, state)
+    # /v1/responses and /v1/messages: other APIs over the chat path (imported here: they import this module)
+    from tpengine.server.anthropic_messages import add_messages_routes
+    from tpengine.server.responses import add_responses_routes
+
+    add_responses_routes(app, state)
+    add_messages_routes(app, state)
     return app
 
 
