@@ -59,6 +59,21 @@ def test_kernel_equals_bmm_arithmetic(b, hkv, g, d, cap, lens):
     torch.testing.assert_close(out.double(), exact, rtol=0.02, atol=0.02)
 
 
+@pytest.mark.parametrize("window,cap", [(9, None), (None, 2.0), (20, 2.0)])
+def test_kernel_with_window_and_soft_cap_equals_bmm_arithmetic(window, cap):
+    """A sliding window's key mask (the ``bias``) and a logit soft cap between the kernel's two ops: the
+    bmm path's arithmetic with the same cap and mask (:func:`half_decode`), within a bfloat16 ulp."""
+    from tpengine.backends.cpu.attention import half_decode
+
+    q, k, v, lens = case(4, 2, 3, 64, 48, [48, 17, 0, 33], seed=3)
+    valid, bias = key_mask(lens, 48, window)
+    out = cpu_decode.decode_attention(q, k, v, lens, 0.125, soft_cap=cap, bias=bias)
+    want = half_decode(q, k, v, valid, bias, 0.125, False, cap)
+    torch.testing.assert_close(out.float(), want.float(), rtol=2**-7, atol=2**-9)
+    plain = cpu_decode.decode_attention(q, k, v, lens, 0.125)
+    assert not torch.equal(out[[0, 1, 3]], plain[[0, 1, 3]])  # the window / cap moved every real row
+
+
 def test_masked_tail_is_never_read_into_the_result():
     """Keys and values at or past a sequence's length (the mirror's stale tail) may hold anything:
     NaN and inf there leave the result bit-identical to zeros there."""

@@ -82,38 +82,50 @@ def test_reference_prefill_matches_naive(d, bs, q_to_kv, impl, lens):
             torch.testing.assert_close(out[cu_q[b] + i].double(), want, atol=1e-5, rtol=1e-5)
 
 
-def _window_impls():
-    """The oracle and each CPU backend path with a window / cap: C kernels on (bfloat16 takes the C
-    decode kernel; float32 SDPA or explicit arithmetic) and off."""
-    return [pytest.param(ref.prefill_attention, ref.decode_attention, id="oracle"),
-            pytest.param(cpu_prefill, cpu_decode, id="cpu-backend"),
-            pytest.param(lambda *a, **kw: cpu_prefill(*a, cpu_kernels=False, **kw),
-                         lambda *a, **kw: cpu_decode(*a, cpu_kernels=False, **kw), id="cpu-torch")]
+WINDOW_STEPS = (PREFILL_LENS + [(40, 40)], MIXED_LENS, VERIFY_LENS)  # prompts and chunks; mixed; verification
+
+
+def _window_outputs(prefill, decode, window, cap, **kw):
+    """A decode step and the prefill steps of :data:`WINDOW_STEPS` through ``prefill``/``decode`` (the
+    reference's call signatures) with a sliding window and soft cap: ``[(output, case), ...]``."""
+    d, bs, q_to_kv = 64, 16, [0, 0, 0, 1, 1, 1]
+    case = _decode_case(d, bs, q_to_kv, seed=11)
+    outs = [(decode(*case, d**-0.5, sliding_window=window, soft_cap=cap, **kw), case)]
+    for lens in WINDOW_STEPS:
+        case = _prefill_case(d, bs, q_to_kv, lens, seed=12)
+        outs.append((prefill(*case, d**-0.5, sliding_window=window, soft_cap=cap, **kw), case))
+    return outs
 
 
 @pytest.mark.parametrize("window,cap", WINDOW_CAP)
-@pytest.mark.parametrize("prefill,decode", _window_impls())
-def test_window_and_soft_cap_match_naive(prefill, decode, window, cap):
-    """A sliding window shorter than the contexts and a logit soft cap, float32: decode rows (padding
-    too), and prefill steps of prompts, chunks over a cached prefix, a mixed step's decodes and a
-    speculative verification's rows, each query against the naive attention over the keys it sees."""
+def test_reference_window_and_soft_cap_match_naive(window, cap):
+    """The oracle with a sliding window shorter than the contexts and a logit soft cap, float32: decode
+    rows (padding too), and prefill steps of prompts, chunks over a cached prefix, a mixed step's decodes
+    and a speculative verification's rows, each query against the naive attention over the keys it sees."""
     d, bs, q_to_kv = 64, 16, [0, 0, 0, 1, 1, 1]
-    q, kc, vc, bt, ctx, qkv = _decode_case(d, bs, q_to_kv, seed=11)
-    out = decode(q, kc, vc, bt, ctx, qkv, d**-0.5, sliding_window=window, soft_cap=cap)
+    (out, (q, kc, vc, bt, _, _)), *prefills = _window_outputs(ref.prefill_attention, ref.decode_attention, window, cap)
     flat_k, flat_v = kc.flatten(0, 1), vc.flatten(0, 1)
-    for b, n in enumerate(DECODE_LENS):
-        slots = _visible_slots(bt, b, n - 1, bs, window) if n else []
-        want = _naive(q[b], flat_k[slots], flat_v[slots], q_to_kv, d**-0.5, cap)
-        torch.testing.assert_close(out[b].double(), want, atol=1e-5, rtol=1e-5)
-    for lens in (PREFILL_LENS + [(40, 40)], MIXED_LENS, VERIFY_LENS):
-        q, k, v, kc, vc, cu_q, cu_k, bt, qkv = _prefill_case(d, bs, q_to_kv, lens, seed=12)
-        out = prefill(q, k, v, kc, vc, cu_q, cu_k, bt, qkv, d**-0.5, sliding_window=window, soft_cap=cap)
+    want = [_naive(q[b], flat_k[s], flat_v[s], q_to_kv, d**-0.5, cap)
+            for b, n in enumerate(DECODE_LENS) for s in [_visible_slots(bt, b, n - 1, bs, window) if n else []]]
+    torch.testing.assert_close(out.double(), torch.stack(want), atol=1e-5, rtol=1e-5)
+    for lens, (out, (q, _, _, kc, vc, cu_q, _, bt, _)) in zip(WINDOW_STEPS, prefills):
         flat_k, flat_v = kc.flatten(0, 1), vc.flatten(0, 1)
-        for b, (lq, lk) in enumerate(lens):
-            for i in range(lq):
-                slots = _visible_slots(bt, b, lk - lq + i, bs, window)
-                want = _naive(q[cu_q[b] + i], flat_k[slots], flat_v[slots], q_to_kv, d**-0.5, cap)
-                torch.testing.assert_close(out[cu_q[b] + i].double(), want, atol=1e-5, rtol=1e-5)
+        want = [_naive(q[cu_q[b] + i], flat_k[s], flat_v[s], q_to_kv, d**-0.5, cap)
+                for b, (lq, lk) in enumerate(lens) for i in range(lq)
+                for s in [_visible_slots(bt, b, lk - lq + i, bs, window)]]
+        torch.testing.assert_close(out.double(), torch.stack(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window,cap", WINDOW_CAP)
+@pytest.mark.parametrize("cpu_kernels", (True, False), ids=["C", "torch"])
+def test_cpu_window_and_soft_cap_match_the_oracle(window, cap, cpu_kernels):
+    """The CPU backend's float32 paths (SDPA under a window mask, explicit arithmetic with a cap; the
+    prefix read from the window on; a mixed step's decodes and a verification's rows as decode rows)
+    on the cases the oracle is checked on above."""
+    want = _window_outputs(ref.prefill_attention, ref.decode_attention, window, cap)
+    got = _window_outputs(cpu_prefill, cpu_decode, window, cap, cpu_kernels=cpu_kernels)
+    for (g, _), (w, _) in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window,cap", WINDOW_CAP[1:])
@@ -154,6 +166,38 @@ def test_window_and_cap_change_the_result_and_none_is_the_default():
         ref.decode_attention(*case, d**-0.5, sliding_window=0)
     with pytest.raises(ValueError, match="logit_soft_cap must be None or a finite number > 0; got -1.0"):
         ref.decode_attention(*case, d**-0.5, soft_cap=-1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_one_step_serves_sliding_and_full_layers(dtype):
+    """Gemma 2's alternation in one step's metadata: a decode step (with KV mirrors, bfloat16) and a
+    prefill step with a mixed step's decode rows, each prepared once, serve full and sliding layers
+    (two window values) in turn; each layer's result is the oracle's for its own window, and the
+    window-dependent key masks are made once per window value."""
+    d, bs, q_to_kv = 64, 16, [0, 0, 1, 1]
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    layers = [(None, 2.0), (7, 2.0), (None, None), (33, None), (7, 2.0)]
+    be = CPUAttentionBackend(cpu_kernels=True, kv_mirror=True)
+    q, kc, vc, bt, ctx, qkv = (t.to(dtype) if t.is_floating_point() else t
+                               for t in _decode_case(d, bs, q_to_kv, seed=18))
+    attn = be.prepare(False, _none_slots(q.shape[0]), bt, None, None, ctx)
+    from tpengine.backends.cpu.kv_mirror import KVMirror
+    mirror = {w: KVMirror() for w, _ in layers}
+    for window, cap in layers:
+        got = be.decode_attention(q, kc, vc, qkv, d**-0.5, attn, mirror[window], window, cap)
+        want = ref.decode_attention(q.float(), kc.float(), vc.float(), bt, ctx, qkv, d**-0.5, window, cap)
+        torch.testing.assert_close(got.float(), want, **tol)
+    masks = [key for key in attn.derived if key[0] == "key-mask"]
+    assert sorted(masks, key=str) == sorted({("key-mask", masks[0][1], w) for w, _ in layers}, key=str)
+    case = [t.to(dtype) if t.is_floating_point() else t for t in _prefill_case(d, bs, q_to_kv, MIXED_LENS, seed=19)]
+    q, k, v, kc, vc, cu_q, cu_k, bt, qkv = case
+    attn = be.prepare(True, _none_slots(q.shape[0]), bt, cu_q, cu_k, None)
+    assert attn.decodes is not None
+    for window, cap in layers:
+        got = be.prefill_attention(q, k, v, kc, vc, qkv, d**-0.5, attn, window, cap)
+        want = ref.prefill_attention(*[t.float() if t.is_floating_point() else t for t in case], d**-0.5,
+                                     window, cap)
+        torch.testing.assert_close(got.float(), want, **tol)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
