@@ -8,12 +8,14 @@ or text blocks), ``messages`` with ``text``, ``tool_use`` and ``tool_result`` bl
 blocks of earlier turns are accepted and dropped), ``tools`` (custom tools: ``name``,
 ``description``, ``input_schema``), ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``;
 ``disable_parallel_tool_use``), ``max_tokens`` (required), ``stop_sequences``, ``temperature``,
-``top_p``, ``top_k``, ``stream``, ``metadata``, ``thinking``. Images, documents and Anthropic's
+``top_p``, ``top_k``, ``stream``, ``metadata``, ``thinking``, ``output_config.format`` (a JSON
+schema the output follows). Images, documents and Anthropic's
 server tools are refused by name.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Annotated, Any, ClassVar, Literal
 
 import annotated_types as at
@@ -145,6 +147,23 @@ class ThinkingConfig(ProtocolModel):
     budget_tokens: Annotated[int, Strict(), at.Ge(0), Valid("an integer >= 0")] | None = None
 
 
+with warnings.catch_warnings():  # the JSON name "schema" shadows BaseModel's deprecated method
+    warnings.filterwarnings("ignore", message='Field name "schema"')
+
+    class OutputFormat(ProtocolModel):
+        """``output_config.format``: ``{"type": "json_schema", "schema": {...}}``, the output follows the schema."""
+
+        type: Annotated[Literal["json_schema"], Valid('"json_schema"')]
+        schema: Annotated[dict[str, Any], Strict(), Valid("a JSON schema (an object)")]
+
+
+class OutputConfig(ProtocolModel):
+    """``output_config``: ``format`` (structured output, :class:`OutputFormat`), ``effort`` (accepted)."""
+
+    format: OutputFormat | None = None
+    effort: _Str | None = None
+
+
 class MessagesRequest(ProtocolModel):
     """A ``POST /v1/messages`` body (see the module): ``model``, ``messages`` (non-empty), ``max_tokens``
     (required, >= 1), the rest optional. ``temperature`` as vLLM takes it (>= 0; 0 greedy)."""
@@ -168,6 +187,7 @@ class MessagesRequest(ProtocolModel):
     metadata: _Object | None = None
     thinking: ThinkingConfig | None = None
     service_tier: _Str | None = None
+    output_config: OutputConfig | None = None
 
     @classmethod
     def problems(cls, data: dict[str, Any]) -> list[Problem]:

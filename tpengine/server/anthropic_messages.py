@@ -5,7 +5,8 @@ A request becomes a chat body: ``system`` a system message; each turn's text blo
 (joined with "\\n"); an assistant's ``tool_use`` blocks its ``tool_calls`` (``input`` as the JSON
 arguments), a user's ``tool_result`` blocks ``tool`` messages (before the turn's text); a last
 assistant turn is continued (Anthropic's prefill: ``continue_final_message``); ``max_tokens``,
-``stop_sequences`` (``stop``), ``temperature``, ``top_p``, ``top_k`` the chat ones; ``tools``
+``stop_sequences`` (``stop``), ``temperature``, ``top_p``, ``top_k`` the chat ones,
+``output_config.format`` the ``response_format``; ``tools``
 function tools (``input_schema`` the parameters); ``tool_choice`` "auto" (the default with tools),
 "any" ("required"), "tool" (a named function), "none", ``disable_parallel_tool_use``
 (``parallel_tool_calls`` false). As in vLLM, "auto" needs ``--enable-auto-tool-choice`` and
@@ -118,6 +119,9 @@ def chat_body(body: MessagesRequest) -> dict[str, Any]:
     for k in ("temperature", "top_p", "top_k"):
         if (v := getattr(body, k)) is not None:
             chat[k] = v
+    if body.output_config is not None and body.output_config.format is not None:
+        schema = body.output_config.format.schema
+        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
     if body.tools:
         chat["tools"] = _tools(body)
         choice = body.tool_choice
@@ -137,6 +141,8 @@ def messages_param(param: str) -> str:
         return "messages"
     if base == "stop":
         return "stop_sequences"
+    if base == "response_format":
+        return "output_config.format"
     if base == "tools":
         return param.replace(".function.parameters", ".input_schema").replace(".function.", ".")
     if base == "tool_choice":
