@@ -131,45 +131,63 @@ def _check_type(name: str, hf_name: str, type_name: str, shape: tuple[int, ...])
                         "imports quantized 2-D weights only; convert without --keep-quant")
 
 
-def write_keep_quant_weights(gguf_file: Path, model, folder: Path) -> dict[str, dict]:
+def write_keep_quant_weights(gguf_file: Path, model, folder: Path, processor=None) -> dict[str, dict]:
     """Write ``folder/model.safetensors`` and ``folder/quantization.json`` from ``gguf_file``:
     Q4_1 / Q8_0 weights as int4 / int8 (group 32), float tensors as float32, under the HF names of
     ``model`` (a transformers model, e.g. on the meta device, built from the GGUF's config).
     The tied LM head (no ``output.weight`` in the GGUF) is not written, as ``save_pretrained``
-    does not write it. Returns the ``weights`` table of quantization.json.
+    does not write it. ``processor``: the transformers ``TensorProcessor`` that undoes llama.cpp's
+    changes to the tensors (default: transformers' own for the file's architecture). Returns the
+    ``weights`` table of quantization.json.
 
     Raises:
         UserError: a tensor of another quantized type (Q4_K, Q6_K, ...), a quantized tensor that
             is not a 2-D weight, a processor that rearranges more than rows, or an HF weight the
             GGUF lacks.
     """
-    from gguf import GGUFReader, dequantize
+    return write_gguf_weights(gguf_file, model, folder, processor=processor, keep_quant=True)
+
+
+def write_gguf_weights(gguf_file: Path, model, folder: Path, *, processor=None, keep_quant: bool = False
+                       ) -> dict[str, dict]:
+    """Write ``folder/model.safetensors`` from ``gguf_file`` under the HF names of ``model`` (see
+    :func:`write_keep_quant_weights`). With ``keep_quant`` as that function does (and
+    quantization.json); without, every tensor dequantised (any type gguf-py reads) to float32, each
+    tensor through ``processor`` (default: transformers' own for the file's architecture). Returns
+    the quantized weights' table (empty without ``keep_quant``).
+
+    Raises:
+        UserError: as :func:`write_keep_quant_weights` (the type checks only with ``keep_quant``).
+    """
+    from gguf import dequantize
     from safetensors.torch import save_file
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
         get_gguf_hf_weights_map,
-        read_field,
     )
 
-    reader = GGUFReader(str(gguf_file))
-    architecture = read_field(reader, "general.architecture")[0]
+    from shard_tool.gguf_file import GGUFFile
+
+    gguf = GGUFFile(gguf_file)
+    architecture = gguf.architecture
     # model.config is what AutoConfig made of the GGUF's parsed config (the processor's input in
     # load_gguf_checkpoint), under the same HF keys (num_attention_heads, num_key_value_heads, ...).
     parsed = {"config": model.config.to_dict(), "tensors": {}}
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+    if processor is None:
+        processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
     name_map = get_gguf_hf_weights_map(model, processor)
     kwargs = {"tensor_key_mapping": name_map, "parsed_parameters": parsed}
 
-    mapped = [t for t in reader.tensors if t.name in name_map]
-    for t in mapped:
-        _check_type(t.name, name_map[t.name], t.tensor_type.name, tuple(int(s) for s in t.shape))
+    mapped = [t for t in gguf.tensors.values() if t.name in name_map]
+    for t in mapped if keep_quant else ():
+        _check_type(t.name, name_map[t.name], t.type_name, t.shape)
     tensors: dict[str, torch.Tensor] = {}
     weights: dict[str, dict] = {}
     for t in mapped:
-        hf_name, type_name = name_map[t.name], t.tensor_type.name
-        if type_name in FLOAT_TYPES:
-            res = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name, **kwargs)
+        hf_name, type_name = name_map[t.name], t.type_name
+        if type_name in FLOAT_TYPES or not keep_quant:
+            res = processor.process(weights=dequantize(t.data, t.qtype), name=t.name, **kwargs)
             tensors[hf_name] = torch.from_numpy(np.copy(res.weights)).to(torch.float32)
             continue
         quant = q4_1_to_int4(t.data) if type_name == "Q4_1" else q8_0_to_int8(t.data)
@@ -184,8 +202,9 @@ def write_keep_quant_weights(gguf_file: Path, model, folder: Path) -> dict[str, 
     missing = [n for n in model.state_dict() if n not in written and not (tied and n == "lm_head.weight")]
     if missing:
         raise UserError(f"GGUF file {str(gguf_file)!r} has no tensor for {', '.join(missing)}; "
-                        "--keep-quant writes only what the file holds")
+                        "convert writes only what the file holds")
     save_file(tensors, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
-    table = {"quant_method": "tpengine", "format_version": 1, "weights": weights}
-    (Path(folder) / QUANT_FILE).write_text(json.dumps(table, indent=2) + "\n")
+    if keep_quant:
+        table = {"quant_method": "tpengine", "format_version": 1, "weights": weights}
+        (Path(folder) / QUANT_FILE).write_text(json.dumps(table, indent=2) + "\n")
     return weights
