@@ -197,6 +197,8 @@ class OutputProcessor:
             outputs=outputs, prompt_logprobs=prompt_logprobs, num_cached_tokens=first.num_prefix_cached_tokens or 0,
             ttft_s=None if first.first_token_time is None else first.first_token_time - t0,
             latency_s=(max(ends) if ends else time.monotonic()) - t0 if finished else None, finished=finished,
+            queue_s=None if first.scheduled_time is None else first.scheduled_time - t0,
+            itl_s=tuple(first.itl) if finished else (),
             spec_num_draft_tokens=_total(state, "proposed"),
             spec_num_accepted_tokens=_total(state, "accepted"),
         )

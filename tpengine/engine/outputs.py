@@ -81,7 +81,9 @@ class EngineOutput:
     first None (nothing predicts it). ``error``: a message when the request could not run (then
     ``outputs`` is empty). ``num_cached_tokens``: prompt tokens whose KV came from the prefix cache
     (OpenAI's ``usage.prompt_tokens_details.cached_tokens``). Times in seconds: ``ttft_s`` arrival ->
-    first token, ``latency_s`` arrival -> finish. ``finished``: False for the output so far of a
+    first token, ``latency_s`` arrival -> finish, ``queue_s`` arrival -> first scheduled (None before),
+    ``itl_s`` sample 0's inter-token latencies (the seconds between its consecutive tokens; final
+    outputs only, else empty). ``finished``: False for the output so far of a
     streaming request (then each sample's ``text`` is the text safe to show yet, ``token_ids`` every
     id generated yet, and ``latency_s`` is None).
     """
@@ -93,6 +95,8 @@ class EngineOutput:
     num_cached_tokens: int = 0
     ttft_s: float | None = None
     latency_s: float | None = None
+    queue_s: float | None = None
+    itl_s: tuple[float, ...] = ()
     spec_num_draft_tokens: int | None = None
     spec_num_accepted_tokens: int | None = None
     error: str | None = None

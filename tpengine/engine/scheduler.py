@@ -222,6 +222,7 @@ class Scheduler:
             budget -= seq.num_new_tokens
             if seq.num_prefix_cached_tokens is None:  # first scheduling: the request's usage
                 seq.num_prefix_cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
+                seq.scheduled_time = time.monotonic()
                 self.num_prompt_tokens += seq.num_prompt_tokens
                 self.num_cached_prompt_tokens += seq.num_prefix_cached_tokens
             pending.update(hashes[len(hits):])
@@ -331,6 +332,9 @@ class Scheduler:
             self.block_manager.cache_computed(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            else:
+                seq.itl.append(now - seq.last_token_time)
+            seq.last_token_time = now
             p = seq.params
             reason = None
             if self.is_stop_token(seq, tok) or stop_string:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,7 +36,9 @@ class Sequence:
             empty prompts.
         params: how to sample and when to stop.
         arrival_time: ``time.monotonic()`` seconds when the request arrived (default: now).
-            ``first_token_time`` and ``finish_time`` use the same clock.
+            ``first_token_time``, ``scheduled_time`` (first scheduled), ``last_token_time`` and
+            ``finish_time`` use the same clock; ``itl`` holds the seconds between its consecutive
+            tokens (tokens accepted together in one speculative step are ~0 apart).
 
     Attributes:
         token_ids: prompt ids followed by generated ids.
@@ -93,6 +96,9 @@ class Sequence:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        self.scheduled_time: float | None = None  # first scheduled (the end of its queueing)
+        self.last_token_time: float | None = None
+        self.itl: array = array("d")  # seconds between its consecutive tokens (inter-token latencies)
         self.generator: torch.Generator | None = None
         self.index = 0
         self.structured: StructuredState | None = None  # set once its grammar is compiled

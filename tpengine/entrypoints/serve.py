@@ -69,23 +69,39 @@ def check_tool_flags(enable_auto: bool, parser: str | None) -> None:
         raise UserError(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(TOOL_PARSERS)})")
 
 
+def api_keys(flag: list[str] | None) -> list[str]:
+    """The API keys the server requires: ``--api-key`` (each one given), else the environment's
+    ``TPENGINE_API_KEY`` (one key), else none (no check). Empty strings are dropped, as vLLM does."""
+    from tpengine.server.middleware import API_KEY_ENV
+
+    return [k for k in (flag or [os.environ.get(API_KEY_ENV, "")]) if k]
+
+
 def serve_rank0(engine, sock: socket.socket, model_name: str, defaults: dict[str, Any], drain_s: float,
-                tool_parser: str | None = None, enable_auto_tool_choice: bool = False) -> int:
-    """Rank 0: the app and the engine loop until a signal or an engine failure. Returns the exit code."""
+                tool_parser: str | None = None, enable_auto_tool_choice: bool = False,
+                keys: list[str] | None = None, metrics_prefix: str = "tpengine") -> int:
+    """Rank 0: the app and the engine loop until a signal or an engine failure; ``keys``: the API keys
+    every ``/v1`` route requires (none: open). Returns the exit code."""
     import uvicorn
 
     from tpengine.server.app import ServerState, build_app
     from tpengine.server.engine_loop import EngineLoop
     from tpengine.server.metrics import ServerMetrics
 
-    metrics = ServerMetrics(model_name)
+    metrics = ServerMetrics(model_name, metrics_prefix)
     loop = EngineLoop(engine, on_step=lambda stats, outs: metrics.observe_step(stats, outs, engine.replica_stats()))
     metrics.set_queue(engine.stats())
+    cfg = engine.config
+    metrics.set_cache_config({"block_size": cfg.block_size, "cache_dtype": cfg.dtype,
+                              "enable_prefix_caching": cfg.enable_prefix_caching,
+                              "gpu_memory_utilization": cfg.gpu_memory_utilization,
+                              "num_gpu_blocks": engine.replica_stats()[0].num_total_blocks,
+                              "engine": 0})
     state = ServerState(loop, engine.tokenizer, engine.vocab_size, engine.config.max_model_len, model_name,
                         metrics, defaults, int(time.time()), check_grammar=lambda c: engine.structured.check(c),
                         tool_parser=tool_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                         reasoning_parser=engine.config.reasoning_parser)
-    config = uvicorn.Config(build_app(state), log_level="warning", timeout_graceful_shutdown=drain_s + 3,
+    config = uvicorn.Config(build_app(state, keys or ()), log_level="warning", timeout_graceful_shutdown=drain_s + 3,
                             lifespan="off")
     server = uvicorn.Server(config)
     loop.start()
@@ -105,7 +121,9 @@ def serve_rank0(engine, sock: socket.socket, model_name: str, defaults: dict[str
     async def main() -> None:
         host, port = sock.getsockname()[:2]
         layout = f"dp {engine.tp.dp_size} x tp {engine.tp.size}" if engine.tp.dp_size > 1 else f"tp {engine.tp.size}"
-        print(f"tpengine: serving {model_name} on http://{host}:{port} ({layout})", file=sys.stderr, flush=True)
+        auth = f", {len(keys)} API key(s) required on /v1" if keys else ""
+        print(f"tpengine: serving {model_name} on http://{host}:{port} ({layout}{auth})", file=sys.stderr,
+              flush=True)
         watcher = asyncio.ensure_future(watch())
         await server.serve(sockets=[sock])
         watcher.cancel()
@@ -147,6 +165,13 @@ def main(
     tool_call_parser: Annotated[str | None, option(
         "--tool-call-parser", "how tool calls are read from the model's text: hermes (Hermes, Qwen2.5, Qwen3) or "
         "llama3_json (Llama 3.1 / 3.2)", "none")] = None,
+    api_key: Annotated[list[str] | None, option(
+        "--api-key", "an API key every /v1 route requires as 'Authorization: Bearer <key>' (401 otherwise); "
+        "give it several times for several keys; /health, /metrics, /version and the tokenizer routes stay "
+        "open", "$TPENGINE_API_KEY, else none: no check")] = None,
+    metrics_prefix: Annotated[str, option(
+        "--metrics-prefix", "the prefix of every /metrics name: tpengine, or vllm for dashboards built for "
+        "vLLM")] = "tpengine",
     *,
     engine: dict[str, Any],
 ) -> None:
@@ -159,6 +184,9 @@ def main(
             raise UserError(f"--drain-timeout-s must be >= 0, got {drain_timeout_s}")
         template = read_chat_template(chat_template)
         check_tool_flags(enable_auto_tool_choice, tool_call_parser)
+        if metrics_prefix not in ("tpengine", "vllm"):
+            raise UserError(f"--metrics-prefix must be tpengine or vllm, got {metrics_prefix!r}")
+        keys = api_keys(api_key)
         sock = bind(host, port) if rank == 0 else None
     except (UserError, ValueError, OSError) as e:
         raise typer.Exit(settings_mistake_exit(rank, e, engine)) from None
@@ -171,7 +199,7 @@ def main(
         if template is not None:  # the chat endpoint, /tokenize and /tokenizer_info all read this one
             llm.tokenizer.chat_template = template
         code = serve_rank0(llm, sock, model_name, launch.sampling, drain_timeout_s, tool_call_parser,
-                           enable_auto_tool_choice)
+                           enable_auto_tool_choice, keys, metrics_prefix)
     else:
         for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains and sends STOP
             signal.signal(sig, lambda *_: None)

@@ -35,7 +35,7 @@ from tpengine.protocol.fields import (
 )
 from tpengine.protocol.messages import ChatTemplateFields, Messages
 from tpengine.protocol.sampling import SamplingFields
-from tpengine.protocol.tools import ToolFields
+from tpengine.protocol.tools import Tool, ToolFields
 
 #: The message for ``"stream": true`` in a batch job (vLLM's run-batch refuses it too).
 STREAM_ERROR = "streaming is not supported in a batch job (each request gets one complete record); use false or omit it"
@@ -129,8 +129,10 @@ class OpenAIBody(SamplingFields):
     ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
     ``skip_special_tokens``, ``ignore_eos``, ``prompt_logprobs``); ``model``, ``user``, ``stream``,
     ``stream_options``, ``metadata``, ``store`` are accepted and ignored (a batch line's ``"stream":
-    true`` is refused by :class:`BatchRequestLine`); OpenAI fields tpengine does not implement are
-    accepted only at their neutral values, checked by JSON type and value."""
+    true`` is refused by :class:`BatchRequestLine`); the server reads ``stream_options``
+    (``include_usage``, ``continuous_usage_stats``) and vLLM's ``return_tokens_as_token_ids`` (every
+    logprobs token as ``"token_id:<id>"``; true is refused in a batch line); OpenAI fields tpengine
+    does not implement are accepted only at their neutral values, checked by JSON type and value."""
 
     MAX_TOKENS_KEYS: ClassVar[tuple[str, ...]] = ("max_tokens", "max_completion_tokens")
 
@@ -141,6 +143,7 @@ class OpenAIBody(SamplingFields):
     stream_options: _Object | None = None
     metadata: _Object | None = None
     store: Flag | None = None
+    return_tokens_as_token_ids: Flag | None = None
     best_of: Annotated[int, Strict(), Neutral((1,))] | None = None
     suffix: Annotated[str, Strict(), Neutral()] | None = None
 
@@ -247,12 +250,14 @@ class TokenizeCompletionRequest(ProtocolModel):
 
 class TokenizeChatRequest(ChatTemplateFields):
     """vLLM's ``/tokenize`` body for a conversation: ``messages`` through the chat template with its
-    options (:class:`~tpengine.protocol.messages.ChatTemplateFields`), exactly as
-    ``/v1/chat/completions`` tokenizes them; ``return_token_strs`` as for a prompt;
-    ``add_special_tokens`` only false (the template writes the special tokens itself)."""
+    options (:class:`~tpengine.protocol.messages.ChatTemplateFields`) and ``tools`` (OpenAI's
+    shape), exactly as ``/v1/chat/completions`` tokenizes them, so ``count`` is the chat request's
+    prompt tokens; ``return_token_strs`` as for a prompt; ``add_special_tokens`` only false (the
+    template writes the special tokens itself)."""
 
     model: _Str | None = None
     messages: Messages
+    tools: Annotated[list[Tool], Strict(), Valid("a list of tools", nested=True)] | None = None
     add_special_tokens: Annotated[bool, Strict(), Neutral((False,), "only false: the chat template writes the "
                                                              "special tokens itself")] | None = None
     return_token_strs: Flag | None = None
@@ -260,6 +265,13 @@ class TokenizeChatRequest(ChatTemplateFields):
     @classmethod
     def problems(cls, data: dict[str, Any]) -> list[Problem]:
         return super().problems(data) + cls.template_problems(data, None)
+
+    def template_options(self) -> dict[str, Any]:
+        """As :meth:`ChatCompletionRequest.template_options`: the template's options and ``tools``."""
+        opts = super().template_options()
+        if self.tools:
+            opts["tools"] = [t.to_template() for t in self.tools]
+        return opts
 
 
 class DetokenizeRequest(ProtocolModel):
@@ -303,6 +315,9 @@ class BatchRequestLine(ProtocolModel):
         out: list[Problem] = []
         if isinstance(body, dict) and body.get("stream") is True:
             out.append((("body", "stream"), f"{STREAM_ERROR}, got true"))
+        if isinstance(body, dict) and body.get("return_tokens_as_token_ids") is True:
+            out.append((("body", "return_tokens_as_token_ids"), "is served by tpengine serve only, not in a batch "
+                        "job; use false or omit it"))
         if isinstance(body, dict) and data.get("url") == CompletionURL and _is_prompt_list(body.get("prompt")):
             out.append((("body", "prompt"), f"{PROMPT_LIST_ERROR}, got a list of {len(body['prompt'])} prompts"))
         return out

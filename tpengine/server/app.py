@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from tpengine import __version__
 from tpengine.engine.outputs import EngineOutput
 from tpengine.server.engine_loop import EngineDead, EngineLoop
 from tpengine.server.metrics import ServerMetrics
+from tpengine.server.middleware import install, request_id
 from tpengine.server.serving import (
     HTTPProblem,
     Prepared,
@@ -101,12 +102,12 @@ def _json(body: bytes) -> Any:
         raise HTTPProblem(400, "the request body is not valid JSON: nested too deeply") from None
 
 
-def _parse_and_prepare(body: bytes, kind: str, state: ServerState) -> Prepared:
-    """The request body, decoded and prepared. Raises HTTPProblem (400: not JSON, or see
-    :func:`tpengine.server.serving.prepare_request`)."""
+def _parse_and_prepare(body: bytes, kind: str, state: ServerState, base_id: str | None = None) -> Prepared:
+    """The request body, decoded and prepared; ``base_id``: the request's id (its ``x-request-id``).
+    Raises HTTPProblem (400: not JSON, or see :func:`tpengine.server.serving.prepare_request`)."""
     p = prepare_request(_json(body), kind, state.tokenizer, state.vocab_size, state.max_model_len,
                         state.model_name, state.defaults, state.tool_parser, state.enable_auto_tool_choice,
-                        state.reasoning_parser)
+                        state.reasoning_parser, base_id)
     if p.params.structured_outputs is not None and state.check_grammar is not None:
         try:  # a schema the grammar library refuses is this request's 400; compiled, it is cached for the engine
             state.check_grammar(p.params.structured_outputs)
@@ -115,10 +116,13 @@ def _parse_and_prepare(body: bytes, kind: str, state: ServerState) -> Prepared:
     return p
 
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, api_keys: Sequence[str] = ()) -> FastAPI:
     """The app serving ``state``: the generation routes, the model list, the tokenizer routes and
-    the health and metrics routes."""
+    the health and metrics routes; every error as OpenAI's error object, an ``x-request-id`` on every
+    response, and with ``api_keys`` every route under ``/v1`` behind them
+    (:func:`tpengine.server.middleware.install`)."""
     app = FastAPI(title="tpengine", docs_url=None, redoc_url=None)
+    install(app, api_keys)
     _add_generation_routes(app, state)
     _add_model_routes(app, state)
     _add_tokenizer_routes(app, state)
@@ -148,9 +152,12 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
         body = await request.body()
         # parsing and tokenizing (a long prompt takes a while) run off the event loop, so other
         # clients' streams and /health go on meanwhile
-        p = await asyncio.to_thread(_parse_and_prepare, body, kind, state)
+        p = await asyncio.to_thread(_parse_and_prepare, body, kind, state, request_id(request))
         queue: asyncio.Queue = asyncio.Queue()
         ids = p.engine_ids()
+        if busy := next((rid for rid in ids if state.loop.running(rid)), None):
+            raise HTTPProblem(400, f"the request id {busy!r} (from the x-request-id header) is the id of a request "
+                              "still running; send a unique x-request-id")
         try:
             for rid, prompt in zip(ids, p.prompt_ids):
                 state.loop.submit(rid, prompt, p.params, p.stream, into=queue)

@@ -77,6 +77,11 @@ class EngineLoop:
         self._commands.put(("add", request_id, prompt_token_ids, params, stream))
         return q
 
+    def running(self, request_id: str) -> bool:
+        """Whether a request with this id was submitted and has not had its final output yet (call
+        from the event loop)."""
+        return request_id in self._streams
+
     def abort(self, request_id: str) -> None:
         """Abort a request (its client went away): its blocks are freed before the next step."""
         self._commands.put(("abort", request_id))

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tpengine.engine.outputs import EngineOutput
+from tpengine.engine.outputs import EngineOutput, PositionLogprobs
 from tpengine.frontend.logprobs import chat_logprobs
 from tpengine.frontend.output import completion_body, completion_text, openai_body, usage_info
 from tpengine.frontend.reasoning import END, REASONING_PARSERS, ReasoningParser
@@ -31,7 +31,13 @@ from tpengine.frontend.tools import ToolUse, new_call_id, tool_use
 from tpengine.protocol import ChatCompletionRequest, CompletionRequest
 from tpengine.protocol.base import IGNORE_UNKNOWN, ProtocolModel
 from tpengine.protocol.errors import field_errors
-from tpengine.protocol.records import DetokenizeResponse, FunctionCallOut, TokenizeResponse
+from tpengine.protocol.records import (
+    DetokenizeResponse,
+    FunctionCallOut,
+    PromptTokensDetails,
+    TokenizeResponse,
+    UsageInfo,
+)
 from tpengine.protocol.requests import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from tpengine.protocol.stream import (
     ChatCompletionStreamChoice,
@@ -46,7 +52,8 @@ from tpengine.protocol.stream import (
 from tpengine.sampling_params import SamplingParams
 
 FORMATS = {"chat": "openai_chat", "completion": "openai_completion"}
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable", 500: "server_error"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               503: "service_unavailable", 500: "server_error"}
 
 
 class HTTPProblem(Exception):
@@ -58,7 +65,8 @@ class HTTPProblem(Exception):
 
     def body(self) -> dict[str, Any]:
         """OpenAI's error object."""
-        info = ErrorInfo(message=self.message, type=ERROR_TYPES.get(self.status, "server_error"),
+        default = "invalid_request_error" if self.status < 500 else "server_error"
+        info = ErrorInfo(message=self.message, type=ERROR_TYPES.get(self.status, default),
                          param=self.param, code=self.status)
         return ErrorResponse(error=info).model_dump()
 
@@ -80,6 +88,8 @@ class Prepared:
     structured_field: str | None = None  # the body field of its output constraint, if any
     tools: ToolUse | None = None  # how a chat output becomes tool calls, when the request has tools
     reasoning: ReasoningParser | None = None  # a chat output's thought tags, when the model still thinks
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage): usage per chunk
+    token_id_strings: bool = False  # return_tokens_as_token_ids: logprobs tokens as "token_id:<id>"
 
     def engine_ids(self) -> list[str]:
         """The engine request id of each prompt: the request's own id, with ``-<prompt>`` when
@@ -147,12 +157,15 @@ def check_length(n_prompt: int, max_tokens: int | None, max_model_len: int, fiel
 
 def prepare_request(obj: Any, kind: str, tokenizer, vocab_size: int, max_model_len: int, model_name: str,
                     defaults: Mapping[str, Any], tool_parser: str | None = None,
-                    enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None) -> Prepared:
+                    enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None,
+                    base_id: str | None = None) -> Prepared:
     """Validate an OpenAI request body (``kind`` "chat" or "completion", :func:`validate_body`) and
     tokenize its prompt(s). A chat body's tools (:func:`tpengine.frontend.tools.tool_use`): "auto"
     reads calls with ``tool_parser`` (needs ``enable_auto_tool_choice``); "required" and a named
     choice add their output constraint to the params. ``reasoning_parser``: a chat output's thought
     is split off (unless the prompt already ended it, as Qwen3's template does without thinking).
+    ``base_id``: the request's id (its ``x-request-id``; default a new uuid4), which the response's
+    ``id`` and the engine request's id carry as ``chatcmpl-<id>`` / ``cmpl-<id>``, as vLLM's.
 
     Raises:
         HTTPProblem: 400 for a body that is not valid (naming the field, as the batch job does), a
@@ -178,7 +191,7 @@ def prepare_request(obj: Any, kind: str, tokenizer, vocab_size: int, max_model_l
             raise HTTPProblem(400, str(e), "tool_choice") from None
         if constraint is not None:
             params, structured_field = replace(params, structured_outputs=constraint), "tool_choice"
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{base_id or uuid.uuid4().hex}"
     field = "messages" if chat else "prompt"
     tokens_field = next((k for k in ("max_completion_tokens", "max_tokens") if getattr(body, k) is not None),
                         "max_tokens")
@@ -197,14 +210,43 @@ def prepare_request(obj: Any, kind: str, tokenizer, vocab_size: int, max_model_l
             raise HTTPProblem(400, failure_message(req, e), field) from None
         check_length(len(ids), getattr(body, tokens_field), max_model_len, field, tokens_field)
         prompt_ids.append(ids)
+    as_ids = bool(body.return_tokens_as_token_ids)
+    if as_ids and echo:  # the echoed prompt's tokens are named by id too, as vLLM
+        echoes = [e if e is None or e.tokens is None else replace(e, tokens=[token_id_string(t) for t in ids])
+                  for e, ids in zip(echoes, prompt_ids)]
     reasoning = None
     if chat and reasoning_parser is not None:
         end = tuple(tokenizer.encode(END, add_special_tokens=False))
         if not any(tuple(prompt_ids[0][i:i + len(end)]) == end for i in range(len(prompt_ids[0]) - len(end) + 1)):
             reasoning = REASONING_PARSERS[reasoning_parser]()
     options = body.stream_options or {}
-    return Prepared(rid, chat, prompt_ids, params, bool(body.stream), bool(options.get("include_usage")),
-                    int(time.time()), echoes, structured_field, tools, reasoning)
+    usage = bool(options.get("include_usage"))
+    return Prepared(rid, chat, prompt_ids, params, bool(body.stream), usage, int(time.time()), echoes,
+                    structured_field, tools, reasoning, usage and bool(options.get("continuous_usage_stats")), as_ids)
+
+
+def token_id_string(token_id: int) -> str:
+    """vLLM's name of a token under ``return_tokens_as_token_ids``: ``"token_id:<id>"``."""
+    return f"token_id:{token_id}"
+
+
+def _named_by_id(positions: list | None) -> list | None:
+    """``positions`` (logprobs, None entries kept) with every token's text ``"token_id:<id>"``."""
+    if positions is None:
+        return None
+    return [None if p is None else PositionLogprobs(
+        replace(p.chosen, token=token_id_string(p.chosen.token_id)),
+        [replace(t, token=token_id_string(t.token_id)) for t in p.top]) for p in positions]
+
+
+def tokens_as_ids(out: EngineOutput) -> EngineOutput:
+    """``out`` with the tokens of its logprobs and prompt logprobs named ``"token_id:<id>"`` (vLLM's
+    ``return_tokens_as_token_ids``: a client can map each back to its id even where a token's text
+    is not valid UTF-8 on its own); ``out`` itself is unchanged."""
+    if out.prompt_logprobs is None and all(o.logprobs is None for o in out.outputs):
+        return out
+    return replace(out, prompt_logprobs=_named_by_id(out.prompt_logprobs),
+                   outputs=[replace(o, logprobs=_named_by_id(o.logprobs)) for o in out.outputs])
 
 
 def tokenize_body(obj: Any, tokenizer, vocab_size: int, max_model_len: int, model_name: str) -> dict[str, Any]:
@@ -277,6 +319,8 @@ def output_problem(out: EngineOutput) -> HTTPProblem:
 def response_body(p: Prepared, outs: list[EngineOutput], model_name: str) -> dict[str, Any]:
     """The non-streamed response body of the finished outputs of ``p``'s prompts (in order)."""
     suffix = p.request_id.split("-", 1)[1]
+    if p.token_id_strings:
+        outs = [tokens_as_ids(o) for o in outs]
     if p.chat:
         return openai_body(outs[0], True, model_name, suffix, p.created, tools=p.tools,
                            reasoning=p.reasoning).model_dump()
@@ -313,8 +357,9 @@ async def stream_events(p: Prepared, outputs: AsyncIterator[EngineOutput], model
     sample) its text deltas with, when asked, the logprobs of the tokens generated since its last
     chunk, then its finish reason; a chat choice's first chunk carries only ``role`` (OpenAI's
     shape); a completions choice with ``echo`` starts with its prompt. Then the usage chunk (every
-    prompt's and sample's tokens) with ``include_usage``; ``[DONE]``. An error output becomes an
-    error event (OpenAI's error object) before ``[DONE]``."""
+    prompt's and sample's tokens) with ``include_usage``; ``[DONE]``. With ``continuous_usage_stats``
+    (vLLM's) every choice chunk carries ``usage`` too: its prompt's tokens and the tokens its choice
+    generated so far. An error output becomes an error event (OpenAI's error object) before ``[DONE]``."""
     n = p.params.n
     prompt_of = {rid: i for i, rid in enumerate(p.engine_ids())}
     choices = len(p.prompt_ids) * n
@@ -323,8 +368,17 @@ async def stream_events(p: Prepared, outputs: AsyncIterator[EngineOutput], model
     finals: dict[str, EngineOutput] = {}
     cls = ChatCompletionStreamResponse if p.chat else CompletionStreamResponse
 
-    def event(choice: Any) -> str:
-        return sse(cls(id=p.request_id, created=p.created, model=model_name, choices=[choice]).model_dump())
+    def event(choice: Any, out: EngineOutput | None = None, tokens: int = 0) -> str:
+        """One chunk of ``choice``; with continuous usage stats, the usage of its prompt (``out``'s)
+        and ``tokens`` generated so far."""
+        usage = None
+        if p.continuous_usage:
+            prompt = len(p.prompt_ids[choice.index // n])
+            usage = UsageInfo(prompt_tokens=prompt, completion_tokens=tokens, total_tokens=prompt + tokens,
+                              prompt_tokens_details=PromptTokensDetails(
+                                  cached_tokens=0 if out is None else out.num_cached_tokens))
+        return sse(cls(id=p.request_id, created=p.created, model=model_name, choices=[choice],
+                       usage=usage).model_dump())
 
     if p.chat:
         for i in range(n):
@@ -333,6 +387,8 @@ async def stream_events(p: Prepared, outputs: AsyncIterator[EngineOutput], model
         if out.error is not None:
             yield sse(output_problem(out).body())
             break
+        if p.token_id_strings:
+            out = tokens_as_ids(out)
         prompt = prompt_of[out.request_id]
         for o in out.outputs:
             i = prompt * n + o.index
@@ -354,7 +410,7 @@ async def stream_events(p: Prepared, outputs: AsyncIterator[EngineOutput], model
                             index=i, delta=DeltaMessage(
                                 content=delta if delta or not (calls or thought_delta) else None,
                                 reasoning_content=thought_delta or None, tool_calls=calls),
-                            finish_reason=reason, logprobs=lp))
+                            finish_reason=reason, logprobs=lp), out, len(o.token_ids))
                     sent_thought[i] += thought_delta
                     sent_text[i] += delta  # the content sent: text that may be a tool call is held back
                     sent_tokens[i], done[i] = len(o.token_ids), finished
@@ -364,7 +420,8 @@ async def stream_events(p: Prepared, outputs: AsyncIterator[EngineOutput], model
                 echoed_before = p.echoes[prompt] is not None and echo is None
                 offset = len(sent_text[i]) + (p.echoes[prompt].offset if echoed_before else 0)
                 text, lp = completion_text(o, echo, out.prompt_logprobs, delta, positions, offset)
-                yield event(CompletionStreamChoice(index=i, text=text, finish_reason=reason, logprobs=lp))
+                yield event(CompletionStreamChoice(index=i, text=text, finish_reason=reason, logprobs=lp), out,
+                            len(o.token_ids))
                 echoed[i] = True
             sent_text[i], sent_tokens[i], done[i] = o.text, len(o.token_ids), finished
         if out.finished:
