@@ -116,6 +116,54 @@ def test_paged_decode_with_window_and_soft_cap_equals_the_reference(window, cap,
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_backend_binds_each_layers_window_and_cap(monkeypatch, dtype):
+    """A model of full and sliding layers through the CPU backend's ``forward``: ``bind_model`` binds each
+    layer's paged call with its own window and cap, one decode step's metadata serves every layer, and each
+    layer's output is the torch path's (C kernels off) and the reference's for its window and cap."""
+    from types import SimpleNamespace
+
+    from tpengine.backends.cpu import layer_calls
+    from tpengine.backends.cpu.attention import CPUAttentionBackend
+    from tpengine.backends.torch_ops import TorchOps
+
+    monkeypatch.setattr(layer_calls, "bind_stack", lambda stack, cpu_kernels: 0)  # no norms or MLPs here
+    d, bs, q_to_kv = 64, 16, [0, 0, 1, 1]
+    specs = [(None, None), (7, 2.0), (33, None), (None, 2.0)]
+    qkv, cos, sin, kc, vc, bt, slots, lens, qkv_map = case(d, bs, q_to_kv, dtype, seed=23)
+    g = _gen(24)
+
+    def stack():
+        attns = [SimpleNamespace(num_heads=4, num_key_value_heads=2, head_dim=d, ops=TorchOps(), layer_idx=i,
+                                 k_cache=torch.randn(kc.shape, generator=_gen(30 + i)).to(dtype),
+                                 v_cache=torch.randn(vc.shape, generator=_gen(40 + i)).to(dtype),
+                                 tp_q_to_kv=qkv_map, scaling=d ** -0.5, sliding_window=w, logit_soft_cap=c)
+                 for i, (w, c) in enumerate(specs)]
+        return SimpleNamespace(layers=[SimpleNamespace(self_attn=a) for a in attns],
+                               config=SimpleNamespace(num_hidden_layers=len(attns)))
+
+    inputs = [torch.randn(qkv.shape, generator=g).to(dtype).flatten(1) for _ in specs]
+    outs = {}
+    for cpu_kernels in (True, False):
+        be, st = CPUAttentionBackend(cpu_kernels=cpu_kernels, kv_mirror=False, paged=True), stack()
+        be.bind_model(st, 1)
+        ctx = SimpleNamespace(attn=be.prepare(False, slots, bt, None, None, lens), is_prefill=False)
+        assert ctx.attn.path == ("paged" if cpu_kernels else "gathered")
+        outs[cpu_kernels] = [be.forward(x.clone(), (cos, sin), layer.self_attn, ctx).float()
+                             for x, layer in zip(inputs, st.layers)]
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for i, (w, c) in enumerate(specs):
+        layer = stack().layers[i].self_attn
+        q, k, v = (x.clone() for x in views(inputs[i].view(len(lens), 8, d), 4, 2))
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        ref.store_kvcache(k, v, layer.k_cache, layer.v_cache, slots)
+        want = ref.decode_attention(q.float(), layer.k_cache.float(), layer.v_cache.float(), bt, lens, qkv_map,
+                                    d ** -0.5, w, c).flatten(1)
+        torch.testing.assert_close(outs[True][i], want, **tol)
+        torch.testing.assert_close(outs[False][i], want, **tol)
+
+
+@needs_kernels
 def test_paged_decode_window_and_cap_errors():
     """A window or cap the kernel cannot take is refused by name; a block the window needs is still checked."""
     qkv, cos, sin, kc, vc, bt, slots, lens, qkv_map = case(64, 16, [0, 1], torch.float32)
