@@ -234,7 +234,7 @@ class ToolUseOut(RecordModel):
     type: Literal["tool_use"] = "tool_use"
     id: str
     name: str
-    input: dict[str, Any]
+    input: Any  # the arguments: an object, as the tool's input_schema asks
 
 
 class Usage(RecordModel):

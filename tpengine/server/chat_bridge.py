@@ -131,8 +131,15 @@ async def start_chat(state: ServerState, obj: dict[str, Any]) -> ChatCall:
 
 
 def renamed(e: HTTPProblem, names: Callable[[str], str]) -> HTTPProblem:
-    """``e`` with its ``param`` (a chat body's field path) given the other API's name (``names``)."""
-    return HTTPProblem(e.status, e.message, None if e.param is None else names(e.param))
+    """``e`` with its ``param`` (a chat body's field path) given the other API's name (``names``), in
+    the message too where it starts with it."""
+    if e.param is None:
+        return HTTPProblem(e.status, e.message, None)
+    param = names(e.param)
+    message = e.message
+    if message.startswith(f"{e.param}: "):
+        message = f"{param}: {message[len(e.param) + 2:]}"
+    return HTTPProblem(e.status, message, param)
 
 
 def matched_stop(tokenizer: Any, out: EngineOutput, stops: tuple[str, ...] | None) -> str | None:
