@@ -256,7 +256,7 @@ def add_messages_routes(app: FastAPI, state: ServerState) -> None:
             body = validate_body(MessagesRequest, _json(await request.body()))
             check_model(body.model, state.model_name)
             try:
-                call = await start_chat(state, chat_body(body))
+                call = await start_chat(state, chat_body(body), request)
             except HTTPProblem as e:
                 raise renamed(e, messages_param) from None
         except HTTPProblem as e:

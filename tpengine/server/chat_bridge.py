@@ -19,18 +19,20 @@ from fastapi import Request
 from tpengine.engine.outputs import EngineOutput
 from tpengine.server.app import ServerState, _disconnected, _outputs
 from tpengine.server.engine_loop import EngineDead
+from tpengine.server.middleware import request_id
 from tpengine.server.serving import HTTPProblem, Prepared, output_problem, prepare_request, response_body, stream_events
 
 
-def prepare_chat(state: ServerState, obj: dict[str, Any]) -> Prepared:
+def prepare_chat(state: ServerState, obj: dict[str, Any], base_id: str | None = None) -> Prepared:
     """A chat completions body prepared as the chat route prepares it, its output constraint compiled
-    (a schema the grammar library refuses is a 400).
+    (a schema the grammar library refuses is a 400); ``base_id``: the request's id (its ``x-request-id``).
 
     Raises:
         HTTPProblem: as :func:`tpengine.server.serving.prepare_request`; 400 for a refused constraint.
     """
     p = prepare_request(obj, "chat", state.tokenizer, state.vocab_size, state.max_model_len, state.model_name,
-                        state.defaults, state.tool_parser, state.enable_auto_tool_choice, state.reasoning_parser)
+                        state.defaults, state.tool_parser, state.enable_auto_tool_choice, state.reasoning_parser,
+                        base_id)
     if p.params.structured_outputs is not None and state.check_grammar is not None:
         try:
             state.check_grammar(p.params.structured_outputs)
@@ -108,18 +110,22 @@ class ChatCall:
                 self.abort()
 
 
-async def start_chat(state: ServerState, obj: dict[str, Any]) -> ChatCall:
-    """Prepare the chat body ``obj`` (off the event loop: templating a long conversation takes a
-    while) and submit it to the engine.
+async def start_chat(state: ServerState, obj: dict[str, Any], request: Request) -> ChatCall:
+    """Prepare the chat body ``obj`` of ``request`` (off the event loop: templating a long conversation
+    takes a while; its id is the request's ``x-request-id``, as the chat route's) and submit it.
 
     Raises:
-        HTTPProblem: 503 when the engine is not running; a bad body's 400 / 404 (:func:`prepare_chat`).
+        HTTPProblem: 503 when the engine is not running; a bad body's 400 / 404 (:func:`prepare_chat`);
+            400 for the id of a request still running.
     """
     if state.loop.dead is not None:
         raise HTTPProblem(503, f"the engine is not running: {state.loop.dead}")
-    p = await asyncio.to_thread(prepare_chat, state, obj)
+    p = await asyncio.to_thread(prepare_chat, state, obj, request_id(request))
     queue: asyncio.Queue = asyncio.Queue()
     ids = p.engine_ids()
+    if busy := next((rid for rid in ids if state.loop.running(rid)), None):
+        raise HTTPProblem(400, f"the request id {busy!r} (from the x-request-id header) is the id of a request "
+                          "still running; send a unique x-request-id")
     try:
         for rid, prompt in zip(ids, p.prompt_ids):
             state.loop.submit(rid, prompt, p.params, p.stream, into=queue)

@@ -384,7 +384,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         try:
             body, conv = parse(await request.body())
             try:
-                call = await start_chat(state, chat_body(body, conv["history"] + conv["input"], auto_tools))
+                call = await start_chat(state, chat_body(body, conv["history"] + conv["input"], auto_tools), request)
             except HTTPProblem as e:
                 raise _problem(e) from None
         except HTTPProblem as e:
