@@ -10,6 +10,7 @@ converted folder against the original's."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -29,8 +30,7 @@ GGUF_ARCH = {"gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi
 # What each tiny model sets beyond conftest's defaults so that a GGUF can hold it, as released
 # models have it: Gemma ties its LM head (llama.cpp drops lm_head for Gemma 1/2) and scales queries
 # by head_dim ** -0.5 below 27B; Gemma 3 slides on 5 of every 6 layers (llama.cpp's fixed pattern),
-# with the linear RoPE scaling of its 4B+ models on the full layers. The vocabulary is the SmolLM2
-# tokenizer's (llama.cpp writes one token per embedding row), and small sliding windows make the
+# with the linear RoPE scaling of its 4B+ models on the full layers. Small sliding windows make the
 # window matter within the test's prompt.
 OVERRIDES = {
     "gemma": dict(tie_word_embeddings=True),
@@ -44,7 +44,6 @@ OVERRIDES = {
     "olmo2": {},
     "granite": {},
 }
-VOCAB = 49152
 
 
 def cli(*args) -> object:
@@ -54,6 +53,21 @@ def cli(*args) -> object:
 def _llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's ``LlamaModel.permute`` (rows of each head: halves interleaved), for weights and biases."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def shrink_tokenizer(folder: Path, vocab_size: int) -> None:
+    """Cut ``folder``'s SmolLM2 tokenizer.json to its first ``vocab_size`` ids and the merges among
+    them, so that, as in a real GGUF, the vocabulary is one token per embedding row (llama.cpp's
+    converter refuses a tokenizer with ids past the model's vocabulary). BPE ids follow merge order,
+    so the kept merges only build kept tokens: a working, smaller tokenizer."""
+    path = folder / "tokenizer.json"
+    tj = json.loads(path.read_text())
+    model = tj["model"]
+    model["vocab"] = {t: i for t, i in model["vocab"].items() if i < vocab_size}
+    model["merges"] = [m for m in model["merges"]
+                       if m[0] in model["vocab"] and m[1] in model["vocab"] and m[0] + m[1] in model["vocab"]]
+    tj["added_tokens"] = [t for t in tj["added_tokens"] if t["id"] < vocab_size]
+    path.write_text(json.dumps(tj, ensure_ascii=False))
 
 
 def _add_vocab(w, folder: Path, vocab_size: int) -> None:
@@ -88,9 +102,10 @@ def _add_vocab(w, folder: Path, vocab_size: int) -> None:
     gguf.SpecialVocab(folder, load_merges=True).add_to_gguf(w)
 
 
-def write_gguf(folder: Path, path: Path) -> Path:
+def write_gguf(folder: Path, path: Path, q8_0: bool = False) -> Path:
     """Write HF folder ``folder`` (a tiny model of one of :data:`GGUF_ARCH`) as GGUF ``path``, F32
-    tensors, with the metadata llama.cpp's converter writes for its architecture."""
+    tensors (with ``q8_0``: 2-D weights whose rows are whole 32-weight blocks as Q8_0), with the
+    metadata llama.cpp's converter writes for its architecture."""
     import gguf
     from transformers import AutoConfig
 
@@ -151,7 +166,12 @@ def write_gguf(folder: Path, path: Path) -> Path:
             x = _llama_permute(x, heads)
         if arch == "granite" and ".k_proj." in name:
             x = _llama_permute(x, hf.num_key_value_heads)
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(x))
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if q8_0 and x.ndim == 2 and x.shape[1] % 32 == 0:
+            w.add_tensor(gguf_name, gguf.quantize(x, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(gguf_name, np.ascontiguousarray(x))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -180,7 +200,8 @@ def test_convert_family_gguf(model_type: str, tmp_path: Path, tokenizer_files) -
     shapes the forward, and transformers' float32 logits on it equal the original's."""
     from transformers import AutoConfig, AutoTokenizer
 
-    src = make_tiny_model(tmp_path, model_type, random_biases=True, vocab_size=VOCAB, **OVERRIDES[model_type])
+    src = make_tiny_model(tmp_path, model_type, random_biases=True, **OVERRIDES[model_type])
+    shrink_tokenizer(src, AutoConfig.from_pretrained(src).vocab_size)
     gguf = write_gguf(src, tmp_path / f"tiny-{model_type}.gguf")
     out = tmp_path / "converted"
     r = cli("convert", gguf, out)
@@ -217,6 +238,34 @@ def test_convert_family_gguf(model_type: str, tmp_path: Path, tokenizer_files) -
     else:
         assert torch.equal(have, want)
     assert math.isfinite(float(want.abs().max())) and float(want.std()) > 0
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "granite", "phi3"])
+def test_keep_quant_family_gguf(model_type: str, tmp_path: Path, tokenizer_files) -> None:
+    """--keep-quant on a Q8_0 file: the kept int8 weights dequantise exactly to the plain convert's
+    float32 (Granite's Q/K rows reordered as whole rows, Phi-3's fused tensors kept whole), and the
+    float tensors (Gemma's norms through its processor) are the plain convert's."""
+    from test_convert_keep_quant import dequant
+
+    src = make_tiny_model(tmp_path, model_type, random_biases=True, **OVERRIDES[model_type])
+    shrink_tokenizer(src, 1001)
+    gguf = write_gguf(src, tmp_path / "q.gguf", q8_0=True)
+    plain, kept = tmp_path / "plain", tmp_path / "kept"
+    assert cli("convert", gguf, plain).exit_code == 0
+    r = cli("convert", gguf, kept, "--keep-quant")
+    assert r.exit_code == 0, r.output
+    ref, got = load_file(plain / "model.safetensors"), load_file(kept / "model.safetensors")
+    weights = json.loads((kept / "quantization.json").read_text())["weights"]
+    assert weights and all(v == {"scheme": "int8", "group_size": 32} for v in weights.values())
+    assert len(weights) == sum(1 for t in ref.values() if t.dim() == 2 and t.shape[1] % 32 == 0)
+    for name, t in ref.items():
+        if name in weights:
+            assert torch.equal(dequant(got, name.removesuffix(".weight"), "int8"), t), name
+        else:
+            assert torch.equal(got[name], t), name
+    orig = load_file(src / "model.safetensors")
+    q = "model.layers.0.self_attn.q_proj.weight" if model_type != "phi3" else "model.layers.0.self_attn.qkv_proj.weight"
+    assert (ref[q] - orig[q]).abs().max() < 0.01 * orig[q].abs().max()  # Q8_0 of the same rows, in HF order
 
 
 def test_unsupported_architecture_is_one_error_line(tmp_path: Path) -> None:
