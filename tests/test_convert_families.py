@@ -41,6 +41,11 @@ OVERRIDES = {
                                                             "rope_theta": 1000000.0},
                                          "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
     "phi3": dict(sliding_window=3),
+    # Phi-3.5 / 128k style: LongRoPE factors (one per rotated pair), which llama.cpp stores as tensors
+    "phi3-longrope": dict(original_max_position_embeddings=64,
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                           "long_factor": [1.0 + i / 8 for i in range(8)],
+                                           "short_factor": [1.0 + i / 16 for i in range(8)]}),
     "olmo2": {},
     "granite": {},
 }
@@ -146,6 +151,11 @@ def write_gguf(folder: Path, path: Path, q8_0: bool = False) -> Path:
         w.add_rope_dimension_count(int(full.get("partial_rotary_factor", 1.0) * hidden) // heads)
         w.add_rope_freq_base(full["rope_theta"])
         w.add_sliding_window(hf.sliding_window or 0)
+        if full.get("rope_type") == "longrope":  # Phi3MiniModel.generate_extra_tensors
+            orig = hf.original_max_position_embeddings
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(hf.max_position_embeddings / orig) / math.log(orig)))
+            w.add_tensor("rope_factors_long.weight", np.array(full["long_factor"], np.float32))
+            w.add_tensor("rope_factors_short.weight", np.array(full["short_factor"], np.float32))
     if arch == "granite":  # GraniteModel(LlamaModel)
         w.add_vocab_size(hf.vocab_size)
         w.add_rope_dimension_count(hidden // heads)
@@ -193,14 +203,15 @@ def logits(folder: Path, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0]
 
 
-@pytest.mark.parametrize("model_type", list(GGUF_ARCH))
-def test_convert_family_gguf(model_type: str, tmp_path: Path, tokenizer_files) -> None:
+@pytest.mark.parametrize("case", list(OVERRIDES))
+def test_convert_family_gguf(case: str, tmp_path: Path, tokenizer_files) -> None:
     """The converted folder holds every original tensor, bit for bit (Gemma's norms within the one
     float32 rounding of llama.cpp's ``w + 1``), its config is the original's in every field that
     shapes the forward, and transformers' float32 logits on it equal the original's."""
     from transformers import AutoConfig, AutoTokenizer
 
-    src = make_tiny_model(tmp_path, model_type, random_biases=True, **OVERRIDES[model_type])
+    model_type = case.split("-")[0]
+    src = make_tiny_model(tmp_path, model_type, random_biases=True, **OVERRIDES[case])
     shrink_tokenizer(src, AutoConfig.from_pretrained(src).vocab_size)
     gguf = write_gguf(src, tmp_path / f"tiny-{model_type}.gguf")
     out = tmp_path / "converted"
