@@ -58,7 +58,10 @@ class GGUFFile:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         self.path = str(path)
-        blob = np.memmap(self.path, mode="r", dtype=np.uint8)
+        try:
+            blob = np.memmap(self.path, mode="r", dtype=np.uint8)
+        except ValueError as e:  # numpy cannot map an empty file
+            raise UserError(f"{self.path!r} is not a GGUF file (it is empty)") from e
         try:
             if bytes(blob[:4]) != b"GGUF":
                 raise UserError(f"{self.path!r} is not a GGUF file (it does not start with 'GGUF')")
