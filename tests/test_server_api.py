@@ -269,3 +269,29 @@ def test_metrics_prefix_vllm():
     assert "tpengine:" not in text
     with pytest.raises(ValueError, match="metrics prefix must be one of tpengine, vllm, got 'sglang'"):
         ServerMetrics("tiny", "sglang")
+
+
+def test_a_batch_line_refuses_return_tokens_as_token_ids():
+    from pydantic import ValidationError
+
+    from tpengine.protocol.requests import BatchRequestLine
+
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": "Hi", "logprobs": 1, "return_tokens_as_token_ids": True}}
+    with pytest.raises(ValidationError, match="is served by tpengine serve only, not in a batch job; use false or "
+                                              "omit it"):
+        BatchRequestLine.model_validate(line)
+
+
+def test_framework_validation_errors_are_openai_errors():
+    import asyncio
+    from types import SimpleNamespace
+
+    from fastapi.exceptions import RequestValidationError
+
+    from tpengine.server.middleware import _validation_error
+
+    exc = RequestValidationError([{"loc": ("path", "n"), "msg": "Input should be a valid integer", "type": "int"}])
+    resp = asyncio.run(_validation_error(SimpleNamespace(), exc))
+    assert (resp.status_code, json.loads(resp.body)) == (400, error(
+        400, "path.n: Input should be a valid integer", "invalid_request_error", "n"))
