@@ -31,12 +31,14 @@ TINY_DEFAULTS = {
 FAMILY_DEFAULTS = {
     "gemma": dict(head_dim=16, pad_token_id=0, eos_token_id=1, bos_token_id=2),
     "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, final_logit_softcapping=0.5, attn_logit_softcapping=2.0,
-                   sliding_window=4096, pad_token_id=0, eos_token_id=1, bos_token_id=2),
+                   sliding_window=8, pad_token_id=0, eos_token_id=1, bos_token_id=2),
     "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"],
-                        sliding_window=4096, rope_local_base_freq=100.0, pad_token_id=0, eos_token_id=1,
+                        sliding_window=8, rope_local_base_freq=100.0, pad_token_id=0, eos_token_id=1,
                         bos_token_id=2),
     "phi3": dict(pad_token_id=0, eos_token_id=1, bos_token_id=2),
     "olmo2": dict(pad_token_id=0, eos_token_id=1, bos_token_id=2),
+    "olmo3": dict(pad_token_id=0, eos_token_id=1, bos_token_id=2, sliding_window=8,
+                  layer_types=["sliding_attention", "full_attention"]),
     "granite": dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
                     logits_scaling=8.0),
 }
@@ -44,7 +46,7 @@ FAMILY_DEFAULTS = {
 
 def tiny_config(arch: str = "llama", **overrides):
     """A transformers config for a tiny ``arch`` model (llama, mistral, qwen2, qwen3, gemma, gemma2,
-    gemma3_text, phi3, olmo2, granite) with :data:`TINY_DEFAULTS` and the family's
+    gemma3_text, phi3, olmo2, olmo3, granite) with :data:`TINY_DEFAULTS` and the family's
     :data:`FAMILY_DEFAULTS` updated by ``overrides``.
 
     Raises:
@@ -54,7 +56,7 @@ def tiny_config(arch: str = "llama", **overrides):
 
     classes = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config,
                "gemma": T.GemmaConfig, "gemma2": T.Gemma2Config, "gemma3_text": T.Gemma3TextConfig,
-               "phi3": T.Phi3Config, "olmo2": T.Olmo2Config, "granite": T.GraniteConfig}
+               "phi3": T.Phi3Config, "olmo2": T.Olmo2Config, "olmo3": T.Olmo3Config, "granite": T.GraniteConfig}
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(classes)}")
     return classes[arch](**{**TINY_DEFAULTS, **FAMILY_DEFAULTS.get(arch, {}), **overrides})

@@ -86,6 +86,8 @@ def _rms(h, x, w):
     h = h if x is None else h + x
     if h.dtype == torch.float32:
         return h, F.rms_norm(h, w.shape, w, 1e-5)
+    if w.dtype == torch.float32:  # a float32 weight beside half precision: Gemma's / OLMo 2's form, one rounding
+        return h, F.rms_norm(h.float(), w.shape, w, 1e-5).to(h.dtype)
     return h, w * F.rms_norm(h.float(), w.shape, None, 1e-5).to(h.dtype)
 
 

@@ -36,6 +36,8 @@ MODELS = {
     "olmo2-projnorm": ("olmo2", dict(random_biases=True)),
     "granite-scaled": ("granite", dict(random_biases=True)),
     "gemma-v1-tied": ("gemma", dict(tie_word_embeddings=True, random_biases=True)),
+    "olmo3-sliding": ("olmo3", dict(random_biases=True)),  # the row added as the table's test: OLMo 2 + windows
+    "mistral-window": ("mistral", dict(sliding_window=8)),  # a window shorter than the prompt
 }
 TP_SIZES = (1, 2, 3, 4)
 BF16_MODELS = ("gemma2-tied", "olmo2-projnorm", "phi3-fused", "granite-scaled")
@@ -151,14 +153,17 @@ def _hf_bf16_logits(model_dir: Path, ids: tuple[int, ...]) -> torch.Tensor:
 @pytest.mark.parametrize("tp", (1, 2))
 @pytest.mark.parametrize("name", BF16_MODELS)
 def test_bfloat16_logits_within_tolerance(tiny_models, tp_results, name, tp):
-    """bfloat16 weights and activations (each family's norms in their own form): the logits within 2 %
-    of the largest of HF's own bfloat16 forward, its argmax at nearly every position."""
+    """bfloat16 weights and activations (each family's norms, RoPE and soft caps in their own form): the
+    logits as far from HF's float32 ones as HF's own bfloat16 forward is (within twice its largest error),
+    the argmax as often equal."""
     ids = prompt_ids(1001)
+    exact = hf_logits(tiny_models[name], ids)
     ref = _hf_bf16_logits(tiny_models[name], tuple(ids[0].tolist()))
     got = tp_results[tp][f"{name}/bfloat16"]["logits"].float()
     assert got.shape == ref.shape
-    assert (got - ref).abs().max().item() < 0.02 * ref.abs().max().item()
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
+    assert (got - exact).abs().max().item() <= 2 * (ref - exact).abs().max().item() + 1e-3
+    agree = (got.argmax(-1) == exact.argmax(-1)).float().mean().item()
+    assert agree >= (ref.argmax(-1) == exact.argmax(-1)).float().mean().item() - 0.1
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
@@ -193,7 +198,7 @@ def test_structure_matches_plan(tiny_models, tp_results, name, tp):
                                                "float32")[rank]
         assert a["unpacked"] == a["plain_chosen"] and a["packed_and_plain"] == 0
         for n, w in a["norms"].items():
-            if name.startswith("olmo2") and n.split(".")[-2] in ("q_norm", "k_norm"):  # split as the heads
+            if name.startswith("olmo") and n.split(".")[-2] in ("q_norm", "k_norm"):  # split as the heads
                 continue
             assert torch.equal(w, audits[0]["norms"][n])
     if name.startswith("qwen3"):

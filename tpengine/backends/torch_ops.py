@@ -43,9 +43,12 @@ def add_rms_norm(h: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
 
 def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """HF's RoPE ``qk * cos + rotate_half(qk) * sin`` for every head: ``qk [..., T, H, D]``,
-    ``cos``/``sin [..., T, D]`` -> a new ``[..., T, H, D]`` tensor."""
+    ``cos``/``sin [..., T, D]`` -> a new ``[..., T, H, D]`` tensor of ``qk``'s dtype. Tables kept in
+    float32 beside half-precision heads (OLMo 2's rotary embedding) rotate in float32 and round once, as
+    HF's ``apply_rotary_pos_emb`` of those families does."""
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [..., T, 1, D]: every head
-    return qk * cos + rotate_half(qk) * sin
+    out = qk * cos + rotate_half(qk) * sin
+    return out if out.dtype == qk.dtype else out.to(qk.dtype)
 
 
 def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:

@@ -98,6 +98,7 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family("Phi-3", "Phi3Model", fused={"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                                                 "gate_up_proj": ("gate_proj", "up_proj")}),
     "olmo2": Family("OLMo 2", "Olmo2Model", norms=POST_NORMS, norm_float32=True),
+    "olmo3": Family("OLMo 3", "Olmo3Model", norms=POST_NORMS, norm_float32=True),  # OLMo 2 + sliding layers
     "granite": Family("Granite", "GraniteModel", embed_scale=_attr("embedding_multiplier"),
                       residual_scale=_attr("residual_multiplier"), logits_divisor=_attr("logits_scaling")),
 }

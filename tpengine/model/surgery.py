@@ -242,23 +242,16 @@ def checkpoint_targets(model: nn.Module, tied: bool) -> dict[str, Target]:
 
 
 def check_model_limits(hf_config, max_model_len: int) -> None:
-    """Refuse settings the model cannot honour, before any weight is read.
+    """Refuse settings the model cannot honour, before any weight is read. (Sliding-window layers need
+    no limit: the window is a property of each attention call.)
 
     Raises:
         UserError: a model type or feature tpengine does not run
-            (:func:`tpengine.model.families.check_config`), ``max_model_len`` above the model's
-            ``max_position_embeddings``, or a model
-            whose sliding-window attention would start to matter below ``max_model_len``
-            (tpengine's attention is full causal attention), naming both values.
+            (:func:`tpengine.model.families.check_config`), or ``max_model_len`` above the model's
+            ``max_position_embeddings``, naming both values.
     """
     F.check_config(hf_config)
     limit = getattr(hf_config, "max_position_embeddings", None)
     if limit is not None and max_model_len > limit:
         raise UserError(f"max_model_len={max_model_len} is larger than the model's "
                          f"max_position_embeddings={limit}; use --max-model-len {limit} or less")
-    window = getattr(hf_config, "sliding_window", None)
-    uses_window = getattr(hf_config, "use_sliding_window", True)  # Qwen2/3 carry a switch
-    if window and uses_window and max_model_len > window:
-        raise UserError(f"this model uses sliding-window attention (sliding_window={window}), which "
-                         f"tpengine does not implement; use --max-model-len {window} or less "
-                         f"(now {max_model_len})")
