@@ -81,6 +81,8 @@ def test_api_key_guards_every_v1_route(keyed):
         r = client.completions.create(model=keyed.model, prompt="Hello", max_tokens=3, temperature=0.0,
                                       extra_headers={"Authorization": f"{scheme} {key}"})
         assert r.usage.completion_tokens == 3
+    status, _, body = http(keyed.url + "/v1/models", headers={"x-api-key": KEYS[1]})  # the anthropic SDK's header
+    assert status == 200 and json.loads(body)["data"][0]["id"] == keyed.model
     status, _, body = http(keyed.url + "/v1/no-such-route", headers={"Authorization": f"Bearer {KEYS[1]}"})
     assert (status, json.loads(body)) == (404, error(404, "Not Found: no route GET /v1/no-such-route",
                                                      "not_found_error"))

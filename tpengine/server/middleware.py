@@ -88,10 +88,11 @@ class HeadMiddleware:
 
 class ApiKeyMiddleware:
     """Answers 401 (OpenAI's error object, ``WWW-Authenticate: Bearer``) to a request under ``/v1``
-    whose ``Authorization`` header is not ``Bearer <one of keys>``; other paths and CORS preflights
-    (OPTIONS) pass. Only the keys' SHA-256 digests are kept, and a presented key is compared with
-    every one of them in constant time (:func:`secrets.compare_digest`), so neither its content nor
-    which key it nearly matches shows in the time the check takes.
+    whose ``Authorization`` header is not ``Bearer <one of keys>`` (nor its ``x-api-key`` header one of
+    them); other paths and CORS preflights (OPTIONS) pass. Only the keys' SHA-256 digests are kept,
+    and a presented key is compared with every one of them in constant time
+    (:func:`secrets.compare_digest`), so neither its content nor which key it nearly matches shows in
+    the time the check takes.
 
     Raises:
         ValueError: no key, or an empty one (at construction).
@@ -104,14 +105,17 @@ class ApiKeyMiddleware:
         self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
 
     def authorized(self, headers: Headers) -> bool:
-        """Whether ``headers`` carry ``Authorization: Bearer <a key>`` (the scheme in any case)."""
+        """Whether ``headers`` carry ``Authorization: Bearer <a key>`` (the scheme in any case), or
+        ``x-api-key: <a key>`` (how the ``anthropic`` SDK sends its key, for ``/v1/messages``)."""
         scheme, _, given = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        digest = hashlib.sha256(given.strip().encode()).digest()
+        presented = [given.strip()] if scheme.lower() == "bearer" else []
+        if "x-api-key" in headers:
+            presented.append(headers["x-api-key"].strip())
         ok = False
-        for d in self._digests:  # every key is compared: no early exit
-            ok |= secrets.compare_digest(digest, d)
+        for key in presented:
+            digest = hashlib.sha256(key.encode()).digest()
+            for d in self._digests:  # every key is compared: no early exit
+                ok |= secrets.compare_digest(digest, d)
         return ok
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -119,7 +123,7 @@ class ApiKeyMiddleware:
             path = scope["path"].removeprefix(scope.get("root_path", ""))
             if (path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")) and \
                     not self.authorized(Headers(scope=scope)):
-                given = "authorization" in Headers(scope=scope)
+                given = "authorization" in Headers(scope=scope) or "x-api-key" in Headers(scope=scope)
                 message = ("Incorrect API key provided: the Authorization header's bearer token is not an API key "
                            "of this server" if given else
                            "Missing API key: send it as the header 'Authorization: Bearer <key>'")
