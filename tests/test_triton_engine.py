@@ -1,5 +1,6 @@
 """The engine with ``attention_backend="triton"`` gives the same greedy tokens as the torch
-reference backend, on tiny random Llama and Qwen3 models at tp 1 and 2.
+reference backend, on tiny random Llama and Qwen3 models at tp 1 and 2, and on a Gemma 2 (a sliding
+window of 8 on every other layer, attention and final soft caps, its four norms) in the chunked job.
 
 Without CUDA the Triton kernels run under the interpreter (``TRITON_INTERPRET=1``, set here
 before triton is imported and passed to the torchrun workers), in float32. Prompts of 5, 17 and
@@ -29,6 +30,7 @@ from tpengine.config import EngineConfig
 INTERP = {} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"}
 LENGTHS = (5, 17, 33)
 MODELS = ("llama", "qwen3")
+FAMILY_JOBS = {"gemma2": ("chunked",)}  # another family through the kernels' window and cap, one job
 BACKENDS = ("torch", "triton")
 
 
@@ -60,15 +62,17 @@ JOBS = {  # name -> (extra config, request max_tokens)
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("triton-engine-models")
     return {"llama": make_tiny_model(root, "llama", seed=5, name="llama"),
-            "qwen3": make_tiny_model(root, "qwen3", seed=5, name="qwen3", head_dim=32, random_biases=True)}
+            "qwen3": make_tiny_model(root, "qwen3", seed=5, name="qwen3", head_dim=32, random_biases=True),
+            "gemma2": make_tiny_model(root, "gemma2", seed=5, name="gemma2", random_biases=True)}
 
 
 @pytest.fixture(scope="module")
 def results(models, tmp_path_factory):
     """{tp: {"model/backend/job": {request_id: token_ids}}}, one torchrun launch per tp."""
     tmp = tmp_path_factory.mktemp("triton-engine-runs")
-    jobs = [{"key": f"{m}/{b}/{j}", "config": cfg(models[m], b, **extra), "requests": requests(mt)}
-            for m in MODELS for b in BACKENDS for j, (extra, mt) in JOBS.items()]
+    runs = [(m, j) for m in MODELS for j in JOBS] + [(m, j) for m, js in FAMILY_JOBS.items() for j in js]
+    jobs = [{"key": f"{m}/{b}/{j}", "config": cfg(models[m], b, **JOBS[j][0]), "requests": requests(JOBS[j][1])}
+            for m, j in runs for b in BACKENDS]
     out = {}
     for tp in (1, 2):
         r = run_engine_jobs(tmp, tp, jobs, tag="triton", env=INTERP)
@@ -78,9 +82,9 @@ def results(models, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("job", list(JOBS))
 @pytest.mark.parametrize("tp", (1, 2))
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model,job", [(m, j) for m in MODELS for j in JOBS]
+                         + [(m, j) for m, js in FAMILY_JOBS.items() for j in js])
 def test_triton_engine_equals_torch(results, model, tp, job):
     r = results[tp]
     want, got = r[f"{model}/torch/{job}"], r[f"{model}/triton/{job}"]
