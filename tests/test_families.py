@@ -164,7 +164,39 @@ GEMMA_TEMPLATE = (
     "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
 
 
-def test_llm_tp1_equals_hf(models, hf, tmp_path):
+@pytest.fixture(scope="module")
+def gemma2_chat(tmp_path_factory):
+    """A Gemma 2 of the SmolLM2 tokenizer's vocabulary, with Gemma's own chat template."""
+    d = make_tiny_model(tmp_path_factory.mktemp("gemma2-chat"), "gemma2", name="gemma2-chat", vocab_size=49152)
+    (d / "chat_template.jinja").write_text(GEMMA_TEMPLATE)
+    return d
+
+
+def test_server_tp3(gemma2_chat, tmp_path):
+    """``tpengine serve`` at tp 3 on a Gemma 2: token-id completions equal HF's greedy ones; a chat with a
+    system message is a 400 carrying the template's own error, a chat without one runs."""
+    import openai
+    from serving import Server
+
+    ps = [p[:20] for p in prompts()[:3]]
+    want = greedy(gemma2_chat, ps, NEW, stop_at_eos=False, attn="eager", batched=False)
+    server = Server(tmp_path, tp=3, extra=("--model", str(gemma2_chat), "--max-model-len", "256"))
+    try:
+        c = server.client
+        got = [c.completions.create(model="gemma2-chat", prompt=p, temperature=0.0, max_tokens=NEW, logprobs=0,
+                                    extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}) for p in ps]
+        assert [[int(t.removeprefix("token_id:")) for t in r.choices[0].logprobs.tokens] for r in got] == want
+        r = c.chat.completions.create(model="gemma2-chat", messages=[{"role": "user", "content": "Hi"}],
+                                      max_tokens=2, temperature=0.0)
+        assert r.usage.completion_tokens == 2
+        with pytest.raises(openai.BadRequestError, match="System role not supported"):
+            c.chat.completions.create(model="gemma2-chat", max_tokens=2, messages=[
+                {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    finally:
+        server.stop()
+
+
+def test_llm_tp1_equals_hf(models, hf, gemma2_chat):
     """``LLM`` in this process at tp 1 (Granite, Phi-3 and Gemma 2), and Gemma's own chat template: a
     conversation it renders runs, one with a system message gets the template's own error as its output."""
     from tpengine import LLM, SamplingParams
@@ -174,10 +206,7 @@ def test_llm_tp1_equals_hf(models, hf, tmp_path):
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
                                 SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))
             assert [list(o.outputs[0].token_ids) for o in outs] == hf[name]
-    # a Gemma 2 of the SmolLM2 tokenizer's vocabulary, with Gemma's template
-    gemma2 = make_tiny_model(tmp_path, "gemma2", name="gemma2-chat", vocab_size=49152)
-    (gemma2 / "chat_template.jinja").write_text(GEMMA_TEMPLATE)
-    with LLM(str(gemma2), dtype="float32", max_model_len=256, kv_cache_gb=0.05) as llm:
+    with LLM(str(gemma2_chat), dtype="float32", max_model_len=256, kv_cache_gb=0.05) as llm:
         ok, bad = llm.chat([[{"role": "user", "content": "Hi"}],
                             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]],
                            SamplingParams(max_tokens=2, temperature=0.0))

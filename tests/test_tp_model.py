@@ -18,6 +18,7 @@ from launch import torchrun
 
 from shard_tool.info import rank_bytes, weight_shapes
 from shard_tool.split import split_model
+from shard_tool.verify import verify_dir
 from tpengine.model.plan import ShardPlan
 
 # name -> (arch, overrides); together they cover even and uneven head splits, KV heads fewer
@@ -41,6 +42,7 @@ MODELS = {
 }
 TP_SIZES = (1, 2, 3, 4)
 BF16_MODELS = ("gemma2-tied", "olmo2-projnorm", "phi3-fused", "granite-scaled")
+VERIFIED = ("phi3-fused", "olmo2-projnorm", "gemma3-qknorm-tied")
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +116,8 @@ def tp_results(tiny_models, tmp_path_factory):
             ids = prompt_ids(cfg["vocab_size"]).tolist()
             shard_dir = tmp / f"{name}-tp{tp}"
             split_model(d, tp, shard_dir)
+            if tp == 2 and name in VERIFIED:  # tpengine-shard verify of a split with family-specific tensors
+                assert verify_dir(shard_dir) == [], name
             jobs += [{"key": f"{name}/full", "model_dir": str(d), "input_ids": ids},
                      {"key": f"{name}/shards", "model_dir": str(shard_dir), "input_ids": ids}]
         if tp in (1, 2):  # bfloat16 weights and activations
