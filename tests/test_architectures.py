@@ -41,3 +41,17 @@ def test_unsupported_architecture_is_one_line_exit_2(tmp_path):
     r = CliRunner().invoke(shard_app, ["info", str(gpt2), "--tp", "1"])
     assert r.exit_code == 2
     assert "model_type 'gpt2': the config has no intermediate_size" in r.output
+
+
+def test_unsupported_feature_is_one_line_exit_2(tmp_path):
+    """A family tpengine runs, with a config feature no layer computes (Phi-4-mini's partial rotary
+    embeddings): one line naming the field and its value, exit 2, before any weight is read."""
+    from conftest import make_tiny_model
+
+    d = make_tiny_model(tmp_path, "phi3", partial_rotary_factor=0.75)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt_token_ids": [1, 2, 3], "max_tokens": 2}) + "\n")
+    r = run(["--prompts", str(prompts), "--model", str(d), "--out", str(tmp_path / "o.jsonl")], 1)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert ("model_type 'phi3': partial_rotary_factor=0.75 (RoPE on part of each head) is not supported; "
+            "tpengine rotates whole heads (partial_rotary_factor 1.0)") in r.stderr
