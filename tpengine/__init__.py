@@ -40,16 +40,21 @@ for _key, _value in isa_env().items():
 _EXPORTS = {
     "LLM": "tpengine.entrypoints.llm",
     "SamplingParams": "tpengine.sampling_params",
+    "PoolingParams": "tpengine.pooling_params",
     "RequestOutput": "tpengine.entrypoints.outputs",
     "CompletionOutput": "tpengine.entrypoints.outputs",
+    "EmbeddingRequestOutput": "tpengine.entrypoints.outputs",
+    "EmbeddingOutput": "tpengine.entrypoints.outputs",
     "StructuredOutputsParams": "tpengine.structured.params",
 }
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "PoolingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+           "EmbeddingRequestOutput", "EmbeddingOutput", "__version__"]
 
 if TYPE_CHECKING:
     from tpengine.entrypoints.llm import LLM
-    from tpengine.entrypoints.outputs import CompletionOutput, RequestOutput
+    from tpengine.entrypoints.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+    from tpengine.pooling_params import PoolingParams
     from tpengine.sampling_params import SamplingParams
     from tpengine.structured.params import StructuredOutputsParams
 

@@ -42,6 +42,70 @@ REASONING_PARSER_NAMES = ("qwen3", "deepseek_r1")
 QUANTIZATIONS = ("int8", "int4")
 #: The proposers of speculative decoding (``SpeculativeConfig.method``, vLLM's names).
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+#: The values of ``EngineConfig.runner`` (vLLM's ``--runner``): "auto" and "generate" run the model as
+#: a causal LM (every model tpengine loads is one); "pooling" serves embeddings instead
+#: (:mod:`tpengine.engine.pooling`).
+RUNNERS = ("auto", "generate", "pooling")
+#: The pooling types of ``PoolerConfig.pooling_type`` (vLLM's names): the last token's hidden state,
+#: or the mean over every prompt token's.
+POOLING_TYPES = ("LAST", "MEAN")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How a pooling engine (``runner`` "pooling") turns a prompt's final hidden states (after the
+    model's final norm) into one embedding, as vLLM's ``--pooler-config`` JSON names it.
+
+    * ``pooling_type``: "LAST" (the last prompt token's hidden state; vLLM's default for a decoder
+      LM run as an embedding model) or "MEAN" (the mean over every prompt token's).
+    * ``normalize``: L2-normalize the pooled vector (default True, vLLM's); a request's
+      :class:`tpengine.pooling_params.PoolingParams` ``normalize`` overrides it. ``use_activation``
+      (vLLM's newer name of the same switch) is accepted as an alias.
+
+    Raises:
+        ValueError: an unknown key or pooling type, a ``normalize`` that is not a bool, naming it.
+    """
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pooling_type, str):
+            object.__setattr__(self, "pooling_type", self.pooling_type.upper())
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"invalid pooler_config pooling_type={self.pooling_type!r}: must be one of "
+                             f"{', '.join(POOLING_TYPES)}")
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"invalid pooler_config normalize={self.normalize!r}: must be true or false")
+
+    @classmethod
+    def parse(cls, value: Any) -> PoolerConfig:
+        """A config from vLLM's JSON text (``--pooler-config '{"pooling_type": "MEAN"}'``), a dict
+        (``LLM(pooler_config=...)``, a TOML table) or a config; null values are "not given".
+
+        Raises:
+            ValueError: not JSON, not an object, an unknown key (naming the valid ones), or a bad value.
+        """
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"invalid pooler_config {value!r}: not JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"invalid pooler_config {value!r}: must be a JSON object such as "
+                             '{"pooling_type": "LAST", "normalize": true}')
+        value = {k: v for k, v in value.items() if v is not None}
+        if "use_activation" in value:
+            if "normalize" in value:
+                raise ValueError("invalid pooler_config: normalize and use_activation are one setting; give one")
+            value["normalize"] = value.pop("use_activation")
+        known = [f.name for f in fields(cls)]
+        if unknown := sorted(set(value) - set(known)):
+            raise ValueError(f"invalid pooler_config: unknown key(s) {unknown}; valid: {', '.join(known)} "
+                             "(use_activation: normalize's other name)")
+        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -195,6 +259,12 @@ class EngineConfig:
     # speculative decoding (vLLM's --speculative-config): a SpeculativeConfig, given as its JSON text or a
     # dict; None: off
     speculative_config: SpeculativeConfig | None = None
+    # what the engine runs the model for (vLLM's --runner): "auto" / "generate" (text), or "pooling":
+    # prefill only, each prompt's final hidden states pooled into one embedding (tpengine/engine/pooling.py)
+    runner: str = "auto"
+    # a pooling engine's pooling (vLLM's --pooler-config): a PoolerConfig, given as its JSON text or a dict;
+    # None: LAST, normalized
+    pooler_config: PoolerConfig | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, valid: str) -> ValueError:
@@ -211,6 +281,7 @@ class EngineConfig:
                 raise bad(f.name, "a finite number")
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        self._check_runner()
         if self.max_num_batched_tokens is None and self.enable_chunked_prefill:
             object.__setattr__(self, "max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
         if self.max_num_batched_tokens is None and self.max_model_len is not None:
@@ -250,6 +321,35 @@ class EngineConfig:
             raise bad("reasoning_parser", f"one of {', '.join(REASONING_PARSER_NAMES)} or unset")
         if self.generation_config == "":
             raise bad("generation_config", "auto, ignore or a folder holding a generation_config.json")
+
+    def _check_runner(self) -> None:
+        """``runner`` and ``pooler_config``: a known runner; a pooler config only for a pooling engine,
+        which runs no speculative decoding; MEAN pooling reads every prompt token's hidden state, so a
+        cached prefix (computed by no step) would be missing from it: prefix caching is off for it, as
+        vLLM turns it off for every pooling type but LAST."""
+        if self.runner not in RUNNERS:
+            raise ValueError(f"invalid runner={self.runner!r}: must be one of {', '.join(RUNNERS)}")
+        if self.pooler_config is not None:
+            object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
+            if not self.pooling:
+                raise ValueError(f"invalid pooler_config: it sets a pooling engine's pooling, but runner is "
+                                 f"{self.runner!r}; add runner pooling (--runner pooling)")
+        if self.pooling:
+            if self.speculative_config is not None:
+                raise ValueError("invalid speculative_config: a pooling engine (runner pooling) generates no "
+                                 "tokens to speculate on; leave it unset")
+            if self.pooler.pooling_type != "LAST" and self.enable_prefix_caching:
+                object.__setattr__(self, "enable_prefix_caching", False)
+
+    @property
+    def pooling(self) -> bool:
+        """Whether the engine serves embeddings (``runner`` "pooling") instead of generating."""
+        return self.runner == "pooling"
+
+    @property
+    def pooler(self) -> PoolerConfig:
+        """The pooling a pooling engine applies: ``pooler_config``, or the default (LAST, normalized)."""
+        return self.pooler_config or PoolerConfig()
 
     def torch_dtype(self, device: Any) -> Any:
         """The model/KV-cache ``torch.dtype`` on ``device`` (the one place "auto" is resolved):
@@ -310,6 +410,7 @@ FIELD_TYPES: dict[str, tuple] = {
     "model": (str,), "dtype": (str,), "attention_backend": (str,), "generation_config": (str,), "cpu_linear": (str,),
     "quantization": (str, None), "structured_outputs_backend": (str,),
     "reasoning_parser": (str, None), "speculative_config": (str, dict, SpeculativeConfig, None),
+    "runner": (str,), "pooler_config": (str, dict, PoolerConfig, None),
     "max_model_len": (int, None), "block_size": (int,), "max_num_seqs": (int,), "max_num_batched_tokens": (int, None),
     "num_kv_blocks": (int, None), "threads": (int, None), "seed": (int,),
     "tensor_parallel_size": (int, None), "data_parallel_size": (int,),

@@ -24,6 +24,7 @@ from tpengine.engine.model_runner import ModelRunner
 from tpengine.engine.output_processor import OutputProcessor, failed_output
 from tpengine.engine.outputs import EngineOutput
 from tpengine.engine.parallel_sampling import SampleForker
+from tpengine.engine.pooling import PoolingRequests
 from tpengine.engine.process import setup_process
 from tpengine.engine.row_sampler import RowSampler
 from tpengine.engine.sampler import Sampler
@@ -37,6 +38,7 @@ from tpengine.engine.update import ScheduledStep, StepUpdater
 from tpengine.errors import UserError
 from tpengine.model.spec import ModelSpec
 from tpengine.model.surgery import check_model_limits
+from tpengine.pooling_params import PoolingParams
 from tpengine.sampling_params import SamplingParams
 from tpengine.startup import collector_paused
 
@@ -107,6 +109,12 @@ class LLMEngine:
     vocabulary shard (no logits gathered, no Sampler call); other steps gather the logits to rank 0
     and sample there.
 
+    A pooling engine (``config.runner`` "pooling", :mod:`tpengine.engine.pooling`) takes
+    :class:`PoolingParams` requests instead: each is a prefill only (chunked as any prompt), the
+    steps skip the LM head and rank 0 pools the final hidden states into each request's
+    ``EngineOutput.embedding``; the request ends, its blocks freed, in the step that computes its last
+    prompt token.
+
     The model folder is read once (:class:`tpengine.model.spec.ModelSpec`): its config before the
     process groups start (the ``max_model_len`` default and ``check_model_limits`` need it), its
     ``ShardPlan`` (or a shard folder's manifest check) once the tp size is known; the process
@@ -155,7 +163,18 @@ class LLMEngine:
         config = self.config
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
-        self.scheduler = Scheduler(config, self.runner.num_blocks, self.eos_token_ids)
+        # a draft model reads the same block tables, from its own position (after a preemption, from 0):
+        # blocks are freed for leaving the window only without one
+        window = self.runner.kv_window if self.draft_runner is None else None
+        self.scheduler = Scheduler(config, self.runner.num_blocks, self.eos_token_ids, sliding_window=window)
+        self._pooling = None
+        if config.pooling:
+            # a pooling prompt needs no room for an output token: it may fill max_model_len (vLLM's rule)
+            self.scheduler.max_model_len = config.max_model_len + 1
+            hf = self.runner.hf_config
+            dims = getattr(hf, "matryoshka_dimensions", None)
+            self._pooling = PoolingRequests(config.pooler, self.runner.shard_plan.hidden_size,
+                                            bool(getattr(hf, "is_matryoshka", False) or dims), dims)
         self.sampler = Sampler(config.seed, self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.is_stop_token)
         # a thinking model's end-of-thought ids: its structured outputs start after them
@@ -195,15 +214,21 @@ class LLMEngine:
         return self.structured_outputs.manager
 
     # ------------------------------------------------------------------ driver API
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                     stream: bool = False) -> None:
         """Queue a request (rank 0). One that cannot run (too long for max_model_len or the
         KV cache, empty, ids outside the vocabulary, an id already running) becomes an error output
         of the next step, and so does any other exception its content raises here: no request ends
         the engine. ``stream``: :meth:`step` also returns this request's output so far (``finished``
         False) after every step that gives it a token. ``params.max_tokens`` 0 (score the prompt):
-        the prompt runs through prefill and one greedy token, which the output leaves out."""
+        the prompt runs through prefill and one greedy token, which the output leaves out. A pooling
+        engine takes :class:`PoolingParams` (``stream`` ignored): its output's ``embedding`` comes once
+        the prompt is prefilled; sampling params there, or pooling params on a generate engine, are
+        that request's error output."""
         vocab, prompt = self.vocab_size, list(prompt_token_ids)
+        if self.config.pooling or isinstance(params, PoolingParams):
+            self._add_pooling(request_id, prompt, params)
+            return
         try:
             bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
             asked = params
@@ -233,6 +258,38 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 -- one request's failure is its own error output
             self._pending.append(failed_output(request_id, prompt, "scheduling", e))
 
+    def _add_pooling(self, request_id: str, prompt: list[int], params: PoolingParams | SamplingParams) -> None:
+        """Queue a pooling request (rank 0; see :meth:`add_request`): one that cannot run (a generate
+        engine, sampling params, a prompt longer than ``max_model_len``, ids outside the vocabulary,
+        ``dimensions`` the model does not take) becomes an error output of the next step."""
+        vocab, limit = self.vocab_size, self.config.max_model_len
+        try:
+            if not self.config.pooling:
+                raise ValueError(f"request {request_id!r}: embeddings need a pooling engine (runner pooling, "
+                                 f"--runner pooling); this one generates (runner {self.config.runner!r})")
+            if not isinstance(params, PoolingParams):
+                raise ValueError(f"request {request_id!r}: this engine makes embeddings (runner pooling) and "
+                                 "generates no text; send PoolingParams (LLM.embed, /v1/embeddings)")
+            if bad := [t for t in prompt if not 0 <= t < vocab]:
+                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            if len(prompt) > limit:
+                raise ValueError(f"request {request_id!r}: the prompt has {len(prompt)} tokens, but max_model_len "
+                                 f"is {limit}; shorten the input")
+            seq = Sequence(next(self._ids), request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0),
+                           arrival_time=time.monotonic())
+            self._pooling.add(seq, params)
+            try:
+                self.scheduler.add(seq)
+            except BaseException:
+                self._pooling.drop(request_id)
+                raise
+        except ValueError as e:
+            msg = str(e)
+            field = "dimensions" if msg.startswith("dimensions") else "prompt"
+            self._pending.append(EngineOutput(request_id, prompt, error=msg, error_field=field))
+        except Exception as e:  # noqa: BLE001 -- one request's failure is its own error output
+            self._pending.append(failed_output(request_id, prompt, "scheduling", e))
+
     def num_waiting(self) -> int:
         """Rank 0: requests not yet scheduled (waiting, or outputs not yet handed back)."""
         return len(self.scheduler.waiting) + len(self._pending)
@@ -250,6 +307,8 @@ class LLMEngine:
             return done
         step = self._schedule()
         out = self._execute(step)
+        if self._pooling is not None:  # pooled rows: the finished requests' embeddings, no token
+            return done + self._pooling.update(step.seqs, out, self.scheduler)
         outputs, emitted = self._updater.update(step, out)
         self._output_tokens += emitted
         return done + outputs
@@ -298,6 +357,11 @@ class LLMEngine:
         """Rank 0: end a live request now (a client went away); its KV blocks are freed at once and
         its final output (every sample's ``finish_reason`` "abort" unless it had finished) comes
         with the next :meth:`step`. Returns False when no such request is live."""
+        if self._pooling is not None:
+            out = self._pooling.abort(request_id, self.scheduler)
+            if out is not None:
+                self._pending.append(out)
+            return out is not None
         seqs = self.outputs.sequences(request_id)
         if not seqs:
             return False

@@ -15,6 +15,7 @@ from tpengine.backends import get_backend, get_platform
 from tpengine.config import EngineConfig
 from tpengine.context import Context
 from tpengine.distributed import TPInfo, all_reduce_min, broadcast_control
+from tpengine.engine.pooling import pool_rows
 from tpengine.engine.step import StepKind, StepPlan
 from tpengine.errors import UserError
 from tpengine.model.loader import ExecutionProfile, load_model
@@ -83,6 +84,15 @@ class ModelRunner:
         self.graphs = self.platform.step_runner(self.model, self.backend, config, self.shard_plan.hidden_size,
                                                 self.dtype, tp.device)
 
+    @property
+    def kv_window(self) -> int | None:
+        """The sliding window (tokens) the KV blocks of a sequence must cover: the largest
+        ``sliding_window`` among the attention layers when every one of them slides (Mistral with a
+        window, Phi-3, Qwen2 with ``use_sliding_window`` on every layer), else None (a full-attention
+        layer: Gemma 2 and 3, OLMo 3 keep every block). The one place the engine reads it from."""
+        windows = [m.sliding_window for m in self.attn_modules]
+        return None if not windows or None in windows else max(windows)
+
     def ready_line(self, seconds: float) -> str:
         """The one line rank 0 prints when the engine is ready: model, dtype, tp, this rank's weight
         and KV-cache GiB, KV blocks, and ``seconds`` since the engine started."""
@@ -120,6 +130,9 @@ class ModelRunner:
         budget = self.platform.kv_budget_bytes(c, self.tp.device, self._warmup)
         blocks = int(budget // per_block)
         need = cdiv(c.max_model_len, c.block_size)
+        if (w := self.kv_window) is not None and c.enable_chunked_prefill:
+            # vLLM's SlidingWindowSpec: the window before a step's first token and the step's tokens
+            need = min(need, cdiv(min(w - 1 + c.max_num_batched_tokens, c.max_model_len), c.block_size) + 1)
         if blocks < need:
             raise UserError(f"KV cache budget gives {blocks} blocks of {c.block_size} tokens, fewer than the "
                              f"{need} one max_model_len={c.max_model_len} sequence needs; raise kv_cache_gb "
@@ -136,7 +149,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, grammar_mask: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
-        """Run one PREFILL or DECODE step, after the plan's block copies. Returns float32 logits
+        """Run one PREFILL or DECODE step, after the plan's block copies. A pooling engine
+        (``config.pooling``) skips the LM head: rank 0 gets each sequence's pooled row, float32
+        ``[B, hidden]`` (:meth:`_pool`). Otherwise returns float32 logits
         ``[B + P + S, vocab_size]`` on rank 0 (one row per sequence, at ``plan.sample_idx``, then one
         per ``plan.prompt_idx`` entry, then one per ``plan.spec_idx`` entry) or, for a ``plan.greedy``
         step, the argmax token ids ``[B + S]`` (int64, without gathering the logits); None on other ranks.
@@ -146,16 +161,27 @@ class ModelRunner:
             self.copy_blocks(plan.block_copies)
         if (self.graphs is not None and plan.kind == StepKind.DECODE
                 and self.graphs.can_run(plan.num_seqs, plan.block_tables.shape[1])):  # CUDA decode: replay a graph
-            return self._head(self.graphs.run(plan.input_ids, plan.positions, plan.slot_mapping, plan.context_lens,
-                                              plan.block_tables), plan, grammar_mask)
+            hidden = self.graphs.run(plan.input_ids, plan.positions, plan.slot_mapping, plan.context_lens,
+                                     plan.block_tables)  # [B, hidden]: one token per sequence
+            return self._pool(hidden, plan) if self.config.pooling else self._head(hidden, plan, grammar_mask)
         dev = self.tp.device
         to = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
         ctx = Context.build(self.backend, plan.kind == StepKind.PREFILL, to(plan.slot_mapping), to(plan.block_tables),
                             to(plan.cu_seqlens_q), to(plan.cu_seqlens_k), to(plan.context_lens))
         hidden = self.model.model(to(plan.input_ids), to(plan.positions), ctx)  # [N, hidden]
+        if self.config.pooling:
+            return self._pool(hidden, plan)
         extra = [t for t in (plan.prompt_idx, plan.spec_idx) if t is not None and t.numel()]
         rows = torch.cat([plan.sample_idx, *extra]) if extra else plan.sample_idx
         return self._head(hidden.index_select(0, to(rows)), plan, grammar_mask)
+
+    def _pool(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:
+        """A pooling engine's step (no LM head): rank 0's pooled rows ``[B, hidden]`` float32
+        (:func:`tpengine.engine.pooling.pool_rows` of the final norm's output, which every rank holds
+        whole); None on other ranks, which have nothing more to do."""
+        if not self.tp.is_driver:
+            return None
+        return pool_rows(hidden, plan, self.config.pooler.pooling_type)
 
     def _head(self, hidden: torch.Tensor, plan: StepPlan,
               grammar_mask: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:

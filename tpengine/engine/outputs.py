@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -85,7 +86,10 @@ class EngineOutput:
     ``itl_s`` sample 0's inter-token latencies (the seconds between its consecutive tokens; final
     outputs only, else empty). ``finished``: False for the output so far of a
     streaming request (then each sample's ``text`` is the text safe to show yet, ``token_ids`` every
-    id generated yet, and ``latency_s`` is None).
+    id generated yet, and ``latency_s`` is None). ``embedding``: a pooling engine's result
+    (:mod:`tpengine.engine.pooling`), float32 ``[hidden_size]`` (or ``dimensions``) on the CPU, None
+    otherwise and for an aborted request; such an output holds one empty sample whose
+    ``finish_reason`` is "stop" (or "abort").
     """
 
     request_id: str
@@ -102,6 +106,7 @@ class EngineOutput:
     error: str | None = None
     error_field: str | None = None
     finished: bool = True
+    embedding: Any = None  # a torch.Tensor or None (this module imports no torch)
 
     @property
     def text(self) -> str:

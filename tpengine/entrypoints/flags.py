@@ -72,6 +72,10 @@ ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {
     "speculative_config": ("speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                            "\"prompt_lookup_max\": 4}' or '{\"model\": DRAFT_DIR, \"num_speculative_tokens\": 4}' "
                            "(greedy and seeded outputs stay exactly those without it)", "none"),
+    "runner": ("what the model runs for (vLLM's --runner): auto or generate (text), or pooling: embeddings "
+               "(/v1/embeddings, LLM.embed; prefill only, the final hidden states pooled)", None),
+    "pooler_config": ("a pooling engine's pooling, vLLM's JSON: '{\"pooling_type\": \"LAST\", \"normalize\": true}' "
+                      "(pooling_type LAST or MEAN; MEAN turns prefix caching off)", "LAST, normalized"),
 }
 
 

@@ -7,6 +7,9 @@
         print(out.outputs[0].text)
     print(llm.chat([{"role": "user", "content": "Hi!"}])[0].outputs[0].text)
 
+    embedder = LLM("models/smollm2-135m-instruct", runner="pooling")   # vLLM's pooling runner
+    vec = embedder.embed(["The capital of France is"])[0].outputs.embedding  # list of hidden_size floats
+
 At tp=1 it runs in the calling process. Under ``torchrun --nproc_per_node=N script.py`` every rank
 runs the same script, builds the same ``LLM`` and makes the same calls (vLLM's
 ``external_launcher``): rank 0 tokenizes and runs the engine, the other ranks follow its step
@@ -18,13 +21,14 @@ checks that raise run on every rank before any collective, so every rank raises 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from tpengine.config import DEFAULT_MODEL_DIR
-from tpengine.entrypoints.outputs import RequestOutput
+from tpengine.entrypoints.outputs import EmbeddingRequestOutput, RequestOutput
 from tpengine.entrypoints.setup import build_engine, read_launch, start_rank
 from tpengine.errors import UserError
+from tpengine.pooling_params import PoolingParams
 from tpengine.sampling_params import SamplingParams
 
 #: One prompt as the engine takes it: (kind, payload, text): kind "prompt" (payload the text),
@@ -50,6 +54,7 @@ class LLM:
             tensor_parallel_size.
         **engine_settings: :class:`tpengine.config.EngineConfig` fields (``dtype``,
             ``max_model_len``, ``kv_cache_gb``, ``max_num_seqs``, ``seed``, ``generation_config``,
+            ``runner`` ("pooling": :meth:`embed` instead of :meth:`generate`), ``pooler_config``,
             ...); None means unset. ``generation_config`` (vLLM's): "auto" (default: the model's
             ``generation_config.json`` sampling values are the defaults of
             :meth:`get_default_sampling_params`), "ignore", or a folder holding one.
@@ -104,9 +109,11 @@ class LLM:
 
         Raises:
             TypeError: a prompt or ``sampling_params`` of another type (naming its position).
-            ValueError: a list of ``sampling_params`` whose length is not the number of prompts.
+            ValueError: a list of ``sampling_params`` whose length is not the number of prompts; a
+                pooling engine (``runner="pooling"``: use :meth:`embed`).
             RuntimeError: after :meth:`shutdown`.
         """
+        self._check_runner("generate")
         items = _parse_prompts(prompts)
         return self._run(items, self._per_prompt(sampling_params, len(items)), None)
 
@@ -141,8 +148,57 @@ class LLM:
         """
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                    "chat_template_kwargs": chat_template_kwargs}
+        self._check_runner("chat")
         items = _parse_conversations(messages, options)
         return self._run(items, self._per_prompt(sampling_params, len(items)), _template_options(options))
+
+    def embed(self, prompts: Any, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (vLLM's ``LLM.embed``): the engine's pooling (``pooler_config``:
+        the last token's or the mean final hidden state, after the model's final norm) of one
+        prefill, L2-normalized unless the pooler config or ``pooling_params`` say otherwise. Every rank
+        calls this with the same arguments; the LLM must be a pooling one (``runner="pooling"``).
+
+        Args:
+            prompts: as :meth:`generate`'s.
+            pooling_params: one :class:`PoolingParams` for every prompt, or a list with one per
+                prompt; default ``PoolingParams()``.
+
+        Returns:
+            One :class:`EmbeddingRequestOutput` per prompt, in prompt order, on every rank
+            (``outputs.embedding``: a list of floats). A prompt that cannot run (longer than
+            ``max_model_len``, no tokens, an id outside the vocabulary, ``dimensions`` the model does
+            not take) does not raise: its ``error`` is set and ``outputs`` is None.
+
+        Raises:
+            TypeError: a prompt or ``pooling_params`` of another type (naming its position).
+            ValueError: a list of ``pooling_params`` whose length is not the number of prompts; an LLM
+                that is not a pooling one.
+            RuntimeError: after :meth:`shutdown`.
+        """
+        self._check_runner("embed")
+        items = _parse_prompts(prompts)
+        params = _per_prompt(PoolingParams() if pooling_params is None else pooling_params, len(items),
+                             PoolingParams, "pooling_params")
+        return self._run(items, params, None, EmbeddingRequestOutput.from_engine)
+
+    def _check_runner(self, method: str) -> None:
+        """``embed`` needs a pooling engine, ``generate`` and ``chat`` a generating one (checked on every
+        rank alike, before any collective).
+
+        Raises:
+            ValueError: the other kind, naming the method and the setting.
+            RuntimeError: after :meth:`shutdown`.
+        """
+        if self.llm_engine is None:
+            raise RuntimeError("this LLM is shut down: create a new LLM")
+        pooling = self.llm_engine.config.pooling
+        if method == "embed" and not pooling:
+            raise ValueError("LLM.embed needs a pooling model: create the LLM with runner=\"pooling\" "
+                             "(vLLM's --runner pooling)")
+        if method != "embed" and pooling:
+            raise ValueError(f"LLM.{method} generates text, but this LLM runs runner=\"pooling\" (embeddings); "
+                             "use LLM.embed, or create the LLM without runner=\"pooling\"")
 
     def shutdown(self) -> None:
         """Free the engine and tear down the process groups; every rank calls it. Safe to call twice."""
@@ -160,9 +216,10 @@ class LLM:
     def _per_prompt(self, sampling_params: Any, n: int) -> list[SamplingParams]:
         return _per_prompt(self.get_default_sampling_params() if sampling_params is None else sampling_params, n)
 
-    def _run(self, items: list[PromptItem], params: list[SamplingParams],
-             template_options: dict[str, Any] | None) -> list[RequestOutput]:
-        """Run ``items`` with ``params`` (one each) on the engine; rank 0's outputs on every rank."""
+    def _run(self, items: list[PromptItem], params: list[Any], template_options: dict[str, Any] | None,
+             convert: Callable[[Any, str | None], Any] = RequestOutput.from_engine) -> list[Any]:
+        """Run ``items`` with ``params`` (one each) on the engine; rank 0's outputs, each made by
+        ``convert(engine output, prompt text)``, on every rank."""
         from tpengine.distributed import broadcast_object
 
         engine = self.llm_engine
@@ -174,10 +231,13 @@ class LLM:
             engine.generate([])  # follow rank 0's steps (or the front's ticks) until its STOP
             return broadcast_object(None, world=True)
         texts = {rid: item[2] for rid, item in zip(ids, items)}
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, Any] = {}
         feed = self._feed(ids, items, params, template_options, results)
         for out in engine.generate(feed):
-            results[out.request_id] = RequestOutput.from_engine(out, texts[out.request_id])
+            results[out.request_id] = convert(out, texts[out.request_id])
+        if convert is not RequestOutput.from_engine:  # a prompt that failed before the engine
+            results = {rid: EmbeddingRequestOutput.failed(r) if isinstance(r, RequestOutput) else r
+                       for rid, r in results.items()}
         return broadcast_object([results[rid] for rid in ids], world=True)
 
     def _feed(self, ids: list[str], items: list[PromptItem], params: list[SamplingParams],
@@ -275,23 +335,24 @@ def _parse_conversations(messages: Any, options: dict[str, Any] | None = None) -
     return items
 
 
-def _per_prompt(sampling_params: Any, n: int) -> list[SamplingParams]:
-    """One :class:`SamplingParams` per prompt (see :meth:`LLM.generate`).
+def _per_prompt(sampling_params: Any, n: int, kind: type = SamplingParams, name: str = "sampling_params") -> list:
+    """One ``kind`` (:class:`SamplingParams`, or :class:`PoolingParams` for ``embed``) per prompt (see
+    :meth:`LLM.generate`); ``name``: the argument's name in messages.
 
     Raises:
-        TypeError: not a SamplingParams, a list of them, or None.
+        TypeError: not a ``kind``, a list of them, or None.
         ValueError: a list whose length is not ``n``.
     """
     if sampling_params is None:
-        sampling_params = SamplingParams()
-    if isinstance(sampling_params, SamplingParams):
+        sampling_params = kind()
+    if isinstance(sampling_params, kind):
         return [sampling_params] * n
-    if isinstance(sampling_params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in sampling_params):
+    if isinstance(sampling_params, (list, tuple)) and all(isinstance(p, kind) for p in sampling_params):
         if len(sampling_params) != n:
-            raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts: pass one "
-                             "SamplingParams for all, or a list with one per prompt")
+            raise ValueError(f"got {len(sampling_params)} {name} for {n} prompts: pass one "
+                             f"{kind.__name__} for all, or a list with one per prompt")
         return list(sampling_params)
-    raise TypeError("sampling_params must be a SamplingParams, a list of them (one per prompt) or None, "
+    raise TypeError(f"{name} must be a {kind.__name__}, a list of them (one per prompt) or None, "
                     f"got {type(sampling_params).__name__} {_short(sampling_params)}")
 
 
