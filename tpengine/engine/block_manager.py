@@ -11,6 +11,17 @@ reference-counted and shared read-only by every sequence whose prefix matches; a
 block is never shared. A block whose count drops to 0 goes to the free queue *with* its hash: it
 stays a cache hit until it is evicted, least recently freed first, when a new block is needed.
 Workers never see any of this: they get block tables and slot mappings in the StepPlan.
+
+Sliding windows (vLLM's sliding-window manager): when every attention layer of the model slides, with
+``w`` the largest window, a query at position ``i`` reads no key before ``i - w + 1``, so a sequence
+whose first query of a step is at ``i`` no longer needs block ``j`` once ``(j + 1) * block_size <=
+i - w + 1``. :meth:`BlockManager.free_outside_window` drops its reference to such blocks (a block
+another sequence shares, or that holds a cached prefix, stays as the reference counts and the cache
+say) and puts -1 in their table entries; the attention kernels never read a -1 entry's block
+(``tpengine.backends.checks.window_start``). Its blocks are then allocated as the steps reach them
+(:meth:`BlockManager.allocate` / :meth:`BlockManager.grow` for ``num_new_tokens``), not all at
+admission, so a sequence holds at most ``ceil(w / block_size) + 1`` blocks while it decodes (more by
+the lookahead of speculative tokens, or by a prefill chunk's blocks).
 """
 
 from __future__ import annotations
@@ -40,18 +51,27 @@ class BlockManager:
     Counts: ``num_free_blocks`` blocks are unreferenced (each can be handed out, evicting its
     cached content if it has any); ``num_cached_blocks`` of those still hold a cached prefix.
 
+    ``sliding_window``: ``w`` (tokens) when every attention layer of the model slides, the largest
+    window among them; None (a full-attention layer, or a mixed model) frees nothing before a
+    sequence ends. ``num_window_freed`` counts the table entries dropped for leaving the window.
+
     Raises:
-        ValueError: ``num_blocks`` or ``block_size`` < 1.
+        ValueError: ``num_blocks`` or ``block_size`` < 1, ``sliding_window`` < 1.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
+        self.num_window_freed = 0
         self.ref_count = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks  # set once the block's K/V is computed
         self.cached: dict[bytes, int] = {}  # hash -> block holding that prefix
@@ -76,6 +96,53 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
         return cdiv(num_tokens, self.block_size)
+
+    # ---- sliding window -------------------------------------------------------------------------
+    def first_needed_block(self, pos: int) -> int:
+        """The first block index a query at position ``pos`` (or any later one) reads: ``max(0, (pos -
+        w + 1) // block_size)`` with a sliding window ``w``, else 0."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, (pos - self.sliding_window + 1) // self.block_size)
+
+    @property
+    def window_blocks(self) -> int | None:
+        """The most blocks a decoding sequence holds with a sliding window ``w`` (one new token a
+        step): ``ceil(w / block_size) + 1``; None without one."""
+        return None if self.sliding_window is None else cdiv(self.sliding_window, self.block_size) + 1
+
+    @staticmethod
+    def num_held_blocks(seq: Sequence) -> int:
+        """Blocks ``seq``'s table references (its -1 entries, freed, not counted)."""
+        return sum(1 for b in seq.block_table if b >= 0)
+
+    def free_outside_window(self, seq: Sequence, pos: int | None = None) -> int:
+        """With a sliding window: drop ``seq``'s reference to every block before
+        :meth:`first_needed_block` of ``pos`` (default ``seq.num_cached_tokens``: the first position the
+        next step computes) and put -1 in its table entry. A block no one else references joins the free
+        queue with its cached prefix, as :meth:`deallocate` does. Call it only between steps, after
+        :meth:`cache_computed`, so a block is registered before it is freed. Returns the number of
+        blocks dropped (0 without a window)."""
+        table = seq.block_table
+        j = min(self.first_needed_block(seq.num_cached_tokens if pos is None else pos), len(table)) - 1
+        freed = []
+        while j >= 0 and table[j] >= 0:  # the freed entries are a prefix of the table
+            freed.append(table[j])
+            table[j] = -1
+            j -= 1
+        for b in freed:  # the later blocks first: the earliest, a prefix likelier shared, evicted last
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self._free[b] = None
+        self.num_window_freed += len(freed)
+        return len(freed)
+
+    def _table_end(self, seq: Sequence, num_new_tokens: int | None) -> int:
+        """Tokens the table must cover for a step computing ``num_new_tokens`` from
+        ``num_cached_tokens``: all of ``seq``'s tokens without a window or with ``num_new_tokens`` None."""
+        if self.sliding_window is None or num_new_tokens is None:
+            return seq.num_tokens
+        return min(seq.num_tokens, seq.num_cached_tokens + num_new_tokens)
 
     # ---- hashes -------------------------------------------------------------------------------
     def hashes(self, seq: Sequence) -> list[bytes]:
@@ -120,19 +187,37 @@ class BlockManager:
             blocks.append(b)
         return blocks
 
-    def _new_blocks_needed(self, seq: Sequence, hits: list[int]) -> tuple[int, int]:
-        """(new blocks, free blocks usable for them): hits that are free are taken off the queue."""
-        idle_hits = sum(1 for b in hits if self.ref_count[b] == 0)
-        return self.blocks_needed(seq.num_tokens) - len(hits), len(self._free) - idle_hits
+    def _new_blocks_needed(self, seq: Sequence, hits: list[int], end: int) -> tuple[int, int, int]:
+        """(first hit kept, new blocks, free blocks usable for them) for a table covering ``end``
+        tokens: with a sliding window the hits before the first computed position's window are not
+        taken; kept hits that are free are taken off the queue."""
+        lo = self.first_needed_block(len(hits) * self.block_size)
+        idle_hits = sum(1 for b in hits[lo:] if self.ref_count[b] == 0)
+        return lo, max(0, self.blocks_needed(end) - len(hits)), len(self._free) - idle_hits
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        """True if ``allocate(seq)`` will succeed: its cache hits plus free blocks cover all its tokens."""
-        need, free = self._new_blocks_needed(seq, self.match(seq))
+    def can_allocate(self, seq: Sequence, num_new_tokens: int | None = None) -> bool:
+        """True if ``allocate(seq, num_new_tokens)`` will succeed: its cache hits plus free blocks
+        cover the tokens its table must hold."""
+        hits = self.match(seq)
+        _, need, free = self._new_blocks_needed(seq, hits, self._end_after(seq, hits, num_new_tokens))
         return need <= free
 
-    def allocate(self, seq: Sequence) -> int:
-        """Fill ``seq.block_table`` for all ``seq.num_tokens`` tokens (before its prefill): the
-        blocks of its cached prefix (shared, reference count + 1), then new blocks. Sets
+    def fitting_tokens(self, seq: Sequence) -> int:
+        """How many tokens from its first uncached one a waiting ``seq`` could compute in its first step
+        with the blocks free now (its cached prefix's hits shared, those before the window skipped)."""
+        _, _, free = self._new_blocks_needed(seq, self.match(seq), 0)
+        return free * self.block_size
+
+    def _end_after(self, seq: Sequence, hits: list[int], num_new_tokens: int | None) -> int:
+        if self.sliding_window is None or num_new_tokens is None:
+            return seq.num_tokens
+        return min(seq.num_tokens, len(hits) * self.block_size + num_new_tokens)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int | None = None) -> int:
+        """Fill ``seq.block_table`` before its prefill: the blocks of its cached prefix (shared,
+        reference count + 1), then new blocks, for all ``seq.num_tokens`` tokens; with a sliding window
+        and ``num_new_tokens`` (the first step's tokens after the cached prefix), only up to them, and
+        the prefix's blocks before the first computed position's window are -1 (not referenced). Sets
         ``seq.num_cached_tokens`` to the cached prefix's length and returns it.
 
         Raises:
@@ -141,23 +226,45 @@ class BlockManager:
         if seq.block_table:
             raise RuntimeError(f"seq {seq.seq_id} already holds blocks {seq.block_table}")
         hits = self.match(seq)
-        need, free = self._new_blocks_needed(seq, hits)
+        lo, need, free = self._new_blocks_needed(seq, hits, self._end_after(seq, hits, num_new_tokens))
         if need > free:
             raise RuntimeError(f"out of KV blocks: seq {seq.seq_id} needs {need} more block(s), "
                                f"{free} of {self.num_blocks} free")
-        for b in hits:
+        for b in hits[lo:]:
             if self.ref_count[b] == 0:
                 del self._free[b]
             self.ref_count[b] += 1
-        seq.block_table = hits + self._take(need, seq)
+        seq.block_table = [-1] * lo + hits[lo:] + self._take(need, seq)
         seq.num_cached_tokens = len(hits) * self.block_size
         return seq.num_cached_tokens
+
+    def grow_need(self, seq: Sequence, num_new_tokens: int) -> int:
+        """New blocks :meth:`grow` takes for a step computing ``num_new_tokens`` of ``seq`` (a prefill
+        chunk); 0 without a sliding window (all of a prompt's blocks come at admission)."""
+        return max(0, self.blocks_needed(self._table_end(seq, num_new_tokens)) - len(seq.block_table))
+
+    def grow(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Extend ``seq.block_table`` (part-way through its prefill) to cover the next ``num_new_tokens``
+        tokens from ``num_cached_tokens`` (a no-op when it does already).
+
+        Raises:
+            RuntimeError: not enough blocks are free.
+        """
+        need = self.grow_need(seq, num_new_tokens)
+        if need:
+            seq.block_table.extend(self._take(need, seq))
+
+    def free_tokens(self, seq: Sequence) -> int:
+        """How many tokens from ``num_cached_tokens`` the allocated ``seq``'s table and the free blocks
+        can hold."""
+        return (len(seq.block_table) + len(self._free)) * self.block_size - seq.num_cached_tokens
 
     def _shared_write_block(self, seq: Sequence) -> int | None:
         """The index in ``seq.block_table`` of the block that position ``num_tokens - 1`` is written
         to, when another sequence shares that block (a fork's partial block); else None."""
         i = (seq.num_tokens - 1) // self.block_size
-        return i if i < len(seq.block_table) and self.ref_count[seq.block_table[i]] > 1 else None
+        return i if i < len(seq.block_table) and seq.block_table[i] >= 0 and self.ref_count[seq.block_table[i]] > 1 \
+            else None
 
     def _append_need(self, seq: Sequence, extra: int = 0) -> int:
         need = max(0, self.blocks_needed(seq.num_tokens + extra) - len(seq.block_table))
@@ -210,8 +317,9 @@ class BlockManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give ``child`` (a new sample of ``parent``'s prompt) ``parent``'s blocks, shared: each
-        block's reference count + 1, the prefix-cache bookkeeping copied. A block either of them
-        later writes to while shared is copied first (:meth:`may_append`).
+        block's reference count + 1 (the -1 entries of blocks ``parent`` freed for leaving its window
+        stay -1), the prefix-cache bookkeeping copied. A block either of them later writes to while
+        shared is copied first (:meth:`may_append`).
 
         Raises:
             RuntimeError: ``child`` already holds blocks.
@@ -219,7 +327,8 @@ class BlockManager:
         if child.block_table:
             raise RuntimeError(f"seq {child.seq_id} already holds blocks {child.block_table}")
         for b in parent.block_table:
-            self.ref_count[b] += 1
+            if b >= 0:
+                self.ref_count[b] += 1
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_registered_blocks = parent.num_registered_blocks
@@ -227,14 +336,15 @@ class BlockManager:
     def cache_computed(self, seq: Sequence) -> None:
         """After a step: register every full block of ``seq`` whose K/V is now computed (the
         first ``num_cached_tokens // block_size``) under its chained hash, so later sequences can
-        share it. A block whose prefix another block already caches stays unregistered."""
+        share it. A block whose prefix another block already caches stays unregistered, and so does a
+        -1 entry (a block freed for leaving the window: it was registered, if at all, before)."""
         if not self.enable_prefix_caching:
             return
         full = min(seq.num_cached_tokens // self.block_size, len(seq.block_table))
         hashes = self.hashes(seq)
         for i in range(seq.num_registered_blocks, full):
             b, h = seq.block_table[i], hashes[i]
-            if self.hash_of[b] is None and h not in self.cached:
+            if b >= 0 and self.hash_of[b] is None and h not in self.cached:
                 self.hash_of[b] = h
                 self.cached[h] = b
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
@@ -251,16 +361,17 @@ class BlockManager:
     def deallocate(self, seq: Sequence) -> None:
         """Drop ``seq``'s reference to each of its blocks; a block no one references joins the free
         queue (tail blocks first, so they are evicted before the prefix blocks other requests are
-        likelier to share) and keeps its cached prefix until evicted. Clears the table and
-        ``num_cached_tokens``.
+        likelier to share) and keeps its cached prefix until evicted. Its -1 entries (freed for leaving
+        the window) hold nothing. Clears the table and ``num_cached_tokens``.
 
         Raises:
             RuntimeError: a block in the table is not allocated (double free / foreign block).
         """
-        bad = [b for b in seq.block_table if self.ref_count[b] <= 0]
+        held = [b for b in seq.block_table if b >= 0]
+        bad = [b for b in held if self.ref_count[b] <= 0]
         if bad:
             raise RuntimeError(f"seq {seq.seq_id} frees blocks {bad} that are not allocated")
-        for b in reversed(seq.block_table):
+        for b in reversed(held):
             self.ref_count[b] -= 1
             if self.ref_count[b] == 0:
                 self._free[b] = None
@@ -272,13 +383,16 @@ class BlockManager:
         """Flat cache slot of token position ``pos`` (0-based) of ``seq``.
 
         Raises:
-            IndexError: ``pos`` < 0 or not covered by ``seq.block_table``.
+            IndexError: ``pos`` < 0, not covered by ``seq.block_table``, or in a block freed for
+                leaving the window.
         """
         if not 0 <= pos < len(seq.block_table) * self.block_size:
             raise IndexError(
                 f"position {pos} of seq {seq.seq_id} not covered by its "
                 f"{len(seq.block_table)} block(s) of {self.block_size}"
             )
+        if seq.block_table[pos // self.block_size] < 0:
+            raise IndexError(f"position {pos} of seq {seq.seq_id} is in a block freed for leaving the window")
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]:

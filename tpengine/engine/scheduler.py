@@ -11,6 +11,13 @@ samples only those whose prefill is then complete. When a step runs out of KV bl
 recently admitted running sequence is preempted: its blocks are freed (their computed prefix stays
 cached) and it goes back to the front of the waiting queue, to be re-prefilled later with ALL its
 tokens (prompt + generated so far). Generated tokens are kept, so nothing is lost or repeated (case C13).
+
+A model whose every attention layer slides (``sliding_window``, the largest window ``w``) frees the
+blocks that left a sequence's window before each step (:meth:`BlockManager.free_outside_window`) and
+gets its blocks step by step: a prompt's first chunk's at admission, each later chunk's when it is
+scheduled (cut to the free blocks, with chunked prefill). A sequence then holds at most ``ceil(w /
+block_size) + 1`` blocks while it decodes, its length is not bounded by the cache (with chunked
+prefill; a preempted one is prefilled again in chunks), and as many more sequences fit.
 """
 
 from __future__ import annotations
@@ -39,12 +46,16 @@ class Scheduler:
         num_kv_blocks: physical KV blocks in the cache (discovered at run time).
         eos_token_ids: every id that ends generation unless ``ignore_eos`` (union of tokenizer,
             generation_config and config.json EOS ids, case C12).
+        sliding_window: ``w`` when every attention layer the block tables serve slides (the largest
+            window among them), else None (:attr:`ModelRunner.kv_window`).
 
     Context limit: a sequence also finishes with "length" when it would no longer fit in the whole
-    cache (``num_tokens > num_kv_blocks * block_size``), so a lone sequence can always proceed.
+    cache (``num_tokens > num_kv_blocks * block_size``), so a lone sequence can always proceed; with a
+    sliding window and chunked prefill it needs only its window's blocks, and there is no such limit.
     """
 
-    def __init__(self, config: EngineConfig, num_kv_blocks: int, eos_token_ids: set[int]) -> None:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, eos_token_ids: set[int],
+                 sliding_window: int | None = None) -> None:
         self.config = config
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -52,7 +63,10 @@ class Scheduler:
         self.block_size = config.block_size
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.chunked_prefill = config.enable_chunked_prefill
-        self.block_manager = BlockManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                          sliding_window)
+        # a sliding model's sequence, prefilled in chunks, needs only its window's blocks at any step
+        self.sliding = sliding_window is not None and self.chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -65,7 +79,8 @@ class Scheduler:
 
         Raises:
             ValueError: empty prompt; prompt length >= max_model_len (no room for one output
-                token); or the prompt needs more KV blocks than the whole cache has. The
+                token); or the prompt needs more KV blocks than the whole cache has (with a sliding
+                window and chunked prefill: its window's, ``ceil(w / block_size) + 1``). The
                 message names both numbers; the engine turns it into a per-request error.
         """
         n = seq.num_tokens
@@ -78,6 +93,8 @@ class Scheduler:
                 "to leave room for one output token)"
             )
         need = self.block_manager.blocks_needed(n)
+        if self.sliding:
+            need = min(need, self.block_manager.window_blocks)
         if need > self.block_manager.num_blocks:
             raise ValueError(
                 f"request {seq.request_id!r}: prompt has {n} tokens and needs {need} KV blocks "
@@ -143,10 +160,17 @@ class Scheduler:
             out. While a prompt is part-way, or when sequences are decoding and the next waiting
             prompt needs more than one step: a mixed step (``is_prefill`` True), the decodes
             first, then the next chunks and admissions in the room they leave. ``([], False)`` when nothing is queued.
+            With a sliding window, every running sequence first gives back the blocks that left its
+            window; a chunk is cut to the free blocks, and when no running sequence can take a step the
+            most recently admitted ones are preempted until one can.
 
         Raises:
             RuntimeError: sequences are queued but none can be scheduled (a bookkeeping bug).
         """
+        bm = self.block_manager
+        if bm.sliding_window is not None:
+            for s in self.running:  # their blocks computed so far are registered (postprocess) already
+                bm.free_outside_window(s)
         if any(s.is_prefilling for s in self.running) or self._head_needs_chunks():
             decodes = self._schedule_decode()
             chunks = self._schedule_chunks(self.max_num_batched_tokens - len(decodes))
@@ -155,11 +179,14 @@ class Scheduler:
             batch, is_prefill = self._admit(self.max_num_batched_tokens), True
             if not batch:
                 batch, is_prefill = self._schedule_decode(), False
+        while not batch and self.running and self.sliding:
+            # every running sequence is part-way through its prefill and none found a free block
+            self._preempt(self.running.pop())
+            batch, is_prefill = self._schedule_chunks(self.max_num_batched_tokens), True
         if not batch and self.waiting:
             # Only if every running sequence was preempted this step: their blocks are free now.
             batch, is_prefill = self._schedule_chunks(self.max_num_batched_tokens), True
             if not batch:
-                bm = self.block_manager
                 raise RuntimeError(
                     f"scheduler stalled: {len(self.waiting)} waiting, head needs "
                     f"{bm.blocks_needed(self.waiting[0].num_tokens)} blocks, "
@@ -185,20 +212,30 @@ class Scheduler:
 
     def _schedule_chunks(self, budget: int) -> list[Sequence]:
         """The next chunk of every part-way prefill (in admission order), then new admissions,
-        within ``budget`` tokens."""
+        within ``budget`` tokens. With a sliding window a chunk's blocks are taken now, and a chunk is
+        cut to the tokens the free blocks hold (none: the sequence waits a step, admissions stop)."""
         batch: list[Sequence] = []
+        bm = self.block_manager
         for seq in self.running:
             if budget <= 0:
                 break
             if seq.is_prefilling:
-                seq.num_new_tokens = min(seq.num_tokens - seq.num_cached_tokens, budget)
-                budget -= seq.num_new_tokens
+                n = min(seq.num_tokens - seq.num_cached_tokens, budget)
+                if self.sliding:
+                    n = min(n, bm.free_tokens(seq))
+                    if n < 1:
+                        budget = 0  # the blocks freed later go to the running sequences first
+                        break
+                bm.grow(seq, n)
+                seq.num_new_tokens = n
+                budget -= n
                 batch.append(seq)
         return batch + self._admit(budget)
 
     def _admit(self, budget: int) -> list[Sequence]:
         """Admit waiting sequences (FIFO) into ``running`` within ``budget`` new tokens: allocate
-        their blocks (sharing their cached prefix) and set ``num_new_tokens``. Stops at the first
+        their blocks (sharing their cached prefix; with a sliding window only those of the first
+        chunk, cut to the free blocks) and set ``num_new_tokens``. Stops at the first
         that does not fit, and at one whose next uncached block a running sequence is computing
         (it waits a step and then shares that block instead of computing it again)."""
         batch: list[Sequence] = []
@@ -213,13 +250,20 @@ class Scheduler:
             if hashes and len(hits) < (seq.num_tokens - 1) // self.block_size and hashes[len(hits)] in pending:
                 break  # its next block could be a hit one step later
             new_tokens = seq.num_tokens - len(hits) * self.block_size
-            if new_tokens > budget and not self.chunked_prefill or not bm.can_allocate(seq):
+            if new_tokens > budget and not self.chunked_prefill:
+                break
+            n = min(new_tokens, budget)
+            if self.sliding:  # its first chunk's blocks only, as many as are free
+                n = min(n, bm.fitting_tokens(seq))
+                if n < 1:
+                    break
+            if not bm.can_allocate(seq, n):
                 break
             self.waiting.popleft()
-            bm.allocate(seq)
+            bm.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
-            seq.num_new_tokens = min(new_tokens, budget)
-            budget -= seq.num_new_tokens
+            seq.num_new_tokens = n
+            budget -= n
             if seq.num_prefix_cached_tokens is None:  # first scheduling: the request's usage
                 seq.num_prefix_cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
                 seq.scheduled_time = time.monotonic()
@@ -305,7 +349,8 @@ class Scheduler:
 
         Finish rules, first that applies: "stop" if :meth:`is_stop_token`; "stop" if
         ``stopped``; "length" if ``max_tokens`` tokens were generated, the sequence reached
-        ``max_model_len`` or outgrew the whole KV cache.
+        ``max_model_len`` or outgrew the whole KV cache (not with a sliding window and chunked prefill:
+        a sequence then needs only its window's blocks).
 
         Returns:
             the sequences finished by this call (blocks already returned).
@@ -342,7 +387,7 @@ class Scheduler:
             elif (
                 p.max_tokens is not None and seq.num_completion_tokens >= p.max_tokens
                 or seq.num_tokens >= self.max_model_len
-                or seq.num_tokens > cache_tokens
+                or seq.num_tokens > cache_tokens and not self.sliding
             ):
                 reason = "length"
             if reason is not None:
