@@ -3,7 +3,7 @@
 usage: torchrun --nproc_per_node N tests/workers/engine_generate.py OUT.json JOBS.json
 JOBS.json: [{"key": str, "config": {EngineConfig fields}, "requests": [[id, prompt_ids, params]]}]
 params are SamplingParams keyword arguments (``structured_outputs``: StructuredOutputsParams ones).
-Output: {key: {"outputs": [...], "stats": {...},
+Output: {key: {"outputs": [...], "stats": {...}, "window_freed": blocks freed for leaving a sliding window,
 "weight_bytes": [per rank], "load_s": seconds to build the engine, "run_s": seconds to generate}}
 (the seconds are for reading which job a slow run spends its time in, never asserted).
 A job may instead carry "waves": a list of request lists, each generate()d in turn.
@@ -56,6 +56,7 @@ def main():
                 "outputs": [as_record(o) for o in outs],
                 "stats": dataclasses.asdict(engine.stats()),
                 "start_free_blocks": start_free,
+                "window_freed": engine.scheduler.block_manager.num_window_freed,  # blocks that left the window
                 "weight_bytes": weight_bytes,
                 "load_s": round(loaded - start, 2),
                 "run_s": round(time.monotonic() - loaded, 2),
