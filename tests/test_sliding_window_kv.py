@@ -212,3 +212,13 @@ def test_speculative_reservation_and_trim_never_bring_freed_blocks_back():
     batch, _ = sched.schedule()  # the decode at 17: block 2 left the window too, (17 - 5) // 4 = 3
     assert batch == [s] and s.num_cached_tokens == 17
     assert s.block_table[:3] == [-1, -1, -1] and len(s.block_table) == 5 and bm.num_held_blocks(s) == 2
+
+
+@pytest.mark.parametrize("windows, expect", [([8, 8], 8), ([4, 8, 6], 8), ([8, None], None), ([None, None], None)])
+def test_kv_window_is_the_largest_when_every_layer_slides(windows, expect):
+    from types import SimpleNamespace
+
+    from tpengine.engine.model_runner import ModelRunner
+
+    runner = SimpleNamespace(attn_modules=[SimpleNamespace(sliding_window=w) for w in windows])
+    assert ModelRunner.kv_window.fget(runner) == expect

@@ -130,8 +130,10 @@ class ModelRunner:
         budget = self.platform.kv_budget_bytes(c, self.tp.device, self._warmup)
         blocks = int(budget // per_block)
         need = cdiv(c.max_model_len, c.block_size)
-        if (w := self.kv_window) is not None and c.enable_chunked_prefill:
-            # vLLM's SlidingWindowSpec: the window before a step's first token and the step's tokens
+        drafts = c.speculative_config is not None and c.speculative_config.method == "draft_model"
+        if (w := self.kv_window) is not None and c.enable_chunked_prefill and not drafts:
+            # vLLM's SlidingWindowSpec: the window before a step's first token and the step's tokens (a
+            # draft model reads the same tables from behind: then nothing is freed, LLMEngine._driver_init)
             need = min(need, cdiv(min(w - 1 + c.max_num_batched_tokens, c.max_model_len), c.block_size) + 1)
         if blocks < need:
             raise UserError(f"KV cache budget gives {blocks} blocks of {c.block_size} tokens, fewer than the "
