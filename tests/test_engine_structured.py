@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-import pytest
 import torch
 
 from tpengine.engine.sequence import Sequence
-from tpengine.engine.structured_output import StructuredOutputs, StructuredState, holds
+from tpengine.engine.structured_output import StructuredOutputs, StructuredState
+from tpengine.engine.thoughts import ThoughtTags
 from tpengine.sampling_params import SamplingParams
 from tpengine.structured.bitmask import apply_bitmask
 
@@ -75,15 +75,13 @@ def done(value=None, error: Exception | None = None) -> Future:
     return f
 
 
-def seq(sid: int, prompt=(1, 2, 3)) -> Sequence:
-    return Sequence(sid, f"r{sid}", list(prompt), SamplingParams())
+def seq(sid: int, prompt=(1, 2, 3), thinking: bool = False) -> Sequence:
+    return Sequence(sid, f"r{sid}", list(prompt), SamplingParams(thinking=thinking))
 
 
 def test_admission_schedules_compiled_grammars_and_turns_failures_into_outputs():
-    so = StructuredOutputs(Manager, reasoning_end=(7, 8))
-    ok, thought, bad, refused, broken, slow, aborted = (seq(i) for i in range(7))
-    thought.token_ids = [1, 7, 8, 2]  # its prompt already closed the thought
-    thought.num_prompt_tokens = 4
+    so = StructuredOutputs(Manager, ThoughtTags(start_id=6, end_id=8))
+    ok, thought, bad, refused, broken, slow, aborted = (seq(i, thinking=i == 0) for i in range(7))
     aborted.status = aborted.status.FINISHED
     so.compiling = [(ok, done(Grammar())), (thought, done(Grammar())), (bad, done(error=ValueError("bad schema"))),
                     (refused, done(Grammar())), (broken, done(error=KeyError("lib"))), (slow, Future()),
@@ -101,17 +99,16 @@ def test_admission_schedules_compiled_grammars_and_turns_failures_into_outputs()
         ("r2", "bad schema", "structured_outputs"), ("r3", "prompt too long", "prompt")]
     assert errors[2].request_id == "r4" and errors[2].error == "compiling the grammar failed: KeyError: 'lib'"
     assert so.compiling == [(slow, so.compiling[0][1])]  # still compiling; the aborted one is forgotten
-    assert ok.structured.reasoning_end == (7, 8) and thought.structured.reasoning_end is None
+    # the front end's decision: r0 starts inside its thought; r1 (a completion, or a closed thought) does not
+    assert ok.structured.reasoning_end == 8 and thought.structured.reasoning_end is None
     assert so.admit(add, dropped.append, idle=True) == [] and len(so.compiling) == 1  # waits 50 ms, no more
 
 
 def test_advance_waits_for_the_thought_then_follows_the_grammar():
     s = seq(0)
-    s.structured = StructuredState(Grammar(), Matcher({3, 4}), reasoning_end=(7, 8))
-    assert StructuredOutputs.advance(s, 5) is None and s.structured.reasoning_end == (7, 8)  # thinking: free
-    s.token_ids.append(7)
-    assert StructuredOutputs.advance(s, 8) is None and s.structured.reasoning_end is None  # "7 8" ends it
-    s.token_ids.append(8)
+    s.structured = StructuredState(Grammar(), Matcher({3, 4}), reasoning_end=8)
+    assert StructuredOutputs.advance(s, 5) is None and s.structured.reasoning_end == 8  # thinking: free
+    assert StructuredOutputs.advance(s, 8) is None and s.structured.reasoning_end is None  # the end token ends it
     assert not StructuredOutputs.is_complete(s)
     assert str(StructuredOutputs.advance(s, 5)) == "the grammar does not allow the sampled token 5"
     assert StructuredOutputs.advance(s, 3) is None and StructuredOutputs.advance(s, 4) is None
@@ -124,7 +121,7 @@ def test_masks_cover_the_sampled_constrained_rows_and_a_new_sample_takes_its_par
     a, free, chunk, thinking = seq(0), seq(1), seq(2), seq(3)
     a.structured = StructuredState(Grammar(), Matcher({3}))
     chunk.structured = StructuredState(Grammar(), Matcher({4}))
-    thinking.structured = StructuredState(Grammar(), Matcher({4}), reasoning_end=(7,))
+    thinking.structured = StructuredState(Grammar(), Matcher({4}), reasoning_end=7)
     assert so.masks([free], [True]) is None
     masks = so.masks([a, free, chunk, thinking], [True, True, False, True]).result()
     assert masks.tolist() == [[1 << 3], [-1], [-1], [-1]]  # only a's row constrains
@@ -158,9 +155,3 @@ def test_manager_is_made_once_on_first_use():
     so = StructuredOutputs(lambda: made.append(1) or Manager())
     assert made == []
     assert so.manager is so.manager and made == [1]
-
-
-@pytest.mark.parametrize("ids, part, found", [([1, 7, 8, 2], (7, 8), True), ([7, 1, 8], (7, 8), False),
-                                               ([7], (7, 8), False), ([], (), True)])
-def test_holds(ids, part, found):
-    assert holds(ids, part) is found

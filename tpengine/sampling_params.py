@@ -66,6 +66,10 @@ class SamplingParams:
     * ``structured_outputs``: a :class:`~tpengine.structured.StructuredOutputsParams` (a JSON schema,
       regex, choice or grammar) the output must match: before anything else, every token the grammar
       does not allow next gets -inf, and the sample ends ("stop") once the grammar is complete.
+    * ``thinking``: the output starts inside a reasoning parser's thought (the engine's
+      ``reasoning_parser``): ``structured_outputs`` applies only after the thought's end token
+      (:mod:`tpengine.frontend.reasoning`, whose chat front ends set it per request); False (default):
+      constrained from the first token. Not a request field.
 
     Raises:
         ValueError: a value out of range or of the wrong type; the message names the field, the
@@ -92,6 +96,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    thinking: bool = False
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",

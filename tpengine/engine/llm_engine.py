@@ -34,6 +34,7 @@ from tpengine.engine.spec_decode import SpecDecoder, SpecState
 from tpengine.engine.stats import EngineStats
 from tpengine.engine.step import StepKind, StepPlan, broadcast_plan, build_plan
 from tpengine.engine.structured_output import StructuredOutputs
+from tpengine.engine.thoughts import thought_tags
 from tpengine.engine.update import ScheduledStep, StepUpdater
 from tpengine.errors import UserError
 from tpengine.model.spec import ModelSpec
@@ -177,10 +178,10 @@ class LLMEngine:
                                             bool(getattr(hf, "is_matryoshka", False) or dims), dims)
         self.sampler = Sampler(config.seed, self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.is_stop_token)
-        # a thinking model's end-of-thought ids: its structured outputs start after them
-        reasoning_end = tuple(self.tokenizer.encode("</think>", add_special_tokens=False)) \
-            if config.reasoning_parser else None
-        self.structured_outputs = StructuredOutputs(self._grammar_manager, reasoning_end)
+        # a thinking model's tag ids (--reasoning-parser; a tokenizer without them is refused): a chat
+        # request that starts inside its thought (params.thinking) is constrained after its </think> token
+        self.structured_outputs = StructuredOutputs(self._grammar_manager,
+                                                    thought_tags(config.reasoning_parser, self.tokenizer))
         self._spec = None if config.speculative_config is None else \
             SpecDecoder(config.speculative_config, config.max_model_len, config.block_size)
         self._ids = itertools.count()  # engine-unique sequence ids

@@ -4,11 +4,12 @@ admission, the step's token bitmask, and each sample's matcher.
 A request with ``params.structured_outputs`` waits in :class:`StructuredOutputs` while its grammar
 compiles on a worker thread (:meth:`StructuredOutputs.submit`), joins the scheduler once compiled
 (:meth:`StructuredOutputs.admit`), and carries a :class:`StructuredState` (``Sequence.structured``):
-the grammar, its sample's matcher and, for a thinking model, the ids that end its thought (the
-grammar applies only after them). Each step fills the constrained rows' bitmask while the forward
-runs (:meth:`StructuredOutputs.masks`); rank 0 masks the gathered rows (:meth:`StructuredOutputs.apply`)
-or, in a greedy step, every rank masks its vocabulary shard at the LM head; each taken token advances
-the matcher (:meth:`StructuredOutputs.advance`).
+the grammar, its sample's matcher and, while a thinking model's sample is inside its thought, the
+``</think>`` token id that ends it (the grammar applies only after it: the one decision the chat
+response's reasoning split reads too, :mod:`tpengine.engine.thoughts`). Each step fills the
+constrained rows' bitmask while the forward runs (:meth:`StructuredOutputs.masks`); rank 0 masks the
+gathered rows (:meth:`StructuredOutputs.apply`) or, in a greedy step, every rank masks its vocabulary
+shard at the LM head; each taken token advances the matcher (:meth:`StructuredOutputs.advance`).
 """
 
 from __future__ import annotations
@@ -24,26 +25,21 @@ import torch
 from tpengine.engine.output_processor import failed_output
 from tpengine.engine.outputs import EngineOutput
 from tpengine.engine.sequence import Sequence
+from tpengine.engine.thoughts import ThoughtTags
 
 #: the failure record of a batch row: row -> (stage, exception)
 Failures = dict[int, tuple[str, Exception]]
 
 
-def holds(ids: list[int], part: tuple[int, ...]) -> bool:
-    """Whether ``part`` occurs in ``ids`` as a contiguous run."""
-    n = len(part)
-    return any(tuple(ids[i:i + n]) == part for i in range(len(ids) - n + 1))
-
-
 @dataclass
 class StructuredState:
     """One sample's structured output: the compiled ``grammar``, this sample's ``matcher`` in it
-    (:mod:`tpengine.structured`), and ``reasoning_end``: while the sample still thinks, the token ids
-    that end its thought (``</think>``; the grammar waits for them), else None."""
+    (:mod:`tpengine.structured`), and ``reasoning_end``: while the sample still thinks, the token id
+    that ends its thought (``</think>``; the grammar waits for it), else None."""
 
     grammar: object
     matcher: object
-    reasoning_end: tuple[int, ...] | None = None
+    reasoning_end: int | None = None
 
     def fork(self) -> StructuredState:
         """A new sample's state: its own matcher at the grammar's start (no token taken yet)."""
@@ -61,12 +57,15 @@ class StructuredOutputs:
     Args:
         make_manager: builds the :class:`tpengine.structured.StructuredOutputManager` (on first use:
             the grammar libraries read the tokenizer's vocabulary then).
-        reasoning_end: a thinking model's end-of-thought ids (its structured output starts after
-            them), or None.
+        tags: a thinking model's tag ids (``--reasoning-parser``,
+            :func:`tpengine.engine.thoughts.thought_tags`), or None. A request whose
+            ``params.thinking`` is set starts inside its thought: its grammar applies after the
+            first ``tags.end_id`` it writes. Without ``thinking`` (completions, the ``LLM`` API,
+            every request of an engine without tags) it is constrained from its first token.
     """
 
-    def __init__(self, make_manager: Callable[[], object], reasoning_end: tuple[int, ...] | None = None) -> None:
-        self._make_manager, self.reasoning_end = make_manager, reasoning_end
+    def __init__(self, make_manager: Callable[[], object], tags: ThoughtTags | None = None) -> None:
+        self._make_manager, self.tags = make_manager, tags
         self._manager = None
         self._lock = threading.Lock()
         self.compiling: list[tuple[Sequence, Future]] = []  # constrained requests waiting for their grammar
@@ -104,8 +103,8 @@ class StructuredOutputs:
             try:
                 grammar = fut.result()
                 seq.structured = StructuredState(grammar, grammar.matcher())
-                if self.reasoning_end and not holds(prompt, self.reasoning_end):  # still to think
-                    seq.structured.reasoning_end = self.reasoning_end
+                if self.tags is not None and seq.params.thinking:  # the chat front end's decision
+                    seq.structured.reasoning_end = self.tags.end_id
                 add(seq)
             except ValueError as e:  # GrammarError, or a prompt the scheduler refuses
                 drop(seq.request_id)
@@ -148,9 +147,8 @@ class StructuredOutputs:
         """Take ``token`` into ``seq``'s grammar: while thinking, only watch for the thought's end;
         else the matcher accepts it. Returns the error of a token the grammar does not allow."""
         state = seq.structured
-        if state.reasoning_end is not None:  # thinking: unconstrained until the thought ends
-            end = state.reasoning_end
-            if (seq.token_ids[len(seq.token_ids) - len(end) + 1:] + [token])[-len(end):] == list(end):
+        if state.reasoning_end is not None:  # thinking: unconstrained until its end token
+            if token == state.reasoning_end:  # ThoughtTags.thought_end's rule, one token at a time
                 state.reasoning_end = None
             return None
         if not state.matcher.accept(token):

@@ -34,6 +34,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tpengine.config import EngineConfig
 from tpengine.engine.memory import gather_peak_rss
 from tpengine.entrypoints.flags import engine_options, option
+from tpengine.entrypoints.model_checks import check_flags_against_model
 from tpengine.entrypoints.setup import (
     build_engine,
     check_model,
@@ -158,6 +159,7 @@ def prepare(prompts: Path, out: Path | None, config: Path | None, resume: bool, 
                          "fix them, or pass --skip-invalid to run the rest")
     if requests:  # a job without valid requests loads no model
         check_model(cfg.model, missing_hint="run `make model`, or pass --model")
+        check_flags_against_model(cfg.model, cfg.reasoning_parser)  # its tags, before any output is touched
     job = PreparedJob(cfg, requests, errors, launch.model_name, defaults_line=launch.defaults_line)
     if rank == 0:  # the summary file first: a --summary-json that cannot be written leaves --out untouched
         new_summary = summary_json is not None and not summary_json.exists()

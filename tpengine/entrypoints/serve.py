@@ -27,6 +27,7 @@ from typing import Annotated, Any
 import typer
 
 from tpengine.entrypoints.flags import engine_options, option
+from tpengine.entrypoints.model_checks import check_flags_against_model
 from tpengine.entrypoints.setup import (
     build_engine,
     end_rank,
@@ -188,6 +189,9 @@ def main(
             raise UserError(f"--metrics-prefix must be tpengine or vllm, got {metrics_prefix!r}")
         keys = api_keys(api_key)
         sock = bind(host, port) if rank == 0 else None
+        # the parsers and the template against the model's tokenizer, before the weights load
+        check_flags_against_model(launch.config.model, launch.config.reasoning_parser, tool_call_parser, template,
+                                  chat_template)
     except (UserError, ValueError, OSError) as e:
         raise typer.Exit(settings_mistake_exit(rank, e, engine)) from None
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from typing import Any
 
 from tpengine.engine.memory import gather_peak_rss
@@ -11,6 +12,7 @@ from tpengine.engine.output_processor import failed_output, failed_request
 from tpengine.engine.outputs import EngineOutput
 from tpengine.frontend.output import error_record, make_record, openai_error_record
 from tpengine.frontend.progress import ProgressReporter
+from tpengine.frontend.reasoning import REASONING_PARSERS, ReasoningParser, thought_tags
 from tpengine.frontend.requests import (
     EchoPrompt,
     ParsedRequest,
@@ -64,6 +66,11 @@ def drive(engine, requests: Iterable[ParsedRequest], errors: list[RequestError],
     already holds (``read_done`` with ``--resume``). ``engine`` is None when there is no valid
     request: only the error records are written.
 
+    With the engine's ``reasoning_parser``, an OpenAI chat line's record splits the thought off into
+    ``reasoning_content`` and its output constraint starts after it, as the server's
+    (:mod:`tpengine.frontend.reasoning`); simple lines get the text as generated, constrained from
+    its first token.
+
     No request ends the job: whatever one request's content raises while it is templated,
     tokenized, scheduled, sampled, detokenized or written becomes that request's error record
     (``"<stage> failed: <exception>"``), and the other requests go on. Requests are tokenized only
@@ -78,12 +85,15 @@ def drive(engine, requests: Iterable[ParsedRequest], errors: list[RequestError],
     progress = ProgressReporter(total=sum(rid not in done for rid in ids) + len(bad))
     running: dict[str, ParsedRequest] = {}  # taken by the engine, record not yet written
     echoes: dict[str, EchoPrompt] = {}  # of the running requests that asked for echo
+    thoughts: dict[str, ReasoningParser] = {}  # of the running OpenAI chat lines, with --reasoning-parser
+    parser = None if engine is None else engine.config.reasoning_parser
 
     def on_output(o: EngineOutput) -> None:
         req = running.pop(o.request_id, None)
         echo = echoes.pop(o.request_id, None)
+        thought = thoughts.pop(o.request_id, None)
         try:
-            rec = make_record(req, o, model_name, echo)
+            rec = make_record(req, o, model_name, echo, thought)
         except Exception as e:  # noqa: BLE001 -- this request's record cannot be built: its error record
             o = failed_output(o.request_id, o.prompt_token_ids, "writing its record", e)
             rec = make_record(req, o, model_name)
@@ -104,8 +114,14 @@ def drive(engine, requests: Iterable[ParsedRequest], errors: list[RequestError],
             except Exception as e:  # noqa: BLE001 -- e.g. the chat template's raise_exception, a lone surrogate
                 on_output(failed_request(r.id, failure_message(r, e)))
                 continue
+            params = r.params
+            if parser is not None and r.format == "openai_chat":  # the server's split, the same decision
+                kwargs = (r.template_options or {}).get("chat_template_kwargs")
+                thoughts[r.id] = REASONING_PARSERS[parser].for_request(
+                    thought_tags(parser, tok), tok, prompt, kwargs, params.skip_special_tokens)
+                params = replace(params, thinking=thoughts[r.id].thinking)
             running[r.id] = r
-            yield r.id, prompt, r.params
+            yield r.id, prompt, params
 
     with writer:
         for _, rec in bad:

@@ -99,18 +99,20 @@ def error_record(request_id: str, message: str, field: str | None = None, line: 
 
 
 def openai_record(
-    req: ParsedRequest, out: EngineOutput, model: str, created: int | None = None, echo: EchoPrompt | None = None
+    req: ParsedRequest, out: EngineOutput, model: str, created: int | None = None, echo: EchoPrompt | None = None,
+    reasoning: ReasoningParser | None = None
 ) -> dict[str, Any]:
     """The OpenAI Batch output line for ``req`` (format openai_chat / openai_completion).
 
     ``model``: the served model's name (the body's ``model``, as vLLM, is the one that ran, not the
     request's); ``created``: unix seconds (default now); ``echo``: the prompt a completions body's
-    ``echo`` puts first.
+    ``echo`` puts first; ``reasoning``: a chat line's reasoning split (``--reasoning-parser``), as the
+    server's.
     """
     if out.error is not None:
         return openai_error_record(req.id, req.line, out.error, out.error_field, code="request_failed")
     n = req.line
-    body = openai_body(out, req.format == "openai_chat", model, str(n), created, echo, req.tools)
+    body = openai_body(out, req.format == "openai_chat", model, str(n), created, echo, req.tools, reasoning)
     response = BatchResponse(request_id=f"req_{n}", body=body)
     return BatchOutputLine(id=f"batch_req_{n}", custom_id=req.id, response=response).model_dump()
 
@@ -159,13 +161,14 @@ def completion_body(outs: list[EngineOutput], echos: list[EchoPrompt | None], mo
 
 
 def chat_message(text: str, finish_reason: str | None, tools: ToolUse | None,
-                 reasoning: ReasoningParser | None = None) -> tuple[ChatResponseMessage, str | None]:
-    """The assistant message of a finished sample's ``text`` and its finish reason: with
-    ``reasoning``, the thought split off into ``reasoning_content``; with ``tools``, the calls read
-    from the rest (:meth:`ToolUse.extract`; then the reason is "tool_calls")."""
+                 reasoning: ReasoningParser | None = None, token_ids: list[int] | tuple[int, ...] = ()
+                 ) -> tuple[ChatResponseMessage, str | None]:
+    """The assistant message of a finished sample's ``text`` (its ``token_ids``) and its finish reason:
+    with ``reasoning``, the thought split off into ``reasoning_content``; with ``tools``, the calls
+    read from the rest (:meth:`ToolUse.extract`; then the reason is "tool_calls")."""
     thought = None
     if reasoning is not None:
-        thought, text = reasoning.split(text)
+        thought, text = reasoning.split(text, token_ids)
         text = text or ""
     if tools is None:
         return ChatResponseMessage(content=text if text or thought is None else None, reasoning_content=thought), \
@@ -192,7 +195,7 @@ def openai_body(out: EngineOutput, chat: bool, model: str, suffix: str, created:
         return completion_body([out], [echo], model, suffix, created)
     choices = []
     for o in out.outputs:
-        message, reason = chat_message(o.text, o.finish_reason, tools, reasoning)
+        message, reason = chat_message(o.text, o.finish_reason, tools, reasoning, o.token_ids)
         choices.append(ChatCompletionResponseChoice(index=o.index, message=message, finish_reason=reason,
                                                     logprobs=None if o.logprobs is None else chat_logprobs(o.logprobs)))
     return ChatCompletionResponse(id=f"chatcmpl-{suffix}", created=created, model=model, choices=choices,
@@ -207,13 +210,13 @@ def openai_error_record(
     return BatchOutputLine(id=f"batch_req_{line}", custom_id=custom_id, error=err).model_dump()
 
 
-def make_record(req: ParsedRequest | None, out: EngineOutput, model: str, echo: EchoPrompt | None = None
-                ) -> dict[str, Any]:
+def make_record(req: ParsedRequest | None, out: EngineOutput, model: str, echo: EchoPrompt | None = None,
+                reasoning: ReasoningParser | None = None) -> dict[str, Any]:
     """The record for ``out`` in the shape its request came in (simple when ``req`` is None);
-    ``model``: the served model's name (OpenAI records); ``echo``: see :func:`openai_record`."""
+    ``model``: the served model's name (OpenAI records); ``echo``, ``reasoning``: see :func:`openai_record`."""
     if req is None or req.format == "simple":
         return simple_record(out)
-    return openai_record(req, out, model, echo=echo)
+    return openai_record(req, out, model, echo=echo, reasoning=reasoning)
 
 
 def record_id(record: dict[str, Any]) -> str | None:

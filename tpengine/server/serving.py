@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from tpengine.engine.outputs import EngineOutput, PositionLogprobs
 from tpengine.frontend.logprobs import chat_logprobs
 from tpengine.frontend.output import completion_body, completion_text, openai_body, usage_info
-from tpengine.frontend.reasoning import END, REASONING_PARSERS, ReasoningParser
+from tpengine.frontend.reasoning import REASONING_PARSERS, ReasoningParser, thought_tags
 from tpengine.frontend.requests import (
     EchoPrompt,
     ParsedRequest,
@@ -87,7 +87,7 @@ class Prepared:
     echoes: list[EchoPrompt | None]
     structured_field: str | None = None  # the body field of its output constraint, if any
     tools: ToolUse | None = None  # how a chat output becomes tool calls, when the request has tools
-    reasoning: ReasoningParser | None = None  # a chat output's thought tags, when the model still thinks
+    reasoning: ReasoningParser | None = None  # a chat output's reasoning split, with --reasoning-parser
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage): usage per chunk
     token_id_strings: bool = False  # return_tokens_as_token_ids: logprobs tokens as "token_id:<id>"
 
@@ -163,7 +163,9 @@ def prepare_request(obj: Any, kind: str, tokenizer, vocab_size: int, max_model_l
     tokenize its prompt(s). A chat body's tools (:func:`tpengine.frontend.tools.tool_use`): "auto"
     reads calls with ``tool_parser`` (needs ``enable_auto_tool_choice``); "required" and a named
     choice add their output constraint to the params. ``reasoning_parser``: a chat output's thought
-    is split off (unless the prompt already ended it, as Qwen3's template does without thinking).
+    is split off (:mod:`tpengine.frontend.reasoning`: whether the output starts inside a thought, from
+    the prompt and ``chat_template_kwargs``), and ``params.thinking`` says the same to the engine, so its
+    output constraint starts where the split puts the content.
     ``base_id``: the request's id (its ``x-request-id``; default a new uuid4), which the response's
     ``id`` and the engine request's id carry as ``chatcmpl-<id>`` / ``cmpl-<id>``, as vLLM's.
 
@@ -215,10 +217,11 @@ def prepare_request(obj: Any, kind: str, tokenizer, vocab_size: int, max_model_l
         echoes = [e if e is None or e.tokens is None else replace(e, tokens=[token_id_string(t) for t in ids])
                   for e, ids in zip(echoes, prompt_ids)]
     reasoning = None
-    if chat and reasoning_parser is not None:
-        end = tuple(tokenizer.encode(END, add_special_tokens=False))
-        if not any(tuple(prompt_ids[0][i:i + len(end)]) == end for i in range(len(prompt_ids[0]) - len(end) + 1)):
-            reasoning = REASONING_PARSERS[reasoning_parser]()
+    if chat and reasoning_parser is not None:  # where the thought ends: this split's and the grammar's decision
+        kwargs = (template_options(body, "messages") or {}).get("chat_template_kwargs")
+        reasoning = REASONING_PARSERS[reasoning_parser].for_request(
+            thought_tags(reasoning_parser, tokenizer), tokenizer, prompt_ids[0], kwargs, params.skip_special_tokens)
+        params = replace(params, thinking=reasoning.thinking)
     options = body.stream_options or {}
     usage = bool(options.get("include_usage"))
     return Prepared(rid, chat, prompt_ids, params, bool(body.stream), usage, int(time.time()), echoes,
@@ -402,7 +405,8 @@ async def stream_events(p: Prepared, outputs: AsyncIterator[EngineOutput], model
                 reason = o.finish_reason if finished else None
                 if p.chat:
                     lp: Any = None if positions is None else chat_logprobs(positions)
-                    thought, text = (None, o.text) if p.reasoning is None else p.reasoning.split(o.text, finished)
+                    thought, text = (None, o.text) if p.reasoning is None else \
+                        p.reasoning.split(o.text, o.token_ids, finished)
                     thought_delta = (thought or "")[len(sent_thought[i]):]
                     delta, calls, reason = _chat_delta(text or "", sent_text[i], finished, reason, p.tools)
                     if delta or thought_delta or calls or finished or positions:
