@@ -29,7 +29,20 @@ def test_the_routes_are_vllms():
         ("/v1/models/{model_id:path}", ["GET"]), ("/version", ["GET"]), ("/tokenizer_info", ["GET"]),
         ("/tokenize", ["POST"]), ("/detokenize", ["POST"]), ("/health", ["GET"]), ("/metrics", ["GET"]),
         ("/v1/responses", ["POST"]), ("/v1/responses/{response_id}", ["GET"]), ("/v1/messages", ["POST"]),
-        ("/v1/messages/count_tokens", ["POST"])]
+        ("/v1/messages/count_tokens", ["POST"]), ("/v1/embeddings", ["POST"])]
+
+
+def test_a_pooling_server_has_embeddings_and_refuses_generation():
+    state = ServerState(loop=SimpleNamespace(dead=None), tokenizer=None, vocab_size=8, max_model_len=64,
+                        model_name="tiny", metrics=None, runner="pooling")
+    routes = [(r.path, sorted(r.methods)) for r in build_app(state).routes if isinstance(r, APIRoute)]
+    assert routes == [("/v1/models", ["GET"]), ("/v1/models/{model_id:path}", ["GET"]), ("/version", ["GET"]),
+                      ("/tokenizer_info", ["GET"]), ("/tokenize", ["POST"]), ("/detokenize", ["POST"]),
+                      ("/health", ["GET"]), ("/metrics", ["GET"]), ("/v1/embeddings", ["POST"]),
+                      ("/v1/completions", ["POST"]), ("/v1/chat/completions", ["POST"]), ("/v1/responses", ["POST"]),
+                      ("/v1/messages", ["POST"])]
+    refusal = json.loads(call(next(r for r in build_app(state).routes if r.path == "/v1/chat/completions")).body)
+    assert refusal["error"]["message"].startswith("The model does not support the Chat Completions API")
 
 
 def test_health_is_503_once_the_engine_is_not_running():

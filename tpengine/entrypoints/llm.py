@@ -21,7 +21,7 @@ checks that raise run on every rank before any collective, so every rank raises 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from tpengine.config import DEFAULT_MODEL_DIR
@@ -180,7 +180,7 @@ class LLM:
         items = _parse_prompts(prompts)
         params = _per_prompt(PoolingParams() if pooling_params is None else pooling_params, len(items),
                              PoolingParams, "pooling_params")
-        return self._run(items, params, None, EmbeddingRequestOutput.from_engine)
+        return self._run(items, params, None, embed=True)
 
     def _check_runner(self, method: str) -> None:
         """``embed`` needs a pooling engine, ``generate`` and ``chat`` a generating one (checked on every
@@ -217,9 +217,9 @@ class LLM:
         return _per_prompt(self.get_default_sampling_params() if sampling_params is None else sampling_params, n)
 
     def _run(self, items: list[PromptItem], params: list[Any], template_options: dict[str, Any] | None,
-             convert: Callable[[Any, str | None], Any] = RequestOutput.from_engine) -> list[Any]:
-        """Run ``items`` with ``params`` (one each) on the engine; rank 0's outputs, each made by
-        ``convert(engine output, prompt text)``, on every rank."""
+             embed: bool = False) -> list[Any]:
+        """Run ``items`` with ``params`` (one each) on the engine; rank 0's outputs on every rank: a
+        :class:`RequestOutput` per item, or with ``embed`` an :class:`EmbeddingRequestOutput`."""
         from tpengine.distributed import broadcast_object
 
         engine = self.llm_engine
@@ -234,8 +234,9 @@ class LLM:
         results: dict[str, Any] = {}
         feed = self._feed(ids, items, params, template_options, results)
         for out in engine.generate(feed):
+            convert = EmbeddingRequestOutput.from_engine if embed else RequestOutput.from_engine
             results[out.request_id] = convert(out, texts[out.request_id])
-        if convert is not RequestOutput.from_engine:  # a prompt that failed before the engine
+        if embed:  # a prompt that failed before the engine
             results = {rid: EmbeddingRequestOutput.failed(r) if isinstance(r, RequestOutput) else r
                        for rid, r in results.items()}
         return broadcast_object([results[rid] for rid in ids], world=True)

@@ -148,6 +148,9 @@ def prepare(prompts: Path, out: Path | None, config: Path | None, resume: bool, 
     except (OSError, ValueError) as e:  # a missing config file, an invalid setting value
         raise UserError(str(e)) from e
     cfg, defaults = launch.config, launch.sampling
+    if cfg.pooling:
+        raise UserError("runner pooling: the batch job generates text; embeddings come from `tpengine serve "
+                        "--runner pooling` (POST /v1/embeddings) or LLM(..., runner=\"pooling\").embed")
     try:
         requests = RequestFile(prompts, defaults)  # every line validated, one at a time; none kept
         errors = requests.errors

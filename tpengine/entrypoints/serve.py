@@ -101,7 +101,8 @@ def serve_rank0(engine, sock: socket.socket, model_name: str, defaults: dict[str
     state = ServerState(loop, engine.tokenizer, engine.vocab_size, engine.config.max_model_len, model_name,
                         metrics, defaults, int(time.time()), check_grammar=lambda c: engine.structured.check(c),
                         tool_parser=tool_parser, enable_auto_tool_choice=enable_auto_tool_choice,
-                        reasoning_parser=engine.config.reasoning_parser)
+                        reasoning_parser=engine.config.reasoning_parser,
+                        runner="pooling" if engine.config.pooling else "generate")
     config = uvicorn.Config(build_app(state, keys or ()), log_level="warning", timeout_graceful_shutdown=drain_s + 3,
                             lifespan="off")
     server = uvicorn.Server(config)
@@ -123,6 +124,8 @@ def serve_rank0(engine, sock: socket.socket, model_name: str, defaults: dict[str
         host, port = sock.getsockname()[:2]
         layout = f"dp {engine.tp.dp_size} x tp {engine.tp.size}" if engine.tp.dp_size > 1 else f"tp {engine.tp.size}"
         auth = f", {len(keys)} API key(s) required on /v1" if keys else ""
+        if engine.config.pooling:
+            auth = f", runner pooling: {engine.config.pooler.pooling_type} pooling on /v1/embeddings" + auth
         print(f"tpengine: serving {model_name} on http://{host}:{port} ({layout}{auth})", file=sys.stderr,
               flush=True)
         watcher = asyncio.ensure_future(watch())
@@ -176,7 +179,8 @@ def main(
     *,
     engine: dict[str, Any],
 ) -> None:
-    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics; with
+    --runner pooling /v1/embeddings instead of the generation routes)."""
     rank, world = start_rank()
     try:
         launch = read_launch(config, engine, world)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app on rank 0 (FastAPI): ``/v1/completions`` (one or more prompts,
 ``echo``), ``/v1/chat/completions`` (``stream`` true and false), ``/v1/models`` and
 ``/v1/models/{id}``, vLLM's ``/tokenize``, ``/detokenize``, ``/tokenizer_info`` and ``/version``, ``/health``,
-``/metrics``. Unknown body fields are ignored and logged once each, as vLLM does.
+``/metrics``; ``/v1/embeddings`` on a pooling server (``--runner pooling``), whose generation routes answer
+a 400 (:mod:`tpengine.server.embeddings`). Unknown body fields are ignored and logged once each, as vLLM does.
 
 Every request is answered on its own: a bad body is a 400 naming the field, an engine that is no
 longer running a 503, and a request's own failure its own error (HTTP error, or an error event in
@@ -56,6 +57,7 @@ class ServerState:
     tool_parser: str | None = None  # --tool-call-parser
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
     reasoning_parser: str | None = None  # the engine's --reasoning-parser
+    runner: str = "generate"  # the engine's --runner: "pooling" serves /v1/embeddings and no generation route
 
 
 def problem_response(p: HTTPProblem) -> JSONResponse:
@@ -117,22 +119,28 @@ def _parse_and_prepare(body: bytes, kind: str, state: ServerState, base_id: str 
 
 
 def build_app(state: ServerState, api_keys: Sequence[str] = ()) -> FastAPI:
-    """The app serving ``state``: the generation routes, the model list, the tokenizer routes and
+    """The app serving ``state``: the generation routes (on a pooling server, ``state.runner``
+    "pooling", ``/v1/embeddings`` instead), the model list, the tokenizer routes and
     the health and metrics routes; every error as OpenAI's error object, an ``x-request-id`` on every
     response, and with ``api_keys`` every route under ``/v1`` behind them
     (:func:`tpengine.server.middleware.install`)."""
     app = FastAPI(title="tpengine", docs_url=None, redoc_url=None)
     install(app, api_keys)
-    _add_generation_routes(app, state)
+    # /v1/responses, /v1/messages (other APIs over the chat path) and /v1/embeddings: imported here, they
+    # import this module
+    from tpengine.server.anthropic_messages import add_messages_routes
+    from tpengine.server.embeddings import add_embeddings_routes
+    from tpengine.server.responses import add_responses_routes
+
+    if state.runner != "pooling":
+        _add_generation_routes(app, state)
     _add_model_routes(app, state)
     _add_tokenizer_routes(app, state)
     _add_health_routes(app, state)
-    # /v1/responses and /v1/messages: other APIs over the chat path (imported here: they import this module)
-    from tpengine.server.anthropic_messages import add_messages_routes
-    from tpengine.server.responses import add_responses_routes
-
-    add_responses_routes(app, state)
-    add_messages_routes(app, state)
+    if state.runner != "pooling":
+        add_responses_routes(app, state)
+        add_messages_routes(app, state)
+    add_embeddings_routes(app, state)  # on a pooling server also the generation routes' refusals
     return app
 
 
