@@ -145,7 +145,15 @@ def test_a_generating_server_refuses_embeddings(smollm2_server):
     assert "--runner pooling" in e.value.body["message"]
 
 
-def test_llm_embed_at_tp1_equals_hf(tmp_path):
+@pytest.fixture
+def torch_threads():
+    """The process's torch thread count, restored after a test whose LLM sets its own (``threads``)."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_llm_embed_at_tp1_equals_hf(tmp_path, torch_threads):
     from transformers import AutoModelForCausalLM
 
     from tpengine import LLM, PoolingParams
@@ -155,7 +163,7 @@ def test_llm_embed_at_tp1_equals_hf(tmp_path):
     prompts = [[1, 5, 9, 22, 7, 3, 100, 42, 8], list(range(3, 40)), [17], list(range(2, 66))]  # 37: 3 chunks; 64: max
     for pooling in ("LAST", "MEAN"):
         with LLM(str(folder), runner="pooling", pooler_config={"pooling_type": pooling}, max_model_len=64,
-                 max_num_batched_tokens=16, num_kv_blocks=32) as llm:
+                 max_num_batched_tokens=16, num_kv_blocks=32, threads=1) as llm:
             assert llm.llm_engine.config.enable_prefix_caching == (pooling == "LAST")  # MEAN computes every token
             outs = llm.embed([{"prompt_token_ids": p} for p in prompts + prompts[1:2]])  # the repeat: a cache hit
             for p, o in zip(prompts + prompts[1:2], outs):
@@ -169,6 +177,16 @@ def test_llm_embed_at_tp1_equals_hf(tmp_path):
             assert bad[1].outputs is None and bad[1].error.startswith("dimensions: this model does not support")
             with pytest.raises(ValueError, match="LLM.generate generates text, but this LLM runs"):
                 llm.generate([[1, 2, 3]])
+            # every block is free after a request (prefill only); one aborted between its chunks ends without
+            # an embedding, its blocks freed too
+            engine, bm = llm.llm_engine, llm.llm_engine.scheduler.block_manager
+            assert bm.num_free_blocks == bm.num_blocks
+            engine.add_request("a", list(range(100, 137)), PoolingParams())  # new: no cached prefix
+            assert engine.step() == [] and bm.num_free_blocks < bm.num_blocks  # its first chunk
+            assert engine.abort_request("a") and not engine.abort_request("a")
+            (out,) = engine.step()
+            assert out.request_id == "a" and out.embedding is None and out.finish_reason == "abort"
+            assert bm.num_free_blocks == bm.num_blocks and not engine.has_unfinished()
 
 
 def test_pooler_config_and_runner_settings(tmp_path):
