@@ -185,31 +185,134 @@ class GuidanceBackend:
         return _GuidanceGrammar(self._tokenizer, g)
 
 
-#: JSON-schema keywords xgrammar compiles without enforcing them, by the type they constrain (vLLM's
-#: ``has_xgrammar_unsupported_json_features`` list); "auto" sends such a schema to guidance.
-_XGRAMMAR_IGNORES = {"number": ("multipleOf",), "integer": ("multipleOf",),
-                     "array": ("uniqueItems", "contains", "minContains", "maxContains"),
-                     "object": ("patternProperties", "propertyNames")}
+#: Keywords that only describe (annotations) or hold subschemas reached on their own: beside ``$ref``,
+#: ``anyOf``, ``enum`` or ``const`` they constrain nothing xgrammar would drop.
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+                          "writeOnly", "$schema", "$id", "$anchor", "contentMediaType", "contentEncoding", "$defs",
+                          "definitions", "discriminator"})
+#: Keywords xgrammar compiles without enforcing wherever they appear: it reads ``oneOf`` as ``anyOf``
+#: (a value matching two alternatives passes) and skips the rest.
+_XGRAMMAR_NEVER = ("allOf", "oneOf", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
+                   "dependencies", "contains", "minContains", "maxContains")
+#: Formats with a meaning xgrammar checks only in part (calendar days of ``date`` / ``date-time``) or
+#: not at all while a validator checks them; any other format it does not know is free text, as the
+#: JSON-schema specification allows for an unknown format.
+_XGRAMMAR_LOOSE_FORMATS = frozenset({"date", "date-time", "idn-email", "idn-hostname", "regex", "iri",
+                                     "iri-reference"})
+_STRING_KW = ("minLength", "maxLength", "pattern", "format")
+_NUMBER_KW = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "null": (type(None),),
+          "object": (dict,), "array": (list,)}
+#: Where a schema holds subschemas: one, a list of them, a map of name -> subschema.
+_ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
+        "unevaluatedItems", "unevaluatedProperties", "additionalItems")
+_LIST = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def xgrammar_unsupported(schema: Any) -> str | None:
-    """The first keyword of ``schema`` (at any depth) that xgrammar would not enforce, e.g.
-    "uniqueItems", or "maxLength with format" (xgrammar drops a string's length bounds when it has a
-    ``format``; llguidance keeps both); None when xgrammar enforces all of it."""
-    if isinstance(schema, list):
-        return next((r for s in schema if (r := xgrammar_unsupported(s)) is not None), None)
+def _of_type(value: Any, kind: str) -> bool:
+    if kind == "integer":
+        return (isinstance(value, int) or isinstance(value, float) and value.is_integer()) \
+            and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, _TYPES.get(kind, ())) and not (kind != "boolean" and isinstance(value, bool))
+
+
+def _xgrammar_node(s: dict[str, Any]) -> str | None:
+    """The first constraint of the schema node ``s`` itself (not its subschemas) that xgrammar drops."""
+    for key in _XGRAMMAR_NEVER:
+        if key in s:
+            return key
+    if s.get("uniqueItems"):
+        return "uniqueItems"
+    kinds = s.get("type")
+    kinds = kinds if isinstance(kinds, list) else [] if kinds is None else [kinds]
+    for head in ("$ref", "anyOf"):
+        if head in s:
+            extra = [k for k in s if k not in _ANNOTATIONS and k not in (head, "type")]
+            alternatives = s.get("anyOf") if head == "anyOf" else None
+            typed = isinstance(alternatives, list) and all(
+                isinstance(a, dict) and a.get("type") is not None and set(
+                    a["type"] if isinstance(a["type"], list) else [a["type"]]) <= set(kinds) for a in alternatives)
+            if "type" in s and not typed:
+                extra.insert(0, "type")
+            if extra:
+                return f"{extra[0]} beside {head}"
+    for head in ("enum", "const"):
+        if head in s:
+            extra = [k for k in s if k not in _ANNOTATIONS and k not in ("enum", "const", "type")]
+            if extra:
+                return f"{extra[0]} beside {head}"
+            values = s[head] if head == "enum" and isinstance(s[head], list) else [s[head]]
+            if kinds and any(not any(_of_type(v, k) for k in kinds) for v in values):
+                return f"type beside {head} (a value of another type)"
+            return None
+    if not kinds:
+        typeless = [*_STRING_KW, *_NUMBER_KW, "minProperties", "maxProperties"]
+        if "items" not in s and "prefixItems" not in s:
+            typeless += ["minItems", "maxItems"]
+        if "properties" not in s:
+            typeless.append("required")
+        return next((f"{k} without type" for k in typeless if k in s), None)
+    if "string" in kinds:
+        fmt = s.get("format")
+        if fmt in _XGRAMMAR_LOOSE_FORMATS:
+            return f"format {fmt!r}"
+        if fmt is not None or "pattern" in s:
+            with_ = "format" if fmt is not None else "pattern"
+            other = next((k for k in ("pattern", "minLength", "maxLength") if k in s and k != with_), None)
+            if other is not None:
+                return f"{other} with {with_}"
+    if "number" in kinds and "multipleOf" in s:
+        return "multipleOf"
+    if "integer" in kinds:
+        for k in _NUMBER_KW:
+            if k in s and not _of_type(s[k], "integer"):
+                return f"{k} that is not a whole number on an integer"
+    return None
+
+
+def xgrammar_unsupported(schema: Any, where: str = "#") -> str | None:
+    """The first constraint of ``schema`` (at any depth) that xgrammar would compile without enforcing,
+    and where it is as a JSON pointer, e.g. ``"uniqueItems (at #/properties/tags)"``,
+    ``"maxLength with format (at #)"``; None when xgrammar enforces all of it.
+
+    What xgrammar (0.2) drops: ``allOf``, ``oneOf`` (read as ``anyOf``), ``not``, ``if`` / ``then`` /
+    ``else``, ``dependent*``, ``contains`` and ``min/maxContains``, ``uniqueItems``; a string's length
+    bounds beside ``pattern`` or ``format``, and ``pattern`` beside ``format``; the calendar of
+    ``date`` / ``date-time`` and the formats of :data:`_XGRAMMAR_LOOSE_FORMATS`; ``multipleOf`` on
+    numbers and a fractional one (or fractional bounds) on integers; any constraint beside ``$ref``
+    or ``anyOf`` (a ``type`` beside ``anyOf`` only where an alternative may be of another type),
+    beside ``enum`` / ``const`` (``type`` only where a value is of another type); and a type's
+    keywords in a schema without ``type`` (``minimum``, ``maxLength``, ``required`` without
+    ``properties``, ...)."""
     if not isinstance(schema, dict):
         return None
-    kinds = schema.get("type")
-    kinds = kinds if isinstance(kinds, list) else [kinds]
-    for kind in kinds:
-        for key in _XGRAMMAR_IGNORES.get(kind, ()):
-            if key in schema:
-                return key
-    if "format" in schema and ("maxLength" in schema or "minLength" in schema):
-        return f"{'maxLength' if 'maxLength' in schema else 'minLength'} with format"
-    return next((r for v in schema.values() if isinstance(v, (dict, list))
-                 and (r := xgrammar_unsupported(v)) is not None), None)
+    found = _xgrammar_node(schema)
+    if found is not None:
+        return f"{found} (at {where})"
+    for key in _ONE:
+        sub = schema.get(key)
+        if key == "propertyNames" and isinstance(sub, dict) and "type" not in sub:
+            sub = {"type": "string", **sub}  # it constrains names: strings
+        if isinstance(sub, dict) and (r := xgrammar_unsupported(sub, f"{where}/{key}")) is not None:
+            return r
+    for key in _LIST:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                if (r := xgrammar_unsupported(sub, f"{where}/{key}/{i}")) is not None:
+                    return r
+    for key in _MAP:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                if (r := xgrammar_unsupported(sub, f"{where}/{key}/{_pointer(name)}")) is not None:
+                    return r
+    return None
+
+
+def _pointer(name: str) -> str:
+    return str(name).replace("~", "~0").replace("/", "~1")
 
 
 def _choice_rule(head: str, choices: tuple[str, ...]) -> str:

@@ -35,7 +35,8 @@ class StructuredOutputManager:
         backend: one of :data:`~tpengine.structured.params.STRUCTURED_BACKENDS`; "auto" (vLLM's
             rule) takes xgrammar, and guidance for a schema using a keyword xgrammar does not enforce
             (:func:`~tpengine.structured.backends.xgrammar_unsupported`) or for what xgrammar cannot
-            compile (a Lark grammar).
+            compile (a Lark grammar). With "xgrammar" such a schema is refused (:class:`GrammarError`
+            naming the keyword and where it is), never compiled into a grammar that lets it through.
         cache_size: compiled grammars kept (least recently used dropped first).
 
     Raises:
@@ -66,14 +67,16 @@ class StructuredOutputManager:
 
     def _compile(self, p: StructuredOutputsParams) -> Grammar:
         names = ["xgrammar", "guidance"] if self.backend == "auto" else [self.backend]
-        if self.backend == "auto" and p.kind == "json" and xgrammar_unsupported(p.json) is not None:
-            names = ["guidance"]
         problems = []
+        dropped = xgrammar_unsupported(p.json) if p.kind == "json" and "xgrammar" in names else None
+        if dropped is not None:  # xgrammar would compile it and not keep it: never a 200 that breaks it
+            names.remove("xgrammar")
+            problems.append(f"xgrammar does not enforce {dropped}")
         for name in names:
             try:
                 return self._library(name).compile(p)
             except GrammarError as e:
-                problems.append(f"{name}: {e}" if len(names) > 1 else str(e))
+                problems.append(f"{name}: {e}" if len(names) > 1 or problems else str(e))
         raise GrammarError(f"cannot compile the {_WHAT[p.kind]}: {'; '.join(problems)}")
 
     def compile(self, p: StructuredOutputsParams) -> Future:
