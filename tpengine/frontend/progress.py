@@ -94,8 +94,9 @@ class ProgressReporter:
         return time.monotonic() - self.start
 
     def tokens_per_s(self) -> float:
-        """Output tokens per second of wall time so far (tokens sampled by the engine, finished
-        requests or not, when the engine reports them)."""
+        """Output tokens per second of wall time so far, for the progress line: the tokens the engine
+        has emitted (requests still running included; speculative tokens once accepted), or those of
+        the finished requests when more."""
         return max(self.output_tokens, self.sampled_tokens) / max(self.elapsed(), 1e-9)
 
     def add_errors(self, n: int = 1) -> None:
@@ -112,8 +113,7 @@ class ProgressReporter:
             self.ok += 1
             self.prompt_tokens += len(out.prompt_token_ids)
             self.cached_tokens += out.num_cached_tokens
-            n = len(out.token_ids)
-            self.output_tokens += n
+            self.output_tokens += out.num_output_tokens  # every sample's (n > 1), as the record's usage
             if out.ttft_s is not None:
                 self.ttfts.append(out.ttft_s)
             if out.tpot_s is not None:
@@ -157,12 +157,17 @@ class ProgressReporter:
             self._bar = None
 
     def summary(self) -> dict[str, Any]:
-        """The run's numbers: counts, tokens, prefix_cache_hit_rate (cached prompt tokens / prompt
-        tokens of the finished requests), wall_s, output_tok_s, ttft/tpot p50/p90 (s),
+        """The run's numbers: counts (``requests_ok``: records with output, ``requests_error``: error
+        records), tokens (``prompt_tokens`` / ``output_tokens``: the sums of the ok records'
+        ``usage.prompt_tokens`` / ``usage.completion_tokens``: each prompt once, every sample's tokens
+        with n > 1, speculative tokens as emitted), prefix_cache_hit_rate (cached prompt tokens / prompt
+        tokens of the finished requests), wall_s, output_tok_s (``output_tokens / wall_s``), ttft/tpot
+        p50/p90 (s),
         peak_rss_bytes (per rank, in rank order; None when not reported); with speculative decoding,
         ``spec_decode``: proposals (sequence-steps), proposed and accepted tokens, acceptance rate
         (accepted / proposed) and mean acceptance length (tokens per sequence-step with a proposal)."""
         extra = {} if self.spec is None else {"spec_decode": dict(self.spec)}
+        wall = self.elapsed()
         return {
             "requests_ok": self.ok,
             "requests_error": self.errors,
@@ -170,8 +175,8 @@ class ProgressReporter:
             "output_tokens": self.output_tokens,
             "cached_prompt_tokens": self.cached_tokens,
             "prefix_cache_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            "wall_s": self.elapsed(),
-            "output_tok_s": self.tokens_per_s(),
+            "wall_s": wall,
+            "output_tok_s": self.output_tokens / max(wall, 1e-9),
             "ttft_p50_s": percentile(self.ttfts, 50),
             "ttft_p90_s": percentile(self.ttfts, 90),
             "tpot_p50_s": percentile(self.tpots, 50),

@@ -33,7 +33,31 @@ def new_call_id() -> str:
 
 
 def _params_schema(function: Any) -> dict[str, Any]:
-    return function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
+    """A function's arguments schema: its ``parameters``, or, where it has none (absent or ``{}``), an
+    object with no properties, so its call's arguments are ``{}`` (vLLM's rule)."""
+    return dict(function.parameters) if function.parameters else {"type": "object", "properties": {}}
+
+
+def required_schema(tools: list[Any], parallel: bool = True) -> dict[str, Any]:
+    """The schema ``tool_choice`` "required" constrains the output to: a JSON list of one or more
+    (one at most without ``parallel``) ``{"name", "parameters"}`` objects, each one tool's name and
+    arguments valid under its schema. Each tool's ``$defs`` / ``definitions`` move to the list's root,
+    where the ``$ref``s inside its parameters point (vLLM's layout; the protocol layer refuses a name
+    two tools define differently)."""
+    defs: dict[str, dict[str, Any]] = {}
+    calls = []
+    for t in tools:
+        params = _params_schema(t.function)
+        for key in ("$defs", "definitions"):
+            if isinstance(params.get(key), dict):
+                defs.setdefault(key, {}).update(params.pop(key))
+        calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                                       "parameters": params},
+                      "required": ["name", "parameters"]})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return {**schema, **defs}
 
 
 @dataclass(frozen=True)
@@ -90,10 +114,5 @@ def tool_use(body: Any, parser: str | None, enable_auto: bool) -> tuple[ToolUse 
         name = body.tool_choice.function.name
         function = next(t.function for t in body.tools if t.function.name == name)
         return ToolUse("named", name=name), StructuredOutputsParams(json=_params_schema(function))
-    calls = {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                                         "parameters": _params_schema(t.function)},
-                        "required": ["name", "parameters"]} for t in body.tools]}
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": calls}
-    if body.parallel_tool_calls is False:
-        schema["maxItems"] = 1
-    return ToolUse("required"), StructuredOutputsParams(json=schema)
+    return ToolUse("required"), StructuredOutputsParams(json=required_schema(body.tools,
+                                                                             body.parallel_tool_calls is not False))

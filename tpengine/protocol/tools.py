@@ -53,9 +53,16 @@ ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice,
                              nested=True)]
 
 
+_Arguments = Annotated[Annotated[str, Strict()] | Annotated[dict[str, Any], Strict()] | Annotated[list[Any], Strict()],
+                       Valid("JSON text, an object or an array")]
+
+
 class ToolCallFunction(ProtocolModel):
+    """A history call's function: ``name`` and ``arguments``: JSON text (OpenAI's), an object or an
+    array (what some clients send back), or absent / ``null`` / ``""`` (none)."""
+
     name: NonEmptyStr
-    arguments: _Str
+    arguments: _Arguments | None = None
 
 
 class ToolCall(ProtocolModel):
@@ -67,12 +74,21 @@ class ToolCall(ProtocolModel):
     function: ToolCallFunction
 
     def to_template(self) -> dict[str, Any]:
-        """The call as chat templates read it: ``arguments`` decoded to an object when it is JSON
-        (Qwen's and Llama's templates write ``arguments | tojson``), as vLLM passes it."""
-        try:
-            args: Any = json.loads(self.function.arguments)
-        except ValueError:
-            args = self.function.arguments
+        """The call as chat templates read it (Qwen's and Llama's templates write ``arguments |
+        tojson``), as vLLM's ``_postprocess_messages`` passes it: JSON text decoded (``"null"`` to
+        ``{}``), an object or array as given, and empty arguments (absent, ``null``, ``""``, ``{}``,
+        ``[]``) as ``{}``. Text that is not JSON stays text (vLLM fails the request on it; a history
+        turn it cannot read would fail every later turn too)."""
+        args: Any = self.function.arguments
+        if isinstance(args, str) and args:
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass
+            else:
+                args = {} if args is None else args
+        if not args:
+            args = {}
         out: dict[str, Any] = {"type": "function", "function": {"name": self.function.name, "arguments": args}}
         if self.id is not None:
             out["id"] = self.id
@@ -100,11 +116,30 @@ class ToolFields(ProtocolModel):
             return []
         if not tools:
             return [(("tool_choice",), f"needs tools to choose from, got tool_choice {as_json(choice)} and no tools")]
+        if choice == "required":
+            return cls._defs_problems(tools)
         if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
             name = choice["function"].get("name")
             if isinstance(name, str) and name not in names:
                 return [(("tool_choice", "function", "name"), f"names no tool of this request: got {as_json(name)}, "
                          f"the tools are {', '.join(as_json(n) for n in names)}")]
+        return []
+
+    @staticmethod
+    def _defs_problems(tools: list[Any]) -> list[Problem]:
+        """``required`` joins every tool's ``parameters`` into one schema with their ``$defs`` (and
+        ``definitions``) at its root, where their ``$ref``s point: a name two tools define differently is
+        refused (vLLM's rule and words)."""
+        seen: dict[tuple[str, str], Any] = {}
+        for i, t in enumerate(tools):
+            params = t.get("function", {}).get("parameters") if isinstance(t, dict) and isinstance(
+                t.get("function"), dict) else None
+            for key in ("$defs", "definitions"):
+                defs = params.get(key) if isinstance(params, dict) else None
+                for name, sub in defs.items() if isinstance(defs, dict) else ():
+                    if seen.setdefault((key, name), sub) != sub:
+                        return [(("tools", i, "function", "parameters", key, name),
+                                 f"Tool definition {name!r} has multiple schemas, which is not supported")]
         return []
 
     @property

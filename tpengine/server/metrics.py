@@ -60,15 +60,18 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = all).")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests (each prompt once, "
+                                     "aborted requests too; failed ones have none).")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests: every "
+                                         "sample's, speculative tokens as emitted, aborted requests' too.")
         self.preemptions = counter("num_preemptions", "Sequences preempted (their KV blocks freed, to be "
                                    "recomputed).")
         self.cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
                                      "(each request's prompt, at its first scheduling).")
         self.cache_hits = counter("prefix_cache_hits", "Of the prompt tokens looked up, those found in the "
                                   "prefix cache.")
-        self.success = Counter(f"{prefix}:request_success", "Finished requests, by finish reason.",
+        self.success = Counter(f"{prefix}:request_success", "Samples that finished (stop or length; each "
+                               "sample of n > 1; never an aborted or failed one), by finish reason.",
                                [*labels, "finished_reason"], registry=r)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step (prompt "
                                           "tokens prefilled and tokens decoded).", ITERATION_TOKENS_BUCKETS)
@@ -170,12 +173,13 @@ class ServerMetrics:
         if getattr(stats, "speculative", False):
             self._observe_spec(stats)
         for o in outputs:
-            if not o.finished or o.error is not None:
+            if not o.finished or o.error is not None:  # a failed request generated nothing
                 continue
-            n = len(o.token_ids)
             self.prompt_tokens.inc(len(o.prompt_token_ids))
-            self.generation_tokens.inc(n)
-            self.success.labels(self.model_name, o.finish_reason or "abort").inc()
+            self.generation_tokens.inc(o.num_output_tokens)
+            for sample in o.outputs:  # each sample of n > 1 (vLLM runs each as its own request)
+                if sample.finish_reason not in (None, "abort"):
+                    self.success.labels(self.model_name, sample.finish_reason).inc()
             if o.ttft_s is not None:
                 self.ttft.observe(o.ttft_s)
             if o.tpot_s is not None:
