@@ -254,3 +254,30 @@ def _success(server) -> dict[str, float]:
     text = urllib.request.urlopen(server.url + "/metrics", timeout=5).read().decode()
     return {m.group(1): float(m.group(2)) for m in re.finditer(
         r'^tpengine:request_success_total\{finished_reason="(\w+)",model_name="[^"]*"\} ([0-9.e+-]+)$', text, re.M)}
+
+
+def test_counters_count_every_sample_and_no_abort_or_failure_as_a_success():
+    """In process, exact: a request of n = 2 (one sample "stop", one "length"), an aborted one and a
+    failed one through the run summary and ``/metrics``."""
+    from tpengine.engine.outputs import CompletionOutput, EngineOutput
+    from tpengine.engine.stats import EngineStats
+    from tpengine.frontend.progress import ProgressReporter
+    from tpengine.server.metrics import ServerMetrics
+
+    outs = [EngineOutput("n2", [1, 2, 3], [CompletionOutput(0, token_ids=[4, 5], finish_reason="stop"),
+                                           CompletionOutput(1, token_ids=[6, 7, 8], finish_reason="length")]),
+            EngineOutput("gone", [1, 2], [CompletionOutput(0, token_ids=[9], finish_reason="abort")]),
+            EngineOutput("bad", [1], error="no")]
+    progress = ProgressReporter(total=3, enabled=False)
+    for o in outs:
+        progress.on_output(o)
+    s = progress.summary()
+    assert (s["requests_ok"], s["requests_error"], s["prompt_tokens"], s["output_tokens"]) == (2, 1, 5, 6)
+    m = ServerMetrics("m")
+    m.observe_step(EngineStats(1, 1, 0, 5, 6, 0, 5, 8, 0, 0), outs)
+    text = m.render().decode()
+    assert 'tpengine:prompt_tokens_total{model_name="m"} 5.0' in text
+    assert 'tpengine:generation_tokens_total{model_name="m"} 6.0' in text
+    success = [line for line in text.splitlines() if line.startswith("tpengine:request_success_total")]
+    assert success == ['tpengine:request_success_total{finished_reason="stop",model_name="m"} 1.0',
+                       'tpengine:request_success_total{finished_reason="length",model_name="m"} 1.0']
