@@ -50,7 +50,7 @@ def test_unknown_field_names_the_valid_ones_own_first():
                   "guided_regex, guided_choice, guided_grammar, add_generation_prompt, continue_final_message, "
                   "chat_template_kwargs")]
     assert errors_of(ChatMessage, {"role": "user", "content": "a", "x": 1}) == [
-        ("x", "unknown field; valid: role, content, name, tool_calls, tool_call_id")]
+        ("x", "unknown field; valid: role, content, name, tool_calls, tool_call_id, reasoning_content, reasoning")]
     valid = ", ".join(ChatCompletionRequest.valid_fields())
     assert valid.startswith("messages, logprobs, top_logprobs, echo, max_completion_tokens, model, user, stream")
     assert valid.endswith("add_generation_prompt, continue_final_message, chat_template_kwargs, tools, tool_choice, "
@@ -325,3 +325,16 @@ def test_lenient_mode_drops_unknown_fields_at_any_depth_and_names_them():
     with pytest.raises(ValidationError) as e:
         ChatCompletionRequest.model_validate({**body, "top_k": "ten"}, context={IGNORE_UNKNOWN: set()})
     assert field_errors(e.value) == [("top_k", 'must be an integer >= -1 (0 or -1: disabled), got "ten"')]
+
+
+def test_an_assistants_earlier_thought_reaches_the_template():
+    """vLLM's ``reasoning_content`` / ``reasoning`` on an assistant message of the history: the template
+    sees it under both names (Qwen3's template puts it back between the think tags); on another role it
+    is refused by name."""
+    for field in ("reasoning_content", "reasoning"):
+        m = ChatMessage.model_validate({"role": "assistant", "content": "4", field: "2 + 2"})
+        assert m.to_template() == {"role": "assistant", "content": "4", "reasoning_content": "2 + 2",
+                                   "reasoning": "2 + 2"}
+        assert errors_of(ChatMessage, {"role": "user", "content": "a", field: "x"}) == [
+            (field, 'belongs to an "assistant" message, got role "user"')]
+    assert "reasoning" not in ChatMessage.model_validate({"role": "assistant", "content": "4"}).to_template()

@@ -49,7 +49,9 @@ class ChatMessage(ProtocolModel):
     """One chat message: ``role`` (a non-empty string: "system", "user", "assistant", "tool", ...),
     ``content`` (a string or a list of text parts; may be null or left out in an assistant message
     with ``tool_calls``), optional ``name``; an assistant's ``tool_calls`` and a tool result's
-    ``tool_call_id`` (OpenAI's tool-calling history)."""
+    ``tool_call_id`` (OpenAI's tool-calling history); an assistant's earlier thought as
+    ``reasoning_content`` or ``reasoning`` (vLLM's names; the template sees it under both, as vLLM
+    renders it, so templates that interleave thinking, Qwen3's, put it back)."""
 
     MISSING: ClassVar[dict[str, str]] = {"role": "is required: must be a non-empty string",
                                          "content": f"is required: must be {_CONTENT_VALID}"}
@@ -60,14 +62,17 @@ class ChatMessage(ProtocolModel):
     name: Annotated[str, Strict(), Valid("a string")] | None = None
     tool_calls: Annotated[list[ToolCall], Strict(), Valid("a list of tool calls", nested=True)] | None = None
     tool_call_id: Annotated[str, Strict(), Valid("a string")] | None = None
+    reasoning_content: Annotated[str, Strict(), Valid("a string")] | None = None
+    reasoning: Annotated[str, Strict(), Valid("a string")] | None = None
 
     @classmethod
     def problems(cls, data: dict[str, Any]) -> list[Problem]:
         if data.get("content") is None and not (data.get("role") == "assistant" and data.get("tool_calls")):
             return [(("content",), cls.MISSING["content"] if "content" not in data else
                      f"must be {_CONTENT_VALID} (null only in an assistant message with tool_calls), got null")]
-        if data.get("tool_calls") is not None and data.get("role") != "assistant":
-            return [(("tool_calls",), f'belongs to an "assistant" message, got role {as_json(data.get("role"))}')]
+        for field in ("tool_calls", "reasoning_content", "reasoning"):
+            if data.get(field) is not None and data.get("role") != "assistant":
+                return [((field,), f'belongs to an "assistant" message, got role {as_json(data.get("role"))}')]
         return []
 
     def text(self) -> str:
@@ -80,7 +85,8 @@ class ChatMessage(ProtocolModel):
 
     def to_template(self) -> dict[str, Any]:
         """The message as the chat template takes it: ``{"role", "content"[, "name"][, "tool_calls"]
-        [, "tool_call_id"]}`` (a call's arguments decoded, :meth:`ToolCall.to_template`)."""
+        [, "tool_call_id"][, "reasoning_content", "reasoning"]}`` (a call's arguments decoded,
+        :meth:`ToolCall.to_template`)."""
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
@@ -88,6 +94,9 @@ class ChatMessage(ProtocolModel):
             out["tool_calls"] = [c.to_template() for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        thought = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if thought is not None:
+            out["reasoning_content"] = out["reasoning"] = thought
         return out
 
 
