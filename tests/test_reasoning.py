@@ -261,6 +261,16 @@ def test_server_and_batch_job_at_tp2(chain_model, tmp_path):
                 assert m.content == content, extra
             assert reason is None or r.choices[0].finish_reason == reason, extra
             assert _stream(s.client, **{**kw, **extra}) == (thought or "", m.content or "", r.choices[0].finish_reason)
+        # a JSON schema and a named tool call after the thought: the content is what they allow
+        schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"enum": ["yes", "no"]}}}
+        r = s.client.chat.completions.create(**kw, response_format=schema)
+        assert (r.choices[0].message.reasoning_content, json.loads(r.choices[0].message.content)) == (THOUGHT, "yes")
+        tool = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
+        r = s.client.chat.completions.create(**kw, tools=[tool], tool_choice={"type": "function",
+                                                                              "function": {"name": "ping"}})
+        m = r.choices[0].message
+        assert m.reasoning_content == THOUGHT and [(c.function.name, json.loads(c.function.arguments))
+                                                   for c in m.tool_calls] == [("ping", {})]
         done = s.client.completions.create(model="thinker", prompt=prompt_ids_of(chain_model), temperature=0,
                                            max_tokens=8, extra_body={"guided_choice": ["no", "yes"]})
         assert done.choices[0].text in ("yes", "no")
