@@ -13,6 +13,7 @@ import copy
 import inspect
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from accelerate import init_empty_weights
@@ -128,7 +129,7 @@ def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, dev
         ValueError: an ``nn.Linear``/``nn.Embedding`` left that the layer table does not cover.
     """
     from tpengine.backends import get_platform
-    from tpengine.model.layers.fused import DecoderStack, FusedAttention, FusedMLP, RMSNorm
+    from tpengine.model.layers.fused import DecoderStack
 
     F.check_config(hf_config)
     family = F.family_of(hf_config)
@@ -137,66 +138,24 @@ def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, dev
     if type(stack).__name__ != family.decoder:
         found = type(model).__name__ if stack is None else type(stack).__name__
         raise _unsupported("decoder", found, hf_config)
-    rp, hidden, ops = plan.ranks[rank], plan.hidden_size, get_platform(device).fused_ops(cpu_kernels)
-    config = stack.config
-
-    def norm(m: nn.Module | None, size: int | None = None) -> nn.Module | None:
-        if m is None:
-            return None
-        if not type(m).__name__.endswith("RMSNorm"):
-            raise _unsupported("norm", type(m).__name__, hf_config)
-        eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
-        return RMSNorm(size or m.weight.shape[0], eps, dtype, ops, family.norm_float32, family.norm_offset)
-
-    roles = []
-    for layer in stack.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = _child(attn, "q_proj", "qkv_proj")
-        up = _child(mlp, "gate_proj", "gate_up_proj")
-        act = getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))
-        if qkv is None or _child(attn, "o_proj") is None:
-            raise _unsupported("attention", type(attn).__name__, hf_config)
-        if up is None or _child(mlp, "down_proj") is None or act is None:
-            raise _unsupported("MLP", type(mlp).__name__, hf_config)
-        if attn.head_dim != plan.head_dim:
-            raise ValueError(f"attention head_dim {attn.head_dim} differs from the plan's {plan.head_dim}")
-        qk_norms, spans = None, None
-        if getattr(attn, "q_norm", None) is not None:  # per head, or over this rank's part of the projection
-            if attn.q_norm.weight.shape[0] != plan.head_dim:
-                spans = (plan.num_heads * plan.head_dim, plan.num_kv_heads * plan.head_dim)
-            qk_norms = (norm(attn.q_norm, spans and rp.num_q_heads * plan.head_dim),
-                        norm(attn.k_norm, spans and rp.num_kv_heads * plan.head_dim))
-        window = getattr(attn, "sliding_window", getattr(config, "sliding_window", None))
-        layer.self_attn = FusedAttention(
-            hidden, rp, plan.head_dim, _has_bias(attn, "q_proj", "qkv_proj"), _has_bias(attn, "o_proj"),
-            attn.scaling, attn.layer_idx, qk_norms, dtype, device, ops, sliding_window=window or None,
-            logit_soft_cap=getattr(attn, "attn_logit_softcapping", None), projection_sizes=spans,
-            kv_share=_kv_share(plan, rank) if plan.tp_size > 1 else None)
-        layer.mlp = FusedMLP(hidden, rp.intermediate_size, _has_bias(mlp, "gate_proj", "gate_up_proj"),
-                             _has_bias(mlp, "down_proj"), act, dtype, ops)
-        named = [None if n is None else getattr(layer, n, None) for n in family.norms]
-        if any(n is not None and m is None for n, m in zip(family.norms, named)):
-            raise _unsupported("decoder layer", type(layer).__name__, hf_config)
-        swapped = tuple(norm(m) for m in named)
-        for n, m in zip(family.norms, swapped):
-            if n is not None:
-                setattr(layer, n, m)
-        roles.append(swapped)
+    b = _Builder(hf_config, family, plan, rank, dtype, device, get_platform(device).fused_ops(cpu_kernels))
+    roles = [b.swap_layer(layer, stack.config) for layer in stack.layers]
     residual_scale = family.residual_scale(hf_config, dtype)
     reduce_in_norm = plan.tp_size > 1 and residual_scale is None and all(
         r[0] is not None and r[1] is None and r[2] is not None and r[3] is None for r in roles) and all(
         layer.self_attn.o_proj.bias is None and layer.mlp.down_proj.bias is None for layer in stack.layers)
-    rotary = type(stack.rotary_emb)(config=config).to(device)  # real tables; honours rope scaling
+    rotary = type(stack.rotary_emb)(config=stack.config).to(device)  # real tables; honours rope scaling
     rope_types = [None] * len(roles)
     if "layer_type" in inspect.signature(rotary.forward).parameters:  # one table per layer type (Gemma 3)
-        rope_types = list(config.layer_types[: len(roles)])
+        rope_types = list(stack.config.layer_types[: len(roles)])
+    rp, hidden = plan.ranks[rank], plan.hidden_size
     embed = VocabParallelEmbedding(*rp.vocab, plan.vocab_size, hidden, dtype=dtype)
-    model.model = stack = DecoderStack(config, embed, stack.layers, norm(stack.norm), rotary, reduce_in_norm, roles,
-                                       family.embed_scale(hf_config, dtype), residual_scale, rope_types)
+    model.model = stack = DecoderStack(stack.config, embed, stack.layers, b.norm(stack.norm), rotary, reduce_in_norm,
+                                       roles, family.embed_scale(hf_config, dtype), residual_scale, rope_types)
     if getattr(rotary, "rope_type", None) == "longrope":  # (Phi-3's long contexts: per sequence, DecoderStack._rope)
         stack.longrope_bound = int(rotary.config.rope_parameters["original_max_position_embeddings"])
         stack.longrope_past = torch.tensor([stack.longrope_bound], dtype=torch.int64, device=device)
-    model.lm_head = ParallelLMHead(*rp.vocab, plan.vocab_size, hidden, dtype=dtype, ops=ops,
+    model.lm_head = ParallelLMHead(*rp.vocab, plan.vocab_size, hidden, dtype=dtype, ops=b.ops,
                                    divisor=family.logits_divisor(hf_config, dtype),
                                    soft_cap=family.logits_soft_cap(hf_config, dtype))
     if getattr(hf_config, "tie_word_embeddings", False):
@@ -206,6 +165,98 @@ def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, dev
         raise ValueError(f"modules {left} are not covered by tpengine's layer table "
                          f"(known: {', '.join(sorted(LAYER_KINDS))}); refusing to replicate them silently")
     return model
+
+
+@dataclass(frozen=True)
+class _Builder:
+    """What :func:`build_model` swaps one HF decoder layer's modules for, on this rank: the family's row,
+    the plan, the dtype, the device and the model's one ops object."""
+
+    hf_config: Any
+    family: F.Family
+    plan: P.ShardPlan
+    rank: int
+    dtype: torch.dtype
+    device: torch.device
+    ops: Any
+
+    def norm(self, m: nn.Module | None, size: int | None = None) -> nn.Module | None:
+        """tpengine's RMSNorm for HF's norm ``m`` in the family's form (``size``: this rank's part of a
+        norm over the whole projection); None for None.
+
+        Raises:
+            UserError: ``m`` is not an RMSNorm.
+        """
+        from tpengine.model.layers.fused import RMSNorm
+
+        if m is None:
+            return None
+        if not type(m).__name__.endswith("RMSNorm"):
+            raise _unsupported("norm", type(m).__name__, self.hf_config)
+        eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+        return RMSNorm(size or m.weight.shape[0], eps, self.dtype, self.ops, self.family.norm_float32,
+                       self.family.norm_offset)
+
+    def attention(self, attn: nn.Module, config: Any) -> nn.Module:
+        """The :class:`~tpengine.model.layers.fused.FusedAttention` for HF's attention ``attn``: its scale,
+        window, soft cap and q/k norms (per head, or over the projection: this rank's part) read from it.
+
+        Raises:
+            UserError: no q/k/v or o projection; ValueError: a head size other than the plan's.
+        """
+        from tpengine.model.layers.fused import FusedAttention
+
+        plan, rp = self.plan, self.plan.ranks[self.rank]
+        if _child(attn, "q_proj", "qkv_proj") is None or _child(attn, "o_proj") is None:
+            raise _unsupported("attention", type(attn).__name__, self.hf_config)
+        if attn.head_dim != plan.head_dim:
+            raise ValueError(f"attention head_dim {attn.head_dim} differs from the plan's {plan.head_dim}")
+        qk_norms, spans = None, None
+        if getattr(attn, "q_norm", None) is not None:  # per head, or over this rank's part of the projection
+            if attn.q_norm.weight.shape[0] != plan.head_dim:
+                spans = (plan.num_heads * plan.head_dim, plan.num_kv_heads * plan.head_dim)
+            qk_norms = (self.norm(attn.q_norm, spans and rp.num_q_heads * plan.head_dim),
+                        self.norm(attn.k_norm, spans and rp.num_kv_heads * plan.head_dim))
+        window = getattr(attn, "sliding_window", getattr(config, "sliding_window", None))
+        return FusedAttention(
+            plan.hidden_size, rp, plan.head_dim, _has_bias(attn, "q_proj", "qkv_proj"), _has_bias(attn, "o_proj"),
+            attn.scaling, attn.layer_idx, qk_norms, self.dtype, self.device, self.ops, sliding_window=window or None,
+            logit_soft_cap=getattr(attn, "attn_logit_softcapping", None), projection_sizes=spans,
+            kv_share=_kv_share(plan, self.rank) if plan.tp_size > 1 else None)
+
+    def mlp(self, mlp: nn.Module) -> nn.Module:
+        """The :class:`~tpengine.model.layers.fused.FusedMLP` for HF's gated MLP ``mlp`` (its activation).
+
+        Raises:
+            UserError: no gate/up or down projection, or no activation.
+        """
+        from tpengine.model.layers.fused import FusedMLP
+
+        act = getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))
+        if _child(mlp, "gate_proj", "gate_up_proj") is None or _child(mlp, "down_proj") is None or act is None:
+            raise _unsupported("MLP", type(mlp).__name__, self.hf_config)
+        return FusedMLP(self.plan.hidden_size, self.plan.ranks[self.rank].intermediate_size,
+                        _has_bias(mlp, "gate_proj", "gate_up_proj"), _has_bias(mlp, "down_proj"), act, self.dtype,
+                        self.ops)
+
+    def swap_layer(self, layer: nn.Module, config: Any) -> tuple:
+        """Swap HF's decoder ``layer``'s attention, MLP and norms in place; returns its norms in the order
+        of :data:`tpengine.model.families.ROLES` (None where the family has none).
+
+        Raises:
+            UserError: a module the family's row names is missing, or one of the above.
+        """
+        layer.self_attn = self.attention(layer.self_attn, config)
+        layer.mlp = self.mlp(layer.mlp)
+        names = self.family.norms
+        named = [None if n is None else getattr(layer, n, None) for n in names]
+        if any(n is not None and m is None for n, m in zip(names, named)):
+            raise _unsupported("decoder layer", type(layer).__name__, self.hf_config)
+        swapped = tuple(self.norm(m) for m in named)
+        for n, m in zip(names, swapped):
+            if n is not None:
+                setattr(layer, n, m)
+        return swapped
 
 
 @dataclass(frozen=True)
