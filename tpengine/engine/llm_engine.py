@@ -24,7 +24,7 @@ from tpengine.engine.model_runner import ModelRunner
 from tpengine.engine.output_processor import OutputProcessor, failed_output
 from tpengine.engine.outputs import EngineOutput
 from tpengine.engine.parallel_sampling import SampleForker
-from tpengine.engine.pooling import PoolingRequests
+from tpengine.engine.pooling import PoolingRequests, add_pooling_request
 from tpengine.engine.process import setup_process
 from tpengine.engine.row_sampler import RowSampler
 from tpengine.engine.sampler import Sampler
@@ -164,18 +164,9 @@ class LLMEngine:
         config = self.config
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
-        # a draft model reads the same block tables, from its own position (after a preemption, from 0):
-        # blocks are freed for leaving the window only without one
-        window = self.runner.kv_window if self.draft_runner is None else None
-        self.scheduler = Scheduler(config, self.runner.num_blocks, self.eos_token_ids, sliding_window=window)
-        self._pooling = None
-        if config.pooling:
-            # a pooling prompt needs no room for an output token: it may fill max_model_len (vLLM's rule)
-            self.scheduler.max_model_len = config.max_model_len + 1
-            hf = self.runner.hf_config
-            dims = getattr(hf, "matryoshka_dimensions", None)
-            self._pooling = PoolingRequests(config.pooler, self.runner.shard_plan.hidden_size,
-                                            bool(getattr(hf, "is_matryoshka", False) or dims), dims)
+        self.scheduler = driver_scheduler(config, self.runner, self.draft_runner is not None, self.eos_token_ids)
+        self._pooling = PoolingRequests.for_model(config.pooler, self.runner.hf_config,
+                                                  self.runner.shard_plan.hidden_size) if config.pooling else None
         self.sampler = Sampler(config.seed, self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.is_stop_token)
         # a thinking model's tag ids (--reasoning-parser; a tokenizer without them is refused): a chat
@@ -227,8 +218,10 @@ class LLMEngine:
         the prompt is prefilled; sampling params there, or pooling params on a generate engine, are
         that request's error output."""
         vocab, prompt = self.vocab_size, list(prompt_token_ids)
-        if self.config.pooling or isinstance(params, PoolingParams):
-            self._add_pooling(request_id, prompt, params)
+        if self.config.pooling or isinstance(params, PoolingParams):  # queued or refused by the pooling module
+            if (error := add_pooling_request(self._pooling, self.scheduler, self.config, vocab,
+                                             lambda: next(self._ids), request_id, prompt, params)) is not None:
+                self._pending.append(error)
             return
         try:
             bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
@@ -256,38 +249,6 @@ class LLMEngine:
         except ValueError as e:
             field = "n" if str(e).startswith(f"request {request_id!r}: n=") else "prompt"
             self._pending.append(EngineOutput(request_id, prompt, error=str(e), error_field=field))
-        except Exception as e:  # noqa: BLE001 -- one request's failure is its own error output
-            self._pending.append(failed_output(request_id, prompt, "scheduling", e))
-
-    def _add_pooling(self, request_id: str, prompt: list[int], params: PoolingParams | SamplingParams) -> None:
-        """Queue a pooling request (rank 0; see :meth:`add_request`): one that cannot run (a generate
-        engine, sampling params, a prompt longer than ``max_model_len``, ids outside the vocabulary,
-        ``dimensions`` the model does not take) becomes an error output of the next step."""
-        vocab, limit = self.vocab_size, self.config.max_model_len
-        try:
-            if not self.config.pooling:
-                raise ValueError(f"request {request_id!r}: embeddings need a pooling engine (runner pooling, "
-                                 f"--runner pooling); this one generates (runner {self.config.runner!r})")
-            if not isinstance(params, PoolingParams):
-                raise ValueError(f"request {request_id!r}: this engine makes embeddings (runner pooling) and "
-                                 "generates no text; send PoolingParams (LLM.embed, /v1/embeddings)")
-            if bad := [t for t in prompt if not 0 <= t < vocab]:
-                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-            if len(prompt) > limit:
-                raise ValueError(f"request {request_id!r}: the prompt has {len(prompt)} tokens, but max_model_len "
-                                 f"is {limit}; shorten the input")
-            seq = Sequence(next(self._ids), request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0),
-                           arrival_time=time.monotonic())
-            self._pooling.add(seq, params)
-            try:
-                self.scheduler.add(seq)
-            except BaseException:
-                self._pooling.drop(request_id)
-                raise
-        except ValueError as e:
-            msg = str(e)
-            field = "dimensions" if msg.startswith("dimensions") else "prompt"
-            self._pending.append(EngineOutput(request_id, prompt, error=msg, error_field=field))
         except Exception as e:  # noqa: BLE001 -- one request's failure is its own error output
             self._pending.append(failed_output(request_id, prompt, "scheduling", e))
 
@@ -431,6 +392,18 @@ class LLMEngine:
         from tpengine.distributed import shutdown
 
         shutdown()
+
+
+def driver_scheduler(config: EngineConfig, runner: ModelRunner, has_draft: bool, eos_ids: set[int]) -> Scheduler:
+    """Rank 0's scheduler over ``runner``'s KV blocks: blocks that leave the model's sliding window
+    (``runner.kv_window``) are freed, except with a draft model (``has_draft``: it reads the same block
+    tables from its own position, after a preemption from 0); a pooling engine's prompt may fill
+    ``max_model_len`` (it needs no room for an output token, vLLM's rule)."""
+    window = runner.kv_window if not has_draft else None
+    scheduler = Scheduler(config, runner.num_blocks, eos_ids, sliding_window=window)
+    if config.pooling:
+        scheduler.max_model_len = config.max_model_len + 1
+    return scheduler
 
 
 def draft_runner(config: EngineConfig, tp: TPInfo, spec: ModelSpec, num_blocks: int) -> ModelRunner | None:

@@ -14,16 +14,20 @@ divides by the prompt's length at the end; LAST takes the row of the last prompt
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from tpengine.config import PoolerConfig
+from tpengine.config import EngineConfig, PoolerConfig
+from tpengine.engine.output_processor import failed_output
 from tpengine.engine.outputs import CompletionOutput, EngineOutput
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.step import StepPlan
 from tpengine.pooling_params import PoolingParams
+from tpengine.sampling_params import SamplingParams
 
 
 def pool_rows(hidden: torch.Tensor, plan: StepPlan, pooling_type: str) -> torch.Tensor:
@@ -41,6 +45,49 @@ def pool_rows(hidden: torch.Tensor, plan: StepPlan, pooling_type: str) -> torch.
     owner = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=hidden.device), cu[1:] - cu[:-1])
     sums = torch.zeros(cu.numel() - 1, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     return sums.index_add_(0, owner, hidden.float())
+
+
+def add_pooling_request(pooling: PoolingRequests | None, scheduler, config: EngineConfig, vocab_size: int,
+                        new_id: Callable[[], int], request_id: str, prompt: list[int],
+                        params: PoolingParams | SamplingParams) -> EngineOutput | None:
+    """Queue a pooling request on rank 0 (``LLMEngine.add_request``): a prefill-only sequence with id
+    ``new_id()``, tracked by ``pooling`` and added to ``scheduler``
+    (:class:`tpengine.engine.scheduler.Scheduler`). ``pooling`` is None on a generate engine.
+
+    Returns:
+        None once queued, else the request's error output: a generate engine (``config.runner``),
+        sampling params, ids outside ``[0, vocab_size)``, a prompt longer than ``config.max_model_len``,
+        ``dimensions`` the model does not take (``error_field`` "prompt" or "dimensions"), or any other
+        exception the request raised while it was added ("scheduling").
+    """
+    limit = config.max_model_len
+    try:
+        if not config.pooling:
+            raise ValueError(f"request {request_id!r}: embeddings need a pooling engine (runner pooling, "
+                             f"--runner pooling); this one generates (runner {config.runner!r})")
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"request {request_id!r}: this engine makes embeddings (runner pooling) and "
+                             "generates no text; send PoolingParams (LLM.embed, /v1/embeddings)")
+        if bad := [t for t in prompt if not 0 <= t < vocab_size]:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if len(prompt) > limit:
+            raise ValueError(f"request {request_id!r}: the prompt has {len(prompt)} tokens, but max_model_len "
+                             f"is {limit}; shorten the input")
+        seq = Sequence(new_id(), request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0),
+                       arrival_time=time.monotonic())
+        pooling.add(seq, params)
+        try:
+            scheduler.add(seq)
+        except BaseException:
+            pooling.drop(request_id)
+            raise
+    except ValueError as e:
+        msg = str(e)
+        field = "dimensions" if msg.startswith("dimensions") else "prompt"
+        return EngineOutput(request_id, prompt, error=msg, error_field=field)
+    except Exception as e:  # noqa: BLE001 -- one request's failure is its own error output
+        return failed_output(request_id, prompt, "scheduling", e)
+    return None
 
 
 @dataclass
@@ -68,6 +115,13 @@ class PoolingRequests:
         self.config, self.hidden_size = config, hidden_size
         self.matryoshka, self.matryoshka_dimensions = matryoshka, matryoshka_dimensions
         self.live: dict[str, _Live] = {}
+
+    @classmethod
+    def for_model(cls, config: PoolerConfig, hf_config: Any, hidden_size: int) -> PoolingRequests:
+        """The pooling requests of a model whose HF config is ``hf_config``: matryoshka when it sets
+        ``is_matryoshka`` or ``matryoshka_dimensions`` (the lengths it allows)."""
+        dims = getattr(hf_config, "matryoshka_dimensions", None)
+        return cls(config, hidden_size, bool(getattr(hf_config, "is_matryoshka", False) or dims), dims)
 
     def check(self, params: PoolingParams) -> None:
         """A request's options against the model.

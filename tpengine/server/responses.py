@@ -355,89 +355,117 @@ class EventWriter:
 
 
 # --- the routes -------------------------------------------------------------------------------
+def _parse(state: ServerState, store: ResponseStore, raw: bytes) -> tuple[ResponsesRequest, dict[str, Any]]:
+    """The request body ``raw`` validated, and its conversation: ``history``, the chat messages of
+    ``previous_response_id``'s conversation, and ``input``, those of ``body.input``.
+
+    Raises:
+        HTTPProblem: an invalid body, another model's name, or (404) a ``previous_response_id`` not in
+            ``store``.
+    """
+    body = validate_body(ResponsesRequest, _json(raw))
+    check_model(body.model, state.model_name)
+    history: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        prev = store.get(body.previous_response_id)
+        if prev is None:
+            raise HTTPProblem(404, f"no stored response has the id {body.previous_response_id!r} (never stored, "
+                              f"stored with store false, or dropped: the server keeps the last {store.capacity})",
+                              "previous_response_id")
+        history = prev.history
+    return body, {"history": history, "input": input_messages(body)}
+
+
+def _keep(store: ResponseStore, body: ResponsesRequest, response: ResponseObject,
+          conv: dict[str, Any]) -> dict[str, Any]:
+    """``response`` as JSON, put in ``store`` with its conversation (``conv`` and its output) unless
+    ``body.store`` is false."""
+    out = response.model_dump()
+    if body.store is not False:
+        store.put(response.id, Stored(out, conv["history"] + conv["input"] + [history_message(response.output)]))
+    return out
+
+
+async def _create(state: ServerState, store: ResponseStore, auto_tools: bool, request: Request) -> Response:
+    """``POST /v1/responses``: the response object, its event stream (``stream``), or the problem
+    (the chat path's in the Responses API's names); 499 when the client went away."""
+    try:
+        body, conv = _parse(state, store, await request.body())
+        try:
+            call = await start_chat(state, chat_body(body, conv["history"] + conv["input"], auto_tools), request)
+        except HTTPProblem as e:
+            raise _problem(e) from None
+    except HTTPProblem as e:
+        return problem_response(e)
+    rid, created = f"resp_{call.prepared.request_id.split('-', 1)[1]}", int(time.time())
+    if body.stream:
+        return StreamingResponse(_stream(state, store, body, call, rid, created, conv),
+                                 media_type="text/event-stream")
+    try:
+        chat = await call.result(request)
+    except HTTPProblem as e:
+        return problem_response(_problem(e))
+    if chat is None:
+        return Response(status_code=499)
+    choice = chat["choices"][0]
+    items = output_items(choice["message"])
+    usage = usage_of(chat["usage"], _reasoning_tokens(state.tokenizer, items))
+    response = response_object(body, rid, created, state.model_name, status_of(choice["finish_reason"]), items,
+                               usage)
+    return JSONResponse(_keep(store, body, response, conv))
+
+
+async def _stream(state: ServerState, store: ResponseStore, body: ResponsesRequest, call: ChatCall, rid: str,
+                  created: int, conv: dict[str, Any]) -> AsyncIterator[str]:
+    """The events of a streamed response (see the module) from ``call``'s chat chunks; the completed
+    response is kept (:func:`_keep`), a failed one is not."""
+    w = EventWriter()
+    start = response_object(body, rid, created, state.model_name, "in_progress", [])
+    yield w.event("response.created", response=start)
+    yield w.event("response.in_progress", response=start)
+    chunks = call.chunks()
+    try:
+        async for chunk in chunks:
+            if "error" in chunk:
+                err = chunk["error"]
+                yield w.event("error", code=str(err.get("type")), message=err.get("message"),
+                              param=err.get("param"))
+                failed = response_object(body, rid, created, state.model_name, "failed", w.items,
+                                         error=ResponseError(code="server_error", message=err.get("message", "")))
+                yield w.event("response.failed", response=failed)
+                return
+            for event in w.chunk(chunk):
+                yield event
+    finally:
+        await chunks.aclose()
+    for event in w.close():
+        yield event
+    usage = usage_of(w.usage, _reasoning_tokens(state.tokenizer, w.items))
+    final = response_object(body, rid, created, state.model_name, status_of(w.finish), w.items, usage)
+    _keep(store, body, final, conv)
+    yield w.event("response.completed", response=final)
+
+
+def _get(store: ResponseStore, response_id: str) -> Response:
+    """``GET /v1/responses/{response_id}``: the stored response, or a 404 problem."""
+    item = store.get(response_id)
+    if item is None:
+        return problem_response(HTTPProblem(404, f"no stored response has the id {response_id!r}", "response_id"))
+    return JSONResponse(item.response)
+
+
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:
-    """``POST /v1/responses`` and ``GET /v1/responses/{response_id}`` over a store of its own."""
+    """``POST /v1/responses`` and ``GET /v1/responses/{response_id}`` over a store of its own
+    (``app.state.responses_store``)."""
     store = ResponseStore()
     auto_tools = state.enable_auto_tool_choice and state.tool_parser is not None
 
-    def parse(raw: bytes) -> tuple[ResponsesRequest, dict[str, Any]]:
-        body = validate_body(ResponsesRequest, _json(raw))
-        check_model(body.model, state.model_name)
-        history: list[dict[str, Any]] = []
-        if body.previous_response_id is not None:
-            prev = store.get(body.previous_response_id)
-            if prev is None:
-                raise HTTPProblem(404, f"no stored response has the id {body.previous_response_id!r} (never stored, "
-                                  f"stored with store false, or dropped: the server keeps the last {store.capacity})",
-                                  "previous_response_id")
-            history = prev.history
-        return body, {"history": history, "input": input_messages(body)}
-
-    def keep(body: ResponsesRequest, response: ResponseObject, conv: dict[str, Any]) -> dict[str, Any]:
-        out = response.model_dump()
-        if body.store is not False:
-            store.put(response.id, Stored(out, conv["history"] + conv["input"] + [history_message(response.output)]))
-        return out
-
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
-        try:
-            body, conv = parse(await request.body())
-            try:
-                call = await start_chat(state, chat_body(body, conv["history"] + conv["input"], auto_tools), request)
-            except HTTPProblem as e:
-                raise _problem(e) from None
-        except HTTPProblem as e:
-            return problem_response(e)
-        rid, created = f"resp_{call.prepared.request_id.split('-', 1)[1]}", int(time.time())
-        if body.stream:
-            return StreamingResponse(_stream(body, call, rid, created, conv, keep), media_type="text/event-stream")
-        try:
-            chat = await call.result(request)
-        except HTTPProblem as e:
-            return problem_response(_problem(e))
-        if chat is None:
-            return Response(status_code=499)
-        choice = chat["choices"][0]
-        items = output_items(choice["message"])
-        usage = usage_of(chat["usage"], _reasoning_tokens(state.tokenizer, items))
-        response = response_object(body, rid, created, state.model_name, status_of(choice["finish_reason"]), items,
-                                   usage)
-        return JSONResponse(keep(body, response, conv))
-
-    async def _stream(body: ResponsesRequest, call: ChatCall, rid: str, created: int, conv: dict[str, Any],
-                      keep_fn: Any) -> AsyncIterator[str]:
-        w = EventWriter()
-        start = response_object(body, rid, created, state.model_name, "in_progress", [])
-        yield w.event("response.created", response=start)
-        yield w.event("response.in_progress", response=start)
-        chunks = call.chunks()
-        try:
-            async for chunk in chunks:
-                if "error" in chunk:
-                    err = chunk["error"]
-                    yield w.event("error", code=str(err.get("type")), message=err.get("message"),
-                                  param=err.get("param"))
-                    failed = response_object(body, rid, created, state.model_name, "failed", w.items,
-                                             error=ResponseError(code="server_error", message=err.get("message", "")))
-                    yield w.event("response.failed", response=failed)
-                    return
-                for event in w.chunk(chunk):
-                    yield event
-        finally:
-            await chunks.aclose()
-        for event in w.close():
-            yield event
-        usage = usage_of(w.usage, _reasoning_tokens(state.tokenizer, w.items))
-        final = response_object(body, rid, created, state.model_name, status_of(w.finish), w.items, usage)
-        keep_fn(body, final, conv)
-        yield w.event("response.completed", response=final)
+        return await _create(state, store, auto_tools, request)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> Response:
-        item = store.get(response_id)
-        if item is None:
-            return problem_response(HTTPProblem(404, f"no stored response has the id {response_id!r}", "response_id"))
-        return JSONResponse(item.response)
+        return _get(store, response_id)
 
     app.state.responses_store = store

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tpengine.engine.outputs import EngineOutput, PositionLogprobs
+from tpengine.engine.outputs import CompletionOutput, EngineOutput, PositionLogprobs
 from tpengine.frontend.logprobs import chat_logprobs
 from tpengine.frontend.output import completion_body, completion_text, openai_body, usage_info
 from tpengine.frontend.reasoning import REASONING_PARSERS, ReasoningParser, thought_tags
@@ -349,6 +349,27 @@ def _chat_delta(text: str, sent: str, finished: bool, reason: str | None, tools:
     return (content or "")[len(sent):], deltas, "tool_calls"
 
 
+def _chat_choice(p: Prepared, index: int, o: CompletionOutput, finished: bool, reason: str | None,
+                 positions: list[PositionLogprobs] | None, sent_text: str, sent_thought: str
+                 ) -> tuple[ChatCompletionStreamChoice | None, str, str]:
+    """One streamed chat choice's next chunk from its output ``o`` so far: the thought split off
+    (``p.reasoning``), the content (held back while it may be a tool call, :func:`_chat_delta`) and
+    the logprobs of ``positions``, the tokens since its last chunk. ``sent_text`` / ``sent_thought``:
+    the content and thought already sent. Returns (the choice at ``index``, or None when there is
+    nothing to send; the thought delta; the content delta), the deltas to add to what was sent."""
+    lp: Any = None if positions is None else chat_logprobs(positions)
+    thought, text = (None, o.text) if p.reasoning is None else p.reasoning.split(o.text, o.token_ids, finished)
+    thought_delta = (thought or "")[len(sent_thought):]
+    delta, calls, reason = _chat_delta(text or "", sent_text, finished, reason, p.tools)
+    if not (delta or thought_delta or calls or finished or positions):
+        return None, thought_delta, delta
+    choice = ChatCompletionStreamChoice(
+        index=index, delta=DeltaMessage(content=delta if delta or not (calls or thought_delta) else None,
+                                        reasoning_content=thought_delta or None, tool_calls=calls),
+        finish_reason=reason, logprobs=lp)
+    return choice, thought_delta, delta
+
+
 def sse(obj: dict[str, Any] | str) -> str:
     """One server-sent event."""
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
@@ -404,17 +425,10 @@ async def stream_events(p: Prepared, outputs: AsyncIterator[EngineOutput], model
             if delta or finished or positions or echo is not None:
                 reason = o.finish_reason if finished else None
                 if p.chat:
-                    lp: Any = None if positions is None else chat_logprobs(positions)
-                    thought, text = (None, o.text) if p.reasoning is None else \
-                        p.reasoning.split(o.text, o.token_ids, finished)
-                    thought_delta = (thought or "")[len(sent_thought[i]):]
-                    delta, calls, reason = _chat_delta(text or "", sent_text[i], finished, reason, p.tools)
-                    if delta or thought_delta or calls or finished or positions:
-                        yield event(ChatCompletionStreamChoice(
-                            index=i, delta=DeltaMessage(
-                                content=delta if delta or not (calls or thought_delta) else None,
-                                reasoning_content=thought_delta or None, tool_calls=calls),
-                            finish_reason=reason, logprobs=lp), out, len(o.token_ids))
+                    choice, thought_delta, delta = _chat_choice(p, i, o, finished, reason, positions,
+                                                                sent_text[i], sent_thought[i])
+                    if choice is not None:
+                        yield event(choice, out, len(o.token_ids))
                     sent_thought[i] += thought_delta
                     sent_text[i] += delta  # the content sent: text that may be a tool call is held back
                     sent_tokens[i], done[i] = len(o.token_ids), finished

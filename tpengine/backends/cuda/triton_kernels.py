@@ -261,6 +261,29 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @triton.jit
+def _softmax_tile(s, vis, vt, m_i, l_i, acc, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """One key tile of the prefill's online softmax: the scores ``s`` ``[BLOCK_M, BLOCK_N]`` (float32,
+    scaled and capped) masked to the visible keys ``vis``, folded into the running row max ``m_i`` and
+    sum ``l_i`` ``[BLOCK_M]`` and the output rows ``acc`` ``[BLOCK_M, D_P2]`` (float32) with the tile's
+    values ``vt`` ``[BLOCK_N, D_P2]``. With a window a row may see no key yet (its max -inf): its
+    exponentials are taken against 0 instead (``m_safe``), not -inf - -inf.
+
+    Returns:
+        the new ``(m_i, l_i, acc)``.
+    """
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = m_new
+    if HAS_WINDOW:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(q, k, v, kc, vc, out, cu_q, cu_k, bt, q_to_kv, scale, block_size, window, soft_cap,
                     s_qn, s_qh, s_qd, s_kn, s_kh, s_kd, s_vn, s_vh, s_vd,
                     s_cb, s_cs, s_ch, s_cd, s_vcb, s_vcs, s_vch, s_vcd, s_bt, s_on, s_oh, s_od,
@@ -311,16 +334,7 @@ def _prefill_kernel(q, k, v, kc, vc, out, cu_q, cu_k, bt, q_to_kv, scale, block_
         vis = pm[None, :]
         if HAS_WINDOW:
             vis = vis & (pos[None, :] > prefix + offs_m[:, None] - window)
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = m_new
-        if HAS_WINDOW:
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_tile(s, vis, vt, m_i, l_i, acc, IEEE, HAS_WINDOW)
     # phase 2: the new tokens (dense k/v), causal: new key j visible to query i iff j <= i
     hi = tl.minimum(lq, (mb + 1) * BLOCK_M)
     for n0 in range(lo2, hi, BLOCK_N):
@@ -335,16 +349,7 @@ def _prefill_kernel(q, k, v, kc, vc, out, cu_q, cu_k, bt, q_to_kv, scale, block_
         vis = pm[None, :] & (pos[None, :] <= offs_m[:, None])
         if HAS_WINDOW:
             vis = vis & (pos[None, :] > offs_m[:, None] - window)
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = m_new
-        if HAS_WINDOW:
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_tile(s, vis, vt, m_i, l_i, acc, IEEE, HAS_WINDOW)
     if HAS_WINDOW:  # the tile's padding rows past Lq may have seen no key at all
         l_i = tl.where(l_i > 0, l_i, 1.0)
     res = acc / l_i[:, None]
