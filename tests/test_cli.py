@@ -243,7 +243,10 @@ class FakeEngine:
     vocab_size = 1000
 
     def __init__(self, crash_after=None):
+        from types import SimpleNamespace
+
         self.crash_after = crash_after
+        self.config = SimpleNamespace(reasoning_parser=None)  # (the batch chat lines' reasoning split: none)
 
     def tokenizer(self, text):
         return {"input_ids": [ord(c) for c in text]}
