@@ -49,7 +49,7 @@ from tpengine.protocol.anthropic import (
     blocks_text,
 )
 from tpengine.server.app import ServerState, _json
-from tpengine.server.chat_bridge import ChatCall, matched_stop, prepare_chat, renamed, start_chat
+from tpengine.server.chat_bridge import ChatCall, ChatEventWriter, matched_stop, prepare_chat, renamed, start_chat
 from tpengine.server.serving import HTTPProblem, check_model, validate_body
 
 #: Anthropic's error ``type`` by HTTP status (5xx other than these: "api_error").
@@ -177,14 +177,15 @@ def usage_of(chat_usage: dict[str, Any]) -> Usage:
                  cache_read_input_tokens=cached)
 
 
-class EventWriter:
+class EventWriter(ChatEventWriter):
     """Turns a streamed chat request's chunks into Anthropic's events (see the module)."""
 
+    THOUGHT, TEXT = "thinking", "text"
+
     def __init__(self) -> None:
+        super().__init__()
         self.index = -1  # the current block's index
         self.open: str | None = None  # "text" | "thinking": the block whose text is streaming
-        self.finish: str | None = None
-        self.usage: dict[str, Any] | None = None
 
     @staticmethod
     def event(kind: str, **fields: Any) -> str:
@@ -225,22 +226,6 @@ class EventWriter:
                     self.event("content_block_stop", index=self.index)]
         return out
 
-    def chunk(self, chunk: dict[str, Any]) -> list[str]:
-        """The events of one chat chunk."""
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        out: list[str] = []
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                out += self.delta("thinking", delta["reasoning_content"])
-            if delta.get("content"):
-                out += self.delta("text", delta["content"])
-            if delta.get("tool_calls"):
-                out += self.calls(delta["tool_calls"])
-            if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
-        return out
 
 
 # --- the routes -------------------------------------------------------------------------------

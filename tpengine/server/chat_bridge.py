@@ -160,3 +160,41 @@ def matched_stop(tokenizer: Any, out: EngineOutput, stops: tuple[str, ...] | Non
         return None
     rest = full[len(o.text):]
     return next((s for s in stops if rest.startswith(s)), None)
+
+
+class ChatEventWriter:
+    """The common part of the Responses and Messages stream writers: each streamed chat chunk's deltas
+    in order -- the thought, the text, the tool calls -- handed to the subclass's ``delta(kind, text)``
+    and ``calls(tool_calls)``, which return that API's server-sent events; the chat usage and finish
+    reason kept. ``THOUGHT`` / ``TEXT``: the subclass's names of the two kinds of streamed text."""
+
+    THOUGHT = "thinking"
+    TEXT = "text"
+
+    def __init__(self) -> None:
+        self.finish: str | None = None
+        self.usage: dict[str, Any] | None = None
+
+    def delta(self, kind: str, text: str) -> list[str]:
+        raise NotImplementedError
+
+    def calls(self, calls: list[dict[str, Any]]) -> list[str]:
+        raise NotImplementedError
+
+    def chunk(self, chunk: dict[str, Any]) -> list[str]:
+        """The events of one chat chunk (a chat completions stream chunk as a dict)."""
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        out: list[str] = []
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                out += self.delta(self.THOUGHT, delta["reasoning_content"])
+            if delta.get("content"):
+                out += self.delta(self.TEXT, delta["content"])
+            if delta.get("tool_calls"):
+                out += self.calls(delta["tool_calls"])
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+        return out
+

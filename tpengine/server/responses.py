@@ -57,7 +57,7 @@ from tpengine.protocol.responses import (
     parts_text,
 )
 from tpengine.server.app import ServerState, _json, problem_response
-from tpengine.server.chat_bridge import ChatCall, renamed, start_chat
+from tpengine.server.chat_bridge import ChatCall, ChatEventWriter, renamed, start_chat
 from tpengine.server.serving import HTTPProblem, check_model, validate_body
 
 #: How many responses the store keeps (the least recently used go first).
@@ -249,17 +249,18 @@ def _reasoning_tokens(tokenizer: Any, items: list[OutputItem]) -> int:
 
 
 # --- streaming --------------------------------------------------------------------------------
-class EventWriter:
+class EventWriter(ChatEventWriter):
     """Turns a streamed chat request's chunks into the Responses events (see the module); ``items``
     are the output items so far, ``finish`` the chat finish reason, ``usage`` the chat usage."""
 
+    THOUGHT, TEXT = "reasoning", "message"
+
     def __init__(self) -> None:
+        super().__init__()
         self.seq = 0
         self.items: list[OutputItem] = []
         self.open: str | None = None  # "reasoning" | "message": the item whose text is streaming
         self.text = ""
-        self.finish: str | None = None
-        self.usage: dict[str, Any] | None = None
 
     def event(self, kind: str, **fields: Any) -> str:
         """One server-sent event: ``event: <kind>`` and its data (``type`` and ``sequence_number`` first)."""
@@ -336,22 +337,6 @@ class EventWriter:
             self.items[index] = done
         return out
 
-    def chunk(self, chunk: dict[str, Any]) -> list[str]:
-        """The events of one chat chunk."""
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        out: list[str] = []
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                out += self.delta("reasoning", delta["reasoning_content"])
-            if delta.get("content"):
-                out += self.delta("message", delta["content"])
-            if delta.get("tool_calls"):
-                out += self.calls(delta["tool_calls"])
-            if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
-        return out
 
 
 # --- the routes -------------------------------------------------------------------------------
