@@ -94,6 +94,52 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def submit(state: ServerState, ids: list[str], prompts: Sequence[list[int]], params: Any, stream: bool,
+           queue: asyncio.Queue) -> None:
+    """Hand each prompt to the engine under its engine id (outputs into ``queue``).
+
+    Raises:
+        HTTPProblem: 400 for an id of a request still running (a reused ``x-request-id``); 503 when the
+            engine stopped meanwhile (whatever was submitted is aborted).
+    """
+    if busy := next((rid for rid in ids if state.loop.running(rid)), None):
+        raise HTTPProblem(400, f"the request id {busy!r} (from the x-request-id header) is the id of a request "
+                          "still running; send a unique x-request-id")
+    try:
+        for rid, prompt in zip(ids, prompts):
+            state.loop.submit(rid, prompt, params, stream, into=queue)
+    except EngineDead as e:
+        for rid in ids:
+            state.loop.abort(rid)
+        raise HTTPProblem(503, str(e)) from None
+
+
+async def finished_outputs(state: ServerState, request: Request, queue: asyncio.Queue,
+                           ids: list[str]) -> list[EngineOutput] | Response:
+    """Every id's final output, in ``ids``' order; a 499 response (the requests aborted, their blocks
+    freed) if the client goes away first, or an error response (an output error's status) for a
+    failed one."""
+    async def finals() -> dict[str, EngineOutput]:
+        return {out.request_id: out async for out in _outputs(queue, ids) if out.finished}
+
+    result = asyncio.ensure_future(finals())
+    gone = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if not result.done():  # the client went away: free its blocks now
+        result.cancel()
+        for rid in ids:
+            state.loop.abort(rid)
+        return Response(status_code=499)
+    gone.cancel()
+    try:
+        outs = [result.result()[rid] for rid in ids]
+    except HTTPProblem as e:
+        return problem_response(e)
+    if failed := next((o for o in outs if o.error is not None), None):
+        return problem_response(output_problem(failed))
+    return outs
+
+
 def _json(body: bytes) -> Any:
     """The request body as JSON. Raises HTTPProblem (400: not JSON)."""
     try:
@@ -162,17 +208,7 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
         # clients' streams and /health go on meanwhile
         p = await asyncio.to_thread(_parse_and_prepare, body, kind, state, request_id(request))
         queue: asyncio.Queue = asyncio.Queue()
-        ids = p.engine_ids()
-        if busy := next((rid for rid in ids if state.loop.running(rid)), None):
-            raise HTTPProblem(400, f"the request id {busy!r} (from the x-request-id header) is the id of a request "
-                              "still running; send a unique x-request-id")
-        try:
-            for rid, prompt in zip(ids, p.prompt_ids):
-                state.loop.submit(rid, prompt, p.params, p.stream, into=queue)
-        except EngineDead as e:
-            for rid in ids:
-                state.loop.abort(rid)
-            raise HTTPProblem(503, str(e)) from None
+        submit(state, p.engine_ids(), p.prompt_ids, p.params, p.stream, queue)
     except HTTPProblem as e:
         return problem_response(e)
     if p.stream:
@@ -200,27 +236,8 @@ async def _stream(state: ServerState, p: Prepared, queue: asyncio.Queue) -> Asyn
 async def _complete(state: ServerState, request: Request, p: Prepared, queue: asyncio.Queue) -> Response:
     """The one response of a non-streaming request, once every prompt finished; 499 (and its
     blocks freed) when the client goes away first, a request's own failure as its HTTP error."""
-    ids = p.engine_ids()
-
-    async def finals() -> dict[str, EngineOutput]:
-        return {out.request_id: out async for out in _outputs(queue, ids) if out.finished}
-
-    result = asyncio.ensure_future(finals())
-    gone = asyncio.ensure_future(_disconnected(request))
-    await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if not result.done():  # the client went away: free its blocks now
-        result.cancel()
-        for rid in ids:
-            state.loop.abort(rid)
-        return Response(status_code=499)
-    gone.cancel()
-    try:
-        outs = [result.result()[rid] for rid in ids]
-    except HTTPProblem as e:
-        return problem_response(e)
-    if failed := next((o for o in outs if o.error is not None), None):
-        return problem_response(output_problem(failed))
-    return JSONResponse(response_body(p, outs, state.model_name))
+    outs = await finished_outputs(state, request, queue, p.engine_ids())
+    return outs if isinstance(outs, Response) else JSONResponse(response_body(p, outs, state.model_name))
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:

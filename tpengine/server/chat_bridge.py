@@ -17,8 +17,7 @@ from typing import Any
 from fastapi import Request
 
 from tpengine.engine.outputs import EngineOutput
-from tpengine.server.app import ServerState, _disconnected, _outputs
-from tpengine.server.engine_loop import EngineDead
+from tpengine.server.app import ServerState, _disconnected, _outputs, submit
 from tpengine.server.middleware import request_id
 from tpengine.server.serving import HTTPProblem, Prepared, output_problem, prepare_request, response_body, stream_events
 
@@ -122,17 +121,7 @@ async def start_chat(state: ServerState, obj: dict[str, Any], request: Request) 
         raise HTTPProblem(503, f"the engine is not running: {state.loop.dead}")
     p = await asyncio.to_thread(prepare_chat, state, obj, request_id(request))
     queue: asyncio.Queue = asyncio.Queue()
-    ids = p.engine_ids()
-    if busy := next((rid for rid in ids if state.loop.running(rid)), None):
-        raise HTTPProblem(400, f"the request id {busy!r} (from the x-request-id header) is the id of a request "
-                          "still running; send a unique x-request-id")
-    try:
-        for rid, prompt in zip(ids, p.prompt_ids):
-            state.loop.submit(rid, prompt, p.params, p.stream, into=queue)
-    except EngineDead as e:
-        for rid in ids:
-            state.loop.abort(rid)
-        raise HTTPProblem(503, str(e)) from None
+    submit(state, p.engine_ids(), p.prompt_ids, p.params, p.stream, queue)
     return ChatCall(state, p, queue)
 
 

@@ -24,10 +24,9 @@ from fastapi.responses import JSONResponse, Response
 from tpengine.engine.outputs import EngineOutput
 from tpengine.pooling_params import PoolingParams
 from tpengine.protocol.embeddings import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
-from tpengine.server.app import ServerState, _disconnected, _engine_dead, _json, _outputs, problem_response
-from tpengine.server.engine_loop import EngineDead
+from tpengine.server.app import ServerState, _engine_dead, _json, finished_outputs, problem_response, submit
 from tpengine.server.middleware import request_id
-from tpengine.server.serving import HTTPProblem, check_model, output_problem, validate_body
+from tpengine.server.serving import HTTPProblem, check_model, validate_body
 
 #: The generation routes a pooling server refuses, with the API each serves (vLLM's message names it).
 GENERATION_ROUTES = {"/v1/completions": "Completions", "/v1/chat/completions": "Chat Completions",
@@ -123,38 +122,13 @@ async def _embed(state: ServerState, request: Request) -> Response:
         obj = _json(await request.body())
         call = await asyncio.to_thread(prepare_embedding, obj, state, request_id(request))
         ids = call.engine_ids()
-        if busy := next((rid for rid in ids if state.loop.running(rid)), None):
-            raise HTTPProblem(400, f"the request id {busy!r} (from the x-request-id header) is the id of a request "
-                              "still running; send a unique x-request-id")
         queue: asyncio.Queue = asyncio.Queue()
-        try:
-            for rid, prompt in zip(ids, call.prompt_ids):
-                state.loop.submit(rid, prompt, call.params, False, into=queue)
-        except EngineDead as e:
-            for rid in ids:
-                state.loop.abort(rid)
-            raise HTTPProblem(503, str(e)) from None
+        submit(state, ids, call.prompt_ids, call.params, False, queue)
     except HTTPProblem as e:
         return problem_response(e)
-
-    async def finals() -> dict[str, EngineOutput]:
-        return {out.request_id: out async for out in _outputs(queue, ids) if out.finished}
-
-    result = asyncio.ensure_future(finals())
-    gone = asyncio.ensure_future(_disconnected(request))
-    await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if not result.done():
-        result.cancel()
-        for rid in ids:
-            state.loop.abort(rid)
-        return Response(status_code=499)
-    gone.cancel()
-    try:
-        outs = [result.result()[rid] for rid in ids]
-    except HTTPProblem as e:
-        return problem_response(e)
-    if failed := next((o for o in outs if o.error is not None), None):
-        return problem_response(output_problem(failed))
+    outs = await finished_outputs(state, request, queue, ids)
+    if isinstance(outs, Response):
+        return outs
     if any(o.embedding is None for o in outs):  # aborted (the server is shutting down)
         return problem_response(HTTPProblem(503, "the request was aborted before its embeddings were made"))
     return JSONResponse(embedding_body(call, outs, state.model_name))
