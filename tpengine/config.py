@@ -51,6 +51,22 @@ RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN")
 
 
+def json_object(name: str, value: Any, example: str) -> dict:
+    """A setting given as vLLM's JSON text or as a dict (``LLM(...)``, a TOML table), as a dict.
+
+    Raises:
+        ValueError: not JSON, or not an object, naming the setting ``name`` and showing ``example``.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"invalid {name} {value!r}: not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"invalid {name} {value!r}: must be a JSON object such as {example}")
+    return value
+
+
 @dataclass(frozen=True)
 class PoolerConfig:
     """How a pooling engine (``runner`` "pooling") turns a prompt's final hidden states (after the
@@ -88,14 +104,7 @@ class PoolerConfig:
         """
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"invalid pooler_config {value!r}: not JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"invalid pooler_config {value!r}: must be a JSON object such as "
-                             '{"pooling_type": "LAST", "normalize": true}')
+        value = json_object("pooler_config", value, '{"pooling_type": "LAST", "normalize": true}')
         value = {k: v for k, v in value.items() if v is not None}
         if "use_activation" in value:
             if "normalize" in value:
@@ -175,14 +184,7 @@ class SpeculativeConfig:
         """
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"invalid speculative_config {value!r}: not JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"invalid speculative_config {value!r}: must be a JSON object such as "
-                             '{"method": "ngram", "num_speculative_tokens": 4}')
+        value = json_object("speculative_config", value, '{"method": "ngram", "num_speculative_tokens": 4}')
         known = [f.name for f in fields(cls)]
         if unknown := sorted(set(value) - set(known)):
             raise ValueError(f"invalid speculative_config: unknown key(s) {unknown}; valid: {', '.join(known)}")
