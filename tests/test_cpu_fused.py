@@ -315,3 +315,30 @@ def test_cpu_kernels_switch_is_per_engine(tmp_path, monkeypatch):
     finally:
         off.shutdown()
         on.shutdown()
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", (1, 64, 300))
+def test_float32_weight_beside_bfloat16_norm_kernel(rows):
+    """Gemma's / OLMo 2's norm form bound to its kernel (``tpe_add_rms_norm_w32``): bfloat16 activations, a
+    float32 weight, the product rounded once -- torch's ``F.rms_norm(h.float(), w).bfloat16()`` up to the
+    order of the float32 sum of squares (at most one bfloat16 step apart); the residual sum exact."""
+    from tpengine.backends.cpu.cpu_fused import FusedOps
+    from tpengine.backends.cpu.layer_calls import bind_norm
+    from tpengine.model.layers.fused import RMSNorm
+
+    if not cpu_library.has("tpe_add_rms_norm_w32"):
+        pytest.skip("no tpe_add_rms_norm_w32 in this build")
+    norm = RMSNorm(576, 1e-6, BF16, FusedOps(True), float32_weight=True)
+    norm.weight = torch.nn.Parameter(torch.randn(576, generator=torch.Generator().manual_seed(3)) * 0.1 + 1.0,
+                                     requires_grad=False)
+    run = bind_norm(norm, BF16)
+    assert run is not None and bind_norm(norm) is not None  # (float32 activations: the float32 kernel)
+    h, x = rand(rows, 576, scale=3.0), rand(rows, 576, seed=1)
+    for residual in (x, None):
+        h2, y = run(h, residual)
+        want_h = h if residual is None else h + x
+        want = F.rms_norm(want_h.float(), (576,), norm.weight, 1e-6).to(BF16)
+        assert torch.equal(h2, want_h) and y.dtype == BF16
+        ulp = want.float().abs().clamp_min(1e-30) * 2 ** -7
+        assert ((y.float() - want.float()).abs() <= ulp).all()

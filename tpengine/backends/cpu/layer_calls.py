@@ -24,22 +24,26 @@ import torch
 from tpengine.backends.cpu import cpu_library
 
 #: the C functions bound here
-KERNELS = ("tpe_add_rms_norm", "tpe_add_rms_norm_f32", "tpe_silu_mul", "tpe_silu_mul_f32")
+KERNELS = ("tpe_add_rms_norm", "tpe_add_rms_norm_f32", "tpe_add_rms_norm_w32", "tpe_silu_mul", "tpe_silu_mul_f32")
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def bind_norm(norm) -> object | None:
+def bind_norm(norm, act_dtype: torch.dtype | None = None) -> object | None:
     """``run(h [rows, n], x [rows, n] | None, reduce) -> (h + x, norm(h + x))`` for an RMSNorm layer
-    (``weight [n]`` float32 or bfloat16 on CPU, ``n % 16 == 0``), else None. ``reduce``: ``x`` is a
-    row-parallel partial sum, all-reduced first (the layer's ``ops.all_reduce_add_rms_norm``).
-    Inputs of another layout or dtype take the layer's generic op (``ops.add_rms_norm``)."""
+    (``weight [n]`` float32 or bfloat16 on CPU, ``n % 16 == 0``) whose activations are ``act_dtype``
+    (default: the weight's; a float32 weight beside bfloat16 activations is Gemma's / OLMo 2's form,
+    ``tpe_add_rms_norm_w32``), else None. ``reduce``: ``x`` is a row-parallel partial sum, all-reduced
+    first (the layer's ``ops.all_reduce_add_rms_norm``). Inputs of another layout or dtype take the
+    layer's generic op (``ops.add_rms_norm``)."""
     w = norm.weight
-    n, dtype = w.shape[0], w.dtype
-    if not (w.device.type == "cpu" and dtype in DTYPES and w.dim() == 1 and n % 16 == 0 and w.is_contiguous()
-            and cpu_library.has(*KERNELS)):
+    n, dtype = w.shape[0], act_dtype or w.dtype
+    mixed = dtype == torch.bfloat16 and w.dtype == torch.float32
+    if not (w.device.type == "cpu" and dtype in DTYPES and (w.dtype == dtype or mixed) and w.dim() == 1
+            and n % 16 == 0 and w.is_contiguous() and cpu_library.has(*KERNELS)):
         return None
     lib = cpu_library.load()
-    fn = lib.tpe_add_rms_norm if dtype == torch.bfloat16 else lib.tpe_add_rms_norm_f32
+    fn = lib.tpe_add_rms_norm_w32 if mixed else lib.tpe_add_rms_norm if dtype == torch.bfloat16 else \
+        lib.tpe_add_rms_norm_f32
     eps, ops, wp = float(norm.eps), norm.ops, w.data_ptr()
 
     def run(h: torch.Tensor, x: torch.Tensor | None, reduce: bool = False):
@@ -87,11 +91,16 @@ def bind_stack(stack, cpu_kernels: bool) -> int:
     norms = stack.norms()
     cpu_kernels = cpu_kernels and stack.norm.weight.device.type == "cpu"  # (the CPU backend may run on CUDA)
     count = 0
+    # the activations' dtype (a Gemma's norm weights are float32 beside them): the embedding's, or the KV cache's
+    # where the embedding is quantized
+    kv = getattr(layers[0].self_attn, "k_cache", None) if layers else None
+    emb = getattr(stack.embed_tokens, "weight", None)
+    act = emb.dtype if emb is not None else kv.dtype if kv is not None else None
     for norm in norms:
-        norm.bound = bind_norm(norm) if cpu_kernels else None
+        norm.bound = bind_norm(norm, act) if cpu_kernels else None
         count += norm.bound is not None
     for layer in layers:
         mlp = layer.mlp
-        mlp.bound_act = bind_silu(mlp, stack.norm.weight.dtype) if cpu_kernels else None
+        mlp.bound_act = bind_silu(mlp, act or stack.norm.weight.dtype) if cpu_kernels else None
         count += mlp.bound_act is not None
     return count

@@ -50,8 +50,12 @@ int64_t tpe_copy_rows(const char *src_a, const char *src_b, int64_t src_stride, 
  * in 16 lanes, reduced by vf_sum; cpu_shm.c's fused all-reduce + norm runs the same loop, so TP's
  * fused norm equals this one bit for bit. LD / ST: 16 elements of T as float32 / rounded back; R: the
  * rounding of an intermediate to T. */
-#define ADD_RMS_NORM(NAME, T, LD, ST, R)                                                                        \
-    void NAME(const T *h, const T *x, const T *w, T *h_out, T *y, int64_t rows, int64_t n, float eps,            \
+#define ADD_RMS_NORM(NAME, T, LD, ST, R) ADD_RMS_NORM_W(NAME, T, LD, ST, R, T, LD, R)
+/* WT / LDW / RN: the weight's type and loader, and the rounding of the normalized value before the
+ * weight multiplies it (Llama's: to T; a float32 weight beside bfloat16 activations: none, the product
+ * rounded once, as Gemma's and OLMo 2's norms compute). */
+#define ADD_RMS_NORM_W(NAME, T, LD, ST, R, WT, LDW, RN)                                                         \
+    void NAME(const T *h, const T *x, const WT *w, T *h_out, T *y, int64_t rows, int64_t n, float eps,           \
               int nthreads) {                                                                                   \
         _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (rows * n >= 65536)")               \
         for (int64_t r = 0; r < rows; r++) {                                                                    \
@@ -67,7 +71,7 @@ int64_t tpe_copy_rows(const char *src_a, const char *src_b, int64_t src_stride, 
             }                                                                                                   \
             if (x) src = h_out + r * n;                                                                         \
             const vf inv = vf_set1(1.0f / sqrtf(vf_sum(ss) / (float)n + eps));                                  \
-            for (int64_t i = 0; i < n; i += 16) ST(y + r * n + i, vf_mul(LD(w + i), R(vf_mul(LD(src + i), inv)))); \
+            for (int64_t i = 0; i < n; i += 16) ST(y + r * n + i, vf_mul(LDW(w + i), RN(vf_mul(LD(src + i), inv)))); \
         }                                                                                                       \
     }
 
@@ -91,6 +95,9 @@ SILU_MUL(tpe_silu_mul, uint16_t, vf_ldb, vf_stb, vf_rb)
  * + eps))); out = (g / (1 + exp(-g))) * u), equal to torch's float32 ops up to the order of the sum of
  * squares and the last bit of exp. n % 16 == 0. */
 ADD_RMS_NORM(tpe_add_rms_norm_f32, float, vf_ldf, vf_stf, vf_same)
+/* bfloat16 activations, a float32 weight: h' = bf16(h + x); y = bf16(w * (h' * rsqrt(mean(h'^2) + eps))),
+ * one rounding after the weight (Gemma's and OLMo 2's norms; torch: F.rms_norm(h'.float(), w).bfloat16()). */
+ADD_RMS_NORM_W(tpe_add_rms_norm_w32, uint16_t, vf_ldb, vf_stb, vf_rb, float, vf_ldf, vf_same)
 SILU_MUL(tpe_silu_mul_f32, float, vf_ldf, vf_stf, vf_same)
 
 /* In place on qk rows t = 0..T-1 at qk + t * row_stride, heads h = 0..H-1 of d values each;
