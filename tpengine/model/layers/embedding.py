@@ -93,11 +93,12 @@ class ParallelLMHead(_Packable):
 
     def _transform(self, logits: torch.Tensor) -> torch.Tensor:
         """The family's element-wise logit transforms (``divisor``, then ``soft_cap``), as HF's
-        causal-LM heads apply them."""
+        causal-LM heads apply them, in place on this step's fresh logits (each op rounds to their dtype
+        as HF's out-of-place ones do)."""
         if self.divisor is not None:
-            logits = logits / self.divisor
+            logits = logits.div_(self.divisor)
         if self.soft_cap is not None:
-            logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
+            logits = logits.div_(self.soft_cap).tanh_().mul_(self.soft_cap)
         return logits
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
