@@ -342,3 +342,22 @@ def test_float32_weight_beside_bfloat16_norm_kernel(rows):
         assert torch.equal(h2, want_h) and y.dtype == BF16
         ulp = want.float().abs().clamp_min(1e-30) * 2 ** -7
         assert ((y.float() - want.float()).abs() <= ulp).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(16, 49152), (1, 1001), (3, 17)])  # over the OpenMP threshold; tails
+def test_soft_cap_kernel_equals_torch(shape, c_calls):
+    """Gemma 2's final-logit soft cap in one C pass (``tpe_soft_cap``) gives torch's three bfloat16 ops'
+    values (HF's); float32 and cpu_kernels off take torch."""
+    from tpengine.backends import torch_ops
+
+    if not cpu_library.has("tpe_soft_cap"):
+        pytest.skip("no tpe_soft_cap in this build")
+    x = rand(*shape, scale=40.0)
+    want = torch_ops.soft_cap_(x.clone(), 30.0)
+    got = x.clone()
+    assert cpu_fused.soft_cap_(got, 30.0, True) is got and torch.equal(got, want)
+    assert c_calls == ["tpe_soft_cap"]
+    f = x.float()
+    assert torch.equal(cpu_fused.soft_cap_(f.clone(), 30.0, True), torch.tanh(f / 30.0) * 30.0)
+    assert torch.equal(cpu_fused.soft_cap_(x.clone(), 30.0, False), want) and c_calls == ["tpe_soft_cap"]

@@ -56,6 +56,12 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     return F.silu(gate_up[..., :inter]).mul_(gate_up[..., inter:])
 
 
+def soft_cap_(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``tanh(x / cap) * cap`` in place on ``x`` (any shape), as HF's Gemma 2 head computes its final
+    logits (three ops, each rounded to ``x``'s dtype). Returns ``x``."""
+    return x.div_(cap).tanh_().mul_(cap)
+
+
 class TorchOps:
     """The fused element-wise ops as plain torch chains: the ops object a layer holds until a device's
     platform gives it another (the CPU's :class:`tpengine.backends.cpu.cpu_fused.FusedOps`). Every
@@ -86,6 +92,10 @@ class TorchOps:
     def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
         """:func:`silu_mul`."""
         return silu_mul(gate_up, inter)
+
+    def soft_cap_(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        """:func:`soft_cap_`."""
+        return soft_cap_(x, cap)
 
 
 def bind_linear(weight: torch.Tensor | None, bias: torch.Tensor | None,

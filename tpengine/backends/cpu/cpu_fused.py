@@ -67,6 +67,17 @@ def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cpu_kernels: b
     return torch_ops.rope(qk, cos, sin)
 
 
+def soft_cap_(x: torch.Tensor, cap: float, cpu_kernels: bool) -> torch.Tensor:
+    """:func:`tpengine.backends.torch_ops.soft_cap_` in place on ``x``: one C pass over a contiguous
+    bfloat16 tensor on CPU (``tpe_soft_cap``: the same three roundings, tanh up to its last float32 bits),
+    else torch's three ops. Returns ``x``."""
+    if cpu_kernels and x.dtype == torch.bfloat16 and x.is_contiguous() and cpu_library.usable(
+            x, kernels=("tpe_soft_cap",)):
+        cpu_library.load().tpe_soft_cap(x.data_ptr(), x.numel(), float(cap), torch.get_num_threads())
+        return x
+    return torch_ops.soft_cap_(x, cap)
+
+
 def silu_mul(gate_up: torch.Tensor, inter: int, cpu_kernels: bool) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up [..., 2 * inter]`` (gate first) -> a new ``[..., inter]``
     tensor, computed as torch's ``F.silu(gate).mul_(up)`` (C kernel: bfloat16 or float32 on CPU,
@@ -186,3 +197,7 @@ class FusedOps(TorchOps):
     def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
         """:func:`silu_mul`."""
         return silu_mul(gate_up, inter, self.cpu_kernels)
+
+    def soft_cap_(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        """:func:`soft_cap_`."""
+        return soft_cap_(x, cap, self.cpu_kernels)

@@ -98,7 +98,7 @@ class ParallelLMHead(_Packable):
         if self.divisor is not None:
             logits = logits.div_(self.divisor)
         if self.soft_cap is not None:
-            logits = logits.div_(self.soft_cap).tanh_().mul_(self.soft_cap)
+            logits = self.ops.soft_cap_(logits, self.soft_cap)
         return logits
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:

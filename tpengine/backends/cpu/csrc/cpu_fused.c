@@ -100,6 +100,19 @@ ADD_RMS_NORM(tpe_add_rms_norm_f32, float, vf_ldf, vf_stf, vf_same)
 ADD_RMS_NORM_W(tpe_add_rms_norm_w32, uint16_t, vf_ldb, vf_stb, vf_rb, float, vf_ldf, vf_same)
 SILU_MUL(tpe_silu_mul_f32, float, vf_ldf, vf_stf, vf_same)
 
+/* A soft cap in place, x = bf16(bf16(tanh(bf16(x / cap))) * cap) over n bfloat16 values (Gemma 2's final
+ * logits: HF's three bfloat16 ops, each rounded; tanh is bf16.h's vf_tanh, torch's up to its last float32
+ * bits before the rounding). Any n: the tail through the masked loads and stores. */
+void tpe_soft_cap(uint16_t *x, int64_t n, float cap, int nthreads) {
+    const vf c = vf_set1(cap);
+    const int64_t full = n / 16 * 16;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (n >= 65536)
+    for (int64_t i = 0; i < full; i += 16)
+        vf_stb(x + i, vf_mul(vf_rb(vf_tanh(vf_rb(vf_div(vf_ldb(x + i), c)))), c));
+    if (full < n)
+        vf_stb_n(x + full, vf_mul(vf_rb(vf_tanh(vf_rb(vf_div(vf_ldb_n(x + full, n - full), c)))), c), n - full);
+}
+
 /* In place on qk rows t = 0..T-1 at qk + t * row_stride, heads h = 0..H-1 of d values each;
  * cos, sin: [T, d]. */
 void tpe_rope(uint16_t *qk, int64_t row_stride, int64_t heads, int64_t d, const uint16_t *cos_t,
