@@ -9,6 +9,7 @@ import typer
 
 from shard_tool.common import UserError, read_model_config, user_errors
 from tpengine.config import DTYPE_BYTES
+from tpengine.model.families import check_config
 
 
 def load_config(model_dir: Path):
@@ -122,6 +123,7 @@ def info(
         if dtype is not None and dtype not in DTYPE_BYTES:
             raise UserError(f"invalid dtype {dtype!r}: must be one of {', '.join(DTYPE_BYTES)}")
         config = load_config(model_dir)
+        check_config(config)  # a model type or feature the engine would refuse, refused here too
         d = ShardPlan.dims(config)
         if tp is not None:
             plan = ShardPlan.build(config, tp)  # ValueError names the head count and tp

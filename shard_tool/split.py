@@ -121,7 +121,7 @@ def split_model(
     """
     import torch
 
-    from tpengine.model.families import expand_fused, fused_parts
+    from tpengine.model.families import check_config, expand_fused, fused_parts
     from tpengine.model.plan import ShardPlan
     from tpengine.model.quant import checkpoint as QC
     from tpengine.model.surgery import kind_in
@@ -129,6 +129,7 @@ def split_model(
 
     model_dir, out = Path(model_dir), Path(out)
     config = read_model_config(model_dir)  # UserError: no, a broken or an unreadable config.json
+    check_config(config)  # UserError: a model type or feature the engine would refuse
     if dtype is not None and dtype not in WEIGHT_DTYPES:
         raise UserError(f"invalid dtype {dtype!r}: must be one of {', '.join(WEIGHT_DTYPES)}")
     if out.exists() and not force:

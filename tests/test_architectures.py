@@ -40,7 +40,7 @@ def test_unsupported_architecture_is_one_line_exit_2(tmp_path):
 
     r = CliRunner().invoke(shard_app, ["info", str(gpt2), "--tp", "1"])
     assert r.exit_code == 2
-    assert "model_type 'gpt2': the config has no intermediate_size" in r.output
+    assert "model_type 'gpt2' is not supported; tpengine runs gemma, gemma2, gemma3_text, granite, llama" in r.output
 
 
 def test_unsupported_feature_is_one_line_exit_2(tmp_path):
@@ -53,5 +53,14 @@ def test_unsupported_feature_is_one_line_exit_2(tmp_path):
     prompts.write_text(json.dumps({"id": "a", "prompt_token_ids": [1, 2, 3], "max_tokens": 2}) + "\n")
     r = run(["--prompts", str(prompts), "--model", str(d), "--out", str(tmp_path / "o.jsonl")], 1)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert ("model_type 'phi3': partial_rotary_factor=0.75 (RoPE on part of each head) is not supported; "
-            "tpengine rotates whole heads (partial_rotary_factor 1.0)") in r.stderr
+    message = ("model_type 'phi3': partial_rotary_factor=0.75 (RoPE on part of each head) is not supported; "
+               "tpengine rotates whole heads (partial_rotary_factor 1.0)")
+    assert message in r.stderr
+    from typer.testing import CliRunner
+
+    from shard_tool.cli import app as shard_app
+
+    for args in (["info", str(d), "--tp", "2"], ["split", str(d), "--tp", "2", "--out", str(tmp_path / "s")]):
+        r = CliRunner().invoke(shard_app, args)  # the shard tool refuses what the engine would
+        assert r.exit_code == 2 and message in " ".join(r.output.split()), r.output
+    assert not (tmp_path / "s").exists()

@@ -32,7 +32,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 MODEL = "smollm2-135m-instruct"
 MISSING = "Missing API key: send it as the header 'Authorization: Bearer <key>'"
-WRONG = "Incorrect API key provided: the Authorization header's bearer token is not an API key of this server"
+WRONG = ("Incorrect API key provided: the key sent (the Authorization header's bearer token or the x-api-key header) "
+         "is not an API key of this server")
 
 
 def http(url: str, method: str = "GET", body: dict | None = None, headers: dict | None = None

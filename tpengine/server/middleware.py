@@ -124,8 +124,8 @@ class ApiKeyMiddleware:
             if (path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")) and \
                     not self.authorized(Headers(scope=scope)):
                 given = "authorization" in Headers(scope=scope) or "x-api-key" in Headers(scope=scope)
-                message = ("Incorrect API key provided: the Authorization header's bearer token is not an API key "
-                           "of this server" if given else
+                message = ("Incorrect API key provided: the key sent (the Authorization header's bearer token or "
+                           "the x-api-key header) is not an API key of this server" if given else
                            "Missing API key: send it as the header 'Authorization: Bearer <key>'")
                 response = JSONResponse(HTTPProblem(401, message).body(), status_code=401,
                                         headers={"WWW-Authenticate": "Bearer"})
