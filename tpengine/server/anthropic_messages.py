@@ -49,7 +49,15 @@ from tpengine.protocol.anthropic import (
     blocks_text,
 )
 from tpengine.server.app import ServerState, _json
-from tpengine.server.chat_bridge import ChatCall, ChatEventWriter, matched_stop, prepare_chat, renamed, start_chat
+from tpengine.server.chat_bridge import (
+    ChatCall,
+    ChatEventWriter,
+    chat_param_as,
+    matched_stop,
+    prepare_chat,
+    renamed,
+    start_chat,
+)
 from tpengine.server.serving import HTTPProblem, check_model, validate_body
 
 #: Anthropic's error ``type`` by HTTP status (5xx other than these: "api_error").
@@ -136,18 +144,12 @@ def chat_body(body: MessagesRequest) -> dict[str, Any]:
 def messages_param(param: str) -> str:
     """A chat body's field path as the Messages request names it (a message's index differs: the
     chat conversation has the system message and the tool results as messages of their own)."""
-    base = param.partition(".")[0].split("[")[0]
-    if base == "messages":
-        return "messages"
-    if base == "stop":
-        return "stop_sequences"
-    if base == "response_format":
-        return "output_config.format"
-    if base == "tools":
-        return param.replace(".function.parameters", ".input_schema").replace(".function.", ".")
-    if base == "tool_choice":
-        return param.replace("tool_choice.function.", "tool_choice.", 1)
-    return param
+    return chat_param_as(param, MESSAGES_NAMES, lambda p: p.replace(".function.parameters", ".input_schema")
+                         .replace(".function.", "."))
+
+
+#: chat body field -> the Messages request's
+MESSAGES_NAMES = {"messages": "messages", "stop": "stop_sequences", "response_format": "output_config.format"}
 
 
 # --- chat -> message --------------------------------------------------------------------------

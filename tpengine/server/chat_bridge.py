@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,4 +186,18 @@ class ChatEventWriter:
             if choice.get("finish_reason"):
                 self.finish = choice["finish_reason"]
         return out
+
+
+def chat_param_as(param: str, names: Mapping[str, str], tools: Callable[[str], str]) -> str:
+    """A chat body's field path (an error's ``param``) as another API names it: a top-level field of
+    ``names`` by its name there (an index into it dropped), a ``tools`` path through ``tools``, a named
+    ``tool_choice``'s ``function.`` level dropped, anything else as it is."""
+    base = param.partition(".")[0].split("[")[0]
+    if base in names:
+        return names[base]
+    if base == "tools":
+        return tools(param)
+    if base == "tool_choice":
+        return param.replace("tool_choice.function.", "tool_choice.", 1)
+    return param
 

@@ -57,7 +57,7 @@ from tpengine.protocol.responses import (
     parts_text,
 )
 from tpengine.server.app import ServerState, _json, problem_response
-from tpengine.server.chat_bridge import ChatCall, ChatEventWriter, renamed, start_chat
+from tpengine.server.chat_bridge import ChatCall, ChatEventWriter, chat_param_as, renamed, start_chat
 from tpengine.server.serving import HTTPProblem, check_model, validate_body
 
 #: How many responses the store keeps (the least recently used go first).
@@ -155,19 +155,11 @@ def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]], auto_tools
 
 def responses_param(param: str) -> str:
     """A chat body's field path as the Responses request names it."""
-    head, _, rest = param.partition(".")
-    base = head.split("[")[0]
-    if base == "messages":
-        return "input"
-    if base == "max_completion_tokens":
-        return "max_output_tokens"
-    if base == "response_format":
-        return "text.format"
-    if base == "tools":
-        return param.replace(".function.", ".", 1)
-    if base == "tool_choice":
-        return param.replace("tool_choice.function.", "tool_choice.", 1)
-    return param
+    return chat_param_as(param, RESPONSES_NAMES, lambda p: p.replace(".function.", ".", 1))
+
+
+#: chat body field -> the Responses request's
+RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
 def _problem(e: HTTPProblem) -> HTTPProblem:
