@@ -268,20 +268,14 @@ def add_messages_routes(app: FastAPI, state: ServerState) -> None:
         start = MessageOut(id=mid, content=[], model=state.model_name,
                            usage=Usage(input_tokens=len(call.prepared.prompt_ids[0]), output_tokens=0))
         yield w.event("message_start", message=start.model_dump())
-        chunks = call.chunks()
-        try:
-            async for chunk in chunks:
-                if "error" in chunk:
-                    err = chunk["error"]
-                    problem = HTTPProblem(err.get("code") or 500, err["message"])
-                    yield w.event("error", error=error_body(problem)["error"])
-                    return
-                for event in w.chunk(chunk):
-                    yield event
-        finally:
-            await chunks.aclose()
-        for event in w.close():
+        def failed(err: dict[str, Any]) -> list[str]:
+            problem = HTTPProblem(err.get("code") or 500, err["message"])
+            return [w.event("error", error=error_body(problem)["error"])]
+
+        async for event in w.events(call, failed):
             yield event
+        if w.failed:
+            return
         reason, stop = stop_of(w.finish, stops(call))
         usage = usage_of(w.usage).model_dump() if w.usage else {"output_tokens": 0}
         yield w.event("message_delta", delta={"stop_reason": reason, "stop_sequence": stop}, usage=usage)

@@ -170,6 +170,29 @@ class ChatEventWriter:
     def calls(self, calls: list[dict[str, Any]]) -> list[str]:
         raise NotImplementedError
 
+    failed = False  #: set by :meth:`events` when the chat stream ended with an error chunk
+
+    async def events(self, call: ChatCall, on_error: Callable[[dict[str, Any]], list[str]]) -> AsyncIterator[str]:
+        """The events of ``call``'s chat stream, then those closing the open block or item; an error chunk
+        ends it with ``on_error(error)``'s events and sets :attr:`failed` (nothing is closed then)."""
+        chunks = call.chunks()
+        try:
+            async for chunk in chunks:
+                if "error" in chunk:
+                    self.failed = True
+                    for event in on_error(chunk["error"]):
+                        yield event
+                    return
+                for event in self.chunk(chunk):
+                    yield event
+        finally:
+            await chunks.aclose()
+        for event in self.close():
+            yield event
+
+    def close(self) -> list[str]:
+        raise NotImplementedError
+
     def chunk(self, chunk: dict[str, Any]) -> list[str]:
         """The events of one chat chunk (a chat completions stream chunk as a dict)."""
         if chunk.get("usage"):

@@ -400,23 +400,16 @@ async def _stream(state: ServerState, store: ResponseStore, body: ResponsesReque
     start = response_object(body, rid, created, state.model_name, "in_progress", [])
     yield w.event("response.created", response=start)
     yield w.event("response.in_progress", response=start)
-    chunks = call.chunks()
-    try:
-        async for chunk in chunks:
-            if "error" in chunk:
-                err = chunk["error"]
-                yield w.event("error", code=str(err.get("type")), message=err.get("message"),
-                              param=err.get("param"))
-                failed = response_object(body, rid, created, state.model_name, "failed", w.items,
-                                         error=ResponseError(code="server_error", message=err.get("message", "")))
-                yield w.event("response.failed", response=failed)
-                return
-            for event in w.chunk(chunk):
-                yield event
-    finally:
-        await chunks.aclose()
-    for event in w.close():
+    def failed(err: dict[str, Any]) -> list[str]:
+        final = response_object(body, rid, created, state.model_name, "failed", w.items,
+                                error=ResponseError(code="server_error", message=err.get("message", "")))
+        return [w.event("error", code=str(err.get("type")), message=err.get("message"), param=err.get("param")),
+                w.event("response.failed", response=final)]
+
+    async for event in w.events(call, failed):
         yield event
+    if w.failed:
+        return
     usage = usage_of(w.usage, _reasoning_tokens(state.tokenizer, w.items))
     final = response_object(body, rid, created, state.model_name, status_of(w.finish), w.items, usage)
     _keep(store, body, final, conv)
