@@ -243,6 +243,9 @@ class EngineConfig:
     # tensor_parallel_size unset: world size / data_parallel_size (see parallel_sizes)
     tensor_parallel_size: int | None = None
     data_parallel_size: int = 1
+    # a mixture-of-experts model's routed experts whole on each rank of the TP group (vLLM's flag), instead
+    # of every expert split by its intermediate; attention stays tensor-parallel; a dense model ignores it
+    enable_expert_parallel: bool = False
     threads: int | None = None  # intra-op threads per rank; default cores // ranks on this host
     seed: int = 0
     # sampling defaults: "auto" (the model's generation_config.json), "ignore" (tpengine's built-in
@@ -418,7 +421,7 @@ FIELD_TYPES: dict[str, tuple] = {
     "tensor_parallel_size": (int, None), "data_parallel_size": (int,),
     "kv_cache_gb": (float, int), "gpu_memory_utilization": (float, int), "dist_timeout_s": (float, int),
     "enforce_eager": (bool,), "kv_mirror": (bool,), "cpu_kernels": (bool,),
-    "enable_prefix_caching": (bool,), "enable_chunked_prefill": (bool,),
+    "enable_prefix_caching": (bool,), "enable_chunked_prefill": (bool,), "enable_expert_parallel": (bool,),
 }
 
 

@@ -149,7 +149,7 @@ class LLMEngine:
                                            dp_size=config.data_parallel_size)
         forensics.configure(self.tp.global_rank, self.tp.world_size, config.dist_timeout_s)  # kill -USR1: a report
         # the model this launch runs, read once: a shard folder checked against the launch, or the plan built
-        self.spec = ModelSpec.from_config(config.model, hf_config, self.tp)
+        self.spec = ModelSpec.from_config(config.model, hf_config, self.tp, config.enable_expert_parallel)
         setup_process(config, self.tp, self.spec.shard_plan)
         self.runner = ModelRunner(config, self.tp, self.spec)
         self.draft_runner = draft_runner(config, self.tp, self.spec, self.runner.num_blocks)  # on every rank
@@ -418,7 +418,7 @@ def draft_runner(config: EngineConfig, tp: TPInfo, spec: ModelSpec, num_blocks: 
     if sc is None or sc.method != "draft_model":
         return None
     hf = ModelSpec.read_config(sc.model)
-    draft_spec = ModelSpec.from_config(sc.model, hf, tp)
+    draft_spec = ModelSpec.from_config(sc.model, hf, tp, config.enable_expert_parallel)
     mine, theirs = spec.shard_plan.vocab_size, draft_spec.shard_plan.vocab_size
     if mine != theirs:
         raise UserError(f"speculative_config model {sc.model}: its vocabulary has {theirs} tokens, the "

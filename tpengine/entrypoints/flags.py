@@ -53,6 +53,9 @@ ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {
                              "tensor_parallel_size", "the world size / --data-parallel-size"),
     "data_parallel_size": ("model replicas (data parallelism), each a TP group of consecutive ranks with its own "
                            "scheduler and KV cache; requests are routed between them", None),
+    "enable_expert_parallel": ("mixture-of-experts models: whole experts on each rank of the TP group (8 experts on 3 "
+                               "ranks: 3, 3, 2), attention still tensor-parallel; without it every expert is "
+                               "split over the ranks. One all-reduce per MoE layer either way", None),
     "threads": ("intra-op threads per rank", "cores / ranks on this host"),
     "seed": ("seed of the sampler (a request's own seed takes precedence)", None),
     "generation_config": ("sampling defaults: auto (the model folder's generation_config.json: temperature, "

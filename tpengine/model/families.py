@@ -18,7 +18,11 @@ and branch on no family name. HF's ``modeling_<family>.py`` is the oracle for ea
   ``embedding_multiplier`` and each sub-block's output by ``residual_multiplier`` and divides the logits by
   ``logits_scaling``; Gemma 2 soft-caps the logits (``final_logit_softcapping``);
 * checkpoint tensors: Phi-3 stores q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``
-  (:func:`fused_parts` names their row ranges, so every reader sees the unfused names).
+  (:func:`fused_parts` names their row ranges, so every reader sees the unfused names);
+* mixture of experts (:class:`MoE`, Mixtral and Qwen3-MoE): a layer's MLP is a router and routed experts,
+  each a gated MLP of its own; where the config's counts live, how the router weighs the top-k, and
+  Mixtral's checkpoint names (``block_sparse_moe.experts.E.w1/w3/w2``) as tpengine's
+  (``mlp.experts.E.gate_proj/up_proj/down_proj``, Qwen3-MoE's own: :func:`checkpoint_name`).
 
 The attention-side values (the softmax scale, the sliding window, the logit soft cap, q/k norms and
 their span, RoPE tables per layer type) are read from HF's own meta-device modules, which compute
@@ -61,6 +65,45 @@ def _attr(name: str) -> Callable[[Any, torch.dtype], float | None]:
 
 
 @dataclass(frozen=True)
+class MoE:
+    """A mixture-of-experts family's sparse MLP, as HF's ``modeling_mixtral.py`` / ``modeling_qwen3_moe.py``
+    (transformers 5) compute it. The router: ``logits = x @ gate.T`` in the model's dtype, ``softmax`` of
+    them in float32 over every expert, the ``top_k`` largest, divided by their sum where ``renormalize``
+    says (Mixtral always; Qwen3-MoE when ``norm_topk_prob``), and cast back to the model's dtype where
+    ``weights_in_dtype`` (Qwen3-MoE; Mixtral keeps them float32). Each chosen expert's
+    ``down(act(gate(x)) * up(x))`` times its weight is summed per token.
+
+    ``experts`` / ``intermediate``: the config fields of the routed experts' count and each expert's
+    intermediate size; ``renormalize``: a config field (its value decides) or True; ``renames``:
+    checkpoint-name pieces -> tpengine's (Mixtral's HF 4 names, which its checkpoints hold); ``dense``:
+    ``(config, layer index) -> bool``, a layer whose MLP is dense (Qwen3-MoE's ``mlp_only_layers`` and
+    ``decoder_sparse_step``).
+    """
+
+    experts: str
+    intermediate: str
+    renormalize: str | bool = True
+    weights_in_dtype: bool = False
+    renames: tuple[tuple[str, str], ...] = ()
+    dense: Callable[[Any, int], bool] = lambda config, i: False
+
+    def num_experts(self, config: Any) -> int:
+        return int(getattr(config, self.experts))
+
+    def expert_intermediate(self, config: Any) -> int:
+        return int(getattr(config, self.intermediate))
+
+    def renormalizes(self, config: Any) -> bool:
+        return self.renormalize if isinstance(self.renormalize, bool) else bool(getattr(config, self.renormalize))
+
+
+def _qwen3_moe_dense(config: Any, i: int) -> bool:
+    # HF's Qwen3MoeDecoderLayer: sparse unless in mlp_only_layers or off the decoder_sparse_step
+    return (i in (getattr(config, "mlp_only_layers", None) or []) or int(config.num_experts) <= 0
+            or (i + 1) % int(getattr(config, "decoder_sparse_step", 1) or 1) != 0)
+
+
+@dataclass(frozen=True)
 class Family:
     """One decoder family's differences from Llama (see the module docstring).
 
@@ -69,7 +112,8 @@ class Family:
     ``norm_offset``: a constant added to every norm weight (Gemma's ``1 + weight``); ``norm_float32``: the
     norm multiplies by its weight in float32 and rounds once; ``embed_scale`` / ``residual_scale`` /
     ``logits_divisor`` / ``logits_soft_cap``: ``(config, dtype) -> float | None``; ``fused``: a checkpoint
-    tensor that holds several of tpengine's parts -> the part names, in row order.
+    tensor that holds several of tpengine's parts -> the part names, in row order; ``moe``: a
+    mixture-of-experts family's sparse MLP (:class:`MoE`), None for a dense one.
     """
 
     name: str
@@ -82,6 +126,7 @@ class Family:
     logits_divisor: Callable[[Any, torch.dtype], float | None] = _none
     logits_soft_cap: Callable[[Any, torch.dtype], float | None] = _none
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    moe: MoE | None = None
 
 
 GEMMA = dict(norms=SANDWICH_NORMS, norm_offset=1.0, norm_float32=True, embed_scale=_gemma_embed_scale)
@@ -101,6 +146,12 @@ FAMILIES: dict[str, Family] = {
     "olmo3": Family("OLMo 3", "Olmo3Model", norms=POST_NORMS, norm_float32=True),  # OLMo 2 + sliding layers
     "granite": Family("Granite", "GraniteModel", embed_scale=_attr("embedding_multiplier"),
                       residual_scale=_attr("residual_multiplier"), logits_divisor=_attr("logits_scaling")),
+    "mixtral": Family("Mixtral", "MixtralModel", moe=MoE(
+        "num_local_experts", "intermediate_size", renames=(
+            (".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj.")))),
+    "qwen3_moe": Family("Qwen3-MoE", "Qwen3MoeModel", moe=MoE(
+        "num_experts", "moe_intermediate_size", renormalize="norm_topk_prob", weights_in_dtype=True,
+        dense=_qwen3_moe_dense)),
 }
 
 
@@ -171,11 +222,61 @@ def check_config(hf_config: Any) -> None:
         UserError: the model type is not supported (:func:`family_of`), or a feature of it is not
             (partial rotary embeddings), naming the field and its value.
     """
-    family_of(hf_config)
+    family = family_of(hf_config)
     partial = getattr(hf_config, "partial_rotary_factor", None)
     if partial is not None and not math.isclose(float(partial), 1.0):
         raise UserError(f"model_type {hf_config.model_type!r}: partial_rotary_factor={partial} (RoPE on part of "
                         "each head) is not supported; tpengine rotates whole heads (partial_rotary_factor 1.0)")
+    if family.moe is not None:
+        _check_moe(hf_config, family.moe)
+
+
+#: the router scoring a MoE family's row computes (a config naming another is refused)
+ROUTER_SCORING = "softmax"
+
+
+def _check_moe(hf_config: Any, moe: MoE) -> None:
+    """Refuse a MoE config whose router or expert counts no layer computes: one ``UserError`` naming the field.
+    """
+    mtype = hf_config.model_type
+    scoring = getattr(hf_config, "scoring_func", None)
+    if scoring is not None and scoring != ROUTER_SCORING:
+        raise UserError(f"model_type {mtype!r}: scoring_func={scoring!r} (the router's scoring) is not supported; "
+                        f"tpengine's router computes {ROUTER_SCORING!r} over the experts, then the top k")
+    experts = getattr(hf_config, moe.experts, None)
+    top_k = getattr(hf_config, "num_experts_per_tok", None)
+    if not isinstance(experts, int) or experts < 1:
+        raise UserError(f"model_type {mtype!r}: {moe.experts}={experts!r} must be an integer >= 1 (the routed "
+                        "experts of each sparse layer)")
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise UserError(f"model_type {mtype!r}: num_experts_per_tok={top_k!r} must be an integer between 1 and "
+                        f"{moe.experts}={experts}")
+    size = getattr(hf_config, moe.intermediate, None)
+    if not isinstance(size, int) or size < 1:
+        raise UserError(f"model_type {mtype!r}: {moe.intermediate}={size!r} must be an integer >= 1 (each "
+                        "expert's intermediate size)")
+
+
+def checkpoint_name(name: str, hf_config: Any) -> str:
+    """Checkpoint tensor ``name`` as tpengine names it: a MoE family's renames applied (Mixtral's
+    ``model.layers.0.block_sparse_moe.experts.3.w1.weight`` -> ``model.layers.0.mlp.experts.3.gate_proj.weight``,
+    the router ``...block_sparse_moe.gate.weight`` -> ``...mlp.gate.weight``); any other name unchanged."""
+    family = FAMILIES.get(getattr(hf_config, "model_type", None))
+    if family is None or family.moe is None:
+        return name
+    for old, new in family.moe.renames:
+        name = name.replace(old, new)
+    return name
+
+
+def renamed(infos: dict, hf_config: Any) -> dict:
+    """A safetensors header's tensors (name -> ``TensorInfo``) under tpengine's names
+    (:func:`checkpoint_name`; each info's own ``name`` stays the file's, so errors name what the file
+    holds). Order kept; the same dict for a family without renames."""
+    family = FAMILIES.get(getattr(hf_config, "model_type", None))
+    if family is None or family.moe is None or not family.moe.renames:
+        return infos
+    return {checkpoint_name(n, hf_config): info for n, info in infos.items()}
 
 
 def expand_fused(infos: dict, parts: dict[str, list[tuple[str, int]]]) -> dict:

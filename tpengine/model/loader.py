@@ -24,7 +24,7 @@ from tpengine.backends import get_platform
 from tpengine.backends.platform import ExecutionProfile
 from tpengine.distributed import TPInfo
 from tpengine.errors import UserError
-from tpengine.model.families import expand_fused, fused_parts
+from tpengine.model.families import expand_fused, fused_parts, renamed
 from tpengine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpengine.model.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from tpengine.model.plan import ShardPlan
@@ -42,7 +42,7 @@ from tpengine.model.quant.load import QuantParts, check_stored_quantization
 from tpengine.model.quant.weights import QuantizedWeight, QuantScheme, check_quantization
 from tpengine.model.shard_folder import rank_files
 from tpengine.model.spec import ModelSpec
-from tpengine.model.surgery import build_model, checkpoint_targets, kind_in
+from tpengine.model.surgery import build_model, checkpoint_targets, holds, kind_in
 from tpengine.model.tensor_file import TensorInfo, read_header, read_rows
 
 # the linears --quantization stores quantized with its scheme, and the vocabulary layers (QuantScheme.vocab)
@@ -235,19 +235,22 @@ def _slice_of(plan: ShardPlan | None, name: str, info: TensorInfo, part, entry, 
 
 
 def _read_file(path: Path, filler: _Filler, plan: ShardPlan | None, rank: int, done: set[str],
-               unexpected: list[str], fused: dict | None = None) -> None:
+               unexpected: list[str], fused: dict | None = None, hf_config=None) -> None:
     """Read every tensor of checkpoint file ``path`` that this rank keeps into its place (a fused
-    tensor of ``fused``, :func:`tpengine.model.families.fused_parts`, as its parts).
+    tensor of ``fused``, :func:`tpengine.model.families.fused_parts`, as its parts; under ``hf_config``'s
+    family's names, :func:`tpengine.model.families.renamed`; another rank's routed expert is skipped).
 
     Raises:
         RuntimeError: a tensor that appears twice.
     """
-    infos = expand_fused(read_header(path), fused or {})
+    infos = renamed(expand_fused(read_header(path), fused or {}), hf_config)
     fd = os.open(path, os.O_RDONLY)
     try:
         for name, info in infos.items():
             if filler.tie and (name == "lm_head.weight" or (part_of(name) or ("",))[0] == "lm_head.weight"):
                 continue
+            if plan is not None and not holds(plan, (part_of(name) or (name,))[0], rank):
+                continue  # expert parallelism: another rank's expert
             if name in done:
                 raise RuntimeError(f"weight {name!r} appears twice in the checkpoint")
             if name not in filler.wanted:
@@ -265,7 +268,7 @@ def _read_file(path: Path, filler: _Filler, plan: ShardPlan | None, rank: int, d
 def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | None, rank: int, tie: bool,
                  dtype: torch.dtype, device: torch.device, pack, quant: QuantScheme | None = None,
                  reduce_max=None, stored: dict[str, QuantEntry] | None = None, prepack=None,
-                 fused: dict | None = None) -> int:
+                 fused: dict | None = None, hf_config=None) -> int:
     """Fill every parameter of ``model`` (from :func:`tpengine.model.surgery.build_model`) from
     ``files``: each checkpoint tensor's byte range for this rank (its ShardPlan slice, or the
     whole tensor when ``plan`` is None: a rank file of a shard folder) is read straight into the
@@ -280,8 +283,10 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
     ``stored`` (a quantized folder's table, weight name -> entry): each listed weight is read
     from its stored parts (:mod:`tpengine.model.quant.checkpoint`; this rank's slice per the format's
     TP rules) into its quantized storage, scales and zeros cast to ``dtype``. ``fused``: the family's
-    fused checkpoint tensors (:func:`tpengine.model.families.fused_parts`), read as their parts.
-    Returns the bytes of weights held (quantized ones as stored: values, scales and zeros).
+    fused checkpoint tensors (:func:`tpengine.model.families.fused_parts`), read as their parts;
+    ``hf_config``: the model's config, whose family may name checkpoint tensors otherwise
+    (:func:`tpengine.model.families.checkpoint_name`: Mixtral's experts). Returns the bytes of weights
+    held (quantized ones as stored: values, scales and zeros).
 
     Raises:
         RuntimeError: a weight that appears twice, is never loaded, or has no place in the model.
@@ -294,7 +299,7 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
     done: set[str] = set()
     unexpected: list[str] = []
     for path in files:
-        _read_file(path, filler, plan, rank, done, unexpected, fused)
+        _read_file(path, filler, plan, rank, done, unexpected, fused, hf_config)
     if tie:
         emb = model.get_input_embeddings()
         filler.head.weight = emb.weight
@@ -392,7 +397,7 @@ def load_model(model: ModelSpec | str | Path, tp: TPInfo, dtype: torch.dtype = t
     weight_bytes = load_weights(module, rank_files(spec.folder, spec.sharded, tp),
                                 None if spec.sharded else spec.shard_plan, tp.rank, tie, dtype, tp.device, packs,
                                 quant, _all_reduce_max if tp.size > 1 else None, table, platform.prepack,
-                                None if spec.sharded else fused_parts(hf_config))
+                                None if spec.sharded else fused_parts(hf_config), hf_config)
     left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"rank {tp.rank}: still on the meta device after loading: {left}")

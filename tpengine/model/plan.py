@@ -13,7 +13,14 @@ Layout (see docs/design.md):
   (Shoeybi et al., 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
   Model Parallelism");
 * MLP intermediate: contiguous, as even as possible;
-* vocabulary: padded up to a multiple of tp and split evenly; padded rows are zero.
+* vocabulary: padded up to a multiple of tp and split evenly; padded rows are zero;
+* routed experts (a mixture-of-experts model, :class:`tpengine.model.families.MoE`): under tensor
+  parallelism (the default) every rank holds every expert, each expert's intermediate split as the
+  dense MLP's (``expert_intermediate``, contiguous, as even as possible); under expert parallelism
+  (``enable_expert_parallel``, vLLM's flag) each rank holds whole experts, a contiguous range as even
+  as possible (8 experts on 3 ranks -> 3, 3, 2: ``experts``). Either way a rank's experts give a
+  partial sum of the layer's output and one all-reduce per layer combines them; the router
+  (``mlp.gate``) is replicated, attention stays split by heads.
 
 This module must not import torch.distributed.
 """
@@ -34,8 +41,11 @@ COLUMN = "column"  # column-parallel by MLP intermediate (gate_proj, up_proj)
 ROW_HEADS = "row_heads"  # row-parallel by query heads (o_proj)
 ROW = "row"  # row-parallel by MLP intermediate (down_proj)
 VOCAB = "vocab"  # rows split by padded vocabulary (embed_tokens, lm_head)
-REPLICATED = "replicated"  # norms and anything else held whole
-KINDS = (Q, K, V, COLUMN, ROW_HEADS, ROW, VOCAB, REPLICATED)
+REPLICATED = "replicated"  # norms, a MoE router and anything else held whole
+EXPERT_COLUMN = "expert_column"  # a routed expert's gate_proj/up_proj: rows by its intermediate (TP), whole (EP)
+EXPERT_ROW = "expert_row"  # a routed expert's down_proj: columns by its intermediate (TP), whole (EP)
+KINDS = (Q, K, V, COLUMN, ROW_HEADS, ROW, VOCAB, REPLICATED, EXPERT_COLUMN, EXPERT_ROW)
+EXPERT_KINDS = (EXPERT_COLUMN, EXPERT_ROW)
 
 
 def split_even(n: int, parts: int) -> list[tuple[int, int]]:
@@ -56,6 +66,10 @@ class RankPlan:
 
     ``q_to_kv[i]`` is the local KV head index used by local query head ``i``.
     ``vocab`` is a range in the padded vocabulary; rows ``>= vocab_size`` are padding.
+    ``experts``: the routed experts this rank holds (all of them under tensor parallelism, its own
+    range under expert parallelism; ``(0, 0)`` for a dense model); ``expert_intermediate``: the part of
+    each held expert's intermediate (its slice under tensor parallelism, the whole under expert
+    parallelism).
     """
 
     rank: int
@@ -64,6 +78,16 @@ class RankPlan:
     q_to_kv: tuple[int, ...]
     intermediate: tuple[int, int]
     vocab: tuple[int, int]
+    experts: tuple[int, int] = (0, 0)
+    expert_intermediate: tuple[int, int] = (0, 0)
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts[1] - self.experts[0]
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.expert_intermediate[1] - self.expert_intermediate[0]
 
     @property
     def num_q_heads(self) -> int:
@@ -87,7 +111,11 @@ class ShardPlan:
     """Partition of one decoder model over ``tp_size`` ranks.
 
     Build with :meth:`build`; serialise with :meth:`to_dict` / :meth:`from_dict` (the shard
-    manifest stores it). ``ranks[r]`` is rank ``r``'s :class:`RankPlan`.
+    manifest stores it). ``ranks[r]`` is rank ``r``'s :class:`RankPlan`. A mixture-of-experts model
+    has ``num_experts`` routed experts per sparse layer of ``moe_intermediate_size`` each, laid out by
+    ``expert_parallel`` (see the module docstring; 0, 0, False for a dense model); which tensors are an
+    expert's and whose: :func:`tpengine.model.surgery.kind_of`, :func:`tpengine.model.surgery.expert_of`,
+    :meth:`holds_expert`.
     """
 
     tp_size: int
@@ -99,6 +127,9 @@ class ShardPlan:
     vocab_size: int
     padded_vocab_size: int
     ranks: tuple[RankPlan, ...]
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+    expert_parallel: bool = False
 
     @staticmethod
     def dims(hf_config: Any) -> dict[str, int]:
@@ -128,19 +159,34 @@ class ShardPlan:
             vocab_size=int(hf_config.vocab_size),
         )
 
+    @staticmethod
+    def expert_dims(hf_config: Any) -> tuple[int, int]:
+        """``(routed experts, each expert's intermediate size)`` of a mixture-of-experts config (its
+        family's :class:`tpengine.model.families.MoE` names the fields), ``(0, 0)`` for a dense one."""
+        from tpengine.model.families import FAMILIES
+
+        family = FAMILIES.get(getattr(hf_config, "model_type", None))
+        if family is None or family.moe is None:
+            return 0, 0
+        return family.moe.num_experts(hf_config), family.moe.expert_intermediate(hf_config)
+
     @classmethod
     def valid_tp_sizes(cls, hf_config: Any) -> list[int]:
         """Every TP size this model can run at: ``1 .. num_attention_heads``."""
         return list(range(1, cls.dims(hf_config)["num_heads"] + 1))
 
     @classmethod
-    def build(cls, hf_config: Any, tp_size: int) -> ShardPlan:
-        """Partition ``hf_config`` over ``tp_size`` ranks.
+    def build(cls, hf_config: Any, tp_size: int, expert_parallel: bool = False) -> ShardPlan:
+        """Partition ``hf_config`` over ``tp_size`` ranks; a mixture-of-experts model's routed experts
+        split by their intermediate (default) or, with ``expert_parallel``, as whole experts per rank
+        (a dense model ignores it, as vLLM does).
 
         Raises:
             ValueError: ``tp_size`` not an integer.
             tpengine.errors.UserError: ``tp_size`` outside ``1..num_attention_heads``, or
-                num_attention_heads not a multiple of num_key_value_heads; the message names the values.
+                num_attention_heads not a multiple of num_key_value_heads; a MoE model whose experts
+                (``expert_parallel``) or expert intermediate (tensor parallel) are fewer than the
+                ranks; the message names the values.
         """
         d = cls.dims(hf_config)
         nh, nkv = d["num_heads"], d["num_kv_heads"]
@@ -159,6 +205,9 @@ class ShardPlan:
         group = nh // nkv
         padded_vocab = cdiv(d["vocab_size"], tp_size) * tp_size
         per_rank_vocab = padded_vocab // tp_size
+        num_experts, moe_inter = cls.expert_dims(hf_config)
+        experts, expert_inter = _expert_layout(num_experts, moe_inter, tp_size, expert_parallel,
+                                               getattr(hf_config, "model_type", "?"))
         ranks = []
         for r, ((q0, q1), (i0, i1)) in enumerate(
             zip(split_even(nh, tp_size), split_even(d["intermediate_size"], tp_size))
@@ -173,9 +222,28 @@ class ShardPlan:
                     q_to_kv=q_to_kv,
                     intermediate=(i0, i1),
                     vocab=(r * per_rank_vocab, (r + 1) * per_rank_vocab),
+                    experts=experts[r],
+                    expert_intermediate=expert_inter[r],
                 )
             )
-        return cls(tp_size=tp_size, padded_vocab_size=padded_vocab, ranks=tuple(ranks), **d)
+        return cls(tp_size=tp_size, padded_vocab_size=padded_vocab, ranks=tuple(ranks), num_experts=num_experts,
+                   moe_intermediate_size=moe_inter, expert_parallel=bool(expert_parallel and num_experts), **d)
+
+    def holds_expert(self, expert: int, rank: int) -> bool:
+        """Whether rank ``rank`` holds routed expert ``expert`` (every rank does under tensor parallelism)."""
+        lo, hi = self.ranks[rank].experts
+        return lo <= expert < hi
+
+    def expert_owner(self, expert: int) -> int:
+        """The first rank that holds routed expert ``expert`` (its only one under expert parallelism).
+
+        Raises:
+            ValueError: ``expert`` outside ``0..num_experts-1``.
+        """
+        for rp in self.ranks:
+            if rp.experts[0] <= expert < rp.experts[1]:
+                return rp.rank
+        raise ValueError(f"expert {expert} is outside 0..{self.num_experts - 1} for this plan")
 
     # ------------------------------------------------------------------ slicing
     def slice_spec(self, kind: str, is_bias: bool, rank: int) -> tuple[int, int, int] | None:
@@ -200,6 +268,10 @@ class ShardPlan:
             return (0, *rp.intermediate)
         if kind == VOCAB:
             return (0, *rp.vocab)
+        if kind == EXPERT_COLUMN:
+            return (0, *rp.expert_intermediate)
+        if kind == EXPERT_ROW and not is_bias:
+            return (1, *rp.expert_intermediate)
         if is_bias or kind == REPLICATED:
             return None
         if kind == ROW_HEADS:
@@ -260,6 +332,8 @@ class ShardPlan:
             ROW_HEADS: self.num_heads * hd,
             COLUMN: self.intermediate_size,
             ROW: self.intermediate_size,
+            EXPERT_COLUMN: self.moe_intermediate_size,
+            EXPERT_ROW: self.moe_intermediate_size,
         }[kind]
 
     # ------------------------------------------------------------- serialise
@@ -269,7 +343,8 @@ class ShardPlan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ShardPlan:
-        """Rebuild a plan stored by :meth:`to_dict` (e.g. from a shard manifest)."""
+        """Rebuild a plan stored by :meth:`to_dict` (e.g. from a shard manifest; one written before
+        experts were planned reads as a dense model's)."""
         d = dict(d)
         ranks = tuple(
             RankPlan(
@@ -279,7 +354,32 @@ class ShardPlan:
                 q_to_kv=tuple(r["q_to_kv"]),
                 intermediate=tuple(r["intermediate"]),
                 vocab=tuple(r["vocab"]),
+                experts=tuple(r.get("experts", (0, 0))),
+                expert_intermediate=tuple(r.get("expert_intermediate", (0, 0))),
             )
             for r in d.pop("ranks")
         )
         return cls(ranks=ranks, **d)
+
+
+def _expert_layout(num_experts: int, moe_inter: int, tp_size: int, expert_parallel: bool, model_type: str
+                   ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Per rank, ``(experts held, part of each expert's intermediate)`` (see :class:`RankPlan`).
+
+    Raises:
+        tpengine.errors.UserError: more ranks than experts under expert parallelism, or than the expert
+            intermediate's columns under tensor parallelism, naming both numbers and the other layout.
+    """
+    if not num_experts:
+        return [(0, 0)] * tp_size, [(0, 0)] * tp_size
+    if expert_parallel:
+        if num_experts < tp_size:
+            raise UserError(f"model_type {model_type!r}: enable_expert_parallel puts whole experts on each of the "
+                            f"{tp_size} ranks, but the model has {num_experts} experts per layer; use at most "
+                            f"{num_experts} ranks, or tensor parallelism for the experts (without "
+                            "--enable-expert-parallel)")
+        return split_even(num_experts, tp_size), [(0, moe_inter)] * tp_size
+    if moe_inter < tp_size:
+        raise UserError(f"model_type {model_type!r}: each expert's intermediate size {moe_inter} cannot be split "
+                        f"over {tp_size} ranks; use at most {moe_inter} ranks, or --enable-expert-parallel")
+    return [(0, num_experts)] * tp_size, split_even(moe_inter, tp_size)

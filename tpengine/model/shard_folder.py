@@ -20,11 +20,11 @@ class CheckpointMismatchError(UserError):
     """Shards made for another TP size or config, or files that do not match the manifest."""
 
 
-def check_manifest(model_dir: Path, hf_config, tp: TPInfo) -> ShardPlan:
-    """Check a shard folder against the launch (world size, config, this rank's file size, or its
-    sha256 for a manifest without sizes) before any weight is read or collective runs; return
-    its plan. (``tpengine-shard verify`` re-hashes every file; a header that does not fit the
-    file is caught when it is read.)
+def check_manifest(model_dir: Path, hf_config, tp: TPInfo, expert_parallel: bool = False) -> ShardPlan:
+    """Check a shard folder against the launch (world size, config, the experts' layout:
+    ``expert_parallel``, this rank's file size, or its sha256 for a manifest without sizes) before any
+    weight is read or collective runs; return its plan. (``tpengine-shard verify`` re-hashes every
+    file; a header that does not fit the file is caught when it is read.)
 
     Raises:
         CheckpointMismatchError: naming the shard tp and the launch tp, or the config field and
@@ -46,7 +46,13 @@ def check_manifest(model_dir: Path, hf_config, tp: TPInfo) -> ShardPlan:
                 f"shard folder {str(model_dir)!r} was made for {field}={stored[field]} but the model "
                 f"config has {field}={mine}; {fix}")
     plan = ShardPlan.from_dict(manifest["plan"])
-    if plan != ShardPlan.build(hf_config, tp.size):
+    if plan.num_experts and plan.expert_parallel != bool(expert_parallel):
+        how = ("with --enable-expert-parallel (whole experts per rank)" if plan.expert_parallel
+               else "without --enable-expert-parallel (every expert split over the ranks)")
+        raise CheckpointMismatchError(
+            f"shard folder {str(model_dir)!r} was split {how}; launch the same way, or {fix}"
+            + (" --enable-expert-parallel" if expert_parallel else ""))
+    if plan != ShardPlan.build(hf_config, tp.size, expert_parallel):
         raise CheckpointMismatchError(f"the plan in {MANIFEST} differs from this config's plan; {fix}")
     name = rank_file_name(tp.rank, tp.size)
     entry = next((f for f in manifest["shard_files"] if f["name"] == name), None)

@@ -48,20 +48,23 @@ class ModelSpec:
         return AutoConfig.from_pretrained(folder)
 
     @classmethod
-    def from_config(cls, folder: str | Path, hf_config: Any, tp: TPInfo) -> ModelSpec:
+    def from_config(cls, folder: str | Path, hf_config: Any, tp: TPInfo, expert_parallel: bool = False) -> ModelSpec:
         """The spec of ``folder`` whose config :meth:`read_config` has read as ``hf_config``, for the
         launch ``tp``: a shard folder's manifest checked against it (:func:`check_manifest`), a full
-        folder's plan built (:meth:`ShardPlan.build`).
+        folder's plan built (:meth:`ShardPlan.build`; ``expert_parallel``: a MoE model's experts whole per
+        rank, ``EngineConfig.enable_expert_parallel``).
 
         Raises:
             tpengine.model.shard_folder.CheckpointMismatchError: a shard folder made for another tp
                 or config, or a rank file that differs from its manifest.
             tpengine.errors.UserError: a config that does not split over ``tp.size`` ranks
-                (:meth:`ShardPlan.build`: ``tp.size`` beyond ``num_attention_heads``, ...).
+                (:meth:`ShardPlan.build`: ``tp.size`` beyond ``num_attention_heads``, more ranks than experts
+                under expert parallelism, ...).
         """
         folder = Path(folder)
         sharded = is_shard_folder(folder)
-        plan = check_manifest(folder, hf_config, tp) if sharded else ShardPlan.build(hf_config, tp.size)
+        plan = (check_manifest(folder, hf_config, tp, expert_parallel) if sharded
+                else ShardPlan.build(hf_config, tp.size, expert_parallel))
         return cls(folder, hf_config, plan, sharded)
 
     @classmethod

@@ -36,7 +36,11 @@ LAYER_KINDS: dict[str, str] = {
     "down_proj": P.ROW,
     "embed_tokens": P.VOCAB,
     "lm_head": P.VOCAB,
+    "gate": P.REPLICATED,  # a MoE layer's router (mlp.gate), held whole on every rank
 }
+
+#: a routed expert's leaf name -> its kind (tensors under ``...mlp.experts.<E>.``: :func:`expert_of`)
+EXPERT_KINDS: dict[str, str] = {"gate_proj": P.EXPERT_COLUMN, "up_proj": P.EXPERT_COLUMN, "down_proj": P.EXPERT_ROW}
 
 
 #: q/k norms over the whole projection (OLMo 2: ``[num_heads * head_dim]``) are split as the heads are
@@ -49,7 +53,9 @@ def kind_of(param_name: str, ndim: int, numel: int | None = None, head_dim: int 
     of ``head_dim``: what tells a per-head q/k norm from one over the whole projection).
 
     1-D tensors not in the table (norm weights, per-head q_norm/k_norm) are replicated; a q_norm/k_norm
-    of more than ``head_dim`` elements is split as the query/key heads are.
+    of more than ``head_dim`` elements is split as the query/key heads are. A routed expert's tensor
+    (tpengine's name ``...mlp.experts.<E>.gate_proj|up_proj|down_proj.weight``, see
+    :func:`tpengine.model.families.checkpoint_name`) is an expert kind (:data:`EXPERT_KINDS`).
 
     Raises:
         ValueError: a 2-D or larger tensor whose module is not in the table; it would otherwise
@@ -57,6 +63,8 @@ def kind_of(param_name: str, ndim: int, numel: int | None = None, head_dim: int 
     """
     parts = param_name.split(".")
     leaf = parts[-2] if len(parts) >= 2 else parts[-1]
+    if leaf in EXPERT_KINDS and expert_of(param_name) is not None:
+        return EXPERT_KINDS[leaf]
     if leaf in LAYER_KINDS:
         return LAYER_KINDS[leaf]
     if leaf in PROJECTION_NORM_KINDS and ndim == 1 and numel is not None and head_dim and numel != head_dim:
@@ -67,6 +75,23 @@ def kind_of(param_name: str, ndim: int, numel: int | None = None, head_dim: int 
         f"tensor {param_name!r} ({ndim}-D) belongs to module {leaf!r}, which tpengine's layer table "
         f"does not cover (known: {', '.join(sorted(LAYER_KINDS))}); refusing to replicate it silently"
     )
+
+
+def expert_of(param_name: str) -> int | None:
+    """The routed expert a checkpoint tensor (tpengine's name) belongs to:
+    ``model.layers.3.mlp.experts.5.up_proj.weight`` -> 5; None for any other tensor."""
+    parts = param_name.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p == "experts" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
+
+
+def holds(plan: P.ShardPlan, param_name: str, rank: int) -> bool:
+    """Whether rank ``rank`` holds (a slice of) checkpoint tensor ``param_name`` (tpengine's name): every
+    tensor but, under expert parallelism, the routed experts of the other ranks (:meth:`ShardPlan.holds_expert`)."""
+    expert = expert_of(param_name)
+    return expert is None or plan.holds_expert(expert, rank)
 
 
 def kind_in(plan: P.ShardPlan, name: str, shape: tuple[int, ...]) -> str:
@@ -94,6 +119,12 @@ def _child(module: nn.Module, *names: str) -> nn.Module | None:
 def _has_bias(module: nn.Module, *names: str) -> bool:
     child = _child(module, *names)
     return child is not None and getattr(child, "bias", None) is not None
+
+
+def _no_row_bias(mlp: nn.Module) -> bool:
+    """Whether ``mlp``'s output needs no bias after its all-reduce (a MoE block's experts have none)."""
+    down = getattr(mlp, "down_proj", None)
+    return down is None or down.bias is None
 
 
 def _kv_share(plan: P.ShardPlan, rank: int) -> tuple[float, ...]:
@@ -143,7 +174,7 @@ def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, dev
     residual_scale = family.residual_scale(hf_config, dtype)
     reduce_in_norm = plan.tp_size > 1 and residual_scale is None and all(
         r[0] is not None and r[1] is None and r[2] is not None and r[3] is None for r in roles) and all(
-        layer.self_attn.o_proj.bias is None and layer.mlp.down_proj.bias is None for layer in stack.layers)
+        layer.self_attn.o_proj.bias is None and _no_row_bias(layer.mlp) for layer in stack.layers)
     rotary = type(stack.rotary_emb)(config=stack.config).to(device)  # real tables; honours rope scaling
     rope_types = [None] * len(roles)
     if "layer_type" in inspect.signature(rotary.forward).parameters:  # one table per layer type (Gemma 3)
@@ -225,19 +256,41 @@ class _Builder:
             kv_share=_kv_share(plan, self.rank) if plan.tp_size > 1 else None)
 
     def mlp(self, mlp: nn.Module) -> nn.Module:
-        """The :class:`~tpengine.model.layers.fused.FusedMLP` for HF's gated MLP ``mlp`` (its activation).
+        """The :class:`~tpengine.model.layers.fused.FusedMLP` for HF's gated MLP ``mlp`` (its activation), or
+        for a MoE family's sparse block (a router ``gate`` and ``experts``) the
+        :class:`~tpengine.model.layers.moe.MoEBlock` of this rank's experts (:meth:`moe`).
 
         Raises:
             UserError: no gate/up or down projection, or no activation.
         """
         from tpengine.model.layers.fused import FusedMLP
 
+        if self.family.moe is not None and _child(mlp, "experts") is not None:
+            return self.moe(mlp)
         act = getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))
         if _child(mlp, "gate_proj", "gate_up_proj") is None or _child(mlp, "down_proj") is None or act is None:
             raise _unsupported("MLP", type(mlp).__name__, self.hf_config)
         return FusedMLP(self.plan.hidden_size, self.plan.ranks[self.rank].intermediate_size,
                         _has_bias(mlp, "gate_proj", "gate_up_proj"), _has_bias(mlp, "down_proj"), act, self.dtype,
                         self.ops)
+
+    def moe(self, mlp: nn.Module) -> nn.Module:
+        """The :class:`~tpengine.model.layers.moe.MoEBlock` for HF's sparse MLP ``mlp`` (HF's experts'
+        activation; counts and router from the family's :class:`~tpengine.model.families.MoE` row), holding
+        this rank's experts as the plan lays them out.
+
+        Raises:
+            UserError: HF's block has no router or no activation, or experts of another count than the plan's.
+        """
+        from tpengine.model.layers.moe import MoEBlock
+
+        experts, moe, rp = mlp.experts, self.family.moe, self.plan.ranks[self.rank]
+        act = getattr(experts, "act_fn", None)
+        if _child(mlp, "gate") is None or act is None or int(experts.num_experts) != self.plan.num_experts:
+            raise _unsupported("MoE block", type(mlp).__name__, self.hf_config)
+        return MoEBlock(self.plan.hidden_size, self.plan.num_experts, int(self.hf_config.num_experts_per_tok),
+                        rp.experts, rp.expert_intermediate_size, self.plan.expert_parallel,
+                        moe.renormalizes(self.hf_config), moe.weights_in_dtype, act, self.dtype, self.ops)
 
     def swap_layer(self, layer: nn.Module, config: Any) -> tuple:
         """Swap HF's decoder ``layer``'s attention, MLP and norms in place; returns its norms in the order
