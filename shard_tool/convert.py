@@ -1,7 +1,7 @@
 """``tpengine-shard convert GGUF_FILE OUT_DIR [--keep-quant]``: GGUF file -> Hugging Face folder
 (float32, or with the GGUF's Q4_1 / Q8_0 blocks kept as int4 / int8: shard_tool/gguf_quant.py), for
 GGUF architectures llama, qwen2, qwen3 (transformers' loader) and gemma, gemma2, gemma3, phi3, olmo2,
-granite (shard_tool/gguf_families.py)."""
+granite, qwen3moe and llama with experts (Mixtral) (shard_tool/gguf_families.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from shard_tool.common import UserError, atomic_dir, user_errors
-from shard_tool.gguf_families import FAMILY_ARCHS, build_config, check_architecture, tensor_processor
+from shard_tool.gguf_families import build_config, builds_config, check_architecture, tensor_processor
 from shard_tool.gguf_file import GGUFFile
 
 
@@ -45,7 +45,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path, force: bool = False, keep_quant
     gguf = GGUFFile(gguf_file)
     arch = gguf.architecture
     check_architecture(arch, str(gguf_file))
-    if arch in FAMILY_ARCHS:
+    if builds_config(gguf):
         config = build_config(gguf)
         del gguf  # its memory map: the weights are read again below
         return _convert_meta(gguf_file, Path(out_dir), force, keep_quant, config, family=arch)
@@ -115,7 +115,8 @@ def _tokenizer(gguf_file: Path, family: str | None):
     """The file's tokenizer, built by transformers from its ``tokenizer.ggml.*`` metadata.
     AutoTokenizer first reads the file's config with transformers' loader, which knows no
     ``gemma`` / ``olmo2`` / ``granite``; for :data:`FAMILY_ARCHS` the generic fast tokenizer is
-    built from the same metadata instead (what AutoTokenizer gives for the others too)."""
+    built from the same metadata instead (what AutoTokenizer gives for the others too); ``family``
+    is the GGUF architecture of a file :func:`shard_tool.gguf_families.build_config` read, else None."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     src, name = str(gguf_file.parent.resolve()), gguf_file.name

@@ -24,12 +24,22 @@ and fills in what llama.cpp's runtime assumes when a key is absent (``src/llama-
   ``logit_scale`` are HF's ``attention_multiplier`` / ``embedding_multiplier`` /
   ``residual_multiplier`` / ``logits_scaling`` (absent: llama.cpp's ``head_dim ** -0.5`` and 1).
 
+* mixture of experts (issue 56): ``llama`` with ``llama.expert_count`` (Mixtral, converted as Llama: Q/K
+  rows permuted) becomes ``mixtral``; ``qwen3moe`` becomes ``qwen3_moe`` (``expert_feed_forward_length``
+  is ``moe_intermediate_size``; every layer sparse and ``norm_topk_prob`` true unless
+  ``expert_weights_norm`` says otherwise, as llama.cpp's runtime assumes). A layer's experts are three
+  3-D tensors, ``ffn_gate_exps`` / ``ffn_up_exps`` [experts, intermediate, hidden] and ``ffn_down_exps``
+  [experts, hidden, intermediate] (torch order), and its router ``ffn_gate_inp`` [experts, hidden];
+  :func:`moe_parts` cuts them into HF's per-expert checkpoint tensors (:data:`MOE_CHECKPOINT`), the
+  names ``save_pretrained`` writes and released checkpoints hold.
+
 Float metadata is stored as float32; each float is read back as the shortest decimal that rounds to
 that float32 (``1e-06`` rather than ``9.99999997e-07``), the value a config file would have held.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -40,7 +50,20 @@ from tpengine.errors import UserError
 TRANSFORMERS_ARCHS = ("llama", "qwen2", "qwen3")
 #: GGUF architectures whose config this module builds -> the HF ``model_type`` they become.
 FAMILY_ARCHS = {"gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3",
-                "olmo2": "olmo2", "granite": "granite"}
+                "olmo2": "olmo2", "granite": "granite", "qwen3moe": "qwen3_moe"}
+#: HF model type of a ``llama`` file with experts
+MIXTRAL = "mixtral"
+#: HF MoE model type -> (router name, expert weight name, {GGUF projection: HF projection}) in the checkpoint
+MOE_CHECKPOINT = {
+    MIXTRAL: ("model.layers.{i}.block_sparse_moe.gate.weight",
+              "model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight", {"gate": "w1", "up": "w3", "down": "w2"}),
+    "qwen3_moe": ("model.layers.{i}.mlp.gate.weight", "model.layers.{i}.mlp.experts.{e}.{w}.weight",
+                  {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+}
+#: a GGUF MoE tensor: the router or one of the three stacked expert projections of layer ``i``
+_MOE_TENSOR = re.compile(r"blk\.(?P<i>\d+)\.ffn_(?:(?P<router>gate_inp)|(?P<w>gate|up|down)_exps)\.weight")
+#: a transformers module's fused MoE parameter (the experts' 3-D tensors, the router)
+_MOE_MODULE = re.compile(r"model\.layers\.(?P<i>\d+)\.mlp\.(?:experts\.\w+|gate\.weight)")
 #: Every GGUF architecture ``convert`` accepts.
 SUPPORTED_ARCHS = TRANSFORMERS_ARCHS + tuple(FAMILY_ARCHS)
 
@@ -59,6 +82,64 @@ def check_architecture(arch: str, path: str) -> None:
     if arch not in SUPPORTED_ARCHS:
         raise UserError(f"GGUF file {path!r} has architecture {arch!r}, which convert does not support; "
                         f"supported: {', '.join(SUPPORTED_ARCHS)}")
+
+
+def builds_config(gguf) -> bool:
+    """Whether :func:`build_config` (not transformers' loader) makes ``gguf``'s config: one of
+    :data:`FAMILY_ARCHS`, or a ``llama`` file with experts (Mixtral)."""
+    arch = gguf.architecture
+    return arch in FAMILY_ARCHS or (arch == "llama" and bool(gguf.metadata.get("llama.expert_count")))
+
+
+def moe_parts(model_type: str, tensor, num_experts: int) -> list[tuple[str, Any]] | None:
+    """HF checkpoint tensors of GGUF tensor ``tensor`` (a :class:`shard_tool.gguf_file.GGUFTensor`)
+    of a ``model_type`` model with :data:`MOE_CHECKPOINT` names: ``[(HF name, GGUFTensor)]``, one per
+    expert for a stacked ``ffn_*_exps`` tensor (its 2-D slice, rows of whole blocks, so a quantized
+    one stays quantized), the router ``ffn_gate_inp`` renamed; None for any other tensor.
+
+    Raises:
+        UserError: a stacked tensor whose first dimension is not ``num_experts``.
+    """
+    m = _MOE_TENSOR.fullmatch(tensor.name)
+    if m is None or model_type not in MOE_CHECKPOINT:
+        return None
+    router, expert, projections = MOE_CHECKPOINT[model_type]
+    i = int(m["i"])
+    if m["router"]:
+        return [(router.format(i=i), tensor)]
+    if len(tensor.shape) != 3 or tensor.shape[0] != num_experts:
+        raise UserError(f"GGUF tensor {tensor.name!r} has shape {list(tensor.shape)}; expected {num_experts} "
+                        "experts' stacked [experts, rows, columns] weights")
+    return [(expert.format(i=i, e=e, w=projections[m["w"]]), type(tensor)(tensor.name, tensor.shape[1:],
+                                                                            tensor.qtype, tensor.data[e]))
+            for e in range(num_experts)]
+
+
+def checkpoint_names(model_type: str, module_names: list[str], num_experts: int) -> list[str]:
+    """The tensor names a ``model_type`` checkpoint holds, from its transformers module's
+    ``module_names`` (state-dict keys): the same, except that each sparse layer's fused experts and
+    router become :data:`MOE_CHECKPOINT`'s per-expert names (what ``save_pretrained`` writes)."""
+    if model_type not in MOE_CHECKPOINT:
+        return module_names
+    router, expert, projections = MOE_CHECKPOINT[model_type]
+    layers = sorted({int(m["i"]) for n in module_names if (m := _MOE_MODULE.fullmatch(n))})
+    out = [n for n in module_names if not _MOE_MODULE.fullmatch(n)]
+    for i in layers:
+        out.append(router.format(i=i))
+        out += [expert.format(i=i, e=e, w=w) for e in range(num_experts) for w in projections.values()]
+    return out
+
+
+def _moe_fields(m: _Meta, arch: str, head_dim: int) -> dict[str, Any]:
+    """The config fields of a MoE file (``llama`` with experts, ``qwen3moe``) beyond the common ones."""
+    fields: dict[str, Any] = {"head_dim": head_dim, "num_experts_per_tok": m.need("expert_used_count"),
+                              "hidden_act": "silu"}
+    if arch == "llama":
+        return {**fields, "num_local_experts": m.need("expert_count")}
+    return {**fields, "num_experts": m.need("expert_count"),
+            "moe_intermediate_size": m.need("expert_feed_forward_length"),
+            "norm_topk_prob": bool(m.get("expert_weights_norm", True)), "decoder_sparse_step": 1,
+            "mlp_only_layers": []}
 
 
 def _decimal(x: Any) -> Any:
@@ -102,7 +183,7 @@ def build_config(gguf):
     from transformers import AutoConfig
 
     arch, path, tensors = gguf.architecture, gguf.path, gguf.tensors
-    if arch not in FAMILY_ARCHS:
+    if not builds_config(gguf):
         check_architecture(arch, path)
         raise UserError(f"GGUF architecture {arch!r} is converted by transformers, not by build_config")
     m = _Meta(gguf, arch)
@@ -182,6 +263,9 @@ def build_config(gguf):
                         short_factor=factors("rope_factors_short.weight"))
             rope["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
         cfg["rope_parameters"] = rope
+    elif arch in ("llama", "qwen3moe"):  # mixture of experts (builds_config: llama with experts)
+        cfg["rope_parameters"] = rope
+        cfg.update(_moe_fields(m, arch, head_dim))
     elif arch == "olmo2":
         if m.get("attention.sliding_window"):
             raise UserError(f"GGUF file {path!r} is an olmo2 file with sliding-window layers (OLMo 3), which "
@@ -199,12 +283,13 @@ def build_config(gguf):
             cfg["mlp_bias"] = True
     if arch != "phi3" and "blk.0.attn_q.bias" in tensors:
         cfg["attention_bias"] = True
-    return AutoConfig.for_model(FAMILY_ARCHS[arch], **cfg)
+    return AutoConfig.for_model(FAMILY_ARCHS.get(arch, MIXTRAL), **cfg)
 
 
 def tensor_processor(arch: str, config: dict):
     """transformers' ``TensorProcessor`` that undoes what llama.cpp's converter did to ``arch``'s
-    tensors: Gemma's ``w + 1`` norms, Granite's Q/K row permutation; a no-op for the rest.
+    tensors: Gemma's ``w + 1`` norms, Granite's and Mixtral's (``llama``) Q/K row permutation; a no-op
+    for the rest (a MoE file's experts are cut by :func:`moe_parts`, not by the processor).
     ``config`` is the HF config as a dict (``num_attention_heads``, ``num_key_value_heads``)."""
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -214,6 +299,7 @@ def tensor_processor(arch: str, config: dict):
     )
 
     own = {"gemma": Gemma2TensorProcessor, "gemma2": Gemma2TensorProcessor, "gemma3": Gemma2TensorProcessor,
-           "granite": LlamaTensorProcessor, "phi3": TensorProcessor, "olmo2": TensorProcessor}
+           "granite": LlamaTensorProcessor, "phi3": TensorProcessor, "olmo2": TensorProcessor,
+           "qwen3moe": TensorProcessor}  # (experts: moe_parts; a llama file with experts: Llama's)
     cls = own.get(arch) or TENSOR_PROCESSORS.get(arch, TensorProcessor)
     return cls(config=config)

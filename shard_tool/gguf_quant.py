@@ -17,6 +17,9 @@ Names and row order are those transformers' GGUF loader gives the dequantised te
 (``get_gguf_hf_weights_map`` and the architecture's ``TensorProcessor``, e.g. Llama's reversal of
 llama.cpp's Q/K row permutation): the processor is run on a tensor of block indices, so the same
 rearrangement moves whole blocks, and anything other than a permutation of whole rows is refused.
+A MoE layer's stacked ``ffn_*_exps`` tensors are cut into HF's per-expert weights first
+(:func:`shard_tool.gguf_families.moe_parts`): each expert's rows are whole blocks, so each expert
+is a 2-D weight of its own, kept quantized per expert.
 """
 
 from __future__ import annotations
@@ -131,6 +134,11 @@ def _check_type(name: str, hf_name: str, type_name: str, shape: tuple[int, ...])
                         "imports quantized 2-D weights only; convert without --keep-quant")
 
 
+def _num_experts(config) -> int:
+    """A MoE config's experts per layer (Mixtral's ``num_local_experts``, Qwen's ``num_experts``); 0 if dense."""
+    return int(getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0)
+
+
 def write_keep_quant_weights(gguf_file: Path, model, folder: Path, processor=None) -> dict[str, dict]:
     """Write ``folder/model.safetensors`` and ``folder/quantization.json`` from ``gguf_file``:
     Q4_1 / Q8_0 weights as int4 / int8 (group 32), float tensors as float32, under the HF names of
@@ -167,6 +175,7 @@ def write_gguf_weights(gguf_file: Path, model, folder: Path, *, processor=None, 
         get_gguf_hf_weights_map,
     )
 
+    from shard_tool.gguf_families import checkpoint_names, moe_parts
     from shard_tool.gguf_file import GGUFFile
 
     gguf = GGUFFile(gguf_file)
@@ -176,22 +185,35 @@ def write_gguf_weights(gguf_file: Path, model, folder: Path, *, processor=None, 
     parsed = {"config": model.config.to_dict(), "tensors": {}}
     if processor is None:
         processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
-    name_map = get_gguf_hf_weights_map(model, processor)
+    # the file's architecture names its tensors (a Mixtral file is "llama"; gemma3 is gemma3_text's)
+    name_map = get_gguf_hf_weights_map(model, processor, model_type=architecture)
     kwargs = {"tensor_key_mapping": name_map, "parsed_parameters": parsed}
+    model_type, experts = model.config.model_type, _num_experts(model.config)
 
-    mapped = [t for t in gguf.tensors.values() if t.name in name_map]
-    for t in mapped if keep_quant else ():
-        _check_type(t.name, name_map[t.name], t.type_name, t.shape)
+    # (HF name, tensor, whether the processor sees it): a MoE layer's experts and router are cut
+    # into HF's per-expert checkpoint tensors as they are (llama.cpp permutes none of them)
+    mapped = []
+    for t in gguf.tensors.values():
+        parts = moe_parts(model_type, t, experts)
+        if parts is not None:
+            mapped += [(hf_name, part, False) for hf_name, part in parts]
+        elif t.name in name_map:
+            mapped.append((name_map[t.name], t, True))
+    for hf_name, t, _ in mapped if keep_quant else ():
+        _check_type(t.name, hf_name, t.type_name, t.shape)
     tensors: dict[str, torch.Tensor] = {}
     weights: dict[str, dict] = {}
-    for t in mapped:
-        hf_name, type_name = name_map[t.name], t.type_name
+    for hf_name, t, processed in mapped:
+        type_name = t.type_name
         if type_name in FLOAT_TYPES or not keep_quant:
-            res = processor.process(weights=dequantize(t.data, t.qtype), name=t.name, **kwargs)
-            tensors[hf_name] = torch.from_numpy(np.copy(res.weights)).to(torch.float32)
+            w = dequantize(t.data, t.qtype)
+            if processed:
+                w = processor.process(weights=w, name=t.name, **kwargs).weights
+            tensors[hf_name] = torch.from_numpy(np.copy(w)).to(torch.float32)
             continue
         quant = q4_1_to_int4(t.data) if type_name == "Q4_1" else q8_0_to_int8(t.data)
-        perm = block_row_permutation(processor, t.name, quant.scales.shape[0], quant.scales.shape[1], **kwargs)
+        perm = None if not processed else block_row_permutation(processor, t.name, quant.scales.shape[0],
+                                                                 quant.scales.shape[1], **kwargs)
         if perm is not None:
             quant = quant.rows(perm)
         tensors.update(quant.named(hf_name))
@@ -199,7 +221,8 @@ def write_gguf_weights(gguf_file: Path, model, folder: Path, *, processor=None, 
 
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     written = {n.removesuffix(".qweight") + ".weight" if n.endswith(".qweight") else n for n in tensors}
-    missing = [n for n in model.state_dict() if n not in written and not (tied and n == "lm_head.weight")]
+    expected = checkpoint_names(model_type, list(model.state_dict()), experts)
+    missing = [n for n in expected if n not in written and not (tied and n == "lm_head.weight")]
     if missing:
         raise UserError(f"GGUF file {str(gguf_file)!r} has no tensor for {', '.join(missing)}; "
                         "convert writes only what the file holds")

@@ -293,7 +293,8 @@ def test_unsupported_architecture_is_one_error_line(tmp_path: Path) -> None:
     r = cli("convert", path, tmp_path / "out")
     assert r.exit_code == 2
     assert r.output.strip() == (f"error: GGUF file {str(path)!r} has architecture 'bloom', which convert does not "
-                                "support; supported: llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3, olmo2, granite")
+                                "support; supported: llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3, olmo2, granite, "
+                                "qwen3moe")
     assert not (tmp_path / "out").exists()
     for data, why in ((b"", "it is empty"), (b"PK\x03\x04 not a gguf", "it does not start with 'GGUF'")):
         bad = tmp_path / "bad.gguf"
