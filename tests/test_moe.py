@@ -1,0 +1,220 @@
+"""Mixture-of-experts models (issue 56): tiny random Mixtral and Qwen3-MoE (8 experts, top 2, 3 layers; Qwen3-MoE's
+layer 1 dense through ``mlp_only_layers``) token for token equal to HF ``generate`` in float32, under tensor
+parallelism at tp 1 (``LLM``), 2, 3 and 4 and expert parallelism at 2 and 3 ranks (8 experts: 4+4, 3+3+2),
+with chunked prefill, a prefix-cache hit, n-gram speculation and per-expert int8 weights; the batch job at
+EP 3; the grouped expert step against a per-token loop; the plan's expert layout; the refusals.
+
+One launch per rank count runs every engine job (tests/workers/engine_generate.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_tiny_model, tiny_config
+from hf_reference import greedy
+from launch import cli, run_engine_jobs
+
+from tpengine.errors import UserError
+
+MODELS = {"mixtral": "mixtral", "qwen3moe": "qwen3_moe"}
+NEW = 10
+GREEDY = {"temperature": 0.0, "max_tokens": NEW, "ignore_eos": True}
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "disable_by_batch_size": 64}
+
+
+def prompts() -> list[list[int]]:
+    """Four random prompts, a fifth sharing the 37-token one's first 32 (a prefix-cache hit), a sixth that
+    repeats itself (the n-gram proposer drafts)."""
+    g = torch.Generator().manual_seed(5)
+    out = [torch.randint(3, 1001, (n,), generator=g).tolist() for n in (5, 37, 1, 12)]
+    return out + [out[1][:32] + torch.randint(3, 1001, (6,), generator=g).tolist(), [7, 8, 9, 10] * 6]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    # (hidden 64, intermediate 96 for Qwen3-MoE's dense layer; each expert 32 wide: int8's rows of 16)
+    return {name: make_tiny_model(root, arch, name=name, seed=4, num_hidden_layers=3, intermediate_size=96
+                                  if arch == "qwen3_moe" else 32) for name, arch in MODELS.items()}
+
+
+@pytest.fixture(scope="module")
+def hf(models):
+    return {name: greedy(d, prompts(), NEW, stop_at_eos=False, attn="eager", batched=False)
+            for name, d in models.items()}
+
+
+def cfg(d, **kw) -> dict:
+    return {"model": str(d), "dtype": "float32", "max_model_len": 256, "kv_cache_gb": 0.05, "cpu_linear": "plain",
+            **kw}
+
+
+def reqs(ids=None) -> list[list]:
+    ps = prompts()
+    return [[f"p{i}", ps[i], GREEDY] for i in (ids if ids is not None else range(len(ps)))]
+
+
+def jobs_for(models, ranks: int) -> list[dict]:
+    jobs = []
+    for name, d in models.items():
+        for ep in (False, True) if ranks in (2, 3) else (False,):
+            key = f"{name}/{'ep' if ep else 'tp'}"
+            # chunks of 16 tokens, the shared prompt after the one it shares with (a prefix-cache hit)
+            jobs.append({"key": key, "config": cfg(d, max_num_batched_tokens=16, enable_expert_parallel=ep),
+                         "waves": [reqs([0, 1, 2, 3, 5]), reqs([4])]})
+        if ranks == 2:
+            jobs.append({"key": f"{name}/spec", "config": cfg(d, speculative_config=SPEC, num_kv_blocks=6),
+                         "requests": reqs()})
+            for ep in (False, True):
+                jobs.append({"key": f"{name}/int8-{ep}", "config": cfg(d, quantization="int8",
+                                                                        enable_expert_parallel=ep),
+                             "requests": reqs(range(4))})
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def results(models, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("moe-runs")
+    return {n: run_engine_jobs(tmp, n, jobs_for(models, n)) for n in (2, 3, 4)}
+
+
+def tokens(result: dict) -> list[list[int]]:
+    got = {o["request_id"]: o["token_ids"] for o in result["outputs"]}
+    return [got[f"p{i}"] for i in range(len(got))]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tp_and_ep_equal_hf(hf, results, name):
+    """TP at 2, 3, 4 and EP at 2 and 3 ranks: HF's tokens, with chunked prefill and a prefix-cache hit."""
+    for ranks, layouts in ((2, ("tp", "ep")), (3, ("tp", "ep")), (4, ("tp",))):
+        for layout in layouts:
+            job = results[ranks][f"{name}/{layout}"]
+            assert tokens(job) == hf[name], (ranks, layout)
+            assert job["stats"]["cached_prompt_tokens"] >= 32, job["stats"]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_speculation_and_int8_experts(hf, results, name):
+    """n-gram speculation with preemption at tp 2 keeps HF's tokens; int8 experts (quantized per expert) give
+    the same tokens under TP and EP (per-channel scales: a row's whole max either way)."""
+    job = results[2][f"{name}/spec"]
+    assert tokens(job) == hf[name] and job["stats"]["num_preemptions"] > 0, job["stats"]
+    tp, ep = tokens(results[2][f"{name}/int8-False"]), tokens(results[2][f"{name}/int8-True"])
+    assert tp == ep and all(len(t) == NEW for t in tp)
+
+
+def test_llm_tp1_and_batch_job_ep3(models, hf, tmp_path):
+    """``LLM`` in this process at tp 1 (both families), and the batch job (``tpengine.run``) with
+    ``--enable-expert-parallel`` at 3 ranks (8 experts: 3, 3, 2) on Mixtral."""
+    from tpengine import LLM, SamplingParams
+
+    for name in MODELS:
+        with LLM(str(models[name]), dtype="float32", max_model_len=256, kv_cache_gb=0.05) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
+                                SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))
+            assert [list(o.outputs[0].token_ids) for o in outs] == hf[name]
+    src, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": f"p{i}", "prompt_token_ids": p, **GREEDY}) + "\n"
+                           for i, p in enumerate(prompts())))
+    cli(["--prompts", str(src), "--model", str(models["mixtral"]), "--out", str(out), "--dtype", "float32",
+         "--max-model-len", "256", "--enable-expert-parallel"], tp=3)
+    got = {r["id"]: r["token_ids"] for r in map(json.loads, out.read_text().splitlines())}
+    assert [got[f"p{i}"] for i in range(len(prompts()))] == hf["mixtral"]
+
+
+def test_grouped_experts_equal_per_token_loop():
+    """The grouped step (tokens sorted by expert, each expert's GEMMs once) equals a loop over tokens and
+    their k experts, for a layer holding every expert and for two EP ranks' halves summed; a batch-1 step
+    runs only its k experts."""
+    from tpengine.model.layers.moe import MoEBlock
+
+    torch.manual_seed(0)
+    hidden, inter, n, k, rows = 16, 8, 6, 2, 11
+
+    def block(experts: tuple[int, int], whole: bool) -> MoEBlock:
+        b = MoEBlock(hidden, n, k, experts, inter, whole, True, False, torch.nn.SiLU(), torch.float64)
+        return b.to_empty(device="cpu")
+
+    full = block((0, n), False)
+    for p in full.parameters():
+        torch.nn.init.normal_(p)
+    x = torch.randn(rows, hidden, dtype=torch.float64)
+    weights, experts = full.route(x)
+    want = torch.zeros_like(x)
+    for t in range(rows):
+        for j in range(k):
+            e = full.experts[str(int(experts[t, j]))]
+            gu = x[t] @ e.gate_up_proj.weight.T
+            want[t] += weights[t, j] * ((torch.nn.functional.silu(gu[:inter]) * gu[inter:]) @ e.down_proj.weight.T)
+    assert torch.allclose(full(x), want, atol=1e-10)
+    halves = [block((0, 3), True), block((3, 6), True)]
+    for half in halves:
+        half.load_state_dict({k2: v for k2, v in full.state_dict().items() if k2 in half.state_dict()})
+    assert torch.allclose(sum(h(x, reduce=False) for h in halves), want, atol=1e-10)
+    calls = []
+    for i, e in enumerate(full.local):
+        e.register_forward_hook(lambda m, a, o, i=i: calls.append(i))
+    full(x[:1])
+    assert sorted(calls) == sorted(experts[0].tolist())
+
+
+def test_plan_expert_layout_and_refusals():
+    """The plan: TP splits each expert's intermediate, EP gives whole experts (8 on 3 ranks: 3, 3, 2) and
+    survives its manifest round trip; the refusals name the numbers before any weight is read."""
+    from tpengine.model.families import check_config
+    from tpengine.model.plan import EXPERT_COLUMN, EXPERT_ROW, ShardPlan
+    from tpengine.model.surgery import holds, kind_of
+
+    mix = tiny_config("mixtral")
+    ep = ShardPlan.build(mix, 3, expert_parallel=True)
+    assert [rp.experts for rp in ep.ranks] == [(0, 3), (3, 6), (6, 8)]
+    assert all(rp.expert_intermediate == (0, 32) for rp in ep.ranks)
+    assert ShardPlan.from_dict(json.loads(json.dumps(ep.to_dict()))) == ep
+    tp = ShardPlan.build(mix, 3)
+    assert [rp.expert_intermediate for rp in tp.ranks] == [(0, 11), (11, 22), (22, 32)]
+    assert all(rp.experts == (0, 8) for rp in tp.ranks) and not tp.expert_parallel
+    name = "model.layers.0.mlp.experts.4.{}.weight"
+    assert kind_of(name.format("gate_proj"), 2) == EXPERT_COLUMN and kind_of(name.format("down_proj"), 2) == EXPERT_ROW
+    assert kind_of("model.layers.0.mlp.gate.weight", 2) == "replicated"
+    assert [holds(ep, name.format("up_proj"), r) for r in range(3)] == [False, True, False]
+    assert tp.slice_spec(EXPERT_ROW, False, 2) == (1, 22, 32) and ep.slice_spec(EXPERT_ROW, False, 2) == (1, 0, 32)
+    dense = ShardPlan.build(tiny_config("llama"), 2, expert_parallel=True)
+    assert dense.num_experts == 0 and not dense.expert_parallel
+    with pytest.raises(UserError) as e:
+        ShardPlan.build(tiny_config("mixtral", num_attention_heads=16, num_key_value_heads=16), 9,
+                        expert_parallel=True)
+    assert str(e.value) == (
+        "model_type 'mixtral': enable_expert_parallel puts whole experts on each of the 9 ranks, but the model has "
+        "8 experts per layer; use at most 8 ranks, or tensor parallelism for the experts (without "
+        "--enable-expert-parallel)")
+    with pytest.raises(UserError, match=r"intermediate size 2 cannot be split over 4 ranks; use at most 2 ranks, "
+                                        r"or --enable-expert-parallel"):
+        ShardPlan.build(tiny_config("qwen3_moe", moe_intermediate_size=2), 4)
+    for bad, message in ((dict(num_experts_per_tok=9), "num_experts_per_tok=9 must be an integer between 1 and "
+                                                       "num_local_experts=8"),
+                         (dict(scoring_func="sigmoid"), "scoring_func='sigmoid' (the router's scoring) is not "
+                                                        "supported; tpengine's router computes 'softmax' over the "
+                                                        "experts, then the top k")):
+        with pytest.raises(UserError) as e:
+            check_config(tiny_config("mixtral", **bad))
+        assert str(e.value) == f"model_type 'mixtral': {message}"
+
+
+def test_ep_refusal_in_the_job_is_one_line(tmp_path):
+    """EP over more ranks than experts in the batch job (a model of 2 experts at 3 ranks): each rank's
+    ``UserError`` line, exit 2, before any weight is read."""
+    d = make_tiny_model(tmp_path, "mixtral", num_local_experts=2, num_experts_per_tok=1)
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"id": "a", "prompt_token_ids": [1, 2, 3], "max_tokens": 2}) + "\n")
+    r = cli(["--prompts", str(src), "--model", str(d), "--out", str(tmp_path / "o.jsonl"),
+             "--enable-expert-parallel"], tp=3, check=False)
+    lines = [ln for ln in r.stderr.splitlines() if "failed: UserError" in ln]
+    # (the first rank to exit ends the others, which may not have printed theirs yet)
+    assert lines and "exited with 2" in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert lines[0].endswith(": model_type 'mixtral': enable_expert_parallel puts whole experts on each of the 3 "
+                             "ranks, but the model has 2 experts per layer; use at most 2 ranks, or tensor "
+                             "parallelism for the experts (without --enable-expert-parallel)")
