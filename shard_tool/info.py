@@ -1,4 +1,5 @@
-"""``tpengine-shard info MODEL_DIR [--tp N]``: print the ShardPlan of a config (no weights)."""
+"""``tpengine-shard info MODEL_DIR [--tp N] [--enable-expert-parallel]``: print the ShardPlan of a config
+and each rank's weight bytes (no weights read); a mixture-of-experts model's experts per rank."""
 
 from __future__ import annotations
 
@@ -29,9 +30,24 @@ def config_dtype(config: Any) -> str:
     return d if d in DTYPE_BYTES else "float32"
 
 
+def _expert_shapes(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]] | None:
+    """transformers' fused experts of a MoE layer as tpengine's per-expert tensors:
+    ``P.experts.gate_up_proj`` [experts, 2 x inter, hidden] -> ``P.experts.<e>.gate_proj.weight`` and
+    ``...up_proj.weight`` [inter, hidden] each, ``P.experts.down_proj`` [experts, hidden, inter] ->
+    ``P.experts.<e>.down_proj.weight`` [hidden, inter]; None for any other tensor."""
+    prefix, _, leaf = name.rpartition(".")
+    if not prefix.endswith(".experts") or leaf not in ("gate_up_proj", "down_proj") or len(shape) != 3:
+        return None
+    if leaf == "down_proj":
+        return {f"{prefix}.{e}.down_proj.weight": tuple(shape[1:]) for e in range(shape[0])}
+    half = (shape[1] // 2, shape[2])
+    return {f"{prefix}.{e}.{p}.weight": half for e in range(shape[0]) for p in ("gate_proj", "up_proj")}
+
+
 def weight_shapes(config: Any) -> dict[str, tuple[int, ...]]:
-    """Full shape of every checkpoint tensor, from a meta-device model built from ``config``
-    (no weights read or allocated). A tied lm_head.weight is left out, as split does."""
+    """Full shape of every checkpoint tensor under tpengine's names, from a meta-device model built
+    from ``config`` (no weights read or allocated). A tied lm_head.weight is left out, as split does;
+    a MoE layer's fused experts count as its per-expert tensors (:func:`_expert_shapes`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -45,6 +61,10 @@ def weight_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     for n, t in model.state_dict().items():
         if tied and n.split(".")[-2:] == ["lm_head", "weight"]:
             continue
+        experts = _expert_shapes(n, tuple(t.shape))
+        if experts is not None:
+            out.update(experts)
+            continue
         parts = unfuse(n, tuple(t.shape), fused)
         for name, _, rows in parts or [(n, 0, t.shape[0] if t.dim() else 0)]:
             out[name] = (rows, *t.shape[1:]) if parts else tuple(t.shape)
@@ -57,13 +77,16 @@ def rank_bytes(plan: Any, shapes: dict[str, tuple[int, ...]], dtype: str, quanti
     :class:`~tpengine.model.quant.checkpoint.QuantEntry`) as its quantized storage in memory: its
     qweight (int4: two values a byte, rows padded to the kernel's multiple of 16) and its
     scales (and zeros) in ``dtype``; grouped int8 (GGUF's Q8_0) as its two int4 halves (rows
-    padded, a scale and a zero for each half, :class:`~tpengine.model.quant.weights.Int8Weight`)."""
-    from tpengine.model.surgery import kind_in
+    padded, a scale and a zero for each half, :class:`~tpengine.model.quant.weights.Int8Weight`);
+    under expert parallelism a rank counts only its own experts."""
+    from tpengine.model.surgery import holds, kind_in
 
     out = []
     for r in range(plan.tp_size):
         total = 0
         for name, shape in shapes.items():
+            if not holds(plan, name, r):  # expert parallelism: another rank's expert
+                continue
             if quantized and name in quantized:
                 total += _quant_bytes(plan, kind_in(plan, name, shape), quantized[name], r, DTYPE_BYTES[dtype])
                 continue
@@ -98,6 +121,49 @@ def _rng(a: tuple[int, int]) -> str:
     return f"{a[0]}:{a[1]}"
 
 
+def _plan(config: Any, size: int, expert_parallel: bool):
+    """The plan at tp ``size``, or None where the layout cannot split (more ranks than experts under
+    expert parallelism, or than an expert's intermediate under tensor parallelism)."""
+    from tpengine.model.plan import ShardPlan
+
+    try:
+        return ShardPlan.build(config, size, expert_parallel)
+    except UserError:
+        return None
+
+
+def _max_mib(plan: Any, shapes: dict, dtype: str, quantized: dict | None) -> str:
+    """The largest rank's weight MiB under ``plan``, or why there is none."""
+    if plan is None:
+        return "-"
+    try:
+        return f"{max(rank_bytes(plan, shapes, dtype, quantized)) / 2**20:.2f}"
+    except UserError:  # a row split off the quantization's group boundaries
+        return "cuts groups"
+
+
+def _sizes_table(console, config: Any, shapes: dict, dtype: str, quantized: dict | None, experts: int) -> None:
+    """Print every valid TP size's heads per rank, padded vocabulary and largest rank's MiB (a MoE
+    model: with its experts split, and whole per rank under expert parallelism: "-" where that
+    layout cannot split)."""
+    from rich.table import Table
+
+    from tpengine.model.plan import ShardPlan
+
+    ep = ("max MiB/rank EP",) if experts else ()
+    table = Table("tp", "q heads/rank", "kv heads/rank", "padded vocab", "max MiB/rank", *ep, box=None)
+    for size in ShardPlan.valid_tp_sizes(config):
+        plans = [_plan(config, size, False)] + ([_plan(config, size, True)] if experts else [])
+        p = next((x for x in plans if x is not None), None)
+        if p is None:
+            continue  # neither layout of the experts splits this many ways
+        table.add_row(str(size), ",".join(str(rp.num_q_heads) for rp in p.ranks),
+                      ",".join(str(rp.num_kv_heads) for rp in p.ranks), str(p.padded_vocab_size),
+                      *(_max_mib(x, shapes, dtype, quantized) for x in plans))
+    console.print(f"valid TP sizes: 1..{ShardPlan.dims(config)['num_heads']}")
+    console.print(table)
+
+
 def info(
     model_dir: Annotated[Path, typer.Argument(help="model folder (only config.json is read)")],
     tp: Annotated[
@@ -110,9 +176,14 @@ def info(
         "--max-num-batched-tokens", help="tokens of the largest step (for the activation estimate)")] = 8192,
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="sequences per step (LM-head logits)")] = 64,
     block_size: Annotated[int, typer.Option("--block-size", help="KV cache block size in tokens")] = 16,
+    enable_expert_parallel: Annotated[bool, typer.Option(
+        "--enable-expert-parallel", help="a mixture-of-experts model's experts whole per rank (the plan of a "
+        "launch with --enable-expert-parallel); default: every expert split")] = False,
 ) -> None:
     """Print the ShardPlan as a table (ranges are half-open start:end), or the valid TP sizes; for a
-    quantized folder, its quantization and the quantized weight bytes."""
+    quantized folder, its quantization and the quantized weight bytes; for a mixture-of-experts
+    model, each rank's experts and their share of each expert (and, listing the sizes, the largest
+    rank's bytes with expert parallelism too)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -125,8 +196,8 @@ def info(
         config = load_config(model_dir)
         check_config(config)  # a model type or feature the engine would refuse, refused here too
         d = ShardPlan.dims(config)
-        if tp is not None:
-            plan = ShardPlan.build(config, tp)  # ValueError names the head count and tp
+        if tp is not None:  # UserError names the head (or expert) count and tp
+            plan = ShardPlan.build(config, tp, enable_expert_parallel)
         dtype = dtype or config_dtype(config)
         shapes = weight_shapes(config)
         from tpengine.model.quant.checkpoint import describe_table, read_table
@@ -137,36 +208,29 @@ def info(
         f"head_dim {d['head_dim']}, hidden {d['hidden_size']}, intermediate {d['intermediate_size']}, "
         f"vocab {d['vocab_size']}, {getattr(config, 'num_hidden_layers', '?')} layers, dtype {dtype}"
     )
+    experts, expert_inter = ShardPlan.expert_dims(config)
+    if experts:
+        console.print(f"mixture of experts: {experts} experts of intermediate {expert_inter}, "
+                      f"{config.num_experts_per_tok} routed per token")
     if quantized:
         console.print(f"quantized: {describe_table(quantized)} (the rest {dtype})")
     if tp is None:
-        table = Table("tp", "q heads/rank", "kv heads/rank", "padded vocab", "max MiB/rank", box=None)
-        for size in ShardPlan.valid_tp_sizes(config):
-            p = ShardPlan.build(config, size)
-            try:
-                mib = f"{max(rank_bytes(p, shapes, dtype, quantized)) / 2**20:.2f}"
-            except UserError:  # a row split off the quantization's group boundaries
-                mib = "cuts groups"
-            table.add_row(
-                str(size),
-                ",".join(str(rp.num_q_heads) for rp in p.ranks),
-                ",".join(str(rp.num_kv_heads) for rp in p.ranks),
-                str(p.padded_vocab_size),
-                mib,
-            )
-        console.print(f"valid TP sizes: 1..{d['num_heads']}")
-        console.print(table)
+        _sizes_table(console, config, shapes, dtype, quantized, experts)
         return
     with user_errors():
         nbytes = rank_bytes(plan, shapes, dtype, quantized)
+    layout = "" if not experts else (", experts whole per rank (expert parallel)" if plan.expert_parallel
+                                     else ", every expert split (tensor parallel)")
+    moe_cols = ("experts", "expert intermediate") if experts else ()
     table = Table(
-        "rank", "q heads", "#q", "kv heads", "#kv", "q->kv (local)", "intermediate", "vocab",
-        "weight bytes", "MiB", box=None, title=f"tp={tp}, padded vocab {plan.padded_vocab_size}",
+        "rank", "q heads", "#q", "kv heads", "#kv", "q->kv (local)", "intermediate", *moe_cols, "vocab",
+        "weight bytes", "MiB", box=None, title=f"tp={tp}, padded vocab {plan.padded_vocab_size}{layout}",
     )
     for rp, b in zip(plan.ranks, nbytes):
+        moe = (_rng(rp.experts), _rng(rp.expert_intermediate)) if experts else ()
         table.add_row(
             str(rp.rank), _rng(rp.q_heads), str(rp.num_q_heads), _rng(rp.kv_heads), str(rp.num_kv_heads),
-            ",".join(map(str, rp.q_to_kv)), _rng(rp.intermediate), _rng(rp.vocab), str(b), f"{b / 2**20:.2f}",
+            ",".join(map(str, rp.q_to_kv)), _rng(rp.intermediate), *moe, _rng(rp.vocab), str(b), f"{b / 2**20:.2f}",
         )
     console.print(table)
     from tpengine.model.estimate import estimate

@@ -1,10 +1,15 @@
-"""``tpengine-shard split MODEL_DIR --tp N --out DIR [--quantize int8|int4]``: HF folder ->
-per-rank safetensors.
+"""``tpengine-shard split MODEL_DIR --tp N --out DIR [--quantize int8|int4] [--enable-expert-parallel]``:
+HF folder -> per-rank safetensors.
 
 Every shard is cut by :meth:`tpengine.model.plan.ShardPlan.shard` with the kind from
 :func:`tpengine.model.surgery.kind_of`, and every stored part of a quantized weight by
-:func:`tpengine.model.quant.checkpoint.slice_part`; this module holds no partition math. Output
-layout: see docs/design.md, "Per-rank checkpoint layout" and "Quantized weights".
+:func:`tpengine.model.quant.checkpoint.slice_part`; this module holds no partition math. A
+mixture-of-experts model's experts are laid out as the plan says (each expert's slice under tensor
+parallelism; with ``expert_parallel`` whole experts, a rank's file holding only its own:
+:func:`tpengine.model.surgery.holds`), under tpengine's tensor names
+(:func:`tpengine.model.families.renamed`: Mixtral's ``w1``/``w3``/``w2`` as
+``gate_proj``/``up_proj``/``down_proj``). Output layout: see docs/design.md, "Per-rank checkpoint
+layout" and "Quantized weights".
 """
 
 from __future__ import annotations
@@ -91,7 +96,7 @@ def quantize_entry(config: Any, tp_size: int, quantize: str | None, group_size: 
 
 def split_model(
     model_dir: Path, tp_size: int, out: Path, dtype: str | None = None, force: bool = False, progress=None,
-    quantize: str | None = None, group_size: int | None = None,
+    quantize: str | None = None, group_size: int | None = None, expert_parallel: bool = False,
 ) -> dict[str, Any]:
     """Split the HF checkpoint in ``model_dir`` into ``tp_size`` rank files under ``out``.
 
@@ -103,7 +108,10 @@ def split_model(
     (:func:`tpengine.model.quant.checkpoint.quantize_parts`: bit for bit what ``--quantization``
     makes on the fly at float32 activations); the manifest's
     ``"quantization"`` lists them. A folder that is already quantized (``quantization.json``,
-    e.g. from ``convert --keep-quant``) has its stored parts sliced as they are.
+    e.g. from ``convert --keep-quant``) has its stored parts sliced as they are. A mixture-of-experts
+    model's experts follow the plan's layout, whole experts per rank with ``expert_parallel``
+    (``EngineConfig.enable_expert_parallel``; the manifest's plan records it), each rank file
+    holding only the experts its rank runs.
 
     Streams: one rank at a time, one tensor at a time, each rank file written tensor by tensor
     (:class:`tpengine.model.tensor_file.TensorFileWriter`), so peak memory stays within three copies of
@@ -115,16 +123,18 @@ def split_model(
         UserError: missing or unreadable config/checkpoint files, an unwritable ``out``, bad dtype,
             a tied lm_head that differs from the embedding, or ``out`` already existing without ``force``;
             a bad ``quantize``/``group_size``, an int4 group the tp split would cut, or ``quantize``
-            on a folder that is already quantized.
+            on a folder that is already quantized; a quantized mixture-of-experts model (``quantize``, or
+            a quantized folder), whose experts split does not slice quantized; more ranks than experts
+            (``expert_parallel``) or than an expert's intermediate (from ShardPlan.build).
         ValueError: an invalid tp_size for this model (message from ShardPlan.build), or a
             weight whose module tpengine's layer table does not cover.
     """
     import torch
 
-    from tpengine.model.families import check_config, expand_fused, fused_parts
+    from tpengine.model.families import check_config, expand_fused, fused_parts, renamed
     from tpengine.model.plan import ShardPlan
     from tpengine.model.quant import checkpoint as QC
-    from tpengine.model.surgery import kind_in
+    from tpengine.model.surgery import holds, kind_in
     from tpengine.model.tensor_file import TensorFileWriter, read_header, read_rows
 
     model_dir, out = Path(model_dir), Path(out)
@@ -134,19 +144,22 @@ def split_model(
         raise UserError(f"invalid dtype {dtype!r}: must be one of {', '.join(WEIGHT_DTYPES)}")
     if out.exists() and not force:
         raise UserError(f"output folder {str(out)!r} already exists; remove it or pass --force")
-    plan = ShardPlan.build(config, tp_size)
+    plan = ShardPlan.build(config, tp_size, expert_parallel)
     fused = fused_parts(config)  # a family's fused tensors (Phi-3's qkv_proj) are written as their parts
     entry, vocab_entry = quantize_entry(config, tp_size, quantize, group_size) or (None, None)
     stored = QC.read_table(model_dir) or {}  # an already quantized folder's weights
     if stored and entry is not None:
         raise UserError(f"{str(model_dir)!r} is already quantized ({QC.describe_table(stored)}); split it "
                         "without --quantize")
+    if plan.num_experts and (stored or entry is not None):
+        what = "--quantize" if entry is not None else f"its quantized weights ({QC.describe_table(stored)})"
+        raise UserError(f"{str(model_dir)!r} is a mixture-of-experts model ({config.model_type}): split cannot "
+                        f"slice {what} for its experts; split its float weights (without --quantize)")
     files = checkpoint_files(model_dir)
     skip = _tied_skip(model_dir, files, bool(getattr(config, "tie_word_embeddings", False)))
     if dtype is None:
         dtype = _first_float_dtype(model_dir, files) or "float32"
     tdtype = getattr(torch, dtype)
-    total = sum(len(names) for names in files.values()) - len(skip)
 
     manifest: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
@@ -161,26 +174,26 @@ def split_model(
     quantized = {}  # weight name -> QuantEntry, of the output
     with atomic_dir(out, force=force) as tmp:
         for r in range(tp_size):
-            task = progress.add_task(f"rank {r}/{tp_size}", total=total) if progress else None
             rname = rank_file_name(r, tp_size)
-            entries = []  # (source file, tensor info, kind, is_bias) in output order
+            entries = []  # (source file, tpengine's name, tensor info, kind, is_bias) in output order
             for fname in files:
-                for name, info in expand_fused(read_header(model_dir / fname), fused).items():
-                    if name not in skip:
-                        entries.append((fname, info, kind_in(plan, name, info.shape), name.endswith(".bias")))
+                for name, info in renamed(expand_fused(read_header(model_dir / fname), fused), config).items():
+                    if name not in skip and holds(plan, name, r):  # (expert parallel: this rank's experts)
+                        entries.append((fname, name, info, kind_in(plan, name, info.shape), name.endswith(".bias")))
+            task = progress.add_task(f"rank {r}/{tp_size}", total=len(entries)) if progress else None
             declared = []  # (name, dtype, shape) of the rank file, in order
-            for _, info, kind, bias in entries:
-                part = QC.part_of(info.name)
+            for _, name, info, kind, bias in entries:
+                part = QC.part_of(name)
                 if part is not None and part[0] in stored:  # an already quantized weight's part
                     quantized[part[0]] = stored[part[0]]
-                    declared.append((info.name, *QC.local_shapes(plan, kind, stored[part[0]], r)[part[1]]))
-                elif entry is not None and (QC.is_linear_weight(info.name, len(info.shape)) or (
-                        vocab_entry is not None and QC.is_vocab_weight(info.name, len(info.shape)))):
-                    quantized[info.name] = entry if QC.is_linear_weight(info.name, len(info.shape)) else vocab_entry
-                    declared += [(QC.part_name(info.name, p), *ds)
-                                 for p, ds in QC.local_shapes(plan, kind, quantized[info.name], r).items()]
+                    declared.append((name, *QC.local_shapes(plan, kind, stored[part[0]], r)[part[1]]))
+                elif entry is not None and (QC.is_linear_weight(name, len(info.shape)) or (
+                        vocab_entry is not None and QC.is_vocab_weight(name, len(info.shape)))):
+                    quantized[name] = entry if QC.is_linear_weight(name, len(info.shape)) else vocab_entry
+                    declared += [(QC.part_name(name, p), *ds)
+                                 for p, ds in QC.local_shapes(plan, kind, quantized[name], r).items()]
                 else:
-                    declared.append((info.name, tdtype if info.dtype.is_floating_point else info.dtype,
+                    declared.append((name, tdtype if info.dtype.is_floating_point else info.dtype,
                                      plan.shard_shape(kind, bias, info.shape, r)))
             shapes = {n: tuple(shape) for n, _, shape in declared}
             out_dtype = {n: dt for n, dt, _ in declared}
@@ -189,20 +202,20 @@ def split_model(
             for fname, group in itertools.groupby(entries, key=lambda e: e[0]):
                 fd = os.open(model_dir / fname, os.O_RDONLY)  # read, not mapped: no page stays resident
                 try:
-                    for _, info, kind, bias in group:
+                    for _, name, info, kind, bias in group:
                         t = torch.empty(info.shape, dtype=info.dtype)  # one full tensor at a time
                         read_rows(fd, info, t)
-                        part = QC.part_of(info.name)
+                        part = QC.part_of(name)
                         if part is not None and part[0] in stored:
-                            writer.write(info.name, QC.slice_part(plan, kind, stored[part[0]], part[1], t, r))
-                        elif info.name in quantized:  # quantized whole, then sliced
-                            parts = QC.quantize_parts(t.to(tdtype), quantized[info.name])
+                            writer.write(name, QC.slice_part(plan, kind, stored[part[0]], part[1], t, r))
+                        elif name in quantized:  # quantized whole, then sliced
+                            parts = QC.quantize_parts(t.to(tdtype), quantized[name])
                             for p, value in parts.items():
-                                writer.write(QC.part_name(info.name, p),
-                                             QC.slice_part(plan, kind, quantized[info.name], p, value, r))
+                                writer.write(QC.part_name(name, p),
+                                             QC.slice_part(plan, kind, quantized[name], p, value, r))
                             del parts
                         else:
-                            writer.write(info.name, plan.shard(kind, bias, t, r).to(out_dtype[info.name]))
+                            writer.write(name, plan.shard(kind, bias, t, r).to(out_dtype[name]))
                         del t
                         if progress:
                             progress.advance(task)
@@ -249,6 +262,9 @@ def split(
         "(int8 per output channel, int4 at group 32)")] = None,
     group_size: Annotated[int | None, typer.Option(
         "--group-size", help="int4: input columns per scale and zero, 32, 64, 128 or 256 (default 32)")] = None,
+    enable_expert_parallel: Annotated[bool, typer.Option(
+        "--enable-expert-parallel", help="a mixture-of-experts model's experts whole on each rank (each rank "
+        "file only its own), for a launch with --enable-expert-parallel; default: every expert split")] = False,
 ) -> None:
     """Write one safetensors file per rank plus manifest.json (exactly what each rank loads)."""
     from rich.console import Console
@@ -257,8 +273,9 @@ def split(
     console = Console(stderr=True)  # the bar only on a terminal: a log or pipe gets the result lines alone
     with user_errors(), Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         m = split_model(model_dir, tp, out, dtype=dtype, force=force, progress=progress, quantize=quantize,
-                        group_size=group_size)
-    n = len(m["tensors"]["0"])
+                        group_size=group_size, expert_parallel=enable_expert_parallel)
+    counts = sorted({len(t) for t in m["tensors"].values()})  # expert parallel: uneven experts, uneven counts
+    n = counts[0] if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     quant = ""
     if m.get("quantization"):
         from tpengine.model.quant.checkpoint import describe_table, parse_table

@@ -23,12 +23,14 @@ def verify_dir(shard_dir: Path) -> list[str]:
     """Check every rank file of the split checkpoint in ``shard_dir``: its sha256 against the
     manifest, its tensor names and shapes against the manifest, and each shape along the split
     dimension against the ShardPlan (the stored plan must also equal the one rebuilt from
-    config.json). A quantized folder's parts (``P.qweight``, ``P.scales``, ``P.zeros``) are
-    checked against the manifest's ``"quantization"`` table: every listed weight stored as all
-    its parts (no float ``P.weight``), each part of the format's dtype and of the shape the
-    plan and its scheme give the rank (:func:`tpengine.model.quant.checkpoint.local_shapes`), no part
-    of an unlisted weight. Returns one message per problem (empty list: all good); each message
-    starts with the file (and tensor) it concerns.
+    config.json, with the stored plan's expert layout). A mixture-of-experts folder split with
+    expert parallelism holds in each rank file only the experts the plan gives that rank. A
+    quantized folder's parts (``P.qweight``, ``P.scales``, ``P.zeros``) are checked against the
+    manifest's ``"quantization"`` table: every listed weight stored as all its parts (no float
+    ``P.weight``), each part of the format's dtype and of the shape the plan and its scheme give
+    the rank (:func:`tpengine.model.quant.checkpoint.local_shapes`), no part of an unlisted
+    weight. Returns one message per problem (empty list: all good); each message starts with the
+    file (and tensor) it concerns.
 
     Raises:
         UserError: no readable manifest.json in ``shard_dir`` (missing, truncated, a key missing),
@@ -39,7 +41,7 @@ def verify_dir(shard_dir: Path) -> list[str]:
     from tpengine.errors import UserError
     from tpengine.model.plan import ShardPlan
     from tpengine.model.quant import checkpoint as QC
-    from tpengine.model.surgery import kind_in
+    from tpengine.model.surgery import expert_of, holds, kind_in
 
     shard_dir = Path(shard_dir)
     m = read_manifest(shard_dir)  # UserError: missing, truncated, another format, a key missing
@@ -49,7 +51,7 @@ def verify_dir(shard_dir: Path) -> list[str]:
     if plan.tp_size != tp:
         errors.append(f"manifest.json: plan.tp_size={plan.tp_size} but tp_size={tp}")
     if (shard_dir / "config.json").is_file():
-        rebuilt = ShardPlan.build(read_model_config(shard_dir), tp)
+        rebuilt = ShardPlan.build(read_model_config(shard_dir), tp, plan.expert_parallel)
         if rebuilt != plan:
             errors.append("manifest.json: stored plan differs from the plan built from config.json")
     want = {rank_file_name(r, tp): r for r in range(tp)}
@@ -93,6 +95,11 @@ def verify_dir(shard_dir: Path) -> list[str]:
             for part in QC.PARTS[e.scheme]:
                 if QC.part_name(w, part) not in got:
                     errors.append(f"{fname}: tensor {QC.part_name(w, part)} ({e.describe()}) is missing")
+        for n in sorted(n for n in got if not holds(plan, n, r)):
+            e = expert_of(n)
+            owner = (f"rank {plan.expert_owner(e)}" if e < plan.num_experts
+                     else f"no rank (experts 0..{plan.num_experts - 1})")
+            errors.append(f"{fname}: tensor {n} is expert {e}'s, which the plan gives to {owner}")
         for n in sorted(set(got) & set(expected)):
             shape, dt = list(got[n][0]), got[n][1]
             if shape != list(expected[n]):
