@@ -73,6 +73,9 @@ def jobs_for(models, ranks: int) -> list[dict]:
                 jobs.append({"key": f"{name}/int8-{ep}", "config": cfg(d, quantization="int8",
                                                                         enable_expert_parallel=ep),
                              "requests": reqs(range(4))})
+    if ranks == 2:  # int4 (group 32): each 32-wide expert whole under EP (TP would cut its groups: refused)
+        jobs.append({"key": "mixtral/int4-ep", "config": cfg(models["mixtral"], quantization="int4",
+                                                             enable_expert_parallel=True), "requests": reqs(range(4))})
     return jobs
 
 
@@ -107,16 +110,18 @@ def test_speculation_and_int8_experts(hf, results, name):
     assert tp == ep and all(len(t) == NEW for t in tp)
 
 
-def test_llm_tp1_and_batch_job_ep3(models, hf, tmp_path):
-    """``LLM`` in this process at tp 1 (both families), and the batch job (``tpengine.run``) with
-    ``--enable-expert-parallel`` at 3 ranks (8 experts: 3, 3, 2) on Mixtral."""
+def test_llm_tp1_and_batch_job_ep3(models, hf, results, tmp_path):
+    """``LLM`` in this process at tp 1 (both families; Mixtral's int4 experts give EP 2's int4 tokens), and
+    the batch job (``tpengine.run``) with ``--enable-expert-parallel`` at 3 ranks (8 experts: 3, 3, 2) on
+    Mixtral."""
     from tpengine import LLM, SamplingParams
 
-    for name in MODELS:
-        with LLM(str(models[name]), dtype="float32", max_model_len=256, kv_cache_gb=0.05) as llm:
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
-                                SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))
-            assert [list(o.outputs[0].token_ids) for o in outs] == hf[name]
+    greedy_params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    for name, quant, want in (("mixtral", None, hf["mixtral"]), ("qwen3moe", None, hf["qwen3moe"]),
+                              ("mixtral", "int4", tokens(results[2]["mixtral/int4-ep"]))):
+        with LLM(str(models[name]), dtype="float32", max_model_len=256, kv_cache_gb=0.05, quantization=quant) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts()[:len(want)]], greedy_params)
+            assert [list(o.outputs[0].token_ids) for o in outs] == want, (name, quant)
     src, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({"id": f"p{i}", "prompt_token_ids": p, **GREEDY}) + "\n"
                            for i, p in enumerate(prompts())))
@@ -182,6 +187,12 @@ def test_plan_expert_layout_and_refusals():
     assert kind_of("model.layers.0.mlp.gate.weight", 2) == "replicated"
     assert [holds(ep, name.format("up_proj"), r) for r in range(3)] == [False, True, False]
     assert tp.slice_spec(EXPERT_ROW, False, 2) == (1, 22, 32) and ep.slice_spec(EXPERT_ROW, False, 2) == (1, 0, 32)
+    from tpengine.model.quant.weights import QuantScheme, check_quantization
+
+    check_quantization(mix, 2, QuantScheme.of("int4"), expert_parallel=True)
+    with pytest.raises(UserError, match=r"the row-parallel layer mlp\.experts\.\*\.down_proj splits its input at "
+                                        r"column 16, not on a group boundary \(a multiple of 32\); valid tp sizes: 1$"):
+        check_quantization(mix, 2, QuantScheme.of("int4"))
     dense = ShardPlan.build(tiny_config("llama"), 2, expert_parallel=True)
     assert dense.num_experts == 0 and not dense.expert_parallel
     with pytest.raises(UserError) as e:

@@ -257,6 +257,15 @@ def _check_moe(hf_config: Any, moe: MoE) -> None:
                         "expert's intermediate size)")
 
 
+def has_dense_mlp(hf_config: Any) -> bool:
+    """Whether some decoder layer of ``hf_config`` has a dense MLP (every layer of a dense family; a MoE
+    family's layers its :attr:`MoE.dense` names, none of Mixtral's)."""
+    family = FAMILIES.get(getattr(hf_config, "model_type", None))
+    if family is None or family.moe is None:
+        return True
+    return any(family.moe.dense(hf_config, i) for i in range(int(hf_config.num_hidden_layers)))
+
+
 def checkpoint_name(name: str, hf_config: Any) -> str:
     """Checkpoint tensor ``name`` as tpengine names it: a MoE family's renames applied (Mixtral's
     ``model.layers.0.block_sparse_moe.experts.3.w1.weight`` -> ``model.layers.0.mlp.experts.3.gate_proj.weight``,

@@ -425,5 +425,5 @@ def _quantization(spec: ModelSpec, module: torch.nn.Module, tie: bool, quantizat
     if quant is not None:
         if not supported:
             raise UserError(f"--quantization {quant.name} runs on the CPU only in this version, not on {tp.device}")
-        check_quantization(spec.hf_config, tp.size, quant)
+        check_quantization(spec.hf_config, tp.size, quant, spec.shard_plan.expert_parallel)
     return None, quant

@@ -417,24 +417,31 @@ class Int4CodedWeight(Int4Weight):
 
 
 # ------------------------------------------------------------------ which tp sizes a scheme allows
-def _row_boundaries(plan: Any) -> dict[str, list[int]]:
-    """Leaf name of each row-parallel layer -> every rank's input start and end under ``plan``."""
+def _row_boundaries(plan: Any, dense: bool = True) -> dict[str, list[int]]:
+    """Leaf name of each row-parallel layer -> every rank's input start and end under ``plan`` (``dense``:
+    some layer has a dense MLP)."""
     hd = plan.head_dim
-    return {"self_attn.o_proj": sorted({b * hd for r in plan.ranks for b in r.q_heads}),
-            "mlp.down_proj": sorted({b for r in plan.ranks for b in r.intermediate})}
+    out = {"self_attn.o_proj": sorted({b * hd for r in plan.ranks for b in r.q_heads})}
+    if dense:
+        out["mlp.down_proj"] = sorted({b for r in plan.ranks for b in r.intermediate})
+    if plan.num_experts:
+        out["mlp.experts.*.down_proj"] = sorted({b for r in plan.ranks for b in r.expert_intermediate})
+    return out
 
 
-def check_quantization(hf_config: Any, tp_size: int, scheme: QuantScheme) -> None:
+def check_quantization(hf_config: Any, tp_size: int, scheme: QuantScheme, expert_parallel: bool = False) -> None:
     """Refuse, before any weight is read, a grouped ``scheme`` (int4, grouped int8) whose groups
     the tp split would cut: every linear's input size (hidden for q/k/v and gate/up; the heads'
-    and the intermediate size for o_proj and down_proj) must be a multiple of the group size,
-    and each rank's input range of o_proj and down_proj (from :class:`tpengine.model.plan.ShardPlan`)
-    must start on a group boundary; the hidden size must be a multiple of ``scheme.vocab``'s
-    group size (the embedding / LM head). Per-channel int8 always fits.
+    and the intermediate size for o_proj and down_proj; a routed expert's intermediate for its
+    down_proj) must be a multiple of the group size, and each rank's input range of o_proj and
+    down_proj (an expert's too: split under tensor parallelism, whole under ``expert_parallel``; from
+    :class:`tpengine.model.plan.ShardPlan`) must start on a group boundary; the hidden size must be a
+    multiple of ``scheme.vocab``'s group size (the embedding / LM head). Per-channel int8 always fits.
 
     Raises:
         UserError: naming the layer, the group size, this tp and the valid tp sizes.
     """
+    from tpengine.model.families import has_dense_mlp
     from tpengine.model.plan import ShardPlan
 
     d = ShardPlan.dims(hf_config)
@@ -446,14 +453,24 @@ def check_quantization(hf_config: Any, tp_size: int, scheme: QuantScheme) -> Non
         return
     g = scheme.group_size
     sizes = {"self_attn.q_proj/k_proj/v_proj, mlp.gate_proj/up_proj": d["hidden_size"],
-             "self_attn.o_proj": d["num_heads"] * d["head_dim"], "mlp.down_proj": d["intermediate_size"]}
+             "self_attn.o_proj": d["num_heads"] * d["head_dim"]}
+    dense = has_dense_mlp(hf_config)
+    if dense:
+        sizes["mlp.down_proj"] = d["intermediate_size"]
+    experts, expert_inter = ShardPlan.expert_dims(hf_config)
+    if experts:
+        sizes["mlp.experts.*.down_proj"] = expert_inter
     for layer, n in sizes.items():
         if n % g:
             raise UserError(f"--quantization {scheme.name} (group size {g}): {layer} has {n} input features, "
                             f"not a multiple of {g}; this model cannot be quantized with group size {g} at any tp")
 
     def bad_layer(tp: int) -> tuple[str, int] | None:
-        for layer, bounds in _row_boundaries(ShardPlan.build(hf_config, tp)).items():
+        try:
+            plan = ShardPlan.build(hf_config, tp, expert_parallel)
+        except UserError:  # (a tp the experts cannot take: not a valid one)
+            return "experts", 1
+        for layer, bounds in _row_boundaries(plan, dense).items():
             for b in bounds:
                 if b % g:
                     return layer, b
