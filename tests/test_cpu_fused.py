@@ -16,6 +16,7 @@ BF16 = torch.bfloat16
 #: the kernels' own tests; the torch chains the ops fall back to (declined cases, cpu_kernels=False, the
 #: copies and the argument checks) run on every machine, without the C kernels too (AVX2 only)
 FUSED = ("tpe_add_rms_norm", "tpe_add_rms_norm_f32", "tpe_rope", "tpe_silu_mul", "tpe_silu_mul_f32",
+         "tpe_gelu_tanh_mul", "tpe_gelu_tanh_mul_f32",
          "tpe_causal_softmax")  # (in every build with a vector path: AVX512-BF16 or AVX2)
 needs_kernels = pytest.mark.skipif(cpu_library.missing(*FUSED) is not None, reason=str(cpu_library.missing(*FUSED)))
 
@@ -80,6 +81,39 @@ def test_silu_mul_equals_torch():
     assert same[0, :8].all()  # zeros, infinities, NaN, saturated exp
     # exp may differ from SLEEF's in its last float32 bit, which the bfloat16 rounding hides here
     assert same.all()
+
+
+@needs_kernels
+def test_gelu_tanh_mul_equals_torch():
+    """GeGLU's ``gelu_tanh(gate) * up`` (Gemma's MLP): bfloat16 bit for bit equal to torch's
+    ``F.gelu(approximate="tanh").mul_``, saturated tanh included (exactly +-1 past |x| 8.66, as SLEEF's);
+    float32 within a few units in the last place (tanh's last bits); rows of 24 (24 % 16) take torch."""
+    gu = rand(200, 2 * 1536, scale=4.0)
+    gu[0, :8] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), -100.0, 100.0, -87.0])
+    line = torch.linspace(-12, 12, 1536)  # every magnitude of tanh's argument: polynomial, formula, saturated
+    gu[1] = torch.cat([line, torch.ones(1536)]).bfloat16()
+    out = cpu_fused.gelu_tanh_mul(gu, 1536, True)
+    want = F.gelu(gu[:, :1536], approximate="tanh").mul_(gu[:, 1536:])
+    assert out.shape == (200, 1536)
+    assert ((out == want) | (out.isnan() & want.isnan())).all()
+    g32 = torch.cat([torch.linspace(-12, 12, 3072), torch.ones(3072)])[None]
+    torch.testing.assert_close(cpu_fused.gelu_tanh_mul(g32, 3072, True),
+                               F.gelu(g32[:, :3072], approximate="tanh"), rtol=4e-6, atol=1e-6)
+    g24 = rand(3, 2 * 24)
+    want24 = F.gelu(g24[:, :24], approximate="tanh").mul_(g24[:, 24:])
+    assert torch.equal(cpu_fused.gelu_tanh_mul(g24, 24, True), want24)
+
+
+def test_activation_kind_names_what_one_op_computes():
+    """FusedMLP fuses SiLU and torch's tanh GELU (nn.GELU's and transformers' GELUTanh, not its python form)."""
+    from transformers.activations import ACT2FN, GELUTanh
+
+    from tpengine.model.layers.fused import activation_kind
+    assert activation_kind(torch.nn.SiLU()) == "silu" and activation_kind(ACT2FN["silu"]) == "silu"
+    assert activation_kind(ACT2FN["gelu_pytorch_tanh"]) == "gelu_tanh"
+    assert activation_kind(torch.nn.GELU(approximate="tanh")) == "gelu_tanh"
+    assert activation_kind(GELUTanh(use_gelu_tanh_python=True)) is None
+    assert activation_kind(torch.nn.GELU()) is None and activation_kind(ACT2FN["relu"]) is None
 
 
 def _rms(h, x, w):

@@ -53,6 +53,7 @@ def test_isa_names_the_path_built():
     AVX2 build, and the AVX-512-only ones are in an AVX-512 build only (their callers keep torch)."""
     assert cpu_library.isa() == expected_isa(compiler_macros()), cpu_library.unavailable_reason()
     vector = ("tpe_add_rms_norm", "tpe_add_rms_norm_f32", "tpe_rope", "tpe_silu_mul", "tpe_silu_mul_f32",
+              "tpe_gelu_tanh_mul", "tpe_gelu_tanh_mul_f32",
               "tpe_causal_softmax", "tpe_gemv_bf16", "tpe_gemv_f32", "tpe_shm_all_reduce",
               "tpe_shm_all_reduce_add_rms_norm", "tpe_qgemv_int8", "tpe_qgemv_int4", "tpe_dequant_int4",
               "tpe_int4_rows", "tpe_paged_decode_f32", "tpe_paged_decode_bf16", "tpe_gemm_f32")

@@ -56,6 +56,12 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     return F.silu(gate_up[..., :inter]).mul_(gate_up[..., inter:])
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` (GeGLU with torch's tanh-approximate GELU, HF's ``gelu_pytorch_tanh``) for
+    ``gate_up [..., 2 * inter]`` (gate first) -> a new ``[..., inter]`` tensor."""
+    return F.gelu(gate_up[..., :inter], approximate="tanh").mul_(gate_up[..., inter:])
+
+
 def soft_cap_(x: torch.Tensor, cap: float) -> torch.Tensor:
     """``tanh(x / cap) * cap`` in place on ``x`` (any shape), as HF's Gemma 2 head computes its final
     logits (three ops, each rounded to ``x``'s dtype). Returns ``x``."""
@@ -92,6 +98,10 @@ class TorchOps:
     def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
         """:func:`silu_mul`."""
         return silu_mul(gate_up, inter)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+        """:func:`gelu_tanh_mul`."""
+        return gelu_tanh_mul(gate_up, inter)
 
     def soft_cap_(self, x: torch.Tensor, cap: float) -> torch.Tensor:
         """:func:`soft_cap_`."""

@@ -9,7 +9,8 @@ callable that calls the C function straight through ctypes:
 
 * ``RMSNorm.bound(h, x, reduce) -> (h + x, rms_norm(h + x))``: the ``tpe_add_rms_norm`` kernel
   :func:`tpengine.backends.cpu.cpu_fused.add_rms_norm` runs (the same call, the same bits);
-* ``FusedMLP.bound_act(gate_up) -> silu(gate) * up``: :func:`~tpengine.backends.cpu.cpu_fused.silu_mul`'s kernel.
+* ``FusedMLP.bound_act(gate_up) -> act(gate) * up``: the kernel of the MLP's activation
+  (:func:`~tpengine.backends.cpu.cpu_fused.silu_mul`'s, :func:`~tpengine.backends.cpu.cpu_fused.gelu_tanh_mul`'s).
 
 Each bound callable checks only what may vary per call (rank 2, contiguous rows) and otherwise
 hands the call to the layer's generic op. A layer the kernels do not take keeps ``None`` (its
@@ -24,7 +25,12 @@ import torch
 from tpengine.backends.cpu import cpu_library
 
 #: the C functions bound here
-KERNELS = ("tpe_add_rms_norm", "tpe_add_rms_norm_f32", "tpe_add_rms_norm_w32", "tpe_silu_mul", "tpe_silu_mul_f32")
+KERNELS = ("tpe_add_rms_norm", "tpe_add_rms_norm_f32", "tpe_add_rms_norm_w32", "tpe_silu_mul", "tpe_silu_mul_f32",
+           "tpe_gelu_tanh_mul", "tpe_gelu_tanh_mul_f32")
+#: an MLP's activation (``FusedMLP.activation``) -> its bfloat16 and float32 C kernels and the ops method
+#: inputs of another layout take
+ACT_KERNELS = {"silu": ("tpe_silu_mul", "tpe_silu_mul_f32", "silu_mul"),
+               "gelu_tanh": ("tpe_gelu_tanh_mul", "tpe_gelu_tanh_mul_f32", "gelu_tanh_mul")}
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -62,20 +68,21 @@ def bind_norm(norm, act_dtype: torch.dtype | None = None) -> object | None:
     return run
 
 
-def bind_silu(mlp, dtype: torch.dtype) -> object | None:
-    """``run(gate_up [rows, 2 * inter]) -> silu(gate) * up [rows, inter]`` for a SiLU MLP of
-    ``dtype`` (float32 or bfloat16) with ``inter % 16 == 0``, else None; other inputs take the
-    layer's generic op (``ops.silu_mul``)."""
-    inter = mlp.intermediate
-    if not (mlp.silu and dtype in DTYPES and inter % 16 == 0 and inter > 0 and cpu_library.has(*KERNELS)):
+def bind_act(mlp, dtype: torch.dtype) -> object | None:
+    """``run(gate_up [rows, 2 * inter]) -> act(gate) * up [rows, inter]`` for an MLP whose activation
+    has a kernel (:data:`ACT_KERNELS`: SiLU, tanh-approximate GELU) of ``dtype`` (float32 or bfloat16)
+    with ``inter % 16 == 0``, else None; other inputs take the layer's generic op (``ops.silu_mul`` /
+    ``ops.gelu_tanh_mul``)."""
+    names = ACT_KERNELS.get(getattr(mlp, "activation", None))
+    inter = getattr(mlp, "intermediate", 0)
+    if not (names and dtype in DTYPES and inter % 16 == 0 and inter > 0 and cpu_library.has(*KERNELS)):
         return None
-    lib = cpu_library.load()
-    fn = lib.tpe_silu_mul if dtype == torch.bfloat16 else lib.tpe_silu_mul_f32
-    ops = mlp.ops
+    fn = getattr(cpu_library.load(), names[0] if dtype == torch.bfloat16 else names[1])
+    generic = getattr(mlp.ops, names[2])
 
     def run(gate_up: torch.Tensor) -> torch.Tensor:
         if gate_up.dtype != dtype or gate_up.dim() != 2 or gate_up.shape[1] != 2 * inter or not gate_up.is_contiguous():
-            return ops.silu_mul(gate_up, inter)
+            return generic(gate_up, inter)
         out = torch.empty(gate_up.shape[0], inter, dtype=dtype)
         fn(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, torch.get_num_threads())
         return out
@@ -101,6 +108,6 @@ def bind_stack(stack, cpu_kernels: bool) -> int:
         count += norm.bound is not None
     for layer in layers:
         mlp = layer.mlp
-        mlp.bound_act = bind_silu(mlp, act or stack.norm.weight.dtype) if cpu_kernels else None
+        mlp.bound_act = bind_act(mlp, act or stack.norm.weight.dtype) if cpu_kernels else None
         count += mlp.bound_act is not None
     return count

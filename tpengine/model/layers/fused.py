@@ -19,10 +19,12 @@ results match HF's bit for bit in float32.
 
 from __future__ import annotations
 
+import functools
 from itertools import islice
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from tpengine.backends.torch_ops import TorchOps
 from tpengine.comm import all_reduce
@@ -117,6 +119,21 @@ class FusedAttention(nn.Module):
         return torch.cat((*out, v), dim=1)
 
 
+def activation_kind(act_fn: nn.Module) -> str | None:
+    """The name of an HF activation module that the fused ops compute as one op: ``"silu"`` (SiLU),
+    ``"gelu_tanh"`` (torch's tanh-approximate GELU: ``nn.GELU(approximate="tanh")``, HF's
+    ``gelu_pytorch_tanh``, Gemma's GeGLU), else None (the module itself runs)."""
+    if isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation":
+        return "silu"
+    if isinstance(act_fn, nn.GELU):
+        return "gelu_tanh" if act_fn.approximate == "tanh" else None
+    fn = getattr(act_fn, "act", None)  # transformers' GELUTanh: a partial of F.gelu (its python form: None)
+    if (type(act_fn).__name__ == "GELUTanh" and isinstance(fn, functools.partial) and fn.func is F.gelu
+            and fn.keywords == {"approximate": "tanh"} and not fn.args):
+        return "gelu_tanh"
+    return None
+
+
 class FusedMLP(nn.Module):
     """One decoder layer's tensor-parallel gated MLP ``down(act(gate(x)) * up(x))``: a
     column-parallel gate/up GEMM (parts ``gate_proj``, ``up_proj``, ``intermediate`` local
@@ -131,7 +148,9 @@ class FusedMLP(nn.Module):
                                                        ["gate_proj", "up_proj"], bias, dtype)
         self.down_proj = RowParallelLinear(intermediate, hidden, down_bias, dtype)
         self.act_fn, self.intermediate = act_fn, intermediate
-        self.silu = isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+        self.activation = activation_kind(act_fn)
+        # gate_up -> act(gate) * up as one fused op of ``ops`` (a C kernel on CPU), or None: torch's chain
+        self.act_mul = {"silu": self.ops.silu_mul, "gelu_tanh": self.ops.gelu_tanh_mul}.get(self.activation)
         # (plain attributes, as FusedAttention's projections)
         self.gate_up_forward, self.down_forward = self.gate_up_proj.forward, self.down_proj.forward
 
@@ -145,8 +164,8 @@ class FusedMLP(nn.Module):
         act = self.bound_act
         if act is not None:
             return self.down_forward(act(gate_up), reduce)
-        if self.silu:  # CPU bfloat16: one C kernel
-            return self.down_proj(self.ops.silu_mul(gate_up, self.intermediate), reduce)
+        if self.act_mul is not None:  # CPU: one C kernel
+            return self.down_proj(self.act_mul(gate_up, self.intermediate), reduce)
         h = self.act_fn(gate_up[..., : self.intermediate])
         return self.down_proj(h.mul_(gate_up[..., self.intermediate :]), reduce)
 

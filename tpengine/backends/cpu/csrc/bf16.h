@@ -253,7 +253,8 @@ static inline void rope_head_bf16(uint16_t *x, const uint16_t *c, const uint16_t
     }
 }
 /* tanh(x), float32, as Cephes' tanhf: x + x^3 P(x^2) for |x| < 0.625, else 1 - 2 / (exp(2|x|) + 1) with
- * x's sign (exp by exp16 / exp8: 1 from |x| ~ 9 on, and for infinities). Within a few ulps of torch's tanh. */
+ * x's sign (exp by exp16 / exp8), and exactly +-1 for |x| > 8.664339742 as SLEEF's tanhf (torch's vectorized
+ * tanh) returns there. Within a few ulps of torch's tanh. */
 static inline vf vf_tanh(vf x) {
     const vf a = vf_abs(x), z = vf_mul(x, x), one = vf_set1(1.f);
     vf p = vf_set1(-5.70498872745E-3f);
@@ -262,7 +263,8 @@ static inline vf vf_tanh(vf x) {
     p = vf_fmadd(p, z, vf_set1(1.33314422036E-1f));
     p = vf_fmadd(p, z, vf_set1(-3.33332819422E-1f));
     const vf small = vf_fmadd(vf_mul(p, z), x, x);
-    const vf big = vf_sub(one, vf_div(vf_set1(2.f), vf_add(vf_exp(vf_add(a, a)), one)));
+    const vf big = vf_select_lt(vf_set1(8.664339742f), a, one, /* (NaN: the formula's NaN) */
+                                vf_sub(one, vf_div(vf_set1(2.f), vf_add(vf_exp(vf_add(a, a)), one))));
     return vf_select_lt(a, vf_set1(0.625f), small, vf_select_lt(x, vf_zero(), vf_neg(big), big));
 }
 

@@ -6,6 +6,7 @@
  *   add_rms_norm: h' = bf16(h + x); y = bf16(w * bf16(h' * rsqrt(mean(h'^2) + eps)))   (fp32 inside)
  *   rope:         out = bf16(bf16(q * cos) + bf16(rotate_half(q) * sin))               (HF's formula)
  *   silu_mul:     out = bf16(bf16(g / (1 + exp(-g))) * u)                              (torch's SiLU)
+ *   gelu_tanh_mul: out = bf16(bf16(0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))) * u)  (torch's GELU, tanh)
  *   causal_softmax: p = bf16(softmax(bf16(s * scale) + causal -inf mask)), float32 inside
  *
  * so they equal the torch ops up to the order of the float32 sum of squares and the last bit of
@@ -89,7 +90,28 @@ int64_t tpe_copy_rows(const char *src_a, const char *src_b, int64_t src_stride, 
         }                                                                                                       \
     }
 
+/* gate_up: [T, 2 * inter] (gate then up); out: [T, inter] = R(gelu_tanh(g)) * u, torch's tanh-approximate GELU
+ * op by op (ATen's vectorized GeluKernel: inner = beta * (x + kappa * ((x * x) * x)), 0.5 * x * (1 + tanh(inner)),
+ * float32 inside; Gemma's GeGLU, HF's gelu_pytorch_tanh). */
+#define GELU_TANH_MUL(NAME, T, LD, ST, R)                                                                       \
+    void NAME(const T *gate_up, T *out, int64_t tokens, int64_t inter, int nthreads) {                          \
+        const vf beta = vf_set1((float)(M_SQRT2 * M_2_SQRTPI * 0.5)), kappa = vf_set1(0.044715f);               \
+        const vf half = vf_set1(0.5f), one = vf_set1(1.f);                                                      \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (tokens * inter >= 65536)")         \
+        for (int64_t t = 0; t < tokens; t++) {                                                                  \
+            const T *g = gate_up + t * 2 * inter, *u = g + inter;                                               \
+            for (int64_t i = 0; i < inter; i += 16) {                                                           \
+                const vf x = LD(g + i);                                                                         \
+                const vf inner = vf_mul(beta, vf_add(x, vf_mul(kappa, vf_mul(vf_mul(x, x), x))));               \
+                const vf gelu = R(vf_mul(vf_mul(half, x), vf_add(one, vf_tanh(inner))));                        \
+                ST(out + t * inter + i, vf_mul(gelu, LD(u + i)));                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+
 ADD_RMS_NORM(tpe_add_rms_norm, uint16_t, vf_ldb, vf_stb, vf_rb)
+GELU_TANH_MUL(tpe_gelu_tanh_mul, uint16_t, vf_ldb, vf_stb, vf_rb)
+GELU_TANH_MUL(tpe_gelu_tanh_mul_f32, float, vf_ldf, vf_stf, vf_same)
 SILU_MUL(tpe_silu_mul, uint16_t, vf_ldb, vf_stb, vf_rb)
 /* float32 twins (the same formulas with no bfloat16 rounding: h' = h + x; y = w * (h' * (1 / sqrt(mean(h'^2)
  * + eps))); out = (g / (1 + exp(-g))) * u), equal to torch's float32 ops up to the order of the sum of
