@@ -193,6 +193,9 @@ def test_plan_expert_layout_and_refusals():
     with pytest.raises(UserError, match=r"the row-parallel layer mlp\.experts\.\*\.down_proj splits its input at "
                                         r"column 16, not on a group boundary \(a multiple of 32\); valid tp sizes: 1$"):
         check_quantization(mix, 2, QuantScheme.of("int4"))
+    from tpengine.model.estimate import activation_bytes
+
+    assert ep.top_k == 2 and activation_bytes(ep, 0, 4, 16, 1) > activation_bytes(tp, 0, 4, 16, 1)  # whole experts
     dense = ShardPlan.build(tiny_config("llama"), 2, expert_parallel=True)
     assert dense.num_experts == 0 and not dense.expert_parallel
     with pytest.raises(UserError) as e:

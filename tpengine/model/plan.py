@@ -112,10 +112,11 @@ class ShardPlan:
 
     Build with :meth:`build`; serialise with :meth:`to_dict` / :meth:`from_dict` (the shard
     manifest stores it). ``ranks[r]`` is rank ``r``'s :class:`RankPlan`. A mixture-of-experts model
-    has ``num_experts`` routed experts per sparse layer of ``moe_intermediate_size`` each, laid out by
-    ``expert_parallel`` (see the module docstring; 0, 0, False for a dense model); which tensors are an
-    expert's and whose: :func:`tpengine.model.surgery.kind_of`, :func:`tpengine.model.surgery.expert_of`,
-    :meth:`holds_expert`.
+    has ``num_experts`` routed experts per sparse layer of ``moe_intermediate_size`` each, ``top_k`` of
+    them per token (``num_experts_per_tok``), laid out by ``expert_parallel`` (see the module
+    docstring; 0, 0, False, 0 for a dense model); which tensors are an expert's and whose:
+    :func:`tpengine.model.surgery.kind_of`, :func:`tpengine.model.surgery.expert_of`,
+    :func:`tpengine.model.surgery.holds`, :meth:`holds_expert`.
     """
 
     tp_size: int
@@ -130,6 +131,7 @@ class ShardPlan:
     num_experts: int = 0
     moe_intermediate_size: int = 0
     expert_parallel: bool = False
+    top_k: int = 0
 
     @staticmethod
     def dims(hf_config: Any) -> dict[str, int]:
@@ -227,7 +229,8 @@ class ShardPlan:
                 )
             )
         return cls(tp_size=tp_size, padded_vocab_size=padded_vocab, ranks=tuple(ranks), num_experts=num_experts,
-                   moe_intermediate_size=moe_inter, expert_parallel=bool(expert_parallel and num_experts), **d)
+                   moe_intermediate_size=moe_inter, expert_parallel=bool(expert_parallel and num_experts),
+                   top_k=int(getattr(hf_config, "num_experts_per_tok", 0) or 0) if num_experts else 0, **d)
 
     def holds_expert(self, expert: int, rank: int) -> bool:
         """Whether rank ``rank`` holds routed expert ``expert`` (every rank does under tensor parallelism)."""

@@ -32,8 +32,10 @@ class CUDAPlatform(Platform):
                     device: torch.device):
         """A :class:`~tpengine.backends.cuda.graphs.CUDAGraphRunner` with every batch-size bucket up to
         ``config.max_num_seqs`` captured, or None under ``config.enforce_eager`` or for an attention
-        backend whose decode syncs with the host (``backend.graph_safe`` False)."""
-        if config.enforce_eager or not backend.graph_safe:
+        backend or a layer whose decode syncs with the host (``graph_safe`` False: the backend's, a MoE
+        block's grouping of its tokens by expert)."""
+        if config.enforce_eager or not backend.graph_safe or not all(
+                getattr(m, "graph_safe", True) for m in model.modules()):
             return None
         from tpengine.backends.cuda.graphs import CUDAGraphRunner
 
