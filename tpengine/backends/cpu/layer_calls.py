@@ -9,7 +9,7 @@ callable that calls the C function straight through ctypes:
 
 * ``RMSNorm.bound(h, x, reduce) -> (h + x, rms_norm(h + x))``: the ``tpe_add_rms_norm`` kernel
   :func:`tpengine.backends.cpu.cpu_fused.add_rms_norm` runs (the same call, the same bits);
-* ``FusedMLP.bound_act(gate_up) -> act(gate) * up``: the kernel of the MLP's activation
+* ``FusedMLP.bound_act(gate_up) -> act(gate) * up`` (each expert's of a MoE block): the kernel of the MLP's activation
   (:func:`~tpengine.backends.cpu.cpu_fused.silu_mul`'s, :func:`~tpengine.backends.cpu.cpu_fused.gelu_tanh_mul`'s).
 
 Each bound callable checks only what may vary per call (rank 2, contiguous rows) and otherwise
@@ -106,8 +106,8 @@ def bind_stack(stack, cpu_kernels: bool) -> int:
     for norm in norms:
         norm.bound = bind_norm(norm, act) if cpu_kernels else None
         count += norm.bound is not None
-    for layer in layers:
-        mlp = layer.mlp
-        mlp.bound_act = bind_act(mlp, act or stack.norm.weight.dtype) if cpu_kernels else None
-        count += mlp.bound_act is not None
+    for layer in layers:  # a MoE block's experts (gated_mlps) each get their own
+        for mlp in layer.mlp.gated_mlps() if hasattr(layer.mlp, "gated_mlps") else (layer.mlp,):
+            mlp.bound_act = bind_act(mlp, act or stack.norm.weight.dtype) if cpu_kernels else None
+            count += mlp.bound_act is not None
     return count

@@ -28,6 +28,7 @@ from torch import nn
 
 from tpengine.backends.torch_ops import TorchOps
 from tpengine.comm import all_reduce
+from tpengine.model.layers.fused import activation_kind
 from tpengine.model.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -60,7 +61,8 @@ class Expert(nn.Module):
         self.down_proj = (ColumnParallelLinear(intermediate, hidden, False, dtype) if whole
                           else RowParallelLinear(intermediate, hidden, False, dtype))
         self.intermediate, self.act_fn, self.ops = intermediate, act_fn, ops
-        self.silu = isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+        self.activation = activation_kind(act_fn)  # (as FusedMLP's: what the backend binds a kernel for)
+        self.act_mul = {"silu": ops.silu_mul, "gelu_tanh": ops.gelu_tanh_mul}.get(self.activation)
 
     #: ``gate_up -> act(gate) * up`` bound by the backend (:func:`tpengine.backends.cpu.layer_calls.bind_stack`),
     #: or None: the generic ops below
@@ -70,8 +72,8 @@ class Expert(nn.Module):
         gate_up = self.gate_up_proj(x)
         if self.bound_act is not None:
             h = self.bound_act(gate_up)
-        elif self.silu:
-            h = self.ops.silu_mul(gate_up, self.intermediate)
+        elif self.act_mul is not None:
+            h = self.act_mul(gate_up, self.intermediate)
         else:
             h = self.act_fn(gate_up[..., : self.intermediate]).mul_(gate_up[..., self.intermediate:])
         if isinstance(self.down_proj, RowParallelLinear):
