@@ -39,10 +39,11 @@ import typer
 
 import benchmarks
 from benchmarks import emit, subprocess_env
-from benchmarks.bench_report import render_table, summarize
+from benchmarks.bench_report import add_limits, render_table, summarize
 from benchmarks.bench_worker import MARK
 from benchmarks.hf_system import HF_ATTN
 from benchmarks.machine import cpu_cores, machine_info, machine_line  # noqa: F401 -- re-exported
+from benchmarks.roofline import gemm_shapes, mean_context, measure_roofline, model_tensors
 from tpengine.config import DEFAULT_MODEL_DIR
 from tpengine.errors import UserError
 from tpengine.utils import cdiv
@@ -93,9 +94,14 @@ class Worker:
         return [line.strip() for line in self.log_path.read_text().splitlines()
                 if line.startswith("tpengine: ") and not line.startswith("tpengine: model ready")]
 
-    def ask(self, cmd: dict) -> dict:
+    def send(self, cmd: dict) -> None:
+        """Write ``cmd`` as one JSON line to the worker (its answer is :meth:`read`'s)."""
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
+
+    def ask(self, cmd: dict) -> dict:
+        """:meth:`send` ``cmd``, then :meth:`read` the answer."""
+        self.send(cmd)
         return self.read()
 
     def close(self) -> None:
@@ -214,6 +220,8 @@ def main(
     quantized_throughput: Annotated[bool, typer.Option(help="also run the quantized rows' throughput workload "
                                                             "(by default they report latency only)")] = False,
     rounds: Annotated[int, typer.Option(help="alternating rounds; the best one is reported")] = 2,
+    roofline: Annotated[bool, typer.Option(help="measure the machine's triad bandwidth and GEMM rates first: "
+                                                "each row's weight-bandwidth floor and FLOP fraction")] = True,
     threads: Annotated[int, typer.Option(help="total cores to use (0 = the affinity mask)")] = 0,
     seed: Annotated[int, typer.Option(help="seed of the random prompts")] = 0,
     out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
@@ -221,7 +229,7 @@ def main(
     """Throughput and latency of tpengine (tp=1, tp=2; float and int8/int4 weights) and HF generate; prints a table."""
     from rich.console import Console
 
-    console = Console(width=max(Console().width, 160))  # the table is 11 columns wide
+    console = Console(width=max(Console().width, 190))  # the table is 14 columns wide
     dtypes, tps = dtype or ["float32", "bfloat16"], tp or [1, 2]
     quants = [q for q in (quantization or list(QUANT_DEFAULT)) if q != "none"]
     if latency_output_len < 2 or output_len < 1 or min(num_prompts, input_len, latency_input_len, rounds) < 1:
@@ -269,6 +277,10 @@ def main(
     machine = machine_info()
     console.print(f"machine: {machine_line(machine)}")
     t0 = time.perf_counter()
+    limits = None
+    if roofline:  # before any worker starts: tp=1 and HF run 1 process x all cores, tp=N N x cores / N
+        limits = measure_roofline([(t, max(1, cores // t)) for t in dict.fromkeys([1, *tps])],
+                                  gemm_shapes(hf_config, num_prompts, input_len), cores, console.print)
     runs = {}
     with tempfile.TemporaryDirectory(prefix="tpengine-bench-") as logdir:
         for dt in dtypes:
@@ -284,10 +296,14 @@ def main(
                    "hf_batch_size": hf_batch_size or num_prompts, "hf_attn": hf_attn, "quantization": quants,
                    "quantized_dtype": QUANT_DTYPE, "quantized_throughput": quantized_throughput},
         "machine": machine,
+        "roofline": limits,
         "results": summarize(runs, latency_output_len),
         "runs": runs,
         "total_s": round(time.perf_counter() - t0, 1),
     }
+    if limits:
+        add_limits(result["results"], limits, model_tensors(hf_config),
+                   mean_context(latency_input_len, latency_output_len), cores)
     emit(console, render_table(result), result, out)
 
 

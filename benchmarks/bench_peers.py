@@ -343,7 +343,8 @@ def ensure_ct2_model(model: str, install: Path, echo, cache: Path | None = None)
 
 def summarize_peers(runs: dict[str, dict], latency_output_len: int) -> dict[str, dict]:
     """Per system key, its best round: ``output_tok_s`` (highest output tokens / elapsed s, 1
-    decimal), ``elapsed_s`` of that run, ``ttft_ms`` and ``tpot_ms`` (each the lowest, 3 decimals;
+    decimal), ``total_tok_s`` (its prompt and output tokens / elapsed s, where the run counted its
+    ``prompt_tokens``), ``elapsed_s`` of that run, ``ttft_ms`` and ``tpot_ms`` (each the lowest, 3 decimals;
     TPOT = (latency - TTFT) / (``latency_output_len`` - 1)), ``threads``. ``runs[key]`` holds
     ``"throughput"`` (``{"elapsed_s", "output_tokens", ...}`` per round), ``"latency"`` (``{"ttft_s",
     "latency_s"}`` per round) and ``"threads"``; a system without runs of a kind has no figures of
@@ -354,6 +355,8 @@ def summarize_peers(runs: dict[str, dict], latency_output_len: int) -> dict[str,
         if r["throughput"]:
             best = max(r["throughput"], key=lambda x: x["output_tokens"] / x["elapsed_s"])
             row["output_tok_s"] = round(best["output_tokens"] / best["elapsed_s"], 1)
+            if "prompt_tokens" in best:
+                row["total_tok_s"] = round((best["output_tokens"] + best["prompt_tokens"]) / best["elapsed_s"], 1)
             row["elapsed_s"] = round(best["elapsed_s"], 4)
         if r["latency"]:
             row["ttft_ms"] = round(min(x["ttft_s"] for x in r["latency"]) * 1e3, 3)
@@ -363,27 +366,53 @@ def summarize_peers(runs: dict[str, dict], latency_output_len: int) -> dict[str,
     return out
 
 
+def add_peer_limits(results: dict[str, dict], systems: list[System], roofline: dict, tensors, context: float,
+                    cores: int, gguf: Path | None) -> None:
+    """Add each row's roofline figures in place (:func:`benchmarks.roofline.annotate`: ``floor_bytes``,
+    ``floor_ms``, ``tpot_vs_floor``, ``flops_fraction``), every system one process of ``cores``
+    threads: tpengine in its dtype and quantization, CTranslate2 in its compute type
+    (:func:`benchmarks.roofline.ct2_precision`), llama.cpp the bytes of its GGUF ``gguf``'s tensors
+    (:func:`benchmarks.roofline.gguf_decode_bytes`, f16 KV) against the int8 GEMM rate (its Q4 x Q8
+    integer dot products); the KV cache at ``context`` tokens."""
+    from benchmarks.roofline import annotate, ct2_precision, decode_bytes, gguf_decode_bytes, tpengine_precision
+
+    for s in systems:
+        if s.key not in results:
+            continue
+        if s.peer == "llama-cpp":
+            nbytes, compute = gguf_decode_bytes(gguf, tensors, context), "int8"
+        else:
+            p = ct2_precision(s.compute_type) if s.peer == "ctranslate2" else tpengine_precision(s.dtype,
+                                                                                               s.quantization)
+            nbytes, compute = decode_bytes(tensors, p, context), p.compute
+        annotate(results[s.key], roofline, tensors, nbytes, compute, 1, cores)
+
+
 def render_peers_table(result: dict):
     """A ``rich.table.Table`` of ``result`` (the JSON :func:`main` writes): one row per system that
-    ran, its name, precision, threads, W1 output tok/s, batch-1 TPOT and TTFT (ms); ``-`` where a
-    figure is missing. The caption names the machine, the rounds and the total time."""
+    ran, its name, precision, threads, W1 output tok/s, batch-1 TPOT and TTFT (ms), and the roofline's
+    floor ms, TPOT / floor and FLOPs (of the GEMM rate); ``-`` where a figure is missing. The caption
+    names the machine, the rounds, the total time and the measured roofline."""
     from rich.table import Table
 
     from benchmarks.machine import machine_line
+    from benchmarks.roofline import limits_cells, roofline_text
 
     c = result["config"]
     table = Table(title=f"{c['model']}: W1 = {c['num_prompts']} x ({c['input_len']} in -> {c['output_len']} out), "
                         f"batch 1 = 1 x ({c['latency_input_len']} in -> {c['latency_output_len']} out); greedy",
                   caption=f"{machine_line(result['machine'])}; best of {c['rounds']} round(s), "
-                          f"{result['total_s']} s in all")
-    for col in ("system", "precision", "threads", "W1 output tok/s", "batch-1 TPOT ms", "TTFT ms"):
+                          f"{result['total_s']} s in all"
+                          + (f"; {roofline_text(result['roofline'])}" if result.get("roofline") else ""))
+    for col in ("system", "precision", "threads", "W1 output tok/s", "batch-1 TPOT ms", "TTFT ms", "floor ms",
+                "TPOT / floor", "FLOPs"):
         table.add_column(col, justify="left" if col in ("system", "precision") else "right")
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for key, row in result["results"].items():
         meta = result["systems"][key]
         table.add_row(meta["name"], meta["precision"], "/".join(map(str, row["threads"])),
                       fmt(row.get("output_tok_s"), ".1f"), fmt(row.get("tpot_ms"), ".2f"),
-                      fmt(row.get("ttft_ms"), ".1f"))
+                      fmt(row.get("ttft_ms"), ".1f"), *limits_cells(row))
     return table
 
 
@@ -416,6 +445,8 @@ def main(
     seed: Annotated[int, typer.Option(help="seed of the random prompts (make bench's)")] = 0,
     skip_ctranslate2: Annotated[bool, typer.Option("--skip-ctranslate2", help="no CTranslate2 rows")] = False,
     skip_llama_cpp: Annotated[bool, typer.Option("--skip-llama-cpp", help="no llama.cpp rows")] = False,
+    roofline: Annotated[bool, typer.Option(help="measure the machine's triad bandwidth and GEMM rates first: "
+                                                "each row's weight-bandwidth floor and FLOP fraction")] = True,
     out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
 ) -> None:
     """tpengine (tp=1: float32, bfloat16, int8, int4) beside CTranslate2 and llama.cpp: W1 output tok/s, TPOT, TTFT."""
@@ -426,7 +457,7 @@ def main(
     from benchmarks.machine import cpu_cores, machine_info, machine_line
     from tpengine.config import DEFAULT_MODEL_DIR
 
-    console = Console(width=max(Console().width, 120))
+    console = Console(width=max(Console().width, 160))
 
     def say(line: str) -> None:  # one line, never wrapped (paths are long)
         console.print(line, soft_wrap=True, highlight=False)
@@ -451,6 +482,11 @@ def main(
     for note in notes:
         say(note)
     t0 = time.perf_counter()
+    limits = None
+    if roofline:  # before any worker starts; every system runs as one process with all cores
+        from benchmarks.roofline import gemm_shapes, measure_roofline
+
+        limits = measure_roofline([(1, cores)], gemm_shapes(hf_config, num_prompts, input_len), cores, say)
     installs: dict[str, dict] = {}
     ct2_model = None
     for peer in [PEERS[k] for k in dict.fromkeys(s.peer for s in systems if s.peer)]:
@@ -537,10 +573,16 @@ def main(
         "peers": installs,
         "notes": notes,
         "systems": {s.key: {"name": s.name, "precision": s.precision, "peer": s.peer} for s in ran},
+        "roofline": limits,
         "results": summarize_peers({s.key: runs[s.key] for s in ran}, latency_output_len),
         "runs": runs,
         "total_s": round(time.perf_counter() - t0, 1),
     }
+    if limits:
+        from benchmarks.roofline import mean_context, model_tensors
+
+        add_peer_limits(result["results"], ran, limits, model_tensors(hf_config),
+                        mean_context(latency_input_len, latency_output_len), cores, gguf)
     emit(console, render_peers_table(result), result, out)
 
 

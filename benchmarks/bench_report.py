@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 from benchmarks.machine import flags_text
+from benchmarks.roofline import (
+    ModelTensors,
+    annotate,
+    decode_bytes,
+    float_precision,
+    limits_cells,
+    roofline_text,
+    tpengine_precision,
+)
 
 SYSTEM_NAMES = {"hf": "HF generate"}
 
@@ -72,6 +81,19 @@ def summarize(runs: dict, latency_output_len: int) -> dict:
     return out
 
 
+def add_limits(results: dict, roofline: dict, tensors: ModelTensors, context: float, cores: int) -> None:
+    """Add each row's roofline figures in place (:func:`benchmarks.roofline.annotate`: ``floor_bytes``,
+    ``floor_ms``, ``tpot_vs_floor``, ``flops_fraction``): ``results`` per dtype and system as
+    :func:`summarize` returns them; HF in its dtype, tpengine in its dtype and quantization
+    (:func:`benchmarks.roofline.tpengine_precision`), a row at tp against the bandwidth of tp
+    processes of ``cores`` / tp threads, the KV cache at ``context`` tokens."""
+    for dtype, rows in results.items():
+        for s, row in rows.items():
+            tp, quant = (1, None) if s == "hf" else _split(s)
+            p = float_precision(dtype) if s == "hf" else tpengine_precision(dtype, quant)
+            annotate(row, roofline, tensors, decode_bytes(tensors, p, context), p.compute, tp, max(1, cores // tp))
+
+
 def render_table(result: dict):
     """A ``rich.table.Table`` of ``result`` (the JSON :mod:`benchmarks.bench` writes)."""
     from rich.table import Table
@@ -84,9 +106,12 @@ def render_table(result: dict):
                   caption=f"{m['cpu']}{flags}, {m['cores']} cores, torch {m['torch']}, transformers "
                           f"{m['transformers']}; best of {c['rounds']} round(s), {result['total_s']} s in all"
                           + ("; HF attn_implementation in brackets" if has_hf else "")
-                          + "; vs float: the same tp's TPOT / weight bytes with float weights")
+                          + "; vs float: the same tp's TPOT / weight bytes with float weights"
+                          + ("; floor: a decode step's bytes / the triad bandwidth, FLOPs: of the GEMM rate; "
+                             + roofline_text(result["roofline"]) if result.get("roofline") else ""))
     for col in ("dtype", "system", "threads/rank", "weights MiB/rank", "output tok/s", "vs HF", "TP eff.",
-                "TTFT ms", "TPOT ms", "TPOT vs HF", "TPOT / weights vs float"):
+                "TTFT ms", "TPOT ms", "TPOT vs HF", "TPOT / weights vs float", "floor ms", "TPOT / floor",
+                "FLOPs"):
         table.add_column(col, justify="left" if col in ("dtype", "system") else "right")
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for dtype, rows in result["results"].items():
@@ -101,6 +126,7 @@ def render_table(result: dict):
             table.add_row(dtype, name, "/".join(map(str, r["threads"])), weights, fmt(r.get("output_tok_s"), ".1f"),
                           fmt(r.get("vs_hf"), ".2f") + ("x" if "vs_hf" in r else ""),
                           fmt(r.get("tp_efficiency"), ".2f"), fmt(r["ttft_ms"], ".1f"), fmt(r["tpot_ms"], ".2f"),
-                          fmt(r.get("tpot_vs_hf"), ".2f") + ("x" if "tpot_vs_hf" in r else ""), vs_float)
+                          fmt(r.get("tpot_vs_hf"), ".2f") + ("x" if "tpot_vs_hf" in r else ""), vs_float,
+                          *limits_cells(r))
         table.add_section()
     return table

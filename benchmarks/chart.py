@@ -1,4 +1,4 @@
-"""The chart of a ``make bench`` run: output tokens/s and TPOT per system and dtype, as a PNG.
+"""The chart of a ``make bench`` run: output tokens/s, TPOT and the roofline per system and dtype, as a PNG.
 
     python -m benchmarks.chart --results bench-results.json --out docs/bench.png      (make bench)
 
@@ -8,7 +8,9 @@ latency-only row has no ``output_tok_s``), ``config`` (the model and the workloa
 (the CPU model, its flags, cores, torch). The JSON holds no date, so the title's date is the
 results file's modification time unless ``--date`` is given. Drawn with matplotlib's Agg backend
 (no display needed): one panel of grouped bars for output tok/s and, where any row has one, one
-for TPOT ms; one group per dtype, one bar per system, the CPU model and the date in the title.
+for TPOT ms, one for TPOT / the weight-bandwidth floor (a line at 1) and one for the throughput's
+fraction of the GEMM ceiling (:mod:`benchmarks.roofline`), two panels a row; one group per dtype,
+one bar per system, the CPU model, the date and the measured roofline in the title.
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ COLORS = {"hf": "#7f7f7f", "tp1": "#1f77b4", "tp2": "#ff7f0e", "tp1-int8": "#2ca
 
 #: The panels: (result key, y-axis label, value format); a panel is drawn when any row has its key.
 PANELS = (("output_tok_s", "output tok/s (higher is better)", "{:.0f}"),
-          ("tpot_ms", "TPOT ms, batch 1 (lower is better)", "{:.1f}"))
+          ("tpot_ms", "TPOT ms, batch 1 (lower is better)", "{:.1f}"),
+          ("tpot_vs_floor", "TPOT / weight-bandwidth floor (1 = at the floor)", "{:.2f}x"),
+          ("flops_fraction", "throughput FLOPs / GEMM ceiling", "{:.1%}"))
+#: The panels drawn with a line at 1 (the limit itself).
+AT_LIMIT = ("tpot_vs_floor",)
 
 
 def system_label(system: str) -> str:
@@ -84,7 +90,17 @@ def chart_title(result: dict, date: str) -> str:
         parts.append(f"torch {m['torch']}")
     if "rounds" in c:
         parts.append(f"best of {c['rounds']} round(s)")
-    return line1 + ("\n" + "; ".join(parts) if parts else "")
+    text = line1 + ("\n" + "; ".join(parts) if parts else "")
+    if result.get("roofline"):
+        from benchmarks.roofline import roofline_text
+
+        text += "\n" + roofline_text(result["roofline"])
+    return text
+
+
+def chart_panels(results: dict) -> list[tuple[str, str, str]]:
+    """The :data:`PANELS` that some row of ``results`` (``{dtype: {system: row}}``) has a value for."""
+    return [p for p in PANELS if any(p[0] in row for rows in results.values() for row in rows.values())]
 
 
 def draw_chart(result: dict, out: Path, date: str) -> Path:
@@ -104,14 +120,19 @@ def draw_chart(result: dict, out: Path, date: str) -> Path:
     results = result.get("results") or {}
     dtypes = list(results)
     systems = system_order(results)
-    panels = [p for p in PANELS if any(p[0] in row for rows in results.values() for row in rows.values())]
+    panels = chart_panels(results)
     if not panels:
-        raise ValueError("no results to chart: no row has output_tok_s or tpot_ms")
+        raise ValueError(f"no results to chart: no row has {', '.join(p[0] for p in PANELS)}")
     cycle = iter(plt.rcParams["axes.prop_cycle"].by_key().get("color", ["#333333"]) * 4)
     colors = {s: COLORS.get(s) or next(cycle) for s in systems}
     panel_width = max(5.0, 0.45 * len(systems) * len(dtypes) + 1.5)
-    fig, axes = plt.subplots(1, len(panels), figsize=(panel_width * len(panels), 5.0), squeeze=False)
-    for ax, (key, label, fmt) in zip(axes[0], panels):
+    ncols = min(2, len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig, grid = plt.subplots(nrows, ncols, figsize=(panel_width * ncols, 4.5 * nrows + 0.5), squeeze=False)
+    axes = [ax for row in grid for ax in row]
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    for ax, (key, label, fmt) in zip(axes, panels):
         # per dtype, the systems that have this value, side by side around the dtype's tick
         present = [[s for s in systems if results[dt].get(s, {}).get(key) is not None] for dt in dtypes]
         width = 0.8 / max(1, max(map(len, present)))
@@ -126,19 +147,21 @@ def draw_chart(result: dict, out: Path, date: str) -> Path:
                 xs, ys = points[s]
                 bars = ax.bar(xs, ys, width, label=system_label(s), color=colors[s])
                 ax.bar_label(bars, labels=[fmt.format(v) for v in ys], fontsize=7, padding=2)
+        if key in AT_LIMIT:
+            ax.axhline(1.0, color="#333333", linewidth=0.8, linestyle="--")
         ax.set_xticks(range(len(dtypes)), dtypes)
-        ax.set_ylabel(label)
+        ax.set_ylabel(label, fontsize=8)
         ax.margins(y=0.12)
         ax.grid(axis="y", alpha=0.3)
         ax.set_axisbelow(True)
     handles: dict = {}  # label -> bar handle, each system once over the panels
-    for ax in axes[0]:
+    for ax in axes[:len(panels)]:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(lab, h)
     fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 4), fontsize=8,
                frameon=False)
     fig.suptitle(chart_title(result, date), fontsize=9)
-    fig.tight_layout(rect=(0, 0.1, 1, 0.92))
+    fig.tight_layout(rect=(0, 0.1 / nrows, 1, 1 - 0.1 / nrows))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png", dpi=120)
     plt.close(fig)

@@ -12,15 +12,46 @@ from conftest import SMOLLM2_DIR, QuietContention, make_tiny_model
 from typer.testing import CliRunner
 
 import benchmarks
-from benchmarks.bench import app
+from benchmarks import roofline
+from benchmarks.bench import app, parse_system
 
 
 @pytest.fixture(autouse=True)
 def forked_workers(monkeypatch):
     """The benchmarks' workers, jobs and servers start through the suite's fork server (what they run
-    is unchanged; these tests check the benchmarks' records, not their timings)."""
+    is unchanged; these tests check the benchmarks' records, not their timings); the roofline's triad
+    over arrays of 1 MiB for 0.05 s, each GEMM timed 0.01 s."""
     real = benchmarks.launcher
     monkeypatch.setattr(benchmarks, "launcher", lambda tp, module: launch.forked(real(tp, module)))
+    monkeypatch.setattr(roofline, "TRIAD_MIB", 1)
+    monkeypatch.setattr(roofline, "TRIAD_WINDOW_S", 0.05)
+    monkeypatch.setattr(roofline, "GEMM_WINDOW_S", 0.01)
+
+
+def check_limits(res: dict, dtype: str) -> None:
+    """Every row of ``res`` (a bench JSON) has its roofline figures from the run's measured roofline:
+    the triad of the row's layout (tp processes of cores / tp threads), the floor from its
+    precision's bytes, and the FLOP fraction where it has a throughput."""
+    from transformers import AutoConfig
+
+    lim, cores = res["roofline"], res["config"]["cores"]
+    assert lim["triad_mib"] == 1 and lim["gemm"]["float32"]["gflop_s"] > 0 and lim["gemm"]["bfloat16"]["gflop_s"] > 0
+    assert [(b["procs"], b["threads"]) for b in lim["bandwidth"]] == [(t, max(1, cores // t)) for t in (1, 2)]
+    assert all(b["gb_s"] > 0 for b in lim["bandwidth"])
+    t = roofline.model_tensors(AutoConfig.from_pretrained(res["config"]["model"]))
+    ctx = roofline.mean_context(res["config"]["latency_input_len"], res["config"]["latency_output_len"])
+    for s, row in res["results"][dtype].items():
+        tp, quant = (1, None) if s == "hf" else parse_system(s)
+        p = roofline.tpengine_precision(dtype, quant)  # HF holds its weights as tpengine's float rows
+        assert row["floor_bytes"] == roofline.decode_bytes(t, p, ctx), s
+        floor_ms = row["floor_bytes"] / roofline.bandwidth_of(lim, tp, max(1, cores // tp)) / 1e6
+        assert row["floor_ms"] == float(f"{floor_ms:.4g}"), s
+        assert row["tpot_vs_floor"] == round(row["tpot_ms"] / floor_ms, 2), s
+        if "total_tok_s" in row:
+            flops = 2 * roofline.matmul_params(t) * row["total_tok_s"] / roofline.gemm_of(lim, p.compute) / 1e9
+            assert row["flops_fraction"] == float(f"{flops:.4g}"), s
+        else:
+            assert "flops_fraction" not in row, s
 
 
 def test_bench_smoke(tmp_path):
@@ -57,6 +88,8 @@ def test_bench_smoke(tmp_path):
     assert res["runs"]["bfloat16"]["hf"]["choices"] == []
     runs = res["runs"]["bfloat16"]["tp1"]["throughput"]
     assert runs[0]["output_tokens"] == 3 * 4 and runs[0]["prompt_tokens"] == 3 * 5
+    check_limits(res, "bfloat16")
+    assert "TPOT / floor" in r.output and "roofline: triad " in r.output
 
 
 def test_latency_only_rows_have_no_throughput_figures():
@@ -93,6 +126,8 @@ def test_bench_quantized_rows(tmp_path):
     """int8 and int4 rows at tp 1 and 2 in the bfloat16 group (none in float32: ``dtype_systems``),
     each with its weight bytes per rank, TP efficiency against the same weights' tp=1, and TPOT /
     weight bytes against the same tp's float weights; the output names the CPU and its flags."""
+    from transformers import AutoConfig
+
     from benchmarks.bench import dtype_systems
     from benchmarks.machine import CPU_FLAGS, read_cpuinfo
 
@@ -120,6 +155,12 @@ def test_bench_quantized_rows(tmp_path):
     assert sum(rows["tp2"]["weight_bytes"]) > max(rows["tp2"]["weight_bytes"])  # split over the ranks
     assert rows["tp2-int8"]["tp_efficiency"] > 0 and "tp_efficiency" not in rows["tp1-int8"]
     assert "tpengine tp=2 int4" in r.output
+    check_limits(res, "bfloat16")
+    # the roofline's byte counts are the engine's: every weight as tp=1 holds it, per precision
+    tensors = roofline.model_tensors(AutoConfig.from_pretrained(str(model)))
+    for q in (None, "int8", "int4"):
+        held = rows["tp1" + (f"-{q}" if q else "")]["weight_bytes"]
+        assert held == [roofline.weight_bytes(tensors, roofline.tpengine_precision("bfloat16", q))], q
     cpu, flags = read_cpuinfo()
     present = {name: flag in flags for flag, name in CPU_FLAGS.items()}
     assert res["machine"]["cpu_flags"] == present and res["machine"]["cpu"] == cpu
