@@ -36,10 +36,21 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    """Mixtral as HF writes it (``block_sparse_moe.experts.E.w1/w3/w2``); Qwen3-MoE with its experts stored
+    fused as transformers 5 holds them (``mlp.experts.gate_up_proj [E, 2 I, H]``, ``down_proj [E, H, I]``),
+    which HF loads as they are."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
     root = tmp_path_factory.mktemp("moe")
     # (hidden 64, intermediate 96 for Qwen3-MoE's dense layer; each expert 32 wide: int8's rows of 16)
-    return {name: make_tiny_model(root, arch, name=name, seed=4, num_hidden_layers=3, intermediate_size=96
-                                  if arch == "qwen3_moe" else 32) for name, arch in MODELS.items()}
+    out = {name: make_tiny_model(root, arch, name=name, seed=4, num_hidden_layers=3, intermediate_size=96
+                                 if arch == "qwen3_moe" else 32) for name, arch in MODELS.items()}
+    state = AutoModelForCausalLM.from_pretrained(out["qwen3moe"]).state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file({k: v.contiguous() for k, v in state.items()}, out["qwen3moe"] / "model.safetensors",
+              metadata={"format": "pt"})
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -280,12 +280,51 @@ def checkpoint_name(name: str, hf_config: Any) -> str:
 
 def renamed(infos: dict, hf_config: Any) -> dict:
     """A safetensors header's tensors (name -> ``TensorInfo``) under tpengine's names
-    (:func:`checkpoint_name`; each info's own ``name`` stays the file's, so errors name what the file
-    holds). Order kept; the same dict for a family without renames."""
+    (:func:`checkpoint_name`), and a MoE layer's experts stored fused as transformers 5 holds them in
+    memory (``mlp.experts.gate_up_proj [E, 2 I, H]``: each expert's gate rows, then its up rows;
+    ``mlp.experts.down_proj [E, H, I]``) as each expert's tensors (``mlp.experts.<e>.gate_proj.weight``
+    ...): every one a contiguous block of the fused tensor, read like any other. Each info's own
+    ``name`` stays the file's, so errors name what the file holds. Order kept; the same dict for a
+    family without either.
+
+    Raises:
+        ValueError: a fused expert tensor whose shape is not ``[E, 2 I, H]`` / ``[E, H, I]``, naming it.
+    """
     family = FAMILIES.get(getattr(hf_config, "model_type", None))
-    if family is None or family.moe is None or not family.moe.renames:
+    if family is None or family.moe is None:
         return infos
-    return {checkpoint_name(n, hf_config): info for n, info in infos.items()}
+    out = {}
+    for name, info in infos.items():
+        name = checkpoint_name(name, hf_config)
+        base, _, leaf = name.rpartition(".")
+        if base.endswith(".experts") and leaf in ("gate_up_proj", "down_proj"):
+            out.update(_expert_parts(base, leaf, info, family.moe.expert_intermediate(hf_config)))
+        else:
+            out[name] = info
+    return out
+
+
+def _expert_parts(base: str, leaf: str, info: Any, inter: int) -> dict:
+    """A fused expert tensor's per-expert ``TensorInfo``s (see :func:`renamed`)."""
+    from tpengine.model.tensor_file import TensorInfo
+
+    shape = tuple(info.shape)
+    rows = 2 * inter if leaf == "gate_up_proj" else None
+    if len(shape) != 3 or (rows is not None and shape[1] != rows) or (rows is None and shape[2] != inter):
+        want = "[experts, 2 x intermediate, hidden]" if rows else "[experts, hidden, intermediate]"
+        raise ValueError(f"checkpoint tensor {info.name!r} has shape {list(shape)}; a fused {leaf} is {want} "
+                         f"with intermediate {inter}")
+    per = info.nbytes // shape[0]
+    out = {}
+    for e in range(shape[0]):
+        start = info.offset + e * per
+        if rows is None:
+            out[f"{base}.{e}.down_proj.weight"] = TensorInfo(info.name, info.dtype, shape[1:], start, per)
+            continue
+        for i, part in enumerate(("gate_proj", "up_proj")):
+            out[f"{base}.{e}.{part}.weight"] = TensorInfo(info.name, info.dtype, (inter, shape[2]),
+                                                          start + i * per // 2, per // 2)
+    return out
 
 
 def expand_fused(infos: dict, parts: dict[str, list[tuple[str, int]]]) -> dict:
