@@ -57,7 +57,7 @@ demo: setup model
 
 # Throughput/latency (HF, tp 1 and 2; float32, bfloat16, int8 and int4 weights), then prefix caching and
 # chunked prefill; prints the machine (CPU model, AMX / AVX512-BF16 / AVX-512, torch) and the wall time;
-# draws docs/bench.png (output tok/s and TPOT per system and dtype: README, Performance)
+# draws docs/bench.png (output tok/s, TPOT and the roofline per system and dtype: README, Performance)
 bench: setup model
 	@start=$$(date +%s); $(PY) -m benchmarks.machine && \
 	$(PY) -m benchmarks.bench --out bench-results.json && \
@@ -98,9 +98,10 @@ bench-dp: setup model
 bench-moe: setup model
 	$(PY) -m benchmarks.bench_moe --out bench-moe.json
 
-# tpengine tp=1 beside CTranslate2 and llama.cpp, installed on first use in $TPENGINE_CACHE_DIR/peers (python -m benchmarks.bench_peers --help)
+# tpengine tp=1 beside CTranslate2 and llama.cpp, installed on first use in $TPENGINE_CACHE_DIR/peers, with each row against the roofline; draws docs/bench-peers.png (python -m benchmarks.bench_peers --help)
 bench-peers: setup model
-	$(PY) -m benchmarks.bench_peers --out bench-peers.json $(BENCH_PEERS_ARGS)
+	$(PY) -m benchmarks.bench_peers --out bench-peers.json $(BENCH_PEERS_ARGS) && \
+	$(PY) -m benchmarks.chart --results bench-peers.json --out docs/bench-peers.png
 
 humaneval: setup model
 	$(PY) -m benchmarks.humaneval

@@ -1,8 +1,10 @@
-"""The chart of a ``make bench`` run: output tokens/s, TPOT and the roofline per system and dtype, as a PNG.
+"""The chart of a ``make bench`` (or ``make bench-peers``) run: tok/s, TPOT and the roofline per system, as a PNG.
 
     python -m benchmarks.chart --results bench-results.json --out docs/bench.png      (make bench)
+    python -m benchmarks.chart --results bench-peers.json --out docs/bench-peers.png  (make bench-peers)
 
-Reads the JSON :mod:`benchmarks.bench` writes (``--out``): its ``results`` (per dtype, per system
+Reads the JSON :mod:`benchmarks.bench` writes (``--out``; or :mod:`benchmarks.bench_peers`'s: one
+group of bars, :func:`chart_groups`): its ``results`` (per dtype, per system
 key -- "hf", "tp1", "tp2", "tp1-int8", ... -- the best round's ``output_tok_s`` and ``tpot_ms``; a
 latency-only row has no ``output_tok_s``), ``config`` (the model and the workload) and ``machine``
 (the CPU model, its flags, cores, torch). The JSON holds no date, so the title's date is the
@@ -72,13 +74,16 @@ def run_date(result_path: Path, date: str | None = None) -> str:
 
 
 def chart_title(result: dict, date: str) -> str:
-    """Two lines: ``make bench, <CPU model> (<flags>), <cores> cores, <date>`` and the model with
-    its workloads and torch version, from ``result`` (the JSON :mod:`benchmarks.bench` writes)."""
+    """Two lines: ``make bench, <CPU model> (<flags>), <cores> cores, <date>`` (``make bench-peers``
+    for its JSON) and the model with its workloads and torch version, from ``result`` (the JSON
+    :mod:`benchmarks.bench` or :mod:`benchmarks.bench_peers` writes); a third, the measured roofline
+    (:func:`benchmarks.roofline.roofline_text`), where the run has one."""
     m, c = result.get("machine", {}), result.get("config", {})
     flags = m.get("cpu_flags")
     flag_text = " (" + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in flags.items()) + ")" if flags else ""
     cores = f", {m['cores']} cores" if "cores" in m else ""
-    line1 = f"make bench, {m.get('cpu', 'unknown CPU')}{flag_text}{cores}, {date}"
+    target = "make bench-peers" if "systems" in result else "make bench"
+    line1 = f"{target}, {m.get('cpu', 'unknown CPU')}{flag_text}{cores}, {date}"
     parts = []
     if "model" in c:
         parts.append(Path(str(c["model"])).name)
@@ -103,11 +108,30 @@ def chart_panels(results: dict) -> list[tuple[str, str, str]]:
     return [p for p in PANELS if any(p[0] in row for rows in results.values() for row in rows.values())]
 
 
+#: The one group of a ``make bench-peers`` chart (every system one process with all cores).
+PEERS_GROUP = "one process, all cores"
+
+
+def chart_groups(result: dict) -> tuple[dict, list[str], dict[str, str]]:
+    """``(groups, systems, labels)`` of a results JSON: :mod:`benchmarks.bench`'s, its dtypes as the
+    groups (``{dtype: {system: row}}``), :func:`system_order` and :func:`system_label`; or
+    :mod:`benchmarks.bench_peers`'s (it has ``systems``): one group, :data:`PEERS_GROUP`, its rows in
+    its table's order, each labelled with its name and precision."""
+    results = result.get("results") or {}
+    if "systems" in result:
+        meta = result["systems"]
+        return ({PEERS_GROUP: results} if results else {}), list(results), {
+            k: f"{meta[k]['name']} {meta[k]['precision']}" for k in results}
+    systems = system_order(results)
+    return results, systems, {s: system_label(s) for s in systems}
+
+
 def draw_chart(result: dict, out: Path, date: str) -> Path:
-    """Draw ``result`` (the JSON :mod:`benchmarks.bench` writes) as a PNG at ``out`` (its folder
-    made if missing) and return ``out``: per panel of :data:`PANELS` that any row has, one group of
-    bars per dtype and one bar per system that has the value, each bar labelled with it; a legend
-    of the systems and :func:`chart_title` over the figure.
+    """Draw ``result`` (the JSON :mod:`benchmarks.bench` or :mod:`benchmarks.bench_peers` writes) as a
+    PNG at ``out`` (its folder made if missing) and return ``out``: per panel of :data:`PANELS` that
+    any row has, one group of bars per :func:`chart_groups` group (bench: per dtype) and one bar per
+    system that has the value, each bar labelled with it; a legend of the systems and
+    :func:`chart_title` over the figure.
 
     Raises:
         ValueError: ``result`` has no ``results`` rows with any panel's value.
@@ -117,9 +141,8 @@ def draw_chart(result: dict, out: Path, date: str) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = result.get("results") or {}
+    results, systems, labels = chart_groups(result)
     dtypes = list(results)
-    systems = system_order(results)
     panels = chart_panels(results)
     if not panels:
         raise ValueError(f"no results to chart: no row has {', '.join(p[0] for p in PANELS)}")
@@ -145,7 +168,7 @@ def draw_chart(result: dict, out: Path, date: str) -> Path:
         for s in systems:
             if s in points:
                 xs, ys = points[s]
-                bars = ax.bar(xs, ys, width, label=system_label(s), color=colors[s])
+                bars = ax.bar(xs, ys, width, label=labels[s], color=colors[s])
                 ax.bar_label(bars, labels=[fmt.format(v) for v in ys], fontsize=7, padding=2)
         if key in AT_LIMIT:
             ax.axhline(1.0, color="#333333", linewidth=0.8, linestyle="--")
@@ -170,13 +193,13 @@ def draw_chart(result: dict, out: Path, date: str) -> Path:
 
 @app.command()
 def main(
-    results: Annotated[Path, typer.Option(help="the JSON of python -m benchmarks.bench --out")] = Path(
+    results: Annotated[Path, typer.Option(help="the JSON of python -m benchmarks.bench (or bench_peers) --out")] = Path(
         "bench-results.json"),
     out: Annotated[Path, typer.Option(help="the PNG to write")] = Path("docs/bench.png"),
     date: Annotated[str | None, typer.Option(help="the date in the title (default: the results file's "
                                                    "modification time)")] = None,
 ) -> None:
-    """Draw the chart of a make bench run (output tok/s and TPOT per system and dtype) as a PNG."""
+    """Draw the chart of a make bench or bench-peers run (tok/s, TPOT, the roofline per system) as a PNG."""
     try:
         result = json.loads(results.read_text())
     except (OSError, ValueError) as e:

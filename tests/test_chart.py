@@ -11,7 +11,16 @@ from typer.testing import CliRunner
 
 from benchmarks.bench import QUANT_DTYPE, system_key
 from benchmarks.bench_report import _name, summarize
-from benchmarks.chart import app, chart_title, draw_chart, system_label, system_order
+from benchmarks.chart import (
+    PEERS_GROUP,
+    app,
+    chart_groups,
+    chart_panels,
+    chart_title,
+    draw_chart,
+    system_label,
+    system_order,
+)
 from benchmarks.machine import cpu_flags
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -97,3 +106,35 @@ def test_chart_labels_title_and_bad_input(tmp_path):
     bad.write_text("{not json")
     r = CliRunner().invoke(app, ["--results", str(bad), "--out", str(tmp_path / "d.png")])
     assert r.exit_code == 2 and not (tmp_path / "d.png").exists()
+
+
+def test_chart_roofline_panels_and_peers(tmp_path):
+    """A run with a roofline adds the TPOT / floor and FLOP-fraction panels and the roofline's line to
+    the title; a bench-peers JSON is one group of its rows, each under its name and precision."""
+    from benchmarks import roofline
+    from benchmarks.bench_report import add_limits
+
+    result = bench_result()
+    assert [p[0] for p in chart_panels(result["results"])] == ["output_tok_s", "tpot_ms"]
+    result["roofline"] = {"triad_mib": 128, "bandwidth": [{"procs": 1, "threads": 2, "gb_s": 25.0},
+                                                          {"procs": 2, "threads": 1, "gb_s": 20.0}],
+                          "gemm": {"float32": {"gflop_s": 100.0}, "bfloat16": {"gflop_s": 200.0}, "int8": None}}
+    tensors = roofline.ModelTensors(linears=((64, 64, 8),), experts=(), expert_share=1.0, head=(256, 64), tied=False,
+                                    vector_params=256, kv_per_token=128)
+    add_limits(result["results"], result["roofline"], tensors, 20, 2)
+    assert [p[0] for p in chart_panels(result["results"])] == ["output_tok_s", "tpot_ms", "tpot_vs_floor",
+                                                               "flops_fraction"]
+    assert chart_title(result, "d").endswith("\nroofline: triad 25.0 GB/s (1 x 2 threads), 20.0 GB/s (2 x 1 "
+                                             "threads); GEMM GFLOP/s float32 100, bfloat16 200, int8 -")
+    peers = {"config": result["config"], "machine": result["machine"], "roofline": result["roofline"],
+             "systems": {"tpengine-int4": {"name": "tpengine tp=1", "precision": "int4 weights, bf16 act."},
+                         "llama.cpp-q4_1": {"name": "llama-cpp-python 0.3.36", "precision": "Q4_1 (GGUF)"}},
+             "results": {"tpengine-int4": {"output_tok_s": 400.0, "tpot_ms": 5.0, "floor_ms": 3.0,
+                                           "tpot_vs_floor": 1.67, "flops_fraction": 0.25},
+                         "llama.cpp-q4_1": {"tpot_ms": 9.0, "floor_ms": 3.2, "tpot_vs_floor": 2.81}}}
+    groups, systems, labels = chart_groups(peers)
+    assert list(groups) == [PEERS_GROUP] and systems == ["tpengine-int4", "llama.cpp-q4_1"]
+    assert labels["llama.cpp-q4_1"] == "llama-cpp-python 0.3.36 Q4_1 (GGUF)"
+    assert chart_title(peers, "d").startswith("make bench-peers, ")
+    assert len(chart_panels(groups)) == 4  # drawn two a row, the floor's panel with its line at 1
+    assert draw_chart(peers, tmp_path / "p.png", "d").read_bytes().startswith(PNG_MAGIC)
