@@ -139,7 +139,7 @@ def test_bench_quantized_rows(tmp_path):
     out = tmp_path / "bench.json"
     args = ["--model", str(model), "--num-prompts", "2", "--input-len", "5", "--output-len", "3",
             "--latency-input-len", "6", "--latency-output-len", "3", "--dtype", "bfloat16",
-            "--no-hf", "--rounds", "1", "--quantized-throughput", "--out", str(out)]
+            "--no-hf", "--rounds", "1", "--quantized-throughput", "--no-roofline", "--out", str(out)]
     r = CliRunner().invoke(app, args, terminal_width=200)
     assert r.exit_code == 0, r.output + repr(r.exception)
     res = json.loads(out.read_text())
@@ -155,7 +155,9 @@ def test_bench_quantized_rows(tmp_path):
     assert sum(rows["tp2"]["weight_bytes"]) > max(rows["tp2"]["weight_bytes"])  # split over the ranks
     assert rows["tp2-int8"]["tp_efficiency"] > 0 and "tp_efficiency" not in rows["tp1-int8"]
     assert "tpengine tp=2 int4" in r.output
-    check_limits(res, "bfloat16")
+    # --no-roofline: nothing measured, no row's limits (test_bench_smoke and test_roofline check them)
+    assert res["roofline"] is None and not any("floor_ms" in row for row in rows.values())
+    assert "roofline: triad" not in r.output
     # the roofline's byte counts are the engine's: every weight as tp=1 holds it, per precision
     tensors = roofline.model_tensors(AutoConfig.from_pretrained(str(model)))
     for q in (None, "int8", "int4"):
