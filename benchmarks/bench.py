@@ -23,6 +23,13 @@ driver alternates them, so machine noise hits all of them:
 
 With ``--rounds`` > 1 each round runs the systems in the opposite order of the previous one and
 the table shows the best round (highest throughput, lowest latency); the JSON keeps every run.
+
+Before any worker starts, the run measures the machine's roofline once (:mod:`benchmarks.roofline`;
+``--no-roofline`` skips it): the triad bandwidth of one process with all cores and of tp processes
+of cores / tp threads, and the GEMM rate per dtype at the workload's shapes. Every row then gets
+``floor_ms`` (the bytes a batch-1 decode step reads in its precision / its layout's bandwidth),
+``tpot_vs_floor`` and, with a throughput run, ``flops_fraction`` (2 x matmul weights x tokens/s over
+the GEMM rate); the JSON keeps the measured limits under ``roofline``.
 """
 
 from __future__ import annotations

@@ -39,6 +39,11 @@ shared by the three); CTranslate2 gets them as token strings (the HF tokenizer's
 Each system loads once in its own process, one after the other; with ``--rounds`` > 1 each round
 runs them in the opposite order of the previous one, and the table shows each one's best round
 (highest tok/s, lowest TTFT and TPOT); the JSON keeps every run.
+
+As ``make bench``, the run first measures the roofline (:mod:`benchmarks.roofline`; one process with
+all cores: the triad and the GEMM rates) and every row gets ``floor_ms``, ``tpot_vs_floor`` and
+``flops_fraction`` (:func:`add_peer_limits`): CTranslate2's bytes in its compute type, llama.cpp's
+from its GGUF's own tensor table.
 """
 
 from __future__ import annotations
