@@ -239,10 +239,15 @@ class EngineConfig:
     # "plain" or "packed"
     cpu_linear: str = "auto"
     dist_timeout_s: float = 60.0
-    # the launch's parallel layout (vLLM's names): world size = data_parallel_size x tensor_parallel_size;
-    # tensor_parallel_size unset: world size / data_parallel_size (see parallel_sizes)
+    # the launch's parallel layout (vLLM's names): world size = data_parallel_size x pipeline_parallel_size x
+    # tensor_parallel_size; tensor_parallel_size unset: world size / (data_parallel_size x
+    # pipeline_parallel_size) (see parallel_sizes)
     tensor_parallel_size: int | None = None
     data_parallel_size: int = 1
+    # pipeline parallelism: the decoder layers split into this many stages of consecutive ranks
+    pipeline_parallel_size: int = 1
+    # the layers of each stage, "8,8,6" (vLLM's VLLM_PP_LAYER_PARTITION); None: as even as possible
+    pp_layer_partition: str | None = None
     # a mixture-of-experts model's routed experts whole on each rank of the TP group (vLLM's flag), instead
     # of every expert split by its intermediate; attention stays tensor-parallel; a dense model ignores it
     enable_expert_parallel: bool = False
@@ -314,6 +319,7 @@ class EngineConfig:
             raise bad("tensor_parallel_size", "an integer >= 1 or unset")
         if self.data_parallel_size < 1:
             raise bad("data_parallel_size", "an integer >= 1")
+        self._check_pipeline()
         if self.threads is not None and self.threads < 1:
             raise bad("threads", "an integer >= 1 or unset")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -326,6 +332,28 @@ class EngineConfig:
             raise bad("reasoning_parser", f"one of {', '.join(REASONING_PARSER_NAMES)} or unset")
         if self.generation_config == "":
             raise bad("generation_config", "auto, ignore or a folder holding a generation_config.json")
+
+    def _check_pipeline(self) -> None:
+        """``pipeline_parallel_size`` >= 1; ``pp_layer_partition`` one positive layer count per stage; and
+        the features that do not run across stages yet refused by name (pooling, a draft model)."""
+        pp, part = self.pipeline_parallel_size, self.pp_layer_partition
+        if pp < 1:
+            raise ValueError(f"invalid pipeline_parallel_size={pp!r}: must be an integer >= 1")
+        if part is not None:
+            counts = layer_partition(part)
+            if counts is None or len(counts) != pp:
+                raise ValueError(f"invalid pp_layer_partition={part!r}: must be {pp} positive layer counts "
+                                 f"separated by commas, one per stage (pipeline_parallel_size={pp}), e.g. "
+                                 f"{','.join(['4'] * pp)!r}")
+        if pp == 1:
+            return
+        if self.runner == "pooling":
+            raise ValueError("invalid runner='pooling' with pipeline_parallel_size > 1: pooling does not run "
+                             "across pipeline stages in this version")
+        sc = self.speculative_config
+        if sc is not None and sc.method == "draft_model":
+            raise ValueError("invalid speculative_config with method 'draft_model' and pipeline_parallel_size > 1: "
+                             "a draft model does not run across pipeline stages in this version (ngram does)")
 
     def _check_runner(self) -> None:
         """``runner`` and ``pooler_config``: a known runner; a pooler config only for a pooling engine,
@@ -365,36 +393,60 @@ class EngineConfig:
             return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
         return torch_dtype(self.dtype)
 
+    @property
+    def layer_counts(self) -> list[int] | None:
+        """``pp_layer_partition`` as each stage's layer count, or None (as even as possible)."""
+        return None if self.pp_layer_partition is None else layer_partition(self.pp_layer_partition)
+
     def parallel_sizes(self, world_size: int) -> tuple[int, int]:
         """``(data_parallel_size, tensor_parallel_size)`` of a launch of ``world_size`` ranks
-        (:func:`parallel_sizes`).
+        (:func:`parallel_sizes`, with ``pipeline_parallel_size`` stages per replica).
 
         Raises:
-            UserError: ``world_size`` is not ``data_parallel_size x tensor_parallel_size``.
+            UserError: ``world_size`` is not ``data_parallel_size x pipeline_parallel_size x
+                tensor_parallel_size``.
         """
-        return parallel_sizes(world_size, self.data_parallel_size, self.tensor_parallel_size)
+        return parallel_sizes(world_size, self.data_parallel_size, self.tensor_parallel_size,
+                              self.pipeline_parallel_size)
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
 
 
-def parallel_sizes(world_size: int, dp: int = 1, tp: int | None = None) -> tuple[int, int]:
-    """``(dp, tp)`` of a launch of ``world_size`` ranks as ``dp`` data-parallel replicas of ``tp``
-    tensor-parallel ranks each; ``tp`` None: ``world_size / dp``.
+def parallel_sizes(world_size: int, dp: int = 1, tp: int | None = None, pp: int = 1) -> tuple[int, int]:
+    """``(dp, tp)`` of a launch of ``world_size`` ranks as ``dp`` data-parallel replicas of ``pp``
+    pipeline stages of ``tp`` tensor-parallel ranks each; ``tp`` None: ``world_size / (dp x pp)``.
 
     Raises:
-        UserError: ``world_size`` is not ``dp x tp``, naming the three numbers and what would be valid.
+        UserError: ``world_size`` is not ``dp x pp x tp``, naming the numbers and what would be valid.
     """
-    if tp is None and world_size % dp == 0:
-        return dp, world_size // dp
-    if tp is not None and dp * tp == world_size:
+    if tp is None and world_size % (dp * pp) == 0:
+        return dp, world_size // (dp * pp)
+    if tp is not None and dp * pp * tp == world_size:
         return dp, tp
-    given = f"data_parallel_size={dp}" + ("" if tp is None else f" x tensor_parallel_size={tp}")
-    valid = ", ".join(f"{d} x {world_size // d}" for d in range(1, world_size + 1) if world_size % d == 0)
+    given = (f"data_parallel_size={dp}" + (f" x pipeline_parallel_size={pp}" if pp > 1 else "")
+             + ("" if tp is None else f" x tensor_parallel_size={tp}"))
+    if pp > 1:
+        valid = ", ".join(f"{d} x {pp} x {world_size // (d * pp)}" for d in range(1, world_size + 1)
+                          if world_size % (d * pp) == 0) or "none"
+        shape = "data_parallel_size x pipeline_parallel_size x tensor_parallel_size"
+    else:
+        valid = ", ".join(f"{d} x {world_size // d}" for d in range(1, world_size + 1) if world_size % d == 0)
+        shape = "data_parallel_size x tensor_parallel_size"
     raise UserError(f"{given} does not fit the world size {world_size} (torchrun's --nnodes x --nproc_per_node): "
-                    f"it must be data_parallel_size x tensor_parallel_size ({valid}), or launch "
-                    f"{dp * (tp or 1)} rank(s) for these sizes")
+                    f"it must be {shape} ({valid}), or launch "
+                    f"{dp * pp * (tp or 1)} rank(s) for these sizes")
+
+
+def layer_partition(text: str) -> list[int] | None:
+    """``"8,8,6"`` -> ``[8, 8, 6]`` (each stage's layer count, vLLM's ``VLLM_PP_LAYER_PARTITION``); None
+    when ``text`` is not a comma-separated list of positive integers."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        return None
+    return counts if counts and all(c > 0 for c in counts) else None
 
 
 def torch_dtype(name: str) -> Any:
@@ -419,6 +471,7 @@ FIELD_TYPES: dict[str, tuple] = {
     "max_model_len": (int, None), "block_size": (int,), "max_num_seqs": (int,), "max_num_batched_tokens": (int, None),
     "num_kv_blocks": (int, None), "threads": (int, None), "seed": (int,),
     "tensor_parallel_size": (int, None), "data_parallel_size": (int,),
+    "pipeline_parallel_size": (int,), "pp_layer_partition": (str, None),
     "kv_cache_gb": (float, int), "gpu_memory_utilization": (float, int), "dist_timeout_s": (float, int),
     "enforce_eager": (bool,), "kv_mirror": (bool,), "cpu_kernels": (bool,),
     "enable_prefix_caching": (bool,), "enable_chunked_prefill": (bool,), "enable_expert_parallel": (bool,),

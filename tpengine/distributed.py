@@ -1,9 +1,13 @@
 """Process groups and the few collectives tpengine uses.
 
 ``init_distributed`` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-MASTER_PORT). The world is ``dp_size`` data-parallel replicas of ``size`` ranks each (world size =
-dp_size x size); replica ``d`` is the TP group of the consecutive global ranks ``d*size ..
-d*size + size - 1``, so a TP group stays on one host where it can. Within a TP group, activations
+MASTER_PORT). The world is ``dp_size`` data-parallel replicas of ``pp_size`` pipeline stages of ``size``
+ranks each (world size = dp_size x pp_size x size); replica ``d``'s stage ``s`` is the TP group of
+the consecutive global ranks ``(d*pp_size + s)*size ..`` ``+ size - 1``, so a TP group stays on one
+host where it can. With one stage a replica is its TP group. With several, the replica's control plane
+spans all its stages (rank 0 of stage 0 is its driver), each stage has its own data group, and the
+hidden states go point to point (:func:`pp_send`, :func:`pp_recv`) from each rank to the rank of the
+same TP rank in the next stage, on a group of their own. Within a TP group, activations
 travel on its data group (NCCL on CUDA, gloo on CPU), or through shared memory when
 :func:`tpengine.backends.cpu.shm.init_shm` installed a :class:`tpengine.backends.cpu.shm.ShmComm` at
 start-up (:func:`activation_comm`); its control plane (StepPlan broadcasts, block-count agreement)
@@ -35,8 +39,8 @@ from tpengine import forensics
 @dataclass(frozen=True)
 class TPInfo:
     """This process's place in the launch: ``rank`` in ``0..size-1`` within its tensor-parallel
-    group (its replica), which is replica ``dp_rank`` of ``dp_size``; ``local_rank`` torchrun's
-    (the CUDA device)."""
+    group, which is pipeline stage ``pp_rank`` of ``pp_size`` of replica ``dp_rank`` of ``dp_size``;
+    ``local_rank`` torchrun's (the CUDA device)."""
 
     rank: int
     size: int
@@ -44,21 +48,50 @@ class TPInfo:
     device: torch.device
     dp_rank: int = 0
     dp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
 
     @property
     def is_driver(self) -> bool:
-        """TP rank 0: the replica's driver (its scheduler, sampler and detokenizer)."""
-        return self.rank == 0
+        """TP rank 0 of the first stage: the replica's driver (its scheduler, sampler and detokenizer)."""
+        return self.rank == 0 and self.pp_rank == 0
+
+    @property
+    def engine_size(self) -> int:
+        """The ranks of one replica (its control plane): ``pp_size * size``."""
+        return self.pp_size * self.size
+
+    @property
+    def engine_rank(self) -> int:
+        """The rank within the replica: ``pp_rank * size + rank`` (0: the driver)."""
+        return self.pp_rank * self.size + self.rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
 
     @property
     def global_rank(self) -> int:
-        """The rank in the world (torchrun's RANK): ``dp_rank * size + rank``."""
-        return self.dp_rank * self.size + self.rank
+        """The rank in the world (torchrun's RANK): ``dp_rank * engine_size + engine_rank``."""
+        return self.dp_rank * self.engine_size + self.engine_rank
+
+    def stage_peer(self, stage: int) -> int:
+        """The global rank of this TP rank in stage ``stage`` of this replica."""
+        return (self.dp_rank * self.pp_size + stage) * self.size + self.rank
+
+    @property
+    def driver_rank(self) -> int:
+        """The global rank of this replica's driver."""
+        return self.dp_rank * self.engine_size
 
     @property
     def world_size(self) -> int:
-        """``dp_size * size``."""
-        return self.dp_size * self.size
+        """``dp_size * pp_size * size``."""
+        return self.dp_size * self.engine_size
 
     @property
     def is_front(self) -> bool:
@@ -100,16 +133,16 @@ def _pick_device(local_rank: int, device: str) -> torch.device:
 
 
 def init_distributed(timeout_s: float = 60.0, device: str = "auto", tp_size: int | None = None,
-                     dp_size: int = 1) -> TPInfo:
+                     dp_size: int = 1, pp_size: int = 1) -> TPInfo:
     """Initialise (once) from torchrun's environment and return this rank's :class:`TPInfo`.
 
     ``timeout_s`` bounds every collective on every group. ``device``: "auto" (CUDA if
-    available), "cpu" or "cuda". ``dp_size`` replicas of ``tp_size`` ranks (default: the world
-    size / ``dp_size``).
+    available), "cpu" or "cuda". ``dp_size`` replicas of ``pp_size`` stages of ``tp_size`` ranks
+    (default: the world size / (``dp_size`` x ``pp_size``)).
 
     Raises:
         RuntimeError: inconsistent environment (e.g. WORLD_SIZE > 1 without MASTER_ADDR).
-        tpengine.errors.UserError: a world size that is not ``dp_size x tp_size``.
+        tpengine.errors.UserError: a world size that is not ``dp_size x pp_size x tp_size``.
     """
     global _STATE
     if _STATE is not None:
@@ -119,49 +152,65 @@ def init_distributed(timeout_s: float = 60.0, device: str = "auto", tp_size: int
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    dp_size, tp_size = parallel_sizes(world, dp_size, tp_size)
+    dp_size, tp_size = parallel_sizes(world, dp_size, tp_size, pp_size)
     dev = _pick_device(local_rank, device)
-    data = control = world_group = dp_group = None
+    groups = _ProcessGroups(TPInfo(rank=rank % tp_size, size=tp_size, local_rank=local_rank, device=dev,
+                                   dp_rank=rank // (tp_size * pp_size), dp_size=dp_size,
+                                   pp_rank=rank // tp_size % pp_size, pp_size=pp_size))
     if world > 1:
         if "MASTER_ADDR" not in os.environ:
             raise RuntimeError(f"WORLD_SIZE={world} but MASTER_ADDR is unset; launch with torchrun")
-        # torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when it
-        # is first imported (transformers imports it while loading a model). Imported after
-        # init_process_group, it would keep the default group alive past destroy_process_group;
-        # gloo's worker threads would then outlive it and abort the process ("terminate called
-        # without an active exception") when the interpreter finalizes. Import it first.
-        import torch.distributed.nn.functional  # noqa: F401
-
-        timeout = timedelta(seconds=timeout_s)
-        backend = "nccl" if dev.type == "cuda" else "gloo"
-        # A second engine in one process (LLM opened after another was closed) rendezvouses on the
-        # same store; the first one's keys (each rank's gloo address) are still there, so a rank
-        # could read a peer's old address and time out connecting to it. Every init therefore
-        # gets a fresh key prefix; every rank makes the same sequence of inits (SPMD), so the
-        # prefixes agree.
-        if _STORE["store"] is None:
-            _STORE["store"], _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timeout))
-        _STORE["inits"] += 1
-        store = dist.PrefixStore(f"tpengine/init{_STORE['inits']}", _STORE["store"])
-        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
-        if backend != "gloo":
-            world_group = dist.new_group(backend="gloo", timeout=timeout)
-        if dp_size > 1:
-            # every rank creates every group, in the same order (torch.distributed's rule)
-            for d in range(dp_size):
-                ranks = list(range(d * tp_size, (d + 1) * tp_size))
-                g = dist.new_group(ranks, timeout=timeout, backend=backend)
-                c = dist.new_group(ranks, timeout=timeout, backend="gloo") if backend != "gloo" else g
-                if rank in ranks:
-                    data, control = g, c
-            g = dist.new_group(list(range(0, world, tp_size)), timeout=timeout, backend="gloo")
-            dp_group = g if rank % tp_size == 0 else None
-        elif backend != "gloo":
-            control = world_group
-    info = TPInfo(rank=rank % tp_size, size=tp_size, local_rank=local_rank, device=dev, dp_rank=rank // tp_size,
-                  dp_size=dp_size)
-    _STATE = _ProcessGroups(info, data, control, world_group, dp_group)
+        _make_groups(groups, rank, world, timedelta(seconds=timeout_s), "nccl" if dev.type == "cuda" else "gloo")
+    _STATE = groups
     return _STATE.tp
+
+
+def _make_groups(groups: _ProcessGroups, rank: int, world: int, timeout: timedelta, backend: str) -> None:
+    """The process groups of :func:`init_distributed` (the default one on a fresh store prefix, then
+    one data group per TP group, one gloo control group per replica, the drivers' data-parallel group
+    and the pipeline's point-to-point group), set on ``groups``."""
+    # torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when it
+    # is first imported (transformers imports it while loading a model). Imported after
+    # init_process_group, it would keep the default group alive past destroy_process_group;
+    # gloo's worker threads would then outlive it and abort the process ("terminate called
+    # without an active exception") when the interpreter finalizes. Import it first.
+    import torch.distributed.nn.functional  # noqa: F401
+
+    tp_size, pp_size, dp_size = groups.tp.size, groups.tp.pp_size, groups.tp.dp_size
+    # A second engine in one process (LLM opened after another was closed) rendezvouses on the
+    # same store; the first one's keys (each rank's gloo address) are still there, so a rank
+    # could read a peer's old address and time out connecting to it. Every init therefore
+    # gets a fresh key prefix; every rank makes the same sequence of inits (SPMD), so the
+    # prefixes agree.
+    if _STORE["store"] is None:
+        _STORE["store"], _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timeout))
+    _STORE["inits"] += 1
+    store = dist.PrefixStore(f"tpengine/init{_STORE['inits']}", _STORE["store"])
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    if backend != "gloo":
+        groups.world = dist.new_group(backend="gloo", timeout=timeout)
+    engine = tp_size * pp_size
+    if dp_size > 1 or pp_size > 1:
+        # every rank creates every group, in the same order (torch.distributed's rule)
+        for g0 in range(0, world, tp_size):  # each TP group: its activations
+            ranks = list(range(g0, g0 + tp_size))
+            g = dist.new_group(ranks, timeout=timeout, backend=backend)
+            if rank in ranks:
+                groups.data = g
+        for e0 in range(0, world, engine):  # each replica: its control plane (all its stages)
+            ranks = list(range(e0, e0 + engine))
+            if pp_size == 1 and backend == "gloo":  # the TP group's data group is gloo already
+                continue
+            g = dist.new_group(ranks, timeout=timeout, backend="gloo")
+            if rank in ranks:
+                groups.control = g
+        if dp_size > 1:
+            g = dist.new_group(list(range(0, world, engine)), timeout=timeout, backend="gloo")
+            groups.dp = g if rank % engine == 0 else None
+        if pp_size > 1:  # the stages' transfers, apart from every collective
+            groups.p2p = dist.new_group(timeout=timeout, backend=backend)
+    elif backend != "gloo":
+        groups.control = groups.world
 
 
 _SIZE1 = TPInfo(0, 1, 0, torch.device("cpu"))
@@ -232,8 +281,8 @@ def all_reduce(t: torch.Tensor) -> torch.Tensor:
 
 
 def gather_to_driver(t: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
-    """Concatenate every TP rank's ``t`` (same shape on all ranks) along ``dim`` on TP rank 0, on
-    the TP data group (torch.distributed, whatever comm is installed).
+    """Concatenate every TP rank's ``t`` (same shape on all ranks) along ``dim`` on TP rank 0 (of
+    this stage), on the TP data group (torch.distributed, whatever comm is installed).
 
     Returns the concatenation on rank 0 and None elsewhere; ``t`` itself at size 1.
     """
@@ -241,17 +290,18 @@ def gather_to_driver(t: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
     if tp.size == 1:
         return t
     t = t.contiguous()
-    parts = [torch.empty_like(t) for _ in range(tp.size)] if tp.is_driver else None
+    parts = [torch.empty_like(t) for _ in range(tp.size)] if tp.rank == 0 else None
     prev = forensics.enter("gather of the logits to rank 0 (TP data group)")
     dist.gather(t, parts, group=_data_group(), group_dst=0)
     forensics.leave(prev)
-    return torch.cat(parts, dim=dim) if tp.is_driver else None
+    return torch.cat(parts, dim=dim) if tp.rank == 0 else None
 
 
 def broadcast_control(t: torch.Tensor, what: str = "a broadcast from rank 0") -> torch.Tensor:
-    """Broadcast CPU tensor ``t`` from TP rank 0 in place over the TP group's gloo control group;
-    ``what`` names it in a forensics report (:mod:`tpengine.forensics`)."""
-    if get_tp().size > 1:
+    """Broadcast CPU tensor ``t`` from the driver in place over the replica's gloo control group (every
+    rank of its TP group, or of all its pipeline stages); ``what`` names it in a forensics report
+    (:mod:`tpengine.forensics`)."""
+    if get_tp().engine_size > 1:
         prev = forensics.enter(f"{what} (control group)")
         dist.broadcast(t, group=_control_group(), group_src=0)
         forensics.leave(prev)
@@ -259,8 +309,8 @@ def broadcast_control(t: torch.Tensor, what: str = "a broadcast from rank 0") ->
 
 
 def all_reduce_min(value: int) -> int:
-    """The minimum of ``value`` over the TP group's ranks (control group); ``value`` at size 1."""
-    if get_tp().size == 1:
+    """The minimum of ``value`` over the replica's ranks (control group); ``value`` at size 1."""
+    if get_tp().engine_size == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64)
     prev = forensics.enter("all_reduce_min (control group)")
@@ -271,10 +321,11 @@ def all_reduce_min(value: int) -> int:
 
 def gather_control(value: int, world: bool = False) -> list[int] | None:
     """Every rank's integer ``value``, in rank order, on rank 0 (None on the others): one gather on
-    the TP group's gloo control group, or with ``world`` on the world's gloo group (global ranks),
-    bounded by the group timeout. ``[value]`` at size 1."""
+    the replica's gloo control group (its ranks in :attr:`TPInfo.engine_rank` order), or with ``world``
+    on the world's gloo group (global ranks), bounded by the group timeout. ``[value]`` at size 1."""
     tp = get_tp()
-    n, me, group = (tp.world_size, tp.global_rank, _world_group()) if world else (tp.size, tp.rank, _control_group())
+    n, me, group = ((tp.world_size, tp.global_rank, _world_group()) if world
+                    else (tp.engine_size, tp.engine_rank, _control_group()))
     if n == 1:
         return [value]
     t = torch.tensor([value], dtype=torch.int64)
@@ -286,7 +337,7 @@ def gather_control(value: int, world: bool = False) -> list[int] | None:
 
 
 def broadcast_object(obj: Any, world: bool = False) -> Any:
-    """TP rank 0's ``obj`` (any picklable object) on every rank of the TP group, or with ``world``
+    """The driver's ``obj`` (any picklable object) on every rank of the replica, or with ``world``
     global rank 0's on every rank: one ``broadcast_object_list`` on that gloo group, bounded by the
     group timeout (other ranks pass anything, e.g. None, and get rank 0's copy). ``obj`` itself at
     size 1.
@@ -295,7 +346,8 @@ def broadcast_object(obj: Any, world: bool = False) -> Any:
         RuntimeError: (torch.distributed's) a rank did not join within the group timeout.
     """
     tp = get_tp()
-    n, me, group = (tp.world_size, tp.global_rank, _world_group()) if world else (tp.size, tp.rank, _control_group())
+    n, me, group = ((tp.world_size, tp.global_rank, _world_group()) if world
+                    else (tp.engine_size, tp.engine_rank, _control_group()))
     if n == 1:
         return obj
     box = [obj if me == 0 else None]
@@ -335,3 +387,34 @@ def dp_gather_object(obj: Any) -> list[Any] | None:
     dist.gather_object(obj, out, group=_STATE.dp, group_dst=0)
     forensics.leave(prev)
     return out
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elementwise maximum over the TP group's ranks (of this stage), in place, on its data
+    group (loading: int8's row absmax); ``t`` itself at size 1."""
+    if get_tp().size > 1:
+        prev = forensics.enter("all_reduce_max while loading (TP data group)")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_data_group())
+        forensics.leave(prev)
+    return t
+
+
+def _p2p_wait(work, what: str) -> None:
+    """Wait for a point-to-point transfer, bounded by the group timeout (gloo's wait raises past it)."""
+    prev = forensics.enter(what)
+    work.wait()
+    forensics.leave(prev)
+
+
+def pp_send(t: torch.Tensor, dst: int, what: str) -> None:
+    """Send ``t`` to global rank ``dst`` on the pipeline's point-to-point group, waiting until it is
+    out (bounded by the group timeout); ``what`` names it in a forensics report (the stages and the
+    peer)."""
+    _p2p_wait(dist.isend(t.contiguous(), dst, group=_STATE.p2p), f"{what}: send to rank {dst} (pipeline p2p group)")
+
+
+def pp_recv(t: torch.Tensor, src: int, what: str) -> torch.Tensor:
+    """Receive ``t`` (its shape and dtype known to both sides) from global rank ``src`` on the
+    pipeline's point-to-point group, bounded by the group timeout; returns ``t``."""
+    _p2p_wait(dist.irecv(t, src, group=_STATE.p2p), f"{what}: receive from rank {src} (pipeline p2p group)")
+    return t

@@ -146,10 +146,11 @@ class LLMEngine:
         check_model_limits(hf_config, config.max_model_len)  # UserError: settings this model cannot honour
         self.config = config
         self.tp: TPInfo = init_distributed(config.dist_timeout_s, tp_size=config.tensor_parallel_size,
-                                           dp_size=config.data_parallel_size)
+                                           dp_size=config.data_parallel_size, pp_size=config.pipeline_parallel_size)
         forensics.configure(self.tp.global_rank, self.tp.world_size, config.dist_timeout_s)  # kill -USR1: a report
         # the model this launch runs, read once: a shard folder checked against the launch, or the plan built
-        self.spec = ModelSpec.from_config(config.model, hf_config, self.tp, config.enable_expert_parallel)
+        self.spec = ModelSpec.from_config(config.model, hf_config, self.tp, config.enable_expert_parallel,
+                                          config.layer_counts)
         setup_process(config, self.tp, self.spec.shard_plan)
         self.runner = ModelRunner(config, self.tp, self.spec)
         self.draft_runner = draft_runner(config, self.tp, self.spec, self.runner.num_blocks)  # on every rank

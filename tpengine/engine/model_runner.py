@@ -1,7 +1,10 @@
 """ModelRunner: this rank's model, its paged KV cache, and the execution of one StepPlan.
 
 Every rank runs :meth:`ModelRunner.execute` on the same plan in lockstep; the LM head runs only
-on the positions to sample and its logits are gathered to rank 0.
+on the positions to sample and its logits are gathered to rank 0. With pipeline stages each rank runs
+its stage's layers: it receives the hidden states from the rank of its TP rank in the stage before,
+sends its own to the one in the stage after, and the last stage's TP rank 0 sends the step's result
+(token ids or logits rows) to the driver.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 from tpengine.backends import get_backend, get_platform
 from tpengine.config import EngineConfig
 from tpengine.context import Context
-from tpengine.distributed import TPInfo, all_reduce_min, broadcast_control
+from tpengine.distributed import TPInfo, all_reduce_min, broadcast_control, pp_recv, pp_send
 from tpengine.engine.pooling import pool_rows
 from tpengine.engine.step import StepKind, StepPlan
 from tpengine.errors import UserError
@@ -56,7 +59,7 @@ class ModelRunner:
                                    kv_mirror=config.kv_mirror)
         stack = self.model.model
         self.attn_modules = [layer.self_attn for layer in stack.layers[: stack.config.num_hidden_layers]]
-        if tp.rank == 0:
+        if tp.rank == 0 and tp.is_last_stage:  # (the stage that holds the LM head)
             line = self.profile.describe(self.dtype, tuple(self.model.lm_head.weight.shape)
                                          if self.model.lm_head.weight is not None else None)
             if line is not None:
@@ -79,10 +82,11 @@ class ModelRunner:
         self.profile = self.platform.bind_attention(self.backend, stack, self.profile)
         self.backend.bind_model(stack, tp.size)
         line = self.backend.describe()
-        if tp.rank == 0 and line is not None:
+        if tp.is_driver and line is not None:
             print("tpengine: " + line, file=sys.stderr, flush=True)
-        self.graphs = self.platform.step_runner(self.model, self.backend, config, self.shard_plan.hidden_size,
-                                                self.dtype, tp.device)
+        if tp.pp_size == 1:  # (a pipeline stage's step is not one replayable forward)
+            self.graphs = self.platform.step_runner(self.model, self.backend, config, self.shard_plan.hidden_size,
+                                                    self.dtype, tp.device)
 
     @property
     def kv_window(self) -> int | None:
@@ -98,7 +102,8 @@ class ModelRunner:
         and KV-cache GiB, KV blocks, and ``seconds`` since the engine started."""
         kv_gib = self.kv_cache.numel() * self.kv_cache.element_size() / GIB
         return (f"tpengine: model ready: {self.config.model} {str(self.dtype).removeprefix('torch.')} "
-                f"tp={self.tp.size}, weights {self.weight_bytes / GIB:.2f} GiB/rank, KV cache {self.num_blocks} "
+                f"{f'pp={self.tp.pp_size} ' if self.tp.pp_size > 1 else ''}tp={self.tp.size}, weights "
+                f"{self.weight_bytes / GIB:.2f} GiB/rank, KV cache {self.num_blocks} "
                 f"blocks ({kv_gib:.2f} GiB/rank), {seconds:.1f} s")
 
     def _warmup(self) -> None:
@@ -161,6 +166,8 @@ class ModelRunner:
         (int32 ``[B, ceil(V / 32)]``), called once the forward reaches the LM head."""
         if plan.block_copies is not None and plan.block_copies.numel():
             self.copy_blocks(plan.block_copies)
+        if self.tp.pp_size > 1:
+            return self._execute_stage(plan, grammar_mask)
         if (self.graphs is not None and plan.kind == StepKind.DECODE
                 and self.graphs.can_run(plan.num_seqs, plan.block_tables.shape[1])):  # CUDA decode: replay a graph
             hidden = self.graphs.run(plan.input_ids, plan.positions, plan.slot_mapping, plan.context_lens,
@@ -177,6 +184,49 @@ class ModelRunner:
         rows = torch.cat([plan.sample_idx, *extra]) if extra else plan.sample_idx
         return self._head(hidden.index_select(0, to(rows)), plan, grammar_mask)
 
+    def _execute_stage(self, plan: StepPlan, grammar_mask: Callable[[], torch.Tensor] | None) -> torch.Tensor | None:
+        """One step of this pipeline stage (:meth:`execute`'s result on the driver, None elsewhere): a
+        masked greedy step's bitmask broadcast first (every rank of the replica takes part), the hidden
+        states ``(h, delta)`` ``[N, hidden]`` each received from the stage before (not on the first), this
+        stage's layers, and sent to the stage after, or on the last stage the LM head, whose result its TP
+        rank 0 sends to the driver: int64 ids ``[R]`` for a greedy plan, else float32 logits
+        ``[R, vocab_size]`` (R: the sampled, prompt-logprob and speculative rows). Every transfer is
+        bounded by ``dist_timeout_s`` and named (step, stages, ranks) in a forensics report."""
+        tp, dev = self.tp, self.tp.device
+        mask = self._bitmask(plan, grammar_mask, dev) if plan.greedy and plan.grammar_mask else None
+        to = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
+        ctx = Context.build(self.backend, plan.kind == StepKind.PREFILL, to(plan.slot_mapping), to(plan.block_tables),
+                            to(plan.cu_seqlens_q), to(plan.cu_seqlens_k), to(plan.context_lens))
+        n, s = plan.input_ids.shape[0], tp.pp_rank
+        inter = None
+        if not tp.is_first_stage:
+            what = f"pipeline step {plan.step}: hidden states, stage {s - 1} -> {s}"
+            inter = tuple(pp_recv(torch.empty(n, self.shard_plan.hidden_size, dtype=self.dtype, device=dev),
+                                  tp.stage_peer(s - 1), what) for _ in range(2))
+        out = self.model.model(to(plan.input_ids), to(plan.positions), ctx, inter)
+        extra = [t for t in (plan.prompt_idx, plan.spec_idx) if t is not None and t.numel()]
+        rows = torch.cat([plan.sample_idx, *extra]) if extra else plan.sample_idx
+        if not tp.is_last_stage:
+            for t in out:
+                pp_send(t, tp.stage_peer(s + 1), f"pipeline step {plan.step}: hidden states, stage {s} -> {s + 1}")
+        else:
+            result = self._head(out.index_select(0, to(rows)), plan, mask=mask)
+            if tp.rank == 0:
+                pp_send(result, tp.driver_rank, f"pipeline step {plan.step}: the result, stage {s} -> the driver")
+        if not tp.is_driver:
+            return None
+        shape = (rows.numel(),) if plan.greedy else (rows.numel(), self.shard_plan.vocab_size)
+        result = torch.empty(shape, dtype=torch.int64 if plan.greedy else torch.float32, device=dev)
+        return pp_recv(result, tp.stage_peer(tp.pp_size - 1) - tp.rank,
+                       f"pipeline step {plan.step}: the result, stage {tp.pp_size - 1} -> the driver")
+
+    def _bitmask(self, plan: StepPlan, grammar_mask: Callable[[], torch.Tensor] | None, device) -> torch.Tensor:
+        """A masked greedy step's token bitmask (int32 ``[B, ceil(V / 32)]``), the driver's broadcast on the
+        control group to every rank."""
+        words = (self.shard_plan.vocab_size + 31) // 32
+        mask = grammar_mask() if self.tp.is_driver else torch.empty(plan.num_seqs, words, dtype=torch.int32)
+        return broadcast_control(mask, "the token bitmask broadcast").to(device)
+
     def _pool(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:
         """A pooling engine's step (no LM head): rank 0's pooled rows ``[B, hidden]`` float32
         (:func:`tpengine.engine.pooling.pool_rows` of the final norm's output, which every rank holds
@@ -185,16 +235,16 @@ class ModelRunner:
             return None
         return pool_rows(hidden, plan, self.config.pooler.pooling_type)
 
-    def _head(self, hidden: torch.Tensor, plan: StepPlan,
-              grammar_mask: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
-        """The LM head on ``[B, hidden]``: rank 0 gets float32 logits, or the argmax ids for a greedy
-        plan (a masked one's bitmask broadcast from rank 0 first, on the control group)."""
+    def _head(self, hidden: torch.Tensor, plan: StepPlan, grammar_mask: Callable[[], torch.Tensor] | None = None,
+              mask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The LM head on ``[B, hidden]``: TP rank 0 gets float32 logits, or the argmax ids for a greedy
+        plan (a masked one's bitmask broadcast from the driver first, on the control group, unless
+        ``mask`` is that bitmask already)."""
         if plan.greedy:
-            mask = None
             if plan.grammar_mask:
-                words = (self.shard_plan.vocab_size + 31) // 32
-                mask = grammar_mask() if self.tp.is_driver else torch.empty(plan.num_seqs, words, dtype=torch.int32)
-                mask = broadcast_control(mask, "the token bitmask broadcast").to(hidden.device)
+                if mask is None:
+                    mask = self._bitmask(plan, grammar_mask, hidden.device)
+                words = mask.shape[1]
                 if hidden.shape[0] > mask.shape[0]:  # speculative rows: never constrained (all bits set)
                     mask = torch.cat([mask, mask.new_full((hidden.shape[0] - mask.shape[0], words), -1)])
             return self.model.lm_head.greedy(hidden, mask)

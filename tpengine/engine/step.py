@@ -223,10 +223,11 @@ def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
 
 
 def broadcast_plan(plan: StepPlan | None) -> StepPlan:
-    """Rank 0 passes its plan; other ranks pass None and receive it. Two broadcasts on the gloo
-    control group (header, then payload), each bounded by the process-group timeout."""
+    """The driver passes its plan; the replica's other ranks (every pipeline stage's) pass None and
+    receive it. Two broadcasts on the gloo control group (header, then payload), each bounded by the
+    process-group timeout."""
     if plan is not None:
-        if get_tp().size > 1:
+        if get_tp().engine_size > 1:
             header, payload = pack(plan)
             broadcast_control(header, "the step plan's header broadcast")
             if payload.numel():

@@ -49,10 +49,16 @@ ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {
     "cpu_linear": ("CPU: the linear weights' layout per weight shape: auto (the faster of plain/MKL and "
                    "oneDNN-packed, measured on this machine and cached), plain or packed", None),
     "dist_timeout_s": ("seconds a collective waits for the other ranks before the job fails", None),
-    "tensor_parallel_size": ("ranks per model replica (tensor parallelism); the world size is data_parallel_size x "
-                             "tensor_parallel_size", "the world size / --data-parallel-size"),
+    "tensor_parallel_size": ("ranks per pipeline stage of a model replica (tensor parallelism); the world size is "
+                             "data_parallel_size x pipeline_parallel_size x tensor_parallel_size",
+                             "the world size / (--data-parallel-size x --pipeline-parallel-size)"),
     "data_parallel_size": ("model replicas (data parallelism), each a TP group of consecutive ranks with its own "
                            "scheduler and KV cache; requests are routed between them", None),
+    "pipeline_parallel_size": ("pipeline stages per model replica: the decoder layers split into stages of "
+                               "consecutive TP groups, hidden states sent stage to stage; world size = "
+                               "data_parallel_size x pipeline_parallel_size x tensor_parallel_size", None),
+    "pp_layer_partition": ("the layers of each pipeline stage, e.g. \"8,8,6\" (vLLM's VLLM_PP_LAYER_PARTITION)",
+                           "as even as possible; the extra layers on the stages before the last, as vLLM"),
     "enable_expert_parallel": ("mixture-of-experts models: whole experts on each rank of the TP group (8 experts on 3 "
                                "ranks: 3, 3, 2), attention still tensor-parallel; without it every expert is "
                                "split over the ranks. One all-reduce per MoE layer either way", None),

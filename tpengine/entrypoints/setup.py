@@ -271,12 +271,14 @@ def read_chat_template(value: str | None) -> str | None:
 
 def loading_line(cfg: EngineConfig, world: int) -> str:
     """The line rank 0 prints before the model loads (the ready line follows when it has):
-    ``tpengine: loading DIR (tp N, dtype D) ...``, or ``(dp D x tp N, ...)`` with several replicas."""
+    ``tpengine: loading DIR (tp N, dtype D) ...``, or ``(dp D x tp N, ...)`` with several replicas (and
+    ``pp P x`` before ``tp`` with pipeline stages)."""
     import torch
 
     dp, tp = cfg.parallel_sizes(world)
     dtype = str(cfg.torch_dtype("cuda" if torch.cuda.is_available() else "cpu")).removeprefix("torch.")
-    return f"tpengine: loading {cfg.model} ({f'dp {dp} x ' if dp > 1 else ''}tp {tp}, dtype {dtype}) ..."
+    pp = f"pp {cfg.pipeline_parallel_size} x " if cfg.pipeline_parallel_size > 1 else ""
+    return f"tpengine: loading {cfg.model} ({f'dp {dp} x ' if dp > 1 else ''}{pp}tp {tp}, dtype {dtype}) ..."
 
 
 def failure_line(rank: int, world: int, exc: BaseException) -> str:

@@ -22,7 +22,7 @@ import torch
 
 from tpengine.backends import get_platform
 from tpengine.backends.platform import ExecutionProfile
-from tpengine.distributed import TPInfo
+from tpengine.distributed import TPInfo, all_reduce_max
 from tpengine.errors import UserError
 from tpengine.model.families import expand_fused, fused_parts, renamed
 from tpengine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -42,7 +42,7 @@ from tpengine.model.quant.load import QuantParts, check_stored_quantization
 from tpengine.model.quant.weights import QuantizedWeight, QuantScheme, check_quantization
 from tpengine.model.shard_folder import rank_files
 from tpengine.model.spec import ModelSpec
-from tpengine.model.surgery import build_model, checkpoint_targets, holds, kind_in
+from tpengine.model.surgery import build_model, checkpoint_targets, holds, kind_in, stage_holds
 from tpengine.model.tensor_file import TensorInfo, read_header, read_rows
 
 # the linears --quantization stores quantized with its scheme, and the vocabulary layers (QuantScheme.vocab)
@@ -235,10 +235,11 @@ def _slice_of(plan: ShardPlan | None, name: str, info: TensorInfo, part, entry, 
 
 
 def _read_file(path: Path, filler: _Filler, plan: ShardPlan | None, rank: int, done: set[str],
-               unexpected: list[str], fused: dict | None = None, hf_config=None) -> None:
+               unexpected: list[str], fused: dict | None = None, hf_config=None, keeps=None) -> None:
     """Read every tensor of checkpoint file ``path`` that this rank keeps into its place (a fused
     tensor of ``fused``, :func:`tpengine.model.families.fused_parts`, as its parts; under ``hf_config``'s
-    family's names, :func:`tpengine.model.families.renamed`; another rank's routed expert is skipped).
+    family's names, :func:`tpengine.model.families.renamed`; another rank's routed expert is skipped, and
+    with ``keeps`` (a predicate on the name: a pipeline stage's tensors) any tensor it refuses).
 
     Raises:
         RuntimeError: a tensor that appears twice.
@@ -251,6 +252,8 @@ def _read_file(path: Path, filler: _Filler, plan: ShardPlan | None, rank: int, d
                 continue
             if plan is not None and not holds(plan, (part_of(name) or (name,))[0], rank):
                 continue  # expert parallelism: another rank's expert
+            if keeps is not None and not keeps((part_of(name) or (name,))[0]):
+                continue  # pipeline parallelism: another stage's tensor
             if name in done:
                 raise RuntimeError(f"weight {name!r} appears twice in the checkpoint")
             if name not in filler.wanted:
@@ -268,7 +271,7 @@ def _read_file(path: Path, filler: _Filler, plan: ShardPlan | None, rank: int, d
 def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | None, rank: int, tie: bool,
                  dtype: torch.dtype, device: torch.device, pack, quant: QuantScheme | None = None,
                  reduce_max=None, stored: dict[str, QuantEntry] | None = None, prepack=None,
-                 fused: dict | None = None, hf_config=None) -> int:
+                 fused: dict | None = None, hf_config=None, keeps=None) -> int:
     """Fill every parameter of ``model`` (from :func:`tpengine.model.surgery.build_model`) from
     ``files``: each checkpoint tensor's byte range for this rank (its ShardPlan slice, or the
     whole tensor when ``plan`` is None: a rank file of a shard folder) is read straight into the
@@ -285,8 +288,9 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
     TP rules) into its quantized storage, scales and zeros cast to ``dtype``. ``fused``: the family's
     fused checkpoint tensors (:func:`tpengine.model.families.fused_parts`), read as their parts;
     ``hf_config``: the model's config, whose family may name checkpoint tensors otherwise
-    (:func:`tpengine.model.families.checkpoint_name`: Mixtral's experts). Returns the bytes of weights
-    held (quantized ones as stored: values, scales and zeros).
+    (:func:`tpengine.model.families.checkpoint_name`: Mixtral's experts); ``keeps``: a predicate on a
+    checkpoint name, False for a tensor this rank skips (another pipeline stage's). Returns the bytes of
+    weights held (quantized ones as stored: values, scales and zeros).
 
     Raises:
         RuntimeError: a weight that appears twice, is never loaded, or has no place in the model.
@@ -299,8 +303,8 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
     done: set[str] = set()
     unexpected: list[str] = []
     for path in files:
-        _read_file(path, filler, plan, rank, done, unexpected, fused, hf_config)
-    if tie:
+        _read_file(path, filler, plan, rank, done, unexpected, fused, hf_config, keeps)
+    if tie and filler.head is not None:  # (a pipeline stage before the last has no LM head)
         emb = model.get_input_embeddings()
         filler.head.weight = emb.weight
         if emb.quant is not None:  # a stored quantized tied embedding: one storage for both
@@ -322,12 +326,6 @@ def _weight_shapes(model: torch.nn.Module, tie: bool) -> dict[tuple[int, int], i
         if isinstance(m, PACKABLE_LAYERS) and m.weight is not None and not (tie and m is head):
             shapes[tuple(m.weight.shape)] = shapes.get(tuple(m.weight.shape), 0) + 1
     return shapes
-
-
-def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elementwise max over the tp ranks, in place (the default group; loading only)."""
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return t
 
 
 @dataclass(frozen=True)
@@ -358,7 +356,9 @@ def load_model(model: ModelSpec | str | Path, tp: TPInfo, dtype: torch.dtype = t
                pack: bool | None = None, cpu_kernels: bool = True, quantization: str | QuantScheme | None = None,
                cpu_linear: str = "auto") -> LoadedModel:
     """Build and load this rank's model from ``model`` (a :class:`~tpengine.model.spec.ModelSpec`,
-    or a shard folder or full HF folder, read with :meth:`ModelSpec.read`).
+    or a shard folder or full HF folder, read with :meth:`ModelSpec.read`): with pipeline stages,
+    stage ``tp.pp_rank``'s part only (:func:`tpengine.model.surgery.stage_holds`; another stage's
+    tensors are never read).
 
     Returns a :class:`LoadedModel`, its ``module`` on ``tp.device`` in ``dtype``, the decoder stack's
     forward taking ``(input_ids [N], positions [N], ctx)``. The steps: read the spec, build the model
@@ -389,15 +389,18 @@ def load_model(model: ModelSpec | str | Path, tp: TPInfo, dtype: torch.dtype = t
     spec = model if isinstance(model, ModelSpec) else ModelSpec.read(model, tp)
     hf_config, tie = spec.hf_config, bool(getattr(spec.hf_config, "tie_word_embeddings", False))
     platform = get_platform(tp.device)
-    module = build_model(hf_config, spec.shard_plan, tp.rank, dtype, tp.device, cpu_kernels)
+    plan = spec.shard_plan
+    module = build_model(hf_config, plan, tp.rank, dtype, tp.device, cpu_kernels, tp.pp_rank)
+    layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
+    keeps = (lambda name: stage_holds(plan, name, tp.pp_rank, layers, tie)) if plan.pp_size > 1 else None  # noqa: E731
     table, quant = _quantization(spec, module, tie, quantization, tp, platform.quantized_weights)
     pack = True if pack is None else pack
     layouts = platform.choose_layouts(_weight_shapes(module, tie), dtype, cpu_linear, cpu_kernels) if pack else {}
     packs = (lambda m: layouts[tuple(m.weight.shape)].layout == "packed") if layouts else False  # noqa: E731
     weight_bytes = load_weights(module, rank_files(spec.folder, spec.sharded, tp),
                                 None if spec.sharded else spec.shard_plan, tp.rank, tie, dtype, tp.device, packs,
-                                quant, _all_reduce_max if tp.size > 1 else None, table, platform.prepack,
-                                None if spec.sharded else fused_parts(hf_config), hf_config)
+                                quant, all_reduce_max if tp.size > 1 else None, table, platform.prepack,
+                                None if spec.sharded else fused_parts(hf_config), hf_config, keeps)
     left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"rank {tp.rank}: still on the meta device after loading: {left}")

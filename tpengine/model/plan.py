@@ -20,7 +20,11 @@ Layout (see docs/design.md):
   (``enable_expert_parallel``, vLLM's flag) each rank holds whole experts, a contiguous range as even
   as possible (8 experts on 3 ranks -> 3, 3, 2: ``experts``). Either way a rank's experts give a
   partial sum of the layer's output and one all-reduce per layer combines them; the router
-  (``mlp.gate``) is replicated, attention stays split by heads.
+  (``mlp.gate``) is replicated, attention stays split by heads;
+* pipeline stages (``pipeline_parallel_size``, vLLM's): the decoder layers split into contiguous ranges,
+  as even as possible with the extra layers on the stages before the last (the last one holds the final
+  norm and the LM head: vLLM's ``get_pp_indices`` rule), or as a given partition (``"8,8,6"``); every
+  stage is split over the same ``tp_size`` ranks the same way (``ranks``).
 
 This module must not import torch.distributed.
 """
@@ -132,6 +136,45 @@ class ShardPlan:
     moe_intermediate_size: int = 0
     expert_parallel: bool = False
     top_k: int = 0
+    #: each pipeline stage's decoder layers ``[start, end)``; empty: one stage holding every layer
+    stages: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def pp_size(self) -> int:
+        """The pipeline stages (1 without pipeline parallelism)."""
+        return max(1, len(self.stages))
+
+    def stage_layers(self, stage: int, num_layers: int) -> tuple[int, int]:
+        """Stage ``stage``'s decoder layers ``[start, end)`` of a model of ``num_layers`` layers."""
+        return self.stages[stage] if self.stages else (0, num_layers)
+
+    @staticmethod
+    def split_layers(num_layers: int, pp_size: int, partition: list[int] | None = None) -> tuple[tuple[int, int], ...]:
+        """``num_layers`` decoder layers over ``pp_size`` stages, ``[start, end)`` each: ``partition``'s counts,
+        or as even as possible with the remainder one each on the stages before the last, from the
+        second-to-last back (the last stage also runs the final norm and the LM head; vLLM's rule):
+        22 over 3 -> 7, 8, 7; 10 over 4 -> 2, 3, 3, 2. Empty for one stage.
+
+        Raises:
+            tpengine.errors.UserError: more stages than layers, or a partition that does not sum to
+                ``num_layers``, naming the numbers.
+        """
+        if pp_size == 1 and partition is None:
+            return ()
+        if pp_size > num_layers:
+            raise UserError(f"pipeline_parallel_size={pp_size} is more stages than the model's {num_layers} layers; "
+                            f"use at most {num_layers}")
+        if partition is None:
+            partition = [num_layers // pp_size] * pp_size
+            for i in range(num_layers % pp_size):
+                partition[-2 - i] += 1
+        if sum(partition) != num_layers:
+            raise UserError(f"pp_layer_partition={','.join(map(str, partition))!r} holds {sum(partition)} layers, "
+                            f"but the model has {num_layers}; the counts must sum to {num_layers}")
+        bounds = [0]
+        for c in partition:
+            bounds.append(bounds[-1] + c)
+        return tuple(zip(bounds, bounds[1:])) if pp_size > 1 else ()
 
     @staticmethod
     def dims(hf_config: Any) -> dict[str, int]:
@@ -178,17 +221,20 @@ class ShardPlan:
         return list(range(1, cls.dims(hf_config)["num_heads"] + 1))
 
     @classmethod
-    def build(cls, hf_config: Any, tp_size: int, expert_parallel: bool = False) -> ShardPlan:
+    def build(cls, hf_config: Any, tp_size: int, expert_parallel: bool = False, pp_size: int = 1,
+              layer_partition: list[int] | None = None) -> ShardPlan:
         """Partition ``hf_config`` over ``tp_size`` ranks; a mixture-of-experts model's routed experts
         split by their intermediate (default) or, with ``expert_parallel``, as whole experts per rank
-        (a dense model ignores it, as vLLM does).
+        (a dense model ignores it, as vLLM does); its decoder layers over ``pp_size`` pipeline stages
+        (:meth:`split_layers`, ``layer_partition`` the count per stage or None).
 
         Raises:
             ValueError: ``tp_size`` not an integer.
             tpengine.errors.UserError: ``tp_size`` outside ``1..num_attention_heads``, or
                 num_attention_heads not a multiple of num_key_value_heads; a MoE model whose experts
                 (``expert_parallel``) or expert intermediate (tensor parallel) are fewer than the
-                ranks; the message names the values.
+                ranks; more stages than layers or a partition of another layer count
+                (:meth:`split_layers`); the message names the values.
         """
         d = cls.dims(hf_config)
         nh, nkv = d["num_heads"], d["num_kv_heads"]
@@ -230,7 +276,9 @@ class ShardPlan:
             )
         return cls(tp_size=tp_size, padded_vocab_size=padded_vocab, ranks=tuple(ranks), num_experts=num_experts,
                    moe_intermediate_size=moe_inter, expert_parallel=bool(expert_parallel and num_experts),
-                   top_k=int(getattr(hf_config, "num_experts_per_tok", 0) or 0) if num_experts else 0, **d)
+                   top_k=int(getattr(hf_config, "num_experts_per_tok", 0) or 0) if num_experts else 0,
+                   stages=cls.split_layers(int(getattr(hf_config, "num_hidden_layers", 0) or 0), pp_size,
+                                           layer_partition), **d)
 
     def holds_expert(self, expert: int, rank: int) -> bool:
         """Whether rank ``rank`` holds routed expert ``expert`` (every rank does under tensor parallelism)."""
@@ -362,6 +410,7 @@ class ShardPlan:
             )
             for r in d.pop("ranks")
         )
+        d["stages"] = tuple(tuple(s) for s in d.get("stages", ()))
         return cls(ranks=ranks, **d)
 
 

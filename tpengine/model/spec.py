@@ -10,6 +10,7 @@ second time.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,11 +49,13 @@ class ModelSpec:
         return AutoConfig.from_pretrained(folder)
 
     @classmethod
-    def from_config(cls, folder: str | Path, hf_config: Any, tp: TPInfo, expert_parallel: bool = False) -> ModelSpec:
+    def from_config(cls, folder: str | Path, hf_config: Any, tp: TPInfo, expert_parallel: bool = False,
+                    layer_partition: list[int] | None = None) -> ModelSpec:
         """The spec of ``folder`` whose config :meth:`read_config` has read as ``hf_config``, for the
         launch ``tp``: a shard folder's manifest checked against it (:func:`check_manifest`), a full
         folder's plan built (:meth:`ShardPlan.build`; ``expert_parallel``: a MoE model's experts whole per
-        rank, ``EngineConfig.enable_expert_parallel``).
+        rank, ``EngineConfig.enable_expert_parallel``; ``tp.pp_size`` pipeline stages of
+        ``layer_partition``'s layer counts, or as even as possible).
 
         Raises:
             tpengine.model.shard_folder.CheckpointMismatchError: a shard folder made for another tp
@@ -64,7 +67,10 @@ class ModelSpec:
         folder = Path(folder)
         sharded = is_shard_folder(folder)
         plan = (check_manifest(folder, hf_config, tp, expert_parallel) if sharded
-                else ShardPlan.build(hf_config, tp.size, expert_parallel))
+                else ShardPlan.build(hf_config, tp.size, expert_parallel, tp.pp_size, layer_partition))
+        if sharded and tp.pp_size > 1 and not plan.stages:  # a TP split run in stages: each reads its layers
+            stages = ShardPlan.split_layers(int(hf_config.num_hidden_layers), tp.pp_size, layer_partition)
+            plan = dataclasses.replace(plan, stages=stages)
         return cls(folder, hf_config, plan, sharded)
 
     @classmethod

@@ -135,7 +135,7 @@ def _kv_share(plan: P.ShardPlan, rank: int) -> tuple[float, ...]:
 
 
 def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, device: torch.device,
-                cpu_kernels: bool = True) -> nn.Module:
+                cpu_kernels: bool = True, stage: int = 0) -> nn.Module:
     """This rank's tensor-parallel model in its final form, weights still on meta.
 
     Builds HF's model for ``hf_config`` on the meta device, then swaps, by name, each decoder
@@ -153,6 +153,12 @@ def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, dev
     element-wise ops object of the model, ``device``'s platform's
     (:meth:`tpengine.backends.platform.Platform.fused_ops`; ``cpu_kernels``: on the CPU the C kernels
     where they take the tensors, ``EngineConfig.cpu_kernels``).
+
+    Pipeline stage ``stage`` of ``plan.pp_size`` keeps only its decoder layers
+    (:meth:`~tpengine.model.plan.ShardPlan.stage_layers`; the stack's ``layer_offset`` is the first one's
+    index, so checkpoint names stay global), the embedding on the first stage (and on the last when the
+    embeddings are tied: the LM head's weight), the final norm and the LM head on the last; what a stage
+    does not hold is None.
 
     Raises:
         UserError: a model type or config feature tpengine does not run (naming it and the families
@@ -180,16 +186,23 @@ def build_model(hf_config, plan: P.ShardPlan, rank: int, dtype: torch.dtype, dev
     if "layer_type" in inspect.signature(rotary.forward).parameters:  # one table per layer type (Gemma 3)
         rope_types = list(stack.config.layer_types[: len(roles)])
     rp, hidden = plan.ranks[rank], plan.hidden_size
-    embed = VocabParallelEmbedding(*rp.vocab, plan.vocab_size, hidden, dtype=dtype)
-    model.model = stack = DecoderStack(stack.config, embed, stack.layers, b.norm(stack.norm), rotary, reduce_in_norm,
-                                       roles, family.embed_scale(hf_config, dtype), residual_scale, rope_types)
+    lo, hi = plan.stage_layers(stage, len(roles))  # (every layer was swapped: reduce_in_norm is the model's)
+    first, last = stage == 0, stage == plan.pp_size - 1
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    embed = (VocabParallelEmbedding(*rp.vocab, plan.vocab_size, hidden, dtype=dtype)
+             if first or (last and tied) else None)
+    layers = stack.layers if (lo, hi) == (0, len(roles)) else nn.ModuleList(list(stack.layers)[lo:hi])
+    model.model = stack = DecoderStack(stack.config, embed, layers, b.norm(stack.norm) if last else None, rotary,
+                                       reduce_in_norm, roles[lo:hi], family.embed_scale(hf_config, dtype),
+                                       residual_scale, rope_types[lo:hi])
+    stack.layer_offset, stack.first_stage = lo, first
     if getattr(rotary, "rope_type", None) == "longrope":  # (Phi-3's long contexts: per sequence, DecoderStack._rope)
         stack.longrope_bound = int(rotary.config.rope_parameters["original_max_position_embeddings"])
         stack.longrope_past = torch.tensor([stack.longrope_bound], dtype=torch.int64, device=device)
     model.lm_head = ParallelLMHead(*rp.vocab, plan.vocab_size, hidden, dtype=dtype, ops=b.ops,
                                    divisor=family.logits_divisor(hf_config, dtype),
-                                   soft_cap=family.logits_soft_cap(hf_config, dtype))
-    if getattr(hf_config, "tie_word_embeddings", False):
+                                   soft_cap=family.logits_soft_cap(hf_config, dtype)) if last else None
+    if tied and last:
         model.lm_head.weight = stack.embed_tokens.weight
     left = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
     if left:
@@ -328,11 +341,16 @@ def checkpoint_targets(model: nn.Module, tied: bool) -> dict[str, Target]:
     """Checkpoint tensor name (HF's, e.g. ``model.layers.0.self_attn.k_proj.weight``) -> its
     :class:`Target`, for every parameter of ``model``: a merged layer's part ``k_proj`` of
     ``...self_attn.qkv_proj`` takes the checkpoint's ``...self_attn.k_proj.*``. A tied
-    ``lm_head.weight`` has no target (the LM head shares the embedding)."""
+    ``lm_head.weight`` has no target (the LM head shares the embedding). A pipeline stage's layer ``i``
+    is the checkpoint's ``model.layers.<layer_offset + i>``."""
     from tpengine.model.layers.linear import MergedColumnParallelLinear
 
     out: dict[str, Target] = {}
+    offset = getattr(getattr(model, "model", None), "layer_offset", 0)
     for name, module in model.named_modules():
+        if offset and name.startswith("model.layers."):
+            index, _, rest = name.removeprefix("model.layers.").partition(".")
+            name = f"model.layers.{int(index) + offset}" + (f".{rest}" if rest else "")
         prefix = name.rsplit(".", 1)[0] + "." if "." in name else ""
         for attr, p in module.named_parameters(recurse=False):
             if tied and module is model.get_output_embeddings():
@@ -343,6 +361,25 @@ def checkpoint_targets(model: nn.Module, tied: bool) -> dict[str, Target]:
             else:
                 out[f"{name}.{attr}"] = Target(module, attr, 0, p.shape[0])
     return out
+
+
+def stage_holds(plan: P.ShardPlan, name: str, stage: int, num_layers: int, tied: bool) -> bool:
+    """Whether pipeline stage ``stage`` of ``plan`` (a model of ``num_layers`` decoder layers, ``tied``
+    embeddings) keeps checkpoint tensor ``name``: a layer's if the layer is in its range, the embedding on
+    the first stage (and the last when tied), the final norm and the LM head on the last; anything else
+    on every stage. Always True with one stage."""
+    if plan.pp_size == 1:
+        return True
+    first, last = stage == 0, stage == plan.pp_size - 1
+    if name.startswith("model.layers."):
+        lo, hi = plan.stage_layers(stage, num_layers)
+        index = name.removeprefix("model.layers.").partition(".")[0]
+        return not index.isdigit() or lo <= int(index) < hi
+    if name.startswith("model.embed_tokens."):
+        return first or (last and tied)
+    if name.startswith(("model.norm.", "lm_head.")):
+        return last
+    return True
 
 
 def check_model_limits(hf_config, max_model_len: int) -> None:

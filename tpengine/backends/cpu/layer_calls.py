@@ -96,7 +96,8 @@ def bind_stack(stack, cpu_kernels: bool) -> int:
     were bound."""
     layers = list(stack.layers[: stack.config.num_hidden_layers])
     norms = stack.norms()
-    cpu_kernels = cpu_kernels and stack.norm.weight.device.type == "cpu"  # (the CPU backend may run on CUDA)
+    # (the CPU backend may run on CUDA; norms[0]: a pipeline stage before the last has no final norm)
+    cpu_kernels = cpu_kernels and norms[0].weight.device.type == "cpu"
     count = 0
     # the activations' dtype (a Gemma's norm weights are float32 beside them): the embedding's, or the KV cache's
     # where the embedding is quantized
@@ -108,6 +109,6 @@ def bind_stack(stack, cpu_kernels: bool) -> int:
         count += norm.bound is not None
     for layer in layers:  # a MoE block's experts (gated_mlps) each get their own
         for mlp in layer.mlp.gated_mlps() if hasattr(layer.mlp, "gated_mlps") else (layer.mlp,):
-            mlp.bound_act = bind_act(mlp, act or stack.norm.weight.dtype) if cpu_kernels else None
+            mlp.bound_act = bind_act(mlp, act or norms[0].weight.dtype) if cpu_kernels else None
             count += mlp.bound_act is not None
     return count

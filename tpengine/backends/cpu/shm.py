@@ -180,8 +180,8 @@ def init_shm(tp: dist.TPInfo, slot_bytes: int, timeout_s: float) -> bool:
     """Collective (every rank calls it, once, at start-up): when :func:`shm_supported`, route the
     layers' all-reduce and gather through a :class:`ShmComm` of ``slot_bytes`` per rank
     (installed with :func:`tpengine.distributed.install_activation_comm`); otherwise leave
-    torch.distributed's. Rank 0 creates the file and broadcasts its name; it is unlinked once
-    every rank has mapped it. Returns whether shared memory is in use.
+    torch.distributed's. The driver broadcasts the file's name (one per pipeline stage) and each TP
+    group's rank 0 creates it; it is unlinked once every rank has mapped it. Returns whether shared memory is in use.
 
     Raises:
         RuntimeError: a peer died or stalled past ``timeout_s`` (from the control-group calls).
@@ -191,7 +191,9 @@ def init_shm(tp: dist.TPInfo, slot_bytes: int, timeout_s: float) -> bool:
         return False
     token = torch.tensor([random.getrandbits(62) if tp.is_driver else 0], dtype=torch.int64)
     path = f"/dev/shm/tpengine-{int(dist.broadcast_control(token)):x}"
-    if tp.is_driver:
+    if tp.pp_size > 1:  # one file per pipeline stage's TP group (the control group spans the stages)
+        path += f"-stage{tp.pp_rank}"
+    if tp.rank == 0:
         try:
             comm = ShmComm(tp.rank, tp.size, path, slot_bytes, timeout_s)
             dist.all_reduce_min(0)  # created ...

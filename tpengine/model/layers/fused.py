@@ -259,7 +259,18 @@ class DecoderStack(nn.Module):
 
     Shapes: ``input_ids``, ``positions [N]`` int64 (the step's sequences packed back to back,
     described by ``ctx``) -> ``[N, hidden]``.
+
+    A pipeline stage's stack (:func:`tpengine.model.surgery.build_model` with ``stage``) holds its own
+    layers only (``layer_offset``: the first one's index in the model): a stage after the first has no
+    embedding and takes ``intermediate``, the previous stage's ``(h, delta)`` (the residual stream and the
+    last block's output, not yet added: under ``reduce_in_norm`` this rank's partial sum, which this
+    stage's first norm all-reduces with its TP peers'), and a stage before the last has no final norm and
+    returns its own ``(h, delta)`` (each ``[N, hidden]``) for the next stage.
     """
+
+    #: a pipeline stage's first layer's index in the model, and whether the stage is the first
+    layer_offset: int = 0
+    first_stage: bool = True
 
     def __init__(self, config, embed_tokens: nn.Module, layers: nn.ModuleList, norm: RMSNorm,
                  rotary_emb: nn.Module, reduce_in_norm: bool, roles: list[tuple] | None = None,
@@ -326,15 +337,20 @@ class DecoderStack(nn.Module):
     longrope_past: torch.Tensor | None = None
 
     def norms(self) -> list[RMSNorm]:
-        """Every norm of the stack: the final one, then each layer's in role order (what a backend binds)."""
-        return [self.norm] + [n for roles in self.roles for n in roles if n is not None]
+        """Every norm of the stack: the final one (a pipeline stage's before the last has none), then each
+        layer's in role order (what a backend binds)."""
+        return [n for n in (self.norm,) if n is not None] + [n for roles in self.roles for n in roles if n is not None]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            h = h * self.embed_scale
-        tables = {kind: self._rope(h, positions, ctx, kind) for kind in set(self.rope_types)}
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
         delta = None  # each block's output, added to the residual stream by the next norm (fused on CPU)
+        if intermediate is None:
+            h = self.embed_tokens(input_ids)
+            if self.embed_scale is not None:
+                h = h * self.embed_scale
+        else:  # a later pipeline stage: the previous one's residual stream and last output
+            h, delta = intermediate
+        tables = {kind: self._rope(h, positions, ctx, kind) for kind in set(self.rope_types)}
         fuse = self.reduce_in_norm  # tp > 1: the blocks' all-reduces run in the next norm
         keep = not fuse
         for norm1, attn, post1, norm2, mlp, post2, rope in self.layer_calls():  # (called directly: no hooks)
@@ -346,4 +362,6 @@ class DecoderStack(nn.Module):
             delta = mlp(x, keep)
             if post2 is not None:
                 delta = post2(delta)
+        if self.norm is None:  # a pipeline stage before the last: the next stage goes on from here
+            return h, delta
         return self.norm.add_forward(h, delta, fuse)[1]
