@@ -45,12 +45,14 @@ FAMILY_DEFAULTS = {
     "mixtral": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
     "qwen3_moe": dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1],
                       head_dim=16, norm_topk_prob=True),
+    "qwen2_moe": dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1],
+                      shared_expert_intermediate_size=48, norm_topk_prob=False),
 }
 
 
 def tiny_config(arch: str = "llama", **overrides):
     """A transformers config for a tiny ``arch`` model (llama, mistral, qwen2, qwen3, gemma, gemma2,
-    gemma3_text, phi3, olmo2, olmo3, granite, mixtral, qwen3_moe) with :data:`TINY_DEFAULTS` and the family's
+    gemma3_text, phi3, olmo2, olmo3, granite, mixtral, qwen3_moe, qwen2_moe) with :data:`TINY_DEFAULTS` and the family's
     :data:`FAMILY_DEFAULTS` updated by ``overrides``.
 
     Raises:
@@ -61,7 +63,7 @@ def tiny_config(arch: str = "llama", **overrides):
     classes = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config,
                "gemma": T.GemmaConfig, "gemma2": T.Gemma2Config, "gemma3_text": T.Gemma3TextConfig,
                "phi3": T.Phi3Config, "olmo2": T.Olmo2Config, "olmo3": T.Olmo3Config, "granite": T.GraniteConfig,
-               "mixtral": T.MixtralConfig, "qwen3_moe": T.Qwen3MoeConfig}
+               "mixtral": T.MixtralConfig, "qwen3_moe": T.Qwen3MoeConfig, "qwen2_moe": T.Qwen2MoeConfig}
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(classes)}")
     return classes[arch](**{**TINY_DEFAULTS, **FAMILY_DEFAULTS.get(arch, {}), **overrides})

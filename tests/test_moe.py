@@ -1,6 +1,7 @@
 """Mixture-of-experts models (issue 56): tiny random Mixtral and Qwen3-MoE (8 experts, top 2, 3 layers; Qwen3-MoE's
 layer 1 dense through ``mlp_only_layers``) token for token equal to HF ``generate`` in float32, under tensor
-parallelism at tp 1 (``LLM``), 2, 3 and 4 and expert parallelism at 2 and 3 ranks (8 experts: 4+4, 3+3+2),
+parallelism at tp 1 (``LLM``), 2, 3 and 4 and expert parallelism at 2 and 3 ranks (8 experts: 4+4, 3+3+2)
+(Qwen2-MoE, its shared expert behind a sigmoid gate: TP and EP at 2 ranks),
 with chunked prefill, a prefix-cache hit, n-gram speculation and per-expert int8 weights; the batch job at
 EP 3; the grouped expert step against a per-token loop; the plan's expert layout; the refusals.
 
@@ -19,7 +20,10 @@ from launch import cli, run_engine_jobs
 
 from tpengine.errors import UserError
 
-MODELS = {"mixtral": "mixtral", "qwen3moe": "qwen3_moe"}
+MODELS = {"mixtral": "mixtral", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+#: rank count -> the models and layouts run there (Qwen2-MoE's shared expert: TP and EP at 2 ranks only)
+LAYOUTS = {2: {"mixtral": ("tp", "ep"), "qwen3moe": ("tp", "ep"), "qwen2moe": ("tp", "ep")},
+           3: {"mixtral": ("tp", "ep"), "qwen3moe": ("tp", "ep")}, 4: {"mixtral": ("tp",), "qwen3moe": ("tp",)}}
 NEW = 10
 GREEDY = {"temperature": 0.0, "max_tokens": NEW, "ignore_eos": True}
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
@@ -45,7 +49,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     # (hidden 64, intermediate 96 for Qwen3-MoE's dense layer; each expert 32 wide: int8's rows of 16)
     out = {name: make_tiny_model(root, arch, name=name, seed=4, num_hidden_layers=3, intermediate_size=96
-                                 if arch == "qwen3_moe" else 32) for name, arch in MODELS.items()}
+                                 if arch != "mixtral" else 32) for name, arch in MODELS.items()}
     state = AutoModelForCausalLM.from_pretrained(out["qwen3moe"]).state_dict()
     assert "model.layers.0.mlp.experts.gate_up_proj" in state
     save_file({k: v.contiguous() for k, v in state.items()}, out["qwen3moe"] / "model.safetensors",
@@ -71,13 +75,14 @@ def reqs(ids=None) -> list[list]:
 
 def jobs_for(models, ranks: int) -> list[dict]:
     jobs = []
-    for name, d in models.items():
-        for ep in (False, True) if ranks in (2, 3) else (False,):
-            key = f"{name}/{'ep' if ep else 'tp'}"
+    for name, layouts in LAYOUTS[ranks].items():
+        d = models[name]
+        for layout in layouts:
             # chunks of 16 tokens, the shared prompt after the one it shares with (a prefix-cache hit)
-            jobs.append({"key": key, "config": cfg(d, max_num_batched_tokens=16, enable_expert_parallel=ep),
+            jobs.append({"key": f"{name}/{layout}", "config": cfg(d, max_num_batched_tokens=16,
+                                                                 enable_expert_parallel=layout == "ep"),
                          "waves": [reqs([0, 1, 2, 3, 5]), reqs([4])]})
-        if ranks == 2:
+        if ranks == 2 and name != "qwen2moe":
             jobs.append({"key": f"{name}/spec", "config": cfg(d, speculative_config=SPEC, num_kv_blocks=6),
                          "requests": reqs()})
             for ep in (False, True):
@@ -104,14 +109,14 @@ def tokens(result: dict) -> list[list[int]]:
 @pytest.mark.parametrize("name", list(MODELS))
 def test_tp_and_ep_equal_hf(hf, results, name):
     """TP at 2, 3, 4 and EP at 2 and 3 ranks: HF's tokens, with chunked prefill and a prefix-cache hit."""
-    for ranks, layouts in ((2, ("tp", "ep")), (3, ("tp", "ep")), (4, ("tp",))):
-        for layout in layouts:
+    for ranks in LAYOUTS:
+        for layout in LAYOUTS[ranks].get(name, ()):
             job = results[ranks][f"{name}/{layout}"]
             assert tokens(job) == hf[name], (ranks, layout)
             assert job["stats"]["cached_prompt_tokens"] >= 32, job["stats"]
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", ["mixtral", "qwen3moe"])
 def test_speculation_and_int8_experts(hf, results, name):
     """n-gram speculation with preemption at tp 2 keeps HF's tokens; int8 experts (quantized per expert) give
     the same tokens under TP and EP (per-channel scales: a row's whole max either way)."""
@@ -182,7 +187,7 @@ def test_plan_expert_layout_and_refusals():
     """The plan: TP splits each expert's intermediate, EP gives whole experts (8 on 3 ranks: 3, 3, 2) and
     survives its manifest round trip; the refusals name the numbers before any weight is read."""
     from tpengine.model.families import check_config
-    from tpengine.model.plan import EXPERT_COLUMN, EXPERT_ROW, ShardPlan
+    from tpengine.model.plan import EXPERT_COLUMN, EXPERT_ROW, SHARED_ROW, ShardPlan
     from tpengine.model.surgery import holds, kind_of
 
     mix = tiny_config("mixtral")
@@ -196,6 +201,10 @@ def test_plan_expert_layout_and_refusals():
     name = "model.layers.0.mlp.experts.4.{}.weight"
     assert kind_of(name.format("gate_proj"), 2) == EXPERT_COLUMN and kind_of(name.format("down_proj"), 2) == EXPERT_ROW
     assert kind_of("model.layers.0.mlp.gate.weight", 2) == "replicated"
+    q2 = ShardPlan.build(tiny_config("qwen2_moe"), 3, expert_parallel=True)  # the shared expert: split as a dense MLP
+    assert [rp.shared_expert_intermediate for rp in q2.ranks] == [(0, 16), (16, 32), (32, 48)]
+    assert kind_of("model.layers.0.mlp.shared_expert.down_proj.weight", 2) == SHARED_ROW
+    assert kind_of("model.layers.0.mlp.shared_expert_gate.weight", 2) == "replicated"
     assert [holds(ep, name.format("up_proj"), r) for r in range(3)] == [False, True, False]
     assert tp.slice_spec(EXPERT_ROW, False, 2) == (1, 22, 32) and ep.slice_spec(EXPERT_ROW, False, 2) == (1, 0, 32)
     from tpengine.model.quant.weights import QuantScheme, check_quantization

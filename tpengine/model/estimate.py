@@ -45,13 +45,15 @@ def activation_bytes(plan: ShardPlan, rank: int, elem: int, step_tokens: int, ma
     """The largest step's live activations on ``rank``: for ``step_tokens`` tokens the residual
     stream, the normed input and a block's output (3 x hidden), the q/k/v GEMM output, and the
     gate/up output with SiLU's product (3 x local intermediate; in a MoE layer the larger of that and
-    ``top_k`` experts' rows of the local expert intermediate, the routed rows' copy and output and
-    the float32 router scores); plus the LM head's float32 logits of ``max_num_seqs`` rows of the
-    local vocabulary."""
+    ``top_k`` experts' rows of the local expert intermediate, the routed rows' copy and output, the
+    float32 router scores and a shared expert's local intermediate); plus the LM head's float32
+    logits of ``max_num_seqs`` rows of the local vocabulary."""
     rp, hd = plan.ranks[rank], plan.head_dim
     mlp = 3 * rp.intermediate_size
     if plan.num_experts:
-        moe = plan.top_k * (3 * rp.expert_intermediate_size + 2 * plan.hidden_size) + 4 * plan.num_experts // elem
+        shared = rp.shared_expert_intermediate[1] - rp.shared_expert_intermediate[0]
+        moe = (plan.top_k * (3 * rp.expert_intermediate_size + 2 * plan.hidden_size) + 4 * plan.num_experts // elem
+               + 3 * shared)
         mlp = max(mlp, moe)
     per_token = 3 * plan.hidden_size + (rp.num_q_heads + 2 * rp.num_kv_heads) * hd + mlp
     return step_tokens * per_token * elem + max_num_seqs * rp.vocab_size * 4 * 2

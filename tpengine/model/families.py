@@ -152,6 +152,10 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family("Qwen3-MoE", "Qwen3MoeModel", moe=MoE(
         "num_experts", "moe_intermediate_size", renormalize="norm_topk_prob", weights_in_dtype=True,
         dense=_qwen3_moe_dense)),
+    # Qwen3-MoE's router and layer rule, plus a shared expert behind a sigmoid gate on every sparse layer
+    "qwen2_moe": Family("Qwen2-MoE", "Qwen2MoeModel", moe=MoE(
+        "num_experts", "moe_intermediate_size", renormalize="norm_topk_prob", weights_in_dtype=True,
+        dense=_qwen3_moe_dense)),
 }
 
 

@@ -18,7 +18,8 @@ Layout (see docs/design.md):
   parallelism (the default) every rank holds every expert, each expert's intermediate split as the
   dense MLP's (``expert_intermediate``, contiguous, as even as possible); under expert parallelism
   (``enable_expert_parallel``, vLLM's flag) each rank holds whole experts, a contiguous range as even
-  as possible (8 experts on 3 ranks -> 3, 3, 2: ``experts``). Either way a rank's experts give a
+  as possible (8 experts on 3 ranks -> 3, 3, 2: ``experts``); a shared expert (Qwen2-MoE) is split as
+  a dense MLP under both (``shared_expert_intermediate``). Either way a rank's experts give a
   partial sum of the layer's output and one all-reduce per layer combines them; the router
   (``mlp.gate``) is replicated, attention stays split by heads;
 * pipeline stages (``pipeline_parallel_size``, vLLM's): the decoder layers split into contiguous ranges,
@@ -48,7 +49,9 @@ VOCAB = "vocab"  # rows split by padded vocabulary (embed_tokens, lm_head)
 REPLICATED = "replicated"  # norms, a MoE router and anything else held whole
 EXPERT_COLUMN = "expert_column"  # a routed expert's gate_proj/up_proj: rows by its intermediate (TP), whole (EP)
 EXPERT_ROW = "expert_row"  # a routed expert's down_proj: columns by its intermediate (TP), whole (EP)
-KINDS = (Q, K, V, COLUMN, ROW_HEADS, ROW, VOCAB, REPLICATED, EXPERT_COLUMN, EXPERT_ROW)
+SHARED_COLUMN = "shared_column"  # a shared expert's gate_proj/up_proj (Qwen2-MoE): rows by its intermediate
+SHARED_ROW = "shared_row"  # a shared expert's down_proj: columns by its intermediate
+KINDS = (Q, K, V, COLUMN, ROW_HEADS, ROW, VOCAB, REPLICATED, EXPERT_COLUMN, EXPERT_ROW, SHARED_COLUMN, SHARED_ROW)
 EXPERT_KINDS = (EXPERT_COLUMN, EXPERT_ROW)
 
 
@@ -73,7 +76,8 @@ class RankPlan:
     ``experts``: the routed experts this rank holds (all of them under tensor parallelism, its own
     range under expert parallelism; ``(0, 0)`` for a dense model); ``expert_intermediate``: the part of
     each held expert's intermediate (its slice under tensor parallelism, the whole under expert
-    parallelism).
+    parallelism); ``shared_expert_intermediate``: its slice of a shared expert's intermediate (Qwen2-MoE's
+    ``shared_expert``, split as a dense MLP under either layout).
     """
 
     rank: int
@@ -84,6 +88,7 @@ class RankPlan:
     vocab: tuple[int, int]
     experts: tuple[int, int] = (0, 0)
     expert_intermediate: tuple[int, int] = (0, 0)
+    shared_expert_intermediate: tuple[int, int] = (0, 0)
 
     @property
     def num_experts(self) -> int:
@@ -118,8 +123,9 @@ class ShardPlan:
     manifest stores it). ``ranks[r]`` is rank ``r``'s :class:`RankPlan`. A mixture-of-experts model
     has ``num_experts`` routed experts per sparse layer of ``moe_intermediate_size`` each, ``top_k`` of
     them per token (``num_experts_per_tok``), laid out by ``expert_parallel`` (see the module
-    docstring; 0, 0, False, 0 for a dense model); which tensors are an expert's and whose:
-    :func:`tpengine.model.surgery.kind_of`, :func:`tpengine.model.surgery.expert_of`,
+    docstring; 0, 0, False, 0 for a dense model), and a shared expert of
+    ``shared_expert_intermediate_size`` (0: none) split as a dense MLP; which tensors are an expert's
+    and whose: :func:`tpengine.model.surgery.kind_of`, :func:`tpengine.model.surgery.expert_of`,
     :func:`tpengine.model.surgery.holds`, :meth:`holds_expert`.
     """
 
@@ -136,6 +142,7 @@ class ShardPlan:
     moe_intermediate_size: int = 0
     expert_parallel: bool = False
     top_k: int = 0
+    shared_expert_intermediate_size: int = 0
     #: each pipeline stage's decoder layers ``[start, end)``; empty: one stage holding every layer
     stages: tuple[tuple[int, int], ...] = ()
 
@@ -256,6 +263,7 @@ class ShardPlan:
         num_experts, moe_inter = cls.expert_dims(hf_config)
         experts, expert_inter = _expert_layout(num_experts, moe_inter, tp_size, expert_parallel,
                                                getattr(hf_config, "model_type", "?"))
+        shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0) if num_experts else 0
         ranks = []
         for r, ((q0, q1), (i0, i1)) in enumerate(
             zip(split_even(nh, tp_size), split_even(d["intermediate_size"], tp_size))
@@ -272,11 +280,13 @@ class ShardPlan:
                     vocab=(r * per_rank_vocab, (r + 1) * per_rank_vocab),
                     experts=experts[r],
                     expert_intermediate=expert_inter[r],
+                    shared_expert_intermediate=split_even(shared, tp_size)[r] if shared else (0, 0),
                 )
             )
         return cls(tp_size=tp_size, padded_vocab_size=padded_vocab, ranks=tuple(ranks), num_experts=num_experts,
                    moe_intermediate_size=moe_inter, expert_parallel=bool(expert_parallel and num_experts),
                    top_k=int(getattr(hf_config, "num_experts_per_tok", 0) or 0) if num_experts else 0,
+                   shared_expert_intermediate_size=shared,
                    stages=cls.split_layers(int(getattr(hf_config, "num_hidden_layers", 0) or 0), pp_size,
                                            layer_partition), **d)
 
@@ -323,6 +333,10 @@ class ShardPlan:
             return (0, *rp.expert_intermediate)
         if kind == EXPERT_ROW and not is_bias:
             return (1, *rp.expert_intermediate)
+        if kind == SHARED_COLUMN:
+            return (0, *rp.shared_expert_intermediate)
+        if kind == SHARED_ROW and not is_bias:
+            return (1, *rp.shared_expert_intermediate)
         if is_bias or kind == REPLICATED:
             return None
         if kind == ROW_HEADS:
@@ -385,6 +399,8 @@ class ShardPlan:
             ROW: self.intermediate_size,
             EXPERT_COLUMN: self.moe_intermediate_size,
             EXPERT_ROW: self.moe_intermediate_size,
+            SHARED_COLUMN: self.shared_expert_intermediate_size,
+            SHARED_ROW: self.shared_expert_intermediate_size,
         }[kind]
 
     # ------------------------------------------------------------- serialise
@@ -407,6 +423,7 @@ class ShardPlan:
                 vocab=tuple(r["vocab"]),
                 experts=tuple(r.get("experts", (0, 0))),
                 expert_intermediate=tuple(r.get("expert_intermediate", (0, 0))),
+                shared_expert_intermediate=tuple(r.get("shared_expert_intermediate", (0, 0))),
             )
             for r in d.pop("ranks")
         )

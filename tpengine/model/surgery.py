@@ -37,7 +37,11 @@ LAYER_KINDS: dict[str, str] = {
     "embed_tokens": P.VOCAB,
     "lm_head": P.VOCAB,
     "gate": P.REPLICATED,  # a MoE layer's router (mlp.gate), held whole on every rank
+    "shared_expert_gate": P.REPLICATED,  # Qwen2-MoE's shared expert's sigmoid gate [1, hidden]
 }
+
+#: a shared expert's leaf name -> its kind (tensors under ``...mlp.shared_expert.``)
+SHARED_KINDS: dict[str, str] = {"gate_proj": P.SHARED_COLUMN, "up_proj": P.SHARED_COLUMN, "down_proj": P.SHARED_ROW}
 
 #: a routed expert's leaf name -> its kind (tensors under ``...mlp.experts.<E>.``: :func:`expert_of`)
 EXPERT_KINDS: dict[str, str] = {"gate_proj": P.EXPERT_COLUMN, "up_proj": P.EXPERT_COLUMN, "down_proj": P.EXPERT_ROW}
@@ -55,7 +59,8 @@ def kind_of(param_name: str, ndim: int, numel: int | None = None, head_dim: int 
     1-D tensors not in the table (norm weights, per-head q_norm/k_norm) are replicated; a q_norm/k_norm
     of more than ``head_dim`` elements is split as the query/key heads are. A routed expert's tensor
     (tpengine's name ``...mlp.experts.<E>.gate_proj|up_proj|down_proj.weight``, see
-    :func:`tpengine.model.families.checkpoint_name`) is an expert kind (:data:`EXPERT_KINDS`).
+    :func:`tpengine.model.families.checkpoint_name`) is an expert kind (:data:`EXPERT_KINDS`), a shared
+    expert's (``...mlp.shared_expert.<leaf>.weight``) a shared kind (:data:`SHARED_KINDS`).
 
     Raises:
         ValueError: a 2-D or larger tensor whose module is not in the table; it would otherwise
@@ -65,6 +70,8 @@ def kind_of(param_name: str, ndim: int, numel: int | None = None, head_dim: int 
     leaf = parts[-2] if len(parts) >= 2 else parts[-1]
     if leaf in EXPERT_KINDS and expert_of(param_name) is not None:
         return EXPERT_KINDS[leaf]
+    if leaf in SHARED_KINDS and len(parts) >= 3 and parts[-3] == "shared_expert":
+        return SHARED_KINDS[leaf]
     if leaf in LAYER_KINDS:
         return LAYER_KINDS[leaf]
     if leaf in PROJECTION_NORM_KINDS and ndim == 1 and numel is not None and head_dim and numel != head_dim:
@@ -295,15 +302,23 @@ class _Builder:
         Raises:
             UserError: HF's block has no router or no activation, or experts of another count than the plan's.
         """
+        from tpengine.model.layers.fused import FusedMLP
         from tpengine.model.layers.moe import MoEBlock
 
         experts, moe, rp = mlp.experts, self.family.moe, self.plan.ranks[self.rank]
         act = getattr(experts, "act_fn", None)
         if _child(mlp, "gate") is None or act is None or int(experts.num_experts) != self.plan.num_experts:
             raise _unsupported("MoE block", type(mlp).__name__, self.hf_config)
+        shared = None
+        if _child(mlp, "shared_expert") is not None:  # Qwen2-MoE: split as a dense MLP, its own partial sum
+            if _child(mlp, "shared_expert_gate") is None:
+                raise _unsupported("MoE block", type(mlp).__name__, self.hf_config)
+            rp_shared = rp.shared_expert_intermediate[1] - rp.shared_expert_intermediate[0]
+            shared = FusedMLP(self.plan.hidden_size, rp_shared, False, False, mlp.shared_expert.act_fn, self.dtype,
+                              self.ops)
         return MoEBlock(self.plan.hidden_size, self.plan.num_experts, int(self.hf_config.num_experts_per_tok),
                         rp.experts, rp.expert_intermediate_size, self.plan.expert_parallel,
-                        moe.renormalizes(self.hf_config), moe.weights_in_dtype, act, self.dtype, self.ops)
+                        moe.renormalizes(self.hf_config), moe.weights_in_dtype, act, self.dtype, self.ops, shared)
 
     def swap_layer(self, layer: nn.Module, config: Any) -> tuple:
         """Swap HF's decoder ``layer``'s attention, MLP and norms in place; returns its norms in the order

@@ -88,7 +88,11 @@ class MoEBlock(nn.Module):
     ``intermediate`` local columns (``RankPlan.expert_intermediate_size``); ``whole``: the experts are whole
     (expert parallelism); ``renormalize`` / ``weights_in_dtype``: the family's router
     (:class:`tpengine.model.families.MoE`); ``act_fn``: HF's activation. Module names follow the checkpoint:
-    ``gate`` (the router), ``experts.<global index>.gate_up_proj`` / ``.down_proj``.
+    ``gate`` (the router), ``experts.<global index>.gate_up_proj`` / ``.down_proj``. ``shared``: Qwen2-MoE's
+    shared expert, a :class:`~tpengine.model.layers.fused.FusedMLP` of this rank's slice of its intermediate
+    (``RankPlan.shared_expert_intermediate``) run on every token, scaled by ``sigmoid(shared_expert_gate(x))``
+    (a ``[1, hidden]`` weight held whole) and added to the routed experts' sum (HF's ``Qwen2MoeSparseMoeBlock``);
+    its partial sum joins the same all-reduce.
     """
 
     #: its grouping reads the per-expert counts on the host: a CUDA graph cannot capture the block
@@ -96,19 +100,22 @@ class MoEBlock(nn.Module):
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, experts: tuple[int, int], intermediate: int,
                  whole: bool, renormalize: bool, weights_in_dtype: bool, act_fn: nn.Module, dtype: torch.dtype,
-                 ops: TorchOps | None = None):
+                 ops: TorchOps | None = None, shared: nn.Module | None = None):
         super().__init__()
         self.ops = ops or TorchOps()
         self.gate = Router(num_experts, hidden, dtype)
+        self.shared_expert = shared
+        self.shared_expert_gate = Router(1, hidden, dtype) if shared is not None else None
         self.experts = nn.ModuleDict({str(e): Expert(hidden, intermediate, whole, act_fn, dtype, self.ops)
                                       for e in range(*experts)})
         self.num_experts, self.top_k, self.first = num_experts, top_k, experts[0]
         self.renormalize, self.weights_in_dtype = renormalize, weights_in_dtype
         self.local = list(self.experts.values())  # (a list: ModuleDict lookups per step cost as much as a kernel)
 
-    def gated_mlps(self) -> list[Expert]:
-        """This rank's experts, in global order (what a backend binds an activation into)."""
-        return self.local
+    def gated_mlps(self) -> list[nn.Module]:
+        """This rank's experts, in global order, then the shared expert if any (what a backend binds an
+        activation into)."""
+        return self.local + ([self.shared_expert] if self.shared_expert is not None else [])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, top_k], experts [T, top_k] int64)`` for ``x [T, hidden]``, as HF computes them:
@@ -126,6 +133,8 @@ class MoEBlock(nn.Module):
         """``reduce`` False: this rank's partial sum, not all-reduced (the next norm reduces it)."""
         weights, experts = self.route(x)
         out = grouped_experts(x, weights, experts, self.local, self.first, self.num_experts)
+        if self.shared_expert is not None:  # (HF: routed + sigmoid(gate(x)) * shared(x))
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, False)
         return all_reduce(out) if reduce else out
 
 

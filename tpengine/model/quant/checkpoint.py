@@ -189,7 +189,9 @@ def weight_shape(plan: P.ShardPlan, kind: str) -> tuple[int, int]:
     return {P.Q: (plan.num_heads * hd, h), P.K: (plan.num_kv_heads * hd, h), P.V: (plan.num_kv_heads * hd, h),
             P.COLUMN: (plan.intermediate_size, h), P.ROW_HEADS: (h, plan.num_heads * hd),
             P.ROW: (h, plan.intermediate_size), P.VOCAB: (plan.vocab_size, h),
-            P.EXPERT_COLUMN: (plan.moe_intermediate_size, h), P.EXPERT_ROW: (h, plan.moe_intermediate_size)}[kind]
+            P.EXPERT_COLUMN: (plan.moe_intermediate_size, h), P.EXPERT_ROW: (h, plan.moe_intermediate_size),
+            P.SHARED_COLUMN: (plan.shared_expert_intermediate_size, h),
+            P.SHARED_ROW: (h, plan.shared_expert_intermediate_size)}[kind]
 
 
 def stored_shapes(entry: QuantEntry, out: int, k: int, in_full: int | None = None) -> dict[str, tuple]:

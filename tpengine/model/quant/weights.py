@@ -426,6 +426,8 @@ def _row_boundaries(plan: Any, dense: bool = True) -> dict[str, list[int]]:
         out["mlp.down_proj"] = sorted({b for r in plan.ranks for b in r.intermediate})
     if plan.num_experts:
         out["mlp.experts.*.down_proj"] = sorted({b for r in plan.ranks for b in r.expert_intermediate})
+    if plan.shared_expert_intermediate_size:
+        out["mlp.shared_expert.down_proj"] = sorted({b for r in plan.ranks for b in r.shared_expert_intermediate})
     return out
 
 
@@ -460,6 +462,8 @@ def check_quantization(hf_config: Any, tp_size: int, scheme: QuantScheme, expert
     experts, expert_inter = ShardPlan.expert_dims(hf_config)
     if experts:
         sizes["mlp.experts.*.down_proj"] = expert_inter
+        if getattr(hf_config, "shared_expert_intermediate_size", None):
+            sizes["mlp.shared_expert.down_proj"] = int(hf_config.shared_expert_intermediate_size)
     for layer, n in sizes.items():
         if n % g:
             raise UserError(f"--quantization {scheme.name} (group size {g}): {layer} has {n} input features, "
