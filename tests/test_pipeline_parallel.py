@@ -1,0 +1,147 @@
+"""Pipeline parallelism (issue 57): ``--pipeline-parallel-size P`` stages of ``--tensor-parallel-size T``
+ranks. The layer split (vLLM's rule, or ``--pp-layer-partition``); greedy float32 records at P=2 x T=2
+(4 processes) and P=3 with an uneven split (3 processes) equal one process's id for id through the
+batch job; through ``LLM`` at P=2 (2 processes), with tied embeddings, prompt logprobs, seeded sampling
+and n-gram speculation, every rank gets tp=1's outputs; the refusals name the feature."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from conftest import make_tiny_model
+from launch import cli, torchrun
+from test_cli import records, write_jsonl
+
+from tpengine import LLM, SamplingParams
+from tpengine.config import EngineConfig, parallel_sizes
+from tpengine.errors import UserError
+from tpengine.model.plan import ShardPlan
+
+SETTINGS = ["--max-model-len", "128", "--num-kv-blocks", "256", "--block-size", "4", "--max-num-seqs", "4",
+            "--dtype", "float32"]
+ENGINE = {"dtype": "float32", "max_model_len": 128, "num_kv_blocks": 256, "block_size": 4, "max_num_seqs": 4}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """Two tiny 5-layer models (untied; tied embeddings), the prompts as a request file, and the
+    reference records (one process)."""
+    tmp = tmp_path_factory.mktemp("pp")
+    model = make_tiny_model(tmp, name="tiny", hidden_size=96, num_attention_heads=6, num_hidden_layers=5)
+    tied = make_tiny_model(tmp, name="tied", hidden_size=96, num_attention_heads=6, num_hidden_layers=5,
+                           tie_word_embeddings=True, seed=1)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(3, 20))] for _ in range(8)]
+    lines = write_jsonl(tmp / "in.jsonl", [
+        {"id": f"r{i}", "prompt_token_ids": p, "max_tokens": 1 + i % 12, "temperature": 0, "ignore_eos": True}
+        for i, p in enumerate(prompts)])
+    ref = tmp / "ref.jsonl"
+    cli(["--prompts", lines, "--model", model, "--out", ref, *SETTINGS])
+    return {"model": model, "tied": tied, "prompts": prompts, "lines": lines, "ref": records(ref), "tmp": tmp}
+
+
+def tokens(recs: dict) -> dict[str, list[int]]:
+    return {rid: r["token_ids"] for rid, r in recs.items()}
+
+
+def test_stages_split_the_layers_as_vllm_and_as_given():
+    assert ShardPlan.split_layers(22, 3) == ((0, 7), (7, 15), (15, 22))  # vLLM: the extra layer before the last
+    assert ShardPlan.split_layers(10, 4) == ((0, 2), (2, 5), (5, 8), (8, 10))
+    assert ShardPlan.split_layers(5, 3, [1, 3, 1]) == ((0, 1), (1, 4), (4, 5))
+    assert ShardPlan.split_layers(5, 1) == ()
+    with pytest.raises(UserError, match=r"^pp_layer_partition='1,1,1' holds 3 layers, but the model has 5; the "
+                                        r"counts must sum to 5$"):
+        ShardPlan.split_layers(5, 3, [1, 1, 1])
+    with pytest.raises(UserError, match=r"^pipeline_parallel_size=6 is more stages than the model's 5 layers; "
+                                        r"use at most 5$"):
+        ShardPlan.split_layers(5, 6)
+    plan = ShardPlan.from_dict(json.loads(json.dumps(ShardPlan.build(_Config(), 2, pp_size=3).to_dict())))
+    assert plan.pp_size == 3 and plan.stages == ((0, 2), (2, 4), (4, 5)) and plan.stage_layers(2, 5) == (4, 5)
+    assert parallel_sizes(8, 1, None, 2) == (1, 4) and parallel_sizes(8, 2, 2, 2) == (2, 2)
+    with pytest.raises(UserError) as e:
+        parallel_sizes(6, 1, 2, 2)
+    assert str(e.value) == (
+        "data_parallel_size=1 x pipeline_parallel_size=2 x tensor_parallel_size=2 does not fit the world size 6 "
+        "(torchrun's --nnodes x --nproc_per_node): it must be data_parallel_size x pipeline_parallel_size x "
+        "tensor_parallel_size (1 x 2 x 3, 3 x 2 x 1), or launch 4 rank(s) for these sizes")
+
+
+class _Config:
+    """A tiny config for the plan alone (no transformers)."""
+
+    model_type, num_attention_heads, num_key_value_heads, hidden_size = "llama", 6, 2, 96
+    intermediate_size, vocab_size, num_hidden_layers = 100, 1001, 5
+
+
+def test_the_features_that_do_not_run_in_stages_are_refused_by_name(setup):
+    with pytest.raises(ValueError, match=r"^invalid pipeline_parallel_size=0: must be an integer >= 1$"):
+        EngineConfig(pipeline_parallel_size=0)
+    with pytest.raises(ValueError, match=r"^invalid pp_layer_partition='2,x': must be 2 positive layer counts "
+                                         r"separated by commas, one per stage \(pipeline_parallel_size=2\), "
+                                         r"e.g. '4,4'$"):
+        EngineConfig(pipeline_parallel_size=2, pp_layer_partition="2,x")
+    with pytest.raises(ValueError, match=r"^invalid runner='pooling' with pipeline_parallel_size > 1: pooling does "
+                                         r"not run across pipeline stages in this version$"):
+        EngineConfig(pipeline_parallel_size=2, runner="pooling")
+    with pytest.raises(ValueError, match=r"^invalid speculative_config with method 'draft_model' and "
+                                         r"pipeline_parallel_size > 1: a draft model does not run across pipeline "
+                                         r"stages in this version \(ngram does\)$"):
+        EngineConfig(pipeline_parallel_size=2, speculative_config={"method": "draft_model", "model": "x",
+                                                                    "num_speculative_tokens": 2})
+    r = cli(["--prompts", setup["lines"], "--model", setup["model"], "--pipeline-parallel-size", "2"], check=False)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        "error: data_parallel_size=1 x pipeline_parallel_size=2 does not fit the world size 1 (torchrun's --nnodes "
+        "x --nproc_per_node): it must be data_parallel_size x pipeline_parallel_size x tensor_parallel_size "
+        "(none), or launch 2 rank(s) for these sizes")
+
+
+def test_job_records_equal_one_process_at_pp2_x_tp2_and_pp3_uneven(setup, tmp_path):
+    """P=2 x T=2 (4 processes: the stages' TP groups all-reduce in shared memory) and P=3 split 1,3,1:
+    the records equal one process's id for id; the loading line names the layout."""
+    ref = tokens(setup["ref"])
+    common = ["--prompts", setup["lines"], "--model", setup["model"], *SETTINGS, "--threads", "1"]
+    for nproc, flags, layout in (
+            (4, ["--pipeline-parallel-size", "2", "--tensor-parallel-size", "2"], "pp 2 x tp 2"),
+            (3, ["--pipeline-parallel-size", "3", "--pp-layer-partition", "1,3,1"], "pp 3 x tp 1")):
+        out, summary = tmp_path / f"out-{nproc}.jsonl", tmp_path / f"summary-{nproc}.json"
+        r = cli([*common, *flags, "--out", out, "--summary-json", summary], tp=nproc)
+        assert tokens(records(out)) == ref, flags
+        assert len(json.loads(summary.read_text())["peak_rss_bytes"]) == nproc
+        assert f"({layout}, dtype float32) ..." in r.stderr, r.stderr[-2000:]
+
+
+def test_llm_at_pp2_equals_one_process(setup, tmp_path):
+    """Under torchrun at world size 2, LLM(pipeline_parallel_size=2) on the untied model (greedy with top-2
+    logprobs and prompt logprobs: the logits rows cross the stages; seeded sampling; n-gram speculation)
+    and on the tied one (the embedding on both ends): every rank's outputs equal tp=1's in this process."""
+    prompts = setup["prompts"][:4]
+    params = [dict(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+              dict(temperature=0.8, seed=7, max_tokens=6, ignore_eos=True),
+              dict(temperature=0.0, max_tokens=10, ignore_eos=True),
+              dict(temperature=0.0, max_tokens=10, ignore_eos=True)]
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    jobs = [{"model": str(setup["model"]), "engine": ENGINE, "prompts": prompts, "params": params},
+            {"model": str(setup["model"]), "engine": {**ENGINE, "speculative_config": ngram},
+             "prompts": [p * 2 for p in prompts], "params": params[2:] * 2},
+            {"model": str(setup["tied"]), "engine": ENGINE, "prompts": prompts, "params": params}]
+    want = []
+    for job in jobs:
+        with LLM(job["model"], **job["engine"]) as llm:
+            outs = llm.generate(job["prompts"], [SamplingParams(**p) for p in job["params"]])
+        want.append([o.outputs[0] for o in outs] + [outs[0].prompt_logprobs])
+    pp_jobs = [{**job, "engine": {**job["engine"], "pipeline_parallel_size": 2}} for job in jobs]
+    (tmp_path / "jobs.json").write_text(json.dumps(pp_jobs))
+    torchrun("pp_llm.py", 2, [str(tmp_path / "jobs.json"), str(tmp_path)], env={"OMP_NUM_THREADS": "1"})
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for job, w, g in zip(jobs, want, got):
+            assert [o["ids"] for o in g] == [c.token_ids for c in w[:-1]], (rank, job["model"])
+            if not job["params"][0].get("logprobs"):
+                continue
+            first = {int(k): v for k, v in g[0]["logprobs"][0].items()}
+            assert first == pytest.approx({k: v.logprob for k, v in w[0].logprobs[0].items()}, abs=1e-5)
+            prompt = [None if d is None else {int(k): v for k, v in d.items()} for d in g[0]["prompt_logprobs"]]
+            assert prompt[1:] == [pytest.approx({k: v.logprob for k, v in d.items()}, abs=1e-5) for d in w[-1][1:]]
