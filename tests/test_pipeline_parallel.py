@@ -2,16 +2,22 @@
 ranks. The layer split (vLLM's rule, or ``--pp-layer-partition``); greedy float32 records at P=2 x T=2
 (4 processes) and P=3 with an uneven split (3 processes) equal one process's id for id through the
 batch job; through ``LLM`` at P=2 (2 processes), with tied embeddings, prompt logprobs, seeded sampling
-and n-gram speculation, every rank gets tp=1's outputs; the refusals name the feature."""
+and n-gram speculation, every rank gets tp=1's outputs; the server at P=2 answers as one process; the
+refusals name the feature."""
 
 from __future__ import annotations
 
 import json
 import random
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
 
 import pytest
 from conftest import make_tiny_model
-from launch import cli, torchrun
+from launch import START_TIMEOUT, cli, command, free_port, popen, torchrun
 from test_cli import records, write_jsonl
 
 from tpengine import LLM, SamplingParams
@@ -145,3 +151,41 @@ def test_llm_at_pp2_equals_one_process(setup, tmp_path):
             assert first == pytest.approx({k: v.logprob for k, v in w[0].logprobs[0].items()}, abs=1e-5)
             prompt = [None if d is None else {int(k): v for k, v in d.items()} for d in g[0]["prompt_logprobs"]]
             assert prompt[1:] == [pytest.approx({k: v.logprob for k, v in d.items()}, abs=1e-5) for d in w[-1][1:]]
+
+
+def test_server_at_pp2_answers_as_one_process_and_stops_every_rank(setup, tmp_path):
+    """``tpengine serve`` at P=2 (2 processes): concurrent completions equal the batch job's texts at one
+    process; SIGTERM stops every rank with exit 0."""
+    port, log = free_port(), tmp_path / "server.log"
+    cmd = [*command("tpengine.serve", nproc=2, torchrun=True), "--port", str(port), "--model", str(setup["model"]),
+           *SETTINGS, "--pipeline-parallel-size", "2", "--threads", "1"]
+    proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.3)
+        texts: dict[str, str] = {}
+
+        def complete(i: int) -> None:
+            body = {"model": "tiny", "prompt": setup["prompts"][i], "max_tokens": 1 + i % 12, "temperature": 0.0,
+                    "ignore_eos": True}
+            req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            texts[f"r{i}"] = json.loads(urllib.request.urlopen(req, timeout=120).read())["choices"][0]["text"]
+
+        threads = [threading.Thread(target=complete, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert texts == {f"r{i}": setup["ref"][f"r{i}"]["text"] for i in range(4)}
+        assert "(pp 2 x tp 1)" in log.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()[-3000:]

@@ -122,7 +122,9 @@ def serve_rank0(engine, sock: socket.socket, model_name: str, defaults: dict[str
 
     async def main() -> None:
         host, port = sock.getsockname()[:2]
-        layout = f"dp {engine.tp.dp_size} x tp {engine.tp.size}" if engine.tp.dp_size > 1 else f"tp {engine.tp.size}"
+        t = engine.tp
+        layout = (f"dp {t.dp_size} x " if t.dp_size > 1 else "") + (f"pp {t.pp_size} x " if t.pp_size > 1 else "") \
+            + f"tp {t.size}"
         auth = f", {len(keys)} API key(s) required on /v1" if keys else ""
         if engine.config.pooling:
             auth = f", runner pooling: {engine.config.pooler.pooling_type} pooling on /v1/embeddings" + auth
