@@ -475,6 +475,10 @@ def _serve_triad(threads: int, mib: int) -> None:
         print(MARK + json.dumps(triad_best(arrays, cmd["start"], cmd["window_s"])), flush=True)
 
 
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
 def main(
     model: Annotated[str, typer.Option(help="HF model folder (the GEMM shapes)")] = "",
     num_prompts: Annotated[int, typer.Option(help="the throughput workload's requests (the decode GEMM's M)")] = 64,
@@ -492,11 +496,17 @@ def main(
     from benchmarks.machine import cpu_cores
     from tpengine.config import DEFAULT_MODEL_DIR
 
+    tps = tp or [1, 2]
+    if min(num_prompts, input_len, mib, *tps) < 1 or threads < 0:
+        raise typer.BadParameter("--num-prompts, --input-len, --mib and --tp must be >= 1, --threads >= 0")
     cores = threads or cpu_cores()
-    cfg = AutoConfig.from_pretrained(model or DEFAULT_MODEL_DIR)
-    layouts = [(t, max(1, cores // t)) for t in (tp or [1, 2])]
+    try:
+        cfg = AutoConfig.from_pretrained(model or DEFAULT_MODEL_DIR)
+    except (OSError, ValueError) as e:
+        raise typer.BadParameter(f"--model {model or DEFAULT_MODEL_DIR!r}: cannot read its config.json ({e})") from None
+    layouts = [(t, max(1, cores // t)) for t in tps]
     measure_roofline(layouts, gemm_shapes(cfg, num_prompts, input_len), cores, typer.echo, mib)
 
 
 if __name__ == "__main__":
-    typer.run(main)
+    app()

@@ -193,3 +193,16 @@ def test_triad_and_gemm_measure_in_process():
     shapes = rl.gemm_shapes(LlamaConfig(**SMOLLM2), 64, 128)
     assert shapes == [(64, 576, 1536), (rl.GEMM_MAX_ROWS, 576, 1536)]
     assert rl.gemm_shapes(LlamaConfig(**SMOLLM2), 4, 2) == [(4, 576, 1536), (8, 576, 1536)]
+
+
+def test_cli_refuses_bad_options(tmp_path):
+    """``python -m benchmarks.roofline``: a bad count or a folder without a config is one error, exit 2,
+    before anything is measured."""
+    from typer.testing import CliRunner
+
+    cases = [(["--tp", "0"], "--num-prompts, --input-len, --mib and --tp must be >= 1, --threads >= 0"),
+             (["--model", str(tmp_path)], f"--model '{tmp_path}': cannot read its config.json")]
+    for args, message in cases:
+        r = CliRunner().invoke(rl.app, args, terminal_width=400)
+        assert r.exit_code == 2, (args, r.output)
+        assert message in " ".join(r.output.replace("│", " ").split()), (args, r.output)  # unwrap rich's box
