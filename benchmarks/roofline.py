@@ -169,6 +169,7 @@ class ModelTensors:
 
     @property
     def hidden(self) -> int:
+        """The hidden size (the head's input features)."""
         return self.head[1]
 
 
@@ -199,11 +200,11 @@ def model_tensors(hf_config) -> ModelTensors:
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    n_exp, top_k = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None), getattr(
-        text, "num_experts_per_tok", None)
+    n_experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    top_k = getattr(text, "num_experts_per_tok", None)
+    share = top_k / n_experts if experts and n_experts and top_k else 1.0
     return ModelTensors(tuple((r, c, n) for (r, c), n in linears.items()),
-                        tuple((r, c, n) for (r, c), n in experts.items()),
-                        top_k / n_exp if experts and n_exp and top_k else 1.0, tuple(head.shape),
+                        tuple((r, c, n) for (r, c), n in experts.items()), share, tuple(head.shape),
                         emb is head, vectors, 2 * text.num_hidden_layers * kv_heads * head_dim)
 
 
