@@ -2,12 +2,14 @@
 ranks. The layer split (vLLM's rule, or ``--pp-layer-partition``); greedy float32 records at P=2 x T=2
 (4 processes) and P=3 with an uneven split (3 processes) equal one process's id for id through the
 batch job; through ``LLM`` at P=2 (2 processes), with tied embeddings, prompt logprobs, seeded sampling
-and n-gram speculation, every rank gets tp=1's outputs; the server at P=2 answers as one process; the
-refusals name the feature."""
+and n-gram speculation, every rank gets tp=1's outputs; the server at P=2 answers as one process; a
+killed rank of the last stage ends the job within seconds and ``--resume`` completes it; the refusals
+name the feature."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -19,6 +21,7 @@ import pytest
 from conftest import make_tiny_model
 from launch import START_TIMEOUT, cli, command, free_port, popen, torchrun
 from test_cli import records, write_jsonl
+from test_orphans import rank_pids
 
 from tpengine import LLM, SamplingParams
 from tpengine.config import EngineConfig, parallel_sizes
@@ -44,7 +47,7 @@ def setup(tmp_path_factory):
         {"id": f"r{i}", "prompt_token_ids": p, "max_tokens": 1 + i % 12, "temperature": 0, "ignore_eos": True}
         for i, p in enumerate(prompts)])
     ref = tmp / "ref.jsonl"
-    cli(["--prompts", lines, "--model", model, "--out", ref, *SETTINGS])
+    cli(["--prompts", lines, "--model", model, "--out", ref, *SETTINGS, "--threads", "1"])
     return {"model": model, "tied": tied, "prompts": prompts, "lines": lines, "ref": records(ref), "tmp": tmp}
 
 
@@ -189,3 +192,38 @@ def test_server_at_pp2_answers_as_one_process_and_stops_every_rank(setup, tmp_pa
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log.read_text()[-3000:]
+
+
+def test_killed_rank_of_the_last_stage_ends_the_job_and_resume_completes(setup, tmp_path):
+    """SIGKILL of stage 1's rank mid-job (P=2): the job ends within seconds (the driver's transfer to the
+    dead stage fails, well before ``dist_timeout_s``) with every rank gone; ``--resume`` at P=2 completes
+    every id once, equal to one process's records."""
+    n = 6
+    lines = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": f"k{i}", "prompt_token_ids": [5, 6, 7, 10 + i], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        for i in range(n)])
+    common = ["--prompts", lines, "--model", setup["model"], *SETTINGS, "--max-num-seqs", "1",
+              "--dist-timeout-s", "30", "--pipeline-parallel-size", "2", "--threads", "1"]
+    out, log = tmp_path / "out.jsonl", tmp_path / "job.log"
+    proc = popen([*command("tpengine.run", nproc=2, real=True), *map(str, common), "--out", str(out)],
+                 stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while not (out.exists() and out.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.02)
+        pids = rank_pids(proc.pid)
+        os.kill(pids[1], signal.SIGKILL)  # stage 1's only rank
+        killed = time.monotonic()
+        assert proc.wait(30) != 0
+        assert time.monotonic() - killed < 20, "the job outlived the dead stage by dist_timeout_s"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert all(not os.path.exists(f"/proc/{pid}") for pid in pids.values())
+    assert 2 <= out.read_text().count("\n") < n
+    ref_out = tmp_path / "ref.jsonl"
+    cli(["--prompts", lines, "--model", setup["model"], *SETTINGS, "--max-num-seqs", "1", "--threads", "1",
+         "--out", ref_out])
+    cli([*common, "--out", out, "--resume"], tp=2)
+    assert tokens(records(out)) == tokens(records(ref_out)) and out.read_text().count("\n") == n
