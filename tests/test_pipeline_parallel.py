@@ -2,9 +2,9 @@
 ranks. The layer split (vLLM's rule, or ``--pp-layer-partition``); greedy float32 records at P=2 x T=2
 (4 processes) and P=3 with an uneven split (3 processes) equal one process's id for id through the
 batch job; through ``LLM`` at P=2 (2 processes), with tied embeddings, prompt logprobs, seeded sampling
-and n-gram speculation, every rank gets tp=1's outputs; the server at P=2 answers as one process; a
-killed rank of the last stage ends the job within seconds and ``--resume`` completes it; the refusals
-name the feature."""
+and n-gram speculation, every rank gets tp=1's outputs; the server at P=2 answers as one process; two
+launches as two nodes, one stage each, and a killed rank of the last stage ends both within seconds,
+``--resume`` completing the job; the refusals name the feature."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import urllib.request
 
 import pytest
 from conftest import make_tiny_model
-from launch import START_TIMEOUT, cli, command, free_port, popen, torchrun
+from launch import START_TIMEOUT, cli, command, free_port, node_command, popen, torchrun
 from test_cli import records, write_jsonl
 from test_orphans import rank_pids
 
@@ -194,33 +194,36 @@ def test_server_at_pp2_answers_as_one_process_and_stops_every_rank(setup, tmp_pa
         assert proc.wait(60) == 0, log.read_text()[-3000:]
 
 
-def test_killed_rank_of_the_last_stage_ends_the_job_and_resume_completes(setup, tmp_path):
-    """SIGKILL of stage 1's rank mid-job (P=2): the job ends within seconds (the driver's transfer to the
-    dead stage fails, well before ``dist_timeout_s``) with every rank gone; ``--resume`` at P=2 completes
-    every id once, equal to one process's records."""
+def test_two_nodes_one_stage_each_a_killed_stage_ends_both_and_resume_completes(setup, tmp_path):
+    """Two launches on 127.0.0.1 as two nodes (``--nnodes 2 --nproc_per_node 1``), one stage each; SIGKILL
+    of stage 1's rank mid-job: both launches end within seconds (the driver's transfer to the dead stage
+    fails, well before ``dist_timeout_s``) with every rank gone; ``--resume`` at P=2 (one launch) completes
+    every id once, and every record, the two nodes' too, equals one process's."""
     n = 6
     lines = write_jsonl(tmp_path / "in.jsonl", [
-        {"id": f"k{i}", "prompt_token_ids": [5, 6, 7, 10 + i], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        {"id": f"k{i}", "prompt_token_ids": [5, 6, 7, 10 + i], "max_tokens": 32, "temperature": 0, "ignore_eos": True}
         for i in range(n)])
     common = ["--prompts", lines, "--model", setup["model"], *SETTINGS, "--max-num-seqs", "1",
               "--dist-timeout-s", "30", "--pipeline-parallel-size", "2", "--threads", "1"]
-    out, log = tmp_path / "out.jsonl", tmp_path / "job.log"
-    proc = popen([*command("tpengine.run", nproc=2, real=True), *map(str, common), "--out", str(out)],
-                 stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    out, port = tmp_path / "out.jsonl", free_port()
+    logs = [tmp_path / f"node{node}.log" for node in (0, 1)]
+    procs = [popen(node_command("tpengine.run", [*common, "--out", out], node, port), stdout=subprocess.DEVNULL,
+                   stderr=open(logs[node], "w")) for node in (0, 1)]
     try:
         deadline = time.monotonic() + START_TIMEOUT
         while not (out.exists() and out.read_text().count("\n") >= 2) and time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()[-3000:]
+            assert all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]
             time.sleep(0.02)
-        pids = rank_pids(proc.pid)
-        os.kill(pids[1], signal.SIGKILL)  # stage 1's only rank
+        pids = [pid for p in procs for pid in rank_pids(p.pid).values()]
+        os.kill(rank_pids(procs[1].pid)[1], signal.SIGKILL)  # stage 1's only rank
         killed = time.monotonic()
-        assert proc.wait(30) != 0
+        assert all(p.wait(30) != 0 for p in procs)
         assert time.monotonic() - killed < 20, "the job outlived the dead stage by dist_timeout_s"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert all(not os.path.exists(f"/proc/{pid}") for pid in pids.values())
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert len(pids) == 2 and all(not os.path.exists(f"/proc/{pid}") for pid in pids)
     assert 2 <= out.read_text().count("\n") < n
     ref_out = tmp_path / "ref.jsonl"
     cli(["--prompts", lines, "--model", setup["model"], *SETTINGS, "--max-num-seqs", "1", "--threads", "1",
