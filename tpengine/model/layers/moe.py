@@ -11,8 +11,8 @@ them (the rank's part of the sum is the sum of its experts' parts).
 The step is not a loop over tokens: the ``T x top_k`` (token, expert) pairs are sorted by expert
 (stable: token order within an expert), and each expert the step routes to and this rank holds runs
 its gate/up GEMM, activation and down GEMM once over its rows, scaled by the rows' routing weights and
-added into the output (``index_add_``); a batch-1 decode step touches only its ``top_k`` experts'
-weights. An expert's linears are the same layers the dense MLP uses
+added into the output (``index_put_`` with ``accumulate``: HF's ``index_add_`` sums); a batch-1
+decode step touches only its ``top_k`` experts' weights. An expert's linears are the same layers the dense MLP uses
 (:mod:`tpengine.model.layers.linear`), so the loader packs or quantizes each expert's weights and the
 platform binds each its kernels (on the CPU the measured bfloat16, int8 and int4 ones), per expert.
 The grouping reads the per-expert counts on the host once per layer (vLLM's and SGLang's CPU paths do
@@ -159,6 +159,8 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
         if n:
             idx = rows[start:start + n]
             y = expert(x[idx]) * scale[start:start + n, None]
-            out.index_add_(0, idx, y.to(out.dtype))
+            # (HF's index_add_: the same sums, one token per row here; torch's CPU index_add_ costs
+            # milliseconds a call where index_put_ costs microseconds, docs/notes/moe.md)
+            out.index_put_((idx,), y.to(out.dtype), accumulate=True)
             start += n
     return out
