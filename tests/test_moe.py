@@ -179,8 +179,9 @@ def test_grouped_experts_equal_per_token_loop():
     calls = []
     for i, e in enumerate(full.local):
         e.register_forward_hook(lambda m, a, o, i=i: calls.append(i))
-    full(x[:1])
-    assert sorted(calls) == sorted(experts[0].tolist())
+    one = full(x[:1])  # (the batch-1 path: no sort)
+    assert sorted(calls) == sorted(experts[0].tolist()) and torch.allclose(one, want[:1], atol=1e-10)
+    assert torch.allclose(sum(h(x[:1], reduce=False) for h in halves), want[:1], atol=1e-10)
 
 
 def test_plan_expert_layout_and_refusals():

@@ -148,6 +148,13 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     Shapes: ``x [T, hidden]``, ``weights [T, k]`` (float32 or ``x``'s dtype), ``experts [T, k]`` int64.
     """
     k = experts.shape[1]
+    if x.shape[0] == 1:  # batch-1 decode: no sort, its k experts in ascending order (HF's order of the sums)
+        out = torch.zeros_like(x)
+        ids = experts[0].tolist()  # the one host read of the layer
+        for j in sorted(range(k), key=ids.__getitem__):
+            if first <= ids[j] < first + len(local):  # ([1]-shaped weight: float32 promotes, as HF's)
+                out += (local[ids[j] - first](x) * weights[0, j:j + 1]).to(out.dtype)
+        return out
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts).tolist()  # the one host read of the layer
