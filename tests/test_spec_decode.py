@@ -10,7 +10,7 @@ import torch
 from tpengine.config import EngineConfig, SpeculativeConfig
 from tpengine.engine.block_manager import BlockManager
 from tpengine.engine.sequence import Sequence
-from tpengine.engine.spec_decode import NgramProposer, SpecDecoder, SpecPolicy
+from tpengine.engine.spec_decode import NgramProposer, SpecDecoder, SpecPolicy, SpecState
 from tpengine.engine.step import build_plan, pack, unpack
 from tpengine.engine.structured_output import StructuredState
 from tpengine.sampling_params import SamplingParams
@@ -89,37 +89,120 @@ def test_room_keeps_proposals_inside_max_tokens_and_max_model_len():
     assert spec.room(seq) == 0
 
 
-def test_policy_fixed_and_measured():
+def test_ngram_searches_the_output_too():
+    spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=4),
+                       max_model_len=64)
+    seq = Sequence(0, "r", [1, 2, 3, 4, 9], SamplingParams())
+    seq.token_ids += [5, 3, 4, 7, 7, 6, 3, 4]  # the output
+    assert spec.propose(seq, 3) == [7, 7, 6]  # "3 4" is in the prompt and the output: the output's, the latest
+    seq.token_ids += [7, 7]  # "3 4 7 7" (n=4) occurs only in the output
+    assert spec.propose(seq, 3) == [6, 3, 4]
+
+
+def test_policy_fixed_rule():
     fixed = SpecPolicy(disable_by_batch_size=4)
-    assert [fixed.wants(b) for b in (1, 4, 5)] == [True, True, False]
+    assert [fixed.threshold(b) for b in (1, 4, 5)] == [0.0, 0.0, None]
+    state = SpecState()
+    for _ in range(5):
+        fixed.judge(state, 4, 0, 0.0)  # nothing accepted: it still proposes all it can
+    assert fixed.length(state, 4, 0.0) == 4 and state.skip == 0 and state.recent == [(4, 0)] * 5
+
+
+def test_policy_measures_what_a_proposed_token_costs():
     p = SpecPolicy()
     assert [p.bucket(b) for b in (1, 2, 3, 4, 7, 8, 64)] == [1, 2, 2, 3, 3, 4, 7]
-    assert p.wants(1)  # nothing measured: speculate first
-    p.record(1, True, 0.05, 2)  # 25 ms per token
-    assert not p.wants(1)  # the plain step is not measured yet
-    p.record(1, False, 0.04, 1)  # 40 ms per token
-    picks = []
-    for _ in range(100):  # each step as fast as measured: plain runs while under 3 % of the time
-        picks.append(p.wants(1))
-        p.record(1, picks[-1], 0.05 if picks[-1] else 0.04, 2 if picks[-1] else 1)
-    # a plain step (40 ms) again once the plain time is under 3 % of the bucket's: every 27th step
-    assert [i for i, x in enumerate(picks) if not x] == [25, 52, 79]
-    assert p.seconds[(1, False)] == pytest.approx(0.16)
-    p.record(2, True, 2.0, 2)  # at 2 sequences a speculative step costs 20 plain ones
-    p.record(2, False, 0.05, 2)
+    assert p.threshold(1) == 0.0 and p.token_cost(1) is None  # nothing measured: every sequence proposes
+    p.record(1, True, 0.030, 3, proposed=4)
+    p.record(1, True, 0.030, 5, proposed=4)
+    assert p.threshold(1) is None  # two speculative steps, no plain one: time one
+    p.record(1, False, 0.020, 1)
+    p.record(1, True, 0.024, 2, proposed=4)  # 4 ms beyond the 20 ms plain step: 1 ms a proposed token
+    assert p.token_cost(1) == pytest.approx(0.05) and p.threshold(1) == pytest.approx(0.05)
+    for _ in range(20):
+        p.record(1, True, 0.026, 2, proposed=2)  # the median of the last 16: 3 ms a token
+    assert p.token_cost(1) == pytest.approx(0.15) and p.since_plain[1] == 21
+    for _ in range(p.REFRESH - 22):
+        p.record(1, True, 0.026, 2, proposed=2)
+    assert p.threshold(1) == pytest.approx(0.15)
+    p.record(1, True, 0.026, 2, proposed=2)
+    assert p.threshold(1) is None  # REFRESH speculative steps since the last plain one: time one again
+    p.record(1, False, 0.02, 1)
+    assert p.threshold(1) == pytest.approx(0.15)
+    # at 8 sequences a proposed token costs 7.9 plain emitted ones: plain steps, and a speculative one
+    # again once the bucket's speculative time is under 3 % of its time (every ~288 steps here)
+    p.record(8, False, 0.09, 8)
+    p.record(8, True, 0.8, 8, proposed=8)
+    assert p.token_cost(8) == pytest.approx(0.71 / 0.09)
     picks = []
     for _ in range(2000):
-        picks.append(p.wants(3))
-        p.record(3, picks[-1], 2.0 if picks[-1] else 0.05, 2)
-    # speculation retried once its 2 s are under 3 % of the time: every ~1 300 plain steps
-    assert [i for i, x in enumerate(picks) if x] == [1293]
-    assert p.seconds[(2, True)] <= p.EXPLORE_SHARE * (p.seconds[(2, True)] + p.seconds[(2, False)]) + 2.0
+        picks.append(p.threshold(8))
+        if picks[-1] is None:
+            p.record(8, False, 0.09, 8)
+        else:
+            p.record(8, True, 0.8, 8, proposed=8)
+    # the k-th speculative step once the plain time P > k * 0.8 s * (1 / 0.03 - 1)
+    assert [i for i, x in enumerate(picks) if x is not None] == [287, 575, 864, 1152, 1441, 1729]
+    assert picks[287] == 0.0 and p.token_cost(9) == pytest.approx(0.71 / 8 * 9 / 0.09)  # 9: the same bucket
     q = SpecPolicy()
-    q.record(1, True, 0.05, 2)
-    q.record(1, True, 0.0, 0)  # nothing emitted: ignored
-    assert q.seconds_per_token[(1, True)] == pytest.approx(0.025)
-    q.record(1, True, 0.1, 2)  # moving average: 0.025 + 0.2 * (0.05 - 0.025)
-    assert q.seconds_per_token[(1, True)] == pytest.approx(0.03)
+    q.record(1, True, 0.05, 0, proposed=4)  # nothing emitted: ignored
+    assert q.seconds == {} and q.since_plain == {}
+
+
+def test_policy_judges_a_sequence_by_its_recent_window_and_retries():
+    p, k, rho = SpecPolicy(), 4, 0.1
+    s = SpecState()
+    assert p.length(s, k, rho) == 4  # a new sequence proposes all it can
+    for accepted in (4, 1, 1):
+        p.judge(s, 4, accepted, rho)
+    # positions 2, 3 and 4 were each reached 3 times and accepted once: 1/3
+    assert p.length(s, k, rho) == 4 and p.length(s, k, 0.4) == 1  # at rho 0.4 only the first position pays
+    for _ in range(5):
+        p.judge(s, 1, 0, rho)
+    assert len(s.recent) == p.WINDOW and s.skip == 0  # position 1: 3 of 8 accepted, 0.375 > 0.1
+    waits = []
+    for _ in range(8):  # nothing accepted: the window turns bad, the sequence backs off, retries, ...
+        p.judge(s, 4, 0, rho)
+        waits.append(s.skip)
+        steps = 0
+        while p.length(s, k, rho) == 0:
+            steps += 1
+        assert steps == waits[-1]  # it sits out exactly its back-off, then proposes again
+    assert s.recent == [(4, 0)] * 8
+    assert waits == [0, 0, 4, 8, 16, 32, 64, 64]  # 2/8 and 1/8 still pay; then doubling while it fails, capped
+    p.judge(s, 4, 4, rho)  # a retry that pays (1/8 > 0.1): proposing goes on, the back-off starts over
+    assert s.skip == s.backoff == 0 and p.length(s, k, rho) == 4
+    p.judge(s, 4, 0, 0.2)  # 1/8 at a threshold of 0.2
+    assert s.skip == p.BACKOFF_START
+
+
+def test_a_request_that_stops_repeating_and_repeats_again_is_found_again():
+    """The issue-59 case: a request copies its prompt, then writes text nothing predicts, then copies
+    again. Its proposals stop while they fail, the shadow proposals made meanwhile cost no step, and
+    real ones come back as soon as the copy does: it is not switched off for the rest of the request."""
+    spec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4),
+                       max_model_len=4096)
+    prompt = list(range(100, 160))
+    noise = torch.randint(1000, 1020, (150,), generator=torch.Generator().manual_seed(0)).tolist()
+    text = prompt[:40] + noise + prompt[:60]  # short n-grams of the noise recur, by chance
+    seq = Sequence(0, "r", prompt + text[:1], SamplingParams(max_tokens=None))
+    seq.spec = SpecState()
+    proposed_at = []
+    while seq.num_completion_tokens < len(text):
+        g = seq.num_completion_tokens
+        seq.proposal = spec.propose(seq, spec.limit(seq, 0.3))  # a proposed token costs 0.3 plain ones
+        truth = text[g:g + len(seq.proposal) + 1]
+        m = next((j for j, (a, b) in enumerate(zip(seq.proposal, truth)) if a != b), len(truth) - 1)
+        if seq.proposal:
+            spec.policy.judge(seq.spec, len(seq.proposal), m, 0.3)
+            proposed_at.append(g)
+        seq.token_ids += truth[:m + 1]
+    copy1, noisy, copy2 = ([g for g in proposed_at if lo <= g < hi] for lo, hi in ((0, 40), (40, 190), (190, 250)))
+    assert copy1 == list(range(2, 40, 5))  # from its third token on: 4 proposed, 4 accepted, 5 tokens a step
+    # the noise: proposals while the window still holds the copy's, then back-offs of 4, 8, ..., 64
+    # steps, each ended by one failed probe (the shadows meanwhile never reach 0.3)
+    assert noisy == [69, 79, 87, 96, 97, 99, 122, 135, 152, 187]
+    # the copy again: its first n-gram at 192, shadows from 192 on, three of them accepted by 198
+    assert copy2[0] == 198 and len(copy2) == 11 and not seq.spec.shadows
 
 
 def test_blocks_for_proposed_positions_and_their_trim():

@@ -159,7 +159,8 @@ def test_verify_takes_positions_while_the_proposed_token_was_taken():
 
     assert spec.verify([a, b, c], [5, 9, 4], take, trimmed.append) == 2
     assert calls == [([0], 1), ([0], 2)] and trimmed == [a, b]
-    assert (a.spec, b.spec, c.spec) == (SpecState(3, 2, 3), SpecState(1, 0, 3), SpecState(0, 0, 9))
+    # counted, the draft's K/V kept for the accepted tokens, and each proposal in its sequence's window
+    assert (a.spec, b.spec, c.spec) == (SpecState(3, 2, 3, [(3, 2)]), SpecState(1, 0, 3, [(1, 0)]), SpecState(0, 0, 9))
     assert a.proposal == b.proposal == []
     st = spec.stats
     assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, st.accepted_per_pos) == (2, 4, 2, [1, 1, 0])
@@ -191,13 +192,16 @@ def test_a_speculative_greedy_step_takes_the_accepted_prefix_and_trims_the_rest(
     assert step.speculative and a.proposal == [1, 2, 3] and len(a.block_table) == 3  # positions 5..8
     done, emitted = up.update(step, torch.tensor([9, 1, 5, 7]))  # row 1 takes the proposed 1, row 2 rejects 2
     assert a.completion_token_ids == [3, 1, 5] and emitted == 2 and done == []
-    assert a.spec == SpecState(3, 1, 0) and a.proposal == [] and spec.stats.accepted_per_pos == [1, 0, 0]
+    assert a.spec == SpecState(3, 1, 0, [(3, 1)]) and a.proposal == [] and spec.stats.accepted_per_pos == [1, 0, 0]
     assert len(a.block_table) == 2 and a.num_cached_tokens == 7  # position 8's block went back
     step = scheduled(sched, spec, step=2)
     assert not step.speculative and a.proposal == []  # 5 occurs nowhere earlier: nothing to propose
     assert up.update(step, torch.tensor([15])) == (["final r0"], 1)  # EOS
-    assert a.finish_reason == "stop" and a.spec == SpecState(3, 1, 0) and sched.block_manager.num_free_blocks == 16
-    assert spec.stats.num_drafts == 1 and set(spec.policy.seconds) == {(1, True), (1, False)}
+    assert a.finish_reason == "stop" and a.spec == SpecState(3, 1, 0, [(3, 1)])
+    assert sched.block_manager.num_free_blocks == 16 and spec.stats.num_drafts == 1
+    # the policy timed both kinds of decode step (the speculative one with its 3 proposed tokens)
+    assert set(spec.policy.seconds) == {(1, True), (1, False)} and len(spec.policy.plain[1]) == 1
+    assert spec.policy.extra == {} and spec.policy.since_plain[1] == 0  # no plain time before it: no cost yet
 
 
 def test_a_request_whose_text_fails_ends_alone():

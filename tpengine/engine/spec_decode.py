@@ -24,17 +24,22 @@ arXiv:2211.17192; Chen et al. 2023, arXiv:2302.01318).
 * **KV of rejected positions** is left behind: ``num_cached_tokens`` counts only accepted tokens (so
   prefix-cache hashes only cover them), the next step overwrites the first rejected slot, and the
   blocks past the accepted tokens go back to the pool (:meth:`BlockManager.trim`).
-* **When it pays** (:class:`SpecPolicy`): per decode batch size, the seconds per emitted token of
-  speculative and of plain steps are measured as they run, and a step speculates when that has been
-  the faster; a fixed ``disable_by_batch_size`` replaces the measurement.
+* **When it pays** (:class:`SpecPolicy`): a proposed token costs part of a step, measured per decode
+  batch size as it runs (``rho``: the extra seconds of a speculative step per proposed token, in plain
+  seconds per emitted token); a sequence proposes a position while its recent proposals were accepted
+  there more often than ``rho``, backs off for a number of steps when even its first position was
+  not (retrying later, each failed retry waiting twice as long), and no sequence proposes at a batch
+  size where ``rho`` >= 1; a fixed ``disable_by_batch_size`` replaces all of this.
 
 Sequences with a structured output (a grammar matcher) or asking for prompt logprobs get no proposals.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from statistics import median
 
 import numpy as np
 
@@ -48,11 +53,20 @@ class SpecState:
     """One sample's speculative decoding state (``Sequence.spec``): ``proposed`` and ``accepted``
     count the tokens proposed for it and those accepted (its output's ``spec_num_*_tokens``);
     ``num_draft_cached_tokens``: with a draft model, the tokens whose K/V the draft's cache holds (it
-    writes into the same blocks; 0 again after a preemption)."""
+    writes into the same blocks; 0 again after a preemption). :class:`SpecPolicy`'s per-sequence
+    state: ``recent``, the (proposed, accepted) counts of its last :attr:`SpecPolicy.WINDOW` proposals;
+    ``skip``, the decode steps it still sits out (a back-off); ``backoff``, the next back-off's steps
+    (0: :attr:`SpecPolicy.BACKOFF_START`); ``shadows``, the n-gram proposals made while it sits out
+    and not proposed, each (its first token's index, its tokens), judged once the tokens they
+    predicted have come."""
 
     proposed: int = 0
     accepted: int = 0
     num_draft_cached_tokens: int = 0
+    recent: list[tuple[int, int]] = field(default_factory=list)
+    skip: int = 0
+    backoff: int = 0
+    shadows: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
 def output_rows(seqs: list[Sequence], first: int) -> Callable[[int, int], int]:
@@ -108,27 +122,54 @@ class NgramProposer:
 
 
 class SpecPolicy:
-    """Whether a decode step of ``b`` sequences should carry proposals, chosen on the running machine.
+    """Which sequences of a decode step of ``b`` should propose, and how many tokens, on the running machine.
 
-    With ``disable_by_batch_size`` set: while ``b`` is at most that. Otherwise measured: decode batch
-    sizes fall in power-of-two buckets (1, 2-3, 4-7, ...); each keeps an exponential moving average
-    (weight :data:`ALPHA`) of the seconds per emitted token of its plain and of its speculative steps,
-    and the seconds it spent on each. A bucket without both runs the one it lacks; then the faster one
-    runs, and the slower one runs again (to keep its average current, so a change such as another
-    workload's acceptance is seen) while the time spent on it is under :data:`EXPLORE_SHARE` of the
-    bucket's time. Exploring is so bounded in time, not in steps: where a speculative step costs many
-    plain ones (a large batch verifying proposals), it is retried that much more rarely, and what
-    exploring loses stays under that share however slow the slower option is.
+    With ``disable_by_batch_size`` set: every sequence proposes all it can while ``b`` is at most
+    that, none beyond. Otherwise two measurements meet:
+
+    * **What a proposed token costs** (per batch-size bucket: 1, 2-3, 4-7, ...; machine-bound, not
+      request-bound): the median seconds of the bucket's last :attr:`SAMPLES` plain decode steps
+      (``T``), and of its speculative steps' seconds beyond ``T`` per proposed token (``c``); their
+      ratio ``rho = c * b / T`` is a proposed token's cost in plain emitted tokens. A sequence's
+      proposed token pays when it is accepted with a probability above ``rho``. Where ``rho`` >= 1
+      nothing can pay: the bucket runs plain steps, and speculative ones again only while their time
+      is under :data:`EXPLORE_SHARE` of the bucket's (so a change of machine load is seen). A plain
+      step runs when the bucket has run :attr:`REFRESH` steps without one (its ``T`` kept current).
+      Unmeasured, ``rho`` is taken as 0.
+    * **How a sequence's proposals fare** (:class:`SpecState`): over its last :attr:`WINDOW`
+      proposals, position j's acceptance is the share of those reaching j that had their first j
+      tokens accepted; a sequence proposes up to the last position (from 2 on) whose acceptance,
+      once :attr:`MIN_SAMPLES` proposals reached it, is above ``rho``. When the first position's is
+      not, it backs off: it sits out :attr:`BACKOFF_START` decode steps, then proposes again; each
+      further failed judgement doubles the wait (up to :attr:`BACKOFF_MAX`), a passed one resets it.
+      While it sits out, the n-gram proposer's proposals are still made but not proposed (a
+      *shadow*, which costs no step) and judged against the tokens that come; the back-off ends as
+      soon as they bring the window's first position above ``rho`` again. So a request is never
+      switched off for good after a few misses: a stretch of text it cannot predict costs a few
+      probes, and a later stretch that repeats earlier text is found again within a step or two.
+
+    Speculative decoding's gain and the acceptance it needs: Leviathan et al. 2023 (arXiv:2211.17192,
+    section 3.4); the window and back-off are this engine's.
     """
 
-    #: Weight of the newest step in the moving averages.
-    ALPHA = 0.2
-    #: The most of a bucket's time spent running the option that is not the faster.
+    #: The proposals of a sequence its acceptance is judged over.
+    WINDOW = 8
+    #: Proposals that must reach a position before its acceptance is judged.
+    MIN_SAMPLES = 3
+    #: A sequence's first back-off (decode steps), and its longest.
+    BACKOFF_START, BACKOFF_MAX = 4, 64
+    #: Step timings per bucket the medians are taken over.
+    SAMPLES = 16
+    #: A bucket's plain step is measured again after this many of its steps without one.
+    REFRESH = 64
+    #: The most of a bucket's time spent on speculative steps where a proposed token costs an emitted one.
     EXPLORE_SHARE = 0.03
 
     def __init__(self, disable_by_batch_size: int | None = None) -> None:
         self.disable_by_batch_size = disable_by_batch_size
-        self.seconds_per_token: dict[tuple[int, bool], float] = {}  # (bucket, speculative) -> EMA
+        self.plain: dict[int, deque[float]] = {}  # bucket -> seconds of its last plain steps
+        self.extra: dict[int, deque[float]] = {}  # bucket -> extra seconds per proposed token
+        self.since_plain: dict[int, int] = {}  # bucket -> its steps since its last plain one
         self.seconds: dict[tuple[int, bool], float] = {}  # (bucket, speculative) -> total seconds
 
     @staticmethod
@@ -136,28 +177,80 @@ class SpecPolicy:
         """The bucket of a decode batch of ``b`` >= 1 sequences: ``b.bit_length()``."""
         return max(1, b).bit_length()
 
-    def wants(self, b: int) -> bool:
-        """Whether the next decode step of ``b`` sequences should carry proposals."""
-        if self.disable_by_batch_size is not None:
-            return b <= self.disable_by_batch_size
+    def token_cost(self, b: int) -> float | None:
+        """``rho`` at batch ``b``: a proposed token's measured cost in plain emitted tokens (>= 0), or
+        None before the bucket has both timings."""
         key = self.bucket(b)
-        spec, plain = self.seconds_per_token.get((key, True)), self.seconds_per_token.get((key, False))
-        if spec is None or plain is None:
-            return spec is None
-        slower = spec > plain
-        total = self.seconds[(key, True)] + self.seconds[(key, False)]
-        return slower if self.seconds[(key, slower)] < self.EXPLORE_SHARE * total else not slower
+        if not self.plain.get(key) or not self.extra.get(key):
+            return None
+        return max(0.0, median(self.extra[key]) * b / median(self.plain[key]))
 
-    def record(self, b: int, speculative: bool, seconds: float, tokens: int) -> None:
-        """A decode step of ``b`` sequences ran (``speculative``: with proposals) in ``seconds`` and
-        emitted ``tokens`` tokens."""
+    def threshold(self, b: int) -> float | None:
+        """The acceptance a proposed position needs in the next decode step of ``b`` sequences
+        (``rho``; 0 unmeasured or exploring, or with ``disable_by_batch_size``), or None when the step
+        should carry no proposals."""
+        if self.disable_by_batch_size is not None:
+            return 0.0 if b <= self.disable_by_batch_size else None
+        key = self.bucket(b)
+        if self.since_plain.get(key, 0) >= (self.REFRESH if self.plain.get(key) else 2):
+            return None  # time a plain step: the first ones after two speculative, then every REFRESH
+        rho = self.token_cost(b)
+        if rho is None or rho < 1:
+            return rho or 0.0
+        spec, plain = self.seconds.get((key, True), 0.0), self.seconds.get((key, False), 0.0)
+        return 0.0 if spec < self.EXPLORE_SHARE * (spec + plain) else None
+
+    def _acceptance(self, state: SpecState, j: int) -> float | None:
+        """Position ``j``'s acceptance over ``state``'s recent proposals; None if under MIN_SAMPLES reached it."""
+        reach = [m for n, m in state.recent if n >= j]
+        return sum(m >= j for m in reach) / len(reach) if len(reach) >= self.MIN_SAMPLES else None
+
+    def length(self, state: SpecState | None, k: int, rho: float) -> int:
+        """The most tokens (<= ``k``) the sequence of ``state`` should propose in a step of threshold
+        ``rho`` (:meth:`threshold`): 0 while it backs off (this step counts as one it sat out)."""
+        if state is None or self.disable_by_batch_size is not None:
+            return k
+        if state.skip > 0:
+            state.skip -= 1
+            return 0
+        for j in range(2, k + 1):
+            if (p := self._acceptance(state, j)) is not None and p <= rho:
+                return j - 1
+        return k
+
+    def judge(self, state: SpecState | None, proposed: int, accepted: int, rho: float, shadow: bool = False) -> None:
+        """The sequence of ``state`` proposed ``proposed`` tokens and ``accepted`` were taken, at a
+        threshold ``rho``: into its window, and a back-off when its first position does not pay.
+        ``shadow``: a proposal made while it sat out, not proposed: it can only end the back-off."""
+        if state is None:
+            return
+        state.recent = (state.recent + [(proposed, accepted)])[-self.WINDOW:]
+        if self.disable_by_batch_size is not None:
+            return
+        if shadow:
+            if (p := self._acceptance(state, 1)) is not None and p > rho:
+                state.skip = state.backoff = 0
+        elif (p := self._acceptance(state, 1)) is not None and p <= rho:
+            state.skip = state.backoff or self.BACKOFF_START
+            state.backoff = min(2 * state.skip, self.BACKOFF_MAX)
+        else:
+            state.backoff = 0
+
+    def record(self, b: int, speculative: bool, seconds: float, tokens: int, proposed: int = 0) -> None:
+        """A decode step of ``b`` sequences ran (``speculative``: with ``proposed`` proposed tokens)
+        in ``seconds`` and emitted ``tokens`` tokens."""
         if tokens < 1 or seconds <= 0:
             return
-        key = (self.bucket(b), speculative)
-        v = seconds / tokens
-        old = self.seconds_per_token.get(key)
-        self.seconds_per_token[key] = v if old is None else old + self.ALPHA * (v - old)
-        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+        key = self.bucket(b)
+        self.seconds[(key, speculative)] = self.seconds.get((key, speculative), 0.0) + seconds
+        if not speculative:
+            self.plain.setdefault(key, deque(maxlen=self.SAMPLES)).append(seconds)
+            self.since_plain[key] = 0
+            return
+        self.since_plain[key] = self.since_plain.get(key, 0) + 1
+        if proposed > 0 and self.plain.get(key):
+            self.extra.setdefault(key, deque(maxlen=self.SAMPLES)).append(
+                (seconds - median(self.plain[key])) / proposed)
 
 
 class SpecDecodeStats:
@@ -212,23 +305,48 @@ class SpecDecoder:
             k = min(k, seq.params.max_tokens - seq.num_completion_tokens - 1)
         return max(0, min(k, self.max_model_len - seq.num_tokens - 1))
 
+    def limit(self, seq: Sequence, rho: float) -> int:
+        """The most tokens ``seq`` should propose in a step of threshold ``rho`` (:meth:`SpecPolicy.length`).
+        While it sits out a back-off, it makes an n-gram proposal every step without proposing it (a
+        shadow), and each is judged once the tokens it predicted have come or one of them differed
+        (:meth:`SpecPolicy.judge`; a judgement that passes ends the back-off)."""
+        st, k = seq.spec, self.config.num_speculative_tokens
+        if st is not None and st.shadows:
+            pending = []
+            for at, shadow in st.shadows:
+                got = seq.token_ids[at:at + len(shadow)]
+                m = next((j for j, (a, b) in enumerate(zip(shadow, got)) if a != b), len(got))
+                if m < len(got) or m == len(shadow):
+                    self.policy.judge(st, len(shadow), m, rho, shadow=True)
+                else:
+                    pending.append((at, shadow))
+            st.shadows = pending
+        n = self.policy.length(st, k, rho)
+        if st is not None and self.proposer is not None:
+            if n > 0:
+                st.shadows = []
+            elif st.skip and (shadow := self.propose(seq, k)):
+                st.shadows.append((seq.num_tokens, shadow))
+        return n
+
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         """The n-gram proposal for ``seq``, at most ``limit`` tokens (and :meth:`room`)."""
         k = min(limit, self.room(seq))
         return self.proposer.propose(seq.token_ids, k) if k > 0 else []
 
-    def draft(self, seqs: list[Sequence], budget: int, scheduler, run: Callable[[StepPlan], list[int]],
-              step: int) -> dict[int, list[int]]:
-        """Draft-model proposals for the decode batch ``seqs`` (index -> tokens), at most ``budget``
-        tokens in all. Each sequence's table first grows for k more positions (``scheduler.reserve``;
-        one that cannot grow gets none); then one draft step runs every sequence's tokens the draft
-        has not seen (``num_draft_cached_tokens`` on: usually its last one or two, its whole prompt
-        the first time) and takes its argmax, and k - 1 one-token steps feed each argmax back (greedy
-        draft: a point-mass proposal). The block copies the target step will run go with the first
-        draft step too. ``run``: broadcasts a draft plan and returns its argmax ids."""
+    def draft(self, seqs: list[Sequence], limits: list[int], budget: int, scheduler,
+              run: Callable[[StepPlan], list[int]], step: int) -> dict[int, list[int]]:
+        """Draft-model proposals for the decode batch ``seqs`` (index -> tokens), at most ``limits[i]``
+        tokens for ``seqs[i]`` and ``budget`` tokens in all. Each sequence's table first grows for its
+        k more positions (``scheduler.reserve``; one that cannot grow gets none); then one draft step
+        runs every sequence's tokens the draft has not seen (``num_draft_cached_tokens`` on: usually
+        its last one or two, its whole prompt the first time) and takes its argmax, and k - 1
+        one-token steps feed each argmax back (greedy draft: a point-mass proposal). The block copies
+        the target step will run go with the first draft step too. ``run``: broadcasts a draft plan
+        and returns its argmax ids."""
         want: list[tuple[int, int]] = []
-        for i, seq in enumerate(seqs):
-            k = min(budget, self.room(seq))
+        for i, (seq, limit) in enumerate(zip(seqs, limits)):
+            k = min(budget, limit, self.room(seq))
             if k > 0 and scheduler.reserve(seq, k):
                 want.append((i, k))
                 budget -= k
@@ -249,33 +367,39 @@ class SpecDecoder:
         return proposals
 
     def schedule(self, seqs: list[Sequence], scheduler, run: Callable[[StepPlan], list[int]], step: int) -> bool:
-        """Give each sequence of the decode batch ``seqs`` its proposal, when the policy finds a
-        speculative step worth it: as many tokens as the step's token budget
-        (``scheduler.max_num_batched_tokens``) and free blocks allow (``scheduler.reserve_proposal``).
-        ``run``: broadcasts a draft plan and returns its argmax ids (a draft model). True if any got one."""
-        if not seqs or not self.policy.wants(len(seqs)):
+        """Give each sequence of the decode batch ``seqs`` its proposal, as long as the policy finds
+        it worth it (:meth:`SpecPolicy.threshold`, :meth:`SpecPolicy.length`) and the step's token
+        budget (``scheduler.max_num_batched_tokens``) and free blocks allow
+        (``scheduler.reserve_proposal``). ``run``: broadcasts a draft plan and returns its argmax ids
+        (a draft model). True if any got one."""
+        rho = self.policy.threshold(len(seqs)) if seqs else None
+        if rho is None:
             return False
+        limits = [self.limit(seq, rho) for seq in seqs]
         budget, any_ = scheduler.max_num_batched_tokens - len(seqs), False
         if self.uses_draft_model:
-            for i, proposal in self.draft(seqs, budget, scheduler, run, step).items():
+            for i, proposal in self.draft(seqs, limits, budget, scheduler, run, step).items():
                 any_ |= scheduler.reserve_proposal(seqs[i], proposal)  # blocks reserved: never fails
             return any_
-        for seq in seqs:
+        for seq, limit in zip(seqs, limits):
             if budget <= 0:
                 break
-            proposal = self.propose(seq, budget)
+            proposal = self.propose(seq, min(budget, limit))
             if proposal and scheduler.reserve_proposal(seq, proposal):
                 budget -= len(proposal)
                 any_ = True
         return any_
 
     @staticmethod
-    def count_proposed(seqs: list[Sequence]) -> None:
+    def count_proposed(seqs: list[Sequence]) -> int:
         """Count this step's proposals in their samples' ``spec.proposed`` (before any token goes out:
-        a request that finishes in this step reports them)."""
+        a request that finishes in this step reports them). Returns the step's proposed tokens."""
+        total = 0
         for s in seqs:
             if s.proposal:
                 s.spec.proposed += len(s.proposal)
+                total += len(s.proposal)
+        return total
 
     def verify(self, seqs: list[Sequence], tokens: list[int], take: Callable[[list[int], int], list[int]],
                trim: Callable[[Sequence], None]) -> int:
@@ -284,7 +408,8 @@ class SpecDecoder:
         token (and that have not finished) take position j through ``take(live, j)`` (indices into
         ``seqs`` -> their tokens). Then each sequence's counters are added, its draft K/V is kept only
         for accepted tokens, its proposal is cleared and, unless finished, the blocks of its rejected
-        positions go back (``trim``). Returns the tokens taken here (beyond ``tokens``)."""
+        positions go back (``trim``), and the policy judges its proposal (:meth:`SpecPolicy.judge`).
+        Returns the tokens taken here (beyond ``tokens``)."""
         took = dict(zip(range(len(seqs)), tokens))
         live = [i for i in range(len(seqs)) if seqs[i].proposal]
         accepted, emitted = dict.fromkeys(live, 0), 0
@@ -298,9 +423,11 @@ class SpecDecoder:
             emitted += len(live)
             for i, tok in zip(live, take(live, j)):
                 took[i], accepted[i] = tok, j
+        rho = self.policy.token_cost(len(seqs)) or 0.0
         for i, m in accepted.items():
             seq = seqs[i]
             self.stats.add(len(seq.proposal), m)
+            self.policy.judge(seq.spec, len(seq.proposal), m, rho)
             # the draft's K/V stays valid for the accepted tokens it was fed
             seq.spec.num_draft_cached_tokens = min(seq.spec.num_draft_cached_tokens, seq.num_cached_tokens)
             seq.proposal = []

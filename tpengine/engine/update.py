@@ -73,8 +73,7 @@ class StepUpdater:
         if not plan.greedy:
             self.rows.prompt_logprobs(seqs, out[b:b + p], failed)
         row = output_rows(seqs, b + p)
-        if self.spec is not None:
-            self.spec.count_proposed(seqs)
+        proposed = 0 if self.spec is None else self.spec.count_proposed(seqs)
         tokens = self.rows.take(out, plan.greedy, batch, [row(r, 0) for r in rows], rows, sampled, failed, step.masks)
         self.accept(batch, tokens, sampled, failed, done)
         if step.speculative:  # position j of a sequence, while its position j - 1 took the proposed token
@@ -87,7 +86,7 @@ class StepUpdater:
 
             emitted += self.spec.verify(seqs, tokens, take, self.scheduler.block_manager.trim)
         if self.spec is not None and not step.is_prefill:  # a decode step: how fast each kind emits tokens
-            self.spec.policy.record(b, step.speculative, time.perf_counter() - step.started, emitted)
+            self.spec.policy.record(b, step.speculative, time.perf_counter() - step.started, emitted, proposed)
         for rid in dict.fromkeys(seq.request_id for seq, ok in zip(batch, sampled) if ok):
             if (partial := self.outputs.stream_output(rid)) is not None:
                 done.append(partial)
