@@ -1,5 +1,6 @@
-"""``tpengine-shard info MODEL_DIR [--tp N] [--enable-expert-parallel]``: print the ShardPlan of a config
-and each rank's weight bytes (no weights read); a mixture-of-experts model's experts per rank."""
+"""``tpengine-shard info MODEL_DIR [--tp N] [--pp P] [--enable-expert-parallel]``: print the ShardPlan of a
+config and each rank's weight bytes (no weights read); a mixture-of-experts model's experts per rank; with
+``--pp``, each pipeline stage's layers and every rank's bytes of its stage."""
 
 from __future__ import annotations
 
@@ -179,6 +180,8 @@ def info(
     enable_expert_parallel: Annotated[bool, typer.Option(
         "--enable-expert-parallel", help="a mixture-of-experts model's experts whole per rank (the plan of a "
         "launch with --enable-expert-parallel); default: every expert split")] = False,
+    pp: Annotated[int, typer.Option("--pp", help="pipeline stages (with --tp): each stage's layers and each of "
+                                    "its ranks' bytes, as the engine splits them")] = 1,
 ) -> None:
     """Print the ShardPlan as a table (ranges are half-open start:end), or the valid TP sizes; for a
     quantized folder, its quantization and the quantized weight bytes; for a mixture-of-experts
@@ -196,8 +199,8 @@ def info(
         config = load_config(model_dir)
         check_config(config)  # a model type or feature the engine would refuse, refused here too
         d = ShardPlan.dims(config)
-        if tp is not None:  # UserError names the head (or expert) count and tp
-            plan = ShardPlan.build(config, tp, enable_expert_parallel)
+        if tp is not None:  # UserError names the head (or expert) count and tp (or the layers and pp)
+            plan = ShardPlan.build(config, tp, enable_expert_parallel, pp)
         dtype = dtype or config_dtype(config)
         shapes = weight_shapes(config)
         from tpengine.model.quant.checkpoint import describe_table, read_table
@@ -216,6 +219,9 @@ def info(
         console.print(f"quantized: {describe_table(quantized)} (the rest {dtype})")
     if tp is None:
         _sizes_table(console, config, shapes, dtype, quantized, experts)
+        return
+    if pp > 1:
+        _stages_table(console, config, plan, shapes, dtype, quantized)
         return
     with user_errors():
         nbytes = rank_bytes(plan, shapes, dtype, quantized)
@@ -243,3 +249,26 @@ def info(
     for m in mem:
         est.add_row(str(m.rank), *(f"{x / 2**30:.2f}" for x in (m.weights, m.kv_cache, m.runtime, m.total)))
     console.print(est)
+
+
+def _stages_table(console, config: Any, plan: Any, shapes: dict, dtype: str, quantized: dict | None) -> None:
+    """Per pipeline stage and TP rank (file ``stage x tp + rank`` of ``tpengine-shard split --pp``): the
+    stage's layers and what it holds besides them, the rank's heads and weight bytes of its stage."""
+    from rich.table import Table
+
+    from tpengine.model.surgery import stage_holds
+
+    layers, tied = int(config.num_hidden_layers), bool(getattr(config, "tie_word_embeddings", False))
+    table = Table("stage", "rank", "file", "layers", "holds", "q heads", "kv heads", "weight bytes", "MiB", box=None,
+                  title=f"pp={plan.pp_size} x tp={plan.tp_size}, padded vocab {plan.padded_vocab_size}")
+    for stage in range(plan.pp_size):
+        mine = {n: shape for n, shape in shapes.items() if stage_holds(plan, n, stage, layers, tied)}
+        with user_errors():
+            nbytes = rank_bytes(plan, mine, dtype, quantized)
+        ends = [what for what, name in (("embedding", "model.embed_tokens.weight"), ("norm", "model.norm.weight"),
+                                        ("LM head", "lm_head.weight")) if name in mine]
+        for rp, b in zip(plan.ranks, nbytes):
+            table.add_row(str(stage), str(rp.rank), str(stage * plan.tp_size + rp.rank),
+                          _rng(plan.stage_layers(stage, layers)), ", ".join(ends) or "-", _rng(rp.q_heads),
+                          _rng(rp.kv_heads), str(b), f"{b / 2**20:.2f}")
+    console.print(table)

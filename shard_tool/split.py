@@ -1,5 +1,6 @@
-"""``tpengine-shard split MODEL_DIR --tp N --out DIR [--quantize int8|int4] [--enable-expert-parallel]``:
-HF folder -> per-rank safetensors.
+"""``tpengine-shard split MODEL_DIR [--pp P] --tp N --out DIR [--quantize int8|int4] [--enable-expert-parallel]``:
+HF folder -> per-rank safetensors (with ``--pp``, one file per TP rank of every pipeline stage, holding only
+that stage's tensors: :func:`tpengine.model.surgery.stage_holds`).
 
 Every shard is cut by :meth:`tpengine.model.plan.ShardPlan.shard` with the kind from
 :func:`tpengine.model.surgery.kind_of`, and every stored part of a quantized weight by
@@ -96,9 +97,13 @@ def quantize_entry(config: Any, tp_size: int, quantize: str | None, group_size: 
 
 def split_model(
     model_dir: Path, tp_size: int, out: Path, dtype: str | None = None, force: bool = False, progress=None,
-    quantize: str | None = None, group_size: int | None = None, expert_parallel: bool = False,
+    quantize: str | None = None, group_size: int | None = None, expert_parallel: bool = False, pp_size: int = 1,
 ) -> dict[str, Any]:
-    """Split the HF checkpoint in ``model_dir`` into ``tp_size`` rank files under ``out``.
+    """Split the HF checkpoint in ``model_dir`` into ``tp_size`` rank files under ``out``, or with ``pp_size``
+    stages (the plan's even split, vLLM's rule) into ``pp_size x tp_size`` files, stage-major
+    (``rank-<stage x tp + rank>-of-<pp x tp>``), each holding its stage's layers (the embedding in the
+    first stage's, and the last's when tied; the final norm and the LM head in the last's); the manifest
+    records ``pp_size``, the plan's stages and each file's ``stage`` and ``rank``.
 
     With ``quantize`` ("int8" or "int4", ``group_size`` input columns per int4 scale, default
     32), every column/row-parallel linear's weight ``P.weight`` (cast to ``dtype`` first), and
@@ -134,7 +139,7 @@ def split_model(
     from tpengine.model.families import check_config, expand_fused, fused_parts, renamed
     from tpengine.model.plan import ShardPlan
     from tpengine.model.quant import checkpoint as QC
-    from tpengine.model.surgery import holds, kind_in
+    from tpengine.model.surgery import holds, kind_in, stage_holds
     from tpengine.model.tensor_file import TensorFileWriter, read_header, read_rows
 
     model_dir, out = Path(model_dir), Path(out)
@@ -144,7 +149,7 @@ def split_model(
         raise UserError(f"invalid dtype {dtype!r}: must be one of {', '.join(WEIGHT_DTYPES)}")
     if out.exists() and not force:
         raise UserError(f"output folder {str(out)!r} already exists; remove it or pass --force")
-    plan = ShardPlan.build(config, tp_size, expert_parallel)
+    plan = ShardPlan.build(config, tp_size, expert_parallel, pp_size)  # UserError: more stages than layers
     fused = fused_parts(config)  # a family's fused tensors (Phi-3's qkv_proj) are written as their parts
     entry, vocab_entry = quantize_entry(config, tp_size, quantize, group_size) or (None, None)
     stored = QC.read_table(model_dir) or {}  # an already quantized folder's weights
@@ -171,16 +176,21 @@ def split_model(
         "config": config.to_dict(),
         "tensors": {},
     }
+    if pp_size > 1:
+        manifest["pp_size"] = pp_size
+    layers, tied = int(config.num_hidden_layers), bool(getattr(config, "tie_word_embeddings", False))
     quantized = {}  # weight name -> QuantEntry, of the output
     with atomic_dir(out, force=force) as tmp:
-        for r in range(tp_size):
-            rname = rank_file_name(r, tp_size)
+        for e in range(pp_size * tp_size):  # each stage's ranks, stage-major (one stage: e is the rank)
+            stage, r = divmod(e, tp_size)
+            rname = rank_file_name(e, pp_size * tp_size) if pp_size > 1 else rank_file_name(r, tp_size)
             entries = []  # (source file, tpengine's name, tensor info, kind, is_bias) in output order
             for fname in files:
                 for name, info in renamed(expand_fused(read_header(model_dir / fname), fused), config).items():
-                    if name not in skip and holds(plan, name, r):  # (expert parallel: this rank's experts)
+                    # (expert parallel: this rank's experts; pipeline parallel: this stage's tensors)
+                    if name not in skip and holds(plan, name, r) and stage_holds(plan, name, stage, layers, tied):
                         entries.append((fname, name, info, kind_in(plan, name, info.shape), name.endswith(".bias")))
-            task = progress.add_task(f"rank {r}/{tp_size}", total=len(entries)) if progress else None
+            task = progress.add_task(f"file {e}/{pp_size * tp_size}", total=len(entries)) if progress else None
             declared = []  # (name, dtype, shape) of the rank file, in order
             for _, name, info, kind, bias in entries:
                 part = QC.part_of(name)
@@ -197,8 +207,10 @@ def split_model(
                                      plan.shard_shape(kind, bias, info.shape, r)))
             shapes = {n: tuple(shape) for n, _, shape in declared}
             out_dtype = {n: dt for n, dt, _ in declared}
-            writer = TensorFileWriter(tmp / rname, declared,
-                                      metadata={"format": "pt", "rank": str(r), "tp_size": str(tp_size)})
+            meta = {"format": "pt", "rank": str(r), "tp_size": str(tp_size)}
+            if pp_size > 1:
+                meta.update(stage=str(stage), pp_size=str(pp_size))
+            writer = TensorFileWriter(tmp / rname, declared, metadata=meta)
             for fname, group in itertools.groupby(entries, key=lambda e: e[0]):
                 fd = os.open(model_dir / fname, os.O_RDONLY)  # read, not mapped: no page stays resident
                 try:
@@ -222,9 +234,10 @@ def split_model(
                 finally:
                     os.close(fd)
             writer.close()
-            manifest["tensors"][str(r)] = {n: list(shp) for n, shp in shapes.items()}
+            manifest["tensors"][str(e)] = {n: list(shp) for n, shp in shapes.items()}
             manifest["shard_files"].append({"name": rname, "rank": r, "sha256": sha256_file(tmp / rname),
-                                            "bytes": (tmp / rname).stat().st_size})
+                                            "bytes": (tmp / rname).stat().st_size, **({"stage": stage} if pp_size > 1
+                                                                                      else {})})
         sources = list(files) + ([INDEX_NAME] if (model_dir / INDEX_NAME).is_file() else [])
         manifest["source_files"] = [{"name": s, "sha256": sha256_file(model_dir / s)} for s in sources]
         if quantized:
@@ -256,6 +269,8 @@ def split(
         str | None, typer.Option("--dtype", help="float32, bfloat16 or float16 (default: checkpoint's)")
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="replace --out if it exists")] = False,
+    pp: Annotated[int, typer.Option("--pp", help="pipeline stages (1..num_hidden_layers): one file per TP rank of "
+                                    "each stage, holding that stage's layers (the even split, as the engine's)")] = 1,
     quantize: Annotated[str | None, typer.Option(
         "--quantize", help="store the column/row-parallel linears' weights quantized: int8 (per output "
         "channel) or int4 (group-wise scale and coded zero); the embedding / LM head the same way "
@@ -273,7 +288,7 @@ def split(
     console = Console(stderr=True)  # the bar only on a terminal: a log or pipe gets the result lines alone
     with user_errors(), Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         m = split_model(model_dir, tp, out, dtype=dtype, force=force, progress=progress, quantize=quantize,
-                        group_size=group_size, expert_parallel=enable_expert_parallel)
+                        group_size=group_size, expert_parallel=enable_expert_parallel, pp_size=pp)
     counts = sorted({len(t) for t in m["tensors"].values()})  # expert parallel: uneven experts, uneven counts
     n = counts[0] if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     quant = ""
@@ -281,4 +296,5 @@ def split(
         from tpengine.model.quant.checkpoint import describe_table, parse_table
 
         quant = f", quantized {describe_table(parse_table(m['quantization'], 'manifest'))}"
-    print(f"wrote {tp} rank files ({n} tensors each, {m['dtype']}{quant}) and manifest.json to {out}")
+    files = f"{pp * tp} rank files ({pp} stages x {tp} ranks)" if pp > 1 else f"{tp} rank files"
+    print(f"wrote {files} ({n} tensors each, {m['dtype']}{quant}) and manifest.json to {out}")

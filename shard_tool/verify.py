@@ -41,20 +41,28 @@ def verify_dir(shard_dir: Path) -> list[str]:
     from tpengine.errors import UserError
     from tpengine.model.plan import ShardPlan
     from tpengine.model.quant import checkpoint as QC
-    from tpengine.model.surgery import expert_of, holds, kind_in
+    from tpengine.model.surgery import expert_of, holds, kind_in, stage_holds
 
     shard_dir = Path(shard_dir)
     m = read_manifest(shard_dir)  # UserError: missing, truncated, another format, a key missing
-    tp = m["tp_size"]
+    tp, pp = m["tp_size"], int(m.get("pp_size", 1))
     plan = ShardPlan.from_dict(m["plan"])
     errors: list[str] = []
     if plan.tp_size != tp:
         errors.append(f"manifest.json: plan.tp_size={plan.tp_size} but tp_size={tp}")
-    if (shard_dir / "config.json").is_file():
-        rebuilt = ShardPlan.build(read_model_config(shard_dir), tp, plan.expert_parallel)
+    if plan.pp_size != pp:
+        errors.append(f"manifest.json: the plan has {plan.pp_size} pipeline stages but pp_size={pp}")
+    config = read_model_config(shard_dir) if (shard_dir / "config.json").is_file() else None
+    if config is not None:
+        rebuilt = ShardPlan.build(config, tp, plan.expert_parallel, plan.pp_size,
+                                  [b - a for a, b in plan.stages] or None)
         if rebuilt != plan:
             errors.append("manifest.json: stored plan differs from the plan built from config.json")
-    want = {rank_file_name(r, tp): r for r in range(tp)}
+    # one file per TP rank, or per TP rank of every stage (stage-major): file index -> (stage, rank)
+    want = {rank_file_name(e, tp * pp) if pp > 1 else rank_file_name(e, tp): e for e in range(tp * pp)}
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0) if config is not None else (
+        plan.stages[-1][1] if plan.stages else 0)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
     listed = {e["name"]: e for e in m["shard_files"]}
     if set(listed) != set(want):
         errors.append(f"manifest.json: shard_files {sorted(listed)} != expected {sorted(want)}")
@@ -67,7 +75,8 @@ def verify_dir(shard_dir: Path) -> list[str]:
             table = QC.parse_table(m["quantization"], "manifest.json")
         except UserError as e:
             errors.append(str(e))
-    for fname, r in want.items():
+    for fname, e in want.items():
+        stage, r = divmod(e, tp)
         path = shard_dir / fname
         if not path.is_file():
             errors.append(f"{fname}: missing")
@@ -76,7 +85,7 @@ def verify_dir(shard_dir: Path) -> list[str]:
         if fname in listed and digest != listed[fname]["sha256"]:
             errors.append(f"{fname}: sha256 {digest[:16]}... does not match manifest {listed[fname]['sha256'][:16]}...")
             continue
-        expected: dict[str, Any] = m["tensors"].get(str(r), {})
+        expected: dict[str, Any] = m["tensors"].get(str(e), {})
         try:
             with safe_open(path, framework="pt") as f:
                 names = f.keys()
@@ -100,6 +109,9 @@ def verify_dir(shard_dir: Path) -> list[str]:
             owner = (f"rank {plan.expert_owner(e)}" if e < plan.num_experts
                      else f"no rank (experts 0..{plan.num_experts - 1})")
             errors.append(f"{fname}: tensor {n} is expert {e}'s, which the plan gives to {owner}")
+        if pp > 1:
+            for n in sorted(n for n in got if not stage_holds(plan, (QC.part_of(n) or (n,))[0], stage, layers, tied)):
+                errors.append(f"{fname}: tensor {n} is not stage {stage}'s (layers {plan.stage_layers(stage, layers)})")
         for n in sorted(set(got) & set(expected)):
             shape, dt = list(got[n][0]), got[n][1]
             if shape != list(expected[n]):
@@ -169,6 +181,6 @@ def verify(shard_dir: Annotated[Path, typer.Argument(help="folder written by tpe
 
         quant = f", quantized {describe_table(parse_table(m['quantization'], 'manifest.json'))}"
     print(
-        f"OK: {shard_dir}: {m['tp_size']} rank files, {n} tensors, dtype {m['dtype']}{quant}, "
+        f"OK: {shard_dir}: {len(m['shard_files'])} rank files, {n} tensors, dtype {m['dtype']}{quant}, "
         "sha256, names and shapes match manifest and plan"
     )

@@ -230,3 +230,63 @@ def test_two_nodes_one_stage_each_a_killed_stage_ends_both_and_resume_completes(
          "--out", ref_out])
     cli([*common, "--out", out, "--resume"], tp=2)
     assert tokens(records(out)) == tokens(records(ref_out)) and out.read_text().count("\n") == n
+
+
+def test_shard_tool_splits_stages_and_a_stage_loads_only_its_tensors(setup, tmp_path):
+    """``split --pp 2 --tp 2`` writes 4 files, each only its stage's tensors (the tied model: the embedding in
+    both stages' files); ``verify`` passes and names a tensor of the wrong stage; ``info --pp`` shows each
+    rank's bytes; a stage's model loaded from its file equals the one sliced from the full folder; a
+    launch of another layout is refused naming the fix."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from typer.testing import CliRunner
+
+    from shard_tool.cli import app
+    from shard_tool.verify import verify_dir
+    from tpengine.distributed import TPInfo
+    from tpengine.model.checkpoint import sha256_file
+    from tpengine.model.loader import load_model
+    from tpengine.model.shard_folder import CheckpointMismatchError
+    from tpengine.model.spec import ModelSpec
+
+    out = tmp_path / "tied-pp2-tp2"
+    r = CliRunner().invoke(app, ["split", str(setup["tied"]), "--pp", "2", "--tp", "2", "--out", str(out)])
+    assert r.exit_code == 0 and r.output.startswith("wrote 4 rank files (2 stages x 2 ranks) "), r.output
+    assert verify_dir(out) == []
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["pp_size"] == 2 and m["plan"]["stages"] == [[0, 3], [3, 5]]
+    assert [(f["name"], f["stage"], f["rank"]) for f in m["shard_files"]] == [
+        (f"rank-0{e}-of-04.safetensors", e // 2, e % 2) for e in range(4)]
+    names = {e: set(m["tensors"][str(e)]) for e in range(4)}
+    assert names[0] == names[1] and names[2] == names[3]
+    assert {n.split(".")[2] for n in names[0] if n.startswith("model.layers.")} == {"0", "1", "2"}
+    assert {n.split(".")[2] for n in names[2] if n.startswith("model.layers.")} == {"3", "4"}
+    assert "model.embed_tokens.weight" in names[0] & names[2]  # tied: the head's weight on the last stage
+    assert "model.norm.weight" in names[2] - names[0] and not any("lm_head" in n for n in names[2])
+    info = CliRunner().invoke(app, ["info", str(setup["tied"]), "--tp", "2", "--pp", "2"]).output
+    rows = [line.split() for line in info.splitlines() if line.split()[:2] in (["0", "0"], ["1", "1"])]
+    assert rows[0][:5] == ["0", "0", "0", "0:3", "embedding"] and rows[1][:4] == ["1", "1", "3", "3:5"]
+    assert int(rows[0][-2]) == sum(load_file(out / "rank-00-of-04.safetensors")[n].numel() * 4 for n in names[0])
+    for e in (1, 2):  # a stage's model from its file equals the one sliced from the full folder
+        tp = TPInfo(e % 2, 2, 0, torch.device("cpu"), pp_rank=e // 2, pp_size=2)
+        split = load_model(ModelSpec.from_config(out, ModelSpec.read_config(out), tp), tp, cpu_kernels=False).module
+        full = load_model(ModelSpec.from_config(setup["tied"], ModelSpec.read_config(setup["tied"]), tp), tp,
+                          cpu_kernels=False).module
+        a, b = dict(split.named_parameters()), dict(full.named_parameters())
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert len(split.model.layers) == (3 if e < 2 else 2) and (split.lm_head is None) == (e < 2)
+    with pytest.raises(CheckpointMismatchError, match=r"was split into 2 pipeline stages of 3,2 layers, but this "
+                                                      r"launch has pipeline_parallel_size=1; launch with "
+                                                      r"--pipeline-parallel-size 2 --pp-layer-partition 3,2, or "
+                                                      r"re-shard with: tpengine-shard split <full HF model folder> "
+                                                      r"--tp 2 --out <new folder>$"):
+        ModelSpec.from_config(out, ModelSpec.read_config(out), TPInfo(0, 2, 0, torch.device("cpu")))
+    bad = load_file(out / "rank-02-of-04.safetensors")
+    bad["model.layers.0.input_layernorm.weight"] = bad["model.layers.3.input_layernorm.weight"].clone()
+    save_file(bad, out / "rank-02-of-04.safetensors")
+    m["shard_files"][2]["sha256"] = sha256_file(out / "rank-02-of-04.safetensors")  # a consistent manifest
+    listed = m["tensors"]["2"]
+    listed["model.layers.0.input_layernorm.weight"] = listed["model.layers.3.input_layernorm.weight"]
+    (out / "manifest.json").write_text(json.dumps(m))
+    assert "rank-02-of-04.safetensors: tensor model.layers.0.input_layernorm.weight is not stage 1's (layers " \
+           "(3, 5))" in verify_dir(out)

@@ -149,11 +149,16 @@ def start_rank() -> tuple[int, int]:
     return rank_and_world()
 
 
-def resolve_model_dir(model: str | os.PathLike, world_size: int) -> str:
-    """``{model}-tp{world_size}`` when it holds pre-split shards (``manifest.json``), else ``model``
-    (a trailing ``/`` of ``model`` is ignored for the shard folder's name)."""
-    shards = Path(f"{str(model).rstrip('/')}-tp{world_size}")
-    return str(shards) if (shards / "manifest.json").is_file() else str(model)
+def resolve_model_dir(model: str | os.PathLike, world_size: int, pp_size: int = 1) -> str:
+    """``{model}-pp{pp_size}-tp{world_size}`` (with pipeline stages) or ``{model}-tp{world_size}`` when it
+    holds pre-split shards (``manifest.json``), else ``model`` (a trailing ``/`` of ``model`` is ignored for
+    the shard folder's name)."""
+    base = str(model).rstrip("/")
+    names = ([f"{base}-pp{pp_size}-tp{world_size}"] if pp_size > 1 else []) + [f"{base}-tp{world_size}"]
+    for shards in map(Path, names):
+        if (shards / "manifest.json").is_file():
+            return str(shards)
+    return str(model)
 
 
 def check_model(folder: str | os.PathLike, missing_hint: str | None = None) -> None:
@@ -242,7 +247,7 @@ def read_launch(config_path: str | os.PathLike | None, engine_settings: dict[str
     cfg = load_config(config_path, **engine_settings)
     dp, tp = cfg.parallel_sizes(world_size)  # UserError: the world is not dp x tp
     model_name = Path(cfg.model).name
-    cfg = cfg.replace(model=resolve_model_dir(cfg.model, tp), tensor_parallel_size=tp)
+    cfg = cfg.replace(model=resolve_model_dir(cfg.model, tp, cfg.pipeline_parallel_size), tensor_parallel_size=tp)
     if check_folder:
         check_model(cfg.model)
     model_defaults, line = model_sampling_defaults(cfg)

@@ -66,7 +66,7 @@ class ModelSpec:
         """
         folder = Path(folder)
         sharded = is_shard_folder(folder)
-        plan = (check_manifest(folder, hf_config, tp, expert_parallel) if sharded
+        plan = (check_manifest(folder, hf_config, tp, expert_parallel, layer_partition) if sharded
                 else ShardPlan.build(hf_config, tp.size, expert_parallel, tp.pp_size, layer_partition))
         if sharded and tp.pp_size > 1 and not plan.stages:  # a TP split run in stages: each reads its layers
             stages = ShardPlan.split_layers(int(hf_config.num_hidden_layers), tp.pp_size, layer_partition)
