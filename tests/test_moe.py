@@ -254,3 +254,28 @@ def test_ep_refusal_in_the_job_is_one_line(tmp_path):
     assert lines[0].endswith(": model_type 'mixtral': enable_expert_parallel puts whole experts on each of the 3 "
                              "ranks, but the model has 2 experts per layer; use at most 2 ranks, or tensor "
                              "parallelism for the experts (without --enable-expert-parallel)")
+
+
+def test_cuda_runs_moe_without_graphs(monkeypatch):
+    """A model with MoE blocks (their grouping reads counts on the host) gets no CUDA graph runner; a dense
+    one gets one (the runner stubbed: no GPU here)."""
+    from types import SimpleNamespace
+
+    import tpengine.backends.cuda.graphs as graphs
+    from tpengine.backends.cuda.platform import CUDAPlatform
+    from tpengine.model.layers.moe import MoEBlock
+
+    class Runner:
+        def __init__(self, model, *args):
+            self.model = model
+
+        def capture(self):
+            pass
+
+    monkeypatch.setattr(graphs, "CUDAGraphRunner", Runner)
+    config = SimpleNamespace(enforce_eager=False, max_num_seqs=4, max_model_len=64, block_size=16)
+    backend, cpu = SimpleNamespace(graph_safe=True), torch.device("cpu")
+    moe = torch.nn.Sequential(MoEBlock(16, 4, 2, (0, 4), 8, False, True, False, torch.nn.SiLU(), torch.float32))
+    dense = torch.nn.Sequential(torch.nn.Identity())
+    assert CUDAPlatform().step_runner(moe, backend, config, 16, torch.float32, cpu) is None
+    assert CUDAPlatform().step_runner(dense, backend, config, 16, torch.float32, cpu).model is dense
