@@ -15,7 +15,7 @@ GGUF_FILE = "$$($(PY) -c 'import importlib.util as u, pathlib; print(next(pathli
 BENCH_PREFIX_ARGS  ?= --num-prompts 16 --doc-len 512 --no-hf
 BENCH_CHUNKED_ARGS ?= --long-len 2048 --chunk 512,2048 --running-output-len 128
 
-.PHONY: setup model model-keepquant test lint demo bench bench-prefix bench-chunked bench-big-file bench-serve bench-structured bench-spec bench-dp bench-peers bench-moe humaneval quality eval-harness bench-scale chaos soak shards clean
+.PHONY: setup model model-keepquant test lint demo bench bench-prefix bench-chunked bench-big-file bench-serve bench-structured bench-spec bench-dp bench-pp bench-peers bench-moe humaneval quality eval-harness bench-scale chaos soak shards clean
 
 setup: .venv/.installed
 
@@ -92,6 +92,10 @@ bench-spec: setup model
 # Data parallel vs tensor parallel on the same cores: D=2 x T=1, D=1 x T=2, D=1 x T=1 (python -m benchmarks.bench_dp --help)
 bench-dp: setup model
 	$(PY) -m benchmarks.bench_dp --out bench-dp.json
+
+# Pipeline parallel vs tensor parallel vs data parallel on the same cores: PP=2, TP=2, D=2 (python -m benchmarks.bench_pp --help)
+bench-pp: setup model
+	$(PY) -m benchmarks.bench_pp --out bench-pp.json
 
 # A random Qwen3-MoE (16 experts, top 4, SmolLM2's shape) at tp=1, tp=2 and EP=2 beside HF, and its dense-active
 # twin's TPOT; the models are built once under models/ (python -m benchmarks.bench_moe --help)

@@ -26,6 +26,7 @@ one :class:`_ProcessGroups` object, set by :func:`init_distributed` and cleared 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -399,6 +400,11 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+#: this process's pipeline transfers so far: bytes sent, and seconds spent waiting to receive (what
+#: ``make bench-pp`` reads: bytes moved between stages, each stage's idle time)
+P2P_COUNTERS = {"sent_bytes": 0, "recv_wait_s": 0.0}
+
+
 def _p2p_wait(work, what: str) -> None:
     """Wait for a point-to-point transfer, bounded by the group timeout (gloo's wait raises past it)."""
     prev = forensics.enter(what)
@@ -410,11 +416,15 @@ def pp_send(t: torch.Tensor, dst: int, what: str) -> None:
     """Send ``t`` to global rank ``dst`` on the pipeline's point-to-point group, waiting until it is
     out (bounded by the group timeout); ``what`` names it in a forensics report (the stages and the
     peer)."""
-    _p2p_wait(dist.isend(t.contiguous(), dst, group=_STATE.p2p), f"{what}: send to rank {dst} (pipeline p2p group)")
+    t = t.contiguous()
+    _p2p_wait(dist.isend(t, dst, group=_STATE.p2p), f"{what}: send to rank {dst} (pipeline p2p group)")
+    P2P_COUNTERS["sent_bytes"] += t.numel() * t.element_size()
 
 
 def pp_recv(t: torch.Tensor, src: int, what: str) -> torch.Tensor:
     """Receive ``t`` (its shape and dtype known to both sides) from global rank ``src`` on the
     pipeline's point-to-point group, bounded by the group timeout; returns ``t``."""
+    started = time.perf_counter()
     _p2p_wait(dist.irecv(t, src, group=_STATE.p2p), f"{what}: receive from rank {src} (pipeline p2p group)")
+    P2P_COUNTERS["recv_wait_s"] += time.perf_counter() - started
     return t
