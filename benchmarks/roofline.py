@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -310,10 +311,11 @@ def limits_cells(row: dict) -> tuple[str, str, str]:
 
 def roofline_text(roofline: dict) -> str:
     """One line of the measured limits: ``triad 26.6 GB/s (1 x 2 threads), 25.1 GB/s (2 x 1); GEMM
-    GFLOP/s float32 150, bfloat16 300, int8 -``."""
+    GFLOP/s float32 150, bfloat16 300, int8 -`` and, where recorded, `` (load average 0.4)``."""
     bw = ", ".join(f"{b['gb_s']:.1f} GB/s ({b['procs']} x {b['threads']} threads)" for b in roofline["bandwidth"])
     gemm = ", ".join(f"{d} {g['gflop_s']:.0f}" if g else f"{d} -" for d, g in roofline["gemm"].items())
-    return f"roofline: triad {bw}; GEMM GFLOP/s {gemm}"
+    load = f" (load average {roofline['load_avg']:.1f})" if roofline.get("load_avg") is not None else ""
+    return f"roofline: triad {bw}; GEMM GFLOP/s {gemm}{load}"
 
 
 # ------------------------------------------------------------------------------------ measuring
@@ -439,16 +441,19 @@ def measure_roofline(layouts: list[tuple[int, int]], shapes: list[tuple[int, int
     of ``mib`` MiB, default :data:`TRIAD_MIB`; windows of :data:`TRIAD_WINDOW_S`) and the GEMM rates of
     :data:`GEMM_DTYPES` at ``shapes`` with ``threads`` (all the run's cores); says
     :func:`roofline_text`. Returns ``{"triad_mib", "bandwidth": [{"procs", "threads", "gb_s"}],
-    "gemm": {dtype: {"gflop_s", "by_shape"} or None}, "measure_s"}``.
+    "gemm": {dtype: {"gflop_s", "by_shape"} or None}, "load_avg", "measure_s"}`` (``load_avg``: the
+    1-minute load average as it started, None where the OS has none).
 
     Raises:
         RuntimeError: a triad worker died.
     """
     mib = TRIAD_MIB if mib is None else mib
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # a busy machine's limits read low
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tpengine-roofline-") as logdir:
         bandwidth = triad_bandwidths(layouts, Path(logdir), mib, TRIAD_WINDOW_S)
-    result = {"triad_mib": mib, "bandwidth": bandwidth, "gemm": gemm_rates(shapes, threads, GEMM_WINDOW_S)}
+    result = {"triad_mib": mib, "bandwidth": bandwidth, "gemm": gemm_rates(shapes, threads, GEMM_WINDOW_S),
+              "load_avg": None if load is None else round(load, 2)}
     result["measure_s"] = round(time.perf_counter() - t0, 1)
     echo(roofline_text(result))
     return result

@@ -37,7 +37,7 @@ def check_limits(res: dict, dtype: str) -> None:
     lim, cores = res["roofline"], res["config"]["cores"]
     assert lim["triad_mib"] == 1 and lim["gemm"]["float32"]["gflop_s"] > 0 and lim["gemm"]["bfloat16"]["gflop_s"] > 0
     assert [(b["procs"], b["threads"]) for b in lim["bandwidth"]] == [(t, max(1, cores // t)) for t in (1, 2)]
-    assert all(b["gb_s"] > 0 for b in lim["bandwidth"])
+    assert all(b["gb_s"] > 0 for b in lim["bandwidth"]) and lim["load_avg"] >= 0
     t = roofline.model_tensors(AutoConfig.from_pretrained(res["config"]["model"]))
     ctx = roofline.mean_context(res["config"]["latency_input_len"], res["config"]["latency_output_len"])
     for s, row in res["results"][dtype].items():

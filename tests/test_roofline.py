@@ -132,6 +132,7 @@ def test_row_limits_and_cells(smollm2):
     assert rl.gemm_of(ROOFLINE, "bfloat16") == 200.0 and rl.gemm_of(ROOFLINE, "int8") is None
     assert rl.roofline_text(ROOFLINE) == ("roofline: triad 25.0 GB/s (1 x 2 threads), 20.0 GB/s (2 x 1 threads); "
                                           "GEMM GFLOP/s float32 100, bfloat16 200, int8 -")
+    assert rl.roofline_text({**ROOFLINE, "load_avg": 9.96}).endswith("int8 - (load average 10.0)")
     row = {"tpot_ms": 20.0, "total_tok_s": 1000.0}  # int8 weights, bfloat16 arithmetic, at tp=2
     p = rl.tpengine_precision("bfloat16", "int8")
     rl.annotate(row, ROOFLINE, smollm2, rl.decode_bytes(smollm2, p, 160), p.compute, 2, 1)
