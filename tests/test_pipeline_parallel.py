@@ -77,6 +77,29 @@ def test_stages_split_the_layers_as_vllm_and_as_given():
         "tensor_parallel_size (1 x 2 x 3, 3 x 2 x 1), or launch 4 rank(s) for these sizes")
 
 
+def test_split_plan_gives_micro_batches_of_whole_sequences_and_their_result_rows():
+    """Three sequences (a 3-token prefill chunk asking prompt logprobs, a decode row, a decode row with two
+    speculative tokens) in 2 micro-batches: each sub-plan's rows are its sequences' own, re-based, and the
+    rows map back to the whole plan's result order (sampled, prompt, speculative)."""
+    import torch
+
+    from tpengine.engine.step import StepKind, StepPlan, split_plan
+
+    t = lambda *v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    plan = StepPlan(StepKind.PREFILL, step=7, input_ids=t(1, 2, 3, 4, 5, 6, 7), positions=t(0, 1, 2, 9, 4, 5, 6),
+                    slot_mapping=t(0, 1, 2, 13, 20, 21, 22), block_tables=t(0, 3, 5).view(3, 1),
+                    cu_seqlens_q=t(0, 3, 4, 7), cu_seqlens_k=t(0, 3, 10, 17), context_lens=t(3, 10, 7),
+                    sample_idx=t(2, 3, 6), prompt_idx=t(0, 1), spec_idx=t(4, 5), greedy=True)
+    (a, rows_a), (b, rows_b) = split_plan(plan, 2)
+    assert a.input_ids.tolist() == [1, 2, 3, 4] and b.input_ids.tolist() == [5, 6, 7]
+    assert a.cu_seqlens_q.tolist() == [0, 3, 4] and a.cu_seqlens_k.tolist() == [0, 3, 10]
+    assert b.cu_seqlens_q.tolist() == [0, 3] and b.cu_seqlens_k.tolist() == [0, 7] and b.block_tables.tolist() == [[5]]
+    assert (a.sample_idx.tolist(), a.prompt_idx.tolist(), a.spec_idx.tolist()) == ([2, 3], [0, 1], [])
+    assert (b.sample_idx.tolist(), b.prompt_idx.tolist(), b.spec_idx.tolist()) == ([2], [], [0, 1])
+    assert rows_a.tolist() == [0, 1, 3, 4] and rows_b.tolist() == [2, 5, 6] and a.step == b.step == 7 and b.greedy
+    assert [r.tolist() for _, r in split_plan(plan, 1)] == [[0, 1, 2, 3, 4, 5, 6]]
+
+
 class _Config:
     """A tiny config for the plan alone (no transformers)."""
 
@@ -199,9 +222,9 @@ def test_two_nodes_one_stage_each_a_killed_stage_ends_both_and_resume_completes(
     of stage 1's rank mid-job: both launches end within seconds (the driver's transfer to the dead stage
     fails, well before ``dist_timeout_s``) with every rank gone; ``--resume`` at P=2 (one launch) completes
     every id once, and every record, the two nodes' too, equals one process's."""
-    n = 6
+    n = 5
     lines = write_jsonl(tmp_path / "in.jsonl", [
-        {"id": f"k{i}", "prompt_token_ids": [5, 6, 7, 10 + i], "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+        {"id": f"k{i}", "prompt_token_ids": [5, 6, 7, 10 + i], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
         for i in range(n)])
     common = ["--prompts", lines, "--model", setup["model"], *SETTINGS, "--max-num-seqs", "1",
               "--dist-timeout-s", "30", "--pipeline-parallel-size", "2", "--threads", "1"]

@@ -412,19 +412,40 @@ def _p2p_wait(work, what: str) -> None:
     forensics.leave(prev)
 
 
+def pp_isend(t: torch.Tensor, dst: int, tag: int = 0) -> tuple[Any, torch.Tensor]:
+    """Start sending ``t`` to global rank ``dst`` (message ``tag``) on the pipeline's point-to-point group;
+    returns ``(work, the tensor sent)`` (keep it alive until :func:`pp_wait` returned)."""
+    t = t.contiguous()
+    P2P_COUNTERS["sent_bytes"] += t.numel() * t.element_size()
+    return dist.isend(t, dst, group=_STATE.p2p, tag=tag), t
+
+
+def pp_irecv(t: torch.Tensor, src: int, tag: int = 0) -> Any:
+    """Start receiving ``t`` (its shape and dtype known to both sides) from global rank ``src``
+    (message ``tag``) on the pipeline's point-to-point group; returns the work for :func:`pp_wait`."""
+    return dist.irecv(t, src, group=_STATE.p2p, tag=tag)
+
+
+def pp_wait(work: Any, what: str, receiving: bool = False) -> None:
+    """Wait for a transfer :func:`pp_isend` or :func:`pp_irecv` started, bounded by the group timeout
+    (gloo's wait raises past it); ``what`` names it (the step, the stages, the peer rank) in a forensics
+    report; ``receiving``: the wait counts as this rank's wait for its input."""
+    started = time.perf_counter()
+    _p2p_wait(work, what)
+    if receiving:
+        P2P_COUNTERS["recv_wait_s"] += time.perf_counter() - started
+
+
 def pp_send(t: torch.Tensor, dst: int, what: str) -> None:
     """Send ``t`` to global rank ``dst`` on the pipeline's point-to-point group, waiting until it is
     out (bounded by the group timeout); ``what`` names it in a forensics report (the stages and the
     peer)."""
-    t = t.contiguous()
-    _p2p_wait(dist.isend(t, dst, group=_STATE.p2p), f"{what}: send to rank {dst} (pipeline p2p group)")
-    P2P_COUNTERS["sent_bytes"] += t.numel() * t.element_size()
+    work, _ = pp_isend(t, dst)
+    pp_wait(work, f"{what}: send to rank {dst} (pipeline p2p group)")
 
 
 def pp_recv(t: torch.Tensor, src: int, what: str) -> torch.Tensor:
     """Receive ``t`` (its shape and dtype known to both sides) from global rank ``src`` on the
     pipeline's point-to-point group, bounded by the group timeout; returns ``t``."""
-    started = time.perf_counter()
-    _p2p_wait(dist.irecv(t, src, group=_STATE.p2p), f"{what}: receive from rank {src} (pipeline p2p group)")
-    P2P_COUNTERS["recv_wait_s"] += time.perf_counter() - started
+    pp_wait(pp_irecv(t, src), f"{what}: receive from rank {src} (pipeline p2p group)", receiving=True)
     return t

@@ -17,9 +17,9 @@ import torch
 from tpengine.backends import get_backend, get_platform
 from tpengine.config import EngineConfig
 from tpengine.context import Context
-from tpengine.distributed import TPInfo, all_reduce_min, broadcast_control, pp_recv, pp_send
+from tpengine.distributed import TPInfo, all_reduce_min, broadcast_control, pp_irecv, pp_isend, pp_wait
 from tpengine.engine.pooling import pool_rows
-from tpengine.engine.step import StepKind, StepPlan
+from tpengine.engine.step import StepKind, StepPlan, split_plan
 from tpengine.errors import UserError
 from tpengine.model.loader import ExecutionProfile, load_model
 from tpengine.model.spec import ModelSpec
@@ -185,40 +185,70 @@ class ModelRunner:
         return self._head(hidden.index_select(0, to(rows)), plan, grammar_mask)
 
     def _execute_stage(self, plan: StepPlan, grammar_mask: Callable[[], torch.Tensor] | None) -> torch.Tensor | None:
-        """One step of this pipeline stage (:meth:`execute`'s result on the driver, None elsewhere): a
-        masked greedy step's bitmask broadcast first (every rank of the replica takes part), the hidden
-        states ``(h, delta)`` ``[N, hidden]`` each received from the stage before (not on the first), this
-        stage's layers, and sent to the stage after, or on the last stage the LM head, whose result its TP
-        rank 0 sends to the driver: int64 ids ``[R]`` for a greedy plan, else float32 logits
-        ``[R, vocab_size]`` (R: the sampled, prompt-logprob and speculative rows). Every transfer is
-        bounded by ``dist_timeout_s`` and named (step, stages, ranks) in a forensics report."""
+        """One step of this pipeline stage (:meth:`execute`'s result on the driver, None elsewhere), over up
+        to ``pp_size`` micro-batches of the plan's sequences (:func:`tpengine.engine.step.split_plan`), so the
+        stages overlap (stage s runs micro-batch m while stage s + 1 runs m - 1): a masked greedy step's
+        bitmask broadcast first (every rank of the replica takes part); per micro-batch the hidden states
+        ``(h, delta)`` ``[N_m, hidden]`` each received from the stage before (not on the first), this stage's
+        layers, and sent to the stage after, or on the last stage the LM head, whose result its TP rank 0
+        sends to the driver (int64 ids ``[R_m]`` for a greedy plan, else float32 logits ``[R_m, vocab_size]``);
+        the driver posts its receives first and puts the rows in the plan's order. Sends do not wait for the
+        receiver (no stage blocks the one before); every transfer is waited for, bounded by
+        ``dist_timeout_s`` and named (step, micro-batch, stages, ranks) in a forensics report."""
         tp, dev = self.tp, self.tp.device
         mask = self._bitmask(plan, grammar_mask, dev) if plan.greedy and plan.grammar_mask else None
-        to = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
-        ctx = Context.build(self.backend, plan.kind == StepKind.PREFILL, to(plan.slot_mapping), to(plan.block_tables),
-                            to(plan.cu_seqlens_q), to(plan.cu_seqlens_k), to(plan.context_lens))
-        n, s = plan.input_ids.shape[0], tp.pp_rank
-        inter = None
-        if not tp.is_first_stage:
-            what = f"pipeline step {plan.step}: hidden states, stage {s - 1} -> {s}"
-            inter = tuple(pp_recv(torch.empty(n, self.shard_plan.hidden_size, dtype=self.dtype, device=dev),
-                                  tp.stage_peer(s - 1), what) for _ in range(2))
-        out = self.model.model(to(plan.input_ids), to(plan.positions), ctx, inter)
-        extra = [t for t in (plan.prompt_idx, plan.spec_idx) if t is not None and t.numel()]
-        rows = torch.cat([plan.sample_idx, *extra]) if extra else plan.sample_idx
-        if not tp.is_last_stage:
-            for t in out:
-                pp_send(t, tp.stage_peer(s + 1), f"pipeline step {plan.step}: hidden states, stage {s} -> {s + 1}")
-        else:
-            result = self._head(out.index_select(0, to(rows)), plan, mask=mask)
+        parts = split_plan(plan, tp.pp_size)
+        results = self._post_result_receives(plan, parts) if tp.is_driver else []
+        sends, s = [], tp.pp_rank
+        for m, (sub, rows) in enumerate(parts):
+            what = f"pipeline step {plan.step} micro-batch {m}"
+            to = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
+            ctx = Context.build(self.backend, sub.kind == StepKind.PREFILL, to(sub.slot_mapping),
+                                to(sub.block_tables), to(sub.cu_seqlens_q), to(sub.cu_seqlens_k), to(sub.context_lens))
+            inter = None
+            if not tp.is_first_stage:
+                n, src = sub.input_ids.shape[0], tp.stage_peer(s - 1)
+                inter = tuple(torch.empty(n, self.shard_plan.hidden_size, dtype=self.dtype, device=dev) for _ in "hd")
+                for i, t in enumerate(inter):
+                    pp_wait(pp_irecv(t, src, 2 * m + i), f"{what}: hidden states, stage {s - 1} -> {s}: receive from "
+                            f"rank {src}", receiving=True)
+            out = self.model.model(to(sub.input_ids), to(sub.positions), ctx, inter)
+            if not tp.is_last_stage:
+                dst = tp.stage_peer(s + 1)
+                sends += [(pp_isend(t, dst, 2 * m + i), f"{what}: hidden states, stage {s} -> {s + 1}: send to "
+                           f"rank {dst}") for i, t in enumerate(out)]
+                continue
+            sub_rows = torch.cat([sub.sample_idx, sub.prompt_idx, sub.spec_idx])
+            result = self._head(out.index_select(0, to(sub_rows)), sub,
+                                mask=None if mask is None else mask[rows[: sub.num_seqs]])
             if tp.rank == 0:
-                pp_send(result, tp.driver_rank, f"pipeline step {plan.step}: the result, stage {s} -> the driver")
+                sends.append((pp_isend(result, tp.driver_rank, 2 * len(parts) + m),
+                              f"{what}: the result, stage {s} -> the driver (rank {tp.driver_rank})"))
+        for (work, _), what in sends:
+            pp_wait(work, what)
         if not tp.is_driver:
             return None
-        shape = (rows.numel(),) if plan.greedy else (rows.numel(), self.shard_plan.vocab_size)
-        result = torch.empty(shape, dtype=torch.int64 if plan.greedy else torch.float32, device=dev)
-        return pp_recv(result, tp.stage_peer(tp.pp_size - 1) - tp.rank,
-                       f"pipeline step {plan.step}: the result, stage {tp.pp_size - 1} -> the driver")
+        whole = None
+        for m, (work, t, rows) in enumerate(results):
+            pp_wait(work, f"pipeline step {plan.step} micro-batch {m}: the result, stage {tp.pp_size - 1} -> the "
+                    "driver", receiving=True)
+            if whole is None:
+                rows_total = sum(r.numel() for _, _, r in results)
+                whole = t.new_empty((rows_total, *t.shape[1:]))
+            whole[rows.to(dev)] = t
+        return whole
+
+    def _post_result_receives(self, plan: StepPlan, parts: list) -> list[tuple]:
+        """The driver, before its stage runs: one receive per micro-batch of ``parts`` for the last stage's
+        result (ids ``[R_m]`` or logits ``[R_m, vocab_size]``), ``(work, tensor, its rows in the plan's
+        result)`` each."""
+        src = self.tp.stage_peer(self.tp.pp_size - 1) - self.tp.rank
+        out = []
+        for m, (_, rows) in enumerate(parts):
+            shape = (rows.numel(),) if plan.greedy else (rows.numel(), self.shard_plan.vocab_size)
+            t = torch.empty(shape, dtype=torch.int64 if plan.greedy else torch.float32, device=self.tp.device)
+            out.append((pp_irecv(t, src, 2 * len(parts) + m), t, rows))
+        return out
 
     def _bitmask(self, plan: StepPlan, grammar_mask: Callable[[], torch.Tensor] | None, device) -> torch.Tensor:
         """A masked greedy step's token bitmask (int32 ``[B, ceil(V / 32)]``), the driver's broadcast on the

@@ -116,6 +116,47 @@ class StepPlan:
         return 0 if self.sample_idx is None else int(self.sample_idx.numel())
 
 
+def split_plan(plan: StepPlan, parts: int) -> list[tuple[StepPlan, torch.Tensor]]:
+    """``plan``'s sequences as up to ``parts`` micro-batches of consecutive sequences, as even as possible
+    (a pipeline's stages work on them one after another, so stage s runs micro-batch m while stage
+    s + 1 runs m - 1): each sub-plan (its own token rows, block tables, lengths and row indices; no
+    block copies: they run before the step) and ``[R_m]`` int64, where its result rows go in the whole
+    plan's result (:meth:`tpengine.engine.model_runner.ModelRunner.execute`'s row order: the sampled
+    rows, then the prompt-logprob rows, then the speculative rows). ``[(plan, all rows)]`` for one part
+    or one sequence."""
+    b = plan.num_seqs
+    cu_q = plan.cu_seqlens_q if plan.cu_seqlens_q is not None else torch.arange(b + 1)
+    n_p = plan.prompt_idx.numel()
+    out = []
+    for b0, b1 in _even(b, min(parts, b)):
+        t0, t1 = int(cu_q[b0]), int(cu_q[b1])
+
+        def inside(idx: torch.Tensor) -> torch.Tensor:
+            return ((idx >= t0) & (idx < t1)).nonzero().flatten()
+
+        p_sel, s_sel = inside(plan.prompt_idx), inside(plan.spec_idx)
+        sub = StepPlan(kind=plan.kind, step=plan.step, input_ids=plan.input_ids[t0:t1],
+                       positions=plan.positions[t0:t1], slot_mapping=plan.slot_mapping[t0:t1],
+                       block_tables=plan.block_tables[b0:b1],
+                       cu_seqlens_q=None if plan.cu_seqlens_q is None else plan.cu_seqlens_q[b0:b1 + 1] - t0,
+                       cu_seqlens_k=None if plan.cu_seqlens_k is None
+                       else plan.cu_seqlens_k[b0:b1 + 1] - plan.cu_seqlens_k[b0],
+                       context_lens=plan.context_lens[b0:b1], sample_idx=plan.sample_idx[b0:b1] - t0,
+                       prompt_idx=plan.prompt_idx[p_sel] - t0, spec_idx=plan.spec_idx[s_sel] - t0,
+                       greedy=plan.greedy, grammar_mask=plan.grammar_mask, draft=plan.draft)
+        out.append((sub, torch.cat([torch.arange(b0, b1), b + p_sel, b + n_p + s_sel])))
+    return out
+
+
+def _even(n: int, parts: int) -> list[tuple[int, int]]:
+    """``range(n)`` as ``parts`` consecutive ``[start, end)`` ranges, sizes differing by at most one."""
+    base, extra = divmod(n, max(parts, 1))
+    bounds = [0]
+    for i in range(max(parts, 1)):
+        bounds.append(bounds[-1] + base + (i < extra))
+    return list(zip(bounds, bounds[1:]))
+
+
 def build_plan(seqs, is_prefill: bool, block_size: int, step: int, greedy: bool = False,
                block_copies: list[tuple[int, int]] = ()) -> StepPlan:
     """Rank 0: the StepPlan for ``seqs`` (tpengine.engine.sequence.Sequence, blocks already
