@@ -18,7 +18,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import make_tiny_model
+from conftest import SMOLLM2_DIR, make_tiny_model
 from launch import START_TIMEOUT, cli, command, free_port, node_command, popen, torchrun
 from test_cli import records, write_jsonl
 from test_orphans import rank_pids
@@ -100,6 +100,15 @@ def test_split_plan_gives_micro_batches_of_whole_sequences_and_their_result_rows
     assert [r.tolist() for _, r in split_plan(plan, 1)] == [[0, 1, 2, 3, 4, 5, 6]]
 
 
+def pp_llm_params(p: dict) -> SamplingParams:
+    """The worker's ``SamplingParams`` of ``p`` (tests/workers/pp_llm.py)."""
+    from tpengine.structured import StructuredOutputsParams
+
+    if p.get("structured_outputs") is not None:
+        p = {**p, "structured_outputs": StructuredOutputsParams(**p["structured_outputs"])}
+    return SamplingParams(**p)
+
+
 class _Config:
     """A tiny config for the plan alone (no transformers)."""
 
@@ -147,8 +156,10 @@ def test_job_records_equal_one_process_at_pp2_x_tp2_and_pp3_uneven(setup, tmp_pa
 
 def test_llm_at_pp2_equals_one_process(setup, tmp_path):
     """Under torchrun at world size 2, LLM(pipeline_parallel_size=2) on the untied model (greedy with top-2
-    logprobs and prompt logprobs: the logits rows cross the stages; seeded sampling; n-gram speculation)
-    and on the tied one (the embedding on both ends): every rank's outputs equal tp=1's in this process."""
+    logprobs and prompt logprobs: the logits rows cross the stages; seeded sampling; n-gram speculation),
+    on the tied one (the embedding on both ends) and, with SmolLM2's tokenizer, on a model of its vocabulary
+    (choice and regex outputs: the driver's bitmask reaches the last stage): every rank's outputs equal
+    tp=1's in this process."""
     prompts = setup["prompts"][:4]
     params = [dict(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=1),
               dict(temperature=0.8, seed=7, max_tokens=6, ignore_eos=True),
@@ -159,10 +170,17 @@ def test_llm_at_pp2_equals_one_process(setup, tmp_path):
             {"model": str(setup["model"]), "engine": {**ENGINE, "speculative_config": ngram},
              "prompts": [p * 2 for p in prompts], "params": params[2:] * 2},
             {"model": str(setup["tied"]), "engine": ENGINE, "prompts": prompts, "params": params}]
+    if SMOLLM2_DIR.is_dir():  # structured outputs (the tokenizer's vocabulary): the bitmask reaches the last stage
+        choice = {"choice": ["yes", "no", "maybe"]}
+        jobs.append({"model": str(make_tiny_model(tmp_path, name="tiny49k", vocab_size=49152, num_hidden_layers=3)),
+                     "engine": ENGINE, "prompts": prompts,
+                     "params": [{"temperature": 0.0, "max_tokens": 6, "structured_outputs": choice},
+                                {"temperature": 0.0, "max_tokens": 8, "structured_outputs": {"regex": "[0-9]{3}x"}},
+                                *params[2:]]})
     want = []
     for job in jobs:
         with LLM(job["model"], **job["engine"]) as llm:
-            outs = llm.generate(job["prompts"], [SamplingParams(**p) for p in job["params"]])
+            outs = llm.generate(job["prompts"], [pp_llm_params(p) for p in job["params"]])
         want.append([o.outputs[0] for o in outs] + [outs[0].prompt_logprobs])
     pp_jobs = [{**job, "engine": {**job["engine"], "pipeline_parallel_size": 2}} for job in jobs]
     (tmp_path / "jobs.json").write_text(json.dumps(pp_jobs))

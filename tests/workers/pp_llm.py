@@ -2,7 +2,8 @@
 
 usage: torchrun --nproc_per_node N tests/workers/pp_llm.py JOBS_JSON OUT_DIR
 JOBS_JSON: a list of {"model": folder, "engine": {LLM keyword settings}, "prompts": [[ids], ...],
-"params": [{SamplingParams fields}, ...]}. Each job opens ``LLM(model, **engine)``, generates and closes
+"params": [{SamplingParams fields (structured_outputs: a dict of its fields)}, ...]}. Each job opens
+``LLM(model, **engine)``, generates and closes
 it; writes OUT_DIR/rank<R>.json: per job, per prompt ``{"ids": token ids, "logprobs": [{id: logprob}
 per position] or None, "prompt_logprobs": ... or None}``: every rank's copy of the outputs.
 """
@@ -12,6 +13,7 @@ import os
 import sys
 
 from tpengine import LLM, SamplingParams
+from tpengine.structured import StructuredOutputsParams
 
 
 def plain(lps):
@@ -21,9 +23,16 @@ def plain(lps):
     return [None if d is None else {str(k): v.logprob for k, v in d.items()} for d in lps]
 
 
+def params(p: dict) -> SamplingParams:
+    """``SamplingParams`` of the JSON fields ``p`` (``structured_outputs`` a dict of its fields)."""
+    if p.get("structured_outputs") is not None:
+        p = {**p, "structured_outputs": StructuredOutputsParams(**p["structured_outputs"])}
+    return SamplingParams(**p)
+
+
 def run_job(job: dict) -> list[dict]:
     with LLM(job["model"], **job["engine"]) as llm:
-        outs = llm.generate(job["prompts"], [SamplingParams(**p) for p in job["params"]])
+        outs = llm.generate(job["prompts"], [params(p) for p in job["params"]])
     return [{"ids": o.outputs[0].token_ids, "logprobs": plain(o.outputs[0].logprobs),
              "prompt_logprobs": plain(o.prompt_logprobs)} for o in outs]
 
