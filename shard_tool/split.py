@@ -128,9 +128,8 @@ def split_model(
         UserError: missing or unreadable config/checkpoint files, an unwritable ``out``, bad dtype,
             a tied lm_head that differs from the embedding, or ``out`` already existing without ``force``;
             a bad ``quantize``/``group_size``, an int4 group the tp split would cut, or ``quantize``
-            on a folder that is already quantized; a quantized mixture-of-experts model (``quantize``, or
-            a quantized folder), whose experts split does not slice quantized; more ranks than experts
-            (``expert_parallel``) or than an expert's intermediate (from ShardPlan.build).
+            on a folder that is already quantized; more ranks than experts (``expert_parallel``) or
+            than an expert's intermediate (from ShardPlan.build).
         ValueError: an invalid tp_size for this model (message from ShardPlan.build), or a
             weight whose module tpengine's layer table does not cover.
     """
@@ -156,10 +155,6 @@ def split_model(
     if stored and entry is not None:
         raise UserError(f"{str(model_dir)!r} is already quantized ({QC.describe_table(stored)}); split it "
                         "without --quantize")
-    if plan.num_experts and (stored or entry is not None):
-        what = "--quantize" if entry is not None else f"its quantized weights ({QC.describe_table(stored)})"
-        raise UserError(f"{str(model_dir)!r} is a mixture-of-experts model ({config.model_type}): split cannot "
-                        f"slice {what} for its experts; split its float weights (without --quantize)")
     files = checkpoint_files(model_dir)
     skip = _tied_skip(model_dir, files, bool(getattr(config, "tie_word_embeddings", False)))
     if dtype is None:

@@ -103,26 +103,23 @@ def test_split_tensor_parallel_experts_reassemble(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
 
 
-def test_moe_refusals(tmp_path: Path) -> None:
-    """More ranks than experts under expert parallelism, and a quantized split of a MoE model: one error line."""
+def test_more_ranks_than_experts_is_one_error_line(tmp_path: Path) -> None:
+    """More ranks than experts under expert parallelism: one error line, nothing written."""
     two = make_tiny_model(tmp_path, "mixtral", num_local_experts=2)
     r = cli("split", two, "--tp", 3, "--out", tmp_path / "o", "--enable-expert-parallel")
     assert r.exit_code == 2 and r.output.strip() == (
         "error: model_type 'mixtral': enable_expert_parallel puts whole experts on each of the 3 ranks, but the "
         "model has 2 experts per layer; use at most 2 ranks, or tensor parallelism for the experts (without "
         "--enable-expert-parallel)")
-    r = cli("split", two, "--tp", 2, "--out", tmp_path / "o", "--quantize", "int8")
-    assert r.exit_code == 2 and r.output.strip() == (
-        f"error: {str(two)!r} is a mixture-of-experts model (mixtral): split cannot slice --quantize for its "
-        "experts; split its float weights (without --quantize)")
     assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.skipif(not (SMOLLM2_DIR / "tokenizer.json").is_file(), reason="needs the SmolLM2 tokenizer")
 def test_gguf_to_expert_parallel_shards_equal_hf(tmp_path: Path) -> None:
     """A Mixtral GGUF converted (``convert``) runs at 2 ranks as HF runs the original, token for token in
-    float32, and so does its ``split --enable-expert-parallel`` shard folder under ``--enable-expert-parallel``
-    (one launch, both engines)."""
+    float32, and so does its ``split --enable-expert-parallel`` shard folder under ``--enable-expert-parallel``;
+    its ``split --quantize int8 --enable-expert-parallel`` folder (verified) gives the tokens of
+    ``--quantization int8`` on the full folder (one launch, four engines)."""
     from hf_reference import greedy
     from launch import run_engine_jobs
 
@@ -130,6 +127,12 @@ def test_gguf_to_expert_parallel_shards_equal_hf(tmp_path: Path) -> None:
     converted, shards = tmp_path / "converted", tmp_path / "converted-tp2"
     assert cli("convert", write_moe_gguf(src, tmp_path / "tiny.gguf"), converted).exit_code == 0
     assert cli("split", converted, "--tp", 2, "--out", shards, "--enable-expert-parallel").exit_code == 0
+    int8 = tmp_path / "int8-tp2"
+    r = cli("split", converted, "--tp", 2, "--out", int8, "--enable-expert-parallel", "--quantize", "int8")
+    assert r.exit_code == 0, r.output
+    assert cli("verify", int8).exit_code == 0
+    table = json.loads((int8 / "manifest.json").read_text())["quantization"]["weights"]
+    assert sum(".experts." in n for n in table) == 2 * 4 * 3  # every expert's three weights, per expert
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 1001, (n,), generator=g).tolist() for n in (6, 19, 2)]
     want = greedy(src, prompts, 8, stop_at_eos=False, attn="eager", batched=False)
@@ -138,11 +141,18 @@ def test_gguf_to_expert_parallel_shards_equal_hf(tmp_path: Path) -> None:
     base = {"dtype": "float32", "max_model_len": 64, "kv_cache_gb": 0.02, "cpu_linear": "plain"}
     jobs = [{"key": "converted", "config": {**base, "model": str(converted)}, "requests": reqs},
             {"key": "ep", "config": {**base, "model": str(shards), "enable_expert_parallel": True},
-             "requests": reqs}]
+             "requests": reqs},
+            {"key": "int8-shards", "config": {**base, "model": str(int8), "enable_expert_parallel": True},
+             "requests": reqs},
+            {"key": "int8-load", "config": {**base, "model": str(converted), "enable_expert_parallel": True,
+                                            "quantization": "int8"}, "requests": reqs}]
     res = run_engine_jobs(tmp_path, 2, jobs)
-    for key in ("converted", "ep"):
+    def tokens(key: str) -> list[list[int]]:
         got = {o["request_id"]: o["token_ids"] for o in res[key]["outputs"]}
-        assert [got[f"p{i}"] for i in range(len(prompts))] == want, key
+        return [got[f"p{i}"] for i in range(len(prompts))]
+
+    assert tokens("converted") == tokens("ep") == want
+    assert tokens("int8-shards") == tokens("int8-load") and all(len(t) == 8 for t in tokens("int8-load"))
     # half the experts whole (EP) or half of every expert (TP): the same bytes on each rank, loaded from
     # rank files that hold only those experts
     assert res["ep"]["weight_bytes"] == res["converted"]["weight_bytes"]
