@@ -22,7 +22,8 @@ Commands (all greedy; every request makes exactly ``output_len`` tokens):
   ``computed_tokens``; HF: ``generate`` on left-padded static batches of ``--hf-batch-size``,
   TTFT = the command's start to its batch's first token).
 * ``{"cmd": "latency", "prompt": [ids...], "output_len": n}`` -> ``{"ttft_s", "latency_s"}``
-  for one request (TTFT = arrival to first token, as in vLLM's benchmarks).
+  for one request (TTFT = arrival to first token, as in vLLM's benchmarks; engine: also
+  ``"stats"``, and with ``"token_ids": true`` in the command its output's ``"token_ids"``).
 * engine, tp=1 only: ``{"cmd": "interference", "running_prompts": [[ids...], ...],
   "running_output_len": n, "long_prompt": [ids...], "start_after": k}`` -> see
   :meth:`EngineSystem.interference` (the decode gaps of running requests while a long prompt is
@@ -155,13 +156,14 @@ class EngineSystem:
                 "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")})
         return out
 
-    def latency(self, prompt: list[int], n: int) -> dict:
+    def latency(self, prompt: list[int], n: int, token_ids: bool = False) -> dict:
         self.engine.reset_prefix_cache()  # no blocks cached by an earlier command
         before = self.engine.stats() if self.tp.is_driver else None
         outs = self._run([prompt], n)
         if not outs:
             return {}
-        return {"ttft_s": outs[0].ttft_s, "latency_s": outs[0].latency_s, "stats": self._stats_since(before)}
+        res = {"ttft_s": outs[0].ttft_s, "latency_s": outs[0].latency_s, "stats": self._stats_since(before)}
+        return {**res, "token_ids": list(outs[0].token_ids)} if token_ids else res
 
     def interference(self, running_prompts: list[list[int]], running_output_len: int, long_prompt: list[int],
                      start_after: int) -> dict:
@@ -243,7 +245,8 @@ def serve(system, driver: bool, sync) -> None:
         elif cmd["cmd"] == "configure":
             res = system.configure({k: v for k, v in cmd.items() if k != "cmd"})
         else:
-            res = system.latency(cmd["prompt"], cmd["output_len"], **attn)
+            ids = {"token_ids": True} if cmd.get("token_ids") else {}  # the engine's output tokens too
+            res = system.latency(cmd["prompt"], cmd["output_len"], **attn, **ids)
         if driver:
             _say(res)
 
