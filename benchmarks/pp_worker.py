@@ -65,13 +65,15 @@ def main(
         return engine.generate([(f"r{i}", p, sp) for i, p in enumerate(batch)] if front else [])
 
     run(ids[:2], 4)  # warm-up
+    local = getattr(engine, "engine", None) or engine  # (a data-parallel driver's replica engine)
+    local.reset_prefix_cache()  # every replica's driver: the warm-up's prompts are no hits of the measured run
     distributed.P2P_COUNTERS.update(sent_bytes=0, recv_wait_s=0.0)
     wall, cpu = time.perf_counter(), _cpu_s()
     outs = run(ids, output_len)
     wall, cpu = time.perf_counter() - wall, _cpu_s() - cpu
     mine = {"rank": rank, "wall_s": wall, "cpu_s": cpu, "threads": torch.get_num_threads(),
             **distributed.P2P_COUNTERS, "peak_rss_bytes": peak_rss_bytes(),
-            "weight_bytes": (getattr(engine, "runner", None) or engine.engine.runner).weight_bytes}
+            "weight_bytes": local.runner.weight_bytes}
     lat = run(ids[:1], output_len)
     if front:
         mine.update(output_tokens=sum(o.num_output_tokens for o in outs), prompt_tokens=sum(map(len, ids)),
