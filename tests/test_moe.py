@@ -218,6 +218,10 @@ def test_plan_expert_layout_and_refusals():
     from tpengine.model.estimate import activation_bytes
 
     assert ep.top_k == 2 and activation_bytes(ep, 0, 4, 16, 1) > activation_bytes(tp, 0, 4, 16, 1)  # whole experts
+    big = tiny_config("mixtral", num_attention_heads=16, num_key_value_heads=16, intermediate_size=12)
+    assert ShardPlan.valid_tp_sizes(big, expert_parallel=False) == list(range(1, 13))
+    assert ShardPlan.valid_tp_sizes(big, expert_parallel=True) == list(range(1, 9))
+    assert ShardPlan.valid_tp_sizes(big) == list(range(1, 13))  # (either layout)
     dense = ShardPlan.build(tiny_config("llama"), 2, expert_parallel=True)
     assert dense.num_experts == 0 and not dense.expert_parallel
     with pytest.raises(UserError) as e:

@@ -223,9 +223,16 @@ class ShardPlan:
         return family.moe.num_experts(hf_config), family.moe.expert_intermediate(hf_config)
 
     @classmethod
-    def valid_tp_sizes(cls, hf_config: Any) -> list[int]:
-        """Every TP size this model can run at: ``1 .. num_attention_heads``."""
-        return list(range(1, cls.dims(hf_config)["num_heads"] + 1))
+    def valid_tp_sizes(cls, hf_config: Any, expert_parallel: bool | None = None) -> list[int]:
+        """Every TP size this model can run at: ``1 .. num_attention_heads``; for a mixture-of-experts
+        model only those its experts' layout takes: ``expert_parallel`` True at most one rank per expert,
+        False at most one rank per column of an expert's intermediate, None either."""
+        sizes = range(1, cls.dims(hf_config)["num_heads"] + 1)
+        experts, inter = cls.expert_dims(hf_config)
+        if experts:
+            most = {True: experts, False: inter, None: max(experts, inter)}[expert_parallel]
+            sizes = [t for t in sizes if t <= most]
+        return list(sizes)
 
     @classmethod
     def build(cls, hf_config: Any, tp_size: int, expert_parallel: bool = False, pp_size: int = 1,
