@@ -129,8 +129,9 @@ class SpeculativeConfig:
     * ``prompt_lookup_min`` / ``prompt_lookup_max``: ngram's n range (vLLM's defaults: each the
       other when only one is given, 5 when neither is).
     * ``disable_by_batch_size``: propose only while at most this many sequences are decoding; unset:
-      the engine measures, per batch size, whether a speculative step emits tokens faster than a plain
-      one and chooses on the machine that runs.
+      the engine measures, per batch size, what a proposed token costs and, per sequence, how often
+      its recent proposals were accepted, and proposes where that pays
+      (:class:`tpengine.engine.spec_decode.SpecPolicy`).
 
     Raises:
         ValueError: an unknown key, a missing or out-of-range value, naming it and what is valid.
