@@ -19,7 +19,9 @@ llama.cpp's Q/K row permutation): the processor is run on a tensor of block indi
 rearrangement moves whole blocks, and anything other than a permutation of whole rows is refused.
 A MoE layer's stacked ``ffn_*_exps`` tensors are cut into HF's per-expert weights first
 (:func:`shard_tool.gguf_families.moe_parts`): each expert's rows are whole blocks, so each expert
-is a 2-D weight of its own, kept quantized per expert.
+is a 2-D weight of its own, kept quantized per expert. A --keep-quant folder, tpengine's format,
+names every tensor as tpengine does (:func:`tpengine.model.families.checkpoint_name`: Mixtral's
+``block_sparse_moe.experts.E.w1`` as ``mlp.experts.E.gate_proj``), its quantization.json too.
 """
 
 from __future__ import annotations
@@ -177,6 +179,7 @@ def write_gguf_weights(gguf_file: Path, model, folder: Path, *, processor=None, 
 
     from shard_tool.gguf_families import checkpoint_names, moe_parts
     from shard_tool.gguf_file import GGUFFile
+    from tpengine.model.families import checkpoint_name
 
     gguf = GGUFFile(gguf_file)
     architecture = gguf.architecture
@@ -192,13 +195,15 @@ def write_gguf_weights(gguf_file: Path, model, folder: Path, *, processor=None, 
 
     # (HF name, tensor, whether the processor sees it): a MoE layer's experts and router are cut
     # into HF's per-expert checkpoint tensors as they are (llama.cpp permutes none of them)
+    # (a --keep-quant folder is tpengine's format: tpengine's names, Mixtral's w1/w3/w2 as gate/up/down_proj)
+    named = (lambda n: checkpoint_name(n, model.config)) if keep_quant else (lambda n: n)
     mapped = []
     for t in gguf.tensors.values():
         parts = moe_parts(model_type, t, experts)
         if parts is not None:
-            mapped += [(hf_name, part, False) for hf_name, part in parts]
+            mapped += [(named(hf_name), part, False) for hf_name, part in parts]
         elif t.name in name_map:
-            mapped.append((name_map[t.name], t, True))
+            mapped.append((named(name_map[t.name]), t, True))
     for hf_name, t, _ in mapped if keep_quant else ():
         _check_type(t.name, hf_name, t.type_name, t.shape)
     tensors: dict[str, torch.Tensor] = {}
@@ -221,7 +226,7 @@ def write_gguf_weights(gguf_file: Path, model, folder: Path, *, processor=None, 
 
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     written = {n.removesuffix(".qweight") + ".weight" if n.endswith(".qweight") else n for n in tensors}
-    expected = checkpoint_names(model_type, list(model.state_dict()), experts)
+    expected = [named(n) for n in checkpoint_names(model_type, list(model.state_dict()), experts)]
     missing = [n for n in expected if n not in written and not (tied and n == "lm_head.weight")]
     if missing:
         raise UserError(f"GGUF file {str(gguf_file)!r} has no tensor for {', '.join(missing)}; "

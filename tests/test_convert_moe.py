@@ -142,26 +142,32 @@ def test_convert_moe_gguf(model_type: str, tmp_path: Path, tokenizer_files) -> N
     assert torch.equal(logits(out, ids), logits(src, ids))
 
 
-def test_convert_moe_keep_quant(tmp_path: Path, tokenizer_files) -> None:
-    """``--keep-quant`` of a Qwen3-MoE file whose stacked experts are Q8_0: every expert is a grouped
-    int8 weight of its own (listed in quantization.json) holding that expert's blocks, so
-    qweight x scales is llama.cpp's dequantization of the expert's slice; the rest stays float32."""
-    import json
-
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_convert_moe_keep_quant(model_type: str, tmp_path: Path, tokenizer_files) -> None:
+    """``--keep-quant`` of a file whose stacked experts are Q8_0: every expert is a grouped int8 weight of
+    its own, under tpengine's names (Mixtral's ``w1``/``w3``/``w2`` as ``gate_proj``/``up_proj``/``down_proj``,
+    in the tensors and in quantization.json), holding that expert's blocks, so qweight x scales is
+    llama.cpp's dequantization of the expert's slice; the rest stays float32; and the engine runs the
+    folder (``LLM``, tp 1: the weights it holds are what ``info`` counts)."""
     import gguf
+    from transformers import AutoConfig
 
     from shard_tool.gguf_file import GGUFFile
+    from shard_tool.info import rank_bytes, weight_shapes
+    from tpengine import LLM, SamplingParams
+    from tpengine.model.plan import ShardPlan
+    from tpengine.model.quant.checkpoint import read_table
 
-    src = make_moe_model(tmp_path, "qwen3_moe")
+    src = make_moe_model(tmp_path, model_type)
     path = write_moe_gguf(src, tmp_path / "tiny.gguf", q8_0_experts=True)
     out = tmp_path / "converted"
     r = cli("convert", path, out, "--keep-quant")
     assert r.exit_code == 0, r.output
-    table = json.loads((out / "quantization.json").read_text())["weights"]
+    table = read_table(out)
     expert_names = [f"model.layers.{i}.mlp.experts.{e}.{p}.weight" for i in range(2) for e in range(4)
                     for p in ("gate_proj", "up_proj", "down_proj")]
     assert sorted(table) == sorted(expert_names)
-    assert {json.dumps(v, sort_keys=True) for v in table.values()} == {'{"group_size": 32, "scheme": "int8"}'}
+    assert {e.describe() for e in table.values()} == {"int8, group size 32"}
     got, stacked = load_file(out / "model.safetensors"), GGUFFile(path).tensors
     for i, e, p in ((0, 0, "gate_proj"), (1, 3, "down_proj"), (1, 2, "up_proj")):
         base = f"model.layers.{i}.mlp.experts.{e}.{p}"
@@ -170,4 +176,13 @@ def test_convert_moe_keep_quant(tmp_path: Path, tokenizer_files) -> None:
         assert q.dtype == torch.int8 and list(q.shape) == list(t.shape[1:])
         want = gguf.dequantize(t.data, t.qtype)[e]
         assert np.array_equal((q.float().reshape(q.shape[0], -1, 32) * s[..., None]).reshape(q.shape).numpy(), want)
-    assert got["model.layers.0.mlp.gate.weight"].dtype == torch.float32
+    assert got["model.layers.0.mlp.gate.weight"].dtype == torch.float32  # the router (Mixtral's renamed too)
+    assert not any("block_sparse_moe" in n for n in got)
+
+    config = AutoConfig.from_pretrained(out)
+    with LLM(str(out), dtype="float32", max_model_len=64, kv_cache_gb=0.02) as llm:
+        outs = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}],
+                            SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        assert len(outs[0].outputs[0].token_ids) == 4
+        held = llm.llm_engine.runner.weight_bytes
+    assert [held] == rank_bytes(ShardPlan.build(config, 1), weight_shapes(config), "float32", table)

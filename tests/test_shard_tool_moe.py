@@ -153,6 +153,7 @@ def test_gguf_to_expert_parallel_shards_equal_hf(tmp_path: Path) -> None:
 
     assert tokens("converted") == tokens("ep") == want
     assert tokens("int8-shards") == tokens("int8-load") and all(len(t) == 8 for t in tokens("int8-load"))
+
     # half the experts whole (EP) or half of every expert (TP): the same bytes on each rank, loaded from
     # rank files that hold only those experts
     assert res["ep"]["weight_bytes"] == res["converted"]["weight_bytes"]
