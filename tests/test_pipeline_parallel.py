@@ -158,8 +158,9 @@ def test_llm_at_pp2_equals_one_process(setup, tmp_path):
     """Under torchrun at world size 2, LLM(pipeline_parallel_size=2) on the untied model (greedy with top-2
     logprobs and prompt logprobs: the logits rows cross the stages; seeded sampling; n-gram speculation),
     on the tied one (the embedding on both ends) and, with SmolLM2's tokenizer, on a model of its vocabulary
-    (choice and regex outputs: the driver's bitmask reaches the last stage): every rank's outputs equal
-    tp=1's in this process."""
+    (choice and regex outputs: the driver's bitmask reaches the last stage), and on Gemma 3 with a sliding
+    layer alone in stage 0 and a full one in stage 1 (the stages agree the driver keeps every block): every
+    rank's outputs equal tp=1's in this process."""
     prompts = setup["prompts"][:4]
     params = [dict(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=1),
               dict(temperature=0.8, seed=7, max_tokens=6, ignore_eos=True),
@@ -177,12 +178,17 @@ def test_llm_at_pp2_equals_one_process(setup, tmp_path):
                      "params": [{"temperature": 0.0, "max_tokens": 6, "structured_outputs": choice},
                                 {"temperature": 0.0, "max_tokens": 8, "structured_outputs": {"regex": "[0-9]{3}x"}},
                                 *params[2:]]})
+    # Gemma 3 split 1,1: stage 0 holds only a sliding layer, stage 1 a full one; the driver keeps every block
+    gemma = make_tiny_model(tmp_path, "gemma3_text", name="gemma3", num_hidden_layers=2)
+    long = [[3 + (7 * i + j) % 200 for j in range(30)] for i in range(2)]
+    jobs.append({"model": str(gemma), "engine": ENGINE, "pp": {"pp_layer_partition": "1,1"}, "prompts": long,
+                 "params": [dict(temperature=0.0, max_tokens=12, ignore_eos=True)] * 2})
     want = []
     for job in jobs:
         with LLM(job["model"], **job["engine"]) as llm:
             outs = llm.generate(job["prompts"], [pp_llm_params(p) for p in job["params"]])
         want.append([o.outputs[0] for o in outs] + [outs[0].prompt_logprobs])
-    pp_jobs = [{**job, "engine": {**job["engine"], "pipeline_parallel_size": 2}} for job in jobs]
+    pp_jobs = [{**job, "engine": {**job["engine"], "pipeline_parallel_size": 2, **job.get("pp", {})}} for job in jobs]
     (tmp_path / "jobs.json").write_text(json.dumps(pp_jobs))
     torchrun("pp_llm.py", 2, [str(tmp_path / "jobs.json"), str(tmp_path)], env={"OMP_NUM_THREADS": "1"})
     for rank in (0, 1):

@@ -59,6 +59,7 @@ class ModelRunner:
                                    kv_mirror=config.kv_mirror)
         stack = self.model.model
         self.attn_modules = [layer.self_attn for layer in stack.layers[: stack.config.num_hidden_layers]]
+        self._kv_window = self._model_window()  # (every stage's layers)
         if tp.rank == 0 and tp.is_last_stage:  # (the stage that holds the LM head)
             line = self.profile.describe(self.dtype, tuple(self.model.lm_head.weight.shape)
                                          if self.model.lm_head.weight is not None else None)
@@ -94,8 +95,19 @@ class ModelRunner:
         ``sliding_window`` among the attention layers when every one of them slides (Mistral with a
         window, Phi-3, Qwen2 with ``use_sliding_window`` on every layer), else None (a full-attention
         layer: Gemma 2 and 3, OLMo 3 keep every block). The one place the engine reads it from."""
+        return self._kv_window
+
+    def _model_window(self) -> int | None:
+        """:attr:`kv_window` over every layer of the model: with pipeline stages each holds some layers, so
+        the stages agree on it (two minimums on the control group: whether any layer keeps every block,
+        and the largest window)."""
         windows = [m.sliding_window for m in self.attn_modules]
-        return None if not windows or None in windows else max(windows)
+        mine = None if not windows or None in windows else max(windows)
+        if self.tp.pp_size == 1:
+            return mine
+        if all_reduce_min(0 if mine is None else 1) == 0:
+            return None
+        return -all_reduce_min(-mine)
 
     def ready_line(self, seconds: float) -> str:
         """The one line rank 0 prints when the engine is ready: model, dtype, tp, this rank's weight
