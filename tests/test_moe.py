@@ -1,7 +1,7 @@
 """Mixture-of-experts models (issue 56): tiny random Mixtral and Qwen3-MoE (8 experts, top 2, 3 layers; Qwen3-MoE's
 layer 1 dense through ``mlp_only_layers``) token for token equal to HF ``generate`` in float32, under tensor
-parallelism at tp 1 (``LLM``), 2, 3 and 4 and expert parallelism at 2 and 3 ranks (8 experts: 4+4, 3+3+2)
-(Qwen2-MoE, its shared expert behind a sigmoid gate: TP and EP at 2 ranks),
+parallelism at tp 1 (``LLM``), 2, 3 and 4 (Mixtral) and expert parallelism at 2 and 3 ranks (8 experts:
+4+4, 3+3+2) (Qwen2-MoE, its shared expert behind a sigmoid gate: TP and EP at 2 ranks),
 with chunked prefill, a prefix-cache hit, n-gram speculation and per-expert int8 weights; the batch job at
 EP 3; the grouped expert step against a per-token loop; the plan's expert layout; the refusals.
 
@@ -21,9 +21,9 @@ from launch import cli, run_engine_jobs
 from tpengine.errors import UserError
 
 MODELS = {"mixtral": "mixtral", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
-#: rank count -> the models and layouts run there (Qwen2-MoE's shared expert: TP and EP at 2 ranks only)
+#: rank count -> the models and layouts run there (Qwen2-MoE's shared expert: TP and EP at 2 ranks; tp 4: Mixtral)
 LAYOUTS = {2: {"mixtral": ("tp", "ep"), "qwen3moe": ("tp", "ep"), "qwen2moe": ("tp", "ep")},
-           3: {"mixtral": ("tp", "ep"), "qwen3moe": ("tp", "ep")}, 4: {"mixtral": ("tp",), "qwen3moe": ("tp",)}}
+           3: {"mixtral": ("tp", "ep"), "qwen3moe": ("tp", "ep")}, 4: {"mixtral": ("tp",)}}
 NEW = 10
 GREEDY = {"temperature": 0.0, "max_tokens": NEW, "ignore_eos": True}
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
