@@ -7,7 +7,7 @@ The limits (:func:`measure_roofline`, before any worker starts):
 
 * **memory bandwidth**: a STREAM-style triad ``a = b + 3 c`` (McCalpin's STREAM; torch's ``add`` with
   ``alpha``) over float32 arrays of :data:`TRIAD_MIB` MiB each (far past the last-level cache), counted
-  as STREAM counts it (3 arrays x 4 bytes an element: two read, one written, no write-allocate). The
+  as STREAM counts it (3 arrays x 4 bytes an element: two read, one written; write-allocate not counted). The
   bench's rows run as one process with all cores (tp=1, the peers) or as ``tp`` processes of cores / tp
   threads (torchrun's ranks), so the triad runs in each of those layouts (:data:`MARK` protocol
   workers, :func:`triad_bandwidths`): the processes start their loops at one instant and each one's
