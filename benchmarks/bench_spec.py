@@ -189,6 +189,8 @@ def main(
     from transformers import AutoConfig, AutoTokenizer
 
     console = Console(stderr=True)
+    if not console.is_terminal:  # a log file: the per-prompt table's columns unwrapped
+        console.width = 160
     tps, cores, loads = tp or [1], threads or cpu_cores(), workload or list(WORKLOADS)
     if min(copy_output_len, random_output_len) < 2 or min(random_len, num_concurrent, rounds) < 1:
         raise typer.BadParameter("output lengths must be >= 2; prompt length, concurrency and rounds >= 1")
