@@ -140,6 +140,7 @@ def draw_chart(result: dict, out: Path, date: str) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import PercentFormatter
 
     results, systems, labels = chart_groups(result)
     dtypes = list(results)
@@ -172,6 +173,8 @@ def draw_chart(result: dict, out: Path, date: str) -> Path:
                 ax.bar_label(bars, labels=[fmt.format(v) for v in ys], fontsize=7, padding=2)
         if key in AT_LIMIT:
             ax.axhline(1.0, color="#333333", linewidth=0.8, linestyle="--")
+        if fmt.endswith("%}"):  # a fraction: its axis in per cent too
+            ax.yaxis.set_major_formatter(PercentFormatter(1.0))
         ax.set_xticks(range(len(dtypes)), dtypes)
         ax.set_ylabel(label, fontsize=8)
         ax.margins(y=0.12)
