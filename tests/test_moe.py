@@ -215,6 +215,19 @@ def test_plan_expert_layout_and_refusals():
     with pytest.raises(UserError, match=r"the row-parallel layer mlp\.experts\.\*\.down_proj splits its input at "
                                         r"column 16, not on a group boundary \(a multiple of 32\); valid tp sizes: 1$"):
         check_quantization(mix, 2, QuantScheme.of("int4"))
+    # a stored (--keep-quant / split --quantize) folder is checked against the launch's layout the same way
+    from pathlib import Path
+
+    from tpengine.distributed import TPInfo
+    from tpengine.model.quant.checkpoint import QuantEntry
+    from tpengine.model.quant.load import check_stored_quantization
+
+    table = {name.format("down_proj"): QuantEntry("int4", 32)}
+    tp2 = TPInfo(rank=0, size=2, local_rank=0, device=torch.device("cpu"))
+    check_stored_quantization(Path("q"), table, None, [], mix, tp2, expert_parallel=True)
+    with pytest.raises(UserError, match=r"^the quantized folder 'q' .* cannot run at tp=2: .* splits its input at "
+                                        r"column 16"):
+        check_stored_quantization(Path("q"), table, None, [], mix, tp2)
     from tpengine.model.estimate import activation_bytes
 
     assert ep.top_k == 2 and activation_bytes(ep, 0, 4, 16, 1) > activation_bytes(tp, 0, 4, 16, 1)  # whole experts

@@ -422,7 +422,8 @@ def _quantization(spec: ModelSpec, module: torch.nn.Module, tie: bool, quantizat
     table = read_table(spec.folder)
     if table is not None:
         linears = [n for n in checkpoint_targets(module, tie) if is_linear_weight(n, 2)]
-        check_stored_quantization(spec.folder, table, quantization, linears, spec.hf_config, tp)
+        check_stored_quantization(spec.folder, table, quantization, linears, spec.hf_config, tp,
+                                  spec.shard_plan.expert_parallel)
         return table, None
     quant = QuantScheme.of(quantization) if isinstance(quantization, str) else quantization
     if quant is not None:

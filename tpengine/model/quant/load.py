@@ -69,11 +69,12 @@ class QuantParts:
 
 
 def check_stored_quantization(model_dir: Path, table: dict[str, QuantEntry], quantization: str | None,
-                              linears: list[str], hf_config, tp: TPInfo) -> None:
+                              linears: list[str], hf_config, tp: TPInfo, expert_parallel: bool = False) -> None:
     """Check a quantized folder's ``table`` against the launch before any weight is read: the
     CPU (torch's kernels), no ``--quantization`` that says otherwise than the folder, and, for
     a full folder sliced on the fly, row splits on group boundaries. ``linears``: the checkpoint
-    names of the model's column/row-parallel linear weights.
+    names of the model's column/row-parallel linear weights; ``expert_parallel``: a MoE model's experts
+    are whole on each rank (the launch's plan), so no expert's input is split.
 
     Raises:
         UserError: ``quantization`` given and some column/row-parallel linear of the folder not
@@ -91,6 +92,6 @@ def check_stored_quantization(model_dir: Path, table: dict[str, QuantEntry], qua
         raise UserError(f"{where} runs on the CPU only in this version, not on {tp.device}")
     for e in sorted({e for e in table.values() if e.group_size is not None}, key=lambda e: (e.scheme, e.group_size)):
         try:
-            check_quantization(hf_config, tp.size, QuantScheme(e.scheme, e.group_size))
+            check_quantization(hf_config, tp.size, QuantScheme(e.scheme, e.group_size), expert_parallel)
         except UserError as err:
             raise UserError(f"{where} cannot run at tp={tp.size}: {err}") from None
