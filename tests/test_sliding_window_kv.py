@@ -220,5 +220,7 @@ def test_kv_window_is_the_largest_when_every_layer_slides(windows, expect):
 
     from tpengine.engine.model_runner import ModelRunner
 
-    runner = SimpleNamespace(attn_modules=[SimpleNamespace(sliding_window=w) for w in windows])
+    runner = SimpleNamespace(attn_modules=[SimpleNamespace(sliding_window=w) for w in windows],
+                             tp=SimpleNamespace(pp_size=1))
+    runner._kv_window = ModelRunner._model_window(runner)
     assert ModelRunner.kv_window.fget(runner) == expect
