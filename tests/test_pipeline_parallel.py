@@ -160,7 +160,7 @@ def test_llm_at_pp2_equals_one_process(setup, tmp_path):
     on the tied one (the embedding on both ends) and, with SmolLM2's tokenizer, on a model of its vocabulary
     (choice and regex outputs: the driver's bitmask reaches the last stage), and on Gemma 3 with a sliding
     layer alone in stage 0 and a full one in stage 1 (the stages agree the driver keeps every block): every
-    rank's outputs equal tp=1's in this process."""
+    rank's outputs equal tp=1's in this process; then the first of them at PP=2 x TP=2 (4 processes)."""
     prompts = setup["prompts"][:4]
     params = [dict(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=1),
               dict(temperature=0.8, seed=7, max_tokens=6, ignore_eos=True),
@@ -201,6 +201,16 @@ def test_llm_at_pp2_equals_one_process(setup, tmp_path):
             assert first == pytest.approx({k: v.logprob for k, v in w[0].logprobs[0].items()}, abs=1e-5)
             prompt = [None if d is None else {int(k): v for k, v in d.items()} for d in g[0]["prompt_logprobs"]]
             assert prompt[1:] == [pytest.approx({k: v.logprob for k, v in d.items()}, abs=1e-5) for d in w[-1][1:]]
+    # PP=2 x TP=2 (4 processes): the first job's greedy ids and logprobs on every rank equal tp=1's
+    grid = [{**jobs[0], "engine": {**jobs[0]["engine"], "pipeline_parallel_size": 2, "tensor_parallel_size": 2}}]
+    (tmp_path / "grid").mkdir()
+    (tmp_path / "grid.json").write_text(json.dumps(grid))
+    torchrun("pp_llm.py", 4, [str(tmp_path / "grid.json"), str(tmp_path / "grid")], env={"OMP_NUM_THREADS": "1"})
+    for rank in range(4):
+        g = json.loads((tmp_path / "grid" / f"rank{rank}.json").read_text())[0]
+        assert [o["ids"] for o in g] == [c.token_ids for c in want[0][:-1]], rank
+        first = {int(k): v for k, v in g[0]["logprobs"][0].items()}
+        assert first == pytest.approx({k: v.logprob for k, v in want[0][0].logprobs[0].items()}, abs=1e-5)
 
 
 def test_server_at_pp2_answers_as_one_process_and_stops_every_rank(setup, tmp_path):
