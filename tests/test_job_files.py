@@ -25,8 +25,8 @@ from tpengine.frontend.writer import OutputWriter
 
 VALID_SETTINGS = ("attention_backend, block_size, cpu_kernels, cpu_linear, data_parallel_size, dist_timeout_s, dtype, "
                   "enable_chunked_prefill, enable_expert_parallel, "
-                  "enable_prefix_caching, enforce_eager, generation_config, gpu_memory_utilization, kv_cache_gb, "
-                  "kv_mirror, max_model_len, max_num_batched_tokens, max_num_seqs, model, num_kv_blocks, "
+                  "enable_prefix_caching, enforce_eager, generation_config, gpu_memory_utilization, kv_cache_dtype, "
+                  "kv_cache_gb, kv_mirror, max_model_len, max_num_batched_tokens, max_num_seqs, model, num_kv_blocks, "
                   "pipeline_parallel_size, pooler_config, pp_layer_partition, quantization, reasoning_parser, runner, "
                   "seed, speculative_config, structured_outputs_backend, tensor_parallel_size, threads")
 

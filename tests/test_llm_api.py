@@ -157,8 +157,8 @@ def test_engine_settings_are_checked(model):
         "unknown engine setting(s) ['foo', 'max_num_seq']; valid: attention_backend, block_size, cpu_kernels, "
         "cpu_linear, data_parallel_size, dist_timeout_s, dtype, enable_chunked_prefill, enable_expert_parallel, "
         "enable_prefix_caching, enforce_eager, generation_config, "
-        "gpu_memory_utilization, kv_cache_gb, kv_mirror, max_model_len, max_num_batched_tokens, max_num_seqs, "
-        "model, num_kv_blocks, pipeline_parallel_size, pooler_config, pp_layer_partition, quantization, "
+        "gpu_memory_utilization, kv_cache_dtype, kv_cache_gb, kv_mirror, max_model_len, max_num_batched_tokens, "
+        "max_num_seqs, model, num_kv_blocks, pipeline_parallel_size, pooler_config, pp_layer_partition, quantization, "
         "reasoning_parser, runner, seed, speculative_config, structured_outputs_backend, tensor_parallel_size, "
         "threads")
     with pytest.raises(UserError) as e:

@@ -40,6 +40,12 @@ CPU_LINEAR_CHOICES = ("auto", "plain", "packed")
 REASONING_PARSER_NAMES = ("qwen3", "deepseek_r1")
 #: The values of ``EngineConfig.quantization`` besides None (see :mod:`tpengine.model.quant.weights`).
 QUANTIZATIONS = ("int8", "int4")
+#: ``kv_cache_dtype`` values (vLLM's flag): "auto" the model's dtype, "int8" int8 codes with a float32 scale
+#: per token and KV head (tpengine/backends/kv_quant.py). vLLM's 8-bit float names are refused by name
+#: (:data:`FP8_KV_NAMES`): this CPU path does not emulate fp8 (no fp8 arithmetic on its CPUs; int8 takes
+#: the same bytes)
+KV_CACHE_DTYPES = ("auto", "int8")
+FP8_KV_NAMES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
 #: The proposers of speculative decoding (``SpeculativeConfig.method``, vLLM's names).
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 #: The values of ``EngineConfig.runner`` (vLLM's ``--runner``): "auto" and "generate" run the model as
@@ -220,6 +226,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share the KV blocks of prompt prefixes (hash-chained full blocks)
     enable_chunked_prefill: bool = True  # a prompt longer than max_num_batched_tokens is prefilled in chunks
     kv_cache_gb: float = 1.0
+    # the KV cache's storage (vLLM's --kv-cache-dtype): "auto" (the model's dtype) or "int8" (per token and
+    # KV head: int8 codes and a float32 scale, ~half of bfloat16's bytes; tpengine/backends/kv_quant.py)
+    kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None  # force the block count (tests); else from memory
     gpu_memory_utilization: float = 0.85
     attention_backend: str = "auto"  # auto: triton on CUDA, cpu on CPU ("torch": the same as cpu)
@@ -310,6 +319,10 @@ class EngineConfig:
                       "enable_chunked_prefill (a prompt is then prefilled in one step)")
         if self.kv_cache_gb <= 0:
             raise bad("kv_cache_gb", "> 0")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            why = (" (vLLM's fp8 KV cache is not emulated on this engine's CPU path; int8 takes the same bytes)"
+                   if self.kv_cache_dtype in FP8_KV_NAMES else "")
+            raise bad("kv_cache_dtype", f"one of {', '.join(KV_CACHE_DTYPES)}{why}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise bad("num_kv_blocks", "an integer >= 1 or unset")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -466,6 +479,7 @@ def torch_dtype(name: str) -> Any:
 #: Accepted Python types per EngineConfig field (None: may be unset); ints are accepted where floats are.
 FIELD_TYPES: dict[str, tuple] = {
     "model": (str,), "dtype": (str,), "attention_backend": (str,), "generation_config": (str,), "cpu_linear": (str,),
+    "kv_cache_dtype": (str,),
     "quantization": (str, None), "structured_outputs_backend": (str,),
     "reasoning_parser": (str, None), "speculative_config": (str, dict, SpeculativeConfig, None),
     "runner": (str,), "pooler_config": (str, dict, PoolerConfig, None),

@@ -67,20 +67,23 @@ class AttentionBackend:
         int64, from the ShardPlan: uneven and replicated KV heads work), ``scaling``, ``ops`` (its
         fused ops, which apply RoPE), ``sliding_window`` and ``logit_soft_cap`` (None, or the layer's
         window and attention-logit soft cap: :mod:`tpengine.backends.reference` has their semantics;
-        every path applies them). A backend with a faster path for some steps (the CPU paged kernel:
+        every path applies them), ``kv_scales`` (None, or an int8 cache's ``(k_scale, v_scale)``
+        ``[num_blocks, block_size, Hkv]`` float32: :mod:`tpengine.backends.kv_quant`; every path reads
+        it). A backend with a faster path for some steps (the CPU paged kernel:
         RoPE, store and attention in one C call) takes it inside this method."""
         hq, hkv, attn = layer.num_heads, layer.num_key_value_heads, ctx.attn
         qk, v = qkv.view(qkv.shape[0], hq + 2 * hkv, layer.head_dim).split_with_sizes((hq + hkv, hkv), 1)
         qk = layer.ops.rope_(qk, *rope)
         q, k = qk[..., :hq, :], qk[..., hq:, :]
-        self.store_kvcache(k, v, layer.k_cache, layer.v_cache, attn)
+        scales = getattr(layer, "kv_scales", None)  # (None too for a layer without the attribute)
+        self.store_kvcache(k, v, layer.k_cache, layer.v_cache, attn, kv_scales=scales)
         window, cap = layer.sliding_window, layer.logit_soft_cap
         if ctx.is_prefill:
             out = self.prefill_attention(q, k, v, layer.k_cache, layer.v_cache, layer.tp_q_to_kv, layer.scaling, attn,
-                                         window, cap)
+                                         window, cap, kv_scales=scales)
         else:
             out = self.decode_attention(q, layer.k_cache, layer.v_cache, layer.tp_q_to_kv, layer.scaling, attn,
-                                        self.layer_state(layer), window, cap)
+                                        self.layer_state(layer), window, cap, kv_scales=scales)
         return out.flatten(1)
 
     def layer_state(self, layer: torch.nn.Module) -> Any:
@@ -88,20 +91,24 @@ class AttentionBackend:
         return None
 
     def store_kvcache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      attn: Any) -> None:
-        """Write this step's ``key``/``value [N, Hkv, D]`` into the caches at ``attn``'s slot mapping."""
+                      attn: Any, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Write this step's ``key``/``value [N, Hkv, D]`` into the caches at ``attn``'s slot mapping
+        (int8 caches with ``kv_scales``: quantized, :mod:`tpengine.backends.kv_quant`)."""
         raise NotImplementedError
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, q_to_kv: torch.Tensor, scale: float, attn: Any,
-                          sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+                          sliding_window: int | None = None, soft_cap: float | None = None,
+                          kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``q [N, Hq, D]``, this step's ``k``/``v [N, Hkv, D]`` -> ``[N, Hq, D]``; ``sliding_window`` and
-        ``soft_cap``: the layer's (None: off; see the reference)."""
+        ``soft_cap``: the layer's (None: off; see the reference); ``kv_scales``: an int8 cache's."""
         raise NotImplementedError
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor,
                          scale: float, attn: Any, mirror: Any = None, sliding_window: int | None = None,
-                         soft_cap: float | None = None) -> torch.Tensor:
+                         soft_cap: float | None = None,
+                         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``q [B, Hq, D]`` -> ``[B, Hq, D]`` over the cached keys; ``mirror``: the layer's per-layer state
-        (:meth:`layer_state`), or None; ``sliding_window`` and ``soft_cap``: the layer's (None: off)."""
+        (:meth:`layer_state`), or None; ``sliding_window`` and ``soft_cap``: the layer's (None: off);
+        ``kv_scales``: an int8 cache's."""
         raise NotImplementedError

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from tpengine.backends import kv_quant
 from tpengine.backends.checks import (
     check_cache,
     check_decode,
@@ -37,12 +38,14 @@ __all__ = ["store_kvcache", "prefill_attention", "decode_attention"]
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
+                  slot_mapping: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Write token ``i``'s key/value into cache slot ``slot_mapping[i]`` (in place).
 
     Shapes: ``key``/``value [N, Hkv, D]``, caches ``[num_blocks, block_size, Hkv, D]``,
     ``slot_mapping [N]`` int64; slot -1 means "skip this token" (padding). Values are cast to the
-    cache dtype. Raises ValueError on shape mismatch, IndexError for a slot out of range (see
+    cache dtype; an int8 cache with ``kv_scales`` (``(k_scale, v_scale)``, ``[num_blocks, block_size,
+    Hkv]`` float32) gets codes and scales (:func:`tpengine.backends.kv_quant.quantize`). Raises ValueError
+    on shape mismatch, IndexError for a slot out of range (see
     :func:`tpengine.backends.checks.check_slots`). Distinct tokens must map to distinct slots.
     """
     num_blocks, bs, _, _ = check_store(key, value, k_cache, v_cache, slot_mapping)
@@ -51,15 +54,21 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     check_slots(slot_mapping, *torch.aminmax(slot_mapping), num_blocks * bs)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
+    if kv_scales is not None:
+        kv_quant.store(key[keep], value[keep], k_cache, v_cache, kv_scales, slots)
+        return
     k_cache[slots // bs, slots % bs] = key[keep].to(k_cache.dtype)
     v_cache[slots // bs, slots % bs] = value[keep].to(v_cache.dtype)
 
 
-def _cached(cache: torch.Tensor, block_row: torch.Tensor, n: int, start: int = 0) -> torch.Tensor:
-    """Tokens ``start..n-1`` of one sequence from ``cache`` through its block-table row -> ``[n - start, Hkv, D]``."""
+def _cached(cache: torch.Tensor, block_row: torch.Tensor, n: int, start: int = 0,
+            scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Tokens ``start..n-1`` of one sequence from ``cache`` through its block-table row -> ``[n - start, Hkv, D]``
+    (an int8 cache with its ``scale``: dequantized to float32)."""
     pos = torch.arange(start, n, device=cache.device)
     bs = cache.shape[1]
-    return cache[block_row[pos // bs], pos % bs]
+    rows = cache[block_row[pos // bs], pos % bs]
+    return rows if scale is None else kv_quant.dequantize(rows, scale[block_row[pos // bs], pos % bs], torch.float32)
 
 
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -89,7 +98,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                       block_tables: torch.Tensor | None, q_to_kv: torch.Tensor, scale: float,
-                      sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+                      sliding_window: int | None = None, soft_cap: float | None = None,
+                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Varlen causal attention for B sequences packed along N, over a paged cached prefix.
 
     Shapes: ``q [N, Hq, D]``, ``k``/``v [N, Hkv, D]`` (this step's new tokens), caches
@@ -102,7 +112,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     cache via ``block_tables[b]``, the last ``Lq`` are taken from ``k``/``v`` directly. Query
     ``i`` sits at position ``P + i`` and sees keys ``0..P+i``; with ``sliding_window`` ``w`` only
     those after ``P + i - w``, and ``soft_cap`` caps the scores (the module docstring); the cached
-    prefix is read from the first position any query sees. Raises ValueError on malformed
+    prefix is read from the first position any query sees; an int8 cache is read with its ``kv_scales``
+    (dequantized; this step's own ``k``/``v`` are used as given). Raises ValueError on malformed
     lengths/shapes, a prefix without ``block_tables`` or a bad window or cap.
     """
     check_window_cap(sliding_window, soft_cap)
@@ -119,8 +130,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         kb, vb = k[s:e], v[s:e]
         lo = window_start(p, sliding_window)  # the first cached key the first query sees
         if p > lo:
-            kb = torch.cat([_cached(k_cache, block_tables[b], p, lo).to(k.dtype), kb])
-            vb = torch.cat([_cached(v_cache, block_tables[b], p, lo).to(v.dtype), vb])
+            ks, vs = kv_scales or (None, None)
+            kb = torch.cat([_cached(k_cache, block_tables[b], p, lo, ks).to(k.dtype), kb])
+            vb = torch.cat([_cached(v_cache, block_tables[b], p, lo, vs).to(v.dtype), vb])
         q_pos, k_pos = (torch.arange(a, lk, device=q.device) for a in (p, lo))
         visible = _visible(q_pos, k_pos, sliding_window)
         out[s:e] = _attend(q[s:e], kb, vb, visible, q_to_kv, scale, soft_cap).to(q.dtype)
@@ -129,7 +141,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, q_to_kv: torch.Tensor,
-                     scale: float, sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+                     scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query token per sequence attending to its cached keys (the last ``sliding_window`` of them
     when given, read from the cache alone; scores capped by ``soft_cap``: the module docstring).
 
@@ -137,7 +150,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     [B, max_blocks]`` int64 (-1 padded), ``context_lens [B]`` int64 (tokens in the cache,
     including this step's token, already stored), ``q_to_kv [Hq]``, ``scale`` = softmax scale.
     Returns ``[B, Hq, D]`` in ``q.dtype``; a sequence with ``context_lens == 0`` (batch padding)
-    gets zeros. Raises ValueError on shape mismatch, a context longer than the block table's
+    gets zeros; an int8 cache is read with its ``kv_scales`` (dequantized to float32). Raises ValueError on
+    shape mismatch, a context longer than the block table's
     capacity or a bad window or cap.
     """
     check_window_cap(sliding_window, soft_cap)
@@ -148,7 +162,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             raise ValueError(f"context length {n} exceeds block table capacity {block_tables.shape[1]}x{bs}")
         if n > 0:
             lo = window_start(n - 1, sliding_window)
-            kb, vb = _cached(k_cache, block_tables[b], n, lo), _cached(v_cache, block_tables[b], n, lo)
+            ks, vs = kv_scales or (None, None)
+            kb, vb = _cached(k_cache, block_tables[b], n, lo, ks), _cached(v_cache, block_tables[b], n, lo, vs)
             visible = torch.ones(1, n - lo, dtype=torch.bool, device=q.device)
             out[b] = _attend(q[b : b + 1], kb, vb, visible, q_to_kv, scale, soft_cap)[0].to(q.dtype)
     return out

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from tpengine.backends import get_backend, get_platform
+from tpengine.backends import get_backend, get_platform, kv_quant
 from tpengine.config import EngineConfig
 from tpengine.context import Context
 from tpengine.distributed import TPInfo, all_reduce_min, broadcast_control, pp_irecv, pp_isend, pp_wait
@@ -48,6 +48,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPInfo, spec: ModelSpec | None = None):
         self.config, self.tp = config, tp
         self.dtype = config.torch_dtype(tp.device)
+        self.kv_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, self.dtype)  # the KV cache's storage
         self.platform = get_platform(tp.device)
         loaded = load_model(spec or config.model, tp, self.dtype, cpu_kernels=config.cpu_kernels,
                             quantization=config.quantization, cpu_linear=config.cpu_linear)
@@ -71,13 +72,18 @@ class ModelRunner:
         shape = (2, len(self.attn_modules), self.num_blocks, config.block_size, rp.num_kv_heads,
                  self.shard_plan.head_dim)
         try:
-            self.kv_cache = self.platform.allocate_kv_cache(shape, self.dtype, tp.device)
+            self.kv_cache = self.platform.allocate_kv_cache(shape, self.kv_dtype, tp.device)
+            # int8: a float32 scale per cached head row, [2, layers, blocks, block_size, kv_heads] (kv_quant)
+            self.kv_scales = (None if self.kv_dtype == self.dtype else
+                              self.platform.allocate_kv_cache(shape[:-1], kv_quant.SCALE_DTYPE, tp.device))
         except (MemoryError, torch.OutOfMemoryError) as e:  # the budget is the user's setting
             raise UserError(f"cannot allocate the KV cache ({self.num_blocks} blocks of {config.block_size} "
                             f"tokens) on rank {tp.rank}: {e}; lower --kv-cache-gb (now {config.kv_cache_gb}) or "
                             "--num-kv-blocks") from None
         for i, m in enumerate(self.attn_modules):
             m.k_cache, m.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            m.kv_scales = None if self.kv_scales is None else (self.kv_scales[0, i], self.kv_scales[1, i])
+            m.kv_scales_dtype = self.dtype
         # the platform's measured choices for the backend (CPU: the paged kernel's path), kept in the one
         # profile, then the backend's per-layer state and the kernel calls it binds into the layers
         self.profile = self.platform.bind_attention(self.backend, stack, self.profile)
@@ -112,11 +118,22 @@ class ModelRunner:
     def ready_line(self, seconds: float) -> str:
         """The one line rank 0 prints when the engine is ready: model, dtype, tp, this rank's weight
         and KV-cache GiB, KV blocks, and ``seconds`` since the engine started."""
-        kv_gib = self.kv_cache.numel() * self.kv_cache.element_size() / GIB
+        kv_gib = self.kv_cache_bytes / GIB
+        kv_kind = "" if self.config.kv_cache_dtype == "auto" else f"{self.config.kv_cache_dtype} "
         return (f"tpengine: model ready: {self.config.model} {str(self.dtype).removeprefix('torch.')} "
                 f"{f'pp={self.tp.pp_size} ' if self.tp.pp_size > 1 else ''}tp={self.tp.size}, weights "
-                f"{self.weight_bytes / GIB:.2f} GiB/rank, KV cache {self.num_blocks} "
-                f"blocks ({kv_gib:.2f} GiB/rank), {seconds:.1f} s")
+                f"{self.weight_bytes / GIB:.2f} GiB/rank, {kv_kind}KV cache {self.num_blocks} "
+                f"blocks ({kv_gib:.2f} GiB/rank, {self.kv_bytes_per_token} B/token), {seconds:.1f} s")
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of this rank's KV cache: the cache and, for an int8 cache, its scales."""
+        return sum(t.numel() * t.element_size() for t in (self.kv_cache, self.kv_scales) if t is not None)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes one token takes on this rank (every layer's keys and values, scales included)."""
+        return self.kv_cache_bytes // (self.num_blocks * self.config.block_size)
 
     def _warmup(self) -> None:
         """One eager prefill as large as the scheduler may build (max_num_batched_tokens tokens
@@ -124,10 +141,12 @@ class ModelRunner:
         one-block stand-in cache, so the KV budget can leave room for its activation peak (run by the
         platform's :meth:`~tpengine.backends.platform.Platform.kv_budget_bytes` where the device needs it)."""
         c, rp, dev = self.config, self.shard_plan.ranks[self.tp.rank], self.tp.device
-        stand_in = torch.zeros(1, c.block_size, rp.num_kv_heads, self.shard_plan.head_dim, dtype=self.dtype,
+        stand_in = torch.zeros(1, c.block_size, rp.num_kv_heads, self.shard_plan.head_dim, dtype=self.kv_dtype,
                                device=dev)
+        scales = torch.zeros(stand_in.shape[:-1], dtype=kv_quant.SCALE_DTYPE, device=dev)
         for m in self.attn_modules:
             m.k_cache = m.v_cache = stand_in
+            m.kv_scales = None if self.kv_dtype == self.dtype else (scales, scales)
         total = min(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
         lens = [min(c.max_model_len, total - s) for s in range(0, total, c.max_model_len)]
         cu = torch.tensor([0, *lens]).cumsum(0)
@@ -142,8 +161,9 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         rp, c = self.shard_plan.ranks[self.tp.rank], self.config
-        per_block = (2 * len(self.attn_modules) * c.block_size * rp.num_kv_heads * self.shard_plan.head_dim
-                     * torch.empty(0, dtype=self.dtype).element_size())
+        per_block = c.block_size * kv_quant.bytes_per_token(len(self.attn_modules), rp.num_kv_heads,
+                                                            self.shard_plan.head_dim, self.dtype.itemsize,
+                                                            c.kv_cache_dtype)
         budget = self.platform.kv_budget_bytes(c, self.tp.device, self._warmup)
         blocks = int(budget // per_block)
         need = cdiv(c.max_model_len, c.block_size)
@@ -164,6 +184,8 @@ class ModelRunner:
         cache changed outside a step (CPU: the KV mirrors are rebuilt)."""
         src, dst = copies[:, 0].to(self.tp.device), copies[:, 1].to(self.tp.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        if self.kv_scales is not None:  # an int8 cache's scales live and die with their blocks
+            self.kv_scales[:, :, dst] = self.kv_scales[:, :, src]
         self.backend.cache_changed()
 
     @torch.inference_mode()

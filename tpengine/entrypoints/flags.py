@@ -17,7 +17,15 @@ from typing import Annotated, Any
 
 import typer
 
-from tpengine.config import BACKENDS, DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES, FIELD_TYPES, QUANTIZATIONS, EngineConfig
+from tpengine.config import (
+    BACKENDS,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DTYPES,
+    FIELD_TYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    EngineConfig,
+)
 
 #: Per EngineConfig field: (help, default shown in --help or None for the field's own default).
 ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {
@@ -33,6 +41,9 @@ ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {
     "enable_chunked_prefill": ("prefill a prompt longer than --max-num-batched-tokens in chunks, beside decodes",
                                None),
     "kv_cache_gb": ("CPU: GiB of KV cache per rank", None),
+    "kv_cache_dtype": (f"the KV cache's storage: {', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype; int8: "
+                       "per token and KV head int8 codes and a float32 scale, about half of bfloat16's bytes)",
+                       None),
     "num_kv_blocks": ("force the number of KV-cache blocks (for tests)",
                       "from --kv-cache-gb (CPU) or --gpu-memory-utilization (CUDA)"),
     "gpu_memory_utilization": ("CUDA: fraction of the free GPU memory after loading and warm-up given to the "

@@ -93,7 +93,8 @@ def serve_rank0(engine, sock: socket.socket, model_name: str, defaults: dict[str
     loop = EngineLoop(engine, on_step=lambda stats, outs: metrics.observe_step(stats, outs, engine.replica_stats()))
     metrics.set_queue(engine.stats())
     cfg = engine.config
-    metrics.set_cache_config({"block_size": cfg.block_size, "cache_dtype": cfg.dtype,
+    metrics.set_cache_config({"block_size": cfg.block_size,
+                              "cache_dtype": cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto" else cfg.dtype,
                               "enable_prefix_caching": cfg.enable_prefix_caching,
                               "gpu_memory_utilization": cfg.gpu_memory_utilization,
                               "num_gpu_blocks": engine.replica_stats()[0].num_total_blocks,

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tpengine.backends import kv_quant
 from tpengine.backends.base import AttentionBackend
 from tpengine.backends.checks import (
     check_cache,
@@ -269,13 +270,19 @@ class CPUAttentionBackend(AttentionBackend):
         layer_calls.bind_stack(stack, self.cpu_kernels)
         attns = [layer.self_attn for layer in stack.layers[: stack.config.num_hidden_layers]]
         self.paged_calls = {}
+        # the activations' dtype: the cache's, or with an int8 cache the q/k/v projection's output
+        scales = {a.layer_idx: getattr(a, "kv_scales", None) for a in attns}
+        act = {a.layer_idx: a.k_cache.dtype if scales[a.layer_idx] is None else a.kv_scales_dtype for a in attns}
         if not (self.paged and self.cpu_kernels and attns and attns[0].k_cache.device.type == "cpu"
-                and all(cpu_paged.available(a.k_cache.dtype, a.head_dim, True) for a in attns)):
+                and all(cpu_paged.available(act[a.layer_idx], a.head_dim, True, scales[a.layer_idx] is not None)
+                        for a in attns)):
             return
         # each layer's window and cap bound with its scale (0: none; the kernel reads only a window's blocks)
         self.paged_calls = {a.layer_idx: cpu_paged.bind(a.k_cache, a.v_cache, a.tp_q_to_kv, a.scaling,
                                                         self.paged_amx_min, a.sliding_window or 0,
-                                                        a.logit_soft_cap or 0.0) for a in attns}
+                                                        a.logit_soft_cap or 0.0, scales[a.layer_idx],
+                                                        act[a.layer_idx])
+                            for a in attns}
 
     def describe(self) -> str | None:
         """The paged decode kernel's measured path (:meth:`bind_model`), or None."""
@@ -297,14 +304,19 @@ class CPUAttentionBackend(AttentionBackend):
             return self.paged_calls[layer.layer_idx](qkv, r, attn.paged_index)
         return super().forward(qkv, rope, layer, ctx)
 
-    def store_kvcache(self, key, value, k_cache, v_cache, attn: CPUAttentionMetadata) -> None:
-        """:func:`tpengine.backends.reference.store_kvcache` at ``attn.slot_mapping``. Raises ValueError
-        on shape mismatch; IndexError for a slot out of range (from the bounds ``prepare`` read)."""
+    def store_kvcache(self, key, value, k_cache, v_cache, attn: CPUAttentionMetadata, kv_scales=None) -> None:
+        """:func:`tpengine.backends.reference.store_kvcache` at ``attn.slot_mapping`` (an int8 cache with
+        ``kv_scales``: quantized, :func:`tpengine.backends.kv_quant.store`). Raises ValueError on shape
+        mismatch; IndexError for a slot out of range (from the bounds ``prepare`` read)."""
         slot_mapping = attn.slot_mapping
         num_blocks, bs, hkv, d = check_store(key, value, k_cache, v_cache, slot_mapping)
         if key.shape[0] == 0:
             return
         check_slots(slot_mapping, attn.slot_min, attn.slot_max, num_blocks * bs)
+        if kv_scales is not None:
+            keep = slot_mapping >= 0
+            kv_quant.store(key[keep], value[keep], k_cache, v_cache, kv_scales, slot_mapping[keep])
+            return
         if attn.slot_min >= 0 and k_cache.is_contiguous() and v_cache.is_contiguous():
             cpu_fused.copy_rows((key, value), (k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)), slot_mapping,
                                 cpu_kernels=self.cpu_kernels)
@@ -316,10 +328,11 @@ class CPUAttentionBackend(AttentionBackend):
         v_cache[blk, off] = value[keep].to(v_cache.dtype)
 
     def prefill_attention(self, q, k, v, k_cache, v_cache, q_to_kv, scale, attn: CPUAttentionMetadata,
-                          sliding_window: int | None = None, soft_cap: float | None = None):
+                          sliding_window: int | None = None, soft_cap: float | None = None, kv_scales=None):
         """:func:`tpengine.backends.reference.prefill_attention` with the step's lengths from ``attn``; a
         layer with a ``sliding_window`` or ``soft_cap`` runs :func:`tpengine.backends.cpu.prefill.masked_attention`
-        (over the prefix blocks inside the window only) where the others run SDPA's causal and prefix calls."""
+        (over the prefix blocks inside the window only) where the others run SDPA's causal and prefix calls.
+        An int8 cache's prefix is read dequantized to ``q``'s dtype (:func:`tpengine.backends.kv_quant.gather`)."""
         _, _, hkv, d = check_cache(k_cache, v_cache)
         check_heads(q, q_to_kv, hkv, d)
         if k.shape != v.shape or k.shape[0] != q.shape[0] or tuple(k.shape[1:]) != (hkv, d):
@@ -330,6 +343,12 @@ class CPUAttentionBackend(AttentionBackend):
 
         def heads(x):  # [..., Hkv, D] -> the KV head of every query head (unless SDPA's GQA does it)
             return x if gqa else x.index_select(-2, q_to_kv)
+
+        def cached(which: int, row: torch.Tensor, n: int, start: int = 0) -> torch.Tensor:  # a prefix, q's dtype
+            c = (k_cache, v_cache)[which]
+            if kv_scales is None:
+                return cpu_prefill.gather_cache(c, row, n, start).to(q.dtype)
+            return kv_quant.gather(c, kv_scales[which], row, n, start, q.dtype)
 
         if lqs and lqs == lks and min(lqs) == max(lqs) > 0:
             # no cached prefix and equal lengths (a batch of same-length prompts): one batched call
@@ -351,7 +370,7 @@ class CPUAttentionBackend(AttentionBackend):
         if attn.decodes is not None:  # the leading few-token sequences: one batched decode call
             nd, rows = attn.decode_seqs, attn.decodes.context_lens.shape[0]
             out[:rows] = self.decode_attention(q[:rows], k_cache, v_cache, q_to_kv, scale, attn.decodes, None,
-                                               sliding_window, soft_cap)
+                                               sliding_window, soft_cap, kv_scales=kv_scales)
         for b, (lq, lk) in enumerate(zip(lqs, lks)):
             if lq == 0 or b < nd:
                 continue
@@ -364,23 +383,23 @@ class CPUAttentionBackend(AttentionBackend):
                 if p > lo and block_tables is None:
                     raise ValueError(f"sequence {b} has a cached prefix ({p} tokens) but block_tables is None")
                 if p > lo:
-                    kh, vh = (torch.cat([heads(cpu_prefill.gather_cache(c, block_tables[b], p, lo).to(q.dtype))
-                                         .transpose(0, 1)[None], x], 2) for c, x in ((k_cache, kh), (v_cache, vh)))
+                    kh, vh = (torch.cat([heads(cached(i, block_tables[b], p, lo)).transpose(0, 1)[None], x], 2)
+                              for i, x in ((0, kh), (1, vh)))
                 o = cpu_prefill.masked_attention(qh, kh, vh, scale, p - lo, sliding_window, soft_cap)
             elif p == 0:
                 o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
             else:
                 if block_tables is None:
                     raise ValueError(f"sequence {b} has a cached prefix ({p} tokens) but block_tables is None")
-                kp, vp = (heads(cpu_prefill.gather_cache(c, block_tables[b], p).to(q.dtype)).transpose(0, 1)[None]
-                          for c in (k_cache, v_cache))  # [1, Hq or Hkv, p, D]
+                kp, vp = (heads(cached(i, block_tables[b], p)).transpose(0, 1)[None]
+                          for i in (0, 1))  # [1, Hq or Hkv, p, D]
                 o = cpu_prefill.prefix_attention(qh, kp, vp, kh, vh, scale, gqa)
             out[s:e] = o[0].transpose(0, 1)
         return out
 
     def decode_attention(self, q, k_cache, v_cache, q_to_kv, scale, attn: CPUAttentionMetadata,
                          mirror: mirrors.KVMirror | None = None, sliding_window: int | None = None,
-                         soft_cap: float | None = None) -> torch.Tensor:
+                         soft_cap: float | None = None, kv_scales=None) -> torch.Tensor:
         """:func:`tpengine.backends.reference.decode_attention` with the step's lengths from ``attn``.
 
         Groups the query heads by their KV head (``[B, Hkv, G, D]``, so each KV head is gathered and
@@ -393,15 +412,18 @@ class CPUAttentionBackend(AttentionBackend):
         positions ``>= context_lens[b]`` only when the lengths differ. A layer with a ``sliding_window``
         masks the keys before it too (one mask per step and window value, :func:`key_mask`), and one with
         a ``soft_cap`` caps the scores: the C kernel's in torch before its softmax, else the bmm
-        arithmetic (:func:`half_decode`; float32 too, where SDPA takes no cap). Raises ValueError on shape
-        mismatch or when ``max_ctx`` exceeds the block table's capacity."""
+        arithmetic (:func:`half_decode`; float32 too, where SDPA takes no cap). An int8 cache (``kv_scales``)
+        takes the float32 branch's whole-block gather, dequantized to ``q``'s dtype, and keeps no mirror
+        (a mirror of dequantized rows would take more memory than the int8 cache itself; the paged C
+        kernel reads int8 where the C kernels run). Raises ValueError on shape mismatch or when ``max_ctx``
+        exceeds the block table's capacity."""
         block_tables, context_lens = attn.block_tables, attn.context_lens
         _, bs, hkv, d = check_decode(q, k_cache, v_cache, q_to_kv, block_tables, context_lens)
         nb = q.shape[0]
         if nb == 0:
             return q.new_empty(q.shape)
         half = (q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype and k_cache.is_contiguous()
-                and v_cache.is_contiguous())
+                and v_cache.is_contiguous() and kv_scales is None)
         m = attn.get(("decode", bs, hkv, half), lambda: _decode_indices(attn, bs, hkv, half))
         if attn.max_ctx == 0:
             return q.new_zeros(q.shape)
@@ -431,6 +453,11 @@ class CPUAttentionBackend(AttentionBackend):
             n_blk = m.index.numel() // nb
 
             def gather(cache):
+                if kv_scales is not None:  # int8 codes and their scales, whole blocks, dequantized
+                    sc = kv_scales[0 if cache is k_cache else 1]
+                    kv = kv_quant.dequantize(cache.index_select(0, m.index), sc.index_select(0, m.index), q.dtype)
+                    kv = kv.view(nb, n_blk * bs, hkv, d)[:, : attn.max_ctx]
+                    return kv.transpose(1, 2)
                 kv = F.embedding(m.index, cache.reshape(cache.shape[0], -1)).view(nb, n_blk * bs, hkv, d)
                 kv = kv[:, : attn.max_ctx]
                 return kv.transpose(1, 2).to(q.dtype)

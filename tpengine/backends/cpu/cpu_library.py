@@ -38,7 +38,7 @@ import torch
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / n for n in ("cpu_decode.c", "cpu_fused.c", "cpu_paged.c",
                                                          "cpu_gemv.c", "cpu_gemm.c", "cpu_qgemv.c", "cpu_shm.c",
-                                                         "cpu_argmax.c"))
+                                                         "cpu_argmax.c", "cpu_paged_i8.c"))
 #: included by the sources: part of the cache key
 HEADERS = (Path(__file__).parent / "csrc" / "bf16.h", Path(__file__).parent / "csrc" / "gemv.h")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # and march()'s -march
@@ -56,10 +56,13 @@ _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 #: C functions that return an int64: those that check their indices -1 or the position of the first bad
 #: one; tpe_shm_all_reduce how far it got (cpu_shm.c)
 RETURNS_INDEX = ("tpe_copy_rows", "tpe_decode_scores", "tpe_decode_pv", "tpe_paged_decode_f32",
-                 "tpe_paged_decode_bf16", "tpe_qgemv_int8", "tpe_qgemv_int4", "tpe_dequant_int4",
+                 "tpe_paged_decode_bf16", "tpe_paged_decode_i8_f32", "tpe_paged_decode_i8_bf16", "tpe_qgemv_int8",
+                 "tpe_qgemv_int4", "tpe_dequant_int4",
                  "tpe_int4_rows", "tpe_shm_all_reduce", "tpe_shm_all_reduce_add_rms_norm")
 _PAGED = [_P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _F32, _P,
           _I64, _I64, _I32, _I64, _F32]
+#: the int8-cache kernel (cpu_paged_i8.c): _PAGED with the two scale pointers after the caches, no amx_min_batch
+_PAGED_I8 = [*_PAGED[:14], _P, _P, *_PAGED[14:23], *_PAGED[24:]]
 SIGNATURES = {  # C function -> argument types (all return void but tpe_paged_amx and RETURNS_INDEX)
     "tpe_decode_scores": [_P, _P, _P, _P, _I64, _I64, _I32, _I64, _I32, _F32, _I32],
     "tpe_decode_pv": [_P, _P, _P, _P, _I64, _I64, _I32, _I64, _I32, _I32],
@@ -76,6 +79,8 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_paged_am
     "tpe_causal_softmax": [_P, _I64, _I64, _F32, _I32],
     "tpe_paged_decode_f32": _PAGED,
     "tpe_paged_decode_bf16": _PAGED,
+    "tpe_paged_decode_i8_f32": _PAGED_I8,
+    "tpe_paged_decode_i8_bf16": _PAGED_I8,
     "tpe_paged_amx": [],
     **{f"tpe_{w}_argmax_{t}": [_P, _I64, _I64, _I64, _P, _I32] for w in ("row", "col") for t in ("f32", "bf16")},
     "tpe_gemv_bf16": [_P, _I64, _I64, _P, _I64, _P, _I32],

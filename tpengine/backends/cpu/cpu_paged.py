@@ -22,13 +22,20 @@ MAX_G = 16  # query heads per KV head
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def available(dtype: torch.dtype, head_dim: int, cpu_kernels: bool) -> bool:
+#: the int8-cache kernels (``cpu_paged_i8.c``; kv_cache_dtype "int8"), by the activations' dtype
+I8_KERNELS = {torch.float32: "tpe_paged_decode_i8_f32", torch.bfloat16: "tpe_paged_decode_i8_bf16"}
+
+
+def available(dtype: torch.dtype, head_dim: int, cpu_kernels: bool, int8_cache: bool = False) -> bool:
     """Whether :func:`decode` takes a layer of this dtype and head size: ``cpu_kernels``
-    (``EngineConfig.cpu_kernels``), float32 or bfloat16, ``head_dim % 32 == 0`` (RoPE rotates halves
-    of whole 16-lane vectors) and ``<= 256``, and the C library has the kernel (AVX512-BF16 and AVX2 builds:
+    (``EngineConfig.cpu_kernels``), float32 or bfloat16 (the activations' dtype; ``int8_cache``: over an
+    int8 KV cache, ``cpu_paged_i8.c``), ``head_dim % 32 == 0`` (RoPE rotates halves of whole 16-lane
+    vectors) and ``<= 256``, and the C library has the kernel (AVX512-BF16 and AVX2 builds:
     :func:`cpu_library.has`)."""
+    names = (I8_KERNELS[dtype],) if int8_cache and dtype in I8_KERNELS else ("tpe_paged_decode_f32",
+                                                                             "tpe_paged_decode_bf16")
     return (cpu_kernels and dtype in DTYPES and head_dim % 32 == 0 and head_dim <= MAX_D
-            and cpu_library.has("tpe_paged_decode_f32", "tpe_paged_decode_bf16"))
+            and cpu_library.has(*names))
 
 
 @dataclass(frozen=True)
@@ -67,7 +74,7 @@ def _rows(name: str, t: torch.Tensor, heads: int, d: int, dtype: torch.dtype) ->
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
            k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor, scale: float,
            index: PagedIndex, amx_min_batch: int = 0, sliding_window: int | None = None,
-           soft_cap: float | None = None) -> torch.Tensor:
+           soft_cap: float | None = None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One decode step of one layer. ``q [B, Hq, D]``, ``k``/``v [B, Hkv, D]`` (views into the q/k/v
     GEMM output are fine: any row stride; RoPE is applied to ``q`` and ``k`` IN PLACE when ``cos``,
     ``sin [B, D]`` are given), caches ``[num_blocks, block_size, Hkv, D]`` contiguous, ``q_to_kv
@@ -78,7 +85,10 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor 
     where :func:`amx_available` is False the AVX-512 path runs whatever it is). ``sliding_window`` ``w``:
     each sequence attends only to its last ``w`` keys, and only their blocks are read and checked (the
     entries before them may be -1; such a call takes the AVX-512 path, not AMX); ``soft_cap`` ``c``: the
-    scaled scores become ``tanh(s / c) * c``. Returns ``[B, Hq, D]``.
+    scaled scores become ``tanh(s / c) * c``. ``kv_scales``: the caches are int8 with these scales
+    (``(k_scale, v_scale)``, ``[num_blocks, block_size, Hkv]`` float32 contiguous;
+    :mod:`tpengine.backends.kv_quant`): the new keys and values are quantized into them and attention
+    runs over the dequantized rows in float32 (``cpu_paged_i8.c``; no AMX path). Returns ``[B, Hq, D]``.
 
     Raises:
         ValueError: a shape, dtype or layout mismatch, or a bad window or cap.
@@ -95,9 +105,14 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor 
     qs, ks, vs = _rows("q", q, hq, d, dtype), _rows("k", k, hkv, d, dtype), _rows("v", v, hkv, d, dtype)
     if k.shape[0] != b or v.shape[0] != b:
         raise ValueError(f"paged decode: q, k, v must have the same B; got {b}, {k.shape[0]}, {v.shape[0]}")
+    cache_dtype = dtype if kv_scales is None else torch.int8
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != dtype or t.shape != (nb, bs, hkv, d) or not t.is_contiguous():
-            raise ValueError(f"paged decode: {name} must be contiguous [{nb}, {bs}, {hkv}, {d}] {dtype}; got "
+        if t.dtype != cache_dtype or t.shape != (nb, bs, hkv, d) or not t.is_contiguous():
+            raise ValueError(f"paged decode: {name} must be contiguous [{nb}, {bs}, {hkv}, {d}] {cache_dtype}; got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    for name, t in zip(("k_scale", "v_scale"), kv_scales or ()):
+        if t.dtype != torch.float32 or t.shape != (nb, bs, hkv) or not t.is_contiguous():
+            raise ValueError(f"paged decode: {name} must be contiguous [{nb}, {bs}, {hkv}] torch.float32; got "
                              f"{t.dtype} {tuple(t.shape)}")
     if cos is not None and not (cos.dtype == sin.dtype == dtype and cos.shape == sin.shape == (b, d)
                                 and cos.is_contiguous() and sin.is_contiguous()):
@@ -107,12 +122,17 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor 
         raise ValueError(f"paged decode: an index for B={b} and a contiguous int64 q_to_kv [{hq}]; got B="
                          f"{idx[0].shape[0]}, q_to_kv {q_to_kv.dtype} {tuple(q_to_kv.shape)}")
     out = torch.empty(b, hq, d, dtype=dtype)
-    fn = lib.tpe_paged_decode_f32 if dtype == torch.float32 else lib.tpe_paged_decode_bf16
-    bad = fn(q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, None if cos is None else cos.data_ptr(),
-             None if sin is None else sin.data_ptr(), idx[0].data_ptr(), idx[1].data_ptr(), idx[1].shape[1],
-             idx[2].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), nb, bs, idx[3].data_ptr(), hq, hkv, d, scale,
-             out.data_ptr(), b, max(int(amx_min_batch), 0), torch.get_num_threads(), sliding_window or 0,
-             float(soft_cap or 0.0))
+    head = (q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, None if cos is None else cos.data_ptr(),
+            None if sin is None else sin.data_ptr(), idx[0].data_ptr(), idx[1].data_ptr(), idx[1].shape[1],
+            idx[2].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
+    tail = (nb, bs, idx[3].data_ptr(), hq, hkv, d, scale, out.data_ptr(), b)
+    if kv_scales is not None:
+        bad = getattr(lib, I8_KERNELS[dtype])(*head, kv_scales[0].data_ptr(), kv_scales[1].data_ptr(), *tail,
+                                              torch.get_num_threads(), sliding_window or 0, float(soft_cap or 0.0))
+    else:
+        fn = lib.tpe_paged_decode_f32 if dtype == torch.float32 else lib.tpe_paged_decode_bf16
+        bad = fn(*head, *tail, max(int(amx_min_batch), 0), torch.get_num_threads(), sliding_window or 0,
+                 float(soft_cap or 0.0))
     if bad == 3 * b:
         raise ValueError(f"paged decode: q_to_kv {idx[3].tolist()} must map each of the {hq} query heads to a KV "
                          f"head in [0, {hkv}), at most {MAX_G} on one")
@@ -145,7 +165,8 @@ class Rope:
 
 
 def bind(k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor, scale: float, amx_min_batch: int = 0,
-         sliding_window: int = 0, soft_cap: float = 0.0):
+         sliding_window: int = 0, soft_cap: float = 0.0, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+         dtype: torch.dtype | None = None):
     """:func:`decode` for one layer with everything but the step's tensors checked once: the caches
     ``[num_blocks, block_size, Hkv, D]`` contiguous in one dtype, ``q_to_kv [Hq]`` int64, the layer's
     ``sliding_window`` and ``soft_cap`` (0: none; else as :func:`decode` takes them). Returns
@@ -153,6 +174,8 @@ def bind(k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor, sc
     GEMM's rows, query heads then key heads then value heads, unit stride, any row stride; RoPE
     applied to its q and k in place), which checks only what varies per call (the rows' layout, B);
     a slot, length or block id out of range raises :func:`decode`'s exact error (nothing is written).
+    An int8 cache: ``kv_scales`` as :func:`decode` takes them and ``dtype`` the activations' (float32 or
+    bfloat16).
 
     Raises:
         ValueError: a cache, dtype or head size :func:`decode` does not take, or a bad window or cap.
@@ -161,16 +184,20 @@ def bind(k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor, sc
     check_window_cap(window, cap)
     lib = cpu_library.load()
     nb, bs, hkv, d = k_cache.shape
-    dtype, hq = k_cache.dtype, q_to_kv.shape[0]
+    hq, int8 = q_to_kv.shape[0], kv_scales is not None
+    dtype = dtype if int8 else k_cache.dtype
     if (lib is None or dtype not in DTYPES or d % 32 or d > MAX_D or v_cache.shape != k_cache.shape
-            or v_cache.dtype != dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or v_cache.dtype != k_cache.dtype or k_cache.dtype != (torch.int8 if int8 else dtype)
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or q_to_kv.dtype != torch.int64 or not q_to_kv.is_contiguous()):
-        raise ValueError(f"paged decode: contiguous [blocks, block_size, Hkv, D] caches of float32 or bfloat16 with "
-                         f"D % 32 == 0 and <= {MAX_D}, int64 q_to_kv; got {dtype} {tuple(k_cache.shape)}, "
-                         f"{q_to_kv.dtype} q_to_kv")
+        raise ValueError(f"paged decode: contiguous [blocks, block_size, Hkv, D] caches of float32 or bfloat16 (or "
+                         f"int8 with scales) with D % 32 == 0 and <= {MAX_D}, int64 q_to_kv; got {k_cache.dtype} "
+                         f"{tuple(k_cache.shape)}, {q_to_kv.dtype} q_to_kv")
     fn = lib.tpe_paged_decode_f32 if dtype == torch.float32 else lib.tpe_paged_decode_bf16
-    kp, vp, mp, es, scale = k_cache.data_ptr(), v_cache.data_ptr(), q_to_kv.data_ptr(), k_cache.element_size(), \
+    kp, vp, mp, es, scale = k_cache.data_ptr(), v_cache.data_ptr(), q_to_kv.data_ptr(), dtype.itemsize, \
         float(scale)
+    if int8:
+        fn, sp = getattr(lib, I8_KERNELS[dtype]), (kv_scales[0].data_ptr(), kv_scales[1].data_ptr())
 
     width, amx = (hq + 2 * hkv) * d, max(int(amx_min_batch), 0)
     window_arg, cap_arg = int(window or 0), float(cap or 0.0)
@@ -178,7 +205,7 @@ def bind(k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor, sc
     def checked(qkv: torch.Tensor, rope: Rope, index: PagedIndex) -> torch.Tensor:
         t = qkv.view(qkv.shape[0], hq + 2 * hkv, d)
         return decode(t[:, :hq], t[:, hq:hq + hkv], t[:, hq + hkv:], rope.cos, rope.sin, k_cache, v_cache, q_to_kv,
-                      scale, index, amx, window, cap).flatten(1)
+                      scale, index, amx, window, cap, kv_scales).flatten(1)
 
     def run(qkv: torch.Tensor, rope: Rope, index: PagedIndex) -> torch.Tensor:
         b, rs = qkv.shape[0], qkv.stride(0)
@@ -187,10 +214,15 @@ def bind(k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor, sc
             return checked(qkv, rope, index)  # (its errors name what is wrong)
         out = torch.empty(b, hq * d, dtype=dtype)
         p = qkv.data_ptr()
-        bad = fn(p, rs, p + hq * d * es, rs, p + (hq + hkv) * d * es, rs, rope.cos_p, rope.sin_p,
-                 index.slot_mapping.data_ptr(), index.block_tables.data_ptr(), index.block_tables.shape[1],
-                 index.context_lens.data_ptr(), kp, vp, nb, bs, mp, hq, hkv, d, scale, out.data_ptr(), b, amx,
-                 torch.get_num_threads(), window_arg, cap_arg)
+        head = (p, rs, p + hq * d * es, rs, p + (hq + hkv) * d * es, rs, rope.cos_p, rope.sin_p,
+                index.slot_mapping.data_ptr(), index.block_tables.data_ptr(), index.block_tables.shape[1],
+                index.context_lens.data_ptr(), kp, vp)
+        if int8:
+            bad = fn(*head, *sp, nb, bs, mp, hq, hkv, d, scale, out.data_ptr(), b, torch.get_num_threads(),
+                     window_arg, cap_arg)
+        else:
+            bad = fn(*head, nb, bs, mp, hq, hkv, d, scale, out.data_ptr(), b, amx, torch.get_num_threads(),
+                     window_arg, cap_arg)
         if bad >= 0:  # nothing was written: the checked call raises the exact error
             checked(qkv, rope, index)
             raise RuntimeError(f"paged decode: the C kernel refused argument {bad}")

@@ -103,7 +103,7 @@ def bind_stack(stack, cpu_kernels: bool) -> int:
     # where the embedding is quantized
     kv = getattr(layers[0].self_attn, "k_cache", None) if layers else None
     emb = getattr(stack.embed_tokens, "weight", None)
-    act = emb.dtype if emb is not None else kv.dtype if kv is not None else None
+    act = emb.dtype if emb is not None else kv.dtype if kv is not None and kv.is_floating_point() else None
     for norm in norms:
         norm.bound = bind_norm(norm, act) if cpu_kernels else None
         count += norm.bound is not None

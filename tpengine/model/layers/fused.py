@@ -83,6 +83,9 @@ class FusedAttention(nn.Module):
         self.qkv_forward, self.o_forward = self.qkv_proj.forward, self.o_proj.forward
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D] views, set by the model runner
         self.v_cache: torch.Tensor | None = None
+        # an int8 cache's (k_scale, v_scale), [num_blocks, block_size, Hkv] float32 each (backends/kv_quant.py)
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.kv_scales_dtype: torch.dtype | None = None  # with kv_scales: the dtype of the keys and values quantized
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 ctx: Context, reduce: bool = True) -> torch.Tensor:

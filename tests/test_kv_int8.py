@@ -1,0 +1,110 @@
+"""The int8 KV cache (``kv_cache_dtype="int8"``, tpengine/backends/kv_quant.py): the quantization's round
+trip bound; the paged decode C kernel over an int8 cache (``cpu_paged_i8.c``: RoPE, the quantizing store,
+attention) against the torch reference on the dequantized cache, with GQA maps, a padding row, a sliding
+window and a soft cap; the engine's int8 cache at tp 2 against tp 1 and against the float32 cache; the
+flag's exact error for vLLM's fp8 names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import CONFIGS, DECODE_LENS, _cache, _gen, _slot
+
+from tpengine.backends import kv_quant
+from tpengine.backends import reference as ref
+from tpengine.backends.cpu import cpu_library, cpu_paged
+
+I8 = tuple(cpu_paged.I8_KERNELS.values())
+needs_kernels = pytest.mark.skipif(cpu_library.missing(*I8) is not None, reason=str(cpu_library.missing(*I8)))
+
+
+def test_quantize_round_trip_is_within_half_a_step_of_each_row():
+    """Each row's codes span [-127, 127] with its absmax at +-127, and every element reads back within half
+    a quantization step (absmax / 254) plus float32 rounding; an all-zero row stays zero (scale 0)."""
+    g = _gen(3)
+    x = torch.randn(5, 7, 64, generator=g) * torch.logspace(-3, 3, 7)[None, :, None]
+    x[2, 3] = 0.0
+    x[1, 1, 5] = -50.0  # an outlier: the row's step grows with it
+    for src in (x, x.to(torch.bfloat16)):
+        codes, scale = kv_quant.quantize(src)
+        assert codes.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (5, 7)
+        amax = src.float().abs().amax(-1)
+        assert torch.equal(codes.abs().amax(-1), torch.where(amax > 0, 127, 0).to(torch.int8))
+        back = kv_quant.dequantize(codes, scale, torch.float32)
+        err = (back - src.float()).abs().amax(-1)
+        assert bool((err <= amax / 254 * (1 + 1e-5) + 1e-30).all())
+        assert torch.equal(back[2, 3], torch.zeros(64)) and float(scale[2, 3]) == 0.0
+
+
+def rope(x, cos, sin):
+    """HF's ``x * cos + rotate_half(x) * sin`` per head, in x's dtype."""
+    h = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin[:, None]
+
+
+def int8_case(d, bs, q_to_kv, dtype, lens, seed=0):
+    """A decode step over an int8 cache: the fused q/k/v rows, RoPE tables, the quantized caches and their
+    scales, block tables, slots, lengths and the head map."""
+    g = _gen(seed)
+    hq, hkv = len(q_to_kv), max(q_to_kv) + 1
+    kc, vc, bt = _cache(lens, bs, hkv, d, g)
+    (kq, ks), (vq, vs) = kv_quant.quantize(kc.to(dtype)), kv_quant.quantize(vc.to(dtype) * 3)
+    qkv = torch.randn(len(lens), hq + 2 * hkv, d, generator=g).to(dtype)
+    pos = torch.tensor([max(n - 1, 0) for n in lens])
+    ang = torch.cat([pos[:, None] * (1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))] * 2, dim=-1)
+    slots = torch.tensor([_slot(bt, i, n - 1, bs) if n else -1 for i, n in enumerate(lens)])
+    return (qkv, ang.cos().to(dtype), ang.sin().to(dtype), kq, vq, (ks, vs), bt, slots, torch.tensor(lens),
+            torch.tensor(q_to_kv))
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("d, bs, q_to_kv, window, cap", [
+    pytest.param(*CONFIGS[0].values, None, None, id="d64-mha"),
+    pytest.param(*CONFIGS[1].values, None, None, id="d128-gqa3"),
+    pytest.param(*CONFIGS[3].values, None, None, id="d128-uneven"),
+    pytest.param(64, 16, [0, 0, 0, 1, 1, 1], 24, 30.0, id="d64-window-cap"),
+])
+def test_paged_decode_over_int8_equals_the_reference_on_the_dequantized_cache(d, bs, q_to_kv, window, cap, dtype,
+                                                                               threads):
+    """RoPE in place as torch rounds it; the new keys and values quantized into the cache bit for bit as
+    kv_quant.quantize (codes and scales); attention equal to the float32 reference over the dequantized
+    cache (float32 within 1e-5; bfloat16 within its output rounding); the padding row zero."""
+    lens = DECODE_LENS + [300]
+    qkv, cos, sin, kc, vc, scales, bt, slots, lens_t, qmap = int8_case(d, bs, q_to_kv, dtype, lens)
+    hq, hkv = len(q_to_kv), max(q_to_kv) + 1
+    if window is not None:  # the blocks before every row's window freed: never read
+        for b, n in enumerate(lens):
+            bt[b, : max(n - window, 0) // bs] = -1
+    q0, k0, v0 = (x.clone() for x in (qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]))
+    q0, k0 = rope(q0, cos, sin), rope(k0, cos, sin)
+    kc0, vc0, sc0 = kc.clone(), vc.clone(), tuple(s.clone() for s in scales)
+    ref.store_kvcache(k0, v0, kc0, vc0, slots, kv_scales=sc0)
+    want = ref.decode_attention(q0.float(), kc0, vc0, bt, lens_t, qmap, d ** -0.5, window, cap, kv_scales=sc0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        run = cpu_paged.bind(kc, vc, qmap, d ** -0.5, 0, window or 0, cap or 0.0, scales, dtype)
+        out = run(qkv.flatten(1), cpu_paged.Rope((cos, sin), dtype), cpu_paged.paged_index(slots, bt, lens_t))
+    finally:
+        torch.set_num_threads(before)
+    out = out.view(len(lens), hq, d)
+    assert torch.equal(qkv[:, :hq], q0) and torch.equal(qkv[:, hq:hq + hkv], k0)
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+    assert all(torch.equal(a, b) for a, b in zip(scales, sc0))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.float(), want, **tol)
+    assert torch.equal(out[DECODE_LENS.index(0)], torch.zeros(hq, d, dtype=dtype))
+
+
+@needs_kernels
+def test_paged_decode_over_int8_checks_before_writing():
+    """A bad block id raises decode's exact error and leaves the int8 cache and its scales unwritten."""
+    qkv, cos, sin, kc, vc, scales, bt, slots, lens, qmap = int8_case(64, 16, [0, 1], torch.float32, [20, 5])
+    bt[0, 1] = 10_000
+    kc0, sc0 = kc.clone(), scales[0].clone()
+    with pytest.raises(IndexError, match=r"paged decode: block_tables\[0\] = .* is out of range"):
+        cpu_paged.decode(qkv[:, :2], qkv[:, 2:4], qkv[:, 4:], cos, sin, kc, vc, qmap, 0.125,
+                         cpu_paged.paged_index(slots, bt, lens), kv_scales=scales)
+    assert torch.equal(kc, kc0) and torch.equal(scales[0], sc0)

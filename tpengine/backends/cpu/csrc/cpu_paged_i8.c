@@ -1,0 +1,300 @@
+/* Paged decode attention over an int8 KV cache (kv_cache_dtype "int8", tpengine/backends/kv_quant.py), in one
+ * call per layer as cpu_paged.c does for float32 / bfloat16 caches: RoPE on the step's new query and key heads,
+ * the new keys and values quantized into the cache at their slots (codes and a float32 scale per token and KV
+ * head), and attention of each query head over its sequence's cached keys read through the block table.
+ * tpe_paged_decode_i8_f32 takes float32 queries / keys / values and output, tpe_paged_decode_i8_bf16 bfloat16.
+ *
+ * Written once over bf16.h's 16-lane `vf` layer, so the AVX-512 and the AVX2 (TPENGINE_ISA=avx2) builds run the
+ * same code (each ISA's own: the int8 load and the 16-way horizontal sum below).
+ *
+ * Arithmetic:
+ *   rope:     as cpu_paged.c (bf16.h's rope_head_*), in the input dtype.
+ *   store:    per (token, KV head) row x of d elements, in float32: amax = max |x|, codes = clamp(
+ *             nearbyint(x * (127 / amax)), -127, 127) (round half to even), scale = amax / 127; an all-zero row
+ *             gets zero codes and scale 0 -- kv_quant.quantize's operations, so the codes are the torch path's.
+ *   scores:   s = dot(q, codes) * k_scale * scale in float32 (q widened from bfloat16); soft cap as cap_scores.
+ *   softmax:  float32, exp by vf_exp; p not rounded to the dtype.
+ *   output:   sum_t (p[t] * v_scale[t]) * codes_v[t] in float32, rounded to the dtype once.
+ * So the result is attention over the dequantized rows (codes * scale) in float32 up to the order of the float32
+ * sums: tests compare it with the torch reference on dequantized values.
+ *
+ * Layout (elements): q [B, Hq, D] at q + b * q_stride; k, v [B, Hkv, D] at k + b * k_stride, v + b * v_stride;
+ * cos, sin [B, D] (NULL: no RoPE); slots [B] (-1: not stored); block_tables [B, max_blocks]; lens [B] (keys
+ * visible, the new one included; 0: a padding row, output zero); k_cache, v_cache [num_blocks, bs, Hkv, D] int8;
+ * k_scale, v_scale [num_blocks, bs, Hkv] float32; q_to_kv [Hq]; out [B, Hq, D] contiguous; window: sliding window
+ * (0: none; only its blocks are read and checked); softcap (0: none). D % 32 == 0, D <= 256, at most 16 query heads
+ * on one KV head. Every slot, length and block id is checked before anything is written: returns -1, or the first
+ * bad b (a slot), B + b (a length), 2B + b (a block id) or 3B (q_to_kv) -- cpu_paged.c's codes. One work item per
+ * (sequence, KV head), dynamic schedule; each key and value row is read from memory once per step for all the
+ * KV head's query heads, the rows of the next 16 keys prefetched while the current 16 are scored. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#if defined(TPE_AVX512) || defined(TPE_AVX2)
+#define MAX_G 16
+#define MAX_D 256
+#define PJ 4 /* query heads accumulated together in the P.V pass */
+
+#if defined(TPE_AVX512)
+/* 16 int8 codes -> 16 float32 lanes. */
+static inline vf vf_ldi8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+/* lane l = the sum of a[l]'s 16 lanes: a transpose-and-add tree (as cpu_paged.c's sum16). */
+static inline vf sum16v(const vf *a) {
+    __m512 w[8], x[4], y[2];
+    for (int k = 0; k < 8; k++)
+        w[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+    for (int k = 0; k < 4; k++)
+        x[k] = _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(w[2 * k]), _mm512_castps_pd(w[2 * k + 1]))),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(w[2 * k]), _mm512_castps_pd(w[2 * k + 1]))));
+    for (int k = 0; k < 2; k++)
+        y[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+}
+#else
+static inline vf vf_ldi8(const int8_t *p) {
+    const __m128i x = _mm_loadu_si128((const __m128i *)p);
+    return vf_two(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8))));
+}
+/* lane kk = the sum of a[kk]'s 8 lanes, for 8 vectors at once (a transpose-and-add tree). */
+static inline __m256 sum8x8_i8(const __m256 *a) {
+    __m256 v[4];
+    for (int kk = 0; kk < 4; kk++)
+        v[kk] = _mm256_add_ps(_mm256_permute2f128_ps(a[kk], a[kk + 4], 0x20), _mm256_permute2f128_ps(a[kk], a[kk + 4], 0x31));
+    const __m256 p = _mm256_add_ps(_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
+    const __m256 q = _mm256_add_ps(_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
+    return _mm256_add_ps(_mm256_shuffle_ps(p, q, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(p, q, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+static inline vf sum16v(const vf *a) {
+    __m256 s[16];
+    for (int k = 0; k < 16; k++) s[k] = _mm256_add_ps(a[k].lo, a[k].hi);
+    return vf_two(sum8x8_i8(s), sum8x8_i8(s + 8));
+}
+#endif
+
+static inline int64_t win_lo(int64_t L, int64_t window) { return window > 0 && L > window ? L - window : 0; }
+
+static int64_t check_i8(const int64_t *slots, const int64_t *block_tables, int64_t max_blocks, const int64_t *lens,
+                        int64_t B, int64_t num_blocks, int64_t bs, const int64_t *q_to_kv, int64_t hq, int64_t hkv,
+                        int64_t window) {
+    for (int64_t kv = 0; kv < hkv; kv++) {
+        int64_t g = 0;
+        for (int64_t h = 0; h < hq; h++) g += q_to_kv[h] == kv;
+        if (g > MAX_G) return 3 * B;
+    }
+    for (int64_t h = 0; h < hq; h++)
+        if ((uint64_t)q_to_kv[h] >= (uint64_t)hkv) return 3 * B;
+    for (int64_t b = 0; b < B; b++)
+        if (slots[b] < -1 || slots[b] >= num_blocks * bs) return b;
+    for (int64_t b = 0; b < B; b++)
+        if (lens[b] < 0 || lens[b] > max_blocks * bs) return B + b;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t j = win_lo(lens[b], window) / bs; j * bs < lens[b]; j++)
+            if ((uint64_t)block_tables[b * max_blocks + j] >= (uint64_t)num_blocks) return 2 * B + b;
+    return -1;
+}
+
+/* One row of d float32 -> d int8 codes and its scale (the header's "store"). */
+static inline void quant_row(const float *x, int64_t d, int8_t *codes, float *scale) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < d; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int64_t i = 0; i < d; i++) {
+        float r = nearbyintf(x[i] * inv);
+        codes[i] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+    }
+    *scale = amax / 127.f;
+}
+static inline void widen_f32(const float *x, int64_t d, float *y) { memcpy(y, x, (size_t)d * sizeof(float)); }
+static inline void widen_bf16(const uint16_t *x, int64_t d, float *y) {
+    for (int64_t i = 0; i < d; i++) y[i] = bf2f(x[i]);
+}
+
+/* RoPE in place on each row's query and key heads, then its key and value heads quantized into the caches. */
+#define PROLOGUE_I8(NAME, T, ROPE, WIDEN)                                                                       \
+    static void NAME(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v, int64_t v_stride,            \
+                     const T *cos_t, const T *sin_t, const int64_t *slots, int8_t *k_cache, int8_t *v_cache,  \
+                     float *k_scale, float *v_scale, int64_t hq, int64_t hkv, int64_t d, int64_t B) {          \
+        float row[MAX_D];                                                                                      \
+        for (int64_t b = 0; b < B; b++) {                                                                      \
+            if (cos_t)                                                                                         \
+                for (int64_t h = 0; h < hq + hkv; h++)                                                         \
+                    ROPE(h < hq ? q + b * q_stride + h * d : k + b * k_stride + (h - hq) * d, cos_t + b * d,   \
+                         sin_t + b * d, d / 2);                                                                \
+            if (slots[b] < 0) continue;                                                                        \
+            for (int64_t h = 0; h < hkv; h++) {                                                                \
+                const int64_t r = slots[b] * hkv + h;                                                          \
+                WIDEN(k + b * k_stride + h * d, d, row);                                                       \
+                quant_row(row, d, k_cache + r * d, k_scale + r);                                               \
+                WIDEN(v + b * v_stride + h * d, d, row);                                                       \
+                quant_row(row, d, v_cache + r * d, v_scale + r);                                               \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+PROLOGUE_I8(prologue_i8_f32, float, rope_head_f32, widen_f32)
+PROLOGUE_I8(prologue_i8_bf16, uint16_t, rope_head_bf16, widen_bf16)
+
+/* The scores of one item: sc[j * lp + t] = dot(q_j, codes_k[t]) * k_scale[t] * scale for its g heads (qv: the
+ * heads' d / 16 vectors), 16 keys at a time, each key row loaded once for every head; krow[t]: the row index
+ * (block * bs + offset) * hkv + kv of key t. Returns nothing; the rows of the next 16 keys are prefetched. */
+static inline __attribute__((always_inline)) void scores_i8(vf (*qv)[MAX_D / 16], int64_t g, const int64_t NV,
+                                                            const int8_t *k_cache, const float *k_scale,
+                                                            const int64_t *krow, int64_t L, int64_t lp, float scale,
+                                                            int64_t d, float *sc) {
+    const vf vscale = vf_set1(scale);
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const int64_t nk = L - t0 < 16 ? L - t0 : 16;
+        for (int64_t kk = 0; kk < 16 && t0 + 16 + kk < L; kk++) {
+            const char *p = (const char *)(k_cache + krow[t0 + 16 + kk] * d);
+            for (int64_t o = 0; o < d; o += 64) __builtin_prefetch(p + o, 0, 1);
+        }
+        float ks[16];
+        vf a[MAX_G][16];
+        for (int64_t kk = 0; kk < 16; kk++) {
+            const int64_t r = krow[t0 + (kk < nk ? kk : 0)];
+            ks[kk] = kk < nk ? k_scale[r] : 0.f;
+            const int8_t *kp = k_cache + r * d;
+            vf kr[MAX_D / 16];
+            for (int64_t i = 0; i < NV; i++) kr[i] = vf_ldi8(kp + i * 16);
+            for (int64_t j = 0; j < g; j++) {
+                vf acc = vf_mul(qv[j][0], kr[0]);
+                for (int64_t i = 1; i < NV; i++) acc = vf_fmadd(qv[j][i], kr[i], acc);
+                a[j][kk] = acc;
+            }
+        }
+        const vf kscale = vf_mul(vf_ldf(ks), vscale);
+        for (int64_t j = 0; j < g; j++) vf_stf(sc + j * lp + t0, vf_mul(sum16v(a[j]), kscale));
+    }
+}
+
+/* out_j = sum_u w[j][u] codes_v[u] for the g heads (w = sc: p already multiplied by the value scales), PJ heads
+ * at a time, each value row loaded (and widened) once per PJ heads; stored to the heads' output rows. */
+#define PV_I8(T, ST)                                                                                              \
+    static inline __attribute__((always_inline)) void pv_i8_##T(const float *w, int64_t lp, int64_t g,            \
+                                                                const int64_t *heads, const int8_t *v_cache,      \
+                                                                const int64_t *vrow, int64_t L, int64_t d,        \
+                                                                const int64_t NV, T *out) {                       \
+        for (int64_t j0 = 0; j0 < g; j0 += PJ) {                                                                  \
+            const int64_t nj = g - j0 < PJ ? g - j0 : PJ;                                                         \
+            vf acc[PJ][MAX_D / 16];                                                                               \
+            for (int64_t jj = 0; jj < PJ; jj++)                                                                   \
+                for (int64_t i = 0; i < NV; i++) acc[jj][i] = vf_zero();                                          \
+            for (int64_t u = 0; u < L; u++) {                                                                     \
+                if (j0 == 0 && u + 16 < L) {                                                                      \
+                    const char *p = (const char *)(v_cache + vrow[u + 16] * d);                                   \
+                    for (int64_t o = 0; o < d; o += 64) __builtin_prefetch(p + o, 0, 1);                          \
+                }                                                                                                 \
+                const int8_t *vp = v_cache + vrow[u] * d;                                                         \
+                vf vv[MAX_D / 16];                                                                                \
+                for (int64_t i = 0; i < NV; i++) vv[i] = vf_ldi8(vp + i * 16);                                    \
+                for (int64_t jj = 0; jj < nj; jj++) {                                                             \
+                    const vf pu = vf_set1(w[(j0 + jj) * lp + u]);                                                 \
+                    for (int64_t i = 0; i < NV; i++) acc[jj][i] = vf_fmadd(pu, vv[i], acc[jj][i]);                \
+                }                                                                                                 \
+            }                                                                                                     \
+            for (int64_t jj = 0; jj < nj; jj++)                                                                   \
+                for (int64_t i = 0; i < NV; i++) ST(out + heads[j0 + jj] * d + i * 16, acc[jj][i]);               \
+        }                                                                                                         \
+    }
+PV_I8(float, vf_stf)
+PV_I8(uint16_t, vf_stb)
+
+/* Softmax of head j's L scores in place (padding to lp zeroed), each p then multiplied by the value row's scale. */
+static inline void softmax_i8(float *sj, int64_t L, int64_t lp, float softcap, const float *vs) {
+    float mx;
+    if (softcap > 0)
+        mx = cap_scores(sj, L, softcap);
+    else {
+        vf m = vf_set1(-INFINITY);
+        int64_t t = 0;
+        for (; t + 16 <= L; t += 16) m = vf_max(m, vf_ldf(sj + t));
+        mx = vf_hmax(m);
+        for (; t < L; t++) mx = fmaxf(mx, sj[t]);
+    }
+    for (int64_t t = L; t < lp; t++) sj[t] = -INFINITY;
+    const vf vmax = vf_set1(mx);
+    vf sum = vf_zero();
+    for (int64_t t = 0; t < lp; t += 16) {
+        const vf e = vf_exp(vf_sub(vf_ldf(sj + t), vmax));
+        vf_stf(sj + t, e);
+        sum = vf_add(sum, e);
+    }
+    const vf inv = vf_set1(1.f / vf_sum(sum));
+    for (int64_t t = 0; t < lp; t += 16) vf_stf(sj + t, vf_mul(vf_mul(vf_ldf(sj + t), inv), vf_ldf(vs + t)));
+}
+
+/* LDQ(p): 16 query elements -> vf; TT: the element type's name for pv_i8_TT. */
+#define PAGED_DECODE_I8(NAME, T, LDQ, PRO)                                                                          \
+    int64_t NAME(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v, int64_t v_stride, const T *cos_t,      \
+                 const T *sin_t, const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,              \
+                 const int64_t *lens, int8_t *k_cache, int8_t *v_cache, float *k_scale, float *v_scale,              \
+                 int64_t num_blocks, int64_t bs, const int64_t *q_to_kv, int64_t hq, int64_t hkv, int64_t d,         \
+                 float scale, T *out, int64_t B, int nthreads, int64_t window, float softcap) {                     \
+        const int64_t bad = check_i8(slots, block_tables, max_blocks, lens, B, num_blocks, bs, q_to_kv, hq, hkv,     \
+                                     window);                                                                        \
+        if (bad >= 0) return bad;                                                                                    \
+        PRO(q, q_stride, k, k_stride, v, v_stride, cos_t, sin_t, slots, k_cache, v_cache, k_scale, v_scale, hq,     \
+            hkv, d, B);                                                                                              \
+        int64_t work = 0;                                                                                            \
+        for (int64_t b = 0; b < B; b++) work += lens[b] - win_lo(lens[b], window);                                   \
+        const int64_t nv = d / 16;                                                                                   \
+        _Pragma("omp parallel num_threads(nthreads) if (work * hq * d >= 32768)") {                                \
+            float *sc = NULL, *vs = NULL;                                                                            \
+            int64_t *rows = NULL, cap = 0;                                                                           \
+            _Pragma("omp for schedule(dynamic, 1)")                                                                  \
+            for (int64_t it = 0; it < B * hkv; it++) {                                                               \
+                const int64_t b = it / hkv, kv = it % hkv, lo = win_lo(lens[b], window), L = lens[b] - lo;           \
+                const int64_t lp = (L + 15) / 16 * 16;                                                               \
+                int64_t heads[MAX_G], g = 0;                                                                         \
+                for (int64_t h = 0; h < hq && g < MAX_G; h++)                                                        \
+                    if (q_to_kv[h] == kv) heads[g++] = h;                                                            \
+                if (g == 0) continue;                                                                                \
+                T *ob = out + b * hq * d;                                                                            \
+                if (L == 0) {                                                                                        \
+                    for (int64_t j = 0; j < g; j++) memset(ob + heads[j] * d, 0, (size_t)d * sizeof(T));             \
+                    continue;                                                                                        \
+                }                                                                                                    \
+                if (g * lp + 16 > cap) {                                                                             \
+                    cap = g * lp + 16 + 256;                                                                         \
+                    free(sc), free(vs), free(rows);                                                                  \
+                    sc = (float *)malloc((size_t)cap * sizeof(float));                                               \
+                    vs = (float *)malloc((size_t)cap * sizeof(float));                                               \
+                    rows = (int64_t *)malloc((size_t)cap * sizeof(int64_t));                                         \
+                }                                                                                                    \
+                const int64_t *bt = block_tables + b * max_blocks + lo / bs;                                         \
+                for (int64_t t = 0, kb = 0, ko = lo % bs; t < L; t++) { /* the rows, walked once: no division */    \
+                    rows[t] = (bt[kb] * bs + ko) * hkv + kv;                                                         \
+                    vs[t] = v_scale[rows[t]];                                                                        \
+                    if (++ko == bs) ko = 0, kb++;                                                                    \
+                }                                                                                                    \
+                for (int64_t t = L; t < lp; t++) vs[t] = 0.f;                                                        \
+                vf qv[MAX_G][MAX_D / 16];                                                                            \
+                for (int64_t j = 0; j < g; j++)                                                                      \
+                    for (int64_t i = 0; i < nv; i++) qv[j][i] = LDQ(q + b * q_stride + heads[j] * d + i * 16);       \
+                switch (nv) { /* the head size as a constant */                                                      \
+                case 4: scores_i8(qv, g, 4, k_cache, k_scale, rows, L, lp, scale, d, sc); break;                     \
+                case 8: scores_i8(qv, g, 8, k_cache, k_scale, rows, L, lp, scale, d, sc); break;                     \
+                default: scores_i8(qv, g, nv, k_cache, k_scale, rows, L, lp, scale, d, sc); break;                   \
+                }                                                                                                    \
+                for (int64_t j = 0; j < g; j++) softmax_i8(sc + j * lp, L, lp, softcap, vs);                         \
+                switch (nv) {                                                                                        \
+                case 4: pv_i8_##T(sc, lp, g, heads, v_cache, rows, L, d, 4, ob); break;                              \
+                case 8: pv_i8_##T(sc, lp, g, heads, v_cache, rows, L, d, 8, ob); break;                              \
+                default: pv_i8_##T(sc, lp, g, heads, v_cache, rows, L, d, nv, ob); break;                            \
+                }                                                                                                    \
+            }                                                                                                        \
+            free(sc), free(vs), free(rows);                                                                          \
+        }                                                                                                            \
+        return -1;                                                                                                   \
+    }
+
+PAGED_DECODE_I8(tpe_paged_decode_i8_f32, float, vf_ldf, prologue_i8_f32)
+PAGED_DECODE_I8(tpe_paged_decode_i8_bf16, uint16_t, vf_ldb, prologue_i8_bf16)
+#endif /* neither path: left out of the build; the callers keep torch (cpu_library.has) */
