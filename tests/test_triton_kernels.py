@@ -153,3 +153,44 @@ def test_triton_window_and_soft_cap(window, cap):
     be = TritonAttentionBackend()
     attn = be.prepare(True, _to(DEVICE, torch.full((q.shape[0],), -1))[0], args[7], args[5], args[6], None)
     assert torch.equal(be.prefill_attention(*args[:5], args[8], d**-0.5, attn, window, cap), got)
+
+
+@pytest.mark.parametrize("window,cap", [(None, None), (24, 2.0)], ids=["plain", "window-cap"])
+def test_triton_int8_cache_equals_the_reference(window, cap):
+    """An int8 KV cache (kv_cache_dtype int8): the store kernel writes the reference's codes and scales bit
+    for bit (halfway values round to even, an all-zero row gets scale 0), and decode (one split and split-K)
+    and prefill over a cached int8 prefix equal the reference on the dequantized cache, with a window and
+    a soft cap too; float32 under the interpreter."""
+    from tpengine.backends import kv_quant
+
+    d, bs, q_to_kv = 64, 16, [0, 0, 1]
+    kw = dict(sliding_window=window, soft_cap=cap)
+    g = _gen(31)
+    q, kc, vc, bt, ctx, qkv = _decode_case(d, bs, q_to_kv, seed=32)
+    (kq, ks), (vq, vs) = kv_quant.quantize(kc), kv_quant.quantize(vc)
+    k, v = _tokens(4, 2, d, g), _tokens(4, 2, d, g)
+    k[0, 0] = torch.arange(d) - 31.5  # with absmax 127 the codes are x itself: every one a tie, to even
+    k[0, 0, 0] = 127.0
+    v[1, 1] = 0.0
+    slots = torch.tensor([3, -1, int(bt[5, 2]) * bs + 7, 40])
+    want = [t.clone() for t in (kq, vq, ks, vs)]
+    ref.store_kvcache(k, v, want[0], want[1], slots, kv_scales=(want[2], want[3]))
+    got = _to(DEVICE, kq, vq, ks, vs)
+    tri.store_kvcache(*_to(DEVICE, k, v), got[0], got[1], _to(DEVICE, slots)[0], kv_scales=(got[2], got[3]))
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
+    kq, vq, ks, vs = want
+    if window is not None:
+        for b, n in enumerate(ctx.tolist()):
+            bt[b, : max(n - window, 0) // bs] = -1
+    expect = ref.decode_attention(q, kq, vq, bt, ctx, qkv, d**-0.5, **kw, kv_scales=(ks, vs))
+    dev = _to(DEVICE, q, kq, vq, bt, ctx, qkv, ks, vs)
+    for partition in (None, 16):
+        out = tri.decode_attention(*dev[:6], d**-0.5, partition_size=partition, **kw, kv_scales=tuple(dev[6:]))
+        torch.testing.assert_close(out.cpu(), expect, **TOL)
+    lens = [(17, 40), (2, 70), (16, 16)]
+    q, k, v, kc, vc, cu_q, cu_k, bt, qkv = _prefill_case(d, bs, q_to_kv, lens, seed=33)
+    (kq, ks), (vq, vs) = kv_quant.quantize(kc), kv_quant.quantize(vc)
+    expect = ref.prefill_attention(q, k, v, kq, vq, cu_q, cu_k, bt, qkv, d**-0.5, **kw, kv_scales=(ks, vs))
+    dev = _to(DEVICE, q, k, v, kq, vq, cu_q, cu_k, bt, qkv, ks, vs)
+    out = tri.prefill_attention(*dev[:9], d**-0.5, **kw, kv_scales=tuple(dev[9:]))
+    torch.testing.assert_close(out.cpu(), expect, **TOL)

@@ -48,21 +48,21 @@ class TritonAttentionBackend(AttentionBackend):
             m.lengths = prefill_lengths(cu_seqlens_q, cu_seqlens_k, slot_mapping.shape[0])
         return m
 
-    def store_kvcache(self, key, value, k_cache, v_cache, attn: TritonAttentionMetadata) -> None:
+    def store_kvcache(self, key, value, k_cache, v_cache, attn: TritonAttentionMetadata, kv_scales=None) -> None:
         """:func:`tpengine.backends.cuda.triton_kernels.store_kvcache` at ``attn.slot_mapping``."""
-        kernels.store_kvcache(key, value, k_cache, v_cache, attn.slot_mapping)
+        kernels.store_kvcache(key, value, k_cache, v_cache, attn.slot_mapping, kv_scales)
 
     def prefill_attention(self, q, k, v, k_cache, v_cache, q_to_kv, scale, attn: TritonAttentionMetadata,
-                          sliding_window=None, soft_cap=None):
+                          sliding_window=None, soft_cap=None, kv_scales=None):
         """:func:`tpengine.backends.cuda.triton_kernels.prefill_attention` with the step's lengths and the
-        layer's window and cap."""
+        layer's window, cap and int8 cache scales."""
         return kernels.prefill_attention(q, k, v, k_cache, v_cache, attn.cu_seqlens_q, attn.cu_seqlens_k,
                                          attn.block_tables, q_to_kv, scale, lengths=attn.lengths,
-                                         sliding_window=sliding_window, soft_cap=soft_cap)
+                                         sliding_window=sliding_window, soft_cap=soft_cap, kv_scales=kv_scales)
 
     def decode_attention(self, q, k_cache, v_cache, q_to_kv, scale, attn: TritonAttentionMetadata, mirror=None,
-                         sliding_window=None, soft_cap=None):
-        """:func:`tpengine.backends.cuda.triton_kernels.decode_attention` with the layer's window and cap
-        (``mirror`` is unused)."""
+                         sliding_window=None, soft_cap=None, kv_scales=None):
+        """:func:`tpengine.backends.cuda.triton_kernels.decode_attention` with the layer's window, cap and int8
+        cache scales (``mirror`` is unused)."""
         return kernels.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.context_lens, q_to_kv, scale,
-                                        sliding_window=sliding_window, soft_cap=soft_cap)
+                                        sliding_window=sliding_window, soft_cap=soft_cap, kv_scales=kv_scales)

@@ -21,6 +21,11 @@ it are not read; a decode split wholly before it runs no iteration), and masks t
 query's window; with a cap, the scaled scores become ``tanh(s / c) * c`` (:func:`_soft_cap`). Both are
 constexpr-switched (``HAS_WINDOW``, ``HAS_CAP``), so a layer without them compiles and runs the kernels
 as before.
+
+An int8 KV cache (``kv_scales``: :mod:`tpengine.backends.kv_quant`) is the constexpr ``QUANT``: the store
+kernel quantizes each (token, head) row -- ``127 / absmax``, round half to even (:func:`_rint`), a float32
+scale per row -- and the attention kernels read ``codes * scale`` in float32 (prefill: cast to the query's
+dtype for ``tl.dot``).
 """
 
 from __future__ import annotations
@@ -70,9 +75,28 @@ def _soft_cap(s, cap):
 
 
 @triton.jit
-def _store_kernel(key, value, kc, vc, slots, block_size, hkv, s_kn, s_kh, s_kd, s_vn, s_vh, s_vd,
-                  s_cb, s_cs, s_ch, s_cd, s_vcb, s_vcs, s_vch, s_vcd,
-                  HEAD_DIM: tl.constexpr, H_P2: tl.constexpr, D_P2: tl.constexpr):
+def _rint(x):
+    """``x`` rounded to the nearest integer, halves to even (``nearbyintf``, ``torch.round``), for
+    ``|x| <= 127.5`` (where ``x + 0.5`` is exact in float32)."""
+    r = tl.floor(x + 0.5)
+    return tl.where(((r - x) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) != 0.0), r - 1.0, r)
+
+
+@triton.jit
+def _quantize_rows(x, m):
+    """Rows ``x [H, D]`` (masked by ``m``) -> ``(codes [H, D] float32 in [-127, 127], scale [H])``:
+    :mod:`tpengine.backends.kv_quant`'s arithmetic."""
+    xf = tl.where(m, x.to(tl.float32), 0.0)
+    amax = tl.max(tl.abs(xf), axis=1)
+    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+    codes = tl.minimum(tl.maximum(_rint(xf * inv[:, None]), -127.0), 127.0)
+    return codes, amax / 127.0
+
+
+@triton.jit
+def _store_kernel(key, value, kc, vc, ksc, vsc, slots, block_size, hkv, s_kn, s_kh, s_kd, s_vn, s_vh, s_vd,
+                  s_cb, s_cs, s_ch, s_cd, s_vcb, s_vcs, s_vch, s_vcd, s_sb, s_ss, s_sh,
+                  HEAD_DIM: tl.constexpr, H_P2: tl.constexpr, D_P2: tl.constexpr, QUANT: tl.constexpr):
     i = tl.program_id(0)
     slot = tl.load(slots + i)
     h = tl.arange(0, H_P2)[:, None]
@@ -83,16 +107,42 @@ def _store_kernel(key, value, kc, vc, slots, block_size, hkv, s_kn, s_kh, s_kd, 
         off = slot % block_size
         kv = tl.load(key + i * s_kn + h * s_kh + d * s_kd, mask=m)
         vv = tl.load(value + i * s_vn + h * s_vh + d * s_vd, mask=m)
+        if QUANT:  # int8 codes and a float32 scale per (token, head) row
+            hs = tl.arange(0, H_P2)
+            kv, kscale = _quantize_rows(kv, m)
+            vv, vscale = _quantize_rows(vv, m)
+            tl.store(ksc + blk * s_sb + off * s_ss + hs * s_sh, kscale, mask=hs < hkv)
+            tl.store(vsc + blk * s_sb + off * s_ss + hs * s_sh, vscale, mask=hs < hkv)
         tl.store(kc + blk * s_cb + off * s_cs + h * s_ch + d * s_cd, kv.to(kc.dtype.element_ty), mask=m)
         tl.store(vc + blk * s_vcb + off * s_vcs + h * s_vch + d * s_vcd, vv.to(vc.dtype.element_ty), mask=m)
 
 
-def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
-    """Triton version of :func:`tpengine.backends.reference.store_kvcache` (same contract).
+def _scale_args(k_cache: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> tuple:
+    """The kernels' scale arguments: ``(k_scale, v_scale, *strides)`` of an int8 cache's scales
+    (``[num_blocks, block_size, Hkv]`` float32 each, one layout), else stand-ins never read.
 
-    One program per token; slot -1 is skipped; values are cast to the cache dtype. Raises
-    ValueError on shape mismatch. Out-of-range slots are NOT checked (memory corruption on GPU).
+    Raises:
+        ValueError: scales of another shape or dtype, or of two layouts.
+    """
+    if kv_scales is None:
+        return k_cache, k_cache, 0, 0, 0
+    ks, vs = kv_scales
+    if (ks.shape != k_cache.shape[:3] or vs.shape != ks.shape or ks.stride() != vs.stride()
+            or ks.dtype != torch.float32 or vs.dtype != torch.float32 or k_cache.dtype != torch.int8):
+        raise ValueError(f"an int8 cache's scales must be [{', '.join(map(str, k_cache.shape[:3]))}] float32 in one "
+                         f"layout; got {tuple(ks.shape)} {ks.dtype}, {tuple(vs.shape)} {vs.dtype} for a "
+                         f"{k_cache.dtype} cache")
+    return ks, vs, *ks.stride()
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Triton version of :func:`tpengine.backends.reference.store_kvcache` (same contract, ``kv_scales``
+    included).
+
+    One program per token; slot -1 is skipped; values are cast to the cache dtype (int8 with
+    ``kv_scales``: quantized). Raises ValueError on shape mismatch. Out-of-range slots are NOT checked
+    (memory corruption on GPU).
     """
     _, bs, hkv, d = check_store(key, value, k_cache, v_cache, slot_mapping)
     n = key.shape[0]
@@ -100,9 +150,9 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         return
     slot_mapping = slot_mapping.contiguous()
     _store_kernel[(n,)](
-        key, value, k_cache, v_cache, slot_mapping, bs, hkv, *key.stride(), *value.stride(),
-        *k_cache.stride(), *v_cache.stride(),
-        HEAD_DIM=d, H_P2=triton.next_power_of_2(hkv), D_P2=triton.next_power_of_2(d),
+        key, value, k_cache, v_cache, *_scale_args(k_cache, kv_scales)[:2], slot_mapping, bs, hkv, *key.stride(),
+        *value.stride(), *k_cache.stride(), *v_cache.stride(), *_scale_args(k_cache, kv_scales)[2:],
+        HEAD_DIM=d, H_P2=triton.next_power_of_2(hkv), D_P2=triton.next_power_of_2(d), QUANT=kv_scales is not None,
     )
 
 
@@ -112,11 +162,11 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 
 @triton.jit
-def _decode_kernel(q, kc, vc, bt, ctx_lens, q_to_kv, out, part_acc, part_ml, scale, block_size, window, soft_cap,
-                   s_qb, s_qh, s_qd, s_cb, s_cs, s_ch, s_cd, s_vb, s_vs, s_vh, s_vd, s_bt, s_ob, s_oh, s_od,
-                   HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+def _decode_kernel(q, kc, vc, ksc, vsc, bt, ctx_lens, q_to_kv, out, part_acc, part_ml, scale, block_size, window,
+                   soft_cap, s_qb, s_qh, s_qd, s_cb, s_cs, s_ch, s_cd, s_vb, s_vs, s_vh, s_vd, s_sb, s_ss, s_sh, s_bt,
+                   s_ob, s_oh, s_od, HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr,
                    PARTITION: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                   HAS_CAP: tl.constexpr):
+                   HAS_CAP: tl.constexpr, QUANT: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -141,6 +191,8 @@ def _decode_kernel(q, kc, vc, bt, ctx_lens, q_to_kv, out, part_acc, part_ml, sca
         km = pm[:, None] & dm[None, :]
         k = tl.load(kc + blk[:, None] * s_cb + off[:, None] * s_cs + kvh * s_ch + d[None, :] * s_cd,
                     mask=km, other=0.0).to(tl.float32)
+        if QUANT:  # codes * their row's scale
+            k = k * tl.load(ksc + blk * s_sb + off * s_ss + kvh * s_sh, mask=pm, other=0.0)[:, None]
         s = tl.sum(k * qv[None, :], axis=1)
         if HAS_CAP:
             s = _soft_cap(s, soft_cap)
@@ -150,6 +202,8 @@ def _decode_kernel(q, kc, vc, bt, ctx_lens, q_to_kv, out, part_acc, part_ml, sca
         p = tl.exp(s - m_new)
         v = tl.load(vc + blk[:, None] * s_vb + off[:, None] * s_vs + kvh * s_vh + d[None, :] * s_vd,
                     mask=km, other=0.0).to(tl.float32)
+        if QUANT:
+            v = v * tl.load(vsc + blk * s_sb + off * s_ss + kvh * s_sh, mask=pm, other=0.0)[:, None]
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
@@ -206,9 +260,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, context_lens: torch.Tensor, q_to_kv: torch.Tensor,
                      scale: float,
                      partition_size: int | None = None, sliding_window: int | None = None,
-                     soft_cap: float | None = None) -> torch.Tensor:
+                     soft_cap: float | None = None,
+                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Triton version of :func:`tpengine.backends.reference.decode_attention` (same contract, the
-    ``sliding_window`` and ``soft_cap`` included).
+    ``sliding_window``, ``soft_cap`` and ``kv_scales`` included).
 
     Grid ``(B, Hq, splits)``; each program streams ``partition_size`` tokens (default
     :data:`DECODE_PARTITION`, rounded up to the key tile) with an online softmax; with more
@@ -240,12 +295,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_ml = torch.empty(nb, hq, splits, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
+    sc = _scale_args(k_cache, kv_scales)
     _decode_kernel[(nb, hq, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, q_to_kv, out, part_acc, part_ml, float(scale), bs,
+        q, k_cache, v_cache, *sc[:2], block_tables, context_lens, q_to_kv, out, part_acc, part_ml, float(scale), bs,
         sliding_window or 0, float(soft_cap or 1.0),
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *sc[2:], block_tables.stride(0), *out.stride(),
         HEAD_DIM=d, D_P2=d_p2, BLOCK_N=block_n, PARTITION=part, NUM_SPLITS=splits,
-        HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
+        HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None, QUANT=kv_scales is not None,
     )
     if splits > 1:
         _decode_reduce_kernel[(nb, hq)](
@@ -284,11 +340,12 @@ def _softmax_tile(s, vis, vt, m_i, l_i, acc, IEEE: tl.constexpr, HAS_WINDOW: tl.
 
 
 @triton.jit
-def _prefill_kernel(q, k, v, kc, vc, out, cu_q, cu_k, bt, q_to_kv, scale, block_size, window, soft_cap,
+def _prefill_kernel(q, k, v, kc, vc, ksc, vsc, out, cu_q, cu_k, bt, q_to_kv, scale, block_size, window, soft_cap,
                     s_qn, s_qh, s_qd, s_kn, s_kh, s_kd, s_vn, s_vh, s_vd,
-                    s_cb, s_cs, s_ch, s_cd, s_vcb, s_vcs, s_vch, s_vcd, s_bt, s_on, s_oh, s_od,
+                    s_cb, s_cs, s_ch, s_cd, s_vcb, s_vcs, s_vch, s_vcd, s_sb, s_ss, s_sh, s_bt, s_on, s_oh, s_od,
                     HEAD_DIM: tl.constexpr, D_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr):
+                    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
+                    QUANT: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     mb = tl.program_id(2)
@@ -325,9 +382,14 @@ def _prefill_kernel(q, k, v, kc, vc, out, cu_q, cu_k, bt, q_to_kv, scale, block_
         off = pos % block_size
         km = pm[:, None] & dm[None, :]
         kt = tl.load(kc + blk[:, None] * s_cb + off[:, None] * s_cs + kvh * s_ch + d[None, :] * s_cd,
-                     mask=km, other=0.0).to(qt.dtype)
+                     mask=km, other=0.0)
         vt = tl.load(vc + blk[:, None] * s_vcb + off[:, None] * s_vcs + kvh * s_vch + d[None, :] * s_vcd,
-                     mask=km, other=0.0).to(qt.dtype)
+                     mask=km, other=0.0)
+        if QUANT:  # codes * their row's scale, in float32
+            srow = blk * s_sb + off * s_ss + kvh * s_sh
+            kt = kt.to(tl.float32) * tl.load(ksc + srow, mask=pm, other=0.0)[:, None]
+            vt = vt.to(tl.float32) * tl.load(vsc + srow, mask=pm, other=0.0)[:, None]
+        kt, vt = kt.to(qt.dtype), vt.to(qt.dtype)
         s = _dot(qt, tl.trans(kt), IEEE) * scale
         if HAS_CAP:
             s = _soft_cap(s, soft_cap)
@@ -361,9 +423,10 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                       v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                       block_tables: torch.Tensor | None, q_to_kv: torch.Tensor, scale: float,
                       lengths: tuple | None = None, sliding_window: int | None = None,
-                      soft_cap: float | None = None) -> torch.Tensor:
+                      soft_cap: float | None = None,
+                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Triton version of :func:`tpengine.backends.reference.prefill_attention` (same contract, the
-    ``sliding_window`` and ``soft_cap`` included).
+    ``sliding_window``, ``soft_cap`` and ``kv_scales`` included).
     ``lengths``: :func:`tpengine.backends.checks.prefill_lengths` of the offsets, if already known
     (the backend's ``prepare`` reads them once per step); else this call reads them (one host sync).
 
@@ -393,12 +456,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     block = 64 if d_p2 <= 64 else 32
     if q.device.type == "cuda" and q.dtype != torch.float32 and d_p2 <= 128:
         block = 64
+    sc = _scale_args(k_cache, kv_scales)
     _prefill_kernel[(len(lqs), q.shape[1], triton.cdiv(max_lq, block))](
-        q, k, v, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, block_tables, q_to_kv, float(scale), bs,
+        q, k, v, k_cache, v_cache, *sc[:2], out, cu_seqlens_q, cu_seqlens_k, block_tables, q_to_kv, float(scale), bs,
         sliding_window or 0, float(soft_cap or 1.0),
-        *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
+        *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), *sc[2:], block_tables.stride(0),
         *out.stride(),
         HEAD_DIM=d, D_P2=d_p2, BLOCK_M=block, BLOCK_N=block, IEEE=q.dtype == torch.float32,
-        HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
+        HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None, QUANT=kv_scales is not None,
     )
     return out
