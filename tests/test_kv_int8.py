@@ -108,3 +108,103 @@ def test_paged_decode_over_int8_checks_before_writing():
         cpu_paged.decode(qkv[:, :2], qkv[:, 2:4], qkv[:, 4:], cos, sin, kc, vc, qmap, 0.125,
                          cpu_paged.paged_index(slots, bt, lens), kv_scales=scales)
     assert torch.equal(kc, kc0) and torch.equal(scales[0], sc0)
+
+
+NEW = 24
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def engine_prompts() -> list[list[int]]:
+    """Three prompts: the second shares the first's first 16 tokens (a prefix-cache hit of 4 blocks), the
+    third repeats itself (the n-gram proposer drafts)."""
+    g = torch.Generator().manual_seed(7)
+    a, b = (torch.randint(3, 1001, (n,), generator=g).tolist() for n in (22, 6))
+    return [a, a[:16] + b, [11, 12, 13, 14] * 5]
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tmp_path_factory):
+    """The tiny Llama (head size 32: the paged C kernel) with an int8 cache at tp 1 and 2 in a cache too
+    small for the three sequences at once (preemption and recompute), chunks of 16 tokens, prefix caching
+    and n-gram speculation; at tp 1 also the float32 cache (``auto``) and the torch paths (C kernels off)."""
+    from conftest import make_tiny_model
+    from launch import run_engine_jobs
+
+    root = tmp_path_factory.mktemp("kv-int8")
+    model = make_tiny_model(root, "llama", seed=5, head_dim=32, random_biases=True)
+    reqs = [[f"p{i}", p, {"temperature": 0.0, "max_tokens": NEW, "ignore_eos": True, "logprobs": 0}]
+            for i, p in enumerate(engine_prompts())]
+
+    def job(key, **kw):
+        return {"key": key, "requests": reqs, "config": {
+            "model": str(model), "dtype": "float32", "max_model_len": 64, "block_size": 4,
+            "max_num_batched_tokens": 16, "num_kv_blocks": 14, "cpu_linear": "plain", "speculative_config": SPEC,
+            "threads": 1,
+            **kw}}
+    return {1: run_engine_jobs(root, 1, [job("int8", kv_cache_dtype="int8"), job("auto"),
+                                         job("int8-torch", kv_cache_dtype="int8", cpu_kernels=False)], tag="-kv8"),
+            2: run_engine_jobs(root, 2, [job("int8", kv_cache_dtype="int8")], tag="-kv8")}
+
+
+def by_id(job: dict, field: str = "token_ids") -> list:
+    """The three requests' token ids (or their sample records, ``field="outputs"``) in prompt order."""
+    outs = {o["request_id"]: o for o in job["outputs"]}
+    return [outs[f"p{i}"][field] if field == "token_ids" else outs[f"p{i}"]["outputs"][0] for i in range(3)]
+
+
+def test_int8_cache_at_tp2_gives_tp1s_tokens_with_preemption_prefix_caching_and_speculation(engine_runs):
+    """Per-head scales do not depend on the split: tp 2's tokens are tp 1's, every one, through preemption,
+    prefix-cache hits and accepted n-gram drafts; the C kernels' tokens are the torch paths'."""
+    one, two = engine_runs[1]["int8"], engine_runs[2]["int8"]
+    assert by_id(two) == by_id(one) and all(len(t) == NEW for t in by_id(one))
+    assert by_id(engine_runs[1]["int8-torch"]) == by_id(one)
+    for job in (one, two):
+        stats = job["stats"]
+        assert stats["num_preemptions"] > 0 and stats["cached_prompt_tokens"] >= 16, stats
+        assert stats["spec_num_accepted_tokens"] > 0, stats
+        assert stats["num_free_blocks"] == 14, stats
+
+
+def test_int8_cache_stays_close_to_the_float32_cache(engine_runs):
+    """Greedy text over the int8 cache against the float32 cache on the tiny model: the first 8 tokens of
+    every sequence equal, and the chosen tokens' log-probabilities within 0.005 while the texts agree (the
+    tiny random model's next-token distribution is nearly flat, log-probabilities ~ -6.3 of ln(1001), so a
+    near-tie may part the texts after that; measured: |difference| < 0.001)."""
+    int8, auto = engine_runs[1]["int8"], engine_runs[1]["auto"]
+    for a, b in zip(by_id(int8, "outputs"), by_id(auto, "outputs")):
+        ta, tb = a["token_ids"], b["token_ids"]
+        assert ta[:8] == tb[:8], (ta, tb)
+        same = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+        diffs = [abs(a["logprobs"][i]["chosen"]["logprob"] - b["logprobs"][i]["chosen"]["logprob"])
+                 for i in range(same)]
+        assert max(diffs) < 0.005, diffs
+
+
+def test_flag_reaches_the_config_and_fp8_names_are_refused_by_name(tmp_path, monkeypatch):
+    """``--kv-cache-dtype int8`` sets the one config field (``tpengine run``; ``serve`` and ``LLM`` take the
+    same field); vLLM's fp8 names and anything else exit 2 with one error line naming the valid values."""
+    from typer.testing import CliRunner
+
+    import tpengine.entrypoints.run as run
+    from tpengine.config import EngineConfig
+    from tpengine.entrypoints.cli import app
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "x"}\n')
+    seen = []
+    monkeypatch.setattr(run, "run_engine", lambda job: seen.append(job) or 0)
+    base = ["run", "--prompts", str(tmp_path / "in.jsonl"), "--model", str(model), "--out", str(tmp_path / "o.jsonl")]
+    r = CliRunner().invoke(app, [*base, "--kv-cache-dtype", "int8"])
+    assert r.exit_code == 0, r.output
+    assert seen[0].config.kv_cache_dtype == "int8" and EngineConfig().kv_cache_dtype == "auto"
+    seen[0].close()
+    for value, why in (("fp8", " (vLLM's fp8 KV cache is not emulated on this engine's CPU path; int8 takes the "
+                                "same bytes)"), ("int4", "")):
+        r = CliRunner().invoke(app, [*base, "--kv-cache-dtype", value])
+        assert r.exit_code == 2, r.output
+        assert f"error: invalid kv_cache_dtype='{value}': must be one of auto, int8{why}" in r.output.splitlines()
+        with pytest.raises(ValueError) as e:
+            EngineConfig(kv_cache_dtype=value)
+        assert str(e.value) == f"invalid kv_cache_dtype='{value}': must be one of auto, int8{why}"
