@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from shard_tool.common import UserError, read_model_config, user_errors
-from tpengine.config import DTYPE_BYTES
+from tpengine.config import DTYPE_BYTES, KV_CACHE_DTYPES
 from tpengine.model.families import check_config
 
 
@@ -177,6 +177,9 @@ def info(
         "--max-num-batched-tokens", help="tokens of the largest step (for the activation estimate)")] = 8192,
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="sequences per step (LM-head logits)")] = 64,
     block_size: Annotated[int, typer.Option("--block-size", help="KV cache block size in tokens")] = 16,
+    kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="the engine's KV cache storage: auto "
+                                                "(the dtype) or int8 (codes and a float32 scale per head row)")
+                              ] = "auto",
     enable_expert_parallel: Annotated[bool, typer.Option(
         "--enable-expert-parallel", help="a mixture-of-experts model's experts whole per rank (the plan of a "
         "launch with --enable-expert-parallel); default: every expert split")] = False,
@@ -196,6 +199,8 @@ def info(
     with user_errors():
         if dtype is not None and dtype not in DTYPE_BYTES:
             raise UserError(f"invalid dtype {dtype!r}: must be one of {', '.join(DTYPE_BYTES)}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise UserError(f"invalid kv_cache_dtype {kv_cache_dtype!r}: must be one of {', '.join(KV_CACHE_DTYPES)}")
         config = load_config(model_dir)
         check_config(config)  # a model type or feature the engine would refuse, refused here too
         d = ShardPlan.dims(config)
@@ -242,12 +247,13 @@ def info(
     from tpengine.model.estimate import estimate
 
     mem = estimate(plan, nbytes, int(config.num_hidden_layers), DTYPE_BYTES[dtype], kv_cache_gb, block_size,
-                   max_num_batched_tokens, max_num_seqs)
-    est = Table("rank", "weights GiB", "KV cache GiB", "runtime GiB", "total GiB", box=None,
-                title=f"estimated peak memory per rank (kv_cache_gb {kv_cache_gb}, {max_num_batched_tokens}-token "
-                      f"steps, {max_num_seqs} seqs)")
+                   max_num_batched_tokens, max_num_seqs, kv_cache_dtype)
+    est = Table("rank", "weights GiB", "KV cache GiB", "KV B/token", "runtime GiB", "total GiB", box=None,
+                title=f"estimated peak memory per rank (kv_cache_gb {kv_cache_gb}, kv_cache_dtype {kv_cache_dtype}, "
+                      f"{max_num_batched_tokens}-token steps, {max_num_seqs} seqs)")
     for m in mem:
-        est.add_row(str(m.rank), *(f"{x / 2**30:.2f}" for x in (m.weights, m.kv_cache, m.runtime, m.total)))
+        est.add_row(str(m.rank), f"{m.weights / 2**30:.2f}", f"{m.kv_cache / 2**30:.2f}", str(m.kv_per_token),
+                    *(f"{x / 2**30:.2f}" for x in (m.runtime, m.total)))
     console.print(est)
 
 

@@ -303,12 +303,15 @@ def test_smollm2_info_split_verify(smollm2_dir: Path, tmp_path: Path) -> None:
     # the per-rank memory estimate: weights (the plan's bytes), KV at the default 1 GiB budget,
     # runtime, total = their sum (to the printed rounding)
     assert [row[0] for row in estimate_rows] == ["0", "1"]
-    for plan_row, (_, weights, kv, runtime, total) in zip(plan_rows, estimate_rows):
+    for plan_row, (_, weights, kv, kv_token, runtime, total) in zip(plan_rows, estimate_rows):
         assert float(weights) == round(int(plan_row[8]) / 2**30, 2)
         assert kv == "1.00" and float(runtime) > 0.5
+        assert kv_token == str(2 * 30 * 2 * 64 * 4)  # K and V, 30 layers, 2 KV heads of 64, float32
         assert abs(float(total) - (float(weights) + float(kv) + float(runtime))) <= 0.011
     r = cli("info", smollm2_dir, "--tp", "2", "--kv-cache-gb", "0.25")
     assert [row[2] for row in table_rows(r.output)[2:]] == ["0.25", "0.25"]
+    r = cli("info", smollm2_dir, "--tp", "2", "--kv-cache-dtype", "int8")  # int8 codes + a float32 scale per row
+    assert [row[3] for row in table_rows(r.output)[2:]] == [str(2 * 30 * 2 * (64 + 4))] * 2
     out = tmp_path / "tp2"
     r = cli("split", smollm2_dir, "--tp", "2", "--out", out)
     assert r.exit_code == 0, r.output

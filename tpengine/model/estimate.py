@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tpengine.backends import kv_quant
 from tpengine.model.plan import ShardPlan
 from tpengine.utils import GIB
 
@@ -21,23 +22,32 @@ RUNTIME_BASE_BYTES = 560 << 20
 
 @dataclass(frozen=True)
 class RankMemory:
-    """Estimated resident bytes of one rank: ``weights`` + ``kv_cache`` + ``runtime`` = ``total``."""
+    """Estimated resident bytes of one rank: ``weights`` + ``kv_cache`` + ``runtime`` = ``total``;
+    ``kv_per_token``: the KV-cache bytes one token takes on the rank (scales of an int8 cache included)."""
 
     rank: int
     weights: int
     kv_cache: int
     runtime: int
+    kv_per_token: int = 0
 
     @property
     def total(self) -> int:
         return self.weights + self.kv_cache + self.runtime
 
 
+def kv_token_bytes(plan: ShardPlan, rank: int, num_layers: int, elem: int, kv_cache_dtype: str = "auto") -> int:
+    """KV-cache bytes of one token on ``rank``: ``2 x num_layers x local KV heads x head_dim`` elements of
+    ``elem`` bytes ("auto"), or of one byte plus a float32 scale per head row ("int8";
+    :func:`tpengine.backends.kv_quant.bytes_per_token`)."""
+    return kv_quant.bytes_per_token(num_layers, plan.ranks[rank].num_kv_heads, plan.head_dim, elem, kv_cache_dtype)
+
+
 def kv_cache_bytes(plan: ShardPlan, rank: int, num_layers: int, elem: int, kv_cache_gb: float,
-                   block_size: int) -> int:
-    """The KV cache the engine allocates on ``rank`` for a ``kv_cache_gb`` GiB budget: whole blocks
-    of ``2 x num_layers x block_size x local KV heads x head_dim`` elements of ``elem`` bytes."""
-    per_block = 2 * num_layers * block_size * plan.ranks[rank].num_kv_heads * plan.head_dim * elem
+                   block_size: int, kv_cache_dtype: str = "auto") -> int:
+    """The KV cache the engine allocates on ``rank`` for a ``kv_cache_gb`` GiB budget: whole blocks of
+    ``block_size`` tokens of :func:`kv_token_bytes` each."""
+    per_block = block_size * kv_token_bytes(plan, rank, num_layers, elem, kv_cache_dtype)
     return int(kv_cache_gb * GIB // per_block) * per_block
 
 
@@ -60,9 +70,12 @@ def activation_bytes(plan: ShardPlan, rank: int, elem: int, step_tokens: int, ma
 
 
 def estimate(plan: ShardPlan, weight_bytes: list[int], num_layers: int, elem: int, kv_cache_gb: float,
-             block_size: int, step_tokens: int, max_num_seqs: int) -> list[RankMemory]:
+             block_size: int, step_tokens: int, max_num_seqs: int, kv_cache_dtype: str = "auto") -> list[RankMemory]:
     """One :class:`RankMemory` per rank: ``weight_bytes[r]`` (from the plan's slices), the KV cache
-    of :func:`kv_cache_bytes`, and :data:`RUNTIME_BASE_BYTES` + :func:`activation_bytes`."""
-    return [RankMemory(r, weight_bytes[r], kv_cache_bytes(plan, r, num_layers, elem, kv_cache_gb, block_size),
-                       RUNTIME_BASE_BYTES + activation_bytes(plan, r, elem, step_tokens, max_num_seqs))
+    of :func:`kv_cache_bytes` (``kv_cache_dtype``: the engine's), and :data:`RUNTIME_BASE_BYTES` +
+    :func:`activation_bytes`."""
+    return [RankMemory(r, weight_bytes[r],
+                       kv_cache_bytes(plan, r, num_layers, elem, kv_cache_gb, block_size, kv_cache_dtype),
+                       RUNTIME_BASE_BYTES + activation_bytes(plan, r, elem, step_tokens, max_num_seqs),
+                       kv_token_bytes(plan, r, num_layers, elem, kv_cache_dtype))
             for r in range(plan.tp_size)]
