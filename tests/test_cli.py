@@ -192,10 +192,12 @@ def test_resume_after_kill(tiny, tmp_path):
 def test_summary_lists_peak_memory_of_every_rank_at_tp2(tiny, tmp_path):
     prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "hi", "max_tokens": 2, "temperature": 0}])
     p = cli(["--prompts", prompts, "--out", tmp_path / "out.jsonl", "--model", tiny, "--max-model-len", 64,
-             "--kv-cache-gb", 0.01], tp=2)
+             "--kv-cache-gb", 0.01, "--kv-cache-dtype", "int8"], tp=2)
     m = re.search(r"peak memory per rank\W+0: (\d+\.\d\d) GiB, 1: (\d+\.\d\d) GiB\W", p.stderr)
     assert m, p.stderr[-3000:]
     assert all(0.05 < float(x) < 64 for x in m.groups())  # each rank holds torch + a model: > 50 MiB
+    # an int8 cache: K and V of 2 layers, 1 KV head of 16 per rank, a byte each and a float32 scale per row
+    assert re.search(r"KV cache \(rank 0\)\W+int8, 80 B/token, \d+ blocks", p.stderr), p.stderr[-3000:]
 
 
 def test_peak_rss_functions():

@@ -133,6 +133,9 @@ def drive(engine, requests: Iterable[ParsedRequest], errors: list[RequestError],
                 engine.generate(feed(engine.tokenizer, engine.vocab_size), on_output=on_output,
                                 on_step=progress.on_step)
                 progress.peak_rss = gather_peak_rss()  # every rank calls it after generate
+                runner = engine.runner
+                progress.kv_cache = {"dtype": engine.config.kv_cache_dtype, "blocks": runner.num_blocks,
+                                     "bytes_per_token": runner.kv_bytes_per_token}
         finally:
             progress.close()
     return progress.print_summary()

@@ -62,6 +62,8 @@ class ProgressReporter:
         self.running = self.waiting = 0
         self.spec: dict[str, Any] | None = None  # with speculative decoding: the engine's spec_* counters
         self.peak_rss: list[int] | None = None  # bytes per rank, set at the end of the run
+        # rank 0's KV cache: {"dtype": the cache's kind ("auto" / "int8"), "bytes_per_token", "blocks"}
+        self.kv_cache: dict[str, Any] | None = None
         self.start = time.monotonic()
         self._last_print = self.start
         self._bar = None
@@ -163,7 +165,8 @@ class ProgressReporter:
         with n > 1, speculative tokens as emitted), prefix_cache_hit_rate (cached prompt tokens / prompt
         tokens of the finished requests), wall_s, output_tok_s (``output_tokens / wall_s``), ttft/tpot
         p50/p90 (s),
-        peak_rss_bytes (per rank, in rank order; None when not reported); with speculative decoding,
+        peak_rss_bytes (per rank, in rank order; None when not reported), ``kv_cache`` (rank 0's KV cache:
+        its ``dtype`` setting, ``bytes_per_token`` and ``blocks``; None when not reported); with speculative decoding,
         ``spec_decode``: proposals (sequence-steps), proposed and accepted tokens, acceptance rate
         (accepted / proposed) and mean acceptance length (tokens per sequence-step with a proposal)."""
         extra = {} if self.spec is None else {"spec_decode": dict(self.spec)}
@@ -182,6 +185,7 @@ class ProgressReporter:
             "tpot_p50_s": percentile(self.tpots, 50),
             "tpot_p90_s": percentile(self.tpots, 90),
             "peak_rss_bytes": self.peak_rss,
+            "kv_cache": self.kv_cache,
             **extra,
         }
 
@@ -211,6 +215,8 @@ class ProgressReporter:
             table.add_row("speculative decoding", "no proposal yet" if rate is None else
                           f"{spec['num_accepted_tokens']} of {spec['num_draft_tokens']} proposed tokens accepted "
                           f"({rate:.3f}), mean acceptance length {mean:.2f}")
+        if (kv := s["kv_cache"]) is not None:
+            table.add_row("KV cache (rank 0)", f"{kv['dtype']}, {kv['bytes_per_token']} B/token, {kv['blocks']} blocks")
         if s["peak_rss_bytes"]:
             table.add_row("peak memory per rank", format_peak_rss(s["peak_rss_bytes"]))
         Console(file=self.stream, width=80).print(table)
