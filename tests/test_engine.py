@@ -91,6 +91,10 @@ def jobs_for(models, smollm2_prompts, tp: int) -> list[dict]:
         bf16 = [[f"s{i}", p, {**GREEDY, "max_tokens": 32}] for i, p in enumerate(smollm2_prompts)]
         jobs.append({"key": "smollm2/bf16", "requests": bf16,
                      "config": cfg(SMOLLM2_DIR, max_model_len=512, kv_cache_gb=0.2, dtype="bfloat16")})
+        if tp == 2:  # every linear in the blocked layout (its kernels where the CPU has AVX512-BF16, else plain)
+            jobs.append({"key": "smollm2/bf16-blocked", "requests": bf16,
+                         "config": cfg(SMOLLM2_DIR, max_model_len=512, kv_cache_gb=0.2, dtype="bfloat16",
+                                       cpu_linear="blocked")})
     return jobs
 
 
@@ -175,16 +179,17 @@ def smollm2_hf_bf16(smollm2_prompts):
     return m, ref
 
 
-@pytest.mark.parametrize("tp", (1, 2))
-def test_smollm2_bfloat16_tracks_hf(smollm2_prompts, smollm2_hf_bf16, engine_results, tp):
+@pytest.mark.parametrize("tp,key", ((1, "smollm2/bf16"), (2, "smollm2/bf16"), (2, "smollm2/bf16-blocked")))
+def test_smollm2_bfloat16_tracks_hf(smollm2_prompts, smollm2_hf_bf16, engine_results, tp, key):
     """bfloat16 on CPU: rounding differs from HF's (fused GEMMs, float32 softmax, the all-reduce
-    at tp=2, the linear paths measured fastest on this machine), so greedy paths may part after a
+    at tp=2, the linear paths measured fastest on this machine, or every one in the blocked layout), so
+    greedy paths may part after a
     while, but every prompt's first 4 tokens equal HF bfloat16 eager greedy's -- or, where one
     differs, HF's logit of the engine's token is within 2 bfloat16 ulps of its best (a near-tie
     that another rounding flips: e.g. 25.75 against 25.875) -- and the bulk of the 16 x 32
     positions agree."""
     m, ref = smollm2_hf_bf16
-    got = by_id(engine_results[tp]["smollm2/bf16"])
+    got = by_id(engine_results[tp][key])
     same = 0
     for i, want in enumerate(ref):
         ids = got[f"s{i}"]["token_ids"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import QuietContention, make_tiny_model
 
-from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_library, measured
+from tpengine.backends.cpu import cpu_blocked, cpu_gemm, cpu_gemv, cpu_library, measured
 from tpengine.backends.cpu import linear_layout as L
 from tpengine.backends.cpu.linear_layout import prepack
 from tpengine.config import EngineConfig
@@ -45,10 +45,10 @@ def test_forced_settings_and_bad_setting():
         assert {k: (v.layout, v.how) for k, v in got.items()} == {k: (s, "forced") for k in shapes}
     with pytest.raises(ValueError) as e:
         L.choose_layouts(shapes, torch.float32, "mkl")
-    assert str(e.value) == "invalid cpu_linear='mkl': must be one of auto, plain, packed"
+    assert str(e.value) == "invalid cpu_linear='mkl': must be one of auto, plain, packed, blocked"
     with pytest.raises(ValueError) as e:
         EngineConfig(cpu_linear="onednn")
-    assert str(e.value) == "invalid cpu_linear='onednn': must be one of auto, plain, packed"
+    assert str(e.value) == "invalid cpu_linear='onednn': must be one of auto, plain, packed, blocked"
 
 
 @needs_onednn
@@ -58,9 +58,13 @@ def test_measure_times_every_path_at_every_bucket():
     packed = set() if prepack(torch.zeros(2, 2, dtype=torch.bfloat16)) is None else {"packed"}
     # the widened float32 GEMM from 2 rows; the bfloat16 GEMM (an AVX2 build's) from 17 rows: 64 only
     bf16_gemm = cpu_library.has(cpu_gemm.KERNELS[torch.bfloat16])
-    assert set(t) == {"plain", "widen"} | packed | ({"gemv"} if cpu_gemv_ok else set()) | (
+    # the blocked layout where the build has AVX512-BF16 (48 rows: three blocks of 16), timed at every bucket
+    blocked = {"blocked"} if cpu_library.has(*cpu_blocked.KERNELS) else set()
+    assert set(t) == {"plain", "widen"} | packed | blocked | ({"gemv"} if cpu_gemv_ok else set()) | (
         {"gemm"} if bf16_gemm else set())
-    assert all(len(t[k]) == 3 and min(t[k]) > 0 for k in {"plain"} | packed)
+    assert all(len(t[k]) == 3 and min(t[k]) > 0 for k in {"plain"} | packed | blocked)
+    if blocked:  # an expert shape: its one-row time is the grouped call's, per expert
+        assert len(L.measure((48, 32), 8, torch.bfloat16, group=4)["blocked"]) == 3
     assert t["widen"][0] is None and t["widen"][1] > 0 and t["widen"][2] > 0
     if cpu_gemv_ok:  # the GEMV takes up to 8 rows: timed at 1 and 8, not at 64
         assert t["gemv"][0] > 0 and t["gemv"][1] > 0 and t["gemv"][2] is None
@@ -82,7 +86,8 @@ def test_auto_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     shapes = {(48, 32): 3, (32, 64): 2}
     first = L.choose_layouts(shapes, torch.float32)
     # each shape twice (a consistency check against another process taking the cores)
-    assert sorted(calls) == [((32, 64), 2, torch.float32)] * 2 + [((48, 32), 3, torch.float32)] * 2
+    # (0: no experts)
+    assert sorted(calls) == [((32, 64), 2, torch.float32, 0)] * 2 + [((48, 32), 3, torch.float32, 0)] * 2
     assert {k: (v.layout, v.how) for k, v in first.items()} == {(48, 32): ("plain", "measured"),
                                                                 (32, 64): ("packed", "measured")}
     stored = json.loads(measured.cache_path().read_text())
@@ -93,7 +98,7 @@ def test_auto_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     assert {k: v.layout for k, v in second.items()} == {k: v.layout for k, v in first.items()}
     # another dtype is another machine setting: measured again, under its own key
     L.choose_layouts({(48, 32): 3}, torch.bfloat16)
-    assert calls == [((48, 32), 3, torch.bfloat16)] * 2 and "linear bfloat16 48x32x3" in json.loads(
+    assert calls == [((48, 32), 3, torch.bfloat16, 0)] * 2 and "linear bfloat16 48x32x3" in json.loads(
         measured.cache_path().read_text())
     # a damaged cache file is measured again, not trusted
     measured.cache_path().write_text("{not json")
@@ -183,6 +188,7 @@ def test_a_dtype_onednn_cannot_pack_gets_its_plain_paths_measured(tmp_path, monk
     per bucket (before, such a shape kept ``F.linear`` at every row count, unmeasured)."""
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(L, "prepack", lambda w: None)
+    monkeypatch.setattr(L.cpu_blocked, "available", lambda w: False)  # (nor AVX512-BF16 for the blocked layout)
     fake = {"plain": [20, 700, 5800], "gemv": [30, 290, None], "widen": [None, 780, 1780]}
     monkeypatch.setattr(L, "plain_timings", lambda *a, **k: {k: list(v) for k, v in fake.items()})
     got = L.choose_layouts({(3072, 576): 1}, torch.bfloat16)[(3072, 576)]

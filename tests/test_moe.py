@@ -296,3 +296,38 @@ def test_cuda_runs_moe_without_graphs(monkeypatch):
     dense = torch.nn.Sequential(torch.nn.Identity())
     assert CUDAPlatform().step_runner(moe, backend, config, 16, torch.float32, cpu) is None
     assert CUDAPlatform().step_runner(dense, backend, config, 16, torch.float32, cpu).model is dense
+
+
+def test_grouped_decode_kernel_equals_per_expert_calls():
+    """The CPU backend's one-token MoE step (:mod:`tpengine.backends.cpu.cpu_moe`: one call over the routed experts'
+    gate/up weights in the blocked layout, the activation, one call for the down projections and the weighted sum)
+    gives the bits of the per-expert path on the same blocked weights (each product, scale and sum rounded as
+    torch's), with the routing weights in float32 (Qwen3-MoE) and in bfloat16 (Mixtral), for a whole layer and an
+    EP rank's half (a token whose experts are all on the other rank: zeros); experts in another layout: unbound."""
+    from tpengine.backends.cpu import cpu_blocked, cpu_library, cpu_moe, layer_calls, linear_layout
+    from tpengine.model.layers.moe import MoEBlock
+
+    if not cpu_library.has(*cpu_blocked.KERNELS, "tpe_silu_mul"):
+        pytest.skip("no AVX512-BF16 kernels in this build")
+    torch.manual_seed(1)
+    dtype, hidden, inter, n, k = torch.bfloat16, 64, 32, 8, 3
+    for in_dtype, experts in ((False, (0, 8)), (True, (0, 8)), (False, (4, 8))):
+        b = MoEBlock(hidden, n, k, experts, inter, True, True, in_dtype, torch.nn.SiLU(), dtype).to_empty(device="cpu")
+        for p in b.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+        for e in b.local:
+            e.bound_act = layer_calls.bind_act(e, dtype)
+        assert cpu_moe.bind(b, dtype) is None  # (plain experts: the per-expert path)
+        for e in b.local:
+            for lin in (e.gate_up_proj, e.down_proj):
+                assert lin.pack(lambda w: linear_layout.prepack(w, "blocked"))
+                lin.bind(linear_layout.bind_linear(None, None, lin.packed))
+        for _ in range(6):
+            x = torch.randn(1, hidden, dtype=dtype)
+            b.bound_decode = None
+            want = b(x, reduce=False)
+            b.bound_decode = cpu_moe.bind(b, dtype)
+            got = b(x, reduce=False)
+            assert torch.equal(got, want), (in_dtype, experts, (got.float() - want.float()).abs().max())
+            routed = b.route(x)[1][0].tolist()
+            assert bool(got.abs().sum()) == any(experts[0] <= e < experts[1] for e in routed)

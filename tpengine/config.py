@@ -35,7 +35,7 @@ DTYPES = ("auto", *WEIGHT_DTYPES)
 BACKENDS = ("auto", "cpu", "torch", "triton")  # "torch": the old name of "cpu", still accepted
 #: The values of ``EngineConfig.cpu_linear``: "auto" measures and chooses the CPU weight layout per
 #: weight shape, the others force one (:mod:`tpengine.backends.cpu.linear_layout`).
-CPU_LINEAR_CHOICES = ("auto", "plain", "packed")
+CPU_LINEAR_CHOICES = ("auto", "plain", "packed", "blocked")
 #: The values of ``EngineConfig.reasoning_parser`` besides None (:mod:`tpengine.frontend.reasoning`).
 REASONING_PARSER_NAMES = ("qwen3", "deepseek_r1")
 #: The values of ``EngineConfig.quantization`` besides None (see :mod:`tpengine.model.quant.weights`).

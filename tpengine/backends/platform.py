@@ -71,15 +71,19 @@ class Platform:
         ``EngineConfig.cpu_kernels``, for a platform with kernels of its own)."""
         return TorchOps()
 
-    def prepack(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """``weight [out, in]`` in the platform's faster layout, or None (it keeps the plain one)."""
+    def prepack(self, weight: torch.Tensor, layout: str = "packed") -> torch.Tensor | None:
+        """``weight [out, in]`` in the platform's ``layout`` (a :meth:`choose_layouts` choice other than
+        "plain"), or None (it keeps the plain one)."""
         return None
 
     def choose_layouts(self, shapes: dict[tuple[int, int], int], dtype: torch.dtype, setting: str,
-                       cpu_kernels: bool) -> dict[tuple[int, int], Any]:
+                       cpu_kernels: bool, groups: dict[tuple[int, int], int] | None = None
+                       ) -> dict[tuple[int, int], Any]:
         """Before loading: the layout of each linear weight shape ``(out, in)`` (``shapes``: how many
-        layers have it), shape -> a choice with ``layout`` ("plain" or "packed") and ``kernels``;
-        ``setting``: ``EngineConfig.cpu_linear``. {}: every weight stays plain."""
+        layers have it), shape -> a choice with ``layout`` ("plain", "packed" or another the platform's
+        :meth:`prepack` makes) and ``kernels``;
+        ``setting``: ``EngineConfig.cpu_linear``; ``groups``: the mixture-of-experts expert shapes, each
+        with the experts a token runs on this rank. {}: every weight stays plain."""
         return {}
 
     def bind_model(self, module: torch.nn.Module, layouts: dict, *, tie: bool, dtype: torch.dtype,

@@ -27,6 +27,7 @@ from tpengine.errors import UserError
 from tpengine.model.families import expand_fused, fused_parts, renamed
 from tpengine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpengine.model.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from tpengine.model.layers.moe import MoEBlock
 from tpengine.model.plan import ShardPlan
 from tpengine.model.quant.apply import quantize_linear
 from tpengine.model.quant.checkpoint import (
@@ -328,6 +329,17 @@ def _weight_shapes(model: torch.nn.Module, tie: bool) -> dict[tuple[int, int], i
     return shapes
 
 
+def _expert_shapes(model: torch.nn.Module) -> dict[tuple[int, int], int]:
+    """The weight shapes of the mixture-of-experts blocks' experts (their ``gated_mlps`` but a shared
+    expert) -> how many of them one token runs on this rank (``top_k``, at most the experts it holds)."""
+    shapes: dict[tuple[int, int], int] = {}
+    for m in model.modules():
+        for expert in m.local if isinstance(m, MoEBlock) else ():
+            for lin in (expert.gate_up_proj, expert.down_proj):
+                shapes[tuple(lin.weight.shape)] = min(m.top_k, len(m.local))
+    return shapes
+
+
 @dataclass(frozen=True)
 class LoadedModel:
     """This rank's loaded model: ``module`` (the HF causal LM rebuilt by
@@ -395,11 +407,13 @@ def load_model(model: ModelSpec | str | Path, tp: TPInfo, dtype: torch.dtype = t
     keeps = (lambda name: stage_holds(plan, name, tp.pp_rank, layers, tie)) if plan.pp_size > 1 else None  # noqa: E731
     table, quant = _quantization(spec, module, tie, quantization, tp, platform.quantized_weights)
     pack = True if pack is None else pack
-    layouts = platform.choose_layouts(_weight_shapes(module, tie), dtype, cpu_linear, cpu_kernels) if pack else {}
-    packs = (lambda m: layouts[tuple(m.weight.shape)].layout == "packed") if layouts else False  # noqa: E731
+    layouts = platform.choose_layouts(_weight_shapes(module, tie), dtype, cpu_linear, cpu_kernels,
+                                      _expert_shapes(module)) if pack else {}
+    packs = (lambda m: layouts[tuple(m.weight.shape)].layout != "plain") if layouts else False  # noqa: E731
+    prepack = (lambda w: platform.prepack(w, layouts[tuple(w.shape)].layout)) if layouts else platform.prepack  # noqa: E731
     weight_bytes = load_weights(module, rank_files(spec.folder, spec.sharded, tp),
                                 None if spec.sharded else spec.shard_plan, tp.rank, tie, dtype, tp.device, packs,
-                                quant, all_reduce_max if tp.size > 1 else None, table, platform.prepack,
+                                quant, all_reduce_max if tp.size > 1 else None, table, prepack,
                                 None if spec.sharded else fused_parts(hf_config), hf_config, keeps)
     left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
     if left:

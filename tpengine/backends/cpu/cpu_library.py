@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / n for n in ("cpu_decode.c", "cpu_fused.c", "cpu_paged.c",
-                                                         "cpu_gemv.c", "cpu_gemm.c", "cpu_qgemv.c", "cpu_shm.c",
+                                                         "cpu_gemv.c", "cpu_gemm.c", "cpu_blocked.c", "cpu_qgemv.c",
+                                                         "cpu_shm.c",
                                                          "cpu_argmax.c", "cpu_paged_i8.c"))
 #: included by the sources: part of the cache key
 HEADERS = (Path(__file__).parent / "csrc" / "bf16.h", Path(__file__).parent / "csrc" / "gemv.h")
@@ -85,6 +86,10 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_paged_am
     **{f"tpe_{w}_argmax_{t}": [_P, _I64, _I64, _I64, _P, _I32] for w in ("row", "col") for t in ("f32", "bf16")},
     "tpe_gemv_bf16": [_P, _I64, _I64, _P, _I64, _P, _I32],
     "tpe_gemv_f32": [_P, _I64, _I64, _P, _I64, _P, _I32],
+    "tpe_blocked_pack_bf16": [_P, _I64, _I64, _P, _I32],
+    "tpe_blocked_gemm_bf16": [_P, _I64, _I64, _P, _I64, _P, _I32],
+    "tpe_blocked_group_bf16": [_P, _I64, _I64, _P, _I64, _I64, _P, _I32],
+    "tpe_blocked_moe_down_bf16": [_P, _I64, _P, _I64, _I64, _P, _P, _I32],
     "tpe_gemm_f32": [_P, _I64, _I64, _P, _I64, _P, _P, _I32],
     "tpe_gemm_bf16": [_P, _I64, _I64, _P, _I64, _P, _P, _I32],
     "tpe_qgemv_int8": [_P, _I64, _I64, _P, _P, _I64, _P, _I32, _I32],

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from tpengine.backends.cpu import cpu_library
+from tpengine.backends.cpu import cpu_library, cpu_moe
 
 #: the C functions bound here
 KERNELS = ("tpe_add_rms_norm", "tpe_add_rms_norm_f32", "tpe_add_rms_norm_w32", "tpe_silu_mul", "tpe_silu_mul_f32",
@@ -111,4 +111,7 @@ def bind_stack(stack, cpu_kernels: bool) -> int:
         for mlp in layer.mlp.gated_mlps() if hasattr(layer.mlp, "gated_mlps") else (layer.mlp,):
             mlp.bound_act = bind_act(mlp, act or norms[0].weight.dtype) if cpu_kernels else None
             count += mlp.bound_act is not None
+        if hasattr(layer.mlp, "bound_decode"):  # and its one-token step, grouped where the layout chose it
+            layer.mlp.bound_decode = cpu_moe.bind(layer.mlp, act or norms[0].weight.dtype) if cpu_kernels else None
+            count += layer.mlp.bound_decode is not None
     return count

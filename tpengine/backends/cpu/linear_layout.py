@@ -32,11 +32,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_widen, measured
+from tpengine.backends.cpu import cpu_blocked, cpu_gemm, cpu_gemv, cpu_moe, cpu_widen, measured
 from tpengine.backends.cpu.measured import time_us
 from tpengine.config import CPU_LINEAR_CHOICES
 
-LAYOUTS = ("plain", "packed")
+LAYOUTS = ("plain", "packed", "blocked")
 #: Rows per call the choice is measured at: one decoding sequence, a small batch, a full decode batch.
 ROW_BUCKETS = (1, 8, 64)
 #: The most weight bytes (per shape and layout) one measurement allocates; larger single weights
@@ -115,11 +115,13 @@ def pick(times_us: dict[str, list]) -> str:
     """The layout whose summed time relative to the faster layout, over the buckets, is smallest
     (:func:`tpengine.backends.cpu.measured.pick` of ``{"plain": [t1, t8, t64], "packed": [...], "gemv":
     [t1, t8, None], "gemm": [None, None, t64]}``, the plain layout timed on its fastest path per bucket,
-    :func:`plain_times`); a tie keeps ``packed``; "plain" where ``packed`` was not timed (oneDNN cannot
-    pack the dtype here)."""
-    if "packed" not in times_us:
+    :func:`plain_times`, and ``"blocked"`` where it was timed); a tie keeps ``packed``, then ``plain``;
+    "plain" where neither other layout was timed (oneDNN cannot pack the dtype here, no blocked kernels)."""
+    others = {k: times_us[k] for k in ("packed", "blocked") if k in times_us}
+    if not others:
         return "plain"
-    return measured.pick({"packed": times_us["packed"], "plain": plain_times(times_us)})
+    return measured.pick({**({"packed": others.pop("packed")} if "packed" in others else {}),
+                          "plain": plain_times(times_us), **others})
 
 
 def plain_timings(weights: list[torch.Tensor], dtype: torch.dtype, kernels: tuple[str, ...] = ("gemv", "gemm", "widen")
@@ -141,11 +143,32 @@ def plain_timings(weights: list[torch.Tensor], dtype: torch.dtype, kernels: tupl
     return times
 
 
-def measure(shape: tuple[int, int], count: int, dtype: torch.dtype) -> dict[str, list[float]] | None:
+def blocked_timing(weights: list[torch.Tensor], group: int) -> list[float]:
+    """The blocked layout's microseconds per call at each of :data:`ROW_BUCKETS`, on the plain ``weights``
+    packed (:func:`tpengine.backends.cpu.cpu_blocked.pack`; each plain one dropped from the list as its
+    blocked copy is made, so the two layouts of all of them never coexist: the list is left empty). With
+    ``group`` (a mixture-of-experts expert shape, the experts one token runs) its one-row time is that of
+    the grouped call a decode step makes (:func:`tpengine.backends.cpu.cpu_moe.group_gemv` over ``group``
+    weights at a time), per expert."""
+    inp = weights[0].shape[1]
+    blocked = []
+    while weights:
+        blocked.append(cpu_blocked.pack(weights.pop(0)))
+    times = [time_us([lambda b=b, x=torch.full((rows, inp), 0.5, dtype=torch.bfloat16): cpu_blocked.linear(x, b)
+                      for b in blocked]) for rows in ROW_BUCKETS]
+    if group > 1:
+        x = torch.full((1, inp), 0.5, dtype=torch.bfloat16)
+        sets = [[blocked[(i + j) % len(blocked)] for j in range(group)] for i in range(0, len(blocked), group)]
+        times[0] = time_us([lambda s=s: cpu_moe.group_gemv(x, s) for s in sets]) / group
+    return times
+
+
+def measure(shape: tuple[int, int], count: int, dtype: torch.dtype, group: int = 0) -> dict[str, list[float]] | None:
     """Microseconds per call of each layout for a weight ``shape = (out, in)`` in ``dtype`` at each
     of :data:`ROW_BUCKETS` rows, rotating over ``min(count, MEASURE_BYTES // bytes)`` distinct
-    synthetic weights; the plain layout's paths only where oneDNN cannot pack ``dtype`` here. None
-    where one weight exceeds :data:`MEASURE_BYTES`."""
+    synthetic weights (the plain layout's paths; oneDNN's packed one where it packs ``dtype`` here;
+    the blocked layout where its kernels take the weight (:func:`blocked_timing`, ``group``: an expert
+    shape's experts per token)). None where one weight exceeds :data:`MEASURE_BYTES`."""
     out, inp = shape
     nbytes = out * inp * torch.empty(0, dtype=dtype).element_size()
     if nbytes > MEASURE_BYTES:
@@ -153,6 +176,9 @@ def measure(shape: tuple[int, int], count: int, dtype: torch.dtype) -> dict[str,
     n = max(1, min(count, MEASURE_BYTES // nbytes))
     plain = [torch.full((out, inp), 0.01 * (i + 1), dtype=dtype) for i in range(n)]
     times = plain_timings(plain, dtype)
+    if cpu_blocked.available(plain[0]):
+        times["blocked"] = blocked_timing(plain, group)
+        plain = [torch.full((out, inp), 0.01 * (i + 1), dtype=dtype) for i in range(n)]
     if prepack(plain[0]) is None:
         return times
     times["packed"] = []
@@ -201,11 +227,14 @@ def choose_head(weight: torch.Tensor, setting: str = "auto", cpu_kernels: bool =
 
 
 def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setting: str = "auto",
-                   cpu_kernels: bool = True) -> dict[tuple[int, int], LayoutChoice]:
+                   cpu_kernels: bool = True, groups: dict[tuple[int, int], int] | None = None
+                   ) -> dict[tuple[int, int], LayoutChoice]:
     """The layout of each weight shape ``(out, in)`` (``shapes`` maps it to how many layers of this
     rank have it) for CPU weights in ``dtype``: ``setting`` "plain" or "packed" forces it; "auto"
     measures (:func:`measure`) or reads the cached timings (:func:`_timed`). ``cpu_kernels`` False
-    (``EngineConfig.cpu_kernels`` off) leaves the GEMV and GEMM kernels out of the choice.
+    (``EngineConfig.cpu_kernels`` off) leaves the GEMV, GEMM and grouped kernels out of the choice.
+    ``groups``: the mixture-of-experts expert shapes, each with how many experts one token runs on
+    this rank (their blocked layout's one-row time is the grouped call's, :func:`blocked_timing`).
 
     Raises:
         ValueError: ``setting`` not in :data:`CPU_LINEAR_CHOICES`.
@@ -216,15 +245,19 @@ def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setti
         return {s: LayoutChoice(setting, "forced", {}) for s in shapes}
     chosen = {}
     packable = prepack(torch.zeros(1, 1, dtype=dtype)) is not None
+    blocks = cpu_kernels and cpu_blocked.available(torch.zeros(16, 2, dtype=dtype))
+    groups = groups or {}
     for shape, count in sorted(shapes.items()):
-        key = f"linear {str(dtype).removeprefix('torch.')} {shape[0]}x{shape[1]}x{min(count, 1 << 20)}"
-        needs = LAYOUTS if packable else ("plain",)
-        times, how = _timed(key, needs, lambda: measure(shape, count, dtype))
+        group = groups.get(shape, 0)
+        key = f"linear {str(dtype).removeprefix('torch.')} {shape[0]}x{shape[1]}x{min(count, 1 << 20)}" + (
+            f" group {group}" if group else "")
+        needs = ("plain",) + (("packed",) if packable else ()) + (("blocked",) if blocks else ())
+        times, how = _timed(key, needs, lambda: measure(shape, count, dtype, group))
         if times is None:  # too big to measure, or a busy machine: packed where oneDNN packs this dtype
             chosen[shape] = LayoutChoice("packed" if packable else "plain", how, {})
         else:
             if not cpu_kernels:
-                times = {k: v for k, v in times.items() if k not in ("gemv", "gemm")}
+                times = {k: v for k, v in times.items() if k not in ("gemv", "gemm", "blocked")}
             layout = pick(times)
             chosen[shape] = LayoutChoice(layout, how, times, plain_kernels(times) if layout == "plain" else ())
     return chosen
@@ -237,9 +270,12 @@ def summary(chosen: dict[tuple[int, int], LayoutChoice], dtype: torch.dtype) -> 
             f"{'/'.join(hows)}): " + "; ".join(c.describe(s) for s, c in sorted(chosen.items())))
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight [out, in]`` reordered for oneDNN's CPU matmul, or None where that is not available
-    (not a CPU float32/bfloat16 tensor, no oneDNN, no bfloat16 support in this CPU)."""
+def prepack(weight: torch.Tensor, layout: str = "packed") -> torch.Tensor | None:
+    """``weight [out, in]`` reordered for oneDNN's CPU matmul (``layout`` "packed") or in tpengine's blocked
+    layout ("blocked", :func:`tpengine.backends.cpu.cpu_blocked.pack`), or None where that is not available
+    (not a CPU float32/bfloat16 tensor, no oneDNN, no bfloat16 support in this CPU, no blocked kernels)."""
+    if layout == "blocked":
+        return cpu_blocked.pack(weight) if cpu_blocked.available(weight) else None
     mkldnn = torch.ops.mkldnn
     if (weight.device.type != "cpu" or not torch.backends.mkldnn.is_available()
             or not hasattr(mkldnn, "_reorder_linear_weight") or not hasattr(mkldnn, "_linear_pointwise")):
@@ -257,7 +293,8 @@ def bind_linear(weight: torch.Tensor | None, bias: torch.Tensor | None, packed: 
     ``run(x [rows, in] contiguous, the weight's dtype) -> x @ weight.T + bias [rows, out]``.
 
     In order: a quantized weight (``quant``, :class:`~tpengine.model.quant.weights.QuantizedWeight`) runs
-    its kernel (``quant.bind()``); a ``packed`` weight (:func:`prepack`) runs oneDNN's matmul; a
+    its kernel (``quant.bind()``); a ``packed`` weight runs its layout's kernel (the blocked layout's,
+    :func:`tpengine.backends.cpu.cpu_blocked.bind`, or oneDNN's matmul, :func:`prepack`); a
     plain weight whose ``kernels`` were measured (:func:`plain_kernels`) runs, per row count, the path
     measured fastest at that row bucket (:func:`kernel_at`: tpengine's GEMV kernel,
     :mod:`tpengine.backends.cpu.cpu_gemv`, its GEMM, :mod:`tpengine.backends.cpu.cpu_gemm`, the widened
@@ -268,6 +305,9 @@ def bind_linear(weight: torch.Tensor | None, bias: torch.Tensor | None, packed: 
     if quant is not None:
         q = quant.bind()
         return q if bias is None else (lambda x: q(x) + bias)
+    if cpu_blocked.is_blocked(packed):
+        b = cpu_blocked.bind(packed)
+        return b if bias is None else (lambda x: b(x) + bias)
     if packed is not None:
         op = torch.ops.mkldnn._linear_pointwise
         return lambda x: op(x, packed, bias, "none", [], "")

@@ -56,13 +56,13 @@ class CPUPlatform(Platform):
         """:class:`~tpengine.backends.cpu.cpu_fused.FusedOps`: the C kernels where they take the tensors."""
         return FusedOps(cpu_kernels)
 
-    def prepack(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """oneDNN's layout, :func:`tpengine.backends.cpu.linear_layout.prepack`."""
-        return linear_layout.prepack(weight)
+    def prepack(self, weight: torch.Tensor, layout: str = "packed") -> torch.Tensor | None:
+        """oneDNN's layout or tpengine's blocked one, :func:`tpengine.backends.cpu.linear_layout.prepack`."""
+        return linear_layout.prepack(weight, layout)
 
-    def choose_layouts(self, shapes, dtype, setting, cpu_kernels):
+    def choose_layouts(self, shapes, dtype, setting, cpu_kernels, groups=None):
         """:func:`tpengine.backends.cpu.linear_layout.choose_layouts` (measured, cached or forced)."""
-        return linear_layout.choose_layouts(shapes, dtype, setting, cpu_kernels)
+        return linear_layout.choose_layouts(shapes, dtype, setting, cpu_kernels, groups)
 
     def bind_model(self, module: torch.nn.Module, layouts: dict, *, tie: bool, dtype: torch.dtype,
                    cpu_kernels: bool, cpu_linear: str, rank: int, pack: bool = True) -> CPUProfile:

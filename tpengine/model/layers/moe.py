@@ -97,6 +97,10 @@ class MoEBlock(nn.Module):
 
     #: its grouping reads the per-expert counts on the host: a CUDA graph cannot capture the block
     graph_safe = False
+    #: ``run(x [1, hidden], weights, experts) -> [1, hidden]``: the routed sum of one token bound by the backend
+    #: (:func:`tpengine.backends.cpu.cpu_moe.bind`: the experts' GEMVs grouped into one call), or None:
+    #: :func:`grouped_experts`
+    bound_decode = None
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, experts: tuple[int, int], intermediate: int,
                  whole: bool, renormalize: bool, weights_in_dtype: bool, act_fn: nn.Module, dtype: torch.dtype,
@@ -132,7 +136,10 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``reduce`` False: this rank's partial sum, not all-reduced (the next norm reduces it)."""
         weights, experts = self.route(x)
-        out = grouped_experts(x, weights, experts, self.local, self.first, self.num_experts)
+        if self.bound_decode is not None and x.shape[0] == 1:
+            out = self.bound_decode(x.contiguous(), weights, experts)
+        else:
+            out = grouped_experts(x, weights, experts, self.local, self.first, self.num_experts)
         if self.shared_expert is not None:  # (HF: routed + sigmoid(gate(x)) * shared(x))
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, False)
         return all_reduce(out) if reduce else out

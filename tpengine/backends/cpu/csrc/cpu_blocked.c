@@ -1,0 +1,144 @@
+/* The "blocked" bfloat16 weight layout and its kernels (tpengine.backends.cpu.cpu_blocked).
+ *
+ * A linear weight w [n, k] (n % 16 == 0, k even) is stored as [n / 16][k / 2][16][2]: for each block of 16
+ * output rows, the k inputs in pairs, each pair of all 16 rows side by side -- the operand order of
+ * AVX512-BF16's vdpbf16ps, which multiplies 16 rows' pairs by one broadcast pair of x and adds into 16
+ * float32 lanes, one lane per output row. A decode step's GEMV then reads the weight as one sequential
+ * stream with no horizontal sums (the plain layout's GEMV, cpu_gemv.c, reduces 16 lanes per output row),
+ * which is what the oneDNN's packed layout does too; the layout is ours so that the kernels below can
+ * also run a mixture-of-experts block's routed experts in one call (grouped) and fold their weighted sum
+ * into it. Each output is a float32 sum of products of bfloat16 pairs, rounded once to bfloat16 (to
+ * nearest even) -- F.linear's arithmetic up to the order of the float32 sum.
+ *
+ * Kernels: R rows of x against J blocks at once (R x J accumulators; the J blocks' next cache lines are
+ * prefetched a kilobyte ahead); a call splits its blocks evenly between the threads; rows past 8 run in
+ * passes of 8 over a panel of 2 blocks (the panel stays in the cache between passes). AVX-512 with
+ * AVX512-BF16 only: elsewhere the functions are left out of the build (cpu_library.has is False) and
+ * the layout is never chosen. */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+
+#ifdef TPE_AVX512
+
+#define TPE_BLK_PF 512 /* prefetch distance in elements (1 KiB) */
+
+/* y[r, 16 (b + j) + i] for r < R, j < J: x rows at x + r * k, blocks b.. of w, y rows n apart. */
+#define TPE_BLK_KERNEL(NAME, R, J)                                                                            \
+    static void NAME(const uint16_t *x, int64_t k, const uint16_t *w, int64_t b, uint16_t *y, int64_t n) {    \
+        const int64_t half = k / 2;                                                                          \
+        const uint32_t *xp = (const uint32_t *)x;                                                            \
+        const uint16_t *wb = w + b * 16 * k;                                                                 \
+        __m512 acc[R][J];                                                                                    \
+        for (int r = 0; r < R; r++)                                                                          \
+            for (int j = 0; j < J; j++) acc[r][j] = _mm512_setzero_ps();                                     \
+        for (int64_t p = 0; p < half; p++) {                                                                 \
+            __m512bh wv[J];                                                                                  \
+            for (int j = 0; j < J; j++) {                                                                    \
+                _mm_prefetch((const char *)(wb + j * 16 * k + p * 32 + TPE_BLK_PF), _MM_HINT_T0);            \
+                wv[j] = (__m512bh)_mm512_loadu_si512(wb + j * 16 * k + p * 32);                              \
+            }                                                                                                \
+            for (int r = 0; r < R; r++) {                                                                    \
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[r * half + p]);                      \
+                for (int j = 0; j < J; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xv);              \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < R; r++)                                                                          \
+            for (int j = 0; j < J; j++) st(y + r * n + (b + j) * 16, acc[r][j]);                             \
+    }
+
+TPE_BLK_KERNEL(blk_1x4, 1, 4)
+TPE_BLK_KERNEL(blk_1x2, 1, 2)
+TPE_BLK_KERNEL(blk_1x1, 1, 1)
+TPE_BLK_KERNEL(blk_2x2, 2, 2)
+TPE_BLK_KERNEL(blk_2x1, 2, 1)
+TPE_BLK_KERNEL(blk_4x2, 4, 2)
+TPE_BLK_KERNEL(blk_4x1, 4, 1)
+TPE_BLK_KERNEL(blk_8x2, 8, 2)
+TPE_BLK_KERNEL(blk_8x1, 8, 1)
+
+/* Every row of x against one panel of 2 blocks (pair) or 1 block at b. */
+static void blk_panel(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t b, int pair,
+                      uint16_t *y, int64_t n) {
+    int64_t r = 0;
+    for (; r + 8 <= rows; r += 8) (pair ? blk_8x2 : blk_8x1)(x + r * k, k, w, b, y + r * n, n);
+    for (; r + 4 <= rows; r += 4) (pair ? blk_4x2 : blk_4x1)(x + r * k, k, w, b, y + r * n, n);
+    for (; r + 2 <= rows; r += 2) (pair ? blk_2x2 : blk_2x1)(x + r * k, k, w, b, y + r * n, n);
+    for (; r < rows; r++) (pair ? blk_1x2 : blk_1x1)(x + r * k, k, w, b, y + r * n, n);
+}
+
+/* Blocks b0..b1 of w for `rows` rows of x. */
+static void blk_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t b0, int64_t b1,
+                      uint16_t *y, int64_t n) {
+    int64_t b = b0;
+    if (rows == 1)
+        for (; b + 4 <= b1; b += 4) blk_1x4(x, k, w, b, y, n);
+    for (; b + 2 <= b1; b += 2) blk_panel(x, rows, k, w, b, 1, y, n);
+    for (; b < b1; b++) blk_panel(x, rows, k, w, b, 0, y, n);
+}
+
+/* Blocks per thread: an even split, in whole groups of 4 (one row) or 2. */
+static inline int64_t blk_chunk(int64_t blocks, int nthreads, int64_t rows) {
+    const int64_t align = rows == 1 ? 4 : 2;
+    return ((blocks + nthreads - 1) / nthreads + align - 1) / align * align;
+}
+
+/* w [n, k] row-major -> out [n / 16][k / 2][16][2]; n % 16 == 0, k % 2 == 0. */
+void tpe_blocked_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)
+    for (int64_t b = 0; b < n / 16; b++)
+        for (int64_t p = 0; p < k / 2; p++)
+            for (int i = 0; i < 16; i++) {
+                out[((b * (k / 2) + p) * 16 + i) * 2] = w[(b * 16 + i) * k + 2 * p];
+                out[((b * (k / 2) + p) * 16 + i) * 2 + 1] = w[(b * 16 + i) * k + 2 * p + 1];
+            }
+}
+
+/* y [rows, n] = x [rows, k] @ w^T, w blocked. */
+void tpe_blocked_gemm_bf16(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t n, uint16_t *y,
+                           int nthreads) {
+    const int64_t blocks = n / 16, chunk = blk_chunk(blocks, nthreads, rows);
+#pragma omp parallel for schedule(static, 1) num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)
+    for (int64_t b0 = 0; b0 < blocks; b0 += chunk) blk_range(x, rows, k, w, b0, b0 + chunk < blocks ? b0 + chunk : blocks, y, n);
+}
+
+/* A mixture-of-experts decode step's gate/up projections: g blocked weights w_i [n, k] (`w`: their
+ * addresses), one row x_i = x + i * xs each (xs 0: the one x of all), y [g, n]; the g * n / 16 blocks are
+ * split evenly between the threads across the experts' boundaries. */
+void tpe_blocked_group_bf16(const uint16_t *x, int64_t xs, int64_t k, const int64_t *w, int64_t g, int64_t n,
+                            uint16_t *y, int nthreads) {
+    const int64_t nb = n / 16, total = g * nb, chunk = blk_chunk(total, nthreads, 1);
+#pragma omp parallel for schedule(static, 1) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t lo = 0; lo < total; lo += chunk) {
+        const int64_t hi = lo + chunk < total ? lo + chunk : total;
+        for (int64_t i = lo / nb; i < g && i * nb < hi; i++) {
+            const int64_t b0 = lo > i * nb ? lo - i * nb : 0, b1 = hi < (i + 1) * nb ? hi - i * nb : nb;
+            blk_range(x + i * xs, 1, k, (const uint16_t *)(intptr_t)w[i], b0, b1, y + i * n, n);
+        }
+    }
+}
+
+/* Its down projections and weighted sum: out [n] = sum over i in order of s[i] * (h_i @ w_i^T), h_i = h + i * k,
+ * each expert's product rounded to bfloat16, scaled in float32 and rounded, then added and rounded, as
+ * torch's `out += (y_i * s_i).to(bfloat16)` from zeros (HF's Mixtral / Qwen3-MoE combine). The output blocks
+ * are split between the threads; each runs every expert over its share. */
+void tpe_blocked_moe_down_bf16(const uint16_t *h, int64_t k, const int64_t *w, int64_t g, int64_t n,
+                               const float *s, uint16_t *out, int nthreads) {
+    const int64_t nb = n / 16, chunk = blk_chunk(nb, nthreads, 1);
+#pragma omp parallel for schedule(static, 1) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
+        const int64_t b1 = b0 + chunk < nb ? b0 + chunk : nb;
+        uint16_t *y = (uint16_t *)malloc((size_t)n * sizeof(uint16_t));
+        for (int64_t o = b0 * 16; o < b1 * 16; o++) out[o] = 0;
+        for (int64_t i = 0; i < g; i++) {
+            blk_range(h + i * k, 1, k, (const uint16_t *)(intptr_t)w[i], b0, b1, y, n);
+            const __m512 si = _mm512_set1_ps(s[i]);
+            for (int64_t o = b0 * 16; o < b1 * 16; o += 16)
+                st(out + o, _mm512_add_ps(ld(out + o), rb(_mm512_mul_ps(ld(y + o), si))));
+        }
+        free(y);
+    }
+}
+
+#endif /* no AVX512-BF16: left out of the build (cpu_library.has) */
