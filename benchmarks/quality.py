@@ -8,7 +8,10 @@
 Weight configs, each one engine (:class:`tpengine.engine.llm_engine.LLMEngine`, tp=1, bfloat16
 activations, every request of the config submitted at once): ``bf16`` (the float model folder
 loaded as bfloat16), ``int8`` and ``int4`` (the same folder with ``quantization`` int8 / int4,
-quantized at load) and, with ``--gguf-dir``, ``gguf`` (that folder's own quantized weights, no
+quantized at load), ``kv-int8`` (the bf16 weights over an int8 KV cache, ``kv_cache_dtype`` int8,
+its prompts prefilled in chunks of :data:`KV_CHUNK` tokens so that nearly every key a scored token
+attends to is read back from the quantized cache, not taken fresh from its own step) and, with
+``--gguf-dir``, ``gguf`` (that folder's own quantized weights, no
 flag; skipped with a printed line when the folder is absent or does not load).
 
 For each config (definitions in :mod:`benchmarks.quality_metrics`, imported as ``qm``):
@@ -16,7 +19,7 @@ For each config (definitions in :mod:`benchmarks.quality_metrics`, imported as `
 * the perplexity of the 164 canonical solutions given their prompts, scored with the engine's own
   prompt logprobs (``prompt_logprobs=0``, ``max_tokens=1``) over ``prompt + solution`` tokenized by
   the model's tokenizer, the solution tokens only; and its relative change vs bf16, passing when
-  within :data:`benchmarks.quality_metrics.PPL_THRESHOLDS` (int8 0.5 %, int4 3 %, gguf 5 %);
+  within :data:`benchmarks.quality_metrics.PPL_THRESHOLDS` (int8 0.5 %, int4 3 %, gguf 5 %, kv-int8 0.5 %);
 * greedy agreement with bf16 on the 164 prompts (``--max-tokens`` new tokens, stopping at EOS):
   prefix agreement and exact match.
 
@@ -42,7 +45,12 @@ from tpengine.config import DEFAULT_MODEL_DIR
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 #: The weight configs from the float folder: name -> EngineConfig.quantization.
-FLOAT_CONFIGS = {"bf16": None, "int8": "int8", "int4": "int4"}
+FLOAT_CONFIGS = {"bf16": None, "int8": "int8", "int4": "int4", "kv-int8": None}
+#: The configs over another KV cache: name -> EngineConfig.kv_cache_dtype (the others: "auto").
+KV_CACHE_DTYPES = {"kv-int8": "int8"}
+#: Tokens per step (max_num_batched_tokens) of a KV_CACHE_DTYPES config: its prompts are prefilled in chunks
+#: this long, each over the cached (quantized) chunks before it.
+KV_CHUNK = 16
 
 
 def scoring_requests(tokenizer, problems: list[dict]) -> list[tuple[list[int], int]]:
@@ -63,8 +71,10 @@ def scoring_requests(tokenizer, problems: list[dict]) -> list[tuple[list[int], i
 
 
 def run_config(model: str, quantization: str | None, tokenizer, scoring: list[tuple[list[int], int]],
-               prompts: list[list[int]], max_tokens: int, max_model_len: int, threads: int | None) -> dict:
-    """Build one engine (tp=1, bfloat16) for ``model`` with ``quantization``, run every scoring request
+               prompts: list[list[int]], max_tokens: int, max_model_len: int, threads: int | None,
+               kv_cache_dtype: str = "auto") -> dict:
+    """Build one engine (tp=1, bfloat16) for ``model`` with ``quantization`` and ``kv_cache_dtype`` (not
+    "auto": steps of :data:`KV_CHUNK` tokens), run every scoring request
     (prompt logprobs) and then every greedy prompt in it, shut it down. The scoring requests write
     their blocks to the prefix cache (they do not read it), so each greedy prompt's full blocks
     (its ids up to the last, which merges with the solution's first, are the scoring request's)
@@ -84,8 +94,9 @@ def run_config(model: str, quantization: str | None, tokenizer, scoring: list[tu
     from tpengine.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
+    chunks = {} if kv_cache_dtype == "auto" else {"max_num_batched_tokens": KV_CHUNK}
     cfg = EngineConfig(model=model, dtype="bfloat16", quantization=quantization, max_model_len=max_model_len,
-                       threads=threads)
+                       threads=threads, kv_cache_dtype=kv_cache_dtype, **chunks)
     engine = LLMEngine(cfg, tokenizer=tokenizer)
     try:
         t1 = time.perf_counter()
@@ -195,11 +206,12 @@ def main(
             console.print(f"gguf: skipped: {gguf_dir} is not a model folder (no config.json)")
     runs = {}
     for name, (folder, quant) in runs_of.items():
-        console.print(f"{name}: {folder}{f' --quantization {quant}' if quant else ''}, {len(problems)} scoring + "
+        kv = f" --kv-cache-dtype {KV_CACHE_DTYPES[name]}" if name in KV_CACHE_DTYPES else ""
+        console.print(f"{name}: {folder}{f' --quantization {quant}' if quant else ''}{kv}, {len(problems)} scoring + "
                       f"{len(prompts)} greedy requests")
         try:
             runs[name] = run_config(folder, quant, tokenizer, scoring, prompts, max_tokens, max_model_len,
-                                    threads or None)
+                                    threads or None, KV_CACHE_DTYPES.get(name, "auto"))
         except Exception as e:  # noqa: BLE001 -- only the optional GGUF folder may fail and be skipped
             if name != "gguf":
                 raise

@@ -57,7 +57,7 @@ def test_greedy_agreement_counts_tokens_up_to_the_first_divergence():
 
 
 def test_ppl_verdict_thresholds():
-    assert qm.PPL_THRESHOLDS == {"int8": 0.005, "int4": 0.03, "gguf": 0.05}
+    assert qm.PPL_THRESHOLDS == {"int8": 0.005, "int4": 0.03, "gguf": 0.05, "kv-int8": 0.005}
     assert qm.relative_change(101.0, 100.0) == pytest.approx(0.01)
     assert qm.ppl_verdict("int8", 0.0049) is True and qm.ppl_verdict("int8", 0.0051) is False
     assert qm.ppl_verdict("int8", -0.0051) is False  # |change|: lower by more than 0.5 % is a change too
@@ -84,7 +84,7 @@ def test_quality_smoke(tmp_path):
     assert r.exit_code == 0, r.output + repr(r.exception)
     assert f"gguf: skipped: {broken} does not load (" in " ".join(r.output.split())  # rich wraps long lines
     res = json.loads(out.read_text())
-    assert list(res["results"]) == ["bf16", "int8", "int4"]
+    assert list(res["results"]) == ["bf16", "int8", "int4", "kv-int8"]
     problems = humaneval_problems()[:3]
     scoring = scoring_requests(AutoTokenizer.from_pretrained(model), problems)
     tokens = sum(len(ids) - first for ids, first in scoring)
@@ -96,6 +96,8 @@ def test_quality_smoke(tmp_path):
     assert bf16["prefix_agreement"] == 1.0 and bf16["exact_match"] == 1.0 and bf16["ppl_pass"] is None
     assert res["results"]["int8"]["threshold"] == 0.005 and res["results"]["int4"]["threshold"] == 0.03
     assert res["results"]["int4"]["weight_bytes"] < res["results"]["int8"]["weight_bytes"] < bf16["weight_bytes"]
+    assert res["results"]["kv-int8"]["threshold"] == 0.005 and res["results"]["kv-int8"]["weight_bytes"] == \
+        bf16["weight_bytes"]  # the bf16 weights over an int8 KV cache
     assert res["config"] == {"model": str(model), "gguf_dir": str(broken), "problems": 3, "max_tokens": 4,
                              "max_model_len": res["config"]["max_model_len"], "tp": 1, "threads": None,
                              "activations": "bfloat16"}
