@@ -4,6 +4,7 @@
     python -m benchmarks.bench_worker --system engine --model DIR --dtype float32 ...     (tp=1)
     torchrun --standalone --nproc_per_node=2 -m benchmarks.bench_worker --system engine ...  (tp=2)
     python -m benchmarks.bench_worker --system engine --dtype bfloat16 --quantization int4 ...
+    python -m benchmarks.bench_worker --system engine --dtype bfloat16 --kv-cache-dtype int8 ...
     torchrun ... -m benchmarks.bench_worker --system engine --enable-expert-parallel ...  (MoE: experts per rank)
 
 The model is loaded once and warmed up (rank 0 then says ``{"ready", "threads": [per rank],
@@ -61,7 +62,7 @@ class EngineSystem:
 
     ``max_num_batched_tokens`` 0 means ``max(8192, max_model_len)`` (every prompt in one step);
     ``enable_prefix_caching``, ``enable_chunked_prefill``, ``quantization`` (None, "int8",
-    "int4") and ``enable_expert_parallel`` are the EngineConfig fields. ``weight_bytes``: every
+    "int4"), ``enable_expert_parallel`` and ``kv_cache_dtype`` are the EngineConfig fields. ``weight_bytes``: every
     rank's model weight bytes (``ModelRunner.weight_bytes``), rank order.
 
     Raises:
@@ -71,7 +72,8 @@ class EngineSystem:
     def __init__(self, model: str, dtype: str, threads: int | None, max_num_seqs: int, max_model_len: int,
                  num_kv_blocks: int | None, max_num_batched_tokens: int = 0, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, quantization: str | None = None,
-                 speculative_config: str | None = None, enable_expert_parallel: bool = False):
+                 speculative_config: str | None = None, enable_expert_parallel: bool = False,
+                 kv_cache_dtype: str = "auto"):
         from tpengine.config import EngineConfig
 
         self.base = EngineConfig(model=model, dtype=dtype, threads=threads, max_num_seqs=max_num_seqs,
@@ -79,7 +81,8 @@ class EngineSystem:
                                  max_num_batched_tokens=max_num_batched_tokens or max(8192, max_model_len),
                                  enable_prefix_caching=enable_prefix_caching,
                                  enable_chunked_prefill=enable_chunked_prefill, quantization=quantization,
-                                 speculative_config=speculative_config, enable_expert_parallel=enable_expert_parallel)
+                                 speculative_config=speculative_config, enable_expert_parallel=enable_expert_parallel,
+                                 kv_cache_dtype=kv_cache_dtype)
         self._build(self.base)
 
     def _build(self, cfg) -> None:
@@ -266,6 +269,7 @@ def main(system: str = typer.Option(..., help="hf or engine"),
          quantization: str = typer.Option("", help="engine: weight-only int8 or int4 (empty: float weights)"),
          speculative_config: str = typer.Option("", help="engine: vLLM's speculative-config JSON (empty: off)"),
          enable_expert_parallel: bool = typer.Option(False, help="engine: a MoE model's experts whole per rank"),
+         kv_cache_dtype: str = typer.Option("auto", help="engine: the KV cache's storage, auto or int8"),
          ) -> None:
     t0 = time.perf_counter()
     warm = WARMUP_PROMPTS
@@ -275,7 +279,7 @@ def main(system: str = typer.Option(..., help="hf or engine"),
     else:
         sysm = EngineSystem(model, dtype, threads or None, max_num_seqs, max_model_len, num_kv_blocks or None,
                             max_num_batched_tokens, enable_prefix_caching, chunked_prefill, quantization or None,
-                            speculative_config or None, enable_expert_parallel)
+                            speculative_config or None, enable_expert_parallel, kv_cache_dtype)
         driver = sysm.tp.is_driver
 
         def sync(c):
