@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import launch
 import torch
 from conftest import SMOLLM2_DIR
 from typer.testing import CliRunner
+
+import benchmarks
 
 
 def test_synth_model_is_built_once_file_by_file(tmp_path):
@@ -49,8 +52,14 @@ def test_synth_model_is_built_once_file_by_file(tmp_path):
     assert not again["built"] and again["files"] == 4 and again["build_s"] == 0.0
 
 
-def test_bench_scale_smoke(tmp_path):
+def test_bench_scale_smoke(tmp_path, monkeypatch):
+    """The benchmark end to end (build, hf / tp1 / tp2 workers, table, JSON); its workers start through
+    the suite's fork server, as test_bench's do (what they run is unchanged; this checks the records,
+    not the figures: a forked worker's peak memory counts the pages it shares with the server)."""
     from benchmarks.bench_scale import app as scale_app
+
+    real = benchmarks.launcher
+    monkeypatch.setattr(benchmarks, "launcher", lambda tp, module: launch.forked(real(tp, module)))
 
     out = tmp_path / "scale.json"
     args = ["--shapes", "tiny", "--models-dir", str(tmp_path / "models"), "--tokenizer-dir", str(SMOLLM2_DIR),
