@@ -298,21 +298,27 @@ def test_cuda_runs_moe_without_graphs(monkeypatch):
     assert CUDAPlatform().step_runner(dense, backend, config, 16, torch.float32, cpu).model is dense
 
 
-def test_grouped_decode_kernel_equals_per_expert_calls():
-    """The CPU backend's one-token MoE step (:mod:`tpengine.backends.cpu.cpu_moe`: one call over the routed experts'
-    gate/up weights in the blocked layout, the activation, one call for the down projections and the weighted sum)
-    gives the bits of the per-expert path on the same blocked weights (each product, scale and sum rounded as
-    torch's), with the routing weights in float32 (Qwen3-MoE) and in bfloat16 (Mixtral), for a whole layer and an
-    EP rank's half (a token whose experts are all on the other rank: zeros); experts in another layout: unbound."""
+def test_one_call_decode_step_equals_the_generic_path():
+    """The CPU backend's one-token MoE step (:mod:`tpengine.backends.cpu.cpu_moe`: one C call routes the token and
+    runs its experts in the blocked layout: a grouped gate/up GEMV, the activation, the down projections and
+    the weighted sum) against the generic path on the same blocked weights: the same experts, outputs within one
+    bfloat16 step (a routing weight may differ in its last float32 bit), bit-equal where the weights are rounded
+    to bfloat16 (Mixtral's ``weights_in_dtype``), for SiLU and tanh GELU, a whole layer and an EP rank's half (a
+    token whose experts are all on the other rank: zeros); experts in another layout: unbound. The combine alone
+    (``tpe_blocked_moe_down_bf16``) is bit-equal to torch's ``out += (y * w).to(bfloat16)`` in expert order."""
+    import ctypes
+
     from tpengine.backends.cpu import cpu_blocked, cpu_library, cpu_moe, layer_calls, linear_layout
     from tpengine.model.layers.moe import MoEBlock
 
-    if not cpu_library.has(*cpu_blocked.KERNELS, "tpe_silu_mul"):
+    if not cpu_library.has(*cpu_blocked.KERNELS, "tpe_moe_decode_bf16", "tpe_silu_mul"):
         pytest.skip("no AVX512-BF16 kernels in this build")
     torch.manual_seed(1)
     dtype, hidden, inter, n, k = torch.bfloat16, 64, 32, 8, 3
-    for in_dtype, experts in ((False, (0, 8)), (True, (0, 8)), (False, (4, 8))):
-        b = MoEBlock(hidden, n, k, experts, inter, True, True, in_dtype, torch.nn.SiLU(), dtype).to_empty(device="cpu")
+    cases = [(False, (0, 8), torch.nn.SiLU()), (True, (0, 8), torch.nn.GELU(approximate="tanh")),
+             (True, (4, 8), torch.nn.SiLU()), (False, (4, 8), torch.nn.SiLU())]
+    for in_dtype, experts, act in cases:
+        b = MoEBlock(hidden, n, k, experts, inter, True, True, in_dtype, act, dtype).to_empty(device="cpu")
         for p in b.parameters():
             torch.nn.init.normal_(p, std=0.2)
         for e in b.local:
@@ -322,12 +328,29 @@ def test_grouped_decode_kernel_equals_per_expert_calls():
             for lin in (e.gate_up_proj, e.down_proj):
                 assert lin.pack(lambda w: linear_layout.prepack(w, "blocked"))
                 lin.bind(linear_layout.bind_linear(None, None, lin.packed))
-        for _ in range(6):
+        one = cpu_moe.bind(b, dtype)
+        for _ in range(8):
             x = torch.randn(1, hidden, dtype=dtype)
             b.bound_decode = None
-            want = b(x, reduce=False)
-            b.bound_decode = cpu_moe.bind(b, dtype)
+            want, (w, routed) = b(x, reduce=False), b.route(x)
+            b.bound_decode = one
             got = b(x, reduce=False)
-            assert torch.equal(got, want), (in_dtype, experts, (got.float() - want.float()).abs().max())
-            routed = b.route(x)[1][0].tolist()
-            assert bool(got.abs().sum()) == any(experts[0] <= e < experts[1] for e in routed)
+            here = sorted(e - experts[0] for e in routed[0].tolist() if experts[0] <= e < experts[1])
+            assert bool(got.abs().sum()) == bool(here)
+            if in_dtype:
+                assert torch.equal(got, want), (experts, (got.float() - want.float()).abs().max())
+            else:
+                assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+            if here:  # the combine on its own: bit-equal to torch's
+                ys = [b.local[i](x) for i in here]
+                ws = {e - experts[0]: v for e, v in zip(routed[0].tolist(), w[0].tolist())}
+                h = torch.cat([b.local[i].bound_act(b.local[i].gate_up_proj(x)) for i in here])
+                out = torch.empty_like(x)
+                cpu_library.load().tpe_blocked_moe_down_bf16(
+                    h.data_ptr(), inter, (ctypes.c_int64 * len(here))(
+                        *(b.local[i].down_proj.packed.data_ptr() for i in here)), len(here), hidden,
+                    (ctypes.c_float * len(here))(*(ws[i] for i in here)), out.data_ptr(), 2)
+                ref = torch.zeros_like(x)
+                for i, y in zip(here, ys):
+                    ref += (y * w.new_tensor([ws[i]])).to(dtype)
+                assert torch.equal(out, ref)

@@ -97,9 +97,8 @@ class MoEBlock(nn.Module):
 
     #: its grouping reads the per-expert counts on the host: a CUDA graph cannot capture the block
     graph_safe = False
-    #: ``run(x [1, hidden], weights, experts) -> [1, hidden]``: the routed sum of one token bound by the backend
-    #: (:func:`tpengine.backends.cpu.cpu_moe.bind`: the experts' GEMVs grouped into one call), or None:
-    #: :func:`grouped_experts`
+    #: ``run(x [1, hidden]) -> [1, hidden]``: one token's routing and routed sum bound by the backend
+    #: (:func:`tpengine.backends.cpu.cpu_moe.bind`: one C call), or None: :meth:`route` and :func:`grouped_experts`
     bound_decode = None
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, experts: tuple[int, int], intermediate: int,
@@ -135,10 +134,10 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``reduce`` False: this rank's partial sum, not all-reduced (the next norm reduces it)."""
-        weights, experts = self.route(x)
         if self.bound_decode is not None and x.shape[0] == 1:
-            out = self.bound_decode(x.contiguous(), weights, experts)
+            out = self.bound_decode(x.contiguous())
         else:
+            weights, experts = self.route(x)
             out = grouped_experts(x, weights, experts, self.local, self.first, self.num_experts)
         if self.shared_expert is not None:  # (HF: routed + sigmoid(gate(x)) * shared(x))
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, False)

@@ -15,6 +15,7 @@
  * passes of 8 over a panel of 2 blocks (the panel stays in the cache between passes). AVX-512 with
  * AVX512-BF16 only: elsewhere the functions are left out of the build (cpu_library.has is False) and
  * the layout is never chosen. */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -139,6 +140,67 @@ void tpe_blocked_moe_down_bf16(const uint16_t *h, int64_t k, const int64_t *w, i
         }
         free(y);
     }
+}
+
+/* The activations (cpu_fused.c) and the router's GEMV (cpu_gemv.c) of the same library. */
+void tpe_silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t tokens, int64_t inter, int nthreads);
+void tpe_gelu_tanh_mul(const uint16_t *gate_up, uint16_t *out, int64_t tokens, int64_t inter, int nthreads);
+void tpe_gemv_bf16(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t n, uint16_t *y,
+                   int nthreads);
+
+/* A mixture-of-experts block's whole one-token step on this rank, in one call: the router (logits = x @ router^T
+ * rounded to bfloat16 as F.linear's; softmax over all `ne` experts in float32; the `k` largest, the first index
+ * among equals; divided by their sum where `renorm`; rounded to bfloat16 where `in_dtype`: HF's Mixtral /
+ * Qwen3-MoE arithmetic, the exp and the sums in C's order, so a routing weight may differ from torch's in its
+ * last bit), then of the routed experts this rank holds (global indices first .. first + count - 1, blocked
+ * weights at gate_up[i] [2 inter, hidden] and down[i] [hidden, inter]) in ascending index: the grouped gate/up
+ * GEMV, the activation (act 0: SiLU, 1: tanh GELU; times up), and the down projections summed with their
+ * weights (tpe_blocked_moe_down_bf16). out [hidden] (zeros when none is here). Returns how many experts ran. */
+int64_t tpe_moe_decode_bf16(const uint16_t *x, int64_t hidden, const uint16_t *router, int64_t ne, int64_t k,
+                            int renorm, int in_dtype, int64_t first, int64_t count, const int64_t *gate_up,
+                            const int64_t *down, int64_t inter, int act, uint16_t *out, int nthreads) {
+    uint16_t logits16[256];
+    float p[256], mx = -INFINITY, sum = 0.f;
+    int64_t ids[64];
+    float ws[64];
+    if (ne > 256 || k > 64 || k > ne) return -1;
+    tpe_gemv_bf16(x, 1, hidden, router, ne, logits16, 1);
+    for (int64_t e = 0; e < ne; e++) mx = bf2f(logits16[e]) > mx ? bf2f(logits16[e]) : mx;
+    for (int64_t e = 0; e < ne; e++) sum += (p[e] = expf(bf2f(logits16[e]) - mx));
+    for (int64_t e = 0; e < ne; e++) p[e] /= sum;
+    float picked = 0.f;
+    for (int64_t j = 0; j < k; j++) { /* the j-th largest, the first index among equals */
+        int64_t best = -1;
+        for (int64_t e = 0; e < ne; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= ids[i] == e;
+            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+        }
+        ids[j] = best, ws[j] = p[best], picked += p[best];
+    }
+    int64_t g = 0;
+    int64_t sel[64];
+    float sw[64];
+    for (int64_t j = 0; j < k; j++) {
+        float w = renorm ? ws[j] / picked : ws[j];
+        if (in_dtype) w = bf2f(f2bf(w));
+        if (ids[j] < first || ids[j] >= first + count) continue;
+        int64_t at = g++; /* insertion by ascending expert index */
+        while (at > 0 && sel[at - 1] > ids[j] - first) sel[at] = sel[at - 1], sw[at] = sw[at - 1], at--;
+        sel[at] = ids[j] - first, sw[at] = w;
+    }
+    if (!g) {
+        for (int64_t o = 0; o < hidden; o++) out[o] = 0;
+        return 0;
+    }
+    int64_t gu[64], dw[64];
+    for (int64_t i = 0; i < g; i++) gu[i] = gate_up[sel[i]], dw[i] = down[sel[i]];
+    uint16_t *y = (uint16_t *)malloc((size_t)(g * 3 * inter) * sizeof(uint16_t)), *h = y + g * 2 * inter;
+    tpe_blocked_group_bf16(x, 0, hidden, gu, g, 2 * inter, y, nthreads);
+    (act ? tpe_gelu_tanh_mul : tpe_silu_mul)(y, h, g, inter, nthreads);
+    tpe_blocked_moe_down_bf16(h, inter, dw, g, hidden, sw, out, nthreads);
+    free(y);
+    return g;
 }
 
 #endif /* no AVX512-BF16: left out of the build (cpu_library.has) */
