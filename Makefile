@@ -15,7 +15,7 @@ GGUF_FILE = "$$($(PY) -c 'import importlib.util as u, pathlib; print(next(pathli
 BENCH_PREFIX_ARGS  ?= --num-prompts 16 --doc-len 512 --no-hf
 BENCH_CHUNKED_ARGS ?= --long-len 2048 --chunk 512,2048 --running-output-len 128
 
-.PHONY: setup model model-keepquant test lint demo bench bench-prefix bench-chunked bench-big-file bench-serve bench-structured bench-spec bench-dp bench-pp bench-peers bench-moe humaneval quality eval-harness bench-scale chaos soak shards clean
+.PHONY: setup model model-keepquant test lint demo bench bench-prefix bench-chunked bench-big-file bench-serve bench-structured bench-spec bench-kv bench-dp bench-pp bench-peers bench-moe humaneval quality eval-harness bench-scale chaos soak shards clean
 
 setup: .venv/.installed
 
@@ -88,6 +88,10 @@ bench-structured: setup model
 
 bench-spec: setup model
 	$(PY) -m benchmarks.bench_spec --out bench-spec.json
+
+# Batch-1 decode at a 4096-token context, int8 KV cache vs bfloat16: engine TPOT and the attention kernels alone (python -m benchmarks.bench_kv --help)
+bench-kv: setup model
+	$(PY) -m benchmarks.bench_kv --out bench-kv.json
 
 # Data parallel vs tensor parallel on the same cores: D=2 x T=1, D=1 x T=2, D=1 x T=1 (python -m benchmarks.bench_dp --help)
 bench-dp: setup model

@@ -208,3 +208,22 @@ def test_flag_reaches_the_config_and_fp8_names_are_refused_by_name(tmp_path, mon
         with pytest.raises(ValueError) as e:
             EngineConfig(kv_cache_dtype=value)
         assert str(e.value) == f"invalid kv_cache_dtype='{value}': must be one of auto, int8{why}"
+
+
+@needs_kernels
+def test_bench_kv_summarizes_paired_rounds_and_times_both_kernels():
+    """make bench-kv's pieces: int8's speed is bfloat16's best TPOT over int8's (and the median of the paired
+    rounds), the agreement counts tokens before the first difference, and the kernel part times both
+    caches (2 layers, 64 keys: a smoke run)."""
+    from benchmarks.bench_kv import agreement, kernel_times, summarize
+
+    runs = {"auto": {"tpot_s": [0.030, 0.020, 0.026], "ttft_s": [1.0, 1.2, 1.1], "token_ids": [[1, 2, 3]] * 3,
+                     "load_s": 2.0},
+            "int8": {"tpot_s": [0.020, 0.016, 0.020], "ttft_s": [1.0, 1.0, 1.0], "token_ids": [[1, 2, 4]] * 3,
+                     "load_s": 2.0}}
+    s = summarize(runs)
+    assert s["speedup_best"] == 1.25 and s["speedup_paired_median"] == 1.3 and s["goal"] == 1.3
+    assert s["auto"]["tpot_best_ms"] == 20.0 and s["int8"]["tpot_median_ms"] == 20.0
+    assert s["tokens_equal_before_first_difference"] == [2, 2, 2] and agreement([5], [5, 6]) == 1
+    k = kernel_times(2, [0, 0, 1], 64, 64, rounds=1)
+    assert set(k) == {"auto", "int8", "ratio"} and all(k[c]["best_ms"] > 0 for c in ("auto", "int8"))
