@@ -82,8 +82,21 @@ def quant_buffers(model) -> dict[str, torch.Tensor]:
 VOCAB = {"model.embed_tokens.weight", "lm_head.weight"}
 
 
-@pytest.fixture(scope="module")
+#: :func:`folders`' one build a session: test_quantized_split_tools imports the fixture, and each module's copy
+#: of it returns this (the tests read the folders and change copies only)
+_FOLDERS: dict = {}
+
+
+@pytest.fixture(scope="session")
 def folders(tmp_path_factory):
+    """The tiny Qwen3, its split --quantize folders at tp 1 and 2 and its full quantized folders, built
+    once a session for this module and test_quantized_split_tools."""
+    if not _FOLDERS:
+        _FOLDERS.update(_build_folders(tmp_path_factory))
+    return _FOLDERS
+
+
+def _build_folders(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("qsplit")
     qwen3 = make_tiny_model(root, "qwen3", seed=2, name="qwen3", head_dim=32, intermediate_size=128,
                             random_biases=True)
