@@ -5,7 +5,7 @@
     python -m benchmarks.bench_moe --rounds 1 --num-prompts 16
 
 The models are :mod:`benchmarks.moe_models`' (built under ``--models-dir`` on first use): a random-weight
-Qwen3-MoE with SmolLM2-135M's shape, 16 experts of which 4 are routed per token, and the dense Llama with
+Qwen3-MoE with SmolLM2-135M's shape, 16 experts of which 4 are routed per token, and the dense Qwen3 with
 its active parameters. Every system runs in bfloat16 as :mod:`benchmarks.bench` runs its own, through the
 same workers (:mod:`benchmarks.bench_worker`, one process or a torchrun group each, loaded once, warmed up,
 then alternated round by round; best round reported):
@@ -45,7 +45,7 @@ DTYPE = "bfloat16"
 SYSTEMS = {"hf": ("moe", 1, ()), "tp1": ("moe", 1, ()), "tp2": ("moe", 2, ()),
            "ep2": ("moe", 2, ("--enable-expert-parallel",)), "dense": ("dense", 1, ())}
 NAMES = {"hf": "HF generate (MoE)", "tp1": "tpengine tp=1", "tp2": "tpengine tp=2",
-         "ep2": "tpengine EP=2 (--enable-expert-parallel)", "dense": "tpengine tp=1, dense-active Llama"}
+         "ep2": "tpengine EP=2 (--enable-expert-parallel)", "dense": "tpengine tp=1, dense-active Qwen3"}
 #: the systems with latency runs only
 LATENCY_ONLY = frozenset({"dense"})
 #: issue 56's goals: (summary field, "min" or "max", bound)

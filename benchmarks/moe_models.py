@@ -7,8 +7,8 @@ No MoE checkpoint ships offline, and a released one (Qwen3-30B-A3B: 61 GB) does 
 (hidden 576, 30 layers, 9 query / 3 KV heads of 64, vocabulary 49152, tied embedding) whose every layer
 is sparse: :data:`NUM_EXPERTS` experts, :data:`TOP_K` routed per token (softmax, top-k, renormalized:
 ``norm_topk_prob``, as Qwen3-30B-A3B), each expert's MLP :data:`EXPERT_INTERMEDIATE` wide.
-:func:`build_dense_active` writes the dense Llama with the MoE's *active* parameters: the same
-embedding, attention and depth, and one MLP ``TOP_K * EXPERT_INTERMEDIATE`` wide (= SmolLM2's 1536),
+:func:`build_dense_active` writes the dense Qwen3 with the MoE's *active* parameters: the same
+embedding, attention (Qwen3's, with its query/key norms) and depth, and one MLP ``TOP_K * EXPERT_INTERMEDIATE`` wide (= SmolLM2's 1536),
 so a decode step of either reads the same weight bytes per layer when the MoE reads only its routed
 experts (the router's ``NUM_EXPERTS x hidden`` aside). Both: seeded random weights written by
 transformers in bfloat16 (HF's ``initializer_range`` init, norms at 1), SmolLM2's tokenizer files,
@@ -44,10 +44,11 @@ def moe_config():
 
 
 def dense_active_config():
-    """The ``transformers.LlamaConfig`` of the MoE's dense-active twin: MLP ``TOP_K * EXPERT_INTERMEDIATE``."""
-    from transformers import LlamaConfig
+    """The ``transformers.Qwen3Config`` of the MoE's dense-active twin (Qwen3-MoE's attention, its per-head
+    query/key norms included): MLP ``TOP_K * EXPERT_INTERMEDIATE``."""
+    from transformers import Qwen3Config
 
-    return LlamaConfig(**{**SIZE, "intermediate_size": TOP_K * EXPERT_INTERMEDIATE},
+    return Qwen3Config(**{**SIZE, "intermediate_size": TOP_K * EXPERT_INTERMEDIATE},
                        rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
 
 
@@ -93,7 +94,7 @@ def build_moe(out: Path, tokenizer_dir: Path = Path(DEFAULT_MODEL_DIR), seed: in
 
 
 def build_dense_active(out: Path, tokenizer_dir: Path = Path(DEFAULT_MODEL_DIR), seed: int = 0) -> Path:
-    """Write the MoE's dense-active Llama twin (:func:`dense_active_config`) to ``out``; return ``out``."""
+    """Write the MoE's dense-active Qwen3 twin (:func:`dense_active_config`) to ``out``; return ``out``."""
     return _save(dense_active_config(), out, Path(tokenizer_dir), seed)
 
 
