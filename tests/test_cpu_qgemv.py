@@ -190,6 +190,12 @@ def test_layout_check_and_argument_errors():
     assert cpu_qgemv.gemv_rows([10, 20, 30], [5, 25, 10]) == 1
     assert cpu_qgemv.gemv_rows([10, 20, 30], [11, 1, 1]) == 0
     assert cpu_qgemv.gemv_rows([10, 20, 30], [9, 19, 29]) == 8
+    # the int4 x int8 kernel: up to the buckets where it beat the float kernel, within gemv_rows
+    times = {"torch": [10, 20, 30], "tpengine": [5, 10, 15], "tpengine_q8": [4, 12, 1]}
+    assert (cpu_qgemv.q8_rows(times), cpu_qgemv.gemv_rows(times["torch"], cpu_qgemv._kernel_us(times))) == (1, 8)
+    times = {"torch": [10, 20, 30], "tpengine": [50, 50, 50], "tpengine_q8": [4, 12, 31]}
+    assert (cpu_qgemv.q8_rows(times), cpu_qgemv._decision(times)[0]) == (4, 4)
+    assert cpu_qgemv.q8_rows({"torch": [10, 20, 30], "tpengine": [5, 10, 15]}) == 0
 
 
 @needs_kernels
@@ -200,8 +206,12 @@ def test_choose_sets_every_weight_of_a_shape():
     for key, group in (("int4 g32 128->192", mods), ("int8 per channel 128->192", per_channel)):
         c = chosen[key]
         assert len(c["torch"]) == len(c["tpengine"]) == 3 and len(c["prefill_torch"]) == 2
-        assert c["gemv_rows"] == cpu_qgemv.gemv_rows(c["torch"], c["tpengine"]) and c["dequant_rows"] in (0, 64, 512)
-        assert {(m.gemv_rows, m.dequant_rows) for m in group} == {(c["gemv_rows"], c["dequant_rows"])}
+        assert c["gemv_rows"] == cpu_qgemv.gemv_rows(c["torch"], cpu_qgemv._kernel_us(c))
+        assert c["dequant_rows"] in (0, 64, 512)
+        assert c["q8_rows"] == cpu_qgemv.q8_rows(c) <= c["gemv_rows"]
+        assert ("tpengine_q8" in c) == (group is mods and cpu_library.has(*cpu_qgemv.INT4_Q8_KERNELS))  # bfloat16 int4
+        assert {(m.gemv_rows, m.dequant_rows, m.q8_rows) for m in group} == {(c["gemv_rows"], c["dequant_rows"],
+                                                                             c["q8_rows"])}
     line = cpu_qgemv.summary(chosen)
     assert line.startswith("int4 g32 128->192 ") and "; int8 per channel 128->192 " in line
     assert " at 1/4/8 rows)" in line and " at 64/512 rows)" in line
@@ -302,3 +312,88 @@ def test_coded_int4_every_path_is_the_stored_weight(dtype):
         want = x.double() @ ref.double().T
         tol = bound(x, q) * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -18)
         assert ((q(x).double() - want).abs() <= tol + 1e-30).all(), (rows, gemv, deq)
+
+
+def q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int4 x int8 kernel's activations, in float32 as the C code computes them: per row and block of
+    32 columns ``d = max |x| / 127`` and ``xq = round(x * (127 / max |x|))`` (ties to even); ``(d * xq,
+    d)``, both ``[rows, k]`` (d repeated over its block)."""
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    xq = torch.round(xb * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
+    d = (amax / 127).expand_as(xb)
+    return (xq * d).reshape(x.shape), d.reshape(x.shape)
+
+
+def int4_q8_of(q, x: torch.Tensor) -> torch.Tensor:
+    """The int4 x int8 kernel's product of ``x`` with the int4 weight ``q``."""
+    scales, codes = (q.scales, q.zero_codes) if hasattr(q, "zero_codes") else (q.scales_and_zeros, None)
+    return cpu_qgemv.int4(x.contiguous(), q.packed, scales, q.group_size, q.out_features, codes, act_int8=True)
+
+
+@pytest.mark.skipif(cpu_library.missing(*cpu_qgemv.INT4_Q8_KERNELS) is not None,
+                    reason=str(cpu_library.missing(*cpu_qgemv.INT4_Q8_KERNELS)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_int4_q8_is_the_product_of_the_int8_activations(dtype, monkeypatch):
+    """The int4 x int8 kernel (``act_int8``), int4 with float zeros and zero codes, groups of 32 and
+    128, every row count, a last block of fewer than 64 rows: (1) it is the product of the activations
+    as quantized to int8 per 32 (``q8_activations``) with the stored weight, to float32's rounding of
+    its folds; (2) its error against the float product is within the activations' rounding, per output
+    ``sum_i d_i / 2 * |w_i|`` (the stated bound), and in norm under 1 % on these normal activations;
+    (3) the forward and the bound call take it up to ``q8_rows``; (4) where the build reads torch's other
+    int4 layout, it gives the same results bit for bit on it; (5) under a column split (tp: each rank's
+    rows) it gives each rank's outputs bit for bit, and under a row split on a group boundary the ranks'
+    partial products sum to it (the same blocks of 32: the same int8 activations)."""
+    here = cpu_qgemv.torch_int4_block()
+    other = {64: 32, 32: 64}[here]
+    for (name, group), shape in [(("int4z", 32), (472, 256)), (("int4", 32), (192, 256)),
+                                 (("int4z", 128), (104, 256)), (("int4", 128), (80, 256))]:
+        q = weight(name, group, shape, dtype)
+        # tp: each rank's weight is quantized from its float slice (row by row, group by group: the full
+        # weight's values): a column split's rank 0 (rows 0..63, a whole block), a row split's two halves
+        scheme, half = QuantScheme("int4", group, zero_codes=name == "int4z"), shape[1] // 2
+        wf = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 0.05  # weight()'s
+        col_part = quantize_weight(wf[:64], scheme, dtype)
+        row_parts = [quantize_weight(wf[:, a:a + half], scheme, dtype) for a in (0, half)]
+        scales, codes = (q.scales, q.zero_codes) if name == "int4z" else (q.scales_and_zeros, None)
+        w = q.dequantize().double()
+        for rows in (1, 3, 8):
+            x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
+            x[0, 5] = 40.0  # an outlier: its block's other values keep fewer bits
+            got = cpu_qgemv.int4(x, q.packed, scales, group, shape[0], codes, act_int8=True)
+            assert got.dtype == dtype and got.shape == (rows, shape[0])
+            xd, d = q8_activations(x)
+            want = xd.double() @ w.T
+            # the folds s * (d * sum q xq) + (z - 8 s) * d * sum xq in float32, terms up to 16x |x| @ |w|; a
+            # wrong row, scale or block is off by about |x| @ |w|
+            tol = bound(xd, q) * 2 ** -14 + (want.abs() * 2 ** -8 if dtype == torch.bfloat16 else 0)
+            assert ((got.double() - want).abs() <= tol + 1e-30).all(), (name, shape, rows)
+            exact = x.double() @ w.T
+            stated = (d.double() / 2) @ w.abs().T
+            assert ((got.double() - exact).abs() <= stated + tol + 1e-30).all(), (name, shape, rows)
+            err = ((got.double() - exact).norm(dim=1) / exact.norm(dim=1)).tolist()
+            assert err[0] < 0.05 and all(e < 0.01 for e in err[1:]), (name, shape, rows, err)  # row 0: the outlier
+            q.gemv_rows, q.q8_rows = 8, rows
+            assert torch.equal(q(x), got) and torch.equal(q.bind()(x.contiguous()), got)
+            q.q8_rows = rows - 1  # one row more than q8_rows: the float kernel
+            assert torch.equal(q(x), cpu_qgemv.int4(x, q.packed, scales, group, shape[0], codes))
+            # tp: a column split gives a rank's outputs bit for bit; a row split at a group boundary the
+            # partial products that sum to the product
+            assert torch.equal(int4_q8_of(col_part, x), got[:, :64])
+            ys = [int4_q8_of(p, x[:, a:a + half]).double() for p, a in zip(row_parts, (0, half))]
+            rounded = (ys[0].abs() + ys[1].abs()) * 2 ** -8 if dtype == torch.bfloat16 else 0  # each part's output
+            assert ((ys[0] + ys[1] - want).abs() <= 2 * bound(xd, q) * 2 ** -14 + rounded + 1e-30).all(), (name, rows)
+        if other in cpu_qgemv.int4_blocks():
+            n_pad = scales.shape[1]
+            repacked = pack_int4(_int4_values(q.packed, int4_pack_layout(n_pad), torch.arange(n_pad), shape[1]),
+                                 other).reshape(q.packed.shape)
+            xs = [torch.randn(r, shape[1], generator=torch.Generator().manual_seed(r)).to(dtype) for r in (1, 2, 5)]
+            mine = [cpu_qgemv.int4(x, q.packed, scales, group, shape[0], codes, act_int8=True) for x in xs]
+            with monkeypatch.context() as m:
+                m.setattr(cpu_qgemv, "torch_int4_block", lambda: other)
+                theirs = [cpu_qgemv.int4(x, repacked, scales, group, shape[0], codes, act_int8=True) for x in xs]
+            assert all(torch.equal(a, b) for a, b in zip(mine, theirs)), (name, shape)
+    with pytest.raises(ValueError, match=r"^qgemv int4: need uint8 packed \[64, 32\], scales \[4, n_pad % 16 == 0\] "
+                                         r"in torch.float32, group size % 32 == 0 "):
+        z = weight("int4", 32, (64, 64), torch.float32)
+        cpu_qgemv.int4(torch.zeros(1, 64), z.packed, torch.zeros(4, 64, 2), 16, 64, act_int8=True)

@@ -13,6 +13,13 @@ kernel, or from ``dequant_rows`` rows on (prefill) a dequantized scratch copy of
 weight and one float GEMM, where that measured faster (in float32 where this machine's
 half-precision GEMM measured slower than the widened one: the profile's half GEMM dtype,
 :func:`tpengine.backends.cpu.cpu_widen.gemm_choice`).
+
+An int4 weight with bfloat16 activations has a third candidate at those rows (:func:`q8_takes`): the
+activations quantized to int8 in blocks of 32 and the products summed in integers
+(``tpe_qgemv_int4_q8``, llama.cpp's q4_1 x q8_1 arithmetic; ``int4(..., act_int8=True)``), taken up to
+``q8_rows`` rows where it measured faster than the float kernel. Its results differ from the float
+kernel's by the activations' rounding (|x - d xq| <= d / 2, d = the block's max |x| / 127), about
+bfloat16's own; float32 activations keep the float kernel, whose sums are float32's.
 """
 
 from __future__ import annotations
@@ -86,6 +93,20 @@ def _rows(x: torch.Tensor, k: int, op: str) -> tuple[torch.Tensor, int]:
 #: the C functions of the int8 kernel and of the int4 ones (AVX512-BF16 and AVX2 builds; cpu_library.has)
 INT8_KERNELS, INT4_KERNELS = ("tpe_qgemv_int8",), ("tpe_qgemv_int4", "tpe_dequant_int4", "tpe_int4_rows")
 KERNELS = INT8_KERNELS + INT4_KERNELS
+#: the int4 x int8 kernel (AVX2 builds, and AVX-512 builds where the compiler targets VNNI and VBMI)
+INT4_Q8_KERNELS = ("tpe_qgemv_int4_q8",)
+#: the activations' block (columns per int8 scale) of that kernel: group sizes must be multiples of it
+Q8_BLOCK = 32
+
+
+def q8_takes(mod) -> bool:
+    """Whether the int4 x int8 kernel is a candidate for the quantized weight ``mod``: an int4 weight the
+    int4 kernels take (:attr:`~tpengine.model.quant.weights.QuantizedWeight.kernels_take`), bfloat16
+    activations (float32 ones keep float32 sums), a group size that is a multiple of :data:`Q8_BLOCK`, and
+    a build with the kernel. Never raises."""
+    return (type(mod).__name__.startswith("Int4") and bool(getattr(mod, "kernels_take", False))
+            and getattr(mod, "dtype", None) == torch.bfloat16 and getattr(mod, "group_size", 1) % Q8_BLOCK == 0
+            and cpu_library.has(*INT4_Q8_KERNELS))
 
 
 def kernels_built(int4: bool) -> bool:
@@ -163,13 +184,16 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def int4(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
-         out_features: int, zero_codes: torch.Tensor | None = None) -> torch.Tensor:
+         out_features: int, zero_codes: torch.Tensor | None = None, act_int8: bool = False) -> torch.Tensor:
     """``x @ ((q - 8) * scale + zero).T`` for ``x [..., k]`` (1..8 rows, bfloat16 or float32),
     ``packed`` (``_convert_weight_to_int4pack_for_cpu`` of ``n_pad`` rows, in the layout
     :func:`int4_layout_ok` accepts: the caller checks), ``scales_and_zeros [k / group_size,
     n_pad, 2]`` in ``x``'s dtype, or ``scales [k / group_size, n_pad]`` with ``zero_codes`` (int8,
     same shape; ``zero = code * scale / 16``) -> ``[..., out_features]`` (the first
-    ``out_features <= n_pad``).
+    ``out_features <= n_pad``). ``act_int8``: ``x`` quantized to int8 in blocks of :data:`Q8_BLOCK`
+    (``d = max |x| / 127``, ``xq = round(x / d)``, ties to even) and multiplied in integers
+    (``tpe_qgemv_int4_q8``; llama.cpp's ``ggml_vec_dot_q4_1_q8_1`` arithmetic): the product of the
+    dequantized activations ``d * xq``, each within ``d / 2`` of ``x``; ``group_size`` a multiple of 32.
 
     Raises:
         ValueError: a dtype, shape, group size or row count it does not take.
@@ -180,17 +204,31 @@ def int4(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, 
     x2, rows = _rows(x, k, "qgemv int4")
     if (group_size % 16 or packed.dtype != torch.uint8 or packed.numel() * 2 != n_pad * k
             or not packed.is_contiguous() or n_pad % 16 or not 0 < out_features <= n_pad
-            or scales_and_zeros.dtype != x.dtype):
+            or scales_and_zeros.dtype != x.dtype or (act_int8 and group_size % Q8_BLOCK)):
         raise ValueError(f"qgemv int4: need uint8 packed [{n_pad}, {k // 2}], scales [{groups}, n_pad % 16 == 0] "
-                         f"in {x.dtype}, group size % 16 == 0 and 0 < out_features <= n_pad; got packed "
-                         f"{packed.dtype} {tuple(packed.shape)}, scales {scales_and_zeros.dtype} "
+                         f"in {x.dtype}, group size % {Q8_BLOCK if act_int8 else 16} == 0 and 0 < out_features "
+                         f"<= n_pad; got packed {packed.dtype} {tuple(packed.shape)}, scales {scales_and_zeros.dtype} "
                          f"{tuple(scales_and_zeros.shape)}, group size {group_size}, out_features {out_features}")
-    fn, block = _lib(True).tpe_qgemv_int4, _block("qgemv int4")
+    fn, block = _int4_fn(act_int8), _block("qgemv int4")
     y = torch.empty(rows, out_features, dtype=x.dtype)
     _check(fn(x2.data_ptr(), rows, k, packed.data_ptr(), scales_and_zeros.contiguous().data_ptr(), _ptr(zero_codes),
               group_size, out_features, n_pad, block, y.data_ptr(), int(x.dtype == torch.bfloat16),
               torch.get_num_threads()), "int4")
     return y.reshape(*x.shape[:-1], out_features)
+
+
+def _int4_fn(act_int8: bool):
+    """The C function of :func:`int4` (``act_int8``: the int4 x int8 one).
+
+    Raises:
+        RuntimeError: the build lacks it.
+    """
+    if not act_int8:
+        return _lib(True).tpe_qgemv_int4
+    why = cpu_library.missing(*INT4_Q8_KERNELS)
+    if why:
+        raise RuntimeError(f"CPU C int4 x int8 kernel unavailable: {why}")
+    return cpu_library.load().tpe_qgemv_int4_q8
 
 
 def bind_int8(qweight: torch.Tensor, scales: torch.Tensor):
@@ -213,17 +251,19 @@ def bind_int8(qweight: torch.Tensor, scales: torch.Tensor):
 
 
 def bind_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, out_features: int,
-              zero_codes: torch.Tensor | None = None):
+              zero_codes: torch.Tensor | None = None, act_int8: bool = False):
     """:func:`int4` for one weight with its checks done once: ``run(x [rows, k] contiguous in the
     scales' dtype, 1 <= rows <= MAX_ROWS) -> [rows, out_features]``.
 
     Raises:
         ValueError: see :func:`int4`.
+        RuntimeError: the C kernel is unavailable.
     """
     groups, n_pad = _int4_scales(scales_and_zeros, zero_codes, "qgemv int4")
     k, dtype = groups * group_size, scales_and_zeros.dtype
-    int4(torch.zeros(1, k, dtype=dtype), packed, scales_and_zeros, group_size, out_features, zero_codes)  # checks, once
-    fn, pp, sp, zp = _lib(True).tpe_qgemv_int4, packed.data_ptr(), scales_and_zeros.data_ptr(), _ptr(zero_codes)
+    int4(torch.zeros(1, k, dtype=dtype), packed, scales_and_zeros, group_size, out_features, zero_codes,
+         act_int8)  # checks, once
+    fn, pp, sp, zp = _int4_fn(act_int8), packed.data_ptr(), scales_and_zeros.data_ptr(), _ptr(zero_codes)
     bf, block = int(dtype == torch.bfloat16), _block("qgemv int4")
 
     def run(x: torch.Tensor) -> torch.Tensor:
@@ -299,6 +339,21 @@ def gemv_rows(torch_us: list[float], kernel_us: list[float]) -> int:
     return rows
 
 
+def _kernel_us(times: dict[str, list[float]]) -> list[float]:
+    """The faster of these kernels at each bucket: the float one's times, or the int4 x int8 one's where
+    measured and faster."""
+    return [min(t, q) for t, q in zip(times["tpengine"], times.get("tpengine_q8", times["tpengine"]))]
+
+
+def q8_rows(times: dict[str, list[float]]) -> int:
+    """The largest of :data:`ROW_BUCKETS`, up to :func:`gemv_rows`'s, up to which the int4 x int8 kernel
+    (``times["tpengine_q8"]``) beat the float one at every bucket (0: never, or not measured)."""
+    if "tpengine_q8" not in times:
+        return 0
+    limit = gemv_rows(times["torch"], _kernel_us(times))
+    return min(limit, gemv_rows(times["tpengine"], times["tpengine_q8"]))
+
+
 def _measure(mods: list, dequant_dtype: torch.dtype | None = None) -> dict[str, list[float]]:
     """Microseconds per call of torch's kernel and these at :data:`ROW_BUCKETS` rows (rotating over
     ``mods``), and where the kind has a dequantize-then-GEMM path (int4, int8 per channel) of
@@ -309,18 +364,22 @@ def _measure(mods: list, dequant_dtype: torch.dtype | None = None) -> dict[str, 
     at the prefill buckets past one where torch's kernel lost so, it is not run at all (its time there:
     the one it lost with, times the ratio of the rows). ``dequant_dtype``: the dequantized weight's
     dtype (the profile's half GEMM dtype; None: the activations')."""
-    times: dict[str, list[float]] = {"torch": [], "tpengine": []}
+    q8 = q8_takes(mods[0])
+    times: dict[str, list[float]] = {"torch": [], "tpengine": [], **({"tpengine_q8": []} if q8 else {})}
     for m in mods:
-        m.gemv_rows, m.dequant_rows = 0, 0
+        m.gemv_rows, m.dequant_rows, m.q8_rows = 0, 0, 0
         m.dequant_dtype = dequant_dtype
+    paths = (("tpengine", MAX_ROWS, 0),) + ((("tpengine_q8", MAX_ROWS, MAX_ROWS),) if q8 else ()) + (("torch", 0, 0),)
     for rows in ROW_BUCKETS:
         x = torch.full((rows, mods[0].in_features), 0.01, dtype=mods[0].dtype)
-        for path, use in (("tpengine", MAX_ROWS), ("torch", 0)):  # torch's given up past GIVE_UP x ours
-            def call(m, use=use):
-                m.gemv_rows = use
+        for path, use, use_q8 in paths:  # torch's given up past GIVE_UP x ours
+            def call(m, use=use, use_q8=use_q8):
+                m.gemv_rows, m.q8_rows = use, use_q8
                 return m(x)
-            give_up = GIVE_UP * times["tpengine"][-1] if path == "torch" else None
+            give_up = GIVE_UP * min(v[-1] for k, v in times.items() if k != "torch") if path == "torch" else None
             times[path].append(time_us([lambda m=m: call(m) for m in mods], give_up_us=give_up))
+    for m in mods:
+        m.q8_rows = 0
     if _has_prefill_path(mods[0]):
         times["prefill_torch"], times["prefill_dequant"] = [], []
         few = mods[:PREFILL_WEIGHTS]
@@ -344,7 +403,7 @@ def _measure(mods: list, dequant_dtype: torch.dtype | None = None) -> dict[str, 
                 times[path].append(time_us([lambda m=m: run(m) for m in few], passes=2, give_up_us=give_up))
             if lost_at is None and times["prefill_torch"][-1] > GIVE_UP * times["prefill_dequant"][-1]:
                 lost_at = n
-    return {k: times[k] for k in ("torch", "tpengine", "prefill_torch", "prefill_dequant") if k in times}
+    return {k: times[k] for k in ("torch", "tpengine", "tpengine_q8", "prefill_torch", "prefill_dequant") if k in times}
 
 
 def dequant_rows(times: dict[str, list[float]]) -> int:
@@ -359,9 +418,9 @@ def dequant_rows(times: dict[str, list[float]]) -> int:
     return rows
 
 
-def _decision(times: dict[str, list[float]]) -> tuple[int, int]:
-    """What :func:`choose` takes from a measurement: ``(gemv_rows, dequant_rows)``."""
-    return gemv_rows(times["torch"], times["tpengine"]), dequant_rows(times)
+def _decision(times: dict[str, list[float]]) -> tuple[int, int, int]:
+    """What :func:`choose` takes from a measurement: ``(gemv_rows, dequant_rows, q8_rows)``."""
+    return gemv_rows(times["torch"], _kernel_us(times)), dequant_rows(times), q8_rows(times)
 
 
 def _valid(times) -> bool:
@@ -370,6 +429,7 @@ def _valid(times) -> bool:
         return isinstance(v, list) and len(v) == n and all(isinstance(t, (int, float)) for t in v)
     return (isinstance(times, dict) and numbers(times.get("torch"), len(ROW_BUCKETS))
             and numbers(times.get("tpengine"), len(ROW_BUCKETS))
+            and ("tpengine_q8" not in times or numbers(times["tpengine_q8"], len(ROW_BUCKETS)))
             and all(numbers(times[k], len(PREFILL_BUCKETS)) for k in ("prefill_torch", "prefill_dequant")
                     if k in times))
 
@@ -383,8 +443,11 @@ def default_times(mod) -> dict[str, list[float]]:
     """The choice a busy machine takes without cached timings (nothing measured): these kernels at
     every decode bucket (torch's are written for many rows) and, where the kind has it, dequantize +
     GEMM from the first prefill bucket (torch's int4 GEMM can take minutes a call there), as timings
-    that rank the paths so (1 us for the path taken, 2 us for the other)."""
+    that rank the paths so (1 us for the path taken, 2 us for the other); where :func:`q8_takes`, the
+    int4 x int8 kernel at every decode bucket (0.5 us: it reads the same bytes with fewer instructions)."""
     times = {"torch": [2.0] * len(ROW_BUCKETS), "tpengine": [1.0] * len(ROW_BUCKETS)}
+    if q8_takes(mod):
+        times["tpengine_q8"] = [0.5] * len(ROW_BUCKETS)
     if _has_prefill_path(mod):
         times["prefill_torch"], times["prefill_dequant"] = [2.0] * len(PREFILL_BUCKETS), [1.0] * len(PREFILL_BUCKETS)
     return times
@@ -396,22 +459,25 @@ def choose(groups: dict[str, list], rank: int = 0, dequant_dtype: torch.dtype | 
     of torch's kernels and these (:func:`_measure`, on the modules themselves, rotating over all of them
     so the weights stream from memory) under :func:`tpengine.backends.cpu.measured.timed` (cached per
     machine and ``rank``; on a busy machine without them :func:`default_times`), and set each module's
-    ``gemv_rows`` (:func:`gemv_rows`), ``dequant_rows`` (:func:`dequant_rows`) and ``dequant_dtype``
-    (``dequant_dtype``: the dtype the dequantized weight's GEMM runs in, the profile's half GEMM
-    dtype; None: the activations'). Returns ``{key: {"torch": [us...], "tpengine": [us...], ...,
-    "gemv_rows": n, "dequant_rows": n, "how": ..., "dequant_dtype": name}}``, ``how`` one of
+    ``gemv_rows`` (:func:`gemv_rows`), ``q8_rows`` (:func:`q8_rows`), ``dequant_rows``
+    (:func:`dequant_rows`) and ``dequant_dtype`` (``dequant_dtype``: the dtype the dequantized weight's
+    GEMM runs in, the profile's half GEMM dtype; None: the activations'). Cached timings without the int4 x
+    int8 kernel's, where it is a candidate (:func:`q8_takes`), are measured again. Returns ``{key:
+    {"torch": [us...], "tpengine": [us...], ["tpengine_q8": [us...],] ..., "gemv_rows": n, "q8_rows": n,
+    "dequant_rows": n, "how": ..., "dequant_dtype": name}}``, ``how`` one of
     :mod:`~tpengine.backends.cpu.measured`'s descriptions."""
     chosen = {}
     for key, mods in sorted(groups.items()):
         dtype = str(mods[0].dtype).removeprefix("torch.")
+        q8 = q8_takes(mods[0])
         times, how = measured.timed(f"quant {dtype} {key} rank {rank}", lambda mods=mods: _measure(mods, dequant_dtype),
-                                    _valid, _decision)
+                                    lambda t, q8=q8: _valid(t) and (not q8 or "tpengine_q8" in t), _decision)
         if times is None:
             times = default_times(mods[0])
-        rows, deq = _decision(times)
+        rows, deq, rows8 = _decision(times)
         for m in mods:
-            m.gemv_rows, m.dequant_rows, m.dequant_dtype = rows, deq, dequant_dtype
-        chosen[key] = {**times, "gemv_rows": rows, "dequant_rows": deq, "how": how,
+            m.gemv_rows, m.dequant_rows, m.dequant_dtype, m.q8_rows = rows, deq, dequant_dtype, rows8
+        chosen[key] = {**times, "gemv_rows": rows, "q8_rows": rows8, "dequant_rows": deq, "how": how,
                        "dequant_dtype": str(dequant_dtype or mods[0].dtype).removeprefix("torch.")}
     return chosen
 
@@ -424,8 +490,12 @@ def summary(chosen: dict[str, dict]) -> str:
         return "/".join(f"{t:.0f}" for t in v)
 
     def one(k, c):
-        s = (f"{k} {'tpengine up to ' + str(c['gemv_rows']) + ' rows' if c['gemv_rows'] else 'torch'} "
-             f"(torch {us(c['torch'])} us, tpengine {us(c['tpengine'])} us at {'/'.join(map(str, ROW_BUCKETS))} rows)")
+        q8 = c.get("q8_rows", 0)
+        s = (f"{k} {'tpengine up to ' + str(c['gemv_rows']) + ' rows' if c['gemv_rows'] else 'torch'}"
+             f"{' (int8 activations up to ' + str(q8) + ')' if q8 else ''} "
+             f"(torch {us(c['torch'])} us, tpengine {us(c['tpengine'])} us"
+             f"{', int8 activations ' + us(c['tpengine_q8']) + ' us' if 'tpengine_q8' in c else ''}"
+             f" at {'/'.join(map(str, ROW_BUCKETS))} rows)")
         if "prefill_torch" in c:
             deq = f"dequantize ({c.get('dequant_dtype', '')}) + GEMM from {c['dequant_rows']} rows"
             s += (f", {deq if c['dequant_rows'] else 'torch'}"

@@ -128,6 +128,10 @@ class QuantizedWeight(nn.Module):
     #: Up to this many rows ``forward`` runs the device's kernels (:attr:`qkernels`), above it torch's;
     #: set per weight shape by measurement (on the CPU :func:`tpengine.backends.cpu.cpu_qgemv.choose`).
     gemv_rows = 0
+    #: Up to this many rows (at most ``gemv_rows``) an int4 weight's kernel quantizes the activations to
+    #: int8 and multiplies in integers (on the CPU ``cpu_qgemv.int4(..., act_int8=True)``); 0: never. Set
+    #: by the same measurement; its results differ from the float kernel's by the activations' rounding.
+    q8_rows = 0
     #: From this many rows on ``forward`` dequantizes the weight into a scratch float tensor and runs
     #: one GEMM (prefill); 0: never. Set by the same measurement.
     dequant_rows = 0
@@ -337,10 +341,12 @@ class Int4Weight(QuantizedWeight):
     def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
         if not self.gemv_rows:
             return self._many
-        kernel = self.qkernels.bind_int4(self.packed, self._kernel_scales(), self.group_size, self.out_features,
-                                     self._kernel_codes())
-        limit, many = self.gemv_rows, self._many
-        return lambda x: kernel(x) if x.shape[0] <= limit else many(x)
+        args = (self.packed, self._kernel_scales(), self.group_size, self.out_features, self._kernel_codes())
+        kernel, limit, many = self.qkernels.bind_int4(*args), self.gemv_rows, self._many
+        if not self.q8_rows:
+            return lambda x: kernel(x) if x.shape[0] <= limit else many(x)
+        q8, limit8 = self.qkernels.bind_int4(*args, act_int8=True), self.q8_rows
+        return lambda x: q8(x) if x.shape[0] <= limit8 else kernel(x) if x.shape[0] <= limit else many(x)
 
     def _many(self, x: torch.Tensor) -> torch.Tensor:
         n = self.out_features
@@ -357,7 +363,7 @@ class Int4Weight(QuantizedWeight):
             y = self._many(x2)
         else:
             y = self.qkernels.int4(x2, self.packed, self._kernel_scales(), self.group_size, self.out_features,
-                               self._kernel_codes())
+                                   self._kernel_codes(), act_int8=x2.shape[0] <= self.q8_rows)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

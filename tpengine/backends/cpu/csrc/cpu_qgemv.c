@@ -607,4 +607,297 @@ int64_t tpe_int4_rows(const uint8_t *packed, const void *sz, const int8_t *zc, i
     return -1;
 }
 
+/* ------------------------------------------------------------------ int4 x int8, integer products */
+/* The same int4 weights against activations quantized to int8 in blocks of 32 (llama.cpp's q8 blocks, its
+ * ggml_vec_dot_q4_1_q8_1 arithmetic): per row of x and block b of 32 columns, d = max |x| / 127 and
+ * xq = x * (127 / max |x|) rounded to the nearest integer (ties to even), |xq| <= 127; then per output o
+ *   y[o] = sum_b s[g(b), o] * d_b * (sum_{i in b} q[o, i] xq_i) + (z - 8 s)[g(b), o] * d_b * (sum_{i in b} xq_i),
+ * i.e. exactly the float path's formula applied to the dequantized activations d_b xq_i, the inner sums in
+ * int32 (a block's sum is exact). What it differs by from the float path is the activations' rounding,
+ * |x_i - d_b xq_i| <= d_b / 2 (tests/test_cpu_qgemv.py bounds the product by it). The 0..15 values are
+ * read as unsigned bytes against the signed xq (the -8 is in the zero term, as q4_1's min is): 4 columns
+ * of a unit's 64 rows are regrouped so that each 32-bit lane holds one row's 4 values (AVX-512: one vpermt2b
+ * per 16 rows; AVX2: byte and word unpacks), multiplied and summed by vpdpbusd (AVX512-VNNI, or AVX-VNNI /
+ * AVX512-VNNI on 256 bits) or by vpmaddubsw (AVX2), whose 16-bit sums hold a whole block (at most
+ * 16 x 15 x 127 = 30480) before one vpmaddwd widens them. The high nibbles are masked in place
+ * (16 q) where the sums are 32-bit (vpdpbusd), and 1/16 is folded into the block's scale. Built where the
+ * ISA has it: AVX-512 with VNNI and VBMI (64-row blocks), or AVX2 (64- and 32-row blocks, as tpe_qgemv_int4). */
+#if (defined(TPE_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)) || defined(TPE_AVX2)
+#define Q8_BLOCK 32
+
+/* 8 float32 values of x at i (bfloat16 widened). */
+static inline __m256 q8_ld8(const void *x, int64_t i, int is_bf16) {
+    if (!is_bf16) return _mm256_loadu_ps((const float *)x + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* x [rows, k] -> xq int8 [rows, k], d [rows, k / 32] (the blocks' scales) and sd [rows, k / 32] (d * the
+ * block's sum of xq: its dequantized sum, the zero term's factor). */
+static void q8_quantize(const void *x, int64_t rows, int64_t k, int is_bf16, int8_t *xq, float *d, float *sd) {
+    const int64_t nb = k / Q8_BLOCK;
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t i0 = r * k + b * Q8_BLOCK;
+            __m256 v[4], m = _mm256_setzero_ps();
+            for (int t = 0; t < 4; t++) {
+                v[t] = q8_ld8(x, i0 + 8 * t, is_bf16);
+                m = _mm256_max_ps(m, _mm256_and_ps(v[t], absmask));
+            }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            const float amax = _mm_cvtss_f32(h), id = amax > 0.f ? 127.f / amax : 0.f;
+            __m256i q[4];
+            for (int t = 0; t < 4; t++) q[t] = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], _mm256_set1_ps(id)));
+            const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+            /* packs interleave the 128-bit halves: dwords q0[0..3] q1[0..3] q2 q3 | q0[4..7] ..., put back in order */
+            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)(xq + i0), _mm256_permutevar8x32_epi32(p, order));
+            d[r * nb + b] = amax / 127.f;
+            sd[r * nb + b] = (amax / 127.f) * (float)_mm_cvtsi128_si32(s4);
+        }
+}
+
+/* The last block of nb < 64 rows (rows 2j and 2j + 1 in byte j of each column's nb / 2 bytes), scalar. */
+static void q8_tail(const int8_t *xq, const float *d, const float *sd, int64_t rows, int64_t k, int64_t gs,
+                    const uint8_t *blk, int64_t nb, const void *sz, const int8_t *zc, int64_t n_pad, int64_t o0,
+                    int is_bf16, float *out, int64_t ldo) {
+    const int64_t nblk = k / Q8_BLOCK;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < nb; j++) {
+            float total = 0.f;
+            for (int64_t b = 0; b < nblk; b++) {
+                int32_t acc = 0;
+                for (int64_t i = b * Q8_BLOCK; i < (b + 1) * Q8_BLOCK; i++) {
+                    const uint8_t v = blk[i * (nb / 2) + j / 2];
+                    acc += (int32_t)((j & 1) ? v >> 4 : v & 15) * xq[r * k + i];
+                }
+                float s, z;
+                q4_sz(sz, zc, (b * Q8_BLOCK / gs) * n_pad + o0 + j, is_bf16, &s, &z);
+                total += s * ((float)acc * d[r * nblk + b]) + (z - 8.f * s) * sd[r * nblk + b];
+            }
+            out[r * ldo + j] = total;
+        }
+}
+
+#if defined(TPE_AVX512)
+/* Rows r0..r0 + R - 1 of x against block b (32 columns) of one 64-row unit p: out[r][0..63] +=
+ * s * (d * sum q xq) + (z - 8 s) * sd, the scales s and zz = z - 8 s of the block's group given. */
+static inline __attribute__((always_inline)) void q8_rows512(const int R, const int8_t *xq, const float *d,
+                                                              const float *sd, int64_t k, int64_t b,
+                                                              const uint8_t *p, const __m512 *s, const __m512 *zz,
+                                                              int prefetch, float *out, int64_t ldo) {
+    static const uint8_t i0[64] = {0,  32, 64, 96,  1,  33, 65, 97,  2,  34, 66, 98,  3,  35, 67, 99,
+                                   4,  36, 68, 100, 5,  37, 69, 101, 6,  38, 70, 102, 7,  39, 71, 103,
+                                   8,  40, 72, 104, 9,  41, 73, 105, 10, 42, 74, 106, 11, 43, 75, 107,
+                                   12, 44, 76, 108, 13, 45, 77, 109, 14, 46, 78, 110, 15, 47, 79, 111};
+    const __m512i p0 = _mm512_loadu_si512(i0), p1 = _mm512_add_epi8(p0, _mm512_set1_epi8(16));
+    const __m512i mlo = _mm512_set1_epi8(0x0f), mhi = _mm512_set1_epi8((char)0xf0);
+    const int64_t nblk = k / Q8_BLOCK;
+    __m512i acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_si512();
+    for (int st = 0; st < 8; st++) { /* 4 columns: 128 bytes */
+        const uint8_t *c = p + st * 128;
+        if (prefetch) {
+            _mm_prefetch((const char *)(c + Q4_PREFETCH_BYTES), _MM_HINT_T0);
+            _mm_prefetch((const char *)(c + Q4_PREFETCH_BYTES + 64), _MM_HINT_T0);
+        }
+        const __m512i a = _mm512_loadu_si512(c), e = _mm512_loadu_si512(c + 64);
+        const __m512i t0 = _mm512_permutex2var_epi8(a, p0, e), t1 = _mm512_permutex2var_epi8(a, p1, e);
+        const __m512i w[4] = {_mm512_and_si512(t0, mlo), _mm512_and_si512(t1, mlo), _mm512_and_si512(t0, mhi),
+                              _mm512_and_si512(t1, mhi)};
+        for (int r = 0; r < R; r++) {
+            int32_t x4;
+            memcpy(&x4, xq + r * k + b * Q8_BLOCK + 4 * st, 4);
+            const __m512i xb = _mm512_set1_epi32(x4);
+            for (int v = 0; v < 4; v++) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], w[v], xb);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const float dr = d[r * nblk + b];
+        const __m512 dl = _mm512_set1_ps(dr), dh = _mm512_set1_ps(dr * 0.0625f), sr = _mm512_set1_ps(sd[r * nblk + b]);
+        for (int v = 0; v < 4; v++) {
+            float *o = out + r * ldo + 16 * v;
+            const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][v]), v < 2 ? dl : dh);
+            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_fmadd_ps(s[v], f, _mm512_mul_ps(zz[v], sr))));
+        }
+    }
+}
+
+/* One full 64-row unit at o0, every row of x: out[r * ldo + 0..63]. */
+static void q8_unit(const int8_t *xq, const float *d, const float *sd, int64_t rows, int64_t k, int64_t gs,
+                    const uint8_t *packed, int64_t block, int64_t o0, int64_t w, const void *sz, const int8_t *zc,
+                    int64_t n_pad, int is_bf16, float *out, int64_t ldo) {
+    (void)block, (void)w; /* one 64-row block */
+    const uint8_t *blk = packed + o0 * k / 2;
+    const int64_t nblk = k / Q8_BLOCK;
+    for (int64_t r = 0; r < rows; r++) memset(out + r * ldo, 0, sizeof(float) * 64);
+    for (int64_t b = 0; b < nblk; b++) {
+        const int64_t idx = (b * Q8_BLOCK / gs) * n_pad + o0;
+        __m512 s[4], zz[4];
+        if ((b * Q8_BLOCK) % gs == 0) q4_prefetch_sz(sz, zc, idx + 64, is_bf16); /* the next unit's, this group */
+        for (int v = 0; v < 4; v++) {
+            q4_sz16(sz, zc, idx + 16 * v, is_bf16, &s[v], &zz[v]);
+            zz[v] = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s[v], zz[v]);
+        }
+        const uint8_t *p = blk + b * Q8_BLOCK * 32;
+        int64_t r = 0;
+        for (; r + 4 <= rows; r += 4)
+            q8_rows512(4, xq + r * k, d + r * nblk, sd + r * nblk, k, b, p, s, zz, r == 0, out + r * ldo, ldo);
+        if (rows - r == 3)
+            q8_rows512(3, xq + r * k, d + r * nblk, sd + r * nblk, k, b, p, s, zz, r == 0, out + r * ldo, ldo);
+        else if (rows - r == 2)
+            q8_rows512(2, xq + r * k, d + r * nblk, sd + r * nblk, k, b, p, s, zz, r == 0, out + r * ldo, ldo);
+        else if (rows - r == 1)
+            q8_rows512(1, xq + r * k, d + r * nblk, sd + r * nblk, k, b, p, s, zz, r == 0, out + r * ldo, ldo);
+    }
+}
+#else /* TPE_AVX2: 8 lanes */
+#if defined(__AVXVNNI__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define Q8_DPBUSD(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define Q8_DPBUSD(acc, w, x) _mm256_dpbusd_epi32(acc, w, x)
+#endif
+
+/* Rows r0..r0 + R - 1 of x against block b (32 columns) of one unit, one nibble h (0: low, 1: high):
+ * out[r][off[t]..off[t] + 7] += s * (d * sum q xq) + zz * sd for t = 0..3 (s, zz: those outputs' scales
+ * and z - 8 s). A column's 32 bytes: one 64-row block's (pa; the unit's rows j and 32 + j in byte j), or
+ * two 32-row blocks' 16 bytes each (pa, pb; rows j and 16 + j of each), as the lanes' halves. Each step's 4
+ * columns are unpacked (bytes, then 16-bit pairs) into 4 vectors whose 32-bit lanes hold one row's 4
+ * values: bytes {0-3, 16-19}, {4-7, 20-23}, {8-11, 24-27}, {12-15, 28-31} of the column, put back in order
+ * (bytes 0-7, 8-15, 16-23, 24-31) after the block's sums. `nt`: the vectors stored (2: a lone 32-row block). */
+static inline __attribute__((always_inline)) void q8_rows256(const int R, const int8_t *xq, const float *d,
+                                                              const float *sd, int64_t k, int64_t b,
+                                                              const uint8_t *pa, const uint8_t *pb, int64_t cs,
+                                                              int h, const __m256 *s, const __m256 *zz,
+                                                              const int *off, int nt, int prefetch, float *out,
+                                                              int64_t ldo) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const int64_t nblk = k / Q8_BLOCK;
+    __m256i acc[2][4];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < 4; t++) acc[r][t] = _mm256_setzero_si256();
+    for (int st = 0; st < 8; st++) {
+        const int64_t col = b * Q8_BLOCK + 4 * st;
+        if (prefetch) {
+            _mm_prefetch((const char *)(pa + col * cs + Q4_PREFETCH_BYTES), _MM_HINT_T0);
+            _mm_prefetch((const char *)(pa + col * cs + Q4_PREFETCH_BYTES + 64), _MM_HINT_T0);
+            if (cs == 16) _mm_prefetch((const char *)(pb + col * cs + Q4_PREFETCH_BYTES), _MM_HINT_T0);
+        }
+        __m256i n[4];
+        for (int j = 0; j < 4; j++) {
+            const __m256i v = cs == 32 ? _mm256_loadu_si256((const __m256i *)(pa + (col + j) * 32))
+                                       : _mm256_inserti128_si256(
+                                             _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(pa + (col + j) * 16))),
+                                             _mm_loadu_si128((const __m128i *)(pb + (col + j) * 16)), 1);
+            n[j] = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4);
+        }
+        const __m256i ab0 = _mm256_unpacklo_epi8(n[0], n[1]), ab1 = _mm256_unpackhi_epi8(n[0], n[1]);
+        const __m256i cd0 = _mm256_unpacklo_epi8(n[2], n[3]), cd1 = _mm256_unpackhi_epi8(n[2], n[3]);
+        const __m256i w[4] = {_mm256_unpacklo_epi16(ab0, cd0), _mm256_unpackhi_epi16(ab0, cd0),
+                              _mm256_unpacklo_epi16(ab1, cd1), _mm256_unpackhi_epi16(ab1, cd1)};
+        for (int r = 0; r < R; r++) {
+            int32_t x4;
+            memcpy(&x4, xq + r * k + col, 4);
+            const __m256i xb = _mm256_set1_epi32(x4);
+            for (int t = 0; t < 4; t++)
+#ifdef Q8_DPBUSD
+                acc[r][t] = Q8_DPBUSD(acc[r][t], w[t], xb);
+#else
+                acc[r][t] = _mm256_add_epi16(acc[r][t], _mm256_maddubs_epi16(w[t], xb));
+#endif
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m256i a[4];
+        for (int t = 0; t < 4; t++)
+#ifdef Q8_DPBUSD
+            a[t] = acc[r][t];
+#else
+            a[t] = _mm256_madd_epi16(acc[r][t], _mm256_set1_epi16(1));
+#endif
+        const __m256i rows8[4] = {_mm256_permute2x128_si256(a[0], a[1], 0x20), _mm256_permute2x128_si256(a[2], a[3], 0x20),
+                                  _mm256_permute2x128_si256(a[0], a[1], 0x31), _mm256_permute2x128_si256(a[2], a[3], 0x31)};
+        const __m256 dr = _mm256_set1_ps(d[r * nblk + b]), sr = _mm256_set1_ps(sd[r * nblk + b]);
+        for (int t = 0; t < nt; t++) {
+            float *o = out + r * ldo + off[t];
+            const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(rows8[t]), dr);
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_fmadd_ps(s[t], f, _mm256_mul_ps(zz[t], sr))));
+        }
+    }
+}
+
+/* One unit at o0 (w outputs: 64, or 32 for a lone 32-row block) in blocks of `block` rows, every row of x:
+ * out[r * ldo + 0..w - 1]. */
+static void q8_unit(const int8_t *xq, const float *d, const float *sd, int64_t rows, int64_t k, int64_t gs,
+                    const uint8_t *packed, int64_t block, int64_t o0, int64_t w, const void *sz, const int8_t *zc,
+                    int64_t n_pad, int is_bf16, float *out, int64_t ldo) {
+    static const int off64[2][4] = {{0, 8, 16, 24}, {32, 40, 48, 56}}, off32[2][4] = {{0, 8, 32, 40}, {16, 24, 48, 56}};
+    const uint8_t *pa = packed + o0 * k / 2, *pb = block == 32 && w == 64 ? pa + 16 * k : pa;
+    const int64_t nblk = k / Q8_BLOCK, cs = block / 2;
+    const int nt = w == 64 ? 4 : 2;
+    for (int64_t r = 0; r < rows; r++) memset(out + r * ldo, 0, sizeof(float) * w);
+    for (int64_t b = 0; b < nblk; b++) {
+        const int64_t idx = (b * Q8_BLOCK / gs) * n_pad + o0;
+        if ((b * Q8_BLOCK) % gs == 0) q4_prefetch_sz(sz, zc, idx + 64, is_bf16);
+        for (int h = 0; h < 2; h++) {
+            const int *off = block == 64 ? off64[h] : off32[h];
+            __m256 s[4], zz[4];
+            for (int t = 0; t < nt; t++) {
+                q4_sz8(sz, zc, idx + off[t], is_bf16, &s[t], &zz[t]);
+                zz[t] = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s[t], zz[t]);
+            }
+            int64_t r = 0;
+            for (; r + 2 <= rows; r += 2)
+                q8_rows256(2, xq + r * k, d + r * nblk, sd + r * nblk, k, b, pa, pb, cs, h, s, zz, off, nt,
+                           r == 0 && h == 0, out + r * ldo, ldo);
+            if (r < rows)
+                q8_rows256(1, xq + r * k, d + r * nblk, sd + r * nblk, k, b, pa, pb, cs, h, s, zz, off, nt,
+                           r == 0 && h == 0, out + r * ldo, ldo);
+        }
+    }
+}
+#endif
+
+/* x [rows, k] against the int4 weight of tpe_qgemv_int4 (the same arguments; block 64 only), the activations
+ * quantized to int8 in blocks of 32 (above): y [rows, n]. Returns 0, or -1 for bad arguments (rows outside
+ * 1..8, k or gs not multiples of 32, k % gs, n > n_pad, n_pad % 16, a block this build does not read), -2 out
+ * of memory. */
+int64_t tpe_qgemv_int4_q8(const void *x, int64_t rows, int64_t k, const uint8_t *packed, const void *sz,
+                          const int8_t *zc, int64_t gs, int64_t n, int64_t n_pad, int64_t block, void *y, int is_bf16,
+                          int nthreads) {
+    if (rows < 1 || rows > QMAX_ROWS || k % Q8_BLOCK || gs % Q8_BLOCK || gs <= 0 || k % gs || n > n_pad ||
+        n_pad % 16 || !q4_reads(block))
+        return -1;
+    const int64_t nblk = k / Q8_BLOCK, full = n_pad / block * block, units = (full + 63) / 64;
+    int8_t *xq = malloc(rows * k + 64);
+    float *d = malloc(sizeof(float) * rows * nblk), *sd = malloc(sizeof(float) * rows * nblk);
+    float *out = malloc(sizeof(float) * rows * n_pad);
+    if (!xq || !d || !sd || !out) {
+        free(xq), free(d), free(sd), free(out);
+        return -2;
+    }
+    q8_quantize(x, rows, k, is_bf16, xq, d, sd);
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n_pad * k >= 65536)
+    for (int64_t b = 0; b < units + (full < n_pad); b++) {
+        const int64_t o0 = b < units ? b * 64 : full, w = b < units ? (full - o0 < 64 ? full - o0 : 64) : n_pad - full;
+        if (b < units)
+            q8_unit(xq, d, sd, rows, k, gs, packed, block, o0, w, sz, zc, n_pad, is_bf16, out + o0, n_pad);
+        else
+            q8_tail(xq, d, sd, rows, k, gs, packed + o0 * k / 2, w, sz, zc, n_pad, o0, is_bf16, out + o0, n_pad);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t o = o0; o < o0 + w && o < n; o++) stf(y, r * n + o, out[r * n_pad + o], is_bf16);
+    }
+    free(xq), free(d), free(sd), free(out);
+    return 0;
+}
+#endif
+
 #endif /* neither AVX-512 nor AVX2: left out of the build; the callers keep torch (cpu_library.has) */
