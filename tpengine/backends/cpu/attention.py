@@ -450,17 +450,10 @@ class CPUAttentionBackend(AttentionBackend):
                 valid, bias = attn.get(("key-mask", kg.shape[2]), lambda: key_mask(context_lens, kg.shape[2]))
                 out = half_decode(qg, kg, vg, valid, bias, scale, nb * hkv <= self.sdpa_rows)
         else:  # whole blocks, read as a strided [B, Hkv, L, D]
-            n_blk = m.index.numel() // nb
 
             def gather(cache):
-                if kv_scales is not None:  # int8 codes and their scales, whole blocks, dequantized
-                    sc = kv_scales[0 if cache is k_cache else 1]
-                    kv = kv_quant.dequantize(cache.index_select(0, m.index), sc.index_select(0, m.index), q.dtype)
-                    kv = kv.view(nb, n_blk * bs, hkv, d)[:, : attn.max_ctx]
-                    return kv.transpose(1, 2)
-                kv = F.embedding(m.index, cache.reshape(cache.shape[0], -1)).view(nb, n_blk * bs, hkv, d)
-                kv = kv[:, : attn.max_ctx]
-                return kv.transpose(1, 2).to(q.dtype)
+                scale = None if kv_scales is None else kv_scales[0 if cache is k_cache else 1]
+                return _gather_blocks(cache, scale, m.index, nb, attn.max_ctx, q.dtype)
 
             if sliding_window is not None or soft_cap is not None:
                 valid, bias = attn.get(("key-mask", attn.max_ctx, sliding_window),
@@ -479,6 +472,20 @@ class CPUAttentionBackend(AttentionBackend):
         if attn.min_ctx == 0:
             out = out.masked_fill_((context_lens == 0)[:, None, None], 0.0)
         return out.contiguous()
+
+
+def _gather_blocks(cache: torch.Tensor, scale: torch.Tensor | None, index: torch.Tensor, nb: int, max_ctx: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The first ``max_ctx`` cached tokens of ``nb`` sequences, read as whole blocks (``index``: each
+    sequence's block ids, ``[nb * blocks]``) -> a strided ``[nb, Hkv, max_ctx, D]`` in ``dtype``; an int8
+    ``cache`` with its ``scale`` dequantized (:func:`tpengine.backends.kv_quant.dequantize`)."""
+    _, bs, hkv, d = cache.shape
+    n_blk = index.numel() // nb
+    if scale is not None:
+        kv = kv_quant.dequantize(cache.index_select(0, index), scale.index_select(0, index), dtype)
+        return kv.view(nb, n_blk * bs, hkv, d)[:, :max_ctx].transpose(1, 2)
+    kv = F.embedding(index, cache.reshape(cache.shape[0], -1)).view(nb, n_blk * bs, hkv, d)
+    return kv[:, :max_ctx].transpose(1, 2).to(dtype)
 
 
 @functools.lru_cache(maxsize=256)
