@@ -79,10 +79,11 @@ static void blk_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t
     for (; b < b1; b++) blk_panel(x, rows, k, w, b, 0, y, n);
 }
 
-/* Blocks per thread: an even split, in whole groups of 4 (one row) or 2. */
+/* Blocks per thread: an even split (a share that is not a whole number of groups ends in smaller ones:
+ * blk_range's tails). */
 static inline int64_t blk_chunk(int64_t blocks, int nthreads, int64_t rows) {
-    const int64_t align = rows == 1 ? 4 : 2;
-    return ((blocks + nthreads - 1) / nthreads + align - 1) / align * align;
+    (void)rows;
+    return (blocks + nthreads - 1) / nthreads;
 }
 
 /* w [n, k] row-major -> out [n / 16][k / 2][16][2]; n % 16 == 0, k % 2 == 0. */
