@@ -31,7 +31,10 @@ class ModelRunner:
 
     KV cache: one ``[2, num_layers, num_blocks, block_size, kv_heads_local, head_dim]`` tensor;
     layer ``i``'s attention module gets views ``k_cache``/``v_cache`` of
-    ``[num_blocks, block_size, kv_heads_local, head_dim]``. ``num_blocks`` comes from
+    ``[num_blocks, block_size, kv_heads_local, head_dim]``, in the model's dtype or, with
+    ``config.kv_cache_dtype`` "int8", int8 codes beside ``kv_scales`` (``[2, num_layers, num_blocks,
+    block_size, kv_heads_local]`` float32; each layer's ``kv_scales`` views; :mod:`tpengine.backends.kv_quant`),
+    copied with their blocks. ``num_blocks`` comes from
     ``config.num_kv_blocks`` or ``config.kv_cache_gb`` (GiB per rank; on CUDA
     ``gpu_memory_utilization`` x free memory after a warm-up prefill, less its activation peak)
     and is agreed by all ranks with all_reduce(MIN). The device's platform
