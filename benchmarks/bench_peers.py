@@ -432,8 +432,14 @@ def _worker_args(s: System, model: str, cores: int, num_seqs: int, max_len: int,
     if s.peer == "ctranslate2":
         return ["--peer", "ctranslate2", "--model", str(ct2_model), "--compute-type", s.compute_type,
                 "--threads", str(cores)], "benchmarks.peer_worker"
+    return llama_cpp_args(gguf, cores, max_len, vocab), "benchmarks.peer_worker"
+
+
+def llama_cpp_args(gguf: Path, cores: int, max_len: int, vocab: int) -> list[str]:
+    """:mod:`benchmarks.peer_worker`'s arguments for llama.cpp on ``gguf`` with ``cores`` threads, a
+    context for requests of up to ``max_len`` tokens (and a few spare), ids checked against ``vocab``."""
     return ["--peer", "llama-cpp", "--model", str(gguf), "--threads", str(cores), "--n-ctx", str(max_len + 8),
-            "--vocab-size", str(vocab)], "benchmarks.peer_worker"
+            "--vocab-size", str(vocab)]
 
 
 @app.command()
