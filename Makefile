@@ -15,7 +15,7 @@ GGUF_FILE = "$$($(PY) -c 'import importlib.util as u, pathlib; print(next(pathli
 BENCH_PREFIX_ARGS  ?= --num-prompts 16 --doc-len 512 --no-hf
 BENCH_CHUNKED_ARGS ?= --long-len 2048 --chunk 512,2048 --running-output-len 128
 
-.PHONY: setup model model-keepquant test lint demo bench bench-prefix bench-chunked bench-big-file bench-serve bench-structured bench-spec bench-kv bench-dp bench-pp bench-peers bench-moe humaneval quality eval-harness bench-scale chaos soak shards clean
+.PHONY: setup model model-keepquant test lint demo bench bench-prefix bench-chunked bench-big-file bench-serve bench-structured bench-spec bench-kv bench-dp bench-pp bench-peers bench-long bench-moe humaneval quality eval-harness bench-scale chaos soak shards clean
 
 setup: .venv/.installed
 
@@ -105,6 +105,11 @@ bench-pp: setup model
 # twin's TPOT; the models are built once under models/ (python -m benchmarks.bench_moe --help)
 bench-moe: setup model
 	$(PY) -m benchmarks.bench_moe --out bench-moe.json
+
+# One 8192-token prompt (SmolLM2: 8064, its context less the output), chunked prefill, then 128 tokens: tpengine beside HF
+# generate and llama.cpp (bench-peers' build; F32/BF16 GGUFs converted once), TTFT and TPOT (python -m benchmarks.bench_long --help)
+bench-long: setup model
+	$(PY) -m benchmarks.bench_long --out bench-long.json
 
 # tpengine tp=1 beside CTranslate2 and llama.cpp, installed on first use in $TPENGINE_CACHE_DIR/peers, with each row against the roofline; draws docs/bench-peers.png (python -m benchmarks.bench_peers --help)
 bench-peers: setup model
