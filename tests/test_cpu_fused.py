@@ -395,3 +395,34 @@ def test_soft_cap_kernel_equals_torch(shape, c_calls):
     f = x.float()
     assert torch.equal(cpu_fused.soft_cap_(f.clone(), 30.0, True), torch.tanh(f / 30.0) * 30.0)
     assert torch.equal(cpu_fused.soft_cap_(x.clone(), 30.0, False), want) and c_calls == ["tpe_soft_cap"]
+
+
+@needs_kernels
+@pytest.mark.parametrize("tokens", (1, 5))
+def test_per_head_qk_norm_in_place_equals_the_layers_norms(tokens):
+    """Qwen3's per-head q_norm / k_norm bound on the attention layer (layer_calls.bind_qk_norm, tpe_head_rms_norm):
+    the query and key heads of every token normalized in place, bit for bit the norm on those rows (HF's
+    Qwen3RMSNorm: float32 mean of squares, rounded before the weight), the value heads untouched; float32 as
+    close as the float32 norm; another dtype takes the layer's generic path."""
+    from types import SimpleNamespace
+
+    from tpengine.backends.cpu import layer_calls
+
+    hq, hkv, d = 4, 2, 64
+    for dtype in (BF16, torch.float32):
+        qkv = (torch.randn(tokens, (hq + 2 * hkv) * d, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
+        norm = [SimpleNamespace(weight=(torch.rand(d, generator=torch.Generator().manual_seed(i)) + 0.5).to(dtype),
+                                eps=1e-6) for i in (5, 6)]
+        generic = []
+        attn = SimpleNamespace(q_norm=norm[0], k_norm=norm[1], head_dim=d, num_heads=hq, num_key_value_heads=hkv,
+                               projection_norms=False, _qk_norm=lambda t: generic.append(t) or t)
+        run = layer_calls.bind_qk_norm(attn, dtype)
+        t = qkv.view(tokens, hq + 2 * hkv, d).float()
+        want = torch.cat([(n.weight * F.rms_norm(t[:, a:b], (d,), None, 1e-6).to(dtype)) for n, (a, b) in
+                          ((norm[0], (0, hq)), (norm[1], (hq, hq + hkv)))] + [t[:, hq + hkv:].to(dtype)], dim=1)
+        got = run(qkv.clone())
+        if dtype == BF16:
+            assert torch.equal(got, want.flatten(1))
+        else:
+            assert torch.allclose(got, want.flatten(1), rtol=1e-6, atol=1e-6)
+        assert generic == [] and run(qkv.to(torch.float16)) is not None and len(generic) == 1

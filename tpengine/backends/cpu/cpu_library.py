@@ -77,6 +77,7 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_paged_am
     "tpe_silu_mul_f32": [_P, _P, _I64, _I64, _I32],
     "tpe_gelu_tanh_mul": [_P, _P, _I64, _I64, _I32],
     "tpe_gelu_tanh_mul_f32": [_P, _P, _I64, _I64, _I32],
+    **{f"tpe_head_rms_norm{t}": [_P, _I64, _I64, _I64, _I64, _P, _I64, _F32, _I32] for t in ("", "_f32")},
     "tpe_copy_rows": [_P, _P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I32],
     "tpe_causal_softmax": [_P, _I64, _I64, _F32, _I32],
     "tpe_paged_decode_f32": _PAGED,

@@ -9,6 +9,7 @@ callable that calls the C function straight through ctypes:
 
 * ``RMSNorm.bound(h, x, reduce) -> (h + x, rms_norm(h + x))``: the ``tpe_add_rms_norm`` kernel
   :func:`tpengine.backends.cpu.cpu_fused.add_rms_norm` runs (the same call, the same bits);
+* ``FusedAttention.bound_qk_norm(qkv) -> qkv``: per-head query/key norms in place (``tpe_head_rms_norm``);
 * ``FusedMLP.bound_act(gate_up) -> act(gate) * up`` (each expert's of a MoE block): the kernel of the MLP's activation
   (:func:`~tpengine.backends.cpu.cpu_fused.silu_mul`'s, :func:`~tpengine.backends.cpu.cpu_fused.gelu_tanh_mul`'s).
 
@@ -89,6 +90,32 @@ def bind_act(mlp, dtype: torch.dtype) -> object | None:
     return run
 
 
+def bind_qk_norm(attn, dtype: torch.dtype) -> object | None:
+    """``run(qkv [T, (Hq + 2 Hkv) D]) -> qkv`` with its query and key heads normalized in place by the
+    attention layer's per-head ``q_norm`` / ``k_norm`` (Qwen3's, Gemma 3's: weights ``[D]`` of ``dtype``,
+    ``D % 16 == 0``): the ``tpe_head_rms_norm`` kernel, the norm kernel's loop on those rows; else None
+    (a whole-projection norm, OLMo 2's, or another layout: the layer's generic ``_qk_norm``). Inputs of
+    another dtype or layout take the generic path."""
+    qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    d, hq, hkv = attn.head_dim, attn.num_heads, attn.num_key_value_heads
+    name = {torch.bfloat16: "tpe_head_rms_norm", torch.float32: "tpe_head_rms_norm_f32"}.get(dtype)
+    if (qn is None or kn is None or attn.projection_norms or name is None or d % 16 or not cpu_library.has(name)
+            or any(n.weight.dtype != dtype or n.weight.shape != (d,) or not n.weight.is_contiguous()
+                   or n.weight.device.type != "cpu" for n in (qn, kn))):
+        return None
+    fn, heads = getattr(cpu_library.load(), name), hq + 2 * hkv
+    qw, kw, qe, ke, generic = qn.weight.data_ptr(), kn.weight.data_ptr(), float(qn.eps), float(kn.eps), attn._qk_norm
+
+    def run(qkv: torch.Tensor) -> torch.Tensor:
+        if qkv.dtype != dtype or qkv.dim() != 2 or qkv.shape[1] != heads * d or not qkv.is_contiguous():
+            return generic(qkv)
+        t, nt = qkv.shape[0], torch.get_num_threads()
+        fn(qkv.data_ptr(), t, heads, 0, hq, qw, d, qe, nt)
+        fn(qkv.data_ptr(), t, heads, hq, hkv, kw, d, ke, nt)
+        return qkv
+    return run
+
+
 def bind_stack(stack, cpu_kernels: bool) -> int:
     """Bind every layer's norms and activation of the decoder ``stack`` (its weights loaded) with
     ``cpu_kernels`` (``EngineConfig.cpu_kernels``; off, or a stack not on the CPU: every bound
@@ -107,6 +134,11 @@ def bind_stack(stack, cpu_kernels: bool) -> int:
     for norm in norms:
         norm.bound = bind_norm(norm, act) if cpu_kernels else None
         count += norm.bound is not None
+    for layer in layers:
+        if hasattr(layer.self_attn, "bound_qk_norm"):
+            layer.self_attn.bound_qk_norm = bind_qk_norm(layer.self_attn, act or norms[0].weight.dtype) \
+                if cpu_kernels else None
+            count += layer.self_attn.bound_qk_norm is not None
     for layer in layers:  # a MoE block's experts (gated_mlps) each get their own
         for mlp in layer.mlp.gated_mlps() if hasattr(layer.mlp, "gated_mlps") else (layer.mlp,):
             mlp.bound_act = bind_act(mlp, act or norms[0].weight.dtype) if cpu_kernels else None

@@ -87,6 +87,10 @@ class FusedAttention(nn.Module):
         self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
         self.kv_scales_dtype: torch.dtype | None = None  # with kv_scales: the dtype of the keys and values quantized
 
+    #: ``qkv -> qkv`` with the per-head query/key norms applied, bound by the backend (in place, one kernel
+    #: call each: :func:`tpengine.backends.cpu.layer_calls.bind_qk_norm`), or None: :meth:`_qk_norm`
+    bound_qk_norm = None
+
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 ctx: Context, reduce: bool = True) -> torch.Tensor:
         """``reduce`` False: ``o_proj``'s partial sum, not all-reduced (:meth:`RowParallelLinear.forward`)."""
@@ -94,7 +98,7 @@ class FusedAttention(nn.Module):
         # the Python between the kernels is as costly as the kernels, docs/notes/kernels.md; no hooks)
         qkv = self.qkv_forward(hidden_states)  # [T, (Hq + 2 Hkv) D]
         if self.q_norm is not None:
-            qkv = self._qk_norm(qkv)
+            qkv = (self.bound_qk_norm or self._qk_norm)(qkv)
         out = ctx.backend.forward(qkv, position_embeddings, self, ctx)  # RoPE, KV store, paged attention
         return self.o_forward(out, reduce)
 

@@ -76,6 +76,25 @@ int64_t tpe_copy_rows(const char *src_a, const char *src_b, int64_t src_stride, 
         }                                                                                                       \
     }
 
+/* Per-head RMSNorm in place (Qwen3's and Gemma 3's q_norm / k_norm): qkv holds `tokens` rows of `heads` head
+ * vectors of d values each; heads first .. first + count - 1 of every token are normalized with the weight
+ * w [d], as ADD_RMS_NORM without a residual (the same loop, so the same bits as the norm on those rows). */
+#define HEAD_RMS_NORM(NAME, T, LD, ST, R)                                                                       \
+    void NAME(T *qkv, int64_t tokens, int64_t heads, int64_t first, int64_t count, const T *w, int64_t d,       \
+              float eps, int nthreads) {                                                                        \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (tokens * count * d >= 65536)")     \
+        for (int64_t r = 0; r < tokens * count; r++) {                                                          \
+            T *src = qkv + ((r / count) * heads + first + r % count) * d;                                       \
+            vf ss = vf_zero();                                                                                  \
+            for (int64_t i = 0; i < d; i += 16) {                                                               \
+                const vf v = LD(src + i);                                                                       \
+                ss = vf_fmadd(v, v, ss);                                                                        \
+            }                                                                                                   \
+            const vf inv = vf_set1(1.0f / sqrtf(vf_sum(ss) / (float)d + eps));                                  \
+            for (int64_t i = 0; i < d; i += 16) ST(src + i, vf_mul(LD(w + i), R(vf_mul(LD(src + i), inv))));   \
+        }                                                                                                       \
+    }
+
 /* gate_up: [T, 2 * inter] (gate then up); out: [T, inter]. */
 #define SILU_MUL(NAME, T, LD, ST, R)                                                                            \
     void NAME(const T *gate_up, T *out, int64_t tokens, int64_t inter, int nthreads) {                          \
@@ -110,6 +129,8 @@ int64_t tpe_copy_rows(const char *src_a, const char *src_b, int64_t src_stride, 
     }
 
 ADD_RMS_NORM(tpe_add_rms_norm, uint16_t, vf_ldb, vf_stb, vf_rb)
+HEAD_RMS_NORM(tpe_head_rms_norm, uint16_t, vf_ldb, vf_stb, vf_rb)
+HEAD_RMS_NORM(tpe_head_rms_norm_f32, float, vf_ldf, vf_stf, vf_same)
 GELU_TANH_MUL(tpe_gelu_tanh_mul, uint16_t, vf_ldb, vf_stb, vf_rb)
 GELU_TANH_MUL(tpe_gelu_tanh_mul_f32, float, vf_ldf, vf_stf, vf_same)
 SILU_MUL(tpe_silu_mul, uint16_t, vf_ldb, vf_stb, vf_rb)
