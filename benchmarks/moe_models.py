@@ -8,7 +8,8 @@ No MoE checkpoint ships offline, and a released one (Qwen3-30B-A3B: 61 GB) does 
 is sparse: :data:`NUM_EXPERTS` experts, :data:`TOP_K` routed per token (softmax, top-k, renormalized:
 ``norm_topk_prob``, as Qwen3-30B-A3B), each expert's MLP :data:`EXPERT_INTERMEDIATE` wide.
 :func:`build_dense_active` writes the dense Qwen3 with the MoE's *active* parameters: the same
-embedding, attention (Qwen3's, with its query/key norms) and depth, and one MLP ``TOP_K * EXPERT_INTERMEDIATE`` wide (= SmolLM2's 1536),
+embedding, attention (Qwen3's, with its query/key norms) and depth, and one MLP
+``TOP_K * EXPERT_INTERMEDIATE`` wide (= SmolLM2's 1536),
 so a decode step of either reads the same weight bytes per layer when the MoE reads only its routed
 experts (the router's ``NUM_EXPERTS x hidden`` aside). Both: seeded random weights written by
 transformers in bfloat16 (HF's ``initializer_range`` init, norms at 1), SmolLM2's tokenizer files,
