@@ -38,6 +38,10 @@
 #define MAX_G 16
 #define MAX_D 256
 #define PJ 4 /* query heads accumulated together in the P.V pass */
+/* Key (and value) rows prefetched this far ahead of the 16 being scored: a sequence's rows sit in blocks
+ * anywhere in the cache, which the hardware prefetcher does not follow; the value rows then wait in L2 for
+ * the P.V pass (an item's rows: 2 x L x d bytes, 512 KiB at L = 4096, d = 64). */
+#define AHEAD 48
 
 #if defined(TPE_AVX512)
 /* 16 int8 codes -> 16 float32 lanes. */
@@ -145,15 +149,17 @@ PROLOGUE_I8(prologue_i8_bf16, uint16_t, rope_head_bf16, widen_bf16)
  * heads' d / 16 vectors), 16 keys at a time, each key row loaded once for every head; krow[t]: the row index
  * (block * bs + offset) * hkv + kv of key t. Returns nothing; the rows of the next 16 keys are prefetched. */
 static inline __attribute__((always_inline)) void scores_i8(vf (*qv)[MAX_D / 16], int64_t g, const int64_t NV,
-                                                            const int8_t *k_cache, const float *k_scale,
+                                                            const int8_t *k_cache, const int8_t *v_cache,
+                                                            const float *k_scale,
                                                             const int64_t *krow, int64_t L, int64_t lp, float scale,
                                                             int64_t d, float *sc) {
     const vf vscale = vf_set1(scale);
     for (int64_t t0 = 0; t0 < L; t0 += 16) {
         const int64_t nk = L - t0 < 16 ? L - t0 : 16;
-        for (int64_t kk = 0; kk < 16 && t0 + 16 + kk < L; kk++) {
-            const char *p = (const char *)(k_cache + krow[t0 + 16 + kk] * d);
-            for (int64_t o = 0; o < d; o += 64) __builtin_prefetch(p + o, 0, 1);
+        for (int64_t kk = 0; kk < 16 && t0 + AHEAD + kk < L; kk++) { /* the key and value rows AHEAD on */
+            const char *p = (const char *)(k_cache + krow[t0 + AHEAD + kk] * d);
+            const char *pv = (const char *)(v_cache + krow[t0 + AHEAD + kk] * d);
+            for (int64_t o = 0; o < d; o += 64) __builtin_prefetch(p + o, 0, 1), __builtin_prefetch(pv + o, 0, 1);
         }
         float ks[16];
         vf a[MAX_G][16];
@@ -279,9 +285,9 @@ static inline void softmax_i8(float *sj, int64_t L, int64_t lp, float softcap, c
                 for (int64_t j = 0; j < g; j++)                                                                      \
                     for (int64_t i = 0; i < nv; i++) qv[j][i] = LDQ(q + b * q_stride + heads[j] * d + i * 16);       \
                 switch (nv) { /* the head size as a constant */                                                      \
-                case 4: scores_i8(qv, g, 4, k_cache, k_scale, rows, L, lp, scale, d, sc); break;                     \
-                case 8: scores_i8(qv, g, 8, k_cache, k_scale, rows, L, lp, scale, d, sc); break;                     \
-                default: scores_i8(qv, g, nv, k_cache, k_scale, rows, L, lp, scale, d, sc); break;                   \
+                case 4: scores_i8(qv, g, 4, k_cache, v_cache, k_scale, rows, L, lp, scale, d, sc); break;                     \
+                case 8: scores_i8(qv, g, 8, k_cache, v_cache, k_scale, rows, L, lp, scale, d, sc); break;                     \
+                default: scores_i8(qv, g, nv, k_cache, v_cache, k_scale, rows, L, lp, scale, d, sc); break;                   \
                 }                                                                                                    \
                 for (int64_t j = 0; j < g; j++) softmax_i8(sc + j * lp, L, lp, softcap, vs);                         \
                 switch (nv) {                                                                                        \
