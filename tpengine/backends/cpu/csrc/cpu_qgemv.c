@@ -834,6 +834,67 @@ static inline __attribute__((always_inline)) void q8_rows256(const int R, const 
     }
 }
 
+/* One row of x against block b of one unit, both nibbles in one pass (q8_rows256 for R = 1 and h = 0, 1):
+ * the bytes are unpacked once and their nibbles split after, 8 accumulators; the scales are loaded at the
+ * fold (idx: the block's group's first scale of the unit). */
+static void q8_row1_256(const int8_t *xq, const float *d, const float *sd, int64_t b, const uint8_t *pa,
+                        const uint8_t *pb, int64_t cs, const int (*off)[4], int nt, const void *sz,
+                        const int8_t *zc, int64_t idx, int is_bf16, float *out) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256i acc[2][4];
+    for (int h = 0; h < 2; h++)
+        for (int t = 0; t < 4; t++) acc[h][t] = _mm256_setzero_si256();
+    for (int st = 0; st < 8; st++) {
+        const int64_t col = b * Q8_BLOCK + 4 * st;
+        _mm_prefetch((const char *)(pa + col * cs + Q4_PREFETCH_BYTES), _MM_HINT_T0);
+        _mm_prefetch((const char *)(pa + col * cs + Q4_PREFETCH_BYTES + 64), _MM_HINT_T0);
+        if (cs == 16) _mm_prefetch((const char *)(pb + col * cs + Q4_PREFETCH_BYTES), _MM_HINT_T0);
+        __m256i n[4];
+        for (int j = 0; j < 4; j++)
+            n[j] = cs == 32 ? _mm256_loadu_si256((const __m256i *)(pa + (col + j) * 32))
+                            : _mm256_inserti128_si256(
+                                  _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(pa + (col + j) * 16))),
+                                  _mm_loadu_si128((const __m128i *)(pb + (col + j) * 16)), 1);
+        const __m256i ab0 = _mm256_unpacklo_epi8(n[0], n[1]), ab1 = _mm256_unpackhi_epi8(n[0], n[1]);
+        const __m256i cd0 = _mm256_unpacklo_epi8(n[2], n[3]), cd1 = _mm256_unpackhi_epi8(n[2], n[3]);
+        const __m256i w[4] = {_mm256_unpacklo_epi16(ab0, cd0), _mm256_unpackhi_epi16(ab0, cd0),
+                              _mm256_unpacklo_epi16(ab1, cd1), _mm256_unpackhi_epi16(ab1, cd1)};
+        int32_t x4;
+        memcpy(&x4, xq + col, 4);
+        const __m256i xb = _mm256_set1_epi32(x4);
+        for (int t = 0; t < 4; t++) {
+            const __m256i lo = _mm256_and_si256(w[t], m4), hi = _mm256_and_si256(_mm256_srli_epi16(w[t], 4), m4);
+#ifdef Q8_DPBUSD
+            acc[0][t] = Q8_DPBUSD(acc[0][t], lo, xb);
+            acc[1][t] = Q8_DPBUSD(acc[1][t], hi, xb);
+#else
+            acc[0][t] = _mm256_add_epi16(acc[0][t], _mm256_maddubs_epi16(lo, xb));
+            acc[1][t] = _mm256_add_epi16(acc[1][t], _mm256_maddubs_epi16(hi, xb));
+#endif
+        }
+    }
+    const __m256 dr = _mm256_set1_ps(d[b]), sr = _mm256_set1_ps(sd[b]);
+    for (int h = 0; h < 2; h++) {
+        __m256i a[4];
+        for (int t = 0; t < 4; t++)
+#ifdef Q8_DPBUSD
+            a[t] = acc[h][t];
+#else
+            a[t] = _mm256_madd_epi16(acc[h][t], _mm256_set1_epi16(1));
+#endif
+        const __m256i rows8[4] = {_mm256_permute2x128_si256(a[0], a[1], 0x20), _mm256_permute2x128_si256(a[2], a[3], 0x20),
+                                  _mm256_permute2x128_si256(a[0], a[1], 0x31), _mm256_permute2x128_si256(a[2], a[3], 0x31)};
+        for (int t = 0; t < nt; t++) {
+            __m256 sv, zv;
+            q4_sz8(sz, zc, idx + off[h][t], is_bf16, &sv, &zv);
+            zv = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sv, zv);
+            float *o = out + off[h][t];
+            const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(rows8[t]), dr);
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_fmadd_ps(sv, f, _mm256_mul_ps(zv, sr))));
+        }
+    }
+}
+
 /* One unit at o0 (w outputs: 64, or 32 for a lone 32-row block) in blocks of `block` rows, every row of x:
  * out[r * ldo + 0..w - 1]. */
 static void q8_unit(const int8_t *xq, const float *d, const float *sd, int64_t rows, int64_t k, int64_t gs,
@@ -847,6 +908,10 @@ static void q8_unit(const int8_t *xq, const float *d, const float *sd, int64_t r
     for (int64_t b = 0; b < nblk; b++) {
         const int64_t idx = (b * Q8_BLOCK / gs) * n_pad + o0;
         if ((b * Q8_BLOCK) % gs == 0) q4_prefetch_sz(sz, zc, idx + 64, is_bf16);
+        if (rows == 1) {
+            q8_row1_256(xq, d, sd, b, pa, pb, cs, block == 64 ? off64 : off32, nt, sz, zc, idx, is_bf16, out);
+            continue;
+        }
         for (int h = 0; h < 2; h++) {
             const int *off = block == 64 ? off64[h] : off32[h];
             __m256 s[4], zz[4];
