@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 from launch import REPO
+
+# The tests of measured choices measure whatever they ask for: no per-process measuring budget
+# (tpengine.backends.cpu.measured.measure_budget_s; a pytest process makes many loads). Set before
+# anything is launched, so every launched process has it too; test_measured checks the budget itself.
+os.environ.setdefault("TPENGINE_MEASURE_BUDGET_S", "inf")
 
 SMOLLM2_DIR = REPO / "models" / "smollm2-135m-instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from conftest import QuietContention
 
 from tpengine.backends.cpu import measured
 
@@ -248,3 +249,43 @@ def test_a_busy_verdict_holds_for_the_loads_next_choices(monkeypatch):
     assert measured.probe_busy() and len(windows) == 1  # held: no second window
     clock[0] += measured.BUSY_HOLD_S
     assert measured.probe_busy() and len(windows) == 2  # the hold is over: probed again
+
+
+def test_a_spent_measuring_budget_takes_defaults_and_caches_nothing(monkeypatch, tmp_path):
+    """Once a process's measurements took its budget ($TPENGINE_MEASURE_BUDGET_S), a choice without
+    cached timings takes its default (not cached, a later start measures it); cached ones still serve,
+    and the choice measured when the budget ran out completes (both passes)."""
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(measured, "probe_busy", lambda: False)
+    monkeypatch.setattr(measured, "Contention", QuietContention)
+    monkeypatch.setattr(measured, "_spent_s", 0.0)
+    calls = []
+
+    def slow(candidates, passes=5):  # each pass "takes" 0.3 s of the budget
+        calls.append(1)
+        measured._spent_s += 0.3
+        return {"a": [60.0], "b": [10.0]}
+
+    monkeypatch.setattr(measured, "measure", slow)
+    monkeypatch.setenv("TPENGINE_MEASURE_BUDGET_S", "0.5")
+    assert measured.measure_budget_s() == 0.5
+    first = measured.fastest("budget one", {"a": [lambda: 1], "b": [lambda: 1]})
+    assert (first.name, first.how, len(calls)) == ("b", "measured", 2)  # started under the budget: both passes
+    second = measured.fastest("budget two", {"a": [lambda: 1], "b": [lambda: 1]})
+    assert (second.name, second.how, second.times_us, len(calls)) == ("a", measured.DEFAULT_BUDGET, {}, 2)
+    assert "budget two" not in measured.read_cache(measured.cache_path())
+    again = measured.fastest("budget one", {"a": [lambda: 1], "b": [lambda: 1]})
+    assert (again.name, again.how) == ("b", "cached")
+    monkeypatch.setattr(measured, "_spent_s", 0.0)  # a later start: measures the rest
+    assert measured.fastest("budget two", {"a": [lambda: 1], "b": [lambda: 1]}).how == "measured"
+    monkeypatch.setenv("TPENGINE_MEASURE_BUDGET_S", "0")
+    monkeypatch.setattr(measured, "_spent_s", 0.0)
+    assert measured.fastest("budget three", {"a": [lambda: 1], "b": [lambda: 1]}).how == measured.DEFAULT_BUDGET
+    monkeypatch.setenv("TPENGINE_MEASURE_BUDGET_S", "inf")
+    assert measured.measure_budget_s() == float("inf")
+    monkeypatch.delenv("TPENGINE_MEASURE_BUDGET_S")
+    assert measured.measure_budget_s() == measured.MEASURE_BUDGET_S
+    for bad in ("-1", "soon", "nan"):
+        monkeypatch.setenv("TPENGINE_MEASURE_BUDGET_S", bad)
+        with pytest.raises(ValueError, match=f"TPENGINE_MEASURE_BUDGET_S='{bad}': must be a number of seconds"):
+            measured.measure_budget_s()

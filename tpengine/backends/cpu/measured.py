@@ -11,7 +11,11 @@ The rule, per choice (a cache key saying what was timed):
    safe default, described as :data:`DEFAULT_BUSY` and not cached, so a start on a loaded machine is
    not made slower still and the next quiet start measures (a busy verdict holds
    :data:`BUSY_HOLD_S`: one probe serves the load's other choices);
-3. on a quiet machine the candidates are timed twice, each pass under :class:`Contention`; timings
+3. a process that has spent its measuring budget (:func:`measure_budget_s`, 1 s unless
+   ``$TPENGINE_MEASURE_BUDGET_S`` says otherwise) measures nothing more: the caller takes its default
+   (:data:`DEFAULT_BUDGET`, not cached) and a later start measures it, so a new shape never costs a
+   short first job more than the budget and one choice;
+4. on a quiet machine the candidates are timed twice, each pass under :class:`Contention`; timings
    whose passes agree (:func:`consistent`: within 1.5x at every workload, or, where the caller says
    what it decides from them, the same decision from each pass) and that no other process disturbed
    are cached ("measured"); else they are used for this run only (:data:`NOISY`, :data:`BUSY`; no
@@ -167,6 +171,47 @@ NOISY = "measured, noisy (not cached)"
 #: were cached (:func:`probe_busy`): nothing measured, nothing cached.
 DEFAULT_BUSY = "default: machine busy, not measured"
 
+#: How a choice is described that took its default because this process had spent its measuring
+#: budget (:func:`measure_budget_s`): nothing measured, nothing cached; a later start measures it.
+DEFAULT_BUDGET = "default: measuring budget spent, not measured"
+
+#: Seconds of measuring one process spends on choices without cached timings, unless
+#: ``$TPENGINE_MEASURE_BUDGET_S`` says otherwise (:func:`measure_budget_s`).
+MEASURE_BUDGET_S = 1.0
+
+#: Seconds this process has spent in measurements (:func:`timed`'s ``measure_fn`` calls).
+_spent_s = 0.0
+
+
+def measure_budget_s() -> float:
+    """The measuring budget of this process, in seconds: ``$TPENGINE_MEASURE_BUDGET_S`` (a number >= 0;
+    ``inf``: no limit; 0: nothing new is measured), else :data:`MEASURE_BUDGET_S`. Once a process's
+    measurements have taken that long, every further choice without cached timings takes its default
+    (:data:`DEFAULT_BUDGET`, not cached) and a later start measures it, so a new shape costs a start at
+    most the budget plus the one choice measured when the budget ran out (a one-token job would never
+    earn back a full measurement; the cache fills over a few starts). Raises ValueError (naming the
+    variable) for a value that is not a number >= 0."""
+    text = os.environ.get("TPENGINE_MEASURE_BUDGET_S", "").strip()
+    if not text:
+        return MEASURE_BUDGET_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also NaN
+        raise ValueError(f"TPENGINE_MEASURE_BUDGET_S={text!r}: must be a number of seconds >= 0 (inf: no limit)")
+    return value
+
+
+def _measure_timed(measure_fn: Callable[[], dict[str, list] | None]) -> dict[str, list] | None:
+    """``measure_fn()``, its seconds added to this process's measuring time (:func:`measure_budget_s`)."""
+    global _spent_s
+    start = time.perf_counter()
+    try:
+        return measure_fn()
+    finally:
+        _spent_s += time.perf_counter() - start
+
 
 def read_cache(path: Path) -> dict:
     """A timings file's JSON object; {} for a missing, unreadable or damaged file (then measured
@@ -269,22 +314,25 @@ def timed(key: str, measure_fn: Callable[[], dict[str, list] | None],
     the timings (compared with ``==``); two passes agree where their decisions are equal (default:
     their times within :func:`consistent`'s ratio). Returns the cached timings ("cached"); None and
     :data:`DEFAULT_BUSY` when the machine is busy before measuring (the caller takes its default); else
-    the measurement ("measured", cached; :data:`NOISY` or :data:`BUSY`, not cached)."""
+    the measurement ("measured", cached; :data:`NOISY` or :data:`BUSY`, not cached); None and
+    :data:`DEFAULT_BUDGET` once this process has spent its measuring budget (:func:`measure_budget_s`)."""
     path = cache_path()
     times = read_cache(path).get(key)
     if _numbers(times) and (valid is None or valid(times)):
         return times, "cached"
+    if _spent_s >= measure_budget_s():
+        return None, DEFAULT_BUDGET
     if probe_busy():
         return None, DEFAULT_BUSY
     with Contention() as load:  # a busy first measurement is this run's only: no second one could cache it
-        first = measure_fn()
+        first = _measure_timed(measure_fn)
     if first is None:
         return None, "default"  # nothing measurable: the caller's default, not for lack of a quiet machine
     if load.busy:
         _saw_busy()
         return first, BUSY
     with Contention() as load:
-        second = measure_fn()
+        second = _measure_timed(measure_fn)
     if load.busy:
         _saw_busy()
     if load.busy or second is None:
