@@ -24,10 +24,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def subprocess_env(**extra: str) -> dict[str, str]:
     """``os.environ`` plus the repository root prepended to ``PYTHONPATH``, offline HF and
     ``TOKENIZERS_PARALLELISM=false``, and torch capped as ``TPENGINE_ISA`` says
-    (:func:`tpengine.isa_env`: every worker, HF's included, runs as the same machine class), updated
-    by ``extra``: the environment of every worker."""
+    (:func:`tpengine.isa_env`: every worker, HF's included, runs as the same machine class), no
+    measuring budget (``TPENGINE_MEASURE_BUDGET_S=inf`` unless the environment sets one: a benchmark's
+    workers run long enough to earn every measurement back; :mod:`benchmarks.startup` passes the
+    user's default), updated by ``extra``: the environment of every worker."""
     path = os.environ.get("PYTHONPATH", "")
     env = {**isa_env(), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "TPENGINE_MEASURE_BUDGET_S": os.environ.get("TPENGINE_MEASURE_BUDGET_S", "inf"),
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), path) if p)}
     env.update(extra)
     return env

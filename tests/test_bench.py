@@ -188,21 +188,27 @@ def test_bench_rejects_bad_options_before_starting_workers(tmp_path):
 
 
 def test_startup_smoke(tmp_path):
-    """benchmarks.startup runs both whole jobs (HF and tpengine.entrypoints.run) on a tiny model and reports
-    the best of each and their ratio."""
+    """benchmarks.startup runs both whole jobs (HF and tpengine.entrypoints.run) on a tiny model, tpengine
+    with a fresh cache of choices (the C kernel builds copied from the suite's cache), and reports the
+    best of each, their ratio and where tpengine's time went."""
     from benchmarks.startup import app as startup_app
 
     model = make_tiny_model(tmp_path, "llama", seed=0, vocab_size=49152, max_position_embeddings=512)
     out = tmp_path / "startup.json"
-    r = CliRunner().invoke(startup_app, ["--model", str(model), "--dtype", "float32", "--rounds", "1",
-                                         "--out", str(out)])
+    r = CliRunner().invoke(startup_app, ["--model", str(model), "--dtype", "float32", "--cache", "choices",
+                                         "--rounds", "1", "--out", str(out)])
     assert r.exit_code == 0, r.output + repr(r.exception)
     (row,) = json.loads(out.read_text())
-    assert row["model"] == str(model) and row["dtype"] == "float32"
-    assert len(row["hf_all_s"]) == len(row["tpengine_all_s"]) == 1
-    assert row["hf_s"] > 0 and row["tpengine_s"] > 0
-    assert abs(row["ratio"] - row["tpengine_s"] / row["hf_s"]) < 1e-9
+    assert row["model"] == str(model) and row["dtype"] == "float32" and len(row["hf_all_s"]) == 1
+    (state,) = row["tpengine"].values()
+    assert list(row["tpengine"]) == ["choices"] and len(state["all_s"]) == 1
+    assert row["hf_s"] > 0 and state["s"] > 0 and state["ratio"] == round(state["s"] / row["hf_s"], 3)
+    b = state["breakdown"]
+    assert b["to_load_s"] > 0 and b["load_s"] > 0 and b["rest_s"] > 0
+    assert abs(b["to_load_s"] + b["load_s"] + b["rest_s"] - state["s"]) < 0.05
     assert "tpengine / HF" in r.output
+    r = CliRunner().invoke(startup_app, ["--cache", "hot"])
+    assert r.exit_code == 2 and "valid: warm, choices, cold" in r.output
 
 
 def test_prefix_cache_smoke(tmp_path):
