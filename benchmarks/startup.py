@@ -143,9 +143,9 @@ def main(
             user = {"TPENGINE_MEASURE_BUDGET_S": os.environ.get("TPENGINE_MEASURE_BUDGET_S", "")}
             if "warm" in cache:  # fill the warm cache once, untimed, as an earlier job would have
                 (Path(tmp) / "out.jsonl").unlink(missing_ok=True)
-                timed(tpe_cmd, subprocess_env(**user, TPENGINE_MEASURE_BUDGET_S="inf"))
+                timed(tpe_cmd, subprocess_env(TPENGINE_MEASURE_BUDGET_S="inf"))
             hf: list[float] = []
-            tpe: dict[str, list[tuple[float, str]]] = {c: [] for c in cache}
+            tpe: dict[str, list[tuple[float, dict]]] = {c: [] for c in cache}
             for _ in range(rounds):
                 hf.append(timed(hf_cmd)[0])
                 for c in cache:
