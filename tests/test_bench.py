@@ -328,10 +328,19 @@ def test_prefix_cache_rejects_bad_options_before_starting_workers(tmp_path):
         assert message in " ".join(r.output.replace("│", " ").split()), (args, r.output)
 
 
-def test_big_file_smoke(tmp_path):
+def test_big_file_smoke(tmp_path, monkeypatch):
     """benchmarks.big_file on files of 3 and 7 lines: every line gets its record, the times are
-    positive and rank 0's peak memory is reported."""
+    positive and rank 0's peak memory is reported (its jobs start through the fork server, as the
+    other benchmarks' workers here)."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from benchmarks import big_file
     from benchmarks.big_file import app as big_app
+
+    forked = SimpleNamespace(Popen=lambda cmd, **kw: subprocess.Popen(launch.forked(cmd), **kw),
+                             DEVNULL=subprocess.DEVNULL, PIPE=subprocess.PIPE)
+    monkeypatch.setattr(big_file, "subprocess", forked)
 
     if not (SMOLLM2_DIR / "tokenizer.json").is_file():
         import pytest
