@@ -165,7 +165,7 @@ def ensure_gguf(model: str, outtype: str, converter: Path, echo: Callable[[str],
     if out.is_file() and stamp.is_file() and stamp.read_text() == sig:
         return out
     log = out.with_name(out.name + ".log")
-    echo(f"converting {model} to a {outtype} GGUF with llama.cpp's convert_hf_to_gguf.py into {out} (first use)")
+    echo(f"converting {model} to GGUF ({outtype}) with llama.cpp's convert_hf_to_gguf.py into {out} (first use)")
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
     env = subprocess_env()
