@@ -616,11 +616,11 @@ int64_t tpe_int4_rows(const uint8_t *packed, const void *sz, const int8_t *zc, i
  * int32 (a block's sum is exact). What it differs by from the float path is the activations' rounding,
  * |x_i - d_b xq_i| <= d_b / 2 (tests/test_cpu_qgemv.py bounds the product by it). The 0..15 values are
  * read as unsigned bytes against the signed xq (the -8 is in the zero term, as q4_1's min is): 4 columns
- * of a unit's 64 rows are regrouped so that each 32-bit lane holds one row's 4 values (AVX-512: one vpermt2b
- * per 16 rows; AVX2: byte and word unpacks), multiplied and summed by vpdpbusd (AVX512-VNNI, or AVX-VNNI /
+ * of a unit's 64 rows are regrouped so that each 32-bit lane holds one row's 4 values (AVX-512: two vpermt2b
+ * per 128 bytes; AVX2: byte and word unpacks), multiplied and summed by vpdpbusd (AVX512-VNNI, or AVX-VNNI /
  * AVX512-VNNI on 256 bits) or by vpmaddubsw (AVX2), whose 16-bit sums hold a whole block (at most
- * 16 x 15 x 127 = 30480) before one vpmaddwd widens them. The high nibbles are masked in place
- * (16 q) where the sums are 32-bit (vpdpbusd), and 1/16 is folded into the block's scale. Built where the
+ * 16 x 15 x 127 = 30480) before one vpmaddwd widens them. The AVX-512 path masks the high nibbles in
+ * place (16 q: its sums are 32-bit) and folds 1/16 into the block's scale. Built where the
  * ISA has it: AVX-512 with VNNI and VBMI (64-row blocks), or AVX2 (64- and 32-row blocks, as tpe_qgemv_int4). */
 #if (defined(TPE_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)) || defined(TPE_AVX2)
 #define Q8_BLOCK 32
