@@ -227,7 +227,7 @@ def test_load_lines_and_summary_json(tiny, tmp_path):
                         row_max), lines[1]
     assert shapes == ["64->64", "100->64", "64->128", "64->200", "64->49152"]  # the tiny Llama's weight shapes
     assert re.fullmatch(rf"tpengine: model ready: {re.escape(str(tiny))} float32 tp=1, weights 0\.\d\d GiB/rank, "
-                        r"KV cache 40 blocks \(0\.\d\d GiB/rank\), \d+\.\d s", lines[2]), lines[2]
+                        r"KV cache 40 blocks \(0\.\d\d GiB/rank, 512 B/token\), \d+\.\d s", lines[2]), lines[2]
     s = json.loads(summary.read_text())
     assert (s["requests_ok"], s["requests_error"], s["prompt_tokens"], s["output_tokens"]) == (2, 0, 2, 5)
     assert len(s["peak_rss_bytes"]) == 1 and s["peak_rss_bytes"][0] > 0
