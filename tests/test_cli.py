@@ -238,8 +238,8 @@ def test_sampling_defaults_precedence(tmp_path):
 
 
 class FakeEngine:
-    """What ``drive`` uses of LLMEngine: a tokenizer (one id per character) and ``generate``
-    (answers each request with its first prompt id); ``crash_after``: raise after that many
+    """What ``drive`` uses of LLMEngine: a tokenizer (one id per character), ``generate``
+    (answers each request with its first prompt id), its config and runner; ``crash_after``: raise after that many
     outputs, as a killed run would stop."""
 
     vocab_size = 1000
@@ -248,7 +248,9 @@ class FakeEngine:
         from types import SimpleNamespace
 
         self.crash_after = crash_after
-        self.config = SimpleNamespace(reasoning_parser=None)  # (the batch chat lines' reasoning split: none)
+        # (the batch chat lines' reasoning split: none; the summary's KV cache line: its kind and size)
+        self.config = SimpleNamespace(reasoning_parser=None, kv_cache_dtype="auto")
+        self.runner = SimpleNamespace(num_blocks=8, kv_bytes_per_token=512)
 
     def tokenizer(self, text):
         return {"input_ids": [ord(c) for c in text]}
