@@ -175,7 +175,7 @@ class DataParallelEngine:
     On the front (global rank 0, :attr:`is_driver` True) it is what the batch job, the server and the
     ``LLM`` API drive, with :class:`tpengine.engine.llm_engine.LLMEngine`'s driver interface
     (``add_request``, ``abort_request``, ``step``, ``has_unfinished``, ``heartbeat``, ``stats``,
-    ``generate``, ``stop_workers``, ``tokenizer``, ``vocab_size``, ``config``, ``structured``): each
+    ``generate``, ``stop_workers``, ``tokenizer``, ``vocab_size``, ``config``, ``structured``, ``runner``): each
     call is a tick over every replica (module docstring). On another replica's driver
     (:attr:`is_driver` False) :meth:`generate` follows the front's ticks until it stops, as a TP
     worker follows its driver's steps.
@@ -206,6 +206,12 @@ class DataParallelEngine:
     @property
     def vocab_size(self) -> int:
         return self.engine.vocab_size
+
+    @property
+    def runner(self):
+        """This driver's own replica's :class:`tpengine.engine.model_runner.ModelRunner` (the batch job's
+        summary reports rank 0's KV cache from it)."""
+        return self.engine.runner
 
     @property
     def structured(self):
