@@ -56,6 +56,15 @@ def error_records(errors: list[RequestError], taken: Iterable[str] = ()) -> list
     return out
 
 
+def _record_resources(engine, progress: ProgressReporter) -> None:
+    """After ``generate``, for the run summary: the ranks' peak RSS (``gather_peak_rss``: every rank calls it)
+    and rank 0's KV cache (its kind, blocks and bytes per token)."""
+    progress.peak_rss = gather_peak_rss()
+    runner = engine.runner
+    progress.kv_cache = {"dtype": engine.config.kv_cache_dtype, "blocks": runner.num_blocks,
+                         "bytes_per_token": runner.kv_bytes_per_token}
+
+
 def drive(engine, requests: Iterable[ParsedRequest], errors: list[RequestError], writer: OutputWriter,
           done: tuple[set[str], set[int]], model_name: str) -> dict[str, Any]:
     """Rank 0: run every valid request not in ``done`` and write one record per request through
@@ -132,10 +141,7 @@ def drive(engine, requests: Iterable[ParsedRequest], errors: list[RequestError],
                 # the model's vocabulary size (maybe > len(tokenizer)) bounds prompt token ids
                 engine.generate(feed(engine.tokenizer, engine.vocab_size), on_output=on_output,
                                 on_step=progress.on_step)
-                progress.peak_rss = gather_peak_rss()  # every rank calls it after generate
-                runner = engine.runner
-                progress.kv_cache = {"dtype": engine.config.kv_cache_dtype, "blocks": runner.num_blocks,
-                                     "bytes_per_token": runner.kv_bytes_per_token}
+                _record_resources(engine, progress)
         finally:
             progress.close()
     return progress.print_summary()
