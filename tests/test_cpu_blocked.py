@@ -46,3 +46,15 @@ def test_blocked_refusals_name_the_value():
         cpu_blocked.linear(torch.zeros(1, 30, dtype=torch.bfloat16), b)
     assert str(e.value) == ("blocked linear: x bfloat16 [rows, k] against a [n/16, k/2, 16, 2] weight; got x "
                             "torch.bfloat16 (1, 30), weight torch.bfloat16 (2, 16, 16, 2)")
+
+
+def test_rows_gathered_from_the_blocked_layout_are_the_plain_rows():
+    """An embedding's lookup from a blocked table (a tied head's): row r from [r / 16, :, r % 16, :], bit-equal."""
+    w = torch.randn(4096, 576, dtype=torch.bfloat16)
+    b = cpu_blocked.pack(w)
+    ids = torch.cat([torch.tensor([0, 15, 16, 4095]), torch.randint(0, 4096, (60,))]).view(8, 8)
+    assert torch.equal(cpu_blocked.rows(b, ids), F.embedding(ids, w))
+    assert torch.equal(cpu_blocked.rows(b, torch.tensor(17)), w[17])
+    x = torch.randn(1, 576, dtype=torch.bfloat16)  # the head shape's logits, as the GEMM tests bound them
+    exact = F.linear(x.float(), w.float())
+    assert ((cpu_blocked.linear(x, b).float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3 * 576 ** 0.5).all()

@@ -392,3 +392,43 @@ def test_each_forced_float32_path_gives_hf_tokens(tmp_path, path):
         want = [hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, min_new_tokens=6)[0, 7:].tolist()
                 for p in prompts]
     assert got == want
+
+
+@pytest.mark.skipif(not cpu_library.has(*cpu_blocked.KERNELS), reason="no AVX512-BF16 kernels here")
+def test_a_blocked_tied_head_holds_the_one_copy_and_decodes_the_plain_tokens(tmp_path):
+    """``--cpu-linear blocked`` puts a tied bfloat16 head in the blocked layout (a SmolLM2-shaped tiny model:
+    tied, vocabulary and hidden size multiples of 16): the head and the embedding hold no plain table, the
+    embedding's rows gathered from the blocked one equal the plain rows bit for bit, the head's logits are the
+    float32 product rounded once (cpu_blocked's bound), and greedy tokens at 1 and 6 sequences equal those
+    of the same model with the head put back plain (F.linear and the greedy pick's measured paths)."""
+    import torch.nn.functional as F
+
+    from tpengine.backends.cpu import greedy as G
+    from tpengine.entrypoints.llm import LLM
+    from tpengine.sampling_params import SamplingParams
+
+    model_dir = make_tiny_model(tmp_path, "llama", seed=5, vocab_size=1024, intermediate_size=128,
+                                tie_word_embeddings=True)
+    llm = LLM(str(model_dir), dtype="bfloat16", max_num_seqs=6, cpu_linear="blocked")
+    model = llm.llm_engine.runner.model
+    head, emb = model.lm_head, model.get_input_embeddings()
+    assert cpu_blocked.is_blocked(head.packed) and head.weight is None and emb.weight is None
+    plain = cpu_blocked.unpack(head.packed).contiguous()
+    ids = torch.tensor([[0, 15, 16, 1023], [511, 7, 7, 640]])
+    assert torch.equal(emb(ids), F.embedding(ids, plain))
+    x = torch.randn(3, 64).bfloat16()
+    exact = F.linear(x.float(), plain.float())
+    assert ((head(x).float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3 * 64 ** 0.5).all()
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 1024, (6, 7), generator=g).tolist()
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def tokens():
+        return ([o.outputs[0].token_ids for o in llm.generate(prompts[:1], sp)],
+                [o.outputs[0].token_ids for o in llm.generate(prompts, sp)])
+    blocked = tokens()
+    head.packed, head.weight, emb.weight, emb.lookup = None, torch.nn.Parameter(plain, requires_grad=False), None, None
+    emb.weight = head.weight
+    head.bind(L.bind_layer(head, head=True))
+    G.bind_head(head, torch.bfloat16, True)
+    assert tokens() == blocked

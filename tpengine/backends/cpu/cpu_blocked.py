@@ -58,6 +58,14 @@ def unpack(blocked: torch.Tensor) -> torch.Tensor:
     return blocked.permute(0, 2, 1, 3).reshape(n, k)
 
 
+def rows(blocked: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (int64 ``[...]``, each in ``[0, n)``) of the plain weight, ``[..., k]``, gathered from the
+    blocked tensor (row ``r`` is ``blocked[r // 16, :, r % 16, :]``): a tied embedding's lookup when its
+    table is held in this layout only (the LM head's), bit-equal to ``F.embedding`` on the plain weight."""
+    got = blocked[ids.div(16, rounding_mode="floor"), :, ids.remainder(16), :]  # [..., k / 2, 2]
+    return got.reshape(*ids.shape, blocked.shape[1] * 2)
+
+
 def linear(x: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
     """``x [rows, k] @ weight.T -> [rows, n]`` in bfloat16 (float32 sums, rounded once), any ``rows``.
 
@@ -79,4 +87,5 @@ def bind(blocked: torch.Tensor):
         if x.shape[0]:
             fn(x.data_ptr(), x.shape[0], k, wp, n, y.data_ptr(), torch.get_num_threads())
         return y
+    run.c_spec = ("lin", "tpe_blocked_gemm_bf16", k, wp, n)  # its call in a decode program (cpu_program)
     return run

@@ -208,22 +208,34 @@ def _timed(key: str, needs: tuple[str, ...], measure_fn) -> tuple[dict | None, s
 
 
 def choose_head(weight: torch.Tensor, setting: str = "auto", cpu_kernels: bool = True) -> LayoutChoice:
-    """The kernels of a tied LM head's loaded CPU ``weight [vocab_local, hidden]``, which stays plain
-    (its rows are the embedding's too, so there is no packed copy): ``F.linear`` or, per bucket
-    (:func:`plain_kernels`), the GEMV kernel, and the GEMM kernel for a float32 weight or the widened
-    float32 GEMM for a half-precision one, timed on this weight itself at :data:`ROW_BUCKETS` (cached
-    like :func:`choose_layouts`).
-    ``setting`` other than "auto", ``cpu_kernels`` False, or a weight none of them takes: plain
-    ``F.linear`` with no timings."""
+    """The layout and kernels of a tied LM head's loaded CPU ``weight [vocab_local, hidden]``, whose rows are
+    the embedding's too, so it is held in ONE layout: plain (``F.linear`` or, per bucket
+    (:func:`plain_kernels`), the GEMV kernel, and the GEMM kernel for a float32 weight or the widened float32
+    GEMM for a half-precision one), or blocked (:mod:`tpengine.backends.cpu.cpu_blocked`, bfloat16 on
+    AVX512-BF16 builds; the embedding then reads its rows from it, :func:`tpengine.backends.cpu.cpu_blocked.rows`),
+    timed on this weight itself at :data:`ROW_BUCKETS` (the blocked one on a copy made and dropped for the
+    measurement; cached like :func:`choose_layouts`) and chosen by :func:`pick`. ``setting`` "blocked"
+    forces the blocked layout where it takes the weight; other settings than "auto", ``cpu_kernels`` False,
+    or a weight no kernel takes: plain ``F.linear`` with no timings."""
+    blocks = cpu_kernels and cpu_blocked.available(weight)
+    if setting == "blocked" and blocks:
+        return LayoutChoice("blocked", "forced", {})
     kernels = tuple(k for k, mod in (("gemv", cpu_gemv), ("gemm", cpu_gemm), ("widen", cpu_widen))
                     if mod.available(weight))
     if setting != "auto" or not cpu_kernels or not kernels:
         return LayoutChoice("plain", "default", {})
     key = f"linear head {str(weight.dtype).removeprefix('torch.')} {weight.shape[0]}x{weight.shape[1]}"
-    times, how = _timed(key, ("plain", *kernels), lambda: plain_timings([weight], weight.dtype, kernels))
+
+    def measure_head() -> dict[str, list]:
+        times = plain_timings([weight], weight.dtype, kernels)
+        if blocks:
+            times["blocked"] = blocked_timing([weight], 0)  # packs a copy; `weight` itself stays
+        return times
+    times, how = _timed(key, ("plain", *kernels) + (("blocked",) if blocks else ()), measure_head)
     if times is None:  # a busy machine: F.linear, the path every weight has
         return LayoutChoice("plain", how, {})
-    return LayoutChoice("plain", how, times, plain_kernels(times))
+    layout = pick(times)
+    return LayoutChoice(layout, how, times, plain_kernels(times) if layout == "plain" else ())
 
 
 def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setting: str = "auto",

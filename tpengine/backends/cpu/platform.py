@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from tpengine.backends.cpu import cpu_gemm, cpu_gemv, cpu_qgemv, cpu_widen, greedy, linear_layout, process
+from tpengine.backends.cpu import cpu_blocked, cpu_gemm, cpu_gemv, cpu_qgemv, cpu_widen, greedy, linear_layout, process
 from tpengine.backends.cpu.cpu_fused import FusedOps
 from tpengine.backends.cpu.memory import lazy_zeros
 from tpengine.backends.cpu.profile import CPUProfile
@@ -74,9 +74,11 @@ class CPUPlatform(Platform):
         plain_head = head is not None and getattr(head, "weight", None) is not None
         _set_kernels(module, layouts, head if tie else None)
         head_layout = None
-        if pack and tie and plain_head and head.quant is None:  # the tied head stays plain
+        if pack and tie and plain_head and head.quant is None:  # one copy of the tied rows: plain or blocked
             head_layout = linear_layout.choose_head(head.weight, cpu_linear, cpu_kernels)
             head.kernels = head_layout.kernels
+            if head_layout.layout == "blocked":
+                _block_tied_head(head, module.get_input_embeddings())
         gemm = {dtype: cpu_widen.gemm_choice(dtype)} if dtype in _HALF else {}  # measured here, not in a step
         quant = _bind_quantized(module, cpu_kernels, rank, gemm.get(dtype), dtype)
         for m in _linears(module):  # every linear, now that its weight and choices are final
@@ -108,6 +110,17 @@ class CPUPlatform(Platform):
         backend.paged_choice, backend.paged_amx_min = choice, profile.amx_min_batch
         backend.gemm_dtypes = profile.gemm_dtypes()
         return profile
+
+
+def _block_tied_head(head, emb) -> None:
+    """Hold a tied LM head's and embedding's rows in the blocked layout only
+    (:func:`tpengine.backends.cpu.cpu_blocked.pack`): the head multiplies through it, the embedding's
+    ``lookup`` gathers its rows from it (:func:`tpengine.backends.cpu.cpu_blocked.rows`); both plain
+    ``weight`` fields become None, so the plain table is freed."""
+    blocked = cpu_blocked.pack(head.weight)
+    head.packed_bytes = head.weight.numel() * head.weight.element_size()
+    head.packed, head.weight, head.impl = blocked, None, None
+    emb.weight, emb.lookup = None, (lambda ids: cpu_blocked.rows(blocked, ids))
 
 
 def _set_kernels(module: torch.nn.Module, layouts: dict, tied_head) -> None:

@@ -26,7 +26,9 @@ class VocabParallelEmbedding(nn.Module):
 
     ``weight [vocab_end - vocab_start, hidden]`` (or ``quant``, the same rows quantized); ids
     ``[...]`` int64 -> ``[..., hidden]``. Ids outside this rank's range contribute zero; padded
-    ids embed to zero everywhere.
+    ids embed to zero everywhere. ``lookup`` (bound by the platform where a tied LM head holds the
+    table in its platform's own layout, ``weight`` then None: one copy, the head's): local ids ``[...]``
+    -> their rows ``[..., hidden]``, the same values as the plain table's.
     """
 
     def __init__(self, vocab_start: int, vocab_end: int, vocab_size: int, hidden: int,
@@ -36,9 +38,12 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_end - vocab_start, hidden, dtype=dtype, device=device),
                                    requires_grad=False)
         self.quant: nn.Module | None = None
+        self.lookup = None
 
     def _lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(local_ids, self.weight) if self.quant is None else self.quant.rows(local_ids)
+        if self.quant is not None:
+            return self.quant.rows(local_ids)
+        return F.embedding(local_ids, self.weight) if self.lookup is None else self.lookup(local_ids)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if get_tp().size == 1:
@@ -86,8 +91,9 @@ class ParallelLMHead(_Packable):
         return min(self.vocab_end, self.vocab_size) - self.vocab_start
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """This rank's ``[B, vocab_local]`` logits. A tied head keeps the embedding's plain rows
-        (never a packed copy beside them)."""
+        """This rank's ``[B, vocab_local]`` logits. A tied head keeps one copy of its rows: the
+        embedding's plain ones, or its platform's layout of them that the embedding then reads
+        (``VocabParallelEmbedding.lookup``)."""
         logits = self._rows(hidden)
         return self._transform(logits) if self.transforms else logits
 
