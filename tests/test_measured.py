@@ -289,3 +289,39 @@ def test_a_spent_measuring_budget_takes_defaults_and_caches_nothing(monkeypatch,
         monkeypatch.setenv("TPENGINE_MEASURE_BUDGET_S", bad)
         with pytest.raises(ValueError, match=f"TPENGINE_MEASURE_BUDGET_S='{bad}': must be a number of seconds"):
             measured.measure_budget_s()
+
+
+def test_a_short_job_measures_nothing_and_keeps_its_weights_plain(monkeypatch, tmp_path):
+    """The batch job states its work ($TPENGINE_JOB_TOKENS, from its requests' max_tokens x n): a budget
+    in proportion (none under MIN_JOB_BUDGET_S), the user's $TPENGINE_MEASURE_BUDGET_S first; a short job
+    takes every layout plain (no reorder) even where cached timings chose another, keeping their kernels."""
+    from tpengine.backends.cpu import linear_layout
+    from tpengine.entrypoints.run import stated_work
+    from tpengine.frontend.request_file import RequestFile
+
+    monkeypatch.delenv("TPENGINE_MEASURE_BUDGET_S", raising=False)
+    monkeypatch.delenv("TPENGINE_JOB_TOKENS", raising=False)
+    monkeypatch.setattr(measured, "_spent_s", 0.0)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "x", "max_tokens": 1}\n{"id": "b", "prompt": "y", "n": 3}\n')
+    assert RequestFile(prompts).max_new_tokens == 1 + 16 * 3  # the simple lines' default max_tokens is 16
+    assert RequestFile(prompts, {"max_tokens": None}).max_new_tokens is None
+    with stated_work(49):
+        assert (measured.job_tokens(), measured.measure_budget_s(), measured.short_job()) == (49, 0.0, True)
+        assert measured.fastest("short", {"a": [lambda: 1], "b": [lambda: 1]}).how == measured.DEFAULT_SHORT
+        times = {"plain": [30.0, 30.0, 90.0], "gemv": [10.0, 20.0, None], "packed": [20.0, 20.0, 40.0]}
+        monkeypatch.setattr(linear_layout, "_timed", lambda key, needs, fn: (times, "cached"))
+        got = linear_layout.choose_layouts({(32, 16): 2}, torch.float32)[(32, 16)]
+        assert (got.layout, got.kernels, got.how) == ("plain", linear_layout.plain_kernels(times), "cached")
+        assert got.kernels[0] == "gemv"
+        monkeypatch.setenv("TPENGINE_MEASURE_BUDGET_S", "inf")  # the user's budget wins: no short job
+        assert (measured.measure_budget_s(), measured.short_job()) == (float("inf"), False)
+        assert linear_layout.choose_layouts({(32, 16): 2}, torch.float32)[(32, 16)].layout == "packed"
+        monkeypatch.delenv("TPENGINE_MEASURE_BUDGET_S")
+    assert "TPENGINE_JOB_TOKENS" not in os.environ  # stated for the load only
+    assert measured.job_budget_s(1000) == 1000 * measured.MEASURE_S_PER_TOKEN >= measured.MIN_JOB_BUDGET_S
+    with stated_work(None):
+        assert measured.measure_budget_s() == measured.MEASURE_BUDGET_S  # unbounded: the default budget
+    monkeypatch.setenv("TPENGINE_JOB_TOKENS", "many")
+    with pytest.raises(ValueError, match="TPENGINE_JOB_TOKENS='many': must be a whole number of tokens"):
+        measured.measure_budget_s()

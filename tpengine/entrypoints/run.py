@@ -24,6 +24,8 @@ import io
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, TextIO
@@ -181,6 +183,22 @@ def prepare(prompts: Path, out: Path | None, config: Path | None, resume: bool, 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
 
+@contextmanager
+def stated_work(tokens: int | None) -> Iterator[None]:
+    """While the engine loads, ``$TPENGINE_JOB_TOKENS`` = ``tokens`` (the most the job generates; None:
+    unbounded, nothing stated): the platform's measuring in proportion to the job, none for a one-token
+    job (:func:`tpengine.backends.cpu.measured.job_budget_s`). The variable's earlier value (the user's,
+    or none) comes back after."""
+    before = os.environ.get("TPENGINE_JOB_TOKENS")
+    if tokens is not None and before is None:
+        os.environ["TPENGINE_JOB_TOKENS"] = str(tokens)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TPENGINE_JOB_TOKENS", None)
+
+
 @record
 def run_engine(job: PreparedJob) -> int:
     """Every rank: build the engine and run; rank 0 drives and writes through ``job.writer``
@@ -194,7 +212,8 @@ def run_engine(job: PreparedJob) -> int:
     rank, world = rank_and_world()
     try:
         try:
-            engine = build_engine(job.config, rank, world, job.defaults_line)
+            with stated_work(job.requests.max_new_tokens):
+                engine = build_engine(job.config, rank, world, job.defaults_line)
         except FileNotFoundError as e:  # a file the model folder lacks: the user's to fix
             raise UserError(str(e)) from e
     except UserError as e:  # bad settings or model folder: one line, no traceback

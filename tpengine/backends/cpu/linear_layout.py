@@ -21,7 +21,8 @@ in a cache. A shape takes the layout with the smaller sum over the buckets of it
 the faster one (:func:`tpengine.backends.cpu.measured.pick`). The timings are taken, checked and
 cached by :func:`tpengine.backends.cpu.measured.timed` (twice on a quiet machine, cached per machine
 when they agree; a busy machine without cached timings takes the default layout, packed where oneDNN
-packs the dtype, unmeasured), so a machine measures once.
+packs the dtype, unmeasured), so a machine measures once. A job too short to repay a reorder
+(:func:`tpengine.backends.cpu.measured.short_job`: a one-token batch job) keeps every weight plain.
 """
 
 from __future__ import annotations
@@ -234,7 +235,7 @@ def choose_head(weight: torch.Tensor, setting: str = "auto", cpu_kernels: bool =
     times, how = _timed(key, ("plain", *kernels) + (("blocked",) if blocks else ()), measure_head)
     if times is None:  # a busy machine: F.linear, the path every weight has
         return LayoutChoice("plain", how, {})
-    layout = pick(times)
+    layout = "plain" if measured.short_job() else pick(times)  # a short job: no reorder (choose_layouts)
     return LayoutChoice(layout, how, times, plain_kernels(times) if layout == "plain" else ())
 
 
@@ -265,7 +266,9 @@ def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setti
             f" group {group}" if group else "")
         needs = ("plain",) + (("packed",) if packable else ()) + (("blocked",) if blocks else ())
         times, how = _timed(key, needs, lambda: measure(shape, count, dtype, group))
-        if times is None:  # too big to measure, or a busy machine: packed where oneDNN packs this dtype
+        if measured.short_job():  # a few forwards never repay a reorder: plain, its cached kernels if any
+            chosen[shape] = LayoutChoice("plain", how, times or {}, plain_kernels(times) if times else ())
+        elif times is None:  # too big to measure, or a busy machine: packed where oneDNN packs this dtype
             chosen[shape] = LayoutChoice("packed" if packable else "plain", how, {})
         else:
             if not cpu_kernels:
@@ -336,6 +339,7 @@ def bind_linear(weight: torch.Tensor | None, bias: torch.Tensor | None, packed: 
         def run(x: torch.Tensor) -> torch.Tensor:
             rows = x.shape[0]
             return (by_rows[rows] if rows < last else past)(x)
+        run.c_spec = getattr(by_rows[1], "c_spec", None)  # the one-row path's call in a decode program
         return run
     return lambda x: F.linear(x, weight, bias)
 

@@ -14,7 +14,9 @@ The rule, per choice (a cache key saying what was timed):
 3. a process that has spent its measuring budget (:func:`measure_budget_s`, 1 s unless
    ``$TPENGINE_MEASURE_BUDGET_S`` says otherwise) measures nothing more: the caller takes its default
    (:data:`DEFAULT_BUDGET`, not cached) and a later start measures it, so a new shape never costs a
-   short first job more than the budget and one choice;
+   short first job more than the budget and one choice; a batch job that states its work
+   (``$TPENGINE_JOB_TOKENS``) gets a budget in proportion (:func:`job_budget_s`), none for a
+   one-token job (:func:`short_job`);
 4. on a quiet machine the candidates are timed twice, each pass under :class:`Contention`; timings
    whose passes agree (:func:`consistent`: within 1.5x at every workload, or, where the caller says
    what it decides from them, the same decision from each pass) and that no other process disturbed
@@ -175,9 +177,21 @@ DEFAULT_BUSY = "default: machine busy, not measured"
 #: budget (:func:`measure_budget_s`): nothing measured, nothing cached; a later start measures it.
 DEFAULT_BUDGET = "default: measuring budget spent, not measured"
 
+#: How a choice is described that took its default because this process's job is too short to earn a
+#: measurement back (:func:`short_job`): nothing measured, nothing cached; a longer job measures it.
+DEFAULT_SHORT = "default: short job, not measured"
+
 #: Seconds of measuring one process spends on choices without cached timings, unless
-#: ``$TPENGINE_MEASURE_BUDGET_S`` says otherwise (:func:`measure_budget_s`).
+#: ``$TPENGINE_MEASURE_BUDGET_S`` or the job's expected work (:func:`job_budget_s`) says otherwise
+#: (:func:`measure_budget_s`).
 MEASURE_BUDGET_S = 1.0
+
+#: Seconds of measuring each token a job is expected to generate pays for (:func:`job_budget_s`): what
+#: a measured choice may save a decode step, so that measuring costs a job no more than it saves it.
+MEASURE_S_PER_TOKEN = 0.002
+
+#: A job's measuring budget below this many seconds is none at all: measuring one choice takes longer.
+MIN_JOB_BUDGET_S = 0.25
 
 #: Seconds this process has spent in measurements (:func:`timed`'s ``measure_fn`` calls).
 _spent_s = 0.0
@@ -185,15 +199,17 @@ _spent_s = 0.0
 
 def measure_budget_s() -> float:
     """The measuring budget of this process, in seconds: ``$TPENGINE_MEASURE_BUDGET_S`` (a number >= 0;
-    ``inf``: no limit; 0: nothing new is measured), else :data:`MEASURE_BUDGET_S`. Once a process's
-    measurements have taken that long, every further choice without cached timings takes its default
+    ``inf``: no limit; 0: nothing new is measured), else the job's (:func:`job_budget_s` of
+    :func:`job_tokens`, where the process runs a job that stated its work), else :data:`MEASURE_BUDGET_S`.
+    Once a process's measurements have taken that long, every further choice without cached timings takes its default
     (:data:`DEFAULT_BUDGET`, not cached) and a later start measures it, so a new shape costs a start at
     most the budget plus the one choice measured when the budget ran out (a one-token job would never
     earn back a full measurement; the cache fills over a few starts). Raises ValueError (naming the
     variable) for a value that is not a number >= 0."""
     text = os.environ.get("TPENGINE_MEASURE_BUDGET_S", "").strip()
     if not text:
-        return MEASURE_BUDGET_S
+        tokens = job_tokens()
+        return MEASURE_BUDGET_S if tokens is None else job_budget_s(tokens)
     try:
         value = float(text)
     except ValueError:
@@ -201,6 +217,37 @@ def measure_budget_s() -> float:
     if not value >= 0:  # also NaN
         raise ValueError(f"TPENGINE_MEASURE_BUDGET_S={text!r}: must be a number of seconds >= 0 (inf: no limit)")
     return value
+
+
+def job_tokens() -> int | None:
+    """The tokens this process's job is expected to generate, ``$TPENGINE_JOB_TOKENS`` (the batch job
+    sets it from its requests' ``max_tokens`` while its engine loads, :func:`tpengine.entrypoints.run.run_engine`);
+    None where unset (a server, ``LLM()``, a job with an unbounded request). Raises ValueError (naming
+    the variable) for a value that is not a whole number >= 0."""
+    text = os.environ.get("TPENGINE_JOB_TOKENS", "").strip()
+    if not text:
+        return None
+    if not text.isdigit():
+        raise ValueError(f"TPENGINE_JOB_TOKENS={text!r}: must be a whole number of tokens >= 0")
+    return int(text)
+
+
+def job_budget_s(tokens: int) -> float:
+    """The measuring budget, in seconds, of a job expected to generate ``tokens`` tokens:
+    :data:`MEASURE_S_PER_TOKEN` each, none below :data:`MIN_JOB_BUDGET_S` (a one-token job measures
+    nothing new: its choices take their defaults, not cached; a long job measures in proportion)."""
+    budget = tokens * MEASURE_S_PER_TOKEN
+    return budget if budget >= MIN_JOB_BUDGET_S else 0.0
+
+
+def short_job() -> bool:
+    """Whether this process runs a job too short to earn back anything done for speed at load: its
+    stated work (:func:`job_tokens`) gives no measuring budget (:func:`job_budget_s`) and the user set
+    none (``$TPENGINE_MEASURE_BUDGET_S``). Such a job measures nothing new (:data:`DEFAULT_SHORT`) and
+    keeps its weights in the layout they load in (no reorder: its few forwards never repay one)."""
+    tokens = job_tokens()
+    return (tokens is not None and not os.environ.get("TPENGINE_MEASURE_BUDGET_S", "").strip()
+            and job_budget_s(tokens) == 0)
 
 
 def _measure_timed(measure_fn: Callable[[], dict[str, list] | None]) -> dict[str, list] | None:
@@ -315,13 +362,14 @@ def timed(key: str, measure_fn: Callable[[], dict[str, list] | None],
     their times within :func:`consistent`'s ratio). Returns the cached timings ("cached"); None and
     :data:`DEFAULT_BUSY` when the machine is busy before measuring (the caller takes its default); else
     the measurement ("measured", cached; :data:`NOISY` or :data:`BUSY`, not cached); None and
-    :data:`DEFAULT_BUDGET` once this process has spent its measuring budget (:func:`measure_budget_s`)."""
+    :data:`DEFAULT_BUDGET` once this process has spent its measuring budget (:func:`measure_budget_s`;
+    :data:`DEFAULT_SHORT` where that is a short job's none, :func:`short_job`)."""
     path = cache_path()
     times = read_cache(path).get(key)
     if _numbers(times) and (valid is None or valid(times)):
         return times, "cached"
     if _spent_s >= measure_budget_s():
-        return None, DEFAULT_BUDGET
+        return None, DEFAULT_SHORT if short_job() else DEFAULT_BUDGET
     if probe_busy():
         return None, DEFAULT_BUSY
     with Contention() as load:  # a busy first measurement is this run's only: no second one could cache it
