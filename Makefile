@@ -18,6 +18,9 @@ BENCH_CHUNKED_ARGS ?= --long-len 2048 --chunk 512,2048 --running-output-len 128
 .PHONY: setup model model-keepquant test lint demo bench bench-prefix bench-chunked bench-big-file bench-serve bench-structured bench-spec bench-kv bench-dp bench-pp bench-peers bench-long bench-moe humaneval quality eval-harness bench-scale chaos soak shards clean
 
 setup: .venv/.installed
+	# tpengine's C kernels for this CPU, built once into $$TPENGINE_CACHE_DIR (keyed by their sources, compiler and
+	# ISA): a first job does not pay the build; after an edit of tpengine/backends/cpu/*.c, the next setup or job does
+	$(PY) -c 'from tpengine.backends.cpu import cpu_library; cpu_library.load()'
 
 .venv/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
