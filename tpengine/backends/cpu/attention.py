@@ -55,7 +55,7 @@ from tpengine.backends.checks import (
     prefill_lengths,
     window_start,
 )
-from tpengine.backends.cpu import cpu_decode, cpu_fused, cpu_paged
+from tpengine.backends.cpu import cpu_decode, cpu_fused, cpu_paged, cpu_program
 from tpengine.backends.cpu import kv_mirror as mirrors
 from tpengine.backends.cpu import prefill as cpu_prefill
 from tpengine.context import StepIndex
@@ -269,7 +269,8 @@ class CPUAttentionBackend(AttentionBackend):
         super().bind_model(stack, tp_size)
         layer_calls.bind_stack(stack, self.cpu_kernels)
         attns = [layer.self_attn for layer in stack.layers[: stack.config.num_hidden_layers]]
-        self.paged_calls = {}
+        self.paged_calls, self.program = {}, None
+        stack.bound_decode = None
         # the activations' dtype: the cache's, or with an int8 cache the q/k/v projection's output
         scales = {a.layer_idx: getattr(a, "kv_scales", None) for a in attns}
         act = {a.layer_idx: a.k_cache.dtype if scales[a.layer_idx] is None else a.kv_scales_dtype for a in attns}
@@ -283,6 +284,24 @@ class CPUAttentionBackend(AttentionBackend):
                                                         a.logit_soft_cap or 0.0, scales[a.layer_idx],
                                                         act[a.layer_idx])
                             for a in attns}
+        # the whole one-token step as one C call, where the stack's form and every kernel allow (cpu_program)
+        self.program = cpu_program.bind(stack, self.paged_calls, tp_size, act[attns[0].layer_idx])
+        if self.program is not None:
+            stack.bound_decode = self._program_step(self.program, act[attns[0].layer_idx])
+
+    @staticmethod
+    def _program_step(program, dtype: torch.dtype):
+        """The stack's ``bound_decode(h, tables, ctx)``: ``program`` for a step of one token on the
+        ``PAGED`` path (``h [1, hidden]`` of ``dtype``), else None (the forward's own path)."""
+        def step(h: torch.Tensor, tables: dict, ctx):
+            attn = ctx.attn
+            if h.shape[0] != 1 or attn.path != PAGED or h.dtype != dtype or None not in tables:
+                return None
+            rope, r = tables[None], attn.rope
+            if r is None or r.key is not rope:  # (as forward: the step's tables, made once)
+                r = attn.rope = cpu_paged.Rope(rope, dtype)
+            return program(h.contiguous(), r, attn.paged_index)
+        return step
 
     def describe(self) -> str | None:
         """The paged decode kernel's measured path (:meth:`bind_model`), or None."""

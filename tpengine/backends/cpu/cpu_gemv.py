@@ -63,4 +63,5 @@ def bind(weight: torch.Tensor):
         y = torch.empty(x.shape[0], n, dtype=dtype)
         fn(x.data_ptr(), x.shape[0], k, wp, n, y.data_ptr(), torch.get_num_threads())
         return y
+    run.c_spec = ("lin", _KERNELS[dtype][0], k, wp, n)  # its call in a decode program (cpu_program)
     return run

@@ -39,7 +39,7 @@ import torch
 SOURCES = tuple(Path(__file__).parent / "csrc" / n for n in ("cpu_decode.c", "cpu_fused.c", "cpu_paged.c",
                                                          "cpu_gemv.c", "cpu_gemm.c", "cpu_blocked.c", "cpu_qgemv.c",
                                                          "cpu_shm.c",
-                                                         "cpu_argmax.c", "cpu_paged_i8.c"))
+                                                         "cpu_argmax.c", "cpu_paged_i8.c", "cpu_program.c"))
 #: included by the sources: part of the cache key
 HEADERS = (Path(__file__).parent / "csrc" / "bf16.h", Path(__file__).parent / "csrc" / "gemv.h")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # and march()'s -march
@@ -60,7 +60,7 @@ RETURNS_INDEX = ("tpe_copy_rows", "tpe_decode_scores", "tpe_decode_pv", "tpe_pag
                  "tpe_paged_decode_bf16", "tpe_paged_decode_i8_f32", "tpe_paged_decode_i8_bf16", "tpe_qgemv_int8",
                  "tpe_qgemv_int4", "tpe_dequant_int4",
                  "tpe_int4_rows", "tpe_shm_all_reduce", "tpe_shm_all_reduce_add_rms_norm", "tpe_qgemv_int4_q8",
-                 "tpe_moe_decode_bf16")
+                 "tpe_moe_decode_bf16", "tpe_program_run")
 _PAGED = [_P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _F32, _P,
           _I64, _I64, _I32, _I64, _F32]
 #: the int8-cache kernel (cpu_paged_i8.c): _PAGED with the two scale pointers after the caches, no amx_min_batch
@@ -101,6 +101,7 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_paged_am
     "tpe_dequant_int4": [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _I32, _I32],
     "tpe_int4_rows": [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _I32, _I32],
     "tpe_shm_all_reduce": [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _I64],
+    "tpe_program_run": [_P, _I64, _P],
     "tpe_shm_all_reduce_add_rms_norm": [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _F32,
                                         _I32],
 }

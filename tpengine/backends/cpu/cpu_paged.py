@@ -193,11 +193,14 @@ def bind(k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor, sc
         raise ValueError(f"paged decode: contiguous [blocks, block_size, Hkv, D] caches of float32 or bfloat16 (or "
                          f"int8 with scales) with D % 32 == 0 and <= {MAX_D}, int64 q_to_kv; got {k_cache.dtype} "
                          f"{tuple(k_cache.shape)}, {q_to_kv.dtype} q_to_kv")
-    fn = lib.tpe_paged_decode_f32 if dtype == torch.float32 else lib.tpe_paged_decode_bf16
+    name = "tpe_paged_decode_f32" if dtype == torch.float32 else "tpe_paged_decode_bf16"
+    fn = getattr(lib, name)
     kp, vp, mp, es, scale = k_cache.data_ptr(), v_cache.data_ptr(), q_to_kv.data_ptr(), dtype.itemsize, \
         float(scale)
+    sp = None
     if int8:
-        fn, sp = getattr(lib, I8_KERNELS[dtype]), (kv_scales[0].data_ptr(), kv_scales[1].data_ptr())
+        name, sp = I8_KERNELS[dtype], (kv_scales[0].data_ptr(), kv_scales[1].data_ptr())
+        fn = getattr(lib, name)
 
     width, amx = (hq + 2 * hkv) * d, max(int(amx_min_batch), 0)
     window_arg, cap_arg = int(window or 0), float(cap or 0.0)
@@ -227,6 +230,8 @@ def bind(k_cache: torch.Tensor, v_cache: torch.Tensor, q_to_kv: torch.Tensor, sc
             checked(qkv, rope, index)
             raise RuntimeError(f"paged decode: the C kernel refused argument {bad}")
         return out
+    # its call in a decode program (cpu_program): the constants of the arguments above
+    run.c_spec = ("paged", name, hq, hkv, d, es, kp, vp, sp, nb, bs, mp, scale, amx, window_arg, cap_arg)
     return run
 
 

@@ -247,6 +247,7 @@ def bind_int8(qweight: torch.Tensor, scales: torch.Tensor):
         y = torch.empty(x.shape[0], n, dtype=dtype)
         _check(fn(x.data_ptr(), x.shape[0], k, qp, sp, n, y.data_ptr(), bf, torch.get_num_threads()), "int8")
         return y
+    run.c_spec = ("q8", "tpe_qgemv_int8", k, qp, sp, n, bf)  # its call in a decode program (cpu_program)
     return run
 
 
@@ -271,6 +272,9 @@ def bind_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: 
         _check(fn(x.data_ptr(), x.shape[0], k, pp, sp, zp, group_size, out_features, n_pad, block, y.data_ptr(), bf,
                   torch.get_num_threads()), "int4")
         return y
+    # its call in a decode program (cpu_program)
+    run.c_spec = ("q4", "tpe_qgemv_int4_q8" if act_int8 else "tpe_qgemv_int4", k, pp, sp, zp, group_size,
+                  out_features, n_pad, block, bf)
     return run
 
 

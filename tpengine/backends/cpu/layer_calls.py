@@ -49,9 +49,9 @@ def bind_norm(norm, act_dtype: torch.dtype | None = None) -> object | None:
             and n % 16 == 0 and w.is_contiguous() and cpu_library.has(*KERNELS)):
         return None
     lib = cpu_library.load()
-    fn = lib.tpe_add_rms_norm_w32 if mixed else lib.tpe_add_rms_norm if dtype == torch.bfloat16 else \
-        lib.tpe_add_rms_norm_f32
-    eps, ops, wp = float(norm.eps), norm.ops, w.data_ptr()
+    name = "tpe_add_rms_norm_w32" if mixed else "tpe_add_rms_norm" if dtype == torch.bfloat16 else \
+        "tpe_add_rms_norm_f32"
+    fn, eps, ops, wp = getattr(lib, name), float(norm.eps), norm.ops, w.data_ptr()
 
     def run(h: torch.Tensor, x: torch.Tensor | None, reduce: bool = False):
         if x is not None and reduce:
@@ -66,6 +66,7 @@ def bind_norm(norm, act_dtype: torch.dtype | None = None) -> object | None:
         h2 = torch.empty_like(h)
         fn(h.data_ptr(), x.data_ptr(), wp, h2.data_ptr(), y.data_ptr(), h.shape[0], n, eps, torch.get_num_threads())
         return h2, y
+    run.c_spec = ("norm", name, wp, n, eps)  # its call in a decode program (cpu_program)
     return run
 
 
@@ -87,6 +88,7 @@ def bind_act(mlp, dtype: torch.dtype) -> object | None:
         out = torch.empty(gate_up.shape[0], inter, dtype=dtype)
         fn(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, torch.get_num_threads())
         return out
+    run.c_spec = ("act", names[0] if dtype == torch.bfloat16 else names[1], inter)  # (cpu_program)
     return run
 
 

@@ -342,6 +342,11 @@ class DecoderStack(nn.Module):
     #: ``longrope_past``: that bound as a ``[1]`` int64 tensor on the model's device
     longrope_bound: int | None = None
     longrope_past: torch.Tensor | None = None
+    #: ``(h, tables, ctx) -> output | None``: the whole step from the embedding's rows ``h`` and the RoPE
+    #: ``tables`` on, bound by the attention backend where its device runs it as one call (the CPU's
+    #: decode program, :mod:`tpengine.backends.cpu.cpu_program`: the layers' own bound kernels, called
+    #: in this forward's order, for a step of one token); None from it, or unbound: the loop below
+    bound_decode = None
 
     def norms(self) -> list[RMSNorm]:
         """Every norm of the stack: the final one (a pipeline stage's before the last has none), then each
@@ -358,6 +363,10 @@ class DecoderStack(nn.Module):
         else:  # a later pipeline stage: the previous one's residual stream and last output
             h, delta = intermediate
         tables = {kind: self._rope(h, positions, ctx, kind) for kind in set(self.rope_types)}
+        if self.bound_decode is not None and intermediate is None:
+            out = self.bound_decode(h, tables, ctx)
+            if out is not None:
+                return out
         fuse = self.reduce_in_norm  # tp > 1: the blocks' all-reduces run in the next norm
         keep = not fuse
         for norm1, attn, post1, norm2, mlp, post2, rope in self.layer_calls():  # (called directly: no hooks)

@@ -116,6 +116,14 @@ class QuantScheme:
 
 
 # ------------------------------------------------------------------------------- storage
+def _one_row(run: Callable, kernel: Callable) -> Callable:
+    """``run`` (a weight's bound product at any rows) carrying ``kernel``'s ``c_spec``, the C call that
+    ``run`` makes for one row (``kernel`` is what it calls at one row), where the kernel has one: what
+    a backend's decode program calls in its place."""
+    run.c_spec = getattr(kernel, "c_spec", None)
+    return run
+
+
 class QuantizedWeight(nn.Module):
     """A quantized weight ``[out_features, in_features]`` (a linear's, or the vocabulary rows of
     an embedding / LM head): ``forward(x [..., in]) -> [..., out]`` in ``x``'s dtype (the model
@@ -263,7 +271,7 @@ class Int8Weight(QuantizedWeight):
         if not self.gemv_rows:
             return self._many
         kernel, limit, many = self.qkernels.bind_int8(self.qweight, self.scales), self.gemv_rows, self._many
-        return lambda x: kernel(x) if x.shape[0] <= limit else many(x)
+        return _one_row(lambda x: kernel(x) if x.shape[0] <= limit else many(x), kernel)
 
     def _many(self, x: torch.Tensor) -> torch.Tensor:
         if self.group_size is None:
@@ -344,9 +352,9 @@ class Int4Weight(QuantizedWeight):
         args = (self.packed, self._kernel_scales(), self.group_size, self.out_features, self._kernel_codes())
         kernel, limit, many = self.qkernels.bind_int4(*args), self.gemv_rows, self._many
         if not self.q8_rows:
-            return lambda x: kernel(x) if x.shape[0] <= limit else many(x)
+            return _one_row(lambda x: kernel(x) if x.shape[0] <= limit else many(x), kernel)
         q8, limit8 = self.qkernels.bind_int4(*args, act_int8=True), self.q8_rows
-        return lambda x: q8(x) if x.shape[0] <= limit8 else kernel(x) if x.shape[0] <= limit else many(x)
+        return _one_row(lambda x: q8(x) if x.shape[0] <= limit8 else kernel(x) if x.shape[0] <= limit else many(x), q8)
 
     def _many(self, x: torch.Tensor) -> torch.Tensor:
         n = self.out_features

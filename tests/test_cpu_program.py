@@ -1,0 +1,115 @@
+"""The CPU decode program (tpengine/backends/cpu/cpu_program.py): a one-token step of the decoder stack as
+one C call of the layers' own bound kernels. It must give what the stack's forward gives through those
+kernels -- the same tokens and logprobs, bit for bit -- for every kind of product it encodes (the GEMV
+kernel in float32 and bfloat16, the blocked layout, int8 and int4 weights, an int8 KV cache), take
+exactly the one-token decode steps, and be refused where the stack's form or a kernel does not allow it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model
+
+from tpengine.backends.cpu import cpu_blocked, cpu_library, cpu_program, layer_calls, linear_layout
+from tpengine.config import EngineConfig
+from tpengine.engine.llm_engine import LLMEngine
+from tpengine.sampling_params import SamplingParams
+
+KERNELS = ("tpe_program_run", "tpe_paged_decode_f32", "tpe_paged_decode_bf16", "tpe_gemv_f32", "tpe_gemv_bf16",
+           *layer_calls.KERNELS)
+needs_kernels = pytest.mark.skipif(cpu_library.missing(*KERNELS) is not None, reason=str(cpu_library.missing(*KERNELS)))
+SHAPE = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96}
+BASE = {"max_model_len": 128, "kv_cache_gb": 0.05, "enable_prefix_caching": False}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("program"), seed=6, **SHAPE)
+
+
+def run(engine: LLMEngine, prompts: list[list[int]]) -> list[tuple]:
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    outs = engine.generate([(str(i), p, sp) for i, p in enumerate(prompts)])
+    return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob,
+             [sorted((k, v.logprob) for k, v in pos.items()) for pos in o.outputs[0].logprobs]) for o in outs]
+
+
+def linears(stack):
+    for layer in stack.layers:
+        yield from (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+
+def pin_kernels(engine: LLMEngine) -> None:
+    """Every product's one-row path on a C kernel, whatever this machine measured: a plain weight on the
+    GEMV kernel up to 8 rows, a quantized one on its GEMV kernel; then the backend binds again."""
+    stack = engine.runner.model.model
+    for m in linears(stack):
+        if m.quant is not None:
+            m.quant.gemv_rows = 8
+        elif m.packed is None:
+            m.kernels = ("gemv", "gemv", "plain")
+        m.bind(linear_layout.bind_layer(m))
+    engine.runner.backend.bind_model(stack, 1)
+
+
+CASES = [("float32", None, "plain", None), ("bfloat16", None, "plain", None), ("bfloat16", "int8", "auto", None),
+         ("float32", "int4", "auto", None), ("bfloat16", "int4", "auto", None), ("bfloat16", None, "plain", "int8"),
+         ("bfloat16", None, "blocked", None)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype, quantization, cpu_linear, kv", CASES)
+def test_program_equals_the_forward(llama, dtype, quantization, cpu_linear, kv):
+    if cpu_linear == "blocked" and not cpu_blocked.available(torch.zeros(16, 2, dtype=torch.bfloat16)):
+        pytest.skip(f"no blocked layout in this build ({cpu_library.isa()})")
+    engine = LLMEngine(EngineConfig(model=str(llama), dtype=dtype, quantization=quantization, cpu_linear=cpu_linear,
+                                    kv_cache_dtype=kv or "auto", **BASE))
+    pin_kernels(engine)
+    backend, stack = engine.runner.backend, engine.runner.model.model
+    assert backend.program is not None, cpu_program.why_not(stack, backend.paged_calls, 1)
+    # 4 ops a layer besides its products: 2 norms, the attention, the activation; and the final norm
+    assert backend.program.n_ops == 2 * (4 + 4) + 1
+    kinds = {backend.program.describe(i) for i in range(backend.program.n_ops)}
+    want = {"q4" if quantization == "int4" else "q8" if quantization == "int8" else "lin"}
+    assert kinds == {"norm", "act", "paged_i8" if kv else "paged"} | want
+    program, steps = stack.bound_decode, []
+
+    def counted(h, tables, ctx):
+        out = program(h, tables, ctx)
+        steps.append((h.shape[0], out is not None))
+        return out
+    stack.bound_decode = counted
+    g = torch.Generator().manual_seed(2)
+    batches = [[torch.randint(3, 1001, (n,), generator=g).tolist() for n in lens] for lens in ([9], [4, 21])]
+    with_program = [run(engine, b) for b in batches]
+    # the prefills and the 2-row decodes keep the forward's loop; the 9 one-row decodes take the program
+    assert steps == [(9, False)] + [(1, True)] * 9 + [(25, False)] + [(2, False)] * 9
+    stack.bound_decode = None  # the forward's own loop over the same bound kernels
+    assert [run(engine, b) for b in batches] == with_program
+
+
+def test_what_the_program_refuses(tmp_path):
+    """Biases (Qwen2's q/k/v), post-norms (Gemma 2), C kernels off, a weight whose one-row path is
+    ``F.linear`` (forced plain layout, no kernels measured): no program, and the reason."""
+    qwen2 = make_tiny_model(tmp_path, "qwen2", name="q2", **SHAPE)
+    engine = LLMEngine(EngineConfig(model=str(qwen2), **BASE))
+    pin_kernels(engine)
+    r = engine.runner
+    if cpu_library.missing(*KERNELS) is None:
+        assert r.backend.program is None
+        assert cpu_program.why_not(r.model.model, r.backend.paged_calls, 1) == \
+            "a product without a C call at one row (or with a bias)"
+        assert cpu_program.why_not(r.model.model, r.backend.paged_calls, 2) == "tp > 1"
+    gemma2 = make_tiny_model(tmp_path, "gemma2", name="g2", **SHAPE)
+    r = LLMEngine(EngineConfig(model=str(gemma2), **BASE)).runner
+    assert r.backend.program is None and r.model.model.bound_decode is None
+    if cpu_library.missing(*KERNELS) is None:
+        assert cpu_program.why_not(r.model.model, r.backend.paged_calls, 1) == "post-norms or a missing pre-norm"
+    llama = make_tiny_model(tmp_path, name="l", **SHAPE)
+    off = LLMEngine(EngineConfig(model=str(llama), cpu_kernels=False, **BASE)).runner
+    assert off.backend.program is None and off.model.model.bound_decode is None
+    plain = LLMEngine(EngineConfig(model=str(llama), cpu_linear="plain", **BASE)).runner
+    assert plain.backend.program is None
+    if cpu_library.missing(*KERNELS) is None:
+        assert cpu_program.why_not(plain.model.model, plain.backend.paged_calls, 1) == \
+            "a product without a C call at one row (or with a bias)"

@@ -1,0 +1,242 @@
+"""A decoder stack's batch-1 decode step as one C call (``cpu_program.c``): the CPU backend's bound
+implementation of :meth:`tpengine.model.layers.fused.DecoderStack.forward` for a step of one token on
+the paged path.
+
+Why: at one token a step a decoder layer's kernels take microseconds each, and the Python between them
+(the layers' forwards, ctypes' conversion of each argument, an output tensor per call) costs as much
+again (docs/notes/kernels.md). :func:`bind` collects, from the layers' own bound kernels, the C call
+each one makes for one row (the ``c_spec`` their binders attach: the add + RMSNorm, the q/k/v, o,
+gate/up and down products in whatever layout or quantization each weight took, the paged decode
+attention with RoPE and the KV store, the MLP's activation), gives each output a buffer of its own,
+and encodes the calls in the order the forward makes them. Running the program makes exactly those
+calls with those arguments, so its output is bit for bit the forward's; the forward keeps its own
+path for everything the program does not take (:func:`bind` returns None, or the step is not one token
+on the paged path).
+
+What it takes: one rank (tp 1), a whole stack (no pipeline stage), layers of the Llama form (a pre-norm
+before each block and no post-norms, no residual scale, one RoPE table, no LongRoPE, no per-head q/k
+norms, no bias on any product, a gated MLP whose activation has a kernel, no mixture of experts), and a
+C call for every kernel at one row (a weight in oneDNN's packed layout, or one whose one-row path is
+``F.linear``, has none).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import torch
+
+from tpengine.backends.cpu import cpu_library
+
+#: int64 words an op takes (``TPE_OP_WORDS`` in cpu_program.c): signature, per-step mask, function, arguments
+WORDS = 32
+#: the signatures of cpu_program.c (``SIG_*``), by the ``c_spec`` kind that names them
+SIGNATURES = {"norm": 1, "lin": 2, "q8": 3, "q4": 4, "act": 5, "paged": 6, "paged_i8": 7}
+#: the per-step values (the ``params`` array's slots): RoPE's cos and sin ``[1, D]``, the slot mapping,
+#: the block table and its width, the context lengths, and the input row (the embedding's output)
+COS, SIN, SLOTS, TABLES, TABLE_WIDTH, LENS, H_IN = range(7)
+
+
+class Step:
+    """A per-step argument of an op: the ``params`` slot it is read from (:data:`COS` ...)."""
+
+    __slots__ = ("slot",)
+
+    def __init__(self, slot: int):
+        self.slot = slot
+
+
+def _word(v) -> int:
+    """An argument as an int64 word: an int as it is, a float as the bits of a double."""
+    if isinstance(v, float):
+        return struct.unpack("<q", struct.pack("<d", v))[0]
+    return int(v)
+
+
+class Program:
+    """The encoded ops of one stack (``ops [n, WORDS]`` int64), the buffers they write, and
+    ``params``, the per-step values. Call it as the bound decode step (:meth:`__call__`)."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype):
+        self.rows: list[list[int]] = []
+        self.buffers: list[torch.Tensor] = []  # every output's buffer, kept alive with the program
+        self.named: dict[str, torch.Tensor] = {}
+        self.hidden, self.dtype = hidden, dtype
+        self.params = (ctypes.c_int64 * 8)()
+        self.out: torch.Tensor | None = None
+        self.ops: torch.Tensor | None = None
+
+    def buffer(self, width: int, tag: str | None = None) -> torch.Tensor:
+        """A ``[1, width]`` buffer of the activations' dtype: the one named ``tag`` (every layer's calls
+        reuse their buffers, which stay in the cache), else a new one."""
+        t = self.named.get(tag) if tag is not None else None
+        if t is None or t.shape[1] != width:
+            t = torch.zeros(1, width, dtype=self.dtype)
+            self.buffers.append(t)
+            if tag is not None:
+                self.named[tag] = t
+        return t
+
+    def add(self, kind: str, fn_name: str, args: list) -> None:
+        """Append a call of the library's ``fn_name`` with ``args`` (ints, floats, :class:`Step`)."""
+        if len(args) > WORDS - 3:
+            raise ValueError(f"cpu program: {fn_name} takes {len(args)} arguments, at most {WORDS - 3}")
+        lib = cpu_library.load()
+        fn = ctypes.cast(getattr(lib, fn_name), ctypes.c_void_p).value
+        mask, words = 0, []
+        for i, a in enumerate(args):
+            if isinstance(a, Step):
+                mask |= 1 << i
+                words.append(a.slot)
+            else:
+                words.append(_word(0 if a is None else a))
+        self.rows.append([SIGNATURES[kind], mask, fn, *words, *[0] * (WORDS - 3 - len(words))])
+
+    def finish(self, out: torch.Tensor) -> Program:
+        """Freeze the ops; ``out`` is the buffer the last op writes (the step's output)."""
+        self.ops = torch.tensor(self.rows, dtype=torch.int64)
+        self.out = out
+        self.run_fn = cpu_library.load().tpe_program_run
+        self.ops_p, self.n_ops, self.params_p = self.ops.data_ptr(), len(self.rows), ctypes.addressof(self.params)
+        return self
+
+    def __call__(self, h: torch.Tensor, rope, index) -> torch.Tensor:
+        """One step: ``h [1, hidden]`` contiguous (the embedding's row), ``rope`` the step's
+        :class:`tpengine.backends.cpu.cpu_paged.Rope`, ``index`` its
+        :class:`~tpengine.backends.cpu.cpu_paged.PagedIndex` -> the final norm's output ``[1, hidden]``.
+
+        Raises:
+            RuntimeError: a kernel refused its arguments (a slot, length or block id out of range: the
+                KV cache of the layers before it was written, with the same values the forward writes).
+        """
+        p = self.params
+        p[COS], p[SIN], p[H_IN] = rope.cos_p, rope.sin_p, h.data_ptr()
+        p[SLOTS], p[TABLES], p[LENS] = (index.slot_mapping.data_ptr(), index.block_tables.data_ptr(),
+                                        index.context_lens.data_ptr())
+        p[TABLE_WIDTH] = index.block_tables.shape[1]
+        bad = self.run_fn(self.ops_p, self.n_ops, self.params_p)
+        if bad >= 0:
+            raise RuntimeError(f"cpu program: op {bad} of {self.n_ops} ({self.describe(bad)}) refused its arguments")
+        return self.out.clone()
+
+    def describe(self, i: int) -> str:
+        """Op ``i``'s signature name."""
+        sig = int(self.ops[i, 0])
+        return next((k for k, v in SIGNATURES.items() if v == sig), str(sig))
+
+
+def _spec(fn) -> tuple | None:
+    return getattr(fn, "c_spec", None) if fn is not None else None
+
+
+def _linear(prog: Program, lin, x, nt: int, tag: str) -> torch.Tensor | None:
+    """Append ``lin``'s one-row product of ``x`` (an address or :class:`Step`); returns its output
+    buffer, or None where the layer has no C call at one row (or a bias, added outside its kernel)."""
+    spec = _spec(getattr(lin, "impl", None))
+    if spec is None or getattr(lin, "bias", None) is not None:
+        return None
+    kind, name, *c = spec
+    if kind == "lin":
+        k, wp, n = c
+        y = prog.buffer(n, tag)
+        prog.add(kind, name, [x, 1, k, wp, n, y.data_ptr(), nt])
+    elif kind == "q8":
+        k, qp, sp, n, bf = c
+        y = prog.buffer(n, tag)
+        prog.add(kind, name, [x, 1, k, qp, sp, n, y.data_ptr(), bf, nt])
+    elif kind == "q4":
+        k, pp, sp, zp, gs, n, n_pad, block, bf = c
+        y = prog.buffer(n, tag)
+        prog.add(kind, name, [x, 1, k, pp, sp, zp, gs, n, n_pad, block, y.data_ptr(), bf, nt])
+    else:
+        return None
+    return y
+
+
+def _paged(prog: Program, spec: tuple, qkv: torch.Tensor, nt: int) -> torch.Tensor:
+    """Append the paged decode attention of ``spec`` (:func:`tpengine.backends.cpu.cpu_paged.bind`'s
+    call) on the ``qkv`` buffer; returns its output buffer ``[1, Hq D]``."""
+    _, name, hq, hkv, d, es, kp, vp, sp, nb, bs, mp, scale, amx, window, cap = spec
+    x, rs = qkv.data_ptr(), (hq + 2 * hkv) * d
+    out = prog.buffer(hq * d, "attn")
+    head = [x, rs, x + hq * d * es, rs, x + (hq + hkv) * d * es, rs, Step(COS), Step(SIN), Step(SLOTS), Step(TABLES),
+            Step(TABLE_WIDTH), Step(LENS), kp, vp]
+    if sp is not None:
+        prog.add("paged_i8", name, [*head, *sp, nb, bs, mp, hq, hkv, d, float(scale), out.data_ptr(), 1, nt, window,
+                                    float(cap)])
+    else:
+        prog.add("paged", name, [*head, nb, bs, mp, hq, hkv, d, float(scale), out.data_ptr(), 1, amx, nt, window,
+                                 float(cap)])
+    return out
+
+
+def why_not(stack, paged_calls: dict, tp_size: int) -> str | None:
+    """Why :func:`bind` takes no program for ``stack`` (its form, see the module's docstring), or None."""
+    if tp_size != 1 or stack.reduce_in_norm:
+        return "tp > 1"
+    if not stack.first_stage or stack.norm is None:
+        return "a pipeline stage"
+    if stack.residual_scale is not None or stack.longrope_bound is not None or set(stack.rope_types) != {None}:
+        return "a residual scale, LongRoPE or several RoPE tables"
+    if not cpu_library.has("tpe_program_run"):
+        return "no C program runner in the library"
+    n = stack.config.num_hidden_layers
+    for layer, (pre_a, post_a, pre_m, post_m) in zip(stack.layers[:n], stack.roles):
+        attn, mlp = layer.self_attn, layer.mlp
+        if post_a is not None or post_m is not None or pre_a is None or pre_m is None:
+            return "post-norms or a missing pre-norm"
+        if not all(_spec(m.bound) for m in (pre_a, pre_m)):
+            return "a norm without its C kernel"
+        if getattr(attn, "q_norm", None) is not None or not hasattr(attn, "qkv_proj"):
+            return "per-head q/k norms, or another attention"
+        if _spec(paged_calls.get(attn.layer_idx)) is None:
+            return "a layer off the paged kernel"
+        if not hasattr(mlp, "gate_up_proj") or _spec(mlp.bound_act) is None:
+            return "a mixture of experts, or an MLP without its activation kernel"
+        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if _spec(lin.impl) is None or lin.bias is not None:
+                return "a product without a C call at one row (or with a bias)"
+    return None
+
+
+def bind(stack, paged_calls: dict, tp_size: int, dtype: torch.dtype) -> Program | None:
+    """The decode program of ``stack`` (a :class:`~tpengine.model.layers.fused.DecoderStack` whose layers
+    are bound: linears, norms, activations) with each layer's bound paged call ``paged_calls[layer_idx]``
+    (:meth:`tpengine.backends.cpu.attention.CPUAttentionBackend.bind_model`), activations of ``dtype``;
+    None where :func:`why_not` gives a reason. The program's kernels take ``torch.get_num_threads()``
+    threads, as the layers' calls do."""
+    if why_not(stack, paged_calls, tp_size) is not None:
+        return None
+    nt, n = torch.get_num_threads(), stack.config.num_hidden_layers
+    prog = Program(stack.config.hidden_size, dtype)
+    res = [prog.buffer(prog.hidden), prog.buffer(prog.hidden)]  # the residual stream, in turn
+    h, delta, turn = Step(H_IN), None, 0
+
+    def norm(bound, y: torch.Tensor) -> None:
+        nonlocal h, turn
+        _, name, wp, width, eps = _spec(bound)
+        if delta is None:  # the first layer's: h itself, normed
+            prog.add("norm", name, [h, 0, wp, 0, y.data_ptr(), 1, width, float(eps), nt])
+            return
+        h2 = res[turn]
+        turn ^= 1
+        prog.add("norm", name, [h, delta.data_ptr(), wp, h2.data_ptr(), y.data_ptr(), 1, width, float(eps), nt])
+        h = h2.data_ptr()
+
+    x = prog.buffer(prog.hidden, "x")
+    for layer, (pre_a, _, pre_m, _) in zip(stack.layers[:n], stack.roles):
+        attn, mlp = layer.self_attn, layer.mlp
+        norm(pre_a.bound, x)
+        qkv = _linear(prog, attn.qkv_proj, x.data_ptr(), nt, "qkv")
+        out = _paged(prog, _spec(paged_calls[attn.layer_idx]), qkv, nt)
+        delta = _linear(prog, attn.o_proj, out.data_ptr(), nt, "delta")  # (read by the next norm only)
+        norm(pre_m.bound, x)
+        gu = _linear(prog, mlp.gate_up_proj, x.data_ptr(), nt, "gate_up")
+        _, act_name, inter = _spec(mlp.bound_act)
+        a = prog.buffer(inter, "act")
+        prog.add("act", act_name, [gu.data_ptr(), a.data_ptr(), 1, inter, nt])
+        delta = _linear(prog, mlp.down_proj, a.data_ptr(), nt, "delta")
+    y = prog.buffer(prog.hidden)
+    norm(stack.norm.bound, y)
+    return prog.finish(y)
