@@ -12,13 +12,22 @@ own advice for such a start is to turn the collector off while it runs (``gc.dis
 the block raises; blocks nest. The entry points wrap their imports in it, and ``LLMEngine`` its
 set-up (the one every entry point takes), so a program that imports tpengine as a library keeps its
 collector on outside those blocks.
+
+:func:`run_main` runs an entry point as the process's main program and leaves without the
+interpreter's teardown (its full collections over those objects as it clears every module: seconds
+with torch and transformers loaded), once the program has finished its work.
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
-from collections.abc import Iterator
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import NoReturn
 
 
 @contextmanager
@@ -34,3 +43,32 @@ def collector_paused() -> Iterator[None]:
     finally:
         if was_on:
             gc.enable()
+
+
+def run_main(main: Callable[[], object]) -> NoReturn:
+    """Run ``main()`` (a command line program that ends by raising SystemExit, as a typer app does) and
+    leave the process with its exit code through ``os._exit``, after what a normal exit does first: the
+    other non-daemon threads joined, the ``atexit`` functions run, stdout and stderr flushed. Skipped is
+    only the interpreter's teardown (clearing every module, with full collections: seconds with torch
+    and transformers loaded, after every output file was written and closed). A ``main`` that raises
+    anything else propagates it (the usual traceback and teardown). For ``python -m`` shims only: a
+    program that imports tpengine keeps its own exit."""
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:  # sys.exit("message"): printed, exit 1, as Python does
+            print(e.code, file=sys.stderr)
+            code = 1
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # what a normal exit does first
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code & 0xFF)
