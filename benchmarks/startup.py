@@ -9,10 +9,11 @@ weights, one prefill and the output. tpengine runs with each ``--cache`` state o
 ``$TPENGINE_CACHE_DIR`` (tpengine's C kernel build and its measured choices):
 
 * ``warm``: the caller's cache, as a second job finds it (run once first, untimed, to fill it);
-* ``choices``: a fresh cache holding only the warm one's C kernel builds: the choices are measured
-  as on a machine's first job, under the user's measuring budget
-  (:func:`tpengine.backends.cpu.measured.measure_budget_s`);
-* ``cold``: a fresh, empty cache: the C kernels are built too (what a first job after installing pays).
+* ``choices``: a fresh cache holding only the warm one's C kernel builds: the choices are as on a
+  machine's first job, under the user's measuring budget or, without one, the job's
+  (:func:`tpengine.backends.cpu.measured.measure_budget_s`: a one-token job measures nothing new);
+* ``cold``: a fresh, empty cache: the C kernels are built too (what a first job pays after an edit of
+  them, or on a machine set up without ``make setup``, which builds them ahead).
 
 Runs alternate (HF, then tpengine in each state) ``--rounds`` times and the best of each is reported
 with the ratio tpengine / HF, and where tpengine's best run's time went (:func:`breakdown`, from when
