@@ -6,11 +6,14 @@ exactly the one-token decode steps, and be refused where the stack's form or a k
 
 from __future__ import annotations
 
+import multiprocessing as mp
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import make_tiny_model
 
-from tpengine.backends.cpu import cpu_blocked, cpu_library, cpu_program, layer_calls, linear_layout
+from tpengine.backends.cpu import cpu_blocked, cpu_fused, cpu_library, cpu_program, layer_calls, linear_layout, shm
 from tpengine.config import EngineConfig
 from tpengine.engine.llm_engine import LLMEngine
 from tpengine.sampling_params import SamplingParams
@@ -99,7 +102,8 @@ def test_what_the_program_refuses(tmp_path):
         assert r.backend.program is None
         assert cpu_program.why_not(r.model.model, r.backend.paged_calls, 1) == \
             "a product without a C call at one row (or with a bias)"
-        assert cpu_program.why_not(r.model.model, r.backend.paged_calls, 2) == "tp > 1"
+        assert cpu_program.why_not(r.model.model, r.backend.paged_calls, 2) == \
+            "tp > 1 without the row-parallel sums in the norms over shared memory"
     gemma2 = make_tiny_model(tmp_path, "gemma2", name="g2", **SHAPE)
     r = LLMEngine(EngineConfig(model=str(gemma2), **BASE)).runner
     assert r.backend.program is None and r.model.model.bound_decode is None
@@ -113,3 +117,66 @@ def test_what_the_program_refuses(tmp_path):
     if cpu_library.missing(*KERNELS) is None:
         assert cpu_program.why_not(plain.model.model, plain.backend.paged_calls, 1) == \
             "a product without a C call at one row (or with a bias)"
+
+
+SLOT, N, EPS = 1 << 12, 64, 1e-5
+
+
+def partial(rank: int, j: int) -> torch.Tensor:
+    return torch.randn(1, N, generator=torch.Generator().manual_seed(10 * j + rank)).to(torch.bfloat16)
+
+
+def shm_worker(rank: int, path: str, ready, out) -> None:
+    """Rank ``rank`` of 2: a program of three all-reduce + add + RMSNorm ops chained as a stack's norms are
+    (each one's residual output the next one's input), bfloat16. Rank 0 starts first: its first C wait
+    runs out (1 ms) and hands the wait to Python; only then (``ready``) does rank 1 start."""
+    shm.SPIN_NS = 1_000_000
+    comm = shm.ShmComm(rank, 2, path, SLOT, timeout_s=30.0)
+    prog, w = cpu_program.Program(N, torch.bfloat16), torch.linspace(0.5, 1.5, N).to(torch.bfloat16)
+    prog.comm, res = comm, [prog.buffer(N), prog.buffer(N)]
+    h, cur = cpu_program.Step(cpu_program.H_IN), None
+    for j in range(3):
+        t, y, h2 = prog.buffer(N), prog.buffer(N), res[j % 2]
+        t.copy_(partial(rank, j))
+        prog.shm_ops[len(prog.rows)] = (j, t, cur, w, EPS, h2, y)
+        prog.add("shm_norm", "tpe_shm_all_reduce_add_rms_norm", [comm._base, comm.slot_bytes, 2, rank, j,
+                                                                  t.data_ptr(), 1, N, 1, shm.SPIN_NS, h, w.data_ptr(),
+                                                                  h2.data_ptr(), y.data_ptr(), EPS, 1])
+        h, cur = h2.data_ptr(), h2
+    prog.finish(y)
+    codes, run_fn = [], prog.run_fn
+
+    def traced(*a):
+        codes.append(run_fn(*a))
+        if rank == 0 and len(codes) == 1:
+            ready.set()
+        return codes[-1]
+    prog.run_fn = traced
+    if rank == 1:
+        assert ready.wait(timeout=60)
+    zero = torch.zeros(1, dtype=torch.int64)
+    h_in = torch.linspace(-1, 1, N).to(torch.bfloat16).view(1, N)
+    got = prog(h_in, SimpleNamespace(cos_p=0, sin_p=0), SimpleNamespace(slot_mapping=zero, context_lens=zero,
+                                                                        block_tables=zero.view(1, 1)))
+    want = h_in
+    for j in range(3):
+        want, y = cpu_fused.add_rms_norm(want, partial(0, j) + partial(1, j), w, EPS, True)
+    out.put((rank, torch.equal(got, y), comm.gen, [(c >> 2, c & 3) if c >= 0 else c for c in codes]))
+
+
+@pytest.mark.skipif(cpu_library.missing("tpe_program_run", "tpe_shm_all_reduce_add_rms_norm") is not None,
+                    reason=str(cpu_library.missing("tpe_program_run", "tpe_shm_all_reduce_add_rms_norm")))
+def test_a_late_peer_hands_the_wait_to_python_and_the_program_resumes(tmp_path):
+    path = tmp_path / "shm"
+    path.write_bytes(bytes(shm.HEADER + 2 * 2 * SLOT))
+    ctx = mp.get_context("spawn")
+    out, ready = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=shm_worker, args=(r, str(path), ready, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert [r[:3] for r in results] == [(0, True, 3), (1, True, 3)]
+    # rank 0's first op published, then stopped waiting (2); it resumed from op 1 after Python's wait
+    assert results[0][3][0] == (0, 2) and results[0][3][-1] == -1, results

@@ -101,7 +101,7 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_paged_am
     "tpe_dequant_int4": [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _I32, _I32],
     "tpe_int4_rows": [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _I64, _P, _I32, _I32],
     "tpe_shm_all_reduce": [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _I64],
-    "tpe_program_run": [_P, _I64, _P],
+    "tpe_program_run": [_P, _I64, _P, _I64],
     "tpe_shm_all_reduce_add_rms_norm": [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _F32,
                                         _I32],
 }

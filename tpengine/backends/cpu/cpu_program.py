@@ -27,15 +27,17 @@ import struct
 
 import torch
 
-from tpengine.backends.cpu import cpu_library
+from tpengine import distributed, forensics
+from tpengine.backends.cpu import cpu_fused, cpu_library, shm
 
 #: int64 words an op takes (``TPE_OP_WORDS`` in cpu_program.c): signature, per-step mask, function, arguments
 WORDS = 32
 #: the signatures of cpu_program.c (``SIG_*``), by the ``c_spec`` kind that names them
-SIGNATURES = {"norm": 1, "lin": 2, "q8": 3, "q4": 4, "act": 5, "paged": 6, "paged_i8": 7}
+SIGNATURES = {"norm": 1, "lin": 2, "q8": 3, "q4": 4, "act": 5, "paged": 6, "paged_i8": 7, "shm_norm": 8}
 #: the per-step values (the ``params`` array's slots): RoPE's cos and sin ``[1, D]``, the slot mapping,
-#: the block table and its width, the context lengths, and the input row (the embedding's output)
-COS, SIN, SLOTS, TABLES, TABLE_WIDTH, LENS, H_IN = range(7)
+#: the block table and its width, the context lengths, the input row (the embedding's output), and at
+#: tp > 1 the generation of the step's first shared-memory all-reduce (``GEN_SLOT`` in cpu_program.c)
+COS, SIN, SLOTS, TABLES, TABLE_WIDTH, LENS, H_IN, GEN = range(8)
 
 
 class Step:
@@ -66,6 +68,9 @@ class Program:
         self.params = (ctypes.c_int64 * 8)()
         self.out: torch.Tensor | None = None
         self.ops: torch.Tensor | None = None
+        self.comm = None  # tp > 1: the shared-memory comm its all-reduces go through (tpengine.backends.cpu.shm)
+        # op index -> (ordinal, t, h or None (the input row), weight, eps, h2, y) of each all-reduce + norm
+        self.shm_ops: dict[int, tuple] = {}
 
     def buffer(self, width: int, tag: str | None = None) -> torch.Tensor:
         """A ``[1, width]`` buffer of the activations' dtype: the one named ``tag`` (every layer's calls
@@ -99,6 +104,7 @@ class Program:
         self.out = out
         self.run_fn = cpu_library.load().tpe_program_run
         self.ops_p, self.n_ops, self.params_p = self.ops.data_ptr(), len(self.rows), ctypes.addressof(self.params)
+        self.n_shm = len(self.shm_ops)
         return self
 
     def __call__(self, h: torch.Tensor, rope, index) -> torch.Tensor:
@@ -115,10 +121,44 @@ class Program:
         p[SLOTS], p[TABLES], p[LENS] = (index.slot_mapping.data_ptr(), index.block_tables.data_ptr(),
                                         index.context_lens.data_ptr())
         p[TABLE_WIDTH] = index.block_tables.shape[1]
-        bad = self.run_fn(self.ops_p, self.n_ops, self.params_p)
-        if bad >= 0:
-            raise RuntimeError(f"cpu program: op {bad} of {self.n_ops} ({self.describe(bad)}) refused its arguments")
+        comm, start = self.comm, 0
+        if comm is None:
+            r = self.run_fn(self.ops_p, self.n_ops, self.params_p, 0)
+            if r >= 0:
+                raise RuntimeError(f"cpu program: op {r >> 2} of {self.n_ops} ({self.describe(r >> 2)}) refused its "
+                                   "arguments")
+            return self.out.clone()
+        base = comm.gen  # this step's all-reduces are the comm's next n_shm calls
+        p[GEN] = base + 1
+        prev = forensics.enter("decode program (all-reduce + RMSNorm of the activations in shared memory)")
+        upto = 0  # the ops run (their all-reduces made) so far
+        try:
+            while True:
+                r = self.run_fn(self.ops_p, self.n_ops, self.params_p, start)
+                if r < 0:
+                    upto = self.n_ops
+                    break
+                i, code = r >> 2, r & 3
+                upto = i + (code != 0)
+                if code == 0:
+                    raise RuntimeError(f"cpu program: op {i} of {self.n_ops} ({self.describe(i)}) refused its "
+                                       "arguments")
+                self._finish(i, code == 2, base, h)
+                start = i + 1
+        finally:  # the comm counts the calls this rank made (all of them but on an error)
+            comm.gen = base + (self.n_shm if upto == self.n_ops else sum(1 for j in self.shm_ops if j < upto))
+        forensics.leave(prev)
         return self.out.clone()
+
+    def _finish(self, i: int, published: bool, base: int, h_in: torch.Tensor) -> None:
+        """Op ``i``, an all-reduce + norm whose C call stopped waiting for the peers: the comm's own wait
+        (bounded, checking the peers: :meth:`tpengine.backends.cpu.shm.ShmComm._finish`), then the add +
+        norm into the op's buffers, as ``ShmComm.all_reduce_add_rms_norm`` finishes such a call."""
+        ordinal, t, h, weight, eps, h2, y = self.shm_ops[i]
+        self.comm._finish(t, base + 1 + ordinal, published=published)
+        a, b = cpu_fused.add_rms_norm(h_in if h is None else h, t, weight, eps, True)
+        h2.copy_(a)
+        y.copy_(b)
 
     def describe(self, i: int) -> str:
         """Op ``i``'s signature name."""
@@ -171,10 +211,21 @@ def _paged(prog: Program, spec: tuple, qkv: torch.Tensor, nt: int) -> torch.Tens
     return out
 
 
-def why_not(stack, paged_calls: dict, tp_size: int) -> str | None:
-    """Why :func:`bind` takes no program for ``stack`` (its form, see the module's docstring), or None."""
-    if tp_size != 1 or stack.reduce_in_norm:
-        return "tp > 1"
+def shm_comm(stack, dtype: torch.dtype):
+    """The shared-memory comm a tp > 1 program's all-reduces go through: the installed activation comm
+    where it has the fused C call and one row of ``stack``'s hidden size in ``dtype`` fits its slots, else
+    None."""
+    comm = distributed.activation_comm()
+    if comm is None or getattr(comm, "_fused", None) is None or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return comm if comm._fits(torch.empty(1, stack.config.hidden_size, dtype=dtype)) else None
+
+
+def why_not(stack, paged_calls: dict, tp_size: int, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why :func:`bind` takes no program for ``stack`` (its form, see the module's docstring) with
+    activations of ``dtype``, or None."""
+    if tp_size > 1 and not (stack.reduce_in_norm and shm_comm(stack, dtype) is not None):
+        return "tp > 1 without the row-parallel sums in the norms over shared memory"
     if not stack.first_stage or stack.norm is None:
         return "a pipeline stage"
     if stack.residual_scale is not None or stack.longrope_bound is not None or set(stack.rope_types) != {None}:
@@ -186,7 +237,8 @@ def why_not(stack, paged_calls: dict, tp_size: int) -> str | None:
         attn, mlp = layer.self_attn, layer.mlp
         if post_a is not None or post_m is not None or pre_a is None or pre_m is None:
             return "post-norms or a missing pre-norm"
-        if not all(_spec(m.bound) for m in (pre_a, pre_m)):
+        if not all(_spec(m.bound) for m in (pre_a, pre_m)) or (tp_size > 1 and any(
+                m.weight.dtype != dtype for m in (pre_a, pre_m))):
             return "a norm without its C kernel"
         if getattr(attn, "q_norm", None) is not None or not hasattr(attn, "qkv_proj"):
             return "per-head q/k norms, or another attention"
@@ -206,37 +258,48 @@ def bind(stack, paged_calls: dict, tp_size: int, dtype: torch.dtype) -> Program 
     (:meth:`tpengine.backends.cpu.attention.CPUAttentionBackend.bind_model`), activations of ``dtype``;
     None where :func:`why_not` gives a reason. The program's kernels take ``torch.get_num_threads()``
     threads, as the layers' calls do."""
-    if why_not(stack, paged_calls, tp_size) is not None:
+    if why_not(stack, paged_calls, tp_size, dtype) is not None:
         return None
     nt, n = torch.get_num_threads(), stack.config.num_hidden_layers
     prog = Program(stack.config.hidden_size, dtype)
     res = [prog.buffer(prog.hidden), prog.buffer(prog.hidden)]  # the residual stream, in turn
     h, delta, turn = Step(H_IN), None, 0
+    if tp_size > 1:  # each norm after a block all-reduces its row-parallel partial sum first (reduce_in_norm)
+        prog.comm = comm = shm_comm(stack, dtype)
+        shm_fn = "tpe_shm_all_reduce_add_rms_norm"
+        head = [comm._base, comm.slot_bytes, comm.size, comm.rank]
 
-    def norm(bound, y: torch.Tensor) -> None:
+    def norm(module, y: torch.Tensor) -> None:
         nonlocal h, turn
-        _, name, wp, width, eps = _spec(bound)
+        _, name, wp, width, eps = _spec(module.bound)
         if delta is None:  # the first layer's: h itself, normed
             prog.add("norm", name, [h, 0, wp, 0, y.data_ptr(), 1, width, float(eps), nt])
             return
+        cur = None if isinstance(h, Step) else res[turn ^ 1]  # h's buffer (None: the input row)
         h2 = res[turn]
         turn ^= 1
-        prog.add("norm", name, [h, delta.data_ptr(), wp, h2.data_ptr(), y.data_ptr(), 1, width, float(eps), nt])
+        if prog.comm is None:
+            prog.add("norm", name, [h, delta.data_ptr(), wp, h2.data_ptr(), y.data_ptr(), 1, width, float(eps), nt])
+        else:  # (shm.SPIN_NS: the C wait's spin before it hands the wait back, Program._finish)
+            prog.shm_ops[len(prog.rows)] = (len(prog.shm_ops), delta, cur, module.weight, float(eps), h2, y)
+            prog.add("shm_norm", shm_fn, [*head, len(prog.shm_ops) - 1, delta.data_ptr(), 1, width,
+                                          int(dtype == torch.bfloat16), shm.SPIN_NS, h, wp, h2.data_ptr(),
+                                          y.data_ptr(), float(eps), nt])
         h = h2.data_ptr()
 
     x = prog.buffer(prog.hidden, "x")
     for layer, (pre_a, _, pre_m, _) in zip(stack.layers[:n], stack.roles):
         attn, mlp = layer.self_attn, layer.mlp
-        norm(pre_a.bound, x)
+        norm(pre_a, x)
         qkv = _linear(prog, attn.qkv_proj, x.data_ptr(), nt, "qkv")
         out = _paged(prog, _spec(paged_calls[attn.layer_idx]), qkv, nt)
         delta = _linear(prog, attn.o_proj, out.data_ptr(), nt, "delta")  # (read by the next norm only)
-        norm(pre_m.bound, x)
+        norm(pre_m, x)
         gu = _linear(prog, mlp.gate_up_proj, x.data_ptr(), nt, "gate_up")
         _, act_name, inter = _spec(mlp.bound_act)
         a = prog.buffer(inter, "act")
         prog.add("act", act_name, [gu.data_ptr(), a.data_ptr(), 1, inter, nt])
         delta = _linear(prog, mlp.down_proj, a.data_ptr(), nt, "delta")
     y = prog.buffer(prog.hidden)
-    norm(stack.norm.bound, y)
+    norm(stack.norm, y)
     return prog.finish(y)

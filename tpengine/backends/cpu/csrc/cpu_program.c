@@ -13,8 +13,11 @@
  * bit i says that argument i is a per-step value (an index into `params`, set by the caller each step:
  * RoPE tables, slot mapping, block table, context lengths, the input row) rather than a literal, the
  * function's address, then its arguments in order (pointers and integers as they are; a float as the
- * bits of a double). The program stops at the first kernel that refuses its arguments (the paged
- * kernel's index checks, a quantized GEMV's status) and returns that op's index; else -1.
+ * bits of a double). The program runs from op `start` and returns -1 at the end; else op i's
+ * `i << 2 | code`: code 0, the kernel refused its arguments (the paged kernel's index checks, a quantized
+ * GEMV's status); 1 or 2, a shared-memory all-reduce (tp > 1, cpu_shm.c) stopped waiting for its peers
+ * after its spin (1: not yet published, 2: published), which the caller finishes with its bounded,
+ * peer-checking wait before it resumes at op i + 1.
  *
  * No vector code here: the ISA paths are the called kernels' (bf16.h), so both builds compile it. */
 #include <stdint.h>
@@ -23,7 +26,9 @@
 #define TPE_OP_WORDS 32
 #define TPE_OP_ARGS (TPE_OP_WORDS - 3)
 
-enum { SIG_NORM = 1, SIG_LIN = 2, SIG_Q8 = 3, SIG_Q4 = 4, SIG_ACT = 5, SIG_PAGED = 6, SIG_PAGED_I8 = 7 };
+enum { SIG_NORM = 1, SIG_LIN = 2, SIG_Q8 = 3, SIG_Q4 = 4, SIG_ACT = 5, SIG_PAGED = 6, SIG_PAGED_I8 = 7, SIG_SHM_NORM = 8 };
+/* the params slot holding the generation of the step's first shared-memory all-reduce (cpu_program.py's GEN) */
+#define GEN_SLOT 7
 
 typedef void *P;
 typedef int64_t L;
@@ -33,6 +38,7 @@ typedef L (*q8_fn)(P, L, L, P, P, L, P, int, int);
 typedef L (*q4_fn)(P, L, L, P, P, P, L, L, L, L, P, int, int);
 typedef void (*act_fn)(P, P, L, L, int);
 typedef L (*paged_fn)(P, L, P, L, P, L, P, P, P, P, L, P, P, P, L, L, P, L, L, L, float, P, L, L, int, L, float);
+typedef L (*shm_norm_fn)(P, L, L, L, L, P, L, L, L, L, P, P, P, P, float, int);
 typedef L (*paged_i8_fn)(P, L, P, L, P, L, P, P, P, P, L, P, P, P, P, P, L, L, P, L, L, L, float, P, L, int, L,
                          float);
 
@@ -42,8 +48,8 @@ static inline float f32(int64_t bits) {
     return (float)d;
 }
 
-int64_t tpe_program_run(const int64_t *ops, int64_t n_ops, const int64_t *params) {
-    for (int64_t i = 0; i < n_ops; i++) {
+int64_t tpe_program_run(const int64_t *ops, int64_t n_ops, const int64_t *params, int64_t start) {
+    for (int64_t i = start; i < n_ops; i++) {
         const int64_t *op = ops + i * TPE_OP_WORDS, mask = op[1];
         int64_t a[TPE_OP_ARGS];
         for (int j = 0; j < TPE_OP_ARGS; j++) a[j] = (mask >> j) & 1 ? params[op[3 + j]] : op[3 + j];
@@ -77,11 +83,18 @@ int64_t tpe_program_run(const int64_t *ops, int64_t n_ops, const int64_t *params
                                         p(12), p(13), p(14), p(15), a[16], a[17], p(18), a[19], a[20], a[21],
                                         f32(a[22]), p(23), a[24], (int)a[25], a[26], f32(a[27]));
                 break;
+            case SIG_SHM_NORM: { /* its generation: the step's first one + this op's ordinal (argument 4) */
+                const L done = ((shm_norm_fn)fn)(p(0), a[1], a[2], a[3], params[GEN_SLOT] + a[4], p(5), a[6], a[7],
+                                                 a[8], a[9], p(10), p(11), p(12), p(13), f32(a[14]), (int)a[15]);
+                if (done == 1 || done == 2) return i << 2 | done; /* the caller finishes the wait, then resumes */
+                if (done) return i << 2;
+                break;
+            }
             default:
-                return i;
+                return i << 2;
         }
 #undef p
-        if (bad >= 0) return i;
+        if (bad >= 0) return i << 2;
     }
     return -1;
 }
