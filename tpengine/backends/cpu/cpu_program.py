@@ -13,7 +13,13 @@ calls with those arguments, so its output is bit for bit the forward's; the forw
 path for everything the program does not take (:func:`bind` returns None, or the step is not one token
 on the paged path).
 
-What it takes: one rank (tp 1), a whole stack (no pipeline stage), layers of the Llama form (a pre-norm
+At tp > 1 the norms all-reduce the row-parallel partial sums first (``reduce_in_norm``): those ops are
+the shared-memory comm's fused all-reduce + add + RMSNorm (``cpu_shm.c``, the call
+``ShmComm.all_reduce_add_rms_norm`` makes); one whose wait outlasts its C spin hands the wait back, and
+:meth:`Program.__call__` finishes it with the comm's bounded, peer-checking wait, then resumes.
+
+What it takes: one rank, or a TP group on this host with the shared-memory comm (not gloo), a whole
+stack (no pipeline stage), layers of the Llama form (a pre-norm
 before each block and no post-norms, no residual scale, one RoPE table, no LongRoPE, no per-head q/k
 norms, no bias on any product, a gated MLP whose activation has a kernel, no mixture of experts), and a
 C call for every kernel at one row (a weight in oneDNN's packed layout, or one whose one-row path is
