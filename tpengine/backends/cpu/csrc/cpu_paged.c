@@ -149,22 +149,6 @@ static int64_t ahead_budget(void) {
     return budget;
 }
 
-/* The 16 horizontal sums of a[0..15], lane l = sum of a[l]'s 16 lanes: a transpose-and-add tree
- * (pairs of floats, pairs of pairs, then 128-bit quarters), 15 adds instead of 16 full reductions. */
-static inline __m512 sum16(const __m512 *a) {
-    __m512 w[8], x[4], y[2];
-    for (int k = 0; k < 8; k++)
-        w[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
-    for (int k = 0; k < 4; k++)
-        x[k] = _mm512_add_ps(
-            _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(w[2 * k]), _mm512_castps_pd(w[2 * k + 1]))),
-            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(w[2 * k]), _mm512_castps_pd(w[2 * k + 1]))));
-    for (int k = 0; k < 2; k++)
-        y[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0x88),
-                             _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0xdd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
-}
-
 /* sum_u p[j][u] * v[u] for each of the g query heads (NV 16-lane vectors of the head), p[j] = sc + j * L,
  * v[u] = vptr[u]: PJ heads at a time, so each value row is loaded (and widened) once for all of them;
  * each head's sum still runs over u in order, the same float32 operations as one head at a time. The
@@ -668,17 +652,6 @@ static inline __m256 keep8(__m256 x) {
         for (int64_t o_ = 0; o_ < (d) * (int64_t)sizeof(*(cache)); o_ += 64) _mm_prefetch(p_ + o_, _MM_HINT_T0); \
         if (++*(po) == (bs)) *(po) = 0, ++*(pb);                                                                 \
     } while (0)
-
-/* The 8 sums of a[0..7]'s lanes, lane kk = hsum8(a[kk]) bit for bit (the same association: halves,
- * then (0 + 2) + (1 + 3)), by a transpose-and-add tree: 21 instructions for the 8 sums. */
-static inline __m256 sum8x8(const __m256 *a) {
-    __m256 v[4];
-    for (int kk = 0; kk < 4; kk++) /* [lo(a[kk]) + hi(a[kk]) | lo(a[kk + 4]) + hi(a[kk + 4])] */
-        v[kk] = _mm256_add_ps(_mm256_permute2f128_ps(a[kk], a[kk + 4], 0x20), _mm256_permute2f128_ps(a[kk], a[kk + 4], 0x31));
-    const __m256 p = _mm256_add_ps(_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
-    const __m256 q = _mm256_add_ps(_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
-    return _mm256_add_ps(_mm256_shuffle_ps(p, q, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(p, q, _MM_SHUFFLE(3, 2, 3, 2)));
-}
 
 /* out[.., i0 * 8 .. (i0 + W) * 8) of the item's g heads: sum_u p[j][u] v[u] over the L value rows, W
  * 8-lane columns at a time (the same FMA chain per lane as one column at a time). A statement inside

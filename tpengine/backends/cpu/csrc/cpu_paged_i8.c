@@ -48,38 +48,17 @@
 static inline vf vf_ldi8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-/* lane l = the sum of a[l]'s 16 lanes: a transpose-and-add tree (as cpu_paged.c's sum16). */
-static inline vf sum16v(const vf *a) {
-    __m512 w[8], x[4], y[2];
-    for (int k = 0; k < 8; k++)
-        w[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
-    for (int k = 0; k < 4; k++)
-        x[k] = _mm512_add_ps(
-            _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(w[2 * k]), _mm512_castps_pd(w[2 * k + 1]))),
-            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(w[2 * k]), _mm512_castps_pd(w[2 * k + 1]))));
-    for (int k = 0; k < 2; k++)
-        y[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0x88),
-                             _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0xdd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
-}
+/* lane l = the sum of a[l]'s 16 lanes (bf16.h's sum16). */
+static inline vf sum16v(const vf *a) { return sum16(a); }
 #else
 static inline vf vf_ldi8(const int8_t *p) {
     const __m128i x = _mm_loadu_si128((const __m128i *)p);
     return vf_two(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8))));
 }
-/* lane kk = the sum of a[kk]'s 8 lanes, for 8 vectors at once (a transpose-and-add tree). */
-static inline __m256 sum8x8_i8(const __m256 *a) {
-    __m256 v[4];
-    for (int kk = 0; kk < 4; kk++)
-        v[kk] = _mm256_add_ps(_mm256_permute2f128_ps(a[kk], a[kk + 4], 0x20), _mm256_permute2f128_ps(a[kk], a[kk + 4], 0x31));
-    const __m256 p = _mm256_add_ps(_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
-    const __m256 q = _mm256_add_ps(_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
-    return _mm256_add_ps(_mm256_shuffle_ps(p, q, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(p, q, _MM_SHUFFLE(3, 2, 3, 2)));
-}
 static inline vf sum16v(const vf *a) {
     __m256 s[16];
     for (int k = 0; k < 16; k++) s[k] = _mm256_add_ps(a[k].lo, a[k].hi);
-    return vf_two(sum8x8_i8(s), sum8x8_i8(s + 8));
+    return vf_two(sum8x8(s), sum8x8(s + 8));
 }
 #endif
 
