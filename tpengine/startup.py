@@ -27,7 +27,6 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import NoReturn
 
 
 @contextmanager
@@ -45,14 +44,19 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def run_main(main: Callable[[], object]) -> NoReturn:
+def run_main(main: Callable[[], object]) -> None:
     """Run ``main()`` (a command line program that ends by raising SystemExit, as a typer app does) and
     leave the process with its exit code through ``os._exit``, after what a normal exit does first: the
     other non-daemon threads joined, the ``atexit`` functions run, stdout and stderr flushed. Skipped is
     only the interpreter's teardown (clearing every module, with full collections: seconds with torch
     and transformers loaded, after every output file was written and closed). A ``main`` that raises
-    anything else propagates it (the usual traceback and teardown). For ``python -m`` shims only: a
-    program that imports tpengine keeps its own exit."""
+    anything else propagates it (the usual traceback and teardown), and so does every exit under a
+    profiler or tracer (``python -m cProfile``, coverage: they write their files after ``main``
+    returns; then ``main``'s exit is the usual one). For ``python -m`` shims only: a program that
+    imports tpengine keeps its own exit."""
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        main()  # a profiler's or tracer's own exit
+        return
     try:
         main()
         code = 0
