@@ -141,19 +141,53 @@ static void gemm_pass_1(const float *restrict xt, const float *restrict w, int64
     TPE_OUT1(0) TPE_OUT1(1) TPE_OUT1(2) TPE_OUT1(3) TPE_OUT1(4) TPE_OUT1(5)
 }
 
+/* dst[c * TPE_GEMM_PASS + j] = x[j * k + c] for 8 rows j (zero from row nrow on) and 8 columns c, as floats:
+ * 8 row loads, the 8 x 8 transpose in registers (unpack, shuffle, 128-bit permute), 8 aligned column stores,
+ * where the scalar loop read each element at a stride of k. Only moves (and bfloat16's exact widening), so
+ * the panel, hence every product, is unchanged. LD: 8 elements at p -> float32. */
+#define TPE_GEMM_TILE(X, LD)                                                                                      \
+    static inline void tile_##X(const X *x, int64_t k, int nrow, float *dst) {                                    \
+        __m256 r[8];                                                                                              \
+        for (int j = 0; j < 8; j++) r[j] = j < nrow ? LD(x + j * k) : _mm256_setzero_ps();                       \
+        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);                   \
+        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);                   \
+        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);                   \
+        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);                   \
+        const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);                 \
+        const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);                 \
+        const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);                 \
+        const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);                 \
+        _mm256_store_ps(dst + 0 * TPE_GEMM_PASS, _mm256_permute2f128_ps(u0, u4, 0x20));                          \
+        _mm256_store_ps(dst + 1 * TPE_GEMM_PASS, _mm256_permute2f128_ps(u1, u5, 0x20));                          \
+        _mm256_store_ps(dst + 2 * TPE_GEMM_PASS, _mm256_permute2f128_ps(u2, u6, 0x20));                          \
+        _mm256_store_ps(dst + 3 * TPE_GEMM_PASS, _mm256_permute2f128_ps(u3, u7, 0x20));                          \
+        _mm256_store_ps(dst + 4 * TPE_GEMM_PASS, _mm256_permute2f128_ps(u0, u4, 0x31));                          \
+        _mm256_store_ps(dst + 5 * TPE_GEMM_PASS, _mm256_permute2f128_ps(u1, u5, 0x31));                          \
+        _mm256_store_ps(dst + 6 * TPE_GEMM_PASS, _mm256_permute2f128_ps(u2, u6, 0x31));                          \
+        _mm256_store_ps(dst + 7 * TPE_GEMM_PASS, _mm256_permute2f128_ps(u3, u7, 0x31));                          \
+    }
+TPE_GEMM_TILE(float, _mm256_loadu_ps)
+TPE_GEMM_TILE(uint16_t, ld8)
+
 /* The panel of rows m0.. (at most 64): xt[p][i][r] = x[m0 + 16 p + r][i], zero past the rows; run by every thread
- * of the team (omp for). X is float or uint16_t (bfloat16, widened exactly). */
+ * of the team (omp for, 16 columns of x a chunk). X is float or uint16_t (bfloat16, widened exactly). Each pass's
+ * two halves of 8 rows are moved in 8 x 8 tiles (tile_X), the last k % 8 columns one element at a time. */
 #define TPE_GEMM_PANEL(X, CVT)                                                                                    \
     static void panel_##X(const X *x, int64_t k, int rows, float *xt) {                                           \
         const int passes = (rows + TPE_GEMM_PASS - 1) / TPE_GEMM_PASS;                                           \
         _Pragma("omp for schedule(static)") for (int64_t i0 = 0; i0 < k; i0 += 16) {                              \
             const int64_t i1 = i0 + 16 < k ? i0 + 16 : k;                                                        \
             for (int p = 0; p < passes; p++)                                                                      \
-                for (int64_t i = i0; i < i1; i++)                                                                 \
-                    for (int r = 0; r < TPE_GEMM_PASS; r++) {                                                     \
-                        const int row = TPE_GEMM_PASS * p + r;                                                    \
-                        xt[(p * k + i) * TPE_GEMM_PASS + r] = row < rows ? CVT(x[row * k + i]) : 0.f;             \
-                    }                                                                                             \
+                for (int h = 0; h < TPE_GEMM_PASS; h += 8) {                                                      \
+                    const int row0 = TPE_GEMM_PASS * p + h, left = rows - row0, nrow = left < 8 ? left : 8;       \
+                    float *dst = xt + p * k * TPE_GEMM_PASS + h;                                                  \
+                    int64_t i = i0;                                                                               \
+                    if (nrow > 0)                                                                                 \
+                        for (; i + 8 <= i1; i += 8) tile_##X(x + row0 * k + i, k, nrow, dst + i * TPE_GEMM_PASS); \
+                    for (; i < i1; i++)                                                                           \
+                        for (int r = 0; r < 8; r++)                                                               \
+                            dst[i * TPE_GEMM_PASS + r] = r < nrow ? CVT(x[(row0 + r) * k + i]) : 0.f;             \
+                }                                                                                                 \
         }                                                                                                         \
     }
 #define TPE_ID(v) (v)
