@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import typer
 
-from tpengine.startup import collector_paused
+from tpengine.startup import collector_paused, run_main
 
 with collector_paused():  # the start's imports (tpengine/startup.py)
     from tpengine.entrypoints import run, serve
@@ -37,4 +37,4 @@ app.command("run")(run.main)
 app.command("serve")(serve.main)
 
 if __name__ == "__main__":
-    app()
+    run_main(app)  # leaves without the interpreter's teardown (tpengine/startup.py)
