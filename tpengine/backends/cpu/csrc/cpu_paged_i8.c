@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "paged.h"
 
 #if defined(TPE_AVX512) || defined(TPE_AVX2)
 #define MAX_G 16
@@ -62,8 +63,6 @@ static inline vf sum16v(const vf *a) {
 }
 #endif
 
-static inline int64_t win_lo(int64_t L, int64_t window) { return window > 0 && L > window ? L - window : 0; }
-
 static int64_t check_i8(const int64_t *slots, const int64_t *block_tables, int64_t max_blocks, const int64_t *lens,
                         int64_t B, int64_t num_blocks, int64_t bs, const int64_t *q_to_kv, int64_t hq, int64_t hkv,
                         int64_t window) {
@@ -72,16 +71,7 @@ static int64_t check_i8(const int64_t *slots, const int64_t *block_tables, int64
         for (int64_t h = 0; h < hq; h++) g += q_to_kv[h] == kv;
         if (g > MAX_G) return 3 * B;
     }
-    for (int64_t h = 0; h < hq; h++)
-        if ((uint64_t)q_to_kv[h] >= (uint64_t)hkv) return 3 * B;
-    for (int64_t b = 0; b < B; b++)
-        if (slots[b] < -1 || slots[b] >= num_blocks * bs) return b;
-    for (int64_t b = 0; b < B; b++)
-        if (lens[b] < 0 || lens[b] > max_blocks * bs) return B + b;
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t j = win_lo(lens[b], window) / bs; j * bs < lens[b]; j++)
-            if ((uint64_t)block_tables[b * max_blocks + j] >= (uint64_t)num_blocks) return 2 * B + b;
-    return -1;
+    return paged_check(slots, block_tables, max_blocks, lens, B, num_blocks, bs, q_to_kv, hq, hkv, window);
 }
 
 /* One row of d float32 -> d int8 codes and its scale (the header's "store"). */
