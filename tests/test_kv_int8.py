@@ -215,7 +215,7 @@ def test_bench_kv_summarizes_paired_rounds_and_times_both_kernels():
     """make bench-kv's pieces: int8's speed is bfloat16's best TPOT over int8's (and the median of the paired
     rounds), the agreement counts tokens before the first difference, and the kernel part times both
     caches (2 layers, 64 keys: a smoke run)."""
-    from benchmarks.bench_kv import agreement, kernel_times, summarize
+    from benchmarks.bench_kv import agreement, byte_bound, kernel_times, summarize
 
     runs = {"auto": {"tpot_s": [0.030, 0.020, 0.026], "ttft_s": [1.0, 1.2, 1.1], "token_ids": [[1, 2, 3]] * 3,
                      "load_s": 2.0},
@@ -225,5 +225,9 @@ def test_bench_kv_summarizes_paired_rounds_and_times_both_kernels():
     assert s["speedup_best"] == 1.25 and s["speedup_paired_median"] == 1.3 and s["goal"] == 1.3
     assert s["auto"]["tpot_best_ms"] == 20.0 and s["int8"]["tpot_median_ms"] == 20.0
     assert s["tokens_equal_before_first_difference"] == [2, 2, 2] and agreement([5], [5, 6]) == 1
+    # a row's byte bound: (W + 2 x L) / (W + 1 x L) per token's KV bytes 2 and 1, W 100, L 50: 200 / 150
+    runs["auto"]["weight_bytes"] = 100
+    s = summarize(runs, {"auto": 2, "int8": 1}, 50)
+    assert s["byte_bound"] == 1.333 and s["weight_bytes"] == 100 and byte_bound(0, {"auto": 2, "int8": 1}, 9) == 2
     k = kernel_times(2, [0, 0, 1], 64, 64, rounds=1)
     assert set(k) == {"auto", "int8", "ratio"} and all(k[c]["best_ms"] > 0 for c in ("auto", "int8"))
