@@ -92,7 +92,7 @@ bench-structured: setup model
 bench-spec: setup model
 	$(PY) -m benchmarks.bench_spec --out bench-spec.json
 
-# Batch-1 decode at a 4096-token context, int8 KV cache vs bfloat16: engine TPOT and the attention kernels alone (python -m benchmarks.bench_kv --help)
+# Batch-1 decode at a 4096-token context, int8 KV cache vs bfloat16: engine TPOT with bfloat16, int8 and int4 weights (each row with its byte bound) and the attention kernels alone (python -m benchmarks.bench_kv --help)
 bench-kv: setup model
 	$(PY) -m benchmarks.bench_kv --out bench-kv.json
 
