@@ -230,6 +230,9 @@ def shm_comm(stack, dtype: torch.dtype):
 def why_not(stack, paged_calls: dict, tp_size: int, dtype: torch.dtype = torch.bfloat16) -> str | None:
     """Why :func:`bind` takes no program for ``stack`` (its form, see the module's docstring) with
     activations of ``dtype``, or None."""
+    if not all(hasattr(stack, a) for a in ("first_stage", "norm", "roles", "reduce_in_norm", "residual_scale",
+                                           "longrope_bound", "rope_types", "layers", "config")):
+        return "not a decoder stack"
     if tp_size > 1 and not (stack.reduce_in_norm and shm_comm(stack, dtype) is not None):
         return "tp > 1 without the row-parallel sums in the norms over shared memory"
     if not stack.first_stage or stack.norm is None:
