@@ -161,6 +161,15 @@ class CPUAttentionMetadata(StepIndex):
 PAGED, GATHERED, PREFILL = "paged", "gathered", "prefill"
 
 
+def _step_rope(attn, rope: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> cpu_paged.Rope:
+    """The step's RoPE tables for the paged calls, made once a step (kept on the step's metadata ``attn``)
+    and shared by every layer and by the decode program."""
+    r = attn.rope
+    if r is None or r.key is not rope:
+        r = attn.rope = cpu_paged.Rope(rope, dtype)
+    return r
+
+
 class CPUAttentionBackend(AttentionBackend):
     """The CPU attention backend: paged attention through the paged C kernel where the model takes
     it, else torch ops (and the C decode kernel) over a gathered context; any device runs the
@@ -297,10 +306,7 @@ class CPUAttentionBackend(AttentionBackend):
             attn = ctx.attn
             if h.shape[0] != 1 or attn.path != PAGED or h.dtype != dtype or None not in tables:
                 return None
-            rope, r = tables[None], attn.rope
-            if r is None or r.key is not rope:  # (as forward: the step's tables, made once)
-                r = attn.rope = cpu_paged.Rope(rope, dtype)
-            return program(h.contiguous(), r, attn.paged_index)
+            return program(h.contiguous(), _step_rope(attn, tables[None], dtype), attn.paged_index)
         return step
 
     def describe(self) -> str | None:
@@ -317,10 +323,7 @@ class CPUAttentionBackend(AttentionBackend):
         torch paths."""
         attn = ctx.attn
         if attn.path == PAGED:
-            r = attn.rope
-            if r is None or r.key is not rope:  # the step's tables, made once for every layer
-                r = attn.rope = cpu_paged.Rope(rope, qkv.dtype)
-            return self.paged_calls[layer.layer_idx](qkv, r, attn.paged_index)
+            return self.paged_calls[layer.layer_idx](qkv, _step_rope(attn, rope, qkv.dtype), attn.paged_index)
         return super().forward(qkv, rope, layer, ctx)
 
     def store_kvcache(self, key, value, k_cache, v_cache, attn: CPUAttentionMetadata, kv_scales=None) -> None:
