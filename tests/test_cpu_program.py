@@ -117,6 +117,13 @@ def test_what_the_program_refuses(tmp_path):
     if cpu_library.missing(*KERNELS) is None:
         assert cpu_program.why_not(plain.model.model, plain.backend.paged_calls, 1) == \
             "a product without a C call at one row (or with a bias)"
+        # the shapes whose layouts are chosen for the program (linear_layout.choose_layouts): the llama's
+        # q/k/v, o, gate/up and down; none for a form it refuses whatever the kernels
+        assert cpu_program.product_shapes(plain.model, 1, torch.float32) == {(256, 128), (128, 128), (192, 128),
+                                                                             (128, 96)}
+        assert cpu_program.product_shapes(r.model, 1, torch.float32) == set()
+        assert cpu_program.form_why_not(r.model.model, 1) == "post-norms or a missing pre-norm"
+        assert cpu_program.product_shapes(engine.runner.model, 1, torch.float32) == set()
 
 
 SLOT, N, EPS = 1 << 12, 64, 1e-5

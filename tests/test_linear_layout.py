@@ -60,18 +60,22 @@ def test_measure_times_every_path_at_every_bucket():
     bf16_gemm = cpu_library.has(cpu_gemm.KERNELS[torch.bfloat16])
     # the blocked layout where the build has AVX512-BF16 (48 rows: three blocks of 16), timed at every bucket
     blocked = {"blocked"} if cpu_library.has(*cpu_blocked.KERNELS) else set()
-    assert set(t) == {"plain", "widen"} | packed | blocked | ({"gemv"} if cpu_gemv_ok else set()) | (
-        {"gemm"} if bf16_gemm else set())
+    # and the C paths' one-row times in a decode program (the GEMV's, the blocked layout's)
+    gemv = {"gemv"} if cpu_gemv_ok else set()
+    program = {f"{k}_program" for k in gemv | blocked} if cpu_library.has("tpe_program_run") else set()
+    assert set(t) == {"plain", "widen"} | packed | blocked | gemv | program | ({"gemm"} if bf16_gemm else set())
     assert all(len(t[k]) == 3 and min(t[k]) > 0 for k in {"plain"} | packed | blocked)
-    if blocked:  # an expert shape: its one-row time is the grouped call's, per expert
-        assert len(L.measure((48, 32), 8, torch.bfloat16, group=4)["blocked"]) == 3
+    assert all(t[k][0] > 0 and t[k][1:] == [None, None] for k in program)
+    if blocked:  # an expert shape: its one-row time is the grouped call's, per expert (and no program)
+        grouped = L.measure((48, 32), 8, torch.bfloat16, group=4)
+        assert len(grouped["blocked"]) == 3 and not any(k.endswith("_program") for k in grouped)
     assert t["widen"][0] is None and t["widen"][1] > 0 and t["widen"][2] > 0
     if cpu_gemv_ok:  # the GEMV takes up to 8 rows: timed at 1 and 8, not at 64
         assert t["gemv"][0] > 0 and t["gemv"][1] > 0 and t["gemv"][2] is None
     if bf16_gemm:
         assert t["gemm"][:2] == [None, None] and t["gemm"][2] > 0
     t = L.measure((48, 32), 3, torch.float32)  # float32 adds the GEMM, which takes from 17 rows: 64 only
-    assert set(t) == {"plain", "packed"} | ({"gemv"} if cpu_gemv_ok else set()) | ({"gemm"} if cpu_gemm_ok else set())
+    assert set(t) == {"plain", "packed"} | gemv | ({"gemv_program"} & program) | ({"gemm"} if cpu_gemm_ok else set())
     if cpu_gemm_ok:  # (an AVX-512 build's: cpu_library.has)
         assert t["gemm"][:2] == [None, None] and t["gemm"][2] > 0
     assert L.measure((1 << 16, 1 << 12), 1, torch.float32) is None  # 1 GiB: above MEASURE_BYTES, not measured
@@ -432,3 +436,63 @@ def test_a_blocked_tied_head_holds_the_one_copy_and_decodes_the_plain_tokens(tmp
     head.bind(L.bind_layer(head, head=True))
     G.bind_head(head, torch.bfloat16, True)
     assert tokens() == blocked
+
+
+def test_a_model_that_runs_a_decode_program_is_chosen_for_as_a_whole(tmp_path, monkeypatch):
+    """Issue 59: a float32 shape whose packed layout beat the GEMV by a few percent at one row, called from
+    Python, cost the whole step its decode program (cpu_program: one C call, no Python between the
+    kernels). For the program's shapes the GEMV's and blocked layout's one-row times are then taken as
+    the program meets them (``*_program``); where every one of them then takes a C path at one row those
+    choices stand, else every shape is chosen again on the loop's times. An untied head's shape, outside
+    the program, keeps its loop times."""
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(L.cpu_blocked, "available", lambda w: False)
+    qkv = {"plain": [200, 230, 590], "gemv": [105, 150, None], "gemm": [None, None, 370],
+           "packed": [100, 125, 400], "gemv_program": [80, None, None]}
+    down = {"plain": [260, 320, 800], "gemv": [150, 210, None], "gemm": [None, None, 560],
+            "packed": [190, 190, 640], "gemv_program": [140, None, None]}
+    fakes = {(960, 576): qkv, (576, 1536): down, (49152, 576): qkv}
+    monkeypatch.setattr(L, "measure", lambda shape, *a: {k: list(v) for k, v in fakes[shape].items()})
+    assert L.in_program(qkv) == {"plain": [200, 230, 590], "gemv": [80, 150, None], "gemm": [None, None, 370],
+                                 "packed": [100, 125, 400]}
+    assert L.pick(qkv) == "packed" and L.pick(L.in_program(qkv)) == "plain"  # 1 + 1.2 + 1 vs 1.25 + 1 + 1.08
+    shapes = {(960, 576): 30, (576, 1536): 30, (49152, 576): 1}
+    loop = L.choose_layouts(shapes, torch.float32)
+    assert {s: c.layout for s, c in loop.items()} == {(960, 576): "packed", (576, 1536): "plain",
+                                                     (49152, 576): "packed"}
+    both = L.choose_layouts(shapes, torch.float32, program={(960, 576), (576, 1536)})
+    assert {s: (c.layout, c.kernels) for s, c in both.items()} == {
+        (960, 576): ("plain", ("gemv", "gemv", "gemm")), (576, 1536): ("plain", ("gemv", "gemv", "gemm")),
+        (49152, 576): ("packed", ())}
+    assert both[(960, 576)].times_us["gemv"][0] == 80 and "gemv_program" not in both[(960, 576)].times_us
+    assert all(L.c_at_one_row(both[s].layout, both[s].kernels) for s in ((960, 576), (576, 1536)))
+    # one program shape still faster packed with the program's times: no program, so the loop's choices
+    fakes[(576, 1536)] = {**down, "gemv_program": [260, None, None], "gemv": [300, 210, None]}
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path / "b"))
+    again = L.choose_layouts(shapes, torch.float32, program={(960, 576), (576, 1536)})
+    assert {s: c.layout for s, c in again.items()} == {(960, 576): "packed", (576, 1536): "packed",
+                                                      (49152, 576): "packed"}
+    assert not L.c_at_one_row("packed", ()) and not L.c_at_one_row("plain", ("plain", "gemv", "gemm"))
+    assert L.c_at_one_row("blocked", ())
+
+
+@needs_kernels
+def test_a_gemv_timed_in_a_decode_program_is_the_kernel_itself(monkeypatch):
+    """cpu_program.one_row_us runs the bound GEMVs' own C calls (their ``c_spec``) as a program makes them,
+    and measure() records it beside the Python-called timings; mixed shapes are refused by name."""
+    from tpengine.backends.cpu import cpu_program
+
+    if not cpu_program.runs():
+        pytest.skip("no C program runner in this build")
+    ws = [torch.full((32, 64), 0.01 * (i + 1)) for i in range(3)]
+    calls = []
+    monkeypatch.setattr(measured, "time_us", lambda fns, *a, **k: calls.append(fns[0]()) or 30.0)
+    assert cpu_program.one_row_us([cpu_gemv.bind(w).c_spec for w in ws], torch.float32) == 10.0
+    assert calls == [-1]  # the program ran every op (tpe_program_run's "all done")
+    with pytest.raises(ValueError, match=r"^cpu program timing: need one-row 'lin' calls of one shape; got "):
+        cpu_program.one_row_us([cpu_gemv.bind(ws[0]).c_spec, cpu_gemv.bind(torch.zeros(16, 64)).c_spec],
+                               torch.float32)
+    monkeypatch.undo()
+    times = L.measure((32, 64), 2, torch.float32)
+    assert len(times["gemv_program"]) == len(L.ROW_BUCKETS) and times["gemv_program"][0] > 0
+    assert times["gemv_program"][1:] == [None] * (len(L.ROW_BUCKETS) - 1)

@@ -77,13 +77,15 @@ class Platform:
         return None
 
     def choose_layouts(self, shapes: dict[tuple[int, int], int], dtype: torch.dtype, setting: str,
-                       cpu_kernels: bool, groups: dict[tuple[int, int], int] | None = None
-                       ) -> dict[tuple[int, int], Any]:
+                       cpu_kernels: bool, groups: dict[tuple[int, int], int] | None = None,
+                       model: torch.nn.Module | None = None, tp_size: int = 1) -> dict[tuple[int, int], Any]:
         """Before loading: the layout of each linear weight shape ``(out, in)`` (``shapes``: how many
         layers have it), shape -> a choice with ``layout`` ("plain", "packed" or another the platform's
         :meth:`prepack` makes) and ``kernels``;
         ``setting``: ``EngineConfig.cpu_linear``; ``groups``: the mixture-of-experts expert shapes, each
-        with the experts a token runs on this rank. {}: every weight stays plain."""
+        with the experts a token runs on this rank; ``model``: the model they belong to (built, not yet
+        loaded), at tensor-parallel size ``tp_size``, where its form may change the choice. {}: every
+        weight stays plain."""
         return {}
 
     def bind_model(self, module: torch.nn.Module, layouts: dict, *, tie: bool, dtype: torch.dtype,

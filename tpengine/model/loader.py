@@ -408,7 +408,7 @@ def load_model(model: ModelSpec | str | Path, tp: TPInfo, dtype: torch.dtype = t
     table, quant = _quantization(spec, module, tie, quantization, tp, platform.quantized_weights)
     pack = True if pack is None else pack
     layouts = platform.choose_layouts(_weight_shapes(module, tie), dtype, cpu_linear, cpu_kernels,
-                                      _expert_shapes(module)) if pack else {}
+                                      _expert_shapes(module), module, tp.size) if pack else {}
     packs = (lambda m: layouts[tuple(m.weight.shape)].layout != "plain") if layouts else False  # noqa: E731
     prepack = (lambda w: platform.prepack(w, layouts[tuple(w.shape)].layout)) if layouts else platform.prepack  # noqa: E731
     weight_bytes = load_weights(module, rank_files(spec.folder, spec.sharded, tp),

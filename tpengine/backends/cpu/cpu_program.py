@@ -34,7 +34,7 @@ import struct
 import torch
 
 from tpengine import distributed, forensics
-from tpengine.backends.cpu import cpu_fused, cpu_library, shm
+from tpengine.backends.cpu import cpu_fused, cpu_library, measured, shm
 
 #: int64 words an op takes (``TPE_OP_WORDS`` in cpu_program.c): signature, per-step mask, function, arguments
 WORDS = 32
@@ -217,6 +217,37 @@ def _paged(prog: Program, spec: tuple, qkv: torch.Tensor, nt: int) -> torch.Tens
     return out
 
 
+def runs() -> bool:
+    """Whether the library has the program runner (``tpe_program_run``). Never raises."""
+    return cpu_library.has("tpe_program_run")
+
+
+def one_row_us(specs: list[tuple], dtype: torch.dtype) -> float:
+    """Microseconds per call of one-row products as a decode program makes them: ``specs`` are bound
+    products' ``c_spec`` of kind "lin" (``("lin", fn, k, weight address, n)``, one shape ``[n, k]``, their
+    weights kept alive by the caller), made in turn, each on one row of ``dtype``, by one program run
+    (timed by :func:`tpengine.backends.cpu.measured.time_us`), divided by their number: a product's cost
+    inside the program, without the Python a call from the layers' loop adds
+    (:func:`tpengine.backends.cpu.linear_layout.choose_layouts` weighs it for a model that runs one).
+
+    Raises:
+        ValueError: no specs, or one that is not a "lin" call of the specs' shape.
+    """
+    if not specs or any(s[0] != "lin" or s[2:5:2] != specs[0][2:5:2] for s in specs):
+        raise ValueError("cpu program timing: need one-row 'lin' calls of one shape; got "
+                         f"{[s[:1] + s[2:] for s in specs]}")
+    k, n = specs[0][2], specs[0][4]
+    prog = Program(k, dtype)
+    x, y = prog.buffer(k), prog.buffer(n)
+    x.fill_(0.5)
+    nt = torch.get_num_threads()
+    for _, name, _, wp, _ in specs:
+        prog.add("lin", name, [x.data_ptr(), 1, k, wp, n, y.data_ptr(), nt])
+    prog.finish(y)
+    fn, ops, count, params = prog.run_fn, prog.ops_p, prog.n_ops, prog.params_p
+    return measured.time_us([lambda: fn(ops, count, params, 0)]) / len(specs)
+
+
 def shm_comm(stack, dtype: torch.dtype):
     """The shared-memory comm a tp > 1 program's all-reduces go through: the installed activation comm
     where it has the fused C call and one row of ``stack``'s hidden size in ``dtype`` fits its slots, else
@@ -227,9 +258,9 @@ def shm_comm(stack, dtype: torch.dtype):
     return comm if comm._fits(torch.empty(1, stack.config.hidden_size, dtype=dtype)) else None
 
 
-def why_not(stack, paged_calls: dict, tp_size: int, dtype: torch.dtype = torch.bfloat16) -> str | None:
-    """Why :func:`bind` takes no program for ``stack`` (its form, see the module's docstring) with
-    activations of ``dtype``, or None."""
+def form_why_not(stack, tp_size: int, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why a program cannot take ``stack`` whatever its kernels (its form, see the module's docstring; known
+    before the weights are loaded, for the layouts' choice), or None."""
     if not all(hasattr(stack, a) for a in ("first_stage", "norm", "roles", "reduce_in_norm", "residual_scale",
                                            "longrope_bound", "rope_types", "layers", "config")):
         return "not a decoder stack"
@@ -239,24 +270,53 @@ def why_not(stack, paged_calls: dict, tp_size: int, dtype: torch.dtype = torch.b
         return "a pipeline stage"
     if stack.residual_scale is not None or stack.longrope_bound is not None or set(stack.rope_types) != {None}:
         return "a residual scale, LongRoPE or several RoPE tables"
-    if not cpu_library.has("tpe_program_run"):
+    if not runs():
         return "no C program runner in the library"
     n = stack.config.num_hidden_layers
     for layer, (pre_a, post_a, pre_m, post_m) in zip(stack.layers[:n], stack.roles):
         attn, mlp = layer.self_attn, layer.mlp
         if post_a is not None or post_m is not None or pre_a is None or pre_m is None:
             return "post-norms or a missing pre-norm"
+        if getattr(attn, "q_norm", None) is not None or not hasattr(attn, "qkv_proj"):
+            return "per-head q/k norms, or another attention"
+        if not hasattr(mlp, "gate_up_proj"):
+            return "a mixture of experts, or an MLP without its activation kernel"
+        if any(getattr(lin, "bias", None) is not None
+               for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            return "a product without a C call at one row (or with a bias)"
+    return None
+
+
+def product_shapes(model, tp_size: int, dtype: torch.dtype) -> set[tuple[int, int]]:
+    """The weight shapes ``(out, in)`` of the products a decode program of ``model`` (an HF causal LM whose
+    ``model`` is the decoder stack, weights possibly still on meta) would make: its layers' q/k/v, o,
+    gate/up and down; empty where its form takes none (:func:`form_why_not`)."""
+    stack = getattr(model, "model", None)
+    if stack is None or form_why_not(stack, tp_size, dtype) is not None:
+        return set()
+    return {tuple(lin.weight.shape) for layer in stack.layers[:stack.config.num_hidden_layers]
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if getattr(lin, "weight", None) is not None}
+
+
+def why_not(stack, paged_calls: dict, tp_size: int, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why :func:`bind` takes no program for ``stack`` (its form, :func:`form_why_not`, or a kernel without
+    its C call) with activations of ``dtype``, or None."""
+    form = form_why_not(stack, tp_size, dtype)
+    if form is not None:
+        return form
+    n = stack.config.num_hidden_layers
+    for layer, (pre_a, _, pre_m, _) in zip(stack.layers[:n], stack.roles):
+        attn, mlp = layer.self_attn, layer.mlp
         if not all(_spec(m.bound) for m in (pre_a, pre_m)) or (tp_size > 1 and any(
                 m.weight.dtype != dtype for m in (pre_a, pre_m))):
             return "a norm without its C kernel"
-        if getattr(attn, "q_norm", None) is not None or not hasattr(attn, "qkv_proj"):
-            return "per-head q/k norms, or another attention"
         if _spec(paged_calls.get(attn.layer_idx)) is None:
             return "a layer off the paged kernel"
-        if not hasattr(mlp, "gate_up_proj") or _spec(mlp.bound_act) is None:
+        if _spec(mlp.bound_act) is None:
             return "a mixture of experts, or an MLP without its activation kernel"
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if _spec(lin.impl) is None or lin.bias is not None:
+            if _spec(lin.impl) is None:
                 return "a product without a C call at one row (or with a bias)"
     return None
 

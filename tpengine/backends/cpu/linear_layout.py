@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tpengine.backends.cpu import cpu_blocked, cpu_gemm, cpu_gemv, cpu_moe, cpu_widen, measured
+from tpengine.backends.cpu import cpu_blocked, cpu_gemm, cpu_gemv, cpu_moe, cpu_program, cpu_widen, measured
 from tpengine.backends.cpu.measured import time_us
 from tpengine.config import CPU_LINEAR_CHOICES
 
@@ -77,6 +77,20 @@ class LayoutChoice:
         return s
 
 
+def in_program(times_us: dict[str, list]) -> dict[str, list]:
+    """The timings as a model that runs a decode program (:mod:`tpengine.backends.cpu.cpu_program`) meets
+    them: the one-row times of the paths that program makes (the GEMV kernel's, the blocked layout's),
+    taken in a program (``"gemv_program"``, ``"blocked_program"``: their C call alone, no Python), in place
+    of their times called from Python; every other time as it is (oneDNN's packed layout and ``F.linear``
+    have no C call at one row: with either, the step runs the layers' loop)."""
+    out = {k: list(v) for k, v in times_us.items() if not k.endswith("_program")}
+    for k in ("gemv", "blocked"):
+        t = (times_us.get(f"{k}_program") or [None])[0]
+        if t is not None and k in out:
+            out[k][0] = t
+    return out
+
+
 def plain_kernels(times_us: dict[str, list]) -> tuple[str, ...]:
     """The plain layout's path at each of :data:`ROW_BUCKETS`: the fastest of ``F.linear`` ("plain")
     and the kernels timed there ("gemv" up to :data:`tpengine.backends.cpu.cpu_gemv.MAX_ROWS` rows, "gemm"
@@ -117,7 +131,8 @@ def pick(times_us: dict[str, list]) -> str:
     (:func:`tpengine.backends.cpu.measured.pick` of ``{"plain": [t1, t8, t64], "packed": [...], "gemv":
     [t1, t8, None], "gemm": [None, None, t64]}``, the plain layout timed on its fastest path per bucket,
     :func:`plain_times`, and ``"blocked"`` where it was timed); a tie keeps ``packed``, then ``plain``;
-    "plain" where neither other layout was timed (oneDNN cannot pack the dtype here, no blocked kernels)."""
+    "plain" where neither other layout was timed (oneDNN cannot pack the dtype here, no blocked kernels).
+    Timings in a program's terms are :func:`in_program`'s."""
     others = {k: times_us[k] for k in ("packed", "blocked") if k in times_us}
     if not others:
         return "plain"
@@ -125,11 +140,19 @@ def pick(times_us: dict[str, list]) -> str:
                           "plain": plain_times(times_us), **others})
 
 
-def plain_timings(weights: list[torch.Tensor], dtype: torch.dtype, kernels: tuple[str, ...] = ("gemv", "gemm", "widen")
-                  ) -> dict[str, list]:
+def c_at_one_row(layout: str, kernels: tuple[str, ...]) -> bool:
+    """Whether a weight in ``layout`` with the plain ``kernels`` (:func:`plain_kernels`) makes a C call at
+    one row (so a decode program can make it): the blocked layout, or plain on the GEMV kernel there."""
+    return layout == "blocked" or (layout == "plain" and bool(kernels) and kernels[0] == "gemv")
+
+
+def plain_timings(weights: list[torch.Tensor], dtype: torch.dtype, kernels: tuple[str, ...] = ("gemv", "gemm", "widen"),
+                  program: bool = False) -> dict[str, list]:
     """Microseconds per call at each of :data:`ROW_BUCKETS` rows of ``F.linear`` ("plain") and of
     each of tpengine's ``kernels`` that takes these weights (None at a bucket outside the
-    kernel's rows), rotating over the ``weights`` (each ``[out, in]``, plain, ``dtype``)."""
+    kernel's rows), rotating over the ``weights`` (each ``[out, in]``, plain, ``dtype``); with ``program``,
+    also the GEMV kernel's one-row time in a decode program (``"gemv_program"``,
+    :func:`tpengine.backends.cpu.cpu_program.one_row_us`; None at the other buckets)."""
     inp = weights[0].shape[1]
     xs = [torch.full((rows, inp), 0.5, dtype=dtype) for rows in ROW_BUCKETS]
     times: dict[str, list] = {"plain": [time_us([lambda w=w: F.linear(x, w) for w in weights]) for x in xs]}
@@ -141,16 +164,20 @@ def plain_timings(weights: list[torch.Tensor], dtype: torch.dtype, kernels: tupl
         if mod.available(weights[0]):
             times[name] = [time_us([lambda w=w: fn(x, w) for w in weights]) if takes(x.shape[0]) else None
                            for x in xs]
+    if program and "gemv" in times and cpu_program.runs():
+        times["gemv_program"] = [cpu_program.one_row_us([cpu_gemv.bind(w).c_spec for w in weights], dtype),
+                                 *[None] * (len(ROW_BUCKETS) - 1)]
     return times
 
 
-def blocked_timing(weights: list[torch.Tensor], group: int) -> list[float]:
-    """The blocked layout's microseconds per call at each of :data:`ROW_BUCKETS`, on the plain ``weights``
-    packed (:func:`tpengine.backends.cpu.cpu_blocked.pack`; each plain one dropped from the list as its
-    blocked copy is made, so the two layouts of all of them never coexist: the list is left empty). With
-    ``group`` (a mixture-of-experts expert shape, the experts one token runs) its one-row time is that of
-    the grouped call a decode step makes (:func:`tpengine.backends.cpu.cpu_moe.group_gemv` over ``group``
-    weights at a time), per expert."""
+def blocked_timing(weights: list[torch.Tensor], group: int, program: bool = False) -> dict[str, list]:
+    """``{"blocked": us}``: the blocked layout's microseconds per call at each of :data:`ROW_BUCKETS`, on the
+    plain ``weights`` packed (:func:`tpengine.backends.cpu.cpu_blocked.pack`; each plain one dropped from the
+    list as its blocked copy is made, so the two layouts of all of them never coexist: the list is left
+    empty). With ``group`` (a mixture-of-experts expert shape, the experts one token runs) its one-row time
+    is that of the grouped call a decode step makes (:func:`tpengine.backends.cpu.cpu_moe.group_gemv` over
+    ``group`` weights at a time), per expert. With ``program`` (and no ``group``), also
+    ``"blocked_program"``: its one-row time in a decode program (:func:`plain_timings`)."""
     inp = weights[0].shape[1]
     blocked = []
     while weights:
@@ -161,7 +188,11 @@ def blocked_timing(weights: list[torch.Tensor], group: int) -> list[float]:
         x = torch.full((1, inp), 0.5, dtype=torch.bfloat16)
         sets = [[blocked[(i + j) % len(blocked)] for j in range(group)] for i in range(0, len(blocked), group)]
         times[0] = time_us([lambda s=s: cpu_moe.group_gemv(x, s) for s in sets]) / group
-    return times
+    out = {"blocked": times}
+    if program and group <= 1 and cpu_program.runs():
+        out["blocked_program"] = [cpu_program.one_row_us([cpu_blocked.bind(b).c_spec for b in blocked],
+                                                         torch.bfloat16), *[None] * (len(ROW_BUCKETS) - 1)]
+    return out
 
 
 def measure(shape: tuple[int, int], count: int, dtype: torch.dtype, group: int = 0) -> dict[str, list[float]] | None:
@@ -169,16 +200,17 @@ def measure(shape: tuple[int, int], count: int, dtype: torch.dtype, group: int =
     of :data:`ROW_BUCKETS` rows, rotating over ``min(count, MEASURE_BYTES // bytes)`` distinct
     synthetic weights (the plain layout's paths; oneDNN's packed one where it packs ``dtype`` here;
     the blocked layout where its kernels take the weight (:func:`blocked_timing`, ``group``: an expert
-    shape's experts per token)). None where one weight exceeds :data:`MEASURE_BYTES`."""
+    shape's experts per token); but for an expert shape, the one-row times of the C paths in a decode
+    program too). None where one weight exceeds :data:`MEASURE_BYTES`."""
     out, inp = shape
     nbytes = out * inp * torch.empty(0, dtype=dtype).element_size()
     if nbytes > MEASURE_BYTES:
         return None
     n = max(1, min(count, MEASURE_BYTES // nbytes))
     plain = [torch.full((out, inp), 0.01 * (i + 1), dtype=dtype) for i in range(n)]
-    times = plain_timings(plain, dtype)
+    times = plain_timings(plain, dtype, program=not group)
     if cpu_blocked.available(plain[0]):
-        times["blocked"] = blocked_timing(plain, group)
+        times.update(blocked_timing(plain, group, program=not group))
         plain = [torch.full((out, inp), 0.01 * (i + 1), dtype=dtype) for i in range(n)]
     if prepack(plain[0]) is None:
         return times
@@ -194,10 +226,12 @@ def measure(shape: tuple[int, int], count: int, dtype: torch.dtype, group: int =
     return times
 
 
-def _decision(times_us: dict[str, list]) -> tuple[str, tuple[str, ...]]:
+def _decision(times_us: dict[str, list]) -> tuple:
     """What a layout or head choice takes from its timings: the layout (:func:`pick`) and the plain
-    layout's path per bucket (:func:`plain_kernels`)."""
-    return pick(times_us), plain_kernels(times_us)
+    layout's path per bucket (:func:`plain_kernels`), as the layers' loop and as a decode program meet
+    them (:func:`in_program`)."""
+    prog = in_program(times_us)
+    return pick(times_us), plain_kernels(times_us), pick(prog), plain_kernels(prog)
 
 
 def _timed(key: str, needs: tuple[str, ...], measure_fn) -> tuple[dict | None, str]:
@@ -230,7 +264,7 @@ def choose_head(weight: torch.Tensor, setting: str = "auto", cpu_kernels: bool =
     def measure_head() -> dict[str, list]:
         times = plain_timings([weight], weight.dtype, kernels)
         if blocks:
-            times["blocked"] = blocked_timing([weight], 0)  # packs a copy; `weight` itself stays
+            times.update(blocked_timing([weight], 0))  # packs a copy; `weight` itself stays
         return times
     times, how = _timed(key, ("plain", *kernels) + (("blocked",) if blocks else ()), measure_head)
     if times is None:  # a busy machine: F.linear, the path every weight has
@@ -240,14 +274,22 @@ def choose_head(weight: torch.Tensor, setting: str = "auto", cpu_kernels: bool =
 
 
 def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setting: str = "auto",
-                   cpu_kernels: bool = True, groups: dict[tuple[int, int], int] | None = None
-                   ) -> dict[tuple[int, int], LayoutChoice]:
+                   cpu_kernels: bool = True, groups: dict[tuple[int, int], int] | None = None,
+                   program: set[tuple[int, int]] | frozenset = frozenset()) -> dict[tuple[int, int], LayoutChoice]:
     """The layout of each weight shape ``(out, in)`` (``shapes`` maps it to how many layers of this
     rank have it) for CPU weights in ``dtype``: ``setting`` "plain" or "packed" forces it; "auto"
     measures (:func:`measure`) or reads the cached timings (:func:`_timed`). ``cpu_kernels`` False
     (``EngineConfig.cpu_kernels`` off) leaves the GEMV, GEMM and grouped kernels out of the choice.
     ``groups``: the mixture-of-experts expert shapes, each with how many experts one token runs on
     this rank (their blocked layout's one-row time is the grouped call's, :func:`blocked_timing`).
+
+    ``program``: the shapes of the products a decode program would make, where the model's form takes one
+    (:func:`tpengine.backends.cpu.cpu_program.product_shapes`): it runs a one-token step as one C call where
+    every one of them makes a C call at one row (:func:`c_at_one_row`). Their choice is then made for the
+    whole model: first with their one-row times as the program meets them (:func:`in_program`); if every
+    one of them then takes a C path at one row, those choices stand (the program runs); else (a shape still
+    faster on a path with no C call, so no program) each is chosen again with the loop's times. The other
+    shapes (an untied LM head) are chosen by their loop times either way.
 
     Raises:
         ValueError: ``setting`` not in :data:`CPU_LINEAR_CHOICES`.
@@ -256,16 +298,30 @@ def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setti
         raise ValueError(f"invalid cpu_linear={setting!r}: must be one of {', '.join(CPU_LINEAR_CHOICES)}")
     if setting != "auto":
         return {s: LayoutChoice(setting, "forced", {}) for s in shapes}
-    chosen = {}
     packable = prepack(torch.zeros(1, 1, dtype=dtype)) is not None
     blocks = cpu_kernels and cpu_blocked.available(torch.zeros(16, 2, dtype=dtype))
     groups = groups or {}
+    timings = {}
     for shape, count in sorted(shapes.items()):
         group = groups.get(shape, 0)
         key = f"linear {str(dtype).removeprefix('torch.')} {shape[0]}x{shape[1]}x{min(count, 1 << 20)}" + (
             f" group {group}" if group else "")
         needs = ("plain",) + (("packed",) if packable else ()) + (("blocked",) if blocks else ())
-        times, how = _timed(key, needs, lambda: measure(shape, count, dtype, group))
+        timings[shape] = _timed(key, needs, lambda: measure(shape, count, dtype, group))
+    program = set(program) & set(shapes) - set(groups) if cpu_kernels else set()
+    if program:
+        chosen = _choices(timings, packable, cpu_kernels, program)
+        if all(c_at_one_row(chosen[s].layout, chosen[s].kernels) for s in program):
+            return chosen
+    return _choices(timings, packable, cpu_kernels, set())
+
+
+def _choices(timings: dict, packable: bool, cpu_kernels: bool, program: set) -> dict[tuple[int, int], LayoutChoice]:
+    """Each shape's :class:`LayoutChoice` from its ``(times, how)`` (:func:`_timed`), the times of the
+    ``program`` shapes as a decode program meets them (:func:`in_program`)."""
+    chosen = {}
+    for shape, (times, how) in timings.items():
+        times = in_program(times) if times is not None and shape in program else times
         if measured.short_job():  # a few forwards never repay a reorder: plain, its cached kernels if any
             chosen[shape] = LayoutChoice("plain", how, times or {}, plain_kernels(times) if times else ())
         elif times is None:  # too big to measure, or a busy machine: packed where oneDNN packs this dtype

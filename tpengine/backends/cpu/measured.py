@@ -51,8 +51,9 @@ from tpengine.backends.cpu.cpu_library import cache_root, cpu_id
 
 #: The one version of every cached timing (the file name holds it): raised when what a key's timings
 #: mean changes. 8: one file for every measured choice (the linear layouts' were version 7, the
-#: quantized kernels' 4, the others' 2).
-CACHE_VERSION = 8
+#: quantized kernels' 4, the others' 2). 9: the linear layouts' timings hold the C paths' one-row times in
+#: a decode program (linear_layout.in_program).
+CACHE_VERSION = 9
 
 
 @dataclass(frozen=True)

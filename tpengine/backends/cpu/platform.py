@@ -10,7 +10,17 @@ import dataclasses
 
 import torch
 
-from tpengine.backends.cpu import cpu_blocked, cpu_gemm, cpu_gemv, cpu_qgemv, cpu_widen, greedy, linear_layout, process
+from tpengine.backends.cpu import (
+    cpu_blocked,
+    cpu_gemm,
+    cpu_gemv,
+    cpu_program,
+    cpu_qgemv,
+    cpu_widen,
+    greedy,
+    linear_layout,
+    process,
+)
 from tpengine.backends.cpu.cpu_fused import FusedOps
 from tpengine.backends.cpu.memory import lazy_zeros
 from tpengine.backends.cpu.profile import CPUProfile
@@ -60,9 +70,11 @@ class CPUPlatform(Platform):
         """oneDNN's layout or tpengine's blocked one, :func:`tpengine.backends.cpu.linear_layout.prepack`."""
         return linear_layout.prepack(weight, layout)
 
-    def choose_layouts(self, shapes, dtype, setting, cpu_kernels, groups=None):
-        """:func:`tpengine.backends.cpu.linear_layout.choose_layouts` (measured, cached or forced)."""
-        return linear_layout.choose_layouts(shapes, dtype, setting, cpu_kernels, groups)
+    def choose_layouts(self, shapes, dtype, setting, cpu_kernels, groups=None, model=None, tp_size=1):
+        """:func:`tpengine.backends.cpu.linear_layout.choose_layouts` (measured, cached or forced), for the
+        whole model where its form takes a decode program (:func:`tpengine.backends.cpu.cpu_program.product_shapes`)."""
+        program = cpu_program.product_shapes(model, tp_size, dtype) if model is not None else set()
+        return linear_layout.choose_layouts(shapes, dtype, setting, cpu_kernels, groups, program)
 
     def bind_model(self, module: torch.nn.Module, layouts: dict, *, tie: bool, dtype: torch.dtype,
                    cpu_kernels: bool, cpu_linear: str, rank: int, pack: bool = True) -> CPUProfile:
