@@ -57,6 +57,26 @@ def int8_case(d, bs, q_to_kv, dtype, lens, seed=0):
             torch.tensor(q_to_kv))
 
 
+def int8_reference(q, k_cache, v_cache, kv_scales, block_tables, lens, q_to_kv, scale, window, cap):
+    """The int8 kernel's arithmetic in torch: each query head ``q [B, Hq, D]`` quantized as a cache row
+    (:func:`kv_quant.quantize`), its scores the exact integer dot products with the key codes times
+    ``k_scale x (q_scale x scale)`` in float32 (the kernel's order), soft-capped, then softmax and P.V over the
+    dequantized values in float64. Returns ``[B, Hq, D]`` float32 (a zero-length row: zeros)."""
+    codes, q_scale = kv_quant.quantize(q)
+    bs, out = k_cache.shape[1], torch.zeros(q.shape)
+    for b, n in enumerate(lens.tolist()):
+        lo = max(n - window, 0) if window else 0
+        pos = torch.arange(lo, n)
+        blk, off = block_tables[b, pos // bs], pos % bs
+        for h, kv in enumerate(q_to_kv.tolist()):
+            dots = (k_cache[blk, off, kv].long() @ codes[b, h].long()).float()  # exact: |dot| < 2^24
+            s = (dots * (kv_scales[0][blk, off, kv] * (q_scale[b, h] * torch.tensor(scale, dtype=torch.float32))))
+            s = s.double() if cap is None else torch.tanh(s.double() / cap) * cap
+            v = v_cache[blk, off, kv].double() * kv_scales[1][blk, off, kv].double()[:, None]
+            out[b, h] = (torch.softmax(s, 0) @ v).float()
+    return out
+
+
 @needs_kernels
 @pytest.mark.parametrize("threads", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -65,12 +85,14 @@ def int8_case(d, bs, q_to_kv, dtype, lens, seed=0):
     pytest.param(*CONFIGS[1].values, None, None, id="d128-gqa3"),
     pytest.param(*CONFIGS[3].values, None, None, id="d128-uneven"),
     pytest.param(64, 16, [0, 0, 0, 1, 1, 1], 24, 30.0, id="d64-window-cap"),
+    pytest.param(96, 16, [0, 0, 1, 1], None, None, id="d96-half-piece"),
 ])
 def test_paged_decode_over_int8_equals_the_reference_on_the_dequantized_cache(d, bs, q_to_kv, window, cap, dtype,
                                                                                threads):
     """RoPE in place as torch rounds it; the new keys and values quantized into the cache bit for bit as
-    kv_quant.quantize (codes and scales); attention equal to the float32 reference over the dequantized
-    cache (float32 within 1e-5; bfloat16 within its output rounding); the padding row zero."""
+    kv_quant.quantize (codes and scales); attention equal to :func:`int8_reference` (the kernel's arithmetic:
+    float32 within 1e-5; bfloat16 within its output rounding) and within the query's int8 rounding of the
+    float32 reference over the dequantized cache; the padding row zero."""
     lens = DECODE_LENS + [300]
     qkv, cos, sin, kc, vc, scales, bt, slots, lens_t, qmap = int8_case(d, bs, q_to_kv, dtype, lens)
     hq, hkv = len(q_to_kv), max(q_to_kv) + 1
@@ -81,7 +103,8 @@ def test_paged_decode_over_int8_equals_the_reference_on_the_dequantized_cache(d,
     q0, k0 = rope(q0, cos, sin), rope(k0, cos, sin)
     kc0, vc0, sc0 = kc.clone(), vc.clone(), tuple(s.clone() for s in scales)
     ref.store_kvcache(k0, v0, kc0, vc0, slots, kv_scales=sc0)
-    want = ref.decode_attention(q0.float(), kc0, vc0, bt, lens_t, qmap, d ** -0.5, window, cap, kv_scales=sc0)
+    want = int8_reference(q0, kc0, vc0, sc0, bt, lens_t, qmap, d ** -0.5, window, cap)
+    exact_q = ref.decode_attention(q0.float(), kc0, vc0, bt, lens_t, qmap, d ** -0.5, window, cap, kv_scales=sc0)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -95,6 +118,8 @@ def test_paged_decode_over_int8_equals_the_reference_on_the_dequantized_cache(d,
     assert all(torch.equal(a, b) for a, b in zip(scales, sc0))
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out.float(), want, **tol)
+    torch.testing.assert_close(out.float(), exact_q, atol=0.1, rtol=0)  # the query's rounding to int8 (|v| <~ 10)
+    assert (out.float() - exact_q).abs().max() > 1e-5  # ... which is there
     assert torch.equal(out[DECODE_LENS.index(0)], torch.zeros(hq, d, dtype=dtype))
 
 

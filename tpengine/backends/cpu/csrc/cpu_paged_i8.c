@@ -43,23 +43,17 @@
  * anywhere in the cache, which the hardware prefetcher does not follow; the value rows then wait in L2 for
  * the P.V pass (an item's rows: 2 x L x d bytes, 512 KiB at L = 4096, d = 64). */
 #define AHEAD 48
+#define SAHEAD 4 /* blocks whose scales are prefetched ahead of the walk that reads them */
 
 #if defined(TPE_AVX512)
 /* 16 int8 codes -> 16 float32 lanes. */
 static inline vf vf_ldi8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-/* lane l = the sum of a[l]'s 16 lanes (bf16.h's sum16). */
-static inline vf sum16v(const vf *a) { return sum16(a); }
 #else
 static inline vf vf_ldi8(const int8_t *p) {
     const __m128i x = _mm_loadu_si128((const __m128i *)p);
     return vf_two(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8))));
-}
-static inline vf sum16v(const vf *a) {
-    __m256 s[16];
-    for (int k = 0; k < 16; k++) s[k] = _mm256_add_ps(a[k].lo, a[k].hi);
-    return vf_two(sum8x8(s), sum8x8(s + 8));
 }
 #endif
 
@@ -114,15 +108,127 @@ static inline void widen_bf16(const uint16_t *x, int64_t d, float *y) {
 PROLOGUE_I8(prologue_i8_f32, float, rope_head_f32, widen_f32)
 PROLOGUE_I8(prologue_i8_bf16, uint16_t, rope_head_bf16, widen_bf16)
 
-/* The scores of one item: sc[j * lp + t] = dot(q_j, codes_k[t]) * k_scale[t] * scale for its g heads (qv: the
- * heads' d / 16 vectors), 16 keys at a time, each key row loaded once for every head; krow[t]: the row index
- * (block * bs + offset) * hkv + kv of key t. Returns nothing; the rows of the next 16 keys are prefetched. */
-static inline __attribute__((always_inline)) void scores_i8(vf (*qv)[MAX_D / 16], int64_t g, const int64_t NV,
+/* One query head x [d] (after RoPE) -> its codes as quant_row makes them (q4: d / 4 groups of 4 codes, zero past
+ * d), the codes' sum and qs = the query's scale x the softmax scale. */
+#define QUANT_Q(NAME, T, WIDEN)                                                                                 \
+    static inline void NAME(const T *x, int64_t d, float scale, int32_t *q4, int32_t *qsum, float *qs) {      \
+        float row[MAX_D];                                                                                      \
+        int8_t codes[MAX_D] = {0};                                                                             \
+        WIDEN(x, d, row);                                                                                      \
+        quant_row(row, d, codes, qs);                                                                          \
+        int32_t sum = 0;                                                                                       \
+        for (int64_t i = 0; i < d; i++) sum += codes[i];                                                       \
+        memcpy(q4, codes, sizeof(codes));                                                                      \
+        *qsum = sum, *qs *= scale;                                                                             \
+    }
+QUANT_Q(quant_q_f32, float, widen_f32)
+QUANT_Q(quant_q_bf16, uint16_t, widen_bf16)
+
+/* The scores' integer dot products (q quantized per head, see the header): 16 keys at a time, key kk's row at
+ * kp[kk], the heads' codes q4[j] as d / 4 groups of 4 bytes, acc[j] lane kk = dot(q codes_j, k codes of key kk)
+ * exactly (|dot| <= 127 x 127 x 256 < 2^24: exact in float32 too). Each 64-byte (AVX2: 32-byte) piece of the 16
+ * rows is transposed to 4-byte groups (lane kk = key kk's group i), so every product instruction takes one group
+ * of the query broadcast and no horizontal sum is left. */
+#if defined(TPE_AVX512)
+/* r[i] lane l <- r[l] lane i (16 x 16 32-bit lanes): unpack 32 / 64 bits, then 128-bit quarters twice. */
+static inline __attribute__((always_inline)) void tr16x16(__m512i *r) {
+    __m512i a[16], b[16];
+    for (int k = 0; k < 8; k++)
+        a[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]), a[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    for (int k = 0; k < 4; k++) {
+        b[4 * k] = _mm512_unpacklo_epi64(a[4 * k], a[4 * k + 2]), b[4 * k + 1] = _mm512_unpackhi_epi64(a[4 * k], a[4 * k + 2]);
+        b[4 * k + 2] = _mm512_unpacklo_epi64(a[4 * k + 1], a[4 * k + 3]);
+        b[4 * k + 3] = _mm512_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
+    }
+    for (int m = 0; m < 4; m++) { /* b[4k + m] quarter L = rows 4k..4k+3, group 4L + m */
+        a[m] = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x88), a[4 + m] = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xdd);
+        a[8 + m] = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0x88);
+        a[12 + m] = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0xdd);
+    }
+    for (int x = 0; x < 8; x++) /* a[x] quarters: rows 0-3 / 4-7 (a[8 + x]: 8-11 / 12-15) of groups x, 8 + x */
+        r[x] = _mm512_shuffle_i32x4(a[x], a[8 + x], 0x88), r[8 + x] = _mm512_shuffle_i32x4(a[x], a[8 + x], 0xdd);
+}
+/* vpdpbusd multiplies unsigned by signed bytes: the key codes + 128 (xor 0x80, in [1, 255]) against the signed
+ * query codes, then 128 x sum(q codes) (qsum[j]) taken off. */
+static inline __attribute__((always_inline)) void dots16(const int8_t *const *kp, int64_t N32, int32_t (*q4)[MAX_D / 4],
+                                                         const int32_t *qsum, int64_t g, vf *out) {
+    __m512i acc[MAX_G];
+    for (int64_t j = 0; j < g; j++) acc[j] = _mm512_set1_epi32(-128 * qsum[j]);
+    for (int64_t c = 0; 2 * c < N32; c++) {
+        __m512i r[16]; /* a last half piece (d % 64 == 32) loads 32 bytes: its other groups meet zero query codes */
+        const __mmask64 m = 2 * c + 1 < N32 ? ~(__mmask64)0 : (__mmask64)0xffffffffu;
+        for (int kk = 0; kk < 16; kk++)
+            r[kk] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, kp[kk] + 64 * c), _mm512_set1_epi8((char)0x80));
+        tr16x16(r);
+        for (int64_t j = 0; j < g; j++) {
+            const int32_t *qj = q4[j] + 16 * c;
+            __m512i s0 = acc[j], s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512(), s3 = _mm512_setzero_si512();
+            for (int i = 0; i < 16; i += 4) {
+                s0 = _mm512_dpbusd_epi32(s0, r[i], _mm512_set1_epi32(qj[i]));
+                s1 = _mm512_dpbusd_epi32(s1, r[i + 1], _mm512_set1_epi32(qj[i + 1]));
+                s2 = _mm512_dpbusd_epi32(s2, r[i + 2], _mm512_set1_epi32(qj[i + 2]));
+                s3 = _mm512_dpbusd_epi32(s3, r[i + 3], _mm512_set1_epi32(qj[i + 3]));
+            }
+            acc[j] = _mm512_add_epi32(_mm512_add_epi32(s0, s1), _mm512_add_epi32(s2, s3));
+        }
+    }
+    for (int64_t j = 0; j < g; j++) out[j] = _mm512_cvtepi32_ps(acc[j]);
+}
+#else
+/* r[i] lane l <- r[l] lane i (8 x 8 32-bit lanes). */
+static inline __attribute__((always_inline)) void tr8x8(__m256i *r) {
+    __m256i a[8], b[8];
+    for (int k = 0; k < 4; k++)
+        a[2 * k] = _mm256_unpacklo_epi32(r[2 * k], r[2 * k + 1]), a[2 * k + 1] = _mm256_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    for (int k = 0; k < 2; k++) {
+        b[4 * k] = _mm256_unpacklo_epi64(a[4 * k], a[4 * k + 2]), b[4 * k + 1] = _mm256_unpackhi_epi64(a[4 * k], a[4 * k + 2]);
+        b[4 * k + 2] = _mm256_unpacklo_epi64(a[4 * k + 1], a[4 * k + 3]);
+        b[4 * k + 3] = _mm256_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
+    }
+    for (int m = 0; m < 4; m++) /* b[4k + m] half L = rows 4k..4k+3, group 4L + m */
+        r[m] = _mm256_permute2x128_si256(b[m], b[4 + m], 0x20), r[4 + m] = _mm256_permute2x128_si256(b[m], b[4 + m], 0x31);
+}
+/* maddubs multiplies unsigned by signed bytes into saturating 16-bit pairs: |k| against q with k's sign
+ * (llama.cpp's sign trick; each pair <= 2 x 127 x 127, no saturation), the pairs widened by madd. */
+static inline __attribute__((always_inline)) void dots16(const int8_t *const *kp, int64_t N32, int32_t (*q4)[MAX_D / 4],
+                                                         const int32_t *qsum, int64_t g, vf *out) {
+    (void)qsum;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256i acc[MAX_G];
+        for (int64_t j = 0; j < g; j++) acc[j] = _mm256_setzero_si256();
+        for (int64_t c = 0; c < N32; c++) {
+            __m256i r[8], ar[8];
+            for (int kk = 0; kk < 8; kk++) r[kk] = _mm256_loadu_si256((const __m256i *)(kp[8 * h + kk] + 32 * c));
+            tr8x8(r);
+            for (int i = 0; i < 8; i++) ar[i] = _mm256_abs_epi8(r[i]);
+            for (int64_t j = 0; j < g; j++) {
+                const int32_t *qj = q4[j] + 8 * c;
+                __m256i s0 = acc[j], s1 = _mm256_setzero_si256();
+                for (int i = 0; i < 8; i += 2) {
+                    s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(ar[i], _mm256_sign_epi8(_mm256_set1_epi32(qj[i]), r[i])), ones));
+                    s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(ar[i + 1], _mm256_sign_epi8(_mm256_set1_epi32(qj[i + 1]), r[i + 1])), ones));
+                }
+                acc[j] = _mm256_add_epi32(s0, s1);
+            }
+        }
+        for (int64_t j = 0; j < g; j++) {
+            if (h == 0) out[j].lo = _mm256_cvtepi32_ps(acc[j]);
+            else out[j].hi = _mm256_cvtepi32_ps(acc[j]);
+        }
+    }
+}
+#endif
+
+/* The scores of one item: sc[j * lp + t] = dot(qc_j, codes_k[t]) * (k_scale[t] * qs[j]) for its g heads (q4, qsum:
+ * the heads' int8 codes and their sums; qs[j]: the query's scale times the softmax scale), 16 keys at a time, each
+ * key row loaded once for every head; krow[t]: the row index (block * bs + offset) * hkv + kv of key t. The rows
+ * of the keys and values AHEAD on are prefetched. */
+static inline __attribute__((always_inline)) void scores_i8(int32_t (*q4)[MAX_D / 4], const int32_t *qsum,
+                                                            const float *qs, int64_t g, const int64_t N32,
                                                             const int8_t *k_cache, const int8_t *v_cache,
-                                                            const float *k_scale,
-                                                            const int64_t *krow, int64_t L, int64_t lp, float scale,
-                                                            int64_t d, float *sc) {
-    const vf vscale = vf_set1(scale);
+                                                            const float *ksc, const int64_t *krow, int64_t L,
+                                                            int64_t lp, int64_t d, float *sc) {
     for (int64_t t0 = 0; t0 < L; t0 += 16) {
         const int64_t nk = L - t0 < 16 ? L - t0 : 16;
         for (int64_t kk = 0; kk < 16 && t0 + AHEAD + kk < L; kk++) { /* the key and value rows AHEAD on */
@@ -130,22 +236,13 @@ static inline __attribute__((always_inline)) void scores_i8(vf (*qv)[MAX_D / 16]
             const char *pv = (const char *)(v_cache + krow[t0 + AHEAD + kk] * d);
             for (int64_t o = 0; o < d; o += 64) __builtin_prefetch(p + o, 0, 1), __builtin_prefetch(pv + o, 0, 1);
         }
-        float ks[16];
-        vf a[MAX_G][16];
-        for (int64_t kk = 0; kk < 16; kk++) {
-            const int64_t r = krow[t0 + (kk < nk ? kk : 0)];
-            ks[kk] = kk < nk ? k_scale[r] : 0.f;
-            const int8_t *kp = k_cache + r * d;
-            vf kr[MAX_D / 16];
-            for (int64_t i = 0; i < NV; i++) kr[i] = vf_ldi8(kp + i * 16);
-            for (int64_t j = 0; j < g; j++) {
-                vf acc = vf_mul(qv[j][0], kr[0]);
-                for (int64_t i = 1; i < NV; i++) acc = vf_fmadd(qv[j][i], kr[i], acc);
-                a[j][kk] = acc;
-            }
-        }
-        const vf kscale = vf_mul(vf_ldf(ks), vscale);
-        for (int64_t j = 0; j < g; j++) vf_stf(sc + j * lp + t0, vf_mul(sum16v(a[j]), kscale));
+        const int8_t *kp[16];
+        for (int64_t kk = 0; kk < 16; kk++) /* keys past L: key t0's row again (scale 0, masked by the softmax) */
+            kp[kk] = k_cache + krow[t0 + (kk < nk ? kk : 0)] * d;
+        vf dot[MAX_G];
+        dots16(kp, N32, q4, qsum, g, dot);
+        const vf kv = vf_ldf(ksc + t0);
+        for (int64_t j = 0; j < g; j++) vf_stf(sc + j * lp + t0, vf_mul(dot[j], vf_mul(kv, vf_set1(qs[j]))));
     }
 }
 
@@ -205,8 +302,16 @@ static inline void softmax_i8(float *sj, int64_t L, int64_t lp, float softcap, c
     for (int64_t t = 0; t < lp; t += 16) vf_stf(sj + t, vf_mul(vf_mul(vf_ldf(sj + t), inv), vf_ldf(vs + t)));
 }
 
-/* LDQ(p): 16 query elements -> vf; TT: the element type's name for pv_i8_TT. */
-#define PAGED_DECODE_I8(NAME, T, LDQ, PRO)                                                                          \
+/* Prefetch the n scales of a block (block id blk) of both scale arrays: a sequence's blocks sit anywhere in the
+ * cache, and its scales with them, which the hardware prefetcher does not follow. */
+static inline void scale_lines(const float *k_scale, const float *v_scale, int64_t blk, int64_t n) {
+    const float *k = k_scale + blk * n, *v = v_scale + blk * n;
+    for (int64_t o = 0; o < n; o += 16) __builtin_prefetch(k + o, 0, 1), __builtin_prefetch(v + o, 0, 1);
+    __builtin_prefetch(k + n - 1, 0, 1), __builtin_prefetch(v + n - 1, 0, 1);
+}
+
+/* quant_q: one query head -> its int8 codes (quant_q_f32 / quant_q_bf16); pv_i8_T: the P.V pass of the dtype. */
+#define PAGED_DECODE_I8(NAME, T, quant_q, PRO)                                                                          \
     int64_t NAME(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v, int64_t v_stride, const T *cos_t,      \
                  const T *sin_t, const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,              \
                  const int64_t *lens, int8_t *k_cache, int8_t *v_cache, float *k_scale, float *v_scale,              \
@@ -240,23 +345,29 @@ static inline void softmax_i8(float *sj, int64_t L, int64_t lp, float softcap, c
                     cap = g * lp + 16 + 256;                                                                         \
                     free(sc), free(vs), free(rows);                                                                  \
                     sc = (float *)malloc((size_t)cap * sizeof(float));                                               \
-                    vs = (float *)malloc((size_t)cap * sizeof(float));                                               \
+                    vs = (float *)malloc((size_t)cap * 2 * sizeof(float));                                           \
                     rows = (int64_t *)malloc((size_t)cap * sizeof(int64_t));                                         \
                 }                                                                                                    \
-                const int64_t *bt = block_tables + b * max_blocks + lo / bs;                                         \
-                for (int64_t t = 0, kb = 0, ko = lo % bs; t < L; t++) { /* the rows, walked once: no division */    \
+                const int64_t *bt = block_tables + b * max_blocks + lo / bs, nblk = (lo % bs + L + bs - 1) / bs;     \
+                for (int64_t kb = 0; kb < SAHEAD && kb < nblk; kb++) scale_lines(k_scale, v_scale, bt[kb], bs * hkv);\
+                /* the rows and their scales (vs: the values', vs + cap: the keys'), walked once: no division */    \
+                for (int64_t t = 0, kb = 0, ko = lo % bs; t < L; t++) {                                              \
                     rows[t] = (bt[kb] * bs + ko) * hkv + kv;                                                         \
-                    vs[t] = v_scale[rows[t]];                                                                        \
-                    if (++ko == bs) ko = 0, kb++;                                                                    \
+                    vs[t] = v_scale[rows[t]], vs[cap + t] = k_scale[rows[t]];                                        \
+                    if (++ko == bs) {                                                                                \
+                        ko = 0, kb++;                                                                                \
+                        if (kb + SAHEAD < nblk) scale_lines(k_scale, v_scale, bt[kb + SAHEAD], bs * hkv);            \
+                    }                                                                                                \
                 }                                                                                                    \
-                for (int64_t t = L; t < lp; t++) vs[t] = 0.f;                                                        \
-                vf qv[MAX_G][MAX_D / 16];                                                                            \
+                for (int64_t t = L; t < lp; t++) vs[t] = vs[cap + t] = 0.f;                                          \
+                int32_t q4[MAX_G][MAX_D / 4], qsum[MAX_G];                                                           \
+                float qs[MAX_G];                                                                                     \
                 for (int64_t j = 0; j < g; j++)                                                                      \
-                    for (int64_t i = 0; i < nv; i++) qv[j][i] = LDQ(q + b * q_stride + heads[j] * d + i * 16);       \
+                    quant_q(q + b * q_stride + heads[j] * d, d, scale, q4[j], qsum + j, qs + j);                     \
                 switch (nv) { /* the head size as a constant */                                                      \
-                case 4: scores_i8(qv, g, 4, k_cache, v_cache, k_scale, rows, L, lp, scale, d, sc); break;                     \
-                case 8: scores_i8(qv, g, 8, k_cache, v_cache, k_scale, rows, L, lp, scale, d, sc); break;                     \
-                default: scores_i8(qv, g, nv, k_cache, v_cache, k_scale, rows, L, lp, scale, d, sc); break;                   \
+                case 4: scores_i8(q4, qsum, qs, g, 2, k_cache, v_cache, vs + cap, rows, L, lp, d, sc); break;         \
+                case 8: scores_i8(q4, qsum, qs, g, 4, k_cache, v_cache, vs + cap, rows, L, lp, d, sc); break;         \
+                default: scores_i8(q4, qsum, qs, g, d / 32, k_cache, v_cache, vs + cap, rows, L, lp, d, sc); break;   \
                 }                                                                                                    \
                 for (int64_t j = 0; j < g; j++) softmax_i8(sc + j * lp, L, lp, softcap, vs);                         \
                 switch (nv) {                                                                                        \
@@ -270,6 +381,6 @@ static inline void softmax_i8(float *sj, int64_t L, int64_t lp, float softcap, c
         return -1;                                                                                                   \
     }
 
-PAGED_DECODE_I8(tpe_paged_decode_i8_f32, float, vf_ldf, prologue_i8_f32)
-PAGED_DECODE_I8(tpe_paged_decode_i8_bf16, uint16_t, vf_ldb, prologue_i8_bf16)
+PAGED_DECODE_I8(tpe_paged_decode_i8_f32, float, quant_q_f32, prologue_i8_f32)
+PAGED_DECODE_I8(tpe_paged_decode_i8_bf16, uint16_t, quant_q_bf16, prologue_i8_bf16)
 #endif /* neither path: left out of the build; the callers keep torch (cpu_library.has) */
