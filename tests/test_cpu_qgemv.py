@@ -209,7 +209,9 @@ def test_choose_sets_every_weight_of_a_shape():
         assert c["gemv_rows"] == cpu_qgemv.gemv_rows(c["torch"], cpu_qgemv._kernel_us(c))
         assert c["dequant_rows"] in (0, 64, 512)
         assert c["q8_rows"] == cpu_qgemv.q8_rows(c) <= c["gemv_rows"]
-        assert ("tpengine_q8" in c) == (group is mods and cpu_library.has(*cpu_qgemv.INT4_Q8_KERNELS))  # bfloat16 int4
+        # bfloat16 int4 and per-channel int8: the int8-activation kernels
+        assert ("tpengine_q8" in c) == cpu_library.has(*(cpu_qgemv.INT4_Q8_KERNELS if group is mods
+                                                         else cpu_qgemv.INT8_Q8_KERNELS))
         assert {(m.gemv_rows, m.dequant_rows, m.q8_rows) for m in group} == {(c["gemv_rows"], c["dequant_rows"],
                                                                              c["q8_rows"])}
     line = cpu_qgemv.summary(chosen)
@@ -398,3 +400,71 @@ def test_int4_q8_is_the_product_of_the_int8_activations(monkeypatch):
                                          r"in torch.float32, group size % 32 == 0 "):
         z = weight("int4", 32, (64, 64), torch.float32)
         cpu_qgemv.int4(torch.zeros(1, 64), z.packed, torch.zeros(4, 64, 2), 16, 64, act_int8=True)
+
+
+def int8_q8_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 x int8 kernel's arithmetic in torch: ``x`` quantized per row and block of 32 as
+    ``q8_activations``, each block's sum ``S_b = sum q xq`` exact (integers, in float64), then
+    ``s * sum_b d_b S_b`` in float64; and ``s * sum_b |d_b S_b|``, the scale of float32's rounding of
+    the kernel's sum over blocks. Both ``[rows, n]``."""
+    rows, k = x.shape
+    xb = x.float().reshape(rows, -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    xq = torch.round(xb * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))).double()
+    blocks = torch.einsum("rbi,obi->rob", xq, q.double().reshape(q.shape[0], -1, 32)) * amax.double().squeeze(-1)[
+        :, None, :].div(127).to(torch.float32).double()  # d_b = amax / 127 in float32, as the C code
+    return blocks.sum(-1) * s.double(), blocks.abs().sum(-1) * s.double().abs()
+
+
+@pytest.mark.skipif(cpu_library.missing(*cpu_qgemv.INT8_Q8_KERNELS) is not None,
+                    reason=str(cpu_library.missing(*cpu_qgemv.INT8_Q8_KERNELS)))
+def test_int8_q8_is_the_integer_product_of_the_int8_activations():
+    """The int8 x int8 kernel (``int8(..., act_int8=True)``): (1) float32 activations give the integer
+    reference (``int8_q8_reference``: exact block sums, only the float32 sum over blocks and the scaling
+    round), weights over the whole int8 range -128..127 (VNNI's + 128 offset, AVX2's sign trick), k a
+    multiple of 64 and not (96, 288: a last half step), 1..8 rows, an all-zero row and a 40x outlier;
+    (2) bfloat16 activations and scales give the float32 result on the same values rounded once, bit for
+    bit; (3) the error against the float product is within the activations' rounding, per output ``s *
+    sum_i d_i / 2 |q_i|``; (4) a bfloat16 per-channel weight's forward and bound call take it up to
+    ``q8_rows`` (the float kernel above), and only such weights are candidates (``q8_takes``); (5) a k
+    that is not a multiple of 32 is refused."""
+    g = torch.Generator().manual_seed(11)
+    for n, k in [(472, 96), (80, 256), (33, 288)]:
+        q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+        s = torch.rand(n, generator=g) * 0.01
+        for rows in (1, 2, 3, 5, 8):
+            x = torch.randn(rows, k, generator=g)
+            x[0, 5] = 40.0  # an outlier: its block's other values keep fewer bits
+            if rows > 2:
+                x[2] = 0.0  # d = 0: the row's outputs are 0
+            got = cpu_qgemv.int8(x, q, s, act_int8=True)
+            want, scale = int8_q8_reference(x, q, s)
+            assert got.dtype == torch.float32 and got.shape == (rows, n)
+            assert ((got.double() - want).abs() <= scale * 2 ** -18 + 1e-30).all(), (n, k, rows)
+            if rows > 2:
+                assert not got[2].any()
+            xd, d = q8_activations(x)
+            exact = (x.double() @ q.double().T) * s.double()
+            stated = ((d.double() / 2) @ q.double().abs().T) * s.double()
+            assert ((got.double() - exact).abs() <= stated + scale * 2 ** -18 + 1e-30).all(), (n, k, rows)
+            xb, sb = x.bfloat16(), s.bfloat16()
+            assert torch.equal(cpu_qgemv.int8(xb, q, sb, act_int8=True),
+                               cpu_qgemv.int8(xb.float(), q, sb.float(), act_int8=True).bfloat16()), (n, k, rows)
+    w = weight("int8", None, (80, 256), torch.bfloat16)
+    assert cpu_qgemv.q8_takes(w)
+    assert not cpu_qgemv.q8_takes(weight("int8", None, (80, 256), torch.float32))
+    assert not cpu_qgemv.q8_takes(weight("int8", 32, (80, 256), torch.bfloat16))
+    for rows in (1, 4):
+        x = torch.randn(rows, 256, generator=g).bfloat16()
+        w.gemv_rows, w.q8_rows = 8, rows
+        q8 = cpu_qgemv.int8(x, w.qweight, w.scales, act_int8=True)
+        assert torch.equal(w(x), q8) and torch.equal(w.bind()(x), q8)
+        assert w.bind().c_spec[:2] == ("q8", "tpe_qgemv_int8_q8")
+        w.q8_rows = rows - 1
+        plain = cpu_qgemv.int8(x, w.qweight, w.scales)
+        assert torch.equal(w(x), plain) and torch.equal(w.bind()(x), plain) and not torch.equal(plain, q8)
+    q48 = torch.zeros(16, 48, dtype=torch.int8)
+    with pytest.raises(ValueError) as e:
+        cpu_qgemv.int8(torch.zeros(1, 48), q48, torch.ones(16), act_int8=True)
+    assert str(e.value) == ("qgemv int8: need a contiguous int8 [n, 48] weight and [n] scales in torch.float32 and "
+                            "48 % 32 == 0 input columns; got torch.int8 (16, 48), scales torch.float32 (16,)")

@@ -2,7 +2,7 @@
 checks of the other test files, run again in a fresh process under ``TPENGINE_ISA=avx2`` (the
 library built with ``-march=x86-64-v3``), so a CI run on an AVX-512 machine covers both paths. The
 files run are the kernel-level ones (the fused ops, argmax, GEMV, GEMM, int8 and int4 GEMV, the int4 x
-int8 GEMV (maddubs), int4 dequantization -- on torch's packed layout here and on its AVX2 one, 32-row
+int8 and int8 x int8 GEMVs (maddubs), int4 dequantization -- on torch's packed layout here and on its AVX2 one, 32-row
 blocks, which an AVX2 CPU's torch packs --, paged decode attention, the shared-memory all-reduce);
 kernels the AVX2 build leaves out skip there with that reason.
 Skipped where the CPU cannot run AVX2 + FMA code, there is no C compiler, or this run is itself the
@@ -32,6 +32,7 @@ CHECKS = ("tests/test_cpu_fused.py", "tests/test_cpu_library.py::test_isa_names_
           "tests/test_cpu_qgemv.py::test_int4_kernels_read_the_other_layout",
           "tests/test_cpu_qgemv.py::test_int4_rows_are_the_torch_lookup_bit_for_bit",
           "tests/test_cpu_qgemv.py::test_int4_q8_is_the_product_of_the_int8_activations",
+          "tests/test_cpu_qgemv.py::test_int8_q8_is_the_integer_product_of_the_int8_activations",
           "tests/test_cpu_paged.py::test_paged_decode_equals_rope_store_and_reference_attention",
           "tests/test_cpu_paged.py::test_paged_decode_bad_indices_raise_before_anything_is_written",
           "tests/test_cpu_paged.py::test_paged_decode_with_window_and_soft_cap_equals_the_reference",

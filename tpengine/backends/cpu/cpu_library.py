@@ -60,7 +60,7 @@ RETURNS_INDEX = ("tpe_copy_rows", "tpe_decode_scores", "tpe_decode_pv", "tpe_pag
                  "tpe_paged_decode_bf16", "tpe_paged_decode_i8_f32", "tpe_paged_decode_i8_bf16", "tpe_qgemv_int8",
                  "tpe_qgemv_int4", "tpe_dequant_int4",
                  "tpe_int4_rows", "tpe_shm_all_reduce", "tpe_shm_all_reduce_add_rms_norm", "tpe_qgemv_int4_q8",
-                 "tpe_moe_decode_bf16", "tpe_program_run")
+                 "tpe_qgemv_int8_q8", "tpe_moe_decode_bf16", "tpe_program_run")
 _PAGED = [_P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _F32, _P,
           _I64, _I64, _I32, _I64, _F32]
 #: the int8-cache kernel (cpu_paged_i8.c): _PAGED with the two scale pointers after the caches, no amx_min_batch
@@ -96,6 +96,7 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_paged_am
     "tpe_gemm_f32": [_P, _I64, _I64, _P, _I64, _P, _P, _I32],
     "tpe_gemm_bf16": [_P, _I64, _I64, _P, _I64, _P, _P, _I32],
     "tpe_qgemv_int8": [_P, _I64, _I64, _P, _P, _I64, _P, _I32, _I32],
+    "tpe_qgemv_int8_q8": [_P, _I64, _I64, _P, _P, _I64, _P, _I32, _I32],
     "tpe_qgemv_int4": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _I32, _I32],
     "tpe_qgemv_int4_q8": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _I32, _I32],
     "tpe_dequant_int4": [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _I32, _I32],

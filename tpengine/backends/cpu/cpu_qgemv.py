@@ -20,6 +20,12 @@ activations quantized to int8 in blocks of 32 and the products summed in integer
 ``q8_rows`` rows where it measured faster than the float kernel. Its results differ from the float
 kernel's by the activations' rounding (|x - d xq| <= d / 2, d = the block's max |x| / 127), about
 bfloat16's own; float32 activations keep the float kernel, whose sums are float32's.
+
+A per-channel int8 weight with bfloat16 activations has the same third candidate (``tpe_qgemv_int8_q8``,
+llama.cpp's q8_0 x q8_0 arithmetic; ``int8(..., act_int8=True)``): the activations quantized to int8 in
+blocks of 32 alike, the products summed in int32 per block (AVX-512 VNNI ``vpdpbusd``, AVX2
+``vpmaddubsw``), each block's sum scaled by its ``d`` and the output by the channel's scale, taken up to
+``q8_rows`` rows where it measured faster (docs/notes/kernels.md, "int8 x int8").
 """
 
 from __future__ import annotations
@@ -95,18 +101,25 @@ INT8_KERNELS, INT4_KERNELS = ("tpe_qgemv_int8",), ("tpe_qgemv_int4", "tpe_dequan
 KERNELS = INT8_KERNELS + INT4_KERNELS
 #: the int4 x int8 kernel (AVX2 builds, and AVX-512 builds where the compiler targets VNNI and VBMI)
 INT4_Q8_KERNELS = ("tpe_qgemv_int4_q8",)
-#: the activations' block (columns per int8 scale) of that kernel: group sizes must be multiples of it
+#: the int8 x int8 kernel (built where the int4 x int8 one is)
+INT8_Q8_KERNELS = ("tpe_qgemv_int8_q8",)
+#: the activations' block (columns per int8 scale) of those kernels: group sizes and an int8 weight's
+#: input columns must be multiples of it
 Q8_BLOCK = 32
 
 
 def q8_takes(mod) -> bool:
-    """Whether the int4 x int8 kernel is a candidate for the quantized weight ``mod``: an int4 weight the
-    int4 kernels take (:attr:`~tpengine.model.quant.weights.QuantizedWeight.kernels_take`), bfloat16
-    activations (float32 ones keep float32 sums), a group size that is a multiple of :data:`Q8_BLOCK`, and
-    a build with the kernel. Never raises."""
-    return (type(mod).__name__.startswith("Int4") and bool(getattr(mod, "kernels_take", False))
-            and getattr(mod, "dtype", None) == torch.bfloat16 and getattr(mod, "group_size", 1) % Q8_BLOCK == 0
-            and cpu_library.has(*INT4_Q8_KERNELS))
+    """Whether a kernel with int8 activations is a candidate for the quantized weight ``mod``: bfloat16
+    activations (float32 ones keep float32 sums, and with them the float32 tp=2 = tp=1 token tests), a
+    weight the kernels take (:attr:`~tpengine.model.quant.weights.QuantizedWeight.kernels_take`) and a
+    build with the kernel: an int4 weight whose group size is a multiple of :data:`Q8_BLOCK` (the int4 x
+    int8 kernel), or a per-channel int8 weight whose input columns are (the int8 x int8 one). Never raises."""
+    if not (bool(getattr(mod, "kernels_take", False)) and getattr(mod, "dtype", None) == torch.bfloat16):
+        return False
+    if type(mod).__name__.startswith("Int4"):
+        return getattr(mod, "group_size", 1) % Q8_BLOCK == 0 and cpu_library.has(*INT4_Q8_KERNELS)
+    return (type(mod).__name__ == "Int8Weight" and getattr(mod, "group_size", 1) is None
+            and getattr(mod, "in_features", 1) % Q8_BLOCK == 0 and cpu_library.has(*INT8_Q8_KERNELS))
 
 
 def kernels_built(int4: bool) -> bool:
@@ -141,9 +154,15 @@ def _block(op: str) -> int:
     return block
 
 
-def int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, act_int8: bool = False) -> torch.Tensor:
     """``(x @ qweight.T) * scales`` for ``x [..., k]`` (1..8 rows, bfloat16 or float32),
-    ``qweight int8 [n, k]``, ``scales [n]`` in ``x``'s dtype -> ``[..., n]`` in that dtype.
+    ``qweight int8 [n, k]``, ``scales [n]`` in ``x``'s dtype -> ``[..., n]`` in that dtype, the sums in
+    float32. ``act_int8``: ``x`` quantized to int8 in blocks of :data:`Q8_BLOCK` (``d = max |x| / 127``,
+    ``xq = round(x / d)``, ties to even; ``k % 32 == 0``) and multiplied in integers (``tpe_qgemv_int8_q8``;
+    llama.cpp's ``ggml_vec_dot_q8_0_q8_0`` arithmetic): ``scales * sum_b d_b * (sum_{i in b} q xq)``, each
+    block's int32 sum exact, the sum over blocks in float32; the product of the dequantized activations
+    ``d * xq``, each within ``d / 2`` of ``x`` (bfloat16's own rounding is ``|x| / 256``; for float32
+    activations this rounds far more than their own).
 
     Raises:
         ValueError: a dtype, shape or row count it does not take.
@@ -151,13 +170,29 @@ def int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.
     """
     n, k = qweight.shape
     x2, rows = _rows(x, k, "qgemv int8")
-    if qweight.dtype != torch.int8 or not qweight.is_contiguous() or scales.shape != (n,) or scales.dtype != x.dtype:
-        raise ValueError(f"qgemv int8: need a contiguous int8 [n, {k}] weight and [n] scales in {x.dtype}; got "
+    if (qweight.dtype != torch.int8 or not qweight.is_contiguous() or scales.shape != (n,) or scales.dtype != x.dtype
+            or (act_int8 and k % Q8_BLOCK)):
+        raise ValueError(f"qgemv int8: need a contiguous int8 [n, {k}] weight and [n] scales in {x.dtype}"
+                         f"{f' and {k} % {Q8_BLOCK} == 0 input columns' if act_int8 else ''}; got "
                          f"{qweight.dtype} {tuple(qweight.shape)}, scales {scales.dtype} {tuple(scales.shape)}")
     y = torch.empty(rows, n, dtype=x.dtype)
-    _check(_lib(False).tpe_qgemv_int8(x2.data_ptr(), rows, k, qweight.data_ptr(), scales.contiguous().data_ptr(), n,
-                                 y.data_ptr(), int(x.dtype == torch.bfloat16), torch.get_num_threads()), "int8")
+    _check(_int8_fn(act_int8)(x2.data_ptr(), rows, k, qweight.data_ptr(), scales.contiguous().data_ptr(), n,
+                              y.data_ptr(), int(x.dtype == torch.bfloat16), torch.get_num_threads()), "int8")
     return y.reshape(*x.shape[:-1], n)
+
+
+def _int8_fn(act_int8: bool):
+    """The C function of :func:`int8` (``act_int8``: the int8 x int8 one).
+
+    Raises:
+        RuntimeError: the build lacks it.
+    """
+    if not act_int8:
+        return _lib(False).tpe_qgemv_int8
+    why = cpu_library.missing(*INT8_Q8_KERNELS)
+    if why:
+        raise RuntimeError(f"CPU C int8 x int8 kernel unavailable: {why}")
+    return cpu_library.load().tpe_qgemv_int8_q8
 
 
 def _int4_scales(scales_and_zeros: torch.Tensor, zero_codes: torch.Tensor | None, op: str) -> tuple[int, int]:
@@ -231,23 +266,26 @@ def _int4_fn(act_int8: bool):
     return cpu_library.load().tpe_qgemv_int4_q8
 
 
-def bind_int8(qweight: torch.Tensor, scales: torch.Tensor):
+def bind_int8(qweight: torch.Tensor, scales: torch.Tensor, act_int8: bool = False):
     """:func:`int8` for one weight with its checks done once: ``run(x [rows, k] contiguous in the
-    scales' dtype, 1 <= rows <= MAX_ROWS) -> [rows, n]`` (the caller guarantees the arguments).
+    scales' dtype, 1 <= rows <= MAX_ROWS) -> [rows, n]`` (the caller guarantees the arguments);
+    ``act_int8`` as :func:`int8`'s (the same C arguments: the decode program's "q8" call either way).
 
     Raises:
         ValueError: see :func:`int8`.
+        RuntimeError: the C kernel is unavailable.
     """
     n, k = qweight.shape
-    int8(torch.zeros(1, k, dtype=scales.dtype), qweight, scales)  # the checks, once
-    fn, qp, sp, dtype, bf = _lib(False).tpe_qgemv_int8, qweight.data_ptr(), scales.data_ptr(), scales.dtype, \
+    int8(torch.zeros(1, k, dtype=scales.dtype), qweight, scales, act_int8)  # the checks, once
+    fn, qp, sp, dtype, bf = _int8_fn(act_int8), qweight.data_ptr(), scales.data_ptr(), scales.dtype, \
         int(scales.dtype == torch.bfloat16)
 
     def run(x: torch.Tensor) -> torch.Tensor:
         y = torch.empty(x.shape[0], n, dtype=dtype)
         _check(fn(x.data_ptr(), x.shape[0], k, qp, sp, n, y.data_ptr(), bf, torch.get_num_threads()), "int8")
         return y
-    run.c_spec = ("q8", "tpe_qgemv_int8", k, qp, sp, n, bf)  # its call in a decode program (cpu_program)
+    # its call in a decode program (cpu_program)
+    run.c_spec = ("q8", "tpe_qgemv_int8_q8" if act_int8 else "tpe_qgemv_int8", k, qp, sp, n, bf)
     return run
 
 
@@ -344,14 +382,15 @@ def gemv_rows(torch_us: list[float], kernel_us: list[float]) -> int:
 
 
 def _kernel_us(times: dict[str, list[float]]) -> list[float]:
-    """The faster of these kernels at each bucket: the float one's times, or the int4 x int8 one's where
-    measured and faster."""
+    """The faster of these kernels at each bucket: the float one's times, or the int8-activation one's
+    where measured and faster."""
     return [min(t, q) for t, q in zip(times["tpengine"], times.get("tpengine_q8", times["tpengine"]))]
 
 
 def q8_rows(times: dict[str, list[float]]) -> int:
-    """The largest of :data:`ROW_BUCKETS`, up to :func:`gemv_rows`'s, up to which the int4 x int8 kernel
-    (``times["tpengine_q8"]``) beat the float one at every bucket (0: never, or not measured)."""
+    """The largest of :data:`ROW_BUCKETS`, up to :func:`gemv_rows`'s, up to which the int8-activation
+    kernel (``times["tpengine_q8"]``: int4 x int8 or int8 x int8) beat the float one at every bucket (0:
+    never, or not measured)."""
     if "tpengine_q8" not in times:
         return 0
     limit = gemv_rows(times["torch"], _kernel_us(times))
@@ -448,7 +487,7 @@ def default_times(mod) -> dict[str, list[float]]:
     every decode bucket (torch's are written for many rows) and, where the kind has it, dequantize +
     GEMM from the first prefill bucket (torch's int4 GEMM can take minutes a call there), as timings
     that rank the paths so (1 us for the path taken, 2 us for the other); where :func:`q8_takes`, the
-    int4 x int8 kernel at every decode bucket (0.5 us: it reads the same bytes with fewer instructions)."""
+    int8-activation kernel at every decode bucket (0.5 us: it reads the same bytes with fewer instructions)."""
     times = {"torch": [2.0] * len(ROW_BUCKETS), "tpengine": [1.0] * len(ROW_BUCKETS)}
     if q8_takes(mod):
         times["tpengine_q8"] = [0.5] * len(ROW_BUCKETS)

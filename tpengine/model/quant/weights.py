@@ -136,8 +136,9 @@ class QuantizedWeight(nn.Module):
     #: Up to this many rows ``forward`` runs the device's kernels (:attr:`qkernels`), above it torch's;
     #: set per weight shape by measurement (on the CPU :func:`tpengine.backends.cpu.cpu_qgemv.choose`).
     gemv_rows = 0
-    #: Up to this many rows (at most ``gemv_rows``) an int4 weight's kernel quantizes the activations to
-    #: int8 and multiplies in integers (on the CPU ``cpu_qgemv.int4(..., act_int8=True)``); 0: never. Set
+    #: Up to this many rows (at most ``gemv_rows``) an int4 or per-channel int8 weight's kernel quantizes the
+    #: activations to int8 and multiplies in integers (on the CPU ``cpu_qgemv.int4(..., act_int8=True)``,
+    #: ``cpu_qgemv.int8(..., act_int8=True)``); 0: never. Set
     #: by the same measurement; its results differ from the float kernel's by the activations' rounding.
     q8_rows = 0
     #: From this many rows on ``forward`` dequantizes the weight into a scratch float tensor and runs
@@ -271,7 +272,10 @@ class Int8Weight(QuantizedWeight):
         if not self.gemv_rows:
             return self._many
         kernel, limit, many = self.qkernels.bind_int8(self.qweight, self.scales), self.gemv_rows, self._many
-        return _one_row(lambda x: kernel(x) if x.shape[0] <= limit else many(x), kernel)
+        if not self.q8_rows:
+            return _one_row(lambda x: kernel(x) if x.shape[0] <= limit else many(x), kernel)
+        q8, limit8 = self.qkernels.bind_int8(self.qweight, self.scales, act_int8=True), self.q8_rows
+        return _one_row(lambda x: q8(x) if x.shape[0] <= limit8 else kernel(x) if x.shape[0] <= limit else many(x), q8)
 
     def _many(self, x: torch.Tensor) -> torch.Tensor:
         if self.group_size is None:
@@ -288,7 +292,7 @@ class Int8Weight(QuantizedWeight):
         if x2.shape[0] > self.gemv_rows:
             y = self._many(x2)
         elif self.group_size is None:
-            y = self.qkernels.int8(x2, self.qweight, self.scales)
+            y = self.qkernels.int8(x2, self.qweight, self.scales, act_int8=x2.shape[0] <= self.q8_rows)
         else:
             g, n = self.group_size, self.out_features
             y = self.qkernels.int4(x2, self.packed_lo, self.scales_and_zeros_lo, g, n) + self.qkernels.int4(

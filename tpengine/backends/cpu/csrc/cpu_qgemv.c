@@ -963,6 +963,161 @@ int64_t tpe_qgemv_int4_q8(const void *x, int64_t rows, int64_t k, const uint8_t 
     free(xq), free(d), free(sd), free(out);
     return 0;
 }
+
+/* ------------------------------------------------------------------ int8 x int8, integer products */
+/* The per-channel int8 weight of tpe_qgemv_int8 (q [n, k] row-major, scales [n]) against activations
+ * quantized to int8 in blocks of 32 as above (q8_quantize: llama.cpp's q8_0 arithmetic, its
+ * ggml_vec_dot_q8_0_q8_0):
+ *   y[r, o] = s[o] * sum_b d_b * (sum_{i in b} q[o, i] xq_i),
+ * the inner sums exact in int32, the sum over blocks in float32 (16 partial sums a row, then added),
+ * one scaling by s[o] at the end. Each 32-bit lane holds 4 consecutive columns' products, so 8 lanes
+ * make a block and a lane's float factor is its block's d (dl below: d per lane, built once a call).
+ * AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes, so the offset goes on the weight side:
+ * u = q ^ 0x80 = q + 128, vpdpbusd(nc, u, xq) = sum q xq + 128 sum xq + nc with nc = -128 * (the lane's
+ * sum of xq), set once a call, so each 64 weight bytes cost one xor, one vpdpbusd, one int -> float
+ * conversion and one FMA (the float kernel: 4 widenings, 4 conversions, 4 FMAs). AVX2: llama.cpp's sign
+ * trick, vpmaddubsw(|q|, sign(xq, q)) (pairs at most 2 x 128 x 127, no saturation) then vpmaddwd by 1;
+ * vpdpbusd on 256 bits as AVX-512's where the build targets AVX-VNNI or AVX512-VNNI with VL. Weight
+ * rows are walked J at a time for R rows of x (gemv.h's TPE_J*), the next group prefetched as a group
+ * is read; the threads split the output rows (tpe_gemv_chunk). */
+#define I8Q8_MAXJ 4
+
+/* xq [rows, kp] (zero past k), nc and dl [rows, kp / 4]: each 4-column lane's -128 * sum xq and its d. */
+static void i8q8_lanes(const void *x, int64_t rows, int64_t k, int64_t kp, int is_bf16, int8_t *xq, int32_t *nc,
+                       float *dl, float *d, float *sd) {
+    const int64_t nb = k / Q8_BLOCK, es = is_bf16 ? 2 : 4;
+    for (int64_t r = 0; r < rows; r++) {
+        q8_quantize((const char *)x + r * k * es, 1, k, is_bf16, xq + r * kp, d + r * nb, sd + r * nb);
+        memset(xq + r * kp + k, 0, kp - k);
+        for (int64_t l = 0; l < kp / 4; l++) {
+            const int8_t *c = xq + r * kp + 4 * l;
+            nc[r * (kp / 4) + l] = -128 * ((int32_t)c[0] + c[1] + c[2] + c[3]);
+            dl[r * (kp / 4) + l] = 4 * l < k ? d[r * nb + 4 * l / Q8_BLOCK] : 0.f;
+        }
+    }
+}
+
+#if defined(TPE_AVX512)
+/* Weight rows o..o + J - 1 against R rows of x: acc[r * J + j] = sum_b d_b sum_{i in b} q[o + j, i] xq[r, i]. */
+static inline __attribute__((always_inline)) void i8q8_group(const int R, const int J, const int8_t *xq,
+                                                              const int32_t *nc, const float *dl, int64_t kp,
+                                                              int64_t k, const int8_t *q, int64_t o, float *acc) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __mmask64 last = k % 64 ? ((__mmask64)1 << (k % 64)) - 1 : ~(__mmask64)0;
+    const int64_t steps = kp / 64;
+    __m512 f[QMAX_ROWS][I8Q8_MAXJ];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) f[r][j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < steps; c++) {
+        __m512i w[I8Q8_MAXJ];
+        for (int j = 0; j < J; j++) {
+            const int8_t *p = q + (o + j) * k + 64 * c;
+            _mm_prefetch((const char *)(p + J * k), _MM_HINT_T0); /* the next group's row */
+            w[j] = _mm512_xor_si512(c + 1 < steps ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(last, p), flip);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512i xb = _mm512_loadu_si512(xq + r * kp + 64 * c);
+            const __m512i n0 = _mm512_loadu_si512(nc + r * (kp / 4) + 16 * c);
+            const __m512 dv = _mm512_loadu_ps(dl + r * (kp / 4) + 16 * c);
+            for (int j = 0; j < J; j++)
+                f[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(n0, w[j], xb)), dv, f[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) acc[r * J + j] = _mm512_reduce_add_ps(f[r][j]);
+}
+#else /* TPE_AVX2: 32 columns a step */
+static inline __attribute__((always_inline)) void i8q8_group(const int R, const int J, const int8_t *xq,
+                                                              const int32_t *nc, const float *dl, int64_t kp,
+                                                              int64_t k, const int8_t *q, int64_t o, float *acc) {
+    __m256 f[QMAX_ROWS][I8Q8_MAXJ];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) f[r][j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < k / 32; c++) {
+        __m256i w[I8Q8_MAXJ];
+        for (int j = 0; j < J; j++) {
+            const int8_t *p = q + (o + j) * k + 32 * c;
+            if (!(c & 1)) _mm_prefetch((const char *)(p + J * k), _MM_HINT_T0); /* the next group's row */
+            w[j] = _mm256_loadu_si256((const __m256i *)p);
+#ifdef Q8_DPBUSD
+            w[j] = _mm256_xor_si256(w[j], _mm256_set1_epi8((char)0x80));
+#endif
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + r * kp + 32 * c));
+            const __m256 dv = _mm256_loadu_ps(dl + r * (kp / 4) + 8 * c);
+#ifdef Q8_DPBUSD
+            const __m256i n0 = _mm256_loadu_si256((const __m256i *)(nc + r * (kp / 4) + 8 * c));
+#endif
+            for (int j = 0; j < J; j++) {
+#ifdef Q8_DPBUSD
+                const __m256i s = Q8_DPBUSD(n0, w[j], xb);
+#else
+                const __m256i s = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(_mm256_sign_epi8(w[j], w[j]), _mm256_sign_epi8(xb, w[j])), _mm256_set1_epi16(1));
+#endif
+                f[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dv, f[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) acc[r * J + j] = hsum8(f[r][j]);
+}
+#endif
+
+/* Output rows o0..o1 for R rows of x (J weight rows at a time, then one at a time): y[r, o] = s[o] * acc. */
+#define I8Q8_ROWS(R, J)                                                                                         \
+    static void i8q8_rows_##R(const int8_t *xq, const int32_t *nc, const float *dl, int64_t kp, int64_t k,      \
+                              const int8_t *q, const void *scales, int64_t o0, int64_t o1, void *y, int64_t n,  \
+                              int is_bf16) {                                                                    \
+        float acc[R * J];                                                                                       \
+        int64_t o = o0;                                                                                         \
+        for (; o + J <= o1; o += J) {                                                                           \
+            i8q8_group(R, J, xq, nc, dl, kp, k, q, o, acc);                                                     \
+            for (int r = 0; r < R; r++)                                                                         \
+                for (int j = 0; j < J; j++)                                                                     \
+                    stf(y, r * n + o + j, acc[r * J + j] * ldf(scales, o + j, is_bf16), is_bf16);               \
+        }                                                                                                       \
+        for (; o < o1; o++) {                                                                                   \
+            i8q8_group(R, 1, xq, nc, dl, kp, k, q, o, acc);                                                     \
+            for (int r = 0; r < R; r++) stf(y, r * n + o, acc[r] * ldf(scales, o, is_bf16), is_bf16);           \
+        }                                                                                                       \
+    }
+I8Q8_ROWS(1, TPE_J1)
+I8Q8_ROWS(2, TPE_J2)
+I8Q8_ROWS(4, TPE_J4)
+I8Q8_ROWS(8, TPE_J8)
+
+/* x [rows, k] (bf16 or f32) against q int8 [n, k] with scales [n] (tpe_qgemv_int8's arguments), the
+ * activations quantized to int8 per 32 columns: y [rows, n]. Returns 0, or -1 for bad arguments (rows
+ * outside 1..8, k not a positive multiple of 32, n < 1), -2 out of memory. */
+int64_t tpe_qgemv_int8_q8(const void *x, int64_t rows, int64_t k, const int8_t *q, const void *scales, int64_t n,
+                          void *y, int is_bf16, int nthreads) {
+    if (rows < 1 || rows > QMAX_ROWS || k <= 0 || k % Q8_BLOCK || n < 1) return -1;
+    const int64_t kp = (k + 63) / 64 * 64, nb = k / Q8_BLOCK, kl = kp / 4;
+    char *buf = malloc(rows * kp + sizeof(float) * rows * (3 * kl + 2 * nb) + 64);
+    if (!buf) return -2;
+    int8_t *xq = (int8_t *)buf;
+    int32_t *nc = (int32_t *)(buf + (rows * kp + 63) / 64 * 64);
+    float *dl = (float *)(nc + rows * kl), *d = dl + rows * kl, *sd = d + rows * nb;
+    i8q8_lanes(x, rows, k, kp, is_bf16, xq, nc, dl, d, sd);
+    const int64_t chunk = tpe_gemv_chunk(n, nthreads), es = is_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static, 1) num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)
+    for (int64_t o0 = 0; o0 < n; o0 += chunk) {
+        const int64_t o1 = o0 + chunk < n ? o0 + chunk : n;
+        int64_t r = 0;
+        for (; r + 8 <= rows; r += 8)
+            i8q8_rows_8(xq + r * kp, nc + r * kl, dl + r * kl, kp, k, q, scales, o0, o1, (char *)y + r * n * es, n, is_bf16);
+        for (; r + 4 <= rows; r += 4)
+            i8q8_rows_4(xq + r * kp, nc + r * kl, dl + r * kl, kp, k, q, scales, o0, o1, (char *)y + r * n * es, n, is_bf16);
+        for (; r + 2 <= rows; r += 2)
+            i8q8_rows_2(xq + r * kp, nc + r * kl, dl + r * kl, kp, k, q, scales, o0, o1, (char *)y + r * n * es, n, is_bf16);
+        for (; r < rows; r++)
+            i8q8_rows_1(xq + r * kp, nc + r * kl, dl + r * kl, kp, k, q, scales, o0, o1, (char *)y + r * n * es, n, is_bf16);
+    }
+    free(buf);
+    return 0;
+}
 #endif
 
 #endif /* neither AVX-512 nor AVX2: left out of the build; the callers keep torch (cpu_library.has) */
