@@ -6,6 +6,7 @@ exactly the one-token decode steps, and be refused where the stack's form or a k
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 from types import SimpleNamespace
 
@@ -13,7 +14,16 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
-from tpengine.backends.cpu import cpu_blocked, cpu_fused, cpu_library, cpu_program, layer_calls, linear_layout, shm
+from tpengine.backends.cpu import (
+    cpu_blocked,
+    cpu_fused,
+    cpu_library,
+    cpu_program,
+    cpu_qgemv,
+    layer_calls,
+    linear_layout,
+    shm,
+)
 from tpengine.config import EngineConfig
 from tpengine.engine.llm_engine import LLMEngine
 from tpengine.sampling_params import SamplingParams
@@ -44,11 +54,12 @@ def linears(stack):
 
 def pin_kernels(engine: LLMEngine) -> None:
     """Every product's one-row path on a C kernel, whatever this machine measured: a plain weight on the
-    GEMV kernel up to 8 rows, a quantized one on its GEMV kernel; then the backend binds again."""
+    GEMV kernel up to 8 rows, a quantized one on its GEMV kernel (with int8 activations where that is a
+    candidate: bfloat16 int4 and int8); then the backend binds again."""
     stack = engine.runner.model.model
     for m in linears(stack):
         if m.quant is not None:
-            m.quant.gemv_rows = 8
+            m.quant.gemv_rows, m.quant.q8_rows = 8, 8 if cpu_qgemv.q8_takes(m.quant) else 0
         elif m.packed is None:
             m.kernels = ("gemv", "gemv", "plain")
         m.bind(linear_layout.bind_layer(m))
@@ -75,6 +86,10 @@ def test_program_equals_the_forward(llama, dtype, quantization, cpu_linear, kv):
     kinds = {backend.program.describe(i) for i in range(backend.program.n_ops)}
     want = {"q4" if quantization == "int4" else "q8" if quantization == "int8" else "lin"}
     assert kinds == {"norm", "act", "paged_i8" if kv else "paged"} | want
+    if quantization and dtype == "bfloat16" and cpu_library.has(*cpu_qgemv.INT4_Q8_KERNELS, *cpu_qgemv.INT8_Q8_KERNELS):
+        # the int8-activation kernels bound (int4 x int8, int8 x int8), called through the same signatures
+        fn = ctypes.cast(getattr(cpu_library.load(), f"tpe_qgemv_{quantization}_q8"), ctypes.c_void_p).value
+        assert {int(r[2]) for r in backend.program.ops if cpu_program.SIGNATURES[next(iter(want))] == r[0]} == {fn}
     program, steps = stack.bound_decode, []
 
     def counted(h, tables, ctx):
