@@ -1,7 +1,8 @@
-"""The blocked bfloat16 weight layout (tpengine.backends.cpu.cpu_blocked, cpu_blocked.c): the packing is a
-permutation (unpacked back bit for bit), and its GEMM at 1..9, 17 and 64 rows, 1 and 2 threads, over shapes with
-1..7 blocks of 16 outputs (the 4- and 2-block groups and their tails), is the float32 product rounded once to
-bfloat16 but for the order of the float32 sum; what it refuses, by name."""
+"""The blocked weight layouts (tpengine.backends.cpu.cpu_blocked, cpu_blocked.c): the packing is a permutation
+(unpacked back bit for bit), and the GEMM at 1..9, 17 and 64 rows, 1 and 2 threads, over shapes with 1..7 blocks of
+16 outputs (the 4- and 2-block groups, the panels and their tails), is the float32 product (bfloat16: rounded once)
+but for the order of the float32 sum; the float32 layout's rows are each F.linear's one-row product whatever the
+rows beside them; a tied table's rows gathered from either layout; what they refuse, by name."""
 
 from __future__ import annotations
 
@@ -11,21 +12,26 @@ import torch.nn.functional as F
 
 from tpengine.backends.cpu import cpu_blocked, cpu_library
 
-pytestmark = pytest.mark.skipif(not cpu_library.has(*cpu_blocked.KERNELS), reason="no AVX512-BF16 kernels here")
+needs_bf16 = pytest.mark.skipif(not cpu_library.has(*cpu_blocked.KERNELS), reason="no AVX512-BF16 kernels here")
+needs_f32 = pytest.mark.skipif(not cpu_library.has(*cpu_blocked.KERNELS_F32),
+                               reason=str(cpu_library.missing(*cpu_blocked.KERNELS_F32)))
+SHAPES = ((16, 2), (32, 64), (48, 96), (64, 576), (112, 130), (768, 576))
+ROWS = (*range(1, 10), 17, 64)
 
 
+@needs_bf16
 @pytest.mark.parametrize("threads", [1, 2])
 def test_blocked_gemm_is_the_float32_product_rounded_once(threads):
     torch.manual_seed(3)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for n, k in ((16, 2), (32, 64), (48, 96), (64, 576), (112, 130), (768, 576)):
+        for n, k in SHAPES:
             w = torch.randn(n, k, dtype=torch.bfloat16)
             b = cpu_blocked.pack(w)
             assert b.shape == (n // 16, k // 2, 16, 2) and cpu_blocked.is_blocked(b)
             assert cpu_blocked.shape(b) == (n, k) and torch.equal(cpu_blocked.unpack(b), w)
-            for rows in (*range(1, 10), 17, 64):
+            for rows in ROWS:
                 x = torch.randn(rows, k, dtype=torch.bfloat16)
                 exact = F.linear(x.float(), w.float())
                 got = cpu_blocked.linear(x, b).float()
@@ -35,26 +41,70 @@ def test_blocked_gemm_is_the_float32_product_rounded_once(threads):
         torch.set_num_threads(old)
 
 
+@needs_f32
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float32_blocked_gemm_is_the_product_up_to_the_sum_order(threads):
+    """Against a float64 reference: each output a k-term float32 FMA chain, so within k float32 rounding steps
+    of the sum of magnitudes; every row bit-equal to the same row multiplied alone (one row's chain is the
+    same whatever the pass or panel it ran in), and to the odd k (130) and the 3 / 5 / 7-block tails."""
+    torch.manual_seed(4)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k in SHAPES:
+            w = torch.randn(n, k)
+            b = cpu_blocked.pack(w)
+            assert b.shape == (n // 16, k, 16) and b.dtype == torch.float32 and cpu_blocked.is_blocked(b)
+            assert cpu_blocked.shape(b) == (n, k) and torch.equal(cpu_blocked.unpack(b), w)
+            x = torch.randn(max(ROWS), k)
+            one = torch.cat([cpu_blocked.linear(x[i:i + 1], b) for i in range(17)])
+            for rows in ROWS:
+                got = cpu_blocked.linear(x[:rows], b)
+                exact = F.linear(x[:rows].double(), w.double())
+                bound = F.linear(x[:rows].abs().double(), w.abs().double()) * k * 2 ** -24
+                assert got.dtype == torch.float32 and ((got.double() - exact).abs() <= bound).all(), (n, k, rows)
+                assert torch.equal(got[:17], one[:rows]), (n, k, rows)
+            assert ((F.linear(x[:17], w) - one).abs() <= F.linear(x[:17].abs(), w.abs()) * k * 2 ** -23).all()
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_f32
 def test_blocked_refusals_name_the_value():
     with pytest.raises(ValueError) as e:
-        cpu_blocked.pack(torch.zeros(24, 32, dtype=torch.bfloat16))
-    assert str(e.value) == ("blocked layout: a contiguous CPU bfloat16 [n, k] weight with n % 16 == 0 and k even, "
-                            "and an AVX512-BF16 build; got torch.bfloat16 (24, 32) on cpu")
-    assert not cpu_blocked.available(torch.zeros(32, 32)) and not cpu_blocked.is_blocked(torch.zeros(2, 16, 16, 2))
-    b = cpu_blocked.pack(torch.zeros(32, 32, dtype=torch.bfloat16))
-    with pytest.raises(ValueError) as e:
-        cpu_blocked.linear(torch.zeros(1, 30, dtype=torch.bfloat16), b)
-    assert str(e.value) == ("blocked linear: x bfloat16 [rows, k] against a [n/16, k/2, 16, 2] weight; got x "
-                            "torch.bfloat16 (1, 30), weight torch.bfloat16 (2, 16, 16, 2)")
+        cpu_blocked.pack(torch.zeros(24, 32))
+    assert str(e.value) == ("blocked layout: a CPU [n, k] weight with n % 16 == 0, bfloat16 (k even, an AVX512-BF16 "
+                            f"build) or float32 (an AVX-512 or AVX2 build); got torch.float32 (24, 32) on cpu, build "
+                            f"{cpu_library.isa()}")
+    assert not cpu_blocked.available(torch.zeros(32, 32, dtype=torch.float16))
+    assert not cpu_blocked.available(torch.zeros(32, 32, dtype=torch.bfloat16)) or cpu_library.has(*cpu_blocked.KERNELS)
+    assert cpu_blocked.available(torch.zeros(32, 31)) and not cpu_blocked.is_blocked(torch.zeros(2, 16, 16, 2))
+    assert not cpu_blocked.is_blocked(torch.zeros(2, 16, 16, dtype=torch.bfloat16))
+    assert not cpu_blocked.is_blocked(torch.zeros(32, 16)) and not cpu_blocked.is_blocked(None)
+    b = cpu_blocked.pack(torch.zeros(32, 32))
+    for x in (torch.zeros(1, 30), torch.zeros(1, 32, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError) as e:
+            cpu_blocked.linear(x, b)
+        assert str(e.value) == ("blocked linear: x [rows, k] of the weight's dtype against a [n/16, k/2, 16, 2] "
+                                f"bfloat16 or [n/16, k, 16] float32 weight; got x {x.dtype} {tuple(x.shape)}, weight "
+                                "torch.float32 (2, 32, 16)")
 
 
-def test_rows_gathered_from_the_blocked_layout_are_the_plain_rows():
-    """An embedding's lookup from a blocked table (a tied head's): row r from [r / 16, :, r % 16, :], bit-equal."""
-    w = torch.randn(4096, 576, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_gathered_from_the_blocked_layout_are_the_plain_rows(dtype):
+    """An embedding's lookup from a blocked table (a tied head's): row r from [r / 16, :, r % 16], bit-equal."""
+    if not cpu_blocked.available(torch.zeros(16, 2, dtype=dtype)):
+        pytest.skip(f"no blocked {dtype} kernels in this build ({cpu_library.isa()})")
+    torch.manual_seed(5)
+    w = torch.randn(4096, 576, dtype=dtype)
     b = cpu_blocked.pack(w)
     ids = torch.cat([torch.tensor([0, 15, 16, 4095]), torch.randint(0, 4096, (60,))]).view(8, 8)
     assert torch.equal(cpu_blocked.rows(b, ids), F.embedding(ids, w))
     assert torch.equal(cpu_blocked.rows(b, torch.tensor(17)), w[17])
-    x = torch.randn(1, 576, dtype=torch.bfloat16)  # the head shape's logits, as the GEMM tests bound them
-    exact = F.linear(x.float(), w.float())
-    assert ((cpu_blocked.linear(x, b).float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3 * 576 ** 0.5).all()
+    x = torch.randn(1, 576, dtype=dtype)  # the head shape's logits, as the GEMM tests bound them
+    exact = F.linear(x.double(), w.double())
+    got = cpu_blocked.linear(x, b).double()
+    if dtype == torch.bfloat16:
+        assert ((got - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3 * 576 ** 0.5).all()
+    else:
+        assert ((got - exact).abs() <= F.linear(x.abs().double(), w.abs().double()) * 576 * 2 ** -24).all()

@@ -92,6 +92,8 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_paged_am
     "tpe_blocked_gemm_bf16": [_P, _I64, _I64, _P, _I64, _P, _I32],
     "tpe_blocked_group_bf16": [_P, _I64, _I64, _P, _I64, _I64, _P, _I32],
     "tpe_blocked_moe_down_bf16": [_P, _I64, _P, _I64, _I64, _P, _P, _I32],
+    "tpe_blocked_pack_f32": [_P, _I64, _I64, _P, _I32],
+    "tpe_blocked_gemm_f32": [_P, _I64, _I64, _P, _I64, _P, _I32],
     "tpe_moe_decode_bf16": [_P, _I64, _P, _I64, _I64, _I32, _I32, _I64, _I64, _P, _P, _I64, _I32, _P, _I32],
     "tpe_gemm_f32": [_P, _I64, _I64, _P, _I64, _P, _P, _I32],
     "tpe_gemm_bf16": [_P, _I64, _I64, _P, _I64, _P, _P, _I32],

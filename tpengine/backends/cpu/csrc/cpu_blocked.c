@@ -205,3 +205,130 @@ int64_t tpe_moe_decode_bf16(const uint16_t *x, int64_t hidden, const uint16_t *r
 }
 
 #endif /* no AVX512-BF16: left out of the build (cpu_library.has) */
+
+/* The float32 blocked layout: w [n, k] (n % 16 == 0, any k) stored as [n / 16][k][16], for each block of 16
+ * output rows the k inputs in order, each step the 16 rows' weights side by side (one 64-byte line). A
+ * product step is one load of those 16 weights (two 8-lane halves on AVX2) and one FMA with x[k] broadcast,
+ * into 16 float32 lanes, one lane per output row: the weight is read as one sequential stream with no
+ * horizontal sums (the plain layout's float32 GEMV, cpu_gemv.c, reduces 16 lanes per output row). Each
+ * output is the FMA chain over k in order, x[0] first -- the same sum on both vector paths, so an AVX2
+ * build's result equals the AVX-512 one's bit for bit; F.linear's up to the order of the float32 sum.
+ * Kernels as the bfloat16 ones above: R rows x J blocks of accumulators, the J blocks' lines prefetched a
+ * kilobyte ahead, the blocks split evenly between the threads; rows past 8 (AVX2: 4, whose 16 registers hold
+ * 4 x 2 halves of accumulators) run in passes over a panel of 2 blocks (AVX2: 1) that stays in the cache. */
+#if defined(TPE_AVX512) || defined(TPE_AVX2)
+
+#define TPE_BLK32_PF 256 /* prefetch distance in floats (1 KiB) */
+
+#ifdef TPE_AVX512
+#define B32_NV 1 /* vectors per 16 lanes */
+#define B32_VL 16
+#define B32_V __m512
+#define B32_LOAD _mm512_loadu_ps
+#define B32_SET1 _mm512_set1_ps
+#define B32_FMA _mm512_fmadd_ps
+#define B32_ZERO _mm512_setzero_ps
+#define B32_STORE _mm512_storeu_ps
+#else
+#define B32_NV 2
+#define B32_VL 8
+#define B32_V __m256
+#define B32_LOAD _mm256_loadu_ps
+#define B32_SET1 _mm256_set1_ps
+#define B32_FMA _mm256_fmadd_ps
+#define B32_ZERO _mm256_setzero_ps
+#define B32_STORE _mm256_storeu_ps
+#endif
+
+/* y[r, 16 (b + j) + i] for r < R, j < J: x rows at x + r * k, blocks b.. of w, y rows n apart. */
+#define TPE_BLK32_KERNEL(NAME, R, J)                                                                          \
+    static void NAME(const float *x, int64_t k, const float *w, int64_t b, float *y, int64_t n) {             \
+        const float *wb = w + b * 16 * k;                                                                    \
+        B32_V acc[R][J][B32_NV];                                                                             \
+        for (int r = 0; r < R; r++)                                                                          \
+            for (int j = 0; j < J; j++)                                                                      \
+                for (int h = 0; h < B32_NV; h++) acc[r][j][h] = B32_ZERO();                                  \
+        for (int64_t p = 0; p < k; p++) {                                                                    \
+            B32_V wv[J][B32_NV];                                                                             \
+            for (int j = 0; j < J; j++) {                                                                    \
+                _mm_prefetch((const char *)(wb + j * 16 * k + p * 16 + TPE_BLK32_PF), _MM_HINT_T0);          \
+                for (int h = 0; h < B32_NV; h++) wv[j][h] = B32_LOAD(wb + j * 16 * k + p * 16 + h * B32_VL); \
+            }                                                                                                \
+            for (int r = 0; r < R; r++) {                                                                    \
+                const B32_V xv = B32_SET1(x[r * k + p]);                                                     \
+                for (int j = 0; j < J; j++)                                                                  \
+                    for (int h = 0; h < B32_NV; h++) acc[r][j][h] = B32_FMA(wv[j][h], xv, acc[r][j][h]);     \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < R; r++)                                                                          \
+            for (int j = 0; j < J; j++)                                                                      \
+                for (int h = 0; h < B32_NV; h++) B32_STORE(y + r * n + (b + j) * 16 + h * B32_VL, acc[r][j][h]); \
+    }
+
+TPE_BLK32_KERNEL(blk32_1x4, 1, 4)
+TPE_BLK32_KERNEL(blk32_1x2, 1, 2)
+TPE_BLK32_KERNEL(blk32_1x1, 1, 1)
+TPE_BLK32_KERNEL(blk32_2x2, 2, 2)
+TPE_BLK32_KERNEL(blk32_2x1, 2, 1)
+TPE_BLK32_KERNEL(blk32_4x1, 4, 1)
+#ifdef TPE_AVX512
+TPE_BLK32_KERNEL(blk32_4x2, 4, 2)
+TPE_BLK32_KERNEL(blk32_8x2, 8, 2)
+#define B32_PASS 8 /* rows per pass over a panel */
+#define B32_PANEL 2 /* blocks per panel */
+#else
+#define B32_PASS 4
+#define B32_PANEL 1
+#endif
+
+/* Every row of x against the panel of `nb` blocks (1 or B32_PANEL) at b. */
+static void blk32_panel(const float *x, int64_t rows, int64_t k, const float *w, int64_t b, int nb, float *y,
+                        int64_t n) {
+    int64_t r = 0;
+#ifdef TPE_AVX512
+    if (nb == 2) {
+        for (; r + 8 <= rows; r += 8) blk32_8x2(x + r * k, k, w, b, y + r * n, n);
+        for (; r + 4 <= rows; r += 4) blk32_4x2(x + r * k, k, w, b, y + r * n, n);
+        for (; r + 2 <= rows; r += 2) blk32_2x2(x + r * k, k, w, b, y + r * n, n);
+        for (; r < rows; r++) blk32_1x2(x + r * k, k, w, b, y + r * n, n);
+        return;
+    }
+#endif
+    (void)nb;
+    for (; r + 4 <= rows; r += 4) blk32_4x1(x + r * k, k, w, b, y + r * n, n);
+    for (; r + 2 <= rows; r += 2) blk32_2x1(x + r * k, k, w, b, y + r * n, n);
+    for (; r < rows; r++) blk32_1x1(x + r * k, k, w, b, y + r * n, n);
+}
+
+/* Blocks b0..b1 of w for `rows` rows of x: one row 4 blocks at a time, 2 rows 2, more in panels. */
+static void blk32_range(const float *x, int64_t rows, int64_t k, const float *w, int64_t b0, int64_t b1, float *y,
+                        int64_t n) {
+    int64_t b = b0;
+    if (rows == 1) {
+        for (; b + 4 <= b1; b += 4) blk32_1x4(x, k, w, b, y, n);
+        for (; b + 2 <= b1; b += 2) blk32_1x2(x, k, w, b, y, n);
+    } else if (rows == 2) {
+        for (; b + 2 <= b1; b += 2) blk32_2x2(x, k, w, b, y, n);
+    }
+    for (; b + B32_PANEL <= b1; b += B32_PANEL) blk32_panel(x, rows, k, w, b, B32_PANEL, y, n);
+    for (; b < b1; b++) blk32_panel(x, rows, k, w, b, 1, y, n);
+}
+
+/* w [n, k] row-major -> out [n / 16][k][16]; n % 16 == 0. */
+void tpe_blocked_pack_f32(const float *w, int64_t n, int64_t k, float *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)
+    for (int64_t b = 0; b < n / 16; b++)
+        for (int64_t p = 0; p < k; p++)
+            for (int i = 0; i < 16; i++) out[(b * k + p) * 16 + i] = w[(b * 16 + i) * k + p];
+}
+
+/* y [rows, n] = x [rows, k] @ w^T, w blocked float32; any rows. */
+void tpe_blocked_gemm_f32(const float *x, int64_t rows, int64_t k, const float *w, int64_t n, float *y,
+                          int nthreads) {
+    const int64_t blocks = n / 16, chunk = (blocks + nthreads - 1) / nthreads;
+#pragma omp parallel for schedule(static, 1) num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)
+    for (int64_t b0 = 0; b0 < blocks; b0 += chunk)
+        blk32_range(x, rows, k, w, b0, b0 + chunk < blocks ? b0 + chunk : blocks, y, n);
+}
+
+#endif /* neither path: left out of the build (cpu_library.has) */
