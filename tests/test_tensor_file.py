@@ -110,3 +110,48 @@ def test_writer_round_trip_and_order(tmp_path: Path, tensors) -> None:
         w.write("b", tensors["b"])
     with pytest.raises(ValueError, match="4 declared tensor\\(s\\) never written, first 'w'"):
         w.close()
+
+
+def test_column_slices_land_in_place_through_short_reads(tmp_path: Path, monkeypatch) -> None:
+    """A dim-1 slice in the checkpoint's dtype is read row by row into ``dest`` (no staging): equal to
+    the safetensors library's tensor for every start, all columns, a few rows per ``preadv`` and a
+    ``preadv`` that stops after 5 bytes."""
+    import tpengine.model.tensor_file as tf
+
+    g = torch.Generator().manual_seed(1)
+    path = tmp_path / "w.safetensors"
+    save_file({"w": torch.randn(11, 9, generator=g).bfloat16(), "v": torch.randn(3, generator=g)}, path)
+    w = load_file(path)["w"]
+    info = read_header(path)["w"]
+    real = os.preadv
+    calls = []
+
+    def short(fd: int, bufs: list, offset: int) -> int:  # at most 5 bytes a call, as a short read gives
+        calls.append(len(bufs))
+        out = bytearray(5)
+        got = real(fd, [out], offset)
+        done = 0
+        for b in bufs:
+            n = min(len(b), got - done)
+            b[:n] = out[done:done + n]
+            done += n
+        return got
+
+    monkeypatch.setattr(tf, "IOV_MAX", 3)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for start, width in ((0, 4), (3, 5), (8, 1), (0, 9)):
+            cols = torch.empty(11, width, dtype=torch.bfloat16)
+            read_rows(fd, info, cols, dim=1, start=start)
+            assert torch.equal(cols, w[:, start:start + width]), (start, width)
+        monkeypatch.setattr(tf.os, "preadv", short)
+        cols = torch.empty(11, 4, dtype=torch.bfloat16)
+        read_rows(fd, info, cols, dim=1, start=2)
+        assert torch.equal(cols, w[:, 2:6])
+        # every byte from row 0's slice to row 10's (94 bfloat16 values), 5 a call, at most 3 buffers a call
+        assert max(calls) == 3 and len(calls) == -(-(11 * 9 - 2 - 3) * 2 // 5)
+        whole = torch.empty(11, 9, dtype=torch.bfloat16)
+        read_rows(fd, info, whole, dim=1, start=0)
+        assert torch.equal(whole, w)
+    finally:
+        os.close(fd)

@@ -79,24 +79,65 @@ def read_header(path: str | Path) -> dict[str, TensorInfo]:
     return out
 
 
+#: At most this many buffers per ``preadv`` call (Linux's ``IOV_MAX``).
+IOV_MAX = 1024
+
+
+def _preadv_all(fd: int, bufs: list[memoryview], offset: int) -> None:
+    """Fill the byte buffers ``bufs``, in order, from the file's consecutive bytes at ``offset``:
+    ``preadv`` calls of at most :data:`IOV_MAX` buffers, resumed after a short read. Raises OSError on
+    a read that returns nothing (the file ended)."""
+    i, skip = 0, 0  # the next buffer, and the bytes of it already filled
+    while i < len(bufs):
+        batch = [bufs[i][skip:]] + bufs[i + 1:i + IOV_MAX]
+        want = sum(len(b) for b in batch)
+        got = os.preadv(fd, batch, offset) if want else 0
+        if want and got <= 0:
+            raise OSError(f"unexpected end of file at byte {offset}")
+        offset += got
+        if got == want:
+            i, skip = i + len(batch), 0
+            continue
+        for b in batch:  # a short read: find where it stopped
+            if got < len(b):
+                skip += got
+                break
+            got -= len(b)
+            i, skip = i + 1, 0
+
+
 def _pread_into(fd: int, buf: torch.Tensor, offset: int) -> None:
     """Fill the contiguous tensor ``buf`` with the file's bytes at ``offset``. Raises OSError on a
     short read (the file ended)."""
     view = memoryview(buf.view(-1).view(torch.uint8).numpy())
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:done + (1 << 30)]], offset + done)
-        if got <= 0:
-            raise OSError(f"unexpected end of file at byte {offset + done}")
-        done += got
+    _preadv_all(fd, [view[i:i + (1 << 30)] for i in range(0, len(view), 1 << 30)], offset)
+
+
+def _pread_columns(fd: int, dest: torch.Tensor, offset: int, cols: int, start: int) -> None:
+    """Fill the contiguous ``[rows, width]`` tensor ``dest`` with columns ``[start, start + width)`` of
+    the file's row-major ``[rows, cols]`` tensor (of ``dest``'s dtype) at byte ``offset``: one
+    ``preadv`` list per batch of rows, each row's slice read straight into its row of ``dest`` and the
+    columns between two slices into one small scratch buffer (reused, so they never reach memory
+    the rank keeps), so the slice is read without a staging copy of the rows."""
+    rows, width = dest.shape
+    item = dest.element_size()
+    view = memoryview(dest.view(-1).view(torch.uint8).numpy())
+    gap = memoryview(bytearray((cols - width) * item))
+    bufs: list[memoryview] = []
+    for r in range(rows):
+        if r:
+            bufs.append(gap)
+        bufs.append(view[r * width * item:(r + 1) * width * item])
+    _preadv_all(fd, bufs, offset + start * item)
 
 
 def read_rows(fd: int, info: TensorInfo, dest: torch.Tensor, dim: int = 0, start: int = 0) -> None:
     """Copy ``info``'s slice ``[start, start + dest.shape[dim])`` along ``dim`` (0 or 1) into
     ``dest`` (any dtype: values are cast, as ``Tensor.copy_`` does), reading only what it needs:
-    a slice along dim 0 is one byte range; along dim 1 the rows are read in chunks of at most
-    :data:`CHUNK_BYTES`. ``dest`` must be contiguous, on the CPU, of ``info.shape`` but for
-    ``dim``.
+    a slice along dim 0 is one byte range; along dim 1 (all columns: the same one range) each row's
+    slice lands in its row of ``dest`` (:func:`_pread_columns`; the columns between slices pass
+    through a small scratch buffer). A dtype cast goes through a staging buffer of at most
+    :data:`CHUNK_BYTES`. ``dest`` must be contiguous, on the CPU, of ``info.shape`` but for ``dim``.
 
     Raises:
         ValueError: a shape or range mismatch, naming the tensor.
@@ -115,6 +156,8 @@ def read_rows(fd: int, info: TensorInfo, dest: torch.Tensor, dim: int = 0, start
         return
     item = info.dtype.itemsize
     row = math.prod(shape[1:])
+    if dim == 1 and len(shape) == 2 and dest.shape[1] == shape[1]:
+        dim = 0  # every column: the same bytes as all rows along dim 0
     if dim == 0 or len(shape) <= 1:
         offset = info.offset + start * row * item
         if dest.dtype == info.dtype:
@@ -132,12 +175,15 @@ def read_rows(fd: int, info: TensorInfo, dest: torch.Tensor, dim: int = 0, start
         raise ValueError(f"tensor {info.name!r}: slicing along dim {dim} of a {len(shape)}-D tensor is not supported")
     rows, cols = shape
     width = dest.shape[1]
-    step = max(1, CHUNK_BYTES // max(1, cols * item))
-    buf = torch.empty(min(step, rows), cols, dtype=info.dtype)
+    if dest.dtype == info.dtype:
+        _pread_columns(fd, dest, info.offset, cols, start)
+        return
+    step = max(1, CHUNK_BYTES // max(1, width * item))
+    buf = torch.empty(min(step, rows), width, dtype=info.dtype)
     for r in range(0, rows, step):
         part = buf[: min(step, rows - r)]
-        _pread_into(fd, part, info.offset + r * cols * item)
-        dest[r:r + part.shape[0]].copy_(part[:, start:start + width])
+        _pread_columns(fd, part, info.offset + r * cols * item, cols, start)
+        dest[r:r + part.shape[0]].copy_(part)
 
 
 class TensorFileWriter:
