@@ -12,7 +12,7 @@ int8, beyond the L3). Shapes (one rank): SmolLM2-135M 9 query heads on 3 KV head
 flags, ``cpu_library.flags()``) and timed as a third candidate with the same arguments -- before / after in one
 run. The candidates alternate within every round (a shared machine's load falls on all alike); per candidate:
 the best and median over ``--rounds`` of microseconds per call and the GB/s of KV read (codes + scales, or the
-bfloat16 rows) at that time.
+bfloat16 rows) at that time. ``--cpu-time``: CPU time instead of wall time (on a loaded machine).
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def build_base(rev: str, folder: Path) -> ctypes.CDLL:
     return lib
 
 
-def run(context: int, layers: int, rounds: int, calls: int, shapes: list[str], base: str | None) -> dict:
+def run(context: int, layers: int, rounds: int, calls: int, shapes: list[str], base: str | None,
+        clock=time.perf_counter) -> dict:
     """The timings (module docstring): ``{shape: {candidate: {"us_best", "us_median", "gbs_best"}, "int8 speed":
     bfloat16's best / int8's best, ...}}``. Raises RuntimeError without the C kernels."""
     from tpengine.backends import kv_quant
@@ -102,11 +103,11 @@ def run(context: int, layers: int, rounds: int, calls: int, shapes: list[str], b
         for r in range(rounds + 1):
             for c in (list(cands) if r % 2 == 0 else list(cands)[::-1]):
                 fn, cache = cands[c]
-                t0 = time.perf_counter()
+                t0 = clock()
                 for i in range(calls):
                     fn(*caches[cache][i % layers])
                 if r:  # round 0: warm-up
-                    times[c].append((time.perf_counter() - t0) / calls * 1e6)
+                    times[c].append((clock() - t0) / calls * 1e6)
         res = {}
         for c, t in times.items():
             b = kv_bytes[cands[c][1]]
@@ -125,13 +126,16 @@ def main(context: Annotated[int, typer.Option(help="keys per call")] = 4096,
          rounds: Annotated[int, typer.Option(help="alternating rounds")] = 7,
          calls: Annotated[int, typer.Option(help="calls per timing")] = 60,
          shape: Annotated[list[str], typer.Option(help=f"one of {', '.join(SHAPES)} (repeatable)")] = None,
-         base: Annotated[str | None, typer.Option(help="git revision whose int8 kernel is timed beside")] = None):
+         base: Annotated[str | None, typer.Option(help="git revision whose int8 kernel is timed beside")] = None,
+         cpu_time: Annotated[bool, typer.Option(help="time.process_time (CPU time, which a loaded machine's time-"
+                                                     "slicing does not inflate) instead of wall time")] = False):
     """Time the paged decode kernels (module docstring) and print the result as JSON with the load average."""
     shapes = shape or list(SHAPES)
     for s in shapes:
         if s not in SHAPES:
             raise typer.BadParameter(f"invalid shape {s!r}: must be one of {', '.join(SHAPES)}")
-    res = run(context, layers, rounds, calls, shapes, base)
+    res = run(context, layers, rounds, calls, shapes, base, time.process_time if cpu_time else time.perf_counter)
+    res["clock"] = "process_time" if cpu_time else "perf_counter"
     import os
     res["load_average"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(res, indent=1))

@@ -58,22 +58,28 @@ def int8_case(d, bs, q_to_kv, dtype, lens, seed=0):
 
 
 def int8_reference(q, k_cache, v_cache, kv_scales, block_tables, lens, q_to_kv, scale, window, cap):
-    """The int8 kernel's arithmetic in torch: each query head ``q [B, Hq, D]`` quantized as a cache row
-    (:func:`kv_quant.quantize`), its scores the exact integer dot products with the key codes times
-    ``k_scale x (q_scale x scale)`` in float32 (the kernel's order), soft-capped, then softmax and P.V over the
-    dequantized values in float64. Returns ``[B, Hq, D]`` float32 (a zero-length row: zeros)."""
+    """The int8 kernel's arithmetic in torch (``cpu_paged_i8.c``'s header): each query head ``q [B, Hq, D]``
+    quantized as a cache row (:func:`kv_quant.quantize`); its scores the exact integer dot products with the key
+    codes times ``k_scale x (q_scale x scale)`` in float32 (the kernel's order), soft-capped; the softmax's
+    weights ``w = exp(s - max) x v_scale`` in float32 rounded to 15 bits (``wq = round(w x 32767 / max w)``); the
+    output the exact integer sums of ``wq x`` the value codes times ``max w / 32767 / sum exp``. Returns
+    ``[B, Hq, D]`` float32 (a zero-length row: zeros)."""
     codes, q_scale = kv_quant.quantize(q)
     bs, out = k_cache.shape[1], torch.zeros(q.shape)
     for b, n in enumerate(lens.tolist()):
+        if n == 0:
+            continue
         lo = max(n - window, 0) if window else 0
         pos = torch.arange(lo, n)
         blk, off = block_tables[b, pos // bs], pos % bs
         for h, kv in enumerate(q_to_kv.tolist()):
             dots = (k_cache[blk, off, kv].long() @ codes[b, h].long()).float()  # exact: |dot| < 2^24
             s = (dots * (kv_scales[0][blk, off, kv] * (q_scale[b, h] * torch.tensor(scale, dtype=torch.float32))))
-            s = s.double() if cap is None else torch.tanh(s.double() / cap) * cap
-            v = v_cache[blk, off, kv].double() * kv_scales[1][blk, off, kv].double()[:, None]
-            out[b, h] = (torch.softmax(s, 0) @ v).float()
+            s = s if cap is None else torch.tanh(s / cap) * cap
+            e = torch.exp(s - s.max())
+            w = e * kv_scales[1][blk, off, kv]
+            wq = torch.round(w * (torch.tensor(32767.0) / w.max())).long()
+            out[b, h] = ((v_cache[blk, off, kv].long().T @ wq).double() * (float(w.max()) / 32767 / float(e.sum())))
     return out
 
 

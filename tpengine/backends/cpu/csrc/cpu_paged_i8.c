@@ -234,7 +234,7 @@ static inline __attribute__((always_inline)) void scores_i8(int32_t (*q4)[MAX_D 
         for (int64_t kk = 0; kk < 16 && t0 + AHEAD + kk < L; kk++) { /* the key and value rows AHEAD on */
             const char *p = (const char *)(k_cache + krow[t0 + AHEAD + kk] * d);
             const char *pv = (const char *)(v_cache + krow[t0 + AHEAD + kk] * d);
-            for (int64_t o = 0; o < d; o += 64) __builtin_prefetch(p + o, 0, 1), __builtin_prefetch(pv + o, 0, 1);
+            for (int64_t o = 0; o < 32 * N32; o += 64) __builtin_prefetch(p + o, 0, 1), __builtin_prefetch(pv + o, 0, 1);
         }
         const int8_t *kp[16];
         for (int64_t kk = 0; kk < 16; kk++) /* keys past L: key t0's row again (scale 0, masked by the softmax) */
@@ -246,40 +246,140 @@ static inline __attribute__((always_inline)) void scores_i8(int32_t (*q4)[MAX_D 
     }
 }
 
-/* out_j = sum_u w[j][u] codes_v[u] for the g heads (w = sc: p already multiplied by the value scales), PJ heads
- * at a time, each value row loaded (and widened) once per PJ heads; stored to the heads' output rows. */
+/* P.V in integers: each head's weights w[t] = p[t] x v_scale[t] rounded to 15 bits (wq[t] = nearbyint(w[t] x
+ * 32767 / max w), int16; a pair of keys per 32-bit group) times the value codes widened to int16, two keys'
+ * interleaved to a 32-bit lane: vpdpwssd (AVX2: madd + add), one instruction per 16 (AVX2: 8) elements, pair of
+ * keys and head, into int32 sums flushed to float32 every FLUSH keys (127 x 32767 x FLUSH < 2^31), in the same
+ * windows on both ISAs, so their results are equal. The byte interleave keeps each 128-bit quarter's elements
+ * together: lane l of sum vector m holds element pv_elem(m, l) of the row. */
+#define FLUSH 512
+#define PV_NJ 4 /* the most heads summed together (each value row pair widened once for them) */
+#if defined(TPE_AVX512)
+#define PV_LANES 16
+/* sum vectors per head: 4 per (started) 64 elements */
+static inline int64_t pv_nvec(int64_t n32) { return 4 * ((n32 + 1) / 2); }
+static inline int64_t pv_elem(int64_t m, int64_t l) {
+    return 64 * (m / 4) + 16 * (2 * (m & 1) + l / 8) + 8 * ((m & 3) >> 1) + l % 8;
+}
+#else
+#define PV_LANES 8
+static inline int64_t pv_nvec(int64_t n32) { return 4 * n32; } /* 4 per 32 elements */
+static inline int64_t pv_elem(int64_t m, int64_t l) { return 32 * (m / 4) + 16 * (m & 1) + 8 * ((m & 3) >> 1) + l; }
+#endif
+/* facc[jj][m * PV_LANES + l] += the int32 sums of heads j0 .. j0 + nj - 1 over keys u0 .. u1 - 1 (u1 - u0 even,
+ * <= FLUSH; key L, if reached, has weight 0 and reads key u's row); wq: the heads' weights, lp each, read in pairs. */
+static inline int32_t ld32(const int16_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+static inline __attribute__((always_inline)) void pv_span(const int16_t *wq, int64_t lp, int64_t j0, const int64_t nj,
+                                                          const int8_t *v_cache, const int64_t *vrow, int64_t L,
+                                                          int64_t u0, int64_t u1, int64_t d, const int64_t N32,
+                                                          float (*facc)[MAX_D]) {
+    const int64_t NM = pv_nvec(N32);
+#if defined(TPE_AVX512)
+    __m512i acc[PV_NJ][MAX_D / 16], x[MAX_D / 16];
+    for (int64_t jj = 0; jj < nj; jj++)
+        for (int64_t m = 0; m < NM; m++) acc[jj][m] = _mm512_setzero_si512();
+#else
+    __m256i acc[PV_NJ][MAX_D / 8], x[MAX_D / 8];
+    for (int64_t jj = 0; jj < nj; jj++)
+        for (int64_t m = 0; m < NM; m++) acc[jj][m] = _mm256_setzero_si256();
+    const __m256i *xa;
+#endif
+    for (int64_t u = u0; u < u1; u += 2) {
+        if (j0 == 0 && u + 17 < L) /* the value rows 16 keys on (by the first group of heads) */
+            for (int64_t o = 0; o < 32 * N32; o += 64)
+                __builtin_prefetch(v_cache + vrow[u + 16] * d + o, 0, 1), __builtin_prefetch(v_cache + vrow[u + 17] * d + o, 0, 1);
+        const int8_t *a = v_cache + vrow[u] * d, *b = v_cache + vrow[u + 1 < L ? u + 1 : u] * d;
+#if defined(TPE_AVX512)
+        for (int64_t c = 0; 2 * c < N32; c++) { /* a last half piece loads 32 bytes: its other vectors are 0 */
+            const __mmask64 k = 2 * c + 1 < N32 ? ~(__mmask64)0 : (__mmask64)0xffffffffu;
+            const __m512i ra = _mm512_maskz_loadu_epi8(k, a + 64 * c), rb = _mm512_maskz_loadu_epi8(k, b + 64 * c);
+            const __m512i lo = _mm512_unpacklo_epi8(ra, rb), hi = _mm512_unpackhi_epi8(ra, rb);
+            x[4 * c] = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(lo));
+            x[4 * c + 1] = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(lo, 1));
+            x[4 * c + 2] = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(hi));
+            x[4 * c + 3] = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(hi, 1));
+        }
+        for (int64_t jj = 0; jj < nj; jj++) {
+            const __m512i w = _mm512_set1_epi32(ld32(wq + (j0 + jj) * lp + u));
+            for (int64_t m = 0; m < NM; m++) acc[jj][m] = _mm512_dpwssd_epi32(acc[jj][m], x[m], w);
+        }
+#else
+        for (int64_t p = 0; p < N32; p++) {
+            const __m256i ra = _mm256_loadu_si256((const __m256i *)(a + 32 * p));
+            const __m256i rb = _mm256_loadu_si256((const __m256i *)(b + 32 * p));
+            const __m256i lo = _mm256_unpacklo_epi8(ra, rb), hi = _mm256_unpackhi_epi8(ra, rb);
+            x[4 * p] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(lo));
+            x[4 * p + 1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(lo, 1));
+            x[4 * p + 2] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi));
+            x[4 * p + 3] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi, 1));
+        }
+        xa = x;
+        for (int64_t jj = 0; jj < nj; jj++) {
+            const __m256i w = _mm256_set1_epi32(ld32(wq + (j0 + jj) * lp + u));
+            for (int64_t m = 0; m < NM; m++) acc[jj][m] = _mm256_add_epi32(acc[jj][m], _mm256_madd_epi16(xa[m], w));
+        }
+#endif
+    }
+    for (int64_t jj = 0; jj < nj; jj++)
+        for (int64_t m = 0; m < NM; m++) {
+            float *f = facc[jj] + m * PV_LANES;
+#if defined(TPE_AVX512)
+            _mm512_storeu_ps(f, _mm512_add_ps(_mm512_loadu_ps(f), _mm512_cvtepi32_ps(acc[jj][m])));
+#else
+            _mm256_storeu_ps(f, _mm256_add_ps(_mm256_loadu_ps(f), _mm256_cvtepi32_ps(acc[jj][m])));
+#endif
+        }
+}
+
+/* out_j = f[j] x sum_t wq_j[t] codes_v[t] for the g heads (f: each head's factor max w / 32767 / sum p), PV_NJ (or
+ * fewer, as the head size's registers allow) heads at a time; stored to the heads' output rows. */
 #define PV_I8(T, ST)                                                                                              \
-    static inline __attribute__((always_inline)) void pv_i8_##T(const float *w, int64_t lp, int64_t g,            \
-                                                                const int64_t *heads, const int8_t *v_cache,      \
-                                                                const int64_t *vrow, int64_t L, int64_t d,        \
-                                                                const int64_t NV, T *out) {                       \
-        for (int64_t j0 = 0; j0 < g; j0 += PJ) {                                                                  \
-            const int64_t nj = g - j0 < PJ ? g - j0 : PJ;                                                         \
-            vf acc[PJ][MAX_D / 16];                                                                               \
-            for (int64_t jj = 0; jj < PJ; jj++)                                                                   \
-                for (int64_t i = 0; i < NV; i++) acc[jj][i] = vf_zero();                                          \
-            for (int64_t u = 0; u < L; u++) {                                                                     \
-                if (j0 == 0 && u + 16 < L) {                                                                      \
-                    const char *p = (const char *)(v_cache + vrow[u + 16] * d);                                   \
-                    for (int64_t o = 0; o < d; o += 64) __builtin_prefetch(p + o, 0, 1);                          \
-                }                                                                                                 \
-                const int8_t *vp = v_cache + vrow[u] * d;                                                         \
-                vf vv[MAX_D / 16];                                                                                \
-                for (int64_t i = 0; i < NV; i++) vv[i] = vf_ldi8(vp + i * 16);                                    \
-                for (int64_t jj = 0; jj < nj; jj++) {                                                             \
-                    const vf pu = vf_set1(w[(j0 + jj) * lp + u]);                                                 \
-                    for (int64_t i = 0; i < NV; i++) acc[jj][i] = vf_fmadd(pu, vv[i], acc[jj][i]);                \
+    static inline __attribute__((always_inline)) void pv_i8_##T(const int16_t *wq, const float *f, int64_t lp,     \
+                                                                int64_t g, const int64_t *heads,                  \
+                                                                const int8_t *v_cache, const int64_t *vrow,       \
+                                                                int64_t L, int64_t d, const int64_t N32, T *out) { \
+        const int64_t NM = pv_nvec(N32), njmax = 16 / NM < 1 ? 1 : 16 / NM > PV_NJ ? PV_NJ : 16 / NM;              \
+        for (int64_t j0 = 0; j0 < g; j0 += njmax) {                                                               \
+            const int64_t nj = g - j0 < njmax ? g - j0 : njmax;                                                   \
+            float facc[PV_NJ][MAX_D];                                                                             \
+            memset(facc, 0, sizeof(facc));                                                                        \
+            for (int64_t u0 = 0; u0 < L; u0 += FLUSH) {                                                           \
+                const int64_t u1 = u0 + FLUSH < L ? u0 + FLUSH : (L + 1) / 2 * 2;                                 \
+                switch (nj) { /* the heads as a constant: the sums stay in registers */                           \
+                case 1: pv_span(wq, lp, j0, 1, v_cache, vrow, L, u0, u1, d, N32, facc); break;                     \
+                case 2: pv_span(wq, lp, j0, 2, v_cache, vrow, L, u0, u1, d, N32, facc); break;                     \
+                case 3: pv_span(wq, lp, j0, 3, v_cache, vrow, L, u0, u1, d, N32, facc); break;                     \
+                default: pv_span(wq, lp, j0, 4, v_cache, vrow, L, u0, u1, d, N32, facc); break;                    \
                 }                                                                                                 \
             }                                                                                                     \
-            for (int64_t jj = 0; jj < nj; jj++)                                                                   \
-                for (int64_t i = 0; i < NV; i++) ST(out + heads[j0 + jj] * d + i * 16, acc[jj][i]);               \
+            for (int64_t jj = 0; jj < nj; jj++) {                                                                 \
+                float row[MAX_D];                                                                                 \
+                for (int64_t m = 0; m < NM; m++)                                                                  \
+                    for (int64_t l = 0; l < PV_LANES; l++) {                                                      \
+                        const int64_t e = pv_elem(m, l);                                                          \
+                        if (e < d) row[e] = facc[jj][m * PV_LANES + l];                                           \
+                    }                                                                                             \
+                const vf fj = vf_set1(f[j0 + jj]);                                                                \
+                for (int64_t i = 0; i < d; i += 16) ST(out + heads[j0 + jj] * d + i, vf_mul(vf_ldf(row + i), fj));\
+            }                                                                                                     \
         }                                                                                                         \
     }
 PV_I8(float, vf_stf)
 PV_I8(uint16_t, vf_stb)
 
-/* Softmax of head j's L scores in place (padding to lp zeroed), each p then multiplied by the value row's scale. */
-static inline void softmax_i8(float *sj, int64_t L, int64_t lp, float softcap, const float *vs) {
+/* 16 float32 weights (in [0, 32767]) -> 16 int16, rounded to nearest even (the MXCSR default). */
+static inline void vf_sti16(int16_t *p, vf x) {
+#if defined(TPE_AVX512)
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(x)));
+#else
+    const __m256i s = _mm256_packs_epi32(_mm256_cvtps_epi32(x.lo), _mm256_cvtps_epi32(x.hi));
+    _mm256_storeu_si256((__m256i *)p, _mm256_permute4x64_epi64(s, 0xd8));
+#endif
+}
+
+/* Softmax of head j's L scores sj (padding to lp: weight 0), then its P.V weights wq [lp] (above); returns the
+ * head's output factor max w / 32767 / sum p (0 if every weight is 0). */
+static inline float softmax_i8(float *sj, int64_t L, int64_t lp, float softcap, const float *vs, int16_t *wq) {
     float mx;
     if (softcap > 0)
         mx = cap_scores(sj, L, softcap);
@@ -292,14 +392,16 @@ static inline void softmax_i8(float *sj, int64_t L, int64_t lp, float softcap, c
     }
     for (int64_t t = L; t < lp; t++) sj[t] = -INFINITY;
     const vf vmax = vf_set1(mx);
-    vf sum = vf_zero();
+    vf sum = vf_zero(), wmax = vf_zero();
     for (int64_t t = 0; t < lp; t += 16) {
-        const vf e = vf_exp(vf_sub(vf_ldf(sj + t), vmax));
-        vf_stf(sj + t, e);
-        sum = vf_add(sum, e);
+        const vf e = vf_exp(vf_sub(vf_ldf(sj + t), vmax)), w = vf_mul(e, vf_ldf(vs + t));
+        vf_stf(sj + t, w);
+        sum = vf_add(sum, e), wmax = vf_max(wmax, w);
     }
-    const vf inv = vf_set1(1.f / vf_sum(sum));
-    for (int64_t t = 0; t < lp; t += 16) vf_stf(sj + t, vf_mul(vf_mul(vf_ldf(sj + t), inv), vf_ldf(vs + t)));
+    const float wm = vf_hmax(wmax);
+    const vf inv = vf_set1(wm > 0.f ? 32767.f / wm : 0.f);
+    for (int64_t t = 0; t < lp; t += 16) vf_sti16(wq + t, vf_mul(vf_ldf(sj + t), inv));
+    return wm / 32767.f / vf_sum(sum);
 }
 
 /* Prefetch the n scales of a block (block id blk) of both scale arrays: a sequence's blocks sit anywhere in the
@@ -346,7 +448,7 @@ static inline void scale_lines(const float *k_scale, const float *v_scale, int64
                     free(sc), free(vs), free(rows);                                                                  \
                     sc = (float *)malloc((size_t)cap * sizeof(float));                                               \
                     vs = (float *)malloc((size_t)cap * 2 * sizeof(float));                                           \
-                    rows = (int64_t *)malloc((size_t)cap * sizeof(int64_t));                                         \
+                    rows = (int64_t *)malloc((size_t)cap * 2 * sizeof(int64_t));                                     \
                 }                                                                                                    \
                 const int64_t *bt = block_tables + b * max_blocks + lo / bs, nblk = (lo % bs + L + bs - 1) / bs;     \
                 for (int64_t kb = 0; kb < SAHEAD && kb < nblk; kb++) scale_lines(k_scale, v_scale, bt[kb], bs * hkv);\
@@ -369,11 +471,13 @@ static inline void scale_lines(const float *k_scale, const float *v_scale, int64
                 case 8: scores_i8(q4, qsum, qs, g, 4, k_cache, v_cache, vs + cap, rows, L, lp, d, sc); break;         \
                 default: scores_i8(q4, qsum, qs, g, d / 32, k_cache, v_cache, vs + cap, rows, L, lp, d, sc); break;   \
                 }                                                                                                    \
-                for (int64_t j = 0; j < g; j++) softmax_i8(sc + j * lp, L, lp, softcap, vs);                         \
+                int16_t *wq = (int16_t *)rows + cap * 4; /* the rows' second half: g x lp int16 */                  \
+                float f[MAX_G];                                                                                      \
+                for (int64_t j = 0; j < g; j++) f[j] = softmax_i8(sc + j * lp, L, lp, softcap, vs, wq + j * lp);    \
                 switch (nv) {                                                                                        \
-                case 4: pv_i8_##T(sc, lp, g, heads, v_cache, rows, L, d, 4, ob); break;                              \
-                case 8: pv_i8_##T(sc, lp, g, heads, v_cache, rows, L, d, 8, ob); break;                              \
-                default: pv_i8_##T(sc, lp, g, heads, v_cache, rows, L, d, nv, ob); break;                            \
+                case 4: pv_i8_##T(wq, f, lp, g, heads, v_cache, rows, L, d, 2, ob); break;                           \
+                case 8: pv_i8_##T(wq, f, lp, g, heads, v_cache, rows, L, d, 4, ob); break;                           \
+                default: pv_i8_##T(wq, f, lp, g, heads, v_cache, rows, L, d, d / 32, ob); break;                     \
                 }                                                                                                    \
             }                                                                                                        \
             free(sc), free(vs), free(rows);                                                                          \
