@@ -75,7 +75,11 @@ def test_measure_times_every_path_at_every_bucket():
     if bf16_gemm:
         assert t["gemm"][:2] == [None, None] and t["gemm"][2] > 0
     t = L.measure((48, 32), 3, torch.float32)  # float32 adds the GEMM, which takes from 17 rows: 64 only
-    assert set(t) == {"plain", "packed"} | gemv | ({"gemv_program"} & program) | ({"gemm"} if cpu_gemm_ok else set())
+    # and its blocked layout (AVX-512 and AVX2 builds), its rows float32
+    blocked = {"blocked"} if cpu_library.has(*cpu_blocked.KERNELS_F32) else set()
+    program = {f"{k}_program" for k in gemv | blocked} if cpu_library.has("tpe_program_run") else set()
+    assert set(t) == {"plain", "packed"} | gemv | blocked | program | ({"gemm"} if cpu_gemm_ok else set())
+    assert all(len(t[k]) == 3 and min(t[k]) > 0 for k in blocked)
     if cpu_gemm_ok:  # (an AVX-512 build's: cpu_library.has)
         assert t["gemm"][:2] == [None, None] and t["gemm"][2] > 0
     assert L.measure((1 << 16, 1 << 12), 1, torch.float32) is None  # 1 GiB: above MEASURE_BYTES, not measured
@@ -87,6 +91,7 @@ def test_auto_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     fake = {(48, 32): {"plain": [10, 20, 40], "packed": [20, 20, 30]},
             (32, 64): {"plain": [9, 9, 9], "packed": [3, 3, 3]}}
     monkeypatch.setattr(L, "measure", lambda *a: calls.append(a) or fake[a[0]])
+    monkeypatch.setattr(L.cpu_blocked, "available", lambda w: False)  # (the fake times have no blocked layout)
     shapes = {(48, 32): 3, (32, 64): 2}
     first = L.choose_layouts(shapes, torch.float32)
     # each shape twice (a consistency check against another process taking the cores)

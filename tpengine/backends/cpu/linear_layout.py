@@ -176,22 +176,24 @@ def blocked_timing(weights: list[torch.Tensor], group: int, program: bool = Fals
     list as its blocked copy is made, so the two layouts of all of them never coexist: the list is left
     empty). With ``group`` (a mixture-of-experts expert shape, the experts one token runs) its one-row time
     is that of the grouped call a decode step makes (:func:`tpengine.backends.cpu.cpu_moe.group_gemv` over
-    ``group`` weights at a time), per expert. With ``program`` (and no ``group``), also
-    ``"blocked_program"``: its one-row time in a decode program (:func:`plain_timings`)."""
-    inp = weights[0].shape[1]
+    ``group`` weights at a time), per expert (bfloat16; float32 experts have no grouped call and keep the
+    one-call time). With ``program`` (and no ``group``), also
+    ``"blocked_program"``: its one-row time in a decode program (:func:`plain_timings`). The rows multiplied
+    are of the weights' dtype (bfloat16 or float32)."""
+    inp, dtype = weights[0].shape[1], weights[0].dtype
     blocked = []
     while weights:
         blocked.append(cpu_blocked.pack(weights.pop(0)))
-    times = [time_us([lambda b=b, x=torch.full((rows, inp), 0.5, dtype=torch.bfloat16): cpu_blocked.linear(x, b)
+    times = [time_us([lambda b=b, x=torch.full((rows, inp), 0.5, dtype=dtype): cpu_blocked.linear(x, b)
                       for b in blocked]) for rows in ROW_BUCKETS]
-    if group > 1:
-        x = torch.full((1, inp), 0.5, dtype=torch.bfloat16)
+    if group > 1 and dtype == torch.bfloat16:  # float32 experts have no grouped call: one call each
+        x = torch.full((1, inp), 0.5, dtype=dtype)
         sets = [[blocked[(i + j) % len(blocked)] for j in range(group)] for i in range(0, len(blocked), group)]
         times[0] = time_us([lambda s=s: cpu_moe.group_gemv(x, s) for s in sets]) / group
     out = {"blocked": times}
     if program and group <= 1 and cpu_program.runs():
-        out["blocked_program"] = [cpu_program.one_row_us([cpu_blocked.bind(b).c_spec for b in blocked],
-                                                         torch.bfloat16), *[None] * (len(ROW_BUCKETS) - 1)]
+        out["blocked_program"] = [cpu_program.one_row_us([cpu_blocked.bind(b).c_spec for b in blocked], dtype),
+                                  *[None] * (len(ROW_BUCKETS) - 1)]
     return out
 
 
@@ -247,7 +249,8 @@ def choose_head(weight: torch.Tensor, setting: str = "auto", cpu_kernels: bool =
     the embedding's too, so it is held in ONE layout: plain (``F.linear`` or, per bucket
     (:func:`plain_kernels`), the GEMV kernel, and the GEMM kernel for a float32 weight or the widened float32
     GEMM for a half-precision one), or blocked (:mod:`tpengine.backends.cpu.cpu_blocked`, bfloat16 on
-    AVX512-BF16 builds; the embedding then reads its rows from it, :func:`tpengine.backends.cpu.cpu_blocked.rows`),
+    AVX512-BF16 builds, float32 on AVX-512 and AVX2 ones; the embedding then reads its rows from it,
+    :func:`tpengine.backends.cpu.cpu_blocked.rows`),
     timed on this weight itself at :data:`ROW_BUCKETS` (the blocked one on a copy made and dropped for the
     measurement; cached like :func:`choose_layouts`) and chosen by :func:`pick`. ``setting`` "blocked"
     forces the blocked layout where it takes the weight; other settings than "auto", ``cpu_kernels`` False,
