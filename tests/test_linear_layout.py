@@ -403,31 +403,37 @@ def test_each_forced_float32_path_gives_hf_tokens(tmp_path, path):
     assert got == want
 
 
-@pytest.mark.skipif(not cpu_library.has(*cpu_blocked.KERNELS), reason="no AVX512-BF16 kernels here")
-def test_a_blocked_tied_head_holds_the_one_copy_and_decodes_the_plain_tokens(tmp_path):
-    """``--cpu-linear blocked`` puts a tied bfloat16 head in the blocked layout (a SmolLM2-shaped tiny model:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_blocked_tied_head_holds_the_one_copy_and_decodes_the_plain_tokens(tmp_path, dtype):
+    """``--cpu-linear blocked`` puts a tied head in the blocked layout (a SmolLM2-shaped tiny model:
     tied, vocabulary and hidden size multiples of 16): the head and the embedding hold no plain table, the
     embedding's rows gathered from the blocked one equal the plain rows bit for bit, the head's logits are the
-    float32 product rounded once (cpu_blocked's bound), and greedy tokens at 1 and 6 sequences equal those
-    of the same model with the head put back plain (F.linear and the greedy pick's measured paths)."""
+    float32 product (bfloat16: rounded once; cpu_blocked's bounds), and greedy tokens at 1 and 6 sequences equal
+    those of the same model with the head put back plain (F.linear and the greedy pick's measured paths); in
+    float32 (AVX2 builds too), with every linear blocked, they are HF's ``generate``."""
     import torch.nn.functional as F
 
     from tpengine.backends.cpu import greedy as G
     from tpengine.entrypoints.llm import LLM
     from tpengine.sampling_params import SamplingParams
 
+    if not cpu_blocked.available(torch.zeros(16, 2, dtype=dtype)):
+        pytest.skip(f"no blocked {dtype} kernels in this build ({cpu_library.isa()})")
     model_dir = make_tiny_model(tmp_path, "llama", seed=5, vocab_size=1024, intermediate_size=128,
                                 tie_word_embeddings=True)
-    llm = LLM(str(model_dir), dtype="bfloat16", max_num_seqs=6, cpu_linear="blocked")
+    llm = LLM(str(model_dir), dtype=str(dtype).removeprefix("torch."), max_num_seqs=6, cpu_linear="blocked")
     model = llm.llm_engine.runner.model
     head, emb = model.lm_head, model.get_input_embeddings()
     assert cpu_blocked.is_blocked(head.packed) and head.weight is None and emb.weight is None
+    assert all(cpu_blocked.is_blocked(m.packed) for m in model.modules() if hasattr(m, "pack"))
     plain = cpu_blocked.unpack(head.packed).contiguous()
     ids = torch.tensor([[0, 15, 16, 1023], [511, 7, 7, 640]])
     assert torch.equal(emb(ids), F.embedding(ids, plain))
-    x = torch.randn(3, 64).bfloat16()
-    exact = F.linear(x.float(), plain.float())
-    assert ((head(x).float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3 * 64 ** 0.5).all()
+    x = torch.randn(3, 64).to(dtype)
+    exact = F.linear(x.double(), plain.double())
+    bound = (exact.abs() * 2 ** -8 + 1e-3 * 64 ** 0.5 if dtype == torch.bfloat16
+             else F.linear(x.abs().double(), plain.abs().double()) * 64 * 2 ** -24)
+    assert ((head(x).double() - exact).abs() <= bound).all()
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 1024, (6, 7), generator=g).tolist()
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -436,10 +442,19 @@ def test_a_blocked_tied_head_holds_the_one_copy_and_decodes_the_plain_tokens(tmp
         return ([o.outputs[0].token_ids for o in llm.generate(prompts[:1], sp)],
                 [o.outputs[0].token_ids for o in llm.generate(prompts, sp)])
     blocked = tokens()
+    if dtype == torch.float32:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        with torch.inference_mode():
+            want = [hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, 7:].tolist()
+                    for p in prompts]
+        assert blocked == (want[:1], want)
+        return  # (the plain head's tokens are HF's in the tests above)
     head.packed, head.weight, emb.weight, emb.lookup = None, torch.nn.Parameter(plain, requires_grad=False), None, None
     emb.weight = head.weight
     head.bind(L.bind_layer(head, head=True))
-    G.bind_head(head, torch.bfloat16, True)
+    G.bind_head(head, dtype, True)
     assert tokens() == blocked
 
 
