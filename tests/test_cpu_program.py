@@ -1,7 +1,7 @@
 """The CPU decode program (tpengine/backends/cpu/cpu_program.py): a one-token step of the decoder stack as
 one C call of the layers' own bound kernels. It must give what the stack's forward gives through those
 kernels -- the same tokens and logprobs, bit for bit -- for every kind of product it encodes (the GEMV
-kernel in float32 and bfloat16, the blocked layout, int8 and int4 weights, an int8 KV cache), take
+kernel in float32 and bfloat16, the blocked layout in both, int8 and int4 weights, an int8 KV cache), take
 exactly the one-token decode steps, and be refused where the stack's form or a kernel does not allow it."""
 
 from __future__ import annotations
@@ -68,13 +68,13 @@ def pin_kernels(engine: LLMEngine) -> None:
 
 CASES = [("float32", None, "plain", None), ("bfloat16", None, "plain", None), ("bfloat16", "int8", "auto", None),
          ("float32", "int4", "auto", None), ("bfloat16", "int4", "auto", None), ("bfloat16", None, "plain", "int8"),
-         ("bfloat16", None, "blocked", None)]
+         ("bfloat16", None, "blocked", None), ("float32", None, "blocked", None)]
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype, quantization, cpu_linear, kv", CASES)
 def test_program_equals_the_forward(llama, dtype, quantization, cpu_linear, kv):
-    if cpu_linear == "blocked" and not cpu_blocked.available(torch.zeros(16, 2, dtype=torch.bfloat16)):
+    if cpu_linear == "blocked" and not cpu_blocked.available(torch.zeros(16, 2, dtype=getattr(torch, dtype))):
         pytest.skip(f"no blocked layout in this build ({cpu_library.isa()})")
     engine = LLMEngine(EngineConfig(model=str(llama), dtype=dtype, quantization=quantization, cpu_linear=cpu_linear,
                                     kv_cache_dtype=kv or "auto", **BASE))
@@ -90,6 +90,10 @@ def test_program_equals_the_forward(llama, dtype, quantization, cpu_linear, kv):
         # the int8-activation kernels bound (int4 x int8, int8 x int8), called through the same signatures
         fn = ctypes.cast(getattr(cpu_library.load(), f"tpe_qgemv_{quantization}_q8"), ctypes.c_void_p).value
         assert {int(r[2]) for r in backend.program.ops if cpu_program.SIGNATURES[next(iter(want))] == r[0]} == {fn}
+    if cpu_linear == "blocked":  # every product the blocked layout's own GEMM, of the weights' dtype
+        name = f"tpe_blocked_gemm_{'bf16' if dtype == 'bfloat16' else 'f32'}"
+        fn = ctypes.cast(getattr(cpu_library.load(), name), ctypes.c_void_p).value
+        assert {int(r[2]) for r in backend.program.ops if r[0] == cpu_program.SIGNATURES["lin"]} == {fn}
     program, steps = stack.bound_decode, []
 
     def counted(h, tables, ctx):
