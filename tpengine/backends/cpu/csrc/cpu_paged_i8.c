@@ -4,19 +4,24 @@
  * head), and attention of each query head over its sequence's cached keys read through the block table.
  * tpe_paged_decode_i8_f32 takes float32 queries / keys / values and output, tpe_paged_decode_i8_bf16 bfloat16.
  *
- * Written once over bf16.h's 16-lane `vf` layer, so the AVX-512 and the AVX2 (TPENGINE_ISA=avx2) builds run the
- * same code (each ISA's own: the int8 load and the 16-way horizontal sum below).
+ * The softmax and the stores are written over bf16.h's 16-lane `vf` layer; the scores and P.V run in integers,
+ * per ISA (AVX-512 VNNI: vpdpbusd / vpdpwssd; AVX2 (TPENGINE_ISA=avx2): maddubs / madd) with the same exact
+ * integer sums, so both builds give the same results.
  *
- * Arithmetic:
+ * Arithmetic (the int8 x int8 dot of llama.cpp's q8_0 for the scores, here over per-row scales):
  *   rope:     as cpu_paged.c (bf16.h's rope_head_*), in the input dtype.
  *   store:    per (token, KV head) row x of d elements, in float32: amax = max |x|, codes = clamp(
  *             nearbyint(x * (127 / amax)), -127, 127) (round half to even), scale = amax / 127; an all-zero row
  *             gets zero codes and scale 0 -- kv_quant.quantize's operations, so the codes are the torch path's.
- *   scores:   s = dot(q, codes) * k_scale * scale in float32 (q widened from bfloat16); soft cap as cap_scores.
- *   softmax:  float32, exp by vf_exp; p not rounded to the dtype.
- *   output:   sum_t (p[t] * v_scale[t]) * codes_v[t] in float32, rounded to the dtype once.
- * So the result is attention over the dequantized rows (codes * scale) in float32 up to the order of the float32
- * sums: tests compare it with the torch reference on dequantized values.
+ *   query:    each query head quantized the same way (codes qc, scale q_scale), once per step.
+ *   scores:   s = float(dot(qc, codes_k)) * (k_scale * (q_scale * scale)) in float32, the dot an exact int32
+ *             sum; soft cap as cap_scores.
+ *   softmax:  e = exp(s - max) in float32 (vf_exp); the weights w = e * v_scale rounded to 15 bits, wq =
+ *             nearbyint(w * (32767 / max w)).
+ *   output:   sum_t wq[t] * codes_v[t] exact in int32 per 512 keys, those sums added in float32, times
+ *             max w / 32767 / sum e, rounded to the dtype once.
+ * So the result is attention over the dequantized rows (codes * scale) with the query rounded to int8 and the
+ * weights to 15 bits: tests compare it with a torch reference of this arithmetic (tests/test_kv_int8.py).
  *
  * Layout (elements): q [B, Hq, D] at q + b * q_stride; k, v [B, Hkv, D] at k + b * k_stride, v + b * v_stride;
  * cos, sin [B, D] (NULL: no RoPE); slots [B] (-1: not stored); block_tables [B, max_blocks]; lens [B] (keys
@@ -26,7 +31,8 @@
  * on one KV head. Every slot, length and block id is checked before anything is written: returns -1, or the first
  * bad b (a slot), B + b (a length), 2B + b (a block id) or 3B (q_to_kv) -- cpu_paged.c's codes. One work item per
  * (sequence, KV head), dynamic schedule; each key and value row is read from memory once per step for all the
- * KV head's query heads, the rows of the next 16 keys prefetched while the current 16 are scored. */
+ * KV head's query heads, the rows AHEAD keys on prefetched while the current 16 are scored, the scales SAHEAD
+ * blocks on while the block table is walked. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,27 +41,15 @@
 #include "bf16.h"
 #include "paged.h"
 
-#if defined(TPE_AVX512) || defined(TPE_AVX2)
+/* The AVX-512 path's integer products need AVX512-VNNI and AVX512-BW (every AVX512-BF16 CPU has them). */
+#if (defined(TPE_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(TPE_AVX2)
 #define MAX_G 16
 #define MAX_D 256
-#define PJ 4 /* query heads accumulated together in the P.V pass */
 /* Key (and value) rows prefetched this far ahead of the 16 being scored: a sequence's rows sit in blocks
  * anywhere in the cache, which the hardware prefetcher does not follow; the value rows then wait in L2 for
  * the P.V pass (an item's rows: 2 x L x d bytes, 512 KiB at L = 4096, d = 64). */
 #define AHEAD 48
 #define SAHEAD 4 /* blocks whose scales are prefetched ahead of the walk that reads them */
-
-#if defined(TPE_AVX512)
-/* 16 int8 codes -> 16 float32 lanes. */
-static inline vf vf_ldi8(const int8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-#else
-static inline vf vf_ldi8(const int8_t *p) {
-    const __m128i x = _mm_loadu_si128((const __m128i *)p);
-    return vf_two(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8))));
-}
-#endif
 
 static int64_t check_i8(const int64_t *slots, const int64_t *block_tables, int64_t max_blocks, const int64_t *lens,
                         int64_t B, int64_t num_blocks, int64_t bs, const int64_t *q_to_kv, int64_t hq, int64_t hkv,
