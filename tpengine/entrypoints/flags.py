@@ -58,8 +58,8 @@ ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {
                     "argmax; bfloat16 and float32 as each has them), else torch ops (all of them without a C "
                     "compiler)", None),
     "cpu_linear": ("CPU: the linear weights' layout per weight shape: auto (the fastest of plain/MKL, "
-                   "oneDNN-packed and tpengine's blocked bfloat16 layout, measured on this machine and cached), "
-                   "plain, packed or blocked", None),
+                   "oneDNN-packed and tpengine's blocked layout (bfloat16 and float32), measured on this machine "
+                   "and cached), plain, packed or blocked", None),
     "dist_timeout_s": ("seconds a collective waits for the other ranks before the job fails", None),
     "tensor_parallel_size": ("ranks per pipeline stage of a model replica (tensor parallelism); the world size is "
                              "data_parallel_size x pipeline_parallel_size x tensor_parallel_size",
