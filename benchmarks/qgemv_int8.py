@@ -3,12 +3,14 @@
 bfloat16 activations, each shape's weights rotated over copies past the last-level cache (so they stream
 from memory, as in a decode step), interleaved rounds (each round times every kernel once, in turn).
 
-    python -m benchmarks.qgemv_int8 [--rounds 5] [--threads N] [--rows 1] [--clock wall|cpu]
+    python -m benchmarks.qgemv_int8 [--rounds 5] [--threads N] [--rows 1] [--clock wall|cpu] [--resident]
 
 Prints per shape and kernel the best round's microseconds per call and GB/s of weight read (bytes of
 int8 weight + scales / time), and the load average at the start and end. Under a minute. ``--clock cpu``
 (with ``--threads 1``) counts the process's CPU time, not wall time: on a loaded machine the time
-slices lost to other processes are left out (the weights still stream from memory).
+slices lost to other processes are left out (the weights still stream from memory). ``--resident``: one
+copy of each weight, read again and again from the caches (what the kernels' instructions cost, not the
+memory's rate; the LM head still streams).
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import torch
 
 from tpengine.backends.cpu import cpu_qgemv
 
-#: SmolLM2-135M's int8 weights at tp=1: (out, in) of q/k/v's fused rows, o, the MLP's gate/up (two of
-#: 1536), down and the tied LM head; k 576 -> 192 is one of k and v alone.
-SHAPES = ((576, 576), (192, 576), (3072, 576), (576, 1536), (49152, 576))
+#: SmolLM2-135M's int8 weights at tp=1, (out, in): o, one of k and v alone, q/k/v's fused rows, the MLP's
+#: gate/up (two of 1536, fused), down and the tied LM head.
+SHAPES = ((576, 576), (192, 576), (960, 576), (3072, 576), (576, 1536), (49152, 576))
 #: bytes of weight each shape's copies hold together (past a 32 MiB last-level cache)
 ROTATE_BYTES = 96 << 20
 
@@ -41,14 +43,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    p.add_argument("--resident", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     clock = time.perf_counter if a.clock == "wall" else time.process_time
     print(f"load average {os.getloadavg()[0]:.2f}, {a.threads} threads, {a.rows} row(s), bfloat16 activations, "
-          f"{a.clock} clock")
+          f"{a.clock} clock, weights {'resident' if a.resident else 'streamed'}")
     g = torch.Generator().manual_seed(0)
     for n, k in SHAPES:
-        copies = max(2, ROTATE_BYTES // (n * k))
+        copies = 1 if a.resident else max(2, ROTATE_BYTES // (n * k))
         ws = [(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g),
                (torch.rand(n, generator=g) * 0.01).bfloat16()) for _ in range(copies)]
         x = torch.randn(a.rows, k, generator=g).bfloat16()
