@@ -4,8 +4,8 @@
     python -m benchmarks.bench_kv_kernel --base HEAD~3           (also the int8 kernel of that git revision)
 
 One call = one layer of a batch-1 decode step (one row, no RoPE, nothing stored), ``--context`` keys, 1 thread,
-through ``cpu_paged.decode`` (the C kernels: ``tpe_paged_decode_bf16`` over a bfloat16 cache,
-``tpe_paged_decode_i8_bf16`` over an int8 one). ``--layers`` separate caches are called in turn so that the rows
+straight through ctypes (no Python checks): ``tpe_paged_decode_bf16`` over a bfloat16 cache (its AVX-512 path, not
+AMX), ``tpe_paged_decode_i8_bf16`` over an int8 one. ``--layers`` separate caches are called in turn so that the rows
 stream from memory as in a step (30 layers of SmolLM2's 3 KV heads of 64 at 4096 keys: 94 MB bfloat16, 50 MB
 int8, beyond the L3). Shapes (one rank): SmolLM2-135M 9 query heads on 3 KV heads of 64, TinyLlama-1.1B 32 on 4 of
 64. ``--base REV``: ``cpu_paged_i8.c`` and its headers of git revision REV built beside (same compiler and
@@ -58,7 +58,7 @@ def run(context: int, layers: int, rounds: int, calls: int, shapes: list[str], b
     """The timings (module docstring): ``{shape: {candidate: {"us_best", "us_median", "gbs_best"}, "int8 speed":
     bfloat16's best / int8's best, ...}}``. Raises RuntimeError without the C kernels."""
     from tpengine.backends import kv_quant
-    from tpengine.backends.cpu import cpu_library, cpu_paged
+    from tpengine.backends.cpu import cpu_library, cpu_paged  # cpu_paged: the block tables' index
 
     if cpu_library.missing("tpe_paged_decode_bf16", "tpe_paged_decode_i8_bf16") is not None:
         raise RuntimeError(str(cpu_library.missing("tpe_paged_decode_bf16", "tpe_paged_decode_i8_bf16")))
@@ -83,21 +83,27 @@ def run(context: int, layers: int, rounds: int, calls: int, shapes: list[str], b
             caches["int8"].append((kq, vq, (ks, vs)))
         out = torch.empty(1, len(q_to_kv), d, dtype=torch.bfloat16)
 
-        def call_base(kc, vc, scales, out=out, q=q, kv=kv, index=index, qmap=qmap, hkv=hkv, nb=nb, bs=bs):
-            bt = index.block_tables
-            bad = base_lib.tpe_paged_decode_i8_bf16(
-                q.data_ptr(), len(q_to_kv) * d, kv.data_ptr(), hkv * d, kv.data_ptr(), hkv * d, None, None,
-                index.slot_mapping.data_ptr(), bt.data_ptr(), bt.shape[1], index.context_lens.data_ptr(),
-                kc.data_ptr(), vc.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr(), nb, bs, qmap.data_ptr(),
-                len(q_to_kv), hkv, d, d ** -0.5, out.data_ptr(), 1, 1, 0, 0.0)
-            assert bad == -1
+        def caller(fn, int8, q=q, kv=kv, index=index, qmap=qmap, hkv=hkv, nb=nb, bs=bs, out=out):
+            """One layer's call of C function ``fn`` (an int8 kernel if ``int8``) straight through ctypes."""
+            bt, hq = index.block_tables, len(q_to_kv)
+            head = (q.data_ptr(), hq * d, kv.data_ptr(), hkv * d, kv.data_ptr(), hkv * d, None, None,
+                    index.slot_mapping.data_ptr(), bt.data_ptr(), bt.shape[1], index.context_lens.data_ptr())
+            tail = (nb, bs, qmap.data_ptr(), hq, hkv, d, d ** -0.5, out.data_ptr(), 1)
 
-        def call(kc, vc, scales, q=q, kv=kv, index=index, qmap=qmap):
-            cpu_paged.decode(q, kv, kv, None, None, kc, vc, qmap, d ** -0.5, index, kv_scales=scales)
+            def call(kc, vc, scales):
+                if int8:
+                    bad = fn(*head, kc.data_ptr(), vc.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr(), *tail,
+                             1, 0, 0.0)
+                else:
+                    bad = fn(*head, kc.data_ptr(), vc.data_ptr(), *tail, 0, 1, 0, 0.0)
+                assert bad == -1
+            return call
 
-        cands = {"bfloat16": (call, "bfloat16"), "int8": (call, "int8")}
+        lib = cpu_library.load()
+        cands = {"bfloat16": (caller(lib.tpe_paged_decode_bf16, False), "bfloat16"),
+                 "int8": (caller(lib.tpe_paged_decode_i8_bf16, True), "int8")}
         if base_lib is not None:
-            cands[f"int8 @ {base}"] = (call_base, "int8")
+            cands[f"int8 @ {base}"] = (caller(base_lib.tpe_paged_decode_i8_bf16, True), "int8")
         kv_bytes = {"bfloat16": 2 * context * hkv * d * 2, "int8": 2 * context * hkv * (d + 4)}
         times = {c: [] for c in cands}
         for r in range(rounds + 1):
