@@ -155,3 +155,53 @@ def test_column_slices_land_in_place_through_short_reads(tmp_path: Path, monkeyp
         assert torch.equal(whole, w)
     finally:
         os.close(fd)
+
+
+def test_map_rows_is_the_files_bytes_and_copy_on_write(tmp_path: Path) -> None:
+    """A mapped row range equals the library's tensor; a write to it changes neither the file nor
+    another mapping of it."""
+    from tpengine.model.tensor_file import map_rows
+
+    g = torch.Generator().manual_seed(3)
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.randn(3, generator=g), "w": torch.randn(5000, 3, generator=g).bfloat16()}, path)
+    w = load_file(path)["w"]
+    info = read_header(path)["w"]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        rows = map_rows(fd, info, 2000, start=2500)  # starts inside a page
+        again = map_rows(fd, info, 5000)
+        assert rows.shape == (2000, 3) and torch.equal(rows, w[2500:4500]) and torch.equal(again, w)
+        rows.zero_()
+        assert torch.equal(again, w) and torch.equal(load_file(path)["w"], w)
+        with pytest.raises(ValueError, match=r"cannot map rows 4999:5001 of tensor 'w' \[5000, 3\]"):
+            map_rows(fd, info, 2, start=4999)
+    finally:
+        os.close(fd)
+
+
+def test_a_short_job_maps_its_whole_weights(tmp_path: Path, monkeypatch) -> None:
+    """A short job's load (TPENGINE_JOB_TOKENS=1) maps every parameter that is one whole checkpoint tensor
+    in its dtype (here all sizes: MAP_MIN_BYTES 0) and reads the merged q/k/v and gate/up ones; every
+    parameter equals a reading load's."""
+    import tpengine.model.loader as loader
+    from tests.conftest import make_tiny_model
+    from tpengine.distributed import TPInfo
+
+    folder = make_tiny_model(tmp_path, tie_word_embeddings=False)
+    tp = TPInfo(0, 1, 0, torch.device("cpu"))
+    monkeypatch.setenv("TPENGINE_MEASURE_BUDGET_S", "0")
+    read = dict(loader.load_model(folder, tp, torch.float32, cpu_linear="plain").module.named_parameters())
+    monkeypatch.delenv("TPENGINE_MEASURE_BUDGET_S")
+    monkeypatch.setenv("TPENGINE_JOB_TOKENS", "1")
+    monkeypatch.setattr(loader, "MAP_MIN_BYTES", 0)
+    names = []
+    real = loader.map_rows
+    monkeypatch.setattr(loader, "map_rows", lambda fd, info, *a: (names.append(info.name), real(fd, info, *a))[1])
+    mapped = dict(loader.load_model(folder, tp, torch.float32, cpu_linear="plain").module.named_parameters())
+    assert sorted(read) == sorted(mapped) and all(torch.equal(read[k], mapped[k]) for k in read)
+    layers = max(int(n.split(".")[2]) for n in names if n.startswith("model.layers.")) + 1
+    per_layer = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
+                 "mlp.down_proj.weight")
+    assert sorted(names) == sorted(["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"] + [
+        f"model.layers.{i}.{n}" for i in range(layers) for n in per_layer])

@@ -71,6 +71,13 @@ class Platform:
         ``EngineConfig.cpu_kernels``, for a platform with kernels of its own)."""
         return TorchOps()
 
+    def maps_weights(self) -> bool:
+        """Whether a load may take a large whole weight (or its rows) in its checkpoint dtype as a mapping
+        of the file's pages (:func:`tpengine.model.tensor_file.map_rows`) instead of reading it into memory
+        of its own: nothing read or copied, at the cost of the file's alignment (8 bytes) and of pages
+        that follow the file. Off here (a device's weights are copied onto it)."""
+        return False
+
     def prepack(self, weight: torch.Tensor, layout: str = "packed") -> torch.Tensor | None:
         """``weight [out, in]`` in the platform's ``layout`` (a :meth:`choose_layouts` choice other than
         "plain"), or None (it keeps the plain one)."""

@@ -44,7 +44,7 @@ from tpengine.model.quant.weights import QuantizedWeight, QuantScheme, check_qua
 from tpengine.model.shard_folder import rank_files
 from tpengine.model.spec import ModelSpec
 from tpengine.model.surgery import build_model, checkpoint_targets, holds, kind_in, stage_holds
-from tpengine.model.tensor_file import TensorInfo, read_header, read_rows
+from tpengine.model.tensor_file import MAP_MIN_BYTES, TensorInfo, map_rows, read_header, read_rows
 
 # the linears --quantization stores quantized with its scheme, and the vocabulary layers (QuantScheme.vocab)
 QUANTIZED_LAYERS = (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear)
@@ -162,8 +162,8 @@ class _Filler:
     packed into its platform's layout, or its stored quantized parts assembled)."""
 
     def __init__(self, model: torch.nn.Module, wanted: dict[str, tuple], tie: bool, dtype: torch.dtype,
-                 device: torch.device, pack, prepack, quant: QuantScheme | None, reduce_max):
-        self.wanted, self.tie, self.dtype, self.device = wanted, tie, dtype, device
+                 device: torch.device, pack, prepack, quant: QuantScheme | None, reduce_max, maps: bool = False):
+        self.wanted, self.tie, self.dtype, self.device, self.maps = wanted, tie, dtype, device, maps
         self.quant, self.reduce_max, self.prepack = quant, reduce_max, prepack
         self.left: dict[int, int] = {}
         for t, _, _ in wanted.values():
@@ -202,6 +202,24 @@ class _Filler:
                              f"{entry.scheme} format stores {part} as a 2-D tensor")
         cols = spec[2] - spec[1] if spec is not None and spec[0] == 1 else info.shape[1]
         return self.qparts.dest(t.module, part, entry, info, cols)
+
+    def mapped(self, fd: int, t, part, info: TensorInfo, spec) -> bool:
+        """Whether checkpoint tensor ``info`` went in as a mapping of its pages (:func:`map_rows`) rather
+        than read: where the load maps (``maps``), for a parameter of at least :data:`MAP_MIN_BYTES` that
+        is the whole of one still unloaded CPU tensor in its checkpoint dtype, all of it or a row range
+        (``spec`` on dim 0, no padding rows; a dim-1 ``spec`` of every column is all of it), that takes
+        no packed layout or quantization (those read it into a staging buffer)."""
+        p = getattr(t.module, t.attr) if part is None else None
+        if (p is None or not self.maps or not p.is_meta or self.device.type != "cpu" or info.nbytes < MAP_MIN_BYTES
+                or not info.dtype == p.dtype == self.dtype or t.start != 0 or t.rows != p.shape[0]
+                or (t.attr == "weight" and (self.packs(t.module) or self.scheme(t.module)))):
+            return False
+        whole = spec is None or (spec[0] == 1 and spec[1] == 0 and spec[2] == info.shape[-1])  # (tp=1's row-parallel)
+        start, end = (0, info.shape[0]) if whole else (spec[1], spec[2])
+        if (not whole and spec[0] != 0) or end > info.shape[0] or (end - start, *info.shape[1:]) != tuple(p.shape):
+            return False  # a column slice, padding rows or a shape mismatch: read (and checked) by _fill
+        setattr(t.module, t.attr, torch.nn.Parameter(map_rows(fd, info, end - start, start), requires_grad=False))
+        return True
 
     def filled(self, m: torch.nn.Module, name: str) -> None:
         """One more tensor of layer ``m`` is in (``name``); once all are: assemble, quantize or pack it."""
@@ -262,7 +280,8 @@ def _read_file(path: Path, filler: _Filler, plan: ShardPlan | None, rank: int, d
                 continue
             t, part, entry = filler.wanted[name]
             spec, full = _slice_of(plan, name, info, part, entry, rank)
-            _fill(fd, info, filler.dest(t, part, entry, info, spec).narrow(0, t.start, t.rows), spec, full)
+            if not filler.mapped(fd, t, part, info, spec):
+                _fill(fd, info, filler.dest(t, part, entry, info, spec).narrow(0, t.start, t.rows), spec, full)
             done.add(name)
             filler.filled(t.module, name)
     finally:
@@ -272,7 +291,7 @@ def _read_file(path: Path, filler: _Filler, plan: ShardPlan | None, rank: int, d
 def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | None, rank: int, tie: bool,
                  dtype: torch.dtype, device: torch.device, pack, quant: QuantScheme | None = None,
                  reduce_max=None, stored: dict[str, QuantEntry] | None = None, prepack=None,
-                 fused: dict | None = None, hf_config=None, keeps=None) -> int:
+                 fused: dict | None = None, hf_config=None, keeps=None, maps: bool = False) -> int:
     """Fill every parameter of ``model`` (from :func:`tpengine.model.surgery.build_model`) from
     ``files``: each checkpoint tensor's byte range for this rank (its ShardPlan slice, or the
     whole tensor when ``plan`` is None: a rank file of a shard folder) is read straight into the
@@ -290,7 +309,9 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
     fused checkpoint tensors (:func:`tpengine.model.families.fused_parts`), read as their parts;
     ``hf_config``: the model's config, whose family may name checkpoint tensors otherwise
     (:func:`tpengine.model.families.checkpoint_name`: Mixtral's experts); ``keeps``: a predicate on a
-    checkpoint name, False for a tensor this rank skips (another pipeline stage's). Returns the bytes of
+    checkpoint name, False for a tensor this rank skips (another pipeline stage's); ``maps``: large whole
+    weights in the checkpoint's dtype are mapped instead of read (:meth:`_Filler.mapped`, on a platform whose
+    :meth:`~tpengine.backends.platform.Platform.maps_weights` says so: a short CPU job). Returns the bytes of
     weights held (quantized ones as stored: values, scales and zeros).
 
     Raises:
@@ -300,7 +321,7 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
             of one merged layer stored in different schemes.
     """
     wanted = _wanted(checkpoint_targets(model, tie), stored or {})
-    filler = _Filler(model, wanted, tie, dtype, device, pack, prepack, quant, reduce_max)
+    filler = _Filler(model, wanted, tie, dtype, device, pack, prepack, quant, reduce_max, maps)
     done: set[str] = set()
     unexpected: list[str] = []
     for path in files:
@@ -414,7 +435,8 @@ def load_model(model: ModelSpec | str | Path, tp: TPInfo, dtype: torch.dtype = t
     weight_bytes = load_weights(module, rank_files(spec.folder, spec.sharded, tp),
                                 None if spec.sharded else spec.shard_plan, tp.rank, tie, dtype, tp.device, packs,
                                 quant, all_reduce_max if tp.size > 1 else None, table, prepack,
-                                None if spec.sharded else fused_parts(hf_config), hf_config, keeps)
+                                None if spec.sharded else fused_parts(hf_config), hf_config, keeps,
+                                platform.maps_weights())
     left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"rank {tp.rank}: still on the meta device after loading: {left}")

@@ -8,12 +8,15 @@ little-endian header length ``n``, ``n`` bytes of JSON (``{name: {"dtype", "shap
 This module instead reads exactly the byte ranges a rank needs, with ``preadv``, straight into
 the tensor that keeps them (:func:`read_rows`), and writes a file one tensor at a time
 (:class:`TensorFileWriter`), so neither loading nor splitting ever holds a second copy of a model.
+:func:`map_rows` maps exactly one tensor's rows instead (their pages, private and copy-on-write): the
+tensor is then the page cache's copy itself, nothing read, zeroed or copied, as long as it lives.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -30,6 +33,8 @@ DTYPE_CODES: dict[str, torch.dtype] = {
 CODE_OF: dict[torch.dtype, str] = {v: k for k, v in DTYPE_CODES.items()}
 CHUNK_BYTES = 64 << 20  # staging buffer for reads that convert dtype or cut columns
 MAX_HEADER = 100 << 20
+#: The smallest tensor worth a mapping of its own (:func:`map_rows`; a smaller one is read).
+MAP_MIN_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -184,6 +189,31 @@ def read_rows(fd: int, info: TensorInfo, dest: torch.Tensor, dim: int = 0, start
         part = buf[: min(step, rows - r)]
         _pread_columns(fd, part, info.offset + r * cols * item, cols, start)
         dest[r:r + part.shape[0]].copy_(part)
+
+
+def map_rows(fd: int, info: TensorInfo, rows: int, start: int = 0) -> torch.Tensor:
+    """Rows ``[start, start + rows)`` of ``info``'s tensor (``[rows, *info.shape[1:]]``, ``info.dtype``,
+    on the CPU) backed by a private, copy-on-write mapping of the pages that hold them and no others
+    (``mmap`` from the page below their first byte; the tensor keeps the mapping alive, a write copies
+    only the page written). Nothing is read, zeroed or copied: a page comes from the page cache when
+    first touched, as transformers' ``from_pretrained`` takes a tensor from the safetensors library's
+    mapping. The data keeps the file's alignment (safetensors: 8 bytes). The file must not be changed
+    while the tensor lives (a private mapping's unwritten pages follow the file).
+
+    Raises:
+        ValueError: a row range outside the tensor, naming it.
+        OSError: the mapping cannot be made.
+    """
+    shape = info.shape
+    if not shape or start < 0 or rows < 1 or start + rows > shape[0]:
+        raise ValueError(f"cannot map rows {start}:{start + rows} of tensor {info.name!r} {list(shape)}")
+    row = math.prod(shape[1:]) * info.dtype.itemsize
+    begin = info.offset + start * row
+    base = begin - begin % mmap.ALLOCATIONGRANULARITY
+    pages = mmap.mmap(fd, begin - base + rows * row, flags=mmap.MAP_PRIVATE,
+                      prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=base)
+    flat = torch.frombuffer(pages, dtype=info.dtype, count=rows * row // info.dtype.itemsize, offset=begin - base)
+    return flat.view(rows, *shape[1:])
 
 
 class TensorFileWriter:

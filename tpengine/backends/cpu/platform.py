@@ -19,6 +19,7 @@ from tpengine.backends.cpu import (
     cpu_widen,
     greedy,
     linear_layout,
+    measured,
     process,
 )
 from tpengine.backends.cpu.cpu_fused import FusedOps
@@ -65,6 +66,13 @@ class CPUPlatform(Platform):
     def fused_ops(self, cpu_kernels: bool) -> FusedOps:
         """:class:`~tpengine.backends.cpu.cpu_fused.FusedOps`: the C kernels where they take the tensors."""
         return FusedOps(cpu_kernels)
+
+    def maps_weights(self) -> bool:
+        """A short job's (:func:`tpengine.backends.cpu.measured.short_job`: a one-token batch job, whose weights
+        also stay plain): its few forwards do not feel the file's 8-byte alignment, and its load skips
+        reading (and faulting in fresh memory for) the weights it maps; a longer job reads them into
+        aligned memory of its own."""
+        return measured.short_job()
 
     def prepack(self, weight: torch.Tensor, layout: str = "packed") -> torch.Tensor | None:
         """oneDNN's layout or tpengine's blocked one, :func:`tpengine.backends.cpu.linear_layout.prepack`."""
