@@ -1,20 +1,20 @@
-"""How fast a model folder's safetensors files reach fresh tensors, in one process, interleaved rounds:
+"""How fast a model folder's safetensors files reach tensors a forward can use, in one process, interleaved rounds:
 
-    python -m benchmarks.weight_reads                                   (the 1.1B shape, 2 threads, 3 rounds)
-    python -m benchmarks.weight_reads --model models/smollm2-135m-instruct --threads 1
+    python -m benchmarks.weight_reads                                   (the 1.1B shape, 3 rounds)
+    python -m benchmarks.weight_reads --model models/smollm2-135m-instruct --rounds 5
 
-Each round reads every tensor of every file into a new tensor of its shape (``torch.empty``: fresh
-pages, as a load's parameters are), three ways:
+Each round takes every tensor of every file three ways, all of them kept to the round's end (as a
+load keeps them) and every 4 KiB page of each touched once (as the first forward touches them):
 
-* ``tpengine``: :func:`tpengine.model.tensor_file.read_rows` as a load reads them (large reads split over
-  the ``--threads`` torch threads, :func:`tpengine.model.tensor_file._spread`);
-* ``tpengine 1 thread``: the same with no split;
-* ``safetensors``: each tensor copied out of the file's mapping as transformers 5's ``from_pretrained``
-  materializes it (``get_slice(name)[...]``), here on one thread (transformers: a pool of up to 4 workers).
+* ``read``: :func:`tpengine.model.tensor_file.read_rows` into a new tensor (``torch.empty``: fresh pages,
+  faulted and zeroed by the kernel, then the copy from the page cache): a long job's load;
+* ``mapped``: :func:`tpengine.model.tensor_file.map_rows` (the page cache's pages themselves): a short
+  job's load of its whole weights (:meth:`tpengine.model.loader._Filler.mapped`);
+* ``safetensors``: ``safe_open(...).get_slice(name)[...]``, as transformers 5's ``from_pretrained``
+  materializes a tensor (a view of the library's mapping).
 
 The files are read once first (the page cache, as a second job finds it). Prints seconds and GB/s per
-way and round, the best of each, and the load average (``os.getloadavg``). The tensors of one way are
-freed before the next.
+way and round, the best of each, and the load average (``os.getloadavg``).
 """
 
 from __future__ import annotations
@@ -32,16 +32,26 @@ from tpengine.model import tensor_file
 app = typer.Typer(add_completion=False)
 
 
-def read_tpengine(files: list[Path]) -> int:
-    """Read every tensor of ``files`` with tensor_file into fresh tensors, all kept until the end (as a
-    load keeps them, so none reuses a freed one's pages); the bytes read."""
+def touch(t: torch.Tensor) -> None:
+    """Read one element of each 4 KiB page of ``t`` (the first forward's page faults)."""
+    flat = t.reshape(-1).view(torch.uint8) if t.numel() else t
+    if flat.numel():
+        flat[::4096].sum()
+
+
+def read_tpengine(files: list[Path], mapped: bool) -> int:
+    """Every tensor of ``files`` by tensor_file, read (or ``mapped``), all kept to the end; the bytes."""
     n, keep = 0, []
     for path in files:
         fd = os.open(path, os.O_RDONLY)
         try:
             for info in tensor_file.read_header(path).values():
-                dest = torch.empty(info.shape, dtype=info.dtype)
-                tensor_file.read_rows(fd, info, dest)
+                if mapped and info.shape:
+                    dest = tensor_file.map_rows(fd, info, info.shape[0])
+                else:
+                    dest = torch.empty(info.shape, dtype=info.dtype)
+                    tensor_file.read_rows(fd, info, dest)
+                touch(dest)
                 keep.append(dest)
                 n += info.nbytes
         finally:
@@ -50,14 +60,16 @@ def read_tpengine(files: list[Path]) -> int:
 
 
 def read_safetensors(files: list[Path]) -> int:
-    """Every tensor of ``files`` as transformers' loader materializes it (``safe_open(...).get_slice(name)[...]``:
-    copied out of the file's mapping into a new tensor), one thread, all kept until the end; the bytes read."""
+    """Every tensor of ``files`` as transformers' loader materializes it (``safe_open(...).get_slice(name)[...]``),
+    all kept to the end; the bytes."""
     from safetensors import safe_open
 
     keep = []
     for path in files:
         with safe_open(path, framework="pt") as f:
-            keep += [f.get_slice(name)[...] for name in f.keys()]  # noqa: SIM118 (a safe_open has no __iter__)
+            for name in f.keys():  # noqa: SIM118 (a safe_open has no __iter__)
+                keep.append(f.get_slice(name)[...])
+                touch(keep[-1])
     return sum(t.numel() * t.element_size() for t in keep)
 
 
@@ -65,33 +77,28 @@ def read_safetensors(files: list[Path]) -> int:
 def main(
     model: Annotated[Path, typer.Option(help="a model folder of *.safetensors files")] = Path(
         "models/synth-tinyllama-1.1b"),
-    threads: Annotated[int, typer.Option(help="torch threads (a tp=1 job's default: the CPUs it may use)")] = 2,
     rounds: Annotated[int, typer.Option(help="interleaved rounds")] = 3,
 ) -> None:
     """Print each way's seconds per round and its best."""
     files = sorted(model.glob("*.safetensors"))
     if not files:
         raise typer.BadParameter(f"--model {str(model)!r}: no *.safetensors files there")
-    torch.set_num_threads(threads)
     for path in files:  # into the page cache
         with open(path, "rb") as f:
             while f.read(64 << 20):
                 pass
-    split = tensor_file.SPLIT_BYTES
-    ways = {"tpengine": lambda: read_tpengine(files), "tpengine 1 thread": lambda: read_tpengine(files),
+    ways = {"read": lambda: read_tpengine(files, False), "mapped": lambda: read_tpengine(files, True),
             "safetensors": lambda: read_safetensors(files)}
     best: dict[str, float] = {}
     for r in range(rounds):
         for name, way in ways.items():
-            tensor_file.SPLIT_BYTES = 1 << 62 if name == "tpengine 1 thread" else split
             start = time.perf_counter()
             n = way()
             s = time.perf_counter() - start
             best[name] = min(best.get(name, s), s)
             print(f"round {r}: {name:18s} {s:.3f} s  {n / s / 1e9:.2f} GB/s  (load {os.getloadavg()[0]:.1f})",
                   flush=True)
-    tensor_file.SPLIT_BYTES = split
-    print("best: " + "; ".join(f"{k} {v:.3f} s" for k, v in best.items()) + f" ({threads} threads)")
+    print("best: " + "; ".join(f"{k} {v:.3f} s" for k, v in best.items()))
 
 
 if __name__ == "__main__":
