@@ -88,7 +88,8 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor 
     scaled scores become ``tanh(s / c) * c``. ``kv_scales``: the caches are int8 with these scales
     (``(k_scale, v_scale)``, ``[num_blocks, block_size, Hkv]`` float32 contiguous;
     :mod:`tpengine.backends.kv_quant`): the new keys and values are quantized into them and attention
-    runs over the dequantized rows in float32 (``cpu_paged_i8.c``; no AMX path). Returns ``[B, Hq, D]``.
+    runs in integers over the codes, the query rounded to int8 per head and the softmax weights to 15 bits
+    (``cpu_paged_i8.c``'s header; no AMX path). Returns ``[B, Hq, D]``.
 
     Raises:
         ValueError: a shape, dtype or layout mismatch, or a bad window or cap.
