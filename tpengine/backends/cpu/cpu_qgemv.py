@@ -399,7 +399,8 @@ def q8_rows(times: dict[str, list[float]]) -> int:
 
 def _measure(mods: list, dequant_dtype: torch.dtype | None = None) -> dict[str, list[float]]:
     """Microseconds per call of torch's kernel and these at :data:`ROW_BUCKETS` rows (rotating over
-    ``mods``), and where the kind has a dequantize-then-GEMM path (int4, int8 per channel) of
+    ``mods``; each path's bound call, :meth:`~tpengine.model.quant.weights.QuantizedWeight.bind`), and
+    where the kind has a dequantize-then-GEMM path (int4, int8 per channel) of
     torch's kernel and that path at :data:`PREFILL_BUCKETS` rows (on at most :data:`PREFILL_WEIGHTS`).
     At each bucket the path torch's kernel is weighed against is timed first, and torch's is timed no
     further than its warm-up call where that took over :data:`GIVE_UP` times as long (that call's time
@@ -413,14 +414,18 @@ def _measure(mods: list, dequant_dtype: torch.dtype | None = None) -> dict[str, 
         m.gemv_rows, m.dequant_rows, m.q8_rows = 0, 0, 0
         m.dequant_dtype = dequant_dtype
     paths = (("tpengine", MAX_ROWS, 0),) + ((("tpengine_q8", MAX_ROWS, MAX_ROWS),) if q8 else ()) + (("torch", 0, 0),)
+    # each path timed through the weight's bound call (QuantizedWeight.bind, what a layer runs), not the
+    # forward's per-call checks, which only the C kernels' path pays (a few us, as much as a small product)
+    bound = {}
+    for path, use, use_q8 in paths:
+        for m in mods:
+            m.gemv_rows, m.q8_rows = use, use_q8
+        bound[path] = [m.bind() for m in mods]
     for rows in ROW_BUCKETS:
         x = torch.full((rows, mods[0].in_features), 0.01, dtype=mods[0].dtype)
-        for path, use, use_q8 in paths:  # torch's given up past GIVE_UP x ours
-            def call(m, use=use, use_q8=use_q8):
-                m.gemv_rows, m.q8_rows = use, use_q8
-                return m(x)
+        for path, _, _ in paths:  # torch's given up past GIVE_UP x ours
             give_up = GIVE_UP * min(v[-1] for k, v in times.items() if k != "torch") if path == "torch" else None
-            times[path].append(time_us([lambda m=m: call(m) for m in mods], give_up_us=give_up))
+            times[path].append(time_us([lambda f=f: f(x) for f in bound[path]], give_up_us=give_up))
     for m in mods:
         m.q8_rows = 0
     if _has_prefill_path(mods[0]):
