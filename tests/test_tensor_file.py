@@ -182,13 +182,14 @@ def test_map_rows_is_the_files_bytes_and_copy_on_write(tmp_path: Path) -> None:
 
 def test_a_short_job_maps_its_whole_weights(tmp_path: Path, monkeypatch) -> None:
     """A short job's load (TPENGINE_JOB_TOKENS=1) maps every parameter that is one whole checkpoint tensor
-    in its dtype (here all sizes: MAP_MIN_BYTES 0) and reads the merged q/k/v and gate/up ones; every
-    parameter equals a reading load's."""
+    in its dtype (here all sizes: MAP_MIN_BYTES 0), and the merged gate/up one as one mapping (gate_proj
+    and up_proj lie back to back in the file); it reads q/k/v (k, o, q, v in the file); every parameter
+    equals a reading load's."""
     import tpengine.model.loader as loader
     from tests.conftest import make_tiny_model
     from tpengine.distributed import TPInfo
 
-    folder = make_tiny_model(tmp_path, tie_word_embeddings=False)
+    folder = make_tiny_model(tmp_path, tie_word_embeddings=False, vocab_size=1024)  # 512 rows a rank at tp=2
     tp = TPInfo(0, 1, 0, torch.device("cpu"))
     monkeypatch.setenv("TPENGINE_MEASURE_BUDGET_S", "0")
     read = dict(loader.load_model(folder, tp, torch.float32, cpu_linear="plain").module.named_parameters())
@@ -202,6 +203,17 @@ def test_a_short_job_maps_its_whole_weights(tmp_path: Path, monkeypatch) -> None
     assert sorted(read) == sorted(mapped) and all(torch.equal(read[k], mapped[k]) for k in read)
     layers = max(int(n.split(".")[2]) for n in names if n.startswith("model.layers.")) + 1
     per_layer = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
-                 "mlp.down_proj.weight")
+                 "mlp.down_proj.weight", "mlp.gate_proj.weight")
     assert sorted(names) == sorted(["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"] + [
         f"model.layers.{i}.{n}" for i in range(layers) for n in per_layer])
+    # rank 1 of 2 (no collective at load): its row ranges of the embedding and LM head (rows 512-1023) and the
+    # norms mapped, its q/k/v, gate/up, o and down slices read
+    names.clear()
+    rank1 = TPInfo(1, 2, 0, torch.device("cpu"))
+    mapped = dict(loader.load_model(folder, rank1, torch.float32, cpu_linear="plain").module.named_parameters())
+    monkeypatch.delenv("TPENGINE_JOB_TOKENS")
+    monkeypatch.setenv("TPENGINE_MEASURE_BUDGET_S", "0")
+    read = dict(loader.load_model(folder, rank1, torch.float32, cpu_linear="plain").module.named_parameters())
+    assert sorted(read) == sorted(mapped) and all(torch.equal(read[k], mapped[k]) for k in read)
+    assert sorted(names) == sorted(["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"] + [
+        f"model.layers.{i}.{n}" for i in range(layers) for n in per_layer[:2]])

@@ -15,7 +15,7 @@ embeddings share storage.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -253,6 +253,39 @@ def _slice_of(plan: ShardPlan | None, name: str, info: TensorInfo, part, entry, 
     return spec, None if spec is None else plan.full_size(kind)
 
 
+def _whole(spec, info: TensorInfo) -> bool:
+    """Whether ``spec`` (:func:`_slice_of`'s) takes all of tensor ``info``."""
+    return spec is None or (spec[0] < len(info.shape) and spec[1] == 0 and spec[2] == info.shape[spec[0]])
+
+
+def _merged_runs(infos: dict[str, TensorInfo], filler: _Filler, spec_of) -> dict[str, tuple[TensorInfo, list[str]]]:
+    """For each merged parameter (q/k/v, gate/up) whose parts lie back to back in this file in its row
+    order, each whole for this rank (``spec_of(name)``) and in one dtype: its first part's name -> one
+    :class:`TensorInfo` spanning the parts, and the parts' names (for :meth:`_Filler.mapped` to map them
+    as one tensor; only where the load maps)."""
+    params: dict[tuple[int, str], list[tuple[int, str]]] = {}
+    for name, (t, part, _) in filler.wanted.items() if filler.maps else ():
+        if part is None and name in infos:
+            params.setdefault((id(t.module), t.attr), []).append((t.start, name))
+    runs = {}
+    for parts in params.values():
+        names = [n for _, n in sorted(parts)]
+        if len(names) < 2:
+            continue
+        first, rows = infos[names[0]], 0
+        for (start, name), nxt in zip(sorted(parts), names[1:] + [None]):
+            info = infos[name]
+            if (start != rows or info.dtype != first.dtype or info.shape[1:] != first.shape[1:] or not info.shape
+                    or not _whole(spec_of(name), info)
+                    or (nxt is not None and info.offset + info.nbytes != infos[nxt].offset)):
+                break
+            rows += info.shape[0]
+        else:
+            runs[names[0]] = (TensorInfo(names[0], first.dtype, (rows, *first.shape[1:]), first.offset,
+                                         sum(infos[n].nbytes for n in names)), names)
+    return runs
+
+
 def _read_file(path: Path, filler: _Filler, plan: ShardPlan | None, rank: int, done: set[str],
                unexpected: list[str], fused: dict | None = None, hf_config=None, keeps=None) -> None:
     """Read every tensor of checkpoint file ``path`` that this rank keeps into its place (a fused
@@ -264,9 +297,13 @@ def _read_file(path: Path, filler: _Filler, plan: ShardPlan | None, rank: int, d
         RuntimeError: a tensor that appears twice.
     """
     infos = renamed(expand_fused(read_header(path), fused or {}), hf_config)
+    runs = _merged_runs(infos, filler, lambda n: _slice_of(plan, n, infos[n], None, None, rank)[0])
+    in_run: set[str] = set()  # the later parts of a merged parameter mapped whole
     fd = os.open(path, os.O_RDONLY)
     try:
         for name, info in infos.items():
+            if name in in_run:
+                continue
             if filler.tie and (name == "lm_head.weight" or (part_of(name) or ("",))[0] == "lm_head.weight"):
                 continue
             if plan is not None and not holds(plan, (part_of(name) or (name,))[0], rank):
@@ -280,6 +317,12 @@ def _read_file(path: Path, filler: _Filler, plan: ShardPlan | None, rank: int, d
                 continue
             t, part, entry = filler.wanted[name]
             spec, full = _slice_of(plan, name, info, part, entry, rank)
+            if name in runs and filler.mapped(fd, replace(t, rows=runs[name][0].shape[0]), None, runs[name][0], None):
+                for n in runs[name][1]:
+                    done.add(n)
+                    filler.filled(t.module, n)
+                in_run.update(runs[name][1])
+                continue
             if not filler.mapped(fd, t, part, info, spec):
                 _fill(fd, info, filler.dest(t, part, entry, info, spec).narrow(0, t.start, t.rows), spec, full)
             done.add(name)
@@ -296,7 +339,8 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
     ``files``: each checkpoint tensor's byte range for this rank (its ShardPlan slice, or the
     whole tensor when ``plan`` is None: a rank file of a shard folder) is read straight into the
     parameter that keeps it (cast to ``dtype``), so no weight is ever held twice and no file
-    stays mapped. With ``pack`` (a bool, or a predicate on the layer) and ``prepack`` (the platform's
+    stays mapped (but for the weights a short job maps, ``maps``). With ``pack`` (a bool, or a
+    predicate on the layer) and ``prepack`` (the platform's
     layout, :meth:`tpengine.backends.platform.Platform.prepack`), each linear layer's weight
     is replaced by that layout as soon as all its parts are in (a tied LM head keeps the
     embedding's plain rows).
@@ -310,7 +354,8 @@ def load_weights(model: torch.nn.Module, files: list[Path], plan: ShardPlan | No
     ``hf_config``: the model's config, whose family may name checkpoint tensors otherwise
     (:func:`tpengine.model.families.checkpoint_name`: Mixtral's experts); ``keeps``: a predicate on a
     checkpoint name, False for a tensor this rank skips (another pipeline stage's); ``maps``: large whole
-    weights in the checkpoint's dtype are mapped instead of read (:meth:`_Filler.mapped`, on a platform whose
+    weights in the checkpoint's dtype are mapped instead of read (:meth:`_Filler.mapped`; a merged q/k/v or
+    gate/up weight whose parts lie back to back in the file as one, :func:`_merged_runs`), on a platform whose
     :meth:`~tpengine.backends.platform.Platform.maps_weights` says so: a short CPU job). Returns the bytes of
     weights held (quantized ones as stored: values, scales and zeros).
 
