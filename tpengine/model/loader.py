@@ -210,7 +210,8 @@ class _Filler:
         (``spec`` on dim 0, no padding rows; a dim-1 ``spec`` of every column is all of it), that takes
         no packed layout or quantization (those read it into a staging buffer)."""
         p = getattr(t.module, t.attr) if part is None else None
-        if (p is None or not self.maps or not p.is_meta or self.device.type != "cpu" or info.nbytes < MAP_MIN_BYTES
+        if (p is None or not self.maps or not p.is_meta or p.dim() == 0 or self.device.type != "cpu"
+                or info.nbytes < MAP_MIN_BYTES
                 or not info.dtype == p.dtype == self.dtype or t.start != 0 or t.rows != p.shape[0]
                 or (t.attr == "weight" and (self.packs(t.module) or self.scheme(t.module)))):
             return False
@@ -218,7 +219,11 @@ class _Filler:
         start, end = (0, info.shape[0]) if whole else (spec[1], spec[2])
         if (not whole and spec[0] != 0) or end > info.shape[0] or (end - start, *info.shape[1:]) != tuple(p.shape):
             return False  # a column slice, padding rows or a shape mismatch: read (and checked) by _fill
-        setattr(t.module, t.attr, torch.nn.Parameter(map_rows(fd, info, end - start, start), requires_grad=False))
+        try:
+            pages = map_rows(fd, info, end - start, start)
+        except OSError:  # a file system that cannot map (some FUSE mounts): read it
+            return False
+        setattr(t.module, t.attr, torch.nn.Parameter(pages, requires_grad=False))
         return True
 
     def filled(self, m: torch.nn.Module, name: str) -> None:
