@@ -3,7 +3,7 @@
     python -m benchmarks.bench_kv_kernel                         (4096 keys, SmolLM2's and TinyLlama-1.1B's shapes)
     python -m benchmarks.bench_kv_kernel --base HEAD~3           (also the int8 kernel of that git revision)
 
-One call = one layer of a batch-1 decode step (one row, no RoPE, nothing stored), ``--context`` keys, 1 thread,
+One call = one layer of a batch-1 decode step (one row, no RoPE, nothing stored), ``--context`` keys, ``--threads`` (1),
 straight through ctypes (no Python checks): ``tpe_paged_decode_bf16`` over a bfloat16 cache (its AVX-512 path, not
 AMX), ``tpe_paged_decode_i8_bf16`` over an int8 one. ``--layers`` separate caches are called in turn so that the rows
 stream from memory as in a step (30 layers of SmolLM2's 3 KV heads of 64 at 4096 keys: 94 MB bfloat16, 50 MB
@@ -54,7 +54,7 @@ def build_base(rev: str, folder: Path) -> ctypes.CDLL:
 
 
 def run(context: int, layers: int, rounds: int, calls: int, shapes: list[str], base: str | None,
-        clock=time.perf_counter) -> dict:
+        clock=time.perf_counter, threads: int = 1) -> dict:
     """The timings (module docstring): ``{shape: {candidate: {"us_best", "us_median", "gbs_best"}, "int8 speed":
     bfloat16's best / int8's best, ...}}``. Raises RuntimeError without the C kernels."""
     from tpengine.backends import kv_quant
@@ -62,7 +62,6 @@ def run(context: int, layers: int, rounds: int, calls: int, shapes: list[str], b
 
     if cpu_library.missing("tpe_paged_decode_bf16", "tpe_paged_decode_i8_bf16") is not None:
         raise RuntimeError(str(cpu_library.missing("tpe_paged_decode_bf16", "tpe_paged_decode_i8_bf16")))
-    torch.set_num_threads(1)
     tmp = tempfile.TemporaryDirectory()
     base_lib = build_base(base, Path(tmp.name)) if base else None
     result = {}
@@ -93,9 +92,9 @@ def run(context: int, layers: int, rounds: int, calls: int, shapes: list[str], b
             def call(kc, vc, scales):
                 if int8:
                     bad = fn(*head, kc.data_ptr(), vc.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr(), *tail,
-                             1, 0, 0.0)
+                             threads, 0, 0.0)
                 else:
-                    bad = fn(*head, kc.data_ptr(), vc.data_ptr(), *tail, 0, 1, 0, 0.0)
+                    bad = fn(*head, kc.data_ptr(), vc.data_ptr(), *tail, 0, threads, 0, 0.0)
                 assert bad == -1
             return call
 
@@ -133,6 +132,7 @@ def main(context: Annotated[int, typer.Option(help="keys per call")] = 4096,
          calls: Annotated[int, typer.Option(help="calls per timing")] = 60,
          shape: Annotated[list[str], typer.Option(help=f"one of {', '.join(SHAPES)} (repeatable)")] = None,
          base: Annotated[str | None, typer.Option(help="git revision whose int8 kernel is timed beside")] = None,
+         threads: Annotated[int, typer.Option(help="OpenMP threads per call")] = 1,
          cpu_time: Annotated[bool, typer.Option(help="time.process_time (CPU time, which a loaded machine's time-"
                                                      "slicing does not inflate) instead of wall time")] = False):
     """Time the paged decode kernels (module docstring) and print the result as JSON with the load average."""
@@ -140,7 +140,8 @@ def main(context: Annotated[int, typer.Option(help="keys per call")] = 4096,
     for s in shapes:
         if s not in SHAPES:
             raise typer.BadParameter(f"invalid shape {s!r}: must be one of {', '.join(SHAPES)}")
-    res = run(context, layers, rounds, calls, shapes, base, time.process_time if cpu_time else time.perf_counter)
+    res = run(context, layers, rounds, calls, shapes, base, time.process_time if cpu_time else time.perf_counter,
+              threads)
     res["clock"] = "process_time" if cpu_time else "perf_counter"
     import os
     res["load_average"] = [round(x, 2) for x in os.getloadavg()]

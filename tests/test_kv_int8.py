@@ -130,26 +130,37 @@ def test_paged_decode_over_int8_equals_the_reference_on_the_dequantized_cache(d,
 
 
 @needs_kernels
-def test_int8_pv_sums_stay_exact_past_the_int32_windows():
+def test_int8_pv_sums_stay_exact_past_the_int32_windows_and_split_spans_merge():
     """P.V's int32 sums are flushed to float32 every 512 keys: over 1300 keys of equal weight (zero queries) on
     value rows of codes 127 (each key adds 32767 x 127: an int32 sum would overflow after 516 keys) the output is
-    the value row; random rows of the same length equal :func:`int8_reference` (float32 within 1e-5)."""
-    n, q_to_kv = 1300, [0, 0, 0]
-    for const in (True, False):
-        qkv, cos, sin, kc, vc, scales, bt, slots, lens, qmap = int8_case(64, 16, q_to_kv, torch.float32, [n], seed=5)
-        if const:
-            qkv[:, :3], qkv[:, 4:] = 0.0, 1.27
-            vc.fill_(127), scales[1].fill_(0.01)
-        q0 = qkv[:, :3].clone()
-        run = cpu_paged.bind(kc, vc, qmap, 0.125, 0, 0, 0.0, scales, torch.float32)
-        out = run(qkv.flatten(1), cpu_paged.Rope((cos, sin), torch.float32), cpu_paged.paged_index(slots, bt, lens))
-        out = out.view(1, 3, 64)
-        if const:
-            torch.testing.assert_close(out, torch.full((1, 3, 64), 1.27), atol=1e-6, rtol=1e-6)
-        else:
-            q0 = rope(q0, cos, sin)
-            want = int8_reference(q0, kc, vc, scales, bt, lens, qmap, 0.125, None, None)
-            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    the value row; random rows of the same length equal :func:`int8_reference` at 1 thread (float32 within 1e-5).
+    At 2 threads the one work item (one KV head) is split into two spans of 650 keys whose softmax partials are
+    merged: the same within the weights' 15-bit rounding (each span rounds to its own largest weight), and not
+    bit-equal (the split ran)."""
+    n, q_to_kv, before = 1300, [0, 0, 0], torch.get_num_threads()
+    try:
+        for const in (True, False):
+            qkv, cos, sin, kc, vc, scales, bt, slots, lens, qmap = int8_case(64, 16, q_to_kv, torch.float32, [n], 5)
+            if const:
+                qkv[:, :3], qkv[:, 4:] = 0.0, 1.27
+                vc.fill_(127), scales[1].fill_(0.01)
+            q0, outs = rope(qkv[:, :3], cos, sin), []
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                run = cpu_paged.bind(kc, vc, qmap, 0.125, 0, 0, 0.0, scales, torch.float32)
+                x = qkv.clone().flatten(1)
+                idx = cpu_paged.paged_index(torch.full((1,), -1), bt, lens)  # nothing stored: both runs alike
+                outs.append(run(x, cpu_paged.Rope((cos, sin), torch.float32), idx).view(1, 3, 64))
+            if const:
+                for out in outs:
+                    torch.testing.assert_close(out, torch.full((1, 3, 64), 1.27), atol=1e-6, rtol=1e-6)
+            else:
+                want = int8_reference(q0, kc, vc, scales, bt, lens, qmap, 0.125, None, None)
+                torch.testing.assert_close(outs[0], want, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(outs[1], want, atol=3e-4, rtol=0)
+                assert not torch.equal(outs[0], outs[1])
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_kernels

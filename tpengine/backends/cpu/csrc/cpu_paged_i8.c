@@ -32,7 +32,10 @@
  * bad b (a slot), B + b (a length), 2B + b (a block id) or 3B (q_to_kv) -- cpu_paged.c's codes. One work item per
  * (sequence, KV head), dynamic schedule; each key and value row is read from memory once per step for all the
  * KV head's query heads, the rows AHEAD keys on prefetched while the current 16 are scored, the scales SAHEAD
- * blocks on while the block table is walked. */
+ * blocks on while the block table is walked. Where the items would leave threads idle (fewer than 2 x threads and
+ * not a multiple of them, e.g. 3 KV heads on 2 threads at batch 1) each is split into spans of >= SPLIT_MIN keys
+ * whose softmax partials (max, sum, P.V sums) are merged after, as flash-decoding's split-K does: each span rounds
+ * its weights to its own largest, so such a call's result depends on the thread count within that rounding. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -50,6 +53,7 @@
  * the P.V pass (an item's rows: 2 x L x d bytes, 512 KiB at L = 4096, d = 64). */
 #define AHEAD 48
 #define SAHEAD 4 /* blocks whose scales are prefetched ahead of the walk that reads them */
+#define SPLIT_MIN 512 /* the fewest keys of a span when a call splits its work items */
 
 static int64_t check_i8(const int64_t *slots, const int64_t *block_tables, int64_t max_blocks, const int64_t *lens,
                         int64_t B, int64_t num_blocks, int64_t bs, const int64_t *q_to_kv, int64_t hq, int64_t hkv,
@@ -325,41 +329,33 @@ static inline __attribute__((always_inline)) void pv_span(const int16_t *wq, int
         }
 }
 
-/* out_j = f[j] x sum_t wq_j[t] codes_v[t] for the g heads (f: each head's factor max w / 32767 / sum p), PV_NJ (or
- * fewer, as the head size's registers allow) heads at a time; stored to the heads' output rows. */
-#define PV_I8(T, ST)                                                                                              \
-    static inline __attribute__((always_inline)) void pv_i8_##T(const int16_t *wq, const float *f, int64_t lp,     \
-                                                                int64_t g, const int64_t *heads,                  \
-                                                                const int8_t *v_cache, const int64_t *vrow,       \
-                                                                int64_t L, int64_t d, const int64_t N32, T *out) { \
-        const int64_t NM = pv_nvec(N32), njmax = 16 / NM < 1 ? 1 : 16 / NM > PV_NJ ? PV_NJ : 16 / NM;              \
-        for (int64_t j0 = 0; j0 < g; j0 += njmax) {                                                               \
-            const int64_t nj = g - j0 < njmax ? g - j0 : njmax;                                                   \
-            float facc[PV_NJ][MAX_D];                                                                             \
-            memset(facc, 0, sizeof(facc));                                                                        \
-            for (int64_t u0 = 0; u0 < L; u0 += FLUSH) {                                                           \
-                const int64_t u1 = u0 + FLUSH < L ? u0 + FLUSH : (L + 1) / 2 * 2;                                 \
-                switch (nj) { /* the heads as a constant: the sums stay in registers */                           \
-                case 1: pv_span(wq, lp, j0, 1, v_cache, vrow, L, u0, u1, d, N32, facc); break;                     \
-                case 2: pv_span(wq, lp, j0, 2, v_cache, vrow, L, u0, u1, d, N32, facc); break;                     \
-                case 3: pv_span(wq, lp, j0, 3, v_cache, vrow, L, u0, u1, d, N32, facc); break;                     \
-                default: pv_span(wq, lp, j0, 4, v_cache, vrow, L, u0, u1, d, N32, facc); break;                    \
-                }                                                                                                 \
-            }                                                                                                     \
-            for (int64_t jj = 0; jj < nj; jj++) {                                                                 \
-                float row[MAX_D];                                                                                 \
-                for (int64_t m = 0; m < NM; m++)                                                                  \
-                    for (int64_t l = 0; l < PV_LANES; l++) {                                                      \
-                        const int64_t e = pv_elem(m, l);                                                          \
-                        if (e < d) row[e] = facc[jj][m * PV_LANES + l];                                           \
-                    }                                                                                             \
-                const vf fj = vf_set1(f[j0 + jj]);                                                                \
-                for (int64_t i = 0; i < d; i += 16) ST(out + heads[j0 + jj] * d + i, vf_mul(vf_ldf(row + i), fj));\
-            }                                                                                                     \
-        }                                                                                                         \
+/* res[j][0 .. d) = sum_t wq_j[t] codes_v[t] (float32 over the int32 windows) for the g heads, up to PV_NJ heads at a
+ * time (fewer where the head size's sums fill the registers). */
+static inline __attribute__((always_inline)) void pv_i8(const int16_t *wq, int64_t lp, int64_t g, const int8_t *v_cache,
+                                                        const int64_t *vrow, int64_t L, int64_t d, const int64_t N32,
+                                                        float (*res)[MAX_D]) {
+    const int64_t NM = pv_nvec(N32), njmax = 16 / NM < 1 ? 1 : 16 / NM > PV_NJ ? PV_NJ : 16 / NM;
+    for (int64_t j0 = 0; j0 < g; j0 += njmax) {
+        const int64_t nj = g - j0 < njmax ? g - j0 : njmax;
+        float facc[PV_NJ][MAX_D];
+        memset(facc, 0, sizeof(facc));
+        for (int64_t u0 = 0; u0 < L; u0 += FLUSH) {
+            const int64_t u1 = u0 + FLUSH < L ? u0 + FLUSH : (L + 1) / 2 * 2;
+            switch (nj) { /* the heads as a constant: the sums stay in registers */
+            case 1: pv_span(wq, lp, j0, 1, v_cache, vrow, L, u0, u1, d, N32, facc); break;
+            case 2: pv_span(wq, lp, j0, 2, v_cache, vrow, L, u0, u1, d, N32, facc); break;
+            case 3: pv_span(wq, lp, j0, 3, v_cache, vrow, L, u0, u1, d, N32, facc); break;
+            default: pv_span(wq, lp, j0, 4, v_cache, vrow, L, u0, u1, d, N32, facc); break;
+            }
+        }
+        for (int64_t jj = 0; jj < nj; jj++)
+            for (int64_t m = 0; m < NM; m++)
+                for (int64_t l = 0; l < PV_LANES; l++) {
+                    const int64_t e = pv_elem(m, l);
+                    if (e < d) res[j0 + jj][e] = facc[jj][m * PV_LANES + l];
+                }
     }
-PV_I8(float, vf_stf)
-PV_I8(uint16_t, vf_stb)
+}
 
 /* 16 float32 weights (in [0, 32767]) -> 16 int16, rounded to nearest even (the MXCSR default). */
 static inline void vf_sti16(int16_t *p, vf x) {
@@ -371,9 +367,12 @@ static inline void vf_sti16(int16_t *p, vf x) {
 #endif
 }
 
-/* Softmax of head j's L scores sj (padding to lp: weight 0), then its P.V weights wq [lp] (above); returns the
- * head's output factor max w / 32767 / sum p (0 if every weight is 0). */
-static inline float softmax_i8(float *sj, int64_t L, int64_t lp, float softcap, const float *vs, int16_t *wq) {
+/* A span's softmax statistics per head: the largest score, sum exp(s - mx), max w / 32767 (the weights' step). */
+typedef struct { float mx, sum, step; } span_stat;
+
+/* Softmax of head j's L scores sj (padding to lp: weight 0), then its P.V weights wq [lp] (above); returns its
+ * statistics (the output = step / sum x the P.V sums; step 0 if every weight is 0). */
+static inline span_stat softmax_i8(float *sj, int64_t L, int64_t lp, float softcap, const float *vs, int16_t *wq) {
     float mx;
     if (softcap > 0)
         mx = cap_scores(sj, L, softcap);
@@ -395,7 +394,8 @@ static inline float softmax_i8(float *sj, int64_t L, int64_t lp, float softcap, 
     const float wm = vf_hmax(wmax);
     const vf inv = vf_set1(wm > 0.f ? 32767.f / wm : 0.f);
     for (int64_t t = 0; t < lp; t += 16) vf_sti16(wq + t, vf_mul(vf_ldf(sj + t), inv));
-    return wm / 32767.f / vf_sum(sum);
+    const span_stat st = {mx, vf_sum(sum), wm / 32767.f};
+    return st;
 }
 
 /* Prefetch the n scales of a block (block id blk) of both scale arrays: a sequence's blocks sit anywhere in the
@@ -406,8 +406,86 @@ static inline void scale_lines(const float *k_scale, const float *v_scale, int64
     __builtin_prefetch(k + n - 1, 0, 1), __builtin_prefetch(v + n - 1, 0, 1);
 }
 
-/* quant_q: one query head -> its int8 codes (quant_q_f32 / quant_q_bf16); pv_i8_T: the P.V pass of the dtype. */
-#define PAGED_DECODE_I8(NAME, T, quant_q, PRO)                                                                          \
+/* A thread's buffers for its spans, grown as needed: scores (g x lp), the scales (values', then keys'; 2 x cap),
+ * the row indices (cap), then the weights (g x lp int16, in the rows' second half). */
+typedef struct { float *sc, *vs; int64_t *rows, cap; } span_buf;
+
+static int span_grow(span_buf *w, int64_t n) {
+    if (n <= w->cap) return 1;
+    free(w->sc), free(w->vs), free(w->rows);
+    w->cap = n + 256;
+    w->sc = (float *)malloc((size_t)w->cap * sizeof(float));
+    w->vs = (float *)malloc((size_t)w->cap * 2 * sizeof(float));
+    w->rows = (int64_t *)malloc((size_t)w->cap * 2 * sizeof(int64_t));
+    if (w->sc && w->vs && w->rows) return 1;
+    free(w->sc), free(w->vs), free(w->rows);
+    w->sc = w->vs = NULL, w->rows = NULL, w->cap = 0;
+    return 0;
+}
+
+/* Key positions p0 .. p1 - 1 of one sequence (its block table row bt) for KV head kv and its g query heads (their
+ * codes q4, sums qsum, scales qs): res[j] = the P.V sums, st[j] = the softmax statistics. Returns 0 if a buffer
+ * could not be allocated (res, st untouched). */
+static int span_i8(int32_t (*q4)[MAX_D / 4], const int32_t *qsum, const float *qs, int64_t g, const int64_t *bt,
+                   int64_t p0, int64_t p1, int64_t bs, int64_t hkv, int64_t kv, const int8_t *k_cache,
+                   const int8_t *v_cache, const float *k_scale, const float *v_scale, int64_t d, float softcap,
+                   span_buf *w, float (*res)[MAX_D], span_stat *st) {
+    const int64_t L = p1 - p0, lp = (L + 15) / 16 * 16;
+    if (!span_grow(w, g * lp + 16)) return 0;
+    float *sc = w->sc, *vs = w->vs;
+    int64_t *rows = w->rows, cap = w->cap;
+    bt += p0 / bs;
+    const int64_t nblk = (p1 - 1) / bs - p0 / bs + 1;
+    for (int64_t kb = 0; kb < SAHEAD && kb < nblk; kb++) scale_lines(k_scale, v_scale, bt[kb], bs * hkv);
+    for (int64_t t = 0, kb = 0, ko = p0 % bs; t < L; t++) { /* the rows and their scales, walked once */
+        rows[t] = (bt[kb] * bs + ko) * hkv + kv;
+        vs[t] = v_scale[rows[t]], vs[cap + t] = k_scale[rows[t]];
+        if (++ko == bs) {
+            ko = 0, kb++;
+            if (kb + SAHEAD < nblk) scale_lines(k_scale, v_scale, bt[kb + SAHEAD], bs * hkv);
+        }
+    }
+    for (int64_t t = L; t < lp; t++) vs[t] = vs[cap + t] = 0.f;
+    switch (d) { /* the head size as a constant */
+    case 64: scores_i8(q4, qsum, qs, g, 2, k_cache, v_cache, vs + cap, rows, L, lp, d, sc); break;
+    case 128: scores_i8(q4, qsum, qs, g, 4, k_cache, v_cache, vs + cap, rows, L, lp, d, sc); break;
+    default: scores_i8(q4, qsum, qs, g, d / 32, k_cache, v_cache, vs + cap, rows, L, lp, d, sc); break;
+    }
+    int16_t *wq = (int16_t *)(rows + cap);
+    for (int64_t j = 0; j < g; j++) st[j] = softmax_i8(sc + j * lp, L, lp, softcap, vs, wq + j * lp);
+    switch (d) {
+    case 64: pv_i8(wq, lp, g, v_cache, rows, L, d, 2, res); break;
+    case 128: pv_i8(wq, lp, g, v_cache, rows, L, d, 4, res); break;
+    default: pv_i8(wq, lp, g, v_cache, rows, L, d, d / 32, res); break;
+    }
+    return 1;
+}
+
+/* Spans of one sequence of L keys when the call splits its work items ns ways: each at least SPLIT_MIN keys. */
+static inline int64_t nsplit(int64_t ns, int64_t L) {
+    const int64_t n = L / SPLIT_MIN;
+    return n < 1 ? 1 : n < ns ? n : ns;
+}
+
+/* One head's output row from its nsb spans' partials (pp: per span mx, sum, step, -, then the d P.V sums; span s
+ * at pp + s * (d + 4)): sum_s sums_s x step_s x exp(mx_s - M) / sum_s sum_s x exp(mx_s - M), M = max mx_s. */
+static inline void merge_spans(const float *pp, int64_t nsb, int64_t d, float *row) {
+    float M = -INFINITY, den = 0.f;
+    for (int64_t s = 0; s < nsb; s++) M = fmaxf(M, pp[s * (d + 4)]);
+    for (int64_t e = 0; e < d; e++) row[e] = 0.f;
+    for (int64_t s = 0; s < nsb; s++) {
+        const float *q = pp + s * (d + 4), a = expf(q[0] - M), c = q[2] * a;
+        den += q[1] * a;
+        for (int64_t e = 0; e < d; e++) row[e] += q[4 + e] * c;
+    }
+    const float inv = 1.f / den;
+    for (int64_t e = 0; e < d; e++) row[e] *= inv;
+}
+
+/* quant_q: one query head -> its int8 codes (quant_q_f32 / quant_q_bf16). Work items: (sequence, KV head), each
+ * split into nsplit spans when the items alone would leave threads idle (fewer items than 2 x threads and not a
+ * multiple of them: SmolLM2's 3 KV heads on 2 threads), the spans' partials merged after (merge_spans). */
+#define PAGED_DECODE_I8(NAME, T, quant_q, PRO, ST)                                                                      \
     int64_t NAME(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v, int64_t v_stride, const T *cos_t,      \
                  const T *sin_t, const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,              \
                  const int64_t *lens, int8_t *k_cache, int8_t *v_cache, float *k_scale, float *v_scale,              \
@@ -418,67 +496,65 @@ static inline void scale_lines(const float *k_scale, const float *v_scale, int64
         if (bad >= 0) return bad;                                                                                    \
         PRO(q, q_stride, k, k_stride, v, v_stride, cos_t, sin_t, slots, k_cache, v_cache, k_scale, v_scale, hq,     \
             hkv, d, B);                                                                                              \
-        int64_t work = 0;                                                                                            \
+        int64_t work = 0, items = B * hkv, ns = 1;                                                                   \
         for (int64_t b = 0; b < B; b++) work += lens[b] - win_lo(lens[b], window);                                   \
-        const int64_t nv = d / 16;                                                                                   \
-        _Pragma("omp parallel num_threads(nthreads) if (work * hq * d >= 32768)") {                                \
-            float *sc = NULL, *vs = NULL;                                                                            \
-            int64_t *rows = NULL, cap = 0;                                                                           \
+        const int par = work * hq * d >= 32768;                                                                      \
+        if (par && nthreads > 1 && items % nthreads && items < 2 * nthreads) ns = (2 * nthreads + items - 1) / items;\
+        float *part = ns > 1 ? (float *)malloc((size_t)(B * hq * ns * (d + 4)) * sizeof(float)) : NULL;              \
+        if (!part) ns = 1;                                                                                           \
+        _Pragma("omp parallel num_threads(nthreads) if (par)") {                                                     \
+            span_buf w = {NULL, NULL, NULL, 0};                                                                      \
             _Pragma("omp for schedule(dynamic, 1)")                                                                  \
-            for (int64_t it = 0; it < B * hkv; it++) {                                                               \
-                const int64_t b = it / hkv, kv = it % hkv, lo = win_lo(lens[b], window), L = lens[b] - lo;           \
-                const int64_t lp = (L + 15) / 16 * 16;                                                               \
+            for (int64_t it = 0; it < items * ns; it++) {                                                            \
+                const int64_t b = it / (hkv * ns), kv = it / ns % hkv, sp = it % ns, lo = win_lo(lens[b], window);   \
+                const int64_t L = lens[b] - lo, nsb = nsplit(ns, L);                                                 \
                 int64_t heads[MAX_G], g = 0;                                                                         \
                 for (int64_t h = 0; h < hq && g < MAX_G; h++)                                                        \
                     if (q_to_kv[h] == kv) heads[g++] = h;                                                            \
-                if (g == 0) continue;                                                                                \
+                if (g == 0 || sp >= nsb) continue;                                                                   \
                 T *ob = out + b * hq * d;                                                                            \
-                if (L == 0) {                                                                                        \
-                    for (int64_t j = 0; j < g; j++) memset(ob + heads[j] * d, 0, (size_t)d * sizeof(T));             \
-                    continue;                                                                                        \
-                }                                                                                                    \
-                if (g * lp + 16 > cap) {                                                                             \
-                    cap = g * lp + 16 + 256;                                                                         \
-                    free(sc), free(vs), free(rows);                                                                  \
-                    sc = (float *)malloc((size_t)cap * sizeof(float));                                               \
-                    vs = (float *)malloc((size_t)cap * 2 * sizeof(float));                                           \
-                    rows = (int64_t *)malloc((size_t)cap * 2 * sizeof(int64_t));                                     \
-                }                                                                                                    \
-                const int64_t *bt = block_tables + b * max_blocks + lo / bs, nblk = (lo % bs + L + bs - 1) / bs;     \
-                for (int64_t kb = 0; kb < SAHEAD && kb < nblk; kb++) scale_lines(k_scale, v_scale, bt[kb], bs * hkv);\
-                /* the rows and their scales (vs: the values', vs + cap: the keys'), walked once: no division */    \
-                for (int64_t t = 0, kb = 0, ko = lo % bs; t < L; t++) {                                              \
-                    rows[t] = (bt[kb] * bs + ko) * hkv + kv;                                                         \
-                    vs[t] = v_scale[rows[t]], vs[cap + t] = k_scale[rows[t]];                                        \
-                    if (++ko == bs) {                                                                                \
-                        ko = 0, kb++;                                                                                \
-                        if (kb + SAHEAD < nblk) scale_lines(k_scale, v_scale, bt[kb + SAHEAD], bs * hkv);            \
-                    }                                                                                                \
-                }                                                                                                    \
-                for (int64_t t = L; t < lp; t++) vs[t] = vs[cap + t] = 0.f;                                          \
+                const int64_t chunk = ((L + nsb - 1) / nsb + 15) / 16 * 16;                                          \
+                const int64_t p0 = lo + (sp * chunk < L ? sp * chunk : L), p1 = lo + ((sp + 1) * chunk < L ? (sp + 1) * chunk : L); \
+                float res[MAX_G][MAX_D];                                                                             \
+                span_stat st[MAX_G];                                                                                 \
                 int32_t q4[MAX_G][MAX_D / 4], qsum[MAX_G];                                                           \
                 float qs[MAX_G];                                                                                     \
                 for (int64_t j = 0; j < g; j++)                                                                      \
                     quant_q(q + b * q_stride + heads[j] * d, d, scale, q4[j], qsum + j, qs + j);                     \
-                switch (nv) { /* the head size as a constant */                                                      \
-                case 4: scores_i8(q4, qsum, qs, g, 2, k_cache, v_cache, vs + cap, rows, L, lp, d, sc); break;         \
-                case 8: scores_i8(q4, qsum, qs, g, 4, k_cache, v_cache, vs + cap, rows, L, lp, d, sc); break;         \
-                default: scores_i8(q4, qsum, qs, g, d / 32, k_cache, v_cache, vs + cap, rows, L, lp, d, sc); break;   \
-                }                                                                                                    \
-                int16_t *wq = (int16_t *)rows + cap * 4; /* the rows' second half: g x lp int16 */                  \
-                float f[MAX_G];                                                                                      \
-                for (int64_t j = 0; j < g; j++) f[j] = softmax_i8(sc + j * lp, L, lp, softcap, vs, wq + j * lp);    \
-                switch (nv) {                                                                                        \
-                case 4: pv_i8_##T(wq, f, lp, g, heads, v_cache, rows, L, d, 2, ob); break;                           \
-                case 8: pv_i8_##T(wq, f, lp, g, heads, v_cache, rows, L, d, 4, ob); break;                           \
-                default: pv_i8_##T(wq, f, lp, g, heads, v_cache, rows, L, d, d / 32, ob); break;                     \
+                if (p0 >= p1 || !span_i8(q4, qsum, qs, g, block_tables + b * max_blocks, p0, p1, bs, hkv, kv,        \
+                                         k_cache, v_cache, k_scale, v_scale, d, softcap, &w, res, st))               \
+                    for (int64_t j = 0; j < g; j++) { /* no keys (a padding row): zeros */                           \
+                        const span_stat none = {-INFINITY, 0.f, 0.f};                                                \
+                        st[j] = none;                                                                                \
+                        memset(res[j], 0, sizeof(res[j]));                                                          \
+                    }                                                                                                \
+                for (int64_t j = 0; j < g; j++) {                                                                    \
+                    if (nsb > 1) {                                                                                   \
+                        float *pp = part + ((b * hq + heads[j]) * ns + sp) * (d + 4);                                \
+                        pp[0] = st[j].mx, pp[1] = st[j].sum, pp[2] = st[j].step;                                     \
+                        memcpy(pp + 4, res[j], (size_t)d * sizeof(float));                                           \
+                        continue;                                                                                    \
+                    }                                                                                                \
+                    const vf fj = vf_set1(st[j].sum > 0.f ? st[j].step / st[j].sum : 0.f);                           \
+                    for (int64_t i = 0; i < d; i += 16) ST(ob + heads[j] * d + i, vf_mul(vf_ldf(res[j] + i), fj));   \
                 }                                                                                                    \
             }                                                                                                        \
-            free(sc), free(vs), free(rows);                                                                          \
+            free(w.sc), free(w.vs), free(w.rows);                                                                    \
+            if (ns > 1) {                                                                                            \
+                _Pragma("omp for schedule(static)")                                                                  \
+                for (int64_t bh = 0; bh < B * hq; bh++) {                                                            \
+                    const int64_t b = bh / hq, nsb = nsplit(ns, lens[b] - win_lo(lens[b], window));                  \
+                    float row[MAX_D];                                                                                \
+                    if (nsb == 1) continue;                                                                          \
+                    merge_spans(part + bh * ns * (d + 4), nsb, d, row);                                              \
+                    for (int64_t i = 0; i < d; i += 16) ST(out + bh * d + i, vf_ldf(row + i));                       \
+                }                                                                                                    \
+            }                                                                                                        \
         }                                                                                                            \
+        free(part);                                                                                                  \
         return -1;                                                                                                   \
     }
 
-PAGED_DECODE_I8(tpe_paged_decode_i8_f32, float, quant_q_f32, prologue_i8_f32)
-PAGED_DECODE_I8(tpe_paged_decode_i8_bf16, uint16_t, quant_q_bf16, prologue_i8_bf16)
+PAGED_DECODE_I8(tpe_paged_decode_i8_f32, float, quant_q_f32, prologue_i8_f32, vf_stf)
+PAGED_DECODE_I8(tpe_paged_decode_i8_bf16, uint16_t, quant_q_bf16, prologue_i8_bf16, vf_stb)
 #endif /* neither path: left out of the build; the callers keep torch (cpu_library.has) */
