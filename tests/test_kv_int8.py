@@ -65,21 +65,24 @@ def int8_reference(q, k_cache, v_cache, kv_scales, block_tables, lens, q_to_kv, 
     output the exact integer sums of ``wq x`` the value codes times ``max w / 32767 / sum exp``. Returns
     ``[B, Hq, D]`` float32 (a zero-length row: zeros)."""
     codes, q_scale = kv_quant.quantize(q)
-    bs, out = k_cache.shape[1], torch.zeros(q.shape)
+    bs, out, sc = k_cache.shape[1], torch.zeros(q.shape), torch.tensor(scale, dtype=torch.float32)
     for b, n in enumerate(lens.tolist()):
         if n == 0:
             continue
         lo = max(n - window, 0) if window else 0
         pos = torch.arange(lo, n)
         blk, off = block_tables[b, pos // bs], pos % bs
-        for h, kv in enumerate(q_to_kv.tolist()):
-            dots = (k_cache[blk, off, kv].long() @ codes[b, h].long()).float()  # exact: |dot| < 2^24
-            s = (dots * (kv_scales[0][blk, off, kv] * (q_scale[b, h] * torch.tensor(scale, dtype=torch.float32))))
-            s = s if cap is None else torch.tanh(s / cap) * cap
-            e = torch.exp(s - s.max())
-            w = e * kv_scales[1][blk, off, kv]
-            wq = torch.round(w * (torch.tensor(32767.0) / w.max())).long()
-            out[b, h] = ((v_cache[blk, off, kv].long().T @ wq).double() * (float(w.max()) / 32767 / float(e.sum())))
+        kq, vq = k_cache[blk, off][:, q_to_kv].long(), v_cache[blk, off][:, q_to_kv].long()  # [n, Hq, D] per head
+        ks, vs = kv_scales[0][blk, off][:, q_to_kv].T, kv_scales[1][blk, off][:, q_to_kv].T  # [Hq, n]
+        dots = torch.einsum("nhd,hd->hn", kq, codes[b].long()).float()  # exact: |dot| < 2^24
+        s = dots * (ks * (q_scale[b][:, None] * sc))
+        s = s if cap is None else torch.tanh(s / cap) * cap
+        e = torch.exp(s - s.amax(1, keepdim=True))
+        w = e * vs
+        wmax = w.amax(1, keepdim=True)
+        wq = torch.round(w * (torch.tensor(32767.0) / wmax)).long()
+        f = wmax.double() / 32767 / e.sum(1, keepdim=True).double()
+        out[b] = (torch.einsum("hn,nhd->hd", wq, vq).double() * f).float()
     return out
 
 
