@@ -180,16 +180,15 @@ def test_map_rows_is_the_files_bytes_and_copy_on_write(tmp_path: Path) -> None:
         os.close(fd)
 
 
-def test_a_short_job_maps_its_whole_weights(tmp_path: Path, monkeypatch) -> None:
+def test_a_short_job_maps_its_whole_weights(tiny: Path, monkeypatch) -> None:
     """A short job's load (TPENGINE_JOB_TOKENS=1) maps every parameter that is one whole checkpoint tensor
     in its dtype (here all sizes: MAP_MIN_BYTES 0), and the merged gate/up one as one mapping (gate_proj
     and up_proj lie back to back in the file); it reads q/k/v (k, o, q, v in the file); every parameter
     equals a reading load's."""
     import tpengine.model.loader as loader
-    from tests.conftest import make_tiny_model
     from tpengine.distributed import TPInfo
 
-    folder = make_tiny_model(tmp_path, tie_word_embeddings=False, vocab_size=1024)  # 512 rows a rank at tp=2
+    folder = tiny  # the session's tiny-llama: untied, vocabulary 49152 (24576 rows a rank at tp=2)
     tp = TPInfo(0, 1, 0, torch.device("cpu"))
     monkeypatch.setenv("TPENGINE_MEASURE_BUDGET_S", "0")
     read = dict(loader.load_model(folder, tp, torch.float32, cpu_linear="plain").module.named_parameters())
@@ -206,7 +205,7 @@ def test_a_short_job_maps_its_whole_weights(tmp_path: Path, monkeypatch) -> None
                  "mlp.down_proj.weight", "mlp.gate_proj.weight")
     assert sorted(names) == sorted(["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"] + [
         f"model.layers.{i}.{n}" for i in range(layers) for n in per_layer])
-    # rank 1 of 2 (no collective at load): its row ranges of the embedding and LM head (rows 512-1023) and the
+    # rank 1 of 2 (no collective at load): its row ranges of the embedding and LM head (rows 24576-49151) and the
     # norms mapped, its q/k/v, gate/up, o and down slices read
     names.clear()
     rank1 = TPInfo(1, 2, 0, torch.device("cpu"))
