@@ -31,7 +31,7 @@ DTYPE_CODES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 CODE_OF: dict[torch.dtype, str] = {v: k for k, v in DTYPE_CODES.items()}
-CHUNK_BYTES = 64 << 20  # staging buffer for reads that convert dtype or cut columns
+CHUNK_BYTES = 64 << 20  # staging buffer for reads that convert dtype
 MAX_HEADER = 100 << 20
 #: The smallest tensor worth a mapping of its own (:func:`map_rows`; a smaller one is read).
 MAP_MIN_BYTES = 1 << 20
