@@ -56,6 +56,16 @@ def environment(cli: bool = False, **extra: str) -> dict[str, str]:
     return {**os.environ, **(CLI_EXTRA if cli else ENV_EXTRA), **extra}
 
 
+#: The environment a launch adds where its test checks what the engine does, not what it measured:
+#: a measuring budget of 0 s (:func:`tpengine.backends.cpu.measured.measure_budget_s`), so each choice
+#: without cached timings takes its default (the layouts packed where oneDNN packs the dtype, the
+#: quantized weights on tpengine's kernels), the same at every load. Measuring instead costs a cold cache
+#: tens of seconds for SmolLM2's shapes, and again at every load where the two passes disagree (a noisy
+#: choice is never cached). The measured choices' own tests (test_measured, test_linear_layout,
+#: test_cpu_qgemv, test_sampler, ...) and test_engine's measured SmolLM2 jobs keep measuring.
+NO_MEASURING = {"TPENGINE_MEASURE_BUDGET_S": "0"}
+
+
 #: The bound (seconds) on a launched job that loads a model and runs its requests: test_engine's launches
 #: run a dozen engines each, and on a busy machine every load measures its choices again.
 JOB_TIMEOUT = 1200
@@ -177,7 +187,8 @@ def torchrun(script: str, nproc: int, args: list[str], timeout: float = JOB_TIME
 
 def run_engine_jobs(tmp_path: Path, nproc: int, jobs: list[dict], tag: str = "", env: dict | None = None) -> dict:
     """Run LLMEngine jobs (see tests/workers/engine_generate.py) at ``nproc`` ranks; rank 0's results.
-    ``env`` is added to the workers' environment (e.g. ``TRITON_INTERPRET``)."""
+    ``env`` is added to the workers' environment (e.g. ``TRITON_INTERPRET``, :data:`NO_MEASURING`); a
+    job's own ``"env"`` holds while that job runs."""
     jobs_file, out = tmp_path / f"engine-jobs{tag}-{nproc}.json", tmp_path / f"engine-out{tag}-{nproc}.json"
     jobs_file.write_text(json.dumps(jobs))
     torchrun("engine_generate.py", nproc, [str(out), str(jobs_file)], env=env)

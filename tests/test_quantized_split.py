@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_tiny_model
-from launch import run_engine_jobs
+from launch import NO_MEASURING, run_engine_jobs
 from safetensors.torch import load_file, save_file
 from test_shard_tool import cli
 from transformers import AutoConfig
@@ -276,7 +276,8 @@ def runs(folders):
                        job(f"full/{q}", folders[f"full/{q}"])]
     for tp in (1, 2):
         at[tp].append(job("full/mixed", folders["full/mixed"]))
-    return {tp: run_engine_jobs(folders["root"], tp, jobs) for tp, jobs in at.items()}
+    # every load the same default kernels (launch.NO_MEASURING): the tests compare loads' tokens
+    return {tp: run_engine_jobs(folders["root"], tp, jobs, env=NO_MEASURING) for tp, jobs in at.items()}
 
 
 def greedy(result: dict) -> dict:
@@ -334,7 +335,7 @@ def test_tied_llama_split_int4(tmp_path):
     jobs = {tp: [{"key": "k", "requests": reqs, "config": {"model": str(tmp_path / f"t{tp}"), **cfg}},
                  {"key": "fly", "requests": reqs, "config": {"model": str(src), "quantization": "int4", **cfg}}]
             for tp in (1, 2)}
-    one, two = (run_engine_jobs(tmp_path, tp, jobs[tp]) for tp in (1, 2))
+    one, two = (run_engine_jobs(tmp_path, tp, jobs[tp], env=NO_MEASURING) for tp in (1, 2))
     for res in (one, two):  # equal buffers; each load measures its own int4 kernel choice (a busy machine's
         # is not cached), and two valid kernels round differently: tokens equal, logprobs within 1e-4
         (k_ids, k_lp), (f_ids, f_lp) = greedy(res["k"])["a"], greedy(res["fly"])["a"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import make_tiny_model
-from launch import run_engine_jobs
+from launch import NO_MEASURING, run_engine_jobs
 
 VOCAB, DRAWS, POSITIONS = 16, 20_000, (1, 2, 3)
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
@@ -69,7 +69,7 @@ def draws(tmp_path_factory):
                 continue  # each proposer once: n-gram at temperature 1, the draft model with top-p
             config = {**base, "speculative_config": spec} if spec else base
             jobs.append({"key": f"{sname}/{name}", "config": config, "requests": reqs})
-    res = run_engine_jobs(tmp, 1, jobs)
+    res = run_engine_jobs(tmp, 1, jobs, env=NO_MEASURING)  # every load the same default layouts
     out = {}
     for key, job in res.items():
         hist = {pos: [0] * VOCAB for pos in POSITIONS}

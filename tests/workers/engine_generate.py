@@ -6,11 +6,14 @@ params are SamplingParams keyword arguments (``structured_outputs``: StructuredO
 Output: {key: {"outputs": [...], "stats": {...}, "window_freed": blocks freed for leaving a sliding window,
 "weight_bytes": [per rank], "load_s": seconds to build the engine, "run_s": seconds to generate}}
 (the seconds are for reading which job a slow run spends its time in, never asserted).
-A job may instead carry "waves": a list of request lists, each generate()d in turn.
+A job may instead carry "waves": a list of request lists, each generate()d in turn, and "env": variables
+set while it loads and runs (e.g. ``TPENGINE_MEASURE_BUDGET_S``: one job measures its choices in a launch
+that does not).
 """
 
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -42,6 +45,8 @@ def main():
     out_path, jobs_path = sys.argv[1], sys.argv[2]
     results = {}
     for job in json.load(open(jobs_path)):
+        saved = {k: os.environ.get(k) for k in job.get("env", {})}
+        os.environ.update(job.get("env", {}))
         start = time.monotonic()
         engine = LLMEngine(EngineConfig(**job["config"]))
         loaded = time.monotonic()
@@ -61,6 +66,11 @@ def main():
                 "load_s": round(loaded - start, 2),
                 "run_s": round(time.monotonic() - loaded, 2),
             }
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     if get_tp().is_driver:
         json.dump(results, open(out_path, "w"))
     shutdown()
