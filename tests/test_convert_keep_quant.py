@@ -234,7 +234,7 @@ def test_keep_quant_folder_runs_at_tp1_and_tp2(keep_quant_dir: Path, tmp_path: P
     tp=1's, and the first 4 equal the plain float32 convert's (the weights dequantise to it exactly)."""
     if importlib.util.find_spec("tpengine.model.quant.checkpoint") is None:
         pytest.skip("the loader does not read quantized folders yet (tpengine.model.quant.checkpoint: branch qfiles)")
-    from launch import run_engine_jobs
+    from launch import NO_MEASURING, run_engine_jobs
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(SMOLLM2_DIR)
@@ -244,8 +244,8 @@ def test_keep_quant_folder_runs_at_tp1_and_tp2(keep_quant_dir: Path, tmp_path: P
     base = {"dtype": "float32", "max_model_len": 128, "kv_cache_gb": 0.05, "cpu_linear": "plain"}
     job = {"key": "gguf", "requests": [["france", ids, GREEDY]], "config": {"model": str(keep_quant_dir), **base}}
     ref = {"key": "float", "requests": [["france", ids, GREEDY]], "config": {"model": str(SMOLLM2_DIR), **base}}
-    one = run_engine_jobs(tmp_path, 1, [job, ref])
-    two = run_engine_jobs(tmp_path, 2, [job])
+    one = run_engine_jobs(tmp_path, 1, [job, ref], env=NO_MEASURING)  # both loads the same default kernels
+    two = run_engine_jobs(tmp_path, 2, [job], env=NO_MEASURING)
     tp1, tp2 = (r["gguf"]["outputs"][0]["token_ids"] for r in (one, two))
     assert len(tp1) == 8 and tp1 == tp2
     assert tp1[:4] == one["float"]["outputs"][0]["token_ids"][:4]

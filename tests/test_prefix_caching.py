@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import SMOLLM2_DIR, make_tiny_model
-from launch import run_engine_jobs
+from launch import NO_MEASURING, run_engine_jobs
 from test_engine import CHAT, by_id
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -101,7 +101,9 @@ def chat_prompts():
 @pytest.fixture(scope="module")
 def results(models, chat_prompts, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prefix-runs")
-    return {tp: run_engine_jobs(tmp, tp, jobs(models, chat_prompts, tp), tag="-prefix") for tp in (1, 2)}
+    # every load the same default layouts (launch.NO_MEASURING): each pair compares two loads' tokens
+    return {tp: run_engine_jobs(tmp, tp, jobs(models, chat_prompts, tp), tag="-prefix", env=NO_MEASURING)
+            for tp in (1, 2)}
 
 
 CASES = ("shapes", "evict", "preempt", "chunked", "chunked-cached", "seeded", "smollm2")
