@@ -12,7 +12,7 @@ import json
 
 import pytest
 from conftest import SMOLLM2_DIR
-from launch import run_engine_jobs
+from launch import NO_MEASURING, run_engine_jobs
 
 pytestmark = pytest.mark.skipif(not (SMOLLM2_DIR / "config.json").is_file(), reason="needs make model")
 
@@ -85,7 +85,7 @@ def results(tmp_path_factory):
         if tp == 1:
             jobs += [{"key": "base", "config": BASE, "requests": reqs},
                      {"key": "tight-base", "config": {**BASE, **TIGHT}, "requests": reqs}]
-        res = run_engine_jobs(tmp, tp, jobs + drafts)
+        res = run_engine_jobs(tmp, tp, jobs + drafts, env=NO_MEASURING)  # every load the same default layouts
         out[tp] = {k: ({o["request_id"]: o for o in v["outputs"]}, v) for k, v in res.items()}
     return out
 

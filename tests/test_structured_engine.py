@@ -13,7 +13,7 @@ import sys
 
 import pytest
 from conftest import SMOLLM2_DIR
-from launch import REPO, run_engine_jobs
+from launch import NO_MEASURING, REPO, run_engine_jobs
 
 sys.path.insert(0, str(REPO))
 from benchmarks.structured_schemas import SCHEMAS  # noqa: E402
@@ -66,7 +66,7 @@ def results(tmp_path_factory):
             jobs += [{"key": "alone", "config": BASE, "requests": plain},
                      {"key": "guidance", "config": {**BASE, "structured_outputs_backend": "guidance"},
                       "requests": reqs[: len(GREEDY)]}]
-        res = run_engine_jobs(tmp, tp, jobs)
+        res = run_engine_jobs(tmp, tp, jobs, env=NO_MEASURING)  # every load the same default layouts
         out[tp] = {k: {o["request_id"]: o for o in v["outputs"]} for k, v in res.items()}
     return out
 
