@@ -8,7 +8,8 @@ kernel (``tpe_qgemv_int8``) and once with int8 activations (``tpe_qgemv_int8_q8`
 
 ``make quality`` scores in prefill, where neither kernel runs (more than 8 rows: torch's kernel or
 dequantize + GEMM), so its int8 row does not see this kernel; this script makes the prefill take it.
-The LM head keeps its bound path in both. Prints both perplexities and the relative change.
+The LM head keeps its bound path in both. Prints both perplexities and the relative change. Slow: the
+prefill runs 8 rows a call (``--limit 40``: ~33 minutes on 2 busy vCPUs; a smaller ``--limit`` for a look).
 """
 
 from __future__ import annotations
