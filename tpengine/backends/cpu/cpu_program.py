@@ -225,10 +225,12 @@ def runs() -> bool:
 def one_row_us(specs: list[tuple], dtype: torch.dtype) -> float:
     """Microseconds per call of one-row products as a decode program makes them: ``specs`` are bound
     products' ``c_spec`` of kind "lin" (``("lin", fn, k, weight address, n)``, one shape ``[n, k]``, their
-    weights kept alive by the caller), made in turn, each on one row of ``dtype``, by one program run
-    (timed by :func:`tpengine.backends.cpu.measured.time_us`), divided by their number: a product's cost
-    inside the program, without the Python a call from the layers' loop adds
-    (:func:`tpengine.backends.cpu.linear_layout.choose_layouts` weighs it for a model that runs one).
+    weights kept alive by the caller), each made on one row of ``dtype`` by a program of that one op, the
+    calls timed in turn by :func:`tpengine.backends.cpu.measured.time_us` (the median call, so one that
+    another process preempted does not count): a product's cost inside the program, with one ctypes call
+    of the runner but without the Python a call from the layers' loop adds (its arguments' checks and
+    conversion, an output tensor; :func:`tpengine.backends.cpu.linear_layout.choose_layouts` weighs it for
+    a model that runs one).
 
     Raises:
         ValueError: no specs, or one that is not a "lin" call of the specs' shape.
@@ -237,15 +239,14 @@ def one_row_us(specs: list[tuple], dtype: torch.dtype) -> float:
         raise ValueError("cpu program timing: need one-row 'lin' calls of one shape; got "
                          f"{[s[:1] + s[2:] for s in specs]}")
     k, n = specs[0][2], specs[0][4]
-    prog = Program(k, dtype)
-    x, y = prog.buffer(k), prog.buffer(n)
-    x.fill_(0.5)
-    nt = torch.get_num_threads()
+    x, y = torch.full((1, k), 0.5, dtype=dtype), torch.empty(1, n, dtype=dtype)
+    nt, progs = torch.get_num_threads(), []
     for _, name, _, wp, _ in specs:
+        prog = Program(k, dtype)
         prog.add("lin", name, [x.data_ptr(), 1, k, wp, n, y.data_ptr(), nt])
-    prog.finish(y)
-    fn, ops, count, params = prog.run_fn, prog.ops_p, prog.n_ops, prog.params_p
-    return measured.time_us([lambda: fn(ops, count, params, 0)]) / len(specs)
+        progs.append(prog.finish(y))
+    fn = progs[0].run_fn
+    return measured.time_us([lambda p=p: fn(p.ops_p, 1, p.params_p, 0) for p in progs])
 
 
 def shm_comm(stack, dtype: torch.dtype):
