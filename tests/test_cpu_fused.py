@@ -32,6 +32,9 @@ def c_calls(monkeypatch):
         def __getattr__(self, name):
             return lambda *a: calls.append(name) or getattr(real, name)(*a)
 
+        def __getitem__(self, name):  # a function's address for a call from C (the decode program's ops)
+            return real[name]
+
     monkeypatch.setattr(cpu_library, "_lib", Counting())
     return calls
 
@@ -328,6 +331,9 @@ def test_cpu_kernels_switch_is_per_engine(tmp_path, monkeypatch):
     class Counting:
         def __getattr__(self, name):
             return lambda *a: calls.append(name) or getattr(real, name)(*a)
+
+        def __getitem__(self, name):  # a function's address for a call from C (the decode program's ops)
+            return real[name]
 
     monkeypatch.setattr(cpu_library, "_lib", Counting())
     cfg = {"model": str(model), "dtype": "bfloat16", "max_model_len": 64, "kv_cache_gb": 0.01}

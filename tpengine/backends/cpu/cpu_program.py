@@ -94,7 +94,7 @@ class Program:
         if len(args) > WORDS - 3:
             raise ValueError(f"cpu program: {fn_name} takes {len(args)} arguments, at most {WORDS - 3}")
         lib = cpu_library.load()
-        fn = ctypes.cast(getattr(lib, fn_name), ctypes.c_void_p).value
+        fn = ctypes.cast(lib[fn_name], ctypes.c_void_p).value  # (by item: the function, never called from here)
         mask, words = 0, []
         for i, a in enumerate(args):
             if isinstance(a, Step):

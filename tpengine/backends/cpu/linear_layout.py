@@ -331,7 +331,8 @@ def _choices(timings: dict, packable: bool, cpu_kernels: bool, program: set) -> 
             chosen[shape] = LayoutChoice("packed" if packable else "plain", how, {})
         else:
             if not cpu_kernels:
-                times = {k: v for k, v in times.items() if k not in ("gemv", "gemm", "blocked")}
+                times = {k: v for k, v in times.items()
+                         if k not in ("gemv", "gemm", "blocked") and not k.endswith("_program")}
             layout = pick(times)
             chosen[shape] = LayoutChoice(layout, how, times, plain_kernels(times) if layout == "plain" else ())
     return chosen
