@@ -214,8 +214,9 @@ def test_load_lines_and_summary_json(tiny, tmp_path):
                                 f"{cpu_library.unavailable_reason()}"), lines[1]
     layouts, _, row_max = lines[1].partition("; greedy row max ")
     shapes = [s.split(" ")[0] for s in layouts.split("): ", 1)[1].split("; ")]
+    layout = r"\d+->\d+ (plain|packed|blocked)[^;]*"  # (float32 has a blocked layout too)
     assert re.fullmatch(r"tpengine: CPU linear layouts \(float32, \d+ threads, [a-z, ()/:]+\): "
-                        r"\d+->\d+ (plain|packed)[^;]*(; \d+->\d+ (plain|packed)[^;]*)*", layouts), lines[1]
+                        rf"{layout}(; {layout})*", layouts), lines[1]
     # the greedy pick, measured among the blocks dividing the 49152 columns (0: torch's max) and the C row
     # argmax (every build has one) (a measurement taken while the machine was busy, or noisy, says so and is
     # not cached: measured.py; on a machine busy before any timings were cached, the default, unmeasured)

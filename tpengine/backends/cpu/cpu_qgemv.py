@@ -182,17 +182,20 @@ def int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, act_int8:
 
 
 def _int8_fn(act_int8: bool):
-    """The C function of :func:`int8` (``act_int8``: the int8 x int8 one).
+    """The C function of :func:`int8` (``act_int8``: the int8 x int8 one; RuntimeError where the build lacks it)."""
+    return _lib(False).tpe_qgemv_int8 if not act_int8 else _q8_fn("int8", INT8_Q8_KERNELS)
+
+
+def _q8_fn(kind: str, kernels: tuple[str, ...]):
+    """The int8-activation kernel ``kernels[0]`` of ``kind`` ("int8" or "int4") weights.
 
     Raises:
         RuntimeError: the build lacks it.
     """
-    if not act_int8:
-        return _lib(False).tpe_qgemv_int8
-    why = cpu_library.missing(*INT8_Q8_KERNELS)
+    why = cpu_library.missing(*kernels)
     if why:
-        raise RuntimeError(f"CPU C int8 x int8 kernel unavailable: {why}")
-    return cpu_library.load().tpe_qgemv_int8_q8
+        raise RuntimeError(f"CPU C {kind} x int8 kernel unavailable: {why}")
+    return getattr(cpu_library.load(), kernels[0])
 
 
 def _int4_scales(scales_and_zeros: torch.Tensor, zero_codes: torch.Tensor | None, op: str) -> tuple[int, int]:
@@ -253,17 +256,8 @@ def int4(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, 
 
 
 def _int4_fn(act_int8: bool):
-    """The C function of :func:`int4` (``act_int8``: the int4 x int8 one).
-
-    Raises:
-        RuntimeError: the build lacks it.
-    """
-    if not act_int8:
-        return _lib(True).tpe_qgemv_int4
-    why = cpu_library.missing(*INT4_Q8_KERNELS)
-    if why:
-        raise RuntimeError(f"CPU C int4 x int8 kernel unavailable: {why}")
-    return cpu_library.load().tpe_qgemv_int4_q8
+    """The C function of :func:`int4` (``act_int8``: the int4 x int8 one; RuntimeError where the build lacks it)."""
+    return _lib(True).tpe_qgemv_int4 if not act_int8 else _q8_fn("int4", INT4_Q8_KERNELS)
 
 
 def bind_int8(qweight: torch.Tensor, scales: torch.Tensor, act_int8: bool = False):
