@@ -155,6 +155,9 @@ def test_qgemv_measure_times_the_rival_first_and_gives_torch_up_past_4x(monkeypa
 
     class Int4Weight:
         in_features, dtype, group_size, gemv_rows, dequant_rows = 64, torch.float32, 32, 0, 0
+
+        def bind(self):  # (the bound call each path is timed through; time_us is faked here)
+            return lambda x: None
     times = cpu_qgemv._measure([Int4Weight(), Int4Weight()])
     g = cpu_qgemv.GIVE_UP
     assert g == 4.0
@@ -178,6 +181,9 @@ def test_qgemv_measure_runs_torch_no_more_at_prefill_rows_past_a_loss_by_over_4x
 
     class Int4Weight:
         in_features, dtype, group_size, gemv_rows, dequant_rows = 64, torch.float32, 32, 0, 0
+
+        def bind(self):  # (the bound call each path is timed through; time_us is faked here)
+            return lambda x: None
     times = cpu_qgemv._measure([Int4Weight()])
     assert len(asked) == 3 * 2 + 3  # decode: 3 buckets x 2 paths; prefill: both at 64 rows, dequant at 512
     assert times["prefill_dequant"] == [10.0, 20.0] and times["prefill_torch"] == [50.0, 400.0]
