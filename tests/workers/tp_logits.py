@@ -40,8 +40,12 @@ def audit(model, weight_bytes: int, profile):
         elif isinstance(m, torch.nn.Linear) and ".layers." in name:
             plain += 1
     norms = {n: p.detach().clone() for n, p in model.named_parameters() if "q_norm" in n or "k_norm" in n}
-    tied = model.get_output_embeddings().weight is not None and (
-        model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr())
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    # one storage: the same plain tensor, or the head's blocked layout only, which the embedding's lookup reads
+    # (the CPU platform's blocked tied head: both plain weights None)
+    tied = (head.weight is not None and emb.weight is not None and head.weight.data_ptr() == emb.weight.data_ptr()) \
+        or (head.weight is None and emb.weight is None and getattr(head, "packed", None) is not None
+            and getattr(emb, "lookup", None) is not None)
     layers = [m for m in model.modules() if isinstance(m, (MergedColumnParallelLinear, RowParallelLinear,
                                                            ColumnParallelLinear))]
     return {"linears": rows, "plain_linear": plain, "norms": norms, "tied_storage": tied, "weight_bytes": weight_bytes,
