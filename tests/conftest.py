@@ -9,10 +9,13 @@ from pathlib import Path
 import pytest
 from launch import REPO
 
-# The tests of measured choices measure whatever they ask for: no per-process measuring budget
-# (tpengine.backends.cpu.measured.measure_budget_s; a pytest process makes many loads). Set before
-# anything is launched, so every launched process has it too; test_measured checks the budget itself.
-os.environ.setdefault("TPENGINE_MEASURE_BUDGET_S", "inf")
+# Nothing is measured unless a test asks for it: a measuring budget of 0 s
+# (tpengine.backends.cpu.measured.measure_budget_s) for the pytest process and, set before anything is
+# launched, every launched process (launch.NO_MEASURING), so each choice without cached timings takes its
+# default, the one a busy machine takes, the same at every load. The tests whose subject is a measured
+# choice (the choosers' tests, test_engine's measured SmolLM2 jobs) take the ``measuring`` fixture or
+# launch with launch.MEASURING: no budget. test_measured checks the budget itself.
+os.environ.setdefault("TPENGINE_MEASURE_BUDGET_S", "0")
 
 SMOLLM2_DIR = REPO / "models" / "smollm2-135m-instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -132,6 +135,19 @@ class QuietContention:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+@pytest.fixture
+def measuring(monkeypatch) -> dict[str, str]:
+    """For a test whose subject is a measured choice: no measuring budget (``inf``) in this process and
+    in what it launches while it runs (conftest's default is 0: nothing measured); returns
+    :data:`launch.MEASURING` for a launch's ``env``. A module of such tests takes it for every test:
+    ``pytestmark = pytest.mark.usefixtures("measuring")``."""
+    from launch import MEASURING
+
+    for key, value in MEASURING.items():
+        monkeypatch.setenv(key, value)
+    return MEASURING
 
 
 @pytest.fixture

@@ -56,14 +56,19 @@ def environment(cli: bool = False, **extra: str) -> dict[str, str]:
     return {**os.environ, **(CLI_EXTRA if cli else ENV_EXTRA), **extra}
 
 
-#: The environment a launch adds where its test checks what the engine does, not what it measured:
-#: a measuring budget of 0 s (:func:`tpengine.backends.cpu.measured.measure_budget_s`), so each choice
-#: without cached timings takes its default (the layouts packed where oneDNN packs the dtype, the
-#: quantized weights on tpengine's kernels), the same at every load. Measuring instead costs a cold cache
-#: tens of seconds for SmolLM2's shapes, and again at every load where the two passes disagree (a noisy
-#: choice is never cached). The measured choices' own tests (test_measured, test_linear_layout,
-#: test_cpu_qgemv, test_sampler, ...) and test_engine's measured SmolLM2 jobs keep measuring.
+#: The environment of a launch whose test checks what the engine does, not what it measured: a measuring
+#: budget of 0 s (:func:`tpengine.backends.cpu.measured.measure_budget_s`), so each choice without cached
+#: timings takes its default (the layouts packed where oneDNN packs the dtype, the quantized weights on
+#: tpengine's kernels), the same at every load. conftest makes it the session's default (every launch and
+#: in-process engine); a launch may still name it to say that its comparison depends on it. Measuring
+#: instead costs a cold cache tens of seconds for SmolLM2's shapes, and again at every load where the two
+#: passes disagree (a noisy choice is never cached).
 NO_MEASURING = {"TPENGINE_MEASURE_BUDGET_S": "0"}
+#: The environment of a launch (or a job's own ``"env"``) whose subject is a measured choice: no measuring
+#: budget, every choice without cached timings measured (conftest's ``measuring`` fixture sets it for a
+#: test and what it launches): the choosers' tests (test_measured, test_linear_layout, test_cpu_qgemv,
+#: test_sampler, test_cpu_paged, ...) and test_engine's measured SmolLM2 jobs, each checked against HF.
+MEASURING = {"TPENGINE_MEASURE_BUDGET_S": "inf"}
 
 
 #: The bound (seconds) on a launched job that loads a model and runs its requests: test_engine's launches

@@ -12,6 +12,10 @@ from kernel_cases import CONFIGS, DECODE_LENS, WINDOW_CAP, _cache, _gen, _slot
 from tpengine.backends import reference as ref
 from tpengine.backends.cpu import cpu_library, cpu_paged
 
+# measured choices are among this module's subjects: no measuring budget (conftest's default is 0: nothing
+# measured)
+pytestmark = pytest.mark.usefixtures("measuring")
+
 # the kernel's tests; paged_index and choose_amx (None without AMX) run on every machine
 needs_kernels = pytest.mark.skipif(cpu_library.missing("tpe_paged_decode_f32", "tpe_paged_decode_bf16") is not None,
                                    reason=str(cpu_library.missing("tpe_paged_decode_f32", "tpe_paged_decode_bf16")))

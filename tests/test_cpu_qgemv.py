@@ -13,6 +13,10 @@ from tpengine.model.quant.apply import quantize_weight
 from tpengine.model.quant.arith import _int4_values, int4_pack_layout
 from tpengine.model.quant.weights import Int4Weight, Int8Weight, QuantScheme
 
+# measured choices are among this module's subjects: no measuring budget (conftest's default is 0: nothing
+# measured)
+pytestmark = pytest.mark.usefixtures("measuring")
+
 # the kernels' tests; the int4-with-codes storage and torch's kernel on it run on every machine
 needs_kernels = pytest.mark.skipif(cpu_library.missing(*cpu_qgemv.KERNELS) is not None,
                                    reason=str(cpu_library.missing(*cpu_qgemv.KERNELS)))

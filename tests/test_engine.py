@@ -11,13 +11,12 @@ import pytest
 import torch
 from conftest import SMOLLM2_DIR, make_tiny_model
 from hf_reference import greedy
-from launch import NO_MEASURING, run_engine_jobs
+from launch import MEASURING, NO_MEASURING, run_engine_jobs
 
 GREEDY = {"temperature": 0.0}
-#: The jobs that measure their choices in launches that do not (launch.NO_MEASURING): SmolLM2's "auto" jobs in
-#: float32 and bfloat16, equal to (tracking) HF whatever the measurement picks (issue 17); every other job takes
-#: the defaults, the same at every load and in the c12 probe's second launch.
-MEASURING = {"TPENGINE_MEASURE_BUDGET_S": "inf"}
+# The jobs that measure their choices (launch.MEASURING) in launches that do not (launch.NO_MEASURING):
+# SmolLM2's "auto" jobs in float32 and bfloat16, equal to (tracking) HF whatever the measurement picks
+# (issue 17); every other job takes the defaults, the same at every load and in the c12 probe's second launch.
 CHAT = [
     "What is the capital of France?", "Write a haiku about autumn.", "Explain TCP in one sentence.",
     "List three fruits.", "What is 12 times 7?", "Translate 'good morning' to Spanish.",

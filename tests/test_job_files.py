@@ -198,10 +198,10 @@ def test_summary_json_of_a_job_without_requests(tmp_path):
     assert (s["requests_ok"], s["requests_error"], s["output_tokens"], s["peak_rss_bytes"]) == (0, 0, 0, None)
 
 
-def test_load_lines_and_summary_json(tiny, tmp_path):
+def test_load_lines_and_summary_json(tiny, tmp_path, measuring):
     """Rank 0 prints a line before the load, the CPU linear layouts it chose (issue 17), and one
     when ready (model, dtype, tp, KV blocks, seconds); --summary-json holds the summary ``drive``
-    returns."""
+    returns. The job measures its choices (``measuring``: the measured greedy pick's line is checked)."""
     prompts = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Hello", "max_tokens": 2},
                                                   {"id": "b", "prompt": "Hi", "max_tokens": 3}])
     out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"

@@ -16,6 +16,10 @@ from tpengine.config import EngineConfig
 from tpengine.distributed import TPInfo
 from tpengine.model.loader import load_model
 
+# measured choices are among this module's subjects: no measuring budget (conftest's default is 0: nothing
+# measured)
+pytestmark = pytest.mark.usefixtures("measuring")
+
 cpu_gemv_ok = cpu_library.has("tpe_gemv_bf16", "tpe_gemv_f32")
 cpu_gemm_ok = cpu_library.has("tpe_gemm_f32")
 needs_kernels = pytest.mark.skipif(not cpu_gemv_ok, reason=str(cpu_library.missing("tpe_gemv_bf16", "tpe_gemv_f32")))

@@ -17,7 +17,9 @@ from conftest import QuietContention
 
 from tpengine.backends.cpu import measured
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs Linux's /proc/stat")
+# measured choices are this module's subject: no measuring budget (conftest's default is 0: nothing measured)
+pytestmark = [pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs Linux's /proc/stat"),
+              pytest.mark.usefixtures("measuring")]
 
 
 def test_spinning_processes_on_every_core_make_the_window_busy():

@@ -8,6 +8,10 @@ from tpengine.engine.sampler import Sampler, apply_min_p, apply_top_k, apply_top
 from tpengine.engine.sequence import Sequence
 from tpengine.sampling_params import SamplingParams
 
+# measured choices are among this module's subjects: no measuring budget (conftest's default is 0: nothing
+# measured)
+pytestmark = pytest.mark.usefixtures("measuring")
+
 V = 50
 
 
