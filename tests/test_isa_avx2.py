@@ -24,7 +24,7 @@ CHECKS = ("tests/test_cpu_fused.py", "tests/test_cpu_library.py::test_isa_names_
           "tests/test_shm.py::test_all_reduce_equals_torch_sums[3--1-10000000]",
           "tests/test_linear_layout.py::test_measure_times_every_path_at_every_bucket",
           "tests/test_linear_layout.py::test_gemv_equals_float32_matmul_rounded_once",
-          "tests/test_linear_layout.py::test_float32_gemv_equals_matmul",
+          "tests/test_linear_layout.py::test_float32_gemv_equals_matmul", "tests/test_cpu_gemv.py",
           "tests/test_cpu_blocked.py::test_float32_blocked_gemm_is_the_product_up_to_the_sum_order",
           "tests/test_linear_layout.py::test_float32_gemm_equals_matmul_and_each_row_is_batch_independent",
           "tests/test_linear_layout.py::test_bfloat16_gemm_is_the_float32_gemm_of_the_widened_operands_rounded_once",
