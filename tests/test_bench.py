@@ -122,10 +122,12 @@ def test_latency_only_rows_have_no_throughput_figures():
     assert [c.strip() for c in line.split("│")[5:8]] == ["-", "-", "-"]  # tok/s, vs HF, TP eff.
 
 
-def test_bench_quantized_rows(tmp_path):
+def test_bench_quantized_rows(tmp_path, measuring):
     """int8 and int4 rows at tp 1 and 2 in the bfloat16 group (none in float32: ``dtype_systems``),
     each with its weight bytes per rank, TP efficiency against the same weights' tp=1, and TPOT /
-    weight bytes against the same tp's float weights; the output names the CPU and its flags."""
+    weight bytes against the same tp's float weights; the output names the CPU and its flags. The
+    workers measure their choices (``measuring``, as a benchmark's do): the suite's end-to-end run of the
+    quantized kernels' measured choice (test_quantized's jobs take the defaults)."""
     from transformers import AutoConfig
 
     from benchmarks.bench import dtype_systems
@@ -390,7 +392,7 @@ def test_bench_serve_smoke(tmp_path):
     assert row["ttft_ms"]["p99"] <= row["e2e_ms"]["p99"]
 
 
-def test_hf_auto_attention_is_measured_and_cached(tmp_path, monkeypatch):
+def test_hf_auto_attention_is_measured_and_cached(tmp_path, monkeypatch, measuring):
     """``--hf-attn auto`` times HF generate with each implementation on this machine (the model left
     set to the faster), then reads the choice back; sdpa / eager are taken as given."""
     import pytest
