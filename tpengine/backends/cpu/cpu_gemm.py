@@ -77,3 +77,51 @@ def bind(weight: torch.Tensor):
     if not available(weight):
         raise ValueError(f"gemm: cannot take a {weight.dtype} weight {tuple(weight.shape)}")
     return lambda x: _run(weight, x)
+
+
+#: The C function for a float32 weight in the blocked layout (:mod:`tpengine.backends.cpu.cpu_blocked`).
+BLOCKED_KERNEL = "tpe_gemm_blocked_f32"
+
+
+def blocked_available(blocked: torch.Tensor | None) -> bool:
+    """Whether :func:`blocked_gemm` takes this weight: a float32 weight in the blocked layout
+    (:func:`tpengine.backends.cpu.cpu_blocked.is_blocked`, ``[n/16, k, 16]``) and the library has the kernel."""
+    from tpengine.backends.cpu import cpu_blocked
+
+    return (cpu_blocked.is_blocked(blocked) and blocked.dtype == torch.float32
+            and cpu_library.has(BLOCKED_KERNEL))
+
+
+def blocked_gemm(x: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+    """``x [rows, k] @ weight.T -> [rows, n]`` float32 for a float32 weight in the blocked layout, any rows: the
+    same products as :func:`tpengine.backends.cpu.cpu_blocked.linear` (equal outputs, bit for bit), the tiles run
+    in chunks of rows whose ``x`` fits the L2 (``cpu_gemm.c``), for a decode batch's and a prefill's rows.
+
+    Raises:
+        ValueError: ``x`` not ``[rows, k]`` float32, or a weight :func:`blocked_available` refuses.
+    """
+    if not blocked_available(blocked) or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != blocked.shape[1]:
+        raise ValueError(f"blocked gemm: x [rows, k] float32 against a float32 blocked [n/16, k, 16] weight; got x "
+                         f"{x.dtype} {tuple(x.shape)}, weight {None if blocked is None else blocked.dtype} "
+                         f"{None if blocked is None else tuple(blocked.shape)}")
+    return bind_blocked(blocked)(x.contiguous())
+
+
+def bind_blocked(blocked: torch.Tensor):
+    """:func:`blocked_gemm` for this one weight with its checks done once: ``run(x [rows, k] contiguous float32)
+    -> [rows, n]``.
+
+    Raises:
+        ValueError: a weight :func:`blocked_available` refuses.
+    """
+    if not blocked_available(blocked):
+        raise ValueError(f"blocked gemm: cannot take a {blocked.dtype} weight {tuple(blocked.shape)}")
+    fn, wp = getattr(cpu_library.load(), BLOCKED_KERNEL), blocked.data_ptr()
+    n, k = blocked.shape[0] * 16, blocked.shape[1]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(x.shape[0], n)
+        if x.shape[0]:
+            fn(x.data_ptr(), x.shape[0], k, wp, n, y.data_ptr(), torch.get_num_threads())
+        return y
+    return run

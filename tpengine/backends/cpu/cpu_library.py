@@ -97,6 +97,7 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_paged_am
     "tpe_moe_decode_bf16": [_P, _I64, _P, _I64, _I64, _I32, _I32, _I64, _I64, _P, _P, _I64, _I32, _P, _I32],
     "tpe_gemm_f32": [_P, _I64, _I64, _P, _I64, _P, _P, _I32],
     "tpe_gemm_bf16": [_P, _I64, _I64, _P, _I64, _P, _P, _I32],
+    "tpe_gemm_blocked_f32": [_P, _I64, _I64, _P, _I64, _P, _I32],
     "tpe_qgemv_int8": [_P, _I64, _I64, _P, _P, _I64, _P, _I32, _I32],
     "tpe_qgemv_int8_q8": [_P, _I64, _I64, _P, _P, _I64, _P, _I32, _I32],
     "tpe_qgemv_int4": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _I32, _I32],

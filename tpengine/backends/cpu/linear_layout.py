@@ -381,7 +381,7 @@ def bind_linear(weight: torch.Tensor | None, bias: torch.Tensor | None, packed: 
         q = quant.bind()
         return q if bias is None else (lambda x: q(x) + bias)
     if cpu_blocked.is_blocked(packed):
-        b = cpu_blocked.bind(packed)
+        b = _blocked_rows(packed)
         return b if bias is None else (lambda x: b(x) + bias)
     if packed is not None:
         op = torch.ops.mkldnn._linear_pointwise
@@ -402,6 +402,24 @@ def bind_linear(weight: torch.Tensor | None, bias: torch.Tensor | None, packed: 
         run.c_spec = getattr(by_rows[1], "c_spec", None)  # the one-row path's call in a decode program
         return run
     return lambda x: F.linear(x, weight, bias)
+
+
+def _blocked_rows(blocked: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A blocked weight's ``run(x [rows, k] contiguous) -> [rows, n]``: :func:`tpengine.backends.cpu.cpu_blocked.bind`'s
+    kernel, and for a float32 weight from :data:`tpengine.backends.cpu.cpu_gemm.MIN_ROWS` rows on (a decode batch,
+    a prefill) :func:`tpengine.backends.cpu.cpu_gemm.bind_blocked`'s, where the library has it: the same
+    products (equal outputs, bit for bit), its tiles run in chunks of rows whose ``x`` stays in the L2, where the
+    former streams every row of ``x`` once per 32 outputs (docs/notes/kernels.md, "The float32 GEMM on the
+    blocked layout at many rows"). ``run.c_spec``: the one-row call a decode program makes (the former's)."""
+    small = cpu_blocked.bind(blocked)
+    if not cpu_gemm.blocked_available(blocked):
+        return small
+    big, least = cpu_gemm.bind_blocked(blocked), cpu_gemm.MIN_ROWS
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return (big if x.shape[0] >= least else small)(x)
+    run.c_spec = small.c_spec
+    return run
 
 
 def bind_layer(layer, head: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:

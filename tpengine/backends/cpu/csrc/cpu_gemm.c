@@ -268,3 +268,125 @@ static const float *rows_uint16_t(const uint16_t *w, int64_t k, int64_t n0, int 
 TPE_GEMM_CALL(tpe_gemm_f32, float)
 TPE_GEMM_CALL(tpe_gemm_bf16, uint16_t)
 #endif /* neither path: left out of the build; the callers keep torch (cpu_library.has) */
+
+/* float32 GEMM on tpengine's blocked weight layout (cpu_blocked.c: w [n/16][k][16], each k step of a block of 16
+ * weight rows one 64-byte line) for many rows of x: a decode batch's 64, a prefill's thousands. y = x @ w^T,
+ * x [rows, k], y [rows, n], row-major; any rows, n % 16 == 0.
+ *
+ * The same products as tpe_blocked_gemm_f32 (each output the FMA chain over k in order from zero, x[r][p]
+ * broadcast against the weight's line), so the outputs are that kernel's bit for bit; what differs is the
+ * order the tiles run in. That kernel runs, for each panel of blocks, every row of x, so at a prefill's rows
+ * x is streamed from beyond L2 once per panel of 32 outputs. Here the rows are taken in chunks whose rows of x
+ * fit half the L2 (GB_CHUNK: from the cache size the C library reports), and each chunk runs every panel of
+ * the thread's blocks, so x comes from L2 and the weight is what streams. The register tile is R rows x J
+ * blocks: AVX-512 6 x 4 (24 accumulators; 4 loads of the weight and 6 broadcasts of x per 24 FMAs), AVX2 6 x 1
+ * (a block is two ymm: 12 accumulators, 2 loads and 6 broadcasts per 12 FMAs). The first row tile of a chunk
+ * prefetches the panel's lines 1 KiB ahead (the weight's one pass from memory; the later tiles find it in L2).
+ * The blocks are split evenly between the threads (a thread's last blocks in panels of 2 or 1). */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#include <unistd.h>
+#ifdef __AVX512F__
+#define GB_NV 1 /* vectors per block line */
+#define GB_VL 16
+#define GB_J 4 /* blocks per tile */
+#define GB_V __m512
+#define GB_LOAD _mm512_loadu_ps
+#define GB_SET1 _mm512_set1_ps
+#define GB_FMA _mm512_fmadd_ps
+#define GB_ZERO _mm512_setzero_ps
+#define GB_STORE _mm512_storeu_ps
+#else
+#define GB_NV 2
+#define GB_VL 8
+#define GB_J 1
+#define GB_V __m256
+#define GB_LOAD _mm256_loadu_ps
+#define GB_SET1 _mm256_set1_ps
+#define GB_FMA _mm256_fmadd_ps
+#define GB_ZERO _mm256_setzero_ps
+#define GB_STORE _mm256_storeu_ps
+#endif
+#define GB_R 6        /* rows per tile */
+#define GB_PF 256     /* prefetch distance in floats (1 KiB) */
+
+/* y[r][16 (b + j) + i], r < R, j < J: rows of x at x + r k, blocks b.. of w, rows of y n apart; pf: prefetch. */
+#define GB_KERNEL(R, J)                                                                                          \
+    static void gb_##R##_##J(const float *x, int64_t k, const float *w, int64_t b, float *y, int64_t n, int pf) { \
+        const float *wb = w + b * 16 * k;                                                                       \
+        GB_V acc[R][J][GB_NV];                                                                                  \
+        for (int r = 0; r < R; r++)                                                                             \
+            for (int j = 0; j < J; j++)                                                                         \
+                for (int h = 0; h < GB_NV; h++) acc[r][j][h] = GB_ZERO();                                       \
+        for (int64_t p = 0; p < k; p++) {                                                                       \
+            GB_V wv[J][GB_NV];                                                                                  \
+            for (int j = 0; j < J; j++) {                                                                       \
+                if (pf) _mm_prefetch((const char *)(wb + j * 16 * k + p * 16 + GB_PF), _MM_HINT_T0);            \
+                for (int h = 0; h < GB_NV; h++) wv[j][h] = GB_LOAD(wb + j * 16 * k + p * 16 + h * GB_VL);       \
+            }                                                                                                   \
+            for (int r = 0; r < R; r++) {                                                                       \
+                const GB_V xv = GB_SET1(x[r * k + p]);                                                          \
+                for (int j = 0; j < J; j++)                                                                     \
+                    for (int h = 0; h < GB_NV; h++) acc[r][j][h] = GB_FMA(wv[j][h], xv, acc[r][j][h]);          \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (int r = 0; r < R; r++)                                                                             \
+            for (int j = 0; j < J; j++)                                                                         \
+                for (int h = 0; h < GB_NV; h++) GB_STORE(y + r * n + (b + j) * 16 + h * GB_VL, acc[r][j][h]);   \
+    }
+#define GB_ROWS(J) GB_KERNEL(1, J) GB_KERNEL(2, J) GB_KERNEL(3, J) GB_KERNEL(4, J) GB_KERNEL(5, J) GB_KERNEL(6, J)
+typedef void (*gb_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int);
+GB_ROWS(1)
+#if GB_J == 4
+GB_ROWS(2)
+GB_ROWS(4)
+static const gb_fn gb_wide[GB_R + 1] = {0, gb_1_4, gb_2_4, gb_3_4, gb_4_4, gb_5_4, gb_6_4};
+static const gb_fn gb_two[GB_R + 1] = {0, gb_1_2, gb_2_2, gb_3_2, gb_4_2, gb_5_2, gb_6_2};
+#endif
+static const gb_fn gb_one[GB_R + 1] = {0, gb_1_1, gb_2_1, gb_3_1, gb_4_1, gb_5_1, gb_6_1};
+
+/* Rows of x per chunk: as many as fill half the L2 with k floats each (at least one tile), whole tiles. */
+static int64_t gb_chunk(int64_t k) {
+    static int64_t l2 = -1;
+    if (l2 < 0) {
+        const long s = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        l2 = s > 0 ? s : 1 << 20; /* not reported: 1 MiB, the smallest L2 of the CPUs with these ISAs */
+    }
+    const int64_t rows = l2 / 2 / (4 * k);
+    return rows < GB_R ? GB_R : rows / GB_R * GB_R;
+}
+
+/* Rows m0..m1 of x against blocks b0..b1 of w: each panel of J blocks (the last ones 2 or 1 at a time), tiles of
+ * R rows (the last one shorter). */
+static void gb_range(const float *x, int64_t m0, int64_t m1, int64_t k, const float *w, int64_t b0, int64_t b1,
+                     float *y, int64_t n) {
+    for (int64_t b = b0; b < b1;) {
+        const gb_fn *fns = gb_one;
+        int nb = 1;
+#if GB_J == 4
+        const int64_t left = b1 - b;
+        if (left >= 4) fns = gb_wide, nb = 4;
+        else if (left >= 2) fns = gb_two, nb = 2;
+#endif
+        for (int64_t r = m0; r < m1; r += GB_R) {
+            const int rr = m1 - r < GB_R ? (int)(m1 - r) : GB_R;
+            fns[rr](x + r * k, k, w, b, y + r * n, n, r == m0);
+        }
+        b += nb;
+    }
+}
+
+/* y [rows, n] = x [rows, k] @ w^T, w blocked float32 [n/16][k][16]; any rows. */
+void tpe_gemm_blocked_f32(const float *x, int64_t rows, int64_t k, const float *w, int64_t n, float *y, int nthreads) {
+    const int64_t blocks = n / 16, chunk = gb_chunk(k);
+    if (rows <= 0 || blocks <= 0) return;
+    const int nt = nthreads > 1 && n * k >= 65536 ? nthreads : 1;
+    const int64_t per = (blocks + nt - 1) / nt; /* blocks per thread */
+#pragma omp parallel for schedule(static, 1) num_threads(nt) if (nt > 1)
+    for (int t = 0; t < nt; t++) {
+        const int64_t b0 = t * per, b1 = b0 + per < blocks ? b0 + per : blocks;
+        for (int64_t m0 = 0; b0 < b1 && m0 < rows; m0 += chunk)
+            gb_range(x, m0, m0 + chunk < rows ? m0 + chunk : rows, k, w, b0, b1, y, n);
+    }
+}
+#endif
