@@ -1,8 +1,10 @@
 """The blocked weight layouts (tpengine.backends.cpu.cpu_blocked, cpu_blocked.c): the packing is a permutation
 (unpacked back bit for bit), and the GEMM at 1..9, 17 and 64 rows, 1 and 2 threads, over shapes with 1..7 blocks of
 16 outputs (the 4- and 2-block groups, the panels and their tails), is the float32 product (bfloat16: rounded once)
-but for the order of the float32 sum; the float32 layout's rows are each F.linear's one-row product whatever the
-rows beside them; a tied table's rows gathered from either layout; what they refuse, by name."""
+but for the order of the float32 sum, each row bit-equal to the one-row product on it whatever the rows beside it
+(bfloat16: vdpbf16ps on AVX512-BF16, pairs widened by shift / mask and FMAs on AVX2; both also run under the AVX2
+build, tests/test_isa_avx2.py); the float32 layout's rows are each F.linear's one-row product too; a tied table's
+rows gathered from either layout; what they refuse, by name."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import torch.nn.functional as F
 
 from tpengine.backends.cpu import cpu_blocked, cpu_library
 
-needs_bf16 = pytest.mark.skipif(not cpu_library.has(*cpu_blocked.KERNELS), reason="no AVX512-BF16 kernels here")
+needs_bf16 = pytest.mark.skipif(not cpu_library.has(*cpu_blocked.KERNELS),
+                                reason=str(cpu_library.missing(*cpu_blocked.KERNELS)))
 needs_f32 = pytest.mark.skipif(not cpu_library.has(*cpu_blocked.KERNELS_F32),
                                reason=str(cpu_library.missing(*cpu_blocked.KERNELS_F32)))
 SHAPES = ((16, 2), (32, 64), (48, 96), (64, 576), (112, 130), (768, 576))
@@ -31,12 +34,15 @@ def test_blocked_gemm_is_the_float32_product_rounded_once(threads):
             b = cpu_blocked.pack(w)
             assert b.shape == (n // 16, k // 2, 16, 2) and cpu_blocked.is_blocked(b)
             assert cpu_blocked.shape(b) == (n, k) and torch.equal(cpu_blocked.unpack(b), w)
+            x = torch.randn(max(ROWS), k, dtype=torch.bfloat16)
+            one = torch.cat([cpu_blocked.linear(x[i:i + 1], b) for i in range(17)])
             for rows in ROWS:
-                x = torch.randn(rows, k, dtype=torch.bfloat16)
-                exact = F.linear(x.float(), w.float())
-                got = cpu_blocked.linear(x, b).float()
+                exact = F.linear(x[:rows].float(), w.float())
+                got = cpu_blocked.linear(x[:rows], b)
                 # rounded once to bfloat16 (half a step: 2^-9 relative) plus the float32 sum's order
-                assert ((got - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3 * k ** 0.5).all(), (n, k, rows)
+                assert ((got.float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3 * k ** 0.5).all(), (n, k, rows)
+                # a row's sum is the same whatever the pass or panel it ran in (both vector paths)
+                assert torch.equal(got[:17], one[:rows]), (n, k, rows)
     finally:
         torch.set_num_threads(old)
 
@@ -73,8 +79,8 @@ def test_float32_blocked_gemm_is_the_product_up_to_the_sum_order(threads):
 def test_blocked_refusals_name_the_value():
     with pytest.raises(ValueError) as e:
         cpu_blocked.pack(torch.zeros(24, 32))
-    assert str(e.value) == ("blocked layout: a CPU [n, k] weight with n % 16 == 0, bfloat16 (k even, an AVX512-BF16 "
-                            f"build) or float32 (an AVX-512 or AVX2 build); got torch.float32 (24, 32) on cpu, build "
+    assert str(e.value) == ("blocked layout: a CPU [n, k] weight with n % 16 == 0, bfloat16 (k even) or float32, "
+                            f"an AVX-512 or AVX2 build; got torch.float32 (24, 32) on cpu, build "
                             f"{cpu_library.isa()}")
     assert not cpu_blocked.available(torch.zeros(32, 32, dtype=torch.float16))
     assert not cpu_blocked.available(torch.zeros(32, 32, dtype=torch.bfloat16)) or cpu_library.has(*cpu_blocked.KERNELS)

@@ -1,10 +1,10 @@
 """The C kernels' AVX2 + FMA build, on a machine that would build another (issue 35): the kernel
 checks of the other test files, run again in a fresh process under ``TPENGINE_ISA=avx2`` (the
 library built with ``-march=x86-64-v3``), so a CI run on an AVX-512 machine covers both paths. The
-files run are the kernel-level ones (the fused ops, argmax, GEMV, GEMM, the float32 blocked layout, int8 and int4
-GEMV, the int4 x int8 and int8 x int8 GEMVs (maddubs), int4 dequantization -- on torch's packed layout here and on
-its AVX2 one, 32-row blocks, which an AVX2 CPU's torch packs --, paged decode attention, the shared-memory all-reduce);
-kernels the AVX2 build leaves out skip there with that reason.
+files run are the kernel-level ones (the fused ops, argmax, GEMV, GEMM, the bfloat16 and float32 blocked layouts,
+int8 and int4 GEMV, the int4 x int8 and int8 x int8 GEMVs (maddubs), int4 dequantization -- on torch's packed layout
+here and on its AVX2 one, 32-row blocks, which an AVX2 CPU's torch packs --, paged decode attention, the
+shared-memory all-reduce); kernels the AVX2 build leaves out skip there with that reason.
 Skipped where the CPU cannot run AVX2 + FMA code, there is no C compiler, or this run is itself the
 AVX2 build."""
 
@@ -26,6 +26,9 @@ CHECKS = ("tests/test_cpu_fused.py", "tests/test_cpu_library.py::test_isa_names_
           "tests/test_linear_layout.py::test_gemv_equals_float32_matmul_rounded_once",
           "tests/test_linear_layout.py::test_float32_gemv_equals_matmul", "tests/test_cpu_gemv.py",
           "tests/test_cpu_blocked.py::test_float32_blocked_gemm_is_the_product_up_to_the_sum_order",
+          "tests/test_cpu_blocked.py::test_blocked_gemm_is_the_float32_product_rounded_once",
+          "tests/test_cpu_blocked.py::test_rows_gathered_from_the_blocked_layout_are_the_plain_rows",
+          "tests/test_cpu_blocked.py::test_blocked_refusals_name_the_value",
           "tests/test_linear_layout.py::test_float32_gemm_equals_matmul_and_each_row_is_batch_independent",
           "tests/test_linear_layout.py::test_bfloat16_gemm_is_the_float32_gemm_of_the_widened_operands_rounded_once",
           "tests/test_cpu_qgemv.py::test_few_rows_equal_the_dequantized_product",

@@ -1,6 +1,7 @@
 """The "blocked" weight layouts (``cpu_blocked.c``, built by :mod:`tpengine.backends.cpu.cpu_library`):
 
-* bfloat16 ``[n / 16, k / 2, 16, 2]``, the operand order of AVX512-BF16's ``vdpbf16ps`` (AVX512-BF16 builds);
+* bfloat16 ``[n / 16, k / 2, 16, 2]``, the operand order of AVX512-BF16's ``vdpbf16ps`` (AVX512-BF16 builds; AVX2
+  builds widen each 32-byte load of pairs to float32 by a shift and a mask and FMA them, the same stream);
 * float32 ``[n / 16, k, 16]``: each step of k one 64-byte line of 16 rows' weights, one FMA with ``x[k]``
   broadcast (AVX-512 and AVX2 builds; the same FMA chain on both, so the same bits).
 
@@ -19,6 +20,7 @@ import torch
 
 from tpengine.backends.cpu import cpu_library
 
+#: the bfloat16 layout's kernels (AVX512-BF16 and AVX2 builds)
 KERNELS = ("tpe_blocked_pack_bf16", "tpe_blocked_gemm_bf16", "tpe_blocked_group_bf16", "tpe_blocked_moe_down_bf16")
 #: the float32 layout's kernels (AVX-512 and AVX2 builds)
 KERNELS_F32 = ("tpe_blocked_pack_f32", "tpe_blocked_gemm_f32")
@@ -28,8 +30,8 @@ _FNS = {torch.bfloat16: KERNELS[:2], torch.float32: KERNELS_F32}
 
 def available(weight: torch.Tensor) -> bool:
     """Whether a plain ``weight [n, k]`` can take the layout: on the CPU, ``n % 16 == 0``, and either bfloat16
-    with ``k % 2 == 0`` and the library's bfloat16 kernels (AVX512-BF16 builds), or float32 with its float32
-    kernels (AVX-512 and AVX2 builds)."""
+    with ``k % 2 == 0`` and the library's bfloat16 kernels, or float32 with its float32 kernels (both in
+    AVX-512 (bfloat16: with AVX512-BF16) and AVX2 builds)."""
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[0] % 16:
         return False
     if weight.dtype == torch.bfloat16:
@@ -60,8 +62,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
         ValueError: a weight :func:`available` refuses.
     """
     if not available(weight):
-        raise ValueError(f"blocked layout: a CPU [n, k] weight with n % 16 == 0, bfloat16 (k even, an AVX512-BF16 "
-                         f"build) or float32 (an AVX-512 or AVX2 build); got {weight.dtype} {tuple(weight.shape)} "
+        raise ValueError(f"blocked layout: a CPU [n, k] weight with n % 16 == 0, bfloat16 (k even) or float32, "
+                         f"an AVX-512 or AVX2 build; got {weight.dtype} {tuple(weight.shape)} "
                          f"on {weight.device}, build {cpu_library.isa()}")
     w = weight.detach().contiguous()
     n, k = w.shape

@@ -12,18 +12,27 @@
  *
  * Kernels: R rows of x against J blocks at once (R x J accumulators; the J blocks' next cache lines are
  * prefetched a kilobyte ahead); a call splits its blocks evenly between the threads; rows past 8 run in
- * passes of 8 over a panel of 2 blocks (the panel stays in the cache between passes). AVX-512 with
- * AVX512-BF16 only: elsewhere the functions are left out of the build (cpu_library.has is False) and
- * the layout is never chosen. */
+ * passes of 8 over a panel of 2 blocks (the panel stays in the cache between passes).
+ *
+ * AVX2 (no bfloat16 dot product): the same layout, each pair step of a block two 32-byte loads (rows 0-7,
+ * rows 8-15), each 8 lanes of (w[2p], w[2p + 1]) pairs widened to float32 by a 16-bit left shift (the even
+ * element) and a mask of the high half (the odd one) -- no shuffle -- and two FMAs with x[2p], x[2p + 1]
+ * broadcast, even first, into 8 float32 lanes, one per output row: still one sequential stream and no
+ * horizontal sums. Its accumulators are 2 halves per block, so rows past 4 run in passes of 4 over a panel
+ * of 1 block (as the float32 layout's AVX2 path). Each output is float32 FMAs over k in order -- vdpbf16ps's
+ * products and sum up to their order and rounding -- rounded once to bfloat16. Without either path the
+ * functions are left out of the build (cpu_library.has is False) and the layout is never chosen. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "bf16.h"
 
-#ifdef TPE_AVX512
+#if defined(TPE_AVX512) || defined(TPE_AVX2)
 
 #define TPE_BLK_PF 512 /* prefetch distance in elements (1 KiB) */
+
+#ifdef TPE_AVX512
 
 /* y[r, 16 (b + j) + i] for r < R, j < J: x rows at x + r * k, blocks b.. of w, y rows n apart. */
 #define TPE_BLK_KERNEL(NAME, R, J)                                                                            \
@@ -78,6 +87,74 @@ static void blk_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t
     for (; b + 2 <= b1; b += 2) blk_panel(x, rows, k, w, b, 1, y, n);
     for (; b < b1; b++) blk_panel(x, rows, k, w, b, 0, y, n);
 }
+
+#else /* AVX2: pairs widened by shift / mask, two 8-lane halves a block */
+
+/* y[r, 16 (b + j) + i] for r < R, j < J: x rows at x + r * k, blocks b.. of w, y rows n apart. */
+#define TPE_BLK_KERNEL(NAME, R, J)                                                                            \
+    static void NAME(const uint16_t *x, int64_t k, const uint16_t *w, int64_t b, uint16_t *y, int64_t n) {    \
+        const int64_t half = k / 2;                                                                          \
+        const uint32_t *xp = (const uint32_t *)x;                                                            \
+        const uint16_t *wb = w + b * 16 * k;                                                                 \
+        const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);                                             \
+        __m256 acc[R][J][2];                                                                                 \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                  \
+            _Pragma("GCC unroll 4") for (int j = 0; j < J; j++) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps(); \
+        for (int64_t p = 0; p < half; p++) {                                                                 \
+            __m256i wv[J][2];                                                                                \
+            _Pragma("GCC unroll 4") for (int j = 0; j < J; j++) {                                            \
+                _mm_prefetch((const char *)(wb + j * 16 * k + p * 32 + TPE_BLK_PF), _MM_HINT_T0);            \
+                wv[j][0] = _mm256_loadu_si256((const __m256i *)(wb + j * 16 * k + p * 32));                  \
+                wv[j][1] = _mm256_loadu_si256((const __m256i *)(wb + j * 16 * k + p * 32 + 16));             \
+            }                                                                                                \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                            \
+                const __m256i xv = _mm256_set1_epi32((int)xp[r * half + p]);                                 \
+                const __m256 xe = _mm256_castsi256_ps(_mm256_slli_epi32(xv, 16));                            \
+                const __m256 xo = _mm256_castsi256_ps(_mm256_and_si256(xv, odd));                            \
+                _Pragma("GCC unroll 4") for (int j = 0; j < J; j++)                                          \
+                    _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                                    \
+                        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(wv[j][h], 16));              \
+                        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(wv[j][h], odd));              \
+                        acc[r][j][h] = _mm256_fmadd_ps(wo, xo, _mm256_fmadd_ps(we, xe, acc[r][j][h]));       \
+                    }                                                                                        \
+            }                                                                                                \
+        }                                                                                                    \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                  \
+            _Pragma("GCC unroll 4") for (int j = 0; j < J; j++) {                                            \
+                st8(y + r * n + (b + j) * 16, acc[r][j][0]);                                                 \
+                st8(y + r * n + (b + j) * 16 + 8, acc[r][j][1]);                                             \
+            }                                                                                                \
+    }
+
+TPE_BLK_KERNEL(blk_1x4, 1, 4)
+TPE_BLK_KERNEL(blk_1x2, 1, 2)
+TPE_BLK_KERNEL(blk_1x1, 1, 1)
+TPE_BLK_KERNEL(blk_2x2, 2, 2)
+TPE_BLK_KERNEL(blk_2x1, 2, 1)
+TPE_BLK_KERNEL(blk_4x1, 4, 1)
+
+/* Every row of x against one block at b: passes of 4, 2, 1 rows (4 x 2 halves of accumulators). */
+static void blk_panel(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t b, uint16_t *y,
+                      int64_t n) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) blk_4x1(x + r * k, k, w, b, y + r * n, n);
+    for (; r + 2 <= rows; r += 2) blk_2x1(x + r * k, k, w, b, y + r * n, n);
+    for (; r < rows; r++) blk_1x1(x + r * k, k, w, b, y + r * n, n);
+}
+
+/* Blocks b0..b1 of w for `rows` rows of x: one row 4 blocks at a time, 2 rows 2, more in panels of 1. */
+static void blk_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t b0, int64_t b1,
+                      uint16_t *y, int64_t n) {
+    int64_t b = b0;
+    if (rows == 1) {
+        for (; b + 4 <= b1; b += 4) blk_1x4(x, k, w, b, y, n);
+        for (; b + 2 <= b1; b += 2) blk_1x2(x, k, w, b, y, n);
+    } else if (rows == 2) {
+        for (; b + 2 <= b1; b += 2) blk_2x2(x, k, w, b, y, n);
+    }
+    for (; b < b1; b++) blk_panel(x, rows, k, w, b, y, n);
+}
+#endif
 
 /* Blocks per thread: an even split (a share that is not a whole number of groups ends in smaller ones:
  * blk_range's tails). */
@@ -135,9 +212,9 @@ void tpe_blocked_moe_down_bf16(const uint16_t *h, int64_t k, const int64_t *w, i
         for (int64_t o = b0 * 16; o < b1 * 16; o++) out[o] = 0;
         for (int64_t i = 0; i < g; i++) {
             blk_range(h + i * k, 1, k, (const uint16_t *)(intptr_t)w[i], b0, b1, y, n);
-            const __m512 si = _mm512_set1_ps(s[i]);
+            const vf si = vf_set1(s[i]);
             for (int64_t o = b0 * 16; o < b1 * 16; o += 16)
-                st(out + o, _mm512_add_ps(ld(out + o), rb(_mm512_mul_ps(ld(y + o), si))));
+                vf_stb(out + o, vf_add(vf_ldb(out + o), vf_rb(vf_mul(vf_ldb(y + o), si))));
         }
         free(y);
     }
@@ -204,7 +281,7 @@ int64_t tpe_moe_decode_bf16(const uint16_t *x, int64_t hidden, const uint16_t *r
     return g;
 }
 
-#endif /* no AVX512-BF16: left out of the build (cpu_library.has) */
+#endif /* neither path: left out of the build (cpu_library.has) */
 
 /* The float32 blocked layout: w [n, k] (n % 16 == 0, any k) stored as [n / 16][k][16], for each block of 16
  * output rows the k inputs in order, each step the 16 rows' weights side by side (one 64-byte line). A
