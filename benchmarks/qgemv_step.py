@@ -1,0 +1,130 @@
+"""A batch-1 decode step's weight products alone, as the decode program makes them (issue 59): SmolLM2-135M's
+120 linears (30 layers of q/k/v fused 576 -> 960, o 576 -> 576, gate/up 576 -> 3072, down 1536 -> 576) and,
+with ``--head``, the tied 576 -> 49152 LM head, one program of one-row C calls (``cpu_program.Program``, the
+"lin" / "q8" / "q4" ops), for each weight kind: bfloat16 in the blocked layout (the yardstick: it reads at the
+triad's rate), int8 per channel (``tpe_qgemv_int8``, and ``tpe_qgemv_int8_q8``: int8 activations) and int4
+group 32 with zero codes (``tpe_qgemv_int4``, ``tpe_qgemv_int4_q8``). Random weights of the model's shapes,
+a whole model of each (~135-270 MB: read from memory, not the caches); bfloat16 activations.
+
+    python -m benchmarks.qgemv_step [--rounds 5] [--threads N] [--clock wall|cpu] [--head] [--only NAME ...]
+
+Interleaved rounds (each round runs every kind's program once, a few steps each, in turn); prints per kind
+the best round's milliseconds a step, the weight bytes it read, GB/s, and the load average at the start and
+end. ``--clock cpu`` (with ``--threads 1``) counts the process's CPU time (a loaded machine's lost time
+slices left out). ``--triad`` also measures the machine's triad bandwidth
+(:func:`benchmarks.roofline.triad_gbs` when present) for the same threads. About a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from tpengine.backends.cpu import cpu_blocked, cpu_program, cpu_qgemv
+from tpengine.model.quant.weights import Int4CodedWeight
+
+#: (out, in) of one layer's products at tp=1, and the tied head
+LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+HEAD = (49152, 576)
+LAYERS = 30
+
+
+def _int8(n: int, k: int, g: torch.Generator):
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    return q, (torch.rand(n, generator=g) * 0.01 + 1e-3).bfloat16()
+
+
+def _int4(n: int, k: int, g: torch.Generator) -> Int4CodedWeight:
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
+    s = (torch.rand(k // 32, n, generator=g) * 0.01 + 1e-3).bfloat16()
+    return Int4CodedWeight(q, s, torch.randint(-128, 128, (k // 32, n), dtype=torch.int8, generator=g), 32)
+
+
+def specs(kind: str, shapes: list[tuple[int, int]], g: torch.Generator) -> tuple[list, list, int]:
+    """``(c_specs, keep-alive tensors, weight bytes)`` of one bound one-row call per shape for ``kind``."""
+    out, keep, nbytes = [], [], 0
+    for n, k in shapes:
+        if kind == "bfloat16 blocked":
+            w = cpu_blocked.pack((torch.randn(n, k, generator=g) * 0.02).bfloat16())
+            keep.append(w)
+            out.append(cpu_blocked.bind(w).c_spec)
+            nbytes += w.numel() * 2
+        elif kind.startswith("int8"):
+            q, s = _int8(n, k, g)
+            keep += [q, s]
+            out.append(cpu_qgemv.bind_int8(q, s, act_int8="x int8" in kind).c_spec)
+            nbytes += q.numel() + 2 * n
+        else:
+            m = _int4(n, k, g)
+            keep.append(m)
+            out.append(cpu_qgemv.bind_int4(m.packed, m.scales, 32, n, m.zero_codes, act_int8="x int8" in kind).c_spec)
+            nbytes += m.packed.numel() + 3 * m.scales.numel()
+    return out, keep, nbytes
+
+
+def program(spec_list: list) -> tuple[cpu_program.Program, torch.Tensor]:
+    """One program of the calls, each reading the same input row (a step's products back to back)."""
+    prog = cpu_program.Program(576, torch.bfloat16)
+    x = torch.randn(1, 1536).bfloat16()
+    nt = torch.get_num_threads()
+    y = None
+    for spec in spec_list:
+        kind, name, *c = spec
+        if kind == "lin":
+            k, wp, n = c
+            y = prog.buffer(n, f"y{n}")
+            prog.add(kind, name, [x.data_ptr(), 1, k, wp, n, y.data_ptr(), nt])
+        elif kind == "q8":
+            k, qp, sp, n, bf = c
+            y = prog.buffer(n, f"y{n}")
+            prog.add(kind, name, [x.data_ptr(), 1, k, qp, sp, n, y.data_ptr(), bf, nt])
+        else:
+            k, pp, sp, zp, gs, n, n_pad, block, bf = c
+            y = prog.buffer(n, f"y{n}")
+            prog.add(kind, name, [x.data_ptr(), 1, k, pp, sp, zp, gs, n, n_pad, block, y.data_ptr(), bf, nt])
+    return prog.finish(y), x
+
+
+KINDS = ("bfloat16 blocked", "int8", "int8 x int8", "int4", "int4 x int8")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    p.add_argument("--head", action="store_true", help="add the tied LM head (576 -> 49152) to the step")
+    p.add_argument("--steps", type=int, default=5, help="steps a round")
+    p.add_argument("--only", nargs="*", choices=KINDS, default=list(KINDS))
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    clock = time.perf_counter if a.clock == "wall" else time.process_time
+    shapes = [s for _ in range(LAYERS) for s in LAYER] + ([HEAD] if a.head else [])
+    g = torch.Generator().manual_seed(0)
+    runs = {}
+    for kind in a.only:
+        sl, keep, nbytes = specs(kind, shapes, g)
+        prog, x = program(sl)
+        runs[kind] = (prog, (keep, x), nbytes)
+    print(f"load average {os.getloadavg()[0]:.2f}, {a.threads} threads, {a.clock} clock, {len(shapes)} products "
+          f"a step, bfloat16 activations")
+    best = {k: float("inf") for k in runs}
+    for _ in range(a.rounds):
+        for kind, (prog, _, _) in runs.items():
+            fn = prog.run_fn
+            fn(prog.ops_p, prog.n_ops, prog.params_p, 0)  # warm-up
+            t = clock()
+            for _ in range(a.steps):
+                fn(prog.ops_p, prog.n_ops, prog.params_p, 0)
+            best[kind] = min(best[kind], (clock() - t) / a.steps)
+    for kind, t in best.items():
+        nbytes = runs[kind][2]
+        print(f"{kind:18s} {t * 1e3:8.3f} ms a step  {nbytes / 1e6:7.1f} MB  {nbytes / t / 1e9:6.1f} GB/s")
+    print(f"load average {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
