@@ -78,7 +78,7 @@ def jobs_for(models, smollm2_prompts, tp: int) -> list[dict]:
     jobs.append({"key": "smollm2", "config": cfg(SMOLLM2_DIR, max_model_len=512, kv_cache_gb=0.2), "requests": reqs,
                  "env": MEASURING})
     if tp <= 2:  # each forced CPU linear layout (issue 17: whichever the measurement picks)
-        for layout in ("plain", "packed"):
+        for layout in ("plain", "packed", "blocked"):
             jobs.append({"key": f"smollm2/{layout}", "requests": reqs,
                          "config": cfg(SMOLLM2_DIR, max_model_len=512, kv_cache_gb=0.2, cpu_linear=layout)})
     if tp == 1:  # bfloat16: the decode KV mirror on and off, a batch shrinking 5 -> 1 (both attention branches)
@@ -143,10 +143,11 @@ def test_smollm2_greedy_equals_hf(smollm2_hf, engine_results, tp):
 
 
 @pytest.mark.parametrize("tp", (1, 2))
-@pytest.mark.parametrize("layout", ("plain", "packed"))
+@pytest.mark.parametrize("layout", ("plain", "packed", "blocked"))
 def test_smollm2_each_cpu_linear_layout_equals_hf(smollm2_hf, engine_results, tp, layout):
-    """float32 with every linear forced to MKL's plain layout or to oneDNN's packed one: both equal
-    HF greedy token for token (so the measured choice cannot change the tokens)."""
+    """float32 with every linear forced to MKL's plain layout, to oneDNN's packed one or to tpengine's blocked
+    one (its kernel at few rows, cpu_gemm's blocked GEMM at a prefill's and a batch's): each equals HF greedy
+    token for token (so the measured choice cannot change the tokens)."""
     got = by_id(engine_results[tp][f"smollm2/{layout}"])
     assert [i for i, want in enumerate(smollm2_hf) if got[f"s{i}"]["token_ids"] != want] == []
 

@@ -171,21 +171,22 @@ def plain_timings(weights: list[torch.Tensor], dtype: torch.dtype, kernels: tupl
 
 
 def blocked_timing(weights: list[torch.Tensor], group: int, program: bool = False) -> dict[str, list]:
-    """``{"blocked": us}``: the blocked layout's microseconds per call at each of :data:`ROW_BUCKETS`, on the
-    plain ``weights`` packed (:func:`tpengine.backends.cpu.cpu_blocked.pack`; each plain one dropped from the
-    list as its blocked copy is made, so the two layouts of all of them never coexist: the list is left
-    empty). With ``group`` (a mixture-of-experts expert shape, the experts one token runs) its one-row time
-    is that of the grouped call a decode step makes (:func:`tpengine.backends.cpu.cpu_moe.group_gemv` over
-    ``group`` weights at a time), per expert (bfloat16; float32 experts have no grouped call and keep the
-    one-call time). With ``program`` (and no ``group``), also
-    ``"blocked_program"``: its one-row time in a decode program (:func:`plain_timings`). The rows multiplied
-    are of the weights' dtype (bfloat16 or float32)."""
+    """``{"blocked": us}``: the blocked layout's microseconds per call at each of :data:`ROW_BUCKETS` (on the
+    path a bound layer runs at those rows, :func:`_blocked_rows`), on the plain ``weights`` packed
+    (:func:`tpengine.backends.cpu.cpu_blocked.pack`; each plain one dropped from the list as its blocked copy is
+    made, so the two layouts of all of them never coexist: the list is left empty). With ``group`` (a
+    mixture-of-experts expert shape, the experts one token runs) its one-row time is that of the grouped call a
+    decode step makes (:func:`tpengine.backends.cpu.cpu_moe.group_gemv` over ``group`` weights at a time), per
+    expert (bfloat16; float32 experts have no grouped call and keep the one-call time). With ``program`` (and no
+    ``group``), also ``"blocked_program"``: its one-row time in a decode program (:func:`plain_timings`). The
+    rows multiplied are of the weights' dtype (bfloat16 or float32)."""
     inp, dtype = weights[0].shape[1], weights[0].dtype
     blocked = []
     while weights:
         blocked.append(cpu_blocked.pack(weights.pop(0)))
-    times = [time_us([lambda b=b, x=torch.full((rows, inp), 0.5, dtype=dtype): cpu_blocked.linear(x, b)
-                      for b in blocked]) for rows in ROW_BUCKETS]
+    runs = [_blocked_rows(b) for b in blocked]  # what a bound layer runs at each row count
+    times = [time_us([lambda r=r, x=torch.full((rows, inp), 0.5, dtype=dtype): r(x) for r in runs])
+             for rows in ROW_BUCKETS]
     if group > 1 and dtype == torch.bfloat16:  # float32 experts have no grouped call: one call each
         x = torch.full((1, inp), 0.5, dtype=dtype)
         sets = [[blocked[(i + j) % len(blocked)] for j in range(group)] for i in range(0, len(blocked), group)]
