@@ -198,7 +198,7 @@ def test_layout_check_and_argument_errors():
     times = {"torch": [10, 20, 30], "tpengine": [5, 10, 15], "tpengine_q8": [4, 12, 1]}
     assert (cpu_qgemv.q8_rows(times), cpu_qgemv.gemv_rows(times["torch"], cpu_qgemv._kernel_us(times))) == (1, 8)
     times = {"torch": [10, 20, 30], "tpengine": [50, 50, 50], "tpengine_q8": [4, 12, 31]}
-    assert (cpu_qgemv.q8_rows(times), cpu_qgemv._decision(times)[0]) == (4, 4)
+    assert (cpu_qgemv.q8_rows(times), cpu_qgemv.rows_of(times)[0]) == (4, 4)
     assert cpu_qgemv.q8_rows({"torch": [10, 20, 30], "tpengine": [5, 10, 15]}) == 0
 
 
@@ -257,6 +257,112 @@ def test_cached_choices_are_reused_and_bad_entries_measured_again(tmp_path, monk
     assert cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=1)["int4 g32 64->96"]["how"] == "cached"  # replaced
     path.write_text("not json")
     assert cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=1)["int4 g32 64->96"]["how"] == "measured"
+
+
+def test_in_program_takes_the_c_kernels_one_row_times_in_a_program():
+    """in_program: the C kernels' one-row times as a decode program makes them replace their bound calls' at
+    one row; the other buckets, torch's times and timings without program times stay as they are."""
+    times = {"torch": [20.0, 40.0, 60.0], "tpengine": [25.0, 30.0, 50.0], "tpengine_q8": [22.0, 28.0, 45.0],
+             "tpengine_program": [19.0], "tpengine_q8_program": [15.0], "prefill_torch": [1.0, 2.0]}
+    prog = cpu_qgemv.in_program(times)
+    assert prog == {"torch": [20.0, 40.0, 60.0], "tpengine": [19.0, 30.0, 50.0], "tpengine_q8": [15.0, 28.0, 45.0],
+                    "prefill_torch": [1.0, 2.0]}
+    assert cpu_qgemv.rows_of(times)[::2] == (0, 0) and cpu_qgemv.rows_of(prog)[::2] == (8, 8)
+    assert cpu_qgemv._decision(times) == (cpu_qgemv.rows_of(times), cpu_qgemv.rows_of(prog))
+    plain = {"torch": [20.0, 40.0, 60.0], "tpengine": [25.0, 30.0, 50.0]}
+    assert cpu_qgemv.in_program(plain) == plain
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind, group", [("int8", None), ("int4", 32)], ids=["int8", "int4"])
+def test_a_program_product_is_also_timed_as_the_program_calls_it(kind, group):
+    """_measure(program=True): each C path's one-row call also timed as a decode program makes it
+    (cpu_program.one_row_us of the bound calls' c_spec: "q8" / "q4" ops), one time each; without ``program``
+    none; one_row_us refuses calls of two kinds."""
+    from tpengine.backends.cpu import cpu_program
+
+    if not cpu_program.runs():
+        pytest.skip("no C program runner in this build")
+    mods = [weight(kind, group, (96, 64), torch.bfloat16, seed=i) for i in range(2)]
+    for m in mods:
+        m.set_kernels(cpu_qgemv)
+    times = cpu_qgemv._measure(mods, program=True)
+    q8 = cpu_qgemv.q8_takes(mods[0])
+    assert sorted(k for k in times if k.endswith("_program")) == ["tpengine_program"] + (
+        ["tpengine_q8_program"] if q8 else [])
+    assert all(len(times[k]) == 1 and times[k][0] > 0 for k in times if k.endswith("_program"))
+    assert cpu_qgemv._valid(times) and not any(k.endswith("_program") for k in cpu_qgemv._measure(mods))
+    m = mods[0]
+    m.gemv_rows, m.q8_rows = 8, 0
+    spec = m.bind().c_spec
+    assert spec[0] == ("q8" if kind == "int8" else "q4") and cpu_program.product_shape(spec) == (96, 64)
+    with pytest.raises(ValueError, match=r"^cpu program timing: need one-row product calls of one kind and shape"):
+        cpu_program.one_row_us([spec, cpu_gemv_spec()], torch.bfloat16)
+
+
+def cpu_gemv_spec() -> tuple:
+    """A float32 GEMV's one-row call (a "lin" op) of a 96 x 64 weight."""
+    from tpengine.backends.cpu import cpu_gemv
+
+    return cpu_gemv.bind(torch.zeros(96, 64)).c_spec
+
+
+def _choose_program(tmp_path, monkeypatch, times: dict[str, dict], program: set[str]) -> tuple[dict, list]:
+    """cpu_qgemv.choose of stand-in weights, one group per key of ``times`` (each group's stubbed timings, two
+    agreeing measurements), ``program`` the keys a decode program multiplies by: ``(chosen, [(key, whether its
+    program times were asked for)] of the groups measured)``."""
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(measured, "Contention", _Quiet)
+    monkeypatch.setattr(measured, "probe_busy", lambda: False)
+    asked = []
+
+    def measure(mods, dequant_dtype=None, program=False):
+        asked.append((mods[0].key, program))
+        return {k: v for k, v in times[mods[0].key].items() if program or not k.endswith("_program")}
+    monkeypatch.setattr(cpu_qgemv, "_measure", measure)
+
+    class Mod:
+        dtype, gemv_rows, dequant_rows, q8_rows = torch.bfloat16, 0, 0, 0
+
+        def __init__(self, key):
+            self.key = key
+    groups = {k: [Mod(k), Mod(k)] for k in times}
+    chosen = cpu_qgemv.choose(groups, program=program)
+    for k, group in groups.items():
+        assert {m.gemv_rows for m in group} == {chosen[k]["gemv_rows"]}
+    return chosen, sorted(set(asked))
+
+
+def test_the_quantized_choice_is_made_for_the_whole_program(tmp_path, monkeypatch):
+    """The groups a decode program multiplies by are chosen together: on their one-row times in a program
+    (the C call alone), torch's kernel loses 576->576 at one row, so every product has a C call and the
+    program runs: those choices stand (an untied head's group, not in the program, keeps its loop times);
+    where torch's kernel still wins one product in the program's terms, no program runs and every group is
+    chosen on the loop's times."""
+    loop_loses = {"torch": [20.0, 40.0, 60.0], "tpengine": [22.0, 30.0, 50.0], "tpengine_program": [17.0]}
+    wins = {"torch": [50.0, 90.0, 130.0], "tpengine": [30.0, 60.0, 90.0], "tpengine_program": [28.0]}
+    head = {"torch": [20.0, 40.0, 60.0], "tpengine": [22.0, 30.0, 50.0]}
+    times = {"int8 per channel 576->576": loop_loses, "int8 per channel 576->3072": wins,
+             "int8 per channel 576->49152": head}
+    program = {"int8 per channel 576->576", "int8 per channel 576->3072"}
+    chosen, asked = _choose_program(tmp_path / "a", monkeypatch, times, program)
+    assert asked == sorted((k, k in program) for k in times)  # program times only for the program's products
+    assert {k: c["gemv_rows"] for k, c in chosen.items()} == {
+        "int8 per channel 576->576": 8, "int8 per channel 576->3072": 8, "int8 per channel 576->49152": 0}
+    assert chosen["int8 per channel 576->576"]["tpengine_program"] == [17.0]
+    assert "in a decode program 17 us at 1 row" in cpu_qgemv.summary(chosen)
+    # torch's kernel faster at one row even against the program's call: no program, the loop's times decide
+    times["int8 per channel 576->576"] = {**loop_loses, "tpengine_program": [21.0]}
+    chosen, _ = _choose_program(tmp_path / "b", monkeypatch, times, program)
+    assert {k: c["gemv_rows"] for k, c in chosen.items()} == {
+        "int8 per channel 576->576": 0, "int8 per channel 576->3072": 8, "int8 per channel 576->49152": 0}
+    chosen, asked = _choose_program(tmp_path / "b", monkeypatch, times, program)
+    assert asked == [] and all(c["how"] == "cached" for c in chosen.values())
+    # timings cached without the program times (a load whose model took no program) serve the loop only: a
+    # program's products are measured again
+    _choose_program(tmp_path / "c", monkeypatch, times, set())
+    chosen, asked = _choose_program(tmp_path / "c", monkeypatch, times, {"int8 per channel 576->576"})
+    assert asked == [("int8 per channel 576->576", True)] and chosen["int8 per channel 576->576"]["how"] == "measured"
 
 
 class _Quiet:

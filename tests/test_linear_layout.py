@@ -513,7 +513,7 @@ def test_a_gemv_timed_in_a_decode_program_is_the_kernel_itself(monkeypatch):
     monkeypatch.setattr(measured, "time_us", lambda fns, *a, **k: calls.extend(f() for f in fns) or 30.0)
     assert cpu_program.one_row_us([cpu_gemv.bind(w).c_spec for w in ws], torch.float32) == 30.0
     assert calls == [-1] * 3  # a program of one op per weight, each run whole (tpe_program_run's "all done")
-    with pytest.raises(ValueError, match=r"^cpu program timing: need one-row 'lin' calls of one shape; got "):
+    with pytest.raises(ValueError, match=r"^cpu program timing: need one-row product calls of one kind and shape"):
         cpu_program.one_row_us([cpu_gemv.bind(ws[0]).c_spec, cpu_gemv.bind(torch.zeros(16, 64)).c_spec],
                                torch.float32)
     monkeypatch.undo()

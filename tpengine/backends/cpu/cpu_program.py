@@ -180,24 +180,29 @@ def _linear(prog: Program, lin, x, nt: int, tag: str) -> torch.Tensor | None:
     """Append ``lin``'s one-row product of ``x`` (an address or :class:`Step`); returns its output
     buffer, or None where the layer has no C call at one row (or a bias, added outside its kernel)."""
     spec = _spec(getattr(lin, "impl", None))
-    if spec is None or getattr(lin, "bias", None) is not None:
+    if spec is None or getattr(lin, "bias", None) is not None or spec[0] not in PRODUCTS:
         return None
-    kind, name, *c = spec
-    if kind == "lin":
-        k, wp, n = c
-        y = prog.buffer(n, tag)
-        prog.add(kind, name, [x, 1, k, wp, n, y.data_ptr(), nt])
-    elif kind == "q8":
-        k, qp, sp, n, bf = c
-        y = prog.buffer(n, tag)
-        prog.add(kind, name, [x, 1, k, qp, sp, n, y.data_ptr(), bf, nt])
-    elif kind == "q4":
-        k, pp, sp, zp, gs, n, n_pad, block, bf = c
-        y = prog.buffer(n, tag)
-        prog.add(kind, name, [x, 1, k, pp, sp, zp, gs, n, n_pad, block, y.data_ptr(), bf, nt])
-    else:
-        return None
+    y = prog.buffer(product_shape(spec)[0], tag)
+    _add_product(prog, spec, x, y, nt)
     return y
+
+
+#: the ``c_spec`` kinds of a one-row product: a float weight's ("lin"), an int8 one's ("q8"), an int4 one's ("q4")
+PRODUCTS = ("lin", "q8", "q4")
+
+
+def product_shape(spec: tuple) -> tuple[int, int]:
+    """``(n, k)``, the weight shape of a product's ``c_spec`` (a kind of :data:`PRODUCTS`)."""
+    kind, _, k, *c = spec
+    return c[{"lin": 1, "q8": 2, "q4": 4}[kind]], k
+
+
+def _add_product(prog: Program, spec: tuple, x, y: torch.Tensor, nt: int) -> None:
+    """Append the one-row product ``spec`` (a kind of :data:`PRODUCTS`) of ``x`` (an address or :class:`Step`)
+    into ``y``."""
+    kind, name, k, *c = spec
+    prog.add(kind, name, [x, 1, k, *c[:-1], y.data_ptr(), c[-1], nt] if kind != "lin" else
+             [x, 1, k, *c, y.data_ptr(), nt])
 
 
 def _paged(prog: Program, spec: tuple, qkv: torch.Tensor, nt: int) -> torch.Tensor:
@@ -224,8 +229,9 @@ def runs() -> bool:
 
 def one_row_us(specs: list[tuple], dtype: torch.dtype) -> float:
     """Microseconds per call of one-row products as a decode program makes them: ``specs`` are bound
-    products' ``c_spec`` of kind "lin" (``("lin", fn, k, weight address, n)``, one shape ``[n, k]``, their
-    weights kept alive by the caller), each made on one row of ``dtype`` by a program of that one op, the
+    products' ``c_spec`` of one kind of :data:`PRODUCTS` (e.g. ``("lin", fn, k, weight address, n)``; a quantized
+    weight's "q8" or "q4" call) and one shape ``[n, k]`` (their weights kept alive by the caller), each made on
+    one row of ``dtype`` by a program of that one op, the
     calls timed in turn by :func:`tpengine.backends.cpu.measured.time_us` (the median call, so one that
     another process preempted does not count): a product's cost inside the program, with one ctypes call
     of the runner but without the Python a call from the layers' loop adds (its arguments' checks and
@@ -233,17 +239,18 @@ def one_row_us(specs: list[tuple], dtype: torch.dtype) -> float:
     a model that runs one).
 
     Raises:
-        ValueError: no specs, or one that is not a "lin" call of the specs' shape.
+        ValueError: no specs, or specs of other kinds or shapes than the first's.
     """
-    if not specs or any(s[0] != "lin" or s[2:5:2] != specs[0][2:5:2] for s in specs):
-        raise ValueError("cpu program timing: need one-row 'lin' calls of one shape; got "
+    if not specs or specs[0][0] not in PRODUCTS or any(
+            s[0] != specs[0][0] or product_shape(s) != product_shape(specs[0]) for s in specs):
+        raise ValueError("cpu program timing: need one-row product calls of one kind and shape; got "
                          f"{[s[:1] + s[2:] for s in specs]}")
-    k, n = specs[0][2], specs[0][4]
+    n, k = product_shape(specs[0])
     x, y = torch.full((1, k), 0.5, dtype=dtype), torch.empty(1, n, dtype=dtype)
     nt, progs = torch.get_num_threads(), []
-    for _, name, _, wp, _ in specs:
+    for spec in specs:
         prog = Program(k, dtype)
-        prog.add("lin", name, [x.data_ptr(), 1, k, wp, n, y.data_ptr(), nt])
+        _add_product(prog, spec, x.data_ptr(), y, nt)
         progs.append(prog.finish(y))
     fn = progs[0].run_fn
     return measured.time_us([lambda p=p: fn(p.ops_p, 1, p.params_p, 0) for p in progs])

@@ -391,7 +391,7 @@ def q8_rows(times: dict[str, list[float]]) -> int:
     return min(limit, gemv_rows(times["tpengine"], times["tpengine_q8"]))
 
 
-def _measure(mods: list, dequant_dtype: torch.dtype | None = None) -> dict[str, list[float]]:
+def _measure(mods: list, dequant_dtype: torch.dtype | None = None, program: bool = False) -> dict[str, list[float]]:
     """Microseconds per call of torch's kernel and these at :data:`ROW_BUCKETS` rows (rotating over
     ``mods``; each path's bound call, :meth:`~tpengine.model.quant.weights.QuantizedWeight.bind`), and
     where the kind has a dequantize-then-GEMM path (int4, int8 per channel) of
@@ -401,7 +401,10 @@ def _measure(mods: list, dequant_dtype: torch.dtype | None = None) -> dict[str, 
     is its timing: only the faster path at each bucket decides :func:`gemv_rows` and :func:`dequant_rows`);
     at the prefill buckets past one where torch's kernel lost so, it is not run at all (its time there:
     the one it lost with, times the ratio of the rows). ``dequant_dtype``: the dequantized weight's
-    dtype (the profile's half GEMM dtype; None: the activations')."""
+    dtype (the profile's half GEMM dtype; None: the activations'). ``program``: the weights are products a
+    decode program makes (:mod:`tpengine.backends.cpu.cpu_program`): each C kernel's one-row call is also
+    timed as the program makes it (:func:`~tpengine.backends.cpu.cpu_program.one_row_us`, no Python),
+    ``"tpengine_program"`` and ``"tpengine_q8_program"`` (one time each, at one row; :func:`in_program`)."""
     q8 = q8_takes(mods[0])
     times: dict[str, list[float]] = {"torch": [], "tpengine": [], **({"tpengine_q8": []} if q8 else {})}
     for m in mods:
@@ -420,6 +423,11 @@ def _measure(mods: list, dequant_dtype: torch.dtype | None = None) -> dict[str, 
         for path, _, _ in paths:  # torch's given up past GIVE_UP x ours
             give_up = GIVE_UP * min(v[-1] for k, v in times.items() if k != "torch") if path == "torch" else None
             times[path].append(time_us([lambda f=f: f(x) for f in bound[path]], give_up_us=give_up))
+    if program:  # (the C paths' bound calls carry their c_spec: QuantizedWeight.bind's _one_row)
+        from tpengine.backends.cpu import cpu_program
+
+        for path, _, _ in paths[:-1]:
+            times[f"{path}_program"] = [cpu_program.one_row_us([f.c_spec for f in bound[path]], mods[0].dtype)]
     for m in mods:
         m.q8_rows = 0
     if _has_prefill_path(mods[0]):
@@ -445,7 +453,8 @@ def _measure(mods: list, dequant_dtype: torch.dtype | None = None) -> dict[str, 
                 times[path].append(time_us([lambda m=m: run(m) for m in few], passes=2, give_up_us=give_up))
             if lost_at is None and times["prefill_torch"][-1] > GIVE_UP * times["prefill_dequant"][-1]:
                 lost_at = n
-    return {k: times[k] for k in ("torch", "tpengine", "tpengine_q8", "prefill_torch", "prefill_dequant") if k in times}
+    return {k: times[k] for k in ("torch", "tpengine", "tpengine_q8", "prefill_torch", "prefill_dequant",
+                                  "tpengine_program", "tpengine_q8_program") if k in times}
 
 
 def dequant_rows(times: dict[str, list[float]]) -> int:
@@ -460,9 +469,29 @@ def dequant_rows(times: dict[str, list[float]]) -> int:
     return rows
 
 
-def _decision(times: dict[str, list[float]]) -> tuple[int, int, int]:
-    """What :func:`choose` takes from a measurement: ``(gemv_rows, dequant_rows, q8_rows)``."""
+def in_program(times: dict[str, list[float]]) -> dict[str, list[float]]:
+    """The timings as a model that runs a decode program meets them: the C kernels' one-row times taken in a
+    program (``"tpengine_program"``, ``"tpengine_q8_program"``: their C call alone, no Python; :func:`_measure`)
+    in place of their bound calls' from Python; every other time as it is (torch's kernel has no C call: with
+    it at one row the step runs the layers' loop). Timings without program times are returned as they are."""
+    out = {k: list(v) for k, v in times.items() if not k.endswith("_program")}
+    for k in ("tpengine", "tpengine_q8"):
+        t = (times.get(f"{k}_program") or [None])[0]
+        if t is not None and k in out:
+            out[k][0] = t
+    return out
+
+
+def rows_of(times: dict[str, list[float]]) -> tuple[int, int, int]:
+    """``(gemv_rows, dequant_rows, q8_rows)`` of a measurement (:func:`gemv_rows`, :func:`dequant_rows`,
+    :func:`q8_rows`)."""
     return gemv_rows(times["torch"], _kernel_us(times)), dequant_rows(times), q8_rows(times)
+
+
+def _decision(times: dict[str, list[float]]) -> tuple:
+    """What :func:`choose` takes from a measurement (two passes agree where it is the same): :func:`rows_of`
+    as the layers' loop and as a decode program meet the timings (:func:`in_program`)."""
+    return rows_of(times), rows_of(in_program(times))
 
 
 def _valid(times) -> bool:
@@ -472,6 +501,7 @@ def _valid(times) -> bool:
     return (isinstance(times, dict) and numbers(times.get("torch"), len(ROW_BUCKETS))
             and numbers(times.get("tpengine"), len(ROW_BUCKETS))
             and ("tpengine_q8" not in times or numbers(times["tpengine_q8"], len(ROW_BUCKETS)))
+            and all(numbers(times[k], 1) for k in ("tpengine_program", "tpengine_q8_program") if k in times)
             and all(numbers(times[k], len(PREFILL_BUCKETS)) for k in ("prefill_torch", "prefill_dequant")
                     if k in times))
 
@@ -495,7 +525,8 @@ def default_times(mod) -> dict[str, list[float]]:
     return times
 
 
-def choose(groups: dict[str, list], rank: int = 0, dequant_dtype: torch.dtype | None = None) -> dict[str, dict]:
+def choose(groups: dict[str, list], rank: int = 0, dequant_dtype: torch.dtype | None = None,
+           program: set[str] | frozenset = frozenset()) -> dict[str, dict]:
     """For each group of quantized weights of one shape and kind (``groups``: a key such as ``"int4
     g32 576->3072"`` -> its :class:`~tpengine.model.quant.weights.QuantizedWeight` modules), the timings
     of torch's kernels and these (:func:`_measure`, on the modules themselves, rotating over all of them
@@ -504,19 +535,39 @@ def choose(groups: dict[str, list], rank: int = 0, dequant_dtype: torch.dtype | 
     ``gemv_rows`` (:func:`gemv_rows`), ``q8_rows`` (:func:`q8_rows`), ``dequant_rows``
     (:func:`dequant_rows`) and ``dequant_dtype`` (``dequant_dtype``: the dtype the dequantized weight's
     GEMM runs in, the profile's half GEMM dtype; None: the activations'). Cached timings without the int4 x
-    int8 kernel's, where it is a candidate (:func:`q8_takes`), are measured again. Returns ``{key:
-    {"torch": [us...], "tpengine": [us...], ["tpengine_q8": [us...],] ..., "gemv_rows": n, "q8_rows": n,
-    "dequant_rows": n, "how": ..., "dequant_dtype": name}}``, ``how`` one of
+    int8 kernel's, where it is a candidate (:func:`q8_takes`), are measured again.
+
+    ``program``: the keys of the groups whose weights are the products of a decode program (where the model's
+    form takes one: :func:`tpengine.backends.cpu.cpu_program.form_why_not`), which runs a one-token step as one
+    C call only where every one of them has a C call at one row (``gemv_rows`` >= 1). Their choice is made for
+    the whole model, as the float layouts' (:func:`tpengine.backends.cpu.linear_layout.choose_layouts`): first
+    on their one-row times as the program meets them (:func:`in_program`; these keys' cached timings without the
+    program times are measured again); if every one of them then takes a C kernel at one row, those choices
+    stand; else (torch's kernel still faster for one, so no program) each is chosen on the loop's times. (What
+    the program also saves outside the products is not counted: the rule leans to the loop in a close call.)
+    Returns ``{key: {"torch": [us...], "tpengine": [us...], ["tpengine_q8": [us...],] ..., "gemv_rows": n,
+    "q8_rows": n, "dequant_rows": n, "how": ..., "dequant_dtype": name}}``, ``how`` one of
     :mod:`~tpengine.backends.cpu.measured`'s descriptions."""
-    chosen = {}
+    timings = {}
     for key, mods in sorted(groups.items()):
         dtype = str(mods[0].dtype).removeprefix("torch.")
-        q8 = q8_takes(mods[0])
-        times, how = measured.timed(f"quant {dtype} {key} rank {rank}", lambda mods=mods: _measure(mods, dequant_dtype),
-                                    lambda t, q8=q8: _valid(t) and (not q8 or "tpengine_q8" in t), _decision)
-        if times is None:
-            times = default_times(mods[0])
-        rows, deq, rows8 = _decision(times)
+        q8, prog = q8_takes(mods[0]), key in program
+
+        def valid(t, q8=q8, prog=prog):
+            return (_valid(t) and (not q8 or "tpengine_q8" in t) and (not prog or "tpengine_program" in t)
+                    and (not (q8 and prog) or "tpengine_q8_program" in t))
+        def measure(mods=mods, prog=prog):
+            return _measure(mods, dequant_dtype, program=True) if prog else _measure(mods, dequant_dtype)
+        times, how = measured.timed(f"quant {dtype} {key} rank {rank}", measure, valid, _decision)
+        timings[key] = (default_times(mods[0]) if times is None else times, how)
+    program = set(program) & set(groups)
+    decided = {k: rows_of(in_program(t) if k in program else t) for k, (t, _) in timings.items()}
+    if not all(decided[k][0] >= 1 for k in program):  # no program either way: the loop's times decide
+        decided = {k: rows_of(t) for k, (t, _) in timings.items()}
+    chosen = {}
+    for key, mods in sorted(groups.items()):
+        times, how = timings[key]
+        rows, deq, rows8 = decided[key]
         for m in mods:
             m.gemv_rows, m.dequant_rows, m.dequant_dtype, m.q8_rows = rows, deq, dequant_dtype, rows8
         chosen[key] = {**times, "gemv_rows": rows, "q8_rows": rows8, "dequant_rows": deq, "how": how,
@@ -537,7 +588,10 @@ def summary(chosen: dict[str, dict]) -> str:
              f"{' (int8 activations up to ' + str(q8) + ')' if q8 else ''} "
              f"(torch {us(c['torch'])} us, tpengine {us(c['tpengine'])} us"
              f"{', int8 activations ' + us(c['tpengine_q8']) + ' us' if 'tpengine_q8' in c else ''}"
-             f" at {'/'.join(map(str, ROW_BUCKETS))} rows)")
+             f" at {'/'.join(map(str, ROW_BUCKETS))} rows"
+             f"{'; in a decode program ' + us(c['tpengine_program']) if 'tpengine_program' in c else ''}"
+             f"{'/' + us(c['tpengine_q8_program']) if 'tpengine_q8_program' in c else ''}"
+             f"{' us at 1 row' if 'tpengine_program' in c else ''})")
         if "prefill_torch" in c:
             deq = f"dequantize ({c.get('dequant_dtype', '')}) + GEMM from {c['dequant_rows']} rows"
             s += (f", {deq if c['dequant_rows'] else 'torch'}"

@@ -10,6 +10,7 @@ import dataclasses
 
 import torch
 
+from tpengine import distributed
 from tpengine.backends.cpu import (
     cpu_blocked,
     cpu_gemm,
@@ -165,14 +166,30 @@ def _bind_quantized(module: torch.nn.Module, cpu_kernels: bool, rank: int, gemm,
     same choice); ``gemm``: the half GEMM choice their dequantize-then-GEMM path follows. {} without
     ``cpu_kernels`` or quantized weights."""
     groups: dict[str, list] = {}
+    program, in_program = set(), _program_quantized(module, dtype)
     for m in _quantized(module):
         m.set_kernels(cpu_qgemv)
         if cpu_kernels and m.kernels_take:
             kind = type(m).__name__.removesuffix("Weight").lower()
             group = f"g{m.group_size}" if m.group_size else "per channel"
-            groups.setdefault(f"{kind} {group} {m.in_features}->{m.out_features}", []).append(m)
+            key = f"{kind} {group} {m.in_features}->{m.out_features}"
+            groups.setdefault(key, []).append(m)
+            if id(m) in in_program:
+                program.add(key)
     deq = cpu_widen.gemm_dtype(dtype, gemm) if gemm is not None else None
-    return cpu_qgemv.choose(groups, rank, deq) if groups else {}
+    return cpu_qgemv.choose(groups, rank, deq, program) if groups else {}
+
+
+def _program_quantized(module: torch.nn.Module, dtype: torch.dtype) -> set[int]:
+    """The ids of the quantized weights a decode program of ``module`` would multiply by (its layers' q/k/v, o,
+    gate/up and down; :func:`tpengine.backends.cpu.cpu_program.product_shapes`' products), at this process's tp
+    size; empty where the model's form takes no program (:func:`~tpengine.backends.cpu.cpu_program.form_why_not`)."""
+    stack = getattr(module, "model", None)
+    if stack is None or cpu_program.form_why_not(stack, distributed.get_tp().size, dtype) is not None:
+        return set()
+    return {id(lin.quant) for layer in stack.layers[:stack.config.num_hidden_layers]
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if getattr(lin, "quant", None) is not None}
 
 
 PLATFORM = CPUPlatform
