@@ -38,6 +38,10 @@
  * read one after another by each thread) stream slower without it; larger distances gained nothing
  * (figures: docs/notes/kernels.md, "Prefetching the int4 weights"). */
 #define Q4_PREFETCH_BYTES 4096
+/* The int4 x int8 kernel's weight prefetch goes to L2 (T1), not L1: its lines are read once, a page after
+ * the prefetch, while x's int8 blocks and the output sums stay in L1 (docs/notes/kernels.md, "int8 and int4
+ * at one row"). */
+#define Q8_PREFETCH_HINT _MM_HINT_T1
 
 #if defined(TPE_AVX512) || defined(TPE_AVX2)
 #include <immintrin.h>
@@ -706,8 +710,8 @@ static inline __attribute__((always_inline)) void q8_rows512(const int R, const 
     for (int st = 0; st < 8; st++) { /* 4 columns: 128 bytes */
         const uint8_t *c = p + st * 128;
         if (prefetch) {
-            _mm_prefetch((const char *)(c + Q4_PREFETCH_BYTES), _MM_HINT_T0);
-            _mm_prefetch((const char *)(c + Q4_PREFETCH_BYTES + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(c + Q4_PREFETCH_BYTES), Q8_PREFETCH_HINT);
+            _mm_prefetch((const char *)(c + Q4_PREFETCH_BYTES + 64), Q8_PREFETCH_HINT);
         }
         const __m512i a = _mm512_loadu_si512(c), e = _mm512_loadu_si512(c + 64);
         const __m512i t0 = _mm512_permutex2var_epi8(a, p0, e), t1 = _mm512_permutex2var_epi8(a, p1, e);
