@@ -154,6 +154,35 @@ static void blk_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t
     }
     for (; b < b1; b++) blk_panel(x, rows, k, w, b, y, n);
 }
+
+/* Past two passes of 4 rows (rows > 8) each pass would widen the block again: instead x is widened once to
+ * float32 (xf [rows][k]) and each block once to the float32 layout's block (wf [k][16]: step 2p the pairs'
+ * even elements, 2p + 1 the odd ones), multiplied by the float32 layout's panel kernel (blk32_panel, below) into
+ * yf [rows][16] and rounded to bfloat16 -- each output the same FMA chain (2p, then 2p + 1, p in order) as
+ * blk_*'s, so the same bits. */
+static void blk32_panel(const float *x, int64_t rows, int64_t k, const float *w, int64_t b, int nb, float *y,
+                        int64_t n);
+
+static void blk_range_wide(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t b0, int64_t b1,
+                           uint16_t *y, int64_t n) {
+    float *xf = (float *)malloc((size_t)(rows * k + 16 * k + rows * 16) * sizeof(float)), *wf = xf + rows * k,
+          *yf = wf + 16 * k;
+    const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
+    for (int64_t i = 0; i < rows * k; i++) xf[i] = bf2f(x[i]);
+    for (int64_t b = b0; b < b1; b++) {
+        const uint16_t *wb = w + b * 16 * k;
+        for (int64_t p = 0; p < k / 2; p++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + p * 32 + h * 16));
+                _mm256_storeu_ps(wf + 2 * p * 16 + h * 8, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+                _mm256_storeu_ps(wf + (2 * p + 1) * 16 + h * 8, _mm256_castsi256_ps(_mm256_and_si256(v, odd)));
+            }
+        blk32_panel(xf, rows, k, wf, 0, 1, yf, 16);
+        for (int64_t r = 0; r < rows; r++)
+            for (int h = 0; h < 2; h++) st8(y + r * n + b * 16 + h * 8, _mm256_loadu_ps(yf + r * 16 + h * 8));
+    }
+    free(xf);
+}
 #endif
 
 /* Blocks per thread: an even split (a share that is not a whole number of groups ends in smaller ones:
@@ -179,7 +208,16 @@ void tpe_blocked_gemm_bf16(const uint16_t *x, int64_t rows, int64_t k, const uin
                            int nthreads) {
     const int64_t blocks = n / 16, chunk = blk_chunk(blocks, nthreads, rows);
 #pragma omp parallel for schedule(static, 1) num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)
-    for (int64_t b0 = 0; b0 < blocks; b0 += chunk) blk_range(x, rows, k, w, b0, b0 + chunk < blocks ? b0 + chunk : blocks, y, n);
+    for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
+        const int64_t b1 = b0 + chunk < blocks ? b0 + chunk : blocks;
+#ifdef TPE_AVX2
+        if (rows > 8) {
+            blk_range_wide(x, rows, k, w, b0, b1, y, n);
+            continue;
+        }
+#endif
+        blk_range(x, rows, k, w, b0, b1, y, n);
+    }
 }
 
 /* A mixture-of-experts decode step's gate/up projections: g blocked weights w_i [n, k] (`w`: their
