@@ -325,7 +325,7 @@ def _choose_program(tmp_path, monkeypatch, times: dict[str, dict], program: set[
         dtype, gemv_rows, dequant_rows, q8_rows = torch.bfloat16, 0, 0, 0
 
         def __init__(self, key):
-            self.key = key
+            self.key, self.group_size = key, 32 if key.startswith("int8 g32 ") else None  # (grouped int8)
     groups = {k: [Mod(k), Mod(k)] for k in times}
     chosen = cpu_qgemv.choose(groups, program=program)
     for k, group in groups.items():
@@ -363,6 +363,10 @@ def test_the_quantized_choice_is_made_for_the_whole_program(tmp_path, monkeypatc
     _choose_program(tmp_path / "c", monkeypatch, times, set())
     chosen, asked = _choose_program(tmp_path / "c", monkeypatch, times, {"int8 per channel 576->576"})
     assert asked == [("int8 per channel 576->576", True)] and chosen["int8 per channel 576->576"]["how"] == "measured"
+    # a grouped int8 product (two int4 products in Python: no C call at one row) means no program: loop times
+    times["int8 g32 576->960"], times["int8 per channel 576->576"] = head, loop_loses  # (8 rows in a program)
+    chosen, asked = _choose_program(tmp_path / "d", monkeypatch, times, program | {"int8 g32 576->960"})
+    assert asked == sorted((k, False) for k in times) and chosen["int8 per channel 576->576"]["gemv_rows"] == 0
 
 
 class _Quiet:

@@ -506,6 +506,12 @@ def _valid(times) -> bool:
                     if k in times))
 
 
+def _one_row_c_call(mod) -> bool:
+    """Whether ``mod``'s one-row path on these kernels is one C call a decode program can make (its bound
+    call's ``c_spec``: int4, int8 per channel; a grouped int8 weight runs two int4 products in Python)."""
+    return getattr(mod, "group_size", None) is None or type(mod).__name__.startswith("Int4")
+
+
 def _has_prefill_path(mod) -> bool:
     """Whether ``mod``'s kind has the dequantize-then-GEMM path (int4, int8 per channel)."""
     return getattr(mod, "group_size", None) is None or type(mod).__name__.startswith("Int4")
@@ -543,11 +549,15 @@ def choose(groups: dict[str, list], rank: int = 0, dequant_dtype: torch.dtype | 
     the whole model, as the float layouts' (:func:`tpengine.backends.cpu.linear_layout.choose_layouts`): first
     on their one-row times as the program meets them (:func:`in_program`; these keys' cached timings without the
     program times are measured again); if every one of them then takes a C kernel at one row, those choices
-    stand; else (torch's kernel still faster for one, so no program) each is chosen on the loop's times. (What
+    stand; else (torch's kernel still faster for one, so no program) each is chosen on the loop's times, as
+    every group is where one of them has no C call at one row at all (a grouped int8 weight). (What
     the program also saves outside the products is not counted: the rule leans to the loop in a close call.)
     Returns ``{key: {"torch": [us...], "tpengine": [us...], ["tpengine_q8": [us...],] ..., "gemv_rows": n,
     "q8_rows": n, "dequant_rows": n, "how": ..., "dequant_dtype": name}}``, ``how`` one of
     :mod:`~tpengine.backends.cpu.measured`'s descriptions."""
+    program = set(program) & set(groups)
+    if not all(_one_row_c_call(groups[k][0]) for k in program):
+        program = set()  # a product the program cannot call (a grouped int8 weight): no program either way
     timings = {}
     for key, mods in sorted(groups.items()):
         dtype = str(mods[0].dtype).removeprefix("torch.")
@@ -560,7 +570,6 @@ def choose(groups: dict[str, list], rank: int = 0, dequant_dtype: torch.dtype | 
             return _measure(mods, dequant_dtype, program=True) if prog else _measure(mods, dequant_dtype)
         times, how = measured.timed(f"quant {dtype} {key} rank {rank}", measure, valid, _decision)
         timings[key] = (default_times(mods[0]) if times is None else times, how)
-    program = set(program) & set(groups)
     decided = {k: rows_of(in_program(t) if k in program else t) for k, (t, _) in timings.items()}
     if not all(decided[k][0] >= 1 for k in program):  # no program either way: the loop's times decide
         decided = {k: rows_of(t) for k, (t, _) in timings.items()}
