@@ -35,8 +35,8 @@ DTYPES = ("auto", *WEIGHT_DTYPES)
 BACKENDS = ("auto", "cpu", "torch", "triton")  # "torch": the old name of "cpu", still accepted
 #: The values of ``EngineConfig.cpu_linear``: "auto" measures and chooses the CPU weight layout per
 #: weight shape, the others force one (:mod:`tpengine.backends.cpu.linear_layout`; "blocked": tpengine's
-#: blocked layout, :mod:`tpengine.backends.cpu.cpu_blocked`, bfloat16 on AVX512-BF16 builds, float32 on AVX-512
-#: and AVX2 ones; a weight it does not take stays plain).
+#: blocked layout, :mod:`tpengine.backends.cpu.cpu_blocked`, bfloat16 and float32 on AVX-512 (bfloat16: with
+#: AVX512-BF16) and AVX2 builds; a weight it does not take stays plain).
 CPU_LINEAR_CHOICES = ("auto", "plain", "packed", "blocked")
 #: The values of ``EngineConfig.reasoning_parser`` besides None (:mod:`tpengine.frontend.reasoning`).
 REASONING_PARSER_NAMES = ("qwen3", "deepseek_r1")

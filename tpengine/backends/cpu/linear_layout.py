@@ -249,8 +249,8 @@ def choose_head(weight: torch.Tensor, setting: str = "auto", cpu_kernels: bool =
     """The layout and kernels of a tied LM head's loaded CPU ``weight [vocab_local, hidden]``, whose rows are
     the embedding's too, so it is held in ONE layout: plain (``F.linear`` or, per bucket
     (:func:`plain_kernels`), the GEMV kernel, and the GEMM kernel for a float32 weight or the widened float32
-    GEMM for a half-precision one), or blocked (:mod:`tpengine.backends.cpu.cpu_blocked`, bfloat16 on
-    AVX512-BF16 builds, float32 on AVX-512 and AVX2 ones; the embedding then reads its rows from it,
+    GEMM for a half-precision one), or blocked (:mod:`tpengine.backends.cpu.cpu_blocked`, bfloat16 and
+    float32 on AVX-512 (bfloat16: with AVX512-BF16) and AVX2 builds; the embedding then reads its rows from it,
     :func:`tpengine.backends.cpu.cpu_blocked.rows`),
     timed on this weight itself at :data:`ROW_BUCKETS` (the blocked one on a copy made and dropped for the
     measurement; cached like :func:`choose_layouts`) and chosen by :func:`pick`. ``setting`` "blocked"
