@@ -159,7 +159,9 @@ def test_c10_c12a_c18_smollm2(tok, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_after_kill(tiny, tmp_path):
+def test_resume_after_kill(tiny, tmp_path, measuring):
+    # measuring: its jobs decode ~1000 single rows of the 49152-word head, whose default layout (oneDNN's
+    # packed) runs one row about 2x slower than the C GEMV a measurement picks (docs/notes/test-suite.md)
     lines = [{"id": f"r{i}", "prompt": f"story number {i}", "max_tokens": 60, "temperature": 0}
              for i in range(8)]
     prompts = write_jsonl(tmp_path / "in.jsonl", lines)
