@@ -92,7 +92,7 @@ def test_program_equals_the_forward(llama, dtype, quantization, cpu_linear, kv):
         assert {int(r[2]) for r in backend.program.ops if cpu_program.SIGNATURES[next(iter(want))] == r[0]} == {fn}
     if quantization:  # the quantized choice's program products (cpu_qgemv.choose's ``program``): the layers', no other
         from tpengine.backends.cpu import platform as cpu_platform
-        assert cpu_platform._program_quantized(engine.runner.model, getattr(torch, dtype)) == {
+        assert cpu_platform._program_quantized(engine.runner.model, getattr(torch, dtype), 1) == {
             id(m.quant) for m in linears(stack)}
     if cpu_linear == "blocked":  # every product the blocked layout's own GEMM, of the weights' dtype
         name = f"tpe_blocked_gemm_{'bf16' if dtype == 'bfloat16' else 'f32'}"

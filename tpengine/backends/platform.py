@@ -96,10 +96,12 @@ class Platform:
         return {}
 
     def bind_model(self, module: torch.nn.Module, layouts: dict, *, tie: bool, dtype: torch.dtype,
-                   cpu_kernels: bool, cpu_linear: str, rank: int, pack: bool = True) -> ExecutionProfile:
+                   cpu_kernels: bool, cpu_linear: str, rank: int, pack: bool = True,
+                   tp_size: int = 1) -> ExecutionProfile:
         """Once every weight is loaded: measure what the platform chooses by measurement, and bind every
         layer of ``module`` (the HF causal LM :func:`tpengine.model.surgery.build_model` built) to it.
-        ``layouts``: :meth:`choose_layouts`'s (``pack``: whether layouts were asked for). Returns the
+        ``layouts``: :meth:`choose_layouts`'s (``pack``: whether layouts were asked for); ``tp_size``: the
+        tensor-parallel world size ``module`` is a rank of. Returns the
         profile of those choices. This base binds every linear to its torch path."""
         for m in module.modules():
             if hasattr(m, "impl") and hasattr(m, "pack"):

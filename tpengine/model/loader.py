@@ -491,7 +491,7 @@ def load_model(model: ModelSpec | str | Path, tp: TPInfo, dtype: torch.dtype = t
     if left:
         raise RuntimeError(f"rank {tp.rank}: still on the meta device after loading: {left}")
     profile = platform.bind_model(module, layouts, tie=tie, dtype=dtype, cpu_kernels=cpu_kernels,
-                                  cpu_linear=cpu_linear, rank=tp.rank, pack=bool(pack))
+                                  cpu_linear=cpu_linear, rank=tp.rank, pack=bool(pack), tp_size=tp.size)
     return LoadedModel(module, spec, weight_bytes, profile)
 
 

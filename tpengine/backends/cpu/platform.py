@@ -10,7 +10,6 @@ import dataclasses
 
 import torch
 
-from tpengine import distributed
 from tpengine.backends.cpu import (
     cpu_blocked,
     cpu_gemm,
@@ -86,7 +85,7 @@ class CPUPlatform(Platform):
         return linear_layout.choose_layouts(shapes, dtype, setting, cpu_kernels, groups, program)
 
     def bind_model(self, module: torch.nn.Module, layouts: dict, *, tie: bool, dtype: torch.dtype,
-                   cpu_kernels: bool, cpu_linear: str, rank: int, pack: bool = True) -> CPUProfile:
+                   cpu_kernels: bool, cpu_linear: str, rank: int, pack: bool = True, tp_size: int = 1) -> CPUProfile:
         """Measure what the CPU chooses for the loaded ``module`` (each step through
         :mod:`tpengine.backends.cpu.measured`), then bind it: the plain weights' kernels per row bucket
         (``layouts``), a tied head's paths (``pack``: the layouts were chosen), the half GEMM dtype, the
@@ -101,7 +100,7 @@ class CPUPlatform(Platform):
             if head_layout.layout == "blocked":
                 _block_tied_head(head, module.get_input_embeddings())
         gemm = {dtype: cpu_widen.gemm_choice(dtype)} if dtype in _HALF else {}  # measured here, not in a step
-        quant = _bind_quantized(module, cpu_kernels, rank, gemm.get(dtype), dtype)
+        quant = _bind_quantized(module, cpu_kernels, rank, gemm.get(dtype), dtype, tp_size)
         for m in _linears(module):  # every linear, now that its weight and choices are final
             m.bind(linear_layout.bind_layer(m, head=m is head))
         row_max = greedy_choice = None
@@ -159,14 +158,15 @@ def _set_kernels(module: torch.nn.Module, layouts: dict, tied_head) -> None:
             m.kernels = choice.kernels
 
 
-def _bind_quantized(module: torch.nn.Module, cpu_kernels: bool, rank: int, gemm, dtype) -> dict[str, dict]:
+def _bind_quantized(module: torch.nn.Module, cpu_kernels: bool, rank: int, gemm, dtype,
+                    tp_size: int = 1) -> dict[str, dict]:
     """Give every quantized weight the C kernels (:mod:`tpengine.backends.cpu.cpu_qgemv`) and, with
     ``cpu_kernels``, measure them against torch's per weight shape (:func:`cpu_qgemv.choose`: each
     rank its own shapes, no collective; the timings are cached per rank, so every later load makes the
     same choice); ``gemm``: the half GEMM choice their dequantize-then-GEMM path follows. {} without
     ``cpu_kernels`` or quantized weights."""
     groups: dict[str, list] = {}
-    program, in_program = set(), _program_quantized(module, dtype)
+    program, in_program = set(), _program_quantized(module, dtype, tp_size)
     for m in _quantized(module):
         m.set_kernels(cpu_qgemv)
         if cpu_kernels and m.kernels_take:
@@ -180,12 +180,12 @@ def _bind_quantized(module: torch.nn.Module, cpu_kernels: bool, rank: int, gemm,
     return cpu_qgemv.choose(groups, rank, deq, program) if groups else {}
 
 
-def _program_quantized(module: torch.nn.Module, dtype: torch.dtype) -> set[int]:
+def _program_quantized(module: torch.nn.Module, dtype: torch.dtype, tp_size: int) -> set[int]:
     """The ids of the quantized weights a decode program of ``module`` would multiply by (its layers' q/k/v, o,
-    gate/up and down; :func:`tpengine.backends.cpu.cpu_program.product_shapes`' products), at this process's tp
-    size; empty where the model's form takes no program (:func:`~tpengine.backends.cpu.cpu_program.form_why_not`)."""
+    gate/up and down; :func:`tpengine.backends.cpu.cpu_program.product_shapes`' products) at ``tp_size``;
+    empty where the model's form takes no program (:func:`~tpengine.backends.cpu.cpu_program.form_why_not`)."""
     stack = getattr(module, "model", None)
-    if stack is None or cpu_program.form_why_not(stack, distributed.get_tp().size, dtype) is not None:
+    if stack is None or cpu_program.form_why_not(stack, tp_size, dtype) is not None:
         return set()
     return {id(lin.quant) for layer in stack.layers[:stack.config.num_hidden_layers]
             for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
