@@ -90,7 +90,7 @@ def test_program_equals_the_forward(llama, dtype, quantization, cpu_linear, kv):
         # the int8-activation kernels bound (int4 x int8, int8 x int8), called through the same signatures
         fn = ctypes.cast(getattr(cpu_library.load(), f"tpe_qgemv_{quantization}_q8"), ctypes.c_void_p).value
         assert {int(r[2]) for r in backend.program.ops if cpu_program.SIGNATURES[next(iter(want))] == r[0]} == {fn}
-    if quantization:  # the quantized choice's program products (cpu_qgemv.choose's ``program``): the layers', no other
+    if quantization:  # the quantized choice's program products (qgemv_choice.choose's ``program``): the layers'
         from tpengine.backends.cpu import platform as cpu_platform
         assert cpu_platform._program_quantized(engine.runner.model, getattr(torch, dtype), 1) == {
             id(m.quant) for m in linears(stack)}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpengine.backends.cpu import cpu_library, cpu_qgemv, measured
+from tpengine.backends.cpu import cpu_library, cpu_qgemv, measured, qgemv_choice
 from tpengine.model.quant.apply import quantize_weight
 from tpengine.model.quant.arith import _int4_values, int4_pack_layout
 from tpengine.model.quant.weights import Int4Weight, Int8Weight, QuantScheme
@@ -191,34 +191,35 @@ def test_layout_check_and_argument_errors():
     with pytest.raises(ValueError, match=r"^dequant int4: scales_and_zeros must be \[groups, n_pad, 2\]; got "
                                          r"\(4, 64\)$"):
         cpu_qgemv.dequant_int4(z.packed, z.scales, 32)
-    assert cpu_qgemv.gemv_rows([10, 20, 30], [5, 25, 10]) == 1
-    assert cpu_qgemv.gemv_rows([10, 20, 30], [11, 1, 1]) == 0
-    assert cpu_qgemv.gemv_rows([10, 20, 30], [9, 19, 29]) == 8
+    assert qgemv_choice.gemv_rows([10, 20, 30], [5, 25, 10]) == 1
+    assert qgemv_choice.gemv_rows([10, 20, 30], [11, 1, 1]) == 0
+    assert qgemv_choice.gemv_rows([10, 20, 30], [9, 19, 29]) == 8
     # the int4 x int8 kernel: up to the buckets where it beat the float kernel, within gemv_rows
     times = {"torch": [10, 20, 30], "tpengine": [5, 10, 15], "tpengine_q8": [4, 12, 1]}
-    assert (cpu_qgemv.q8_rows(times), cpu_qgemv.gemv_rows(times["torch"], cpu_qgemv._kernel_us(times))) == (1, 8)
+    kernel_us = qgemv_choice._kernel_us(times)
+    assert (qgemv_choice.q8_rows(times), qgemv_choice.gemv_rows(times["torch"], kernel_us)) == (1, 8)
     times = {"torch": [10, 20, 30], "tpengine": [50, 50, 50], "tpengine_q8": [4, 12, 31]}
-    assert (cpu_qgemv.q8_rows(times), cpu_qgemv.rows_of(times)[0]) == (4, 4)
-    assert cpu_qgemv.q8_rows({"torch": [10, 20, 30], "tpengine": [5, 10, 15]}) == 0
+    assert (qgemv_choice.q8_rows(times), qgemv_choice.rows_of(times)[0]) == (4, 4)
+    assert qgemv_choice.q8_rows({"torch": [10, 20, 30], "tpengine": [5, 10, 15]}) == 0
 
 
 @needs_kernels
 def test_choose_sets_every_weight_of_a_shape():
     mods = [weight("int4", 32, (192, 128), torch.bfloat16, seed=i) for i in range(3)]
     per_channel = [weight("int8", None, (192, 128), torch.bfloat16, seed=i) for i in range(2)]
-    chosen = cpu_qgemv.choose({"int4 g32 128->192": mods, "int8 per channel 128->192": per_channel})
+    chosen = qgemv_choice.choose({"int4 g32 128->192": mods, "int8 per channel 128->192": per_channel})
     for key, group in (("int4 g32 128->192", mods), ("int8 per channel 128->192", per_channel)):
         c = chosen[key]
         assert len(c["torch"]) == len(c["tpengine"]) == 3 and len(c["prefill_torch"]) == 2
-        assert c["gemv_rows"] == cpu_qgemv.gemv_rows(c["torch"], cpu_qgemv._kernel_us(c))
+        assert c["gemv_rows"] == qgemv_choice.gemv_rows(c["torch"], qgemv_choice._kernel_us(c))
         assert c["dequant_rows"] in (0, 64, 512)
-        assert c["q8_rows"] == cpu_qgemv.q8_rows(c) <= c["gemv_rows"]
+        assert c["q8_rows"] == qgemv_choice.q8_rows(c) <= c["gemv_rows"]
         # bfloat16 int4 and per-channel int8: the int8-activation kernels
         assert ("tpengine_q8" in c) == cpu_library.has(*(cpu_qgemv.INT4_Q8_KERNELS if group is mods
                                                          else cpu_qgemv.INT8_Q8_KERNELS))
         assert {(m.gemv_rows, m.dequant_rows, m.q8_rows) for m in group} == {(c["gemv_rows"], c["dequant_rows"],
                                                                              c["q8_rows"])}
-    line = cpu_qgemv.summary(chosen)
+    line = qgemv_choice.summary(chosen)
     assert line.startswith("int4 g32 128->192 ") and "; int8 per channel 128->192 " in line
     assert " at 1/4/8 rows)" in line and " at 64/512 rows)" in line
     assert isinstance(mods[0], Int4Weight) and isinstance(per_channel[0], Int8Weight)
@@ -239,10 +240,10 @@ def test_cached_choices_are_reused_and_bad_entries_measured_again(tmp_path, monk
         calls.append(len(mods))
         return {"torch": [10.0, 20.0, 30.0], "tpengine": [5.0, 25.0 if len(calls) % 2 else 21.0, 40.0],
                 "prefill_torch": [900.0, 7000.0], "prefill_dequant": [950.0, 1500.0]}
-    monkeypatch.setattr(cpu_qgemv, "_measure", measure)
+    monkeypatch.setattr(qgemv_choice, "_measure", measure)
     monkeypatch.setattr(measured, "Contention", _Quiet)
     mods = [weight("int4", 32, (96, 64), torch.float32, seed=i) for i in range(2)]
-    first = cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=1)
+    first = qgemv_choice.choose({"int4 g32 64->96": mods}, rank=1)
     assert first["int4 g32 64->96"]["how"] == "measured" and calls == [2, 2]
     assert first["int4 g32 64->96"]["tpengine"] == [5.0, 21.0, 40.0]  # the faster of the two per bucket
     assert (first["int4 g32 64->96"]["gemv_rows"], first["int4 g32 64->96"]["dequant_rows"]) == (1, 512)
@@ -250,13 +251,13 @@ def test_cached_choices_are_reused_and_bad_entries_measured_again(tmp_path, monk
     path = measured.cache_path()
     cached = json.loads(path.read_text())
     assert list(cached) == ["quant float32 int4 g32 64->96 rank 1"]
-    again = cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=1)["int4 g32 64->96"]
+    again = qgemv_choice.choose({"int4 g32 64->96": mods}, rank=1)["int4 g32 64->96"]
     assert again["how"] == "cached" and again["torch"] == first["int4 g32 64->96"]["torch"]
     path.write_text(json.dumps({"quant float32 int4 g32 64->96 rank 1": {"torch": ["x", 1, 2], "tpengine": [1, 2, 3]}}))
-    assert cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=1)["int4 g32 64->96"]["how"] == "measured"
-    assert cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=1)["int4 g32 64->96"]["how"] == "cached"  # replaced
+    assert qgemv_choice.choose({"int4 g32 64->96": mods}, rank=1)["int4 g32 64->96"]["how"] == "measured"
+    assert qgemv_choice.choose({"int4 g32 64->96": mods}, rank=1)["int4 g32 64->96"]["how"] == "cached"  # replaced
     path.write_text("not json")
-    assert cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=1)["int4 g32 64->96"]["how"] == "measured"
+    assert qgemv_choice.choose({"int4 g32 64->96": mods}, rank=1)["int4 g32 64->96"]["how"] == "measured"
 
 
 def test_in_program_takes_the_c_kernels_one_row_times_in_a_program():
@@ -264,13 +265,13 @@ def test_in_program_takes_the_c_kernels_one_row_times_in_a_program():
     one row; the other buckets, torch's times and timings without program times stay as they are."""
     times = {"torch": [20.0, 40.0, 60.0], "tpengine": [25.0, 30.0, 50.0], "tpengine_q8": [22.0, 28.0, 45.0],
              "tpengine_program": [19.0], "tpengine_q8_program": [15.0], "prefill_torch": [1.0, 2.0]}
-    prog = cpu_qgemv.in_program(times)
+    prog = qgemv_choice.in_program(times)
     assert prog == {"torch": [20.0, 40.0, 60.0], "tpengine": [19.0, 30.0, 50.0], "tpengine_q8": [15.0, 28.0, 45.0],
                     "prefill_torch": [1.0, 2.0]}
-    assert cpu_qgemv.rows_of(times)[::2] == (0, 0) and cpu_qgemv.rows_of(prog)[::2] == (8, 8)
-    assert cpu_qgemv._decision(times) == (cpu_qgemv.rows_of(times), cpu_qgemv.rows_of(prog))
+    assert qgemv_choice.rows_of(times)[::2] == (0, 0) and qgemv_choice.rows_of(prog)[::2] == (8, 8)
+    assert qgemv_choice._decision(times) == (qgemv_choice.rows_of(times), qgemv_choice.rows_of(prog))
     plain = {"torch": [20.0, 40.0, 60.0], "tpengine": [25.0, 30.0, 50.0]}
-    assert cpu_qgemv.in_program(plain) == plain
+    assert qgemv_choice.in_program(plain) == plain
 
 
 @needs_kernels
@@ -286,12 +287,12 @@ def test_a_program_product_is_also_timed_as_the_program_calls_it(kind, group):
     mods = [weight(kind, group, (96, 64), torch.bfloat16, seed=i) for i in range(2)]
     for m in mods:
         m.set_kernels(cpu_qgemv)
-    times = cpu_qgemv._measure(mods, program=True)
+    times = qgemv_choice._measure(mods, program=True)
     q8 = cpu_qgemv.q8_takes(mods[0])
     assert sorted(k for k in times if k.endswith("_program")) == ["tpengine_program"] + (
         ["tpengine_q8_program"] if q8 else [])
     assert all(len(times[k]) == 1 and times[k][0] > 0 for k in times if k.endswith("_program"))
-    assert cpu_qgemv._valid(times) and not any(k.endswith("_program") for k in cpu_qgemv._measure(mods))
+    assert qgemv_choice._valid(times) and not any(k.endswith("_program") for k in qgemv_choice._measure(mods))
     m = mods[0]
     m.gemv_rows, m.q8_rows = 8, 0
     spec = m.bind().c_spec
@@ -308,7 +309,7 @@ def cpu_gemv_spec() -> tuple:
 
 
 def _choose_program(tmp_path, monkeypatch, times: dict[str, dict], program: set[str]) -> tuple[dict, list]:
-    """cpu_qgemv.choose of stand-in weights, one group per key of ``times`` (each group's stubbed timings, two
+    """qgemv_choice.choose of stand-in weights, one group per key of ``times`` (each group's stubbed timings, two
     agreeing measurements), ``program`` the keys a decode program multiplies by: ``(chosen, [(key, whether its
     program times were asked for)] of the groups measured)``."""
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
@@ -319,7 +320,7 @@ def _choose_program(tmp_path, monkeypatch, times: dict[str, dict], program: set[
     def measure(mods, dequant_dtype=None, program=False):
         asked.append((mods[0].key, program))
         return {k: v for k, v in times[mods[0].key].items() if program or not k.endswith("_program")}
-    monkeypatch.setattr(cpu_qgemv, "_measure", measure)
+    monkeypatch.setattr(qgemv_choice, "_measure", measure)
 
     class Mod:
         dtype, gemv_rows, dequant_rows, q8_rows = torch.bfloat16, 0, 0, 0
@@ -327,7 +328,7 @@ def _choose_program(tmp_path, monkeypatch, times: dict[str, dict], program: set[
         def __init__(self, key):
             self.key, self.group_size = key, 32 if key.startswith("int8 g32 ") else None  # (grouped int8)
     groups = {k: [Mod(k), Mod(k)] for k in times}
-    chosen = cpu_qgemv.choose(groups, program=program)
+    chosen = qgemv_choice.choose(groups, program=program)
     for k, group in groups.items():
         assert {m.gemv_rows for m in group} == {chosen[k]["gemv_rows"]}
     return chosen, sorted(set(asked))
@@ -350,7 +351,7 @@ def test_the_quantized_choice_is_made_for_the_whole_program(tmp_path, monkeypatc
     assert {k: c["gemv_rows"] for k, c in chosen.items()} == {
         "int8 per channel 576->576": 8, "int8 per channel 576->3072": 8, "int8 per channel 576->49152": 0}
     assert chosen["int8 per channel 576->576"]["tpengine_program"] == [17.0]
-    assert "in a decode program 17 us at 1 row" in cpu_qgemv.summary(chosen)
+    assert "in a decode program 17 us at 1 row" in qgemv_choice.summary(chosen)
     # torch's kernel faster at one row even against the program's call: no program, the loop's times decide
     times["int8 per channel 576->576"] = {**loop_loses, "tpengine_program": [21.0]}
     chosen, _ = _choose_program(tmp_path / "b", monkeypatch, times, program)
@@ -387,13 +388,13 @@ def test_disagreeing_measurements_are_used_once_and_not_cached(tmp_path, monkeyp
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
     slow = iter([{"torch": [10.0, 20.0, 30.0], "tpengine": [5.0, 10.0, 15.0]},
                  {"torch": [10.0, 20.0, 30.0], "tpengine": [5.0, 31.0, 15.0]}])
-    monkeypatch.setattr(cpu_qgemv, "_measure", lambda mods, dt=None: next(slow))
+    monkeypatch.setattr(qgemv_choice, "_measure", lambda mods, dt=None: next(slow))
     monkeypatch.setattr(measured, "Contention", _Quiet)
 
     class Mod:
         dtype, gemv_rows, dequant_rows = torch.float32, 0, 0
     mods = [Mod(), Mod()]
-    got = cpu_qgemv.choose({"int4 g32 64->96": mods}, rank=0)["int4 g32 64->96"]
+    got = qgemv_choice.choose({"int4 g32 64->96": mods}, rank=0)["int4 g32 64->96"]
     assert got["how"] == "measured, noisy (not cached)" and got["tpengine"] == [5.0, 10.0, 15.0]
     assert (got["gemv_rows"], got["dequant_rows"]) == (8, 0) and {m.gemv_rows for m in mods} == {8}
     assert not measured.cache_path().exists()

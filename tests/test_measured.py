@@ -92,7 +92,7 @@ def test_a_busy_start_takes_each_default_and_measures_nothing(monkeypatch, tmp_p
     """Without cached timings a machine found busy before measuring (a fake contention source here) takes
     each choice's default, described as such, measures nothing and caches nothing; timings cached from a
     quiet start are used whatever the load."""
-    from tpengine.backends.cpu import cpu_qgemv, linear_layout
+    from tpengine.backends.cpu import linear_layout, qgemv_choice
 
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(measured, "probe_busy", lambda: True)
@@ -109,8 +109,8 @@ def test_a_busy_start_takes_each_default_and_measures_nothing(monkeypatch, tmp_p
 
     class Int4Weight:
         dtype, group_size, gemv_rows, dequant_rows = torch.float32, 32, 0, 0
-    monkeypatch.setattr(cpu_qgemv, "_measure", lambda mods, dt=None: ran.append("quant") or {})
-    q = cpu_qgemv.choose({"int4 g32 64->96": [Int4Weight()]})["int4 g32 64->96"]
+    monkeypatch.setattr(qgemv_choice, "_measure", lambda mods, dt=None: ran.append("quant") or {})
+    q = qgemv_choice.choose({"int4 g32 64->96": [Int4Weight()]})["int4 g32 64->96"]
     assert (q["how"], q["gemv_rows"], q["dequant_rows"]) == (measured.DEFAULT_BUSY, 8, 64)
     assert ran == [] and measured.read_cache(measured.cache_path()) == {}
     measured.write_cache(measured.cache_path(), {"k": {"a": [2.0], "b": [1.0]}})  # a quiet start's timings
@@ -143,25 +143,25 @@ def test_time_us_gives_up_after_the_warm_up_pass():
 
 
 def test_qgemv_measure_times_the_rival_first_and_gives_torch_up_past_4x(monkeypatch):
-    """cpu_qgemv._measure times these kernels (decode rows) and dequantize + GEMM (prefill rows)
+    """qgemv_choice._measure times these kernels (decode rows) and dequantize + GEMM (prefill rows)
     before torch's kernel at each bucket, and hands time_us GIVE_UP times their time as torch's
     ``give_up_us``; every path keeps one timing per bucket."""
-    from tpengine.backends.cpu import cpu_qgemv
+    from tpengine.backends.cpu import qgemv_choice
 
     asked = []
 
     def fake_time_us(fns, passes=4, give_up_us=None):
         asked.append(give_up_us)
         return 10.0 * len(asked)
-    monkeypatch.setattr(cpu_qgemv, "time_us", fake_time_us)
+    monkeypatch.setattr(qgemv_choice, "time_us", fake_time_us)
 
     class Int4Weight:
         in_features, dtype, group_size, gemv_rows, dequant_rows = 64, torch.float32, 32, 0, 0
 
         def bind(self):  # (the bound call each path is timed through; time_us is faked here)
             return lambda x: None
-    times = cpu_qgemv._measure([Int4Weight(), Int4Weight()])
-    g = cpu_qgemv.GIVE_UP
+    times = qgemv_choice._measure([Int4Weight(), Int4Weight()])
+    g = qgemv_choice.GIVE_UP
     assert g == 4.0
     assert asked == [None, g * 10, None, g * 30, None, g * 50, None, g * 70, None, g * 90]
     assert times == {"torch": [20.0, 40.0, 60.0], "tpengine": [10.0, 30.0, 50.0],
@@ -172,31 +172,31 @@ def test_qgemv_measure_runs_torch_no_more_at_prefill_rows_past_a_loss_by_over_4x
     """Once torch's kernel lost by over GIVE_UP at a prefill bucket (64 rows), it is not run at the larger
     one (512 rows: a call of torch's AVX2 bfloat16 int4 GEMM took minutes there); its time is the lost one
     times 512 / 64, so dequantize + GEMM is chosen from 64 rows."""
-    from tpengine.backends.cpu import cpu_qgemv
+    from tpengine.backends.cpu import qgemv_choice
 
     asked = []
 
     def fake_time_us(fns, passes=4, give_up_us=None):
         asked.append(give_up_us)
         return {7: 10.0, 8: 50.0, 9: 20.0}.get(len(asked), 1.0)  # 64 rows: dequant 10 us, torch 50 us
-    monkeypatch.setattr(cpu_qgemv, "time_us", fake_time_us)
+    monkeypatch.setattr(qgemv_choice, "time_us", fake_time_us)
 
     class Int4Weight:
         in_features, dtype, group_size, gemv_rows, dequant_rows = 64, torch.float32, 32, 0, 0
 
         def bind(self):  # (the bound call each path is timed through; time_us is faked here)
             return lambda x: None
-    times = cpu_qgemv._measure([Int4Weight()])
+    times = qgemv_choice._measure([Int4Weight()])
     assert len(asked) == 3 * 2 + 3  # decode: 3 buckets x 2 paths; prefill: both at 64 rows, dequant at 512
     assert times["prefill_dequant"] == [10.0, 20.0] and times["prefill_torch"] == [50.0, 400.0]
-    assert cpu_qgemv.dequant_rows(times) == 64
+    assert qgemv_choice.dequant_rows(times) == 64
 
 
 def test_a_busy_first_measurement_is_not_taken_twice(monkeypatch, tmp_path):
     """A first measurement taken while the machine was busy is that run's only (BUSY, not cached), so no
     second one is taken: measured.timings, the linear layouts and the quantized kernels each measure once;
     on a quiet machine twice (the agreement check)."""
-    from tpengine.backends.cpu import cpu_qgemv, linear_layout
+    from tpengine.backends.cpu import linear_layout, qgemv_choice
 
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(measured, "probe_busy", lambda: False)  # quiet when each measurement starts
@@ -222,12 +222,12 @@ def test_a_busy_first_measurement_is_not_taken_twice(monkeypatch, tmp_path):
         got = linear_layout._timed(f"layout k{runs}", ("plain",), lambda: n.append(1) or {"plain": [1.0, 2.0, 3.0]})
         assert len(n) == runs and (got[1] == measured.BUSY) == (runs == 1)
         m = []
-        monkeypatch.setattr(cpu_qgemv, "_measure", lambda mods, dt=None: m.append(1) or {
+        monkeypatch.setattr(qgemv_choice, "_measure", lambda mods, dt=None: m.append(1) or {
             "torch": [10.0, 20.0, 30.0], "tpengine": [5.0, 10.0, 15.0]})
 
         class Mod:
             dtype, gemv_rows, dequant_rows = torch.float32, 0, 0
-        c = cpu_qgemv.choose({f"int4 g32 64->{96 * runs}": [Mod()]}, rank=0)[f"int4 g32 64->{96 * runs}"]
+        c = qgemv_choice.choose({f"int4 g32 64->{96 * runs}": [Mod()]}, rank=0)[f"int4 g32 64->{96 * runs}"]
         assert len(m) == runs and c["how"] == (measured.BUSY if runs == 1 else "measured") and c["gemv_rows"] == 8
 
 

@@ -21,6 +21,7 @@ from tpengine.backends.cpu import (
     linear_layout,
     measured,
     process,
+    qgemv_choice,
 )
 from tpengine.backends.cpu.cpu_fused import FusedOps
 from tpengine.backends.cpu.memory import lazy_zeros
@@ -161,7 +162,7 @@ def _set_kernels(module: torch.nn.Module, layouts: dict, tied_head) -> None:
 def _bind_quantized(module: torch.nn.Module, cpu_kernels: bool, rank: int, gemm, dtype,
                     tp_size: int = 1) -> dict[str, dict]:
     """Give every quantized weight the C kernels (:mod:`tpengine.backends.cpu.cpu_qgemv`) and, with
-    ``cpu_kernels``, measure them against torch's per weight shape (:func:`cpu_qgemv.choose`: each
+    ``cpu_kernels``, measure them against torch's per weight shape (:func:`qgemv_choice.choose`: each
     rank its own shapes, no collective; the timings are cached per rank, so every later load makes the
     same choice); ``gemm``: the half GEMM choice their dequantize-then-GEMM path follows. {} without
     ``cpu_kernels`` or quantized weights."""
@@ -177,7 +178,7 @@ def _bind_quantized(module: torch.nn.Module, cpu_kernels: bool, rank: int, gemm,
             if id(m) in in_program:
                 program.add(key)
     deq = cpu_widen.gemm_dtype(dtype, gemm) if gemm is not None else None
-    return cpu_qgemv.choose(groups, rank, deq, program) if groups else {}
+    return qgemv_choice.choose(groups, rank, deq, program) if groups else {}
 
 
 def _program_quantized(module: torch.nn.Module, dtype: torch.dtype, tp_size: int) -> set[int]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tpengine.backends.cpu import cpu_qgemv, linear_layout
+from tpengine.backends.cpu import linear_layout, qgemv_choice
 from tpengine.backends.platform import ExecutionProfile
 
 
@@ -20,7 +20,7 @@ class CPUProfile(ExecutionProfile):
     """What the CPU platform measured and chose: ``linear_layouts`` (weight shape ->
     :class:`~tpengine.backends.cpu.linear_layout.LayoutChoice`), ``head_layout`` (a tied LM head's paths
     per row bucket, or None), ``quant_kernels`` (quantized weight group ->
-    :func:`tpengine.backends.cpu.cpu_qgemv.choose`'s entry), ``row_max_choice`` (the greedy pick's: a
+    :func:`tpengine.backends.cpu.qgemv_choice.choose`'s entry), ``row_max_choice`` (the greedy pick's: a
     torch block or the C row argmax, :func:`tpengine.backends.cpu.greedy.choose_row_max_block`),
     ``greedy_choice`` (a half-precision head's greedy path), ``gemm_choices`` (half dtype -> whether its
     products run in float32, :func:`tpengine.backends.cpu.cpu_widen.gemm_choice`), ``paged_choice`` (the
@@ -47,7 +47,7 @@ class CPUProfile(ExecutionProfile):
             return None
         line = linear_layout.summary(self.linear_layouts, dtype)
         if self.quant_kernels:  # quantized weights: which kernel each shape takes at few rows
-            line += "; quantized weights: " + cpu_qgemv.summary(self.quant_kernels)
+            line += "; quantized weights: " + qgemv_choice.summary(self.quant_kernels)
         if self.head_layout is not None and self.head_layout.times_us and head_shape is not None:
             line += "; tied LM head " + self.head_layout.describe(head_shape)
         if self.row_max_choice is not None:

@@ -134,7 +134,7 @@ class QuantizedWeight(nn.Module):
     out_features: int
     in_features: int
     #: Up to this many rows ``forward`` runs the device's kernels (:attr:`qkernels`), above it torch's;
-    #: set per weight shape by measurement (on the CPU :func:`tpengine.backends.cpu.cpu_qgemv.choose`).
+    #: set per weight shape by measurement (on the CPU :func:`tpengine.backends.cpu.qgemv_choice.choose`).
     gemv_rows = 0
     #: Up to this many rows (at most ``gemv_rows``) an int4 or per-channel int8 weight's kernel quantizes the
     #: activations to int8 and multiplies in integers (on the CPU ``cpu_qgemv.int4(..., act_int8=True)``,
