@@ -199,3 +199,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_sep("=", f"{sum(counts.values())} skipped, by reason")
     for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
         terminalreporter.write_line(f"{n:5d}  {reason}")
+
+
+@pytest.fixture
+def torch_threads():
+    """``set(n)``: torch's intra-op threads for this test (a kernel test parametrized over thread counts), the
+    count before it restored at teardown."""
+    import torch
+
+    old = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(old)

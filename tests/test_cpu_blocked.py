@@ -24,55 +24,47 @@ ROWS = (*range(1, 10), 17, 64)
 
 @needs_bf16
 @pytest.mark.parametrize("threads", [1, 2])
-def test_blocked_gemm_is_the_float32_product_rounded_once(threads):
+def test_blocked_gemm_is_the_float32_product_rounded_once(threads, torch_threads):
     torch.manual_seed(3)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for n, k in SHAPES:
-            w = torch.randn(n, k, dtype=torch.bfloat16)
-            b = cpu_blocked.pack(w)
-            assert b.shape == (n // 16, k // 2, 16, 2) and cpu_blocked.is_blocked(b)
-            assert cpu_blocked.shape(b) == (n, k) and torch.equal(cpu_blocked.unpack(b), w)
-            x = torch.randn(max(ROWS), k, dtype=torch.bfloat16)
-            one = torch.cat([cpu_blocked.linear(x[i:i + 1], b) for i in range(17)])
-            for rows in ROWS:
-                exact = F.linear(x[:rows].float(), w.float())
-                got = cpu_blocked.linear(x[:rows], b)
-                # rounded once to bfloat16 (half a step: 2^-9 relative) plus the float32 sum's order
-                assert ((got.float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3 * k ** 0.5).all(), (n, k, rows)
-                # a row's sum is the same whatever the pass or panel it ran in (both vector paths)
-                assert torch.equal(got[:17], one[:rows]), (n, k, rows)
-    finally:
-        torch.set_num_threads(old)
+    torch_threads(threads)
+    for n, k in SHAPES:
+        w = torch.randn(n, k, dtype=torch.bfloat16)
+        b = cpu_blocked.pack(w)
+        assert b.shape == (n // 16, k // 2, 16, 2) and cpu_blocked.is_blocked(b)
+        assert cpu_blocked.shape(b) == (n, k) and torch.equal(cpu_blocked.unpack(b), w)
+        x = torch.randn(max(ROWS), k, dtype=torch.bfloat16)
+        one = torch.cat([cpu_blocked.linear(x[i:i + 1], b) for i in range(17)])
+        for rows in ROWS:
+            exact = F.linear(x[:rows].float(), w.float())
+            got = cpu_blocked.linear(x[:rows], b)
+            # rounded once to bfloat16 (half a step: 2^-9 relative) plus the float32 sum's order
+            assert ((got.float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3 * k ** 0.5).all(), (n, k, rows)
+            # a row's sum is the same whatever the pass or panel it ran in (both vector paths)
+            assert torch.equal(got[:17], one[:rows]), (n, k, rows)
 
 
 @needs_f32
 @pytest.mark.parametrize("threads", [1, 2])
-def test_float32_blocked_gemm_is_the_product_up_to_the_sum_order(threads):
+def test_float32_blocked_gemm_is_the_product_up_to_the_sum_order(threads, torch_threads):
     """Against a float64 reference: each output a k-term float32 FMA chain, so within k float32 rounding steps
     of the sum of magnitudes; every row bit-equal to the same row multiplied alone (one row's chain is the
     same whatever the pass or panel it ran in), and to the odd k (130) and the 3 / 5 / 7-block tails."""
     torch.manual_seed(4)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for n, k in SHAPES:
-            w = torch.randn(n, k)
-            b = cpu_blocked.pack(w)
-            assert b.shape == (n // 16, k, 16) and b.dtype == torch.float32 and cpu_blocked.is_blocked(b)
-            assert cpu_blocked.shape(b) == (n, k) and torch.equal(cpu_blocked.unpack(b), w)
-            x = torch.randn(max(ROWS), k)
-            one = torch.cat([cpu_blocked.linear(x[i:i + 1], b) for i in range(17)])
-            for rows in ROWS:
-                got = cpu_blocked.linear(x[:rows], b)
-                exact = F.linear(x[:rows].double(), w.double())
-                bound = F.linear(x[:rows].abs().double(), w.abs().double()) * k * 2 ** -24
-                assert got.dtype == torch.float32 and ((got.double() - exact).abs() <= bound).all(), (n, k, rows)
-                assert torch.equal(got[:17], one[:rows]), (n, k, rows)
-            assert ((F.linear(x[:17], w) - one).abs() <= F.linear(x[:17].abs(), w.abs()) * k * 2 ** -23).all()
-    finally:
-        torch.set_num_threads(old)
+    torch_threads(threads)
+    for n, k in SHAPES:
+        w = torch.randn(n, k)
+        b = cpu_blocked.pack(w)
+        assert b.shape == (n // 16, k, 16) and b.dtype == torch.float32 and cpu_blocked.is_blocked(b)
+        assert cpu_blocked.shape(b) == (n, k) and torch.equal(cpu_blocked.unpack(b), w)
+        x = torch.randn(max(ROWS), k)
+        one = torch.cat([cpu_blocked.linear(x[i:i + 1], b) for i in range(17)])
+        for rows in ROWS:
+            got = cpu_blocked.linear(x[:rows], b)
+            exact = F.linear(x[:rows].double(), w.double())
+            bound = F.linear(x[:rows].abs().double(), w.abs().double()) * k * 2 ** -24
+            assert got.dtype == torch.float32 and ((got.double() - exact).abs() <= bound).all(), (n, k, rows)
+            assert torch.equal(got[:17], one[:rows]), (n, k, rows)
+        assert ((F.linear(x[:17], w) - one).abs() <= F.linear(x[:17].abs(), w.abs()) * k * 2 ** -23).all()
 
 
 @needs_f32

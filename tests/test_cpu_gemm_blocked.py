@@ -21,29 +21,25 @@ ROWS = (1, 2, 5, 6, 7, 13, 17, 64, 65, 300)
 
 @needs
 @pytest.mark.parametrize("threads", [1, 2])
-def test_blocked_gemm_equals_the_blocked_kernel_bit_for_bit(threads):
+def test_blocked_gemm_equals_the_blocked_kernel_bit_for_bit(threads, torch_threads):
     """Every output is the k-term FMA chain from zero in k order in both kernels, so they are equal (and within
     k float32 steps of a float64 reference); each row equals the same row multiplied alone."""
     torch.manual_seed(5)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for n, k in SHAPES:
-            w = torch.randn(n, k)
-            b = cpu_blocked.pack(w)
-            assert cpu_gemm.blocked_available(b)
-            x = torch.randn(max(ROWS), k)
-            for rows in ROWS:
-                got = cpu_gemm.blocked_gemm(x[:rows], b)
-                assert got.dtype == torch.float32 and got.shape == (rows, n)
-                assert torch.equal(got, cpu_blocked.linear(x[:rows], b)), (n, k, rows)
-                exact = F.linear(x[:rows].double(), w.double())
-                bound = F.linear(x[:rows].abs().double(), w.abs().double()) * k * 2 ** -24
-                assert ((got.double() - exact).abs() <= bound).all(), (n, k, rows)
-            assert torch.equal(cpu_gemm.blocked_gemm(x[7:8], b), cpu_gemm.blocked_gemm(x, b)[7:8])
-            assert cpu_gemm.blocked_gemm(x[:0], b).shape == (0, n)
-    finally:
-        torch.set_num_threads(old)
+    torch_threads(threads)
+    for n, k in SHAPES:
+        w = torch.randn(n, k)
+        b = cpu_blocked.pack(w)
+        assert cpu_gemm.blocked_available(b)
+        x = torch.randn(max(ROWS), k)
+        for rows in ROWS:
+            got = cpu_gemm.blocked_gemm(x[:rows], b)
+            assert got.dtype == torch.float32 and got.shape == (rows, n)
+            assert torch.equal(got, cpu_blocked.linear(x[:rows], b)), (n, k, rows)
+            exact = F.linear(x[:rows].double(), w.double())
+            bound = F.linear(x[:rows].abs().double(), w.abs().double()) * k * 2 ** -24
+            assert ((got.double() - exact).abs() <= bound).all(), (n, k, rows)
+        assert torch.equal(cpu_gemm.blocked_gemm(x[7:8], b), cpu_gemm.blocked_gemm(x, b)[7:8])
+        assert cpu_gemm.blocked_gemm(x[:0], b).shape == (0, n)
 
 
 @needs

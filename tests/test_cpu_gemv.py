@@ -17,20 +17,16 @@ from tpengine.backends.cpu import cpu_gemv, cpu_library
                     reason=str(cpu_library.missing("tpe_gemv_bf16", "tpe_gemv_f32")))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_each_row_is_the_one_row_product_bit_for_bit(dtype, threads):
+def test_each_row_is_the_one_row_product_bit_for_bit(dtype, threads, torch_threads):
     torch.manual_seed(6)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for n, k in ((1, 32), (3, 64), (75, 96), (130, 576), (577, 1536)):
-            w = (torch.randn(n, k) * 0.1).to(dtype)
-            x = torch.randn(cpu_gemv.MAX_ROWS, k).to(dtype)
-            one = torch.cat([cpu_gemv.gemv(x[i:i + 1], w) for i in range(cpu_gemv.MAX_ROWS)])
-            exact = F.linear(x.double(), w.double())
-            bound = F.linear(x.double().abs(), w.double().abs()) * k * 2 ** -24 + (
-                exact.abs() * 2 ** -8 if dtype == torch.bfloat16 else 0)
-            assert ((one.double() - exact).abs() <= bound).all(), (n, k)
-            for rows in range(1, cpu_gemv.MAX_ROWS + 1):
-                assert torch.equal(cpu_gemv.gemv(x[:rows], w), one[:rows]), (n, k, rows)
-    finally:
-        torch.set_num_threads(old)
+    torch_threads(threads)
+    for n, k in ((1, 32), (3, 64), (75, 96), (130, 576), (577, 1536)):
+        w = (torch.randn(n, k) * 0.1).to(dtype)
+        x = torch.randn(cpu_gemv.MAX_ROWS, k).to(dtype)
+        one = torch.cat([cpu_gemv.gemv(x[i:i + 1], w) for i in range(cpu_gemv.MAX_ROWS)])
+        exact = F.linear(x.double(), w.double())
+        bound = F.linear(x.double().abs(), w.double().abs()) * k * 2 ** -24 + (
+            exact.abs() * 2 ** -8 if dtype == torch.bfloat16 else 0)
+        assert ((one.double() - exact).abs() <= bound).all(), (n, k)
+        for rows in range(1, cpu_gemv.MAX_ROWS + 1):
+            assert torch.equal(cpu_gemv.gemv(x[:rows], w), one[:rows]), (n, k, rows)
