@@ -4,7 +4,8 @@
 but for the order of the float32 sum, each row bit-equal to the one-row product on it whatever the rows beside it
 (bfloat16: vdpbf16ps on AVX512-BF16, pairs widened by shift / mask and FMAs on AVX2; both also run under the AVX2
 build, tests/test_isa_avx2.py); the float32 layout's rows are each F.linear's one-row product too; a tied table's
-rows gathered from either layout; what they refuse, by name."""
+rows gathered from either layout; what they refuse, by name. On a CPU with AMX-BF16, the bfloat16 GEMM's tile
+path from its row threshold on: the same bound, within one bfloat16 step of the vdpbf16ps path (not bit-equal)."""
 
 from __future__ import annotations
 
@@ -106,3 +107,55 @@ def test_rows_gathered_from_the_blocked_layout_are_the_plain_rows(dtype):
         assert ((got - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3 * 576 ** 0.5).all()
     else:
         assert ((got - exact).abs() <= F.linear(x.abs().double(), w.abs().double()) * 576 * 2 ** -24).all()
+
+
+@pytest.fixture
+def amx_rows():
+    """``set(rows)``: the bfloat16 blocked GEMM's AMX row threshold for this test (cpu_blocked.set_amx_rows), the
+    one before it restored at teardown."""
+    old = cpu_blocked.amx_rows()
+    yield cpu_blocked.set_amx_rows
+    cpu_blocked.set_amx_rows(old)
+
+
+@needs_bf16
+@pytest.mark.skipif(not cpu_blocked.amx_available(), reason="no AMX-BF16 here (CPU, OS permission or an AVX2 build): "
+                    "the blocked GEMM has no AMX path to test")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_blocked_gemm_amx_rows(threads, torch_threads, amx_rows):
+    """From the AMX threshold on, the rows run tile multiplies: each output the float32 product rounded once to
+    bfloat16 (the same bound as the vdpbf16ps path), within one bfloat16 step of the vdpbf16ps path's (the tile
+    multiply's float32 sums round otherwise: not bit-equal, docs/notes/kernels.md), over the row tails (1..33,
+    < 16 rows in a zero-padded tile), k's tail past the last 32 (k = 34, 130: vdpbf16ps after the tiles) and odd
+    block counts; below the threshold the call is the vdpbf16ps path, bit for bit."""
+    torch.manual_seed(5)
+    torch_threads(threads)
+    for n, k in ((16, 2), (48, 34), (112, 130), (96, 576)):
+        w = torch.randn(n, k, dtype=torch.bfloat16)
+        b = cpu_blocked.pack(w)
+        x = torch.randn(70, k, dtype=torch.bfloat16)
+        amx_rows(0)
+        vec = cpu_blocked.linear(x, b)
+        amx_rows(1)
+        for rows in (1, 2, 15, 16, 17, 33, 70):
+            got = cpu_blocked.linear(x[:rows], b)
+            exact = F.linear(x[:rows].float(), w.float())
+            assert ((got.float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3 * k ** 0.5).all(), (n, k, rows)
+            # one bfloat16 step of the output's magnitude apart at most
+            step = torch.maximum(got.float().abs(), vec[:rows].float().abs()) * 2 ** -7
+            assert ((got.float() - vec[:rows].float()).abs() <= step).all(), (n, k, rows)
+        amx_rows(17)  # below it, the vdpbf16ps path
+        assert torch.equal(cpu_blocked.linear(x[:16], b), vec[:16])
+    assert cpu_blocked.amx_rows() == 17
+    # rows in chunks of half the L2 (k = 4096: 128 rows a chunk on a 2 MiB L2, 64 on 1 MiB): past a chunk
+    w, x = torch.randn(32, 4096, dtype=torch.bfloat16), torch.randn(150, 4096, dtype=torch.bfloat16)
+    got, exact = cpu_blocked.linear(x, cpu_blocked.pack(w)).float(), F.linear(x.float(), w.float())
+    assert ((got - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3 * 64).all()
+
+
+def test_amx_rows_setting_without_amx(amx_rows):
+    """Where the AMX path does not run, a threshold is not taken (amx_rows stays 0) and choose_amx sets nothing."""
+    amx_rows(8)
+    assert cpu_blocked.amx_rows() == (8 if cpu_blocked.amx_available() else 0)
+    if not cpu_blocked.amx_available():
+        assert cpu_blocked.choose_amx([(576, 576)]) is None and cpu_blocked.amx_rows() == 0

@@ -29,6 +29,7 @@ CHECKS = ("tests/test_cpu_fused.py", "tests/test_cpu_library.py::test_isa_names_
           "tests/test_cpu_blocked.py::test_blocked_gemm_is_the_float32_product_rounded_once",
           "tests/test_cpu_blocked.py::test_rows_gathered_from_the_blocked_layout_are_the_plain_rows",
           "tests/test_cpu_blocked.py::test_blocked_refusals_name_the_value",
+          "tests/test_cpu_blocked.py::test_amx_rows_setting_without_amx",
           "tests/test_linear_layout.py::test_float32_gemm_equals_matmul_and_each_row_is_batch_independent",
           "tests/test_cpu_gemm_blocked.py",
           "tests/test_linear_layout.py::test_bfloat16_gemm_is_the_float32_gemm_of_the_widened_operands_rounded_once",

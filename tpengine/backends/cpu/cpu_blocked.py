@@ -1,7 +1,9 @@
 """The "blocked" weight layouts (``cpu_blocked.c``, built by :mod:`tpengine.backends.cpu.cpu_library`):
 
 * bfloat16 ``[n / 16, k / 2, 16, 2]``, the operand order of AVX512-BF16's ``vdpbf16ps`` (AVX512-BF16 builds; AVX2
-  builds widen each 32-byte load of pairs to float32 by a shift and a mask and FMA them, the same stream);
+  builds widen each 32-byte load of pairs to float32 by a shift and a mask and FMA them, the same stream), and
+  AMX's B tile as it lies (32 values of k of 16 outputs: 16 lines of 64 bytes), so on a CPU with AMX-BF16 the
+  same layout runs tile multiplies from a measured row count on (:func:`choose_amx`, :func:`set_amx_rows`);
 * float32 ``[n / 16, k, 16]``: each step of k one 64-byte line of 16 rows' weights, one FMA with ``x[k]``
   broadcast (AVX-512 and AVX2 builds; the same FMA chain on both, so the same bits).
 
@@ -26,6 +28,15 @@ KERNELS = ("tpe_blocked_pack_bf16", "tpe_blocked_gemm_bf16", "tpe_blocked_group_
 KERNELS_F32 = ("tpe_blocked_pack_f32", "tpe_blocked_gemm_f32")
 #: dtype -> (pack, GEMM) C functions
 _FNS = {torch.bfloat16: KERNELS[:2], torch.float32: KERNELS_F32}
+#: the bfloat16 GEMM's AMX path: whether it runs here, and the fewest rows that take it (process-wide)
+AMX = ("tpe_blocked_amx", "tpe_blocked_amx_rows")
+#: the row counts :func:`choose_amx` times both bfloat16 paths at (one row always keeps ``vdpbf16ps``: a tile
+#: multiply there would compute 16 rows for one)
+AMX_ROWS = (2, 4, 8, 16, 32, 64)
+#: the most bytes of synthetic weights per shape :func:`choose_amx` allocates (several copies of a small
+#: shape, so the weights stream from memory as in a step)
+AMX_MEASURE_BYTES = 16 << 20
+_amx = {"rows": 0, "choice": None}
 
 
 def available(weight: torch.Tensor) -> bool:
@@ -117,3 +128,83 @@ def bind(blocked: torch.Tensor):
         return y
     run.c_spec = ("lin", name, k, wp, n)  # its call in a decode program (cpu_program)
     return run
+
+
+def amx_available() -> bool:
+    """Whether the bfloat16 GEMM's AMX path (``cpu_blocked.c``: 2 x 2 tiles of 16 rows x 16 outputs, the B
+    tiles loaded straight from the blocked weight) can run in this process: an AVX512-BF16 build with
+    AMX-BF16 (``-march=native`` on a CPU that has it) and the OS lets the process use tile data. Never
+    raises."""
+    return cpu_library.has(*AMX) and bool(cpu_library.load().tpe_blocked_amx())
+
+
+def set_amx_rows(rows: int) -> None:
+    """The bfloat16 blocked GEMM (every call in this process: :func:`linear`, :func:`bind`'s ``run``, a decode
+    program's op) takes its AMX path from ``rows`` rows on (0: never; ignored where :func:`amx_available`
+    is False). Those rows are the float32 sum of the same products, rounded once as the ``vdpbf16ps``
+    path's, but the tile multiply's float32 sums round otherwise: an output may differ from the
+    ``vdpbf16ps`` path's (and so from the row multiplied alone) by one bfloat16 step (docs/notes/kernels.md,
+    "An AMX GEMM on the bfloat16 blocked layout")."""
+    rows = max(int(rows), 0)
+    if cpu_library.has(*AMX):
+        cpu_library.load().tpe_blocked_amx_rows(rows)
+    _amx["rows"] = rows if amx_available() else 0
+
+
+def amx_rows() -> int:
+    """The row count from which the bfloat16 blocked GEMM runs AMX in this process (0: never)."""
+    return _amx["rows"]
+
+
+def amx_choice():
+    """The last :func:`choose_amx` :class:`~tpengine.backends.cpu.measured.Choice` in this process (None: not
+    made), for the load's log."""
+    return _amx["choice"]
+
+
+def choose_amx(shapes: list[tuple[int, int]] | tuple = ((576, 576),)):
+    """Measure, on the bfloat16 weight ``shapes`` (``(n, k)``, n % 16 == 0, k even; each as several synthetic
+    copies, up to :data:`AMX_MEASURE_BYTES`, so they stream from memory), the blocked GEMM's ``vdpbf16ps``
+    and AMX paths at each of :data:`AMX_ROWS` rows (a call over every copy of every shape, the current
+    threads), by :func:`tpengine.backends.cpu.measured.timings` (cached per machine); AMX is taken from the
+    smallest row count from which it is faster at every larger one (``"amx from 8 rows"``), else never
+    (``"vdpbf16ps"``), and set for the process (:func:`set_amx_rows`). Returns the
+    :class:`~tpengine.backends.cpu.measured.Choice`, or None where the AMX path does not run here (then
+    nothing is set). A busy machine without cached timings keeps ``vdpbf16ps`` (unmeasured)."""
+    from tpengine.backends.cpu.measured import Choice, timings
+
+    shapes = sorted({(int(n), int(k)) for n, k in shapes if n % 16 == 0 and k % 2 == 0})
+    if not shapes or not amx_available():
+        return None
+    weights = []
+    for n, k in shapes:
+        copies = max(1, min(8, AMX_MEASURE_BYTES // (2 * n * k)))
+        weights += [(pack(torch.full((n, k), 0.01 * (i + 1), dtype=torch.bfloat16)), k) for i in range(copies)]
+    lib = cpu_library.load()
+    xs = {k: torch.full((AMX_ROWS[-1], k), 0.5, dtype=torch.bfloat16) for _, k in shapes}
+
+    def step(min_rows: int, rows: int) -> None:
+        lib.tpe_blocked_amx_rows(min_rows)
+        for b, k in weights:
+            bind(b)(xs[k][:rows])
+
+    cands = {name: [lambda r=r, m=m: step(m, r) for r in AMX_ROWS] for name, m in (("vdpbf16ps", 0), ("amx", 1))}
+
+    def amx_from(times: dict[str, list[float]]) -> int:
+        """The first row count from which AMX wins at every larger one (0: none)."""
+        start = 0
+        for i in reversed(range(len(AMX_ROWS))):
+            if times["amx"][i] >= times["vdpbf16ps"][i]:
+                break
+            start = AMX_ROWS[i]
+        return start
+    key = (f"blocked bf16 amx {' '.join(f'{n}x{k}' for n, k in shapes)} rows {'/'.join(map(str, AMX_ROWS))}")
+    try:
+        times, how = timings(key, cands, decide=amx_from)
+    finally:
+        lib.tpe_blocked_amx_rows(_amx["rows"])
+    start = amx_from(times) if times is not None else 0
+    choice = Choice(f"amx from {start} rows" if start else "vdpbf16ps", how, times or {})
+    set_amx_rows(start)
+    _amx["choice"] = choice
+    return choice

@@ -65,7 +65,7 @@ _PAGED = [_P, _I64, _P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, 
           _I64, _I64, _I32, _I64, _F32]
 #: the int8-cache kernel (cpu_paged_i8.c): _PAGED with the two scale pointers after the caches, no amx_min_batch
 _PAGED_I8 = [*_PAGED[:14], _P, _P, *_PAGED[14:23], *_PAGED[24:]]
-SIGNATURES = {  # C function -> argument types (all return void but tpe_paged_amx and RETURNS_INDEX)
+SIGNATURES = {  # C function -> argument types (all return void but tpe_paged_amx, tpe_blocked_amx and RETURNS_INDEX)
     "tpe_decode_scores": [_P, _P, _P, _P, _I64, _I64, _I32, _I64, _I32, _F32, _I32],
     "tpe_decode_pv": [_P, _P, _P, _P, _I64, _I64, _I32, _I64, _I32, _I32],
     "tpe_add_rms_norm": [_P, _P, _P, _P, _P, _I64, _I64, _F32, _I32],
@@ -90,6 +90,8 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_paged_am
     "tpe_gemv_f32": [_P, _I64, _I64, _P, _I64, _P, _I32],
     "tpe_blocked_pack_bf16": [_P, _I64, _I64, _P, _I32],
     "tpe_blocked_gemm_bf16": [_P, _I64, _I64, _P, _I64, _P, _I32],
+    "tpe_blocked_amx": [],
+    "tpe_blocked_amx_rows": [_I64],
     "tpe_blocked_group_bf16": [_P, _I64, _I64, _P, _I64, _I64, _P, _I32],
     "tpe_blocked_moe_down_bf16": [_P, _I64, _P, _I64, _I64, _P, _P, _I32],
     "tpe_blocked_pack_f32": [_P, _I64, _I64, _P, _I32],
@@ -262,7 +264,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL, frozenset[str], str]:
     for name in have:
         fn = getattr(lib, name)
         fn.argtypes = SIGNATURES[name]
-        fn.restype = _I64 if name in RETURNS_INDEX else _I32 if name == "tpe_paged_amx" else None
+        fn.restype = _I64 if name in RETURNS_INDEX else _I32 if name in ("tpe_paged_amx", "tpe_blocked_amx") else None
     return lib, have, lib.tpe_isa().decode()
 
 

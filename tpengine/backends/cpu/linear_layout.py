@@ -263,7 +263,8 @@ def choose_head(weight: torch.Tensor, setting: str = "auto", cpu_kernels: bool =
                     if mod.available(weight))
     if setting != "auto" or not cpu_kernels or not kernels:
         return LayoutChoice("plain", "default", {})
-    key = f"linear head {str(weight.dtype).removeprefix('torch.')} {weight.shape[0]}x{weight.shape[1]}"
+    key = f"linear head {str(weight.dtype).removeprefix('torch.')} {weight.shape[0]}x{weight.shape[1]}" + _amx_key(
+        weight.dtype, blocks)
 
     def measure_head() -> dict[str, list]:
         times = plain_timings([weight], weight.dtype, kernels)
@@ -300,16 +301,19 @@ def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setti
     """
     if setting not in CPU_LINEAR_CHOICES:
         raise ValueError(f"invalid cpu_linear={setting!r}: must be one of {', '.join(CPU_LINEAR_CHOICES)}")
+    blocks = cpu_kernels and cpu_blocked.available(torch.zeros(16, 2, dtype=dtype))
+    groups = groups or {}
+    if blocks and dtype == torch.bfloat16 and setting in ("auto", "blocked"):
+        # the blocked GEMM's AMX path from the rows measured faster, before the blocked layout is timed
+        cpu_blocked.choose_amx([s for s in shapes if s not in groups])
     if setting != "auto":
         return {s: LayoutChoice(setting, "forced", {}) for s in shapes}
     packable = prepack(torch.zeros(1, 1, dtype=dtype)) is not None
-    blocks = cpu_kernels and cpu_blocked.available(torch.zeros(16, 2, dtype=dtype))
-    groups = groups or {}
     timings = {}
     for shape, count in sorted(shapes.items()):
         group = groups.get(shape, 0)
         key = f"linear {str(dtype).removeprefix('torch.')} {shape[0]}x{shape[1]}x{min(count, 1 << 20)}" + (
-            f" group {group}" if group else "")
+            f" group {group}" if group else "") + _amx_key(dtype, blocks)
         needs = ("plain",) + (("packed",) if packable else ()) + (("blocked",) if blocks else ())
         timings[shape] = _timed(key, needs, lambda: measure(shape, count, dtype, group))
     program = set(program) & set(shapes) - set(groups) if cpu_kernels else set()
@@ -339,11 +343,21 @@ def _choices(timings: dict, packable: bool, cpu_kernels: bool, program: set) -> 
     return chosen
 
 
+def _amx_key(dtype: torch.dtype, blocks: bool) -> str:
+    """The part of a bfloat16 timing's cache key that says which path the blocked layout was timed on at its
+    rows (:func:`tpengine.backends.cpu.cpu_blocked.amx_rows`): ``" amx 8"`` from 8 rows on, "" for none."""
+    rows = cpu_blocked.amx_rows() if blocks and dtype == torch.bfloat16 else 0
+    return f" amx {rows}" if rows else ""
+
+
 def summary(chosen: dict[tuple[int, int], LayoutChoice], dtype: torch.dtype) -> str:
-    """The one line rank 0 logs: every shape's layout and the timings it was chosen on."""
+    """The one line rank 0 logs: every shape's layout and the timings it was chosen on; for bfloat16, the
+    blocked GEMM's AMX choice where it was made (:func:`tpengine.backends.cpu.cpu_blocked.choose_amx`)."""
     hows = sorted({c.how for c in chosen.values()})
+    amx = cpu_blocked.amx_choice() if dtype == torch.bfloat16 else None
     return (f"tpengine: CPU linear layouts ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, "
-            f"{'/'.join(hows)}): " + "; ".join(c.describe(s) for s, c in sorted(chosen.items())))
+            f"{'/'.join(hows)}): " + "; ".join(c.describe(s) for s, c in sorted(chosen.items()))
+            + (f"; blocked bfloat16 GEMM {amx.describe()}" if amx is not None else ""))
 
 
 def prepack(weight: torch.Tensor, layout: str = "packed") -> torch.Tensor | None:

@@ -88,6 +88,147 @@ static void blk_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t
     for (; b < b1; b++) blk_panel(x, rows, k, w, b, 0, y, n);
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* AMX (Sapphire Rapids and later): from blk_amx_min rows on (the caller's measured choice, cpu_blocked.py
+ * choose_amx; 0: never) the GEMM takes tile multiplies. The layout's 32 values of k of one block are 16 pairs
+ * of 16 rows' (w[2p], w[2p + 1]) -- 16 lines of 64 bytes, contiguous: tdpbf16ps's B tile (the VNNI pair
+ * layout) as it lies, so the weight is loaded with no reorder. A tiles: 16 rows x 32 values of k of x,
+ * row-major at x's row stride. C: float32 [16 rows][16 outputs]; 2 x 2 of them (32 rows x 2 blocks) per
+ * pass over k: tmm0..3 C, tmm4..5 A, tmm6..7 B, every tile 16 x 64 bytes (one tile configuration, loaded
+ * at the entry of each thread's share, since oneDNN's AMX kernels in the same process configure the tiles
+ * their own way, and released after). Tails: the last rows (rows % 16) are copied into a zeroed 16-row
+ * buffer (no second configuration; its padding rows are dropped), the last k % 32 values of k (the layout
+ * promises only k even) added to the stored C rows by vdpbf16ps, pair by pair after the tiles' pairs. Each
+ * output is the float32 sum of the pairs' products in k's order, rounded once (st) -- whether that equals
+ * the vdpbf16ps path bit for bit is the hardware's (docs/notes/kernels.md: measured; tests/test_blocked_amx.py).
+ * Rows are taken in chunks whose x fits half the L2 (from the size the C library reports), each chunk running
+ * every panel of 2 blocks of the thread's share, so x comes from L2 and the weight is what streams. */
+#define BLK_AMX 1
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} blk_tilecfg; /* ldtilecfg's 64-byte operand */
+
+static int blk_amx_perm = -1;
+/* Whether Linux lets this process use AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA). */
+static int blk_amx_ok(void) {
+    if (blk_amx_perm < 0) blk_amx_perm = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return blk_amx_perm;
+}
+
+static void blk_amx_config(void) {
+    blk_tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) c.rows[i] = 16, c.colsb[i] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* Rows of x per chunk: as many as fill half the L2 with k bfloat16 each, whole pairs of tiles (>= 32). */
+static int64_t blk_amx_chunk(int64_t k) {
+    static int64_t l2 = -1;
+    if (l2 < 0) {
+        const long s = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        l2 = s > 0 ? s : 1 << 20; /* not reported: 1 MiB, the smallest L2 of the CPUs with AMX */
+    }
+    const int64_t rows = (l2 / 2 / (2 * k)) & ~(int64_t)31;
+    return rows > 32 ? rows : 32;
+}
+
+/* Up to 2 row tiles (a0, a1: 16 rows each at stride sa bytes) x NB (1, 2) blocks at w0, w1: the k32 tile values
+ * of k into c[t][j] ([16][16] float32 each); pf (or NULL): the next panel, whose 2 blocks' lines are fetched into
+ * the L2 along the way (the weight's one pass from memory). NR, NB are constants at each call (inlined). */
+static inline __attribute__((always_inline)) void blk_amx_tiles(const uint16_t *a0, const uint16_t *a1, int64_t sa,
+                                                                const uint16_t *w0, const uint16_t *w1, int64_t k32,
+                                                                const uint16_t *pf, int64_t k, float c[2][2][16][16],
+                                                                const int NR, const int NB) {
+    _tile_zero(0);
+    if (NB > 1) _tile_zero(1);
+    if (NR > 1) _tile_zero(2);
+    if (NR > 1 && NB > 1) _tile_zero(3);
+    for (int64_t kk = 0; kk < k32; kk += 32) {
+        if (pf)
+            for (int l = 0; l < 16; l++) {
+                _mm_prefetch((const char *)(pf + kk * 16 + l * 32), _MM_HINT_T1);
+                _mm_prefetch((const char *)(pf + 16 * k + kk * 16 + l * 32), _MM_HINT_T1);
+            }
+        _tile_loadd(6, w0 + kk * 16, 64);
+        _tile_loadd(4, a0 + kk, sa);
+        _tile_dpbf16ps(0, 4, 6);
+        if (NB > 1) {
+            _tile_loadd(7, w1 + kk * 16, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (NR > 1) {
+            _tile_loadd(5, a1 + kk, sa);
+            _tile_dpbf16ps(2, 5, 6);
+            if (NB > 1) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c[0][0], 64);
+    if (NB > 1) _tile_stored(1, c[0][1], 64);
+    if (NR > 1) _tile_stored(2, c[1][0], 64);
+    if (NR > 1 && NB > 1) _tile_stored(3, c[1][1], 64);
+}
+
+/* Blocks b0..b1 of w for `rows` rows of x by AMX (rows >= 1), y rows n apart. */
+static void blk_amx_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t b0, int64_t b1,
+                          uint16_t *y, int64_t n) {
+    const int64_t k32 = k & ~(int64_t)31, half = k / 2, full = rows & ~(int64_t)15, chunk = blk_amx_chunk(k);
+    const uint32_t *xp = (const uint32_t *)x;
+    float c[2][2][16][16] __attribute__((aligned(64)));
+    uint16_t *pad = NULL;
+    if (full < rows) { /* the last rows % 16 rows, zero-padded to a tile */
+        pad = (uint16_t *)calloc((size_t)(16 * k), sizeof(uint16_t));
+        memcpy(pad, x + full * k, (size_t)((rows - full) * k) * sizeof(uint16_t));
+    }
+    blk_amx_config();
+    for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
+        const int64_t m1 = m0 + chunk < rows ? m0 + chunk : rows;
+        for (int64_t b = b0; b < b1; b += 2) {
+            const int nb = b + 2 <= b1 ? 2 : 1;
+            const uint16_t *w0 = w + b * 16 * k, *w1 = w0 + 16 * k;
+            for (int64_t r = m0; r < m1; r += 32) {
+                const int nr = r + 16 < m1 ? 2 : 1;
+                const uint16_t *a0 = r < full ? x + r * k : pad, *a1 = r + 16 < full ? x + (r + 16) * k : pad;
+                const uint16_t *pf = r == m0 && b + 2 < b1 ? w0 + 32 * k : NULL; /* (a prefetch past w is harmless) */
+                if (nr == 2 && nb == 2) blk_amx_tiles(a0, a1, 2 * k, w0, w1, k32, pf, k, c, 2, 2);
+                else if (nr == 2) blk_amx_tiles(a0, a1, 2 * k, w0, w1, k32, pf, k, c, 2, 1);
+                else if (nb == 2) blk_amx_tiles(a0, a1, 2 * k, w0, w1, k32, pf, k, c, 1, 2);
+                else blk_amx_tiles(a0, a1, 2 * k, w0, w1, k32, pf, k, c, 1, 1);
+                for (int t = 0; t < nr; t++)
+                    for (int64_t i = 0; i < 16 && r + 16 * t + i < m1; i++) {
+                        const int64_t row = r + 16 * t + i;
+                        for (int j = 0; j < nb; j++) {
+                            __m512 acc = _mm512_load_ps(c[t][j][i]);
+                            const uint16_t *wj = j ? w1 : w0;
+                            for (int64_t p = k32 / 2; p < half; p++) /* k's tail, in order */
+                                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(wj + p * 32),
+                                                       (__m512bh)_mm512_set1_epi32((int)xp[row * half + p]));
+                            st(y + row * n + (b + j) * 16, acc);
+                        }
+                    }
+            }
+        }
+    }
+    _tile_release();
+    free(pad);
+}
+#else
+#define BLK_AMX 0
+static int blk_amx_ok(void) { return 0; }
+static void blk_amx_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t b0, int64_t b1,
+                          uint16_t *y, int64_t n) {
+    (void)x, (void)rows, (void)k, (void)w, (void)b0, (void)b1, (void)y, (void)n;
+}
+#endif
+
 #else /* AVX2: pairs widened by shift / mask, two 8-lane halves a block */
 
 /* y[r, 16 (b + j) + i] for r < R, j < J: x rows at x + r * k, blocks b.. of w, y rows n apart. */
@@ -203,13 +344,38 @@ void tpe_blocked_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *ou
             }
 }
 
-/* y [rows, n] = x [rows, k] @ w^T, w blocked. */
+#ifndef BLK_AMX
+#define BLK_AMX 0 /* the AVX2 build: no AMX path */
+static int blk_amx_ok(void) { return 0; }
+static void blk_amx_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t b0, int64_t b1,
+                          uint16_t *y, int64_t n) {
+    (void)x, (void)rows, (void)k, (void)w, (void)b0, (void)b1, (void)y, (void)n;
+}
+#endif
+
+/* The fewest rows from which tpe_blocked_gemm_bf16 takes its AMX path (0: never), set by
+ * tpe_blocked_amx_rows; a process-wide setting, as the paged kernel's amx_min_batch is per call. */
+static int64_t blk_amx_min = 0;
+
+/* 1 if the AMX path is available (built with AMX-BF16, and the OS lets the process use tile data), else 0:
+ * then tpe_blocked_gemm_bf16 keeps its vector path whatever tpe_blocked_amx_rows set. */
+int tpe_blocked_amx(void) { return BLK_AMX && blk_amx_ok(); }
+
+/* Take the AMX path from `rows` rows on (0: never; where tpe_blocked_amx() is 0, ignored). */
+void tpe_blocked_amx_rows(int64_t rows) { blk_amx_min = rows > 0 ? rows : 0; }
+
+/* y [rows, n] = x [rows, k] @ w^T, w blocked. From blk_amx_min rows on (where AMX runs) by tile multiplies. */
 void tpe_blocked_gemm_bf16(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t n, uint16_t *y,
                            int nthreads) {
     const int64_t blocks = n / 16, chunk = blk_chunk(blocks, nthreads, rows);
+    const int amx = BLK_AMX && blk_amx_min > 0 && rows >= blk_amx_min && blk_amx_ok();
 #pragma omp parallel for schedule(static, 1) num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)
     for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
         const int64_t b1 = b0 + chunk < blocks ? b0 + chunk : blocks;
+        if (amx) {
+            blk_amx_range(x, rows, k, w, b0, b1, y, n);
+            continue;
+        }
 #ifdef TPE_AVX2
         if (rows > 8) {
             blk_range_wide(x, rows, k, w, b0, b1, y, n);
