@@ -96,12 +96,15 @@ static void blk_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t
 /* AMX (Sapphire Rapids and later): from blk_amx_min rows on (the caller's measured choice, cpu_blocked.py
  * choose_amx; 0: never) the GEMM takes tile multiplies. The layout's 32 values of k of one block are 16 pairs
  * of 16 rows' (w[2p], w[2p + 1]) -- 16 lines of 64 bytes, contiguous: tdpbf16ps's B tile (the VNNI pair
- * layout) as it lies, so the weight is loaded with no reorder. A tiles: 16 rows x 32 values of k of x,
- * row-major at x's row stride. C: float32 [16 rows][16 outputs]; 2 x 2 of them (32 rows x 2 blocks) per
+ * layout) as it lies, so the weight is loaded with no reorder. A tiles: 16 rows x 32 values of k of x, copied
+ * once a call into tiles of 1 KiB each (blk_amx_pack_x: [rows / 16][k / 32][16][32], the last tile's missing
+ * rows zero), so each tile load reads one contiguous kilobyte as the weight's do (at x's row stride the 16
+ * rows are 16 strided lines), loaded with the streaming hint (tileloaddt1) so that the panel's B tiles, read again
+ * by every row tile, stay in the L1. C: float32 [16 rows][16 outputs]; 2 x 2 of them (32 rows x 2 blocks) per
  * pass over k: tmm0..3 C, tmm4..5 A, tmm6..7 B, every tile 16 x 64 bytes (one tile configuration, loaded
  * at the entry of each thread's share, since oneDNN's AMX kernels in the same process configure the tiles
- * their own way, and released after). Tails: the last rows (rows % 16) are copied into a zeroed 16-row
- * buffer (no second configuration; its padding rows are dropped), the last k % 32 values of k (the layout
+ * their own way, and released after). Tails: the last rows (rows % 16) sit in a zero-padded tile (no second
+ * configuration; its padding rows are dropped), the last k % 32 values of k (the layout
  * promises only k even) added to the stored C rows by vdpbf16ps, pair by pair after the tiles' pairs. Each
  * output is the float32 sum of the pairs' products in k's order, rounded once (st) -- whether that equals
  * the vdpbf16ps path bit for bit is the hardware's (docs/notes/kernels.md: measured; tests/test_blocked_amx.py).
@@ -141,13 +144,43 @@ static int64_t blk_amx_chunk(int64_t k) {
     return rows > 32 ? rows : 32;
 }
 
-/* Up to 2 row tiles (a0, a1: 16 rows each at stride sa bytes) x NB (1, 2) blocks at w0, w1: the k32 tile values
+/* A finished 32 x 32 (or smaller) piece of y whose float32 tiles sit in c: rows r.. (up to 16 nr, below m1), blocks
+ * b.. (nb) of the weight's blocks at w0, w1. */
+typedef struct {
+    int64_t r, m1, b;
+    int nr, nb;
+    const uint16_t *w0, *w1;
+    float (*c)[2][16][16];
+} blk_amx_piece;
+
+/* A piece's outputs: k's tail (the last k % 32 values, past k32: vdpbf16ps pair by pair, in order, after the
+ * tiles' pairs) added and each rounded once to bfloat16 into y (rows n apart). */
+static void blk_amx_out(const blk_amx_piece *d, const uint32_t *xp, int64_t k32, int64_t half, uint16_t *y,
+                        int64_t n) {
+    for (int t = 0; t < d->nr; t++)
+        for (int64_t i = 0; i < 16 && d->r + 16 * t + i < d->m1; i++) {
+            const int64_t row = d->r + 16 * t + i;
+            for (int j = 0; j < d->nb; j++) {
+                __m512 acc = _mm512_load_ps(d->c[t][j][i]);
+                const uint16_t *wj = j ? d->w1 : d->w0;
+                for (int64_t p = k32 / 2; p < half; p++)
+                    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(wj + p * 32),
+                                           (__m512bh)_mm512_set1_epi32((int)xp[row * half + p]));
+                st(y + row * n + (d->b + j) * 16, acc);
+            }
+        }
+}
+
+/* Up to 2 row tiles (a0, a1: blk_amx_pack_x's tiles of 16 rows) x NB (1, 2) blocks at w0, w1: the k32 tile values
  * of k into c[t][j] ([16][16] float32 each); pf (or NULL): the next panel, whose 2 blocks' lines are fetched into
- * the L2 along the way (the weight's one pass from memory). NR, NB are constants at each call (inlined). */
-static inline __attribute__((always_inline)) void blk_amx_tiles(const uint16_t *a0, const uint16_t *a1, int64_t sa,
+ * the L2 along the way (the weight's one pass from memory). Between the tile multiplies and their stores the
+ * previous piece (prev, or NULL; its tiles stored in another buffer) is written out (blk_amx_out), so that its
+ * vector work runs while the tile unit multiplies. NR, NB are constants at each call (inlined). */
+static inline __attribute__((always_inline)) void blk_amx_tiles(const uint16_t *a0, const uint16_t *a1,
                                                                 const uint16_t *w0, const uint16_t *w1, int64_t k32,
                                                                 const uint16_t *pf, int64_t k, float c[2][2][16][16],
-                                                                const int NR, const int NB) {
+                                                                const blk_amx_piece *prev, const uint32_t *xp,
+                                                                uint16_t *y, int64_t n, const int NR, const int NB) {
     _tile_zero(0);
     if (NB > 1) _tile_zero(1);
     if (NR > 1) _tile_zero(2);
@@ -159,35 +192,50 @@ static inline __attribute__((always_inline)) void blk_amx_tiles(const uint16_t *
                 _mm_prefetch((const char *)(pf + 16 * k + kk * 16 + l * 32), _MM_HINT_T1);
             }
         _tile_loadd(6, w0 + kk * 16, 64);
-        _tile_loadd(4, a0 + kk, sa);
+        _tile_stream_loadd(4, a0 + kk * 16, 64);
         _tile_dpbf16ps(0, 4, 6);
         if (NB > 1) {
             _tile_loadd(7, w1 + kk * 16, 64);
             _tile_dpbf16ps(1, 4, 7);
         }
         if (NR > 1) {
-            _tile_loadd(5, a1 + kk, sa);
+            _tile_stream_loadd(5, a1 + kk * 16, 64);
             _tile_dpbf16ps(2, 5, 6);
             if (NB > 1) _tile_dpbf16ps(3, 5, 7);
         }
     }
+    if (prev) blk_amx_out(prev, xp, k32, k / 2, y, n);
     _tile_stored(0, c[0][0], 64);
     if (NB > 1) _tile_stored(1, c[0][1], 64);
     if (NR > 1) _tile_stored(2, c[1][0], 64);
     if (NR > 1 && NB > 1) _tile_stored(3, c[1][1], 64);
 }
 
-/* Blocks b0..b1 of w for `rows` rows of x by AMX (rows >= 1), y rows n apart. */
-static void blk_amx_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t b0, int64_t b1,
-                          uint16_t *y, int64_t n) {
-    const int64_t k32 = k & ~(int64_t)31, half = k / 2, full = rows & ~(int64_t)15, chunk = blk_amx_chunk(k);
+/* x [rows, k]'s first k32 = k - k % 32 values of k as A tiles: out [tiles = ceil(rows / 16)][k32 / 32][16][32],
+ * the last tile's rows past `rows` zero; a new 64-byte-aligned buffer (free()), NULL where k32 is 0. */
+static uint16_t *blk_amx_pack_x(const uint16_t *x, int64_t rows, int64_t k, int nthreads) {
+    const int64_t kb = k / 32, tiles = (rows + 15) / 16;
+    if (!kb) return NULL;
+    uint16_t *xt = (uint16_t *)aligned_alloc(64, (size_t)(tiles * kb * 512) * sizeof(uint16_t));
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && tiles * kb >= 64)
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t c = 0; c < kb; c++)
+            for (int64_t i = 0; i < 16; i++) {
+                uint16_t *o = xt + ((t * kb + c) * 16 + i) * 32;
+                if (t * 16 + i < rows) memcpy(o, x + (t * 16 + i) * k + c * 32, 64);
+                else memset(o, 0, 64);
+            }
+    return xt;
+}
+
+/* Blocks b0..b1 of w for `rows` rows of x (xt: blk_amx_pack_x's tiles of it) by AMX (rows >= 1), y rows n apart. */
+static void blk_amx_range(const uint16_t *x, const uint16_t *xt, int64_t rows, int64_t k, const uint16_t *w,
+                          int64_t b0, int64_t b1, uint16_t *y, int64_t n) {
+    const int64_t k32 = k & ~(int64_t)31, half = k / 2, chunk = blk_amx_chunk(k);
     const uint32_t *xp = (const uint32_t *)x;
-    float c[2][2][16][16] __attribute__((aligned(64)));
-    uint16_t *pad = NULL;
-    if (full < rows) { /* the last rows % 16 rows, zero-padded to a tile */
-        pad = (uint16_t *)calloc((size_t)(16 * k), sizeof(uint16_t));
-        memcpy(pad, x + full * k, (size_t)((rows - full) * k) * sizeof(uint16_t));
-    }
+    float c[2][2][2][16][16] __attribute__((aligned(64))); /* this piece's tiles and the previous one's */
+    blk_amx_piece prev;
+    int have = 0, cur = 0;
     blk_amx_config();
     for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
         const int64_t m1 = m0 + chunk < rows ? m0 + chunk : rows;
@@ -196,36 +244,31 @@ static void blk_amx_range(const uint16_t *x, int64_t rows, int64_t k, const uint
             const uint16_t *w0 = w + b * 16 * k, *w1 = w0 + 16 * k;
             for (int64_t r = m0; r < m1; r += 32) {
                 const int nr = r + 16 < m1 ? 2 : 1;
-                const uint16_t *a0 = r < full ? x + r * k : pad, *a1 = r + 16 < full ? x + (r + 16) * k : pad;
+                const uint16_t *a0 = xt ? xt + r * k32 : NULL, *a1 = xt ? xt + (r + 16) * k32 : NULL;
                 const uint16_t *pf = r == m0 && b + 2 < b1 ? w0 + 32 * k : NULL; /* (a prefetch past w is harmless) */
-                if (nr == 2 && nb == 2) blk_amx_tiles(a0, a1, 2 * k, w0, w1, k32, pf, k, c, 2, 2);
-                else if (nr == 2) blk_amx_tiles(a0, a1, 2 * k, w0, w1, k32, pf, k, c, 2, 1);
-                else if (nb == 2) blk_amx_tiles(a0, a1, 2 * k, w0, w1, k32, pf, k, c, 1, 2);
-                else blk_amx_tiles(a0, a1, 2 * k, w0, w1, k32, pf, k, c, 1, 1);
-                for (int t = 0; t < nr; t++)
-                    for (int64_t i = 0; i < 16 && r + 16 * t + i < m1; i++) {
-                        const int64_t row = r + 16 * t + i;
-                        for (int j = 0; j < nb; j++) {
-                            __m512 acc = _mm512_load_ps(c[t][j][i]);
-                            const uint16_t *wj = j ? w1 : w0;
-                            for (int64_t p = k32 / 2; p < half; p++) /* k's tail, in order */
-                                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(wj + p * 32),
-                                                       (__m512bh)_mm512_set1_epi32((int)xp[row * half + p]));
-                            st(y + row * n + (b + j) * 16, acc);
-                        }
-                    }
+                const blk_amx_piece *pp = have ? &prev : NULL;
+                if (nr == 2 && nb == 2) blk_amx_tiles(a0, a1, w0, w1, k32, pf, k, c[cur], pp, xp, y, n, 2, 2);
+                else if (nr == 2) blk_amx_tiles(a0, a1, w0, w1, k32, pf, k, c[cur], pp, xp, y, n, 2, 1);
+                else if (nb == 2) blk_amx_tiles(a0, a1, w0, w1, k32, pf, k, c[cur], pp, xp, y, n, 1, 2);
+                else blk_amx_tiles(a0, a1, w0, w1, k32, pf, k, c[cur], pp, xp, y, n, 1, 1);
+                prev = (blk_amx_piece){r, m1, b, nr, nb, w0, w1, c[cur]};
+                have = 1, cur ^= 1;
             }
         }
     }
+    if (have) blk_amx_out(&prev, xp, k32, half, y, n);
     _tile_release();
-    free(pad);
 }
 #else
 #define BLK_AMX 0
 static int blk_amx_ok(void) { return 0; }
-static void blk_amx_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t b0, int64_t b1,
-                          uint16_t *y, int64_t n) {
-    (void)x, (void)rows, (void)k, (void)w, (void)b0, (void)b1, (void)y, (void)n;
+static uint16_t *blk_amx_pack_x(const uint16_t *x, int64_t rows, int64_t k, int nthreads) {
+    (void)x, (void)rows, (void)k, (void)nthreads;
+    return NULL;
+}
+static void blk_amx_range(const uint16_t *x, const uint16_t *xt, int64_t rows, int64_t k, const uint16_t *w,
+                          int64_t b0, int64_t b1, uint16_t *y, int64_t n) {
+    (void)x, (void)xt, (void)rows, (void)k, (void)w, (void)b0, (void)b1, (void)y, (void)n;
 }
 #endif
 
@@ -347,9 +390,13 @@ void tpe_blocked_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *ou
 #ifndef BLK_AMX
 #define BLK_AMX 0 /* the AVX2 build: no AMX path */
 static int blk_amx_ok(void) { return 0; }
-static void blk_amx_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t b0, int64_t b1,
-                          uint16_t *y, int64_t n) {
-    (void)x, (void)rows, (void)k, (void)w, (void)b0, (void)b1, (void)y, (void)n;
+static uint16_t *blk_amx_pack_x(const uint16_t *x, int64_t rows, int64_t k, int nthreads) {
+    (void)x, (void)rows, (void)k, (void)nthreads;
+    return NULL;
+}
+static void blk_amx_range(const uint16_t *x, const uint16_t *xt, int64_t rows, int64_t k, const uint16_t *w,
+                          int64_t b0, int64_t b1, uint16_t *y, int64_t n) {
+    (void)x, (void)xt, (void)rows, (void)k, (void)w, (void)b0, (void)b1, (void)y, (void)n;
 }
 #endif
 
@@ -369,11 +416,12 @@ void tpe_blocked_gemm_bf16(const uint16_t *x, int64_t rows, int64_t k, const uin
                            int nthreads) {
     const int64_t blocks = n / 16, chunk = blk_chunk(blocks, nthreads, rows);
     const int amx = BLK_AMX && blk_amx_min > 0 && rows >= blk_amx_min && blk_amx_ok();
+    uint16_t *xt = amx ? blk_amx_pack_x(x, rows, k, nthreads) : NULL;
 #pragma omp parallel for schedule(static, 1) num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)
     for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
         const int64_t b1 = b0 + chunk < blocks ? b0 + chunk : blocks;
         if (amx) {
-            blk_amx_range(x, rows, k, w, b0, b1, y, n);
+            blk_amx_range(x, xt, rows, k, w, b0, b1, y, n);
             continue;
         }
 #ifdef TPE_AVX2
@@ -384,6 +432,7 @@ void tpe_blocked_gemm_bf16(const uint16_t *x, int64_t rows, int64_t k, const uin
 #endif
         blk_range(x, rows, k, w, b0, b1, y, n);
     }
+    free(xt);
 }
 
 /* A mixture-of-experts decode step's gate/up projections: g blocked weights w_i [n, k] (`w`: their
