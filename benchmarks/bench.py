@@ -143,11 +143,12 @@ def parse_system(system: str) -> tuple[int, str | None]:
 
 def worker_args(hf: bool, tp: int, model: str, dtype: str, cores: int, num_seqs: int, max_len: int,
                 hf_batch_size: int, hf_attn: str, engine_args: tuple[str, ...] = (),
-                quantization: str | None = None) -> list[str]:
+                quantization: str | None = None, job_tokens: int = 0) -> list[str]:
     """The :mod:`benchmarks.bench_worker` arguments of HF generate (``hf``; all ``cores``) or of the
     engine at ``tp`` (cores / tp threads per rank, ``num_seqs`` sequences of up to ``max_len``
     tokens, KV blocks of 16 for all of them at once, ``quantization`` int8 / int4 weights or None,
-    then ``engine_args``)."""
+    ``job_tokens`` the output tokens of the throughput workload, stated while it loads as a batch job of that
+    work states them (0: none), then ``engine_args``)."""
     common = ["--model", model, "--dtype", dtype]
     if hf:
         return common + ["--system", "hf", "--threads", str(cores), "--hf-batch-size", str(hf_batch_size),
@@ -155,7 +156,8 @@ def worker_args(hf: bool, tp: int, model: str, dtype: str, cores: int, num_seqs:
     blocks = num_seqs * cdiv(max_len, 16) + 4
     quant = ["--quantization", quantization] if quantization else []
     return common + ["--system", "engine", "--max-num-seqs", str(num_seqs), "--max-model-len", str(max_len),
-                     "--num-kv-blocks", str(blocks), "--threads", str(max(1, cores // tp)), *quant, *engine_args]
+                     "--num-kv-blocks", str(blocks), "--threads", str(max(1, cores // tp)), *quant,
+                     *(["--job-tokens", str(job_tokens)] if job_tokens else []), *engine_args]
 
 
 def run_dtype(dtype: str, systems: list[str], model: str, cores: int, prompts, lat_prompt, output_len: int,
@@ -175,8 +177,11 @@ def run_dtype(dtype: str, systems: list[str], model: str, cores: int, prompts, l
     try:
         for s in systems:
             tp, quant = parse_system(s)
+            # a throughput system loads as the batch job of its workload would (its measuring budget); a
+            # latency-only one states nothing (a job of a few tokens would keep its weights plain)
+            work = 0 if s in latency_only else len(prompts) * output_len
             args = worker_args(s == "hf", tp, model, dtype, cores, len(prompts), max_len, hf_batch_size,
-                               HF_ATTN[0] if per_round else hf_attn, quantization=quant)
+                               HF_ATTN[0] if per_round else hf_attn, quantization=quant, job_tokens=work)
             workers[s] = w = Worker(f"{s}/{dtype}", args, tp, logdir / f"{s}-{dtype}.log")
             w.ready = w.read()
         results = {}

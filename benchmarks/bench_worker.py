@@ -5,6 +5,7 @@
     torchrun --standalone --nproc_per_node=2 -m benchmarks.bench_worker --system engine ...  (tp=2)
     python -m benchmarks.bench_worker --system engine --dtype bfloat16 --quantization int4 ...
     python -m benchmarks.bench_worker --system engine --dtype bfloat16 --kv-cache-dtype int8 ...
+    python -m benchmarks.bench_worker --system engine --job-tokens 8192 ...  (measure as a batch job of that work)
     torchrun ... -m benchmarks.bench_worker --system engine --enable-expert-parallel ...  (MoE: experts per rank)
 
 The model is loaded once and warmed up (rank 0 then says ``{"ready", "threads": [per rank],
@@ -270,6 +271,9 @@ def main(system: str = typer.Option(..., help="hf or engine"),
          speculative_config: str = typer.Option("", help="engine: vLLM's speculative-config JSON (empty: off)"),
          enable_expert_parallel: bool = typer.Option(False, help="engine: a MoE model's experts whole per rank"),
          kv_cache_dtype: str = typer.Option("auto", help="engine: the KV cache's storage, auto or int8"),
+         job_tokens: int = typer.Option(0, help="engine: the tokens the driver will ask for, stated while the "
+                                                "engine loads as a batch job states its work (its measuring "
+                                                "budget in proportion); 0: nothing stated"),
          ) -> None:
     t0 = time.perf_counter()
     warm = WARMUP_PROMPTS
@@ -277,9 +281,14 @@ def main(system: str = typer.Option(..., help="hf or engine"),
         sysm = HFSystem(model, getattr(torch, dtype), threads or torch.get_num_threads(), hf_batch_size, hf_attn)
         driver, sync = True, lambda c: c
     else:
-        sysm = EngineSystem(model, dtype, threads or None, max_num_seqs, max_model_len, num_kv_blocks or None,
-                            max_num_batched_tokens, enable_prefix_caching, chunked_prefill, quantization or None,
-                            speculative_config or None, enable_expert_parallel, kv_cache_dtype)
+        from tpengine.entrypoints.run import stated_work
+
+        # the same measuring budget as `python -m tpengine.run` gives a job of this work: with the 1 s default a
+        # fresh cache's first shapes spend it and the rest (the tied LM head) keep their unmeasured defaults
+        with stated_work(job_tokens or None):
+            sysm = EngineSystem(model, dtype, threads or None, max_num_seqs, max_model_len, num_kv_blocks or None,
+                                max_num_batched_tokens, enable_prefix_caching, chunked_prefill, quantization or None,
+                                speculative_config or None, enable_expert_parallel, kv_cache_dtype)
         driver = sysm.tp.is_driver
 
         def sync(c):

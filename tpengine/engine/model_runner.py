@@ -65,8 +65,9 @@ class ModelRunner:
         self.attn_modules = [layer.self_attn for layer in stack.layers[: stack.config.num_hidden_layers]]
         self._kv_window = self._model_window()  # (every stage's layers)
         if tp.rank == 0 and tp.is_last_stage:  # (the stage that holds the LM head)
-            line = self.profile.describe(self.dtype, tuple(self.model.lm_head.weight.shape)
-                                         if self.model.lm_head.weight is not None else None)
+            head = self.model.lm_head  # a head held in another layout has no plain weight: its shape from its rows
+            line = self.profile.describe(self.dtype, tuple(head.weight.shape) if head.weight is not None
+                                         else (head.vocab_end - head.vocab_start, self.shard_plan.hidden_size))
             if line is not None:
                 print(line, file=sys.stderr, flush=True)
         self.graphs = None  # the platform's step runner (CUDA graphs), once the cache is bound
