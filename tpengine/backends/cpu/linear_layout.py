@@ -172,7 +172,9 @@ def plain_timings(weights: list[torch.Tensor], dtype: torch.dtype, kernels: tupl
 
 def blocked_timing(weights: list[torch.Tensor], group: int, program: bool = False) -> dict[str, list]:
     """``{"blocked": us}``: the blocked layout's microseconds per call at each of :data:`ROW_BUCKETS` (on the
-    path a bound layer runs at those rows, :func:`_blocked_rows`), on the plain ``weights`` packed
+    path a bound layer runs at those rows, :func:`_blocked_rows`: bfloat16 by AMX from the rows
+    :func:`tpengine.backends.cpu.cpu_blocked.choose_amx` set, chosen first by :func:`choose_layouts`), on the plain
+    ``weights`` packed
     (:func:`tpengine.backends.cpu.cpu_blocked.pack`; each plain one dropped from the list as its blocked copy is
     made, so the two layouts of all of them never coexist: the list is left empty). With ``group`` (a
     mixture-of-experts expert shape, the experts one token runs) its one-row time is that of the grouped call a
@@ -287,6 +289,10 @@ def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setti
     (``EngineConfig.cpu_kernels`` off) leaves the GEMV, GEMM and grouped kernels out of the choice.
     ``groups``: the mixture-of-experts expert shapes, each with how many experts one token runs on
     this rank (their blocked layout's one-row time is the grouped call's, :func:`blocked_timing`).
+
+    A bfloat16 model with the blocked layout (``setting`` "auto" or "blocked") first has the blocked GEMM's AMX
+    start measured on its shapes (:func:`tpengine.backends.cpu.cpu_blocked.choose_amx`, where the CPU has AMX-BF16;
+    logged by :func:`summary`), so the blocked layout is timed, and runs, on it; the timings' cache key names it.
 
     ``program``: the shapes of the products a decode program would make, where the model's form takes one
     (:func:`tpengine.backends.cpu.cpu_program.product_shapes`): it runs a one-token step as one C call where
@@ -421,7 +427,9 @@ def bind_linear(weight: torch.Tensor | None, bias: torch.Tensor | None, packed: 
 
 def _blocked_rows(blocked: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """A blocked weight's ``run(x [rows, k] contiguous) -> [rows, n]``: :func:`tpengine.backends.cpu.cpu_blocked.bind`'s
-    kernel, and for a float32 weight from :data:`tpengine.backends.cpu.cpu_gemm.MIN_ROWS` rows on (a decode batch,
+    kernel (bfloat16: any rows, by AMX tiles from :func:`tpengine.backends.cpu.cpu_blocked.amx_rows` rows on where
+    the CPU has AMX-BF16: a decode batch, a prefill), and for a float32 weight from
+    :data:`tpengine.backends.cpu.cpu_gemm.MIN_ROWS` rows on (a decode batch,
     a prefill) :func:`tpengine.backends.cpu.cpu_gemm.bind_blocked`'s, where the library has it: the same
     products (equal outputs, bit for bit), its tiles run in chunks of rows whose ``x`` stays in the L2, where the
     former streams every row of ``x`` once per 32 outputs (docs/notes/kernels.md, "The float32 GEMM on the
