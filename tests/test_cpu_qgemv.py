@@ -517,6 +517,29 @@ def test_int4_q8_is_the_product_of_the_int8_activations(monkeypatch):
         cpu_qgemv.int4(torch.zeros(1, 64), z.packed, torch.zeros(4, 64, 2), 16, 64, act_int8=True)
 
 
+@pytest.mark.skipif(cpu_library.missing(*cpu_qgemv.INT4_Q8_KERNELS) is not None,
+                    reason=str(cpu_library.missing(*cpu_qgemv.INT4_Q8_KERNELS)))
+def test_int4_q8_is_the_same_at_every_thread_count(torch_threads):
+    """The int4 x int8 kernel's threads split halves of 64-row units (9 units of 576 -> 576 run 9 / 9 halves
+    at 2 threads, not 5 / 4 units), each unit's outputs the sum of its two halves' in one order: bit for bit
+    the same at 1, 2 and 3 threads, for 1 and 3 rows, with a last block of fewer than 64 rows (160 -> 584
+    rows, 9 units and a tail) and k of 5 blocks of 32 (halves of 2 and 3 blocks); and the same values as
+    the product of the int8 activations (the test above)."""
+    for name, shape in [("int4z", (576, 576)), ("int4", (584, 160))]:
+        q = weight(name, 32, shape, torch.bfloat16, seed=1)
+        for rows in (1, 3):
+            x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).bfloat16()
+            got = []
+            for n in (1, 2, 3):
+                torch_threads(n)
+                got.append(int4_q8_of(q, x))
+            assert all(torch.equal(got[0], g) for g in got[1:]), (name, shape, rows)
+            xd, _ = q8_activations(x)
+            want = xd.double() @ q.dequantize().double().T
+            tol = bound(xd, q) * 2 ** -14 + want.abs() * 2 ** -8
+            assert ((got[0].double() - want).abs() <= tol + 1e-30).all(), (name, shape, rows)
+
+
 def int8_q8_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The int8 x int8 kernel's arithmetic in torch: ``x`` quantized per row and block of 32 as
     ``q8_activations``, each block's sum ``S_b = sum q xq`` exact (integers, in float64), then

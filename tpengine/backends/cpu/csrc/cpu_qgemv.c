@@ -735,15 +735,16 @@ static inline __attribute__((always_inline)) void q8_rows512(const int R, const 
     }
 }
 
-/* One full 64-row unit at o0, every row of x: out[r * ldo + 0..63]. */
+/* One full 64-row unit at o0, every row of x, the column blocks b0..b1 - 1 (32 columns each): out[r * ldo +
+ * 0..63] = their sum. */
 static void q8_unit(const int8_t *xq, const float *d, const float *sd, int64_t rows, int64_t k, int64_t gs,
                     const uint8_t *packed, int64_t block, int64_t o0, int64_t w, const void *sz, const int8_t *zc,
-                    int64_t n_pad, int is_bf16, float *out, int64_t ldo) {
+                    int64_t n_pad, int is_bf16, int64_t b0, int64_t b1, float *out, int64_t ldo) {
     (void)block, (void)w; /* one 64-row block */
     const uint8_t *blk = packed + o0 * k / 2;
     const int64_t nblk = k / Q8_BLOCK;
     for (int64_t r = 0; r < rows; r++) memset(out + r * ldo, 0, sizeof(float) * 64);
-    for (int64_t b = 0; b < nblk; b++) {
+    for (int64_t b = b0; b < b1; b++) {
         const int64_t idx = (b * Q8_BLOCK / gs) * n_pad + o0;
         __m512 s[4], zz[4];
         if ((b * Q8_BLOCK) % gs == 0) q4_prefetch_sz(sz, zc, idx + 64, is_bf16); /* the next unit's, this group */
@@ -899,17 +900,17 @@ static void q8_row1_256(const int8_t *xq, const float *d, const float *sd, int64
     }
 }
 
-/* One unit at o0 (w outputs: 64, or 32 for a lone 32-row block) in blocks of `block` rows, every row of x:
- * out[r * ldo + 0..w - 1]. */
+/* One unit at o0 (w outputs: 64, or 32 for a lone 32-row block) in blocks of `block` rows, every row of x, the
+ * column blocks b0..b1 - 1 (32 columns each): out[r * ldo + 0..w - 1] = their sum. */
 static void q8_unit(const int8_t *xq, const float *d, const float *sd, int64_t rows, int64_t k, int64_t gs,
                     const uint8_t *packed, int64_t block, int64_t o0, int64_t w, const void *sz, const int8_t *zc,
-                    int64_t n_pad, int is_bf16, float *out, int64_t ldo) {
+                    int64_t n_pad, int is_bf16, int64_t b0, int64_t b1, float *out, int64_t ldo) {
     static const int off64[2][4] = {{0, 8, 16, 24}, {32, 40, 48, 56}}, off32[2][4] = {{0, 8, 32, 40}, {16, 24, 48, 56}};
     const uint8_t *pa = packed + o0 * k / 2, *pb = block == 32 && w == 64 ? pa + 16 * k : pa;
     const int64_t nblk = k / Q8_BLOCK, cs = block / 2;
     const int nt = w == 64 ? 4 : 2;
     for (int64_t r = 0; r < rows; r++) memset(out + r * ldo, 0, sizeof(float) * w);
-    for (int64_t b = 0; b < nblk; b++) {
+    for (int64_t b = b0; b < b1; b++) {
         const int64_t idx = (b * Q8_BLOCK / gs) * n_pad + o0;
         if ((b * Q8_BLOCK) % gs == 0) q4_prefetch_sz(sz, zc, idx + 64, is_bf16);
         if (rows == 1) {
@@ -938,33 +939,45 @@ static void q8_unit(const int8_t *xq, const float *d, const float *sd, int64_t r
 /* x [rows, k] against the int4 weight of tpe_qgemv_int4 (the same arguments; block 64 only), the activations
  * quantized to int8 in blocks of 32 (above): y [rows, n]. Returns 0, or -1 for bad arguments (rows outside
  * 1..8, k or gs not multiples of 32, k % gs, n > n_pad, n_pad % 16, a block this build does not read), -2 out
- * of memory. */
+ * of memory.
+ *
+ * The threads split halves of units, not units: each 64-row unit's columns are two items (column blocks
+ * 0..nh - 1 and nh..nblk - 1, nh = nblk / 2), so an odd count of units (9 for 576 or 1536 -> 576) splits
+ * evenly at 2 threads instead of 5 / 4. Each half's sums go to its own buffer (out, out2); the thread that
+ * finishes a unit's second half (an atomic count per unit) writes y = out + out2, so the result is the same
+ * for every thread count and schedule. The last, shorter block (q8_tail) is one item. */
 int64_t tpe_qgemv_int4_q8(const void *x, int64_t rows, int64_t k, const uint8_t *packed, const void *sz,
                           const int8_t *zc, int64_t gs, int64_t n, int64_t n_pad, int64_t block, void *y, int is_bf16,
                           int nthreads) {
     if (rows < 1 || rows > QMAX_ROWS || k % Q8_BLOCK || gs % Q8_BLOCK || gs <= 0 || k % gs || n > n_pad ||
         n_pad % 16 || !q4_reads(block))
         return -1;
-    const int64_t nblk = k / Q8_BLOCK, full = n_pad / block * block, units = (full + 63) / 64;
+    const int64_t nblk = k / Q8_BLOCK, nh = nblk / 2, full = n_pad / block * block, units = (full + 63) / 64;
     int8_t *xq = malloc(rows * k + 64);
     float *d = malloc(sizeof(float) * rows * nblk), *sd = malloc(sizeof(float) * rows * nblk);
-    float *out = malloc(sizeof(float) * rows * n_pad);
-    if (!xq || !d || !sd || !out) {
-        free(xq), free(d), free(sd), free(out);
+    float *out = malloc(sizeof(float) * 2 * rows * n_pad), *out2 = out + rows * n_pad;
+    int *done = calloc(units + 1, sizeof(int));
+    if (!xq || !d || !sd || !out || !done) {
+        free(xq), free(d), free(sd), free(out), free(done);
         return -2;
     }
     q8_quantize(x, rows, k, is_bf16, xq, d, sd);
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n_pad * k >= 65536)
-    for (int64_t b = 0; b < units + (full < n_pad); b++) {
-        const int64_t o0 = b < units ? b * 64 : full, w = b < units ? (full - o0 < 64 ? full - o0 : 64) : n_pad - full;
-        if (b < units)
-            q8_unit(xq, d, sd, rows, k, gs, packed, block, o0, w, sz, zc, n_pad, is_bf16, out + o0, n_pad);
+    for (int64_t it = 0; it < 2 * units + (full < n_pad); it++) {
+        const int64_t u = it / 2, h = it % 2, o0 = u < units ? u * 64 : full;
+        const int64_t w = u < units ? (full - o0 < 64 ? full - o0 : 64) : n_pad - full;
+        if (u < units)
+            q8_unit(xq, d, sd, rows, k, gs, packed, block, o0, w, sz, zc, n_pad, is_bf16, h ? nh : 0, h ? nblk : nh,
+                    (h ? out2 : out) + o0, n_pad);
         else
             q8_tail(xq, d, sd, rows, k, gs, packed + o0 * k / 2, w, sz, zc, n_pad, o0, is_bf16, out + o0, n_pad);
+        /* the unit's last half here: both halves' stores are seen (acquire-release on the count) */
+        if (u < units && __atomic_add_fetch(&done[u], 1, __ATOMIC_ACQ_REL) < 2) continue;
         for (int64_t r = 0; r < rows; r++)
-            for (int64_t o = o0; o < o0 + w && o < n; o++) stf(y, r * n + o, out[r * n_pad + o], is_bf16);
+            for (int64_t o = o0; o < o0 + w && o < n; o++)
+                stf(y, r * n + o, u < units ? out[r * n_pad + o] + out2[r * n_pad + o] : out[r * n_pad + o], is_bf16);
     }
-    free(xq), free(d), free(sd), free(out);
+    free(xq), free(d), free(sd), free(out), free(done);
     return 0;
 }
 
