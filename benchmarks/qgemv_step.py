@@ -7,17 +7,25 @@ group 32 with zero codes (``tpe_qgemv_int4``, ``tpe_qgemv_int4_q8``). Random wei
 a whole model of each (~135-270 MB: read from memory, not the caches); bfloat16 activations.
 
     python -m benchmarks.qgemv_step [--rounds 5] [--threads N] [--clock wall|cpu] [--head] [--only NAME ...]
+                                    [--ab-lib SO ...]
 
-Interleaved rounds (each round runs every kind's program once, a few steps each, in turn); prints per kind
-the best round's milliseconds a step, the weight bytes it read, GB/s, and the load average at the start and
-end. ``--clock cpu`` (with ``--threads 1``) counts the process's CPU time (a loaded machine's lost time
-slices left out). ``--triad`` also measures the machine's triad bandwidth
-(:func:`benchmarks.roofline.triad_gbs` when present) for the same threads. About a minute.
+Interleaved rounds (each round runs every kind's program once, a few steps each, in turn, every other round
+in the opposite order); prints per kind the best round's milliseconds a step (and the median round's), the
+weight bytes it read, GB/s, and the load average at the start and end. ``--clock cpu`` (with ``--threads 1``)
+counts the process's CPU time (a loaded machine's lost time slices left out). ``--ab-lib`` adds, for each
+quantized kind run, the same program calling each given library's function of the same name instead of the
+build's (a kernel's before / after in one process, interleaved), e.g. the commit before's source built alone:
+
+    git show HEAD~1:tpengine/backends/cpu/csrc/cpu_qgemv.c > /tmp/old.c
+    gcc -O3 -march=native -fopenmp -shared -fPIC -Itpengine/backends/cpu/csrc /tmp/old.c -o /tmp/old.so
+
+with ``-march=x86-64-v3`` for ``TPENGINE_ISA=avx2``. About a minute.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import time
 
@@ -65,8 +73,9 @@ def specs(kind: str, shapes: list[tuple[int, int]], g: torch.Generator) -> tuple
     return out, keep, nbytes
 
 
-def program(spec_list: list) -> tuple[cpu_program.Program, torch.Tensor]:
-    """One program of the calls, each reading the same input row (a step's products back to back)."""
+def program(spec_list: list, lib: ctypes.CDLL | None = None) -> tuple[cpu_program.Program, torch.Tensor]:
+    """One program of the calls, each reading the same input row (a step's products back to back); with
+    ``lib``, each op calls ``lib``'s function of its name instead of the build's."""
     prog = cpu_program.Program(576, torch.bfloat16)
     x = torch.randn(1, 1536).bfloat16()
     nt = torch.get_num_threads()
@@ -85,6 +94,8 @@ def program(spec_list: list) -> tuple[cpu_program.Program, torch.Tensor]:
             k, pp, sp, zp, gs, n, n_pad, block, bf = c
             y = prog.buffer(n, f"y{n}")
             prog.add(kind, name, [x.data_ptr(), 1, k, pp, sp, zp, gs, n, n_pad, block, y.data_ptr(), bf, nt])
+        if lib is not None:  # the op's function word (cpu_program's row: signature, mask, function, arguments)
+            prog.rows[-1][2] = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
     return prog.finish(y), x
 
 
@@ -99,6 +110,8 @@ def main() -> None:
     p.add_argument("--head", action="store_true", help="add the tied LM head (576 -> 49152) to the step")
     p.add_argument("--steps", type=int, default=5, help="steps a round")
     p.add_argument("--only", nargs="*", choices=KINDS, default=list(KINDS))
+    p.add_argument("--ab-lib", nargs="*", default=[], metavar="SO",
+                   help="also run each quantized kind with these libraries' functions (a kernel's before / after)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     clock = time.perf_counter if a.clock == "wall" else time.process_time
@@ -109,20 +122,25 @@ def main() -> None:
         sl, keep, nbytes = specs(kind, shapes, g)
         prog, x = program(sl)
         runs[kind] = (prog, (keep, x), nbytes)
+        for so in a.ab_lib if kind.startswith("int") else []:
+            lib = ctypes.CDLL(os.path.abspath(so))
+            prog, x2 = program(sl, lib)
+            runs[f"{kind} [{os.path.basename(so)}]"] = (prog, (keep, x2, lib), nbytes)
     print(f"load average {os.getloadavg()[0]:.2f}, {a.threads} threads, {a.clock} clock, {len(shapes)} products "
           f"a step, bfloat16 activations")
-    best = {k: float("inf") for k in runs}
-    for _ in range(a.rounds):
-        for kind, (prog, _, _) in runs.items():
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for r in range(a.rounds):
+        for kind, (prog, _, _) in runs.items() if r % 2 == 0 else reversed(runs.items()):
             fn = prog.run_fn
             fn(prog.ops_p, prog.n_ops, prog.params_p, 0)  # warm-up
             t = clock()
             for _ in range(a.steps):
                 fn(prog.ops_p, prog.n_ops, prog.params_p, 0)
-            best[kind] = min(best[kind], (clock() - t) / a.steps)
-    for kind, t in best.items():
-        nbytes = runs[kind][2]
-        print(f"{kind:18s} {t * 1e3:8.3f} ms a step  {nbytes / 1e6:7.1f} MB  {nbytes / t / 1e9:6.1f} GB/s")
+            times[kind].append((clock() - t) / a.steps)
+    for kind, ts in times.items():
+        nbytes, t, med = runs[kind][2], min(ts), sorted(ts)[len(ts) // 2]
+        print(f"{kind:18s} {t * 1e3:8.3f} ms a step (median {med * 1e3:.3f})  {nbytes / 1e6:7.1f} MB  "
+              f"{nbytes / t / 1e9:6.1f} GB/s")
     print(f"load average {os.getloadavg()[0]:.2f}")
 
 
