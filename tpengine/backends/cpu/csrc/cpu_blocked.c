@@ -109,7 +109,8 @@ static void blk_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t
  * output is the float32 sum of the pairs' products in k's order, rounded once (st) -- whether that equals
  * the vdpbf16ps path bit for bit is the hardware's (docs/notes/kernels.md: measured; tests/test_blocked_amx.py).
  * Rows are taken in chunks whose x fits half the L2 (from the size the C library reports), each chunk running
- * every panel of 2 blocks of the thread's share, so x comes from L2 and the weight is what streams. */
+ * every panel of 2 blocks of the thread's share, so x comes from L2 and the weight is what streams; a y larger
+ * than the L2 is written with non-temporal stores, so that it does not evict x's chunk (docs/notes/kernels.md). */
 #define BLK_AMX 1
 typedef struct {
     uint8_t palette, start;
@@ -133,14 +134,19 @@ static void blk_amx_config(void) {
     _tile_loadconfig(&c);
 }
 
-/* Rows of x per chunk: as many as fill half the L2 with k bfloat16 each, whole pairs of tiles (>= 32). */
-static int64_t blk_amx_chunk(int64_t k) {
+/* The L2's bytes, as the C library reports them (not reported: 1 MiB, the smallest L2 of the CPUs with AMX). */
+static int64_t blk_l2(void) {
     static int64_t l2 = -1;
     if (l2 < 0) {
         const long s = sysconf(_SC_LEVEL2_CACHE_SIZE);
-        l2 = s > 0 ? s : 1 << 20; /* not reported: 1 MiB, the smallest L2 of the CPUs with AMX */
+        l2 = s > 0 ? s : 1 << 20;
     }
-    const int64_t rows = (l2 / 2 / (2 * k)) & ~(int64_t)31;
+    return l2;
+}
+
+/* Rows of x per chunk: as many as fill half the L2 with k bfloat16 each, whole pairs of tiles (>= 32). */
+static int64_t blk_amx_chunk(int64_t k) {
+    const int64_t rows = (blk_l2() / 2 / (2 * k)) & ~(int64_t)31;
     return rows > 32 ? rows : 32;
 }
 
@@ -156,7 +162,7 @@ typedef struct {
 /* A piece's outputs: k's tail (the last k % 32 values, past k32: vdpbf16ps pair by pair, in order, after the
  * tiles' pairs) added and each rounded once to bfloat16 into y (rows n apart). */
 static void blk_amx_out(const blk_amx_piece *d, const uint32_t *xp, int64_t k32, int64_t half, uint16_t *y,
-                        int64_t n) {
+                        int64_t n, int nt) {
     for (int t = 0; t < d->nr; t++)
         for (int64_t i = 0; i < 16 && d->r + 16 * t + i < d->m1; i++) {
             const int64_t row = d->r + 16 * t + i;
@@ -166,7 +172,11 @@ static void blk_amx_out(const blk_amx_piece *d, const uint32_t *xp, int64_t k32,
                 for (int64_t p = k32 / 2; p < half; p++)
                     acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(wj + p * 32),
                                            (__m512bh)_mm512_set1_epi32((int)xp[row * half + p]));
-                st(y + row * n + (d->b + j) * 16, acc);
+                uint16_t *o = y + row * n + (d->b + j) * 16;
+                if (nt && !((uintptr_t)o & 31))
+                    _mm256_stream_si256((__m256i *)o, _mm512_cvtepi32_epi16(rne(acc)));
+                else
+                    st(o, acc);
             }
         }
 }
@@ -180,7 +190,8 @@ static inline __attribute__((always_inline)) void blk_amx_tiles(const uint16_t *
                                                                 const uint16_t *w0, const uint16_t *w1, int64_t k32,
                                                                 const uint16_t *pf, int64_t k, float c[2][2][16][16],
                                                                 const blk_amx_piece *prev, const uint32_t *xp,
-                                                                uint16_t *y, int64_t n, const int NR, const int NB) {
+                                                                uint16_t *y, int64_t n, int nt, const int NR,
+                                                                const int NB) {
     _tile_zero(0);
     if (NB > 1) _tile_zero(1);
     if (NR > 1) _tile_zero(2);
@@ -204,7 +215,7 @@ static inline __attribute__((always_inline)) void blk_amx_tiles(const uint16_t *
             if (NB > 1) _tile_dpbf16ps(3, 5, 7);
         }
     }
-    if (prev) blk_amx_out(prev, xp, k32, k / 2, y, n);
+    if (prev) blk_amx_out(prev, xp, k32, k / 2, y, n, nt);
     _tile_stored(0, c[0][0], 64);
     if (NB > 1) _tile_stored(1, c[0][1], 64);
     if (NR > 1) _tile_stored(2, c[1][0], 64);
@@ -236,6 +247,7 @@ static void blk_amx_range(const uint16_t *x, const uint16_t *xt, int64_t rows, i
     float c[2][2][2][16][16] __attribute__((aligned(64))); /* this piece's tiles and the previous one's */
     blk_amx_piece prev;
     int have = 0, cur = 0;
+    const int nt = rows * n * 2 > blk_l2(); /* y larger than the L2: stored past the caches (x's chunk stays in L2) */
     blk_amx_config();
     for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
         const int64_t m1 = m0 + chunk < rows ? m0 + chunk : rows;
@@ -247,16 +259,17 @@ static void blk_amx_range(const uint16_t *x, const uint16_t *xt, int64_t rows, i
                 const uint16_t *a0 = xt ? xt + r * k32 : NULL, *a1 = xt ? xt + (r + 16) * k32 : NULL;
                 const uint16_t *pf = r == m0 && b + 2 < b1 ? w0 + 32 * k : NULL; /* (a prefetch past w is harmless) */
                 const blk_amx_piece *pp = have ? &prev : NULL;
-                if (nr == 2 && nb == 2) blk_amx_tiles(a0, a1, w0, w1, k32, pf, k, c[cur], pp, xp, y, n, 2, 2);
-                else if (nr == 2) blk_amx_tiles(a0, a1, w0, w1, k32, pf, k, c[cur], pp, xp, y, n, 2, 1);
-                else if (nb == 2) blk_amx_tiles(a0, a1, w0, w1, k32, pf, k, c[cur], pp, xp, y, n, 1, 2);
-                else blk_amx_tiles(a0, a1, w0, w1, k32, pf, k, c[cur], pp, xp, y, n, 1, 1);
+                if (nr == 2 && nb == 2) blk_amx_tiles(a0, a1, w0, w1, k32, pf, k, c[cur], pp, xp, y, n, nt, 2, 2);
+                else if (nr == 2) blk_amx_tiles(a0, a1, w0, w1, k32, pf, k, c[cur], pp, xp, y, n, nt, 2, 1);
+                else if (nb == 2) blk_amx_tiles(a0, a1, w0, w1, k32, pf, k, c[cur], pp, xp, y, n, nt, 1, 2);
+                else blk_amx_tiles(a0, a1, w0, w1, k32, pf, k, c[cur], pp, xp, y, n, nt, 1, 1);
                 prev = (blk_amx_piece){r, m1, b, nr, nb, w0, w1, c[cur]};
                 have = 1, cur ^= 1;
             }
         }
     }
-    if (have) blk_amx_out(&prev, xp, k32, half, y, n);
+    if (have) blk_amx_out(&prev, xp, k32, half, y, n, nt);
+    if (nt) _mm_sfence();
     _tile_release();
 }
 #else
