@@ -151,6 +151,10 @@ def test_blocked_gemm_amx_rows(threads, torch_threads, amx_rows):
     w, x = torch.randn(32, 4096, dtype=torch.bfloat16), torch.randn(150, 4096, dtype=torch.bfloat16)
     got, exact = cpu_blocked.linear(x, cpu_blocked.pack(w)).float(), F.linear(x.float(), w.float())
     assert ((got - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3 * 64).all()
+    # a y larger than the L2 (4.3 MB here) is written with non-temporal stores
+    w, x = torch.randn(1024, 64, dtype=torch.bfloat16), torch.randn(2100, 64, dtype=torch.bfloat16)
+    got, exact = cpu_blocked.linear(x, cpu_blocked.pack(w)).float(), F.linear(x.float(), w.float())
+    assert ((got - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3 * 8).all()
 
 
 def test_amx_rows_setting_without_amx(amx_rows):
