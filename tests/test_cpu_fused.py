@@ -15,7 +15,7 @@ BF16 = torch.bfloat16
 
 #: the kernels' own tests; the torch chains the ops fall back to (declined cases, cpu_kernels=False, the
 #: copies and the argument checks) run on every machine, without the C kernels too (AVX2 only)
-FUSED = ("tpe_add_rms_norm", "tpe_add_rms_norm_f32", "tpe_rope", "tpe_silu_mul", "tpe_silu_mul_f32",
+FUSED = ("tpe_add_rms_norm", "tpe_add_rms_norm_f32", "tpe_rope", "tpe_rope_f32", "tpe_silu_mul", "tpe_silu_mul_f32",
          "tpe_gelu_tanh_mul", "tpe_gelu_tanh_mul_f32",
          "tpe_causal_softmax")  # (in every build with a vector path: AVX512-BF16 or AVX2)
 needs_kernels = pytest.mark.skipif(cpu_library.missing(*FUSED) is not None, reason=str(cpu_library.missing(*FUSED)))
@@ -58,11 +58,16 @@ def test_add_rms_norm_equals_torch(rows):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", (BF16, torch.float32), ids=["bfloat16", "float32"])
 @pytest.mark.parametrize("batch", (True, False), ids=["1xTxHxD", "TxHxD"])
-def test_rope_in_place_equals_hf_formula(batch, c_calls):
+def test_rope_in_place_equals_hf_formula(batch, dtype, c_calls):
     """On the q/k part of a fused q/k/v row (a strided view), leaving v untouched; with or without
-    a leading batch dimension of 1."""
+    a leading batch dimension of 1; bit for bit the torch formula in both dtypes (float32: each product
+    rounded before the sum, no fused multiply-add)."""
     qkv, cos, sin = rand(1, 50, 15, 64), rand(1, 50, 64, seed=1), rand(1, 50, 64, seed=2)
+    if dtype == torch.float32:  # full float32 mantissas: a product of two is not exact, so a fused one would differ
+        qkv, cos, sin = (torch.randn(t.shape, generator=torch.Generator().manual_seed(i)) for i, t in
+                         enumerate((qkv, cos, sin)))
     if not batch:
         qkv, cos, sin = qkv[0], cos[0], sin[0]
     qk = qkv[..., :12, :]
@@ -70,7 +75,7 @@ def test_rope_in_place_equals_hf_formula(batch, c_calls):
     v = qkv[..., 12:, :].clone()
     assert cpu_fused.rope_(qk, cos, sin, True) is qk
     assert torch.equal(qk, want) and torch.equal(qkv[..., 12:, :], v)
-    assert c_calls == ["tpe_rope"]
+    assert c_calls == ["tpe_rope" if dtype == BF16 else "tpe_rope_f32"]
 
 
 @needs_kernels

@@ -50,11 +50,11 @@ def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cpu_kernels: b
     """HF's RoPE ``qk * cos + rotate_half(qk) * sin`` for every head. Shapes: ``qk [..., T, H, D]``
     (may be a view into a wider row, e.g. the fused q/k/v GEMM output), ``cos``/``sin [..., T, D]``
     (the same leading dims). Returns the result: ``qk`` itself, rotated in place, from the C kernel
-    (bfloat16 on CPU, ``D % 32 == 0``, each token's heads packed, tokens evenly strided), else a new
-    tensor from the torch ops."""
+    (bfloat16 or float32 on CPU, tables of ``qk``'s dtype, ``D % 32 == 0``, each token's heads packed,
+    tokens evenly strided; the same roundings as the torch ops), else a new tensor from the torch ops."""
     d = qk.shape[-1]
     if cpu_kernels and qk.dim() >= 3 and cos.shape == sin.shape == (*qk.shape[:-2], d) and d % 32 == 0 \
-            and cpu_library.usable(qk, cos, sin, kernels=("tpe_rope",)):
+            and cpu_library.usable(qk, cos, sin, float32=True, kernels=("tpe_rope", "tpe_rope_f32")):
         try:
             rows = qk.view(-1, *qk.shape[-2:])  # [T, H, D] over the same memory
         except RuntimeError:

@@ -70,6 +70,7 @@ SIGNATURES = {  # C function -> argument types (all return void but tpe_paged_am
     "tpe_decode_pv": [_P, _P, _P, _P, _I64, _I64, _I32, _I64, _I32, _I32],
     "tpe_add_rms_norm": [_P, _P, _P, _P, _P, _I64, _I64, _F32, _I32],
     "tpe_rope": [_P, _I64, _I64, _I64, _P, _P, _I64, _I32],
+    "tpe_rope_f32": [_P, _I64, _I64, _I64, _P, _P, _I64, _I32],
     "tpe_silu_mul": [_P, _P, _I64, _I64, _I32],
     "tpe_add_rms_norm_f32": [_P, _P, _P, _P, _P, _I64, _I64, _F32, _I32],
     "tpe_add_rms_norm_w32": [_P, _P, _P, _P, _P, _I64, _I64, _F32, _I32],

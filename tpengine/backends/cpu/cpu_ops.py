@@ -98,14 +98,14 @@ def _add_rms_norm(h, x, weight, h_out, y, eps):
 def _rope(qk, cos, sin):
     _need(qk.dim() == 3, "rope_", lambda: f"qk must be [T, H, D]; got {tuple(qk.shape)}")
     t, heads, d = qk.shape
-    _bf16("rope_", cos=cos, sin=sin)
-    _need(qk.dtype == BF16 and qk.is_cpu and d % 32 == 0 and qk.stride(-1) == 1
+    dtype = _same_float("rope_", cos=cos, sin=sin)
+    _need(qk.dtype == dtype and qk.is_cpu and d % 32 == 0 and qk.stride(-1) == 1
           and qk.stride(-2) == d and (t <= 1 or qk.stride(0) >= heads * d), "rope_",
-          lambda: f"qk must be bfloat16 [T, H, D] with D % 32 == 0, each row's heads packed and rows apart; got "
-          f"{qk.dtype} {tuple(qk.shape)} strides {tuple(qk.stride())}")
+          lambda: f"qk must be [T, H, D] of cos's dtype ({dtype}) with D % 32 == 0, each row's heads packed and rows "
+          f"apart; got {qk.dtype} {tuple(qk.shape)} strides {tuple(qk.stride())}")
     _need(cos.shape == sin.shape == (t, d), "rope_", lambda: f"cos/sin must be [{t}, {d}]; got {tuple(cos.shape)}")
-    _fn("tpe_rope")(qk.data_ptr(), qk.stride(0), heads, d, cos.data_ptr(), sin.data_ptr(), t,
-                    torch.get_num_threads())
+    _fn("tpe_rope" if dtype == BF16 else "tpe_rope_f32")(qk.data_ptr(), qk.stride(0), heads, d, cos.data_ptr(),
+                                                         sin.data_ptr(), t, torch.get_num_threads())
 
 
 def _silu_mul(gate_up, out):

@@ -4,7 +4,8 @@
  * and one pass over memory per op; each keeps the chain's roundings, op by op:
  *
  *   add_rms_norm: h' = bf16(h + x); y = bf16(w * bf16(h' * rsqrt(mean(h'^2) + eps)))   (fp32 inside)
- *   rope:         out = bf16(bf16(q * cos) + bf16(rotate_half(q) * sin))               (HF's formula)
+ *   rope:         out = bf16(bf16(q * cos) + bf16(rotate_half(q) * sin))               (HF's formula;
+ *                 tpe_rope_f32: float32, each product rounded before the sum)
  *   silu_mul:     out = bf16(bf16(g / (1 + exp(-g))) * u)                              (torch's SiLU)
  *   gelu_tanh_mul: out = bf16(bf16(0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))) * u)  (torch's GELU, tanh)
  *   causal_softmax: p = bf16(softmax(bf16(s * scale) + causal -inf mask)), float32 inside
@@ -163,6 +164,15 @@ void tpe_rope(uint16_t *qk, int64_t row_stride, int64_t heads, int64_t d, const 
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (T * heads * d >= 65536)
     for (int64_t t = 0; t < T; t++)
         for (int64_t h = 0; h < heads; h++) rope_head_bf16(qk + t * row_stride + h * d, cos_t + t * d, sin_t + t * d, d / 2);
+}
+/* tpe_rope's float32 twin (a float32 prefill: torch's chain of five ops and three new tensors before): HF's
+ * formula as rope_head_f32 computes it, each product rounded to float32 before the sum (no fused
+ * multiply-add), so the result equals torch's float32 ops bit for bit. */
+void tpe_rope_f32(float *qk, int64_t row_stride, int64_t heads, int64_t d, const float *cos_t, const float *sin_t,
+                  int64_t T, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * heads * d >= 65536)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < heads; h++) rope_head_f32(qk + t * row_stride + h * d, cos_t + t * d, sin_t + t * d, d / 2);
 }
 
 /* In place on s: [blocks, n, n] bfloat16 scores of causal attention (query i of a block sees keys
