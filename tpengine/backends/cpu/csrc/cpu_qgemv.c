@@ -995,9 +995,14 @@ int64_t tpe_qgemv_int4_q8(const void *x, int64_t rows, int64_t k, const uint8_t 
  * conversion and one FMA (the float kernel: 4 widenings, 4 conversions, 4 FMAs). AVX2: llama.cpp's sign
  * trick, vpmaddubsw(|q|, sign(xq, q)) (pairs at most 2 x 128 x 127, no saturation) then vpmaddwd by 1;
  * vpdpbusd on 256 bits as AVX-512's where the build targets AVX-VNNI or AVX512-VNNI with VL. Weight
- * rows are walked J at a time for R rows of x (gemv.h's TPE_J*), the next group prefetched as a group
- * is read; the threads split the output rows (tpe_gemv_chunk). */
+ * rows are walked J at a time for R rows of x (gemv.h's TPE_J*), the group after next prefetched into L2
+ * as a group is read (I8Q8_AHEAD); the threads split the output rows (tpe_gemv_chunk). */
 #define I8Q8_MAXJ 4
+/* How many groups of J rows ahead of the group being read its rows are prefetched, and into which cache: two
+ * groups, into L2 (each line is read once, a group later), streamed faster on both ISAs than the next group
+ * into L1 (figures: docs/notes/kernels.md, "int4 and int8 at one row, continued"). */
+#define I8Q8_AHEAD 2
+#define I8Q8_PREFETCH_HINT _MM_HINT_T1
 
 /* xq [rows, kp] (zero past k), nc and dl [rows, kp / 4]: each 4-column lane's -128 * sum xq and its d. */
 static void i8q8_lanes(const void *x, int64_t rows, int64_t k, int64_t kp, int is_bf16, int8_t *xq, int32_t *nc,
@@ -1029,7 +1034,7 @@ static inline __attribute__((always_inline)) void i8q8_group(const int R, const 
         __m512i w[I8Q8_MAXJ];
         for (int j = 0; j < J; j++) {
             const int8_t *p = q + (o + j) * k + 64 * c;
-            _mm_prefetch((const char *)(p + J * k), _MM_HINT_T0); /* the next group's row */
+            _mm_prefetch((const char *)(p + I8Q8_AHEAD * J * k), I8Q8_PREFETCH_HINT); /* a later group's row */
             w[j] = _mm512_xor_si512(c + 1 < steps ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(last, p), flip);
         }
         for (int r = 0; r < R; r++) {
@@ -1054,7 +1059,7 @@ static inline __attribute__((always_inline)) void i8q8_group(const int R, const 
         __m256i w[I8Q8_MAXJ];
         for (int j = 0; j < J; j++) {
             const int8_t *p = q + (o + j) * k + 32 * c;
-            if (!(c & 1)) _mm_prefetch((const char *)(p + J * k), _MM_HINT_T0); /* the next group's row */
+            if (!(c & 1)) _mm_prefetch((const char *)(p + I8Q8_AHEAD * J * k), I8Q8_PREFETCH_HINT); /* later group's */
             w[j] = _mm256_loadu_si256((const __m256i *)p);
 #ifdef Q8_DPBUSD
             w[j] = _mm256_xor_si256(w[j], _mm256_set1_epi8((char)0x80));
