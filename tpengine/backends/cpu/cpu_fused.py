@@ -138,7 +138,8 @@ def _int64(index: torch.Tensor) -> torch.Tensor:
 def copy_rows(src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor],
               dst_index: torch.Tensor, src_index: torch.Tensor | None = None, *, cpu_kernels: bool) -> None:
     """``dst[j][dst_index[i]] = src[j][src_index[i] if src_index is not None else i]`` for j = 0, 1
-    (keys and values), cast to the destination dtype: one C call (bfloat16 on CPU) instead of an
+    (keys and values), cast to the destination dtype: one C call (bfloat16 or float32 on CPU, every tensor of
+    one dtype) instead of an
     ``index_copy_`` (+ ``index_select``) per tensor.
 
     Shapes: ``src`` two ``[M, *row]`` tensors (``M == N`` without ``src_index``), ``dst`` two
@@ -154,7 +155,7 @@ def copy_rows(src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, t
     if (m if src_index is None else src_index.shape[0]) != n:
         raise ValueError(f"copy_rows: {n} dst_index entries for {m} source rows"
                          + ("" if src_index is None else f" and {src_index.shape[0]} src_index entries"))
-    if cpu_kernels and n and da.dtype == torch.bfloat16 and cpu_library.usable(sa, sb, da, db):
+    if cpu_kernels and n and cpu_library.usable(sa, sb, da, db, float32=True):
         ss = sa.stride()  # the C layout: rows of dst contiguous, src rows equally strided and each contiguous
         if (ss[1:] == da.stride()[1:] and sb.stride() == ss and da.is_contiguous() and db.is_contiguous()
                 and sa.shape[1:] == da.shape[1:] and sb.shape == sa.shape and db.shape == da.shape):

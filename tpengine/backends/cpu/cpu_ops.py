@@ -131,16 +131,20 @@ def _copy_rows(src_a, src_b, src_index, dst_a, dst_b, dst_index):
     ss, ds = src_a.stride(), dst_a.stride()
     sa_shape, da_shape = src_a.shape, dst_a.shape
     m = sa_shape[0] if sa_shape else -1
-    if not (_fast_bf16(dst_a, dst_b) and src_a.dtype == BF16 and src_b.dtype == BF16 and src_a.is_cpu
+    dtype = dst_a.dtype
+    if not ((_fast_bf16(dst_a, dst_b) or (dtype == torch.float32 and dst_b.dtype == dtype and dst_a.is_cpu
+                                          and dst_b.is_cpu and dst_a.is_contiguous() and dst_b.is_contiguous()))
+            and src_a.dtype == dtype and src_b.dtype == dtype and src_a.is_cpu
             and len(ss) == len(ds) >= 1 and ss[1:] == ds[1:] and src_b.stride() == ss and sa_shape[1:] == da_shape[1:]
             and src_b.shape == sa_shape and dst_b.shape == da_shape and dst_index.dtype == torch.int64
             and dst_index.is_contiguous() and n >= 0
             and (m == n if src_index is None else (src_index.dtype == torch.int64 and src_index.is_contiguous()
                                                    and src_index.shape == (n,)))):
         _copy_rows_explain(src_a, src_b, src_index, dst_a, dst_b, dst_index)
-    bad = _fn("tpe_copy_rows")(src_a.data_ptr(), src_b.data_ptr(), ss[0] * 2,
+    es = dst_a.element_size()  # the C copy moves bytes: rows of ds[0] elements of this size
+    bad = _fn("tpe_copy_rows")(src_a.data_ptr(), src_b.data_ptr(), ss[0] * es,
                                None if src_index is None else src_index.data_ptr(), m, dst_a.data_ptr(),
-                               dst_b.data_ptr(), dst_index.data_ptr(), da_shape[0], n, ds[0] * 2,
+                               dst_b.data_ptr(), dst_index.data_ptr(), da_shape[0], n, ds[0] * es,
                                torch.get_num_threads())
     if bad >= 0:
         name, idx, rows = ("dst_index", dst_index, da_shape[0]) if bad < n else ("src_index", src_index, m)
@@ -150,9 +154,10 @@ def _copy_rows(src_a, src_b, src_index, dst_a, dst_b, dst_index):
 def _copy_rows_explain(src_a, src_b, src_index, dst_a, dst_b, dst_index):
     """Raise the ValueError naming what :func:`_copy_rows`'s check found wrong."""
     op, n = "copy_rows", dst_index.shape[0] if dst_index.dim() == 1 else -1
-    _bf16(op, dst_a=dst_a, dst_b=dst_b)
+    _same_float(op, dst_a=dst_a, dst_b=dst_b)
     _need(False, op,
-          lambda: f"need src_a/src_b [M, *row] bfloat16 (equal strides, rows contiguous), dst_a/dst_b [R, *row], "
+          lambda: f"need src_a/src_b [M, *row] of dst's dtype (bfloat16 or float32; equal strides, rows contiguous), "
+                  f"dst_a/dst_b [R, *row], "
                   f"int64 indices [N]; got {tuple(src_a.shape)}, {tuple(src_b.shape)}, {tuple(dst_a.shape)}, "
                   f"{tuple(dst_b.shape)}, dst_index {dst_index.dtype} {tuple(dst_index.shape)}"
                   + ("" if src_index is None else f", src_index {src_index.dtype} {tuple(src_index.shape)}")
