@@ -30,12 +30,15 @@ KERNELS_F32 = ("tpe_blocked_pack_f32", "tpe_blocked_gemm_f32")
 _FNS = {torch.bfloat16: KERNELS[:2], torch.float32: KERNELS_F32}
 #: the bfloat16 GEMM's AMX path: whether it runs here, and the fewest rows that take it (process-wide)
 AMX = ("tpe_blocked_amx", "tpe_blocked_amx_rows")
-#: the row counts :func:`choose_amx` times both bfloat16 paths at (one row always keeps ``vdpbf16ps``: a tile
-#: multiply there would compute 16 rows for one)
-AMX_ROWS = (2, 4, 8, 16, 32, 64)
+#: the row counts :func:`choose_amx` times both bfloat16 paths at. Below 8 rows both stream the weight once at
+#: the memory's rate (one row: a tile multiply would compute 16 rows for one), a tie whose winner flips between
+#: two measuring passes (docs/notes/kernels.md), so the choice would never be cached and be measured again, with
+#: the layouts' timings keyed on it, at every start: fewer rows keep ``vdpbf16ps``.
+AMX_ROWS = (8, 16, 32, 64)
 #: the most bytes of synthetic weights per shape :func:`choose_amx` allocates (several copies of a small
-#: shape, so the weights stream from memory as in a step)
-AMX_MEASURE_BYTES = 16 << 20
+#: shape, so that with the model's other shapes the weights stream from memory as in a step; few, so that the
+#: choice takes a small part of a start's measuring budget, the vdpbf16ps path at 64 rows being slow)
+AMX_MEASURE_BYTES = 4 << 20
 _amx = {"rows": 0, "choice": None}
 
 
@@ -200,7 +203,7 @@ def choose_amx(shapes: list[tuple[int, int]] | tuple = ((576, 576),)):
         return start
     key = (f"blocked bf16 amx {' '.join(f'{n}x{k}' for n, k in shapes)} rows {'/'.join(map(str, AMX_ROWS))}")
     try:
-        times, how = timings(key, cands, decide=amx_from)
+        times, how = timings(key, cands, passes=3, decide=amx_from)
     finally:
         lib.tpe_blocked_amx_rows(_amx["rows"])
     start = amx_from(times) if times is not None else 0
