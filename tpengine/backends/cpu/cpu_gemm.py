@@ -124,4 +124,5 @@ def bind_blocked(blocked: torch.Tensor):
         if x.shape[0]:
             fn(x.data_ptr(), x.shape[0], k, wp, n, y.data_ptr(), torch.get_num_threads())
         return y
+    run.blocked = blocked  # the weight lives as long as the call that reads it through wp (not only the layer's)
     return run
