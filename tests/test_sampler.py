@@ -151,7 +151,7 @@ def test_row_max_equals_torch_max_with_ties_infinities_and_nan(cpu_kernels):
     same values, and the first index among equal maxima, also across blocks -- by torch ops per
     block, and (``cpu_kernels``) by the C kernel tpengine/backends/cpu/csrc/cpu_argmax.c."""
     from tpengine.backends.cpu import cpu_library
-    from tpengine.backends.cpu.greedy import ROW_MAX_BLOCK, ROW_MAX_CANDIDATES, row_max
+    from tpengine.backends.cpu.greedy import ROW_MAX_BLOCK, ROW_MAX_CANDIDATES, bound_row_argmax, row_max
 
     if cpu_kernels and cpu_library.load() is None:
         pytest.skip(f"needs the CPU C kernels: {cpu_library.unavailable_reason()}")
@@ -193,6 +193,12 @@ def test_row_max_equals_torch_max_with_ties_infinities_and_nan(cpu_kernels):
         want = y.max(dim=-1).indices
         assert want.tolist() == [5, 997, 996, 40, 33, 0, 0]
         assert torch.equal(row_max(y, cpu_kernels=cpu_kernels)[1], want)
+        if cpu_kernels:  # the head's bound row_argmax (one rank's greedy pick): the same indices, or row_max's
+            argmax = bound_row_argmax(dtype)
+            assert torch.equal(argmax(x), want_i) and torch.equal(argmax(y), want)
+            assert torch.equal(argmax(x[:, 1::2]), x[:, 1::2].max(dim=-1).indices)  # strided: row_max's
+            other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+            assert torch.equal(argmax(y.to(other)), y.to(other).max(dim=-1).indices)  # another dtype: row_max's
 
 
 @pytest.mark.parametrize("cpu_kernels", [False, True])
@@ -236,8 +242,8 @@ def test_greedy_through_the_transposed_logits_picks_the_argmax(tmp_path, monkeyp
     """A bfloat16 head with ``greedy_mm`` (chosen by measurement, here forced) picks the argmax of
     ``weight @ hidden.T`` over the real vocabulary (padding rows excluded), and the choice is timed
     once per machine, then cached."""
-    from tpengine.backends.cpu import measured
-    from tpengine.backends.cpu.greedy import choose_greedy_path
+    from tpengine.backends.cpu import cpu_library, measured
+    from tpengine.backends.cpu.greedy import bound_row_argmax, choose_greedy_path
     from tpengine.model.layers.embedding import ParallelLMHead
 
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
@@ -254,6 +260,8 @@ def test_greedy_through_the_transposed_logits_picks_the_argmax(tmp_path, monkeyp
     head.greedy_mm = True
     assert torch.equal(head.greedy(hidden), want)
     assert torch.equal(head.greedy(hidden[:1]), head._logits(hidden[:1])[:, :1000].float().argmax(-1))  # 1 row: mv
+    head.row_argmax = bound_row_argmax(torch.bfloat16) if cpu_library.load() is not None else None
+    assert torch.equal(head.greedy(hidden[:1]), head._logits(hidden[:1])[:, :1000].float().argmax(-1))  # its indices
     calls = []
     monkeypatch.setattr(measured, "measure", lambda c, *_: calls.append(sorted(c)) or {"linear": [2.0, 4.0],
                                                                                         "mm": [1.0, 2.0]})

@@ -9,6 +9,8 @@ binds the chosen callables on the head (:class:`tpengine.model.layers.embedding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tpengine.backends.cpu import cpu_library
@@ -61,6 +63,25 @@ def row_max(x: torch.Tensor, block: int = ROW_MAX_BLOCK,
     return block_max[rows, first], first * block + inside
 
 
+def bound_row_argmax(dtype: torch.dtype, block: int = ROW_MAX_BLOCK) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The C row argmax for ``[B, V]`` logits of ``dtype`` with its checks and look-ups done once: the
+    head's ``row_argmax`` (``x -> indices [B]`` int64, :func:`row_max`'s indices, no values), bound where
+    the C kernel was chosen. A batch-1 greedy step calls it right after the decode program and the head
+    have streamed the step's weights through the caches, where each Python and dispatcher layer costs
+    several times its warm figure (docs/notes/kernels.md, "The batch-1 step outside the products"), so it
+    calls the C function through ctypes directly. An ``x`` the kernel does not take (another dtype, not
+    2-D, strided rows, not on the CPU, empty) goes to :func:`row_max` (``block``)."""
+    fn = getattr(cpu_library.load(), "tpe_row_argmax_bf16" if dtype == torch.bfloat16 else "tpe_row_argmax_f32")
+
+    def row_argmax(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != dtype or x.dim() != 2 or x.stride(1) != 1 or not x.is_cpu or not x.numel():
+            return row_max(x, block, True)[1]
+        index = torch.empty(x.shape[0], dtype=torch.int64)
+        fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), index.data_ptr(), torch.get_num_threads())
+        return index
+    return row_argmax
+
+
 def col_max(x: torch.Tensor, block: int = ROW_MAX_BLOCK,
             cpu_kernels: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`row_max` of ``x.T`` for a ``[V, B]`` tensor: per column the maximum and the *first*
@@ -110,12 +131,14 @@ def bind_head(head, dtype: torch.dtype, cpu_kernels: bool) -> tuple[Choice | Non
     """Measure and bind a CPU LM head's greedy pick (``head``: a
     :class:`~tpengine.model.layers.embedding.ParallelLMHead` whose linear is already bound): its
     ``row_max`` (:func:`row_max` with the block or the C argmax :func:`choose_row_max_block` chose),
+    ``row_argmax`` (where the C argmax was chosen, :func:`bound_row_argmax`; else None),
     ``col_max`` (:func:`col_max` with that block, the C kernel with ``cpu_kernels``) and, for a plain
     half-precision head with ``cpu_kernels``, ``greedy_mm`` (:func:`choose_greedy_path`; a float32
     head keeps ``F.linear``: HF's arithmetic). Returns ``(row max choice, greedy path choice or None)``."""
     choice, block = choose_row_max_block(head.shard_width, dtype, cpu_kernels)
     rows_c = choice.name == ROW_MAX_KERNEL
     head.row_max = lambda x: row_max(x, block, rows_c)
+    head.row_argmax = bound_row_argmax(dtype, block) if rows_c and dtype in (torch.float32, torch.bfloat16) else None
     head.col_max = lambda x: col_max(x, block, cpu_kernels)
     greedy = None
     if (cpu_kernels and head.quant is None and head.packed is None and head.weight is not None

@@ -62,8 +62,9 @@ class ParallelLMHead(_Packable):
     ``[..., hidden]`` -> on rank 0 ``[..., vocab_size]`` (padding columns dropped, so padded ids
     can never be sampled); None on other ranks. The greedy pick's maxima, bound by the platform
     (:meth:`tpengine.backends.platform.Platform.bind_model`; unbound: torch's ``max``):
-    ``row_max`` (``[B, V]`` logits -> each row's ``(value, first index)``), ``col_max`` (the same over
-    the rows of ``[V, B]``) and ``greedy_mm`` (a batch takes the transposed logits, :meth:`greedy`).
+    ``row_max`` (``[B, V]`` logits -> each row's ``(value, first index)``), ``row_argmax`` (optional: its
+    indices alone, which one rank's greedy pick takes), ``col_max`` (``row_max``
+    over the rows of ``[V, B]``) and ``greedy_mm`` (a batch takes the transposed logits, :meth:`greedy`).
     ``ops``: the model's element-wise ops (default :class:`~tpengine.backends.torch_ops.TorchOps`).
     ``divisor`` (Granite's ``logits_scaling``): the logits are divided by it; ``soft_cap`` (Gemma 2's
     ``final_logit_softcapping``): then become ``tanh(logits / c) * c``. Both are element-wise, so each rank
@@ -82,6 +83,7 @@ class ParallelLMHead(_Packable):
                                    requires_grad=False)
         self.bias = None  # a vocabulary-parallel head has none
         self.row_max = torch_ops.row_max
+        self.row_argmax = None  # or the indices of row_max alone (x -> [B] int64), where the platform binds one
         self.col_max = torch_ops.col_max
         self.greedy_mm = False
 
@@ -130,6 +132,8 @@ class ParallelLMHead(_Packable):
         elif self.greedy_mm and hidden.dim() == 2 and hidden.shape[0] > 1:  # bound where measured faster
             logits_t = torch.mm(self.weight, hidden.t())[:width]
             value, index = self.col_max(self._transform(logits_t) if self.transforms else logits_t)
+        elif self.row_argmax is not None and get_tp().size == 1:  # one rank: the indices alone
+            return self.row_argmax(self._logits(hidden)[..., :width])
         else:
             value, index = self.row_max(self._logits(hidden)[..., :width])
         if get_tp().size == 1:
