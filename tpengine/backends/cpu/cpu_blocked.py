@@ -130,6 +130,7 @@ def bind(blocked: torch.Tensor):
             fn(x.data_ptr(), x.shape[0], k, wp, n, y.data_ptr(), torch.get_num_threads())
         return y
     run.c_spec = ("lin", name, k, wp, n)  # its call in a decode program (cpu_program)
+    run.blocked = blocked  # the weight lives as long as the call that reads it through wp (not only the layer's)
     return run
 
 
