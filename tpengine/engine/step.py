@@ -188,16 +188,17 @@ def build_plan(seqs, is_prefill: bool, block_size: int, step: int, greedy: bool 
         cu_k.append(cu_k[-1] + end)
         ctx.append(end)
     width = max(len(s.block_table) for s in seqs)
-    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-    tables = t([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs])
-    cu_q_t = t(cu_q)
-    return StepPlan(
-        kind=StepKind.PREFILL if is_prefill else StepKind.DECODE, step=step,
-        input_ids=t(ids), positions=t(pos), slot_mapping=t(slots), block_tables=tables,
-        cu_seqlens_q=cu_q_t, cu_seqlens_k=t(cu_k), context_lens=t(ctx), sample_idx=cu_q_t[1:] - 1,
-        prompt_idx=t(prompt_idx), block_copies=t(list(block_copies)).view(-1, 2), spec_idx=t(spec_idx),
-        greedy=greedy,
-    )
+    tables = [b for s in seqs for b in s.block_table + [-1] * (width - len(s.block_table))]
+    copies = [int(b) for pair in block_copies for b in pair]
+    # every field as a view of one tensor, in PAYLOAD_FIELDS' order (as unpack gives them): one tensor
+    # made a step, not ten (a batch-1 decode step runs this Python right after the decode program has
+    # streamed the weights through the caches, where each tensor costs several times its warm figure)
+    fields = (ids, pos, slots, tables, cu_q, cu_k, ctx, [c - 1 for c in cu_q[1:]], prompt_idx, copies, spec_idx)
+    parts = torch.tensor([x for f in fields for x in f], dtype=torch.int64).split([len(f) for f in fields])
+    named = dict(zip((name for name, _ in PAYLOAD_FIELDS), parts))
+    named["block_tables"] = named["block_tables"].view(len(seqs), width)
+    named["block_copies"] = named["block_copies"].view(-1, 2)
+    return StepPlan(kind=StepKind.PREFILL if is_prefill else StepKind.DECODE, step=step, greedy=greedy, **named)
 
 
 def build_draft_plan(rows: list[tuple[list[int], int, list[int]]], block_size: int, step: int,
