@@ -212,13 +212,17 @@ class ModelRunner:
                                      plan.block_tables)  # [B, hidden]: one token per sequence
             return self._pool(hidden, plan) if self.config.pooling else self._head(hidden, plan, grammar_mask)
         dev = self.tp.device
-        to = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
+        # the plan's tensors are host tensors: on a CPU rank they are used as they are (a batch-1 decode step's
+        # Python runs cold after the decode program, where each call costs several times its warm figure)
+        to = (lambda t: t) if dev.type == "cpu" else lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
         ctx = Context.build(self.backend, plan.kind == StepKind.PREFILL, to(plan.slot_mapping), to(plan.block_tables),
                             to(plan.cu_seqlens_q), to(plan.cu_seqlens_k), to(plan.context_lens))
         hidden = self.model.model(to(plan.input_ids), to(plan.positions), ctx)  # [N, hidden]
         if self.config.pooling:
             return self._pool(hidden, plan)
         extra = [t for t in (plan.prompt_idx, plan.spec_idx) if t is not None and t.numel()]
+        if not extra and hidden.shape[0] == plan.sample_idx.numel():  # one token a sequence: every row, in order
+            return self._head(hidden, plan, grammar_mask)
         rows = torch.cat([plan.sample_idx, *extra]) if extra else plan.sample_idx
         return self._head(hidden.index_select(0, to(rows)), plan, grammar_mask)
 
