@@ -15,11 +15,13 @@ OS refuses tile data, an AVX2 build). About a minute at the defaults.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 
 import torch
 
+from benchmarks.kernel_timing import best_interleaved
 from tpengine.backends.cpu import cpu_blocked, linear_layout
 
 #: SmolLM2-135M's bfloat16 weights at tp=1, (out, in): q/k/v fused, o, gate/up fused, down.
@@ -64,13 +66,8 @@ def main() -> None:
                 x = torch.randn(rows, k, dtype=torch.bfloat16)
                 flop = 2 * rows * n * k * copies
                 reps = max(1, int(2e8 / flop))
-                best = dict.fromkeys(runs, float("inf"))
-                for r in range(a.rounds):
-                    for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-                        t0 = clock()
-                        for _ in range(reps):
-                            runs[name](x)
-                        best[name] = min(best[name], (clock() - t0) / reps / copies)
+                best = {name: t / copies for name, t in best_interleaved(
+                    {name: functools.partial(f, x) for name, f in runs.items()}, a.rounds, reps, clock).items()}
                 cells = ", ".join(f"{name} {t * 1e6:.0f} us ({2 * rows * n * k / t / 1e9:.0f} GFLOP/s)"
                                   for name, t in best.items())
                 ratios = "; ".join(f"{o} / amx {best[o] / best['amx']:.2f}x" for o in runs if o != "amx") if amx else ""

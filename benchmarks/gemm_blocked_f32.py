@@ -14,11 +14,13 @@ A few minutes at the defaults (the head is left out past 512 rows: its prefill r
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 
 import torch
 
+from benchmarks.kernel_timing import best_interleaved
 from tpengine.backends.cpu import cpu_blocked, cpu_gemm
 
 #: SmolLM2-135M's float32 weights at tp=1, (out, in): q/k/v fused, o, gate/up fused, down, the tied LM head.
@@ -45,13 +47,7 @@ def main() -> None:
             assert torch.equal(*(f(x) for f in runs.values())), (n, k, rows)
             flop = 2 * rows * n * k
             reps = max(1, int(2e8 / flop))
-            best = dict.fromkeys(runs, float("inf"))
-            for r in range(a.rounds):
-                for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-                    t0 = clock()
-                    for _ in range(reps):
-                        runs[name](x)
-                    best[name] = min(best[name], (clock() - t0) / reps)
+            best = best_interleaved({name: functools.partial(f, x) for name, f in runs.items()}, a.rounds, reps, clock)
             cells = ", ".join(f"{name} {t * 1e6:.0f} us ({flop / t / 1e9:.0f} GFLOP/s)" for name, t in best.items())
             print(f"{k}->{n} at {rows} rows: {cells}; {best['blocked kernel'] / best['blocked gemm']:.2f}x", flush=True)
     print(f"load average {os.getloadavg()[0]:.2f}")

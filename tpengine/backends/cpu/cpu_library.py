@@ -1,5 +1,5 @@
 """Build and load tpengine's CPU C kernels (the sources in ``csrc/``; they include ``bf16.h``,
-``gemv.h`` and ``paged.h``) at run time.
+``gemv.h``, ``paged.h`` and ``amx.h``) at run time.
 
 The kernels are the CPU path's fused element-wise ops, GEMV / GEMM, paged decode attention,
 quantized GEMV, argmax and the shared-memory all-reduce, called as torch ops
@@ -41,7 +41,7 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / n for n in ("cpu_decode.c", "cp
                                                          "cpu_shm.c",
                                                          "cpu_argmax.c", "cpu_paged_i8.c", "cpu_program.c"))
 #: included by the sources: part of the cache key
-HEADERS = tuple(Path(__file__).parent / "csrc" / n for n in ("bf16.h", "gemv.h", "paged.h"))
+HEADERS = tuple(Path(__file__).parent / "csrc" / n for n in ("amx.h", "bf16.h", "gemv.h", "paged.h"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # and march()'s -march
 #: ``TPENGINE_ISA`` -> the ``-march`` the kernels are built with. "avx2" builds the AVX2 + FMA paths
 #: on any x86-64-v3 CPU (an AVX-512 machine too, to run and measure them); torch is capped the same

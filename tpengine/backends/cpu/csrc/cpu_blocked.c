@@ -26,6 +26,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "amx.h"
 #include "bf16.h"
 
 #if defined(TPE_AVX512) || defined(TPE_AVX2)
@@ -90,8 +91,6 @@ static void blk_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 /* AMX (Sapphire Rapids and later): from blk_amx_min rows on (the caller's measured choice, cpu_blocked.py
  * choose_amx; 0: never) the GEMM takes tile multiplies. The layout's 32 values of k of one block are 16 pairs
@@ -112,22 +111,9 @@ static void blk_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t
  * every panel of 2 blocks of the thread's share, so x comes from L2 and the weight is what streams; a y larger
  * than the L2 is written with non-temporal stores, so that it does not evict x's chunk (docs/notes/kernels.md). */
 #define BLK_AMX 1
-typedef struct {
-    uint8_t palette, start;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} blk_tilecfg; /* ldtilecfg's 64-byte operand */
-
-static int blk_amx_perm = -1;
-/* Whether Linux lets this process use AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA). */
-static int blk_amx_ok(void) {
-    if (blk_amx_perm < 0) blk_amx_perm = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return blk_amx_perm;
-}
 
 static void blk_amx_config(void) {
-    blk_tilecfg c;
+    tpe_tilecfg c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int i = 0; i < 8; i++) c.rows[i] = 16, c.colsb[i] = 64;
@@ -272,18 +258,7 @@ static void blk_amx_range(const uint16_t *x, const uint16_t *xt, int64_t rows, i
     if (nt) _mm_sfence();
     _tile_release();
 }
-#else
-#define BLK_AMX 0
-static int blk_amx_ok(void) { return 0; }
-static uint16_t *blk_amx_pack_x(const uint16_t *x, int64_t rows, int64_t k, int nthreads) {
-    (void)x, (void)rows, (void)k, (void)nthreads;
-    return NULL;
-}
-static void blk_amx_range(const uint16_t *x, const uint16_t *xt, int64_t rows, int64_t k, const uint16_t *w,
-                          int64_t b0, int64_t b1, uint16_t *y, int64_t n) {
-    (void)x, (void)xt, (void)rows, (void)k, (void)w, (void)b0, (void)b1, (void)y, (void)n;
-}
-#endif
+#endif /* AMX: else the stubs below */
 
 #else /* AVX2: pairs widened by shift / mask, two 8-lane halves a block */
 
@@ -401,8 +376,7 @@ void tpe_blocked_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *ou
 }
 
 #ifndef BLK_AMX
-#define BLK_AMX 0 /* the AVX2 build: no AMX path */
-static int blk_amx_ok(void) { return 0; }
+#define BLK_AMX 0 /* no AMX path: the AVX2 build, or an AVX-512 one without AMX */
 static uint16_t *blk_amx_pack_x(const uint16_t *x, int64_t rows, int64_t k, int nthreads) {
     (void)x, (void)rows, (void)k, (void)nthreads;
     return NULL;
@@ -419,7 +393,7 @@ static int64_t blk_amx_min = 0;
 
 /* 1 if the AMX path is available (built with AMX-BF16, and the OS lets the process use tile data), else 0:
  * then tpe_blocked_gemm_bf16 keeps its vector path whatever tpe_blocked_amx_rows set. */
-int tpe_blocked_amx(void) { return BLK_AMX && blk_amx_ok(); }
+int tpe_blocked_amx(void) { return BLK_AMX && tpe_amx_ok(); }
 
 /* Take the AMX path from `rows` rows on (0: never; where tpe_blocked_amx() is 0, ignored). */
 void tpe_blocked_amx_rows(int64_t rows) { blk_amx_min = rows > 0 ? rows : 0; }
@@ -428,7 +402,7 @@ void tpe_blocked_amx_rows(int64_t rows) { blk_amx_min = rows > 0 ? rows : 0; }
 void tpe_blocked_gemm_bf16(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t n, uint16_t *y,
                            int nthreads) {
     const int64_t blocks = n / 16, chunk = blk_chunk(blocks, nthreads, rows);
-    const int amx = BLK_AMX && blk_amx_min > 0 && rows >= blk_amx_min && blk_amx_ok();
+    const int amx = BLK_AMX && blk_amx_min > 0 && rows >= blk_amx_min && tpe_amx_ok();
     uint16_t *xt = amx ? blk_amx_pack_x(x, rows, k, nthreads) : NULL;
 #pragma omp parallel for schedule(static, 1) num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)
     for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {

@@ -42,6 +42,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "amx.h"
 #include "bf16.h"
 #include "paged.h"
 
@@ -238,8 +239,6 @@ static inline __attribute__((always_inline)) void pv_bf16(const uint16_t *const 
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
 
 /* AMX (Sapphire Rapids and later), bfloat16: the scores of 16 keys for all the KV head's query heads
  * in d / 32 tile multiplies (tdpbf16ps: A = the 16 key rows of one block, 32 elements of the head,
@@ -249,23 +248,10 @@ static inline __attribute__((always_inline)) void pv_bf16(const uint16_t *const 
  * padding heads have zero queries), and the softmax runs on that layout, each lane's head's max and
  * sum gathered by rotating the lanes. Needs block_size % 16 == 0 and D <= 128 (d / 32 B tiles). */
 #define HAVE_AMX 1
-typedef struct {
-    uint8_t palette, start;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg; /* ldtilecfg's 64-byte operand */
-
-static int amx_perm = -1;
-/* Whether Linux lets this process use AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA). */
-static int amx_ok(void) {
-    if (amx_perm < 0) amx_perm = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return amx_perm;
-}
 
 /* tmm0: scores [16, np] float32; tmm1: 16 key rows x 32 elements; tmm2..: the query pairs [16, np]. */
 static void amx_config(int64_t np, int64_t nc) {
-    tilecfg c;
+    tpe_tilecfg c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     c.rows[0] = 16, c.colsb[0] = (uint16_t)(np * 4);
@@ -382,7 +368,6 @@ static void amx_item(const uint16_t *q, const int64_t *heads, int64_t g, int64_t
 }
 #else
 #define HAVE_AMX 0
-static int amx_ok(void) { return 0; }
 static void amx_config(int64_t np, int64_t nc) { (void)np, (void)nc; }
 static void amx_release(void) {}
 static void amx_item(const uint16_t *q, const int64_t *heads, int64_t g, int64_t np, int64_t d,
@@ -393,7 +378,7 @@ static void amx_item(const uint16_t *q, const int64_t *heads, int64_t g, int64_t
 
 /* 1 if the bfloat16 kernel's AMX path is available (built with AMX, allowed by the OS), else 0: then
  * the kernel takes its AVX-512 path whatever its amx_min_batch. */
-int tpe_paged_amx(void) { return HAVE_AMX && amx_ok(); }
+int tpe_paged_amx(void) { return HAVE_AMX && tpe_amx_ok(); }
 
 /* One dtype's kernel. LD(p): 16 elements -> __m512; ST(p, x): store 16 rounded; RND(x): x rounded
  * to the dtype, back as float32; T: the element type; BF: 1 for bfloat16 (scores and the weighted
@@ -415,7 +400,7 @@ int tpe_paged_amx(void) { return HAVE_AMX && amx_ok(); }
         const int whole = B >= 4 * nthreads;                                                                        \
         const int64_t np = gmax <= 4 ? 4 : gmax <= 8 ? 8 : 16;                                                      \
         const int use_amx = BF && HAVE_AMX && amx_min_batch > 0 && B >= amx_min_batch && bs % 16 == 0 && d <= 128  \
-                            && window == 0 && amx_ok(); /* its 16-key tiles start at a block's 16-key group */     \
+                            && window == 0 && tpe_amx_ok(); /* its 16-key tiles start at a block's 16-key group */     \
         const int64_t items = whole ? B : B * hkv;                                                                  \
         int64_t claim = 0; /* the next item to take */                                                              \
         for (int64_t b = 0; b < B; b++) work += lens[b] - win_lo(lens[b], window);                                  \
