@@ -333,3 +333,11 @@ def test_a_short_job_measures_nothing_and_keeps_its_weights_plain(monkeypatch, t
     monkeypatch.setenv("TPENGINE_JOB_TOKENS", "many")
     with pytest.raises(ValueError, match="TPENGINE_JOB_TOKENS='many': must be a whole number of tokens"):
         measured.measure_budget_s()
+
+
+def test_wins_from_is_the_first_size_winning_at_every_larger_one():
+    sizes = [1, 8, 16, 64]
+    old = [4.0, 5.0, 2.0, 3.0]
+    assert measured.wins_from({"new": [5.0, 4.0, 1.0, 1.0], "old": old}, sizes, "new", "old") == 8
+    assert measured.wins_from({"new": [1.0, 6.0, 1.0, 1.0], "old": old}, sizes, "new", "old") == 16  # lost at 8
+    assert measured.wins_from({"new": [1.0, 1.0, 1.0, 3.0], "old": old}, sizes, "new", "old") == 0  # a tie at 64

@@ -175,7 +175,7 @@ def choose_amx(shapes: list[tuple[int, int]] | tuple = ((576, 576),)):
     (``"vdpbf16ps"``), and set for the process (:func:`set_amx_rows`). Returns the
     :class:`~tpengine.backends.cpu.measured.Choice`, or None where the AMX path does not run here (then
     nothing is set). A busy machine without cached timings keeps ``vdpbf16ps`` (unmeasured)."""
-    from tpengine.backends.cpu.measured import Choice, timings
+    from tpengine.backends.cpu.measured import Choice, timings, wins_from
 
     shapes = sorted({(int(n), int(k)) for n, k in shapes if n % 16 == 0 and k % 2 == 0})
     if not shapes or not amx_available():
@@ -196,12 +196,7 @@ def choose_amx(shapes: list[tuple[int, int]] | tuple = ((576, 576),)):
 
     def amx_from(times: dict[str, list[float]]) -> int:
         """The first row count from which AMX wins at every larger one (0: none)."""
-        start = 0
-        for i in reversed(range(len(AMX_ROWS))):
-            if times["amx"][i] >= times["vdpbf16ps"][i]:
-                break
-            start = AMX_ROWS[i]
-        return start
+        return wins_from(times, list(AMX_ROWS), "amx", "vdpbf16ps")
     key = (f"blocked bf16 amx {' '.join(f'{n}x{k}' for n, k in shapes)} rows {'/'.join(map(str, AMX_ROWS))}")
     try:
         times, how = timings(key, cands, passes=3, decide=amx_from)

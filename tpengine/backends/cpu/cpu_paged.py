@@ -267,7 +267,7 @@ def choose_amx(q_to_kv: torch.Tensor, hkv: int, head_dim: int, block_size: int,
     :class:`~tpengine.backends.cpu.measured.Choice`, or None where the AMX path does not apply
     (unavailable, ``block_size % 16``, ``head_dim`` over 128 or not a multiple of 32); then the
     AVX-512 path stays."""
-    from tpengine.backends.cpu.measured import Choice, timings
+    from tpengine.backends.cpu.measured import Choice, timings, wins_from
 
     if block_size % 16 or head_dim % 32 or head_dim > 128 or not amx_available():
         return None
@@ -297,12 +297,7 @@ def choose_amx(q_to_kv: torch.Tensor, hkv: int, head_dim: int, block_size: int,
            f"layers {layers} batches {'/'.join(map(str, batches))}")
     def amx_from(times: dict[str, list[float]]) -> int:
         """The first batch from which AMX wins at every larger one (0: none)."""
-        start = 0
-        for i in reversed(range(len(batches))):
-            if times["amx"][i] >= times["avx512"][i]:
-                break
-            start = batches[i]
-        return start
+        return wins_from(times, list(batches), "amx", "avx512")
     times, how = timings(key, {"avx512": path(0), "amx": path(1)}, decide=amx_from)
     if times is None:  # a busy machine without cached timings: the AVX-512 path, unmeasured
         return Choice("avx512", how, {})

@@ -300,6 +300,19 @@ def pick(times_us: dict[str, list[float]]) -> str:
     return min(score, key=lambda k: score[k])
 
 
+def wins_from(times: dict[str, list[float]], sizes: list[int], new: str, old: str) -> int:
+    """The smallest of ``sizes`` (ascending, one per entry of ``times[new]`` and ``times[old]``) from which
+    ``new`` is faster than ``old`` at every larger size too; 0 where it is not faster at the largest (the
+    start of a path that pays from some batch or row count on: the paged kernel's AMX path, the blocked
+    GEMM's)."""
+    start = 0
+    for i in reversed(range(len(sizes))):
+        if times[new][i] >= times[old][i]:
+            break
+        start = sizes[i]
+    return start
+
+
 def measure(candidates: dict[str, list[Callable[[], object]]], passes: int = 5) -> dict[str, list[float]]:
     """Microseconds per call of each candidate at each of its workloads (one callable per
     workload, the same count for every candidate): the median of ``passes`` timed calls after a
