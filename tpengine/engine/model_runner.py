@@ -62,6 +62,9 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, tp.device, cpu_kernels=config.cpu_kernels,
                                    kv_mirror=config.kv_mirror)
         stack = self.model.model
+        if config.max_model_len is not None:  # no position reaches max_model_len (+ a pooling step's one, + k drafts)
+            spec = config.speculative_config
+            stack.rope_table_len = config.max_model_len + 1 + (spec.num_speculative_tokens if spec else 0)
         self.attn_modules = [layer.self_attn for layer in stack.layers[: stack.config.num_hidden_layers]]
         self._kv_window = self._model_window()  # (every stage's layers)
         if tp.rank == 0 and tp.is_last_stage:  # (the stage that holds the LM head)

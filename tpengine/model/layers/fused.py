@@ -29,6 +29,7 @@ from torch.nn import functional as F
 from tpengine.backends.torch_ops import TorchOps
 from tpengine.comm import all_reduce
 from tpengine.context import Context
+from tpengine.model.layers import rope_table
 from tpengine.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -326,6 +327,9 @@ class DecoderStack(nn.Module):
         extra = () if kind is None else (kind,)
         bound = self.longrope_bound
         if bound is None:
+            table = self._rope_table(h, kind) if self.rope_table_len is not None else None
+            if table is not None:  # one op: the module's rows for these positions, computed once
+                return tuple(table.index_select(1, positions))
             return tuple(t[0] for t in self.rotary_emb(h, positions[None], *extra))
         short = self.rotary_emb(h, positions.clamp(max=bound - 1)[None], *extra)
         past = torch.cat((positions, self.longrope_past))  # (a tensor made at build: no host copy per step)
@@ -338,6 +342,19 @@ class DecoderStack(nn.Module):
         use = (lens > bound)[:, None]
         return tuple(torch.where(use, lt[0, :-1], st[0]) for st, lt in zip(short, long))
 
+    def _rope_table(self, h: torch.Tensor, kind: str | None) -> torch.Tensor | None:
+        """The rotary module's ``[2, rope_table_len, D]`` table for layer type ``kind`` in ``h``'s dtype and
+        device, built on first use (:func:`tpengine.model.layers.rope_table.build`), or None where the
+        module must run each step (a dynamic rope type; a table that would not equal the module's call)."""
+        tables = self.__dict__.setdefault("_rope_tables", {})
+        key = (kind, h.dtype, h.device)
+        if key not in tables:
+            tables[key] = rope_table.build(self.rotary_emb, self.rope_table_len, h, kind)
+        return tables[key]
+
+    #: the positions a per-position RoPE table covers (the model runner sets it from ``max_model_len``:
+    #: no step's position reaches it), or None: HF's rotary module each step (a stack built by hand)
+    rope_table_len: int | None = None
     #: LongRoPE's ``original_max_position_embeddings`` (set by surgery), or None: one table per type;
     #: ``longrope_past``: that bound as a ``[1]`` int64 tensor on the model's device
     longrope_bound: int | None = None
