@@ -147,10 +147,15 @@ def test_blocked_gemm_amx_rows(threads, torch_threads, amx_rows):
         amx_rows(17)  # below it, the vdpbf16ps path
         assert torch.equal(cpu_blocked.linear(x[:16], b), vec[:16])
     assert cpu_blocked.amx_rows() == 17
-    # rows in chunks of half the L2 (k = 4096: 128 rows a chunk on a 2 MiB L2, 64 on 1 MiB): past a chunk
-    w, x = torch.randn(32, 4096, dtype=torch.bfloat16), torch.randn(150, 4096, dtype=torch.bfloat16)
-    got, exact = cpu_blocked.linear(x, cpu_blocked.pack(w)).float(), F.linear(x.float(), w.float())
-    assert ((got - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3 * 64).all()
+    # rows in chunks of half the L2 (k = 4096: 128 rows a chunk on a 2 MiB L2, 64 on 1 MiB): past a chunk; past
+    # two at 2 threads, so the threads split the rows (each copies its own into A tiles) instead of the blocks:
+    # the same bits as the blocks' split (each output's sum is the same tile multiplies in k's order)
+    w, x = torch.randn(32, 4096, dtype=torch.bfloat16), torch.randn(300, 4096, dtype=torch.bfloat16)
+    b = cpu_blocked.pack(w)
+    for rows in (150, 300):
+        got, exact = cpu_blocked.linear(x[:rows], b), F.linear(x[:rows].float(), w.float())
+        assert ((got.float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3 * 64).all()
+        assert torch.equal(got[:150], cpu_blocked.linear(x[:150], b))
     # a y larger than the L2 (4.3 MB here) is written with non-temporal stores
     w, x = torch.randn(1024, 64, dtype=torch.bfloat16), torch.randn(2100, 64, dtype=torch.bfloat16)
     got, exact = cpu_blocked.linear(x, cpu_blocked.pack(w)).float(), F.linear(x.float(), w.float())

@@ -96,9 +96,10 @@ static void blk_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t
  * choose_amx; 0: never) the GEMM takes tile multiplies. The layout's 32 values of k of one block are 16 pairs
  * of 16 rows' (w[2p], w[2p + 1]) -- 16 lines of 64 bytes, contiguous: tdpbf16ps's B tile (the VNNI pair
  * layout) as it lies, so the weight is loaded with no reorder. A tiles: 16 rows x 32 values of k of x, copied
- * once a call into tiles of 1 KiB each (blk_amx_pack_x: [rows / 16][k / 32][16][32], the last tile's missing
- * rows zero), so each tile load reads one contiguous kilobyte as the weight's do (at x's row stride the 16
- * rows are 16 strided lines), loaded with the streaming hint (tileloaddt1) so that the panel's B tiles, read again
+ * chunk by chunk of rows (below) into the thread's buffer of tiles of 1 KiB each (blk_amx_pack_x: [rows / 16]
+ * [k / 32][16][32], the last tile's missing rows zero), so each tile load reads one contiguous kilobyte as the
+ * weight's do (at x's row stride the 16 rows are 16 strided lines) from the L2 the copy just wrote, loaded
+ * with the streaming hint (tileloaddt1) so that the panel's B tiles, read again
  * by every row tile, stay in the L1. C: float32 [16 rows][16 outputs]; 2 x 2 of them (32 rows x 2 blocks) per
  * pass over k: tmm0..3 C, tmm4..5 A, tmm6..7 B, every tile 16 x 64 bytes (one tile configuration, loaded
  * at the entry of each thread's share, since oneDNN's AMX kernels in the same process configure the tiles
@@ -109,7 +110,10 @@ static void blk_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t
  * the vdpbf16ps path bit for bit is the hardware's (docs/notes/kernels.md: measured; tests/test_blocked_amx.py).
  * Rows are taken in chunks whose x fits half the L2 (from the size the C library reports), each chunk running
  * every panel of 2 blocks of the thread's share, so x comes from L2 and the weight is what streams; a y larger
- * than the L2 is written with non-temporal stores, so that it does not evict x's chunk (docs/notes/kernels.md). */
+ * than the L2 is written with non-temporal stores, so that it does not evict x's chunk (docs/notes/kernels.md).
+ * The threads split the blocks, or, where each one's share of the rows fills a chunk, the rows. Outputs: a
+ * piece of 2 blocks without a tail of k is rounded two blocks a row at once (vcvtne2ps2bf16) into one 64-byte
+ * store. */
 #define BLK_AMX 1
 
 static void blk_amx_config(void) {
@@ -149,6 +153,22 @@ typedef struct {
  * tiles' pairs) added and each rounded once to bfloat16 into y (rows n apart). */
 static void blk_amx_out(const blk_amx_piece *d, const uint32_t *xp, int64_t k32, int64_t half, uint16_t *y,
                         int64_t n, int nt) {
+    if (k32 == 2 * half && d->nb == 2) { /* no tail of k, both blocks: a row's 32 outputs are 64 bytes of y, one store */
+        for (int t = 0; t < d->nr; t++) {
+            const int64_t r = d->r + 16 * t, end = d->m1 - r < 16 ? d->m1 - r : 16;
+            uint16_t *o = y + r * n + d->b * 16;
+            for (int64_t i = 0; i < end; i++, o += n) {
+                /* vcvtne2ps2bf16 rounds to nearest even as rne() does, a NaN quieted the same way; it reads a
+                 * subnormal float32 as zero, but the tile multiply never leaves one (it flushes them to zero,
+                 * as vdpbf16ps does: docs/notes/kernels.md) */
+                const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(d->c[t][1][i]),
+                                                              _mm512_load_ps(d->c[t][0][i]));
+                if (nt && !((uintptr_t)o & 63)) _mm512_stream_si512((__m512i *)o, v);
+                else _mm512_storeu_si512(o, v);
+            }
+        }
+        return;
+    }
     for (int t = 0; t < d->nr; t++)
         for (int64_t i = 0; i < 16 && d->r + 16 * t + i < d->m1; i++) {
             const int64_t row = d->r + 16 * t + i;
@@ -208,41 +228,44 @@ static inline __attribute__((always_inline)) void blk_amx_tiles(const uint16_t *
     if (NR > 1 && NB > 1) _tile_stored(3, c[1][1], 64);
 }
 
-/* x [rows, k]'s first k32 = k - k % 32 values of k as A tiles: out [tiles = ceil(rows / 16)][k32 / 32][16][32],
- * the last tile's rows past `rows` zero; a new 64-byte-aligned buffer (free()), NULL where k32 is 0. */
-static uint16_t *blk_amx_pack_x(const uint16_t *x, int64_t rows, int64_t k, int nthreads) {
+/* x [rows, k]'s first k32 = k - k % 32 values of k as A tiles: xt [tiles = ceil(rows / 16)][k32 / 32][16][32], the
+ * last tile's rows past `rows` zero. */
+static void blk_amx_pack_x(const uint16_t *x, int64_t rows, int64_t k, uint16_t *xt) {
     const int64_t kb = k / 32, tiles = (rows + 15) / 16;
-    if (!kb) return NULL;
-    uint16_t *xt = (uint16_t *)aligned_alloc(64, (size_t)(tiles * kb * 512) * sizeof(uint16_t));
-#pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && tiles * kb >= 64)
     for (int64_t t = 0; t < tiles; t++)
-        for (int64_t c = 0; c < kb; c++)
-            for (int64_t i = 0; i < 16; i++) {
-                uint16_t *o = xt + ((t * kb + c) * 16 + i) * 32;
-                if (t * 16 + i < rows) memcpy(o, x + (t * 16 + i) * k + c * 32, 64);
-                else memset(o, 0, 64);
+        for (int64_t i = 0; i < 16; i++) {
+            uint16_t *o = xt + (t * kb * 16 + i) * 32;
+            if (t * 16 + i < rows) {
+                const uint16_t *row = x + (t * 16 + i) * k;
+                for (int64_t c = 0; c < kb; c++) _mm512_store_si512(o + c * 512, _mm512_loadu_si512(row + c * 32));
+            } else {
+                for (int64_t c = 0; c < kb; c++) _mm512_store_si512(o + c * 512, _mm512_setzero_si512());
             }
-    return xt;
+        }
 }
 
-/* Blocks b0..b1 of w for `rows` rows of x (xt: blk_amx_pack_x's tiles of it) by AMX (rows >= 1), y rows n apart. */
-static void blk_amx_range(const uint16_t *x, const uint16_t *xt, int64_t rows, int64_t k, const uint16_t *w,
-                          int64_t b0, int64_t b1, uint16_t *y, int64_t n) {
+/* Blocks b0..b1 of w for `rows` rows of x by AMX (rows >= 1), y rows n apart; nt: y written past the caches. Each
+ * chunk of rows is first copied into A tiles (blk_amx_pack_x) in this thread's buffer, so that they are in its L2
+ * when the panels read them. */
+static void blk_amx_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t b0, int64_t b1,
+                          uint16_t *y, int64_t n, int nt) {
     const int64_t k32 = k & ~(int64_t)31, half = k / 2, chunk = blk_amx_chunk(k);
     const uint32_t *xp = (const uint32_t *)x;
     float c[2][2][2][16][16] __attribute__((aligned(64))); /* this piece's tiles and the previous one's */
+    uint16_t *xt = k32 ? (uint16_t *)aligned_alloc(64, (size_t)((rows < chunk ? rows : chunk) + 15) / 16 * 16 * k32 * 2)
+                       : NULL;
     blk_amx_piece prev;
     int have = 0, cur = 0;
-    const int nt = rows * n * 2 > blk_l2(); /* y larger than the L2: stored past the caches (x's chunk stays in L2) */
     blk_amx_config();
     for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
         const int64_t m1 = m0 + chunk < rows ? m0 + chunk : rows;
+        if (xt) blk_amx_pack_x(x + m0 * k, m1 - m0, k, xt);
         for (int64_t b = b0; b < b1; b += 2) {
             const int nb = b + 2 <= b1 ? 2 : 1;
             const uint16_t *w0 = w + b * 16 * k, *w1 = w0 + 16 * k;
             for (int64_t r = m0; r < m1; r += 32) {
                 const int nr = r + 16 < m1 ? 2 : 1;
-                const uint16_t *a0 = xt ? xt + r * k32 : NULL, *a1 = xt ? xt + (r + 16) * k32 : NULL;
+                const uint16_t *a0 = xt ? xt + (r - m0) * k32 : NULL, *a1 = xt ? xt + (r - m0 + 16) * k32 : NULL;
                 const uint16_t *pf = r == m0 && b + 2 < b1 ? w0 + 32 * k : NULL; /* (a prefetch past w is harmless) */
                 const blk_amx_piece *pp = have ? &prev : NULL;
                 if (nr == 2 && nb == 2) blk_amx_tiles(a0, a1, w0, w1, k32, pf, k, c[cur], pp, xp, y, n, nt, 2, 2);
@@ -257,6 +280,7 @@ static void blk_amx_range(const uint16_t *x, const uint16_t *xt, int64_t rows, i
     if (have) blk_amx_out(&prev, xp, k32, half, y, n, nt);
     if (nt) _mm_sfence();
     _tile_release();
+    free(xt);
 }
 #endif /* AMX: else the stubs below */
 
@@ -377,13 +401,14 @@ void tpe_blocked_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *ou
 
 #ifndef BLK_AMX
 #define BLK_AMX 0 /* no AMX path: the AVX2 build, or an AVX-512 one without AMX */
-static uint16_t *blk_amx_pack_x(const uint16_t *x, int64_t rows, int64_t k, int nthreads) {
-    (void)x, (void)rows, (void)k, (void)nthreads;
-    return NULL;
+static int64_t blk_l2(void) { return 0; }
+static int64_t blk_amx_chunk(int64_t k) {
+    (void)k;
+    return 0;
 }
-static void blk_amx_range(const uint16_t *x, const uint16_t *xt, int64_t rows, int64_t k, const uint16_t *w,
-                          int64_t b0, int64_t b1, uint16_t *y, int64_t n) {
-    (void)x, (void)xt, (void)rows, (void)k, (void)w, (void)b0, (void)b1, (void)y, (void)n;
+static void blk_amx_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t b0, int64_t b1,
+                          uint16_t *y, int64_t n, int nt) {
+    (void)x, (void)rows, (void)k, (void)w, (void)b0, (void)b1, (void)y, (void)n, (void)nt;
 }
 #endif
 
@@ -403,12 +428,22 @@ void tpe_blocked_gemm_bf16(const uint16_t *x, int64_t rows, int64_t k, const uin
                            int nthreads) {
     const int64_t blocks = n / 16, chunk = blk_chunk(blocks, nthreads, rows);
     const int amx = BLK_AMX && blk_amx_min > 0 && rows >= blk_amx_min && tpe_amx_ok();
-    uint16_t *xt = amx ? blk_amx_pack_x(x, rows, k, nthreads) : NULL;
+    const int nt = amx && rows * n * 2 > blk_l2(); /* y larger than the L2: stored past the caches (x's chunk stays) */
+    if (amx && nthreads > 1 && rows >= nthreads * blk_amx_chunk(k)) {
+        /* Each thread's share of the rows fills its chunk of the L2 at least once: the threads split the rows
+         * (multiples of 32), each running every block, so each copies only its own rows into A tiles and
+         * reads the weight once a chunk as splitting the blocks would (there every thread copies every row). */
+        const int64_t per = ((rows + nthreads - 1) / nthreads + 31) & ~(int64_t)31;
+#pragma omp parallel for schedule(static, 1) num_threads(nthreads)
+        for (int64_t r0 = 0; r0 < rows; r0 += per)
+            blk_amx_range(x + r0 * k, r0 + per < rows ? per : rows - r0, k, w, 0, blocks, y + r0 * n, n, nt);
+        return;
+    }
 #pragma omp parallel for schedule(static, 1) num_threads(nthreads) if (nthreads > 1 && n * k >= 65536)
     for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
         const int64_t b1 = b0 + chunk < blocks ? b0 + chunk : blocks;
         if (amx) {
-            blk_amx_range(x, xt, rows, k, w, b0, b1, y, n);
+            blk_amx_range(x, rows, k, w, b0, b1, y, n, nt);
             continue;
         }
 #ifdef TPE_AVX2
@@ -419,7 +454,6 @@ void tpe_blocked_gemm_bf16(const uint16_t *x, int64_t rows, int64_t k, const uin
 #endif
         blk_range(x, rows, k, w, b0, b1, y, n);
     }
-    free(xt);
 }
 
 /* A mixture-of-experts decode step's gate/up projections: g blocked weights w_i [n, k] (`w`: their
