@@ -34,8 +34,10 @@
  * per step: the scores of 16 keys at a time (reduced together, sum16), the block table walked
  * without divisions, the next key rows and the value rows of the same positions prefetched
  * together (bfloat16) while the scores run (a sequence's rows sit in blocks anywhere in the cache, which the
- * hardware prefetcher does not follow; the value rows are then read from L2); with many sequences (B >= 4 threads) a work item is one sequence, its rows read whole
- * (every KV head), else one (sequence, KV head). */
+ * hardware prefetcher does not follow; the value rows are then read from L2); in bfloat16 with many sequences (B >= 4
+ * threads) a work item is one sequence, its rows read whole (every KV head), else -- and always in float32, where
+ * the whole rows' prefetch bursts were slower from memory (docs/notes/kernels.md, 2026-12-07 session 12) -- one
+ * (sequence, KV head). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -396,8 +398,9 @@ int tpe_paged_amx(void) { return HAVE_AMX && tpe_amx_ok(); }
         const int64_t row = hkv * d;                                                                               \
         PRO(q, q_stride, k, k_stride, v, v_stride, cos_t, sin_t, slots, k_cache, v_cache, hq, hkv, d, B);          \
         int64_t work = 0;                                                                                           \
-        /* many sequences: one item per sequence (its K/V rows read whole, every head); few: per (b, KV head) */    \
-        const int whole = B >= 4 * nthreads;                                                                        \
+        /* bfloat16, many sequences: one item per sequence (its K/V rows read whole, every head); few, or float32: \
+         * per (b, KV head), each row's d elements prefetched (float32's whole rows read slower from memory) */     \
+        const int whole = BF && B >= 4 * nthreads;                                                                  \
         const int64_t np = gmax <= 4 ? 4 : gmax <= 8 ? 8 : 16;                                                      \
         const int use_amx = BF && HAVE_AMX && amx_min_batch > 0 && B >= amx_min_batch && bs % 16 == 0 && d <= 128  \
                             && window == 0 && tpe_amx_ok(); /* its 16-key tiles start at a block's 16-key group */     \
