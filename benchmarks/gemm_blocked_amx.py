@@ -6,6 +6,7 @@ each shape as several copies (up to ``--bytes`` per shape) called in turn so the
 step; interleaved rounds (each round times every path in turn, the order alternating).
 
     python -m benchmarks.gemm_blocked_amx [--rows 1 8 64 2048] [--rounds 5] [--threads N] [--clock wall|cpu]
+                                          [--shapes 960x576 ... (out x in; the tied head: 49152x576)]
 
 Prints per shape and row count the best round's microseconds per call of each path, GFLOP/s, and AMX's ratio to
 each other path; the load average at the start and end. Skips the AMX path where it does not run (no AMX-BF16, the
@@ -35,7 +36,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     p.add_argument("--bytes", type=int, default=32 << 20, help="synthetic weight bytes per shape (copies)")
+    p.add_argument("--shapes", nargs="+", default=[f"{n}x{k}" for n, k in SHAPES],
+                   help="weight shapes, out x in (default: SmolLM2-135M's four; its tied head is 49152x576)")
     a = p.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes]
     torch.set_num_threads(a.threads)
     clock = time.perf_counter if a.clock == "wall" else time.process_time
     amx = cpu_blocked.amx_available()
@@ -43,7 +47,7 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.2f}, {a.threads} threads, {a.clock} clock, AMX path "
           f"{'runs' if amx else 'does not run here'}")
     try:
-        for n, k in SHAPES:
+        for n, k in shapes:
             copies = max(1, a.bytes // (2 * n * k))
             plain = [torch.randn(n, k, dtype=torch.bfloat16) * 0.05 for _ in range(copies)]
             blocked = [cpu_blocked.bind(cpu_blocked.pack(w)) for w in plain]

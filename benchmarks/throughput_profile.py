@@ -3,7 +3,7 @@
 steps at up to 64 rows.
 
     python -m benchmarks.throughput_profile [--model DIR] [--dtype float32] [--threads 1] [--clock cpu|wall]
-                                            [--cpu-linear auto|blocked|...]
+                                            [--cpu-linear auto|blocked|...] [--measure-busy]
 
 The engine loads, runs the workload once (a warm-up: the KV pages touched, oneDNN's primitives made), then again
 with a timer around each linear layer's bound call (by layer kind and rows: "prefill" past 64), the attention
@@ -11,8 +11,11 @@ backend's forward (prefill / decode), the MLP's activation, the decoder stack an
 and prints each one's seconds, calls and time per call, then the load average. ``--clock cpu`` (the calling
 thread's CPU time) at ``--threads 1`` holds on a loaded machine: every kernel then runs on that thread; at 2
 threads only ``--clock wall`` counts the second one, and a shared machine's load stalls its OpenMP barriers.
-``--cpu-linear blocked`` pins the layouts (a busy machine measures nothing and takes the packed default). About
-a minute at one thread.
+``--cpu-linear blocked`` pins the layouts (a busy machine measures nothing and takes the packed default).
+``--measure-busy`` makes the load's measured choices (the blocked GEMM's AMX start, the paged kernel's AMX path,
+the greedy pick, an auto layout) even on a busy machine and without the measuring budget, as a quiet start of
+``make bench``'s worker would; the timings are the loaded machine's (a choice may differ from a quiet one's; the
+load's log line names each), so nothing is cached. About a minute at one thread.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import os
 import time
 
 from benchmarks.bench import random_prompts
+from tpengine.backends.cpu import measured
 from tpengine.backends.cpu.attention import CPUAttentionBackend
 from tpengine.config import DEFAULT_MODEL_DIR, EngineConfig
 from tpengine.engine.llm_engine import LLMEngine
@@ -40,7 +44,13 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--measure-busy", action="store_true",
+                   help="measure the load's choices on a busy machine too, with no measuring budget")
     a = p.parse_args()
+    if a.measure_busy:  # measured on a loaded machine: used for this run, never cached for a quiet start
+        measured.probe_busy = lambda: False
+        measured.write_cache = lambda path, data: None
+        os.environ.setdefault("TPENGINE_MEASURE_BUDGET_S", "inf")
     clock = time.thread_time if a.clock == "cpu" else time.perf_counter
     eng = LLMEngine(EngineConfig(model=a.model, dtype=a.dtype, threads=a.threads, max_num_seqs=a.num_prompts,
                                  max_model_len=a.input_len + a.output_len, cpu_linear=a.cpu_linear,
