@@ -149,24 +149,29 @@ typedef struct {
     float (*c)[2][16][16];
 } blk_amx_piece;
 
+/* Rows j0..j1 (of 32: row tile j / 16, row j % 16) of a piece of 2 blocks without a tail of k: each row's 32
+ * outputs are 64 bytes of y, rounded two blocks at once (vcvtne2ps2bf16: to nearest even as rne() does, a NaN
+ * quieted the same way; it reads a subnormal float32 as zero, but the tile multiply never leaves one: it
+ * flushes them to zero, as vdpbf16ps does, docs/notes/kernels.md) and written in one store. */
+static inline void blk_amx_out_rows(const blk_amx_piece *d, int64_t j0, int64_t j1, uint16_t *y, int64_t n, int nt) {
+    const int64_t end = d->m1 - d->r < 16 * d->nr ? d->m1 - d->r : 16 * d->nr;
+    if (j1 > end) j1 = end;
+    for (int64_t j = j0; j < j1; j++) {
+        uint16_t *o = y + (d->r + j) * n + d->b * 16;
+        const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(d->c[j >> 4][1][j & 15]),
+                                                      _mm512_load_ps(d->c[j >> 4][0][j & 15]));
+        if (nt && !((uintptr_t)o & 63)) _mm512_stream_si512((__m512i *)o, v);
+        else _mm512_storeu_si512(o, v);
+    }
+}
+
 /* A piece's outputs: k's tail (the last k % 32 values, past k32: vdpbf16ps pair by pair, in order, after the
- * tiles' pairs) added and each rounded once to bfloat16 into y (rows n apart). */
+ * tiles' pairs) added and each rounded once to bfloat16 into y (rows n apart); without a tail, 2 blocks by
+ * blk_amx_out_rows. */
 static void blk_amx_out(const blk_amx_piece *d, const uint32_t *xp, int64_t k32, int64_t half, uint16_t *y,
                         int64_t n, int nt) {
-    if (k32 == 2 * half && d->nb == 2) { /* no tail of k, both blocks: a row's 32 outputs are 64 bytes of y, one store */
-        for (int t = 0; t < d->nr; t++) {
-            const int64_t r = d->r + 16 * t, end = d->m1 - r < 16 ? d->m1 - r : 16;
-            uint16_t *o = y + r * n + d->b * 16;
-            for (int64_t i = 0; i < end; i++, o += n) {
-                /* vcvtne2ps2bf16 rounds to nearest even as rne() does, a NaN quieted the same way; it reads a
-                 * subnormal float32 as zero, but the tile multiply never leaves one (it flushes them to zero,
-                 * as vdpbf16ps does: docs/notes/kernels.md) */
-                const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(d->c[t][1][i]),
-                                                              _mm512_load_ps(d->c[t][0][i]));
-                if (nt && !((uintptr_t)o & 63)) _mm512_stream_si512((__m512i *)o, v);
-                else _mm512_storeu_si512(o, v);
-            }
-        }
+    if (k32 == 2 * half && d->nb == 2) {
+        blk_amx_out_rows(d, 0, 32, y, n, nt);
         return;
     }
     for (int t = 0; t < d->nr; t++)
@@ -189,9 +194,11 @@ static void blk_amx_out(const blk_amx_piece *d, const uint32_t *xp, int64_t k32,
 
 /* Up to 2 row tiles (a0, a1: blk_amx_pack_x's tiles of 16 rows) x NB (1, 2) blocks at w0, w1: the k32 tile values
  * of k into c[t][j] ([16][16] float32 each); pf (or NULL): the next panel, whose 2 blocks' lines are fetched into
- * the L2 along the way (the weight's one pass from memory). Between the tile multiplies and their stores the
- * previous piece (prev, or NULL; its tiles stored in another buffer) is written out (blk_amx_out), so that its
- * vector work runs while the tile unit multiplies. NR, NB are constants at each call (inlined). */
+ * the L2 along the way (the weight's one pass from memory). The previous piece (prev, or NULL; its tiles stored
+ * in another buffer) is written out meanwhile, so that its vector work runs while the tile unit multiplies: a
+ * piece of 2 blocks without a tail of k a few rows after each step's multiplies (blk_amx_out_rows; all of it
+ * after the last step stalled the next piece's multiplies, docs/notes/kernels.md), another after the last step
+ * (blk_amx_out). NR, NB are constants at each call (inlined). */
 static inline __attribute__((always_inline)) void blk_amx_tiles(const uint16_t *a0, const uint16_t *a1,
                                                                 const uint16_t *w0, const uint16_t *w1, int64_t k32,
                                                                 const uint16_t *pf, int64_t k, float c[2][2][16][16],
@@ -202,6 +209,10 @@ static inline __attribute__((always_inline)) void blk_amx_tiles(const uint16_t *
     if (NB > 1) _tile_zero(1);
     if (NR > 1) _tile_zero(2);
     if (NR > 1 && NB > 1) _tile_zero(3);
+    /* the previous piece's rows spread over the steps: per a step (32 rows in all) */
+    const int spread = prev && prev->nb == 2 && k32 == k;
+    const int64_t per = spread ? (32 + k32 / 32 - 1) / (k32 / 32) : 0;
+    int64_t done = 0;
     for (int64_t kk = 0; kk < k32; kk += 32) {
         if (pf)
             for (int l = 0; l < 16; l++) {
@@ -220,8 +231,9 @@ static inline __attribute__((always_inline)) void blk_amx_tiles(const uint16_t *
             _tile_dpbf16ps(2, 5, 6);
             if (NB > 1) _tile_dpbf16ps(3, 5, 7);
         }
+        if (spread) blk_amx_out_rows(prev, done, done + per, y, n, nt), done += per;
     }
-    if (prev) blk_amx_out(prev, xp, k32, k / 2, y, n, nt);
+    if (prev && !spread) blk_amx_out(prev, xp, k32, k / 2, y, n, nt);
     _tile_stored(0, c[0][0], 64);
     if (NB > 1) _tile_stored(1, c[0][1], 64);
     if (NR > 1) _tile_stored(2, c[1][0], 64);
