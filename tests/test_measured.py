@@ -341,3 +341,32 @@ def test_wins_from_is_the_first_size_winning_at_every_larger_one():
     assert measured.wins_from({"new": [5.0, 4.0, 1.0, 1.0], "old": old}, sizes, "new", "old") == 8
     assert measured.wins_from({"new": [1.0, 6.0, 1.0, 1.0], "old": old}, sizes, "new", "old") == 16  # lost at 8
     assert measured.wins_from({"new": [1.0, 1.0, 1.0, 3.0], "old": old}, sizes, "new", "old") == 0  # a tie at 64
+
+
+def test_a_tied_head_is_measured_before_the_layers_shapes(monkeypatch, tmp_path):
+    """A fresh cache's measuring budget goes to the tied LM head first (choose_layouts' ``head``, on a
+    synthetic weight of its shape): the layers' shapes measured after the budget ran out take their
+    defaults, and choose_head of the loaded weight takes the head's timings (no second measurement)."""
+    from tpengine.backends.cpu import cpu_library, linear_layout
+
+    cpu_library.load()  # the kernels from the usual cache (the timings' cache below is a fresh folder)
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(measured, "probe_busy", lambda: False)
+    monkeypatch.setattr(measured, "Contention", QuietContention)
+    monkeypatch.setattr(measured, "_spent_s", 0.0)
+    monkeypatch.setenv("TPENGINE_MEASURE_BUDGET_S", "1e-9")  # the first choice measured spends it
+    timed = []
+
+    def plain_timings(weights, dtype, kernels=("gemv", "gemm", "widen"), program=False):
+        timed.append(tuple(weights[0].shape))
+        return {"plain": [50.0, 60.0, 70.0], **{k: [5.0, 6.0, 7.0] for k in kernels}}
+    monkeypatch.setattr(linear_layout, "plain_timings", plain_timings)
+    monkeypatch.setattr(linear_layout, "blocked_timing", lambda weights, group, program=False: {
+        "blocked": [90.0, 90.0, 90.0]})
+    head = (256, 64)
+    got = linear_layout.choose_layouts({(64, 64): 2}, torch.float32, head=head)
+    assert timed == [head, head]  # the head's two passes, then the budget was spent
+    assert got[(64, 64)].how == measured.DEFAULT_BUDGET
+    choice = linear_layout.choose_head(torch.zeros(head), "auto", True)
+    assert (choice.layout, choice.how, timed) == ("plain", "measured", [head, head])
+    assert choice.kernels and set(choice.kernels) <= {"gemv", "gemm", "widen"}

@@ -85,14 +85,16 @@ class Platform:
 
     def choose_layouts(self, shapes: dict[tuple[int, int], int], dtype: torch.dtype, setting: str,
                        cpu_kernels: bool, groups: dict[tuple[int, int], int] | None = None,
-                       model: torch.nn.Module | None = None, tp_size: int = 1) -> dict[tuple[int, int], Any]:
+                       model: torch.nn.Module | None = None, tp_size: int = 1,
+                       head: tuple[int, int] | None = None) -> dict[tuple[int, int], Any]:
         """Before loading: the layout of each linear weight shape ``(out, in)`` (``shapes``: how many
         layers have it), shape -> a choice with ``layout`` ("plain", "packed" or another the platform's
         :meth:`prepack` makes) and ``kernels``;
         ``setting``: ``EngineConfig.cpu_linear``; ``groups``: the mixture-of-experts expert shapes, each
         with the experts a token runs on this rank; ``model``: the model they belong to (built, not yet
-        loaded), at tensor-parallel size ``tp_size``, where its form may change the choice. {}: every
-        weight stays plain."""
+        loaded), at tensor-parallel size ``tp_size``, where its form may change the choice; ``head``: a
+        tied LM head's shape ``(vocab_local, hidden)`` whose rows stay in ``dtype`` (chosen by :meth:`bind_model`
+        once loaded; a platform may time it first). {}: every weight stays plain."""
         return {}
 
     def bind_model(self, module: torch.nn.Module, layouts: dict, *, tie: bool, dtype: torch.dtype,

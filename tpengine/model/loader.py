@@ -478,8 +478,11 @@ def load_model(model: ModelSpec | str | Path, tp: TPInfo, dtype: torch.dtype = t
     keeps = (lambda name: stage_holds(plan, name, tp.pp_rank, layers, tie)) if plan.pp_size > 1 else None  # noqa: E731
     table, quant = _quantization(spec, module, tie, quantization, tp, platform.quantized_weights)
     pack = True if pack is None else pack
+    head = module.get_output_embeddings()  # a tied head in float: the model's largest weight, timed first
+    float_head = tie and head is not None and table is None and (quant is None or quant.vocab is None)
     layouts = platform.choose_layouts(_weight_shapes(module, tie), dtype, cpu_linear, cpu_kernels,
-                                      _expert_shapes(module), module, tp.size) if pack else {}
+                                      _expert_shapes(module), module, tp.size,
+                                      tuple(head.weight.shape) if float_head else None) if pack else {}
     packs = (lambda m: layouts[tuple(m.weight.shape)].layout != "plain") if layouts else False  # noqa: E731
     prepack = (lambda w: platform.prepack(w, layouts[tuple(w.shape)].layout)) if layouts else platform.prepack  # noqa: E731
     weight_bytes = load_weights(module, rank_files(spec.folder, spec.sharded, tp),

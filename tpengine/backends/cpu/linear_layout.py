@@ -247,6 +247,47 @@ def _timed(key: str, needs: tuple[str, ...], measure_fn) -> tuple[dict | None, s
                           _decision)
 
 
+#: A tied head's ``((kernels, blocks), (times, how))`` measured before the layers' shapes (:func:`measure_head_first`),
+#: by its :func:`choose_head` cache key, for this process's :func:`choose_head` of the loaded weight (a quiet
+#: machine's timings are cached too; a noisy or busy one's serve this load only, as :func:`choose_head`'s own)
+_heads_first: dict[str, tuple] = {}
+
+
+def _head_paths(weight: torch.Tensor, cpu_kernels: bool) -> tuple[tuple[str, ...], bool, str]:
+    """A tied head weight's plain kernels that take it, whether the blocked layout does, and its cache key."""
+    blocks = cpu_kernels and cpu_blocked.available(weight)
+    kernels = tuple(k for k, mod in (("gemv", cpu_gemv), ("gemm", cpu_gemm), ("widen", cpu_widen))
+                    if mod.available(weight))
+    key = f"linear head {str(weight.dtype).removeprefix('torch.')} {weight.shape[0]}x{weight.shape[1]}" + _amx_key(
+        weight.dtype, blocks)
+    return kernels, blocks, key
+
+
+def _head_timed(weight: torch.Tensor, kernels: tuple[str, ...], blocks: bool, key: str) -> tuple[dict | None, str]:
+    """:func:`_timed` of the head's paths on ``weight`` (the blocked one on a copy made and dropped)."""
+    def measure_head() -> dict[str, list]:
+        times = plain_timings([weight], weight.dtype, kernels)
+        if blocks:
+            times.update(blocked_timing([weight], 0))  # packs a copy; `weight` itself stays
+        return times
+    return _timed(key, ("plain", *kernels) + (("blocked",) if blocks else ()), measure_head)
+
+
+def measure_head_first(shape: tuple[int, int], dtype: torch.dtype, cpu_kernels: bool = True) -> None:
+    """Before the layers' shapes (:func:`choose_layouts`' ``head``): time a tied LM head of ``shape``
+    ``(vocab_local, hidden)`` in ``dtype`` on a synthetic weight, so a fresh timing cache's measuring budget
+    goes to the largest weight first (:func:`tpengine.backends.cpu.measured.measure_budget_s`: the layers
+    after it take their defaults once it is spent, a later start measures them). Its timings serve
+    :func:`choose_head` of the loaded weight in this process (and are cached on a quiet machine). Nothing
+    where the weight exceeds :data:`MEASURE_BYTES` or no kernel takes it."""
+    if shape[0] * shape[1] * dtype.itemsize > MEASURE_BYTES:
+        return
+    weight = torch.full(shape, 0.01, dtype=dtype)
+    kernels, blocks, key = _head_paths(weight, cpu_kernels)
+    if cpu_kernels and kernels:
+        _heads_first[key] = ((kernels, blocks), _head_timed(weight, kernels, blocks, key))
+
+
 def choose_head(weight: torch.Tensor, setting: str = "auto", cpu_kernels: bool = True) -> LayoutChoice:
     """The layout and kernels of a tied LM head's loaded CPU ``weight [vocab_local, hidden]``, whose rows are
     the embedding's too, so it is held in ONE layout: plain (``F.linear`` or, per bucket
@@ -258,22 +299,14 @@ def choose_head(weight: torch.Tensor, setting: str = "auto", cpu_kernels: bool =
     measurement; cached like :func:`choose_layouts`) and chosen by :func:`pick`. ``setting`` "blocked"
     forces the blocked layout where it takes the weight; other settings than "auto", ``cpu_kernels`` False,
     or a weight no kernel takes: plain ``F.linear`` with no timings."""
-    blocks = cpu_kernels and cpu_blocked.available(weight)
+    kernels, blocks, key = _head_paths(weight, cpu_kernels)
     if setting == "blocked" and blocks:
         return LayoutChoice("blocked", "forced", {})
-    kernels = tuple(k for k, mod in (("gemv", cpu_gemv), ("gemm", cpu_gemm), ("widen", cpu_widen))
-                    if mod.available(weight))
     if setting != "auto" or not cpu_kernels or not kernels:
         return LayoutChoice("plain", "default", {})
-    key = f"linear head {str(weight.dtype).removeprefix('torch.')} {weight.shape[0]}x{weight.shape[1]}" + _amx_key(
-        weight.dtype, blocks)
-
-    def measure_head() -> dict[str, list]:
-        times = plain_timings([weight], weight.dtype, kernels)
-        if blocks:
-            times.update(blocked_timing([weight], 0))  # packs a copy; `weight` itself stays
-        return times
-    times, how = _timed(key, ("plain", *kernels) + (("blocked",) if blocks else ()), measure_head)
+    first = _heads_first.pop(key, None)  # measured before the layers (measure_head_first), on the same paths
+    times, how = first[1] if first is not None and first[0] == (kernels, blocks) else _head_timed(
+        weight, kernels, blocks, key)
     if times is None:  # a busy machine: F.linear, the path every weight has
         return LayoutChoice("plain", how, {})
     layout = "plain" if measured.short_job() else pick(times)  # a short job: no reorder (choose_layouts)
@@ -282,7 +315,8 @@ def choose_head(weight: torch.Tensor, setting: str = "auto", cpu_kernels: bool =
 
 def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setting: str = "auto",
                    cpu_kernels: bool = True, groups: dict[tuple[int, int], int] | None = None,
-                   program: set[tuple[int, int]] | frozenset = frozenset()) -> dict[tuple[int, int], LayoutChoice]:
+                   program: set[tuple[int, int]] | frozenset = frozenset(),
+                   head: tuple[int, int] | None = None) -> dict[tuple[int, int], LayoutChoice]:
     """The layout of each weight shape ``(out, in)`` (``shapes`` maps it to how many layers of this
     rank have it) for CPU weights in ``dtype``: ``setting`` "plain" or "packed" forces it; "auto"
     measures (:func:`measure`) or reads the cached timings (:func:`_timed`). ``cpu_kernels`` False
@@ -302,6 +336,10 @@ def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setti
     faster on a path with no C call, so no program) each is chosen again with the loop's times. The other
     shapes (an untied LM head) are chosen by their loop times either way.
 
+    ``head``: a tied LM head's shape ``(vocab_local, hidden)`` whose rows stay in ``dtype``, measured first
+    (:func:`measure_head_first`, for :func:`choose_head` once loaded): the model's largest weight gets a fresh
+    cache's measuring budget before the layers' shapes, which take their defaults once it is spent.
+
     Raises:
         ValueError: ``setting`` not in :data:`CPU_LINEAR_CHOICES`.
     """
@@ -314,6 +352,8 @@ def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setti
         cpu_blocked.choose_amx([s for s in shapes if s not in groups])
     if setting != "auto":
         return {s: LayoutChoice(setting, "forced", {}) for s in shapes}
+    if head is not None:
+        measure_head_first(head, dtype, cpu_kernels)
     packable = prepack(torch.zeros(1, 1, dtype=dtype)) is not None
     timings = {}
     for shape, count in sorted(shapes.items()):

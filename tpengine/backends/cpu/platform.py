@@ -79,11 +79,12 @@ class CPUPlatform(Platform):
         """oneDNN's layout or tpengine's blocked one, :func:`tpengine.backends.cpu.linear_layout.prepack`."""
         return linear_layout.prepack(weight, layout)
 
-    def choose_layouts(self, shapes, dtype, setting, cpu_kernels, groups=None, model=None, tp_size=1):
+    def choose_layouts(self, shapes, dtype, setting, cpu_kernels, groups=None, model=None, tp_size=1, head=None):
         """:func:`tpengine.backends.cpu.linear_layout.choose_layouts` (measured, cached or forced), for the
-        whole model where its form takes a decode program (:func:`tpengine.backends.cpu.cpu_program.product_shapes`)."""
+        whole model where its form takes a decode program (:func:`tpengine.backends.cpu.cpu_program.product_shapes`);
+        a tied ``head``'s shape measured first (its timings serve :meth:`bind_model`'s head choice)."""
         program = cpu_program.product_shapes(model, tp_size, dtype) if model is not None else set()
-        return linear_layout.choose_layouts(shapes, dtype, setting, cpu_kernels, groups, program)
+        return linear_layout.choose_layouts(shapes, dtype, setting, cpu_kernels, groups, program, head)
 
     def bind_model(self, module: torch.nn.Module, layouts: dict, *, tie: bool, dtype: torch.dtype,
                    cpu_kernels: bool, cpu_linear: str, rank: int, pack: bool = True, tp_size: int = 1) -> CPUProfile:
