@@ -96,7 +96,7 @@ static void blk_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t
  * choose_amx; 0: never) the GEMM takes tile multiplies. The layout's 32 values of k of one block are 16 pairs
  * of 16 rows' (w[2p], w[2p + 1]) -- 16 lines of 64 bytes, contiguous: tdpbf16ps's B tile (the VNNI pair
  * layout) as it lies, so the weight is loaded with no reorder. A tiles: 16 rows x 32 values of k of x, copied
- * chunk by chunk of rows (below) into the thread's buffer of tiles of 1 KiB each (blk_amx_pack_x: [rows / 16]
+ * chunk by chunk of rows (below) into the thread's buffer of tiles of 1 KiB each (blk_amx_pack_rows: [rows / 16]
  * [k / 32][16][32], the last tile's missing rows zero), so each tile load reads one contiguous kilobyte as the
  * weight's do (at x's row stride the 16 rows are 16 strided lines) from the L2 the copy just wrote, loaded
  * with the streaming hint (tileloaddt1) so that the panel's B tiles, read again
@@ -192,7 +192,28 @@ static void blk_amx_out(const blk_amx_piece *d, const uint32_t *xp, int64_t k32,
         }
 }
 
-/* Up to 2 row tiles (a0, a1: blk_amx_pack_x's tiles of 16 rows) x NB (1, 2) blocks at w0, w1: the k32 tile values
+/* Rows j0..j1 of a chunk x [rows, k] (rows past `rows` zero) into its A tiles xt [ceil(rows / 16)][k / 32][16][32]:
+ * the first k32 = k - k % 32 values of each row, 64 bytes to each of its tiles along k. */
+static inline void blk_amx_pack_rows(const uint16_t *x, int64_t rows, int64_t k, uint16_t *xt, int64_t j0, int64_t j1) {
+    const int64_t kb = k / 32;
+    for (int64_t j = j0; j < j1; j++) {
+        uint16_t *o = xt + ((j >> 4) * kb * 16 + (j & 15)) * 32;
+        if (j < rows)
+            for (int64_t c = 0; c < kb; c++) _mm512_store_si512(o + c * 512, _mm512_loadu_si512(x + j * k + c * 32));
+        else
+            for (int64_t c = 0; c < kb; c++) _mm512_store_si512(o + c * 512, _mm512_setzero_si512());
+    }
+}
+
+/* A copy of rows into A tiles left to do (blk_amx_pack_rows' arguments), a few rows after each step of a piece's
+ * tile multiplies. */
+typedef struct {
+    const uint16_t *x;
+    int64_t rows, k, j0, j1;
+    uint16_t *xt;
+} blk_amx_copy;
+
+/* Up to 2 row tiles (a0, a1: blk_amx_pack_rows' tiles of 16 rows) x NB (1, 2) blocks at w0, w1: the k32 tile values
  * of k into c[t][j] ([16][16] float32 each); pf (or NULL): the next panel, whose 2 blocks' lines are fetched into
  * the L2 along the way (the weight's one pass from memory). The previous piece (prev, or NULL; its tiles stored
  * in another buffer) is written out meanwhile, so that its vector work runs while the tile unit multiplies: a
@@ -203,8 +224,8 @@ static inline __attribute__((always_inline)) void blk_amx_tiles(const uint16_t *
                                                                 const uint16_t *w0, const uint16_t *w1, int64_t k32,
                                                                 const uint16_t *pf, int64_t k, float c[2][2][16][16],
                                                                 const blk_amx_piece *prev, const uint32_t *xp,
-                                                                uint16_t *y, int64_t n, int nt, const int NR,
-                                                                const int NB) {
+                                                                uint16_t *y, int64_t n, int nt, blk_amx_copy *cp,
+                                                                const int NR, const int NB) {
     _tile_zero(0);
     if (NB > 1) _tile_zero(1);
     if (NR > 1) _tile_zero(2);
@@ -213,6 +234,7 @@ static inline __attribute__((always_inline)) void blk_amx_tiles(const uint16_t *
     const int spread = prev && prev->nb == 2 && k32 == k;
     const int64_t per = spread ? (32 + k32 / 32 - 1) / (k32 / 32) : 0;
     int64_t done = 0;
+    const int64_t cper = cp ? (cp->j1 - cp->j0 + k32 / 32 - 1) / (k32 / 32) : 0;
     for (int64_t kk = 0; kk < k32; kk += 32) {
         if (pf)
             for (int l = 0; l < 16; l++) {
@@ -232,6 +254,11 @@ static inline __attribute__((always_inline)) void blk_amx_tiles(const uint16_t *
             if (NB > 1) _tile_dpbf16ps(3, 5, 7);
         }
         if (spread) blk_amx_out_rows(prev, done, done + per, y, n, nt), done += per;
+        if (cp) {
+            const int64_t to = cp->j0 + cper < cp->j1 ? cp->j0 + cper : cp->j1;
+            blk_amx_pack_rows(cp->x, cp->rows, cp->k, cp->xt, cp->j0, to);
+            cp->j0 = to;
+        }
     }
     if (prev && !spread) blk_amx_out(prev, xp, k32, k / 2, y, n, nt);
     _tile_stored(0, c[0][0], 64);
@@ -240,25 +267,10 @@ static inline __attribute__((always_inline)) void blk_amx_tiles(const uint16_t *
     if (NR > 1 && NB > 1) _tile_stored(3, c[1][1], 64);
 }
 
-/* x [rows, k]'s first k32 = k - k % 32 values of k as A tiles: xt [tiles = ceil(rows / 16)][k32 / 32][16][32], the
- * last tile's rows past `rows` zero. */
-static void blk_amx_pack_x(const uint16_t *x, int64_t rows, int64_t k, uint16_t *xt) {
-    const int64_t kb = k / 32, tiles = (rows + 15) / 16;
-    for (int64_t t = 0; t < tiles; t++)
-        for (int64_t i = 0; i < 16; i++) {
-            uint16_t *o = xt + (t * kb * 16 + i) * 32;
-            if (t * 16 + i < rows) {
-                const uint16_t *row = x + (t * 16 + i) * k;
-                for (int64_t c = 0; c < kb; c++) _mm512_store_si512(o + c * 512, _mm512_loadu_si512(row + c * 32));
-            } else {
-                for (int64_t c = 0; c < kb; c++) _mm512_store_si512(o + c * 512, _mm512_setzero_si512());
-            }
-        }
-}
-
 /* Blocks b0..b1 of w for `rows` rows of x by AMX (rows >= 1), y rows n apart; nt: y written past the caches. Each
- * chunk of rows is first copied into A tiles (blk_amx_pack_x) in this thread's buffer, so that they are in its L2
- * when the panels read them. */
+ * chunk of rows is copied into A tiles (blk_amx_pack_rows) in this thread's buffer by its first panel, each row
+ * pair's rows while the pair before multiplies (the first pair's before), so that they are in its L2 when the
+ * other panels read them and the copy's vector work runs beside the tile unit's. */
 static void blk_amx_range(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t b0, int64_t b1,
                           uint16_t *y, int64_t n, int nt) {
     const int64_t k32 = k & ~(int64_t)31, half = k / 2, chunk = blk_amx_chunk(k);
@@ -271,7 +283,8 @@ static void blk_amx_range(const uint16_t *x, int64_t rows, int64_t k, const uint
     blk_amx_config();
     for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
         const int64_t m1 = m0 + chunk < rows ? m0 + chunk : rows;
-        if (xt) blk_amx_pack_x(x + m0 * k, m1 - m0, k, xt);
+        const int64_t tiled = (m1 - m0 + 15) & ~(int64_t)15; /* the chunk's rows in whole tiles */
+        if (xt) blk_amx_pack_rows(x + m0 * k, m1 - m0, k, xt, 0, tiled < 32 ? tiled : 32);
         for (int64_t b = b0; b < b1; b += 2) {
             const int nb = b + 2 <= b1 ? 2 : 1;
             const uint16_t *w0 = w + b * 16 * k, *w1 = w0 + 16 * k;
@@ -280,10 +293,14 @@ static void blk_amx_range(const uint16_t *x, int64_t rows, int64_t k, const uint
                 const uint16_t *a0 = xt ? xt + (r - m0) * k32 : NULL, *a1 = xt ? xt + (r - m0 + 16) * k32 : NULL;
                 const uint16_t *pf = r == m0 && b + 2 < b1 ? w0 + 32 * k : NULL; /* (a prefetch past w is harmless) */
                 const blk_amx_piece *pp = have ? &prev : NULL;
-                if (nr == 2 && nb == 2) blk_amx_tiles(a0, a1, w0, w1, k32, pf, k, c[cur], pp, xp, y, n, nt, 2, 2);
-                else if (nr == 2) blk_amx_tiles(a0, a1, w0, w1, k32, pf, k, c[cur], pp, xp, y, n, nt, 2, 1);
-                else if (nb == 2) blk_amx_tiles(a0, a1, w0, w1, k32, pf, k, c[cur], pp, xp, y, n, nt, 1, 2);
-                else blk_amx_tiles(a0, a1, w0, w1, k32, pf, k, c[cur], pp, xp, y, n, nt, 1, 1);
+                /* the first panel copies the next row pair's rows into A tiles while this pair multiplies */
+                blk_amx_copy next = {x + m0 * k, m1 - m0, k, r - m0 + 32, r - m0 + 64 < tiled ? r - m0 + 64 : tiled, xt};
+                blk_amx_copy *cp = xt && b == b0 && next.j0 < next.j1 ? &next : NULL;
+                if (nr == 2 && nb == 2) blk_amx_tiles(a0, a1, w0, w1, k32, pf, k, c[cur], pp, xp, y, n, nt, cp, 2, 2);
+                else if (nr == 2) blk_amx_tiles(a0, a1, w0, w1, k32, pf, k, c[cur], pp, xp, y, n, nt, cp, 2, 1);
+                else if (nb == 2) blk_amx_tiles(a0, a1, w0, w1, k32, pf, k, c[cur], pp, xp, y, n, nt, cp, 1, 2);
+                else blk_amx_tiles(a0, a1, w0, w1, k32, pf, k, c[cur], pp, xp, y, n, nt, cp, 1, 1);
+                if (cp) blk_amx_pack_rows(next.x, next.rows, k, xt, next.j0, next.j1); /* (what the steps left) */
                 prev = (blk_amx_piece){r, m1, b, nr, nb, w0, w1, c[cur]};
                 have = 1, cur ^= 1;
             }
