@@ -622,11 +622,12 @@ static inline __m256 keep8(__m256 x) {
  * prefetcher does not follow. */
 #define PF_AHEAD 16
 /* Prefetch the d elements of KV head kv at the cursor (block pb, offset po of the block table bt),
- * then advance it. */
+ * then advance it: float32 rows into L2 (prefetcht1, as the AVX-512 kernel's: faster than into L1 at 64
+ * sequences, docs/notes/kernels.md 2026-12-07 session 12), bfloat16 rows into L1. */
 #define prefetch_rows(cache, bt, bs, row, kv, d, pb, po)                                                        \
     do {                                                                                                         \
         const char *p_ = (const char *)((cache) + ((bt)[*(pb)] * (bs) + *(po)) * (row) + (kv) * (d));           \
-        for (int64_t o_ = 0; o_ < (d) * (int64_t)sizeof(*(cache)); o_ += 64) _mm_prefetch(p_ + o_, _MM_HINT_T0); \
+        for (int64_t o_ = 0; o_ < (d) * (int64_t)sizeof(*(cache)); o_ += 64) _mm_prefetch(p_ + o_, sizeof(*(cache)) == 4 ? _MM_HINT_T1 : _MM_HINT_T0); \
         if (++*(po) == (bs)) *(po) = 0, ++*(pb);                                                                 \
     } while (0)
 
