@@ -170,6 +170,11 @@ def test_int4_rows_are_the_torch_lookup_bit_for_bit(name, shape, dtype):
     with pytest.raises(IndexError) as e:
         cpu_qgemv.int4_rows(q.packed, scales, 32, torch.tensor([3, n_pad]), codes)
     assert str(e.value) == f"int4 rows: id {n_pad} is outside the weight's rows 0..{n_pad - 1}"
+    assert "_rows_run" in q.__dict__  # the lookups above ran bound: a decode step's one id too
+    assert torch.equal(q.rows(torch.tensor([shape[0] - 1])), want[1, 3:])
+    with pytest.raises(IndexError) as bound:
+        q.rows(torch.tensor([3, n_pad]))
+    assert str(bound.value) == str(e.value)
 
 
 @needs_kernels

@@ -25,6 +25,7 @@ blocks of 32 alike, the products summed in int32 per block (AVX-512 VNNI ``vpdpb
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -313,6 +314,39 @@ def dequant_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_siz
     _check(fn(packed.data_ptr(), scales_and_zeros.contiguous().data_ptr(), _ptr(zero_codes), group_size, k, n_pad,
               block, wt.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads()), "dequant int4")
     return wt
+
+
+def bind_int4_rows(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                   zero_codes: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`int4_rows` of one weight with the weight's checks made once: ``run(ids)`` for int64 ids
+    ``[N]`` contiguous on the CPU (a step's embedding lookup) makes the C call alone; other ids go through
+    :func:`int4_rows`. The same values and errors (an id outside the rows: :func:`int4_rows`' IndexError).
+    A batch-1 decode step runs its Python cold after the decode program (docs/notes/kernels.md).
+
+    Raises:
+        ValueError: a weight :func:`int4_rows` does not take.
+    """
+    groups, n_pad = _int4_scales(scales_and_zeros, zero_codes, "int4 rows")
+    k, dtype = groups * group_size, scales_and_zeros.dtype
+    if (dtype not in _FLOAT or group_size % 16 or packed.dtype != torch.uint8 or packed.numel() * 2 != n_pad * k
+            or not packed.is_contiguous() or n_pad % 16):
+        int4_rows(packed, scales_and_zeros, group_size, torch.zeros(1, dtype=torch.int64), zero_codes)  # its error
+    fn, sz = _lib(True).tpe_int4_rows, scales_and_zeros.contiguous()
+    head = (packed.data_ptr(), sz.data_ptr(), _ptr(zero_codes), group_size, k, n_pad, _block("int4 rows"))
+    bf16, empty, threads, i64 = int(dtype == torch.bfloat16), torch.empty, torch.get_num_threads, torch.int64
+
+    def run(ids: torch.Tensor) -> torch.Tensor:
+        if ids.dtype != i64 or ids.dim() != 1 or not ids.is_cpu or not ids.is_contiguous():
+            return int4_rows(packed, sz, group_size, ids, zero_codes)
+        n = ids.shape[0]
+        out = empty(n, k, dtype=dtype)
+        bad = fn(*head, ids.data_ptr(), n, out.data_ptr(), bf16, threads())
+        if bad >= 0:
+            raise IndexError(f"int4 rows: id {int(ids[bad])} is outside the weight's rows 0..{n_pad - 1}")
+        _check(bad + 1, "int4 rows")
+        return out
+    run.keep = (packed, sz, zero_codes)  # the pointers' tensors live as long as the call
+    return run
 
 
 def int4_rows(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, ids: torch.Tensor,

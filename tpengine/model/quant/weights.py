@@ -179,11 +179,12 @@ class QuantizedWeight(nn.Module):
     def set_kernels(self, kernels) -> None:
         """Bind the device's quantized kernels (on the CPU the module
         :mod:`tpengine.backends.cpu.cpu_qgemv`: ``kernels_built``, ``int4_layout_ok``, ``int8``,
-        ``bind_int8``, ``int4``, ``bind_int4``, ``dequant_int4``, ``int4_rows``), or None: torch's
+        ``bind_int8``, ``int4``, ``bind_int4``, ``dequant_int4``, ``int4_rows``, ``bind_int4_rows``), or None: torch's
         kernels only. Set by the platform (:meth:`tpengine.backends.platform.Platform.bind_model`)
         before :attr:`kernels_take` is read."""
         self.qkernels = kernels
         self.__dict__.pop("kernels_take", None)  # a cached answer for the kernels before
+        self.__dict__.pop("_rows_run", None)  # (an int4 lookup bound with them)
 
     def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """``forward`` for a contiguous ``x [rows, in]`` with the per-call checks of tpengine's
@@ -380,10 +381,15 @@ class Int4Weight(QuantizedWeight):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         # one C call where the build's kernels read the layout, in place of _rows_f32's ~20 torch ops
-        # (docs/notes/avx2.md); the same values bit for bit
+        # (docs/notes/avx2.md); the same values bit for bit. The kernel's weight checks once, bound on
+        # the first CPU lookup (a decode step's one id: docs/notes/kernels.md); set_kernels drops it
+        run = self.__dict__.get("_rows_run")
+        if run is not None and ids.is_cpu:
+            return run(ids)
         if self.packed.device.type == "cpu" and ids.device.type == "cpu" and self.kernels_take:
-            return self.qkernels.int4_rows(self.packed, self._kernel_scales(), self.group_size, ids,
-                                           self._kernel_codes())
+            run = self.__dict__["_rows_run"] = self.qkernels.bind_int4_rows(
+                self.packed, self._kernel_scales(), self.group_size, self._kernel_codes())
+            return run(ids)
         return super().rows(ids)
 
     def _rows_f32(self, ids: torch.Tensor) -> torch.Tensor:
