@@ -161,6 +161,19 @@ class CPUAttentionMetadata(StepIndex):
 PAGED, GATHERED, PREFILL = "paged", "gathered", "prefill"
 
 
+#: Up to this many values, a step's index bounds are read as a Python list (one host copy, no torch op):
+#: a decode step of a few sequences, whose Python runs cold after the decode program (docs/notes/kernels.md)
+BOUNDS_LIST = 64
+
+
+def _bounds(t: torch.Tensor) -> tuple[int, int]:
+    """``(min, max)`` of a non-empty integer host tensor ``t`` as Python ints."""
+    if t.numel() <= BOUNDS_LIST:
+        values = t.tolist()
+        return min(values), max(values)
+    return tuple(int(x) for x in torch.aminmax(t))
+
+
 def _step_rope(attn, rope: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> cpu_paged.Rope:
     """The step's RoPE tables for the paged calls, made once a step (kept on the step's metadata ``attn``)
     and shared by every layer and by the decode program."""
@@ -212,14 +225,14 @@ class CPUAttentionBackend(AttentionBackend):
         Raises ValueError for malformed prefill offsets."""
         m = CPUAttentionMetadata(is_prefill, slot_mapping, block_tables, cu_seqlens_q, cu_seqlens_k, context_lens)
         if slot_mapping.numel():
-            m.slot_min, m.slot_max = (int(x) for x in torch.aminmax(slot_mapping))
+            m.slot_min, m.slot_max = _bounds(slot_mapping)
         paged = bool(self.paged_calls) and slot_mapping.device.type == "cpu"  # bound for every layer (bind_model)
         if is_prefill:
             m.path = PREFILL
             self._prepare_prefill(m, paged)
         else:
             if context_lens.numel():
-                m.min_ctx, m.max_ctx = (int(x) for x in torch.aminmax(context_lens))
+                m.min_ctx, m.max_ctx = _bounds(context_lens)
             if paged:  # the paged C kernel reads the cache itself: no mirror kept
                 m.path = PAGED
                 self.continuity.prefill()
