@@ -76,3 +76,6 @@ def test_stack_takes_the_table():
     got = stack._rope(h, positions, None, None)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert stack._rope_tables[(None, torch.float32, h.device)].shape == (2, LENGTH, 80)
+    stack.rope_types, stack.longrope_bound = [None], None
+    stack.build_rope_tables(torch.bfloat16, h.device)  # the model runner's, before any step
+    assert stack._rope_tables[(None, torch.bfloat16, h.device)].dtype == torch.bfloat16

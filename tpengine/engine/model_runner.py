@@ -65,6 +65,7 @@ class ModelRunner:
         if config.max_model_len is not None:  # no position reaches max_model_len (+ a pooling step's one, + k drafts)
             spec = config.speculative_config
             stack.rope_table_len = config.max_model_len + 1 + (spec.num_speculative_tokens if spec else 0)
+            stack.build_rope_tables(self.dtype, tp.device)
         self.attn_modules = [layer.self_attn for layer in stack.layers[: stack.config.num_hidden_layers]]
         self._kv_window = self._model_window()  # (every stage's layers)
         if tp.rank == 0 and tp.is_last_stage:  # (the stage that holds the LM head)

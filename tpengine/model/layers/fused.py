@@ -352,6 +352,15 @@ class DecoderStack(nn.Module):
             tables[key] = rope_table.build(self.rotary_emb, self.rope_table_len, h, kind)
         return tables[key]
 
+    def build_rope_tables(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Build every layer type's RoPE table for activations of ``dtype`` on ``device`` now (the model
+        runner, before any step: a CUDA graph's capture must not build one), where ``rope_table_len`` is set
+        and the model has no LongRoPE."""
+        if self.rope_table_len is not None and self.longrope_bound is None:
+            like = torch.empty(1, 1, dtype=dtype, device=device)
+            for kind in set(self.rope_types):
+                self._rope_table(like, kind)
+
     #: the positions a per-position RoPE table covers (the model runner sets it from ``max_model_len``:
     #: no step's position reaches it), or None: HF's rotary module each step (a stack built by hand)
     rope_table_len: int | None = None
