@@ -344,9 +344,10 @@ def test_wins_from_is_the_first_size_winning_at_every_larger_one():
 
 
 def test_a_tied_head_is_measured_before_the_layers_shapes(monkeypatch, tmp_path):
-    """A fresh cache's measuring budget goes to the tied LM head first (choose_layouts' ``head``, on a
-    synthetic weight of its shape): the layers' shapes measured after the budget ran out take their
-    defaults, and choose_head of the loaded weight takes the head's timings (no second measurement)."""
+    """A fresh cache's measuring budget goes to the largest weights first, the tied LM head among them
+    (choose_layouts' ``head``, on a synthetic weight of its shape): the layers' shapes measured after the
+    budget ran out take their defaults, and choose_head of the loaded weight takes the head's timings (no
+    second measurement)."""
     from tpengine.backends.cpu import cpu_library, linear_layout
 
     cpu_library.load()  # the kernels from the usual cache (the timings' cache below is a fresh folder)
@@ -370,3 +371,9 @@ def test_a_tied_head_is_measured_before_the_layers_shapes(monkeypatch, tmp_path)
     choice = linear_layout.choose_head(torch.zeros(head), "auto", True)
     assert (choice.layout, choice.how, timed) == ("plain", "measured", [head, head])
     assert choice.kernels and set(choice.kernels) <= {"gemv", "gemm", "widen"}
+    # with budget for all: by bytes, largest first (4 layers of 128 x 64, the head, 2 layers of 64 x 64)
+    monkeypatch.setenv("TPENGINE_MEASURE_BUDGET_S", "inf")
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path / "second"))
+    timed.clear()
+    linear_layout.choose_layouts({(64, 64): 2, (128, 64): 4}, torch.float32, head=head)
+    assert timed == [(128, 64), (128, 64), head, head, (64, 64), (64, 64)]

@@ -336,9 +336,10 @@ def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setti
     faster on a path with no C call, so no program) each is chosen again with the loop's times. The other
     shapes (an untied LM head) are chosen by their loop times either way.
 
-    ``head``: a tied LM head's shape ``(vocab_local, hidden)`` whose rows stay in ``dtype``, measured first
-    (:func:`measure_head_first`, for :func:`choose_head` once loaded): the model's largest weight gets a fresh
-    cache's measuring budget before the layers' shapes, which take their defaults once it is spent.
+    ``head``: a tied LM head's shape ``(vocab_local, hidden)`` whose rows stay in ``dtype``, measured here
+    (:func:`measure_head_first`, for :func:`choose_head` once loaded). The shapes and the head are measured
+    in order of their bytes (a shape's: all its layers'), largest first, so a fresh cache's measuring budget
+    goes to the weights a step reads most; those after it ran out take their defaults.
 
     Raises:
         ValueError: ``setting`` not in :data:`CPU_LINEAR_CHOICES`.
@@ -352,16 +353,21 @@ def choose_layouts(shapes: dict[tuple[int, int], int], dtype: torch.dtype, setti
         cpu_blocked.choose_amx([s for s in shapes if s not in groups])
     if setting != "auto":
         return {s: LayoutChoice(setting, "forced", {}) for s in shapes}
-    if head is not None:
-        measure_head_first(head, dtype, cpu_kernels)
     packable = prepack(torch.zeros(1, 1, dtype=dtype)) is not None
     timings = {}
-    for shape, count in sorted(shapes.items()):
+    # the largest weights' bytes first (a shape's layers together, the tied head alone): where a fresh cache's
+    # measuring budget runs out, the smaller ones take the defaults
+    for shape, count in sorted(shapes.items(), key=lambda sc: (-sc[1] * sc[0][0] * sc[0][1], sc[0])):
+        if head is not None and head[0] * head[1] >= count * shape[0] * shape[1]:
+            measure_head_first(head, dtype, cpu_kernels)
+            head = None
         group = groups.get(shape, 0)
         key = f"linear {str(dtype).removeprefix('torch.')} {shape[0]}x{shape[1]}x{min(count, 1 << 20)}" + (
             f" group {group}" if group else "") + _amx_key(dtype, blocks)
         needs = ("plain",) + (("packed",) if packable else ()) + (("blocked",) if blocks else ())
         timings[shape] = _timed(key, needs, lambda: measure(shape, count, dtype, group))
+    if head is not None:
+        measure_head_first(head, dtype, cpu_kernels)
     program = set(program) & set(shapes) - set(groups) if cpu_kernels else set()
     if program:
         chosen = _choices(timings, packable, cpu_kernels, program)
