@@ -114,6 +114,49 @@ def test_program_equals_the_forward(llama, dtype, quantization, cpu_linear, kv):
     assert [run(engine, b) for b in batches] == with_program
 
 
+GREEDY_CASES = [("float32", None, "plain"), ("bfloat16", None, "plain"), ("bfloat16", "int8", "auto"),
+                ("bfloat16", "int4", "auto"), ("bfloat16", None, "blocked")]
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("program_tied"), seed=7, tie_word_embeddings=True, **SHAPE)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype, quantization, cpu_linear", GREEDY_CASES)
+def test_the_programs_greedy_ids_equal_the_heads(tied, dtype, quantization, cpu_linear):
+    """A greedy one-row step at one rank: the program ends with the tied head's product and the C argmax
+    (one C call gives the id); the ids equal the head's own greedy path after the program, step for step."""
+    if cpu_linear == "blocked" and not cpu_blocked.available(torch.zeros(16, 2, dtype=getattr(torch, dtype))):
+        pytest.skip(f"no blocked layout in this build ({cpu_library.isa()})")
+    engine = LLMEngine(EngineConfig(model=str(tied), dtype=dtype, quantization=quantization, cpu_linear=cpu_linear,
+                                    **BASE))
+    head = engine.runner.model.lm_head
+    if head.quant is not None:  # the head's one-row path on its C kernel too (pin_kernels binds the program again)
+        head.quant.gemv_rows, head.quant.q8_rows = 8, 8 if cpu_qgemv.q8_takes(head.quant) else 0
+    elif head.packed is None:
+        head.kernels = ("gemv", "gemv", "plain")
+    head.bind(linear_layout.bind_layer(head, head=True))
+    pin_kernels(engine)
+    program = engine.runner.backend.program
+    assert program.n_greedy == program.n_ops + 2, program.bind_greedy(head)
+    assert [program.describe(i) for i in range(program.n_ops, program.n_greedy)] == [
+        "q4" if quantization == "int4" else "q8" if quantization == "int8" else "lin", "argmax"]
+    calls, greedy = [], program.greedy
+    program.greedy = lambda *a: calls.append(1) or greedy(*a)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 1001, (n,), generator=g).tolist() for n in (9, 5)]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def ids():
+        return [o.outputs[0].token_ids for o in (engine.generate([(str(i), p, sp)])[0] for i, p in enumerate(prompts))]
+    with_head = ids()
+    assert len(calls) == 2 * 11  # every one-row decode step of both requests
+    program.n_greedy = 0  # the program, then the head's own product and greedy pick from Python
+    assert ids() == with_head and len(calls) == 2 * 11
+
+
 def test_what_the_program_refuses(tmp_path):
     """Biases (Qwen2's q/k/v), post-norms (Gemma 2), C kernels off, a weight whose one-row path is
     ``F.linear`` (forced plain layout, no kernels measured): no program, and the reason."""

@@ -40,11 +40,17 @@ class Context(StepIndex):
     """One step's context: its :class:`StepIndex` tensors, plus
 
     * ``backend``: the engine's :class:`tpengine.backends.base.AttentionBackend`;
-    * ``attn``: ``backend.prepare(...)`` of this step (host lengths, gather indices, ...).
+    * ``attn``: ``backend.prepare(...)`` of this step (host lengths, gather indices, ...);
+    * ``greedy``: the model runner takes this step's greedy token ids (one rank, no mask, one token a
+      sequence) from ``ids`` where the backend's bound step sets them
+      (:meth:`tpengine.backends.base.AttentionBackend.bind_head`); ``ids``: those ids ``[B]`` int64, or None
+      (the runner then runs the LM head).
     """
 
     backend: Any
     attn: Any
+    greedy: bool = False
+    ids: torch.Tensor | None = None
 
     @classmethod
     def build(cls, backend, is_prefill: bool, slot_mapping: torch.Tensor, block_tables: torch.Tensor | None,

@@ -48,6 +48,14 @@ class AttentionBackend:
         for layer in stack.layers[: stack.config.num_hidden_layers]:
             self.bind_layer(layer.self_attn)
 
+    def bind_head(self, head: torch.nn.Module, tp_size: int) -> str | None:
+        """Called once by the model runner after :meth:`bind_model` with the model's LM ``head``: a backend
+        whose bound decode step can also pick a greedy step's tokens (the CPU's decode program: the head's
+        product and the argmax in the same C call) takes it here; the runner then asks a step for greedy
+        ids through ``Context.greedy`` and reads them from ``Context.ids``. Returns why it took none (the
+        base: never), or None."""
+        return "no bound decode step"
+
     def describe(self) -> str | None:
         """A line about what :meth:`bind_model` measured and chose on this machine, or None."""
         return None

@@ -96,6 +96,8 @@ class ModelRunner:
         # profile, then the backend's per-layer state and the kernel calls it binds into the layers
         self.profile = self.platform.bind_attention(self.backend, stack, self.profile)
         self.backend.bind_model(stack, tp.size)
+        if not config.pooling and getattr(self.model, "lm_head", None) is not None:
+            self.backend.bind_head(self.model.lm_head, tp.size)  # (a greedy step's head in the bound step)
         line = self.backend.describe()
         if tp.is_driver and line is not None:
             print("tpengine: " + line, file=sys.stderr, flush=True)
@@ -221,7 +223,11 @@ class ModelRunner:
         to = (lambda t: t) if dev.type == "cpu" else lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
         ctx = Context.build(self.backend, plan.kind == StepKind.PREFILL, to(plan.slot_mapping), to(plan.block_tables),
                             to(plan.cu_seqlens_q), to(plan.cu_seqlens_k), to(plan.context_lens))
+        # a greedy decode step at one rank: the backend's bound step may pick the tokens with the head (ctx.ids)
+        ctx.greedy = plan.greedy and not plan.grammar_mask and plan.kind == StepKind.DECODE and self.tp.size == 1
         hidden = self.model.model(to(plan.input_ids), to(plan.positions), ctx)  # [N, hidden]
+        if ctx.ids is not None:
+            return ctx.ids
         if self.config.pooling:
             return self._pool(hidden, plan)
         extra = [t for t in (plan.prompt_idx, plan.spec_idx) if t is not None and t.numel()]

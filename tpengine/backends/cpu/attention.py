@@ -211,6 +211,8 @@ class CPUAttentionBackend(AttentionBackend):
         self.continuity = mirrors.Continuity()  # the previous decode step, for the mirrors
         self.mirrors: dict[int, mirrors.KVMirror | None] = {}  # layer index -> its KV mirror (bind_layer)
         self.paged_calls: dict[int, object] = {}  # layer index -> its bound paged C call (bind_model)
+        self.program = None  # the stack's decode program (bind_model), with a greedy step's head (bind_head)
+        self.lm_head, self.head_tp = None, 1  # the LM head a greedy program step takes (bind_head)
         # set by the CPU platform from its profile (CPUPlatform.bind_attention), never measured in a step:
         self.paged_choice = None  # the paged kernel's measured AVX-512 / AMX path (its Choice)
         self.paged_amx_min = 0  # its amx_min_batch (cpu_paged.decode): the AMX path from this many sequences
@@ -309,16 +311,33 @@ class CPUAttentionBackend(AttentionBackend):
         # the whole one-token step as one C call, where the stack's form and every kernel allow (cpu_program)
         self.program = cpu_program.bind(stack, self.paged_calls, tp_size, act[attns[0].layer_idx])
         if self.program is not None:
+            if self.lm_head is not None and tp_size == 1:  # bound again (a new program): its greedy step too
+                self.program.bind_greedy(self.lm_head)
             stack.bound_decode = self._program_step(self.program, act[attns[0].layer_idx])
+
+    def bind_head(self, head, tp_size: int) -> str | None:
+        """:meth:`AttentionBackend.bind_head`: the decode program's greedy step takes ``head``'s product and
+        the argmax (:meth:`tpengine.backends.cpu.cpu_program.Program.bind_greedy`) at one rank, where the
+        stack has a program and the head a C call at one row; returns why not (the head keeps its own
+        greedy path), or None."""
+        self.lm_head, self.head_tp = head, tp_size
+        if self.program is None or tp_size != 1:
+            return "no decode program at one rank"
+        return self.program.bind_greedy(head)
 
     @staticmethod
     def _program_step(program, dtype: torch.dtype):
         """The stack's ``bound_decode(h, tables, ctx)``: ``program`` for a step of one token on the
-        ``PAGED`` path (``h [1, hidden]`` of ``dtype``), else None (the forward's own path)."""
+        ``PAGED`` path (``h [1, hidden]`` of ``dtype``), else None (the forward's own path). Where the model
+        runner asks for greedy ids (``ctx.greedy``) and the program took the head (``n_greedy``), the step
+        also picks the token in the same C call and leaves its id ``[1]`` in ``ctx.ids``."""
         def step(h: torch.Tensor, tables: dict, ctx):
             attn = ctx.attn
             if h.shape[0] != 1 or attn.path != PAGED or h.dtype != dtype or None not in tables:
                 return None
+            if ctx.greedy and program.n_greedy:
+                ctx.ids = program.greedy(h.contiguous(), _step_rope(attn, tables[None], dtype), attn.paged_index)
+                return program.out  # (the final norm's row; the runner takes ctx.ids instead of the head)
             return program(h.contiguous(), _step_rope(attn, tables[None], dtype), attn.paged_index)
         return step
 

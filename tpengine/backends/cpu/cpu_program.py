@@ -39,7 +39,8 @@ from tpengine.backends.cpu import cpu_fused, cpu_library, measured, shm
 #: int64 words an op takes (``TPE_OP_WORDS`` in cpu_program.c): signature, per-step mask, function, arguments
 WORDS = 32
 #: the signatures of cpu_program.c (``SIG_*``), by the ``c_spec`` kind that names them
-SIGNATURES = {"norm": 1, "lin": 2, "q8": 3, "q4": 4, "act": 5, "paged": 6, "paged_i8": 7, "shm_norm": 8}
+SIGNATURES = {"norm": 1, "lin": 2, "q8": 3, "q4": 4, "act": 5, "paged": 6, "paged_i8": 7, "shm_norm": 8,
+              "argmax": 9}
 #: the per-step values (the ``params`` array's slots): RoPE's cos and sin ``[1, D]``, the slot mapping,
 #: the block table and its width, the context lengths, the input row (the embedding's output), and at
 #: tp > 1 the generation of the step's first shared-memory all-reduce (``GEN_SLOT`` in cpu_program.c)
@@ -77,6 +78,9 @@ class Program:
         self.comm = None  # tp > 1: the shared-memory comm its all-reduces go through (tpengine.backends.cpu.shm)
         # op index -> (ordinal, t, h or None (the input row), weight, eps, h2, y) of each all-reduce + norm
         self.shm_ops: dict[int, tuple] = {}
+        # a greedy step's ops (bind_greedy): the stack's n_ops, then the head's product and the argmax; its ids
+        self.n_greedy = 0
+        self.ids: torch.Tensor | None = None
 
     def buffer(self, width: int, tag: str | None = None) -> torch.Tensor:
         """A ``[1, width]`` buffer of the activations' dtype: the one named ``tag`` (every layer's calls
@@ -155,6 +159,56 @@ class Program:
             comm.gen = base + (self.n_shm if upto == self.n_ops else sum(1 for j in self.shm_ops if j < upto))
         forensics.leave(prev)
         return self.out.clone()
+
+    def greedy(self, h: torch.Tensor, rope, index) -> torch.Tensor:
+        """One greedy step (:meth:`bind_greedy` bound the head): :meth:`__call__`'s ops, then the tied head's
+        product of the final norm's row and its argmax, in the same C call -> the token id ``[1]`` int64
+        (the first index of the maximum over the real vocabulary, as the head's greedy pick gives it); the
+        final norm's row stays in :attr:`out`. Raises RuntimeError as :meth:`__call__`."""
+        p = self.params
+        p[COS], p[SIN], p[H_IN] = rope.cos_p, rope.sin_p, h.data_ptr()
+        p[SLOTS], p[TABLES], p[LENS] = (index.slot_mapping.data_ptr(), index.block_tables.data_ptr(),
+                                        index.context_lens.data_ptr())
+        p[TABLE_WIDTH] = index.block_tables.shape[1]
+        r = self.run_fn(self.ops_p, self.n_greedy, self.params_p, 0)
+        if r >= 0:
+            raise RuntimeError(f"cpu program: op {r >> 2} of {self.n_greedy} ({self.describe(r >> 2)}) refused its "
+                               "arguments")
+        return self.ids.clone()
+
+    def bind_greedy(self, head) -> str | None:
+        """Append a greedy step's ops after the stack's (:meth:`greedy`): the LM ``head``'s one-row product
+        (the ``c_spec`` of its bound ``impl``: the call ``head._rows`` makes at one row, in whatever layout
+        or quantization the head took) of the final norm's row into a logits buffer ``[1, n]``, then the C
+        row argmax (``tpe_row_argmax_*``, cpu_argmax.c) of its first ``vocab_size`` columns -- the ids
+        :meth:`~tpengine.model.layers.embedding.ParallelLMHead.greedy` returns at one rank (its C argmax or
+        torch's blocked passes: the same first index). Only a one-rank program (no shared-memory comm) and
+        a head of the whole vocabulary without logit transforms or bias; returns why not (the head then
+        keeps its own path), or None (bound)."""
+        spec = _spec(getattr(head, "impl", None))
+        if self.comm is not None or head.vocab_start != 0 or head.vocab_end < head.vocab_size:
+            return "a vocabulary-parallel head"
+        if head.transforms or getattr(head, "bias", None) is not None:
+            return "logit transforms or a bias"
+        if spec is None or spec[0] not in PRODUCTS or self.dtype not in (torch.float32, torch.bfloat16):
+            return "no C call for the head at one row, or logits without the C argmax"
+        n, k = product_shape(spec)
+        argmax = "tpe_row_argmax_bf16" if self.dtype == torch.bfloat16 else "tpe_row_argmax_f32"
+        if k != self.hidden or n < head.vocab_size or not cpu_library.has(argmax):
+            return "a head of another shape, or no C argmax"
+        # the head's own one-row call gives logits [1, n] of the activations' dtype (the program's buffer)
+        probe = head._rows(torch.zeros(1, k, dtype=self.dtype))
+        if probe.dtype != self.dtype or tuple(probe.shape) != (1, n):
+            return "the head's logits in another dtype or shape"
+        n_stack, nt = len(self.rows), torch.get_num_threads()
+        logits, ids = torch.zeros(1, n, dtype=self.dtype), torch.zeros(1, dtype=torch.int64)
+        self.buffers += [logits, ids]
+        _add_product(self, spec, self.out.data_ptr(), logits, nt)
+        self.add("argmax", argmax, [logits.data_ptr(), 1, head.vocab_size, n, ids.data_ptr(), nt])
+        self.ops = torch.tensor(self.rows, dtype=torch.int64)
+        del self.rows[n_stack:]  # (the stack's ops stay the first n_ops: bind_greedy again starts from them)
+        self.ops_p, self.ids, self.n_greedy = self.ops.data_ptr(), ids, n_stack + 2
+        return None
 
     def _finish(self, i: int, published: bool, base: int, h_in: torch.Tensor) -> None:
         """Op ``i``, an all-reduce + norm whose C call stopped waiting for the peers: the comm's own wait

@@ -19,6 +19,10 @@
  * after its spin (1: not yet published, 2: published), which the caller finishes with its bounded,
  * peer-checking wait before it resumes at op i + 1.
  *
+ * A greedy step (tp = 1) may end with the tied LM head's one-row product and the row argmax
+ * (cpu_argmax.c) of its logits: the same calls, on the same rows, as the head's bound product and its
+ * greedy pick make from Python (cpu_program.py, Program.bind_greedy).
+ *
  * No vector code here: the ISA paths are the called kernels' (bf16.h), so both builds compile it. */
 #include <stdint.h>
 #include <string.h>
@@ -26,7 +30,8 @@
 #define TPE_OP_WORDS 32
 #define TPE_OP_ARGS (TPE_OP_WORDS - 3)
 
-enum { SIG_NORM = 1, SIG_LIN = 2, SIG_Q8 = 3, SIG_Q4 = 4, SIG_ACT = 5, SIG_PAGED = 6, SIG_PAGED_I8 = 7, SIG_SHM_NORM = 8 };
+enum { SIG_NORM = 1, SIG_LIN = 2, SIG_Q8 = 3, SIG_Q4 = 4, SIG_ACT = 5, SIG_PAGED = 6, SIG_PAGED_I8 = 7, SIG_SHM_NORM = 8,
+       SIG_ARGMAX = 9 };
 /* the params slot holding the generation of the step's first shared-memory all-reduce (cpu_program.py's GEN) */
 #define GEN_SLOT 7
 
@@ -37,6 +42,7 @@ typedef void (*lin_fn)(P, L, L, P, L, P, int);
 typedef L (*q8_fn)(P, L, L, P, P, L, P, int, int);
 typedef L (*q4_fn)(P, L, L, P, P, P, L, L, L, L, P, int, int);
 typedef void (*act_fn)(P, P, L, L, int);
+typedef void (*argmax_fn)(P, L, L, L, P, int);
 typedef L (*paged_fn)(P, L, P, L, P, L, P, P, P, P, L, P, P, P, L, L, P, L, L, L, float, P, L, L, int, L, float);
 typedef L (*shm_norm_fn)(P, L, L, L, L, P, L, L, L, L, P, P, P, P, float, int);
 typedef L (*paged_i8_fn)(P, L, P, L, P, L, P, P, P, P, L, P, P, P, P, P, L, L, P, L, L, L, float, P, L, int, L,
@@ -72,6 +78,9 @@ int64_t tpe_program_run(const int64_t *ops, int64_t n_ops, const int64_t *params
                 break;
             case SIG_ACT:
                 ((act_fn)fn)(p(0), p(1), a[2], a[3], (int)a[4]);
+                break;
+            case SIG_ARGMAX:
+                ((argmax_fn)fn)(p(0), a[1], a[2], a[3], p(4), (int)a[5]);
                 break;
             case SIG_PAGED:
                 bad = ((paged_fn)fn)(p(0), a[1], p(2), a[3], p(4), a[5], p(6), p(7), p(8), p(9), a[10], p(11), p(12),
