@@ -633,8 +633,8 @@ static inline __m256 keep8(__m256 x) {
 
 /* out[.., i0 * 8 .. (i0 + W) * 8) of the item's g heads: sum_u p[j][u] v[u] over the L value rows, W
  * 8-lane columns at a time (the same FMA chain per lane as one column at a time). A statement inside
- * PAGED_DECODE8's item loop: it reads that item's variables (g, L, bt, o0, sc, lp, heads, ...) and, in the
- * first tile (i0 == 0), moves the value-row prefetch cursor (pt, pb, po) along. */
+ * ITEM8's body: it reads that item's variables (g, L, bt, o0, sc, lp, heads, ob, ...) and, in the first
+ * tile (i0 == 0), moves the value-row prefetch cursor (pt, pb, po) along. */
 #define PV_TILE8(T, LD, ST, W)                                                                                     \
     do {                                                                                                            \
         __m256 acc[MAX_G][W];                                                                                       \
@@ -655,10 +655,84 @@ static inline __m256 keep8(__m256 x) {
             }                                                                                                       \
         }                                                                                                           \
         for (int64_t j = 0; j < g; j++)                                                                             \
-            for (int w = 0; w < W; w++) ST(out + (b * hq + heads[j]) * d + (i0 + w) * 8, acc[j][w]);                \
+            for (int w = 0; w < W; w++) ST(ob + heads[j] * d + (i0 + w) * 8, acc[j][w]);                            \
     } while (0)
 
-#define PAGED_DECODE8(NAME, T, LD, ST, RND, PRO)                                                                          \
+/* One work item (sequence b, KV head kv) of PAGED_DECODE8, as a function of the head count g and the head
+ * size's 8-lane vectors nv, which the kernel passes as constants for the common shapes (inlined: every loop
+ * over heads and lanes unrolls and the partial sums, query vectors and P.V accumulators live in registers or
+ * at fixed stack slots; with a runtime g they were indexed arrays in memory, each FMA a load and a store).
+ * The arithmetic is the same for any g, nv. qb: the sequence's query row [Hq, D]; ob: its output row; bt: the
+ * block table from the item's first key, at offset o0; L keys, lp = L rounded up to 8; sc: [g, lp] floats. */
+#define ITEM8(NAME, T, LD, ST, RND)                                                                                 \
+    static inline __attribute__((always_inline)) void NAME(                                                        \
+        const T *qb, const int64_t *heads, const int64_t g, const int64_t nv, const T *k_cache, const T *v_cache, \
+        const int64_t *bt, int64_t bs, int64_t row, int64_t kv, int64_t d, int64_t L, int64_t o0, int64_t lp,      \
+        float *sc, float scale, float softcap, T *ob) {                                                            \
+        const __m256 ninf = _mm256_set1_ps(-INFINITY), vscale = _mm256_set1_ps(scale);                             \
+        const __m256 lane8 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);                                               \
+        __m256 qv[MAX_G][MAX_D / 8], part[MAX_G][8], vmx[MAX_G];                                                    \
+        for (int64_t j = 0; j < g; j++)                                                                             \
+            for (int64_t i = 0; i < nv; i++) qv[j][i] = LD(qb + heads[j] * d + i * 8);                              \
+        for (int64_t j = 0; j < g; j++) vmx[j] = ninf;                                                              \
+        int64_t pt = 0, pb = 0, po = o0; /* the prefetch cursor: PF_AHEAD key rows ahead */                       \
+        for (; pt < L && pt < PF_AHEAD; pt++) prefetch_rows(k_cache, bt, bs, row, kv, d, &pb, &po);                 \
+        for (int64_t t0 = 0, kb = 0, ko = o0; t0 < L; t0 += 8) { /* scores, 8 keys a step: each row read once */   \
+            const int64_t nk = L - t0 < 8 ? L - t0 : 8;                                                             \
+            for (int64_t e = 0; e < 8 && pt < L; e++, pt++) prefetch_rows(k_cache, bt, bs, row, kv, d, &pb, &po);   \
+            for (int64_t kk = 0; kk < 8; kk++) { /* the 8-lane partial dots; past L: zero rows' 0 */              \
+                const T *kp = kk < nk ? k_cache + (bt[kb] * bs + ko) * row + kv * d : NULL;                         \
+                if (kk < nk && ++ko == bs) ko = 0, kb++;                                                            \
+                __m256 kr[MAX_D / 8];                                                                               \
+                for (int64_t i = 0; i < nv; i++) kr[i] = kp ? LD(kp + i * 8) : _mm256_setzero_ps();                \
+                for (int64_t j = 0; j < g; j++) {                                                                   \
+                    __m256 a = _mm256_mul_ps(qv[j][0], kr[0]);                                                      \
+                    for (int64_t i = 1; i < nv; i++) a = _mm256_fmadd_ps(qv[j][i], kr[i], a);                       \
+                    part[j][kk] = a;                                                                                \
+                }                                                                                                   \
+            }                                                                                                       \
+            const __m256 valid = _mm256_cmp_ps(_mm256_set1_ps((float)nk), lane8, _CMP_GT_OQ);                     \
+            for (int64_t j = 0; j < g; j++) { /* lane kk: key t0 + kk's dot, summed in hsum8's order */           \
+                const __m256 sv = _mm256_mul_ps(RND(sum8x8(part[j])), vscale);                                      \
+                _mm256_storeu_ps(sc + j * lp + t0, sv);                                                             \
+                vmx[j] = _mm256_max_ps(vmx[j], _mm256_blendv_ps(ninf, sv, valid));                                  \
+            }                                                                                                       \
+        }                                                                                                           \
+        for (int64_t j = 0; j < g; j++) { /* softmax, then p rounded as the dtype rounds it */                     \
+            float *sj = sc + j * lp;                                                                                \
+            const float mxj = softcap > 0 ? cap_scores(sj, L, softcap) : hmax8(vmx[j]);                             \
+            for (int64_t t = L; t < lp; t++) sj[t] = -INFINITY; /* exp: 0 */                                        \
+            const __m256 vmax = _mm256_set1_ps(mxj);                                                                \
+            __m256 sum = _mm256_setzero_ps();                                                                       \
+            for (int64_t t = 0; t < lp; t += 8) {                                                                   \
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), vmax));                                \
+                _mm256_storeu_ps(sj + t, e);                                                                        \
+                sum = _mm256_add_ps(sum, e);                                                                        \
+            }                                                                                                       \
+            const __m256 inv = _mm256_set1_ps(1.f / hsum8(sum));                                                    \
+            for (int64_t t = 0; t < lp; t += 8)                                                                     \
+                _mm256_storeu_ps(sj + t, RND(_mm256_mul_ps(_mm256_loadu_ps(sj + t), inv)));                         \
+        }                                                                                                           \
+        pt = pb = 0, po = o0; /* the value rows: the first PF_AHEAD now, the rest along the first tile */          \
+        for (; pt < L && pt < PF_AHEAD; pt++) prefetch_rows(v_cache, bt, bs, row, kv, d, &pb, &po);                 \
+        /* P.V in tiles of 4 (then 1) 8-lane columns for all g heads, so that the accumulators stay in             \
+         * registers (all of d at once for 3 heads would be 24): each value row read once a tile */               \
+        int64_t i0 = 0;                                                                                             \
+        for (; i0 + 4 <= nv; i0 += 4) PV_TILE8(T, LD, ST, 4);                                                       \
+        for (; i0 < nv; i0++) PV_TILE8(T, LD, ST, 1);                                                               \
+    }
+
+/* ITEM8 with g (1-4) and nv (8, 16: heads of 64, 128) as constants where they are, else as variables. */
+#define ITEM8_CALL(FN, NVC)                                                                                         \
+    switch (g) {                                                                                                    \
+    case 1: FN(qb, heads, 1, NVC, k_cache, v_cache, bt, bs, row, kv, d, L, o0, lp, sc, scale, softcap, ob); break; \
+    case 2: FN(qb, heads, 2, NVC, k_cache, v_cache, bt, bs, row, kv, d, L, o0, lp, sc, scale, softcap, ob); break; \
+    case 3: FN(qb, heads, 3, NVC, k_cache, v_cache, bt, bs, row, kv, d, L, o0, lp, sc, scale, softcap, ob); break; \
+    case 4: FN(qb, heads, 4, NVC, k_cache, v_cache, bt, bs, row, kv, d, L, o0, lp, sc, scale, softcap, ob); break; \
+    default: FN(qb, heads, g, NVC, k_cache, v_cache, bt, bs, row, kv, d, L, o0, lp, sc, scale, softcap, ob); break; \
+    }
+
+#define PAGED_DECODE8(NAME, ITEM, T, PRO)                                                                           \
     int64_t NAME(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v, int64_t v_stride, const T *cos_t,     \
                  const T *sin_t, const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,             \
                  const int64_t *lens, T *k_cache, T *v_cache, int64_t num_blocks, int64_t bs,                       \
@@ -670,8 +744,6 @@ static inline __m256 keep8(__m256 x) {
         if (bad >= 0) return bad;                                                                                   \
         const int64_t row = hkv * d, nv = d / 8;                                                                   \
         (void)amx_min_batch; /* no AMX path here */                                                                \
-        const __m256 ninf = _mm256_set1_ps(-INFINITY), vscale = _mm256_set1_ps(scale);                             \
-        const __m256 lane8 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);                                               \
         PRO(q, q_stride, k, k_stride, v, v_stride, cos_t, sin_t, slots, k_cache, v_cache, hq, hkv, d, B);          \
         int64_t work = 0;                                                                                           \
         for (int64_t b = 0; b < B; b++) work += lens[b] - win_lo(lens[b], window);                                  \
@@ -686,8 +758,9 @@ static inline __m256 keep8(__m256 x) {
                 int64_t heads[MAX_G];                                                                              \
                 const int64_t g = kv_heads(q_to_kv, hq, kv, heads);                                                \
                 if (g == 0) continue;                                                                               \
+                T *ob = out + b * hq * d;                                                                           \
                 if (L == 0) {                                                                                       \
-                    for (int64_t j = 0; j < g; j++) memset(out + (b * hq + heads[j]) * d, 0, (size_t)d * sizeof(T)); \
+                    for (int64_t j = 0; j < g; j++) memset(ob + heads[j] * d, 0, (size_t)d * sizeof(T));            \
                     continue;                                                                                       \
                 }                                                                                                   \
                 if (g * lp > cap) {                                                                                 \
@@ -696,55 +769,14 @@ static inline __m256 keep8(__m256 x) {
                     sc = (float *)malloc((size_t)cap * sizeof(float));                                              \
                 }                                                                                                   \
                 const int64_t *bt = block_tables + b * max_blocks + lo / bs;                                        \
-                __m256 qv[MAX_G][MAX_D / 8], part[MAX_G][8], vmx[MAX_G];                                            \
-                for (int64_t j = 0; j < g; j++)                                                                     \
-                    for (int64_t i = 0; i < nv; i++) qv[j][i] = LD(q + b * q_stride + heads[j] * d + i * 8);        \
-                for (int64_t j = 0; j < g; j++) vmx[j] = ninf;                                                      \
-                int64_t pt = 0, pb = 0, po = o0; /* the prefetch cursor: PF_AHEAD key rows ahead */               \
-                for (; pt < L && pt < PF_AHEAD; pt++) prefetch_rows(k_cache, bt, bs, row, kv, d, &pb, &po);         \
-                for (int64_t t0 = 0, kb = 0, ko = o0; t0 < L; t0 += 8) { /* scores, 8 keys a step: each row read once */ \
-                    const int64_t nk = L - t0 < 8 ? L - t0 : 8;                                                     \
-                    for (int64_t e = 0; e < 8 && pt < L; e++, pt++) prefetch_rows(k_cache, bt, bs, row, kv, d, &pb, &po); \
-                    for (int64_t kk = 0; kk < 8; kk++) { /* the 8-lane partial dots; past L: zero rows' 0 */      \
-                        const T *kp = kk < nk ? k_cache + (bt[kb] * bs + ko) * row + kv * d : NULL;                 \
-                        if (kk < nk && ++ko == bs) ko = 0, kb++;                                                    \
-                        __m256 kr[MAX_D / 8];                                                                       \
-                        for (int64_t i = 0; i < nv; i++) kr[i] = kp ? LD(kp + i * 8) : _mm256_setzero_ps();        \
-                        for (int64_t j = 0; j < g; j++) {                                                           \
-                            __m256 a = _mm256_mul_ps(qv[j][0], kr[0]);                                              \
-                            for (int64_t i = 1; i < nv; i++) a = _mm256_fmadd_ps(qv[j][i], kr[i], a);               \
-                            part[j][kk] = a;                                                                        \
-                        }                                                                                           \
-                    }                                                                                               \
-                    const __m256 valid = _mm256_cmp_ps(_mm256_set1_ps((float)nk), lane8, _CMP_GT_OQ);             \
-                    for (int64_t j = 0; j < g; j++) { /* lane kk: key t0 + kk's dot, summed in hsum8's order */   \
-                        const __m256 sv = _mm256_mul_ps(RND(sum8x8(part[j])), vscale);                              \
-                        _mm256_storeu_ps(sc + j * lp + t0, sv);                                                     \
-                        vmx[j] = _mm256_max_ps(vmx[j], _mm256_blendv_ps(ninf, sv, valid));                          \
-                    }                                                                                               \
+                const T *qb = q + b * q_stride;                                                                     \
+                if (nv == 8) {                                                                                      \
+                    ITEM8_CALL(ITEM, 8)                                                                             \
+                } else if (nv == 16) {                                                                              \
+                    ITEM8_CALL(ITEM, 16)                                                                            \
+                } else {                                                                                            \
+                    ITEM(qb, heads, g, nv, k_cache, v_cache, bt, bs, row, kv, d, L, o0, lp, sc, scale, softcap, ob); \
                 }                                                                                                   \
-                for (int64_t j = 0; j < g; j++) { /* softmax, then p rounded as the dtype rounds it */             \
-                    float *sj = sc + j * lp;                                                                        \
-                    const float mxj = softcap > 0 ? cap_scores(sj, L, softcap) : hmax8(vmx[j]);                     \
-                    for (int64_t t = L; t < lp; t++) sj[t] = -INFINITY; /* exp: 0 */                                \
-                    const __m256 vmax = _mm256_set1_ps(mxj);                                                        \
-                    __m256 sum = _mm256_setzero_ps();                                                               \
-                    for (int64_t t = 0; t < lp; t += 8) {                                                           \
-                        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), vmax));                        \
-                        _mm256_storeu_ps(sj + t, e);                                                                \
-                        sum = _mm256_add_ps(sum, e);                                                                \
-                    }                                                                                               \
-                    const __m256 inv = _mm256_set1_ps(1.f / hsum8(sum));                                            \
-                    for (int64_t t = 0; t < lp; t += 8)                                                             \
-                        _mm256_storeu_ps(sj + t, RND(_mm256_mul_ps(_mm256_loadu_ps(sj + t), inv)));                 \
-                }                                                                                                   \
-                pt = pb = 0, po = o0; /* the value rows: the first PF_AHEAD now, the rest along the first tile */  \
-                for (; pt < L && pt < PF_AHEAD; pt++) prefetch_rows(v_cache, bt, bs, row, kv, d, &pb, &po);         \
-                /* P.V in tiles of 4 (then 1) 8-lane columns for all g heads, so that the accumulators stay in     \
-                 * registers (all of d at once for 3 heads would be 24): each value row read once a tile */       \
-                int64_t i0 = 0;                                                                                     \
-                for (; i0 + 4 <= nv; i0 += 4) PV_TILE8(T, LD, ST, 4);                                               \
-                for (; i0 < nv; i0++) PV_TILE8(T, LD, ST, 1);                                                       \
             }                                                                                                       \
             free(sc);                                                                                               \
         }                                                                                                           \
@@ -753,6 +785,8 @@ static inline __m256 keep8(__m256 x) {
 
 static inline void st8_f32(float *p, __m256 x) { _mm256_storeu_ps(p, x); }
 
-PAGED_DECODE8(tpe_paged_decode_f32, float, _mm256_loadu_ps, st8_f32, keep8, prologue_f32)
-PAGED_DECODE8(tpe_paged_decode_bf16, uint16_t, ld8, st8, rb8, prologue_bf16)
+ITEM8(item8_f32, float, _mm256_loadu_ps, st8_f32, keep8)
+ITEM8(item8_bf16, uint16_t, ld8, st8, rb8)
+PAGED_DECODE8(tpe_paged_decode_f32, item8_f32, float, prologue_f32)
+PAGED_DECODE8(tpe_paged_decode_bf16, item8_bf16, uint16_t, prologue_bf16)
 #endif /* neither path: left out of the build; the callers keep torch (cpu_library.has) */
