@@ -152,7 +152,7 @@ static int64_t ahead_budget(void) {
         for (int64_t jj = 0; jj < (PJ); jj++)                                                                  \
             for (int64_t i = 0; i < (NV); i++) a[jj][i] = _mm512_setzero_ps();                                 \
         for (int64_t u = 0; u < L; u++) {                                                                      \
-            if (j0 == 0 && u + VAHEAD < L) prefetch_row(vptr[u + VAHEAD], pfn);                               \
+            if (pfn && j0 == 0 && u + VAHEAD < L) prefetch_row(vptr[u + VAHEAD], pfn);                               \
             const T *vt = vptr[u];                                                                             \
             __m512 vv[MAX_D / 16];                                                                             \
             for (int64_t i = 0; i < (NV); i++) vv[i] = LD(vt + i * 16);                                        \
@@ -204,7 +204,7 @@ static inline __attribute__((always_inline)) void pv_bf16(const uint16_t *const 
         for (int64_t jj = 0; jj < PJ; jj++)
             for (int64_t i = 0; i < 2 * NV32; i++) a[jj][i] = _mm512_setzero_ps();
         for (int64_t u = 0; u < L; u += 2) {
-            if (j0 == 0 && u + VAHEAD < L) {
+            if (pfn && j0 == 0 && u + VAHEAD < L) {
                 prefetch_row(vptr[u + VAHEAD], pfn);
                 if (u + VAHEAD + 1 < L) prefetch_row(vptr[u + VAHEAD + 1], pfn);
             }
@@ -299,7 +299,8 @@ static void amx_item(const uint16_t *q, const int64_t *heads, int64_t g, int64_t
     if (nc > 1) _tile_loadd(3, qt[1], qs);
     if (nc > 2) _tile_loadd(4, qt[2], qs);
     if (nc > 3) _tile_loadd(5, qt[3], qs);
-    int64_t pt = 0, pb = 0, po = 0; /* the prefetch cursor, 16 keys ahead after the first group */
+    /* the prefetch cursor, 16 keys ahead after the first group; none (pfn 0: the rows were fetched ahead) */
+    int64_t pt = pfn ? 0 : L, pb = 0, po = 0;
     for (; pt < 16 && pt < L; pt++) {
         prefetch_row(k_cache + (bt[pb] * bs + po) * row + kv * d, pfn);
         prefetch_row(v_cache + (bt[pb] * bs + po) * row + kv * d, pfn);
@@ -361,7 +362,7 @@ static void amx_item(const uint16_t *q, const int64_t *heads, int64_t g, int64_t
         vptr[u] = v_cache + (bt[vb] * bs + vo) * row + kv * d;
         if (++vo == bs) vo = 0, vb++;
     }
-    for (int64_t u = 0; u < VAHEAD && u < L; u++) prefetch_row(vptr[u], pfn);
+    for (int64_t u = 0; pfn && u < VAHEAD && u < L; u++) prefetch_row(vptr[u], pfn);
     switch (d / 16) {
     case 4: pv_bf16(vptr, L, pbf, 1, np, g, heads, out, pfn, 2, 4); break;
     case 8: pv_bf16(vptr, L, pbf, 1, np, g, heads, out, pfn, 4, 2); break;
@@ -471,7 +472,7 @@ int tpe_paged_amx(void) { return HAVE_AMX && tpe_amx_ok(); }
                 __m512 mxv[MAX_G];                                                                          \
                 for (int64_t j = 0; j < g; j++) mxv[j] = _mm512_set1_ps(-INFINITY);                        \
                 int64_t kb = 0, ko = o0; /* the next key's block-table index and offset in its block */     \
-                int64_t pt = 0, pb = 0, po = o0; /* the prefetch cursor, 16 keys ahead after the first group */ \
+                int64_t pt = pfn ? 0 : L, pb = 0, po = o0; /* the prefetch cursor, 16 keys ahead; none: pfn 0 */ \
                 for (; pt < 16 && pt < L; pt++) {                                                       \
                     prefetch_row(k_cache + (bt[pb] * bs + po) * row + kv * d, pfn);      \
                     if (BF) prefetch_row(v_cache + (bt[pb] * bs + po) * row + kv * d, pfn);      \
@@ -559,7 +560,7 @@ int tpe_paged_amx(void) { return HAVE_AMX && tpe_amx_ok(); }
                     vptr[u] = v_cache + (bt[vb] * bs + vo) * row + kv * d;                                          \
                     if (++vo == bs) vo = 0, vb++;                                                                   \
                 }                                                                                                   \
-                for (int64_t u = 0; u < VAHEAD && u < L; u++) prefetch_row(vptr[u], pfn);        \
+                for (int64_t u = 0; pfn && u < VAHEAD && u < L; u++) prefetch_row(vptr[u], pfn);  \
                 if (BF) {                                                                                           \
                     const uint16_t *const *vq = (const uint16_t *const *)vptr;                                      \
                     uint16_t *ob = (uint16_t *)(out + b * hq * d);                                                  \
