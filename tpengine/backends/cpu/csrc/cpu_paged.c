@@ -113,7 +113,9 @@ static inline void prefetch_row(const void *p, int64_t n) {
 #define VAHEAD 16 /* value rows prefetched ahead: one group of keys' worth, as for the keys */
 
 /* The next work item's K/V rows, prefetched a few rows at a time while the current item computes
- * (ahead_step once per group of 16 keys of its score passes), so that memory keeps streaming during
+ * (ahead_step once per group of 16 keys of its score passes and once per 16 value rows of its P.V passes,
+ * pv_bf16: spread over both, 1.08-1.13x over the score passes alone at 64 sequences, docs/notes/kernels.md
+ * 2026-12-07 session 12), so that memory keeps streaming during
  * the passes that read L2 only (the second and later KV heads of a whole-row item, the softmax, P.V)
  * and the next item starts on rows already in L2. k, v: the item's first head in the caches (bytes);
  * n: bytes of a row to fetch (every KV head, or one); left: rows still to fetch, per: rows a step. */
@@ -189,12 +191,13 @@ static inline __attribute__((always_inline)) __m512 qk16_bf16(const uint16_t *q,
  * (unpacklo/hi within 128-bit lanes), each multiplied by the pair (p[u], p[u + 1]). Lane l of the
  * "lo" accumulator of 32 elements holds element 8 (l / 4) + l % 4, of "hi" that plus 4; the stores
  * put them back in order. p[j][u] may also sit at pb + j * lp + u * pu (pu > 1: the AMX path's
- * [keys, heads] layout). PJ heads at a time; the first pass prefetches the rows VAHEAD ahead. A
+ * [keys, heads] layout). PJ heads at a time; the first pass prefetches the rows VAHEAD ahead (pfn bytes
+ * of each; none if 0) and steps ah, the next item's fetch-ahead, once per 16 rows. A
  * missing row u + 1 (odd L) is a zero row. */
 static const uint16_t zero_row[MAX_D] = {0};
 static inline __attribute__((always_inline)) void pv_bf16(const uint16_t *const *vptr, int64_t L, const uint16_t *pb,
                                                           int64_t lp, int64_t pu, int64_t g, const int64_t *heads,
-                                                          uint16_t *out, int64_t pfn, const int64_t NV32,
+                                                          uint16_t *out, int64_t pfn, ahead_t *ah, const int64_t NV32,
                                                           const int64_t PJ) {
     const __m512i lo_idx = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
     const __m512i hi_idx = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
@@ -204,6 +207,7 @@ static inline __attribute__((always_inline)) void pv_bf16(const uint16_t *const 
         for (int64_t jj = 0; jj < PJ; jj++)
             for (int64_t i = 0; i < 2 * NV32; i++) a[jj][i] = _mm512_setzero_ps();
         for (int64_t u = 0; u < L; u += 2) {
+            if (j0 == 0 && (u & 15) == 0) ahead_step(ah);
             if (pfn && j0 == 0 && u + VAHEAD < L) {
                 prefetch_row(vptr[u + VAHEAD], pfn);
                 if (u + VAHEAD + 1 < L) prefetch_row(vptr[u + VAHEAD + 1], pfn);
@@ -364,9 +368,9 @@ static void amx_item(const uint16_t *q, const int64_t *heads, int64_t g, int64_t
     }
     for (int64_t u = 0; pfn && u < VAHEAD && u < L; u++) prefetch_row(vptr[u], pfn);
     switch (d / 16) {
-    case 4: pv_bf16(vptr, L, pbf, 1, np, g, heads, out, pfn, 2, 4); break;
-    case 8: pv_bf16(vptr, L, pbf, 1, np, g, heads, out, pfn, 4, 2); break;
-    default: pv_bf16(vptr, L, pbf, 1, np, g, heads, out, pfn, d / 32, 1); break;
+    case 4: pv_bf16(vptr, L, pbf, 1, np, g, heads, out, pfn, ah, 2, 4); break;
+    case 8: pv_bf16(vptr, L, pbf, 1, np, g, heads, out, pfn, ah, 4, 2); break;
+    default: pv_bf16(vptr, L, pbf, 1, np, g, heads, out, pfn, ah, d / 32, 1); break;
     }
 }
 #else
@@ -424,7 +428,7 @@ int tpe_paged_amx(void) { return HAVE_AMX && tpe_amx_ok(); }
               if (BF && nx < items) { /* bfloat16 only: no gain measured in float32 */                              \
                   const int64_t bn = whole ? nx : nx / hkv, n = (whole ? row : d) * (int64_t)sizeof(T);             \
                   const int64_t lon = win_lo(lens[bn], window), ln = lens[bn] - lon; /* its window */              \
-                  const int64_t groups = (whole ? hkv : 1) * ((lens[b] - win_lo(lens[b], window) + 15) / 16);       \
+                  const int64_t groups = 2 * (whole ? hkv : 1) * ((lens[b] - win_lo(lens[b], window) + 15) / 16);       \
                   if (groups > 0 && 2 * n * ln <= ahead_budget()) {                                                 \
                       ah.k = (const char *)(k_cache + (whole ? 0 : (nx % hkv) * d));                                \
                       ah.v = (const char *)(v_cache + (whole ? 0 : (nx % hkv) * d));                                \
@@ -566,10 +570,10 @@ int tpe_paged_amx(void) { return HAVE_AMX && tpe_amx_ok(); }
                     uint16_t *ob = (uint16_t *)(out + b * hq * d);                                                  \
                     const int64_t lp = L + (L & 1);                                                                 \
                     switch (nv) { /* the head size as a constant */                                                 \
-                    case 4: pv_bf16(vq, L, pbf, lp, 1, g, heads, ob, pfn, 2, 4); break;                                 \
-                    case 8: pv_bf16(vq, L, pbf, lp, 1, g, heads, ob, pfn, 4, 2); break;                                 \
-                    case 16: pv_bf16(vq, L, pbf, lp, 1, g, heads, ob, pfn, 8, 1); break;                                \
-                    default: pv_bf16(vq, L, pbf, lp, 1, g, heads, ob, pfn, nv / 2, 1); break;                           \
+                    case 4: pv_bf16(vq, L, pbf, lp, 1, g, heads, ob, pfn, &ah, 2, 4); break;                                 \
+                    case 8: pv_bf16(vq, L, pbf, lp, 1, g, heads, ob, pfn, &ah, 4, 2); break;                                 \
+                    case 16: pv_bf16(vq, L, pbf, lp, 1, g, heads, ob, pfn, &ah, 8, 1); break;                                \
+                    default: pv_bf16(vq, L, pbf, lp, 1, g, heads, ob, pfn, &ah, nv / 2, 1); break;                           \
                     }                                                                                               \
                     continue;                                                                                       \
                 }                                                                                                   \
