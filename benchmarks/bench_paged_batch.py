@@ -10,7 +10,8 @@ contexts of the bench's 64 x 128 -> 128 workload, about 192 on average), its fir
 (the prefill's) and the rest round-robin over the sequences (the decode's), as the engine's allocator leaves
 them. ``--layers`` separate caches (30: ~750 MB of float32 K/V, beyond the last-level cache) are called in turn
 so that the rows stream from memory as in a step; ``--layers 1 --batch 8`` measures the kernel on rows in cache.
-Straight through ctypes (no Python checks). ``--base REV``: ``cpu_paged.c`` and its headers of git revision REV
+Straight through ctypes (no Python checks); bfloat16's AMX path with ``--amx-min-batch 1``.
+``--base REV``: ``cpu_paged.c`` and its headers of git revision REV
 built beside (same compiler and flags, :func:`cpu_library.flags`) and timed as a second candidate: before / after
 in one run, the outputs compared bit for bit. The candidates alternate within every round (a shared machine's
 load falls on all alike); per candidate the best and median microseconds per layer over ``--rounds`` and the
@@ -54,7 +55,7 @@ def build_base(rev: str, folder: Path, name: str) -> ctypes._CFuncPtr:
 
 
 def run(dtype: torch.dtype, batch: int, layers: int, rounds: int, threads: int, step: int,
-        base: str | None) -> dict:
+        base: str | None, amx_min_batch: int = 0) -> dict:
     """The timings (module docstring): ``{candidate: {"us_best", "us_median", "gbs_best"}, "speed vs base",
     "equal to base"}``. Raises RuntimeError without the C kernel."""
     from tpengine.backends.cpu import cpu_library
@@ -86,7 +87,7 @@ def run(dtype: torch.dtype, batch: int, layers: int, rounds: int, threads: int, 
         p = q.data_ptr()
         bad = cands[c](p, hq * d, p, hq * d, p, hq * d, None, None, slots.data_ptr(), bt.data_ptr(), per,
                        lens_t.data_ptr(), kc.data_ptr(), vc.data_ptr(), nxt, bs, qmap.data_ptr(), hq, hkv, d,
-                       d ** -0.5, outs[c].data_ptr(), batch, 0, threads, 0, 0.0)
+                       d ** -0.5, outs[c].data_ptr(), batch, amx_min_batch, threads, 0, 0.0)
         assert bad == -1
 
     clock = time.thread_time if threads == 1 else time.perf_counter
@@ -118,8 +119,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads a call")
     p.add_argument("--step", type=int, default=63, help="decode step: the contexts 129 + (2 b + step) %% 128")
     p.add_argument("--base", default=None, help="git revision whose cpu_paged.c is timed beside")
+    p.add_argument("--amx-min-batch", type=int, default=0,
+                   help="bfloat16: the kernel's AMX path from this many sequences (0: never; make bench's measured "
+                        "choice on an AMX machine takes it at 64)")
     a = p.parse_args()
-    res = run(getattr(torch, a.dtype), a.batch, a.layers, a.rounds, a.threads, a.step, a.base)
+    res = run(getattr(torch, a.dtype), a.batch, a.layers, a.rounds, a.threads, a.step, a.base, a.amx_min_batch)
     res["isa"], res["load average"] = os.environ.get("TPENGINE_ISA", "native"), os.getloadavg()[0]
     print(json.dumps(res, indent=1))
 
