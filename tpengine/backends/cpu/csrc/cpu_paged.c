@@ -114,8 +114,8 @@ static inline void prefetch_row(const void *p, int64_t n) {
 
 /* The next work item's K/V rows, prefetched a few rows at a time while the current item computes
  * (ahead_step once per group of 16 keys of its score passes and once per 16 value rows of its P.V passes,
- * pv_bf16: spread over both, 1.08-1.13x over the score passes alone at 64 sequences, docs/notes/kernels.md
- * 2026-12-07 session 12), so that memory keeps streaming during
+ * pv_bf16: spread over both, faster than over the scores alone, docs/notes/kernels.md 2026-12-07
+ * session 12), so that memory keeps streaming during
  * the passes that read L2 only (the second and later KV heads of a whole-row item, the softmax, P.V)
  * and the next item starts on rows already in L2. k, v: the item's first head in the caches (bytes);
  * n: bytes of a row to fetch (every KV head, or one); left: rows still to fetch, per: rows a step. */
