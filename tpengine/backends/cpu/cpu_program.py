@@ -18,6 +18,12 @@ the shared-memory comm's fused all-reduce + add + RMSNorm (``cpu_shm.c``, the ca
 ``ShmComm.all_reduce_add_rms_norm`` makes); one whose wait outlasts its C spin hands the wait back, and
 :meth:`Program.__call__` finishes it with the comm's bounded, peer-checking wait, then resumes.
 
+A greedy step at one rank (the model runner asks through ``Context.greedy``: temperature 0 for every
+sequence, no grammar mask, no logits wanted) may also make the LM head's one-row product and the C row
+argmax in the same call (:meth:`Program.bind_greedy`, :meth:`Program.greedy`): the calls the head's bound
+product and its greedy pick make from Python after the program, so the token ids are the same; a head
+without a C call at one row, a vocabulary-parallel head, or one with logit transforms keeps its own path.
+
 What it takes: one rank, or a TP group on this host with the shared-memory comm (not gloo), a whole
 stack (no pipeline stage), layers of the Llama form (a pre-norm
 before each block and no post-norms, no residual scale, one RoPE table, no LongRoPE, no per-head q/k
@@ -81,6 +87,7 @@ class Program:
         # a greedy step's ops (bind_greedy): the stack's n_ops, then the head's product and the argmax; its ids
         self.n_greedy = 0
         self.ids: torch.Tensor | None = None
+        self.head_impl = None
 
     def buffer(self, width: int, tag: str | None = None) -> torch.Tensor:
         """A ``[1, width]`` buffer of the activations' dtype: the one named ``tag`` (every layer's calls
@@ -203,6 +210,7 @@ class Program:
         n_stack, nt = len(self.rows), torch.get_num_threads()
         logits, ids = torch.zeros(1, n, dtype=self.dtype), torch.zeros(1, dtype=torch.int64)
         self.buffers += [logits, ids]
+        self.head_impl = head.impl  # (its weight, whose address the op holds, lives as long as the program)
         _add_product(self, spec, self.out.data_ptr(), logits, nt)
         self.add("argmax", argmax, [logits.data_ptr(), 1, head.vocab_size, n, ids.data_ptr(), nt])
         self.ops = torch.tensor(self.rows, dtype=torch.int64)
