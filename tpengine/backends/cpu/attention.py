@@ -212,7 +212,7 @@ class CPUAttentionBackend(AttentionBackend):
         self.mirrors: dict[int, mirrors.KVMirror | None] = {}  # layer index -> its KV mirror (bind_layer)
         self.paged_calls: dict[int, object] = {}  # layer index -> its bound paged C call (bind_model)
         self.program = None  # the stack's decode program (bind_model), with a greedy step's head (bind_head)
-        self.lm_head, self.head_tp = None, 1  # the LM head a greedy program step takes (bind_head)
+        self.lm_head = None  # the LM head a greedy program step takes (bind_head)
         # set by the CPU platform from its profile (CPUPlatform.bind_attention), never measured in a step:
         self.paged_choice = None  # the paged kernel's measured AVX-512 / AMX path (its Choice)
         self.paged_amx_min = 0  # its amx_min_batch (cpu_paged.decode): the AMX path from this many sequences
@@ -320,7 +320,7 @@ class CPUAttentionBackend(AttentionBackend):
         the argmax (:meth:`tpengine.backends.cpu.cpu_program.Program.bind_greedy`) at one rank, where the
         stack has a program and the head a C call at one row; returns why not (the head keeps its own
         greedy path), or None."""
-        self.lm_head, self.head_tp = head, tp_size
+        self.lm_head = head
         if self.program is None or tp_size != 1:
             return "no decode program at one rank"
         return self.program.bind_greedy(head)
