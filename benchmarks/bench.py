@@ -160,6 +160,11 @@ def worker_args(hf: bool, tp: int, model: str, dtype: str, cores: int, num_seqs:
                      *(["--job-tokens", str(job_tokens)] if job_tokens else []), *engine_args]
 
 
+def _attn_label(attn: dict) -> str:
+    """`` (sdpa)`` for an HF run with a given attention implementation, else empty."""
+    return f" ({attn['attn']})" if attn else ""
+
+
 def run_dtype(dtype: str, systems: list[str], model: str, cores: int, prompts, lat_prompt, output_len: int,
               lat_output_len: int, rounds: int, hf_batch_size: int, hf_attn: str, logdir: Path, echo,
               latency_only: frozenset[str] = frozenset()) -> dict:
@@ -170,9 +175,11 @@ def run_dtype(dtype: str, systems: list[str], model: str, cores: int, prompts, l
     (``systems``: "hf" and :func:`system_key` keys; ``weight_bytes``: per rank; the systems in
     ``latency_only`` have no throughput runs)."""
     max_len = max(max(map(len, prompts)) + output_len, len(lat_prompt) + lat_output_len)
-    # --hf-attn auto over >= 2 rounds: HF runs each implementation in turn on the measured workload
-    # itself (round r: HF_ATTN[r % 2]) and its best runs are reported; one round: the measured choice
-    per_round = hf_attn == "auto" and rounds >= 2
+    # --hf-attn auto: HF runs each implementation on the measured workload itself and its best runs are
+    # reported: over >= 2 rounds in turn (round r: HF_ATTN[r % 2]); in one round both, one after the
+    # other (a choice timed once on a smaller workload and cached picked eager at half sdpa's rate)
+    auto = hf_attn == "auto"
+    per_round = auto and rounds >= 2
     workers: dict[str, Worker] = {}
     try:
         for s in systems:
@@ -181,7 +188,7 @@ def run_dtype(dtype: str, systems: list[str], model: str, cores: int, prompts, l
             # latency-only one states nothing (a job of a few tokens would keep its weights plain)
             work = 0 if s in latency_only else len(prompts) * output_len
             args = worker_args(s == "hf", tp, model, dtype, cores, len(prompts), max_len, hf_batch_size,
-                               HF_ATTN[0] if per_round else hf_attn, quantization=quant, job_tokens=work)
+                               HF_ATTN[0] if auto else hf_attn, quantization=quant, job_tokens=work)
             workers[s] = w = Worker(f"{s}/{dtype}", args, tp, logdir / f"{s}-{dtype}.log")
             w.ready = w.read()
         results = {}
@@ -192,19 +199,22 @@ def run_dtype(dtype: str, systems: list[str], model: str, cores: int, prompts, l
                 echo(f"  {dtype} {s}: {line}")
         for r in range(rounds):
             order = systems if r % 2 == 0 else systems[::-1]
-            attn = {"attn": HF_ATTN[r % 2]} if per_round else {}
+            # HF's attention implementations this round ({} = the one it started with)
+            attns = [{"attn": HF_ATTN[r % 2]}] if per_round else [{"attn": a} for a in HF_ATTN] if auto else [{}]
             for s in [s for s in order if s not in latency_only]:
-                res = workers[s].ask({"cmd": "throughput", "prompts": prompts, "output_len": output_len,
-                                      **(attn if s == "hf" else {})})
-                results[s]["throughput"].append(res)
-                echo(f"  {dtype} round {r + 1} {s:>8}: {res['output_tokens'] / res['elapsed_s']:8.1f} output tok/s "
-                     f"({res['elapsed_s']:.1f} s)")
+                for attn in attns if s == "hf" else [{}]:
+                    res = workers[s].ask({"cmd": "throughput", "prompts": prompts, "output_len": output_len, **attn})
+                    results[s]["throughput"].append(res)
+                    echo(f"  {dtype} round {r + 1} {s:>8}: {res['output_tokens'] / res['elapsed_s']:8.1f} output "
+                         f"tok/s ({res['elapsed_s']:.1f} s){_attn_label(attn)}")
             for s in order:
-                res = workers[s].ask({"cmd": "latency", "prompt": lat_prompt, "output_len": lat_output_len,
-                                      **(attn if s == "hf" else {})})
-                results[s]["latency"].append(res)
-                tpot = (res["latency_s"] - res["ttft_s"]) / max(1, lat_output_len - 1)
-                echo(f"  {dtype} round {r + 1} {s:>8}: TTFT {res['ttft_s'] * 1e3:7.1f} ms, TPOT {tpot * 1e3:6.2f} ms")
+                for attn in attns if s == "hf" else [{}]:
+                    res = workers[s].ask({"cmd": "latency", "prompt": lat_prompt, "output_len": lat_output_len,
+                                          **attn})
+                    results[s]["latency"].append(res)
+                    tpot = (res["latency_s"] - res["ttft_s"]) / max(1, lat_output_len - 1)
+                    echo(f"  {dtype} round {r + 1} {s:>8}: TTFT {res['ttft_s'] * 1e3:7.1f} ms, TPOT "
+                         f"{tpot * 1e3:6.2f} ms{_attn_label(attn)}")
         return results
     finally:
         for w in workers.values():
@@ -224,8 +234,8 @@ def main(
     hf: Annotated[bool, typer.Option(help="include the HF generate baseline")] = True,
     hf_batch_size: Annotated[int, typer.Option(help="HF static batch size (0 = all prompts)")] = 0,
     hf_attn: Annotated[str, typer.Option(help="HF attn_implementation: auto (with >= 2 rounds sdpa and "
-                                               "eager in turn, the best shown; one round: the one timed "
-                                               "faster on this machine, cached), sdpa, eager")] = "auto",
+                                               "eager in turn, one round both; the best shown), sdpa, "
+                                               "eager")] = "auto",
     quantization: Annotated[list[str], typer.Option(help="weight-only quantized tpengine rows, at each --tp, in "
                                                          "the bfloat16 group (bfloat16 activations): int8, int4; "
                                                          "repeat for several; none for none")] = None,
