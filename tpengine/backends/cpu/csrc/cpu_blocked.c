@@ -19,7 +19,7 @@
  * element) and a mask of the high half (the odd one) -- no shuffle -- and two FMAs with x[2p], x[2p + 1]
  * broadcast, even first, into 8 float32 lanes, one per output row: still one sequential stream and no
  * horizontal sums. Its accumulators are 2 halves per block, so rows past 4 run in passes of 4 over a panel
- * of 1 block (as the float32 layout's AVX2 path). Each output is float32 FMAs over k in order -- vdpbf16ps's
+ * of 1 block (the float32 layout's AVX2 path: passes of 6). Each output is float32 FMAs over k in order -- vdpbf16ps's
  * products and sum up to their order and rounding -- rounded once to bfloat16. Without either path the
  * functions are left out of the build (cpu_library.has is False) and the layout is never chosen. */
 #include <math.h>
@@ -594,8 +594,10 @@ int64_t tpe_moe_decode_bf16(const uint16_t *x, int64_t hidden, const uint16_t *r
  * output is the FMA chain over k in order, x[0] first -- the same sum on both vector paths, so an AVX2
  * build's result equals the AVX-512 one's bit for bit; F.linear's up to the order of the float32 sum.
  * Kernels as the bfloat16 ones above: R rows x J blocks of accumulators, the J blocks' lines prefetched a
- * kilobyte ahead, the blocks split evenly between the threads; rows past 8 (AVX2: 4, whose 16 registers hold
- * 4 x 2 halves of accumulators) run in passes over a panel of 2 blocks (AVX2: 1) that stays in the cache. */
+ * kilobyte ahead, the blocks split evenly between the threads; rows past 8 (AVX2: 6, whose 16 registers hold
+ * 6 x 2 halves of accumulators, the two weight halves and the broadcast) run in passes over a panel of 2
+ * blocks (AVX2: 1) that stays in the cache. A pass's rows only group the FMAs: every output is the same
+ * chain whatever the pass. */
 #if defined(TPE_AVX512) || defined(TPE_AVX2)
 
 #define TPE_BLK32_PF 256 /* prefetch distance in floats (1 KiB) */
@@ -654,10 +656,11 @@ TPE_BLK32_KERNEL(blk32_4x1, 4, 1)
 #ifdef TPE_AVX512
 TPE_BLK32_KERNEL(blk32_4x2, 4, 2)
 TPE_BLK32_KERNEL(blk32_8x2, 8, 2)
-#define B32_PASS 8 /* rows per pass over a panel */
 #define B32_PANEL 2 /* blocks per panel */
 #else
-#define B32_PASS 4
+/* 12 accumulators, not 8: two FMA units of 4 cycles' latency keep 8 chains busy with no slack, and a
+ * pass of 6 reads the panel's weight line once per 6 rows (docs/notes/kernels.md) */
+TPE_BLK32_KERNEL(blk32_6x1, 6, 1)
 #define B32_PANEL 1
 #endif
 
@@ -675,6 +678,9 @@ static void blk32_panel(const float *x, int64_t rows, int64_t k, const float *w,
     }
 #endif
     (void)nb;
+#ifndef TPE_AVX512
+    for (; r + 6 <= rows; r += 6) blk32_6x1(x + r * k, k, w, b, y + r * n, n);
+#endif
     for (; r + 4 <= rows; r += 4) blk32_4x1(x + r * k, k, w, b, y + r * n, n);
     for (; r + 2 <= rows; r += 2) blk32_2x1(x + r * k, k, w, b, y + r * n, n);
     for (; r < rows; r++) blk32_1x1(x + r * k, k, w, b, y + r * n, n);
