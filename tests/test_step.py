@@ -3,7 +3,16 @@
 import torch
 
 from tpengine.engine.sequence import Sequence
-from tpengine.engine.step import PAYLOAD_FIELDS, StepKind, StepPlan, build_plan, pack, payload_sizes, unpack
+from tpengine.engine.step import (
+    PAYLOAD_FIELDS,
+    PlanBuilder,
+    StepKind,
+    StepPlan,
+    build_plan,
+    pack,
+    payload_sizes,
+    unpack,
+)
 from tpengine.sampling_params import SamplingParams
 
 
@@ -62,3 +71,26 @@ def test_plan_of_a_cached_prefix_a_chunk_and_a_decode():
     assert plan.cu_seqlens_q.tolist() == [0, 1, 4] and plan.cu_seqlens_k.tolist() == [0, 6, 13]
     assert plan.context_lens.tolist() == [6, 7] and plan.sample_idx.tolist() == [0, 3]
     assert a.samples and not b.samples
+
+
+def test_plan_builder_reuses_its_tensors_while_the_shape_repeats():
+    """The engine's PlanBuilder gives build_plan's values; a plan of the last one's field sizes is written
+    into the last plan's payload (the same tensors), another shape gets new ones; pack sends the payload."""
+    a = Sequence(0, "a", [1, 2, 3, 4, 5], SamplingParams())
+    a.block_table, a.num_new_tokens = [3, 1], 5
+    builder, plans = PlanBuilder(4), []
+    for step, (cached, new, table) in enumerate([(0, 5, [3, 1]), (5, 1, [3, 1]), (6, 1, [3, 1]), (7, 1, [3, 1]),
+                                                 (8, 1, [3, 1, 6])]):
+        a.num_cached_tokens, a.num_new_tokens, a.block_table = cached, new, table
+        if step:
+            a.append_token(20 + step)
+        plan = builder.build([a], step == 0, step, greedy=True)
+        want = build_plan([a], step == 0, 4, step, greedy=True)
+        for name, _ in PAYLOAD_FIELDS:
+            assert torch.equal(getattr(plan, name), getattr(want, name)), (step, name)
+        assert (plan.kind, plan.step, plan.greedy) == (want.kind, step, True)
+        assert torch.equal(pack(plan)[1], pack(StepPlan(**{**vars(want), "payload": None}))[1])
+        plans.append(plan)
+    assert plans[2].input_ids is plans[1].input_ids and plans[3].payload is plans[1].payload  # decode steps
+    assert plans[1].payload is not plans[0].payload and plans[4].payload is not plans[3].payload  # new shapes
+    assert plans[4].block_tables.tolist() == [[3, 1, 6]] and plans[1].context_lens.tolist() == [8]  # (rewritten)

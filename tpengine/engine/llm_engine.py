@@ -32,7 +32,7 @@ from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.spec_decode import SpecDecoder, SpecState
 from tpengine.engine.stats import EngineStats
-from tpengine.engine.step import StepKind, StepPlan, broadcast_plan, build_plan
+from tpengine.engine.step import PlanBuilder, StepKind, StepPlan, broadcast_plan
 from tpengine.engine.structured_output import StructuredOutputs
 from tpengine.engine.thoughts import thought_tags
 from tpengine.engine.update import ScheduledStep, StepUpdater
@@ -180,6 +180,7 @@ class LLMEngine:
         self._updater = StepUpdater(self.scheduler, self.outputs,
                                     RowSampler(self.sampler, self.vocab_size, self.structured_outputs),
                                     SampleForker(self.scheduler, self.outputs, lambda: next(self._ids)), self._spec)
+        self._plans = PlanBuilder(config.block_size)  # each step's plan, in tensors reused while its shape repeats
         self._pending: list[EngineOutput] = []
         self._steps = self._prefill_steps = self._computed_tokens = self._output_tokens = 0
 
@@ -293,8 +294,8 @@ class LLMEngine:
         started = time.perf_counter()
         speculative = self._spec is not None and not is_prefill and \
             self._spec.schedule(seqs, self.scheduler, self._run_draft, self._steps)
-        plan = build_plan(seqs, is_prefill or speculative, self.config.block_size, self._steps,
-                          block_copies=self.scheduler.take_block_copies())
+        plan = self._plans.build(seqs, is_prefill or speculative, self._steps,
+                                 block_copies=self.scheduler.take_block_copies())
         plan.greedy = not plan.prompt_idx.numel() and not any(s.params.needs_logits for s in seqs)  # on-shard argmax
         sampled = [s.samples for s in seqs]  # False: a prefill chunk, nothing to sample
         masks = self.structured_outputs.masks(seqs, sampled)

@@ -8,6 +8,7 @@ C13). Workers never see the tokenizer or the sampled tokens.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 from dataclasses import dataclass
 
@@ -79,6 +80,9 @@ class StepPlan:
     * ``grammar_mask``: (with ``greedy``) some rows are constrained by a structured output: before the
       LM head, rank 0 broadcasts the step's token bitmask and every rank masks its vocabulary shard
       before its argmax.
+    * ``payload``: the one int64 tensor whose views the tensor fields are, in :data:`PAYLOAD_FIELDS`'
+      order (:func:`build_plan`, :class:`PlanBuilder`, :func:`unpack`), which :func:`pack` sends as it
+      is; None (a plan made field by field): :func:`pack` concatenates the fields.
     """
 
     kind: StepKind
@@ -97,6 +101,7 @@ class StepPlan:
     greedy: bool = False
     grammar_mask: bool = False
     draft: bool = False
+    payload: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in CONTROL_KINDS:
@@ -168,7 +173,54 @@ def build_plan(seqs, is_prefill: bool, block_size: int, step: int, greedy: bool 
     step (``prompt_idx``: each position predicts the next prompt token). A decoding sequence with
     speculative tokens (``s.proposal``, the scheduler counted them in ``num_new_tokens``) runs its last
     token and them, and the first k of those positions' logits are wanted too (``spec_idx``).
-    ``block_copies``: (source, destination) blocks to copy before the step."""
+    ``block_copies``: (source, destination) blocks to copy before the step. Its tensors are its own
+    (:class:`PlanBuilder` makes the same plan into tensors it reuses)."""
+    fields, width = _plan_fields(seqs, block_size, block_copies)
+    payload = torch.tensor([x for f in fields for x in f], dtype=torch.int64)
+    return StepPlan(kind=StepKind.PREFILL if is_prefill else StepKind.DECODE, step=step, greedy=greedy,
+                    payload=payload, **_views(payload, fields, len(seqs), width))
+
+
+class PlanBuilder:
+    """Rank 0's :func:`build_plan`, into tensors it reuses: while a step's plan has the last one's field
+    sizes (a decode step of the same batch, until a block table grows a column), its values are written
+    into the last plan's payload and the plan takes that payload's views again, so a step makes no tensor
+    (a batch-1 decode step's Python runs cold after the decode program, where each torch call costs
+    several times its warm figure: docs/notes/kernels.md). So a plan's tensors hold its values until
+    the builder's next :meth:`build` only: the engine builds a step's plan after the last step's update,
+    and nothing keeps a plan's tensors past its step (a backend that compares steps keeps copies:
+    :class:`tpengine.backends.cpu.kv_mirror.Continuity`).
+
+    Args:
+        block_size: tokens per KV block.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._key: tuple[int, ...] | None = None  # the last plan's width and field sizes
+        self._payload: torch.Tensor | None = None
+        self._values = None  # the payload's memory as a ctypes int64 array (written without a torch call)
+        self._views: dict[str, torch.Tensor] = {}
+
+    def build(self, seqs, is_prefill: bool, step: int, greedy: bool = False,
+              block_copies: list[tuple[int, int]] = ()) -> StepPlan:
+        """:func:`build_plan`'s plan for ``seqs`` (the same values), in the builder's tensors."""
+        fields, width = _plan_fields(seqs, self.block_size, block_copies)
+        flat = [x for f in fields for x in f]
+        key = (width, *(len(f) for f in fields))
+        if key != self._key:  # another shape: a new payload and its views, kept for the next steps
+            self._payload = torch.empty(len(flat), dtype=torch.int64)
+            self._values = (ctypes.c_int64 * len(flat)).from_address(self._payload.data_ptr())
+            self._views = _views(self._payload, fields, len(seqs), width)
+            self._key = key
+        self._values[:] = flat
+        return StepPlan(kind=StepKind.PREFILL if is_prefill else StepKind.DECODE, step=step, greedy=greedy,
+                        payload=self._payload, **self._views)
+
+
+def _plan_fields(seqs, block_size: int, block_copies) -> tuple[tuple[list[int], ...], int]:
+    """:func:`build_plan`'s fields as Python lists in :data:`PAYLOAD_FIELDS`' order, and the block tables'
+    width."""
     ids, pos, slots, cu_q, cu_k, ctx, prompt_idx, spec_idx = [], [], [], [0], [0], [], [], []
     for s in seqs:
         start = s.num_cached_tokens
@@ -190,15 +242,17 @@ def build_plan(seqs, is_prefill: bool, block_size: int, step: int, greedy: bool 
     width = max(len(s.block_table) for s in seqs)
     tables = [b for s in seqs for b in s.block_table + [-1] * (width - len(s.block_table))]
     copies = [int(b) for pair in block_copies for b in pair]
-    # every field as a view of one tensor, in PAYLOAD_FIELDS' order (as unpack gives them): one tensor
-    # made a step, not ten (a batch-1 decode step runs this Python right after the decode program has
-    # streamed the weights through the caches, where each tensor costs several times its warm figure)
-    fields = (ids, pos, slots, tables, cu_q, cu_k, ctx, [c - 1 for c in cu_q[1:]], prompt_idx, copies, spec_idx)
-    parts = torch.tensor([x for f in fields for x in f], dtype=torch.int64).split([len(f) for f in fields])
+    return (ids, pos, slots, tables, cu_q, cu_k, ctx, [c - 1 for c in cu_q[1:]], prompt_idx, copies, spec_idx), width
+
+
+def _views(payload: torch.Tensor, fields: tuple[list[int], ...], b: int, width: int) -> dict[str, torch.Tensor]:
+    """The plan's tensor fields as views of ``payload``, in :data:`PAYLOAD_FIELDS`' order (as :func:`unpack`
+    gives them): one tensor made a step, not eleven."""
+    parts = payload.split([len(f) for f in fields])
     named = dict(zip((name for name, _ in PAYLOAD_FIELDS), parts))
-    named["block_tables"] = named["block_tables"].view(len(seqs), width)
+    named["block_tables"] = named["block_tables"].view(b, width)
     named["block_copies"] = named["block_copies"].view(-1, 2)
-    return StepPlan(kind=StepKind.PREFILL if is_prefill else StepKind.DECODE, step=step, greedy=greedy, **named)
+    return named
 
 
 def build_draft_plan(rows: list[tuple[list[int], int, list[int]]], block_size: int, step: int,
@@ -241,8 +295,9 @@ def pack(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
     greedy = int(plan.greedy) + int(plan.greedy and plan.grammar_mask)
     header = torch.tensor([MAGIC, int(plan.kind), n, b, m, plan.step, greedy, p, c, s, int(plan.draft)],
                           dtype=torch.int64)
-    payload = torch.cat([getattr(plan, name).flatten() for name, _ in PAYLOAD_FIELDS])
-    return header, payload
+    if plan.payload is not None:  # the fields are its views already
+        return header, plan.payload
+    return header, torch.cat([getattr(plan, name).flatten() for name, _ in PAYLOAD_FIELDS])
 
 
 def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
@@ -261,7 +316,7 @@ def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
     parts["block_tables"] = parts["block_tables"].view(b, m)
     parts["block_copies"] = parts["block_copies"].view(c, 2)
     return StepPlan(kind=StepKind(kind), step=step, greedy=bool(greedy), grammar_mask=greedy == 2, draft=bool(draft),
-                    **parts)
+                    payload=payload, **parts)
 
 
 def broadcast_plan(plan: StepPlan | None) -> StepPlan:
