@@ -624,7 +624,9 @@ int64_t tpe_int4_rows(const uint8_t *packed, const void *sz, const int8_t *zc, i
  * per 128 bytes; AVX2: byte and word unpacks), multiplied and summed by vpdpbusd (AVX512-VNNI, or AVX-VNNI /
  * AVX512-VNNI on 256 bits) or by vpmaddubsw (AVX2), whose 16-bit sums hold a whole block (at most
  * 16 x 15 x 127 = 30480) before one vpmaddwd widens them. The AVX-512 path masks the high nibbles in
- * place (16 q: its sums are 32-bit) and folds 1/16 into the block's scale. Built where the
+ * place (16 q: its sums are 32-bit) and folds 1/16 into the block's scale. With zero codes the AVX2 path
+ * folds a block as s * (d * sum q xq + (c / 16 - 8) * sd) in three fused multiply-adds (q8_fold8), the
+ * AVX-512 path as written above: the two builds' results differ by float32's rounding. Built where the
  * ISA has it: AVX-512 with VNNI and VBMI (64-row blocks), or AVX2 (64- and 32-row blocks, as tpe_qgemv_int4). */
 #if (defined(TPE_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)) || defined(TPE_AVX2)
 #define Q8_BLOCK 32
@@ -771,9 +773,38 @@ static void q8_unit(const int8_t *xq, const float *d, const float *sd, int64_t r
 #define Q8_DPBUSD(acc, w, x) _mm256_dpbusd_epi32(acc, w, x)
 #endif
 
+/* The fold of 8 outputs' int32 sums a of one block b of x into out (o): with zero codes (zc), s and c the
+ * outputs' scales and codes as float32 (z = c s / 16),
+ *   o += s * (d * a + (c / 16 - 8) * sd)     in three fused multiply-adds (sd16 = sd / 16, m8sd = -8 sd),
+ * the float path's s * (d * a) + (z - 8 s) * sd up to float32's rounding in fewer operations (no z, no z - 8 s,
+ * no separate products); without codes (float zeros: c holds z - 8 s) o += s * (d * a) + c * sd. Every AVX2
+ * pass folds through here, so a row's result is the same at every row count. */
+static inline __attribute__((always_inline)) void q8_fold8(const __m256i a, __m256 s, __m256 c, int coded, __m256 dr,
+                                                            __m256 sr, __m256 sd16, __m256 m8sd, float *o) {
+    if (coded) {
+        const __m256 u = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), dr, _mm256_fmadd_ps(c, sd16, m8sd));
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(s, u, _mm256_loadu_ps(o)));
+    } else {
+        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(a), dr);
+        _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_fmadd_ps(s, f, _mm256_mul_ps(c, sr))));
+    }
+}
+
+/* The scales s of 8 outputs at idx and, with zero codes, their codes as float32 (q8_fold8's c), else z - 8 s. */
+static inline __attribute__((always_inline)) void q8_sc8(const void *sz, const int8_t *zc, int64_t idx, int is_bf16,
+                                                          __m256 *s, __m256 *c) {
+    if (zc) {
+        *s = is_bf16 ? ld8((const uint16_t *)sz + idx) : _mm256_loadu_ps((const float *)sz + idx);
+        *c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(zc + idx))));
+    } else {
+        q4_sz8(sz, zc, idx, is_bf16, s, c);
+        *c = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), *s, *c);
+    }
+}
+
 /* Rows r0..r0 + R - 1 of x against block b (32 columns) of one unit, one nibble h (0: low, 1: high):
- * out[r][off[t]..off[t] + 7] += s * (d * sum q xq) + zz * sd for t = 0..3 (s, zz: those outputs' scales
- * and z - 8 s). A column's 32 bytes: one 64-row block's (pa; the unit's rows j and 32 + j in byte j), or
+ * out[r][off[t]..off[t] + 7] += the fold (q8_fold8) of sum q xq for t = 0..3 (s, c: those outputs' scales
+ * and codes, or z - 8 s). A column's 32 bytes: one 64-row block's (pa; the unit's rows j and 32 + j in byte j), or
  * two 32-row blocks' 16 bytes each (pa, pb; rows j and 16 + j of each), as the lanes' halves. Each step's 4
  * columns are unpacked (bytes, then 16-bit pairs) into 4 vectors whose 32-bit lanes hold one row's 4
  * values: bytes {0-3, 16-19}, {4-7, 20-23}, {8-11, 24-27}, {12-15, 28-31} of the column, put back in order
@@ -781,7 +812,7 @@ static void q8_unit(const int8_t *xq, const float *d, const float *sd, int64_t r
 static inline __attribute__((always_inline)) void q8_rows256(const int R, const int8_t *xq, const float *d,
                                                               const float *sd, int64_t k, int64_t b,
                                                               const uint8_t *pa, const uint8_t *pb, int64_t cs,
-                                                              int h, const __m256 *s, const __m256 *zz,
+                                                              int h, const __m256 *s, const __m256 *c, int coded,
                                                               const int *off, int nt, int prefetch, float *out,
                                                               int64_t ldo) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
@@ -830,12 +861,10 @@ static inline __attribute__((always_inline)) void q8_rows256(const int R, const 
 #endif
         const __m256i rows8[4] = {_mm256_permute2x128_si256(a[0], a[1], 0x20), _mm256_permute2x128_si256(a[2], a[3], 0x20),
                                   _mm256_permute2x128_si256(a[0], a[1], 0x31), _mm256_permute2x128_si256(a[2], a[3], 0x31)};
-        const __m256 dr = _mm256_set1_ps(d[r * nblk + b]), sr = _mm256_set1_ps(sd[r * nblk + b]);
-        for (int t = 0; t < nt; t++) {
-            float *o = out + r * ldo + off[t];
-            const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(rows8[t]), dr);
-            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_fmadd_ps(s[t], f, _mm256_mul_ps(zz[t], sr))));
-        }
+        const float sdr = sd[r * nblk + b];
+        const __m256 dr = _mm256_set1_ps(d[r * nblk + b]), sr = _mm256_set1_ps(sdr);
+        const __m256 sd16 = _mm256_set1_ps(sdr * 0.0625f), m8sd = _mm256_set1_ps(-8.f * sdr);
+        for (int t = 0; t < nt; t++) q8_fold8(rows8[t], s[t], c[t], coded, dr, sr, sd16, m8sd, out + r * ldo + off[t]);
     }
 }
 
@@ -879,6 +908,7 @@ static void q8_row1_256(const int8_t *xq, const float *d, const float *sd, int64
         }
     }
     const __m256 dr = _mm256_set1_ps(d[b]), sr = _mm256_set1_ps(sd[b]);
+    const __m256 sd16 = _mm256_set1_ps(sd[b] * 0.0625f), m8sd = _mm256_set1_ps(-8.f * sd[b]);
     for (int h = 0; h < 2; h++) {
         __m256i a[4];
         for (int t = 0; t < 4; t++)
@@ -890,12 +920,9 @@ static void q8_row1_256(const int8_t *xq, const float *d, const float *sd, int64
         const __m256i rows8[4] = {_mm256_permute2x128_si256(a[0], a[1], 0x20), _mm256_permute2x128_si256(a[2], a[3], 0x20),
                                   _mm256_permute2x128_si256(a[0], a[1], 0x31), _mm256_permute2x128_si256(a[2], a[3], 0x31)};
         for (int t = 0; t < nt; t++) {
-            __m256 sv, zv;
-            q4_sz8(sz, zc, idx + off[h][t], is_bf16, &sv, &zv);
-            zv = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sv, zv);
-            float *o = out + off[h][t];
-            const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(rows8[t]), dr);
-            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_fmadd_ps(sv, f, _mm256_mul_ps(zv, sr))));
+            __m256 sv, cv;
+            q8_sc8(sz, zc, idx + off[h][t], is_bf16, &sv, &cv);
+            q8_fold8(rows8[t], sv, cv, zc != NULL, dr, sr, sd16, m8sd, out + off[h][t]);
         }
     }
 }
@@ -937,16 +964,14 @@ static void q8_row1_ab(const int8_t *xq, const float *d, const float *sd, int64_
         }
     }
     const __m256 dr = _mm256_set1_ps(d[b]), sr = _mm256_set1_ps(sd[b]);
+    const __m256 sd16 = _mm256_set1_ps(sd[b] * 0.0625f), m8sd = _mm256_set1_ps(-8.f * sd[b]);
     for (int h = 0; h < 2; h++)
         for (int t = 0; t < 4; t++) {
             const __m256i a = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[h][t])),
                                                _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[h][t], 1)));
-            __m256 sv, zv;
-            q4_sz8(sz, zc, idx + off[h][t], is_bf16, &sv, &zv);
-            zv = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sv, zv);
-            float *o = out + off[h][t];
-            const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(a), dr);
-            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_fmadd_ps(sv, f, _mm256_mul_ps(zv, sr))));
+            __m256 sv, cv;
+            q8_sc8(sz, zc, idx + off[h][t], is_bf16, &sv, &cv);
+            q8_fold8(a, sv, cv, zc != NULL, dr, sr, sd16, m8sd, out + off[h][t]);
         }
 }
 
@@ -973,17 +998,14 @@ static void q8_unit(const int8_t *xq, const float *d, const float *sd, int64_t r
         }
         for (int h = 0; h < 2; h++) {
             const int *off = block == 64 ? off64[h] : off32[h];
-            __m256 s[4], zz[4];
-            for (int t = 0; t < nt; t++) {
-                q4_sz8(sz, zc, idx + off[t], is_bf16, &s[t], &zz[t]);
-                zz[t] = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s[t], zz[t]);
-            }
+            __m256 s[4], c[4];
+            for (int t = 0; t < nt; t++) q8_sc8(sz, zc, idx + off[t], is_bf16, &s[t], &c[t]);
             int64_t r = 0;
             for (; r + 2 <= rows; r += 2)
-                q8_rows256(2, xq + r * k, d + r * nblk, sd + r * nblk, k, b, pa, pb, cs, h, s, zz, off, nt,
+                q8_rows256(2, xq + r * k, d + r * nblk, sd + r * nblk, k, b, pa, pb, cs, h, s, c, zc != NULL, off, nt,
                            r == 0 && h == 0, out + r * ldo, ldo);
             if (r < rows)
-                q8_rows256(1, xq + r * k, d + r * nblk, sd + r * nblk, k, b, pa, pb, cs, h, s, zz, off, nt,
+                q8_rows256(1, xq + r * k, d + r * nblk, sd + r * nblk, k, b, pa, pb, cs, h, s, c, zc != NULL, off, nt,
                            r == 0 && h == 0, out + r * ldo, ldo);
         }
     }
