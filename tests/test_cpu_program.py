@@ -100,8 +100,8 @@ def test_program_equals_the_forward(llama, dtype, quantization, cpu_linear, kv):
         assert {int(r[2]) for r in backend.program.ops if r[0] == cpu_program.SIGNATURES["lin"]} == {fn}
     program, steps = stack.bound_decode, []
 
-    def counted(h, tables, ctx):
-        out = program(h, tables, ctx)
+    def counted(h, positions, ctx):
+        out = program(h, positions, ctx)
         steps.append((h.shape[0], out is not None))
         return out
     stack.bound_decode = counted

@@ -174,6 +174,33 @@ def _bounds(t: torch.Tensor) -> tuple[int, int]:
     return tuple(int(x) for x in torch.aminmax(t))
 
 
+class TableRows:
+    """Position ``p``'s cos and sin rows inside a per-position RoPE table ``table [2, L, D]`` (contiguous), as
+    the decode program takes a step's RoPE (a :class:`~tpengine.backends.cpu.cpu_paged.Rope`'s ``cos_p`` and
+    ``sin_p``): pointers into the table, no tensor made (a batch-1 step's Python runs cold after the program,
+    where each torch call costs several times its warm figure: docs/notes/kernels.md). ``0 <= p < L``."""
+
+    __slots__ = ("table", "cos_p", "sin_p")
+
+    def __init__(self, table: torch.Tensor, p: int):
+        row = table.shape[2] * table.element_size()
+        self.table = table  # (kept alive with the pointers)
+        self.cos_p = table.data_ptr() + p * row
+        self.sin_p = self.cos_p + table.shape[1] * row
+
+
+def _program_rope(stack, h: torch.Tensor, positions: torch.Tensor, ctx, dtype: torch.dtype):
+    """A one-row program step's RoPE: ``TableRows`` of its position in the stack's per-position table
+    (``stack.rope_table``, of ``h``'s dtype ``dtype``), or without one (or a position past it, which then
+    raises as the layers' path does) the step's tables as the layers take them (:func:`_step_rope`)."""
+    table = stack.rope_table(h)
+    if table is not None and table.is_contiguous():
+        (p,) = positions.tolist()
+        if 0 <= p < table.shape[1]:
+            return TableRows(table, p)
+    return _step_rope(ctx.attn, stack.step_rope(h, positions, ctx), dtype)
+
+
 def _step_rope(attn, rope: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> cpu_paged.Rope:
     """The step's RoPE tables for the paged calls, made once a step (kept on the step's metadata ``attn``)
     and shared by every layer and by the decode program."""
@@ -313,7 +340,7 @@ class CPUAttentionBackend(AttentionBackend):
         if self.program is not None:
             if self.lm_head is not None and tp_size == 1:  # bound again (a new program): its greedy step too
                 self.program.bind_greedy(self.lm_head)
-            stack.bound_decode = self._program_step(self.program, act[attns[0].layer_idx])
+            stack.bound_decode = self._program_step(self.program, stack, act[attns[0].layer_idx])
 
     def bind_head(self, head, tp_size: int) -> str | None:
         """:meth:`AttentionBackend.bind_head`: the decode program's greedy step takes ``head``'s product and
@@ -326,19 +353,21 @@ class CPUAttentionBackend(AttentionBackend):
         return self.program.bind_greedy(head)
 
     @staticmethod
-    def _program_step(program, dtype: torch.dtype):
-        """The stack's ``bound_decode(h, tables, ctx)``: ``program`` for a step of one token on the
-        ``PAGED`` path (``h [1, hidden]`` of ``dtype``), else None (the forward's own path). Where the model
-        runner asks for greedy ids (``ctx.greedy``) and the program took the head (``n_greedy``), the step
-        also picks the token in the same C call and leaves its id ``[1]`` in ``ctx.ids``."""
-        def step(h: torch.Tensor, tables: dict, ctx):
+    def _program_step(program, stack, dtype: torch.dtype):
+        """The ``stack``'s ``bound_decode(h, positions, ctx)``: ``program`` for a step of one token on the
+        ``PAGED`` path (``h [1, hidden]`` of ``dtype``; its RoPE rows from :func:`_program_rope`), else None
+        (the forward's own path). Where the model runner asks for greedy ids (``ctx.greedy``) and the program
+        took the head (``n_greedy``), the step also picks the token in the same C call and leaves its id
+        ``[1]`` in ``ctx.ids``."""
+        def step(h: torch.Tensor, positions: torch.Tensor, ctx):
             attn = ctx.attn
-            if h.shape[0] != 1 or attn.path != PAGED or h.dtype != dtype or None not in tables:
+            if h.shape[0] != 1 or attn.path != PAGED or h.dtype != dtype:
                 return None
+            rope = _program_rope(stack, h, positions, ctx, dtype)
             if ctx.greedy and program.n_greedy:
-                ctx.ids = program.greedy(h.contiguous(), _step_rope(attn, tables[None], dtype), attn.paged_index)
+                ctx.ids = program.greedy(h.contiguous(), rope, attn.paged_index)
                 return program.out  # (the final norm's row; the runner takes ctx.ids instead of the head)
-            return program(h.contiguous(), _step_rope(attn, tables[None], dtype), attn.paged_index)
+            return program(h.contiguous(), rope, attn.paged_index)
         return step
 
     def describe(self) -> str | None:

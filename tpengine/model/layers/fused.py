@@ -368,11 +368,26 @@ class DecoderStack(nn.Module):
     #: ``longrope_past``: that bound as a ``[1]`` int64 tensor on the model's device
     longrope_bound: int | None = None
     longrope_past: torch.Tensor | None = None
-    #: ``(h, tables, ctx) -> output | None``: the whole step from the embedding's rows ``h`` and the RoPE
-    #: ``tables`` on, bound by the attention backend where its device runs it as one call (the CPU's
-    #: decode program, :mod:`tpengine.backends.cpu.cpu_program`: the layers' own bound kernels, called
-    #: in this forward's order, for a step of one token); None from it, or unbound: the loop below
+    #: ``(h, positions, ctx) -> output | None``: the whole step from the embedding's rows ``h`` at ``positions``
+    #: on, bound by the attention backend where its device runs it as one call (the CPU's decode program,
+    #: :mod:`tpengine.backends.cpu.cpu_program`: the layers' own bound kernels, called in this forward's
+    #: order, for a step of one token; its RoPE rows read from :meth:`rope_table` where there is one, else
+    #: :meth:`step_rope`'s); None from it, or unbound: the loop below
     bound_decode = None
+
+    def rope_table(self, h: torch.Tensor) -> torch.Tensor | None:
+        """The per-position RoPE table ``[2, rope_table_len, D]`` (cos, then sin; row ``p`` of each half is
+        position ``p``'s, the values :meth:`step_rope` gives a step) in ``h``'s dtype and device, where every
+        layer takes the one table (rope type None) and it is used (``rope_table_len`` set, no LongRoPE, a
+        table equal to the module's); else None."""
+        if self.rope_table_len is None or self.longrope_bound is not None or any(self.rope_types):
+            return None
+        return self._rope_table(h, None)
+
+    def step_rope(self, h: torch.Tensor, positions: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's ``(cos, sin)`` ``[N, D]`` of the one table (rope type None), as every layer of such a
+        stack takes them."""
+        return self._rope(h, positions, ctx, None)
 
     def norms(self) -> list[RMSNorm]:
         """Every norm of the stack: the final one (a pipeline stage's before the last has none), then each
@@ -388,11 +403,11 @@ class DecoderStack(nn.Module):
                 h = h * self.embed_scale
         else:  # a later pipeline stage: the previous one's residual stream and last output
             h, delta = intermediate
-        tables = {kind: self._rope(h, positions, ctx, kind) for kind in set(self.rope_types)}
         if self.bound_decode is not None and intermediate is None:
-            out = self.bound_decode(h, tables, ctx)
+            out = self.bound_decode(h, positions, ctx)
             if out is not None:
                 return out
+        tables = {kind: self._rope(h, positions, ctx, kind) for kind in set(self.rope_types)}
         fuse = self.reduce_in_norm  # tp > 1: the blocks' all-reduces run in the next norm
         keep = not fuse
         for norm1, attn, post1, norm2, mlp, post2, rope in self.layer_calls():  # (called directly: no hooks)
