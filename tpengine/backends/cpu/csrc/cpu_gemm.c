@@ -282,6 +282,11 @@ TPE_GEMM_CALL(tpe_gemm_bf16, uint16_t)
  * blocks: AVX-512 6 x 4 (24 accumulators; 4 loads of the weight and 6 broadcasts of x per 24 FMAs), AVX2 6 x 1
  * (a block is two ymm: 12 accumulators, 2 loads and 6 broadcasts per 12 FMAs). The first row tile of a chunk
  * prefetches the panel's lines 1 KiB ahead (the weight's one pass from memory; the later tiles find it in L2).
+ * In a call's first chunk (a decode batch's only one) every tile of a panel also prefetches a share of the next
+ * panel's lines into L2, one line every s steps of k (s: the chunk's tiles over the next panel's blocks, so the
+ * panel's tiles cover it): the weight's stream from memory then runs under this panel's FMAs instead of
+ * stalling the next panel's first tile, which at a decode batch's rows is a large part of a panel's time. A
+ * prefill's later chunks keep the 1 KiB prefetch alone (docs/notes/kernels.md). Prefetches change no output.
  * The blocks are split evenly between the threads (a thread's last blocks in panels of 2 or 1). */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -310,15 +315,23 @@ TPE_GEMM_CALL(tpe_gemm_bf16, uint16_t)
 #define GB_R 6        /* rows per tile */
 #define GB_PF 256     /* prefetch distance in floats (1 KiB) */
 
-/* y[r][16 (b + j) + i], r < R, j < J: rows of x at x + r k, blocks b.. of w, rows of y n apart; pf: prefetch. */
+/* y[r][16 (b + j) + i], r < R, j < J: rows of x at x + r k, blocks b.. of w, rows of y n apart; pf: prefetch.
+ * nx (or NULL): the next panel's 64-byte lines, lines li.. of which it prefetches into L2, one every s steps. */
 #define GB_KERNEL(R, J)                                                                                          \
-    static void gb_##R##_##J(const float *x, int64_t k, const float *w, int64_t b, float *y, int64_t n, int pf) { \
+    static void gb_##R##_##J(const float *x, int64_t k, const float *w, int64_t b, float *y, int64_t n, int pf,   \
+                             const char *nx, int64_t li, int64_t lines, int s) {                                \
         const float *wb = w + b * 16 * k;                                                                       \
         GB_V acc[R][J][GB_NV];                                                                                  \
         for (int r = 0; r < R; r++)                                                                             \
             for (int j = 0; j < J; j++)                                                                         \
                 for (int h = 0; h < GB_NV; h++) acc[r][j][h] = GB_ZERO();                                       \
+        int due = s;                                                                                            \
         for (int64_t p = 0; p < k; p++) {                                                                       \
+            if (nx && --due == 0) {                                                                             \
+                due = s;                                                                                        \
+                if (li < lines) _mm_prefetch(nx + 64 * li, _MM_HINT_T1);                                        \
+                li++;                                                                                           \
+            }                                                                                                   \
             GB_V wv[J][GB_NV];                                                                                  \
             for (int j = 0; j < J; j++) {                                                                       \
                 if (pf) _mm_prefetch((const char *)(wb + j * 16 * k + p * 16 + GB_PF), _MM_HINT_T0);            \
@@ -335,7 +348,8 @@ TPE_GEMM_CALL(tpe_gemm_bf16, uint16_t)
                 for (int h = 0; h < GB_NV; h++) GB_STORE(y + r * n + (b + j) * 16 + h * GB_VL, acc[r][j][h]);   \
     }
 #define GB_ROWS(J) GB_KERNEL(1, J) GB_KERNEL(2, J) GB_KERNEL(3, J) GB_KERNEL(4, J) GB_KERNEL(5, J) GB_KERNEL(6, J)
-typedef void (*gb_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int);
+typedef void (*gb_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int, const char *, int64_t,
+                      int64_t, int);
 GB_ROWS(1)
 #if GB_J == 4
 GB_ROWS(2)
@@ -357,9 +371,10 @@ static int64_t gb_chunk(int64_t k) {
 }
 
 /* Rows m0..m1 of x against blocks b0..b1 of w: each panel of J blocks (the last ones 2 or 1 at a time), tiles of
- * R rows (the last one shorter). */
+ * R rows (the last one shorter); ahead: the tiles prefetch the next panel (up to J blocks, within b1). */
 static void gb_range(const float *x, int64_t m0, int64_t m1, int64_t k, const float *w, int64_t b0, int64_t b1,
-                     float *y, int64_t n) {
+                     float *y, int64_t n, int ahead) {
+    const int64_t tiles = (m1 - m0 + GB_R - 1) / GB_R;
     for (int64_t b = b0; b < b1;) {
         const gb_fn *fns = gb_one;
         int nb = 1;
@@ -368,9 +383,13 @@ static void gb_range(const float *x, int64_t m0, int64_t m1, int64_t k, const fl
         if (left >= 4) fns = gb_wide, nb = 4;
         else if (left >= 2) fns = gb_two, nb = 2;
 #endif
-        for (int64_t r = m0; r < m1; r += GB_R) {
+        const int64_t next = ahead ? (b1 - b - nb < GB_J ? b1 - b - nb : GB_J) : 0; /* the next panel's blocks */
+        const char *nx = next > 0 ? (const char *)(w + (b + nb) * 16 * k) : NULL;
+        const int s = next > 0 && tiles >= next ? (int)(tiles / next) : 1;
+        int64_t li = 0;
+        for (int64_t r = m0; r < m1; r += GB_R, li += k / s) {
             const int rr = m1 - r < GB_R ? (int)(m1 - r) : GB_R;
-            fns[rr](x + r * k, k, w, b, y + r * n, n, r == m0);
+            fns[rr](x + r * k, k, w, b, y + r * n, n, r == m0, li < next * k ? nx : NULL, li, next * k, s);
         }
         b += nb;
     }
@@ -386,7 +405,7 @@ void tpe_gemm_blocked_f32(const float *x, int64_t rows, int64_t k, const float *
     for (int t = 0; t < nt; t++) {
         const int64_t b0 = t * per, b1 = b0 + per < blocks ? b0 + per : blocks;
         for (int64_t m0 = 0; b0 < b1 && m0 < rows; m0 += chunk)
-            gb_range(x, m0, m0 + chunk < rows ? m0 + chunk : rows, k, w, b0, b1, y, n);
+            gb_range(x, m0, m0 + chunk < rows ? m0 + chunk : rows, k, w, b0, b1, y, n, m0 == 0);
     }
 }
 #endif
