@@ -19,6 +19,10 @@ from tpengine.distributed import broadcast_control, get_tp
 
 MAGIC = 0x7E57E9
 HEADER_LEN = 11  # magic, kind, N tokens, B seqs, M max blocks, step index, greedy (2: masked), P, C, S, draft
+#: A payload of at most this many int64 travels after the header in one message of ``HEADER_LEN +
+#: INLINE_PAYLOAD`` (one broadcast a step: a decode step of a few sequences; each gloo broadcast is a
+#: round trip the other ranks wait for); a longer one follows in a second broadcast
+INLINE_PAYLOAD = 128
 
 #: The payload: StepPlan tensor fields in order, each with its length for (N, B, M, P, C, S) =
 #: (tokens, sequences, block-table width, prompt-logits rows, block copies, speculative rows). The
@@ -288,16 +292,26 @@ def build_draft_plan(rows: list[tuple[list[int], int, list[int]]], block_size: i
 
 def pack(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """``(header [HEADER_LEN], payload [sum(payload_sizes(N, B, M))])`` int64 tensors."""
+    return torch.tensor(_header(plan), dtype=torch.int64), _payload(plan)
+
+
+def _header(plan: StepPlan) -> list[int]:
+    """:func:`pack`'s header as a list."""
     if plan.kind in CONTROL_KINDS:
-        return torch.tensor([MAGIC, plan.kind, 0, 0, 0, plan.step, 0, 0, 0, 0, 0]), torch.empty(0, dtype=torch.int64)
+        return [MAGIC, int(plan.kind), 0, 0, 0, plan.step, 0, 0, 0, 0, 0]
     n, (b, m) = plan.input_ids.numel(), plan.block_tables.shape
     p, c, s = plan.prompt_idx.numel(), plan.block_copies.shape[0], plan.spec_idx.numel()
     greedy = int(plan.greedy) + int(plan.greedy and plan.grammar_mask)
-    header = torch.tensor([MAGIC, int(plan.kind), n, b, m, plan.step, greedy, p, c, s, int(plan.draft)],
-                          dtype=torch.int64)
-    if plan.payload is not None:  # the fields are its views already
-        return header, plan.payload
-    return header, torch.cat([getattr(plan, name).flatten() for name, _ in PAYLOAD_FIELDS])
+    return [MAGIC, int(plan.kind), n, b, m, plan.step, greedy, p, c, s, int(plan.draft)]
+
+
+def _payload(plan: StepPlan) -> torch.Tensor:
+    """:func:`pack`'s payload: the plan's own (its fields are its views), else the fields concatenated."""
+    if plan.kind in CONTROL_KINDS:
+        return torch.empty(0, dtype=torch.int64)
+    if plan.payload is not None:
+        return plan.payload
+    return torch.cat([getattr(plan, name).flatten() for name, _ in PAYLOAD_FIELDS])
 
 
 def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
@@ -321,21 +335,28 @@ def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
 
 def broadcast_plan(plan: StepPlan | None) -> StepPlan:
     """The driver passes its plan; the replica's other ranks (every pipeline stage's) pass None and
-    receive it. Two broadcasts on the gloo control group (header, then payload), each bounded by the
-    process-group timeout."""
+    receive it. One broadcast on the gloo control group of ``HEADER_LEN + INLINE_PAYLOAD`` int64: the
+    header, then the payload where it has at most :data:`INLINE_PAYLOAD` values (zeros after it); a longer
+    payload follows in a second broadcast. Each is bounded by the process-group timeout."""
     if plan is not None:
         if get_tp().engine_size > 1:
-            header, payload = pack(plan)
-            broadcast_control(header, "the step plan's header broadcast")
-            if payload.numel():
+            payload = _payload(plan)
+            n = payload.numel()
+            inline = payload.tolist() + [0] * (INLINE_PAYLOAD - n) if n <= INLINE_PAYLOAD else [0] * INLINE_PAYLOAD
+            broadcast_control(torch.tensor(_header(plan) + inline, dtype=torch.int64), "the step plan's broadcast")
+            if n > INLINE_PAYLOAD:
                 broadcast_control(payload, "the step plan's payload broadcast")
         _note(plan)
         return plan
-    header = broadcast_control(torch.empty(HEADER_LEN, dtype=torch.int64), "the step plan's header broadcast")
+    message = broadcast_control(torch.empty(HEADER_LEN + INLINE_PAYLOAD, dtype=torch.int64),
+                                "the step plan's broadcast")
+    header = message[:HEADER_LEN]
     _, kind, n, b, m, _, _, p, c, s, _ = header.tolist()
     size = 0 if kind in CONTROL_KINDS else sum(payload_sizes(n, b, m, p, c, s))
-    payload = broadcast_control(torch.empty(size, dtype=torch.int64), "the step plan's payload broadcast") \
-        if size else torch.empty(0, dtype=torch.int64)
+    if size <= INLINE_PAYLOAD:
+        payload = message[HEADER_LEN:HEADER_LEN + size]
+    else:
+        payload = broadcast_control(torch.empty(size, dtype=torch.int64), "the step plan's payload broadcast")
     plan = unpack(header, payload)
     _note(plan)
     return plan
