@@ -250,6 +250,10 @@ class EngineConfig:
     # oneDNN-packed, measured on this machine and cached; tpengine/backends/cpu/linear_layout.py),
     # "plain" or "packed"
     cpu_linear: str = "auto"
+    # CPU, a long job (not tpengine/backends/cpu/measured.py's short_job): once loaded, move the weights
+    # into 2 MiB transparent huge pages (tpengine/backends/cpu/memory.py, collapse_huge_pages; Linux >= 6.1,
+    # THP not "never"): fewer TLB misses as a step streams them, at some load time. false: 4 KiB pages
+    cpu_huge_pages: bool = True
     dist_timeout_s: float = 60.0
     # the launch's parallel layout (vLLM's names): world size = data_parallel_size x pipeline_parallel_size x
     # tensor_parallel_size; tensor_parallel_size unset: world size / (data_parallel_size x
@@ -490,7 +494,7 @@ FIELD_TYPES: dict[str, tuple] = {
     "tensor_parallel_size": (int, None), "data_parallel_size": (int,),
     "pipeline_parallel_size": (int,), "pp_layer_partition": (str, None),
     "kv_cache_gb": (float, int), "gpu_memory_utilization": (float, int), "dist_timeout_s": (float, int),
-    "enforce_eager": (bool,), "kv_mirror": (bool,), "cpu_kernels": (bool,),
+    "enforce_eager": (bool,), "kv_mirror": (bool,), "cpu_kernels": (bool,), "cpu_huge_pages": (bool,),
     "enable_prefix_caching": (bool,), "enable_chunked_prefill": (bool,), "enable_expert_parallel": (bool,),
 }
 

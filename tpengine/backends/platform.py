@@ -18,7 +18,8 @@ What a platform owns, in the order a rank uses it:
   binding of every layer to it (the linears' ``impl``, the LM head's greedy pick);
 * :meth:`Platform.bind_attention`: once the KV cache is bound, the attention backend's measured
   choices (the CPU's paged kernel path), into the same profile;
-* :meth:`Platform.release_free_memory` after loading; :meth:`Platform.kv_budget_bytes` (the KV
+* :meth:`Platform.release_free_memory` after loading, then :meth:`Platform.weights_to_huge_pages`;
+  :meth:`Platform.kv_budget_bytes` (the KV
   cache's budget: the setting, or what a warm-up prefill leaves free) and
   :meth:`Platform.allocate_kv_cache`; :meth:`Platform.step_runner` (what replays a decode step: CUDA graphs).
 
@@ -109,6 +110,12 @@ class Platform:
             if hasattr(m, "impl") and hasattr(m, "pack"):
                 m.bind()
         return ExecutionProfile()
+
+    def weights_to_huge_pages(self, module: torch.nn.Module) -> tuple[int, int]:
+        """Once loaded, bound and trimmed (``EngineConfig.cpu_huge_pages``): move ``module``'s weights into
+        huge pages where the platform does (the CPU's, a long job's), keeping every address. Returns
+        ``(collapsed, regions)``, 2 MiB regions now in huge pages of those asked for; this base: ``(0, 0)``."""
+        return 0, 0
 
     def bind_attention(self, backend, stack: torch.nn.Module, profile: ExecutionProfile) -> ExecutionProfile:
         """Once the KV cache is bound, before ``backend.bind_model``: measure what the attention

@@ -56,6 +56,8 @@ class ModelRunner:
         loaded = load_model(spec or config.model, tp, self.dtype, cpu_kernels=config.cpu_kernels,
                             quantization=config.quantization, cpu_linear=config.cpu_linear)
         self.platform.release_free_memory()  # loading's staging buffers and replaced weight layouts
+        if config.cpu_huge_pages:  # after the trim: a trim inside a huge page would split it
+            self.platform.weights_to_huge_pages(loaded.module)
         self.model, self.shard_plan, self.hf_config = loaded.module, loaded.shard_plan, loaded.hf_config
         self.weight_bytes: int = loaded.weight_bytes
         self.profile: ExecutionProfile = loaded.profile

@@ -60,6 +60,8 @@ ENGINE_FLAGS: dict[str, tuple[str, str | None]] = {
     "cpu_linear": ("CPU: the linear weights' layout per weight shape: auto (the fastest of plain/MKL, "
                    "oneDNN-packed and tpengine's blocked layout (bfloat16 and float32), measured on this machine "
                    "and cached), plain, packed or blocked", None),
+    "cpu_huge_pages": ("CPU, a job longer than one token: once loaded, move the weights into 2 MiB transparent huge "
+                       "pages (Linux >= 6.1, THP not never; fewer TLB misses a step, some load time)", None),
     "dist_timeout_s": ("seconds a collective waits for the other ranks before the job fails", None),
     "tensor_parallel_size": ("ranks per pipeline stage of a model replica (tensor parallelism); the world size is "
                              "data_parallel_size x pipeline_parallel_size x tensor_parallel_size",

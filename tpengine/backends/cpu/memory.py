@@ -1,12 +1,31 @@
-"""Large zero-filled CPU tensors whose memory is only taken as it is used (the CPU platform's KV
-cache, :meth:`tpengine.backends.cpu.platform.CPUPlatform.allocate_kv_cache`)."""
+"""The CPU platform's memory: large zero-filled tensors whose memory is only taken as it is used (the
+KV cache, :meth:`tpengine.backends.cpu.platform.CPUPlatform.allocate_kv_cache`), and a long job's
+weights moved into transparent huge pages once loaded (:func:`collapse_huge_pages`)."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import logging
 import math
 import mmap
+import sys
+from collections.abc import Iterable
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+#: A transparent huge page on x86-64 (and the alignment of the regions :func:`collapse_huge_pages` asks for).
+HUGE_PAGE = 2 << 20
+
+#: ``madvise``'s advice to collapse a range into transparent huge pages now, synchronously (Linux >= 6.1).
+MADV_COLLAPSE = 25
+
+#: Where the kernel says whether transparent huge pages may be used ("[never]": not at all).
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+_warned = False  # one log line a process when collapsing fails (:func:`collapse_huge_pages`)
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -26,3 +45,115 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     except OSError as e:
         raise MemoryError(f"cannot map {n / 2**30:.2f} GiB: {e.strerror or e}") from None
     return torch.frombuffer(buf, dtype=torch.uint8, count=n).view(dtype).view(shape)
+
+
+def thp_enabled(path: str = THP_ENABLED) -> bool:
+    """Whether the kernel may back memory with transparent huge pages: Linux, and ``path`` (the THP
+    setting) readable and not set to "never"."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        with open(path) as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def anonymous_ranges(maps: str = "/proc/self/maps") -> list[tuple[int, int]]:
+    """The ``[start, end)`` byte addresses of this process's private anonymous mappings (the heap,
+    malloc's and torch's own mappings), read from ``maps``, adjacent ones merged; [] where unreadable.
+    A file mapping (a short job's weights mapped from the checkpoint, the libraries) and a shared one
+    (the KV cache, :func:`lazy_zeros`) are left out: a transparent huge page cannot hold them."""
+    ranges: list[tuple[int, int]] = []
+    try:
+        with open(maps) as f:
+            lines = f.readlines()
+    except OSError:
+        return ranges
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 5 or parts[1][3] != "p" or parts[4] != "0":  # private, no inode
+            continue
+        if len(parts) > 5 and parts[5] != "[heap]" and not parts[5].startswith("[anon"):
+            continue  # [stack], [vdso], [vvar] and the like
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if ranges and ranges[-1][1] == lo:
+            ranges[-1] = (ranges[-1][0], hi)
+        else:
+            ranges.append((lo, hi))
+    return ranges
+
+
+def huge_regions(spans: Iterable[tuple[int, int]], ranges: list[tuple[int, int]]) -> list[int]:
+    """The start addresses, ascending and each once, of the :data:`HUGE_PAGE`-aligned regions that
+    cover the byte ``spans`` (``(address, nbytes)``, rounded outward) and lie wholly inside one of
+    ``ranges`` (:func:`anonymous_ranges`); a region past a range's edge is left out."""
+    starts: set[int] = set()
+    for addr, n in spans:
+        if n <= 0:
+            continue
+        starts.update(range(addr // HUGE_PAGE * HUGE_PAGE, addr + n, HUGE_PAGE))
+    out, i = [], 0
+    for s in sorted(starts):
+        while i < len(ranges) and ranges[i][1] < s + HUGE_PAGE:
+            i += 1
+        if i < len(ranges) and ranges[i][0] <= s:
+            out.append(s)
+    return out
+
+
+def _madvise():
+    """libc's ``madvise`` as a ctypes function setting ``errno``, or None without one."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
+    return fn
+
+
+def collapse_huge_pages(tensors: Iterable[torch.Tensor], madvise=None, enabled: bool | None = None,
+                        ranges: list[tuple[int, int]] | None = None) -> tuple[int, int]:
+    """Move the memory of CPU ``tensors`` (a long job's weights, in their final layouts) into
+    transparent huge pages now: each 2 MiB region (:data:`HUGE_PAGE`) covering a tensor's storage and
+    lying in a private anonymous mapping (:func:`huge_regions`) is collapsed in place
+    (``madvise(MADV_COLLAPSE)``, Linux >= 6.1): every address and byte is kept, so C programs bound
+    to the weights' pointers stay valid, while one TLB entry then covers 2 MiB of weight instead of
+    4 KiB (docs/notes/kernels.md has what it saves a step and costs a load). A region the kernel
+    refuses (EINVAL: no ``MADV_COLLAPSE``; ENOMEM / EAGAIN: no huge page free now) keeps its 4 KiB
+    pages, logged once a process; nothing raises. ``madvise`` (``(address, nbytes, advice) -> (rc,
+    errno)``), ``enabled`` (:func:`thp_enabled`) and ``ranges`` (:func:`anonymous_ranges`) are for
+    tests. Returns ``(collapsed, regions)``: the regions now in huge pages, of those asked for;
+    ``(0, 0)`` where THP is off ("never"), not Linux, or no tensor lies in such a mapping."""
+    global _warned
+    if not (thp_enabled() if enabled is None else enabled):
+        return 0, 0
+    spans = {}
+    for t in tensors:
+        if t.device.type == "cpu" and not t.is_meta and not t.is_mkldnn:  # oneDNN's packed: no storage to see
+            st = t.untyped_storage()
+            spans[st.data_ptr()] = max(spans.get(st.data_ptr(), 0), st.nbytes())
+    regions = huge_regions(spans.items(), anonymous_ranges() if ranges is None else ranges)
+    if madvise is None:
+        fn = _madvise()
+        if fn is None:
+            return 0, len(regions)
+
+        def madvise(addr: int, n: int, advice: int) -> tuple[int, int]:
+            rc = fn(addr, n, advice)
+            return rc, ctypes.get_errno() if rc else 0
+
+    done, failed = 0, {}
+    for s in regions:
+        rc, err = madvise(s, HUGE_PAGE, MADV_COLLAPSE)
+        if rc == 0:
+            done += 1
+        else:
+            failed[err] = failed.get(err, 0) + 1
+            if err == errno.EINVAL and not done:  # no MADV_COLLAPSE in this kernel: ask no further region
+                break
+    if failed and not _warned:
+        _warned = True
+        logger.info("CPU weights: %d of %d 2 MiB regions in huge pages, the others keep 4 KiB pages (%s)",
+                    done, len(regions), ", ".join(f"{errno.errorcode.get(e, e)} x{c}" for e, c in failed.items()))
+    return done, len(regions)

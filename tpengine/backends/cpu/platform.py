@@ -24,7 +24,7 @@ from tpengine.backends.cpu import (
     qgemv_choice,
 )
 from tpengine.backends.cpu.cpu_fused import FusedOps
-from tpengine.backends.cpu.memory import lazy_zeros
+from tpengine.backends.cpu.memory import collapse_huge_pages, lazy_zeros
 from tpengine.backends.cpu.profile import CPUProfile
 from tpengine.backends.platform import Platform
 
@@ -54,6 +54,12 @@ class CPUPlatform(Platform):
     def release_free_memory(self) -> None:
         """:func:`tpengine.backends.cpu.process.release_free_memory` (glibc's ``malloc_trim``)."""
         process.release_free_memory()
+
+    def weights_to_huge_pages(self, module: torch.nn.Module) -> tuple[int, int]:
+        """A long job's (not :func:`tpengine.backends.cpu.measured.short_job`, whose few steps would not
+        repay it) weights, bound in their final layouts, moved into transparent huge pages
+        (:func:`_weights_to_huge_pages`). Returns ``(collapsed, regions)``: ``(0, 0)`` for a short job."""
+        return (0, 0) if measured.short_job() else _weights_to_huge_pages(module)
 
     def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The KV cache on an anonymous mapping (:func:`tpengine.backends.cpu.memory.lazy_zeros`): pages
@@ -132,6 +138,22 @@ class CPUPlatform(Platform):
         backend.paged_choice, backend.paged_amx_min = choice, profile.amx_min_batch
         backend.gemm_dtypes = profile.gemm_dtypes()
         return profile
+
+
+def _weights_to_huge_pages(module: torch.nn.Module) -> tuple[int, int]:
+    """Every tensor ``module``'s layers hold (parameters, buffers, and the blocked or quantized weights
+    and scales they keep as attributes) moved into transparent huge pages where the kernel can
+    (:func:`tpengine.backends.cpu.memory.collapse_huge_pages`: addresses and bytes kept, so kernels and
+    programs already bound to them stay valid). Call it after loading's trim
+    (:func:`tpengine.backends.cpu.process.release_free_memory`): a trim of a free hole inside a huge
+    page splits it. Returns ``(collapsed, regions)``; oneDNN's packed weights (no storage Python sees)
+    keep their pages."""
+    tensors = []
+    for m in module.modules():
+        tensors += [v for v in vars(m).values() if isinstance(v, torch.Tensor)]
+        tensors += [t for t in m._parameters.values() if t is not None]
+        tensors += [t for t in m._buffers.values() if t is not None]
+    return collapse_huge_pages(tensors)
 
 
 def _block_tied_head(head, emb) -> None:
