@@ -77,3 +77,16 @@ def test_real_collapse_keeps_bytes():
     ptr, before = t.data_ptr(), t.clone()
     done, regions = collapse_huge_pages([t])
     assert 0 <= done <= regions <= 6 and t.data_ptr() == ptr and torch.equal(t, before)
+
+
+def test_onednn_packed_weight_is_seen():
+    """oneDNN's packed layout (an opaque tensor) counts by its own memory, as a weight in it is bound."""
+    mkldnn = torch.ops.mkldnn
+    if not (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
+            and hasattr(mkldnn, "data_ptr")):
+        pytest.skip("no oneDNN packed layout in this torch")
+    packed = mkldnn._reorder_linear_weight(torch.randn(1024, 1024))
+    addr, n = int(mkldnn.data_ptr(packed)), int(mkldnn._nbytes(packed))
+    calls, madvise = _calls(lambda i: (0, 0))
+    assert collapse_huge_pages([packed], madvise, True, [(0, 1 << 62)]) == (len(calls),) * 2
+    assert [a for a, _, _ in calls] == list(range(addr // MB2 * MB2, addr + n, MB2))

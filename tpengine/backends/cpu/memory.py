@@ -112,6 +112,20 @@ def _madvise():
     return fn
 
 
+def _span(t: torch.Tensor) -> tuple[int, int] | None:
+    """``(address, nbytes)`` of the CPU memory holding ``t`` (its whole storage; oneDNN's packed layout
+    through ``torch.ops.mkldnn.data_ptr`` / ``_nbytes``), or None (meta, another device, no such op)."""
+    if t.device.type != "cpu" or t.is_meta:
+        return None
+    if t.is_mkldnn:
+        ops = torch.ops.mkldnn
+        if not (hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes")):
+            return None
+        return int(ops.data_ptr(t)), int(ops._nbytes(t))
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes()
+
+
 def collapse_huge_pages(tensors: Iterable[torch.Tensor], madvise=None, enabled: bool | None = None,
                         ranges: list[tuple[int, int]] | None = None) -> tuple[int, int]:
     """Move the memory of CPU ``tensors`` (a long job's weights, in their final layouts) into
@@ -128,11 +142,11 @@ def collapse_huge_pages(tensors: Iterable[torch.Tensor], madvise=None, enabled: 
     global _warned
     if not (thp_enabled() if enabled is None else enabled):
         return 0, 0
-    spans = {}
+    spans: dict[int, int] = {}
     for t in tensors:
-        if t.device.type == "cpu" and not t.is_meta and not t.is_mkldnn:  # oneDNN's packed: no storage to see
-            st = t.untyped_storage()
-            spans[st.data_ptr()] = max(spans.get(st.data_ptr(), 0), st.nbytes())
+        span = _span(t)
+        if span is not None:
+            spans[span[0]] = max(spans.get(span[0], 0), span[1])
     regions = huge_regions(spans.items(), anonymous_ranges() if ranges is None else ranges)
     if madvise is None:
         fn = _madvise()

@@ -146,8 +146,7 @@ def _weights_to_huge_pages(module: torch.nn.Module) -> tuple[int, int]:
     (:func:`tpengine.backends.cpu.memory.collapse_huge_pages`: addresses and bytes kept, so kernels and
     programs already bound to them stay valid). Call it after loading's trim
     (:func:`tpengine.backends.cpu.process.release_free_memory`): a trim of a free hole inside a huge
-    page splits it. Returns ``(collapsed, regions)``; oneDNN's packed weights (no storage Python sees)
-    keep their pages."""
+    page splits it. Returns ``(collapsed, regions)``."""
     tensors = []
     for m in module.modules():
         tensors += [v for v in vars(m).values() if isinstance(v, torch.Tensor)]
