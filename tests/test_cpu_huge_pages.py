@@ -90,3 +90,13 @@ def test_onednn_packed_weight_is_seen():
     calls, madvise = _calls(lambda i: (0, 0))
     assert collapse_huge_pages([packed], madvise, True, [(0, 1 << 62)]) == (len(calls),) * 2
     assert [a for a, _, _ in calls] == list(range(addr // MB2 * MB2, addr + n, MB2))
+
+
+def test_budget_stops_asking():
+    """Past ``budget_s`` the regions left keep their pages: a clock stepping 1 s a reading, budget 2.5 s."""
+    t = torch.empty(4 * MB2 - 4096, dtype=torch.uint8)
+    ranges = [(t.data_ptr() // MB2 * MB2, (t.data_ptr() // MB2 + 4) * MB2)]
+    calls, madvise = _calls(lambda i: (0, 0))
+    ticks = iter(range(100))
+    assert collapse_huge_pages([t], madvise, True, ranges, budget_s=2.5, clock=lambda: next(ticks)) == (2, 4)
+    assert len(calls) == 2

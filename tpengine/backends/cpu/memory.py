@@ -10,6 +10,7 @@ import logging
 import math
 import mmap
 import sys
+import time
 from collections.abc import Iterable
 
 import torch
@@ -127,7 +128,8 @@ def _span(t: torch.Tensor) -> tuple[int, int] | None:
 
 
 def collapse_huge_pages(tensors: Iterable[torch.Tensor], madvise=None, enabled: bool | None = None,
-                        ranges: list[tuple[int, int]] | None = None) -> tuple[int, int]:
+                        ranges: list[tuple[int, int]] | None = None, budget_s: float = math.inf,
+                        clock=time.perf_counter) -> tuple[int, int]:
     """Move the memory of CPU ``tensors`` (a long job's weights, in their final layouts) into
     transparent huge pages now: each 2 MiB region (:data:`HUGE_PAGE`) covering a tensor's storage and
     lying in a private anonymous mapping (:func:`huge_regions`) is collapsed in place
@@ -135,10 +137,13 @@ def collapse_huge_pages(tensors: Iterable[torch.Tensor], madvise=None, enabled: 
     to the weights' pointers stay valid, while one TLB entry then covers 2 MiB of weight instead of
     4 KiB (docs/notes/kernels.md has what it saves a step and costs a load). A region the kernel
     refuses (EINVAL: no ``MADV_COLLAPSE``; ENOMEM / EAGAIN: no huge page free now) keeps its 4 KiB
-    pages, logged once a process; nothing raises. ``madvise`` (``(address, nbytes, advice) -> (rc,
-    errno)``), ``enabled`` (:func:`thp_enabled`) and ``ranges`` (:func:`anonymous_ranges`) are for
-    tests. Returns ``(collapsed, regions)``: the regions now in huge pages, of those asked for;
-    ``(0, 0)`` where THP is off ("never"), not Linux, or no tensor lies in such a mapping."""
+    pages, logged once a process; nothing raises. Once ``budget_s`` seconds (of ``clock``) are spent,
+    the regions left keep their pages (each region costs a 2 MiB copy and, on a host that backs a
+    guest's memory lazily, a slow first touch: a job that will not repay it all asks fewer).
+    ``madvise`` (``(address, nbytes, advice) -> (rc, errno)``), ``enabled`` (:func:`thp_enabled`) and
+    ``ranges`` (:func:`anonymous_ranges`) are for tests. Returns ``(collapsed, regions)``: the regions
+    now in huge pages, of those the tensors cover; ``(0, 0)`` where THP is off ("never"), not Linux,
+    or no tensor lies in such a mapping."""
     global _warned
     if not (thp_enabled() if enabled is None else enabled):
         return 0, 0
@@ -157,8 +162,11 @@ def collapse_huge_pages(tensors: Iterable[torch.Tensor], madvise=None, enabled: 
             rc = fn(addr, n, advice)
             return rc, ctypes.get_errno() if rc else 0
 
-    done, failed = 0, {}
+    done, failed, start = 0, {}, clock()
     for s in regions:
+        if clock() - start >= budget_s:
+            failed["budget"] = len(regions) - done - sum(failed.values())
+            break
         rc, err = madvise(s, HUGE_PAGE, MADV_COLLAPSE)
         if rc == 0:
             done += 1
@@ -169,5 +177,5 @@ def collapse_huge_pages(tensors: Iterable[torch.Tensor], madvise=None, enabled: 
     if failed and not _warned:
         _warned = True
         logger.info("CPU weights: %d of %d 2 MiB regions in huge pages, the others keep 4 KiB pages (%s)",
-                    done, len(regions), ", ".join(f"{errno.errorcode.get(e, e)} x{c}" for e, c in failed.items()))
+                    done, len(regions), ", ".join(f"{errno.errorcode.get(e, e)} x{c}" for e, c in failed.items()))  # type: ignore[arg-type]
     return done, len(regions)

@@ -7,6 +7,7 @@ choice of the CPU (:mod:`tpengine.backends.cpu.measured`), kept in one
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -58,8 +59,13 @@ class CPUPlatform(Platform):
     def weights_to_huge_pages(self, module: torch.nn.Module) -> tuple[int, int]:
         """A long job's (not :func:`tpengine.backends.cpu.measured.short_job`, whose few steps would not
         repay it) weights, bound in their final layouts, moved into transparent huge pages
-        (:func:`_weights_to_huge_pages`). Returns ``(collapsed, regions)``: ``(0, 0)`` for a short job."""
-        return (0, 0) if measured.short_job() else _weights_to_huge_pages(module)
+        (:func:`_weights_to_huge_pages`), for at most the seconds a job of stated work may spend at load
+        for speed (:func:`tpengine.backends.cpu.measured.job_budget_s`; a server or ``LLM()``: no
+        limit). Returns ``(collapsed, regions)``: ``(0, 0)`` for a short job."""
+        if measured.short_job():
+            return 0, 0
+        tokens = measured.job_tokens()
+        return _weights_to_huge_pages(module, math.inf if tokens is None else measured.job_budget_s(tokens))
 
     def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The KV cache on an anonymous mapping (:func:`tpengine.backends.cpu.memory.lazy_zeros`): pages
@@ -140,19 +146,20 @@ class CPUPlatform(Platform):
         return profile
 
 
-def _weights_to_huge_pages(module: torch.nn.Module) -> tuple[int, int]:
+def _weights_to_huge_pages(module: torch.nn.Module, budget_s: float = math.inf) -> tuple[int, int]:
     """Every tensor ``module``'s layers hold (parameters, buffers, and the blocked or quantized weights
     and scales they keep as attributes) moved into transparent huge pages where the kernel can
     (:func:`tpengine.backends.cpu.memory.collapse_huge_pages`: addresses and bytes kept, so kernels and
     programs already bound to them stay valid). Call it after loading's trim
     (:func:`tpengine.backends.cpu.process.release_free_memory`): a trim of a free hole inside a huge
-    page splits it. Returns ``(collapsed, regions)``."""
+    page splits it. ``budget_s``: :func:`tpengine.backends.cpu.memory.collapse_huge_pages`'s. Returns
+    ``(collapsed, regions)``."""
     tensors = []
     for m in module.modules():
         tensors += [v for v in vars(m).values() if isinstance(v, torch.Tensor)]
         tensors += [t for t in m._parameters.values() if t is not None]
         tensors += [t for t in m._buffers.values() if t is not None]
-    return collapse_huge_pages(tensors)
+    return collapse_huge_pages(tensors, budget_s=budget_s)
 
 
 def _block_tied_head(head, emb) -> None:
