@@ -100,3 +100,19 @@ def test_budget_stops_asking():
     ticks = iter(range(100))
     assert collapse_huge_pages([t], madvise, True, ranges, budget_s=2.5, clock=lambda: next(ticks)) == (2, 4)
     assert len(calls) == 2
+
+
+def test_engine_tokens_unchanged_once_collapsed(tiny, monkeypatch):
+    """An engine's greedy tokens before and after its weights move into huge pages (the conftest's
+    measuring budget of 0 kept them out at load): the same, every bound pointer still valid."""
+    from tpengine import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny), dtype="float32", cpu_linear="blocked", num_kv_blocks=16, max_model_len=64)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    before = llm.generate(["The capital of France is"], params)[0].outputs[0].token_ids
+    runner = llm.llm_engine.runner
+    monkeypatch.delenv("TPENGINE_MEASURE_BUDGET_S")
+    done, regions = runner.platform.weights_to_huge_pages(runner.model)
+    assert regions > 0 and 0 <= done <= regions
+    assert llm.generate(["The capital of France is"], params)[0].outputs[0].token_ids == before
+    llm.shutdown()

@@ -177,5 +177,5 @@ def collapse_huge_pages(tensors: Iterable[torch.Tensor], madvise=None, enabled: 
     if failed and not _warned:
         _warned = True
         logger.info("CPU weights: %d of %d 2 MiB regions in huge pages, the others keep 4 KiB pages (%s)",
-                    done, len(regions), ", ".join(f"{errno.errorcode.get(e, e)} x{c}" for e, c in failed.items()))  # type: ignore[arg-type]
+                    done, len(regions), ", ".join(f"{errno.errorcode.get(e, e)} x{c}" for e, c in failed.items()))
     return done, len(regions)

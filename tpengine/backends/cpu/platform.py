@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 
@@ -59,13 +60,14 @@ class CPUPlatform(Platform):
     def weights_to_huge_pages(self, module: torch.nn.Module) -> tuple[int, int]:
         """A long job's (not :func:`tpengine.backends.cpu.measured.short_job`, whose few steps would not
         repay it) weights, bound in their final layouts, moved into transparent huge pages
-        (:func:`_weights_to_huge_pages`), for at most the seconds a job of stated work may spend at load
-        for speed (:func:`tpengine.backends.cpu.measured.job_budget_s`; a server or ``LLM()``: no
-        limit). Returns ``(collapsed, regions)``: ``(0, 0)`` for a short job."""
+        (:func:`_weights_to_huge_pages`), for at most the seconds this process may spend at load for
+        speed: :func:`tpengine.backends.cpu.measured.measure_budget_s` where the user set one
+        (``$TPENGINE_MEASURE_BUDGET_S``; the tests' 0: none) or the job stated its work; a server or
+        ``LLM()``: no limit. Returns ``(collapsed, regions)``: ``(0, 0)`` for a short job."""
         if measured.short_job():
             return 0, 0
-        tokens = measured.job_tokens()
-        return _weights_to_huge_pages(module, math.inf if tokens is None else measured.job_budget_s(tokens))
+        stated = measured.job_tokens() is not None or os.environ.get("TPENGINE_MEASURE_BUDGET_S", "").strip()
+        return _weights_to_huge_pages(module, measured.measure_budget_s() if stated else math.inf)
 
     def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The KV cache on an anonymous mapping (:func:`tpengine.backends.cpu.memory.lazy_zeros`): pages
