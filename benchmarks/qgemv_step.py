@@ -7,7 +7,7 @@ group 32 with zero codes (``tpe_qgemv_int4``, ``tpe_qgemv_int4_q8``). Random wei
 a whole model of each (~135-270 MB: read from memory, not the caches); bfloat16 activations.
 
     python -m benchmarks.qgemv_step [--rounds 5] [--threads N] [--clock wall|cpu] [--head] [--only NAME ...]
-                                    [--ab-lib SO ...]
+                                    [--ab-lib SO ...] [--huge-pages]
 
 Interleaved rounds (each round runs every kind's program once, a few steps each, in turn, every other round
 in the opposite order); prints per kind the best round's milliseconds a step (and the median round's), the
@@ -19,7 +19,9 @@ build's (a kernel's before / after in one process, interleaved), e.g. the commit
     git show HEAD~1:tpengine/backends/cpu/csrc/cpu_qgemv.c > /tmp/old.c
     gcc -O3 -march=native -fopenmp -shared -fPIC -Itpengine/backends/cpu/csrc /tmp/old.c -o /tmp/old.so
 
-with ``-march=x86-64-v3`` for ``TPENGINE_ISA=avx2``. About a minute.
+with ``-march=x86-64-v3`` for ``TPENGINE_ISA=avx2``. ``--huge-pages`` adds, for each kind, a second model's
+weights moved into 2 MiB transparent huge pages (``memory.collapse_huge_pages``, as a long job's engine does),
+run interleaved with the first's 4 KiB pages. About a minute.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import time
 
 import torch
 
-from tpengine.backends.cpu import cpu_blocked, cpu_program, cpu_qgemv
+from tpengine.backends.cpu import cpu_blocked, cpu_program, cpu_qgemv, memory
 from tpengine.model.quant.weights import Int4CodedWeight
 
 #: (out, in) of one layer's products at tp=1, and the tied head
@@ -112,6 +114,8 @@ def main() -> None:
     p.add_argument("--only", nargs="*", choices=KINDS, default=list(KINDS))
     p.add_argument("--ab-lib", nargs="*", default=[], metavar="SO",
                    help="also run each quantized kind with these libraries' functions (a kernel's before / after)")
+    p.add_argument("--huge-pages", action="store_true",
+                   help="also run each kind on a copy of its weights in transparent huge pages (4 KiB pages / 2 MiB)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     clock = time.perf_counter if a.clock == "wall" else time.process_time
@@ -126,6 +130,13 @@ def main() -> None:
             lib = ctypes.CDLL(os.path.abspath(so))
             prog, x2 = program(sl, lib)
             runs[f"{kind} [{os.path.basename(so)}]"] = (prog, (keep, x2, lib), nbytes)
+        if a.huge_pages:
+            sl2, keep2, _ = specs(kind, shapes, g)
+            tensors = [t for o in keep2 for t in ([o] if isinstance(o, torch.Tensor) else o.buffers())]
+            done, regions = memory.collapse_huge_pages(tensors)
+            print(f"{kind}: {done} of {regions} 2 MiB regions in huge pages")
+            prog, x2 = program(sl2)
+            runs[f"{kind} [huge pages]"] = (prog, (keep2, x2), nbytes)
     print(f"load average {os.getloadavg()[0]:.2f}, {a.threads} threads, {a.clock} clock, {len(shapes)} products "
           f"a step, bfloat16 activations")
     times: dict[str, list[float]] = {k: [] for k in runs}
