@@ -23,7 +23,8 @@ from tpengine.entrypoints.cli import app
 from tpengine.errors import UserError
 from tpengine.frontend.writer import OutputWriter
 
-VALID_SETTINGS = ("attention_backend, block_size, cpu_kernels, cpu_linear, data_parallel_size, dist_timeout_s, dtype, "
+VALID_SETTINGS = ("attention_backend, block_size, cpu_huge_pages, cpu_kernels, cpu_linear, data_parallel_size, "
+                  "dist_timeout_s, dtype, "
                   "enable_chunked_prefill, enable_expert_parallel, "
                   "enable_prefix_caching, enforce_eager, generation_config, gpu_memory_utilization, kv_cache_dtype, "
                   "kv_cache_gb, kv_mirror, max_model_len, max_num_batched_tokens, max_num_seqs, model, num_kv_blocks, "

@@ -154,8 +154,9 @@ def test_engine_settings_are_checked(model):
     with pytest.raises(UserError) as e:
         LLM(str(model), max_num_seq=4, foo=1)
     assert str(e.value) == (
-        "unknown engine setting(s) ['foo', 'max_num_seq']; valid: attention_backend, block_size, cpu_kernels, "
-        "cpu_linear, data_parallel_size, dist_timeout_s, dtype, enable_chunked_prefill, enable_expert_parallel, "
+        "unknown engine setting(s) ['foo', 'max_num_seq']; valid: attention_backend, block_size, cpu_huge_pages, "
+        "cpu_kernels, cpu_linear, data_parallel_size, dist_timeout_s, dtype, enable_chunked_prefill, "
+        "enable_expert_parallel, "
         "enable_prefix_caching, enforce_eager, generation_config, "
         "gpu_memory_utilization, kv_cache_dtype, kv_cache_gb, kv_mirror, max_model_len, max_num_batched_tokens, "
         "max_num_seqs, model, num_kv_blocks, pipeline_parallel_size, pooler_config, pp_layer_partition, quantization, "
