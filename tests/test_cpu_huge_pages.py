@@ -20,7 +20,14 @@ def test_regions_rounded_outward_merged_and_inside_anonymous_ranges():
              (7 * MB2 + 8, MB2),                                    # 7-8: 8 lies outside every range
              (11 * MB2, MB2 + 4096),                                # 11 in; 12 passes the range's end
              (20 * MB2, 64), (5 * MB2, 0)]                          # no range; empty
-    assert huge_regions(spans, ranges) == [MB2, 2 * MB2, 3 * MB2, 7 * MB2, 11 * MB2]
+    assert huge_regions(spans, ranges, 0) == [MB2, 2 * MB2, 3 * MB2, 7 * MB2, 11 * MB2]
+    assert huge_regions(spans, ranges) == [MB2, 7 * MB2, 11 * MB2]  # at least half of each filled
+
+
+def test_regions_half_filled_by_several_tensors():
+    quarter = MB2 // 4
+    spans = [(0, quarter), (quarter, quarter), (MB2, quarter), (2 * MB2 - 8, 16)]  # region 0: 1/2; region 1: 1/4
+    assert huge_regions(spans, [(0, 4 * MB2)]) == [0]
 
 
 def _calls(answer):
@@ -38,7 +45,8 @@ def test_every_region_collapsed_once():
     hi = -(-(t.data_ptr() + t.nbytes) // MB2) * MB2
     calls, madvise = _calls(lambda i: (0, 0))
     everywhere = [(0, 1 << 62)]
-    assert collapse_huge_pages([t, t[5:], t[7:].view(2, -1)], madvise, True, everywhere) == ((hi - lo) // MB2,) * 2
+    views = [t, t[5:], t[7:].view(2, -1)]
+    assert collapse_huge_pages(views, madvise, True, everywhere, min_fill=0) == ((hi - lo) // MB2,) * 2
     assert calls == [(a, MB2, MADV_COLLAPSE) for a in range(lo, hi, MB2)]
     assert torch.equal(t, torch.ones_like(t))
 
@@ -50,7 +58,7 @@ def test_refused_regions_keep_their_pages(err, asked, done):
     t = torch.empty(4 * MB2 - 4096, dtype=torch.uint8)
     ranges = [(t.data_ptr() // MB2 * MB2, (t.data_ptr() // MB2 + 4) * MB2)]  # exactly the 4 regions
     calls, madvise = _calls(lambda i: (0, 0) if err != errno.EINVAL and i % 2 else (-1, err))
-    assert collapse_huge_pages([t], madvise, True, ranges) == (done, 4)
+    assert collapse_huge_pages([t], madvise, True, ranges, min_fill=0) == (done, 4)
     assert len(calls) == asked
 
 
@@ -88,7 +96,7 @@ def test_onednn_packed_weight_is_seen():
     packed = mkldnn._reorder_linear_weight(torch.randn(1024, 1024))
     addr, n = int(mkldnn.data_ptr(packed)), int(mkldnn._nbytes(packed))
     calls, madvise = _calls(lambda i: (0, 0))
-    assert collapse_huge_pages([packed], madvise, True, [(0, 1 << 62)]) == (len(calls),) * 2
+    assert collapse_huge_pages([packed], madvise, True, [(0, 1 << 62)], min_fill=0) == (len(calls),) * 2
     assert [a for a, _, _ in calls] == list(range(addr // MB2 * MB2, addr + n, MB2))
 
 
@@ -98,7 +106,8 @@ def test_budget_stops_asking():
     ranges = [(t.data_ptr() // MB2 * MB2, (t.data_ptr() // MB2 + 4) * MB2)]
     calls, madvise = _calls(lambda i: (0, 0))
     ticks = iter(range(100))
-    assert collapse_huge_pages([t], madvise, True, ranges, budget_s=2.5, clock=lambda: next(ticks)) == (2, 4)
+    assert collapse_huge_pages([t], madvise, True, ranges, budget_s=2.5, clock=lambda: next(ticks),
+                               min_fill=0) == (2, 4)
     assert len(calls) == 2
 
 

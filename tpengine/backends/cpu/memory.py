@@ -20,6 +20,12 @@ logger = logging.getLogger(__name__)
 #: A transparent huge page on x86-64 (and the alignment of the regions :func:`collapse_huge_pages` asks for).
 HUGE_PAGE = 2 << 20
 
+#: The least share of a 2 MiB region the weights must fill for :func:`collapse_huge_pages` to ask for it:
+#: collapsing makes the whole region resident, so a region of mostly free heap (the holes a load's
+#: staging buffers and replaced layouts leave, handed back by the trim) would cost more memory than its
+#: few weight bytes gain. Not a timing: a memory bound (at most as much again as the weights).
+MIN_FILL = 0.5
+
 #: ``madvise``'s advice to collapse a range into transparent huge pages now, synchronously (Linux >= 6.1).
 MADV_COLLAPSE = 25
 
@@ -85,17 +91,18 @@ def anonymous_ranges(maps: str = "/proc/self/maps") -> list[tuple[int, int]]:
     return ranges
 
 
-def huge_regions(spans: Iterable[tuple[int, int]], ranges: list[tuple[int, int]]) -> list[int]:
+def huge_regions(spans: Iterable[tuple[int, int]], ranges: list[tuple[int, int]],
+                 min_fill: float = MIN_FILL) -> list[int]:
     """The start addresses, ascending and each once, of the :data:`HUGE_PAGE`-aligned regions that
-    cover the byte ``spans`` (``(address, nbytes)``, rounded outward) and lie wholly inside one of
-    ``ranges`` (:func:`anonymous_ranges`); a region past a range's edge is left out."""
-    starts: set[int] = set()
+    cover the byte ``spans`` (``(address, nbytes)``, not overlapping; rounded outward), lie wholly
+    inside one of ``ranges`` (:func:`anonymous_ranges`; a region past a range's edge is left out) and
+    hold at least ``min_fill`` of a region's bytes of them (:data:`MIN_FILL`)."""
+    filled: dict[int, int] = {}
     for addr, n in spans:
-        if n <= 0:
-            continue
-        starts.update(range(addr // HUGE_PAGE * HUGE_PAGE, addr + n, HUGE_PAGE))
+        for s in range(addr // HUGE_PAGE * HUGE_PAGE, addr + max(n, 0), HUGE_PAGE):
+            filled[s] = filled.get(s, 0) + min(addr + n, s + HUGE_PAGE) - max(addr, s)
     out, i = [], 0
-    for s in sorted(starts):
+    for s in sorted(s for s, b in filled.items() if b >= min_fill * HUGE_PAGE):
         while i < len(ranges) and ranges[i][1] < s + HUGE_PAGE:
             i += 1
         if i < len(ranges) and ranges[i][0] <= s:
@@ -129,10 +136,11 @@ def _span(t: torch.Tensor) -> tuple[int, int] | None:
 
 def collapse_huge_pages(tensors: Iterable[torch.Tensor], madvise=None, enabled: bool | None = None,
                         ranges: list[tuple[int, int]] | None = None, budget_s: float = math.inf,
-                        clock=time.perf_counter) -> tuple[int, int]:
+                        clock=time.perf_counter, min_fill: float = MIN_FILL) -> tuple[int, int]:
     """Move the memory of CPU ``tensors`` (a long job's weights, in their final layouts) into
     transparent huge pages now: each 2 MiB region (:data:`HUGE_PAGE`) covering a tensor's storage and
-    lying in a private anonymous mapping (:func:`huge_regions`) is collapsed in place
+    lying in a private anonymous mapping, at least ``min_fill`` of it weights (:func:`huge_regions`),
+    is collapsed in place
     (``madvise(MADV_COLLAPSE)``, Linux >= 6.1): every address and byte is kept, so C programs bound
     to the weights' pointers stay valid, while one TLB entry then covers 2 MiB of weight instead of
     4 KiB (docs/notes/kernels.md has what it saves a step and costs a load). A region the kernel
@@ -152,7 +160,7 @@ def collapse_huge_pages(tensors: Iterable[torch.Tensor], madvise=None, enabled: 
         span = _span(t)
         if span is not None:
             spans[span[0]] = max(spans.get(span[0], 0), span[1])
-    regions = huge_regions(spans.items(), anonymous_ranges() if ranges is None else ranges)
+    regions = huge_regions(spans.items(), anonymous_ranges() if ranges is None else ranges, min_fill)
     if madvise is None:
         fn = _madvise()
         if fn is None:
