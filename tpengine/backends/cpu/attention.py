@@ -530,7 +530,8 @@ class CPUAttentionBackend(AttentionBackend):
             elif cpu_decode.available(q, g, d, self.cpu_kernels):  # the bmm branch's arithmetic in a C kernel
                 out = cpu_decode.decode_attention(qg, kg, vg, context_lens, scale)
             else:
-                valid, bias = attn.get(("key-mask", kg.shape[2]), lambda: key_mask(context_lens, kg.shape[2]))
+                # the same key as a windowless layer's above: one mask per step and window value
+                valid, bias = attn.get(("key-mask", kg.shape[2], None), lambda: key_mask(context_lens, kg.shape[2]))
                 out = half_decode(qg, kg, vg, valid, bias, scale, nb * hkv <= self.sdpa_rows)
         else:  # whole blocks, read as a strided [B, Hkv, L, D]
 
