@@ -1071,12 +1071,13 @@ int64_t tpe_qgemv_int4_q8(const void *x, int64_t rows, int64_t k, const uint8_t 
  * conversion and one FMA (the float kernel: 4 widenings, 4 conversions, 4 FMAs). AVX2: llama.cpp's sign
  * trick, vpmaddubsw(|q|, sign(xq, q)) (pairs at most 2 x 128 x 127, no saturation) then vpmaddwd by 1;
  * vpdpbusd on 256 bits as AVX-512's where the build targets AVX-VNNI or AVX512-VNNI with VL. Weight
- * rows are walked J at a time for R rows of x (gemv.h's TPE_J*), the group after next prefetched into L2
- * as a group is read (I8Q8_AHEAD); the threads split the output rows (tpe_gemv_chunk). */
+ * rows are walked J at a time for R rows of x (gemv.h's TPE_J*), prefetched ahead as a group is read
+ * (AVX-512: each row's line two groups ahead into L2, I8Q8_AHEAD; AVX2: the next group's bytes in address
+ * order into L1); the threads split the output rows (tpe_gemv_chunk). */
 #define I8Q8_MAXJ 4
-/* How many groups of J rows ahead of the group being read its rows are prefetched, and into which cache: two
- * groups, into L2 (each line is read once, a group later), streamed faster on both ISAs than the next group
- * into L1 (figures: docs/notes/kernels.md, "int4 and int8 at one row, continued"). */
+/* AVX-512: how many groups of J rows ahead of the group being read its rows are prefetched, and into which
+ * cache: two groups, into L2 (each line is read once, a group later), streamed faster than the next group
+ * row by row into L1 (figures: docs/notes/kernels.md, "int4 and int8 at one row, continued"). */
 #define I8Q8_AHEAD 2
 #define I8Q8_PREFETCH_HINT _MM_HINT_T1
 
@@ -1131,11 +1132,16 @@ static inline __attribute__((always_inline)) void i8q8_group(const int R, const 
     __m256 f[QMAX_ROWS][I8Q8_MAXJ];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < J; j++) f[r][j] = _mm256_setzero_ps();
+    /* The next group's J rows are one contiguous run of J * k bytes: prefetched into L1 in address order,
+     * J * 32 bytes a step as this group reads its J rows 32 bytes each. One sequence of addresses instead of
+     * J rows' lines a later group ahead: 1.5-1.8x the streamed rate of a row per line on Zen 3
+     * (docs/notes/avx2.md, session 14). */
+    const char *next = (const char *)(q + (o + J) * k);
     for (int64_t c = 0; c < k / 32; c++) {
         __m256i w[I8Q8_MAXJ];
+        for (int64_t b = c * J * 32; b < (c + 1) * J * 32; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
         for (int j = 0; j < J; j++) {
             const int8_t *p = q + (o + j) * k + 32 * c;
-            if (!(c & 1)) _mm_prefetch((const char *)(p + I8Q8_AHEAD * J * k), I8Q8_PREFETCH_HINT); /* later group's */
             w[j] = _mm256_loadu_si256((const __m256i *)p);
 #ifdef Q8_DPBUSD
             w[j] = _mm256_xor_si256(w[j], _mm256_set1_epi8((char)0x80));
