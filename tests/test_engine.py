@@ -66,9 +66,10 @@ def jobs_for(models, smollm2_prompts, tp: int) -> list[dict]:
         prompts = tiny_prompts(1001, TINY_LENGTHS)
         reqs = [[f"p{i}", p, {**GREEDY, "max_tokens": 24, "ignore_eos": True}] for i, p in enumerate(prompts)]
         jobs.append({"key": f"{name}/together", "config": cfg(d), "requests": reqs})
-        if name == "llama":  # C17: alone, and P3 joining while P1/P2 decode (max_num_seqs 2)
+        if name == "llama" and tp <= 2:  # C17 (tp 1 and 2): alone, and P3 joining while P1/P2 decode (max_num_seqs 2)
             jobs += [{"key": f"llama/alone{i}", "config": cfg(d), "requests": [reqs[i]]} for i in (P1, P2, P3)]
             jobs.append({"key": "llama/join", "config": cfg(d, max_num_seqs=2), "requests": reqs[:3]})
+        if name == "llama":
             sampled = ["seeded", prompts[0], {"temperature": 1.0, "seed": 7, "max_tokens": 200, "ignore_eos": True}]
             par = {"temperature": 1.0, "max_tokens": 30, "ignore_eos": True}  # prompt of 37 tokens: a partial block
             parallel = [["par", prompts[1], {**par, "n": 4, "seed": 11}],
