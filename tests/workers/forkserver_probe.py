@@ -32,8 +32,11 @@ def main() -> None:
         json.dump({"argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0], "main": __name__,
                    "env": {k: os.environ.get(k) for k in KEYS}, "threads": torch.get_num_threads(),
                    "exec_rank": exec_rank()}, f)
-    print(f"probe {rank} out", flush=True)
-    print(f"probe {rank} err", file=sys.stderr, flush=True)
+    # each line in one write: the ranks share the job's pipes, and print's text and newline are two writes
+    # where the stream is unbuffered, which another rank's line can land between ('probe 0 outprobe 1 out')
+    for stream, what in ((sys.stdout, "out"), (sys.stderr, "err")):
+        stream.write(f"probe {rank} {what}\n")
+        stream.flush()
     kind, _, arg = action.partition(":")
     if kind == "exit":
         sys.exit(int(arg))
