@@ -1133,9 +1133,9 @@ static inline __attribute__((always_inline)) void i8q8_group(const int R, const 
     for (int r = 0; r < R; r++)
         for (int j = 0; j < J; j++) f[r][j] = _mm256_setzero_ps();
     /* The next group's J rows are one contiguous run of J * k bytes: prefetched into L1 in address order,
-     * J * 32 bytes a step as this group reads its J rows 32 bytes each. One sequence of addresses instead of
-     * J rows' lines a later group ahead: 1.5-1.8x the streamed rate of a row per line on Zen 3
-     * (docs/notes/avx2.md, session 14). */
+     * J * 32 bytes a step as this group reads its J rows 32 bytes each: the same lines as each row's own line
+     * a later group ahead, but as one sequence of addresses, which streams faster on Zen 3 (figures:
+     * docs/notes/avx2.md, "AMD EPYC Zen 3"). */
     const char *next = (const char *)(q + (o + J) * k);
     for (int64_t c = 0; c < k / 32; c++) {
         __m256i w[I8Q8_MAXJ];
