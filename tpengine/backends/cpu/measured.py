@@ -198,10 +198,11 @@ MIN_JOB_BUDGET_S = 0.25
 _spent_s = 0.0
 
 
-def measure_budget_s() -> float:
+def measure_budget_s(unstated: float = MEASURE_BUDGET_S) -> float:
     """The measuring budget of this process, in seconds: ``$TPENGINE_MEASURE_BUDGET_S`` (a number >= 0;
     ``inf``: no limit; 0: nothing new is measured), else the job's (:func:`job_budget_s` of
-    :func:`job_tokens`, where the process runs a job that stated its work), else :data:`MEASURE_BUDGET_S`.
+    :func:`job_tokens`, where the process runs a job that stated its work), else ``unstated``
+    (:data:`MEASURE_BUDGET_S`; the huge-page move at load passes ``inf``).
     Once a process's measurements have taken that long, every further choice without cached timings takes its default
     (:data:`DEFAULT_BUDGET`, not cached) and a later start measures it, so a new shape costs a start at
     most the budget plus the one choice measured when the budget ran out (a one-token job would never
@@ -210,7 +211,7 @@ def measure_budget_s() -> float:
     text = os.environ.get("TPENGINE_MEASURE_BUDGET_S", "").strip()
     if not text:
         tokens = job_tokens()
-        return MEASURE_BUDGET_S if tokens is None else job_budget_s(tokens)
+        return unstated if tokens is None else job_budget_s(tokens)
     try:
         value = float(text)
     except ValueError:

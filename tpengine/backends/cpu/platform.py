@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import torch
 
@@ -66,8 +65,7 @@ class CPUPlatform(Platform):
         ``LLM()``: no limit. Returns ``(collapsed, regions)``: ``(0, 0)`` for a short job."""
         if measured.short_job():
             return 0, 0
-        stated = measured.job_tokens() is not None or os.environ.get("TPENGINE_MEASURE_BUDGET_S", "").strip()
-        return _weights_to_huge_pages(module, measured.measure_budget_s() if stated else math.inf)
+        return _weights_to_huge_pages(module, measured.measure_budget_s(unstated=math.inf))
 
     def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The KV cache on an anonymous mapping (:func:`tpengine.backends.cpu.memory.lazy_zeros`): pages
