@@ -309,6 +309,31 @@ def test_paged_decode_amx_path_equals_the_reference_and_the_avx512_path(d, bs, q
     assert ((outs[1].float() - outs[0].float()).abs() <= ulp).all()
 
 
+@needs_kernels
+@pytest.mark.parametrize("window,cap", [pytest.param(None, None, id="full"), pytest.param(20, 2.0, id="window20-cap2")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("d, bs, q_to_kv", CONFIGS)
+def test_work_items_of_whole_sequences_or_of_kv_heads_give_the_same_bits(d, bs, q_to_kv, dtype, window, cap):
+    """At 1 thread the 7 sequences of DECODE_LENS are >= 4 x threads, so a kernel that takes a whole sequence as its
+    work item there takes it (the AVX2 kernel where every KV head has the same query heads, 1-4 of them: all but
+    the uneven and replicated maps; the AVX-512 one in bfloat16); at 4 threads each item is one (sequence, KV head).
+    Each head's arithmetic is the same either way, so the outputs are equal bit for bit."""
+    qkv, cos, sin, kc, vc, bt, slots, lens, qkv_map = case(d, bs, q_to_kv, dtype, seed=5)
+    hq, hkv = len(q_to_kv), max(q_to_kv) + 1
+    index = cpu_paged.paged_index(slots, bt, lens)
+    before, outs = torch.get_num_threads(), []
+    try:
+        for threads in (1, 4):
+            torch.set_num_threads(threads)
+            q, k, v = (x.clone() for x in views(qkv, hq, hkv))
+            outs.append(cpu_paged.decode(q, k, v, cos, sin, kc.clone(), vc.clone(), qkv_map, d ** -0.5, index,
+                                         sliding_window=window, soft_cap=cap))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+    assert outs[0].abs().sum() > 0 and torch.equal(outs[0][DECODE_LENS.index(0)], torch.zeros(hq, d, dtype=dtype))
+
+
 MANY_LENS = DECODE_LENS * 3 + [1000, 1, 129]  # 24 sequences (one work item each); 1000: past the fetch-ahead budget
 
 

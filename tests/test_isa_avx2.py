@@ -43,6 +43,7 @@ CHECKS = ("tests/test_cpu_fused.py", "tests/test_cpu_library.py::test_isa_names_
           "tests/test_cpu_paged.py::test_paged_decode_equals_rope_store_and_reference_attention",
           "tests/test_cpu_paged.py::test_paged_decode_bad_indices_raise_before_anything_is_written",
           "tests/test_cpu_paged.py::test_paged_decode_with_window_and_soft_cap_equals_the_reference",
+          "tests/test_cpu_paged.py::test_work_items_of_whole_sequences_or_of_kv_heads_give_the_same_bits",
           "tests/test_kv_int8.py::test_paged_decode_over_int8_equals_the_reference_on_the_dequantized_cache",
           "tests/test_kv_int8.py::test_int8_pv_sums_stay_exact_past_the_int32_windows_and_split_spans_merge",
           "tests/test_sampler.py::test_row_max_equals_torch_max_with_ties_infinities_and_nan",

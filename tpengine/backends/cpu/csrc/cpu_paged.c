@@ -35,9 +35,9 @@
  * without divisions, the next key rows and the value rows of the same positions prefetched
  * together (bfloat16) while the scores run (a sequence's rows sit in blocks anywhere in the cache, which the
  * hardware prefetcher does not follow; the value rows are then read from L2); in bfloat16 with many sequences (B >= 4
- * threads) a work item is one sequence, its rows read whole (every KV head), else -- and always in float32, where
+ threads) a work item is one sequence, its rows read whole (every KV head), else -- and always in float32, where
  * the whole rows' prefetch bursts were slower from memory (docs/notes/kernels.md, 2026-12-07 session 12) -- one
- * (sequence, KV head). */
+ * (sequence, KV head). The AVX2 kernel below takes whole sequences at many sequences in both dtypes. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -604,9 +604,12 @@ PAGED_DECODE(tpe_paged_decode_bf16, uint16_t, vf_ldb, vf_stb, vf_rb, 1, prologue
 
 #elif defined(TPE_AVX2)
 /* AVX2 + FMA: the same steps and the same roundings, op by op, in a plainer form -- 8 lanes, one work
- * item per (sequence, KV head) (dynamic schedule), each key row read once for the KV head's query
+ * item per (sequence, KV head) (dynamic schedule, ITEM8), each key row read once for the KV head's query
  * heads and each value row once a tile of 32 output lanes, an item's own rows prefetched PF_AHEAD
- * ahead (not the next item's, as above) and no AMX. The dot
+ * ahead (not the next item's, as above) and no AMX; with many sequences (B >= 4 threads) and every KV
+ * head's query heads alike, one item per sequence (ROWS8): its rows read whole, in address order, the
+ * next group's fetched piece by piece between the current group's arithmetic, each head's arithmetic
+ * ITEM8's (the outputs equal bit for bit). The dot
  * products are float32 FMAs over the widened elements (bfloat16: products exact, as vdpbf16ps's; the
  * float32 sums in another order), 8 keys at a time, their 8-lane partial sums reduced together
  * (sum8x8); then, as above, bf16(dot) * scale (float32: dot * scale), the softmax with exp8, p
@@ -727,6 +730,139 @@ static inline __m256 keep8(__m256 x) {
         for (; i0 < nv; i0++) PV_TILE8(T, LD, ST, 1);                                                               \
     }
 
+#define ROWS_HQ 32 /* the most query heads a ROWS8 item takes (its vmx and hk arrays) */
+
+/* One work item = one sequence, every KV head at once (ROWS8_CALL: hkv heads of g query heads each, uniform;
+ * hk [hkv, g] their query heads): each key row and each value row is read once, whole, from its block in
+ * address order, and the loads of the next group of rows are prefetched a piece at a time between the
+ * current group's arithmetic (each (KV head, key) step fetches that head's d elements of the key one group
+ * ahead; each value tile its 32 elements) -- not in bursts, which stall on the core's fill buffers. Per
+ * head the arithmetic is ITEM8's op for op, in the same order (the P.V sums carried in `acc` between groups
+ * of 16 value rows are float32 either way), so the outputs are ITEM8's bit for bit. With every head's rows
+ * in one stream this reads the cache ~1.3x faster than ITEM8's items on AMD Zen 3 (docs/notes/kernels.md,
+ * 2026-12-07 session 15). qf [hq, d]: the query heads widened to float32, in hk's order; sc [hq, lp];
+ * acc [hq, d]. */
+#define ROWS8(NAME, T, LD, ST, RND)                                                                                 \
+    static inline __attribute__((always_inline)) void NAME(                                                        \
+        const T *qb, const int64_t *hk, const int64_t g, const int64_t nv, const int64_t hkv, const T *k_cache,    \
+        const T *v_cache, const int64_t *bt, int64_t bs, int64_t row, int64_t d, int64_t L, int64_t o0,            \
+        int64_t lp, float *qf, float *sc, float *acc, float scale, float softcap, T *ob) {                         \
+        const __m256 ninf = _mm256_set1_ps(-INFINITY), vscale = _mm256_set1_ps(scale);                             \
+        const __m256 lane8 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);                                               \
+        const int64_t rb = row * (int64_t)sizeof(T), db = d * (int64_t)sizeof(T);                                  \
+        __m256 vmx[ROWS_HQ];                                                                                        \
+        for (int64_t h = 0; h < hkv * g; h++) {                                                                     \
+            vmx[h] = ninf;                                                                                          \
+            for (int64_t i = 0; i < nv; i++) _mm256_storeu_ps(qf + h * d + i * 8, LD(qb + hk[h] * d + i * 8));    \
+        }                                                                                                           \
+        for (int64_t t0 = 0, kb = 0, ko = o0; t0 < L; t0 += 8) { /* scores, 8 keys a step */                      \
+            const int64_t nk = L - t0 < 8 ? L - t0 : 8;                                                             \
+            const T *kp[8];                                                                                         \
+            const char *kf[8]; /* the next group's rows */                                                        \
+            for (int64_t kk = 0; kk < 8; kk++) {                                                                    \
+                kp[kk] = kk < nk ? k_cache + (bt[kb] * bs + ko) * row : NULL;                                       \
+                if (kk < nk && ++ko == bs) ko = 0, kb++;                                                            \
+                const int64_t t = t0 + 8 + kk, f = o0 + t;                                                          \
+                kf[kk] = t < L ? (const char *)k_cache + (bt[f / bs] * bs + f % bs) * rb : NULL;                    \
+            }                                                                                                       \
+            const __m256 valid = _mm256_cmp_ps(_mm256_set1_ps((float)nk), lane8, _CMP_GT_OQ);                     \
+            for (int64_t kv = 0; kv < hkv; kv++) {                                                                  \
+                const float *qk = qf + kv * g * d;                                                                  \
+                __m256 part[MAX_G][8];                                                                              \
+                for (int64_t kk = 0; kk < 8; kk++) {                                                                \
+                    if (kf[kk])                                                                                     \
+                        for (int64_t o_ = 0; o_ < db; o_ += 64) _mm_prefetch(kf[kk] + kv * db + o_, _MM_HINT_T0);   \
+                    __m256 kr[MAX_D / 8];                                                                           \
+                    for (int64_t i = 0; i < nv; i++) kr[i] = kp[kk] ? LD(kp[kk] + kv * d + i * 8) : _mm256_setzero_ps(); \
+                    for (int64_t j = 0; j < g; j++) {                                                               \
+                        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qk + j * d), kr[0]);                               \
+                        for (int64_t i = 1; i < nv; i++) a = _mm256_fmadd_ps(_mm256_loadu_ps(qk + j * d + i * 8), kr[i], a); \
+                        part[j][kk] = a;                                                                            \
+                    }                                                                                               \
+                }                                                                                                   \
+                for (int64_t j = 0; j < g; j++) {                                                                   \
+                    const __m256 sv = _mm256_mul_ps(RND(sum8x8(part[j])), vscale);                                  \
+                    _mm256_storeu_ps(sc + (kv * g + j) * lp + t0, sv);                                              \
+                    vmx[kv * g + j] = _mm256_max_ps(vmx[kv * g + j], _mm256_blendv_ps(ninf, sv, valid));            \
+                }                                                                                                   \
+            }                                                                                                       \
+        }                                                                                                           \
+        for (int64_t h = 0; h < hkv * g; h++) { /* softmax, then p rounded as the dtype rounds it (ITEM8's) */     \
+            float *sj = sc + h * lp;                                                                                \
+            const float mxj = softcap > 0 ? cap_scores(sj, L, softcap) : hmax8(vmx[h]);                             \
+            for (int64_t t = L; t < lp; t++) sj[t] = -INFINITY;                                                     \
+            const __m256 vmax = _mm256_set1_ps(mxj);                                                                \
+            __m256 sum = _mm256_setzero_ps();                                                                       \
+            for (int64_t t = 0; t < lp; t += 8) {                                                                   \
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), vmax));                                \
+                _mm256_storeu_ps(sj + t, e);                                                                        \
+                sum = _mm256_add_ps(sum, e);                                                                        \
+            }                                                                                                       \
+            const __m256 inv = _mm256_set1_ps(1.f / hsum8(sum));                                                    \
+            for (int64_t t = 0; t < lp; t += 8)                                                                     \
+                _mm256_storeu_ps(sj + t, RND(_mm256_mul_ps(_mm256_loadu_ps(sj + t), inv)));                         \
+        }                                                                                                           \
+        for (int64_t u0 = 0, vb = 0, vo = o0; u0 < L; u0 += 16) { /* P.V, 16 value rows a group */                \
+            const int64_t nu = L - u0 < 16 ? L - u0 : 16;                                                           \
+            const int last = u0 + 16 >= L;                                                                          \
+            const T *vp[16];                                                                                        \
+            const char *vf[16]; /* the next group's rows */                                                       \
+            for (int64_t u = 0; u < 16; u++) {                                                                      \
+                vp[u] = u < nu ? v_cache + (bt[vb] * bs + vo) * row : NULL;                                         \
+                if (u < nu && ++vo == bs) vo = 0, vb++;                                                             \
+                const int64_t t = u0 + 16 + u, f = o0 + t;                                                          \
+                vf[u] = t < L ? (const char *)v_cache + (bt[f / bs] * bs + f % bs) * rb : NULL;                     \
+            }                                                                                                       \
+            for (int64_t kv = 0; kv < hkv; kv++) {                                                                  \
+                const float *sk = sc + kv * g * lp + u0;                                                            \
+                float *ak = acc + kv * g * d;                                                                       \
+                const int64_t *hh = hk + kv * g;                                                                    \
+                int64_t i0 = 0;                                                                                     \
+                for (; i0 + 4 <= nv; i0 += 4) ROWS_TILE8(T, LD, ST, 4);                                             \
+                for (; i0 < nv; i0++) ROWS_TILE8(T, LD, ST, 1);                                                     \
+            }                                                                                                       \
+        }                                                                                                           \
+    }
+
+/* ROWS8's P.V over one group of nu value rows for KV head kv's g heads, W 8-lane columns from i0 (each lane
+ * the FMA chain of PV_TILE8 over the same keys in the same order): the sums carried in ak between groups (zero
+ * before the first) and written to ob after the last; a tile of 4 columns prefetches its 32 elements of the
+ * next group's rows. The g broadcasts are held and the value columns loaded one at a time, so that 3 heads x 4
+ * columns of sums stay in AVX2's 16 registers. A statement inside ROWS8's body (its variables). */
+#define ROWS_TILE8(T, LD, ST, W)                                                                                   \
+    do {                                                                                                            \
+        __m256 a[MAX_G][W];                                                                                         \
+        for (int64_t j = 0; j < g; j++)                                                                             \
+            for (int w = 0; w < W; w++)                                                                             \
+                a[j][w] = u0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(ak + j * d + (i0 + w) * 8);              \
+        for (int64_t u = 0; u < nu; u++) {                                                                          \
+            if (W == 4 && vf[u])                                                                                    \
+                for (int64_t o_ = 0; o_ < 32 * (int64_t)sizeof(T); o_ += 64)                                        \
+                    _mm_prefetch(vf[u] + (kv * d + i0 * 8) * (int64_t)sizeof(T) + o_, _MM_HINT_T0);                \
+            __m256 pu[MAX_G];                                                                                       \
+            for (int64_t j = 0; j < g; j++) pu[j] = _mm256_set1_ps(sk[j * lp + u]);                                 \
+            for (int w = 0; w < W; w++) {                                                                           \
+                const __m256 vr = LD(vp[u] + kv * d + (i0 + w) * 8);                                                \
+                for (int64_t j = 0; j < g; j++) a[j][w] = _mm256_fmadd_ps(pu[j], vr, a[j][w]);                      \
+            }                                                                                                       \
+        }                                                                                                           \
+        for (int64_t j = 0; j < g; j++)                                                                             \
+            for (int w = 0; w < W; w++) {                                                                           \
+                if (last) ST(ob + hh[j] * d + (i0 + w) * 8, a[j][w]);                                               \
+                else _mm256_storeu_ps(ak + j * d + (i0 + w) * 8, a[j][w]);                                          \
+            }                                                                                                       \
+    } while (0)
+
+
+/* ROWS8 with g (1-4) and nv (8, 16) as constants (ROWS_CALL takes only those). */
+#define ROWS8_CALL(FN, NVC)                                                                                         \
+    switch (g) {                                                                                                    \
+    case 1: FN(qb, hk, 1, NVC, hkv, k_cache, v_cache, bt, bs, row, d, L, o0, lp, qf, sc, acc, scale, softcap, ob); break; \
+    case 2: FN(qb, hk, 2, NVC, hkv, k_cache, v_cache, bt, bs, row, d, L, o0, lp, qf, sc, acc, scale, softcap, ob); break; \
+    case 3: FN(qb, hk, 3, NVC, hkv, k_cache, v_cache, bt, bs, row, d, L, o0, lp, qf, sc, acc, scale, softcap, ob); break; \
+    case 4: FN(qb, hk, 4, NVC, hkv, k_cache, v_cache, bt, bs, row, d, L, o0, lp, qf, sc, acc, scale, softcap, ob); break; \
+    }
+
 /* ITEM8 with g (1-4) and nv (8, 16: heads of 64, 128) as constants where they are, else as variables. */
 #define ITEM8_CALL(FN, NVC)                                                                                         \
     switch (g) {                                                                                                    \
@@ -737,7 +873,7 @@ static inline __m256 keep8(__m256 x) {
     default: FN(qb, heads, g, NVC, k_cache, v_cache, bt, bs, row, kv, d, L, o0, lp, sc, scale, softcap, ob); break; \
     }
 
-#define PAGED_DECODE8(NAME, ITEM, T, PRO)                                                                           \
+#define PAGED_DECODE8(NAME, ITEM, ROWS, T, PRO)                                                                           \
     int64_t NAME(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v, int64_t v_stride, const T *cos_t,     \
                  const T *sin_t, const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,             \
                  const int64_t *lens, T *k_cache, T *v_cache, int64_t num_blocks, int64_t bs,                       \
@@ -752,6 +888,43 @@ static inline __m256 keep8(__m256 x) {
         PRO(q, q_stride, k, k_stride, v, v_stride, cos_t, sin_t, slots, k_cache, v_cache, hq, hkv, d, B);          \
         int64_t work = 0;                                                                                           \
         for (int64_t b = 0; b < B; b++) work += lens[b] - win_lo(lens[b], window);                                  \
+        /* many sequences (B >= 4 threads), every KV head with the same 1-4 query heads, heads of 64 or 128: one   \
+         * item per sequence (ROWS8, its rows read whole); else one per (sequence, KV head) (ITEM8) */             \
+        int64_t hk[ROWS_HQ];                                                                                        \
+        const int64_t gu = hkv > 0 ? hq / hkv : 0;                                                                 \
+        int whole = B >= 4 * nthreads && hq <= ROWS_HQ && gu >= 1 && gu <= 4 && gu * hkv == hq && (nv == 8 || nv == 16); \
+        for (int64_t kv = 0; whole && kv < hkv; kv++) whole = kv_heads(q_to_kv, hq, kv, hk + kv * gu) == gu;        \
+        if (whole) {                                                                                                \
+            _Pragma("omp parallel num_threads(nthreads) if (work * hq * d >= 32768)") {                           \
+                float *buf = NULL; /* qf [hq, d], acc [hq, d], then sc [hq, lp] */                                  \
+                int64_t cap = 0;                                                                                    \
+                _Pragma("omp for schedule(dynamic, 1)")                                                             \
+                for (int64_t b = 0; b < B; b++) {                                                                   \
+                    const int64_t lo = win_lo(lens[b], window), o0 = lo % bs, L = lens[b] - lo;                     \
+                    const int64_t lp = (L + 7) / 8 * 8, g = gu;                                                     \
+                    T *ob = out + b * hq * d;                                                                       \
+                    if (L == 0) {                                                                                   \
+                        memset(ob, 0, (size_t)(hq * d) * sizeof(T));                                               \
+                        continue;                                                                                   \
+                    }                                                                                               \
+                    if (2 * hq * d + hq * lp > cap) {                                                               \
+                        free(buf);                                                                                  \
+                        cap = 2 * hq * d + hq * lp + 1024;                                                          \
+                        buf = (float *)malloc((size_t)cap * sizeof(float));                                         \
+                    }                                                                                               \
+                    float *qf = buf, *acc = buf + hq * d, *sc = buf + 2 * hq * d;                                   \
+                    const int64_t *bt = block_tables + b * max_blocks + lo / bs;                                    \
+                    const T *qb = q + b * q_stride;                                                                 \
+                    if (nv == 8) {                                                                                  \
+                        ROWS8_CALL(ROWS, 8)                                                                         \
+                    } else {                                                                                        \
+                        ROWS8_CALL(ROWS, 16)                                                                        \
+                    }                                                                                               \
+                }                                                                                                   \
+                free(buf);                                                                                          \
+            }                                                                                                       \
+            return -1;                                                                                              \
+        }                                                                                                           \
         _Pragma("omp parallel num_threads(nthreads) if (work * hq * d >= 32768)") {                               \
             float *sc = NULL; /* the scores, then the probabilities: [g, lp] */                                     \
             int64_t cap = 0;                                                                                        \
@@ -792,6 +965,8 @@ static inline void st8_f32(float *p, __m256 x) { _mm256_storeu_ps(p, x); }
 
 ITEM8(item8_f32, float, _mm256_loadu_ps, st8_f32, keep8)
 ITEM8(item8_bf16, uint16_t, ld8, st8, rb8)
-PAGED_DECODE8(tpe_paged_decode_f32, item8_f32, float, prologue_f32)
-PAGED_DECODE8(tpe_paged_decode_bf16, item8_bf16, uint16_t, prologue_bf16)
+ROWS8(rows8_f32, float, _mm256_loadu_ps, st8_f32, keep8)
+ROWS8(rows8_bf16, uint16_t, ld8, st8, rb8)
+PAGED_DECODE8(tpe_paged_decode_f32, item8_f32, rows8_f32, float, prologue_f32)
+PAGED_DECODE8(tpe_paged_decode_bf16, item8_bf16, rows8_bf16, uint16_t, prologue_bf16)
 #endif /* neither path: left out of the build; the callers keep torch (cpu_library.has) */
