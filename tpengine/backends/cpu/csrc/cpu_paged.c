@@ -893,6 +893,7 @@ static inline __m256 keep8(__m256 x) {
         int64_t hk[ROWS_HQ];                                                                                        \
         const int64_t gu = hkv > 0 ? hq / hkv : 0;                                                                 \
         int whole = B >= 4 * nthreads && hq <= ROWS_HQ && gu >= 1 && gu <= 4 && gu * hkv == hq && (nv == 8 || nv == 16); \
+        /* (each KV head's heads written at kv * gu: while every one before had gu, this one's fit below hq) */       \
         for (int64_t kv = 0; whole && kv < hkv; kv++) whole = kv_heads(q_to_kv, hq, kv, hk + kv * gu) == gu;        \
         if (whole) {                                                                                                \
             _Pragma("omp parallel num_threads(nthreads) if (work * hq * d >= 32768)") {                           \
