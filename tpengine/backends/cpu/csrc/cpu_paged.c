@@ -666,6 +666,26 @@ static inline __m256 keep8(__m256 x) {
             for (int w = 0; w < W; w++) ST(ob + heads[j] * d + (i0 + w) * 8, acc[j][w]);                            \
     } while (0)
 
+/* One head's scores (sj [lp], the first L of them real; vmxj: their running max, unless the cap takes them) to
+ * its softmax probabilities in place, each rounded as RND rounds the dtype (the padding's -inf: exp 0). A
+ * statement inside ITEM8's and ROWS8's bodies (their L, lp, softcap). */
+#define SOFTMAX8(SJ, VMXJ, RND)                                                                                    \
+    do {                                                                                                            \
+        float *sj = (SJ);                                                                                           \
+        const float mxj = softcap > 0 ? cap_scores(sj, L, softcap) : hmax8(VMXJ);                                  \
+        for (int64_t t = L; t < lp; t++) sj[t] = -INFINITY;                                                         \
+        const __m256 vmax = _mm256_set1_ps(mxj);                                                                    \
+        __m256 sum = _mm256_setzero_ps();                                                                           \
+        for (int64_t t = 0; t < lp; t += 8) {                                                                       \
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), vmax));                                    \
+            _mm256_storeu_ps(sj + t, e);                                                                            \
+            sum = _mm256_add_ps(sum, e);                                                                            \
+        }                                                                                                           \
+        const __m256 inv = _mm256_set1_ps(1.f / hsum8(sum));                                                        \
+        for (int64_t t = 0; t < lp; t += 8)                                                                         \
+            _mm256_storeu_ps(sj + t, RND(_mm256_mul_ps(_mm256_loadu_ps(sj + t), inv)));                             \
+    } while (0)
+
 /* One work item (sequence b, KV head kv) of PAGED_DECODE8, as a function of the head count g and the head
  * size's 8-lane vectors nv, which the kernel passes as constants for the common shapes (inlined: every loop
  * over heads and lanes unrolls and the partial sums, query vectors and P.V accumulators live in registers or
@@ -706,21 +726,7 @@ static inline __m256 keep8(__m256 x) {
                 vmx[j] = _mm256_max_ps(vmx[j], _mm256_blendv_ps(ninf, sv, valid));                                  \
             }                                                                                                       \
         }                                                                                                           \
-        for (int64_t j = 0; j < g; j++) { /* softmax, then p rounded as the dtype rounds it */                     \
-            float *sj = sc + j * lp;                                                                                \
-            const float mxj = softcap > 0 ? cap_scores(sj, L, softcap) : hmax8(vmx[j]);                             \
-            for (int64_t t = L; t < lp; t++) sj[t] = -INFINITY; /* exp: 0 */                                        \
-            const __m256 vmax = _mm256_set1_ps(mxj);                                                                \
-            __m256 sum = _mm256_setzero_ps();                                                                       \
-            for (int64_t t = 0; t < lp; t += 8) {                                                                   \
-                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), vmax));                                \
-                _mm256_storeu_ps(sj + t, e);                                                                        \
-                sum = _mm256_add_ps(sum, e);                                                                        \
-            }                                                                                                       \
-            const __m256 inv = _mm256_set1_ps(1.f / hsum8(sum));                                                    \
-            for (int64_t t = 0; t < lp; t += 8)                                                                     \
-                _mm256_storeu_ps(sj + t, RND(_mm256_mul_ps(_mm256_loadu_ps(sj + t), inv)));                         \
-        }                                                                                                           \
+        for (int64_t j = 0; j < g; j++) SOFTMAX8(sc + j * lp, vmx[j], RND); /* p rounded as the dtype rounds it */  \
         pt = pb = 0, po = o0; /* the value rows: the first PF_AHEAD now, the rest along the first tile */          \
         for (; pt < L && pt < PF_AHEAD; pt++) prefetch_rows(v_cache, bt, bs, row, kv, d, &pb, &po);                 \
         /* P.V in tiles of 4 (then 1) 8-lane columns for all g heads, so that the accumulators stay in             \
@@ -728,6 +734,17 @@ static inline __m256 keep8(__m256 x) {
         int64_t i0 = 0;                                                                                             \
         for (; i0 + 4 <= nv; i0 += 4) PV_TILE8(T, LD, ST, 4);                                                       \
         for (; i0 < nv; i0++) PV_TILE8(T, LD, ST, 1);                                                               \
+    }
+
+/* A group of N rows of CACHE from key T0, the first n of them real: P[u] the rows (NULL past n), the block-table
+ * cursor (BLK, OFF) moved past them; F[u] the next group's rows (NULL past L), which the group's arithmetic
+ * prefetches. A statement inside ROWS8's body (its bt, bs, row, rb, o0, L). */
+#define GROUP_ROWS(P, F, CACHE, N, T0, n, BLK, OFF)                                                                 \
+    for (int64_t u_ = 0; u_ < (N); u_++) {                                                                          \
+        P[u_] = u_ < (n) ? (CACHE) + (bt[BLK] * bs + (OFF)) * row : NULL;                                           \
+        if (u_ < (n) && ++(OFF) == bs) (OFF) = 0, (BLK)++;                                                          \
+        const int64_t t_ = (T0) + (N) + u_, f_ = o0 + t_;                                                           \
+        F[u_] = t_ < L ? (const char *)(CACHE) + (bt[f_ / bs] * bs + f_ % bs) * rb : NULL;                          \
     }
 
 #define ROWS_HQ 32 /* the most query heads a ROWS8 item takes (its vmx and hk arrays) */
@@ -758,13 +775,8 @@ static inline __m256 keep8(__m256 x) {
         for (int64_t t0 = 0, kb = 0, ko = o0; t0 < L; t0 += 8) { /* scores, 8 keys a step */                      \
             const int64_t nk = L - t0 < 8 ? L - t0 : 8;                                                             \
             const T *kp[8];                                                                                         \
-            const char *kf[8]; /* the next group's rows */                                                        \
-            for (int64_t kk = 0; kk < 8; kk++) {                                                                    \
-                kp[kk] = kk < nk ? k_cache + (bt[kb] * bs + ko) * row : NULL;                                       \
-                if (kk < nk && ++ko == bs) ko = 0, kb++;                                                            \
-                const int64_t t = t0 + 8 + kk, f = o0 + t;                                                          \
-                kf[kk] = t < L ? (const char *)k_cache + (bt[f / bs] * bs + f % bs) * rb : NULL;                    \
-            }                                                                                                       \
+            const char *kf[8];                                                                                      \
+            GROUP_ROWS(kp, kf, k_cache, 8, t0, nk, kb, ko);                                                         \
             const __m256 valid = _mm256_cmp_ps(_mm256_set1_ps((float)nk), lane8, _CMP_GT_OQ);                     \
             for (int64_t kv = 0; kv < hkv; kv++) {                                                                  \
                 const float *qk = qf + kv * g * d;                                                                  \
@@ -787,32 +799,13 @@ static inline __m256 keep8(__m256 x) {
                 }                                                                                                   \
             }                                                                                                       \
         }                                                                                                           \
-        for (int64_t h = 0; h < hkv * g; h++) { /* softmax, then p rounded as the dtype rounds it (ITEM8's) */     \
-            float *sj = sc + h * lp;                                                                                \
-            const float mxj = softcap > 0 ? cap_scores(sj, L, softcap) : hmax8(vmx[h]);                             \
-            for (int64_t t = L; t < lp; t++) sj[t] = -INFINITY;                                                     \
-            const __m256 vmax = _mm256_set1_ps(mxj);                                                                \
-            __m256 sum = _mm256_setzero_ps();                                                                       \
-            for (int64_t t = 0; t < lp; t += 8) {                                                                   \
-                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), vmax));                                \
-                _mm256_storeu_ps(sj + t, e);                                                                        \
-                sum = _mm256_add_ps(sum, e);                                                                        \
-            }                                                                                                       \
-            const __m256 inv = _mm256_set1_ps(1.f / hsum8(sum));                                                    \
-            for (int64_t t = 0; t < lp; t += 8)                                                                     \
-                _mm256_storeu_ps(sj + t, RND(_mm256_mul_ps(_mm256_loadu_ps(sj + t), inv)));                         \
-        }                                                                                                           \
+        for (int64_t h = 0; h < hkv * g; h++) SOFTMAX8(sc + h * lp, vmx[h], RND); /* as ITEM8's */                 \
         for (int64_t u0 = 0, vb = 0, vo = o0; u0 < L; u0 += 16) { /* P.V, 16 value rows a group */                \
             const int64_t nu = L - u0 < 16 ? L - u0 : 16;                                                           \
             const int last = u0 + 16 >= L;                                                                          \
             const T *vp[16];                                                                                        \
-            const char *vf[16]; /* the next group's rows */                                                       \
-            for (int64_t u = 0; u < 16; u++) {                                                                      \
-                vp[u] = u < nu ? v_cache + (bt[vb] * bs + vo) * row : NULL;                                         \
-                if (u < nu && ++vo == bs) vo = 0, vb++;                                                             \
-                const int64_t t = u0 + 16 + u, f = o0 + t;                                                          \
-                vf[u] = t < L ? (const char *)v_cache + (bt[f / bs] * bs + f % bs) * rb : NULL;                     \
-            }                                                                                                       \
+            const char *vf[16];                                                                                     \
+            GROUP_ROWS(vp, vf, v_cache, 16, u0, nu, vb, vo);                                                        \
             for (int64_t kv = 0; kv < hkv; kv++) {                                                                  \
                 const float *sk = sc + kv * g * lp + u0;                                                            \
                 float *ak = acc + kv * g * d;                                                                       \
