@@ -755,9 +755,8 @@ static inline __m256 keep8(__m256 x) {
  * current group's arithmetic (each (KV head, key) step fetches that head's d elements of the key one group
  * ahead; each value tile its 32 elements) -- not in bursts, which stall on the core's fill buffers. Per
  * head the arithmetic is ITEM8's op for op, in the same order (the P.V sums carried in `acc` between groups
- * of 16 value rows are float32 either way), so the outputs are ITEM8's bit for bit. With every head's rows
- * in one stream this reads the cache ~1.3x faster than ITEM8's items on AMD Zen 3 (docs/notes/kernels.md,
- * 2026-12-07 session 15). qf [hq, d]: the query heads widened to float32, in hk's order; sc [hq, lp];
+ * of 16 value rows are float32 either way), so the outputs are ITEM8's bit for bit. Why every head's rows in
+ * one stream, and what was measured against ITEM8's items: docs/notes/kernels.md, 2026-12-07 session 15. qf [hq, d]: the query heads widened to float32, in hk's order; sc [hq, lp];
  * acc [hq, d]. */
 #define ROWS8(NAME, T, LD, ST, RND)                                                                                 \
     static inline __attribute__((always_inline)) void NAME(                                                        \
