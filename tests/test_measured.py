@@ -142,6 +142,69 @@ def test_time_us_gives_up_after_the_warm_up_pass():
     assert calls == [0, 1, 2] * 3
 
 
+def test_time_us_times_long_calls_by_few():
+    """Calls that take ``enough_us`` together: the warm-up stops after 2 of them (not a round of every
+    callable), the timing after 3 (not ``passes`` rounds); each call still goes round the callables in order.
+    Short ones: a round, then ``passes`` rounds."""
+    calls = []
+
+    def slow(i):
+        calls.append(i)
+        time.sleep(0.002)
+    fns = [lambda i=i: slow(i) for i in range(6)]
+    assert measured.time_us(fns, passes=4, enough_us=1000.0) >= 2000.0
+    assert calls == [0, 1, 2, 3, 4]  # 2 warm-up calls, 3 timed
+    calls.clear()
+    measured.time_us(fns[:2], passes=4, enough_us=1e9)
+    assert calls == [0, 1] * 5
+
+
+def test_time_us_gives_up_only_where_every_warm_up_call_was_slower():
+    """``give_up_us``: the warm-up takes 2 calls at least (the first of a new shape may pay set-up costs), and
+    the candidate is given up only where the fastest of them took longer than ``give_up_us``."""
+    calls = []
+
+    def first_slow(i):
+        calls.append(i)
+        if len(calls) == 1:
+            time.sleep(0.005)
+    measured.time_us([lambda: first_slow(0)], passes=2, give_up_us=1000.0)
+    assert calls == [0] * 4  # 2 warm-up calls, the second fast: 2 timed
+    calls.clear()
+    assert measured.time_us([lambda: first_slow(0)], passes=2, give_up_us=0.0) > 0 and calls == [0, 0]
+
+
+def test_linear_layouts_time_the_kernels_first_and_give_the_rest_up_past_4x(monkeypatch):
+    """linear_layout.plain_timings times the GEMV and GEMM kernels first at each bucket, then F.linear and the
+    widened GEMM with GIVE_UP times the fastest so far as their ``give_up_us``; the blocked layout and oneDNN's
+    packed one (linear_layout.measure) with GIVE_UP times the fastest of all before them. The timings keep
+    plain first (the load's log)."""
+    from tpengine.backends.cpu import cpu_blocked, linear_layout
+
+    asked = []
+
+    def fake_time_us(fns, passes=4, give_up_us=None):
+        asked.append(give_up_us)
+        return 10.0 * len(asked)
+    monkeypatch.setattr(linear_layout, "time_us", fake_time_us)
+    monkeypatch.setattr(linear_layout.cpu_program, "runs", lambda: False)
+    for mod in (linear_layout.cpu_gemv, linear_layout.cpu_gemm, linear_layout.cpu_widen):  # (on any CPU)
+        monkeypatch.setattr(mod, "available", lambda w: True)
+    assert linear_layout.cpu_gemv.MAX_ROWS == 8 and linear_layout.cpu_gemm.MIN_ROWS <= 64
+    times = linear_layout.plain_timings([torch.zeros(8, 16, dtype=torch.bfloat16)], torch.bfloat16)
+    g = measured.GIVE_UP
+    assert list(times) == ["plain", "gemv", "gemm", "widen"]
+    # gemv at 1 and 8 rows (10, 20), gemm at 64 (30), then plain at 1, 8, 64, then widen at 8, 64
+    assert asked == [None, None, None, g * 10, g * 20, g * 30, g * 20, g * 30]
+    assert times == {"plain": [40.0, 50.0, 60.0], "gemv": [10.0, 20.0, None], "gemm": [None, None, 30.0],
+                     "widen": [None, 70.0, 80.0]}
+    asked.clear()
+    monkeypatch.setattr(cpu_blocked, "pack", lambda w: w)
+    monkeypatch.setattr(linear_layout, "_blocked_rows", lambda b: lambda x: None)
+    got = linear_layout.blocked_timing([torch.zeros(8, 16, dtype=torch.bfloat16)], 0, rivals=times)
+    assert asked == [g * 10, g * 20, g * 30] and got == {"blocked": [10.0, 20.0, 30.0]}
+
+
 def test_qgemv_measure_times_the_rival_first_and_gives_torch_up_past_4x(monkeypatch):
     """qgemv_choice._measure times these kernels (decode rows) and dequantize + GEMM (prefill rows)
     before torch's kernel at each bucket, and hands time_us GIVE_UP times their time as torch's
@@ -362,7 +425,7 @@ def test_a_tied_head_is_measured_before_the_layers_shapes(monkeypatch, tmp_path)
         timed.append(tuple(weights[0].shape))
         return {"plain": [50.0, 60.0, 70.0], **{k: [5.0, 6.0, 7.0] for k in kernels}}
     monkeypatch.setattr(linear_layout, "plain_timings", plain_timings)
-    monkeypatch.setattr(linear_layout, "blocked_timing", lambda weights, group, program=False: {
+    monkeypatch.setattr(linear_layout, "blocked_timing", lambda weights, group, program=False, rivals=None: {
         "blocked": [90.0, 90.0, 90.0]})
     head = (256, 64)
     got = linear_layout.choose_layouts({(64, 64): 2}, torch.float32, head=head)

@@ -146,31 +146,46 @@ def c_at_one_row(layout: str, kernels: tuple[str, ...]) -> bool:
     return layout == "blocked" or (layout == "plain" and bool(kernels) and kernels[0] == "gemv")
 
 
+def _give_up(times: dict[str, list], i: int) -> float | None:
+    """The ``give_up_us`` of a path timed at bucket ``i`` after ``times`` (:func:`time_us`):
+    :data:`~tpengine.backends.cpu.measured.GIVE_UP` times the fastest timed there so far (None: none yet)."""
+    best = [v[i] for k, v in times.items() if not k.endswith("_program") and len(v) > i and v[i] is not None]
+    return measured.GIVE_UP * min(best) if best else None
+
+
 def plain_timings(weights: list[torch.Tensor], dtype: torch.dtype, kernels: tuple[str, ...] = ("gemv", "gemm", "widen"),
                   program: bool = False) -> dict[str, list]:
     """Microseconds per call at each of :data:`ROW_BUCKETS` rows of ``F.linear`` ("plain") and of
     each of tpengine's ``kernels`` that takes these weights (None at a bucket outside the
     kernel's rows), rotating over the ``weights`` (each ``[out, in]``, plain, ``dtype``); with ``program``,
     also the GEMV kernel's one-row time in a decode program (``"gemv_program"``,
-    :func:`tpengine.backends.cpu.cpu_program.one_row_us`; None at the other buckets)."""
+    :func:`tpengine.backends.cpu.cpu_program.one_row_us`; None at the other buckets). The GEMV and GEMM
+    kernels are timed first, and ``F.linear`` and the widened GEMM no further than their warm-up at a bucket
+    where that took over :data:`~tpengine.backends.cpu.measured.GIVE_UP` times the fastest there (their
+    warm-up is their time: they cannot be the bucket's path)."""
     inp = weights[0].shape[1]
     xs = [torch.full((rows, inp), 0.5, dtype=dtype) for rows in ROW_BUCKETS]
-    times: dict[str, list] = {"plain": [time_us([lambda w=w: F.linear(x, w) for w in weights]) for x in xs]}
     paths = {"gemv": (cpu_gemv, cpu_gemv.gemv, lambda rows: rows <= cpu_gemv.MAX_ROWS),
              "gemm": (cpu_gemm, cpu_gemm.gemm, lambda rows: rows >= cpu_gemm.MIN_ROWS),
+             "plain": (None, F.linear, lambda rows: True),
              "widen": (cpu_widen, cpu_widen.linear, lambda rows: rows > 1)}
-    for name in kernels:
+    times: dict[str, list] = {}
+    for name in paths:
         mod, fn, takes = paths[name]
-        if mod.available(weights[0]):
-            times[name] = [time_us([lambda w=w: fn(x, w) for w in weights]) if takes(x.shape[0]) else None
-                           for x in xs]
+        if name == "plain" or (name in kernels and mod.available(weights[0])):
+            times[name] = []
+            for i, x in enumerate(xs):
+                times[name].append(time_us([lambda w=w: fn(x, w) for w in weights], give_up_us=_give_up(times, i))
+                                   if takes(x.shape[0]) else None)
+    times = {k: times[k] for k in ("plain", *kernels) if k in times}  # plain first, as it always was
     if program and "gemv" in times and cpu_program.runs():
         times["gemv_program"] = [cpu_program.one_row_us([cpu_gemv.bind(w).c_spec for w in weights], dtype),
                                  *[None] * (len(ROW_BUCKETS) - 1)]
     return times
 
 
-def blocked_timing(weights: list[torch.Tensor], group: int, program: bool = False) -> dict[str, list]:
+def blocked_timing(weights: list[torch.Tensor], group: int, program: bool = False,
+                   rivals: dict[str, list] | None = None) -> dict[str, list]:
     """``{"blocked": us}``: the blocked layout's microseconds per call at each of :data:`ROW_BUCKETS` (on the
     path a bound layer runs at those rows, :func:`_blocked_rows`: bfloat16 by AMX from the rows
     :func:`tpengine.backends.cpu.cpu_blocked.choose_amx` set, chosen first by :func:`choose_layouts`), on the plain
@@ -181,14 +196,17 @@ def blocked_timing(weights: list[torch.Tensor], group: int, program: bool = Fals
     decode step makes (:func:`tpengine.backends.cpu.cpu_moe.group_gemv` over ``group`` weights at a time), per
     expert (bfloat16; float32 experts have no grouped call and keep the one-call time). With ``program`` (and no
     ``group``), also ``"blocked_program"``: its one-row time in a decode program (:func:`plain_timings`). The
-    rows multiplied are of the weights' dtype (bfloat16 or float32)."""
+    rows multiplied are of the weights' dtype (bfloat16 or float32). ``rivals``: the other paths' timings taken
+    before (:func:`plain_timings`'): at a bucket where its warm-up took over
+    :data:`~tpengine.backends.cpu.measured.GIVE_UP` times their fastest, the warm-up is its time."""
     inp, dtype = weights[0].shape[1], weights[0].dtype
     blocked = []
     while weights:
         blocked.append(cpu_blocked.pack(weights.pop(0)))
     runs = [_blocked_rows(b) for b in blocked]  # what a bound layer runs at each row count
-    times = [time_us([lambda r=r, x=torch.full((rows, inp), 0.5, dtype=dtype): r(x) for r in runs])
-             for rows in ROW_BUCKETS]
+    rivals = rivals or {}
+    times = [time_us([lambda r=r, x=torch.full((rows, inp), 0.5, dtype=dtype): r(x) for r in runs],
+                     give_up_us=_give_up(rivals, i)) for i, rows in enumerate(ROW_BUCKETS)]
     if group > 1 and dtype == torch.bfloat16:  # float32 experts have no grouped call: one call each
         x = torch.full((1, inp), 0.5, dtype=dtype)
         sets = [[blocked[(i + j) % len(blocked)] for j in range(group)] for i in range(0, len(blocked), group)]
@@ -215,7 +233,7 @@ def measure(shape: tuple[int, int], count: int, dtype: torch.dtype, group: int =
     plain = [torch.full((out, inp), 0.01 * (i + 1), dtype=dtype) for i in range(n)]
     times = plain_timings(plain, dtype, program=not group)
     if cpu_blocked.available(plain[0]):
-        times.update(blocked_timing(plain, group, program=not group))
+        times.update(blocked_timing(plain, group, program=not group, rivals=times))
         plain = [torch.full((out, inp), 0.01 * (i + 1), dtype=dtype) for i in range(n)]
     if prepack(plain[0]) is None:
         return times
@@ -224,10 +242,10 @@ def measure(shape: tuple[int, int], count: int, dtype: torch.dtype, group: int =
     for i in range(n):  # replace as we go: never both layouts of all the synthetic weights
         packed.append(prepack(plain[i]))
         plain[i] = None
-    for rows in ROW_BUCKETS:
+    for i, rows in enumerate(ROW_BUCKETS):
         x = torch.full((rows, inp), 0.5, dtype=dtype)
         times["packed"].append(time_us([lambda p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-                                         for p in packed]))
+                                         for p in packed], give_up_us=_give_up(times, i)))
     return times
 
 
@@ -268,7 +286,7 @@ def _head_timed(weight: torch.Tensor, kernels: tuple[str, ...], blocks: bool, ke
     def measure_head() -> dict[str, list]:
         times = plain_timings([weight], weight.dtype, kernels)
         if blocks:
-            times.update(blocked_timing([weight], 0))  # packs a copy; `weight` itself stays
+            times.update(blocked_timing([weight], 0, rivals=times))  # packs a copy; `weight` itself stays
         return times
     return _timed(key, ("plain", *kernels) + (("blocked",) if blocks else ()), measure_head)
 

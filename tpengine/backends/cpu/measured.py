@@ -75,26 +75,47 @@ class Choice:
         return f"{self.name} ({self.how}: {times})"
 
 
-def time_us(fns: list[Callable[[], object]], passes: int = 4, give_up_us: float | None = None) -> float:
-    """Microseconds per call over ``fns``: each call timed alone, in ``passes`` passes after a
-    warm-up pass, and the median taken (so a call that another process preempted does not count).
-    ``give_up_us``: when the warm-up pass's median call already took longer, that median is returned
-    and no timed pass runs (a candidate far slower than its rival is ranked by one call: torch's int4
-    GEMM at 512 rows of SmolLM2's LM head takes a minute a call on 2 cores)."""
-    warm = []
-    for f in fns:
-        start = time.perf_counter()
-        f()
-        warm.append(time.perf_counter() - start)
-    if give_up_us is not None and statistics.median(warm) * 1e6 > give_up_us:
-        return statistics.median(warm) * 1e6
-    times = []
-    for _ in range(passes):
-        for f in fns:
+#: Microseconds of calls that time a candidate well enough (:func:`time_us`): past it, the warm-up stops
+#: after 2 calls and the timing after 3, where full rounds of every weight would take longer (expensive
+#: calls, mostly losers': ``F.linear`` at 64 rows of a bfloat16 LM head where the CPU has no bfloat16
+#: arithmetic; docs/notes/test-suite.md has what this saves a load).
+ENOUGH_US = 50_000.0
+
+#: A candidate is timed no further at a workload where its warm-up calls all took this many times the
+#: time of the best path timed before it there (:func:`time_us`'s ``give_up_us``): it cannot be chosen
+#: there, and the one call ranks it (the quantized kernels' torch path, the linear layouts' ``F.linear``
+#: and widened GEMM, oneDNN's packed layout).
+GIVE_UP = 4.0
+
+
+def time_us(fns: list[Callable[[], object]], passes: int = 4, give_up_us: float | None = None,
+            enough_us: float = ENOUGH_US) -> float:
+    """Microseconds per call over ``fns``: the calls go round ``fns`` in order (so a call's operands were
+    last used ``len(fns)`` calls before), each timed alone: a warm-up round, then ``passes`` timed rounds,
+    and the median timed call taken (so a call that another process preempted does not count). Where the
+    calls are long, fewer serve: the warm-up stops once 2 calls (at least) took ``enough_us`` together
+    (:data:`ENOUGH_US`), the timing once 3 did. ``give_up_us``: when even the fastest warm-up call took
+    longer, the warm-up's median is returned and nothing is timed (a candidate far slower than its rival
+    is ranked by its warm-up: torch's int4 GEMM at 512 rows of SmolLM2's LM head takes a minute a call on
+    2 cores)."""
+    n, enough_s = len(fns), enough_us * 1e-6
+    calls = 0
+
+    def run(want: int, least: int) -> list[float]:
+        nonlocal calls
+        out = []
+        while len(out) < want and not (len(out) >= least and sum(out) >= enough_s):
+            f = fns[calls % n]
             start = time.perf_counter()
             f()
-            times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+            out.append(time.perf_counter() - start)
+            calls += 1
+        return out
+
+    warm = run(max(n, 2) if give_up_us is not None else n, 2)
+    if give_up_us is not None and min(warm) * 1e6 > give_up_us:
+        return statistics.median(warm) * 1e6
+    return statistics.median(run(passes * n, 3)) * 1e6
 
 
 def _cpus() -> list[int]:
@@ -317,7 +338,7 @@ def wins_from(times: dict[str, list[float]], sizes: list[int], new: str, old: st
 def measure(candidates: dict[str, list[Callable[[], object]]], passes: int = 5) -> dict[str, list[float]]:
     """Microseconds per call of each candidate at each of its workloads (one callable per
     workload, the same count for every candidate): the median of ``passes`` timed calls after a
-    warm-up call."""
+    warm-up call (3 where they take :data:`ENOUGH_US` together, :func:`time_us`)."""
     return {k: [time_us([f], passes) for f in fns] for k, fns in candidates.items()}
 
 

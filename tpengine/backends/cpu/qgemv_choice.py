@@ -28,11 +28,11 @@ ROW_BUCKETS = (1, 4, 8)
 #: :data:`PREFILL_WEIGHTS` weights of a shape (a prefill GEMM is bound by arithmetic, not by memory).
 PREFILL_BUCKETS = (64, 512)
 PREFILL_WEIGHTS = 4
-#: torch's kernel is timed no further at a bucket where its warm-up call already took this many times
-#: the time of the path it is weighed against (:func:`~tpengine.backends.cpu.measured.time_us`'s
-#: ``give_up_us``): one call ranks it, where its full timing cost minutes a load (torch's int4 GEMM, 512
-#: rows of SmolLM2's LM head: about a minute a call on 2 busy cores).
-GIVE_UP = 4.0
+#: torch's kernel is timed no further at a bucket where its warm-up calls all took this many times the time
+#: of the path it is weighed against (:data:`tpengine.backends.cpu.measured.GIVE_UP`): one call ranks it,
+#: where its full timing cost minutes a load (torch's int4 GEMM, 512 rows of SmolLM2's LM head: about a
+#: minute a call on 2 busy cores).
+GIVE_UP = measured.GIVE_UP
 
 
 def gemv_rows(torch_us: list[float], kernel_us: list[float]) -> int:
@@ -68,7 +68,7 @@ def _measure(mods: list, dequant_dtype: torch.dtype | None = None, program: bool
     where the kind has a dequantize-then-GEMM path (int4, int8 per channel) of
     torch's kernel and that path at :data:`PREFILL_BUCKETS` rows (on at most :data:`PREFILL_WEIGHTS`).
     At each bucket the path torch's kernel is weighed against is timed first, and torch's is timed no
-    further than its warm-up call where that took over :data:`GIVE_UP` times as long (that call's time
+    further than its warm-up calls where each took over :data:`GIVE_UP` times as long (their time
     is its timing: only the faster path at each bucket decides :func:`gemv_rows` and :func:`dequant_rows`);
     at the prefill buckets past one where torch's kernel lost so, it is not run at all (its time there:
     the one it lost with, times the ratio of the rows). ``dequant_dtype``: the dequantized weight's
