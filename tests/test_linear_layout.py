@@ -140,6 +140,27 @@ def test_inconsistent_timings_are_used_but_not_cached(tmp_path, monkeypatch):
     assert not measured.consistent({"plain": [10]}, {"plain": [16]})
 
 
+def test_passes_that_differ_only_in_paths_the_chosen_layout_never_runs_agree(tmp_path, monkeypatch):
+    """Two quiet passes that both choose the blocked layout but part on the plain layout's path at one row
+    (F.linear against the GEMV kernel, a near-tie): cached, as the choice is the same (a bfloat16 SmolLM2's
+    head on Zen 3 did this at every start, so with a 1 s budget its layers were never measured); where the
+    plain layout is chosen, its paths are the choice and such passes disagree."""
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(measured, "Contention", QuietContention)
+    monkeypatch.setattr(measured, "probe_busy", lambda: False)
+    blocked = {"plain": [40, 300, 2000], "gemv": [38, 100, None], "gemm": [None, None, 400], "blocked": [20, 50, 250]}
+    runs = iter([blocked, {**blocked, "plain": [36, 300, 2000]}])
+    monkeypatch.setattr(L, "measure", lambda *a: next(runs))
+    got = L.choose_layouts({(8, 32): 1}, torch.float32)[(8, 32)]
+    assert (got.layout, got.how) == ("blocked", "measured")
+    assert "linear float32 8x32x1" in measured.read_cache(measured.cache_path())
+    plain = {**blocked, "blocked": [60, 150, 750]}
+    runs = iter([plain, {**plain, "plain": [36, 300, 2000]}])
+    got = L.choose_layouts({(8, 64): 1}, torch.float32)[(8, 64)]
+    assert (got.layout, got.how, got.kernels) == ("plain", "measured, noisy (not cached)", ("gemv", "gemv", "gemm"))
+    assert "linear float32 8x64x1" not in measured.read_cache(measured.cache_path())
+
+
 @pytest.mark.parametrize("packable", [True, False])
 def test_an_unmeasured_shape_reports_the_layout_it_keeps(tmp_path, monkeypatch, packable):
     # too big to measure (measure() is None): packed where oneDNN packs this dtype, else plain, as

@@ -250,11 +250,15 @@ def measure(shape: tuple[int, int], count: int, dtype: torch.dtype, group: int =
 
 
 def _decision(times_us: dict[str, list]) -> tuple:
-    """What a layout or head choice takes from its timings: the layout (:func:`pick`) and the plain
-    layout's path per bucket (:func:`plain_kernels`), as the layers' loop and as a decode program meet
-    them (:func:`in_program`)."""
-    prog = in_program(times_us)
-    return pick(times_us), plain_kernels(times_us), pick(prog), plain_kernels(prog)
+    """What a layout or head choice takes from its timings, as the layers' loop and as a decode program meet
+    them (:func:`in_program`): the layout (:func:`pick`) and, where that is plain, its path per bucket
+    (:func:`plain_kernels`; with another layout the plain paths are not run, so a near-tie among them, e.g.
+    ``F.linear`` against the GEMV kernel at one row of a bfloat16 head the blocked layout wins, does not make
+    two passes disagree and the choice go uncached)."""
+    def of(times: dict[str, list]) -> tuple:
+        layout = pick(times)
+        return layout, plain_kernels(times) if layout == "plain" else ()
+    return of(times_us) + of(in_program(times_us))
 
 
 def _timed(key: str, needs: tuple[str, ...], measure_fn) -> tuple[dict | None, str]:
