@@ -388,11 +388,13 @@ class _Quiet:
 
 def test_disagreeing_measurements_are_used_once_and_not_cached(tmp_path, monkeypatch):
     """Two measurements that choose differently (a time slice lost to another process: 31 us at 4 rows
-    puts the kernels behind torch's there): the first one is used for this load and nothing is
-    cached, so the next load measures again."""
+    puts the kernels behind torch's there) and a third with a choice of its own (41 us at 8 rows): the
+    first one is used for this load and nothing is cached, so the next load measures again. A third that
+    sides with the first: those two cached (measured_choice_is_cached covers two that agree)."""
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
     slow = iter([{"torch": [10.0, 20.0, 30.0], "tpengine": [5.0, 10.0, 15.0]},
-                 {"torch": [10.0, 20.0, 30.0], "tpengine": [5.0, 31.0, 15.0]}])
+                 {"torch": [10.0, 20.0, 30.0], "tpengine": [5.0, 31.0, 15.0]},
+                 {"torch": [10.0, 20.0, 30.0], "tpengine": [5.0, 10.0, 41.0]}])
     monkeypatch.setattr(qgemv_choice, "_measure", lambda mods, dt=None: next(slow))
     monkeypatch.setattr(measured, "Contention", _Quiet)
 
@@ -403,6 +405,12 @@ def test_disagreeing_measurements_are_used_once_and_not_cached(tmp_path, monkeyp
     assert got["how"] == "measured, noisy (not cached)" and got["tpengine"] == [5.0, 10.0, 15.0]
     assert (got["gemv_rows"], got["dequant_rows"]) == (8, 0) and {m.gemv_rows for m in mods} == {8}
     assert not measured.cache_path().exists()
+    slow = iter([{"torch": [10.0, 20.0, 30.0], "tpengine": [5.0, 10.0, 15.0]},
+                 {"torch": [10.0, 20.0, 30.0], "tpengine": [5.0, 31.0, 15.0]},
+                 {"torch": [10.0, 20.0, 30.0], "tpengine": [4.0, 12.0, 15.0]}])
+    got = qgemv_choice.choose({"int4 g32 64->96": mods}, rank=0)["int4 g32 64->96"]
+    assert got["how"] == "measured" and got["tpengine"] == [4.0, 10.0, 15.0] and got["gemv_rows"] == 8
+    assert next(slow, None) is None and measured.cache_path().exists()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

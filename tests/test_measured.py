@@ -142,6 +142,37 @@ def test_time_us_gives_up_after_the_warm_up_pass():
     assert calls == [0, 1, 2] * 3
 
 
+def test_a_third_pass_decides_between_two_that_disagree(tmp_path, monkeypatch):
+    """measured.timed: two quiet passes that decide differently get a third; the two that agree are cached
+    (the faster of their times), the first pass is this run's where the third agrees with neither or another
+    process disturbed it; two that agree get no third."""
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(measured, "probe_busy", lambda: False)
+    monkeypatch.setattr(measured, "_spent_s", 0.0)
+    monkeypatch.setattr(measured, "_busy_at", None)  # (restored after: a busy pass sets it)
+    monkeypatch.setenv("TPENGINE_MEASURE_BUDGET_S", "inf")
+    busy_at = []  # the passes (1-based) another process disturbs
+
+    class Window(QuietContention):
+        def __exit__(self, *exc):
+            self.busy = len(passes) in busy_at
+    monkeypatch.setattr(measured, "Contention", Window)
+
+    def run(key, *results):
+        it = iter(results)
+        got = measured.timed(key, lambda: passes.append(1) or next(it), decide=lambda t: t["a"][0] < t["b"][0])
+        return got, len(passes)
+    passes = []
+    assert run("k1", {"a": [1.0], "b": [2.0]}, {"a": [3.0], "b": [2.0]}, {"a": [0.5], "b": [2.5]}) == (
+        ({"a": [0.5], "b": [2.0]}, "measured"), 3)
+    passes = []
+    assert run("k2", {"a": [1.0], "b": [2.0]}, {"a": [1.5], "b": [2.0]}) == (({"a": [1.0], "b": [2.0]}, "measured"), 2)
+    passes, busy_at = [], [3]
+    assert run("k3", {"a": [1.0], "b": [2.0]}, {"a": [3.0], "b": [2.0]}, {"a": [0.5], "b": [2.5]}) == (
+        ({"a": [1.0], "b": [2.0]}, measured.NOISY), 3)
+    assert sorted(measured.read_cache(measured.cache_path())) == ["k1", "k2"]
+
+
 def test_time_us_times_long_calls_by_few():
     """Calls that take ``enough_us`` together: the warm-up stops after 2 of them (not a round of every
     callable), the timing after 3 (not ``passes`` rounds); each call still goes round the callables in order.

@@ -288,12 +288,13 @@ def test_row_max_block_is_measured_once_per_machine(tmp_path, monkeypatch):
     assert (again.name, again.how, len(calls)) == ("512", "cached", 2)
     assert again.describe() == "512 (cached: 0 30/900 us, 256 20/450 us, 512 21/400 us, 1024 40/420 us)"
     fake["2048"] = [50.0, 500.0]
-    runs = iter([1.0, 2.0])  # the second measurement 2x the first at block 512: another process on the cores
+    # another process on the cores: the second pass 2x the first at block 512, the third 3x at 512 and 256
+    runs = iter([{}, {"512": 2.0}, {"512": 3.0, "256": 3.0}])
     def slowed(c, *_):
         f = next(runs)
-        return {k: [t * (f if k == "512" else 1) for t in fake[k]] for k in c}
+        return {k: [t * f.get(k, 1.0) for t in fake[k]] for k in c}
     monkeypatch.setattr(measured, "measure", slowed)
-    noisy, _ = choose_row_max_block(6144, torch.float32)  # the passes choose differently: used, not cached
+    noisy, _ = choose_row_max_block(6144, torch.float32)  # 512, 256, 1024: three ways, the first used, not cached
     assert (noisy.name, noisy.how) == ("512", "measured, noisy (not cached)")
     assert "row_max 6144 float32 rows 1/64" not in measured.read_cache(measured.cache_path())
 

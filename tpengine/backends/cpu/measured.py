@@ -20,10 +20,13 @@ The rule, per choice (a cache key saying what was timed):
 4. on a quiet machine the candidates are timed twice, each pass under :class:`Contention`; timings
    whose passes agree (:func:`consistent`: within 1.5x at every workload, or, where the caller says
    what it decides from them, the same decision from each pass) and that no other process disturbed
-   are cached ("measured"); else they are used for this run only (:data:`NOISY`, :data:`BUSY`; no
-   second pass after a busy first). A decision both quiet passes agree on is kept though its times
-   jitter (a memory-bound call on a shared machine moves 2x between passes): measuring it again at
-   every start would find the same decision and cost seconds each time.
+   are cached ("measured"); where two quiet passes disagree, a third decides: the two of the three
+   that agree are cached (a pass another process slowed, or a near-tie either side of which is as
+   good); else the timings are used for this run only (:data:`NOISY`, :data:`BUSY`; no further pass
+   after a busy one). A decision two quiet passes agree on is kept though its times jitter (a
+   memory-bound call on a shared machine moves 2x between passes): measuring it again at every start
+   would find the same decision and cost seconds each time -- and, under the budget, keep the
+   choices after it from ever being measured.
 
 The cache is one file per machine (:func:`cache_path`: the CPU model and flags, the C kernels' build,
 the torch version and the thread count; one :data:`CACHE_VERSION`) in ``$TPENGINE_CACHE_DIR``. Each
@@ -188,7 +191,8 @@ def consistent(a: dict[str, list], b: dict[str, list], ratio: float = 1.5) -> bo
 #: How a choice timed while the machine was busy (:class:`Contention`) is described.
 BUSY = "measured, machine busy (not cached)"
 
-#: How a choice whose two measurements disagreed (:func:`consistent`) is described.
+#: How a choice is described whose three quiet measurements disagreed (no two :func:`consistent`, or of the
+#: same decision), or whose third, after two that disagreed, another process disturbed.
 NOISY = "measured, noisy (not cached)"
 
 #: How a choice is described that took its default because the machine was busy before any timings
@@ -395,9 +399,11 @@ def timed(key: str, measure_fn: Callable[[], dict[str, list] | None],
     path was not timed; a None result: nothing measurable). ``valid(times)``: whether cached timings
     serve this call (default: any well-formed ones). ``decide(times)``: what the caller takes from
     the timings (compared with ``==``); two passes agree where their decisions are equal (default:
-    their times within :func:`consistent`'s ratio). Returns the cached timings ("cached"); None and
+    their times within :func:`consistent`'s ratio; where the two disagree, a third pass and the two that
+    agree). Returns the cached timings ("cached"); None and
     :data:`DEFAULT_BUSY` when the machine is busy before measuring (the caller takes its default); else
-    the measurement ("measured", cached; :data:`NOISY` or :data:`BUSY`, not cached); None and
+    the measurement ("measured", cached: the faster of the agreeing passes' times; :data:`NOISY` or
+    :data:`BUSY`, not cached: the first pass's); None and
     :data:`DEFAULT_BUDGET` once this process has spent its measuring budget (:func:`measure_budget_s`;
     :data:`DEFAULT_SHORT` where that is a short job's none, :func:`short_job`)."""
     path = cache_path()
@@ -415,14 +421,25 @@ def timed(key: str, measure_fn: Callable[[], dict[str, list] | None],
     if load.busy:
         _saw_busy()
         return first, BUSY
+    def agree(a: dict[str, list], b: dict[str, list]) -> bool:
+        return consistent(a, b) if decide is None else decide(a) == decide(b)
+
     with Contention() as load:
         second = _measure_timed(measure_fn)
     if load.busy:
         _saw_busy()
     if load.busy or second is None:
         return first, BUSY
-    if not (consistent(first, second) if decide is None else decide(first) == decide(second)):
-        return first, NOISY
+    if not agree(first, second):  # a third pass decides (a disturbed pass, or a near-tie)
+        with Contention() as load:
+            third = _measure_timed(measure_fn)
+        if load.busy:
+            _saw_busy()
+        pair = None if load.busy or third is None else next(
+            ((a, third) for a in (first, second) if agree(a, third)), None)
+        if pair is None:
+            return first, NOISY
+        first, second = pair
     times = _faster(first, second)
     cache = read_cache(path)  # another process may have written meanwhile
     cache[key] = times
