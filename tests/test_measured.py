@@ -191,8 +191,9 @@ def test_time_us_times_long_calls_by_few():
 
 
 def test_time_us_gives_up_only_where_every_warm_up_call_was_slower():
-    """``give_up_us``: the warm-up takes 2 calls at least (the first of a new shape may pay set-up costs), and
-    the candidate is given up only where the fastest of them took longer than ``give_up_us``."""
+    """``give_up_us``: the warm-up takes 2 calls at least (the first of a new shape may pay set-up costs) unless
+    the first alone took ``enough_us`` (a call that long rules: torch's int4 GEMM at prefill rows can take
+    minutes), and the candidate is given up only where the fastest of them took longer than ``give_up_us``."""
     calls = []
 
     def first_slow(i):
@@ -203,6 +204,9 @@ def test_time_us_gives_up_only_where_every_warm_up_call_was_slower():
     assert calls == [0] * 4  # 2 warm-up calls, the second fast: 2 timed
     calls.clear()
     assert measured.time_us([lambda: first_slow(0)], passes=2, give_up_us=0.0) > 0 and calls == [0, 0]
+    calls.clear()
+    assert measured.time_us([lambda: first_slow(0)], passes=2, give_up_us=1000.0, enough_us=4000.0) >= 5000.0
+    assert calls == [0]
 
 
 def test_linear_layouts_time_the_kernels_first_and_give_the_rest_up_past_4x(monkeypatch):
