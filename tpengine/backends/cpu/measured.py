@@ -81,13 +81,13 @@ class Choice:
 #: Microseconds of calls that time a candidate well enough (:func:`time_us`): past it, the warm-up stops
 #: after 2 calls and the timing after 3, where full rounds of every weight would take longer (expensive
 #: calls, mostly losers': ``F.linear`` at 64 rows of a bfloat16 LM head where the CPU has no bfloat16
-#: arithmetic; docs/notes/test-suite.md has what this saves a load).
+#: arithmetic; docs/notes/benchmarks.md, "Measuring a fresh cache, cheaper", has what this saves a load).
 ENOUGH_US = 50_000.0
 
 #: A candidate is timed no further at a workload where its warm-up calls all took this many times the
 #: time of the best path timed before it there (:func:`time_us`'s ``give_up_us``): it cannot be chosen
-#: there, and the one call ranks it (the quantized kernels' torch path, the linear layouts' ``F.linear``
-#: and widened GEMM, oneDNN's packed layout).
+#: there, and its warm-up ranks it (the quantized kernels' torch path, the linear layouts' ``F.linear``,
+#: widened GEMM, blocked and packed layouts).
 GIVE_UP = 4.0
 
 
@@ -99,9 +99,8 @@ def time_us(fns: list[Callable[[], object]], passes: int = 4, give_up_us: float 
     calls are long, fewer serve: the warm-up stops once 2 calls (at least) took ``enough_us`` together
     (:data:`ENOUGH_US`), the timing once 3 did. ``give_up_us``: when even the fastest warm-up call took
     longer (2 calls at least, unless the first alone took ``enough_us``), the warm-up's median is returned
-    and nothing is timed (a candidate far slower than its rival
-    is ranked by its warm-up: torch's int4 GEMM at 512 rows of SmolLM2's LM head takes a minute a call on
-    2 cores)."""
+    and nothing is timed (a candidate far slower than its rival is ranked by its warm-up: torch's int4 GEMM
+    at 512 rows of SmolLM2's LM head takes a minute a call on 2 cores)."""
     n, enough_s = len(fns), enough_us * 1e-6
     calls = 0
 
@@ -424,6 +423,7 @@ def timed(key: str, measure_fn: Callable[[], dict[str, list] | None],
     if load.busy:
         _saw_busy()
         return first, BUSY
+
     def agree(a: dict[str, list], b: dict[str, list]) -> bool:
         return consistent(a, b) if decide is None else decide(a) == decide(b)
 
